@@ -1,0 +1,144 @@
+"""The schedule IR: what every front end produces and every consumer reads.
+
+A :class:`Schedule` says how many stages, devices and microbatches there are, which
+device owns each stage, and the ordered list of :class:`Action` each device runs.
+Text (``.sched``), PyTorch's CSV and JSON all become this one form; validation,
+lowering, the simulator and the executor all start from it.
+
+Actions use PyTorch pipelining's vocabulary and spelling: ``F`` forward, ``B`` full
+backward, ``I`` backward for the input gradient only, ``W`` backward for the weight
+gradient only; ``2F0`` is the forward of microbatch 0 on stage 2.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipedsl.errors import SourcePos
+
+if TYPE_CHECKING:
+    from pipedsl.program import Program
+    from pipedsl.validate import Report
+
+__all__ = ["Kind", "Action", "Schedule", "parse_action"]
+
+
+class Kind(enum.Enum):
+    """What an action computes for one (stage, microbatch)."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - PyTorch's letter for the input-gradient half
+    W = "W"
+
+    @property
+    def is_backward(self) -> bool:
+        return self is not Kind.F
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One unit of work: ``kind`` on ``microbatch`` of ``stage``.
+
+    ``pos`` is where the action came from in a source text; it is not part of the
+    action's identity (two actions with the same kind, stage and microbatch are equal).
+    """
+
+    kind: Kind
+    stage: int
+    microbatch: int
+    pos: SourcePos | None = field(default=None, compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @property
+    def key(self) -> tuple[Kind, int, int]:
+        """(kind, stage, microbatch): a hashable identity without the position."""
+        return (self.kind, self.stage, self.microbatch)
+
+
+_ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+
+
+def parse_action(text: str, *, pos: SourcePos | None = None) -> Action | None:
+    """Read ``{stage}{kind}{microbatch}`` (``2F0``, ``5I3``); None if ``text`` is not one."""
+    match = _ACTION_RE.match(text)
+    if match is None:
+        return None
+    stage, kind, microbatch = match.groups()
+    return Action(Kind(kind), int(stage), int(microbatch), pos)
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A complete pipeline schedule for one training step.
+
+    Attributes:
+      name: the schedule's name (from the source, or the file stem).
+      num_stages: number of pipeline stages S; stages are numbered 0..S-1 from the
+        model's input to its loss.
+      num_devices: number of pipeline devices D; devices are numbered 0..D-1.
+      num_microbatches: number of microbatches M the step's batch is split into.
+      placement: ``placement[s]`` is the device that owns stage ``s`` (length S).
+      orders: ``orders[d]`` is device ``d``'s actions in execution order (length D).
+      params: the integer parameters the schedule was evaluated with, in source order.
+      source: the file the schedule came from, or None.
+    """
+
+    name: str
+    num_stages: int
+    num_devices: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    orders: tuple[tuple[Action, ...], ...]
+    params: tuple[tuple[str, int], ...] = ()
+    source: str | None = None
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(order) for order in self.orders)
+
+    @property
+    def parameters(self) -> Mapping[str, int]:
+        return dict(self.params)
+
+    def stages_on(self, device: int) -> tuple[int, ...]:
+        """The stages device ``device`` owns, in increasing order."""
+        return tuple(s for s, d in enumerate(self.placement) if d == device)
+
+    def actions(self) -> Iterator[tuple[int, Action]]:
+        """Every (device, action) pair, device by device, each in execution order."""
+        for device, order in enumerate(self.orders):
+            for action in order:
+                yield device, action
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether any action is an ``I`` or ``W`` (the zero-bubble split)."""
+        return any(a.kind in (Kind.I, Kind.W) for _, a in self.actions())
+
+    def validate(self, *, max_inflight: int | None = None) -> Report:
+        """Check every rule of :mod:`pipedsl.validate`; raise ScheduleInvalid on the first broken one."""
+        from pipedsl.validate import validate
+
+        return validate(self, max_inflight=max_inflight)
+
+    def lower(self) -> Program:
+        """Validate, then lower to per-device programs of compute, send, receive and free."""
+        from pipedsl.program import lower
+
+        return lower(self)
+
+    def format_grid(self) -> str:
+        """The per-device orders as a text grid, one row per device."""
+        width = max((len(str(a)) for _, a in self.actions()), default=1)
+        rows = []
+        for device, order in enumerate(self.orders):
+            cells = " ".join(str(a).rjust(width) for a in order)
+            rows.append(f"device {device}: {cells}")
+        return "\n".join(rows)
