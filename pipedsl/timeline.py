@@ -1,0 +1,243 @@
+"""The timeline record: when each action and transfer ran, simulated or measured.
+
+The simulator writes one and the executor records one in the same form, so a measured
+run can be drawn beside a simulated one and the cost model fitted to measurements.
+Storage is by column (numpy arrays, one row per event) because timelines of a million
+events are normal and must stay cheap to build, save and turn into a DataFrame.
+
+Times are seconds from the start of the step. A compute event sits on the device that
+ran it; a transfer event sits on the sending device, with ``peer`` the receiver, and
+spans from the moment the value was handed over to the moment it arrived.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pipedsl.errors import ConversionError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["EventKind", "Event", "Timeline", "concatenate"]
+
+
+class EventKind(enum.Enum):
+    """What an event is: a compute action (``F B I W``) or a transfer of a buffer."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - PyTorch's letter for the input-gradient half
+    W = "W"
+    SEND = "send"
+
+    @property
+    def is_compute(self) -> bool:
+        return self is not EventKind.SEND
+
+
+_KINDS = tuple(EventKind)
+_KIND_INDEX = {k: i for i, k in enumerate(_KINDS)}
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One row of a timeline.
+
+    ``buffer`` names what a transfer moved (``"act"`` or ``"grad"``); None for computes.
+    ``peer`` is the receiving device of a transfer; None for computes.
+    """
+
+    device: int
+    kind: EventKind
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    peer: int | None = None
+    buffer: str | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Timeline:
+    """A step's events as columns of equal length.
+
+    Attributes:
+      name: what ran (the schedule's name).
+      num_devices: number of pipeline devices.
+      origin: ``"simulated"`` or ``"measured"``.
+      device, kind, stage, microbatch, peer: int arrays (``kind`` indexes
+        :class:`EventKind` in declaration order; ``peer`` is -1 for computes, only in
+        this packed storage — :meth:`events` gives None).
+      start, end: float64 arrays, seconds from the step's start.
+      buffer: per event ``""`` for computes, else the moved buffer's kind.
+    """
+
+    name: str
+    num_devices: int
+    origin: str
+    device: np.ndarray
+    kind: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    peer: np.ndarray
+    buffer: tuple[str, ...]
+
+    @classmethod
+    def from_events(cls, events: Iterable[Event], *, name: str, num_devices: int, origin: str) -> Timeline:
+        rows = list(events)
+        return cls(
+            name=name,
+            num_devices=num_devices,
+            origin=origin,
+            device=np.fromiter((e.device for e in rows), dtype=np.int64, count=len(rows)),
+            kind=np.fromiter((_KIND_INDEX[e.kind] for e in rows), dtype=np.int8, count=len(rows)),
+            stage=np.fromiter((e.stage for e in rows), dtype=np.int64, count=len(rows)),
+            microbatch=np.fromiter((e.microbatch for e in rows), dtype=np.int64, count=len(rows)),
+            start=np.fromiter((e.start for e in rows), dtype=np.float64, count=len(rows)),
+            end=np.fromiter((e.end for e in rows), dtype=np.float64, count=len(rows)),
+            peer=np.fromiter((-1 if e.peer is None else e.peer for e in rows), dtype=np.int64, count=len(rows)),
+            buffer=tuple(e.buffer or "" for e in rows),
+        )
+
+    def __len__(self) -> int:
+        return int(self.device.shape[0])
+
+    def events(self) -> Iterator[Event]:
+        for i in range(len(self)):
+            peer = int(self.peer[i])
+            yield Event(
+                device=int(self.device[i]),
+                kind=_KINDS[int(self.kind[i])],
+                stage=int(self.stage[i]),
+                microbatch=int(self.microbatch[i]),
+                start=float(self.start[i]),
+                end=float(self.end[i]),
+                peer=None if peer < 0 else peer,
+                buffer=self.buffer[i] or None,
+            )
+
+    @property
+    def compute_mask(self) -> np.ndarray:
+        return self.kind != _KIND_INDEX[EventKind.SEND]
+
+    @property
+    def makespan(self) -> float:
+        """Seconds from the first event's start to the last event's end (0 when empty)."""
+        if len(self) == 0:
+            return 0.0
+        return float(self.end.max() - min(0.0, float(self.start.min())))
+
+    def busy(self) -> np.ndarray:
+        """Per device, seconds spent computing (transfers excluded), shape (num_devices,)."""
+        mask = self.compute_mask
+        return np.bincount(self.device[mask], weights=(self.end - self.start)[mask], minlength=self.num_devices)
+
+    def bubble_ratio(self) -> float:
+        """``1 - busy / (devices × makespan)``, DESIGN.md's definition."""
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        return float(1.0 - self.busy().sum() / (self.num_devices * span))
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """One row per event: device, kind, stage, microbatch, start, end, duration, peer, buffer."""
+        import pandas as pd
+
+        return pd.DataFrame(
+            {
+                "device": self.device,
+                "kind": [_KINDS[k].value for k in self.kind],
+                "stage": self.stage,
+                "microbatch": self.microbatch,
+                "start": self.start,
+                "end": self.end,
+                "duration": self.end - self.start,
+                "peer": pd.array([None if p < 0 else int(p) for p in self.peer], dtype="Int64"),
+                "buffer": [b or None for b in self.buffer],
+            }
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "pipedsl-timeline",
+            "version": 1,
+            "name": self.name,
+            "num_devices": self.num_devices,
+            "origin": self.origin,
+            "columns": {
+                "device": self.device.tolist(),
+                "kind": [_KINDS[k].value for k in self.kind],
+                "stage": self.stage.tolist(),
+                "microbatch": self.microbatch.tolist(),
+                "start": self.start.tolist(),
+                "end": self.end.tolist(),
+                "peer": self.peer.tolist(),
+                "buffer": list(self.buffer),
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], *, file: str = "<json>") -> Timeline:
+        if not isinstance(data, dict) or data.get("format") != "pipedsl-timeline":
+            raise ConversionError(f"{file}: not a pipedsl timeline (expected \"format\": \"pipedsl-timeline\")")
+        try:
+            cols = data["columns"]
+            kinds = [_KIND_INDEX[EventKind(k)] for k in cols["kind"]]
+            return cls(
+                name=str(data["name"]),
+                num_devices=int(data["num_devices"]),
+                origin=str(data["origin"]),
+                device=np.asarray(cols["device"], dtype=np.int64),
+                kind=np.asarray(kinds, dtype=np.int8),
+                stage=np.asarray(cols["stage"], dtype=np.int64),
+                microbatch=np.asarray(cols["microbatch"], dtype=np.int64),
+                start=np.asarray(cols["start"], dtype=np.float64),
+                end=np.asarray(cols["end"], dtype=np.float64),
+                peer=np.asarray(cols["peer"], dtype=np.int64),
+                buffer=tuple(str(b) for b in cols["buffer"]),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConversionError(f"{file}: malformed timeline: {err}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Timeline:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConversionError(f"{path}: cannot read timeline: {err}") from None
+        return cls.from_json(data, file=str(path))
+
+
+def concatenate(parts: Sequence[Timeline], *, name: str, num_devices: int, origin: str) -> Timeline:
+    """Join timelines (for example one per device of a measured run) into one."""
+    return Timeline(
+        name=name,
+        num_devices=num_devices,
+        origin=origin,
+        device=np.concatenate([p.device for p in parts]) if parts else np.zeros(0, np.int64),
+        kind=np.concatenate([p.kind for p in parts]) if parts else np.zeros(0, np.int8),
+        stage=np.concatenate([p.stage for p in parts]) if parts else np.zeros(0, np.int64),
+        microbatch=np.concatenate([p.microbatch for p in parts]) if parts else np.zeros(0, np.int64),
+        start=np.concatenate([p.start for p in parts]) if parts else np.zeros(0, np.float64),
+        end=np.concatenate([p.end for p in parts]) if parts else np.zeros(0, np.float64),
+        peer=np.concatenate([p.peer for p in parts]) if parts else np.zeros(0, np.int64),
+        buffer=tuple(b for p in parts for b in p.buffer),
+    )

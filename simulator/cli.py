@@ -1,0 +1,7 @@
+"""Command-line subcommands of the simulator (registered by pipedsl.cli)."""
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add this package's subcommands."""
