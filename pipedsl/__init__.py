@@ -1,0 +1,44 @@
+"""pipedsl: write, check, simulate and run pipeline-parallel training schedules.
+
+    >>> import pipedsl
+    >>> sched = pipedsl.load(pipedsl.library_path("1f1b"), pp=4, microbatches=8)
+    >>> sched.validate().peak_inflight
+    (4, 3, 2, 1)
+    >>> program = sched.lower()          # per-device compute/send/recv/free lists
+
+The simulator is :mod:`pipedsl.simulator`; the executor is :mod:`pipedsl.executor`
+(imported on demand, since it brings in JAX).
+"""
+
+from pipedsl.errors import (
+    ConversionError,
+    PipedslError,
+    ScheduleEvalError,
+    ScheduleInvalid,
+    ScheduleSyntaxError,
+    SourcePos,
+)
+from pipedsl.ir import Action, Kind, Schedule
+from pipedsl.language import library_path, library_schedules, load, parse
+from pipedsl.program import Program
+from pipedsl.timeline import Timeline
+
+__all__ = [
+    "Action",
+    "ConversionError",
+    "Kind",
+    "PipedslError",
+    "Program",
+    "Schedule",
+    "ScheduleEvalError",
+    "ScheduleInvalid",
+    "ScheduleSyntaxError",
+    "SourcePos",
+    "Timeline",
+    "library_path",
+    "library_schedules",
+    "load",
+    "parse",
+]
+
+__version__ = "0.1.0"

@@ -62,7 +62,7 @@ class Action:
         return (self.kind, self.stage, self.microbatch)
 
 
-_ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+_ACTION_RE = re.compile(r"^\s*(\d{1,18})\s*([FBIW])\s*(\d{1,18})\s*$")
 
 
 def parse_action(text: str, *, pos: SourcePos | None = None) -> Action | None:
