@@ -254,7 +254,10 @@ class _Run:
 
 
 def _no_output(action: Action) -> None:
-    raise AssertionError("an action was emitted outside a device body")
+    # Actions are statements, and statements exist only in device bodies, which set the
+    # real sink before they run; this stands in between bodies so a misrouted action is
+    # loud rather than lost.
+    raise RuntimeError("internal error: an action was emitted outside a device body")
 
 
 class _Compiler:
@@ -608,14 +611,14 @@ class _Compiler:
         test = self.cond(node.cond, env)
         if test is True:
             return _nothing
-        error = require_failed(node)
+        error = _require_failed(node)
         if test is False:
             return _raiser(error)
         check = test
 
         def require(fr: Frame) -> None:
             if not check(fr):
-                raise require_failed(node)
+                raise _require_failed(node)
 
         return require
 
@@ -643,7 +646,7 @@ def _raiser(error: ScheduleEvalError) -> StmtFn:
     return fail
 
 
-def require_failed(node: ast.Require) -> ScheduleEvalError:
+def _require_failed(node: ast.Require) -> ScheduleEvalError:
     """The error a failed ``require`` raises: its message, at the ``require``."""
     message = "requirement failed"
     if node.message:
@@ -665,26 +668,24 @@ def _count(n: int, noun: str) -> str:
 
 def _coerce_param(name: str, value: object, pos: SourcePos) -> int:
     """An override as an int: ints, and strings that spell one (as a command line gives)."""
-    if isinstance(value, bool):
-        pass
-    elif isinstance(value, int):
-        if _INT_MIN <= value <= _INT_MAX:
-            return value
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
     elif isinstance(value, str):
         text = value.strip()
         digits = text.lstrip("+-")
+        # Length first: Python's int() refuses very long digit strings with its own error.
         if digits.isascii() and digits.isdigit() and len(digits) <= 19 and len(text) - len(digits) <= 1:
             number = int(text)
-            if _INT_MIN <= number <= _INT_MAX:
-                return number
-    raise _fail(f"parameter `{name}` must be an integer, got {value!r}", pos)
+    if number is None or not _INT_MIN <= number <= _INT_MAX:
+        raise _fail(f"parameter `{name}` must be a 64-bit integer, got {value!r}", pos)
+    return number
 
 
 class _Evaluator:
     """Runs a schedule's items in order and assembles the Schedule."""
 
     def __init__(self, module: ast.Module, *, max_actions: int) -> None:
-        self.module = module
         self.sched = module.schedule
         self.run = _Run(max_actions)
         names = {f.name for f in module.functions}
@@ -707,7 +708,10 @@ class _Evaluator:
 
     def _value(self, node: ast.Expr) -> int:
         code = self.compiler.expr(node, self._env())
-        return code if isinstance(code, int) else code([])
+        value = code if isinstance(code, int) else code([])
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise _overflow(value, node.pos)
+        return value
 
     def _truth(self, node: ast.Expr) -> bool:
         code = self.compiler.cond(node, self._env())
@@ -766,7 +770,7 @@ class _Evaluator:
     def item(self, item: ast.Item) -> None:
         if isinstance(item, ast.Require):
             if not self._truth(item.cond):
-                raise require_failed(item)
+                raise _require_failed(item)
         elif isinstance(item, ast.Assign):
             if item.target in self.param_names:
                 raise _fail(

@@ -348,9 +348,4 @@ def parse_source(text: str, *, file: str = "<string>") -> ast.Module:
         if isinstance(err.orig_exc, PipedslError):
             raise err.orig_exc from None
         raise
-    except RecursionError:
-        raise ScheduleSyntaxError(
-            "the text nests too deeply to parse; split long expressions with local bindings",
-            pos=source.at(1, 1),
-        ) from None
     return ast.Module(functions, schedule, file)

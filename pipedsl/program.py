@@ -29,6 +29,7 @@ accumulator that lives for the whole step; it is not a buffer here.
 from __future__ import annotations
 
 import enum
+import gc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -193,6 +194,19 @@ def _consumer_stage(buffer: Buffer) -> int:
 def lower(schedule: Schedule) -> Program:
     """Validate ``schedule``, then lower it to per-device programs (see module docstring)."""
     schedule.validate()
+    # Lowering allocates millions of small acyclic objects for a large schedule; the
+    # cyclic collector's passes over them find nothing and more than double the time
+    # (262,144 actions: 7.1 s with it, 3.0 s without), so it is paused meanwhile.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _lower(schedule)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _lower(schedule: Schedule) -> Program:
     placement = schedule.placement
     devices = []
     for device, order in enumerate(schedule.orders):
