@@ -35,6 +35,10 @@ class Kind(enum.Enum):
     I = "I"  # noqa: E741 - PyTorch's letter for the input-gradient half
     W = "W"
 
+    # Members are singletons, so identity hashing is exact; Enum's own __hash__ runs
+    # Python code on every dict lookup, which dominated validating large schedules.
+    __hash__ = object.__hash__
+
     @property
     def is_backward(self) -> bool:
         return self is not Kind.F
