@@ -35,6 +35,7 @@ __all__ = [
     "parse_params",
     "load_schedule",
     "report_error",
+    "add_command",
 ]
 
 EXIT_OK = 0
@@ -194,7 +195,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _add_command(
+def add_command(
     subparsers: argparse._SubParsersAction,
     name: str,
     handler: Callable[[argparse.Namespace], int],
@@ -203,6 +204,7 @@ def _add_command(
     description: str,
     examples: str,
 ) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` running ``handler``, with its help text and examples."""
     parser = subparsers.add_parser(
         name,
         help=summary,
@@ -215,7 +217,7 @@ def _add_command(
 
 
 def _register_core(subparsers: argparse._SubParsersAction) -> None:
-    check = _add_command(
+    check = add_command(
         subparsers,
         "check",
         _cmd_check,
@@ -240,7 +242,7 @@ def _register_core(subparsers: argparse._SubParsersAction) -> None:
         help="fail if any device holds more than N microbatches' activations at once",
     )
 
-    show = _add_command(
+    show = add_command(
         subparsers,
         "show",
         _cmd_show,
@@ -258,7 +260,7 @@ def _register_core(subparsers: argparse._SubParsersAction) -> None:
     add_param_option(show)
     show.add_argument("--lowered", action="store_true", help="print the lowered per-device programs")
 
-    convert = _add_command(
+    convert = add_command(
         subparsers,
         "convert",
         _cmd_convert,
@@ -283,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full parser: the core subcommands, then the simulator's and the executor's."""
     from pipedsl.executor import cli as executor_cli
     from pipedsl.simulator import cli as simulator_cli
+    from pipedsl.simulator import plan_cli
 
     parser = argparse.ArgumentParser(
         prog="pipedsl",
@@ -293,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     _register_core(subparsers)
     simulator_cli.register(subparsers)
+    plan_cli.register(subparsers)
     executor_cli.register(subparsers)
     return parser
 

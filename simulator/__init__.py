@@ -1,4 +1,5 @@
-"""The simulator: cost models, event simulation, plots and traces (``pipedsl.simulator``).
+"""The simulator: cost models, event simulation, plots and traces, model and cluster
+descriptions, the plan estimator, the plan search and calibration (``pipedsl.simulator``).
 
 Imports only the core ``pipedsl`` modules (never JAX, Ray or the executor), so checking
 and simulating stay quick to start and run anywhere; matplotlib is imported only when
@@ -11,9 +12,14 @@ a picture is drawn.
     (33.0, 0.2727)
 """
 
+from pipedsl.simulator.calibrate import CalibrationError, Fit, fit_costs
 from pipedsl.simulator.costs import CostError, CostModel, StageCosts
 from pipedsl.simulator.engine import DeviceStats, Simulation, simulate
+from pipedsl.simulator.estimate import Estimate, estimate, prepare
+from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
+from pipedsl.simulator.plan import Plan, Recompute
 from pipedsl.simulator.plot import Panel, plot_timelines, save_figure
+from pipedsl.simulator.search import search, summarize
 from pipedsl.simulator.trace import chrome_trace, write_trace
 
 __all__ = [
@@ -28,4 +34,18 @@ __all__ = [
     "save_figure",
     "chrome_trace",
     "write_trace",
+    "CalibrationError",
+    "Fit",
+    "fit_costs",
+    "Estimate",
+    "estimate",
+    "prepare",
+    "Cluster",
+    "Model",
+    "load_cluster",
+    "load_model",
+    "Plan",
+    "Recompute",
+    "search",
+    "summarize",
 ]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipedsl.cli import EXIT_OK, add_param_option, load_schedule, report_error
+from pipedsl.cli import EXIT_OK, add_command, add_param_option, load_schedule, report_error
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate
@@ -308,29 +308,10 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _add(
-    subparsers: argparse._SubParsersAction,
-    name: str,
-    handler: Callable[[argparse.Namespace], int],
-    *,
-    summary: str,
-    description: str,
-    examples: str,
-) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        name,
-        help=summary,
-        description=description,
-        epilog="examples:\n" + examples,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.set_defaults(handler=handler)
-    return parser
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``simulate``, ``plot`` and ``trace`` to ``pipedsl``'s subcommands."""
-    sim = _add(
+    sim = add_command(
         subparsers,
         "simulate",
         _cmd_simulate,
@@ -354,7 +335,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_cost_options(sim)
     sim.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
 
-    plot = _add(
+    plot = add_command(
         subparsers,
         "plot",
         _cmd_plot,
@@ -377,7 +358,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plot.add_argument("--critical", action="store_true", help="outline the critical path of simulated panels")
     plot.add_argument("--own-time", action="store_true", help="scale each panel to its own makespan")
 
-    trace = _add(
+    trace = add_command(
         subparsers,
         "trace",
         _cmd_trace,

@@ -1,0 +1,370 @@
+"""What is trained and on what: a transformer by its shape, a cluster by its GPUs and links.
+
+Both are frozen, keyword-only dataclasses checked on construction, so a description that
+exists is a sound one. Built-in presets live as TOML files in
+:mod:`pipedsl.simulator.presets`; a user's own description is a TOML file of the same
+form, a ``[model]`` or a ``[cluster]`` table whose keys are the field names::
+
+    [model]
+    name = "gpt3-175b"
+    layers = 96
+    hidden = 12288
+    ffn_hidden = 49152
+    heads = 96
+    seq_len = 2048
+    vocab = 51200
+
+:func:`load_model` and :func:`load_cluster` take either a preset name or a path.
+
+Units: bytes, seconds, FLOP/s and bytes per second throughout. A FLOP is one
+floating-point operation, whatever its precision (a multiply-add is two).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import MISSING, dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pipedsl.errors import PipedslError
+
+__all__ = [
+    "DescriptionError",
+    "Model",
+    "Cluster",
+    "load_model",
+    "load_cluster",
+    "model_presets",
+    "cluster_presets",
+]
+
+_PRESETS = "pipedsl.simulator.presets"
+
+
+class DescriptionError(PipedslError):
+    """A model or cluster description is malformed, out of range, or cannot be found."""
+
+
+def _check_int(owner: str, name: str, value: object, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DescriptionError(f"{owner}: {name} must be a whole number, got {value!r}")
+    if value < minimum:
+        raise DescriptionError(f"{owner}: {name} must be >= {minimum}, got {value}")
+
+
+def _check_float(owner: str, name: str, value: object, *, low: float = 0.0, high: float = math.inf) -> None:
+    """Check ``low < value <= high`` for a finite number (``high`` may be infinite)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise DescriptionError(f"{owner}: {name} must be a number, got {value!r}")
+    if not math.isfinite(value) or not low < value <= high:
+        bound = f"in ({low:g}, {high:g}]" if math.isfinite(high) else f"> {low:g}"
+        raise DescriptionError(f"{owner}: {name} must be {bound}, got {value!r}")
+
+
+def _check_bool(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise DescriptionError(f"{owner}: {name} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Model:
+    """A decoder-only transformer, by its shape.
+
+    Attributes:
+      name: what to call it in tables.
+      layers: number of transformer layers L.
+      hidden: hidden size h (the width of the residual stream).
+      ffn_hidden: inner width f of the feed-forward block (4h for GPT).
+      heads: attention heads a; ``hidden`` must be a multiple of it.
+      kv_heads: key/value heads for grouped-query attention; None means ``heads``.
+      seq_len: tokens per sequence s.
+      vocab: vocabulary size V (as padded for the embedding table).
+      dtype_bytes: bytes per weight and activation value (2 for bf16/fp16).
+      gated_ffn: True for a gated feed-forward block (SwiGLU: three h×f matrices), False
+        for the two-matrix GPT block.
+      biases: True when linear layers have biases and norms are LayerNorm (weight and
+        bias); False for bias-free layers with RMSNorm (weight only).
+      learned_positions: True for a learned position-embedding table (s×h), False for
+        rotary or other parameter-free positions.
+      tied_embeddings: True when the logit layer reuses the input embedding matrix.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    kv_heads: int | None = None
+    seq_len: int
+    vocab: int
+    dtype_bytes: int = 2
+    gated_ffn: bool = False
+    biases: bool = True
+    learned_positions: bool = True
+    tied_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        owner = f"model {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise DescriptionError(f"model name must be a non-empty string, got {self.name!r}")
+        for name in ("layers", "hidden", "ffn_hidden", "heads", "seq_len", "vocab", "dtype_bytes"):
+            _check_int(owner, name, getattr(self, name))
+        if self.kv_heads is not None:
+            _check_int(owner, "kv_heads", self.kv_heads)
+        for name in ("gated_ffn", "biases", "learned_positions", "tied_embeddings"):
+            _check_bool(owner, name, getattr(self, name))
+        if self.hidden % self.heads:
+            raise DescriptionError(
+                f"{owner}: hidden {self.hidden} is not a multiple of heads {self.heads}; "
+                "each head needs the same width hidden/heads"
+            )
+        if self.heads % self.num_kv_heads:
+            raise DescriptionError(
+                f"{owner}: heads {self.heads} is not a multiple of kv_heads {self.num_kv_heads}; "
+                "grouped-query attention shares each key/value head among the same number of query heads"
+            )
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key (and of the value) projection: kv_heads × hidden/heads."""
+        return self.num_kv_heads * (self.hidden // self.heads)
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matrix multiplications: Q, K, V, output and feed-forward."""
+        h, f = self.hidden, self.ffn_hidden
+        attention = 2 * h * h + 2 * h * self.kv_width
+        ffn = (3 if self.gated_ffn else 2) * h * f
+        return attention + ffn
+
+    @property
+    def layer_params(self) -> int:
+        """All parameters of one layer: matmul weights, their biases and two norms."""
+        h, f = self.hidden, self.ffn_hidden
+        if self.biases:
+            bias = h + 2 * self.kv_width + h + (2 if self.gated_ffn else 1) * f + h
+            return self.layer_matmul_params + bias + 2 * 2 * h
+        return self.layer_matmul_params + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        """The input token embedding (V×h) plus learned positions (s×h) if any."""
+        positions = self.seq_len * self.hidden if self.learned_positions else 0
+        return self.vocab * self.hidden + positions
+
+    @property
+    def head_params(self) -> int:
+        """The final norm plus the logit matrix when it is not tied to the embedding."""
+        norm = (2 if self.biases else 1) * self.hidden
+        return norm + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    @property
+    def num_params(self) -> int:
+        """N, every trainable parameter (a tied embedding counted once)."""
+        return self.layers * self.layer_params + self.embedding_params + self.head_params
+
+    @property
+    def layer_forward_flops_per_token(self) -> int:
+        """Forward FLOPs of one layer per token: 2 per matmul weight plus attention's 4·s·h.
+
+        The attention term counts QKᵀ and the attention-weighted values over the full
+        sequence (2·s·h each), as Megatron-LM's accounting does.
+        """
+        return 2 * self.layer_matmul_params + 4 * self.seq_len * self.hidden
+
+    @property
+    def logit_forward_flops_per_token(self) -> int:
+        """Forward FLOPs of the logit layer per token: 2·h·V."""
+        return 2 * self.hidden * self.vocab
+
+    def model_flops_per_step(self, tokens: int) -> float:
+        """Model FLOPs of training on ``tokens`` tokens: 6·N·tokens (no recomputation counted)."""
+        return 6.0 * self.num_params * tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """A cluster of identical GPUs in nodes, with a fast link inside a node and a slower one between.
+
+    Bandwidths are per GPU and per direction, as data sheets give them; the efficiency
+    fields say which fraction of them collectives achieve. Latencies are the fixed cost
+    of one message (one step of a ring).
+
+    Attributes:
+      name: what to call it in tables.
+      gpu: the GPU's name.
+      peak_flops: dense 16-bit matrix FLOP/s of one GPU.
+      matmul_efficiency: fraction of ``peak_flops`` that large matrix multiplications
+        achieve in training.
+      memory_bytes: memory of one GPU in bytes.
+      reserved_bytes: bytes of it not available to the model: CUDA context, collective
+        buffers, allocator fragmentation.
+      hbm_bandwidth: memory bandwidth of one GPU in bytes per second; bounds the
+        elementwise work (norms, softmax, activations, the optimizer update).
+      gpus_per_node: GPUs in one node, joined by the intra-node link.
+      intra_node_bandwidth: bytes per second per GPU per direction inside a node (NVLink).
+      intra_node_efficiency: fraction of it that collectives and sends achieve.
+      intra_node_latency: seconds per message inside a node.
+      inter_node_bandwidth: bytes per second per GPU per direction between nodes (one
+        network adapter per GPU).
+      inter_node_efficiency: fraction of it achieved.
+      inter_node_latency: seconds per message between nodes.
+    """
+
+    name: str
+    gpu: str
+    peak_flops: float
+    matmul_efficiency: float
+    memory_bytes: int
+    reserved_bytes: int = 0
+    hbm_bandwidth: float
+    gpus_per_node: int
+    intra_node_bandwidth: float
+    intra_node_efficiency: float = 1.0
+    intra_node_latency: float
+    inter_node_bandwidth: float
+    inter_node_efficiency: float = 1.0
+    inter_node_latency: float
+
+    def __post_init__(self) -> None:
+        owner = f"cluster {self.name!r}"
+        for name in ("name", "gpu"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise DescriptionError(f"{owner}: {name} must be a non-empty string, got {value!r}")
+        for name in ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+            _check_float(owner, name, getattr(self, name))
+        for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
+            _check_float(owner, name, getattr(self, name), high=1.0)
+        for name in ("intra_node_latency", "inter_node_latency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise DescriptionError(f"{owner}: {name} must be a number of seconds >= 0, got {value!r}")
+        _check_int(owner, "memory_bytes", self.memory_bytes)
+        _check_int(owner, "reserved_bytes", self.reserved_bytes, minimum=0)
+        _check_int(owner, "gpus_per_node", self.gpus_per_node)
+        if self.reserved_bytes >= self.memory_bytes:
+            raise DescriptionError(
+                f"{owner}: reserved_bytes {self.reserved_bytes} leaves nothing of memory_bytes {self.memory_bytes}"
+            )
+
+    @property
+    def usable_bytes(self) -> int:
+        """Memory per GPU the model may use: ``memory_bytes - reserved_bytes``."""
+        return self.memory_bytes - self.reserved_bytes
+
+    @property
+    def matmul_flops(self) -> float:
+        """FLOP/s that training's matrix multiplications achieve on one GPU."""
+        return self.peak_flops * self.matmul_efficiency
+
+    def link(self, *, inter_node: bool) -> tuple[float, float]:
+        """(achieved bytes per second, seconds per message) of one GPU's link."""
+        if inter_node:
+            return self.inter_node_bandwidth * self.inter_node_efficiency, self.inter_node_latency
+        return self.intra_node_bandwidth * self.intra_node_efficiency, self.intra_node_latency
+
+
+# --- reading descriptions -------------------------------------------------------------
+
+_INT_FIELDS = {"layers", "hidden", "ffn_hidden", "heads", "kv_heads", "seq_len", "vocab", "dtype_bytes",
+               "memory_bytes", "reserved_bytes", "gpus_per_node"}  # fmt: skip
+
+
+def _coerce(table: str, key: str, value: Any, source: str) -> Any:
+    """TOML writes ``80e9`` as a float; a whole-valued float is fine where a count is wanted."""
+    if key in _INT_FIELDS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if key in _INT_FIELDS and isinstance(value, float):
+        raise DescriptionError(f"{source}: [{table}] {key} must be a whole number, got {value!r}")
+    return value
+
+
+def _from_table(cls: type[Model] | type[Cluster], table: str, data: dict[str, Any], source: str) -> Any:
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise DescriptionError(f"{source}: unknown key {unknown[0]!r} in [{table}]; known keys are {', '.join(known)}")
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise DescriptionError(f"{source}: [{table}] lacks {', '.join(missing)}")
+    values = {key: _coerce(table, key, value, source) for key, value in data.items()}
+    try:
+        return cls(**values)
+    except DescriptionError as err:
+        raise DescriptionError(f"{source}: {err.message}") from None
+
+
+def _read_toml(path: Path, table: str, cls: type[Model] | type[Cluster]) -> Any:
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as err:
+        raise DescriptionError(f"cannot read {table} file {path}: {err.strerror or err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise DescriptionError(f"{path}: not valid TOML: {err}") from None
+    if table not in data:
+        other = ", ".join(f"[{k}]" for k in data if isinstance(data[k], dict)) or "no tables"
+        raise DescriptionError(
+            f"{path}: has no [{table}] table (found {other}); write the {table}'s keys under [{table}]"
+        )
+    extra = sorted(k for k in data if k != table)
+    if extra:
+        raise DescriptionError(f"{path}: unexpected top-level key {extra[0]!r}; a {table} file holds only [{table}]")
+    return _from_table(cls, table, data[table], str(path))
+
+
+def _preset_files() -> dict[str, Any]:
+    folder = resources.files(_PRESETS)
+    return {entry.name.removesuffix(".toml"): entry for entry in folder.iterdir() if entry.name.endswith(".toml")}
+
+
+def _presets_of(table: str) -> tuple[str, ...]:
+    names = []
+    for name, entry in sorted(_preset_files().items()):
+        with entry.open("rb") as handle:
+            if table in tomllib.load(handle):
+                names.append(name)
+    return tuple(names)
+
+
+def model_presets() -> tuple[str, ...]:
+    """Names of the built-in models, for example ``gpt3-175b``."""
+    return _presets_of("model")
+
+
+def cluster_presets() -> tuple[str, ...]:
+    """Names of the built-in clusters, for example ``a100-80gb``."""
+    return _presets_of("cluster")
+
+
+def _load(spec: str | Path, table: str, cls: type[Model] | type[Cluster], presets: tuple[str, ...]) -> Any:
+    if isinstance(spec, str) and spec in presets:
+        with resources.as_file(_preset_files()[spec]) as path:
+            return _read_toml(Path(path), table, cls)
+    path = Path(spec)
+    if path.suffix == ".toml" or path.exists():
+        return _read_toml(path, table, cls)
+    raise DescriptionError(f"unknown {table} {str(spec)!r}; give a preset ({', '.join(presets)}) or a .toml file")
+
+
+def load_model(spec: str | Path | Model) -> Model:
+    """A model from a preset name (``gpt3-175b``) or a TOML file with a ``[model]`` table."""
+    if isinstance(spec, Model):
+        return spec
+    return _load(spec, "model", Model, model_presets())
+
+
+def load_cluster(spec: str | Path | Cluster) -> Cluster:
+    """A cluster from a preset name (``a100-80gb``) or a TOML file with a ``[cluster]`` table."""
+    if isinstance(spec, Cluster):
+        return spec
+    return _load(spec, "cluster", Cluster, cluster_presets())

@@ -1,0 +1,1 @@
+"""Built-in model and cluster descriptions, one TOML file each (see pipedsl.simulator.hardware)."""

@@ -1,0 +1,440 @@
+"""The plan search: every SPMD and pipeline plan for a model on N GPUs, ranked by step time.
+
+SPMD plans (pp = 1) combine data and tensor parallelism with every ZeRO stage and
+recomputation mode. Pipeline plans add a pipeline degree and a schedule from the library
+(and any extra ``.sched`` files), with the virtual-stage counts a schedule takes. Each
+plan goes through :func:`~pipedsl.simulator.estimate.estimate`; plans that do not fit in
+memory, do not divide the model, or that a schedule's ``require`` rejects are dropped
+and counted by reason. The rest are ranked by step time.
+
+Cost: memory follows from the schedule's order alone, so a plan that does not fit is
+dropped before it is simulated; so is a plan whose lower bound (its schedule's order
+against each action's dependency chain) shows it cannot come within ``prune`` times its
+schedule's best. Each (schedule, pp, vpp, microbatches) is evaluated once and lowered at
+most once while it is needed (:class:`~pipedsl.simulator.plan.Pipelines`), and plans
+that differ only in what the pipeline does not see (ZeRO 0 or 1) share one simulation.
+
+Enumeration, for ``gpus`` GPUs and a global batch B:
+
+- tensor-parallel degrees: powers of two up to the GPUs per node (tensor parallelism
+  stays on NVLink) that divide the heads and the feed-forward width;
+- pipeline degrees: divisors of ``gpus`` from 2 up, with ``pp × vpp`` dividing the layers;
+- virtual stages: ``vpp_sizes`` (2, 3, 4, 6, 8) for schedules with a ``vpp``
+  parameter (vpp = 1 is 1F1B's or GPipe's plan); what the schedule places otherwise;
+- microbatch sizes: divisors of B/dp up to ``max_microbatch_size``;
+- ZeRO: 0–3 for SPMD; 0 and 1 for pipelines (ZeRO 2 and 3 communicate every microbatch,
+  which a pipeline of many microbatches multiplies);
+- recomputation: none, selective, full (selective is left out with FlashAttention,
+  where it is the same plan as none).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleInvalid
+from pipedsl.language import library_schedules
+from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
+from pipedsl.simulator.plan import Pipelines, Plan, PlanError, Recompute, find_schedule, schedule_parameters
+from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["search", "candidate_plans", "Summary", "summarize", "describe", "default_global_batch", "COLUMNS"]
+
+COLUMNS = (
+    "rank",
+    "kind",
+    "schedule",
+    "dp",
+    "tp",
+    "pp",
+    "vpp",
+    "microbatch_size",
+    "microbatches",
+    "zero",
+    "recompute",
+    "step_time_s",
+    "tokens_per_s",
+    "mfu",
+    "bubble",
+    "dp_tail_s",
+    "memory_bytes_per_gpu",
+)
+"""The columns of :func:`search`'s DataFrame, in order."""
+
+DEFAULT_TOKENS_PER_STEP = 2**22
+"""Tokens per step when no global batch is given: 4 Mi tokens (GPT-3 used 3.1 M)."""
+
+Progress = Callable[[str, int, int], None]
+"""Called with (phase, plans done, plans in the phase) as the search goes."""
+
+DEFAULT_PRUNE = 1.25
+"""Pipeline plans whose lower bound exceeds this factor times their schedule's best step
+time are not simulated."""
+
+
+def default_global_batch(model: Model) -> int:
+    """Sequences per step for about 4 Mi tokens: ``2**22 // seq_len`` (at least 1)."""
+    return max(DEFAULT_TOKENS_PER_STEP // model.seq_len, 1)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_sizes(model: Model, cluster: Cluster, gpus: int) -> list[int]:
+    sizes = []
+    t = 1
+    while t <= min(cluster.gpus_per_node, gpus):
+        if gpus % t == 0 and model.heads % t == 0 and model.ffn_hidden % t == 0:
+            sizes.append(t)
+        t *= 2
+    return sizes
+
+
+@dataclass(frozen=True, slots=True)
+class _Schedule:
+    """A schedule to try: how plans name it, and whether it takes a ``vpp`` parameter."""
+
+    spec: str
+    takes_vpp: bool
+
+
+def _schedules(schedules: Sequence[str] | None, extra: Sequence[str | Path]) -> list[_Schedule]:
+    """The schedules to try. Library schedules without ``pp`` and ``microbatches``
+    parameters (fixed tables) are left out; a named one without them is an error."""
+    named = [str(p) for p in extra] + ([] if schedules is None else list(schedules))
+    library = [] if schedules is not None else [n for n in library_schedules() if n not in named]
+    found = []
+    for spec in dict.fromkeys(library + named):
+        params = schedule_parameters(find_schedule(spec))
+        if "pp" not in params or "microbatches" not in params:
+            if spec in library:
+                continue
+            takes = ", ".join(params) or "no parameters"
+            raise PlanError(f"schedule {spec}: the search sets pp and microbatches, but it takes {takes}")
+        found.append(_Schedule(spec, "vpp" in params))
+    return found
+
+
+def candidate_plans(
+    model: Model,
+    cluster: Cluster,
+    gpus: int,
+    *,
+    global_batch: int,
+    schedules: Sequence[str] | None = None,
+    extra_schedules: Sequence[str | Path] = (),
+    max_microbatch_size: int = 16,
+    vpp_sizes: Sequence[int] = (2, 3, 4, 6, 8),
+    spmd_zero: Sequence[int] = (0, 1, 2, 3),
+    pipeline_zero: Sequence[int] = (0, 1),
+    recompute: Sequence[Recompute | str] = tuple(Recompute),
+    flash_attention: bool = True,
+    dp_overlap: float = 1.0,
+    reduce_bytes: int = 4,
+) -> Iterator[Plan]:
+    """Every plan the search tries (see the module docstring), SPMD plans first.
+
+    A schedule that takes no ``vpp`` is offered with ``vpp = 1``; the search asks the
+    schedule itself how many stages it places per device (ZB-V places two).
+    """
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise PlanError(f"search: gpus must be a whole number >= 1, got {gpus!r}")
+    modes = [Recompute(r) for r in recompute]
+    if flash_attention:
+        # FlashAttention never stores the scores selective recomputation would drop, so
+        # selective is the same plan as none.
+        modes = [r for r in modes if r is not Recompute.SELECTIVE] or [Recompute.NONE]
+    common = {
+        "global_batch": global_batch,
+        "flash_attention": flash_attention,
+        "dp_overlap": dp_overlap,
+        "reduce_bytes": reduce_bytes,
+    }
+    tps = _tp_sizes(model, cluster, gpus)
+
+    def microbatch_sizes(dp: int) -> list[int]:
+        if global_batch % dp:
+            return []
+        return [b for b in _divisors(global_batch // dp) if b <= max_microbatch_size]
+
+    for tp in tps:
+        dp = gpus // tp
+        for b in microbatch_sizes(dp):
+            for zero in spmd_zero:
+                for mode in modes:
+                    yield Plan(dp=dp, tp=tp, pp=1, microbatch_size=b, zero=zero, recompute=mode, **common)
+    found = _schedules(schedules, extra_schedules)
+    for pp in _divisors(gpus)[1:]:
+        if pp > model.layers:
+            break
+        for tp in tps:
+            if gpus % (pp * tp):
+                continue
+            dp = gpus // (pp * tp)
+            for b in microbatch_sizes(dp):
+                for sched in found:
+                    for vpp in vpp_sizes if sched.takes_vpp else (1,):
+                        if model.layers % (pp * vpp):
+                            continue
+                        for zero in pipeline_zero:
+                            for mode in modes:
+                                yield Plan(
+                                    dp=dp, tp=tp, pp=pp, vpp=vpp, microbatch_size=b, zero=zero,
+                                    recompute=mode, schedule=sched.spec, **common,
+                                )  # fmt: skip
+
+
+def _row(e: Estimate) -> dict[str, Any]:
+    plan = e.plan
+    schedule = "spmd" if plan.schedule is None else Path(plan.schedule).name.removesuffix(".sched")
+    return {
+        "kind": "spmd" if plan.pp == 1 else "pipeline",
+        "schedule": schedule,
+        "dp": plan.dp,
+        "tp": plan.tp,
+        "pp": plan.pp,
+        "vpp": plan.vpp,
+        "microbatch_size": plan.microbatch_size,
+        "microbatches": plan.microbatches,
+        "zero": plan.zero,
+        "recompute": plan.recompute.value,
+        "step_time_s": e.step_time_s,
+        "tokens_per_s": e.tokens_per_s,
+        "mfu": e.mfu,
+        "bubble": e.bubble,
+        "dp_tail_s": e.dp_tail_s,
+        "memory_bytes_per_gpu": e.memory.total,
+    }
+
+
+def _with_schedule_vpp(plan: Plan, pipelines: Pipelines) -> Plan:
+    """For a schedule without a ``vpp`` parameter, the plan with the vpp it places."""
+    if plan.schedule is None:
+        return plan
+    key = pipelines.key(plan)
+    if key.vpp:
+        return plan
+    schedule = pipelines.schedule(key)
+    vpp = schedule.num_stages // schedule.num_devices
+    return plan if vpp == plan.vpp else replace(plan, vpp=vpp)
+
+
+def _group(plan: Plan) -> tuple[str, int, int, int]:
+    """Plans that run the same evaluated schedule sort next to each other."""
+    return (plan.schedule or "", plan.pp, plan.vpp, plan.microbatches)
+
+
+def search(
+    model: Model | str | Path,
+    cluster: Cluster | str | Path,
+    gpus: int,
+    *,
+    global_batch: int | None = None,
+    schedules: Sequence[str] | None = None,
+    extra_schedules: Sequence[str | Path] = (),
+    top: int | None = None,
+    prune: float | None = DEFAULT_PRUNE,
+    progress: Progress | None = None,
+    **space: Any,
+) -> pd.DataFrame:
+    """Rank every plan for ``model`` on ``gpus`` GPUs of ``cluster`` by step time.
+
+    Plans are costed first (no simulation). SPMD plans need nothing more. Pipeline plans
+    are then simulated schedule by schedule, in order of their lower bound on the step
+    time, until that schedule's best plan is certain; with ``prune``, the schedule's
+    plans whose lower bound exceeds ``prune`` times its best are dropped unsimulated
+    (they cannot come within that factor). Every row is exact, and so is every
+    schedule's best. ``prune=None`` simulates every plan that fits.
+
+    Args:
+      model, cluster: descriptions, preset names or TOML paths.
+      gpus: GPUs to use, all of them.
+      global_batch: sequences per step; default :func:`default_global_batch`.
+      schedules: library names or ``.sched`` paths to try; default the whole library.
+      extra_schedules: more ``.sched`` files to try besides.
+      top: keep only the best ``top`` rows.
+      prune: the factor above (default :data:`DEFAULT_PRUNE`), or None.
+      progress: called with (phase, done, total), phase ``"costing"`` then ``"simulating"``.
+      **space: options of :func:`candidate_plans` (``max_microbatch_size``,
+        ``vpp_sizes``, ``spmd_zero``, ``pipeline_zero``, ``recompute``,
+        ``flash_attention``, ``dp_overlap``, ``reduce_bytes``).
+
+    Returns a DataFrame with :data:`COLUMNS`, best first. ``attrs`` holds ``considered``
+    (plans tried), ``dropped`` (a dict from reason to count), ``simulations`` (distinct
+    pipeline simulations run), ``seconds`` (wall time), ``model``, ``cluster``,
+    ``gpus`` and ``global_batch``.
+    """
+    import pandas as pd
+
+    model = load_model(model)
+    cluster = load_cluster(cluster)
+    if prune is not None and not prune >= 1.0:
+        raise PlanError(f"search: prune must be a factor >= 1 (or None to simulate everything), got {prune!r}")
+    batch = default_global_batch(model) if global_batch is None else global_batch
+    started = time.perf_counter()
+    plans = list(
+        candidate_plans(
+            model, cluster, gpus, global_batch=batch, schedules=schedules, extra_schedules=extra_schedules, **space
+        )
+    )
+    # A bounded cache: plans are costed grouped by evaluated schedule, and mostly
+    # simulated so too, so few lowered schedules need to be held at once.
+    pipelines = Pipelines(keep_simulations=False, max_schedules=32)
+    dropped: Counter[str] = Counter()
+    prepared: list[Prepared] = []
+    for done, plan in enumerate(sorted(plans, key=_group), start=1):
+        try:
+            plan = _with_schedule_vpp(plan, pipelines)
+            prepared.append(prepare(model, cluster, plan, pipelines=pipelines, fits_first=True))
+        except PipedslError as err:
+            dropped[_reason(err)] += 1
+        if progress is not None:
+            progress("costing", done, len(plans))
+    rows = [_row(e) for e in _simulate(prepared, prune, dropped, progress)]
+    frame = pd.DataFrame(rows, columns=[c for c in COLUMNS if c != "rank"])
+    frame = frame.sort_values("step_time_s", kind="stable", ignore_index=True)
+    frame.insert(0, "rank", range(1, len(frame) + 1))
+    if top is not None:
+        frame = frame.head(top)
+    frame.attrs.update(
+        considered=len(plans),
+        dropped=dict(dropped),
+        simulations=pipelines.num_simulations,
+        seconds=time.perf_counter() - started,
+        model=model.name,
+        cluster=cluster.name,
+        gpus=gpus,
+        global_batch=batch,
+    )
+    return frame
+
+
+def _reason(err: PipedslError) -> str:
+    """Why a plan was dropped, as counted in ``attrs["dropped"]``."""
+    if isinstance(err, DoesNotFit):
+        return "does not fit in memory"
+    if isinstance(err, ScheduleEvalError):
+        return "rejected by the schedule (require)"
+    if isinstance(err, ScheduleInvalid):
+        return "invalid schedule"
+    if isinstance(err, PlanError):
+        return "does not divide the model"
+    return "schedule failed to load"
+
+
+def _simulate(
+    prepared: list[Prepared], prune: float | None, dropped: Counter[str], progress: Progress | None
+) -> list[Estimate]:
+    """Finish the prepared plans. SPMD plans cost nothing more and are all finished.
+    Pipeline plans go schedule by schedule: best-first by lower bound until that
+    schedule's best step time is settled (no lower bound left below it), then the rest
+    within ``prune`` times it, grouped by evaluated schedule so that each is lowered
+    once. So every schedule's best plan is exact, however far behind the others."""
+    results = [p.finish() for p in prepared if p.key is None]
+    by_schedule: dict[str, list[Prepared]] = {}
+    for p in prepared:
+        if p.key is not None:
+            by_schedule.setdefault(p.key.spec, []).append(p)
+    total = len(prepared)
+    done = len(results)
+    for plans in by_schedule.values():
+        order = sorted(plans, key=lambda p: p.lower_bound_s)
+        best = float("inf")
+        settled = 0
+        while settled < len(order) and order[settled].lower_bound_s <= best:
+            results.append(order[settled].finish())
+            best = min(best, results[-1].step_time_s)
+            settled += 1
+        rest = order[settled:]
+        if prune is not None:
+            kept = [p for p in rest if p.lower_bound_s <= prune * best]
+            if len(kept) < len(rest):
+                dropped[f"over {prune:g}x its schedule's best step time (lower bound)"] += len(rest) - len(kept)
+            rest = kept
+        rest.sort(key=lambda p: _group(p.plan))
+        for item in rest:
+            results.append(item.finish())
+        done += len(plans)
+        if progress is not None:
+            progress("simulating", done, total)
+    return results
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """The best SPMD plan, the best plan of each schedule, and how they compare.
+
+    Rows are :func:`search` rows as dicts. ``speedup`` is the best SPMD step time over
+    the best pipeline step time (above 1: the pipeline is faster); None when either kind
+    has no plan that fits.
+    """
+
+    best_spmd: dict[str, Any] | None
+    best_by_schedule: tuple[dict[str, Any], ...]
+
+    @property
+    def best_pipeline(self) -> dict[str, Any] | None:
+        return self.best_by_schedule[0] if self.best_by_schedule else None
+
+    @property
+    def speedup(self) -> float | None:
+        return None if self.best_pipeline is None else self.speedup_of(self.best_pipeline)
+
+    def speedup_of(self, row: dict[str, Any]) -> float | None:
+        """The best SPMD step time over ``row``'s; None without an SPMD plan."""
+        return None if self.best_spmd is None else self.best_spmd["step_time_s"] / row["step_time_s"]
+
+    def text(self) -> str:
+        """One or two sentences for the end of a search's output."""
+        best = self.best_pipeline
+        if best is None and self.best_spmd is None:
+            return "No plan fits."
+        if best is None:
+            return f"No pipeline plan fits; the best SPMD plan is {describe(self.best_spmd)}."
+        if self.best_spmd is None:
+            return f"No SPMD plan fits; the best pipeline plan is {describe(best)}."
+        speedup = self.speedup
+        assert speedup is not None
+        if round(speedup, 2) == 1.0:
+            verdict = f"as fast as ({speedup:.3f}x)"
+        elif speedup > 1:
+            verdict = f"{speedup:.2f}x faster than"
+        else:
+            verdict = f"{1 / speedup:.2f}x slower than"
+        beat = sum(1 for row in self.best_by_schedule if row["step_time_s"] < self.best_spmd["step_time_s"])
+        return (
+            f"Best pipeline plan {describe(best)} is {verdict} the best SPMD plan "
+            f"{describe(self.best_spmd)}; {beat} of {len(self.best_by_schedule)} schedules beat it."
+        )
+
+
+def describe(row: dict[str, Any] | None) -> str:
+    """A search row in words: ``(zbv dp=32 tp=4 pp=8 vpp=2 mb=2 zero=1 none: 18.402 s/step, MFU 56.1%)``."""
+    assert row is not None
+    vpp = f" vpp={row['vpp']}" if row["vpp"] > 1 else ""
+    pp = f" pp={row['pp']}{vpp}" if row["kind"] == "pipeline" else ""
+    name = f"{row['schedule']} " if row["kind"] == "pipeline" else ""
+    return (
+        f"({name}dp={row['dp']} tp={row['tp']}{pp} mb={row['microbatch_size']} zero={row['zero']} "
+        f"{row['recompute']}: {row['step_time_s']:.3f} s/step, MFU {100 * row['mfu']:.1f}%)"
+    )
+
+
+def summarize(frame: pd.DataFrame) -> Summary:
+    """The best SPMD plan and each schedule's best plan in a :func:`search` result
+    (schedules best first)."""
+    spmd = frame[frame["kind"] == "spmd"]
+    pipelines = frame[frame["kind"] == "pipeline"].drop_duplicates("schedule")
+    return Summary(
+        best_spmd=None if spmd.empty else spmd.iloc[0].to_dict(),
+        best_by_schedule=tuple(row.to_dict() for _, row in pipelines.iterrows()),
+    )
