@@ -1,0 +1,251 @@
+"""Measure the executor on this machine's CPU devices.
+
+Four measurements, each printed as a small table:
+
+1. I/W split: (I + W) / B on a middle stage of 4 GELU layers 512 wide (DESIGN.md's
+   example), against the two separately jitted halves of one vjp that re-derive the
+   cotangent chain;
+2. interpreter overhead: a step of a tiny model, where compute is negligible, divided by
+   its number of actions and of instructions;
+3. step times of GPipe, 1F1B and ZB-H1 on the benchmark model, each beside the step the
+   simulator predicts when given the per-action times measured on recorded steps (medians,
+   :func:`pipedsl.simulator.calibrate.fit_costs`), and the makespan and bubble of the
+   median recorded step;
+4. the pipelined step against one ``jax.jit`` of the same microbatch loop on one device.
+
+The benchmark model is an MLP of ``--width`` wide GELU layers, ``--layers`` per stage, with
+``--microbatch``-row microbatches: each stage action takes milliseconds on CPU.
+``--cores N`` pins the process to N cores: with one core, (I + W) / B compares the work
+of the halves with that of B; with more, XLA also runs B's weight matmuls beside its
+input-gradient chain on other cores, an overlap two separate programs cannot have.
+
+    python bench/bench_executor.py [--pp 2] [--microbatches 8] [--cores N] [--only split]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+
+def _configure(pp: int, cores: int | None) -> None:
+    flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={pp}"]
+    os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
+    if cores is not None:
+        # Before JAX starts its thread pools, which inherit the affinity.
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
+    """Median seconds of each function, timed in turn so that load drifts hit all alike."""
+    import jax
+
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def bench_split(width: int, layers: int, microbatch: int, repeat: int) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pipedsl.executor import Pipeline
+    from pipedsl.executor.models import mlp
+    from pipedsl.language import library_path, load
+
+    schedule = load(library_path("zb_h1"), pp=3, microbatches=3)
+    model = mlp(num_stages=3, width=width, layers_per_stage=layers)
+    key = jax.random.PRNGKey(0)
+    params = model.init_stages(key)
+    batch = model.batch(key, 3 * microbatch)
+    devices = [jax.devices()[0]] * 3
+    prog = Pipeline(model.stages, loss=model.loss, schedule=schedule, devices=devices).compile(params, batch)[1]
+    device = devices[0]
+    p = jax.device_put(tuple(jax.tree_util.tree_leaves(params[1])), device)
+    x = (jax.device_put(batch[0][:microbatch], device),)
+    ct = (jax.device_put(jnp.ones((microbatch, width), jnp.float32) * 1e-3, device),)
+    _, residuals, _ = prog.forward(p, x, (), None)
+    _, handoff = prog.backward_input(residuals, ct)
+    split = prog.split
+    state = {"acc": prog.zero_grads(device)}
+
+    # The approach the split replaces: keep jax.vjp's residuals, then jit the two halves
+    # of its pullback separately; W's half re-derives the cotangent chain.
+    stage_fn = model.stages[1]
+    _, pullback = jax.jit(lambda q, h: jax.vjp(stage_fn, q, h))(params[1], x[0])
+    naive_input = jax.jit(lambda pb, c: pb(c)[1])
+    naive_weight = jax.jit(lambda pb, c: pb(c)[0])
+    naive_full = jax.jit(lambda pb, c: pb(c))
+
+    def run_b() -> Any:
+        out, state["acc"] = prog.backward(residuals, ct, state["acc"])
+        return out, state["acc"]
+
+    def run_w() -> Any:
+        state["acc"] = prog.backward_weight(handoff, state["acc"])
+        return state["acc"]
+
+    t = _interleaved(
+        {
+            "F": lambda: prog.forward(p, x, (), None),
+            "B": run_b,
+            "I": lambda: prog.backward_input(residuals, ct),
+            "W": run_w,
+            "B vjp": lambda: naive_full(pullback, ct[0]),
+            "I vjp": lambda: naive_input(pullback, ct[0]),
+            "W vjp": lambda: naive_weight(pullback, ct[0]),
+        },
+        repeat,
+    )
+    full, half_i, half_w = split.counts()
+    print(f"\n1. I/W split: middle stage of {layers} GELU layers x {width} wide, microbatch {microbatch} rows")
+    print(f"   dot_general in B / I / W: {full['dot_general']} / {half_i['dot_general']} / {half_w['dot_general']}")
+    print(f"   F {t['F'] * 1e3:7.2f} ms   B {t['B'] * 1e3:7.2f} ms")
+    print(f"   I {t['I'] * 1e3:7.2f} ms   W {t['W'] * 1e3:7.2f} ms   (I+W)/B = {(t['I'] + t['W']) / t['B']:.3f}")
+    naive = (t["I vjp"] + t["W vjp"]) / t["B vjp"]
+    print(
+        f"   two jitted halves of one vjp: B {t['B vjp'] * 1e3:.2f} ms, I {t['I vjp'] * 1e3:.2f} ms, "
+        f"W {t['W vjp'] * 1e3:.2f} ms, (I+W)/B = {naive:.3f}"
+    )
+
+
+def bench_overhead(repeat: int) -> None:
+    import jax
+    import numpy as np
+
+    from pipedsl.executor import Pipeline
+    from pipedsl.executor.models import mlp
+    from pipedsl.language import library_path, load
+
+    model = mlp(num_stages=2, width=4, layers_per_stage=1)
+    key = jax.random.PRNGKey(0)
+    params = model.init_stages(key)
+    counts, instructions, steps = [], [], {}
+    for microbatches in (4, 16, 64):
+        schedule = load(library_path("1f1b"), pp=2, microbatches=microbatches)
+        batch = model.batch(key, microbatches)
+        pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule)
+        counts.append(schedule.num_actions)
+        instructions.append(pipe.program.num_instructions)
+        steps[microbatches] = partial(pipe.value_and_grad, params, batch)
+    times = list(_interleaved(steps, repeat).values())
+    # Step time = fixed cost per step + cost per action: a least-squares line.
+    per_action, fixed = np.polyfit(counts, times, 1)
+    per_instruction = np.polyfit(instructions, times, 1)[0]
+    print("\n2. interpreter overhead: 1F1B pp=2, one-row microbatches of a 4-wide one-layer MLP (compute negligible)")
+    for c, t in zip(counts, times, strict=True):
+        print(f"   {c:4d} actions: step {t * 1e3:6.2f} ms")
+    print(
+        f"   fit: {fixed * 1e3:.2f} ms per step + {per_action * 1e6:.0f} us per action "
+        f"(= {per_instruction * 1e6:.0f} us per instruction, sends, receives and frees included)"
+    )
+
+
+def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microbatch: int, repeat: int) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pipedsl.executor import Pipeline
+    from pipedsl.executor.models import mlp, reference_stages
+    from pipedsl.language import library_path, load
+    from pipedsl.simulator import simulate
+    from pipedsl.simulator.calibrate import fit_costs
+
+    model = mlp(num_stages=pp, width=width, layers_per_stage=layers)
+    key = jax.random.PRNGKey(0)
+    params = model.init_stages(key)
+    batch = model.batch(key, microbatches * microbatch)
+    print(
+        f"\n3. step times: pp={pp}, {microbatches} microbatches of {microbatch} rows, "
+        f"{layers} GELU layers x {width} wide per stage"
+    )
+    print(f"   {'schedule':<8} {'measured':>10} {'simulated':>10} {'sim/meas':>9} {'recorded':>10} {'bubble':>7}")
+    names = ("gpipe", "1f1b", "zb_h1")
+    schedules = {name: load(library_path(name), pp=pp, microbatches=microbatches) for name in names}
+    pipes = {name: Pipeline(model.stages, loss=model.loss, schedule=sched) for name, sched in schedules.items()}
+    single = reference_stages(model)
+
+    @jax.jit
+    def one_device(p: Any, xs: jax.Array, ts: jax.Array) -> tuple[jax.Array, Any]:
+        # The same microbatch loop on one device: the mean loss and gradients.
+        total, grads = 0.0, jax.tree_util.tree_map(jnp.zeros_like, p)
+        for m in range(microbatches):
+            loss, g = jax.value_and_grad(lambda q: model.loss(single(q, xs[m]), ts[m]))(p)
+            total = total + loss / microbatches
+            grads = jax.tree_util.tree_map(lambda a, b: a + b / microbatches, grads, g)
+        return total, grads
+
+    device = jax.devices()[0]
+    xs = jax.device_put(batch[0].reshape(microbatches, microbatch, width), device)
+    ts = jax.device_put(batch[1].reshape(microbatches, microbatch, width), device)
+    p1 = jax.device_put(params, device)
+    # Every variant in turn, repeatedly, so that a change in the machine's load hits all;
+    # each schedule's recorded steps (for the simulator's costs) alternate with its timed ones.
+    timed = {name: partial(pipe.value_and_grad, params, batch) for name, pipe in pipes.items()}
+    timed["jit"] = partial(one_device, p1, xs, ts)
+    recorded: dict[str, list[Any]] = {name: [] for name in pipes}
+
+    def record_all() -> None:
+        for name, pipe in pipes.items():
+            recorded[name].append(pipe.step(params, batch, record=True).timeline)
+
+    timed["record"] = record_all
+    steps = _interleaved(timed, repeat)
+    base = steps.pop("jit")
+    steps.pop("record")
+    for name, pipe in pipes.items():
+        timelines = recorded[name]
+        timeline = sorted(timelines, key=lambda tl: tl.makespan)[len(timelines) // 2]
+        sim = simulate(pipe.program, fit_costs(timelines, num_stages=pipe.schedule.num_stages).cost_model())
+        print(
+            f"   {name:<8} {steps[name] * 1e3:8.1f}ms {sim.makespan * 1e3:8.1f}ms {sim.makespan / steps[name]:9.3f} "
+            f"{timeline.makespan * 1e3:8.1f}ms {timeline.bubble_ratio():7.1%}"
+        )
+
+    best = min(steps, key=steps.__getitem__)
+    print(f"\n4. one jax.jit of the same microbatch loop on one device: {base * 1e3:.1f} ms")
+    for name, t in steps.items():
+        print(f"   {name:<8} pipelined / single jit = {t / base:.3f}{'   (best)' if name == best else ''}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pp", type=int, default=2, help="pipeline devices for measurements 3 and 4 (default 2)")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    parser.add_argument("--width", type=int, default=512, help="layer width (default 512)")
+    parser.add_argument("--layers", type=int, default=4, help="layers per stage (default 4)")
+    parser.add_argument("--microbatch", type=int, default=128, help="rows per microbatch (default 128)")
+    parser.add_argument("--repeat", type=int, default=20, help="timed repetitions per measurement (default 20)")
+    parser.add_argument("--cores", type=int, help="pin the process to this many cores (Linux)")
+    parser.add_argument("--only", choices=("split", "overhead", "schedules"), help="run one measurement")
+    args = parser.parse_args()
+    _configure(max(args.pp, 2), args.cores)
+    import jax
+
+    print(
+        f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, "
+        f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} cores, XLA_FLAGS={os.environ['XLA_FLAGS']!r}"
+    )
+    sys.stdout.flush()
+    if args.only in (None, "split"):
+        bench_split(args.width, args.layers, args.microbatch, args.repeat * 5)
+    if args.only in (None, "overhead"):
+        bench_overhead(args.repeat * 5)
+    if args.only in (None, "schedules"):
+        bench_schedules(args.pp, args.microbatches, args.width, args.layers, args.microbatch, args.repeat)
+
+
+if __name__ == "__main__":
+    main()

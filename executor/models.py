@@ -1,0 +1,275 @@
+"""Built-in small models with synthetic data, for ``pipedsl run``, tests and benchmarks.
+
+Each :class:`BuiltinModel` comes in both forms a :class:`~pipedsl.executor.Pipeline`
+takes:
+
+- explicit: ``stages[s](params[s], x)`` with ``params`` a list of per-stage pytrees
+  (``init_stages``);
+- marked: ``model_fn(params, x)`` with ``stage_boundary`` markers (``init_function``).
+  The marked forms use what only automatic splitting can route: the MLP adds a skip
+  connection from its first stage to its last, and the transformer ties its output
+  head to its input embedding (one parameter used by the first and the last stage) and
+  computes its positional table and causal mask from no data at all.
+
+``reference_stages`` and ``model_fn`` itself are the unsplit models, the ground truth a
+pipelined step must reproduce.
+
+Shapes: the MLP maps ``f32[batch, width]`` to ``f32[batch, width]`` under a mean squared
+error; the transformer maps token ids ``i32[batch, seq]`` to logits
+``f32[batch, seq, vocab]`` under the mean cross-entropy of next-token targets
+``i32[batch, seq]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pipedsl.executor.split import stage_boundary
+
+__all__ = ["BuiltinModel", "mlp", "transformer", "MODELS", "reference_stages"]
+
+Params = Any
+Batch = tuple[Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinModel:
+    """A model in explicit and marked form, with synthetic data.
+
+    Attributes:
+      name: ``"mlp"`` or ``"transformer"``.
+      num_stages: how many stages both forms have.
+      stages: the explicit stage functions.
+      loss: ``loss(y, targets) -> scalar``, a mean over the examples.
+      init_stages: ``key -> list of per-stage params`` for ``stages``.
+      model_fn: the marked function.
+      init_function: ``key -> params`` for ``model_fn``.
+      batch: ``(key, batch_size) -> (inputs, targets)``, synthetic.
+    """
+
+    name: str
+    num_stages: int
+    stages: tuple[Callable[[Params, Any], Any], ...]
+    loss: Callable[[Any, Any], jax.Array]
+    init_stages: Callable[[jax.Array], list[Params]]
+    model_fn: Callable[[Params, Any], Any]
+    init_function: Callable[[jax.Array], Params]
+    batch: Callable[[jax.Array, int], Batch]
+
+
+def reference_stages(model: BuiltinModel) -> Callable[[list[Params], Any], Any]:
+    """The explicit stages composed into one function ``(params, x) -> y``."""
+
+    def run(params: list[Params], x: Any) -> Any:
+        for f, p in zip(model.stages, params, strict=True):
+            x = f(p, x)
+        return x
+
+    return run
+
+
+def _dense(key: jax.Array, fan_in: int, fan_out: int) -> dict[str, jax.Array]:
+    return {
+        "w": jax.random.normal(key, (fan_in, fan_out), jnp.float32) / math.sqrt(fan_in),
+        "b": jnp.zeros((fan_out,), jnp.float32),
+    }
+
+
+def _mse(y: jax.Array, targets: jax.Array) -> jax.Array:
+    return jnp.mean((y - targets) ** 2)
+
+
+# -- MLP ---------------------------------------------------------------------------
+
+
+def _mlp_stage(params: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
+    for layer in params:
+        x = jax.nn.gelu(x @ layer["w"] + layer["b"])
+    return x
+
+
+def mlp(*, num_stages: int, width: int = 32, layers_per_stage: int = 2) -> BuiltinModel:
+    """A GELU MLP of ``num_stages * layers_per_stage`` square layers of ``width``."""
+
+    def init_stages(key: jax.Array) -> list[Params]:
+        keys = jax.random.split(key, num_stages * layers_per_stage).reshape(num_stages, layers_per_stage, -1)
+        return [[_dense(k, width, width) for k in stage_keys] for stage_keys in keys]
+
+    def init_function(key: jax.Array) -> Params:
+        k_skip, k_layers = jax.random.split(key)
+        return {"skip": _dense(k_skip, width, width), "stages": init_stages(k_layers)}
+
+    def model_fn(params: Params, x: jax.Array) -> jax.Array:
+        # The skip projection is computed on the first stage and used on the last, so
+        # it travels through every stage in between.
+        skip = x @ params["skip"]["w"] + params["skip"]["b"]
+        h = x
+        for s, stage_params in enumerate(params["stages"]):
+            if s:
+                h = stage_boundary(h)
+            h = _mlp_stage(stage_params, h)
+        return h + skip
+
+    def batch(key: jax.Array, size: int) -> Batch:
+        kx, kt = jax.random.split(key)
+        return (
+            jax.random.normal(kx, (size, width), jnp.float32),
+            jax.random.normal(kt, (size, width), jnp.float32),
+        )
+
+    return BuiltinModel(
+        name="mlp",
+        num_stages=num_stages,
+        stages=(_mlp_stage,) * num_stages,
+        loss=_mse,
+        init_stages=init_stages,
+        model_fn=model_fn,
+        init_function=init_function,
+        batch=batch,
+    )
+
+
+# -- transformer ---------------------------------------------------------------------
+
+
+def _layer_norm(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+
+def _init_ln(dim: int) -> dict[str, jax.Array]:
+    return {"scale": jnp.ones((dim,), jnp.float32), "bias": jnp.zeros((dim,), jnp.float32)}
+
+
+def _init_block(key: jax.Array, dim: int) -> Params:
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    return {
+        "ln1": _init_ln(dim),
+        "qkv": _dense(k1, dim, 3 * dim),
+        "out": _dense(k2, dim, dim),
+        "ln2": _init_ln(dim),
+        "up": _dense(k3, dim, 4 * dim),
+        "down": _dense(k4, 4 * dim, dim),
+    }
+
+
+def _block(p: Params, h: jax.Array, *, heads: int) -> jax.Array:
+    """Pre-norm block: causal self-attention then an MLP, each with a residual; h: [b, s, d]."""
+    b, s, d = h.shape
+    x = _layer_norm(p["ln1"], h)
+    qkv = x @ p["qkv"]["w"] + p["qkv"]["b"]
+    q, k, v = jnp.split(qkv.reshape(b, s, 3, heads, d // heads), 3, axis=2)
+    q, k, v = (t[:, :, 0].transpose(0, 2, 1, 3) for t in (q, k, v))  # [b, heads, s, d/heads]
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // heads)
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    att = jax.nn.softmax(scores, axis=-1) @ v
+    h = h + att.transpose(0, 2, 1, 3).reshape(b, s, d) @ p["out"]["w"] + p["out"]["b"]
+    x = _layer_norm(p["ln2"], h)
+    return h + jax.nn.gelu(x @ p["up"]["w"] + p["up"]["b"]) @ p["down"]["w"] + p["down"]["b"]
+
+
+def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def transformer(
+    *,
+    num_stages: int,
+    vocab: int = 32,
+    dim: int = 16,
+    heads: int = 2,
+    seq: int = 8,
+    layers_per_stage: int = 1,
+) -> BuiltinModel:
+    """A decoder-only transformer of ``num_stages * layers_per_stage`` blocks.
+
+    Explicit form: stage 0 embeds (token and learned position embeddings), the last
+    stage ends with a layer norm and an untied output head. Marked form: sinusoidal
+    positions and an output head tied to the embedding.
+    """
+    block = partial(_block, heads=heads)
+
+    def first(params: Params, tokens: jax.Array) -> jax.Array:
+        h = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+        for p in params["blocks"]:
+            h = block(p, h)
+        return h
+
+    def middle(params: Params, h: jax.Array) -> jax.Array:
+        for p in params["blocks"]:
+            h = block(p, h)
+        return h
+
+    def last(params: Params, h: jax.Array) -> jax.Array:
+        h = middle(params, h)
+        return _layer_norm(params["ln_f"], h) @ params["head"]["w"] + params["head"]["b"]
+
+    def single(params: Params, tokens: jax.Array) -> jax.Array:
+        return last(params, first(params, tokens))
+
+    def init_stages(key: jax.Array) -> list[Params]:
+        keys = jax.random.split(key, num_stages + 3)
+        stages: list[Params] = [
+            {"blocks": [_init_block(k, dim) for k in jax.random.split(keys[s], layers_per_stage)]}
+            for s in range(num_stages)
+        ]
+        stages[0]["embed"] = jax.random.normal(keys[-3], (vocab, dim), jnp.float32) * 0.1
+        stages[0]["pos"] = jax.random.normal(keys[-2], (seq, dim), jnp.float32) * 0.1
+        stages[-1]["ln_f"] = _init_ln(dim)
+        stages[-1]["head"] = _dense(keys[-1], dim, vocab)
+        return stages
+
+    def init_function(key: jax.Array) -> Params:
+        k_embed, k_blocks = jax.random.split(key)
+        keys = jax.random.split(k_blocks, num_stages * layers_per_stage)
+        return {
+            "embed": jax.random.normal(k_embed, (vocab, dim), jnp.float32) * 0.1,
+            "blocks": [_init_block(k, dim) for k in keys],
+            "ln_f": _init_ln(dim),
+        }
+
+    def model_fn(params: Params, tokens: jax.Array) -> jax.Array:
+        s = tokens.shape[1]
+        # Data-free: each stage that needs the table computes it itself.
+        position = jnp.arange(s, dtype=jnp.float32)[:, None]
+        freq = jnp.exp(-math.log(10000.0) * jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+        table = jnp.concatenate([jnp.sin(position * freq), jnp.cos(position * freq)], axis=-1)
+        h = params["embed"][tokens] + table
+        for i, p in enumerate(params["blocks"]):
+            if i and i % layers_per_stage == 0:
+                h = stage_boundary(h)
+            h = block(p, h)
+        return _layer_norm(params["ln_f"], h) @ params["embed"].T
+
+    def batch(key: jax.Array, size: int) -> Batch:
+        tokens = jax.random.randint(key, (size, seq + 1), 0, vocab, jnp.int32)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    if num_stages == 1:
+        stages: tuple[Callable[[Params, Any], Any], ...] = (single,)
+    else:
+        stages = (first,) + (middle,) * (num_stages - 2) + (last,)
+    return BuiltinModel(
+        name="transformer",
+        num_stages=num_stages,
+        stages=stages,
+        loss=_cross_entropy,
+        init_stages=init_stages,
+        model_fn=model_fn,
+        init_function=init_function,
+        batch=batch,
+    )
+
+
+MODELS: dict[str, Callable[..., BuiltinModel]] = {"mlp": mlp, "transformer": transformer}
+"""The built-in models by name, as ``pipedsl run --model`` knows them."""
