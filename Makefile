@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m pipedsl.demo --out out
+	$(VENV)/bin/pipedsl demo --out out
 
 test: $(STAMP)
 	$(PY) -m pytest -q
