@@ -2,10 +2,12 @@
 
 ``Pipeline`` runs a model (explicit stage functions, or one function split at
 ``stage_boundary`` markers) under a lowered schedule on a backend; the ``local`` backend
-uses one JAX device of this process per pipeline device.
+uses one JAX device of this process per pipeline device, the ``ray`` backend one Ray actor
+per pipeline device (``RayConfig``, ``RayDevices``); ``save_checkpoint`` and
+``load_checkpoint`` keep parameters and optimizer state across runs.
 
-JAX is imported on first use of ``Pipeline``, ``StepResult`` or ``stage_boundary``, not
-with this package, so that ``pipedsl``'s command line (which imports
+JAX is imported on first use of ``Pipeline``, ``StepResult``, ``stage_boundary`` or the
+other names above, not with this package, so that ``pipedsl``'s command line (which imports
 ``pipedsl.executor.cli``) starts fast and ``pipedsl run`` can configure XLA first.
 """
 
@@ -17,15 +19,37 @@ from typing import TYPE_CHECKING, Any
 from pipedsl.executor.errors import ExecutionError
 
 if TYPE_CHECKING:
+    from pipedsl.executor.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
     from pipedsl.executor.pipeline import Pipeline, StepResult
+    from pipedsl.executor.ray_backend import Resident
+    from pipedsl.executor.ray_cluster import DeviceLost, RayConfig, RayDevices
     from pipedsl.executor.split import stage_boundary
 
-__all__ = ["ExecutionError", "Pipeline", "StepResult", "stage_boundary"]
+__all__ = [
+    "ExecutionError",
+    "Pipeline",
+    "StepResult",
+    "stage_boundary",
+    "RayConfig",
+    "RayDevices",
+    "DeviceLost",
+    "Resident",
+    "Checkpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+]
 
 _LAZY = {
     "Pipeline": "pipedsl.executor.pipeline",
     "StepResult": "pipedsl.executor.pipeline",
     "stage_boundary": "pipedsl.executor.split",
+    "RayConfig": "pipedsl.executor.ray_cluster",
+    "RayDevices": "pipedsl.executor.ray_cluster",
+    "DeviceLost": "pipedsl.executor.ray_cluster",
+    "Resident": "pipedsl.executor.ray_backend",
+    "Checkpoint": "pipedsl.executor.checkpoint",
+    "save_checkpoint": "pipedsl.executor.checkpoint",
+    "load_checkpoint": "pipedsl.executor.checkpoint",
 }
 
 

@@ -135,7 +135,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=(
             "examples:\n"
             "  pipedsl run schedules/1f1b.sched -p pp=4 -p microbatches=8 --model mlp --steps 5\n"
-            "  pipedsl run schedules/zb_h1.sched -p pp=2 --model transformer --marked --timeline zb.json"
+            "  pipedsl run schedules/zb_h1.sched -p pp=2 --model transformer --marked --timeline zb.json\n"
+            "  pipedsl run schedules/1f1b.sched -p pp=2 --backend ray [--address HOST:PORT]"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,0 +1,460 @@
+"""Where the Ray backend's actors live: connecting to Ray and placing one actor per device.
+
+:func:`connect` joins an existing cluster (``address=...`` or the ``RAY_ADDRESS``
+environment variable) or starts a local instance that pipedsl also shuts down. A local
+instance is started with ``address="local"``, so that a stale cluster recorded by an
+earlier ``ray start`` is never joined by accident, and keeps all its traffic on
+127.0.0.1: that takes ``_node_ip_address="127.0.0.1"`` *and* the environment variable
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which Ray reads once, when it is imported. The
+variable must not be set when joining a user's cluster (the driver would then look for
+its node at 127.0.0.1), so which of the two happens is only known when :func:`connect`
+is called; that is why the Ray backend's modules import ``ray`` inside their functions,
+never at the top. If
+``ray`` was imported before pipedsl starts a local instance, the variable comes too late
+and the instance also listens on the machine's interface address (it still works).
+
+:class:`RayDevices` is one actor per pipeline device (:class:`pipedsl.executor.ray_actor.DeviceActor`),
+reserved as a placement group with one bundle per device: ``PACK`` (the default) keeps
+neighbouring devices on one node where they fit; ``SPREAD`` and ``STRICT_SPREAD`` put
+them on different nodes. Several pipelines may share one group (comparing schedules
+without restarting actors); :meth:`RayDevices.call` runs one method on every actor with
+a time bound and turns a dead actor, a lost node or a timeout into an
+:class:`~pipedsl.executor.errors.ExecutionError` that names the device and its node.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+from pipedsl.executor.errors import ExecutionError
+from pipedsl.executor.ray_actor import DeviceActor, Failure
+
+__all__ = ["RayConfig", "NodeInfo", "DeviceLost", "RayDevices", "connect", "disconnect", "STRATEGIES"]
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+"""Placement group strategies (Ray's names) for the devices' bundles."""
+
+_LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Threads per actor: one runs the step and blocks on receives; the others take
+# deliveries and aborts from peers and the driver, which never block.
+_ACTOR_THREADS = 4
+# Seconds the devices get to stop after an abort before the driver gives up on them.
+_STOP_GRACE = 10.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RayConfig:
+    """How the Ray backend finds its cluster and places and bounds its actors.
+
+    Attributes:
+      address: the cluster to join (``"auto"``, ``"HOST:PORT"``, ``"ray://HOST:PORT"``);
+        None joins the cluster named by ``RAY_ADDRESS``, else starts a local instance.
+        Ignored when this process is already connected to Ray.
+      strategy: placement of the devices' bundles, one of :data:`STRATEGIES`.
+      step_timeout: seconds the driver waits for one step on every actor (the first
+        step also compiles the stages) and for any other call, before it aborts the
+        step and raises.
+      start_timeout: seconds to wait for the placement group and the actors to start.
+      cpus_per_device: CPUs each actor reserves.
+      gpus_per_device: GPUs each actor reserves; None means 1 when the cluster has GPUs,
+        else 0.
+      local_cpus: CPUs of a local instance pipedsl starts (default: the machine's
+        count, at least enough for the devices).
+      runtime_env: Ray runtime environment of the actors (for example ``py_modules``
+        holding the model's code on a remote cluster).
+    """
+
+    address: str | None = None
+    strategy: str = "PACK"
+    step_timeout: float = 600.0
+    start_timeout: float = 120.0
+    cpus_per_device: float = 1.0
+    gpus_per_device: float | None = None
+    local_cpus: int | None = None
+    runtime_env: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ExecutionError(f"unknown placement strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}")
+        for name in ("step_timeout", "start_timeout"):
+            if not getattr(self, name) > 0:
+                raise ExecutionError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
+        if self.cpus_per_device < 0 or (self.gpus_per_device is not None and self.gpus_per_device < 0):
+            raise ExecutionError("cpus_per_device and gpus_per_device must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """Where one device's actor runs: Ray node id, node IP address and process id."""
+
+    node_id: str
+    ip: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"node {self.node_id[:12]} at {self.ip}"
+
+
+class DeviceLost(ExecutionError):
+    """A device's actor died, or its node went away, or it stopped answering.
+
+    The group's actors have been shut down: build a new pipeline (and restore the last
+    checkpoint). ``node`` is where the lost device ran.
+    """
+
+    def __init__(self, message: str, *, stage: int | None, device: int, node: NodeInfo | None) -> None:
+        self.node = node
+        super().__init__(message, stage=stage, device=device)
+
+
+# -- the connection ---------------------------------------------------------------------
+
+
+class _Connection:
+    """This process's use of Ray: whether pipedsl started the instance, and how many
+    users (device groups, explicit connects) hold it."""
+
+    lock = threading.Lock()
+    started_here = False
+    users = 0
+
+
+def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
+    """Connect this process to Ray, once; every call must be paired with :func:`disconnect`.
+
+    Joins ``address`` (or ``RAY_ADDRESS``) when given, else starts a local instance on
+    127.0.0.1 with ``num_cpus`` CPUs (default: the machine's). When this process is
+    already connected (by pipedsl or by the caller's own ``ray.init``), that connection
+    is used as it is.
+    """
+    with _Connection.lock:
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            _Connection.users += 1
+            return
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        if address is None and "ray" not in sys.modules:
+            os.environ[_LOOPBACK_VAR] = "0"
+        import ray
+
+        try:
+            with warnings.catch_warnings():
+                # Ray starts its processes with fork and exec, which is safe with JAX's
+                # threads; JAX warns about any fork all the same.
+                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+                if address is not None:
+                    ray.init(address=address)
+                else:
+                    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+        except Exception as err:  # Ray raises ConnectionError, ValueError, RuntimeError...
+            where = f"the Ray cluster at {address}" if address else "a local Ray instance"
+            raise ExecutionError(f"cannot connect to {where}: {type(err).__name__}: {err}") from err
+        _Connection.started_here = address is None
+        _Connection.users = 1
+
+
+def disconnect() -> None:
+    """Release one :func:`connect`; the last release shuts down a local instance pipedsl
+    started (a joined cluster, or a connection the caller made, is left alone)."""
+    with _Connection.lock:
+        if _Connection.users == 0:
+            return
+        _Connection.users -= 1
+        if _Connection.users == 0 and _Connection.started_here:
+            import ray
+
+            ray.shutdown()
+            _Connection.started_here = False
+
+
+# -- the device group -------------------------------------------------------------------
+
+_GROUP_IDS = itertools.count()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+class RayDevices:
+    """One Ray actor per pipeline device, placed on the cluster as one placement group.
+
+    Start with :meth:`start`; :meth:`close` (or leaving a ``with`` block) kills the
+    actors, frees their resources and releases the connection. A device lost during a
+    call closes the group itself.
+
+    Attributes:
+      config: the options it was started with.
+      actors: the actor handles, ``actors[d]`` runs pipeline device ``d``.
+      nodes: where each actor runs.
+      offsets: per actor, its wall clock minus this process's, in seconds (measured at
+        start; used to put every actor's recorded events on one clock).
+      platforms: per actor, the JAX device it computes on (``"cpu:0"``, ``"cuda:0"``).
+      step_timeout: the bound on every call, in seconds; starts as ``config.step_timeout``
+        and may be lowered once the first step (which compiles) has run.
+    """
+
+    def __init__(
+        self,
+        config: RayConfig,
+        actors: tuple[Any, ...],
+        group: Any,
+        nodes: tuple[NodeInfo, ...],
+        offsets: tuple[float, ...],
+        platforms: tuple[str, ...],
+    ) -> None:
+        self.config = config
+        self.actors = actors
+        self.nodes = nodes
+        self.offsets = offsets
+        self.platforms = platforms
+        self.step_timeout = config.step_timeout
+        self.id = next(_GROUP_IDS)
+        self._group = group
+        self._steps = itertools.count()
+        self._closed = False
+
+    @classmethod
+    def start(cls, num_devices: int, config: RayConfig | None = None) -> RayDevices:
+        """Connect (see :func:`connect`), reserve one bundle per device and start the actors."""
+        config = config or RayConfig()
+        if num_devices < 1:
+            raise ExecutionError(f"a device group needs at least one device, got {num_devices}")
+        local_cpus = config.local_cpus or max(os.cpu_count() or 1, int(num_devices * config.cpus_per_device + 0.999))
+        connect(config.address, num_cpus=local_cpus)
+        try:
+            return cls._start(num_devices, config)
+        except BaseException:
+            disconnect()
+            raise
+
+    @classmethod
+    def _start(cls, num_devices: int, config: RayConfig) -> RayDevices:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpus = config.gpus_per_device
+        if gpus is None:
+            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+        bundle = {"CPU": config.cpus_per_device} | ({"GPU": gpus} if gpus else {})
+        group = placement_group([dict(bundle) for _ in range(num_devices)], strategy=config.strategy)
+        if not group.wait(timeout_seconds=config.start_timeout):
+            remove_placement_group(group)
+            have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+            raise ExecutionError(
+                f"the cluster cannot place {num_devices} devices of {bundle} each under strategy "
+                f"{config.strategy} within {config.start_timeout:g} s (it has {have} over "
+                f"{len(ray.nodes())} node(s)); use fewer devices, a smaller cpus_per_device, or "
+                "strategy PACK"
+            )
+        remote = ray.remote(DeviceActor)
+        actors = tuple(
+            remote.options(
+                num_cpus=config.cpus_per_device,
+                num_gpus=gpus,
+                max_concurrency=_ACTOR_THREADS,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=d),
+                runtime_env=dict(config.runtime_env) if config.runtime_env else None,
+            ).remote(d)
+            for d in range(num_devices)
+        )
+        try:
+            where = ray.get([a.where.remote() for a in actors], timeout=config.start_timeout)
+            ray.get([a.connect.remote(actors) for a in actors], timeout=config.start_timeout)
+            offsets = tuple(_clock_offset(a, config.start_timeout) for a in actors)
+        except Exception as err:
+            for actor in actors:
+                ray.kill(actor)
+            remove_placement_group(group)
+            raise ExecutionError(
+                f"the {num_devices} device actors did not start within {config.start_timeout:g} s: {_first_line(err)}"
+            ) from err
+        nodes = tuple(NodeInfo(node_id, ip, pid) for node_id, ip, pid, _ in where)
+        platforms = tuple(platform for *_, platform in where)
+        return cls(config, actors, group, nodes, offsets, platforms)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.actors)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def next_step(self) -> int:
+        """A step number unique within this group (it keys the actors' mailboxes)."""
+        return next(self._steps)
+
+    def put(self, value: Any) -> Any:
+        """``value`` in Ray's object store, once, for several actors to read."""
+        import ray
+
+        return ray.put(value)
+
+    def call(
+        self,
+        method: str,
+        args: Sequence[tuple[tuple[Any, ...], dict[str, Any]] | None],
+        *,
+        what: str,
+        step: int | None = None,
+        stages: Callable[[int], tuple[int, ...]] | None = None,
+    ) -> list[Any]:
+        """Run ``method`` on every actor ``d`` with ``args[d]`` (positional, keyword; None
+        skips the actor) and return the results by device.
+
+        Waits at most :attr:`step_timeout` seconds. A dead actor
+        or node raises :class:`DeviceLost` (after closing the group); a timeout aborts
+        ``step`` on every actor and raises :class:`ExecutionError`; the first
+        :class:`~pipedsl.executor.ray_actor.Failure` returned aborts ``step`` on every
+        actor too (and is returned). ``what`` names the call and ``stages(d)`` device d's
+        stages in messages.
+        """
+        import ray
+        from ray.exceptions import RayActorError, RayError
+
+        self._check_open()
+        limit = self.step_timeout
+        pending = {
+            getattr(self.actors[d], method).remote(*a[0], **a[1]): d for d, a in enumerate(args) if a is not None
+        }
+        results: list[Any] = [None] * len(args)
+        deadline = time.monotonic() + limit
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._timed_out(pending, what, limit, step, stages)
+            for ref in ready:
+                d = pending.pop(ref)
+                try:
+                    results[d] = ray.get(ref, timeout=limit)
+                    if isinstance(results[d], Failure) and not results[d].peer:
+                        self.abort(step, f"device {d} failed")
+                except RayActorError as err:
+                    self._lost(d, what, err, step, stages)
+                except RayError as err:
+                    self.abort(step, f"device {d} failed")
+                    message = f"{what}: device {d} ({self.nodes[d]}) raised {_first_line(err)}"
+                    raise ExecutionError(message + self._drain(pending), device=d) from err
+        return results
+
+    def abort(self, step: int | None, message: str) -> None:
+        """Tell every actor that ``step`` failed, so that none waits for it any longer."""
+        if step is None or self._closed:
+            return
+        for actor in self.actors:
+            actor.abort.remote(step, None, message)
+
+    def close(self) -> None:
+        """Kill the actors, free their placement group, release the connection."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self._group)
+        disconnect()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- failures -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ExecutionError(
+                "these Ray devices are closed (a device was lost, or close() was called); "
+                "build a new pipeline and restore the last checkpoint"
+            )
+
+    def _describe(self, d: int, stages: Callable[[int], tuple[int, ...]] | None) -> str:
+        owned = stages(d) if stages is not None else ()
+        held = f", stage{'s' if len(owned) != 1 else ''} {', '.join(map(str, owned))}" if owned else ""
+        return f"device {d}{held}, on {self.nodes[d]}"
+
+    def _lost(self, d: int, what: str, err: BaseException, step: int | None, stages: Callable[[int], tuple[int, ...]] | None) -> None:
+        self.abort(step, f"device {d} was lost")
+        reason = _first_line(err)
+        if not _node_alive(self.nodes[d].node_id):
+            reason = f"its node is gone ({reason})"
+        owned = stages(d) if stages is not None else ()
+        self.close()
+        raise DeviceLost(
+            f"{what}: {self._describe(d, stages)} was lost: its actor died: {reason}. The pipeline's "
+            "actors have been shut down; build a new Pipeline and restore the last checkpoint",
+            stage=owned[0] if owned else None,
+            device=d,
+            node=self.nodes[d],
+        ) from err
+
+    def _timed_out(
+        self,
+        pending: dict[Any, int],
+        what: str,
+        limit: float,
+        step: int | None,
+        stages: Callable[[int], tuple[int, ...]] | None,
+    ) -> None:
+        self.abort(step, f"the driver stopped waiting after {limit:g} s")
+        running = sorted(pending.values())
+        where = "; ".join(
+            self._describe(d, stages) + ("" if _node_alive(self.nodes[d].node_id) else " (node gone)") for d in running
+        )
+        message = f"{what} did not finish within {limit:g} s (step_timeout): still running: {where}"
+        first = running[0]
+        owned = stages(first) if stages is not None else ()
+        raise ExecutionError(message + self._drain(pending), stage=owned[0] if owned else None, device=first)
+
+    def _drain(self, pending: dict[Any, int]) -> str:
+        """Wait a little for calls still running after an abort; if some do not return,
+        close the group and say so (for the end of an error message)."""
+        import ray
+
+        # An aborted device returns at its next receive; one that does not is stuck in a
+        # computation, and a group with a step still running cannot take another.
+        if not pending:
+            return ""
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=_STOP_GRACE)
+        if len(ready) == len(pending):
+            return ""
+        self.close()
+        return "; devices did not stop, so the actors have been shut down: build a new Pipeline"
+
+
+def _node_alive(node_id: str) -> bool:
+    import ray
+
+    try:
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+    except Exception:  # the cluster itself may be unreachable; then say nothing more
+        return True
+
+
+def _clock_offset(actor: Any, timeout: float) -> float:
+    """The actor's wall clock minus this process's, in seconds: of three round trips,
+    the shortest, assuming the actor read its clock halfway through (Cristian's method)."""
+    import ray
+
+    best = (float("inf"), 0.0)
+    for _ in range(3):
+        sent = time.time()
+        theirs = ray.get(actor.clock.remote(), timeout=timeout)
+        back = time.time()
+        best = min(best, (back - sent, theirs - (sent + back) / 2))
+    return best[1]
