@@ -24,6 +24,8 @@ bench: $(STAMP)
 	$(PY) bench/bench_parse.py
 	$(PY) bench/bench_simulate.py
 	$(PY) bench/bench_executor.py
+	$(PY) bench/bench_ray.py
+	$(PY) bench/bench_search.py
 
 clean:
 	rm -rf $(VENV) out build *.egg-info .pytest_cache .hypothesis
