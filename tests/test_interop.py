@@ -5,12 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from builders import gpipe, one_f_one_b, one_f_one_b_split
-from test_lower import interleaved, v_shape
+from builders import gpipe, interleaved, one_f_one_b, one_f_one_b_split, v_shape
 
 from pipedsl import language
 from pipedsl.errors import ConversionError, PipedslError, ScheduleInvalid
-from pipedsl.interop import from_csv, from_json, load_any, to_csv, to_json, to_sched_text
+from pipedsl.interop import (
+    from_csv,
+    from_json,
+    load_any,
+    to_csv,
+    to_json,
+    to_sched_text,
+)
 from pipedsl.ir import Schedule
 
 

@@ -11,57 +11,25 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import pytest
-from builders import gpipe, one_f_one_b, one_f_one_b_split
+from builders import gpipe, interleaved, one_f_one_b, one_f_one_b_split, v_shape
 from hypothesis import HealthCheck, given, settings
 from test_validate import valid_schedules
 
 from pipedsl.errors import ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
-from pipedsl.program import Buffer, BufferKind, Compute, Free, Program, Recv, Send, compute_io, lower
+from pipedsl.program import (
+    Buffer,
+    BufferKind,
+    Compute,
+    Free,
+    Program,
+    Recv,
+    Send,
+    compute_io,
+    lower,
+)
 
 # --- schedules with more than one stage per device -------------------------------------
-
-
-def interleaved(pp: int, vpp: int, m: int) -> Schedule:
-    """Megatron's interleaved 1F1B: stage s on device s % pp, written from its definition."""
-    num_stages = pp * vpp
-    total = m * vpp
-    orders = []
-    for d in range(pp):
-        warmup = min(2 * (pp - d - 1) + (vpp - 1) * pp, total)
-
-        def forward(k: int, d: int = d) -> Action:
-            return Action(Kind.F, ((k // pp) % vpp) * pp + d, (k // (pp * vpp)) * pp + k % pp)
-
-        def backward(k: int, d: int = d) -> Action:
-            return Action(Kind.B, (vpp - 1 - (k // pp) % vpp) * pp + d, (k // (pp * vpp)) * pp + k % pp)
-
-        order = [forward(k) for k in range(warmup)]
-        for k in range(total - warmup):
-            order += [forward(warmup + k), backward(k)]
-        order += [backward(k) for k in range(total - warmup, total)]
-        orders.append(tuple(order))
-    return Schedule(
-        name="interleaved",
-        num_stages=num_stages,
-        num_devices=pp,
-        num_microbatches=m,
-        placement=tuple(s % pp for s in range(num_stages)),
-        orders=tuple(orders),
-    )
-
-
-def v_shape(pp: int, m: int, *, split: bool) -> Schedule:
-    """V placement (device d holds stages d and 2pp-1-d) in a GPipe-like order: all
-    forwards by microbatch then stage, all backwards in reverse; projected per device."""
-    num_stages = 2 * pp
-    placement = tuple(s if s < pp else num_stages - 1 - s for s in range(num_stages))
-    order: list[Action] = [Action(Kind.F, s, mb) for mb in range(m) for s in range(num_stages)]
-    for mb in range(m):
-        for s in reversed(range(num_stages)):
-            order += [Action(Kind.I, s, mb), Action(Kind.W, s, mb)] if split else [Action(Kind.B, s, mb)]
-    orders = tuple(tuple(a for a in order if placement[a.stage] == d) for d in range(pp))
-    return Schedule("v", num_stages, pp, m, placement, orders)
 
 
 SCHEDULES = [
