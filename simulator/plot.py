@@ -6,8 +6,10 @@ shorter step is visibly shorter. Each device row shows its computes as bars labe
 with their microbatch (where the label fits) and, in a thin lane beneath, the transfers
 it sent as grey bars. The critical path of a simulation can be outlined.
 
-matplotlib is imported here, with the non-interactive Agg backend, and only here: the
-rest of the simulator never pays for it.
+matplotlib is imported here and only here, so the rest of the simulator never pays for
+it. Figures are built as plain ``matplotlib.figure.Figure`` objects, outside pyplot: no
+backend is chosen or switched (a notebook's inline display keeps working) and no global
+figure list holds on to them.
 """
 
 from __future__ import annotations
@@ -187,21 +189,12 @@ def plot_timelines(
     """
     if not panels:
         raise PipedslError("nothing to plot: give at least one schedule or timeline")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     heights = [0.32 * p.timeline.num_devices + 0.55 for p in panels]
-    fig, axes = plt.subplots(
-        len(panels),
-        1,
-        figsize=(width, sum(heights) + 0.9),
-        gridspec_kw={"height_ratios": heights},
-        sharex=share_time,
-        squeeze=False,
-    )
+    fig = Figure(figsize=(width, sum(heights) + 0.9))
+    axes = fig.subplots(len(panels), 1, gridspec_kw={"height_ratios": heights}, sharex=share_time, squeeze=False)
     spans = [max(p.timeline.makespan, 1e-12) for p in panels]
     plot_width = width * 0.9  # inches of time axis, after the device labels
     for ax, panel, span in zip(axes[:, 0], panels, spans, strict=True):
@@ -230,16 +223,11 @@ def plot_timelines(
 
 
 def save_figure(figure: Figure, path: str | Path, *, dpi: int = 150) -> None:
-    """Write ``figure`` as PNG, SVG or PDF (by ``path``'s suffix) and close it."""
-    import matplotlib.pyplot as plt
-
+    """Write ``figure`` as PNG, SVG or PDF (by ``path``'s suffix)."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
-        plt.close(figure)
         raise PipedslError(f"{path}: cannot tell the picture format; end the name in {', '.join(FORMATS)}")
     try:
         figure.savefig(path, dpi=dpi)
     except OSError as err:
         raise PipedslError(f"{path}: cannot write picture: {err.strerror or err}") from None
-    finally:
-        plt.close(figure)
