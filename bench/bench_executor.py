@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
+
+from timing import interleaved_medians
 
 
 def _configure(pp: int, cores: int | None) -> None:
@@ -42,27 +41,12 @@ def _configure(pp: int, cores: int | None) -> None:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Median seconds of each function, timed in turn so that load drifts hit all alike."""
-    import jax
-
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def bench_split(width: int, layers: int, microbatch: int, repeat: int) -> None:
     import jax
     import jax.numpy as jnp
-
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp
+
     from pipedsl.language import library_path, load
 
     schedule = load(library_path("zb_h1"), pp=3, microbatches=3)
@@ -97,7 +81,7 @@ def bench_split(width: int, layers: int, microbatch: int, repeat: int) -> None:
         state["acc"] = prog.backward_weight(handoff, state["acc"])
         return state["acc"]
 
-    t = _interleaved(
+    t = interleaved_medians(
         {
             "F": lambda: prog.forward(p, x, (), None),
             "B": run_b,
@@ -124,9 +108,9 @@ def bench_split(width: int, layers: int, microbatch: int, repeat: int) -> None:
 def bench_overhead(repeat: int) -> None:
     import jax
     import numpy as np
-
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp
+
     from pipedsl.language import library_path, load
 
     model = mlp(num_stages=2, width=4, layers_per_stage=1)
@@ -140,7 +124,7 @@ def bench_overhead(repeat: int) -> None:
         counts.append(schedule.num_actions)
         instructions.append(pipe.program.num_instructions)
         steps[microbatches] = partial(pipe.value_and_grad, params, batch)
-    times = list(_interleaved(steps, repeat).values())
+    times = list(interleaved_medians(steps, repeat).values())
     # Step time = fixed cost per step + cost per action: a least-squares line.
     per_action, fixed = np.polyfit(counts, times, 1)
     per_instruction = np.polyfit(instructions, times, 1)[0]
@@ -156,12 +140,12 @@ def bench_overhead(repeat: int) -> None:
 def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microbatch: int, repeat: int) -> None:
     import jax
     import jax.numpy as jnp
-
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp, reference_stages
-    from pipedsl.language import library_path, load
     from pipedsl.simulator import simulate
     from pipedsl.simulator.calibrate import fit_costs
+
+    from pipedsl.language import library_path, load
 
     model = mlp(num_stages=pp, width=width, layers_per_stage=layers)
     key = jax.random.PRNGKey(0)
@@ -202,7 +186,7 @@ def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microba
             recorded[name].append(pipe.step(params, batch, record=True).timeline)
 
     timed["record"] = record_all
-    steps = _interleaved(timed, repeat)
+    steps = interleaved_medians(timed, repeat)
     base = steps.pop("jit")
     steps.pop("record")
     for name, pipe in pipes.items():

@@ -22,35 +22,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-
-def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Median seconds of each function, timed in turn so that load drifts hit all alike."""
-    import jax
-
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+from timing import interleaved_medians
 
 
 def bench_overhead(devices: Any, repeat: int) -> None:
     import jax
     import numpy as np
-
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp
+
     from pipedsl.language import library_path, load
 
     model = mlp(num_stages=2, width=4, layers_per_stage=1)
@@ -67,7 +53,7 @@ def bench_overhead(devices: Any, repeat: int) -> None:
             pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=devices if backend == "ray" else "local")
             pipes.append(pipe)
             steps[f"{backend} {microbatches}"] = partial(pipe.value_and_grad, params, batch)
-    times = _interleaved(steps, repeat)
+    times = interleaved_medians(steps, repeat)
     for pipe in pipes:
         pipe.close()
     print("\n1. runtime overhead: 1F1B pp=2, one-row microbatches of a 4-wide one-layer MLP (compute negligible)")
@@ -81,12 +67,12 @@ def bench_overhead(devices: Any, repeat: int) -> None:
 
 def bench_schedules(devices: Any, pp: int, microbatches: int, width: int, layers: int, microbatch: int, repeat: int) -> None:
     import jax
-
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp
-    from pipedsl.language import library_path, load
     from pipedsl.simulator import simulate
     from pipedsl.simulator.calibrate import fit_costs
+
+    from pipedsl.language import library_path, load
 
     model = mlp(num_stages=pp, width=width, layers_per_stage=layers)
     key = jax.random.PRNGKey(0)
@@ -115,7 +101,7 @@ def bench_schedules(devices: Any, pp: int, microbatches: int, width: int, layers
             recorded[name].append(pipe.step(params, batch, record=True).timeline)
 
     timed["record"] = record_all
-    steps = _interleaved(timed, repeat)
+    steps = interleaved_medians(timed, repeat)
     for name in names:
         timelines = recorded[name]
         timeline = sorted(timelines, key=lambda tl: tl.makespan)[len(timelines) // 2]
@@ -152,7 +138,6 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
 
     import jax
-
     from pipedsl.executor.ray_cluster import RayConfig, RayDevices
 
     started = time.perf_counter()

@@ -24,12 +24,12 @@ from pipedsl.cli import EXIT_OK, add_param_option, load_schedule
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 
-__all__ = ["register"]
+__all__ = ["register", "request_devices"]
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
-def _request_devices(count: int) -> None:
+def request_devices(count: int) -> None:
     """Ask XLA for ``count`` host devices, unless JAX is already imported (then its
     device count is fixed and the backend reports any shortage) or the user chose."""
     if "jax" in sys.modules:
@@ -50,11 +50,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     schedule.validate()
     if args.steps < 1 or args.microbatch_size < 1:
         raise PipedslError("--steps and --microbatch-size must be at least 1")
-    _request_devices(schedule.num_devices)
+    request_devices(schedule.num_devices)
 
     import jax
     import optax
-
     from pipedsl.executor.models import MODELS
     from pipedsl.executor.pipeline import Pipeline
 

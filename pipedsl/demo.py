@@ -29,8 +29,19 @@ from rich.console import Console
 from rich.table import Table
 
 from pipedsl.errors import PipedslError
+from pipedsl.executor.cli import request_devices
 from pipedsl.language import library_path, library_schedules, load
-from pipedsl.simulator import Cluster, Model, Panel, fit_costs, plot_timelines, save_figure, search, simulate, summarize
+from pipedsl.simulator import (
+    Cluster,
+    Model,
+    Panel,
+    fit_costs,
+    plot_timelines,
+    save_figure,
+    search,
+    simulate,
+    summarize,
+)
 from pipedsl.simulator.search import describe
 
 __all__ = ["register", "DEMO_MODEL"]
@@ -69,13 +80,6 @@ class RunReport:
     @property
     def error(self) -> float:
         return self.predicted_s / self.measured_s - 1.0
-
-
-def _request_devices(count: int) -> None:
-    """Give this process ``count`` CPU devices, before JAX is imported."""
-    flag = "--xla_force_host_platform_device_count"
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag))
-    os.environ["XLA_FLAGS"] = f"{flags} {flag}={count}".strip()
 
 
 # --- 1. the library -----------------------------------------------------------------
@@ -327,7 +331,7 @@ def _runs(console: Console, frame: Any, *, devices: int, top: int, steps: int, b
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.devices < 2 or args.top < 1 or args.steps < 1:
         raise PipedslError("--devices must be at least 2, --top and --steps at least 1")
-    _request_devices(args.devices)
+    request_devices(args.devices)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console()

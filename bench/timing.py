@@ -1,0 +1,28 @@
+"""Timing helpers shared by the benchmark scripts (run as ``python bench/NAME.py``, which
+puts this folder on ``sys.path``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
+    """Median seconds of each function, timed in turn so that load drifts hit all alike.
+
+    Each function is called once first (compilation, caches), and every call is waited
+    for with ``jax.block_until_ready``.
+    """
+    import jax
+
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
