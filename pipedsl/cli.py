@@ -283,7 +283,7 @@ def _register_core(subparsers: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: the core subcommands, then the simulator's and the executor's."""
-    from pipedsl import demo
+    from pipedsl import calibration, demo
     from pipedsl.executor import cli as executor_cli
     from pipedsl.simulator import cli as simulator_cli
     from pipedsl.simulator import plan_cli
@@ -299,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulator_cli.register(subparsers)
     plan_cli.register(subparsers)
     executor_cli.register(subparsers)
+    calibration.register(subparsers)
     demo.register(subparsers)
     return parser
 

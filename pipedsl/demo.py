@@ -19,67 +19,40 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from pipedsl.calibration import (
+    DEMO_MODEL,
+    Measurement,
+    backend_for,
+    measure,
+    results_table,
+)
 from pipedsl.errors import PipedslError
 from pipedsl.executor.cli import request_devices
+from pipedsl.ir import Schedule
 from pipedsl.language import library_path, library_schedules, load
 from pipedsl.simulator import (
     Cluster,
-    Model,
-    Panel,
-    fit_costs,
     plot_timelines,
     save_figure,
     search,
-    simulate,
     summarize,
 )
 from pipedsl.simulator.search import describe
 
 __all__ = ["register", "DEMO_MODEL"]
 
-DEMO_MODEL = Model(
-    name="demo-cpu",
-    layers=4,
-    hidden=128,
-    ffn_hidden=512,
-    heads=4,
-    seq_len=64,
-    vocab=512,
-    dtype_bytes=4,
-    learned_positions=True,
-    tied_embeddings=False,
-)
-"""The transformer the demo plans and runs: the executor's built-in one at this shape."""
-
 _GLOBAL_BATCH = 32
 _RECORDED_STEPS = 3
 # Each action costs tens of microseconds of dispatch on CPU, which the FLOP-based plan
 # estimate does not see; microbatches of a few sequences keep that overhead small.
 _MIN_RUN_MICROBATCH = 4
-
-
-@dataclass(frozen=True, slots=True)
-class RunReport:
-    """One schedule run for real: its plan, predicted and measured seconds per step, and losses."""
-
-    label: str
-    predicted_s: float
-    measured_s: float
-    losses: tuple[float, ...]
-    panels: tuple[Panel, Panel]
-
-    @property
-    def error(self) -> float:
-        return self.predicted_s / self.measured_s - 1.0
 
 
 # --- 1. the library -----------------------------------------------------------------
@@ -204,124 +177,32 @@ def _runnable(frame: Any, devices: int, top: int) -> list[dict[str, Any]]:
     return [row.to_dict() for _, row in rows.head(top).iterrows()]
 
 
-def _wait(state: Any, backend: Any) -> None:
-    """Wait for a step's parameter updates: the local backend returns before they are
-    computed (JAX dispatches asynchronously); Ray's steps return when they are done."""
-    if backend == "local":
-        import jax
-
-        jax.block_until_ready(state)
-
-
-def _run_one(row: dict[str, Any], *, backend: Any, steps: int, console: Console) -> RunReport:
-    import jax
-    import optax
-
-    from pipedsl.executor import Pipeline
-    from pipedsl.executor.models import transformer
-
-    params = {"pp": row["pp"], "microbatches": row["microbatches"]}
+def _schedule_of(row: dict[str, Any]) -> Schedule:
+    """The library schedule a search row names, with the row's parameters."""
     path = library_path(row["schedule"])
+    params = {"pp": row["pp"], "microbatches": row["microbatches"]}
     if "vpp" in {name for name, _ in load(path).params}:
         params["vpp"] = row["vpp"]
-    schedule = load(path, **params)
-    model = transformer(
-        num_stages=schedule.num_stages,
-        vocab=DEMO_MODEL.vocab,
-        dim=DEMO_MODEL.hidden,
-        heads=DEMO_MODEL.heads,
-        seq=DEMO_MODEL.seq_len,
-        layers_per_stage=DEMO_MODEL.layers // schedule.num_stages,
-    )
-    key = jax.random.PRNGKey(0)
-    batch = model.batch(jax.random.fold_in(key, 1), row["microbatch_size"] * schedule.num_microbatches)
-    label = f"{row['schedule']}(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")"
-    pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=backend)
-    try:
-        state: Any = model.init_stages(key)
-        optimizer = optax.adam(3e-3)
-        opt_state = None
-        # Two unmeasured steps: the first compiles, the second settles caches.
-        losses = []
-        for _ in range(2):
-            state, opt_state, loss = pipe.train_step(state, opt_state, batch, optimizer=optimizer)
-            losses.append(float(loss))
-        # Medians over a few recorded training steps: one step of few microbatches is
-        # noisy. What a step spends outside its timeline (dispatching the step, summing
-        # shared gradients, the optimizer update) is calibrated alongside.
-        recorded, outside = [], []
-        for _ in range(_RECORDED_STEPS):
-            start = time.perf_counter()
-            result = pipe.step(state, batch, optimizer=optimizer, opt_state=opt_state, record=True)
-            state, opt_state = result.params, result.opt_state
-            losses.append(float(result.loss))
-            _wait(state, backend)
-            wall = time.perf_counter() - start
-            assert result.timeline is not None  # asked for with record=True
-            recorded.append(result.timeline)
-            outside.append(max(wall - result.timeline.makespan, 0.0))
-        fit = fit_costs(recorded, num_stages=schedule.num_stages)
-        # On Ray a send costs its sender the serialisation and the actor call (measured
-        # as the transfer), so sends are modelled as blocking there.
-        simulated = simulate(schedule, fit.cost_model().with_changes(overlap_sends=backend == "local"))
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            state, opt_state, loss = pipe.train_step(state, opt_state, batch, optimizer=optimizer)
-            losses.append(float(loss))
-            _wait(state, backend)
-            times.append(time.perf_counter() - start)
-    finally:
-        pipe.close()
-    report = RunReport(
-        label=label,
-        predicted_s=simulated.makespan + statistics.median(outside),
-        measured_s=statistics.median(times),
-        losses=tuple(losses),
-        panels=(
-            Panel(simulated.timeline, title=f"{label} simulated (calibrated)"),
-            Panel(recorded[-1], title=f"{label} measured (recorded step)"),
-        ),
-    )
-    console.print(
-        f"  {label}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; predicted {report.predicted_s * 1e3:.1f} ms, "
-        f"measured {report.measured_s * 1e3:.1f} ms per step ({report.error:+.1%})"
-    )
-    return report
+    return load(path, **params)
 
 
-def _runs(console: Console, frame: Any, *, devices: int, top: int, steps: int, backend: str, out: Path) -> list[RunReport]:
+def _runs(console: Console, frame: Any, *, devices: int, top: int, steps: int, backend: str, out: Path) -> list[Measurement]:
     rows = _runnable(frame, devices, top)
     console.rule(f"[bold]3. Running the best {len(rows)} pipeline schedules for real ({backend} backend)")
     if not rows:
         raise PipedslError("no pipeline plan over every device fits; nothing to run")
     for row in rows:
         console.print(f"plan {describe(row)}", highlight=False)
-    if backend == "ray":
-        from pipedsl.executor.ray_cluster import RayConfig, RayDevices
-
-        # One group of actors serves every run: Ray starts once, each run ships its model.
-        with RayDevices.start(devices, RayConfig()) as group:
-            where = sorted({node.ip for node in group.nodes})
-            console.print(f"Ray: {devices} actors on {', '.join(where)}", highlight=False)
-            reports = [_run_one(row, backend=group, steps=steps, console=console) for row in rows]
-    else:
-        reports = [_run_one(row, backend=backend, steps=steps, console=console) for row in rows]
-    table = Table(title="Predicted (simulator, calibrated on this machine) against measured step time", title_justify="left")
-    for column in ("schedule", "predicted (ms)", "measured (ms)", "error", "first loss", "last loss"):
-        table.add_column(column, justify="left" if column == "schedule" else "right")
+    schedules = [_schedule_of(row) for row in rows]
+    with backend_for(backend, devices, console) as where:
+        reports = []
+        for schedule, row in zip(schedules, rows, strict=True):
+            m = measure(schedule, microbatch_size=row["microbatch_size"], backend=where, steps=steps)
+            console.print(f"  {m.summary()}", highlight=False)
+            reports.append(m)
     lines = ["schedule,predicted_s,measured_s,error,first_loss,last_loss"]
-    for r in reports:
-        table.add_row(
-            r.label,
-            f"{r.predicted_s * 1e3:.1f}",
-            f"{r.measured_s * 1e3:.1f}",
-            f"{r.error:+.1%}",
-            f"{r.losses[0]:.4f}",
-            f"{r.losses[-1]:.4f}",
-        )
-        lines.append(f"\"{r.label}\",{r.predicted_s},{r.measured_s},{r.error},{r.losses[0]},{r.losses[-1]}")
-    console.print(table)
+    lines += [f"\"{r.label}\",{r.predicted_s},{r.measured_s},{r.error},{r.losses[0]},{r.losses[-1]}" for r in reports]
+    console.print(results_table(reports))
     (out / "runs.csv").write_text("\n".join(lines) + "\n")
     figure = plot_timelines([p for r in reports for p in r.panels], share_time=False, caption="simulated against measured")
     save_figure(figure, out / "timelines.png")

@@ -13,7 +13,12 @@ import re
 
 import lark
 from lark import Token, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
+from lark.exceptions import (
+    UnexpectedCharacters,
+    UnexpectedInput,
+    UnexpectedToken,
+    VisitError,
+)
 from lark.tree import Meta
 from lark.visitors import Transformer_NonRecursive
 

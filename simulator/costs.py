@@ -211,6 +211,18 @@ class CostModel:
             raise CostError(f"{path}: not valid TOML: {err}") from None
         return cls.from_mapping(data, source=str(path))
 
+    def to_toml(self) -> str:
+        """The fields that are set, as a TOML text :meth:`from_toml` reads back."""
+
+        def value(v: Any) -> str:
+            if isinstance(v, bool):
+                return "true" if v else "false"
+            if isinstance(v, tuple):
+                return "[" + ", ".join(value(x) for x in v) + "]"
+            return repr(v)
+
+        return "".join(f"{f.name} = {value(getattr(self, f.name))}\n" for f in fields(self) if getattr(self, f.name) is not None)
+
     def with_changes(self, **changes: Any) -> CostModel:
         """A copy with the given fields replaced (and checked again)."""
         return replace(self, **changes)

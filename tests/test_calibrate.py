@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -45,10 +50,57 @@ def test_median_ignores_outliers() -> None:
 def test_errors_name_what_is_missing() -> None:
     with pytest.raises(CalibrationError, match="no measured timeline"):
         fit_costs([], num_stages=2)
-    only_stage0 = Timeline.from_events([Event(0, EventKind.F, 0, 0, 0.0, 1.0)], name="x", num_devices=2, origin="measured")
+    only_stage0 = Timeline.from_events(
+        [Event(0, EventKind.F, 0, 0, 0.0, 1.0)], name="x", num_devices=2, origin="measured"
+    )
     with pytest.raises(CalibrationError, match="stage 1"):
         fit_costs([only_stage0], num_stages=2)
     empty = Timeline.from_events([], name="x", num_devices=1, origin="measured")
     with pytest.raises(CalibrationError, match="no forward"):
         fit_costs([empty], num_stages=1)
     assert np.isfinite(fit_costs([only_stage0], num_stages=1).forward[0])
+
+
+def test_calibrate_command_fits_predicts_and_saves_costs(tmp_path: Path) -> None:
+    """The whole loop on this machine: run, record, fit, simulate, measure, save."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipedsl",
+            "calibrate",
+            "1f1b",
+            "zb_h1",
+            "-p",
+            "microbatches=4",
+            "--steps",
+            "2",
+            "--microbatch-size",
+            "2",
+            "--save-costs",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "predicted" in done.stdout and "measured" in done.stdout
+    fitted = CostModel.from_toml(tmp_path / "zb_h1.toml")
+    stages = _library("zb_h1", pp=2, microbatches=4)
+    resolved = fitted.resolve(stages)
+    assert all(t > 0 for t in resolved.forward + resolved.weight_grad)
+    assert simulate(stages, fitted).makespan > 0
+
+
+def test_calibrate_rejects_a_model_the_schedule_cannot_split() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pipedsl", "calibrate", "1f1b", "-p", "pp=3", "-p", "microbatches=3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "split evenly" in done.stderr and "Traceback" not in done.stderr
