@@ -106,8 +106,8 @@ def bench_schedules(devices: Any, pp: int, microbatches: int, width: int, layers
         timelines = recorded[name]
         timeline = sorted(timelines, key=lambda tl: tl.makespan)[len(timelines) // 2]
         program = ray[name].program
-        # A Ray send costs its sender the serialisation and an actor call, which the
-        # recorded transfer time measures: model sends as blocking the sender.
+        # A Ray send's copy, serialisation and actor call (the recorded transfer time)
+        # take the sender's CPU beside its computation: model sends as blocking it.
         costs = fit_costs(timelines, num_stages=pp).cost_model().with_changes(overlap_sends=False)
         sim = simulate(program, costs)
         t_local, t_ray = steps[f"local {name}"], steps[f"ray {name}"]

@@ -29,6 +29,7 @@ the driver before it connects (see :mod:`pipedsl.executor.ray_cluster`).
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -170,9 +171,16 @@ class Mailbox:
 class RayTransport:
     """Device ``device``'s end of the links for one step (implements
     :class:`~pipedsl.executor.transport.Transport`): sends are ``deliver`` calls on the
-    peer actors, receives wait in this actor's :class:`Mailbox`."""
+    peer actors, receives wait in this actor's :class:`Mailbox`.
 
-    __slots__ = ("device", "step", "_mailbox", "_peers", "_timeout", "_aborted")
+    A send returns at once: a sender thread waits for the value to be computed, copies
+    it to host memory and hands it to Ray, so the device goes on dispatching its next
+    actions meanwhile. The thread keeps the order of sends; :meth:`finish` waits for it
+    at the end of the program, and a value whose computation failed is reported as its
+    stage's failure. Recorded sends (``wait=True``) stay synchronous, to be timed.
+    """
+
+    __slots__ = ("device", "step", "_mailbox", "_peers", "_timeout", "_aborted", "_queue", "_sender", "_error")
 
     def __init__(self, device: int, step: int, mailbox: Mailbox, peers: Sequence[Any], *, timeout: float) -> None:
         self.device = device
@@ -181,11 +189,51 @@ class RayTransport:
         self._peers = peers
         self._timeout = timeout
         self._aborted = False
+        self._queue: queue.SimpleQueue[tuple[Buffer, Any, int] | None] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        self._error: ExecutionError | None = None
 
     def send(self, buffer: Buffer, value: Any, dst: int, *, wait: bool = False) -> None:
-        self.post(buffer, value, dst, stage=buffer.stage, wait=wait)
+        if self._error is not None:
+            raise self._error
+        if wait:
+            self.post(buffer, value, dst, stage=buffer.stage, wait=True)
+            return
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_queued, name=f"pipedsl-send-{self.device}", daemon=True)
+            self._sender.start()
+        self._queue.put((buffer, value, dst))
+
+    def _send_queued(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # drain: the step has failed
+            buffer, value, dst = item
+            try:
+                self.post(buffer, value, dst, stage=buffer.stage)
+            except ExecutionError as err:
+                self._error = err
+                self.abort(err)
+            except Exception as err:  # anything else Ray raises while handing the value over
+                self._error = ExecutionError(f"device {self.device} could not send {buffer}: {err}", device=self.device)
+                self.abort(err)
+
+    def finish(self, failure: ExecutionError | None = None) -> ExecutionError | None:
+        """Wait for the queued sends (at most the receive timeout); return the step's
+        failure: the sender's own, which caused any other, else ``failure``."""
+        if self._sender is not None:
+            self._queue.put(None)
+            self._sender.join(timeout=self._timeout)
+            if self._sender.is_alive() and self._error is None:
+                self._error = ExecutionError(
+                    f"device {self.device}'s sends did not finish within {self._timeout:g} s", device=self.device
+                )
+            self._sender = None
+        return self._error or failure
 
     def recv(self, buffer: Buffer, src: int, *, timeout: float) -> Any:
+        if self._error is not None:
+            raise self._error
         return self._mailbox.take(self.step, src, buffer, me=self.device, what=str(buffer), timeout=timeout)
 
     def abort(self, error: BaseException) -> None:
@@ -200,8 +248,8 @@ class RayTransport:
 
     def post(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
         """Hand ``value`` (a pytree of arrays computed by ``stage``, or of no computation
-        when None) to device ``dst`` as ``key``; with ``wait``, return only once it has
-        arrived."""
+        when None) to device ``dst`` as ``key`` from this thread; with ``wait``, return
+        only once it has arrived."""
         # To host memory first: Ray moves numpy arrays without copying them again. This is
         # where an asynchronous computation's error surfaces, so it is blamed on its stage.
         host = value if stage is None else _materialize(value, stage, self.device, f"computing {key}")
@@ -363,6 +411,9 @@ class DeviceActor:
                 self._microbatches(targets, hosted.count),
                 recorder=recorder,
             )
+            failure = transport.finish()
+            if failure is not None:
+                raise failure
             for s, stage_grads in result.grads.items():
                 _materialize(stage_grads, s, self.index, "accumulating its gradients", fetch=False)
             if result.loss is not None:
@@ -381,9 +432,13 @@ class DeviceActor:
                 events=result.events,
             )
         except ExecutionError as err:
-            transport.abort(err)
-            return Failure(str(err), err.stage, self.index, peer=isinstance(err, PeerFailed), updated=updated)
+            # A send that failed in the background is what made the program stop.
+            cause = transport.finish(err)
+            assert cause is not None  # finish returns its argument when the sends were fine
+            transport.abort(cause)
+            return Failure(str(cause), cause.stage, self.index, peer=isinstance(cause, PeerFailed), updated=updated)
         except Exception as err:  # not ours: still reported as this device's failure
+            transport.finish()
             transport.abort(err)
             message = f"device {self.index} failed: {type(err).__name__}: {err}"
             return Failure(message, None, self.index, peer=False, updated=updated)

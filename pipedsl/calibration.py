@@ -152,8 +152,9 @@ def measure(schedule: Schedule, *, microbatch_size: int, backend: Any, steps: in
             assert result.timeline is not None  # asked for with record=True
             recorded.append(result.timeline)
             outside.append(max(wall - result.timeline.makespan, 0.0))
-        # On Ray a send costs its sender the serialisation and the actor call (measured
-        # as the transfer), so sends are modelled as blocking there.
+        # On Ray a send's copy to host, serialisation and actor call (measured as the
+        # transfer) run in the sender's process beside its computation and slow it about
+        # as much, so sends are modelled as blocking there.
         costs = fit_costs(recorded, num_stages=schedule.num_stages).cost_model()
         costs = costs.with_changes(overlap_sends=backend == "local")
         simulated = simulate(schedule, costs)
