@@ -176,7 +176,7 @@ def measure(schedule: Schedule, *, microbatch_size: int, backend: Any, steps: in
         losses=tuple(losses),
         panels=(
             Panel(simulated.timeline, title=f"{label} simulated (calibrated)"),
-            Panel(recorded[-1], title=f"{label} measured (recorded step)"),
+            Panel(recorded[-1], title=f"{label} recorded step"),
         ),
     )
 
