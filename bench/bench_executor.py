@@ -30,7 +30,7 @@ import sys
 from functools import partial
 from typing import Any
 
-from timing import interleaved_medians
+from timing import interleaved_medians, medians_with_recordings
 
 
 def _configure(pp: int, cores: int | None) -> None:
@@ -179,16 +179,8 @@ def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microba
     # each schedule's recorded steps (for the simulator's costs) alternate with its timed ones.
     timed = {name: partial(pipe.value_and_grad, params, batch) for name, pipe in pipes.items()}
     timed["jit"] = partial(one_device, p1, xs, ts)
-    recorded: dict[str, list[Any]] = {name: [] for name in pipes}
-
-    def record_all() -> None:
-        for name, pipe in pipes.items():
-            recorded[name].append(pipe.step(params, batch, record=True).timeline)
-
-    timed["record"] = record_all
-    steps = interleaved_medians(timed, repeat)
+    steps, recorded = medians_with_recordings(timed, pipes, params, batch, repeat)
     base = steps.pop("jit")
-    steps.pop("record")
     for name, pipe in pipes.items():
         timelines = recorded[name]
         timeline = sorted(timelines, key=lambda tl: tl.makespan)[len(timelines) // 2]

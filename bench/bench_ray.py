@@ -28,7 +28,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from timing import interleaved_medians
+from timing import interleaved_medians, medians_with_recordings
 
 
 def bench_overhead(devices: Any, repeat: int) -> None:
@@ -94,14 +94,7 @@ def bench_schedules(devices: Any, pp: int, microbatches: int, width: int, layers
     for name in names:
         timed[f"local {name}"] = partial(local[name].value_and_grad, params, batch)
         timed[f"ray {name}"] = partial(ray[name].value_and_grad, params, batch)
-    recorded: dict[str, list[Any]] = {name: [] for name in names}
-
-    def record_all() -> None:
-        for name, pipe in ray.items():
-            recorded[name].append(pipe.step(params, batch, record=True).timeline)
-
-    timed["record"] = record_all
-    steps = interleaved_medians(timed, repeat)
+    steps, recorded = medians_with_recordings(timed, ray, params, batch, repeat)
     for name in names:
         timelines = recorded[name]
         timeline = sorted(timelines, key=lambda tl: tl.makespan)[len(timelines) // 2]

@@ -26,3 +26,20 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def medians_with_recordings(
+    timed: dict[str, Callable[[], Any]], pipes: dict[str, Any], params: Any, batch: Any, repeat: int
+) -> tuple[dict[str, float], dict[str, list[Any]]]:
+    """:func:`interleaved_medians` of ``timed``, with one recorded step of every pipeline
+    in ``pipes`` taken in each round (so the recordings see the same load), and those
+    recorded timelines by pipeline name."""
+    recorded: dict[str, list[Any]] = {name: [] for name in pipes}
+
+    def record_all() -> None:
+        for name, pipe in pipes.items():
+            recorded[name].append(pipe.step(params, batch, record=True).timeline)
+
+    medians = interleaved_medians({**timed, "record": record_all}, repeat)
+    del medians["record"]
+    return medians, recorded

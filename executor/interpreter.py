@@ -34,7 +34,7 @@ from pipedsl.ir import Kind
 from pipedsl.program import Buffer, BufferKind, Compute, DeviceProgram, Free, Recv, Send
 from pipedsl.timeline import Event
 
-__all__ = ["DeviceStep", "DeviceRuntime", "optimizer_update"]
+__all__ = ["DeviceStep", "DeviceRuntime", "optimizer_update", "split_leading"]
 
 Leaves = tuple[Any, ...]
 _HELD = (BufferKind.RESIDUAL, BufferKind.WEIGHT_RESIDUAL)
@@ -230,6 +230,15 @@ class _StepState:
             self.held[pair] -= 1
             if not self.held[pair]:
                 del self.held[pair]
+
+
+def _split_leading(leaf: jax.Array, count: int) -> tuple[jax.Array, ...]:
+    return tuple(jnp.split(leaf, count))
+
+
+split_leading = jax.jit(_split_leading, static_argnums=1)
+"""``split_leading(leaf, count)``: ``leaf`` cut into ``count`` equal microbatches along
+axis 0, in one dispatch where the leaf lives (instead of one per microbatch)."""
 
 
 @lru_cache(maxsize=16)

@@ -31,7 +31,7 @@ import optax
 
 from pipedsl.executor.backend import Backend
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.interpreter import optimizer_update
+from pipedsl.executor.interpreter import optimizer_update, split_leading
 from pipedsl.executor.local import LocalBackend
 from pipedsl.executor.ray_backend import RayRunner
 from pipedsl.executor.ray_cluster import RayConfig, RayDevices
@@ -94,15 +94,6 @@ class _Batch:
     count: int
     example_inputs: Any
     example_targets: Any
-
-
-def _split_leading(leaf: jax.Array, count: int) -> tuple[jax.Array, ...]:
-    """``leaf`` cut into ``count`` equal parts along axis 0."""
-    return tuple(jnp.split(leaf, count))
-
-
-# One dispatch per leaf and step, where the leaf lives, instead of one per microbatch.
-_split_leading_jit = jax.jit(_split_leading, static_argnums=1)
 
 
 class Pipeline:
@@ -335,7 +326,7 @@ class Pipeline:
 
     def _microbatches(self, leaves: list[Any], count: int, device: int) -> list[tuple[Any, ...]]:
         """Per microbatch, its slice of every leaf, on pipeline device ``device``."""
-        parts = [self.backend.call(device, _split_leading_jit, self.backend.place(leaf, device), count) for leaf in leaves]
+        parts = [self.backend.call(device, split_leading, self.backend.place(leaf, device), count) for leaf in leaves]
         return [tuple(part[m] for part in parts) for m in range(count)]
 
     def _plan(self, params: Any, batch: _Batch) -> _Plan:

@@ -38,12 +38,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from pipedsl.executor.errors import ExecutionError, PeerFailed, stage_failure
-from pipedsl.executor.interpreter import DeviceRuntime, optimizer_update
+from pipedsl.executor.interpreter import DeviceRuntime, optimizer_update, split_leading
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stages import StagedModel, StageProgram, compile_stage, explicit_model
 from pipedsl.executor.timing import Recorder
@@ -55,8 +54,6 @@ __all__ = ["ModelSpec", "Update", "StepReport", "Failure", "Mailbox", "RayTransp
 Leaves = tuple[Any, ...]
 # Compiled models kept per actor (least recently used dropped beyond this many).
 _PLAN_CACHE_SIZE = 16
-# A batch leaf cut into microbatches along axis 0, in one dispatch.
-_split_leading = jax.jit(lambda leaf, count: tuple(jnp.split(leaf, count)), static_argnums=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,7 +441,7 @@ class DeviceActor:
             return Failure(message, None, self.index, peer=False, updated=updated)
 
     def _microbatches(self, leaves: Sequence[Any], count: int) -> list[Leaves]:
-        parts = [_split_leading(jax.device_put(leaf, self.device), count) for leaf in leaves]
+        parts = [split_leading(jax.device_put(leaf, self.device), count) for leaf in leaves]
         return [tuple(part[m] for part in parts) for m in range(count)] if parts else []
 
     def _sum_shared(self, hosted: _Hosted, stage_grads: Mapping[int, Leaves], transport: RayTransport) -> dict[int, Any]:

@@ -30,10 +30,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pipedsl.cli import add_command, add_param_option, load_schedule, make_console
 from pipedsl.errors import PipedslError
 from pipedsl.executor.cli import request_devices
 from pipedsl.ir import Schedule
 from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
+from pipedsl.simulator.plan import find_schedule, schedule_parameters
 
 __all__ = ["DEMO_MODEL", "Measurement", "measure", "backend_for", "results_table", "register"]
 
@@ -214,8 +216,6 @@ def results_table(measurements: Sequence[Measurement]) -> Table:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from pipedsl.cli import load_schedule
-
     if args.steps < 1 or args.microbatch_size < 1:
         raise PipedslError("--steps and --microbatch-size must be at least 1")
     schedules = []
@@ -227,9 +227,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         schedule.validate()
         schedules.append(schedule)
     request_devices(max(s.num_devices for s in schedules))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=120)
+    console = make_console()
     if args.save_costs is not None:
         Path(args.save_costs).mkdir(parents=True, exist_ok=True)
     measurements = []
@@ -248,19 +246,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _parameters(spec: str) -> set[str]:
-    """The parameter names a schedule file declares (none for CSV or JSON)."""
-    from pipedsl.cli import load_schedule
-
+    """The parameter names a ``.sched`` file or library name declares (none for CSV or
+    JSON, and none for a path that does not load: ``load_schedule`` then says why)."""
     try:
-        return {name for name, _ in load_schedule(spec, {}).params}
+        return set(schedule_parameters(find_schedule(spec)))
     except PipedslError:
         return set()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``calibrate`` to ``pipedsl``'s subcommands."""
-    from pipedsl.cli import add_command, add_param_option
-
     cal = add_command(
         subparsers,
         "calibrate",

@@ -20,10 +20,14 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipedsl import interop
 from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Schedule
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = [
     "EXIT_OK",
@@ -36,6 +40,7 @@ __all__ = [
     "load_schedule",
     "report_error",
     "add_command",
+    "make_console",
 ]
 
 EXIT_OK = 0
@@ -193,6 +198,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         except OSError as err:
             raise PipedslError(f"{args.output}: cannot write: {err.strerror or err}") from None
     return EXIT_OK
+
+
+def make_console(*, stderr: bool = False, width: int = 120) -> Console:
+    """A rich console for a command's output; when writing to a file or a pipe, ``width``
+    columns wide rather than rich's 80, so that tables are not squeezed."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr, highlight=False)
+    return console if console.is_terminal else Console(stderr=stderr, highlight=False, width=width)
 
 
 def add_command(

@@ -33,9 +33,9 @@ from pipedsl.calibration import (
     measure,
     results_table,
 )
+from pipedsl.cli import add_command, make_console
 from pipedsl.errors import PipedslError
 from pipedsl.executor.cli import request_devices
-from pipedsl.ir import Schedule
 from pipedsl.language import library_path, library_schedules, load
 from pipedsl.simulator import (
     Cluster,
@@ -44,6 +44,7 @@ from pipedsl.simulator import (
     search,
     summarize,
 )
+from pipedsl.simulator.plan import load_pipeline
 from pipedsl.simulator.search import describe
 
 __all__ = ["register", "DEMO_MODEL"]
@@ -177,15 +178,6 @@ def _runnable(frame: Any, devices: int, top: int) -> list[dict[str, Any]]:
     return [row.to_dict() for _, row in rows.head(top).iterrows()]
 
 
-def _schedule_of(row: dict[str, Any]) -> Schedule:
-    """The library schedule a search row names, with the row's parameters."""
-    path = library_path(row["schedule"])
-    params = {"pp": row["pp"], "microbatches": row["microbatches"]}
-    if "vpp" in {name for name, _ in load(path).params}:
-        params["vpp"] = row["vpp"]
-    return load(path, **params)
-
-
 def _runs(console: Console, frame: Any, *, devices: int, top: int, steps: int, backend: str, out: Path) -> list[Measurement]:
     rows = _runnable(frame, devices, top)
     console.rule(f"[bold]3. Running the best {len(rows)} pipeline schedules for real ({backend} backend)")
@@ -193,7 +185,7 @@ def _runs(console: Console, frame: Any, *, devices: int, top: int, steps: int, b
         raise PipedslError("no pipeline plan over every device fits; nothing to run")
     for row in rows:
         console.print(f"plan {describe(row)}", highlight=False)
-    schedules = [_schedule_of(row) for row in rows]
+    schedules = [load_pipeline(r["schedule"], pp=r["pp"], vpp=r["vpp"], microbatches=r["microbatches"]) for r in rows]
     with backend_for(backend, devices, console) as where:
         reports = []
         for schedule, row in zip(schedules, rows, strict=True):
@@ -215,9 +207,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     request_devices(args.devices)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=120)
+    console = make_console()
     started = time.perf_counter()
     console.rule("[bold]1. The schedule library")
     _library(console)
@@ -231,8 +221,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``demo`` to ``pipedsl``'s subcommands."""
-    from pipedsl.cli import add_command
-
     demo = add_command(
         subparsers,
         "demo",

@@ -19,14 +19,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipedsl.cli import EXIT_OK, add_command, add_param_option, load_schedule, report_error
-from pipedsl.errors import PipedslError
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate
+
+from pipedsl.cli import (
+    EXIT_OK,
+    add_command,
+    add_param_option,
+    load_schedule,
+    make_console,
+    report_error,
+)
+from pipedsl.errors import PipedslError
 from pipedsl.timeline import Timeline
 
 if TYPE_CHECKING:
-    from rich.console import Console
     from rich.table import Table
 
 __all__ = ["register", "cost_model_from_args"]
@@ -147,15 +154,8 @@ def _device_table(sim: Simulation) -> Table:
     return table
 
 
-def _console() -> Console:
-    from rich.console import Console
-
-    # Piped output is not wrapped at rich's default of 80 columns.
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-
-
 def _print_summary(sim: Simulation) -> None:
-    console = _console()
+    console = make_console(width=160)
     schedule = sim.schedule
     console.print(
         f"[bold]{sim.label}[/bold]: {schedule.num_stages} stages on {schedule.num_devices} devices, "
@@ -202,7 +202,7 @@ def _print_comparison(sims: Sequence[tuple[str, Simulation]]) -> None:
         if show_bytes:
             row.append(_bytes_text(max((d.peak_activation_bytes for d in sim.devices), default=0)))
         table.add_row(*row)
-    console = _console()
+    console = make_console(width=160)
     console.print(f"[bold]ranked by makespan[/bold]  (costs: {ranked[0][1].costs.describe()})")
     console.print(table)
     console.print(

@@ -24,11 +24,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pipedsl.simulator.costs import CostModel, StageCosts
 
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
-from pipedsl.program import BufferKind, Compute, Free, Instruction, Program, Recv, Send, lower
-from pipedsl.simulator.costs import CostModel, StageCosts
+from pipedsl.program import (
+    BufferKind,
+    Compute,
+    Free,
+    Instruction,
+    Program,
+    Recv,
+    Send,
+    lower,
+)
 from pipedsl.timeline import Event, EventKind, Timeline
 
 if TYPE_CHECKING:

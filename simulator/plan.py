@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.engine import Simulation, simulate
 
 from pipedsl.ast import Module
 from pipedsl.errors import PipedslError
@@ -28,8 +30,6 @@ from pipedsl.ir import Kind, Schedule
 from pipedsl.language import library_schedules
 from pipedsl.parser import parse_source
 from pipedsl.program import Program
-from pipedsl.simulator.costs import CostModel
-from pipedsl.simulator.engine import Simulation, simulate
 
 __all__ = [
     "Recompute",

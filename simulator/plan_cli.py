@@ -19,12 +19,18 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from pipedsl.cli import add_command
-from pipedsl.errors import PipedslError
 from pipedsl.simulator.estimate import Estimate, estimate
-from pipedsl.simulator.hardware import cluster_presets, load_cluster, load_model, model_presets
+from pipedsl.simulator.hardware import (
+    cluster_presets,
+    load_cluster,
+    load_model,
+    model_presets,
+)
 from pipedsl.simulator.plan import Plan, Recompute
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, search, summarize
+
+from pipedsl.cli import add_command, make_console
+from pipedsl.errors import PipedslError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -71,17 +77,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _console(*, stderr: bool = False) -> Console:
-    """A console; when writing to a file or a pipe, 120 columns wide rather than rich's 80,
-    so that the plan table is not squeezed."""
-    from rich.console import Console
-
-    console = Console(stderr=stderr, highlight=False)
-    if not console.is_terminal:
-        console = Console(stderr=stderr, highlight=False, width=120)
-    return console
-
-
 # --- estimate ---------------------------------------------------------------------------
 
 
@@ -108,7 +103,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         json.dump(result.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        _print_estimate(result, _console())
+        _print_estimate(result, make_console())
     return 0
 
 
@@ -143,10 +138,16 @@ def _print_estimate(result: Estimate, console: Console) -> None:
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     schedules = None if args.schedules is None else [s.strip() for s in args.schedules.split(",") if s.strip()]
-    err = _console(stderr=True)
+    err = make_console(stderr=True)
     with Progress(
         TextColumn("{task.description:<11}"),
         BarColumn(),
@@ -178,7 +179,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
             frame.to_csv(args.csv, index=False)
         except OSError as error:
             raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
-    _print_search(frame, _console(), top=args.top, csv=args.csv)
+    _print_search(frame, make_console(), top=args.top, csv=args.csv)
     return 0
 
 

@@ -37,11 +37,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
+from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
+from pipedsl.simulator.plan import (
+    Pipelines,
+    Plan,
+    PlanError,
+    Recompute,
+    find_schedule,
+    schedule_parameters,
+)
+
 from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleInvalid
 from pipedsl.language import library_schedules
-from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
-from pipedsl.simulator.plan import Pipelines, Plan, PlanError, Recompute, find_schedule, schedule_parameters
-from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -70,6 +70,32 @@ def pipeline(kind: str, form: str, schedule: Schedule, **options: Any) -> Pipeli
     return Pipeline.from_function(m.model_fn, loss=m.loss, schedule=schedule, **options)
 
 
+# Adam divides by the gradient's magnitude, so a gradient that is zero in exact
+# arithmetic (the attention key bias: softmax ignores a shift) would move its parameter
+# by a full step of rounding noise; eps bounds that magnification.
+ADAM = optax.adam(1e-2, eps=1e-4)
+
+
+def reference_training(form: str, num_stages: int, *, steps: int) -> list[tuple[Any, jax.Array]]:
+    """(params after, loss of) each of ``steps`` ADAM steps of the unsplit transformer on
+    one device, from :func:`setup`'s parameters and batch."""
+    params, batch, _, _ = setup("transformer", form, num_stages)
+    m = model("transformer", num_stages)
+    fn = reference_stages(m) if form == "explicit" else m.model_fn
+
+    @jax.jit
+    def step(p: Any, state: Any) -> tuple[Any, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(lambda q: m.loss(fn(q, batch[0]), batch[1]))(p)
+        updates, state = ADAM.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss
+
+    trained, state = [], ADAM.init(params)
+    for _ in range(steps):
+        params, state, loss = step(params, state)
+        trained.append((params, loss))
+    return trained
+
+
 def assert_trees_close(actual: Any, expected: Any, *, atol: float | None = None) -> None:
     a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
     e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
@@ -111,25 +137,10 @@ def test_four_devices(name: str) -> None:
 def test_optimizer_steps_match_single_device_loop(form: str) -> None:
     schedule = library("zbv")
     params, batch, _, _ = setup("transformer", form, schedule.num_stages)
-    m = model("transformer", schedule.num_stages)
-    fn = reference_stages(m) if form == "explicit" else m.model_fn
-    # Adam divides by the gradient's magnitude, so a gradient that is zero in exact
-    # arithmetic (the attention key bias: softmax ignores a shift) would move its
-    # parameter by a full step of rounding noise; eps bounds that magnification.
-    optimizer = optax.adam(1e-2, eps=1e-4)
-
-    @jax.jit
-    def reference_step(p: Any, state: Any) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(lambda q: m.loss(fn(q, batch[0]), batch[1]))(p)
-        updates, state = optimizer.update(grads, state, p)
-        return optax.apply_updates(p, updates), state, loss
-
-    ref_params, ref_state = params, optimizer.init(params)
     pipe = pipeline("transformer", form, schedule)
     pipe_params, pipe_state = params, None
-    for _ in range(3):
-        ref_params, ref_state, ref_loss = reference_step(ref_params, ref_state)
-        pipe_params, pipe_state, loss = pipe.train_step(pipe_params, pipe_state, batch, optimizer=optimizer)
+    for ref_params, ref_loss in reference_training(form, schedule.num_stages, steps=3):
+        pipe_params, pipe_state, loss = pipe.train_step(pipe_params, pipe_state, batch, optimizer=ADAM)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     # Parameters are of size ~0.1: an absolute 1e-6 is still tight.
     assert_trees_close(pipe_params, ref_params, atol=1e-6)

@@ -32,12 +32,11 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 import ray.cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
-from test_executor import LIBRARY, assert_trees_close, library, model, pipeline  # noqa: E402
+from test_executor import ADAM, LIBRARY, assert_trees_close, library, pipeline, reference_training  # noqa: E402
 from test_executor import setup as reference  # noqa: E402
 
 from pipedsl.executor import ExecutionError, Pipeline  # noqa: E402
 from pipedsl.executor.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from pipedsl.executor.models import reference_stages  # noqa: E402
 from pipedsl.executor.ray_backend import Resident  # noqa: E402
 from pipedsl.executor.ray_cluster import DeviceLost, RayConfig, RayDevices, connect, disconnect  # noqa: E402
 from pipedsl.timeline import EventKind  # noqa: E402
@@ -168,28 +167,14 @@ def test_four_devices(devices: RayDevices) -> None:
 def test_training_matches_single_device_loop_and_local_backend(devices: RayDevices, form: str) -> None:
     schedule = library("zbv")
     params, batch, _, _ = reference("transformer", form, schedule.num_stages)
-    m = model("transformer", schedule.num_stages)
-    fn = reference_stages(m) if form == "explicit" else m.model_fn
-    # As in the executor's test: eps bounds how far adam moves a parameter whose exact
-    # gradient is zero (the attention key bias) on rounding noise.
-    optimizer = optax.adam(1e-2, eps=1e-4)
-
-    @jax.jit
-    def reference_step(p: Any, state: Any) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(lambda q: m.loss(fn(q, batch[0]), batch[1]))(p)
-        updates, state = optimizer.update(grads, state, p)
-        return optax.apply_updates(p, updates), state, loss
-
-    ref_params, ref_state = params, optimizer.init(params)
     local = pipeline("transformer", form, schedule)
     local_params, local_state = params, None
     pipe = pipeline("transformer", form, schedule, backend=devices)
     try:
         pipe_params, pipe_state = params, None
-        for _ in range(3):
-            ref_params, ref_state, ref_loss = reference_step(ref_params, ref_state)
-            local_params, local_state, _ = local.train_step(local_params, local_state, batch, optimizer=optimizer)
-            pipe_params, pipe_state, loss = pipe.train_step(pipe_params, pipe_state, batch, optimizer=optimizer)
+        for ref_params, ref_loss in reference_training(form, schedule.num_stages, steps=3):
+            local_params, local_state, _ = local.train_step(local_params, local_state, batch, optimizer=ADAM)
+            pipe_params, pipe_state, loss = pipe.train_step(pipe_params, pipe_state, batch, optimizer=ADAM)
             assert isinstance(pipe_params, Resident) and isinstance(pipe_state, Resident)
             np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
         assert_trees_close(pipe.gather(pipe_params), ref_params, atol=1e-6)
