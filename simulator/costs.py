@@ -18,11 +18,12 @@ successive transfers on one link, do not slow each other down.
 from __future__ import annotations
 
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pipedsl.simulator.tomlfile import read_toml
 
 from pipedsl.errors import PipedslError
 
@@ -202,14 +203,7 @@ class CostModel:
             residual_bytes = 268435456    # per microbatch per stage
         """
         path = Path(path)
-        try:
-            with path.open("rb") as handle:
-                data = tomllib.load(handle)
-        except OSError as err:
-            raise CostError(f"cannot read cost file {path}: {err.strerror or err}") from None
-        except tomllib.TOMLDecodeError as err:
-            raise CostError(f"{path}: not valid TOML: {err}") from None
-        return cls.from_mapping(data, source=str(path))
+        return cls.from_mapping(read_toml(path, what="cost", error=CostError), source=str(path))
 
     def to_toml(self) -> str:
         """The fields that are set, as a TOML text :meth:`from_toml` reads back."""

@@ -29,6 +29,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pipedsl.simulator.tomlfile import read_toml
+
 from pipedsl.errors import PipedslError
 
 __all__ = [
@@ -304,13 +306,7 @@ def _from_table(cls: type[Model] | type[Cluster], table: str, data: dict[str, An
 
 
 def _read_toml(path: Path, table: str, cls: type[Model] | type[Cluster]) -> Any:
-    try:
-        with path.open("rb") as handle:
-            data = tomllib.load(handle)
-    except OSError as err:
-        raise DescriptionError(f"cannot read {table} file {path}: {err.strerror or err}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise DescriptionError(f"{path}: not valid TOML: {err}") from None
+    data = read_toml(path, what=table, error=DescriptionError)
     if table not in data:
         other = ", ".join(f"[{k}]" for k in data if isinstance(data[k], dict)) or "no tables"
         raise DescriptionError(
