@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pipedsl demo --out out
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

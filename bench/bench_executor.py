@@ -44,10 +44,10 @@ def _configure(pp: int, cores: int | None) -> None:
 def bench_split(width: int, layers: int, microbatch: int, repeat: int) -> None:
     import jax
     import jax.numpy as jnp
+
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp
-
-    from pipedsl.language import library_path, load
+    from pipedsl.library import library_path, load
 
     schedule = load(library_path("zb_h1"), pp=3, microbatches=3)
     model = mlp(num_stages=3, width=width, layers_per_stage=layers)
@@ -108,10 +108,10 @@ def bench_split(width: int, layers: int, microbatch: int, repeat: int) -> None:
 def bench_overhead(repeat: int) -> None:
     import jax
     import numpy as np
+
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp
-
-    from pipedsl.language import library_path, load
+    from pipedsl.library import library_path, load
 
     model = mlp(num_stages=2, width=4, layers_per_stage=1)
     key = jax.random.PRNGKey(0)
@@ -140,12 +140,12 @@ def bench_overhead(repeat: int) -> None:
 def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microbatch: int, repeat: int) -> None:
     import jax
     import jax.numpy as jnp
+
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp, reference_stages
+    from pipedsl.library import library_path, load
     from pipedsl.simulator import simulate
     from pipedsl.simulator.calibrate import fit_costs
-
-    from pipedsl.language import library_path, load
 
     model = mlp(num_stages=pp, width=width, layers_per_stage=layers)
     key = jax.random.PRNGKey(0)

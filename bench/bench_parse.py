@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from pipedsl.language import library_path, load
+from pipedsl.library import library_path, load
 
 PARAMS = {"pp": 64, "vpp": 2, "microbatches": 1024}
 

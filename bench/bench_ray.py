@@ -34,10 +34,10 @@ from timing import interleaved_medians, medians_with_recordings
 def bench_overhead(devices: Any, repeat: int) -> None:
     import jax
     import numpy as np
+
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp
-
-    from pipedsl.language import library_path, load
+    from pipedsl.library import library_path, load
 
     model = mlp(num_stages=2, width=4, layers_per_stage=1)
     key = jax.random.PRNGKey(0)
@@ -67,12 +67,12 @@ def bench_overhead(devices: Any, repeat: int) -> None:
 
 def bench_schedules(devices: Any, pp: int, microbatches: int, width: int, layers: int, microbatch: int, repeat: int) -> None:
     import jax
+
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp
+    from pipedsl.library import library_path, load
     from pipedsl.simulator import simulate
     from pipedsl.simulator.calibrate import fit_costs
-
-    from pipedsl.language import library_path, load
 
     model = mlp(num_stages=pp, width=width, layers_per_stage=layers)
     key = jax.random.PRNGKey(0)
@@ -134,6 +134,7 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
 
     import jax
+
     from pipedsl.executor.ray_cluster import RayConfig, RayDevices
 
     started = time.perf_counter()

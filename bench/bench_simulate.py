@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from pipedsl.cli import main as cli_main
-from pipedsl.language import library_path, load
+from pipedsl.library import library_path, load
 from pipedsl.program import lower
 from pipedsl.simulator import CostModel, simulate
 from pipedsl.validate import validate
@@ -46,10 +46,10 @@ def main() -> None:
     makespan = bubble = 0.0
     for _ in range(max(args.repeat, 1)):
         schedule, t_load = _timed(lambda: load(path, **PARAMS))
-        _, t_validate = _timed(lambda: validate(schedule))
+        _, t_validate = _timed(lambda s=schedule: validate(s))
         # lower() validates again, as every consumer's entry does; time it as called.
-        program, t_lower = _timed(lambda: lower(schedule))
-        sim, t_sim = _timed(lambda: simulate(program, costs))
+        program, t_lower = _timed(lambda s=schedule: lower(s))
+        sim, t_sim = _timed(lambda p=program: simulate(p, costs))
         actions, instructions = schedule.num_actions, program.num_instructions
         makespan, bubble = sim.makespan, sim.bubble_ratio
         # The command starts from nothing, as a user's does: no large objects left alive

@@ -8,7 +8,7 @@ per pipeline device (``RayConfig``, ``RayDevices``); ``save_checkpoint`` and
 
 JAX is imported on first use of ``Pipeline``, ``StepResult``, ``stage_boundary`` or the
 other names above, not with this package, so that ``pipedsl``'s command line (which imports
-``pipedsl.executor.cli``) starts fast and ``pipedsl run`` can configure XLA first.
+``pipedsl.executor.devices``) starts fast and ``pipedsl run`` can configure XLA first.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from pipedsl.executor.backend import BackendStep
+from pipedsl.executor.devices import xla_device_flag
 from pipedsl.executor.errors import ExecutionError, PeerFailed
 from pipedsl.executor.interpreter import DeviceRuntime, DeviceStep
 from pipedsl.executor.stages import StageProgram
@@ -31,14 +32,9 @@ from pipedsl.executor.timing import Recorder, measured_timeline
 from pipedsl.executor.transport import LocalExchange
 from pipedsl.program import Program
 
-__all__ = ["LocalBackend", "xla_device_flag"]
+__all__ = ["LocalBackend"]
 
 Leaves = tuple[Any, ...]
-
-
-def xla_device_flag(count: int) -> str:
-    """The ``XLA_FLAGS`` entry that gives JAX ``count`` CPU devices."""
-    return f"--xla_force_host_platform_device_count={count}"
 
 
 class LocalBackend:

@@ -1,7 +1,7 @@
 """pipedsl: write, check, simulate and run pipeline-parallel training schedules.
 
     >>> import pipedsl
-    >>> sched = pipedsl.load(pipedsl.library_path("1f1b"), pp=4, microbatches=8)
+    >>> sched = pipedsl.load("1f1b", pp=4, microbatches=8)   # a library name or a path
     >>> sched.validate().peak_inflight
     (4, 3, 2, 1)
     >>> program = sched.lower()          # per-device compute/send/recv/free lists
@@ -19,7 +19,7 @@ from pipedsl.errors import (
     SourcePos,
 )
 from pipedsl.ir import Action, Kind, Schedule
-from pipedsl.language import library_path, library_schedules, load, parse
+from pipedsl.library import library_path, library_schedules, load, parse
 from pipedsl.program import Program
 from pipedsl.timeline import Timeline
 

@@ -14,7 +14,7 @@ Three foreign or exchange forms meet the IR here, each with a reader and a write
 - **``.sched`` text** in the language's table form, so that an imported schedule becomes
   a file the language reads back unchanged.
 
-:func:`load_any` picks the reader by file extension.
+:func:`pipedsl.library.load` picks the reader by file extension.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipedsl import language
-from pipedsl.errors import ConversionError, PipedslError, SourcePos
+from pipedsl.errors import ConversionError, SourcePos
 from pipedsl.ir import Action, Schedule, parse_action
-from pipedsl.parser import RESERVED_WORDS
+from pipedsl.lang import RESERVED_WORDS
 
 __all__ = [
     "FORMATS",
@@ -39,7 +38,6 @@ __all__ = [
     "to_json",
     "from_json",
     "to_sched_text",
-    "load_any",
     "export",
 ]
 
@@ -338,46 +336,3 @@ def export(schedule: Schedule, fmt: str) -> str:
     if fmt == "sched":
         return to_sched_text(schedule)
     raise ConversionError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-
-
-def load_any(path: str | Path, **params: int) -> Schedule:
-    """Load a schedule from ``path``, choosing the reader by its extension.
-
-    ``.sched`` files are evaluated by :func:`pipedsl.language.load` with ``params``; a
-    bare name without extension that is not a file, such as ``1f1b``, names a schedule of
-    the library. A ``.csv`` file accepts only ``microbatches`` (the count PyTorch keeps
-    outside the file; see :func:`from_csv`); a ``.json`` file records everything and
-    takes none.
-
-    Raises:
-      PipedslError: a missing or unreadable file, an unknown extension, parameters the
-        format does not take, or whatever the reader raises.
-    """
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if not suffix and not path.exists():
-        return language.load(language.library_path(str(path)), **params)
-    if suffix not in (".sched", ".csv", ".json"):
-        kind = suffix or "(no extension)"
-        raise ConversionError(f"{path}: unknown kind of file {kind!r}; expected .sched, .csv or .json")
-    if not path.is_file():
-        raise PipedslError(f"{path}: no such file")
-    if suffix == ".sched":
-        return language.load(path, **params)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise PipedslError(f"{path}: cannot read: {err}") from None
-    if suffix == ".csv":
-        extra = sorted(set(params) - {"microbatches"})
-        if extra:
-            raise ConversionError(
-                f"{path}: a CSV schedule has no parameter {extra[0]!r}; the only one it takes is "
-                "microbatches (-p microbatches=N), the count PyTorch keeps outside the file"
-            )
-        return from_csv(text, file=str(path), num_microbatches=params.get("microbatches"))
-    if params:
-        raise ConversionError(
-            f"{path}: a JSON schedule records every value and takes no parameters; got {sorted(params)[0]!r}"
-        )
-    return from_json(text, file=str(path))

@@ -5,7 +5,7 @@ Imports only the core ``pipedsl`` modules (never JAX, Ray or the executor), so c
 and simulating stay quick to start and run anywhere; matplotlib is imported only when
 a picture is drawn.
 
-    >>> from pipedsl.language import library_path, load
+    >>> from pipedsl.library import library_path, load
     >>> from pipedsl.simulator import CostModel, simulate
     >>> sim = simulate(load(library_path("1f1b"), pp=4, microbatches=8), CostModel(forward=1, backward=2))
     >>> sim.makespan, round(sim.bubble_ratio, 4)

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from pipedsl.simulator.costs import CostModel
 
 from pipedsl.errors import PipedslError
+from pipedsl.simulator.costs import CostModel
 from pipedsl.timeline import EventKind, Timeline
 
 __all__ = ["CalibrationError", "Fit", "fit_costs"]

@@ -23,9 +23,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipedsl.simulator.tomlfile import read_toml
-
 from pipedsl.errors import PipedslError
+from pipedsl.simulator.tomlfile import read_toml
 
 if TYPE_CHECKING:
     from pipedsl.ir import Schedule

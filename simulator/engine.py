@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pipedsl.simulator.costs import CostModel, StageCosts
 
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
@@ -38,6 +37,7 @@ from pipedsl.program import (
     Send,
     lower,
 )
+from pipedsl.simulator.costs import CostModel, StageCosts
 from pipedsl.timeline import Event, EventKind, Timeline
 
 if TYPE_CHECKING:

@@ -57,12 +57,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from pipedsl.ir import Schedule
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Pipelines, Plan, PlanError, Recompute, ScheduleKey
-
-from pipedsl.ir import Schedule
 
 __all__ = [
     "DoesNotFit",

@@ -29,9 +29,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pipedsl.simulator.tomlfile import read_toml
-
 from pipedsl.errors import PipedslError
+from pipedsl.simulator.tomlfile import read_toml
 
 __all__ = [
     "DescriptionError",

@@ -13,23 +13,18 @@ result, so that a search over thousands of plans does each piece of work once.
 from __future__ import annotations
 
 import enum
-import functools
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from pipedsl import library
+from pipedsl.errors import PipedslError
+from pipedsl.ir import Kind, Schedule
+from pipedsl.program import Program
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate
-
-from pipedsl.ast import Module
-from pipedsl.errors import PipedslError
-from pipedsl.evaluate import evaluate
-from pipedsl.ir import Kind, Schedule
-from pipedsl.language import library_schedules
-from pipedsl.parser import parse_source
-from pipedsl.program import Program
 
 __all__ = [
     "Recompute",
@@ -38,8 +33,6 @@ __all__ = [
     "Pipelines",
     "ScheduleKey",
     "Timing",
-    "find_schedule",
-    "schedule_parameters",
     "load_pipeline",
     "peak_residual_bytes",
 ]
@@ -176,53 +169,13 @@ def _schedule_label(spec: str) -> str:
 # --- schedules --------------------------------------------------------------------------
 
 
-@functools.cache
-def _library() -> dict[str, Path]:
-    # The library is package data: it does not change while a process runs.
-    return library_schedules()
-
-
-def find_schedule(spec: str) -> Path:
-    """The ``.sched`` file of a library name (``1f1b``) or of a path."""
-    library = _library()
-    if spec in library:
-        return library[spec]
-    path = Path(spec)
-    if path.suffix == ".sched" and path.is_file():
-        return path
-    raise PlanError(f"unknown schedule {spec!r}; give a library name ({', '.join(library)}) or a .sched file")
-
-
-def _parsed(path: Path) -> Module:
-    """The syntax tree of ``path``, parsed once per version of the file."""
-    try:
-        modified = path.stat().st_mtime_ns
-    except OSError as err:
-        raise PlanError(f"{path}: cannot read: {err.strerror or err}") from None
-    return _parse(path, modified)
-
-
-@functools.cache
-def _parse(path: Path, modified: int) -> Module:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise PlanError(f"{path}: cannot read: {err}") from None
-    return parse_source(text, file=str(path))
-
-
-def schedule_parameters(path: Path) -> tuple[str, ...]:
-    """The parameter names a ``.sched`` file declares, in source order."""
-    return tuple(p.name for p in _parsed(path).schedule.params)
-
-
 def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule:
     """Evaluate schedule ``spec`` with ``pp``, ``microbatches`` and, if it takes one, ``vpp``.
 
-    Each file is parsed once per process; evaluation runs every call.
+    Each file is parsed once per version (:mod:`pipedsl.library`); evaluation runs every call.
     """
-    path = find_schedule(spec)
-    names = schedule_parameters(path)
+    path = library.resolve(spec)
+    names = library.parameters(path)
     for needed in ("pp", "microbatches"):
         if needed not in names:
             raise PlanError(
@@ -231,7 +184,7 @@ def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedul
     params = {"pp": pp, "microbatches": microbatches}
     if "vpp" in names:
         params["vpp"] = vpp
-    return evaluate(_parsed(path), params=params, source=str(path))
+    return library.load(path, **params)
 
 
 # --- the cache ----------------------------------------------------------------------------
@@ -299,7 +252,7 @@ class Pipelines:
             raise PlanError(f"{plan.label} is an SPMD plan and runs no schedule")
         takes_vpp = self._takes_vpp.get(spec)
         if takes_vpp is None:
-            takes_vpp = self._takes_vpp[spec] = "vpp" in schedule_parameters(find_schedule(spec))
+            takes_vpp = self._takes_vpp[spec] = "vpp" in library.parameters(spec)
         return ScheduleKey(spec, plan.pp, plan.vpp if takes_vpp else 0, plan.microbatches)
 
     def _entry(self, key: ScheduleKey) -> _Entry:

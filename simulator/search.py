@@ -37,6 +37,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipedsl import library
+from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleInvalid
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
 from pipedsl.simulator.plan import (
@@ -44,12 +46,7 @@ from pipedsl.simulator.plan import (
     Plan,
     PlanError,
     Recompute,
-    find_schedule,
-    schedule_parameters,
 )
-
-from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleInvalid
-from pipedsl.language import library_schedules
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -119,12 +116,12 @@ def _schedules(schedules: Sequence[str] | None, extra: Sequence[str | Path]) -> 
     """The schedules to try. Library schedules without ``pp`` and ``microbatches``
     parameters (fixed tables) are left out; a named one without them is an error."""
     named = [str(p) for p in extra] + ([] if schedules is None else list(schedules))
-    library = [] if schedules is not None else [n for n in library_schedules() if n not in named]
+    shipped = [] if schedules is not None else [n for n in library.library_schedules() if n not in named]
     found = []
-    for spec in dict.fromkeys(library + named):
-        params = schedule_parameters(find_schedule(spec))
+    for spec in dict.fromkeys(shipped + named):
+        params = library.parameters(spec)
         if "pp" not in params or "microbatches" not in params:
-            if spec in library:
+            if spec in shipped:
                 continue
             takes = ", ".join(params) or "no parameters"
             raise PlanError(f"schedule {spec}: the search sets pp and microbatches, but it takes {takes}")

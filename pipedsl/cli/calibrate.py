@@ -1,0 +1,275 @@
+"""Calibration on this machine: run schedules for real, fit the cost model, predict, compare.
+
+``pipedsl calibrate`` (and the demo's last part) runs the demo transformer under each
+schedule on this machine's devices:
+
+1. two training steps compile the stages and settle caches;
+2. a few *recorded* training steps give measured timelines, which
+   :func:`pipedsl.simulator.fit_costs` turns into per-stage ``F``/``B``/``I``/``W`` times
+   and a transfer time; what a step spends outside its timeline (dispatch, the
+   optimizer update) is measured alongside;
+3. the simulator predicts the step time from that fit;
+4. plain training steps measure the step time, with the loss going down.
+
+The fitted cost models can be saved as TOML for ``pipedsl simulate --costs``.
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pipedsl import library
+from pipedsl.cli.common import add_command, add_param_option, load_schedule, make_console
+from pipedsl.errors import PipedslError
+from pipedsl.executor.devices import request_devices
+from pipedsl.ir import Schedule
+from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
+
+__all__ = ["DEMO_MODEL", "Measurement", "measure", "backend_for", "results_table", "register"]
+
+DEMO_MODEL = Model(
+    name="demo-cpu",
+    layers=4,
+    hidden=128,
+    ffn_hidden=512,
+    heads=4,
+    seq_len=64,
+    vocab=512,
+    dtype_bytes=4,
+    learned_positions=True,
+    tied_embeddings=False,
+)
+"""The transformer calibrated and run on this machine: the executor's built-in one at this
+shape (its layers split evenly over the schedule's stages)."""
+
+_RECORDED_STEPS = 3
+_DEFAULT_SCHEDULES = ("1f1b", "zb_h1", "interleaved_1f1b", "zbv")
+_DEFAULT_PARAMS = {"pp": 2, "microbatches": 8}
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One schedule run for real.
+
+    Attributes:
+      label: the schedule with its parameters.
+      costs: the cost model fitted to its recorded steps (seconds per action per stage).
+      predicted_s: the simulated step time under ``costs``, plus the time a step spends
+        outside its timeline, in seconds.
+      measured_s: the median measured step time, in seconds.
+      losses: the loss of every step run, in order.
+      panels: the simulated timeline and the last recorded one, for plotting.
+    """
+
+    label: str
+    costs: CostModel
+    predicted_s: float
+    measured_s: float
+    losses: tuple[float, ...]
+    panels: tuple[Panel, Panel]
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured, minus one."""
+        return self.predicted_s / self.measured_s - 1.0
+
+    def summary(self) -> str:
+        """One line: the loss from first to last step, predicted and measured step time."""
+        return (
+            f"{self.label}: loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}; predicted "
+            f"{self.predicted_s * 1e3:.1f} ms, measured {self.measured_s * 1e3:.1f} ms per step ({self.error:+.1%})"
+        )
+
+
+def _label(schedule: Schedule) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in schedule.params)
+    return f"{schedule.name}({params})" if params else schedule.name
+
+
+def _wait(state: Any, backend: Any) -> None:
+    """Wait for a step's parameter updates: the local backend returns before they are
+    computed (JAX dispatches asynchronously); Ray's steps return when they are done."""
+    if backend == "local":
+        import jax
+
+        jax.block_until_ready(state)
+
+
+def measure(schedule: Schedule, *, microbatch_size: int, backend: Any, steps: int) -> Measurement:
+    """Calibrate on ``schedule`` and compare prediction with measurement (module docstring).
+
+    ``backend`` is ``"local"``, ``"ray"`` or a started :class:`~pipedsl.executor.ray_cluster.RayDevices`.
+    """
+    import jax
+    import optax
+
+    from pipedsl.executor import Pipeline
+    from pipedsl.executor.models import transformer
+
+    if DEMO_MODEL.layers % schedule.num_stages:
+        raise PipedslError(
+            f"{_label(schedule)} has {schedule.num_stages} stages; the demo transformer's "
+            f"{DEMO_MODEL.layers} layers split evenly only over 1, 2 or 4"
+        )
+    model = transformer(
+        num_stages=schedule.num_stages,
+        vocab=DEMO_MODEL.vocab,
+        dim=DEMO_MODEL.hidden,
+        heads=DEMO_MODEL.heads,
+        seq=DEMO_MODEL.seq_len,
+        layers_per_stage=DEMO_MODEL.layers // schedule.num_stages,
+    )
+    key = jax.random.PRNGKey(0)
+    batch = model.batch(jax.random.fold_in(key, 1), microbatch_size * schedule.num_microbatches)
+    pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=backend)
+    try:
+        state: Any = model.init_stages(key)
+        optimizer = optax.adam(3e-3)
+        opt_state = None
+        losses = []
+        for _ in range(2):
+            state, opt_state, loss = pipe.train_step(state, opt_state, batch, optimizer=optimizer)
+            losses.append(float(loss))
+        # Medians over a few recorded steps: one step of few microbatches is noisy.
+        recorded, outside = [], []
+        for _ in range(_RECORDED_STEPS):
+            start = time.perf_counter()
+            result = pipe.step(state, batch, optimizer=optimizer, opt_state=opt_state, record=True)
+            state, opt_state = result.params, result.opt_state
+            losses.append(float(result.loss))
+            _wait(state, backend)
+            wall = time.perf_counter() - start
+            assert result.timeline is not None  # asked for with record=True
+            recorded.append(result.timeline)
+            outside.append(max(wall - result.timeline.makespan, 0.0))
+        # On Ray a send's copy to host, serialisation and actor call (measured as the
+        # transfer) run in the sender's process beside its computation and slow it about
+        # as much, so sends are modelled as blocking there.
+        costs = fit_costs(recorded, num_stages=schedule.num_stages).cost_model()
+        costs = costs.with_changes(overlap_sends=backend == "local")
+        simulated = simulate(schedule, costs)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            state, opt_state, loss = pipe.train_step(state, opt_state, batch, optimizer=optimizer)
+            losses.append(float(loss))
+            _wait(state, backend)
+            times.append(time.perf_counter() - start)
+    finally:
+        pipe.close()
+    label = _label(schedule)
+    return Measurement(
+        label=label,
+        costs=costs,
+        predicted_s=simulated.makespan + statistics.median(outside),
+        measured_s=statistics.median(times),
+        losses=tuple(losses),
+        panels=(
+            Panel(simulated.timeline, title=f"{label} simulated (calibrated)"),
+            Panel(recorded[-1], title=f"{label} recorded step"),
+        ),
+    )
+
+
+@contextlib.contextmanager
+def backend_for(name: str, devices: int, console: Console) -> Iterator[Any]:
+    """What to pass as ``backend``: ``"local"``, or for ``"ray"`` one group of actors that
+    serves every run (Ray starts once; each run ships its own model), closed on exit."""
+    if name != "ray":
+        yield name
+        return
+    from pipedsl.executor.ray_cluster import RayConfig, RayDevices
+
+    with RayDevices.start(devices, RayConfig()) as group:
+        where = sorted({node.ip for node in group.nodes})
+        console.print(f"Ray: {devices} actors on {', '.join(where)}", highlight=False)
+        yield group
+
+
+def results_table(measurements: Sequence[Measurement]) -> Table:
+    """Predicted against measured step time, one row per schedule."""
+    table = Table(title="Predicted (simulator, calibrated on this machine) against measured step time", title_justify="left")
+    for column in ("schedule", "predicted (ms)", "measured (ms)", "error", "first loss", "last loss"):
+        table.add_column(column, justify="left" if column == "schedule" else "right")
+    for m in measurements:
+        table.add_row(
+            m.label,
+            f"{m.predicted_s * 1e3:.1f}",
+            f"{m.measured_s * 1e3:.1f}",
+            f"{m.error:+.1%}",
+            f"{m.losses[0]:.4f}",
+            f"{m.losses[-1]:.4f}",
+        )
+    return table
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.microbatch_size < 1:
+        raise PipedslError("--steps and --microbatch-size must be at least 1")
+    schedules = []
+    for spec in args.files or _DEFAULT_SCHEDULES:
+        # Two devices and eight microbatches unless told otherwise: this machine's size.
+        declared = _parameters(spec)
+        chosen = {k: v for k, v in _DEFAULT_PARAMS.items() if k in declared} | args.params
+        schedule = load_schedule(spec, chosen)
+        schedule.validate()
+        schedules.append(schedule)
+    request_devices(max(s.num_devices for s in schedules))
+    console = make_console()
+    if args.save_costs is not None:
+        Path(args.save_costs).mkdir(parents=True, exist_ok=True)
+    measurements = []
+    with backend_for(args.backend, max(s.num_devices for s in schedules), console) as backend:
+        for schedule in schedules:
+            m = measure(schedule, microbatch_size=args.microbatch_size, backend=backend, steps=args.steps)
+            console.print(f"  {m.summary()}\n    fitted: {m.costs.describe()}", highlight=False)
+            if args.save_costs is not None:
+                path = Path(args.save_costs) / f"{schedule.name}.toml"
+                path.write_text(f"# fitted by pipedsl calibrate on {m.label}\n{m.costs.to_toml()}")
+            measurements.append(m)
+    console.print(results_table(measurements))
+    if args.save_costs is not None:
+        console.print(f"cost models written to {args.save_costs}/ (use with pipedsl simulate --costs)")
+    return 0
+
+
+def _parameters(spec: str) -> set[str]:
+    """The parameter names a ``.sched`` file or library name declares (none for CSV or
+    JSON, and none for a path that does not load: ``load_schedule`` then says why)."""
+    try:
+        return set(library.parameters(spec))
+    except PipedslError:
+        return set()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``calibrate`` to ``pipedsl``'s subcommands."""
+    cal = add_command(
+        subparsers,
+        "calibrate",
+        _cmd_calibrate,
+        summary="fit the cost model to this machine and compare predicted with measured step times",
+        description=__doc__ or "",
+        examples=(
+            "  pipedsl calibrate                                  # 1f1b, zb_h1, interleaved_1f1b, zbv at pp=2\n"
+            "  pipedsl calibrate 1f1b zb_h1 -p microbatches=16 --backend ray\n"
+            "  pipedsl calibrate gpipe --save-costs costs/ && pipedsl simulate gpipe -p pp=2 --costs costs/gpipe.toml"
+        ),
+    )
+    cal.add_argument("files", nargs="*", metavar="FILE", help="schedules (default: 1f1b zb_h1 interleaved_1f1b zbv)")
+    add_param_option(cal)
+    cal.add_argument("--microbatch-size", type=int, default=4, help="sequences per microbatch (default 4)")
+    cal.add_argument("--steps", type=int, default=5, help="measured training steps per schedule (default 5)")
+    cal.add_argument("--backend", choices=("local", "ray"), default="local", help="executor backend (default local)")
+    cal.add_argument("--save-costs", metavar="DIR", help="write each fitted cost model to DIR/NAME.toml")

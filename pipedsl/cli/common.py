@@ -1,0 +1,148 @@
+"""What every ``pipedsl`` subcommand shares: exit codes, ``-p NAME=VALUE``, loading a
+schedule, error reporting, subcommand registration and the console.
+
+Every subcommand sets ``handler`` (``parser.set_defaults(handler=fn)``), a function from the
+parsed arguments to an exit code.
+
+Exit codes: 0 success; 1 a schedule breaks a validation rule
+(:class:`~pipedsl.errors.ScheduleInvalid`); 2 a usage error, a syntax or evaluation
+error, an unreadable input or any other :class:`~pipedsl.errors.PipedslError`. Errors go
+to stderr as ``file:line:col: message`` with the source line and a caret, never as a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipedsl import library
+from pipedsl.errors import PipedslError, ScheduleInvalid
+from pipedsl.ir import Schedule
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_INVALID",
+    "EXIT_USAGE",
+    "add_param_option",
+    "parse_params",
+    "load_schedule",
+    "report_error",
+    "add_command",
+    "make_console",
+]
+
+EXIT_OK = 0
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+def parse_params(items: Sequence[str]) -> dict[str, int]:
+    """Read ``NAME=VALUE`` pairs with integer values into a dict, in the given order.
+
+    Raises:
+      ValueError: an item without ``=``, a name that is not an identifier, a value that
+        is not an integer, or a name given twice.
+    """
+    params: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name.isidentifier():
+            raise ValueError(f"parameter {item!r} should be NAME=VALUE, for example pp=4")
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"parameter {name} needs an integer value, got {value!r}") from None
+        if name in params:
+            raise ValueError(f"parameter {name} is given twice")
+        params[name] = number
+    return params
+
+
+class _ParamAction(argparse.Action):
+    """Collects repeated ``-p NAME=VALUE`` into one dict; bad syntax is a usage error."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option_string: str | None = None,
+    ) -> None:
+        # A fresh dict each time: the default one is shared by every parse.
+        params: dict[str, int] = dict(getattr(namespace, self.dest) or {})
+        try:
+            ((name, value),) = parse_params([str(values)]).items()
+        except ValueError as err:
+            raise argparse.ArgumentError(self, str(err)) from None
+        if name in params:
+            raise argparse.ArgumentError(self, f"parameter {name} is given twice")
+        params[name] = value
+        setattr(namespace, self.dest, params)
+
+
+def add_param_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``-p/--param NAME=VALUE`` (repeatable, integer values) as ``args.params``, a dict."""
+    parser.add_argument(
+        "-p",
+        "--param",
+        dest="params",
+        action=_ParamAction,
+        default={},
+        metavar="NAME=VALUE",
+        help="set an integer parameter of a .sched file (repeatable), e.g. -p pp=8",
+    )
+
+
+def load_schedule(path: str | Path, params: dict[str, int]) -> Schedule:
+    """Load a library schedule or a .sched, .csv or .json file (:func:`pipedsl.library.load`), unvalidated."""
+    return library.load(path, **params)
+
+
+def report_error(err: PipedslError, *, path: str | Path | None = None) -> int:
+    """Print ``err`` to stderr in our format and return its exit code.
+
+    An error without a source position is prefixed with ``path`` so that the reader
+    still knows which file it is about.
+    """
+    text = str(err)
+    if err.pos is None and path is not None and not text.startswith(f"{path}:"):
+        text = f"{path}: {text}"
+    print(text, file=sys.stderr)
+    return EXIT_INVALID if isinstance(err, ScheduleInvalid) else EXIT_USAGE
+
+
+def make_console(*, stderr: bool = False, width: int = 120) -> Console:
+    """A rich console for a command's output; when writing to a file or a pipe, ``width``
+    columns wide rather than rich's 80, so that tables are not squeezed."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr, highlight=False)
+    return console if console.is_terminal else Console(stderr=stderr, highlight=False, width=width)
+
+
+def add_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    handler: Callable[[argparse.Namespace], int],
+    *,
+    summary: str,
+    description: str,
+    examples: str,
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` running ``handler``, with its help text and examples."""
+    parser = subparsers.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog="examples:\n" + examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(handler=handler)
+    return parser

@@ -1,0 +1,351 @@
+"""``pipedsl estimate`` and ``search``: parallel plans of a model on a cluster.
+
+::
+
+    pipedsl estimate --model gpt3-175b --cluster a100-80gb --dp 16 --tp 8 --pp 8 --vpp 3 \\
+        --microbatch-size 1 --global-batch 1536 --recompute selective --zero 1 \\
+        --schedule interleaved_1f1b [--json]
+    pipedsl search --model gpt3-175b --cluster a100-80gb --gpus 1024 --global-batch 1536 \\
+        [--top 20] [--csv plans.csv] [my_schedule.sched ...]
+
+``--model`` and ``--cluster`` take a preset name or a TOML file (see
+:mod:`pipedsl.simulator.hardware`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
+
+from pipedsl.cli.common import add_command, make_console
+from pipedsl.errors import PipedslError
+from pipedsl.simulator.estimate import Estimate, estimate
+from pipedsl.simulator.hardware import (
+    cluster_presets,
+    load_cluster,
+    load_model,
+    model_presets,
+)
+from pipedsl.simulator.plan import Plan, Recompute
+from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, search, summarize
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from rich.console import Console
+
+__all__ = ["register"]
+
+_GIB = 2**30
+
+
+
+def _add_hardware_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="M",
+        help=f"a preset ({', '.join(model_presets())}) or a TOML file with a [model] table",
+    )
+    parser.add_argument(
+        "--cluster",
+        required=True,
+        metavar="C",
+        help=f"a preset ({', '.join(cluster_presets())}) or a TOML file with a [cluster] table",
+    )
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
+# --- estimate ---------------------------------------------------------------------------
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    model = load_model(args.model)
+    cluster = load_cluster(args.cluster)
+    plan = Plan(
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        microbatch_size=args.microbatch_size,
+        global_batch=args.global_batch,
+        zero=args.zero,
+        recompute=Recompute(args.recompute),
+        schedule=args.schedule,
+        sequence_parallel=not args.no_sequence_parallel,
+        flash_attention=not args.no_flash_attention,
+        dp_overlap=args.dp_overlap,
+        reduce_bytes=args.reduce_bytes,
+    )
+    result = estimate(model, cluster, plan)
+    if args.json:
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_estimate(result, make_console())
+    return 0
+
+
+def _print_estimate(result: Estimate, console: Console) -> None:
+    from rich.table import Table
+
+    plan, memory = result.plan, result.memory
+    console.print(
+        f"[bold]{result.model.name}[/] on {plan.gpus} x {result.cluster.gpu} ({result.cluster.name}): {plan.label}, "
+        f"{plan.microbatches} microbatches of {plan.microbatch_size}"
+    )
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("step time", f"{result.step_time_s:.3f} s")
+    table.add_row("  forward/backward", f"{result.pipeline_time_s:.3f} s")
+    table.add_row("  data-parallel tail", f"{result.dp_tail_s:.3f} s")
+    table.add_row("  optimizer", f"{result.optimizer_s:.3f} s")
+    table.add_row("pipeline bubble", f"{100 * result.bubble:.1f} %")
+    table.add_row("tokens per second", f"{result.tokens_per_s:,.0f}")
+    table.add_row("MFU", f"{100 * result.mfu:.1f} %")
+    table.add_row("memory per GPU", f"{memory.total / _GIB:.1f} GiB of {memory.usable / _GIB:.1f} GiB usable")
+    table.add_row("  weights", f"{memory.weights / _GIB:.1f} GiB")
+    table.add_row("  gradients", f"{memory.gradients / _GIB:.1f} GiB")
+    table.add_row("  optimizer state", f"{memory.optimizer / _GIB:.1f} GiB")
+    table.add_row("  activations", f"{memory.activations / _GIB:.1f} GiB")
+    table.add_row("fits", "yes" if result.fits else "[red]no[/]")
+    console.print(table)
+
+
+# --- search -----------------------------------------------------------------------------
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    schedules = None if args.schedules is None else [s.strip() for s in args.schedules.split(",") if s.strip()]
+    err = make_console(stderr=True)
+    with Progress(
+        TextColumn("{task.description:<11}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done, total=total)
+
+        frame = search(
+            args.model,
+            args.cluster,
+            args.gpus,
+            global_batch=args.global_batch,
+            schedules=schedules,
+            extra_schedules=args.extra,
+            prune=None if args.no_prune else args.prune,
+            progress=progress,
+            reduce_bytes=args.reduce_bytes,
+        )
+    if args.csv is not None:
+        try:
+            frame.to_csv(args.csv, index=False)
+        except OSError as error:
+            raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
+    _print_search(frame, make_console(), top=args.top, csv=args.csv)
+    return 0
+
+
+def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None) -> None:
+    from rich import box
+    from rich.table import Table
+
+    attrs = frame.attrs
+    console.print(
+        f"[bold]{attrs['model']}[/] on {attrs['gpus']} GPUs of {attrs['cluster']}, global batch "
+        f"{attrs['global_batch']}: {attrs['considered']} plans, {len(frame)} ranked, "
+        f"{attrs['simulations']} pipeline simulations in {attrs['seconds']:.1f} s"
+    )
+    for reason, count in sorted(attrs["dropped"].items(), key=lambda item: -item[1]):
+        console.print(f"  dropped {count}: {reason}")
+    table = Table(title=f"best {min(top, len(frame))} plans", box=box.SIMPLE_HEAD)
+    headers = {
+        "rank": "#",
+        "schedule": "schedule",
+        "dp": "dp",
+        "tp": "tp",
+        "pp": "pp",
+        "vpp": "vpp",
+        "microbatch_size": "mb",
+        "microbatches": "m",
+        "zero": "zero",
+        "recompute": "recompute",
+        "step_time_s": "step s",
+        "mfu": "MFU %",
+        "bubble": "bubble %",
+        "memory_bytes_per_gpu": "GiB/GPU",
+    }
+    for column in COLUMNS:
+        if column in headers:
+            table.add_column(headers[column], justify="left" if column in ("schedule", "recompute") else "right")
+    for row in frame.head(top).itertuples(index=False):
+        values = row._asdict()
+        cells = []
+        for column in COLUMNS:
+            if column not in headers:
+                continue
+            value = values[column]
+            if column == "step_time_s":
+                cells.append(f"{value:.3f}")
+            elif column in ("mfu", "bubble"):
+                cells.append(f"{100 * value:.1f}")
+            elif column == "memory_bytes_per_gpu":
+                cells.append(f"{value / _GIB:.1f}")
+            else:
+                cells.append(str(value))
+        table.add_row(*cells)
+    console.print(table)
+    summary = summarize(frame)
+    if summary.best_by_schedule:
+        per = Table(title="best plan of each schedule", box=box.SIMPLE_HEAD)
+        for header in ("schedule", "plan", "step s", "MFU %", "bubble %", "vs best SPMD"):
+            per.add_column(header, justify="left" if header in ("schedule", "plan") else "right")
+        for row in summary.best_by_schedule:
+            vpp = f" vpp{row['vpp']}" if row["vpp"] > 1 else ""
+            speedup = summary.speedup_of(row)
+            per.add_row(
+                row["schedule"],
+                f"dp{row['dp']} tp{row['tp']} pp{row['pp']}{vpp} mb{row['microbatch_size']} "
+                f"zero{row['zero']} {row['recompute']}",
+                f"{row['step_time_s']:.3f}",
+                f"{100 * row['mfu']:.1f}",
+                f"{100 * row['bubble']:.1f}",
+                "-" if speedup is None else f"{speedup:.2f}x",
+            )
+        console.print(per)
+    console.print(summary.text())
+    if csv is not None:
+        console.print(f"all {len(frame)} ranked plans written to {csv}")
+
+
+# --- registration -----------------------------------------------------------------------
+
+
+def _add_reduce_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--reduce-bytes",
+        type=int,
+        choices=(2, 4),
+        default=4,
+        help="bytes per gradient value in data-parallel reductions: 4 fp32 (default), 2 bf16",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``estimate`` and ``search`` to ``pipedsl``'s subcommands."""
+    est = add_command(
+        subparsers,
+        "estimate",
+        _cmd_estimate,
+        summary="estimate step time, MFU and memory of one parallel plan",
+        description=(
+            "Estimate one training plan of MODEL on CLUSTER: per-stage costs from FLOPs, memory\n"
+            "traffic and alpha-beta collectives, the pipeline part simulated under SCHEDULE.\n"
+            "GPUs = dp x tp x pp; microbatches = global batch / (dp x microbatch size)."
+        ),
+        examples=(
+            "  pipedsl estimate --model gpt3-175b --cluster a100-80gb --dp 16 --tp 8 --pp 8 --vpp 3 \\\n"
+            "      --microbatch-size 1 --global-batch 1536 --recompute selective --zero 1 \\\n"
+            "      --schedule interleaved_1f1b\n"
+            "  pipedsl estimate --model llama-8b --cluster h100-80gb --dp 64 --global-batch 512 \\\n"
+            "      --zero 3 --recompute full --json"
+        ),
+    )
+    _add_hardware_options(est)
+    plan = est.add_argument_group("plan")
+    plan.add_argument("--dp", type=_positive, default=1, metavar="N", help="data-parallel degree (default 1)")
+    plan.add_argument("--tp", type=_positive, default=1, metavar="N", help="tensor-parallel degree (default 1)")
+    plan.add_argument("--pp", type=_positive, default=1, metavar="N", help="pipeline-parallel degree (default 1)")
+    plan.add_argument("--vpp", type=_positive, default=1, metavar="N", help="stages per pipeline device (default 1)")
+    plan.add_argument("--microbatch-size", type=_positive, default=1, metavar="B", help="sequences per microbatch")
+    plan.add_argument("--global-batch", type=_positive, required=True, metavar="B", help="sequences per step")
+    plan.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
+    plan.add_argument(
+        "--recompute", choices=[r.value for r in Recompute], default="none", help="activation recomputation"
+    )
+    plan.add_argument("--schedule", metavar="FILE", help="for pp > 1: a library name (1f1b) or a .sched file")
+    plan.add_argument(
+        "--no-sequence-parallel", action="store_true", help="tensor parallelism without sequence splitting"
+    )
+    plan.add_argument("--no-flash-attention", action="store_true", help="attention stores its a x s x s scores")
+    plan.add_argument(
+        "--dp-overlap",
+        type=_fraction,
+        default=1.0,
+        metavar="F",
+        help="fraction of the covering computation that hides data-parallel traffic (default 1)",
+    )
+    _add_reduce_option(plan)
+    est.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+    src = add_command(
+        subparsers,
+        "search",
+        _cmd_search,
+        summary="rank SPMD and pipeline plans of a model on N GPUs by step time",
+        description=(
+            "Enumerate SPMD plans (data x tensor parallel, ZeRO 0-3, recomputation) and pipeline\n"
+            "plans over the schedule library and any extra .sched files; drop plans that do not\n"
+            "fit or that a schedule rejects; rank the rest by estimated step time. Prints the best\n"
+            "plans and how the best pipeline plan compares with the best SPMD plan."
+        ),
+        examples=(
+            "  pipedsl search --model gpt3-175b --cluster a100-80gb --gpus 1024 --global-batch 1536\n"
+            "  pipedsl search --model llama-70b --cluster h100-80gb --gpus 256 --csv plans.csv my.sched"
+        ),
+    )
+    _add_hardware_options(src)
+    src.add_argument("--gpus", type=_positive, required=True, metavar="N", help="GPUs to use, all of them")
+    src.add_argument(
+        "--global-batch", type=_positive, metavar="B", help="sequences per step (default: about 4 Mi tokens)"
+    )
+    src.add_argument("--top", type=_positive, default=15, metavar="K", help="show the best K plans (default 15)")
+    src.add_argument("--csv", metavar="OUT", help="write every ranked plan to this CSV file")
+    src.add_argument("--schedules", metavar="A,B", help="try only these library schedules (comma-separated)")
+    src.add_argument(
+        "--prune",
+        type=float,
+        default=DEFAULT_PRUNE,
+        metavar="F",
+        help="skip pipeline plans whose lower bound exceeds F x their schedule's best step time "
+        f"(default {DEFAULT_PRUNE:g})",
+    )
+    src.add_argument("--no-prune", action="store_true", help="simulate every plan that fits")
+    _add_reduce_option(src)
+    src.add_argument("extra", nargs="*", metavar="FILE.sched", help="more schedules to try")

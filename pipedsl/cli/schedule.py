@@ -1,0 +1,135 @@
+"""``pipedsl check``, ``show`` and ``convert``: the schedule commands (core only)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipedsl import interop
+from pipedsl.cli.common import EXIT_OK, add_command, add_param_option, load_schedule, report_error
+from pipedsl.errors import PipedslError
+from pipedsl.ir import Schedule
+
+__all__ = ["register"]
+
+
+def _describe(schedule: Schedule) -> str:
+    if not schedule.params:
+        return schedule.name
+    params = ", ".join(f"{k}={v}" for k, v in schedule.params)
+    return f"{schedule.name}({params})"
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    worst = EXIT_OK
+    for path in args.files:
+        try:
+            schedule = load_schedule(path, args.params)
+            report = schedule.validate(max_inflight=args.max_inflight)
+        except PipedslError as err:
+            worst = max(worst, report_error(err, path=path))
+            continue
+        peaks = " ".join(map(str, report.peak_inflight))
+        print(
+            f"{path}: ok  {_describe(schedule)}: {schedule.num_stages} stages, {schedule.num_devices} devices, "
+            f"{schedule.num_microbatches} microbatches, {report.num_actions} actions, "
+            f"peak in-flight per device {peaks}"
+        )
+    return worst
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    schedule = load_schedule(args.file, args.params)
+    if args.lowered:
+        print(schedule.lower().format())
+        return EXIT_OK
+    placement = " ".join(map(str, schedule.placement))
+    print(
+        f"{_describe(schedule)}: {schedule.num_stages} stages on {schedule.num_devices} devices "
+        f"(placement {placement}), {schedule.num_microbatches} microbatches"
+    )
+    print(schedule.format_grid())
+    # The grid is shown even for an invalid schedule: seeing it is how one finds the fault.
+    schedule.validate()
+    return EXIT_OK
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    schedule = load_schedule(args.file, args.params)
+    schedule.validate()
+    text = interop.export(schedule, args.to)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        try:
+            Path(args.output).write_text(text, encoding="utf-8")
+        except OSError as err:
+            raise PipedslError(f"{args.output}: cannot write: {err.strerror or err}") from None
+    return EXIT_OK
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``check``, ``show`` and ``convert`` to ``pipedsl``'s subcommands."""
+    check = add_command(
+        subparsers,
+        "check",
+        _cmd_check,
+        summary="validate schedules and print their size and peak in-flight activations",
+        description=(
+            "Load each FILE, evaluate it with the given parameters and check every validation rule\n"
+            "(completeness, placement, dependency order, deadlock, optional in-flight limit).\n"
+            "Prints one line per valid file; errors go to stderr with file:line:col."
+        ),
+        examples=(
+            "  pipedsl check schedules/*.sched\n"
+            "  pipedsl check schedules/1f1b.sched -p pp=8 -p microbatches=32 --max-inflight 8\n"
+            "  pipedsl check torch_1f1b.csv -p microbatches=8"
+        ),
+    )
+    check.add_argument("files", nargs="+", metavar="FILE", help="a .sched, .csv or .json schedule")
+    add_param_option(check)
+    check.add_argument(
+        "--max-inflight",
+        type=int,
+        metavar="N",
+        help="fail if any device holds more than N microbatches' activations at once",
+    )
+
+    show = add_command(
+        subparsers,
+        "show",
+        _cmd_show,
+        summary="print a schedule's per-device order, or its lowered programs",
+        description=(
+            "Print FILE's per-device order as a grid, one row per device. With --lowered, print\n"
+            "the per-device programs of compute, send, receive and free instructions instead."
+        ),
+        examples=(
+            "  pipedsl show schedules/1f1b.sched -p pp=4 -p microbatches=8\n"
+            "  pipedsl show schedules/zbv.sched --lowered"
+        ),
+    )
+    show.add_argument("file", metavar="FILE", help="a .sched, .csv or .json schedule")
+    add_param_option(show)
+    show.add_argument("--lowered", action="store_true", help="print the lowered per-device programs")
+
+    convert = add_command(
+        subparsers,
+        "convert",
+        _cmd_convert,
+        summary="convert a schedule between .sched, PyTorch's CSV and JSON",
+        description=(
+            "Load FILE, validate it and write it in another form: csv (PyTorch pipelining's\n"
+            "compute-only CSV), json (pipedsl's JSON form of the IR) or sched (the language's\n"
+            "table form, which pipedsl reads back). Writes to stdout unless -o is given."
+        ),
+        examples=(
+            "  pipedsl convert schedules/1f1b.sched -p pp=4 --to csv -o 1f1b.csv\n"
+            "  pipedsl convert torch_schedule.csv --to sched -o imported.sched"
+        ),
+    )
+    convert.add_argument("file", metavar="FILE", help="a .sched, .csv or .json schedule")
+    convert.add_argument("--to", required=True, choices=interop.FORMATS, help="the output format")
+    convert.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    add_param_option(convert)

@@ -1,0 +1,374 @@
+"""``pipedsl simulate``, ``plot`` and ``trace``: a schedule against a cost model.
+
+All three take the same cost options::
+
+    --f S[,S...]  --b ...  --i ...  --w ...   seconds per F / B / I / W (one, or one per stage)
+    --comm S                                  seconds per transfer
+    --blocking-sends                          a sender waits for its transfer to arrive
+    --costs FILE.toml                         the full model (options above override it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipedsl.cli.common import (
+    EXIT_OK,
+    add_command,
+    add_param_option,
+    load_schedule,
+    make_console,
+    report_error,
+)
+from pipedsl.errors import PipedslError
+from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.engine import Simulation, simulate
+from pipedsl.timeline import Timeline
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+__all__ = ["register", "cost_model_from_args"]
+
+
+# --- cost options ------------------------------------------------------------------------
+
+
+def _seconds(text: str) -> float | tuple[float, ...]:
+    """``1.5`` or ``1,1,2,1`` (one per stage); range checks are the cost model's."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds as a number or a comma-separated list per stage, got {text!r}"
+        ) from None
+    return values[0] if len(values) == 1 else values
+
+
+def _add_cost_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "cost model",
+        "Seconds per action, uniform or one per stage (--f 1,1,1,1.5).\n"
+        "Defaults: F=1, B=2F, I=W=B/2, free communication. Options override --costs.",
+    )
+    group.add_argument("--costs", metavar="FILE.toml", help="read the full cost model (field names as keys)")
+    group.add_argument("--f", type=_seconds, metavar="S", help="seconds per forward (F)")
+    group.add_argument("--b", type=_seconds, metavar="S", help="seconds per full backward (B); default 2 x F")
+    group.add_argument("--i", type=_seconds, metavar="S", help="seconds per input-gradient backward (I); default B/2")
+    group.add_argument("--w", type=_seconds, metavar="S", help="seconds per weight-gradient backward (W); default B/2")
+    group.add_argument(
+        "--comm",
+        type=float,
+        metavar="S",
+        help="seconds per transfer between devices (the latency; bytes / bandwidth from --costs add to it)",
+    )
+    group.add_argument(
+        "--blocking-sends",
+        action="store_true",
+        help="a device cannot compute while its send is in flight (default: sends overlap compute)",
+    )
+    group.add_argument(
+        "--per-device",
+        action="store_true",
+        help="times are a device's whole share of the model, split evenly over the stages it holds "
+        "(compare schedules with different stages per device on the same model)",
+    )
+
+
+def cost_model_from_args(args: argparse.Namespace) -> CostModel:
+    """The cost model the options describe: ``--costs`` if given, then each option over it."""
+    costs = CostModel.from_toml(args.costs) if args.costs else CostModel()
+    changes: dict[str, Any] = {}
+    for option, field in (("f", "forward"), ("b", "backward"), ("i", "input_grad"), ("w", "weight_grad")):
+        value = getattr(args, option)
+        if value is not None:
+            changes[field] = value
+    if args.comm is not None:
+        changes["latency"] = args.comm
+    if args.blocking_sends:
+        changes["overlap_sends"] = False
+    if args.per_device:
+        changes["per_device"] = True
+    return costs.with_changes(**changes) if changes else costs
+
+
+# --- formatting ----------------------------------------------------------------------------
+
+
+def _seconds_text(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def _bytes_text(value: int) -> str:
+    if value < 1024:
+        return f"{value} B" if value else "-"
+    size = value / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.4g} {unit}"
+        size /= 1024
+    return f"{size:.4g} TiB"
+
+
+def _critical_summary(sim: Simulation) -> str:
+    counts: dict[str, int] = {}
+    for event in sim.critical_events():
+        counts[event.kind.value] = counts.get(event.kind.value, 0) + 1
+    parts = " · ".join(f"{kind} {count}" for kind, count in counts.items())
+    return f"{len(sim.critical_path)} events ({parts})"
+
+
+def _device_table(sim: Simulation) -> Table:
+    from rich.table import Table
+
+    show_bytes = any(d.peak_activation_bytes for d in sim.devices)
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for header in ("device", "stages", "busy (s)", "bubble (s)", "bubble", "peak in-flight"):
+        table.add_column(header, justify="left" if header == "stages" else "right")
+    if show_bytes:
+        table.add_column("peak activations", justify="right")
+    schedule = sim.schedule
+    for stats in sim.devices:
+        stages = ",".join(map(str, schedule.stages_on(stats.device)))
+        row = [
+            str(stats.device),
+            stages,
+            _seconds_text(stats.busy),
+            _seconds_text(stats.bubble),
+            f"{stats.bubble_ratio:.2%}",
+            str(stats.peak_inflight)
+            if len(stats.stages) == 1
+            else f"{stats.peak_inflight} ({stats.peak_inflight_microbatches:.3g})",
+        ]
+        if show_bytes:
+            row.append(_bytes_text(stats.peak_activation_bytes))
+        table.add_row(*row)
+    return table
+
+
+def _print_summary(sim: Simulation) -> None:
+    console = make_console(width=160)
+    schedule = sim.schedule
+    console.print(
+        f"[bold]{sim.label}[/bold]: {schedule.num_stages} stages on {schedule.num_devices} devices, "
+        f"{schedule.num_microbatches} microbatches, {schedule.num_actions} actions"
+    )
+    console.print(f"costs: {sim.costs.describe()}")
+    console.print(
+        f"makespan [bold]{_seconds_text(sim.makespan)} s[/bold]   bubble [bold]{sim.bubble_ratio:.2%}[/bold]   "
+        f"critical path {_critical_summary(sim)}"
+    )
+    console.print(_device_table(sim))
+
+
+def _inflight_text(sim: Simulation) -> str:
+    """The peak in-flight count over devices, with microbatch-equivalents when a device
+    holds several stages (``11 (5.5)``)."""
+    worst = max(sim.devices, key=lambda d: (d.peak_inflight_microbatches, d.peak_inflight))
+    if len(worst.stages) == 1:
+        return str(worst.peak_inflight)
+    return f"{worst.peak_inflight} ({worst.peak_inflight_microbatches:.3g})"
+
+
+def _print_comparison(sims: Sequence[tuple[str, Simulation]]) -> None:
+    from rich.table import Table
+
+    ranked = sorted(sims, key=lambda item: (item[1].makespan, item[0]))
+    best = ranked[0][1].makespan
+    show_bytes = any(d.peak_activation_bytes for _, s in ranked for d in s.devices)
+    table = Table(header_style="bold")
+    for header in ("rank", "schedule", "parameters", "makespan (s)", "vs best", "bubble", "peak in-flight"):
+        table.add_column(header, justify="left" if header in ("schedule", "parameters") else "right")
+    if show_bytes:
+        table.add_column("peak activations", justify="right")
+    for rank, (_, sim) in enumerate(ranked, start=1):
+        row = [
+            str(rank),
+            sim.schedule.name,
+            " ".join(f"{k}={v}" for k, v in sim.schedule.params),
+            _seconds_text(sim.makespan),
+            f"{sim.makespan / best:.3f}x" if best > 0 else "-",
+            f"{sim.bubble_ratio:.2%}",
+            _inflight_text(sim),
+        ]
+        if show_bytes:
+            row.append(_bytes_text(max((d.peak_activation_bytes for d in sim.devices), default=0)))
+        table.add_row(*row)
+    console = make_console(width=160)
+    console.print(f"[bold]ranked by makespan[/bold]  (costs: {ranked[0][1].costs.describe()})")
+    console.print(table)
+    console.print(
+        "peak in-flight: the most stage activation sets a device holds at once; in parentheses, "
+        "microbatches of the device's whole share of the model when it holds several stages."
+    )
+    shares = {len(d.stages) for _, s in ranked for d in s.devices}
+    if len(shares) > 1 and not ranked[0][1].costs.per_device:
+        console.print(
+            "[yellow]note:[/yellow] these schedules hold different numbers of stages per device and the "
+            "costs are per stage, so they model different amounts of work; add --per-device to compare "
+            "them on the same model."
+        )
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def _timeline_file(path: str) -> Timeline | None:
+    """The saved timeline at ``path``, or None when ``path`` is not a timeline JSON file."""
+    if Path(path).suffix.lower() != ".json":
+        return None
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # let the schedule loader report what is wrong with it
+    if isinstance(data, dict) and data.get("format") == "pipedsl-timeline":
+        return Timeline.from_json(data, file=path)
+    return None
+
+
+def _simulate_file(path: str, args: argparse.Namespace, costs: CostModel) -> Simulation:
+    return simulate(load_schedule(path, args.params), costs)
+
+
+def _each_file(
+    paths: Sequence[str], work: Callable[[str], Any]
+) -> tuple[list[tuple[str, Any]], int]:
+    """Run ``work`` on every path; report failures as they come. Returns the successes
+    in order and the worst exit code."""
+    done: list[tuple[str, Any]] = []
+    worst = EXIT_OK
+    for path in paths:
+        try:
+            done.append((path, work(path)))
+        except PipedslError as err:
+            worst = max(worst, report_error(err, path=path))
+    return done, worst
+
+
+# --- subcommands -----------------------------------------------------------------------------
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    costs = cost_model_from_args(args)
+    sims, worst = _each_file(args.files, lambda path: _simulate_file(path, args, costs))
+    if not sims:
+        return worst
+    if args.json:
+        ranked = sorted(sims, key=lambda item: (item[1].makespan, item[0])) if len(args.files) > 1 else sims
+        payload = [dict(s.to_json(), file=path) for path, s in ranked]
+        json.dump(payload[0] if len(args.files) == 1 else payload, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif len(args.files) == 1:
+        _print_summary(sims[0][1])
+    else:
+        _print_comparison(sims)
+    return worst
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from pipedsl.simulator.plot import Panel, plot_timelines, save_figure
+
+    costs = cost_model_from_args(args)
+
+    def panel(path: str) -> tuple[Panel, bool]:
+        """The panel for ``path`` and whether it was simulated here."""
+        timeline = _timeline_file(path)
+        if timeline is not None:
+            return Panel(timeline=timeline, title=f"{timeline.name} ({Path(path).name})"), False
+        sim = _simulate_file(path, args, costs)
+        return Panel(timeline=sim.timeline, title=sim.label, critical=sim.critical_path if args.critical else ()), True
+
+    made, worst = _each_file(args.files, panel)
+    if worst != EXIT_OK:
+        return worst
+    panels = [p for _, (p, _) in made]
+    caption = f"simulated with costs {costs.describe()}" if any(sim for _, (_, sim) in made) else ""
+    figure = plot_timelines(panels, share_time=not args.own_time, caption=caption)
+    save_figure(figure, args.output)
+    print(f"wrote {args.output} ({len(panels)} panel{'s' if len(panels) != 1 else ''})")
+    return EXIT_OK
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from pipedsl.simulator.trace import write_trace
+
+    timeline = _timeline_file(args.file)
+    if timeline is None:
+        timeline = _simulate_file(args.file, args, cost_model_from_args(args)).timeline
+    write_trace(timeline, args.output)
+    print(f"wrote {args.output} ({len(timeline)} events; open in https://ui.perfetto.dev)")
+    return EXIT_OK
+
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``simulate``, ``plot`` and ``trace`` to ``pipedsl``'s subcommands."""
+    sim = add_command(
+        subparsers,
+        "simulate",
+        _cmd_simulate,
+        summary="simulate schedules under a cost model: makespan, bubble, memory",
+        description=(
+            "Validate, lower and simulate each FILE under the cost model. One FILE prints its\n"
+            "makespan, bubble ratio, critical path and per-device busy time, bubble and peak\n"
+            "in-flight activations; several FILEs print a table ranked by makespan. --json prints\n"
+            "the same as JSON: an object for one FILE, a list ranked by makespan for several,\n"
+            "each with a \"file\" key naming its input."
+        ),
+        examples=(
+            "  pipedsl simulate schedules/1f1b.sched -p pp=8 -p microbatches=32\n"
+            "  pipedsl simulate schedules/*.sched -p pp=4 -p microbatches=8 --comm 0.1\n"
+            "  pipedsl simulate schedules/zb_h1.sched --f 1 --i 1 --w 1 --json\n"
+            "  pipedsl simulate schedules/interleaved_1f1b.sched --costs costs.toml"
+        ),
+    )
+    sim.add_argument("files", nargs="+", metavar="FILE", help="a .sched, .csv or .json schedule")
+    add_param_option(sim)
+    _add_cost_options(sim)
+    sim.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+
+    plot = add_command(
+        subparsers,
+        "plot",
+        _cmd_plot,
+        summary="draw simulated (or measured) timelines, one panel per file",
+        description=(
+            "Simulate each FILE and draw its timeline: one row per device, one colour per action\n"
+            "kind, microbatch numbers on the bars, transfers as grey bars beneath. A FILE may also\n"
+            "be a timeline saved as JSON (a measured run), drawn beside the simulated ones.\n"
+            "The picture format follows -o's suffix: .png, .svg or .pdf."
+        ),
+        examples=(
+            "  pipedsl plot schedules/1f1b.sched schedules/zb_h1.sched -p pp=4 -p microbatches=8 -o cmp.png\n"
+            "  pipedsl plot schedules/1f1b.sched measured.json --own-time -o overlay.svg"
+        ),
+    )
+    plot.add_argument("files", nargs="+", metavar="FILE", help="a schedule, or a saved timeline .json")
+    plot.add_argument("-o", "--output", required=True, metavar="OUT", help="the picture to write (.png, .svg, .pdf)")
+    add_param_option(plot)
+    _add_cost_options(plot)
+    plot.add_argument("--critical", action="store_true", help="outline the critical path of simulated panels")
+    plot.add_argument("--own-time", action="store_true", help="scale each panel to its own makespan")
+
+    trace = add_command(
+        subparsers,
+        "trace",
+        _cmd_trace,
+        summary="write a Chrome/Perfetto trace of a simulated (or measured) timeline",
+        description=(
+            "Simulate FILE (or read a saved timeline .json) and write the trace event JSON that\n"
+            "chrome://tracing and ui.perfetto.dev open: a process per device with a compute track\n"
+            "and a track for the transfers it sends. Times are microseconds."
+        ),
+        examples="  pipedsl trace schedules/zbv.sched -p pp=4 --comm 0.05 -o zbv.trace.json",
+    )
+    trace.add_argument("file", metavar="FILE", help="a schedule, or a saved timeline .json")
+    trace.add_argument("-o", "--output", required=True, metavar="OUT", help="the trace file to write (.json)")
+    add_param_option(trace)
+    _add_cost_options(trace)
+

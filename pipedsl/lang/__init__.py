@@ -1,0 +1,18 @@
+"""The schedule language: ``.sched`` text to a :class:`~pipedsl.ir.Schedule`.
+
+The pieces, in the order text passes through them:
+
+- :mod:`~pipedsl.lang.parser`: lark parses the text (``grammars/pipedsl.lark``) and the
+  parse tree becomes the typed syntax tree of :mod:`~pipedsl.lang.ast`, once;
+- :mod:`~pipedsl.lang.compile`: expressions and statements become closures over slot frames;
+- :mod:`~pipedsl.lang.evaluate`: a schedule's items run under its parameters, emitting the
+  per-device orders, within a bound on the actions emitted.
+
+Most callers want :func:`pipedsl.load` or :func:`pipedsl.parse` (:mod:`pipedsl.library`).
+"""
+
+from pipedsl.lang.ast import Module
+from pipedsl.lang.evaluate import MAX_ACTIONS, evaluate
+from pipedsl.lang.parser import RESERVED_WORDS, parse_source
+
+__all__ = ["MAX_ACTIONS", "Module", "RESERVED_WORDS", "evaluate", "parse_source"]

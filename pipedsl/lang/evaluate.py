@@ -1,0 +1,384 @@
+"""Syntax tree + parameters to :class:`~pipedsl.ir.Schedule`: a small, bounded interpreter.
+
+The schedule's items run once, top to bottom, with concrete integers: parameters (defaults
+or overrides), ``require`` checks, schedule-level bindings, ``def``, the declarations
+``stages`` / ``devices`` / ``microbatches`` / ``place``, then the orders (an ``on device``
+body or table rows). Expressions and ``on device`` bodies are compiled to Python closures
+by :mod:`pipedsl.lang.compile`, which also states the scoping rules inside function and device
+bodies and the bounds on an evaluation (``max_actions``, the work and compile budgets).
+
+Scoping at the schedule level, the rules a reader of a ``.sched`` file needs: parameters
+first, then bindings in source order; a binding may be given a new value later
+(``x = 1 ... x = x + 1``), a parameter may not. Names must be defined above their use; a
+``def`` or an ``on device`` body sees the values as they stand where it is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pipedsl.errors import ScheduleEvalError, SourcePos
+from pipedsl.ir import Action, Schedule
+from pipedsl.lang import ast
+from pipedsl.lang.compile import (
+    ACTIONS,
+    BUILTINS,
+    COMPILE_BUDGET,
+    INT_MAX,
+    INT_MIN,
+    WORK_PER_ACTION,
+    Compiler,
+    Env,
+    Frame,
+    Function,
+    IntCode,
+    Local,
+    Run,
+    count,
+    fail,
+    lift,
+    no_output,
+    overflow,
+    require_failed,
+    suggest,
+)
+
+__all__ = ["evaluate", "MAX_ACTIONS", "WORK_PER_ACTION", "COMPILE_BUDGET"]
+
+#: Default bound on the number of actions one evaluation may emit.
+MAX_ACTIONS = 4_000_000
+
+
+def _coerce_param(name: str, value: object, pos: SourcePos) -> int:
+    """An override as an int: ints, and strings that spell one (as a command line gives)."""
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        text = value.strip()
+        digits = text.lstrip("+-")
+        # Length first: Python's int() refuses very long digit strings with its own error.
+        if digits.isascii() and digits.isdigit() and len(digits) <= 19 and len(text) - len(digits) <= 1:
+            number = int(text)
+    if number is None or not INT_MIN <= number <= INT_MAX:
+        raise fail(f"parameter `{name}` must be a 64-bit integer, got {value!r}", pos)
+    return number
+
+
+class _Evaluator:
+    """Runs a schedule's items in order and assembles the Schedule."""
+
+    def __init__(self, module: ast.Module, *, max_actions: int) -> None:
+        self.sched = module.schedule
+        self.run = Run(max_actions)
+        names = {f.name for f in module.functions}
+        names.update(i.name for i in self.sched.items if isinstance(i, ast.FuncDef))
+        self.compiler = Compiler(self.run, function_names=frozenset(names))
+        self.max_actions = max_actions
+        self.consts: dict[str, int] = {}
+        self.functions: dict[str, Function] = {}
+        self.param_names: set[str] = set()
+        self.declared: dict[str, tuple[int, SourcePos]] = {}
+        self.placement: tuple[int, ...] | None = None
+        self.orders: list[tuple[Action, ...]] | None = None
+        self.rows: dict[int, tuple[Action, ...]] = {}
+        self.rows_pos: SourcePos | None = None
+
+    # -- helpers --
+
+    def _env(self) -> Env:
+        return Env(self.consts, self.functions)
+
+    def _value(self, node: ast.Expr) -> int:
+        code = self.compiler.expr(node, self._env())
+        value = code if isinstance(code, int) else code([])
+        if not INT_MIN <= value <= INT_MAX:
+            raise overflow(value, node.pos)
+        return value
+
+    def _truth(self, node: ast.Expr) -> bool:
+        code = self.compiler.cond(node, self._env())
+        return code if isinstance(code, bool) else code([])
+
+    def _check_free(self, name: str, pos: SourcePos, what: str) -> None:
+        if name in BUILTINS or name in ACTIONS:
+            raise fail(f"`{name}` is a builtin and cannot name {what}", pos)
+        if name in self.functions:
+            raise fail(f"`{name}` is already a function and cannot name {what}", pos)
+
+    # -- items --
+
+    def define(self, node: ast.FuncDef) -> None:
+        self._check_free(node.name, node.pos, "a function")
+        if node.name in self.consts:
+            raise fail(f"`{node.name}` is already a value and cannot name a function", node.pos)
+        seen: set[str] = set()
+        for param in node.params:
+            if param in seen:
+                raise fail(f"{node.name} names its argument `{param}` twice", node.pos)
+            if param in BUILTINS or param in ACTIONS or param in self.functions:
+                raise fail(f"`{param}` names a function or action and cannot be an argument", node.pos)
+            seen.add(param)
+        function = Function(node, dict(self.consts), dict(self.functions))
+        # Compile the body once now so a mistake in it is reported even if it is never called.
+        placeholders: dict[str, IntCode] = {p: _placeholder for p in node.params}
+        self.compiler.expr(node.body, Env(function.consts, function.functions, placeholders, [], node.name))
+        self.functions[node.name] = function
+
+    def parameters(self, overrides: Mapping[str, object]) -> tuple[tuple[str, int], ...]:
+        sched = self.sched
+        names = [p.name for p in sched.params]
+        unknown = [n for n in overrides if n not in names]
+        if unknown:
+            listing = ", ".join(names) if names else "none"
+            raise fail(
+                f"unknown parameter `{unknown[0]}` for schedule {sched.name}"
+                f"{suggest(unknown[0], names)} (its parameters: {listing})",
+                sched.pos,
+            )
+        values: list[tuple[str, int]] = []
+        for param in sched.params:
+            self._check_free(param.name, param.pos, "a parameter")
+            if param.name in self.consts:
+                raise fail(f"parameter `{param.name}` is declared twice", param.pos)
+            if param.name in overrides:
+                value = _coerce_param(param.name, overrides[param.name], param.pos)
+            else:
+                value = self._value(param.default)
+            self.consts[param.name] = value
+            self.param_names.add(param.name)
+            values.append((param.name, value))
+        return tuple(values)
+
+    def item(self, item: ast.Item) -> None:
+        if isinstance(item, ast.Require):
+            if not self._truth(item.cond):
+                raise require_failed(item)
+        elif isinstance(item, ast.Assign):
+            if item.target in self.param_names:
+                raise fail(
+                    f"`{item.target}` is a parameter and cannot be rebound; choose another name",
+                    item.pos,
+                )
+            self._check_free(item.target, item.pos, "a value")
+            self.consts[item.target] = self._value(item.value)
+        elif isinstance(item, ast.FuncDef):
+            self.define(item)
+        elif isinstance(item, ast.Declare):
+            self.declare(item)
+        elif isinstance(item, ast.Place):
+            self.place(item)
+        elif isinstance(item, ast.PlaceList):
+            self.place_list(item)
+        elif isinstance(item, ast.OnDevice):
+            self.on_device(item)
+        else:
+            self.table_row(item)
+
+    def declare(self, item: ast.Declare) -> None:
+        if item.what in self.declared:
+            first = self.declared[item.what][1]
+            raise fail(f"`{item.what}` is declared twice (first at line {first.line})", item.pos)
+        if item.what in ("stages", "devices") and self.placement is not None:
+            raise fail(f"declare `{item.what}` before `place`", item.pos)
+        value = self._value(item.value)
+        if value < 1:
+            raise fail(f"{item.what} must be at least 1, got {value}", item.pos)
+        if value > self.max_actions:
+            raise fail(
+                f"{item.what} = {value} is more than max_actions={self.max_actions} allows",
+                item.pos,
+            )
+        self.declared[item.what] = (value, item.pos)
+
+    def _need(self, what: str, pos: SourcePos, *names: str) -> tuple[int, ...]:
+        missing = [n for n in names if n not in self.declared]
+        if missing:
+            raise fail(f"declare `{missing[0]}` before {what}", pos)
+        return tuple(self.declared[n][0] for n in names)
+
+    def _place_check(self, pos: SourcePos) -> tuple[int, int]:
+        if self.placement is not None:
+            raise fail("`place` is declared twice", pos)
+        stages, devices = self._need("`place`", pos, "stages", "devices")
+        return stages, devices
+
+    def _on_device_in_range(self, stage: int, device: int, devices: int, pos: SourcePos) -> None:
+        if not 0 <= device < devices:
+            raise fail(
+                f"place puts stage {stage} on device {device}, but the devices are 0 .. {devices - 1}",
+                pos,
+            )
+
+    def place_list(self, item: ast.PlaceList) -> None:
+        stages, devices = self._place_check(item.pos)
+        if len(item.devices) != stages:
+            raise fail(
+                f"place lists {count(len(item.devices), 'device')}, one per stage, but there"
+                f" are {stages} stages",
+                item.pos,
+            )
+        placement = []
+        for stage, node in enumerate(item.devices):
+            device = self._value(node)
+            self._on_device_in_range(stage, device, devices, node.pos)
+            placement.append(device)
+        self.placement = tuple(placement)
+
+    def place(self, item: ast.Place) -> None:
+        stages, devices = self._place_check(item.pos)
+        env = self._env()
+        self._check_free(item.var, item.pos, "the stage variable")
+        self.compiler.check_new_name(item.var, item.pos, env, "the stage variable")
+        env.blocks.append({item.var: Local(0, "stage variable")})
+        before = self.compiler.nodes
+        code = lift(self.compiler.expr(item.value, env))
+        self.run.charge(stages * (self.compiler.nodes - before + 1), item.pos, f"placing {stages} stages")
+        frame = [0]
+        placement = []
+        for stage in range(stages):
+            frame[0] = stage
+            device = code(frame)
+            self._on_device_in_range(stage, device, devices, item.value.pos)
+            placement.append(device)
+        self.placement = tuple(placement)
+
+    def _orders_pos_check(self, pos: SourcePos) -> tuple[int, ...]:
+        if self.placement is None:
+            self._need("the device orders", pos, "stages", "devices")
+            raise fail("declare `place` before the device orders", pos)
+        return self.placement
+
+    def on_device(self, item: ast.OnDevice) -> None:
+        placement = self._orders_pos_check(item.pos)
+        if self.orders is not None or self.rows:
+            raise fail(
+                "a schedule has one `on device` block, or table rows, not both or several",
+                item.pos,
+            )
+        devices = self.declared["devices"][0]
+        env = self._env()
+        self._check_free(item.var, item.pos, "the device variable")
+        self.compiler.check_new_name(item.var, item.pos, env, "the device variable")
+        self.compiler.nslots = 0
+        slot = self.compiler.new_slot()
+        body, cost = self.compiler.block(item.body, env, {item.var: Local(slot, "device variable")})
+        nslots = self.compiler.nslots
+        held: list[list[int]] = [[] for _ in range(devices)]
+        for stage, device in enumerate(placement):
+            held[device].append(stage)
+        run = self.run
+        orders = []
+        for device in range(devices):
+            out: list[Action] = []
+            run.append = out.append
+            run.device = device
+            run.device_stages = tuple(held[device])
+            run.sole_stage = held[device][0] if len(held[device]) == 1 else None
+            run.charge(cost + 1, item.pos, f"running the body for device {device}")
+            frame = [0] * nslots
+            frame[slot] = device
+            try:
+                body(frame)
+            except ScheduleEvalError as err:
+                raise ScheduleEvalError(
+                    f"{err.message} (evaluating {item.var} = {device})", pos=err.pos
+                ) from None
+            orders.append(tuple(out))
+        run.append = no_output
+        self.orders = orders
+
+    def table_row(self, item: ast.TableRow) -> None:
+        self._orders_pos_check(item.pos)
+        if self.orders is not None:
+            raise fail("a schedule has one `on device` block, or table rows, not both", item.pos)
+        devices = self.declared["devices"][0]
+        if not 0 <= item.device < devices:
+            raise fail(
+                f"row for device {item.device}, but the devices are 0 .. {devices - 1}", item.pos
+            )
+        if item.device in self.rows:
+            raise fail(f"device {item.device} has two rows", item.pos)
+        self.run.actions_left -= len(item.cells)
+        if self.run.actions_left < 0:
+            raise self.run.too_many(item.pos)
+        self.rows[item.device] = tuple(Action(c.kind, c.stage, c.microbatch, c.pos) for c in item.cells)
+        self.rows_pos = self.rows_pos or item.pos
+
+    def finish(self, params: tuple[tuple[str, int], ...], name: str | None, source: str | None) -> Schedule:
+        sched = self.sched
+        for what in ("stages", "devices"):
+            if what not in self.declared:
+                raise fail(f"schedule {sched.name} never declares `{what}`", sched.pos)
+        if self.placement is None:
+            raise fail(f"schedule {sched.name} never declares `place`, as in `place s -> s`", sched.pos)
+        devices = self.declared["devices"][0]
+        if self.orders is None:
+            if not self.rows:
+                raise fail(
+                    f"schedule {sched.name} has neither an `on device` block nor table rows",
+                    sched.pos,
+                )
+            missing = [d for d in range(devices) if d not in self.rows]
+            if missing:
+                raise fail(
+                    f"the table has no row for device {missing[0]}; write `device {missing[0]}:`"
+                    " (a row may be empty)",
+                    self.rows_pos or sched.pos,
+                )
+            self.orders = [self.rows[d] for d in range(devices)]
+        if "microbatches" in self.declared:
+            microbatches = self.declared["microbatches"][0]
+        elif "microbatches" in self.param_names:
+            microbatches = self.consts["microbatches"]
+        else:
+            microbatches = 1 + max((a.microbatch for order in self.orders for a in order), default=-1)
+        return Schedule(
+            name=name or sched.name,
+            num_stages=self.declared["stages"][0],
+            num_devices=devices,
+            num_microbatches=microbatches,
+            placement=self.placement,
+            orders=tuple(self.orders),
+            params=params,
+            source=source,
+        )
+
+
+def _placeholder(fr: Frame) -> int:
+    return 0
+
+
+def evaluate(
+    module: ast.Module,
+    *,
+    params: Mapping[str, object] | None = None,
+    name: str | None = None,
+    source: str | None = None,
+    max_actions: int = MAX_ACTIONS,
+) -> Schedule:
+    """Evaluate a parsed schedule under ``params`` (overrides of its defaults).
+
+    Args:
+      module: the syntax tree from :func:`pipedsl.lang.parser.parse_source`.
+      params: parameter overrides by name; values are ints or strings that spell one.
+      name: the Schedule's name; defaults to the name written in the source.
+      source: recorded as ``Schedule.source`` (the file path, or None).
+      max_actions: the most actions the evaluation may emit, over all devices.
+
+    Returns the Schedule without validating it (see ``Schedule.validate``). Raises
+    ScheduleEvalError, with the position of the offending node.
+    """
+    evaluator = _Evaluator(module, max_actions=max_actions)
+    try:
+        for function in module.functions:
+            evaluator.define(function)
+        values = evaluator.parameters(params or {})
+        for item in module.schedule.items:
+            evaluator.item(item)
+    except RecursionError:
+        raise fail(
+            "the schedule nests too deeply to evaluate; split long expressions with local bindings",
+            module.schedule.pos,
+        ) from None
+    return evaluator.finish(values, name, source)

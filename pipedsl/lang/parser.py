@@ -1,0 +1,356 @@
+"""Text to syntax tree: lark parses ``.sched`` text and this module builds :mod:`pipedsl.lang.ast`.
+
+Every failure leaves as a :class:`~pipedsl.errors.ScheduleSyntaxError` with the file,
+line and column, the offending line and, in plain words, what was expected there;
+no lark exception ever escapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+
+import lark
+from lark import Token, v_args
+from lark.exceptions import (
+    UnexpectedCharacters,
+    UnexpectedInput,
+    UnexpectedToken,
+    VisitError,
+)
+from lark.tree import Meta
+from lark.visitors import Transformer_NonRecursive
+
+from pipedsl.errors import PipedslError, ScheduleSyntaxError, SourcePos
+from pipedsl.ir import Kind
+from pipedsl.lang import ast
+
+__all__ = ["parse_source", "RESERVED_WORDS"]
+
+#: Words that can never name a parameter, binding, variable or function. The declaration
+#: words (``stages``, ``devices``, ``microbatches``, ``device``) are not among them: they
+#: are keywords only where a schedule item starts, so a parameter may be called
+#: ``microbatches``.
+RESERVED_WORDS = frozenset(
+    {"schedule", "def", "for", "in", "if", "else", "require", "on", "place", "and", "or", "not"}
+)
+
+_ACTION_KINDS = {kind.value: kind for kind in Kind}
+_CELL_RE = re.compile(r"([0-9]+)([FBIW])([0-9]+)")
+# Literals longer than this cannot be int64 values; refusing them early also keeps
+# Python's int() away from its own limit on very long digit strings.
+_MAX_DIGITS = 19
+_INT64_MAX = 2**63 - 1
+
+# Plain words for the terminals that are patterns rather than fixed strings.
+_TERMINAL_WORDS = {
+    "NAME": "a name",
+    "INT": "a number",
+    "CELL": "an action cell like 0F1",
+    "STRING": 'a quoted message like "..."',
+    "$END": "the end of the file",
+}
+
+
+@functools.cache
+def _lark() -> lark.Lark:
+    grammar = importlib.resources.files("pipedsl.grammars").joinpath("pipedsl.lark").read_text()
+    return lark.Lark(
+        grammar,
+        parser="lalr",
+        lexer="contextual",
+        propagate_positions=True,
+        maybe_placeholders=True,
+    )
+
+
+@functools.cache
+def _terminal_descriptions() -> dict[str, str]:
+    descriptions = dict(_TERMINAL_WORDS)
+    for terminal in _lark().terminals:
+        if terminal.name not in descriptions and isinstance(terminal.pattern, lark.lexer.PatternStr):
+            descriptions[terminal.name] = f"`{terminal.pattern.value}`"
+    return descriptions
+
+
+class _Source:
+    """The text being parsed, to make SourcePos values with the line's text."""
+
+    def __init__(self, text: str, file: str) -> None:
+        self.file = file
+        self.lines = [line.rstrip("\r") for line in text.split("\n")]
+        self._text = text
+
+    def at(self, line: int, column: int) -> SourcePos:
+        line_text = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
+        return SourcePos(self.file, line, column, line_text)
+
+    def token(self, token: Token) -> SourcePos:
+        return self.at(token.line or 1, token.column or 1)
+
+    def meta(self, meta: Meta) -> SourcePos:
+        return self.at(meta.line, meta.column)
+
+    def end(self) -> SourcePos:
+        """Just after the last non-blank character: where an unexpected end of file is."""
+        body = self._text.rstrip()
+        line = body.count("\n") + 1
+        column = len(body) - (body.rfind("\n") + 1) + 1
+        return self.at(line, column)
+
+
+def _error(message: str, pos: SourcePos) -> ScheduleSyntaxError:
+    return ScheduleSyntaxError(message, pos=pos)
+
+
+@v_args(meta=True)
+class _Builder(Transformer_NonRecursive):
+    """Builds the AST bottom-up from lark's tree; raises ScheduleSyntaxError on misuse.
+
+    Non-recursive, so a long chain such as ``1 + 1 + ... + 1`` does not exhaust Python's
+    stack here (left-recursive rules make such chains as deep as they are long).
+    """
+
+    def __init__(self, source: _Source) -> None:
+        super().__init__(visit_tokens=False)
+        self._src = source
+
+    # -- helpers --
+
+    def _name(self, token: Token) -> str:
+        if token.value in RESERVED_WORDS:
+            raise _error(
+                f"`{token.value}` is a reserved word and cannot be used as a name",
+                self._src.token(token),
+            )
+        return str(token.value)
+
+    def _int(self, token: Token) -> int:
+        digits = token.value
+        if len(digits) > _MAX_DIGITS or int(digits) > _INT64_MAX:
+            raise _error(
+                f"the number {digits[:24]}{'...' if len(digits) > 24 else ''} is too large:"
+                " numbers are 64-bit integers",
+                self._src.token(token),
+            )
+        return int(digits)
+
+    # -- file and schedule --
+
+    def start(self, meta: Meta, children: list) -> tuple:
+        *functions, schedule = children
+        return tuple(functions), schedule
+
+    def schedule(self, meta: Meta, children: list) -> ast.ScheduleDef:
+        name, params, *items = children
+        return ast.ScheduleDef(
+            self._name(name), params or (), tuple(items), self._src.token(name)
+        )
+
+    def param_list(self, meta: Meta, children: list) -> tuple[ast.Param, ...]:
+        return tuple(p for p in children if p is not None)
+
+    def param(self, meta: Meta, children: list) -> ast.Param:
+        name, default = children
+        return ast.Param(self._name(name), default, self._src.token(name))
+
+    def declare(self, meta: Meta, children: list) -> ast.Declare:
+        keyword, value = children
+        return ast.Declare(str(keyword.value), value, self._src.token(keyword))
+
+    def place(self, meta: Meta, children: list) -> ast.Place:
+        var, value = children
+        return ast.Place(self._name(var), value, self._src.meta(meta))
+
+    def place_list(self, meta: Meta, children: list) -> ast.PlaceList:
+        return ast.PlaceList(tuple(d for d in children if d is not None), self._src.meta(meta))
+
+    def on_device(self, meta: Meta, children: list) -> ast.OnDevice:
+        var, body = children
+        return ast.OnDevice(self._name(var), body, self._src.meta(meta))
+
+    def table_row(self, meta: Meta, children: list) -> ast.TableRow:
+        device, *cells = children
+        return ast.TableRow(
+            self._int(device), tuple(self._cell(c) for c in cells), self._src.meta(meta)
+        )
+
+    def _cell(self, token: Token) -> ast.Cell:
+        pos = self._src.token(token)
+        match = _CELL_RE.fullmatch(token.value)
+        if match is None:
+            raise _error(
+                f"`{token.value}` is not an action cell: write {{stage}}{{F|B|I|W}}{{microbatch}},"
+                " like 0F1 or 3W12",
+                pos,
+            )
+        stage, kind, microbatch = match.groups()
+        if max(len(stage), len(microbatch)) > _MAX_DIGITS:
+            raise _error(f"the cell `{token.value}` has a number too large", pos)
+        return ast.Cell(_ACTION_KINDS[kind], int(stage), int(microbatch), pos)
+
+    def fundef(self, meta: Meta, children: list) -> ast.FuncDef:
+        name, *params, body = children
+        return ast.FuncDef(
+            self._name(name),
+            tuple(self._name(p) for p in params if p is not None),
+            body,
+            self._src.meta(meta),
+        )
+
+    # -- statements --
+
+    def block(self, meta: Meta, children: list) -> ast.Block:
+        return tuple(children)
+
+    def assign(self, meta: Meta, children: list) -> ast.Assign:
+        target, value = children
+        return ast.Assign(self._name(target), value, self._src.token(target))
+
+    def for_stmt(self, meta: Meta, children: list) -> ast.For:
+        var, start, stop, body = children
+        return ast.For(self._name(var), start, stop, body, self._src.meta(meta))
+
+    def if_stmt(self, meta: Meta, children: list) -> ast.If:
+        cond, body, *rest = children
+        orelse = rest.pop()
+        first = ast.Branch(cond, body, self._src.meta(meta))
+        return ast.If((first, *rest), orelse, first.pos)
+
+    def elif_clause(self, meta: Meta, children: list) -> ast.Branch:
+        cond, body = children
+        return ast.Branch(cond, body, self._src.meta(meta))
+
+    def else_clause(self, meta: Meta, children: list) -> ast.Block:
+        (body,) = children
+        return body
+
+    def require(self, meta: Meta, children: list) -> ast.Require:
+        cond, message = children
+        text = None if message is None else str(message.value[1:-1])
+        return ast.Require(cond, text, self._src.meta(meta))
+
+    def action(self, meta: Meta, children: list) -> ast.Emit:
+        name, *args = children
+        pos = self._src.token(name)
+        kind = _ACTION_KINDS.get(name.value)
+        if kind is None:
+            raise _error(
+                f"`{name.value}(...)` cannot stand on its own: only the actions F, B, I and W"
+                f" can; to keep a value, bind it: `x = {name.value}(...)`",
+                pos,
+            )
+        return ast.Emit(kind, tuple(a for a in args if a is not None), pos)
+
+    # -- expressions --
+
+    def _binary(self, children: list, node: type) -> ast.Expr:
+        left, op, right = children
+        return node(str(op.value), left, right, self._src.token(op))
+
+    def or_test(self, meta: Meta, children: list) -> ast.Expr:
+        return self._binary(children, ast.BoolOp)
+
+    def and_test(self, meta: Meta, children: list) -> ast.Expr:
+        return self._binary(children, ast.BoolOp)
+
+    def comparison(self, meta: Meta, children: list) -> ast.Expr:
+        return self._binary(children, ast.Compare)
+
+    def sum(self, meta: Meta, children: list) -> ast.Expr:
+        return self._binary(children, ast.BinOp)
+
+    def product(self, meta: Meta, children: list) -> ast.Expr:
+        return self._binary(children, ast.BinOp)
+
+    def not_test(self, meta: Meta, children: list) -> ast.Not:
+        op, operand = children
+        return ast.Not(operand, self._src.token(op))
+
+    def unary(self, meta: Meta, children: list) -> ast.Neg:
+        op, operand = children
+        return ast.Neg(operand, self._src.token(op))
+
+    def number(self, meta: Meta, children: list) -> ast.IntLit:
+        (token,) = children
+        return ast.IntLit(self._int(token), self._src.token(token))
+
+    def name(self, meta: Meta, children: list) -> ast.Name:
+        (token,) = children
+        return ast.Name(self._name(token), self._src.token(token))
+
+    def call(self, meta: Meta, children: list) -> ast.Call:
+        name, *args = children
+        return ast.Call(
+            self._name(name), tuple(a for a in args if a is not None), self._src.token(name)
+        )
+
+
+def _expected(err: UnexpectedInput) -> str:
+    """What the parser would have accepted where it stopped, in words."""
+    # The interactive parser replays the pending reductions for each candidate token, so
+    # its answer is exact; the LALR table row alone over-approximates (merged states).
+    interactive = getattr(err, "interactive_parser", None)
+    names: set[str] = set()
+    if interactive is not None:
+        names = set(interactive.accepts())
+    elif isinstance(err, UnexpectedToken):
+        names = set(err.expected)
+    descriptions = _terminal_descriptions()
+    words = sorted(
+        {descriptions[n] for n in names if n in descriptions},
+        # Named things first ("a name", "a number"), then symbols and keywords.
+        key=lambda w: (w.startswith("`"), w),
+    )
+    if not words:
+        return ""
+    if len(words) == 1:
+        return f"; expected {words[0]}"
+    return f"; expected one of {', '.join(words[:-1])} or {words[-1]}"
+
+
+def _describe(token: Token) -> str:
+    if token.type == "NAME":
+        return f"name `{token.value}`"
+    if token.type == "INT":
+        return f"number {token.value}"
+    if token.type == "CELL":
+        return f"`{token.value}`"
+    if token.type == "STRING":
+        return f"message {token.value}"
+    return f"`{token.value}`"
+
+
+def _translate(err: UnexpectedInput, source: _Source) -> ScheduleSyntaxError:
+    if isinstance(err, UnexpectedCharacters):
+        if err.char == '"':
+            return _error(
+                'unterminated message: a quoted message must close with " on the same line',
+                source.at(err.line, err.column),
+            )
+        return _error(
+            f"unexpected character {err.char!r}{_expected(err)}", source.at(err.line, err.column)
+        )
+    if isinstance(err, UnexpectedToken) and err.token.type != "$END":
+        token = err.token
+        return _error(f"unexpected {_describe(token)}{_expected(err)}", source.token(token))
+    return _error(f"unexpected end of the file{_expected(err)}", source.end())
+
+
+def parse_source(text: str, *, file: str = "<string>") -> ast.Module:
+    """Parse the text of a ``.sched`` file into its syntax tree.
+
+    ``file`` is only used in positions and messages. Raises ScheduleSyntaxError.
+    """
+    source = _Source(text, file)
+    try:
+        tree = _lark().parse(text)
+        functions, schedule = _Builder(source).transform(tree)
+    except UnexpectedInput as err:
+        raise _translate(err, source) from None
+    except VisitError as err:
+        if isinstance(err.orig_exc, PipedslError):
+            raise err.orig_exc from None
+        raise
+    return ast.Module(functions, schedule, file)

@@ -1,0 +1,200 @@
+"""The one schedule loader: a library name or a path to a :class:`~pipedsl.ir.Schedule`.
+
+Every command, the planner and the Python API load schedules through this module:
+
+- :func:`resolve` turns a spec into a file: a bare name (``1f1b``) is a schedule of the
+  shipped library (``pipedsl.schedules``), anything else a path;
+- :func:`parsed` parses a ``.sched`` file once per version of the file (a bounded cache);
+- :func:`parameters` lists the parameters a schedule declares;
+- :func:`load` evaluates a ``.sched`` file under parameter overrides, or reads PyTorch's
+  CSV or pipedsl's JSON form (:mod:`pipedsl.interop`); :func:`parse` does the same for text.
+
+Schedules come back *unvalidated*; ``schedule.validate()`` checks them.
+
+    >>> import pipedsl
+    >>> pipedsl.load("1f1b", pp=4, microbatches=8).num_actions
+    64
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.resources
+import os
+from pathlib import Path
+
+from pipedsl import interop
+from pipedsl.errors import ConversionError, PipedslError
+from pipedsl.ir import Schedule
+from pipedsl.lang import MAX_ACTIONS, Module, evaluate, parse_source
+
+__all__ = [
+    "MAX_ACTIONS",
+    "library_path",
+    "library_schedules",
+    "load",
+    "parameters",
+    "parse",
+    "parsed",
+    "resolve",
+]
+
+_SUFFIX = ".sched"
+_FORMATS = (".sched", ".csv", ".json")
+# Parsed files kept at once: the library plus a user's own schedules, whatever a search tries.
+_CACHED_FILES = 64
+
+
+def library_schedules() -> dict[str, Path]:
+    """The shipped schedules by name (the file stem, such as ``"1f1b"``), sorted by name."""
+    folder = importlib.resources.files("pipedsl.schedules")
+    found = {}
+    for entry in folder.iterdir():
+        if entry.name.endswith(_SUFFIX) and entry.is_file():
+            found[entry.name[: -len(_SUFFIX)]] = Path(str(entry))
+    return dict(sorted(found.items()))
+
+
+def library_path(name: str | None = None) -> Path:
+    """The folder of shipped schedules, or with ``name`` (``"1f1b"`` or ``"1f1b.sched"``)
+    the path of that schedule.
+
+    Raises PipedslError for a name that is not in the library, naming the closest ones.
+    """
+    if name is None:
+        return Path(str(importlib.resources.files("pipedsl.schedules")))
+    stem = name[: -len(_SUFFIX)] if name.endswith(_SUFFIX) else name
+    shipped = library_schedules()
+    if stem not in shipped:
+        raise PipedslError(f"no schedule {name!r} in the library{_suggest(stem, shipped)}")
+    return shipped[stem]
+
+
+def resolve(spec: str | os.PathLike[str]) -> Path:
+    """The file a spec names: a library schedule for a bare name that is not a file, else the path.
+
+    Raises PipedslError for a path that does not exist or has a kind of file we cannot read.
+    """
+    if not isinstance(spec, (str, os.PathLike)):
+        raise PipedslError(
+            f"a schedule is named by a library name or a path, not {type(spec).__name__} {spec!r}"
+        )
+    path = Path(spec)
+    suffix = path.suffix.lower()
+    if not suffix and not path.exists():
+        return library_path(str(path))
+    if suffix not in _FORMATS:
+        kind = suffix or "(no extension)"
+        raise ConversionError(f"{path}: unknown kind of file {kind!r}; expected .sched, .csv or .json")
+    if not path.is_file():
+        raise PipedslError(f"{path}: no such file")
+    return path
+
+
+def parsed(spec: str | os.PathLike[str]) -> Module:
+    """The syntax tree of a ``.sched`` spec, parsed once per version of the file."""
+    path = resolve(spec)
+    if path.suffix.lower() != _SUFFIX:
+        raise PipedslError(f"{path}: only .sched files have a syntax tree; this is a {path.suffix} file")
+    try:
+        modified = path.stat().st_mtime_ns
+    except OSError as err:
+        raise PipedslError(f"{path}: cannot read: {err.strerror or err}") from None
+    return _parse_file(path, modified)
+
+
+@functools.lru_cache(maxsize=_CACHED_FILES)
+def _parse_file(path: Path, modified: int) -> Module:
+    return parse_source(_read(path), file=str(path))
+
+
+def parameters(spec: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The parameter names a ``.sched`` schedule declares, in source order; none for CSV and JSON."""
+    path = resolve(spec)
+    if path.suffix.lower() != _SUFFIX:
+        return ()
+    return tuple(p.name for p in parsed(path).schedule.params)
+
+
+def load(
+    spec: str | os.PathLike[str],
+    /,
+    *,
+    max_actions: int = MAX_ACTIONS,
+    **params: int | str,
+) -> Schedule:
+    """Load a schedule by library name or path, choosing the reader by the file's extension.
+
+    A ``.sched`` file is evaluated under ``params`` (overrides of its defaults; ints, or
+    strings that spell one) and records its path as ``Schedule.source``. A ``.csv`` file
+    (PyTorch's compute-only form) takes only ``microbatches``, the count PyTorch keeps
+    outside the file; a ``.json`` file records everything and takes none.
+
+    Raises:
+      PipedslError: a missing or unreadable file, an unknown name or extension, or
+        parameters the format does not take.
+      ScheduleSyntaxError, ScheduleEvalError: the ``.sched`` text does not parse or evaluate.
+    """
+    path = resolve(spec)
+    suffix = path.suffix.lower()
+    if suffix == _SUFFIX:
+        return evaluate(parsed(path), params=params, source=str(path), max_actions=max_actions)
+    text = _read(path)
+    if suffix == ".csv":
+        extra = sorted(set(params) - {"microbatches"})
+        if extra:
+            raise ConversionError(
+                f"{path}: a CSV schedule has no parameter {extra[0]!r}; the only one it takes is "
+                "microbatches (-p microbatches=N), the count PyTorch keeps outside the file"
+            )
+        count = params.get("microbatches")
+        return interop.from_csv(text, file=str(path), num_microbatches=None if count is None else int(count))
+    if params:
+        raise ConversionError(
+            f"{path}: a JSON schedule records every value and takes no parameters; got {sorted(params)[0]!r}"
+        )
+    return interop.from_json(text, file=str(path))
+
+
+def parse(
+    text: str,
+    /,
+    *,
+    name: str | None = None,
+    file: str = "<string>",
+    max_actions: int = MAX_ACTIONS,
+    **params: int | str,
+) -> Schedule:
+    """Parse and evaluate ``.sched`` text; like :func:`load`, with ``Schedule.source`` None.
+
+    Args:
+      text: the text of a ``.sched`` file.
+      name: the schedule's name; defaults to the one written after ``schedule``.
+      file: how positions in error messages name the text.
+      max_actions: the most actions evaluation may emit before it stops with an error.
+      **params: overrides of the schedule's parameters.
+    """
+    if not isinstance(text, str):
+        raise PipedslError(f"parse takes the schedule's text as a str, not {type(text).__name__}")
+    module = parse_source(text.removeprefix("\ufeff"), file=file)
+    return evaluate(module, params=params, name=name, source=None, max_actions=max_actions)
+
+
+def _read(path: Path) -> str:
+    # utf-8-sig: editors on some systems start files with a byte-order mark; accept it.
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise PipedslError(
+            f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); save it as UTF-8"
+        ) from None
+    except OSError as err:
+        raise PipedslError(f"{path}: cannot read: {err.strerror or err}") from None
+
+
+def _suggest(name: str, known: dict[str, Path]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=2, cutoff=0.5)
+    if close:
+        return f"; did you mean {' or '.join(repr(c) for c in close)}?"
+    return f"; it has {', '.join(known) or 'none'}"

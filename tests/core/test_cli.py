@@ -1,0 +1,251 @@
+"""The command line, in process: exit codes, messages on stderr, conversions and back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import one_f_one_b
+from pipedsl import library
+from pipedsl.cli import main
+from pipedsl.cli.common import parse_params
+from pipedsl.interop import to_csv
+
+Capture = pytest.CaptureFixture[str]
+
+ONE_F_ONE_B = """\
+# 1F1B for the tests.
+schedule one_f_one_b(pp = 4, microbatches = 8) {
+  require microbatches >= pp, "1F1B needs at least as many microbatches as stages"
+  stages pp
+  devices pp
+  place s -> s
+  on device d {
+    warmup = min(pp - 1 - d, microbatches)
+    for i in 0 .. warmup { F(i) }
+    for i in 0 .. microbatches - warmup { F(warmup + i)  B(i) }
+    for i in microbatches - warmup .. microbatches { B(i) }
+  }
+}
+"""
+
+
+@pytest.fixture
+def sched(tmp_path: Path) -> Path:
+    path = tmp_path / "1f1b.sched"
+    path.write_text(ONE_F_ONE_B)
+    return path
+
+
+def run(capsys: Capture, *argv: str | Path) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+# --- check ---------------------------------------------------------------------------
+
+
+def test_check_prints_one_line_per_file(capsys: Capture, sched: Path, tmp_path: Path) -> None:
+    csv = tmp_path / "torch.csv"
+    csv.write_text(to_csv(one_f_one_b(2, 4)))
+    code, out, err = run(capsys, "check", sched, csv, "-p", "microbatches=4")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines == [
+        f"{sched}: ok  one_f_one_b(pp=4, microbatches=4): 4 stages, 4 devices, 4 microbatches, 32 actions, "
+        "peak in-flight per device 4 3 2 1",
+        f"{csv}: ok  torch: 2 stages, 2 devices, 4 microbatches, 16 actions, peak in-flight per device 2 1",
+    ]
+
+
+def test_check_the_library_by_name(capsys: Capture) -> None:
+    names = sorted(library.library_schedules())
+    code, out, err = run(capsys, "check", *names)
+    assert (code, err) == (0, "")
+    assert len(out.splitlines()) == len(names)
+
+
+def test_check_invalid_schedule_exits_1(capsys: Capture, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.sched"
+    text = ONE_F_ONE_B.replace("F(warmup + i)  B(i)", "B(i)  F(warmup + i)")
+    bad.write_text(text)
+    code, out, err = run(capsys, "check", bad, "-p", "pp=2", "-p", "microbatches=2")
+    assert code == 1 and out == ""
+    # Device 1 runs B(0) before F(0); the error points at the B(i) in the loop body.
+    line = text.splitlines()[9]
+    lines = err.splitlines()
+    column = line.index("B(i)") + 1
+    assert lines[0].startswith(f"{bad}:10:{column}: [dependency-order] action 1B0 on device 1 comes before 1F0")
+    assert lines[1] == "    " + line
+    assert lines[2].index("^") == lines[1].index("B(i)")
+
+
+def test_check_max_inflight(capsys: Capture, sched: Path) -> None:
+    code, _, err = run(capsys, "check", sched, "--max-inflight", "3")
+    assert code == 1
+    assert err == (
+        f"{sched}: [max-inflight] device 0 holds 4 microbatches in flight at its peak, above the limit of 3\n"
+    )
+    assert run(capsys, "check", sched, "--max-inflight", "4")[0] == 0
+
+
+def test_check_reports_every_file_and_the_worst_code(capsys: Capture, sched: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.sched"
+    broken.write_text("schedule x {\n  stages 2 +\n}\n")
+    code, out, err = run(capsys, "check", broken, sched, "--max-inflight", "1")
+    assert code == 2
+    assert out == ""
+    assert err.startswith(f"{broken}:3:1: ")
+    assert f"{sched}: [max-inflight]" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["-p", "foo=1"], "unknown parameter `foo`"),
+        (["-p", "pp=x"], "parameter pp needs an integer value, got 'x'"),
+        (["-p", "pp"], "parameter 'pp' should be NAME=VALUE"),
+        (["-p", "pp=2", "-p", "pp=3"], "parameter pp is given twice"),
+        (["-p", "pp=9"], "requirement failed: 1F1B needs at least as many microbatches as stages"),
+        (["--max-inflight", "x"], "invalid int value"),
+    ],
+)
+def test_usage_and_evaluation_errors_exit_2(
+    capsys: Capture, sched: Path, argv: list[str], words: str
+) -> None:
+    code, out, err = run(capsys, "check", sched, *argv)
+    assert code == 2 and out == ""
+    assert words in err
+
+
+def test_syntax_error_shows_the_line_and_a_caret(capsys: Capture, tmp_path: Path) -> None:
+    path = tmp_path / "typo.sched"
+    path.write_text(ONE_F_ONE_B.replace("place s -> s", "place s => s"))
+    code, out, err = run(capsys, "check", path)
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith(f"{path}:6:11: ")
+    assert lines[1] == "      place s => s"
+    assert lines[2] == "    " + " " * 10 + "^"
+
+
+def test_missing_file_and_unknown_kind(capsys: Capture, tmp_path: Path) -> None:
+    code, out, err = run(capsys, "check", tmp_path / "nope.sched")
+    assert (code, out, err) == (2, "", f"{tmp_path / 'nope.sched'}: no such file\n")
+    (tmp_path / "s.txt").write_text("")
+    code, _, err = run(capsys, "show", tmp_path / "s.txt")
+    assert code == 2 and "expected .sched, .csv or .json" in err
+
+
+def test_bad_csv_cell_is_located(capsys: Capture, tmp_path: Path) -> None:
+    path = tmp_path / "lowered.csv"
+    path.write_text("0F0,0SEND_F0,0B0\n1F0,1B0\n")
+    code, _, err = run(capsys, "check", path)
+    assert code == 2
+    assert err.startswith(f"{path}:1:5: cell '0SEND_F0' is a communication")
+
+
+def test_usage_errors(capsys: Capture) -> None:
+    assert run(capsys, "frobnicate")[0] == 2
+    code, _, err = run(capsys)
+    assert code == 2 and "check" in err
+    assert run(capsys, "convert", "x.sched")[0] == 2  # --to is required
+    assert run(capsys, "convert", "x.sched", "--to", "yaml")[0] == 2
+
+
+def test_help_explains_each_command(capsys: Capture) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for command in ("check", "show", "convert"):
+        assert command in out
+    for command in ("check", "show", "convert"):
+        code, out, _ = run(capsys, command, "--help")
+        assert code == 0 and "examples:" in out and f"pipedsl {command} " in out
+
+
+def test_parse_params() -> None:
+    assert parse_params(["pp=4", " microbatches = 8 ", "x=-1"]) == {"pp": 4, "microbatches": 8, "x": -1}
+    for bad in (["pp"], ["=3"], ["p p=3"], ["pp=3.5"], ["pp=1", "pp=2"]):
+        with pytest.raises(ValueError):
+            parse_params(bad)
+
+
+# --- show --------------------------------------------------------------------------------
+
+
+def test_show_grid(capsys: Capture, sched: Path) -> None:
+    code, out, err = run(capsys, "show", sched, "-p", "pp=2", "-p", "microbatches=3")
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        "one_f_one_b(pp=2, microbatches=3): 2 stages on 2 devices (placement 0 1), 3 microbatches",
+        "device 0: 0F0 0F1 0B0 0F2 0B1 0B2",
+        "device 1: 1F0 1B0 1F1 1B1 1F2 1B2",
+    ]
+
+
+def test_show_lowered(capsys: Capture, sched: Path) -> None:
+    code, out, _ = run(capsys, "show", sched, "-p", "pp=2", "-p", "microbatches=2", "--lowered")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "device 0 (stages 0):"
+    assert "  send act(0,0) -> device 1" in lines and "  recv grad(1,0) <- device 1" in lines
+
+
+def test_show_invalid_prints_the_grid_then_the_error(capsys: Capture, tmp_path: Path) -> None:
+    path = tmp_path / "short.csv"
+    path.write_text("0F0,0B0\n1F0\n")
+    code, out, err = run(capsys, "show", path)
+    assert code == 1
+    assert out.splitlines()[1:] == ["device 0: 0F0 0B0", "device 1: 1F0"]
+    assert err.startswith(f"{path}:2:1: [missing-action]")
+    code, out, err = run(capsys, "show", path, "--lowered")
+    assert code == 1 and out == "" and "[missing-action]" in err
+
+
+# --- convert ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "sched"])
+def test_convert_and_back(capsys: Capture, sched: Path, tmp_path: Path, fmt: str) -> None:
+    out_path = tmp_path / f"converted.{fmt}"
+    params = ["-p", "pp=3", "-p", "microbatches=5"]
+    code, out, err = run(capsys, "convert", sched, *params, "--to", fmt, "-o", out_path)
+    assert (code, out, err) == (0, "", "")
+    original = library.load(sched, pp=3, microbatches=5)
+    converted = library.load(out_path)
+    assert converted.orders == original.orders and converted.placement == original.placement
+    # And back to .sched from the converted file, through stdout.
+    code, out, err = run(capsys, "convert", out_path, "--to", "sched")
+    assert (code, err) == (0, "")
+    assert library.parse(out).orders == original.orders
+
+
+def test_convert_validates_imports(capsys: Capture, tmp_path: Path) -> None:
+    path = tmp_path / "torch.csv"
+    row = ",0F0,0F1,0B0,0B1,0F2"
+    path.write_text(row + "\n1F0,1B0,1F1,1B1\n")
+    code, out, err = run(capsys, "convert", path, "--to", "sched", "-p", "microbatches=2")
+    assert code == 1 and out == ""
+    assert err.splitlines()[0].startswith(f"{path}:1:{row.index('0F2') + 1}: [microbatch-range] action 0F2")
+    assert err.splitlines()[1] == "    " + row
+
+
+def test_convert_to_an_unwritable_place(capsys: Capture, sched: Path, tmp_path: Path) -> None:
+    code, _, err = run(capsys, "convert", sched, "--to", "csv", "-o", tmp_path / "no" / "such" / "dir.csv")
+    assert code == 2 and "cannot write" in err
+
+
+def test_python_dash_m(sched: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pipedsl", "check", str(sched), "-p", "pp=9"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert "requirement failed" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,64 @@
+"""``pipedsl run``: trains a built-in model, prints losses and step times, saves timelines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pipedsl
+from pipedsl.cli import main
+from pipedsl.timeline import Timeline
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pipedsl(*args: str) -> subprocess.CompletedProcess[str]:
+    # A fresh process without XLA_FLAGS: the command must give JAX its devices itself.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-m", "pipedsl", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
+
+
+def test_building_the_parser_does_not_import_jax() -> None:
+    code = "import sys, pipedsl.cli; pipedsl.cli.build_parser(); print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_run_trains_and_saves_a_measured_timeline(tmp_path: Path) -> None:
+    timeline_path = tmp_path / "zb.json"
+    schedule = str(pipedsl.library_path("zb_h1"))
+    out = _pipedsl(
+        "run", schedule, "-p", "pp=3", "-p", "microbatches=3", "--model", "transformer", "--marked",
+        "--steps", "3", "--width", "8", "--layers-per-stage", "1", "--timeline", str(timeline_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "3 stages on 3 cpu devices" in lines[0]
+    losses = [float(line.split()[1]) for line in lines[2:5]]
+    assert losses[2] < losses[0]
+    assert "median step time (steps 2-3)" in out.stdout
+    timeline = Timeline.load(timeline_path)
+    assert timeline.origin == "measured" and timeline.num_devices == 3
+    assert (timeline.compute_mask).sum() == 3 * 3 * 3  # F, I and W per stage and microbatch
+
+
+def test_run_reports_schedule_errors() -> None:
+    out = _pipedsl("run", str(pipedsl.library_path("zbv")), "-p", "pp=2", "-p", "microbatches=1")
+    assert out.returncode == 2
+    assert "ZB-V needs at least 2pp-1 microbatches" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_run_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    schedule = str(pipedsl.library_path("1f1b"))
+    code = main(["run", schedule, "-p", "pp=2", "-p", "microbatches=2", "--steps", "2", "--width", "8"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "model mlp (width 8, 2 layers per stage, explicit stages)" in out
+    assert len([line for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]) == 2

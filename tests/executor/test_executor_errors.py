@@ -1,0 +1,186 @@
+"""The executor's errors: clear, raised before anything runs when they can be, never a hang."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pipedsl
+from pipedsl.errors import PipedslError
+from pipedsl.executor import ExecutionError, Pipeline, stage_boundary
+from pipedsl.executor.interpreter import DeviceRuntime
+from pipedsl.executor.transport import LocalExchange
+from pipedsl.ir import Schedule
+
+WIDTH = 4
+
+
+def one_f_one_b(pp: int = 2, microbatches: int = 4) -> Schedule:
+    return pipedsl.load(pipedsl.library_path("1f1b"), pp=pp, microbatches=microbatches)
+
+
+def dense(p: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.tanh(x @ p)
+
+
+def mse(y: jax.Array, t: jax.Array) -> jax.Array:
+    return jnp.mean((y - t) ** 2)
+
+
+def batch(size: int = 8, width: int = WIDTH) -> tuple[jax.Array, jax.Array]:
+    return jnp.ones((size, width)), jnp.zeros((size, width))
+
+
+def params(count: int = 2) -> list[jax.Array]:
+    return [jnp.eye(WIDTH) * 0.5 for _ in range(count)]
+
+
+def test_errors_belong_to_the_hierarchy() -> None:
+    assert issubclass(ExecutionError, PipedslError)
+
+
+def test_stage_count_must_match_the_schedule() -> None:
+    with pytest.raises(ExecutionError, match="3 stages but schedule 'one_f_one_b' has 2"):
+        Pipeline([dense] * 3, loss=mse, schedule=one_f_one_b())
+
+
+def test_marker_count_must_match_the_schedule() -> None:
+    def model_fn(p: list[jax.Array], x: jax.Array) -> jax.Array:
+        for i, w in enumerate(p):
+            x = stage_boundary(x) if i else x
+            x = dense(w, x)
+        return x
+
+    pipe = Pipeline.from_function(model_fn, loss=mse, schedule=one_f_one_b())
+    with pytest.raises(ExecutionError, match="2 stage_boundary markers, so 3 stages; the schedule has 2"):
+        pipe.step(params(3), batch())
+
+
+def test_batch_must_split_into_microbatches() -> None:
+    pipe = Pipeline([dense] * 2, loss=mse, schedule=one_f_one_b())
+    with pytest.raises(ExecutionError, match="6 examples does not split into 4 equal microbatches"):
+        pipe.step(params(), batch(size=6))
+    with pytest.raises(ExecutionError, match="disagree on the batch size"):
+        pipe.step(params(), (jnp.ones((8, WIDTH)), jnp.ones((4, WIDTH))))
+
+
+def test_stage_that_raises_while_traced_is_named() -> None:
+    def broken(p: jax.Array, x: jax.Array) -> jax.Array:
+        raise ValueError("no such layer")
+
+    pipe = Pipeline([dense, broken], loss=mse, schedule=one_f_one_b())
+    with pytest.raises(ExecutionError, match=r"stage 1 \(device 1\).*ValueError: no such layer") as info:
+        pipe.step(params(), batch())
+    assert (info.value.stage, info.value.device) == (1, 1)
+
+
+def test_marked_model_that_raises_is_blamed_on_its_stage() -> None:
+    def model_fn(p: list[jax.Array], x: jax.Array) -> jax.Array:
+        x = stage_boundary(dense(p[0], x))
+        raise RuntimeError("second stage is broken")
+
+    pipe = Pipeline.from_function(model_fn, loss=mse, schedule=one_f_one_b())
+    with pytest.raises(ExecutionError, match=r"stage 1 \(device 1\).*second stage is broken"):
+        pipe.step(params(), batch())
+
+
+def test_shape_mismatch_at_a_boundary_names_both_stages() -> None:
+    def widen(p: jax.Array, x: jax.Array) -> jax.Array:
+        return jnp.concatenate([x, x], axis=-1)
+
+    pipe = Pipeline([widen, dense], loss=mse, schedule=one_f_one_b())
+    with pytest.raises(ExecutionError, match=r"stage 1 \(device 1\).*output of stage 0 \(float32\[2,8\]\)") as info:
+        pipe.step([jnp.zeros(()), jnp.eye(WIDTH)], batch())
+    assert info.value.stage == 1
+
+
+def test_stage_that_fails_while_running_stops_every_device_at_once() -> None:
+    def fail(x: Any) -> None:
+        raise ValueError("bad data on the host")
+
+    def flaky(p: jax.Array, x: jax.Array) -> jax.Array:
+        jax.debug.callback(fail, x)
+        return dense(p, x)
+
+    # Device 0 waits for gradients that device 1 will never send; it must learn of the
+    # failure at once, not after its (long) receive timeout.
+    pipe = Pipeline([dense, flaky], loss=mse, schedule=one_f_one_b(), recv_timeout=120.0)
+    pipe.compile(params(), batch())
+    start = time.perf_counter()
+    with pytest.raises(ExecutionError, match=r"stage 1 \(device 1\) failed while running 1F0.*bad data on the host"):
+        pipe.step(params(), batch())
+    assert time.perf_counter() - start < 30.0
+
+
+def test_receive_times_out_instead_of_hanging() -> None:
+    schedule = one_f_one_b()
+    pipe = Pipeline([dense] * 2, loss=mse, schedule=schedule)
+    programs = pipe.compile(params(), batch())
+    devices = jax.devices()[:2]
+    runtime = DeviceRuntime(pipe.program.devices[1], dict(enumerate(programs)), device=devices[1], recv_timeout=0.2)
+    # Device 0 never runs, so device 1's first receive can only time out.
+    targets = [(jnp.zeros((2, WIDTH)),)] * 4
+    with pytest.raises(ExecutionError, match="device 1 waited 0.2 s for act\\(0,0\\) from device 0"):
+        runtime.run_step(LocalExchange(devices).endpoint(1), {1: (jnp.eye(WIDTH),)}, (), targets)
+
+
+def test_too_few_devices_says_how_to_get_more() -> None:
+    schedule = one_f_one_b(pp=16, microbatches=16)
+    with pytest.raises(ExecutionError, match="XLA_FLAGS=--xla_force_host_platform_device_count=16"):
+        Pipeline([dense] * 16, loss=mse, schedule=schedule)
+
+
+def test_several_pipeline_devices_may_share_one_jax_device() -> None:
+    schedule = one_f_one_b()
+    cpu = jax.devices()[0]
+    pipe = Pipeline([dense] * 2, loss=mse, schedule=schedule, devices=[cpu, cpu])
+    loss, _ = pipe.value_and_grad(params(), batch())
+    expected = mse(dense(params()[1], dense(params()[0], batch()[0])), batch()[1])
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_marker_inside_a_loop_is_rejected() -> None:
+    def model_fn(p: jax.Array, x: jax.Array) -> jax.Array:
+        def body(h: jax.Array, _: Any) -> tuple[jax.Array, None]:
+            return stage_boundary(dense(p, h)), None
+
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    pipe = Pipeline.from_function(model_fn, loss=mse, schedule=one_f_one_b())
+    with pytest.raises(ExecutionError, match="inside scan"):
+        pipe.step(jnp.eye(WIDTH), batch())
+
+
+def test_loss_must_be_a_scalar() -> None:
+    pipe = Pipeline([dense] * 2, loss=lambda y, t: (y - t) ** 2, schedule=one_f_one_b())
+    with pytest.raises(ExecutionError, match="must be a floating-point scalar"):
+        pipe.step(params(), batch())
+
+
+def test_parameters_must_be_floating_point() -> None:
+    pipe = Pipeline([lambda p, x: x * p["scale"]] * 2, loss=mse, schedule=one_f_one_b())
+    with pytest.raises(ExecutionError, match="dtype int32; parameters must be floating point"):
+        pipe.step([{"scale": jnp.ones((), jnp.int32)}] * 2, batch())
+
+
+def test_unknown_backend() -> None:
+    with pytest.raises(ExecutionError, match="unknown backend 'mpi'"):
+        Pipeline([dense] * 2, loss=mse, schedule=one_f_one_b(), backend="mpi")
+
+
+def test_invalid_schedule_is_rejected_before_anything_else() -> None:
+    schedule = one_f_one_b()
+    broken = Schedule(
+        name="broken",
+        num_stages=2,
+        num_devices=2,
+        num_microbatches=4,
+        placement=schedule.placement,
+        orders=(schedule.orders[0][:-1], schedule.orders[1]),
+    )
+    with pytest.raises(pipedsl.ScheduleInvalid):
+        Pipeline([dense] * 2, loss=mse, schedule=broken)

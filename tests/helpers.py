@@ -1,0 +1,262 @@
+"""What the test tiers share: schedules built straight from their definitions, random valid
+schedules, and the executor's single-device references.
+
+- Textbook schedules (:func:`gpipe`, :func:`one_f_one_b`, ...) are expectations written
+  independently of the language evaluator.
+- :func:`valid_schedules` draws a random topological order of every action, projected onto
+  the devices: valid by construction.
+- :func:`setup`, :func:`reference_training` and :func:`assert_trees_close` give the loss,
+  gradients and training of the unsplit model on one device, which every backend must match.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from hypothesis import strategies as st
+
+import pipedsl
+from pipedsl.executor import Pipeline
+from pipedsl.executor.models import BuiltinModel, mlp, reference_stages, transformer
+from pipedsl.ir import Action, Kind, Schedule
+from pipedsl.validate import dependencies
+
+
+def _schedule(name: str, pp: int, m: int, orders: list[list[Action]], placement: tuple[int, ...] | None = None) -> Schedule:
+    placement = placement if placement is not None else tuple(range(pp))
+    return Schedule(
+        name=name,
+        num_stages=len(placement),
+        num_devices=pp,
+        num_microbatches=m,
+        placement=placement,
+        orders=tuple(tuple(o) for o in orders),
+        params=(("pp", pp), ("microbatches", m)),
+    )
+
+
+def gpipe(pp: int, m: int) -> Schedule:
+    """All forwards, then all backwards, in microbatch order."""
+    orders = [
+        [Action(Kind.F, d, i) for i in range(m)] + [Action(Kind.B, d, i) for i in range(m)] for d in range(pp)
+    ]
+    return _schedule("gpipe", pp, m, orders)
+
+
+def one_f_one_b(pp: int, m: int) -> Schedule:
+    """PipeDream-Flush: pp-1-d warm-up forwards, then F/B pairs, then the remaining backwards."""
+    orders = []
+    for d in range(pp):
+        warmup = min(pp - 1 - d, m)
+        order = [Action(Kind.F, d, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [Action(Kind.F, d, warmup + i), Action(Kind.B, d, i)]
+        order += [Action(Kind.B, d, i) for i in range(m - warmup, m)]
+        orders.append(order)
+    return _schedule("1f1b", pp, m, orders)
+
+
+def one_f_one_b_split(pp: int, m: int) -> Schedule:
+    """1F1B with every backward split into I immediately followed by W."""
+    base = one_f_one_b(pp, m)
+    orders = []
+    for order in base.orders:
+        new: list[Action] = []
+        for a in order:
+            if a.kind is Kind.B:
+                new += [Action(Kind.I, a.stage, a.microbatch), Action(Kind.W, a.stage, a.microbatch)]
+            else:
+                new.append(a)
+        orders.append(new)
+    return _schedule("1f1b_split", pp, m, orders)
+
+
+def interleaved(pp: int, vpp: int, m: int) -> Schedule:
+    """Megatron's interleaved 1F1B: stage s on device s % pp, written from its definition."""
+    num_stages = pp * vpp
+    total = m * vpp
+    orders = []
+    for d in range(pp):
+        warmup = min(2 * (pp - d - 1) + (vpp - 1) * pp, total)
+
+        def forward(k: int, d: int = d) -> Action:
+            return Action(Kind.F, ((k // pp) % vpp) * pp + d, (k // (pp * vpp)) * pp + k % pp)
+
+        def backward(k: int, d: int = d) -> Action:
+            return Action(Kind.B, (vpp - 1 - (k // pp) % vpp) * pp + d, (k // (pp * vpp)) * pp + k % pp)
+
+        order = [forward(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [forward(warmup + k), backward(k)]
+        order += [backward(k) for k in range(total - warmup, total)]
+        orders.append(tuple(order))
+    return Schedule(
+        name="interleaved",
+        num_stages=num_stages,
+        num_devices=pp,
+        num_microbatches=m,
+        placement=tuple(s % pp for s in range(num_stages)),
+        orders=tuple(orders),
+    )
+
+
+def v_shape(pp: int, m: int, *, split: bool) -> Schedule:
+    """V placement (device d holds stages d and 2pp-1-d) in a GPipe-like order: all
+    forwards by microbatch then stage, all backwards in reverse; projected per device."""
+    num_stages = 2 * pp
+    placement = tuple(s if s < pp else num_stages - 1 - s for s in range(num_stages))
+    order: list[Action] = [Action(Kind.F, s, mb) for mb in range(m) for s in range(num_stages)]
+    for mb in range(m):
+        for s in reversed(range(num_stages)):
+            order += [Action(Kind.I, s, mb), Action(Kind.W, s, mb)] if split else [Action(Kind.B, s, mb)]
+    orders = tuple(tuple(a for a in order if placement[a.stage] == d) for d in range(pp))
+    return Schedule("v", num_stages, pp, m, placement, orders)
+
+
+# --- random valid schedules ------------------------------------------------------------
+
+
+def all_actions(num_stages: int, num_mb: int, split: set[tuple[int, int]]) -> list[Action]:
+    actions = []
+    for s in range(num_stages):
+        for m in range(num_mb):
+            actions.append(Action(Kind.F, s, m))
+            if (s, m) in split:
+                actions += [Action(Kind.I, s, m), Action(Kind.W, s, m)]
+            else:
+                actions.append(Action(Kind.B, s, m))
+    return actions
+
+
+def needs(action: Action, num_stages: int, split: set[tuple[int, int]]) -> tuple[Action, ...]:
+    return tuple(Action(*key) for key in dependencies(action, num_stages=num_stages, split=split))
+
+
+Shape = tuple[int, tuple[int, ...], int, set[tuple[int, int]]]
+
+
+@st.composite
+def shapes(draw: st.DrawFn, *, max_devices: int = 4) -> Shape:
+    """(devices, placement, microbatches, split pairs), each device owning at least one stage."""
+    num_devices = draw(st.integers(1, max_devices))
+    extra = draw(st.lists(st.integers(0, num_devices - 1), max_size=2 * num_devices))
+    placement = tuple(draw(st.permutations(list(range(num_devices)) + extra)))
+    num_mb = draw(st.integers(1, 4))
+    pairs = [(s, m) for s in range(len(placement)) for m in range(num_mb)]
+    bits = draw(st.lists(st.booleans(), min_size=len(pairs), max_size=len(pairs)))
+    split = {p for p, bit in zip(pairs, bits) if bit}
+    return num_devices, placement, num_mb, split
+
+
+def random_schedule(
+    num_devices: int, placement: tuple[int, ...], num_mb: int, orders: list[list[Action]]
+) -> Schedule:
+    return Schedule(
+        name="random",
+        num_stages=len(placement),
+        num_devices=num_devices,
+        num_microbatches=num_mb,
+        placement=placement,
+        orders=tuple(tuple(o) for o in orders),
+    )
+
+
+@st.composite
+def valid_schedules(draw: st.DrawFn, *, max_devices: int = 4) -> Schedule:
+    """A random topological order of every action, split per device: valid by construction."""
+    num_devices, placement, num_mb, split = draw(shapes(max_devices=max_devices))
+    rng = draw(st.randoms(use_true_random=False))
+    num_stages = len(placement)
+    pending = all_actions(num_stages, num_mb, split)
+    done: set[Action] = set()
+    orders: list[list[Action]] = [[] for _ in range(num_devices)]
+    while pending:
+        ready = [a for a in pending if all(n in done for n in needs(a, num_stages, split))]
+        action = rng.choice(ready)
+        pending.remove(action)
+        done.add(action)
+        orders[placement[action.stage]].append(action)
+    return random_schedule(num_devices, placement, num_mb, orders)
+
+
+# --- the executor's single-device references ----------------------------------------------
+
+
+LIBRARY = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv")
+PP, MICROBATCHES, BATCH = 2, 4, 8
+
+
+def library(name: str, *, pp: int = PP, microbatches: int = MICROBATCHES) -> Schedule:
+    return pipedsl.load(pipedsl.library_path(name), pp=pp, microbatches=microbatches)
+
+
+@cache
+def model(kind: str, num_stages: int) -> BuiltinModel:
+    if kind == "mlp":
+        return mlp(num_stages=num_stages, width=16, layers_per_stage=1)
+    return transformer(num_stages=num_stages, vocab=16, dim=8, heads=2, seq=4, layers_per_stage=1)
+
+
+@cache
+def setup(kind: str, form: str, num_stages: int) -> tuple[Any, tuple[Any, Any], jax.Array, Any]:
+    """(params, batch, reference loss, reference grads) on one device."""
+    m = model(kind, num_stages)
+    key = jax.random.PRNGKey(7)
+    batch = m.batch(jax.random.fold_in(key, 1), BATCH)
+    if form == "explicit":
+        params = m.init_stages(key)
+        fn = reference_stages(m)
+    else:
+        params = m.init_function(key)
+        fn = m.model_fn
+    loss, grads = jax.jit(jax.value_and_grad(lambda p, x, t: m.loss(fn(p, x), t)))(params, *batch)
+    return params, batch, loss, grads
+
+
+def pipeline(kind: str, form: str, schedule: Schedule, **options: Any) -> Pipeline:
+    m = model(kind, schedule.num_stages)
+    if form == "explicit":
+        return Pipeline(m.stages, loss=m.loss, schedule=schedule, **options)
+    return Pipeline.from_function(m.model_fn, loss=m.loss, schedule=schedule, **options)
+
+
+# Adam divides by the gradient's magnitude, so a gradient that is zero in exact
+# arithmetic (the attention key bias: softmax ignores a shift) would move its parameter
+# by a full step of rounding noise; eps bounds that magnification.
+ADAM = optax.adam(1e-2, eps=1e-4)
+
+
+def reference_training(form: str, num_stages: int, *, steps: int) -> list[tuple[Any, jax.Array]]:
+    """(params after, loss of) each of ``steps`` ADAM steps of the unsplit transformer on
+    one device, from :func:`setup`'s parameters and batch."""
+    params, batch, _, _ = setup("transformer", form, num_stages)
+    m = model("transformer", num_stages)
+    fn = reference_stages(m) if form == "explicit" else m.model_fn
+
+    @jax.jit
+    def step(p: Any, state: Any) -> tuple[Any, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(lambda q: m.loss(fn(q, batch[0]), batch[1]))(p)
+        updates, state = ADAM.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss
+
+    trained, state = [], ADAM.init(params)
+    for _ in range(steps):
+        params, state, loss = step(params, state)
+        trained.append((params, loss))
+    return trained
+
+
+def assert_trees_close(actual: Any, expected: Any, *, atol: float | None = None) -> None:
+    a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+    assert a_tree == e_tree
+    for a, e in zip(a_leaves, e_leaves, strict=True):
+        e = np.asarray(e)
+        # rtol 1e-5 as promised; the tiny default atol only forgives float32 rounding of
+        # entries that are zero up to cancellation.
+        tol = 1e-6 * float(np.abs(e).max() or 1.0) if atol is None else atol
+        np.testing.assert_allclose(np.asarray(a), e, rtol=1e-5, atol=tol)

@@ -1,0 +1,297 @@
+"""The plan estimator against closed forms worked by hand, and the descriptions it reads.
+
+Hand-worked cases use a cluster whose memory bandwidth is so high that elementwise work
+costs nothing, so a step on one GPU is exactly its matmul FLOPs over the achieved FLOP/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from pipedsl import library
+from pipedsl.errors import PipedslError, ScheduleEvalError
+from pipedsl.library import library_schedules
+from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.engine import simulate
+from pipedsl.simulator.estimate import (
+    GRAD_BYTES,
+    OPTIMIZER_BYTES,
+    DoesNotFit,
+    estimate,
+    prepare,
+    ring_all_reduce_seconds,
+    ring_gather_seconds,
+)
+from pipedsl.simulator.hardware import (
+    Cluster,
+    DescriptionError,
+    Model,
+    cluster_presets,
+    load_cluster,
+    load_model,
+    model_presets,
+)
+from pipedsl.simulator.plan import (
+    Pipelines,
+    Plan,
+    PlanError,
+    Recompute,
+    ScheduleKey,
+    peak_residual_bytes,
+)
+
+GPT = Model(name="gpt-tiny", layers=4, hidden=256, ffn_hidden=1024, heads=4, seq_len=128, vocab=1000)
+
+# 100 TFLOP/s achieved (efficiency 0.5 of 200), elementwise traffic free, links 100 GB/s.
+IDEAL = Cluster(
+    name="ideal",
+    gpu="test",
+    peak_flops=200e12,
+    matmul_efficiency=0.5,
+    memory_bytes=80 * 2**30,
+    hbm_bandwidth=1e30,
+    gpus_per_node=8,
+    intra_node_bandwidth=100e9,
+    intra_node_latency=0.0,
+    inter_node_bandwidth=10e9,
+    inter_node_latency=0.0,
+)
+
+
+# --- descriptions -------------------------------------------------------------------------
+
+
+def test_gpt3_parameters_match_megatrons_formula() -> None:
+    m = load_model("gpt3-175b")
+    l, h, v, s = m.layers, m.hidden, m.vocab, m.seq_len
+    megatron = 12 * l * h**2 * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+    # Megatron's count leaves out the final LayerNorm (2h).
+    assert m.num_params == round(megatron) + 2 * h
+    assert m.num_params == pytest.approx(174.6e9, rel=1e-3)
+
+
+def test_llama_parameters() -> None:
+    assert load_model("llama-8b").num_params == pytest.approx(8.03e9, rel=2e-3)
+    assert load_model("llama-70b").num_params == pytest.approx(70.55e9, rel=2e-3)
+
+
+def test_layer_flops_per_token_are_24h2_plus_4sh() -> None:
+    h, s = GPT.hidden, GPT.seq_len
+    assert GPT.layer_forward_flops_per_token == 24 * h * h + 4 * s * h
+    assert GPT.logit_forward_flops_per_token == 2 * h * GPT.vocab
+
+
+def test_presets_all_load() -> None:
+    assert {"gpt3-175b", "llama-8b", "llama-70b", "demo-small"} <= set(model_presets())
+    assert {"a100-80gb", "h100-80gb", "h200"} <= set(cluster_presets())
+    for name in cluster_presets():
+        assert load_cluster(name).gpus_per_node == 8
+
+
+def test_model_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "mine.toml"
+    path.write_text('[model]\nname = "mine"\nlayers = 2\nhidden = 64\nffn_hidden = 256\nheads = 4\n'
+                    "seq_len = 32\nvocab = 100\n")  # fmt: skip
+    model = load_model(path)
+    assert model == Model(name="mine", layers=2, hidden=64, ffn_hidden=256, heads=4, seq_len=32, vocab=100)
+
+
+_SHAPE = 'name="x"\nlayers=2\nhidden=64\nffn_hidden=8\nseq_len=8\nvocab=8\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[model]\nname = "x"\nlayers = 2\n', "lacks hidden"),
+        ('[cluster]\nname = "x"\n', r"has no \[model\] table"),
+        ("[model]\n" + _SHAPE + "heads=5\n", "not a multiple of heads"),
+        ("[model]\n" + _SHAPE + "heads=4\nwidth=3\n", "unknown key 'width'"),
+        ("[model]\n" + _SHAPE.replace("layers=2", "layers=2.5") + "heads=4\n", "whole number"),
+        ("[model\n", "not valid TOML"),
+    ],
+)
+def test_bad_model_files(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(DescriptionError, match=message):
+        load_model(path)
+
+
+def test_cluster_checks_its_fields() -> None:
+    with pytest.raises(DescriptionError, match="matmul_efficiency must be in"):
+        dataclasses.replace(IDEAL, matmul_efficiency=1.5)
+    with pytest.raises(DescriptionError, match="unknown cluster"):
+        load_cluster("tpu-v9")
+
+
+# --- collectives --------------------------------------------------------------------------
+
+
+def test_ring_collectives() -> None:
+    # 2(n-1)α + 2(n-1)/n · S/B and (n-1)α + (n-1)/n · S/B.
+    assert ring_all_reduce_seconds(1e9, 8, bandwidth=100e9, latency=1e-5) == pytest.approx(14e-5 + 0.0175)
+    assert ring_gather_seconds(1e9, 8, bandwidth=100e9, latency=1e-5) == pytest.approx(7e-5 + 0.00875)
+    assert ring_all_reduce_seconds(1e9, 1, bandwidth=100e9, latency=1e-5) == 0.0
+
+
+# --- compute ------------------------------------------------------------------------------
+
+
+def _flops_per_sequence(model: Model, *, layer_passes: int) -> float:
+    """Matmul FLOPs per sequence: each layer's forward ``layer_passes`` times, logits 3 times."""
+    s = model.seq_len
+    layers = layer_passes * model.layers * model.layer_forward_flops_per_token
+    return s * (layers + 3 * model.logit_forward_flops_per_token)
+
+
+@pytest.mark.parametrize(("recompute", "passes"), [("none", 3), ("selective", 3), ("full", 4)])
+def test_single_gpu_step_is_flops_over_achieved_rate(recompute: str, passes: int) -> None:
+    plan = Plan(global_batch=8, microbatch_size=2, recompute=recompute)
+    result = estimate(GPT, IDEAL, plan)
+    expected = 8 * _flops_per_sequence(GPT, layer_passes=passes) / 100e12
+    assert result.step_time_s == pytest.approx(expected, rel=1e-9)
+    assert result.bubble == 0.0
+    tokens = 8 * GPT.seq_len
+    assert result.tokens_per_s == pytest.approx(tokens / expected)
+    assert result.mfu == pytest.approx(6 * GPT.num_params * tokens / (200e12 * expected))
+
+
+def test_tensor_parallel_adds_four_all_reduces_per_layer() -> None:
+    single = estimate(GPT, IDEAL, Plan(global_batch=2, microbatch_size=2))
+    split = estimate(GPT, IDEAL, Plan(tp=4, global_batch=2, microbatch_size=2))
+    all_reduce = ring_all_reduce_seconds(2 * GPT.seq_len * GPT.hidden * 2, 4, bandwidth=100e9, latency=0.0)
+    assert split.step_time_s == pytest.approx(single.step_time_s / 4 + 4 * GPT.layers * all_reduce, rel=1e-9)
+
+
+def test_data_parallel_tail_is_the_gradient_all_reduce() -> None:
+    # dp = 16 spans two nodes: the ring runs at the inter-node bandwidth; nothing hides it.
+    plan = Plan(dp=16, global_batch=16, dp_overlap=0.0)
+    result = estimate(GPT, IDEAL, plan)
+    assert result.dp_tail_s == pytest.approx(
+        ring_all_reduce_seconds(GPT.num_params * GRAD_BYTES, 16, bandwidth=10e9, latency=0.0)
+    )
+    hidden = estimate(GPT, IDEAL, dataclasses.replace(plan, dp_overlap=1.0))
+    assert hidden.dp_tail_s < result.dp_tail_s
+    bf16 = estimate(GPT, IDEAL, dataclasses.replace(plan, reduce_bytes=2))
+    assert bf16.dp_tail_s == pytest.approx(result.dp_tail_s / 2)
+
+
+# --- memory -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_memory_by_zero_stage(zero: int) -> None:
+    n = GPT.num_params
+    memory = estimate(GPT, IDEAL, Plan(dp=4, global_batch=4, zero=zero)).memory
+    assert memory.weights == round(2 * n / (4 if zero >= 3 else 1))
+    assert memory.gradients == round(GRAD_BYTES * n / (4 if zero >= 2 else 1))
+    assert memory.optimizer == round(OPTIMIZER_BYTES * n / (4 if zero >= 1 else 1))
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activation_memory_by_recompute_mode(recompute: str) -> None:
+    m, b, t = GPT, 2, 2
+    s, h, a = m.seq_len, m.hidden, m.heads
+    plan = Plan(tp=t, global_batch=b, microbatch_size=b, recompute=recompute, flash_attention=False)
+    sbh = s * b * h
+    layer = {  # Korthikanti et al. 2022, with sequence parallelism
+        "none": sbh * (34 + 5 * a * s / h) / t,
+        "selective": sbh * 34 / t,
+        "full": 2 * sbh / t,
+    }[recompute]
+    embedding = sbh / t  # the dropout mask, a byte per value
+    head = s * b * (4 * m.vocab + 2 * h) / t  # fp32 softmax of the loss, the final norm's input
+    working = sbh * (34 + 5 * a * s / h) / t if recompute == "full" else 0  # one layer rebuilt
+    memory = estimate(m, IDEAL, plan).memory
+    expected = round(m.layers * layer) + round(embedding) + round(head) + working
+    assert memory.activations == pytest.approx(expected, abs=2)
+
+
+def test_plan_that_does_not_fit() -> None:
+    small = dataclasses.replace(IDEAL, memory_bytes=2**20)
+    assert not estimate(GPT, small, Plan(global_batch=1)).fits
+    with pytest.raises(DoesNotFit, match="GiB per GPU"):
+        estimate(GPT, small, Plan(global_batch=1), fits_first=True)
+
+
+# --- pipelines ----------------------------------------------------------------------------
+
+
+def test_pipeline_with_even_stages_has_1f1b_bubble() -> None:
+    # Four stages of one layer each; the head and embedding are negligible next to them,
+    # and so are sends on an unbounded link.
+    model = dataclasses.replace(GPT, vocab=8)
+    cluster = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
+    plan = Plan(pp=4, global_batch=8, schedule="1f1b")
+    result = estimate(model, cluster, plan)
+    assert result.bubble == pytest.approx(3 / (8 + 3), abs=0.01)
+    assert prepare(model, cluster, plan).lower_bound_s <= result.step_time_s
+
+
+@pytest.mark.parametrize(
+    ("spec", "vpp"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
+)
+def test_memory_walk_matches_the_simulator(spec: str, vpp: int) -> None:
+    pipelines = Pipelines()
+    schedule = pipelines.schedule(ScheduleKey(spec, 4, vpp if spec == "interleaved_1f1b" else 0, 8))
+    residual = tuple(100 + 7 * s for s in range(schedule.num_stages))
+    simulated = simulate(schedule.lower(), CostModel(residual_bytes=residual))
+    assert peak_residual_bytes(schedule, residual) == tuple(d.peak_activation_bytes for d in simulated.devices)
+
+
+PIPELINE_SCHEDULES = [
+    name for name, path in library_schedules().items() if {"pp", "microbatches"} <= set(library.parameters(path))
+]
+
+
+@pytest.mark.parametrize("spec", PIPELINE_SCHEDULES)
+def test_lower_bound_never_exceeds_the_step(spec: str) -> None:
+    model = load_model("gpt3-175b")
+    cluster = load_cluster("a100-80gb")
+    pipelines = Pipelines()
+    probe = Plan(pp=8, global_batch=32, schedule=spec)
+    placed = pipelines.schedule(pipelines.key(probe))
+    vpp = 2 if "vpp" in library.parameters(spec) else placed.num_stages // placed.num_devices
+    for recompute in Recompute:
+        plan = Plan(dp=2, tp=8, pp=8, vpp=vpp, global_batch=32, recompute=recompute, zero=1, schedule=spec)
+        prepared = prepare(model, cluster, plan, pipelines=pipelines)
+        assert prepared.lower_bound_s <= prepared.finish().step_time_s * (1 + 1e-12)
+
+
+def test_inter_node_pipeline_sends_cost_more() -> None:
+    # pp = 2 with one GPU per stage stays in a node; with 8-way tensor parallelism each
+    # stage fills a node and the send crosses to the next one.
+    plan = Plan(pp=2, global_batch=4, schedule="1f1b")
+    near = estimate(GPT, IDEAL, plan)
+    cluster = dataclasses.replace(IDEAL, gpus_per_node=1)
+    far = estimate(GPT, cluster, plan)
+    assert far.step_time_s > near.step_time_s
+
+
+def test_plan_errors() -> None:
+    with pytest.raises(PlanError, match="not a multiple of dp"):
+        Plan(dp=3, global_batch=8)
+    with pytest.raises(PlanError, match="needs a schedule"):
+        Plan(pp=2, global_batch=8)
+    with pytest.raises(PlanError, match="recompute must be one of"):
+        Plan(global_batch=8, recompute="some")
+    with pytest.raises(PlanError, match="do not split evenly"):
+        estimate(GPT, IDEAL, Plan(pp=3, global_batch=3, schedule="1f1b"))
+    with pytest.raises(PlanError, match="needs vpp = 2"):
+        estimate(GPT, IDEAL, Plan(pp=2, global_batch=4, schedule="zbv"))
+    # The one schedule loader's message, as every command gives it.
+    with pytest.raises(PipedslError, match="no schedule 'nope' in the library"):
+        estimate(GPT, IDEAL, Plan(pp=2, global_batch=4, schedule="nope"))
+    with pytest.raises(ScheduleEvalError, match="at least as many microbatches"):
+        estimate(GPT, IDEAL, Plan(pp=4, global_batch=2, schedule="1f1b"))
+
+
+def test_estimate_json_has_the_promised_keys() -> None:
+    data = estimate(GPT, IDEAL, Plan(pp=2, global_batch=4, schedule="1f1b")).to_json()
+    for key in ("step_time_s", "mfu", "memory_bytes_per_gpu", "fits", "tokens_per_s"):
+        assert key in data
+    assert math.isfinite(data["step_time_s"])

@@ -1,0 +1,132 @@
+"""The plan search: what it keeps, what it drops, how it ranks, and its command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipedsl.cli import plan as plan_cli
+from pipedsl.library import library_path
+from pipedsl.simulator.estimate import estimate
+from pipedsl.simulator.hardware import Model, load_cluster
+from pipedsl.simulator.plan import Plan, PlanError
+from pipedsl.simulator.search import COLUMNS, candidate_plans, search, summarize
+
+MODEL = Model(name="gpt-small", layers=8, hidden=1024, ffn_hidden=4096, heads=16, seq_len=1024, vocab=32000)
+# A100 nodes with 4 GiB per GPU: tight enough that some plans do not fit.
+CLUSTER = dataclasses.replace(load_cluster("a100-80gb"), memory_bytes=5 * 2**30, reserved_bytes=2**30)
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
+
+
+@pytest.fixture(scope="module")
+def frame() -> pd.DataFrame:
+    return search(MODEL, CLUSTER, 16, global_batch=64, schedules=SCHEDULES, prune=None)
+
+
+def test_columns_and_ranking(frame: pd.DataFrame) -> None:
+    assert tuple(frame.columns) == COLUMNS
+    assert list(frame["rank"]) == list(range(1, len(frame) + 1))
+    assert frame["step_time_s"].is_monotonic_increasing
+    assert set(frame["kind"]) == {"spmd", "pipeline"}
+    assert set(frame["schedule"]) <= {"spmd", *SCHEDULES}
+
+
+def test_drops_plans_that_do_not_fit(frame: pd.DataFrame) -> None:
+    dropped = frame.attrs["dropped"]
+    assert dropped["does not fit in memory"] > 0
+    assert (frame["memory_bytes_per_gpu"] <= CLUSTER.usable_bytes).all()
+    assert dropped["rejected by the schedule (require)"] > 0  # 1F1B needs microbatches >= pp
+    assert frame.attrs["considered"] == len(frame) + sum(dropped.values())
+
+
+def test_rows_agree_with_single_estimates(frame: pd.DataFrame) -> None:
+    for row in frame.head(3).itertuples():
+        plan = Plan(
+            dp=row.dp,
+            tp=row.tp,
+            pp=row.pp,
+            vpp=row.vpp,
+            microbatch_size=row.microbatch_size,
+            global_batch=64,
+            zero=row.zero,
+            recompute=row.recompute,
+            schedule=None if row.kind == "spmd" else row.schedule,
+        )
+        assert estimate(MODEL, CLUSTER, plan).step_time_s == pytest.approx(row.step_time_s, rel=1e-12)
+
+
+def test_pruning_keeps_the_top_exact(frame: pd.DataFrame) -> None:
+    pruned = search(MODEL, CLUSTER, 16, global_batch=64, schedules=SCHEDULES, prune=1.2)
+    assert len(pruned) < len(frame)
+    best = frame["step_time_s"].iloc[0]
+    within = frame[frame["step_time_s"] <= 1.2 * best]
+    assert list(pruned["step_time_s"].head(len(within))) == pytest.approx(list(within["step_time_s"]))
+    # Pruning is per schedule: every schedule's best plan survives it.
+    best_of = frame.groupby("schedule")["step_time_s"].min()
+    assert pruned.groupby("schedule")["step_time_s"].min().to_dict() == pytest.approx(best_of.to_dict())
+
+
+def test_enumeration_respects_the_model() -> None:
+    plans = list(candidate_plans(MODEL, CLUSTER, 16, global_batch=64, schedules=["interleaved_1f1b"]))
+    assert all(p.gpus == 16 for p in plans)
+    assert all(MODEL.layers % (p.pp * p.vpp) == 0 for p in plans)
+    assert all(MODEL.heads % p.tp == 0 and p.tp <= 8 for p in plans)
+    assert {p.zero for p in plans if p.pp == 1} == {0, 1, 2, 3}
+    # FlashAttention makes selective recomputation the same plan as none.
+    assert {p.recompute.value for p in plans} == {"none", "full"}
+
+
+def test_extra_schedule_files(tmp_path: Path) -> None:
+    mine = tmp_path / "mine.sched"
+    shutil.copy(library_path("1f1b"), mine)
+    result = search(MODEL, CLUSTER, 16, global_batch=64, schedules=["gpipe"], extra_schedules=[mine])
+    assert "mine" in set(result["schedule"])
+    with pytest.raises(PlanError, match="sets pp and microbatches"):
+        search(MODEL, CLUSTER, 16, global_batch=64, schedules=["table_example"])
+
+
+def test_summary_states_the_speedup(frame: pd.DataFrame) -> None:
+    summary = summarize(frame)
+    spmd = frame[frame["kind"] == "spmd"]["step_time_s"].min()
+    pipeline = frame[frame["kind"] == "pipeline"]["step_time_s"].min()
+    assert summary.speedup == pytest.approx(spmd / pipeline)
+    assert "the best SPMD plan" in summary.text()
+
+
+# --- command line -------------------------------------------------------------------------
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pipedsl")
+    plan_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+def test_cli_estimate_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--model", "gpt3-175b", "--cluster", "a100-80gb", "--dp", "16", "--tp", "8", "--pp", "8",
+            "--vpp", "3", "--global-batch", "1536", "--recompute", "selective", "--zero", "1",
+            "--schedule", "interleaved_1f1b", "--json"]  # fmt: skip
+    assert _run(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is True
+    assert 0.3 < data["mfu"] < 0.7
+    assert data["memory_bytes_per_gpu"] < 80 * 2**30
+
+
+def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plans.csv"
+    argv = ["search", "--model", "demo-small", "--cluster", "a100-80gb", "--gpus", "8", "--global-batch", "64",
+            "--schedules", "1f1b,zbv", "--top", "5", "--csv", str(out)]  # fmt: skip
+    assert _run(argv) == 0
+    printed = capsys.readouterr().out
+    assert "best 5 plans" in printed and "SPMD plan" in printed
+    written = pd.read_csv(out)
+    assert tuple(written.columns) == COLUMNS
+    assert len(written) > 5

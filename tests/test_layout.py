@@ -1,0 +1,134 @@
+"""The house rules of DESIGN.md, read off the source: which way imports run, no circles.
+
+- the core (``pipedsl/`` outside ``pipedsl/cli/``) imports neither the simulator nor the executor;
+- the simulator imports neither JAX nor Ray (nor the executor), not even inside a function;
+- the executor never imports the simulator;
+- module-level imports between pipedsl's own modules form no circle;
+- no module is over 500 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Source folder -> the package it installs as (pyproject's package-dir).
+PACKAGES = {"pipedsl": "pipedsl", "simulator": "pipedsl.simulator", "executor": "pipedsl.executor"}
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path, *, top_level_only: bool) -> set[str]:
+    """Modules ``path`` imports; with ``top_level_only``, those run at import time (not
+    inside functions, not under ``if TYPE_CHECKING``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    names: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _touches(names: set[str], prefixes: tuple[str, ...]) -> list[str]:
+    return sorted(n for n in names if any(n == p or n.startswith(p + ".") for p in prefixes))
+
+
+def test_the_modules_are_found() -> None:
+    assert {"pipedsl.library", "pipedsl.lang.parser", "pipedsl.cli.main", "pipedsl.simulator.engine"} <= set(MODULES)
+
+
+CORE = [m for m in MODULES if not m.startswith(("pipedsl.cli", "pipedsl.simulator", "pipedsl.executor"))]
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_the_core_imports_neither_simulator_nor_executor(name: str) -> None:
+    bad = _touches(_imports(MODULES[name], top_level_only=False), ("pipedsl.simulator", "pipedsl.executor"))
+    assert not bad, f"{name} imports {bad}; only pipedsl.cli may"
+
+
+@pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("pipedsl.simulator")])
+def test_the_simulator_imports_neither_jax_nor_ray(name: str) -> None:
+    bad = _touches(_imports(MODULES[name], top_level_only=False), ("jax", "jaxlib", "ray", "optax", "pipedsl.executor"))
+    assert not bad, f"{name} imports {bad}"
+
+
+@pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("pipedsl.executor")])
+def test_the_executor_never_imports_the_simulator(name: str) -> None:
+    bad = _touches(_imports(MODULES[name], top_level_only=False), ("pipedsl.simulator", "pipedsl.cli"))
+    assert not bad, f"{name} imports {bad}"
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for name, path in MODULES.items():
+        targets = set()
+        for imported in _imports(path, top_level_only=True):
+            # `from pipedsl.x import y` names module pipedsl.x, or pipedsl.x.y when y is one.
+            # A package is initialised before its submodules, so an edge to an enclosing
+            # package closes no circle.
+            if imported in MODULES and imported != name and not name.startswith(imported + "."):
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle, if any (depth-first search for a back edge)."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            # A package's __init__ importing its own submodules is how packages re-export.
+            if nxt.startswith(node + "."):
+                continue
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_circles() -> None:
+    circle = _cycle(_graph())
+    assert circle is None, " -> ".join(circle or [])
+
+
+def test_a_circle_is_found_when_there_is_one() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_is_over_500_lines(name: str) -> None:
+    lines = len(MODULES[name].read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)} has {lines} lines; split it by concern"
