@@ -31,12 +31,13 @@ from rich.table import Table
 
 from pipedsl import library
 from pipedsl.cli.common import add_command, add_param_option, load_schedule, make_console
+from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
 from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
 
-__all__ = ["DEMO_MODEL", "Measurement", "measure", "backend_for", "results_table", "register"]
+__all__ = ["DEMO_MODEL", "Measurement", "demo_transformer", "measure", "backend_for", "results_table", "register"]
 
 DEMO_MODEL = Model(
     name="demo-cpu",
@@ -70,6 +71,7 @@ class Measurement:
       measured_s: the median measured step time, in seconds.
       losses: the loss of every step run, in order.
       panels: the simulated timeline and the last recorded one, for plotting.
+      plan: the ranked plan run (degrees, ZeRO stage), or None for a plain schedule.
     """
 
     label: str
@@ -78,6 +80,12 @@ class Measurement:
     measured_s: float
     losses: tuple[float, ...]
     panels: tuple[Panel, Panel]
+    plan: PlannedRun | None = None
+
+    @property
+    def planned_s(self) -> float | None:
+        """The plan search's uncalibrated estimate of the step time, when the run is a ranked plan."""
+        return None if self.plan is None else self.plan.planned_s
 
     @property
     def error(self) -> float:
@@ -90,6 +98,26 @@ class Measurement:
             f"{self.label}: loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}; predicted "
             f"{self.predicted_s * 1e3:.1f} ms, measured {self.measured_s * 1e3:.1f} ms per step ({self.error:+.1%})"
         )
+
+
+def demo_transformer(num_stages: int, *, what: str = "the schedule") -> Any:
+    """The executor's built-in transformer at :data:`DEMO_MODEL`'s shape, its layers split
+    evenly over ``num_stages`` stages (a :class:`~pipedsl.executor.models.BuiltinModel`)."""
+    from pipedsl.executor.models import transformer
+
+    if num_stages < 1 or DEMO_MODEL.layers % num_stages:
+        raise PipedslError(
+            f"{what} has {num_stages} stages; the demo transformer's {DEMO_MODEL.layers} layers "
+            "split evenly only over 1, 2 or 4"
+        )
+    return transformer(
+        num_stages=num_stages,
+        vocab=DEMO_MODEL.vocab,
+        dim=DEMO_MODEL.hidden,
+        heads=DEMO_MODEL.heads,
+        seq=DEMO_MODEL.seq_len,
+        layers_per_stage=DEMO_MODEL.layers // num_stages,
+    )
 
 
 def _label(schedule: Schedule) -> str:
@@ -106,35 +134,30 @@ def _wait(state: Any, backend: Any) -> None:
         jax.block_until_ready(state)
 
 
-def measure(schedule: Schedule, *, microbatch_size: int, backend: Any, steps: int) -> Measurement:
+def measure(
+    schedule: Schedule, *, microbatch_size: int, backend: Any, steps: int, plan: PlannedRun | None = None
+) -> Measurement:
     """Calibrate on ``schedule`` and compare prediction with measurement (module docstring).
 
     ``backend`` is ``"local"``, ``"ray"`` or a started :class:`~pipedsl.executor.ray_cluster.RayDevices`.
+    With ``plan``, every pipeline device is a ``dp x tp`` mesh with the plan's ZeRO stage,
+    and ``microbatch_size`` is per data-parallel replica.
     """
     import jax
     import optax
 
     from pipedsl.executor import Pipeline
-    from pipedsl.executor.models import transformer
 
-    if DEMO_MODEL.layers % schedule.num_stages:
-        raise PipedslError(
-            f"{_label(schedule)} has {schedule.num_stages} stages; the demo transformer's "
-            f"{DEMO_MODEL.layers} layers split evenly only over 1, 2 or 4"
-        )
-    model = transformer(
-        num_stages=schedule.num_stages,
-        vocab=DEMO_MODEL.vocab,
-        dim=DEMO_MODEL.hidden,
-        heads=DEMO_MODEL.heads,
-        seq=DEMO_MODEL.seq_len,
-        layers_per_stage=DEMO_MODEL.layers // schedule.num_stages,
-    )
+    model = demo_transformer(schedule.num_stages, what=_label(schedule))
+    dp, tp, zero = (1, 1, 0) if plan is None else (plan.dp, plan.tp, plan.zero)
     key = jax.random.PRNGKey(0)
-    batch = model.batch(jax.random.fold_in(key, 1), microbatch_size * schedule.num_microbatches)
-    pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=backend)
+    batch = model.batch(jax.random.fold_in(key, 1), microbatch_size * schedule.num_microbatches * dp)
+    state: Any = model.init_stages(key)
+    specs = model.param_specs(state) if tp > 1 else None
+    pipe = Pipeline(
+        model.stages, loss=model.loss, schedule=schedule, backend=backend, dp=dp, tp=tp, zero=zero, param_specs=specs
+    )
     try:
-        state: Any = model.init_stages(key)
         optimizer = optax.adam(3e-3)
         opt_state = None
         losses = []
@@ -168,8 +191,9 @@ def measure(schedule: Schedule, *, microbatch_size: int, backend: Any, steps: in
             times.append(time.perf_counter() - start)
     finally:
         pipe.close()
-    label = _label(schedule)
+    label = _label(schedule) if plan is None else plan.label()
     return Measurement(
+        plan=plan,
         label=label,
         costs=costs,
         predicted_s=simulated.makespan + statistics.median(outside),

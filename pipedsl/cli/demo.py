@@ -2,14 +2,17 @@
 
 1. *Library*: check every shipped schedule and print a summary table and one schedule's
    per-device order.
-2. *Plan*: describe this machine as a cluster (one device per pipeline device, its
-   matrix FLOP/s and copy bandwidth measured on the spot), search the SPMD and pipeline
-   plans of the demo transformer on it, show the ranking and write it as CSV.
-3. *Run*: take the best few pipeline schedules the executor can run here (no data or
-   tensor parallelism), run each for real on a local Ray instance (or the local
-   backend): one recorded step fits the cost model to this machine (calibration), the
-   simulator predicts the step time from it, then a few training steps measure it with
-   the loss going down. Prints predicted against measured step time and draws the
+2. *Plan*: describe this machine as a cluster of forced CPU devices (eight by default;
+   each device's matrix FLOP/s measured with all of them busy, and the copy bandwidth
+   between two), search the SPMD, pipeline and hybrid plans of the demo transformer on it,
+   show the ranking and write it as CSV.
+3. *Run*: take the best SPMD plan, the best hybrid plan (data or tensor parallel stages in
+   a pipeline) and the best pure pipelines that the demo transformer splits into, and run
+   each for real on the local backend (or Ray): every pipeline device a ``dp x tp`` mesh.
+   A few recorded steps fit the cost model to this machine (calibration), the simulator
+   predicts the step time from it, then training steps measure it with the loss going
+   down. Prints the planner's estimate, the calibrated prediction and the measured step
+   time of every run, whether the predicted order is the measured one, and draws the
    simulated and measured timelines side by side.
 
 Everything lands in ``--out``: ``plans.csv``, ``runs.csv``, ``timelines.png``.
@@ -18,6 +21,7 @@ Everything lands in ``--out``: ``plans.csv``, ``runs.csv``, ``timelines.png``.
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import time
 from pathlib import Path
@@ -29,11 +33,11 @@ from rich.table import Table
 from pipedsl.cli.calibrate import (
     DEMO_MODEL,
     Measurement,
-    backend_for,
     measure,
     results_table,
 )
 from pipedsl.cli.common import add_command, make_console
+from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.library import library_path, library_schedules, load
@@ -44,8 +48,6 @@ from pipedsl.simulator import (
     search,
     summarize,
 )
-from pipedsl.simulator.plan import load_pipeline
-from pipedsl.simulator.search import describe
 
 __all__ = ["register", "DEMO_MODEL"]
 
@@ -85,27 +87,35 @@ def _library(console: Console) -> None:
 
 
 def _measure_machine(devices: int) -> Cluster:
-    """This machine as a cluster of ``devices`` CPU devices in one node."""
+    """This machine as a cluster of ``devices`` CPU devices in one node.
+
+    The forced CPU devices share this machine's cores, so each device's matrix FLOP/s is
+    measured with every device busy at once (one product per device in one SPMD program),
+    and the copy bandwidth with one copy between two devices."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    n = 512
-    a = jnp.ones((n, n), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
-    reps = 20
+    n, reps = 256, 10
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("d",))
+    rows = NamedSharding(mesh, PartitionSpec("d"))
+    a = jax.device_put(jnp.ones((devices * n, n), jnp.float32), rows)
+    w = jax.device_put(jnp.ones((n, n), jnp.float32) / n, NamedSharding(mesh, PartitionSpec()))
+    matmul = jax.jit(lambda x, y: x @ y, out_shardings=rows)
+    matmul(a, w).block_until_ready()
     start = time.perf_counter()
     for _ in range(reps):
-        a = matmul(a) * (1.0 / n)
+        a = matmul(a, w)
     a.block_until_ready()
     flops = 2 * n**3 * reps / (time.perf_counter() - start)
 
     cpu = jax.devices()
     payload = jnp.ones((1 << 20,), jnp.float32)
-    jax.device_put(payload, cpu[-1]).block_until_ready()
+    jax.device_put(payload, cpu[1]).block_until_ready()
     start = time.perf_counter()
     for _ in range(reps):
-        jax.device_put(payload, cpu[-1]).block_until_ready()
+        jax.device_put(payload, cpu[1]).block_until_ready()
     bandwidth = payload.nbytes * reps / (time.perf_counter() - start)
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(devices, 1)
@@ -161,44 +171,94 @@ def _plans(console: Console, cluster: Cluster, devices: int, out: Path) -> Any:
     return frame
 
 
-# --- 3. running the best schedules for real -------------------------------------------
+# --- 3. running the best plans for real ------------------------------------------------
 
 
-def _runnable(frame: Any, devices: int, top: int) -> list[dict[str, Any]]:
-    """The best plan of each schedule that the executor runs here: a pure pipeline over
-    every device, without recomputation, with microbatches of a few sequences."""
-    rows = frame[
-        (frame["kind"] == "pipeline")
-        & (frame["dp"] == 1)
-        & (frame["tp"] == 1)
-        & (frame["pp"] == devices)
-        & (frame["recompute"] == "none")
-        & (frame["microbatch_size"] >= _MIN_RUN_MICROBATCH)
-    ].drop_duplicates("schedule")
-    return [row.to_dict() for _, row in rows.head(top).iterrows()]
+def _fits_demo_model(plan: PlannedRun) -> bool:
+    """Whether the demo transformer splits as ``plan`` needs: its layers evenly over the
+    stages, its heads, width and vocabulary over the tensor axis."""
+    stages = plan.pp * plan.vpp
+    return (
+        DEMO_MODEL.layers % stages == 0
+        and DEMO_MODEL.heads % plan.tp == 0
+        and DEMO_MODEL.vocab % plan.tp == 0
+        and plan.recompute == "none"
+        and plan.microbatch_size * plan.dp >= _MIN_RUN_MICROBATCH
+    )
+
+
+def _to_run(frame: Any, devices: int, top: int) -> list[PlannedRun]:
+    """The best SPMD plan, the best hybrid plan and the best pure pipelines over every
+    device that the executor can run on the demo transformer (at most ``top`` runs)."""
+    plans = [PlannedRun.from_row(row.to_dict()) for _, row in frame.iterrows()]
+    runnable = [p for p in plans if p.devices == devices and _fits_demo_model(p)]
+    chosen: list[PlannedRun] = []
+    for kind in ("spmd", "hybrid", "pipeline"):
+        chosen += [p for p in runnable if p.kind == kind][:1]
+    seen = {(p.schedule, p.kind) for p in chosen}
+    for p in runnable:
+        if len(chosen) >= top:
+            break
+        if p.kind != "spmd" and (p.schedule, p.kind) not in seen:
+            chosen.append(p)
+            seen.add((p.schedule, p.kind))
+    return sorted(chosen[:top], key=lambda p: p.planned_s or 0.0)
 
 
 def _runs(console: Console, frame: Any, *, devices: int, top: int, steps: int, backend: str, out: Path) -> list[Measurement]:
-    rows = _runnable(frame, devices, top)
-    console.rule(f"[bold]3. Running the best {len(rows)} pipeline schedules for real ({backend} backend)")
-    if not rows:
-        raise PipedslError("no pipeline plan over every device fits; nothing to run")
-    for row in rows:
-        console.print(f"plan {describe(row)}", highlight=False)
-    schedules = [load_pipeline(r["schedule"], pp=r["pp"], vpp=r["vpp"], microbatches=r["microbatches"]) for r in rows]
-    with backend_for(backend, devices, console) as where:
-        reports = []
-        for schedule, row in zip(schedules, rows, strict=True):
-            m = measure(schedule, microbatch_size=row["microbatch_size"], backend=where, steps=steps)
-            console.print(f"  {m.summary()}", highlight=False)
-            reports.append(m)
-    lines = ["schedule,predicted_s,measured_s,error,first_loss,last_loss"]
-    lines += [f"\"{r.label}\",{r.predicted_s},{r.measured_s},{r.error},{r.losses[0]},{r.losses[-1]}" for r in reports]
+    plans = _to_run(frame, devices, top)
+    console.rule(f"[bold]3. Running {len(plans)} ranked plans for real ({backend} backend, {devices} devices)")
+    if not plans:
+        raise PipedslError(f"no ranked plan over {devices} devices fits the demo transformer; nothing to run")
+    reports = []
+    for plan in plans:
+        console.print(f"plan {plan.rank} ({plan.kind}): {plan.label()}", highlight=False)
+        m = measure(plan.schedule_of(), microbatch_size=plan.microbatch_size, backend=backend, steps=steps, plan=plan)
+        console.print(f"  {m.summary()}", highlight=False)
+        reports.append(m)
     console.print(results_table(reports))
-    (out / "runs.csv").write_text("\n".join(lines) + "\n")
+    console.print(_order_verdict(reports), highlight=False)
+    _write_runs(out / "runs.csv", reports)
     figure = plot_timelines([p for r in reports for p in r.panels], share_time=False, caption="simulated against measured")
     save_figure(figure, out / "timelines.png")
     return reports
+
+
+def _order(values: list[float]) -> list[int]:
+    return sorted(range(len(values)), key=values.__getitem__)
+
+
+def _order_verdict(reports: list[Measurement]) -> str:
+    """Whether ranking the runs by prediction gives the measured ranking (calibrated
+    simulator, and the planner's uncalibrated estimate)."""
+    measured = _order([r.measured_s for r in reports])
+    verdicts = []
+    for what, values in (("calibrated prediction", [r.predicted_s for r in reports]), ("planner", [r.planned_s for r in reports])):
+        if any(v is None for v in values):
+            continue
+        same = _order([float(v) for v in values]) == measured
+        verdicts.append(f"the {what}'s order {'agrees' if same else 'does not agree'} with the measured order")
+    fastest = min(reports, key=lambda r: r.measured_s)
+    return "; ".join(verdicts) + f". Fastest measured: {fastest.label}."
+
+
+_RUN_COLUMNS = (
+    "schedule", "kind", "dp", "tp", "pp", "vpp", "zero", "microbatches", "microbatch_size",
+    "planned_s", "predicted_s", "measured_s", "error", "first_loss", "last_loss",
+)
+
+
+def _write_runs(path: Path, reports: list[Measurement]) -> None:
+    with open(path, "w", encoding="utf-8", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(_RUN_COLUMNS)
+        for r in reports:
+            p = r.plan
+            assert p is not None  # every demo run comes from a ranked plan
+            writer.writerow(
+                (p.schedule, p.kind, p.dp, p.tp, p.pp, p.vpp, p.zero, p.microbatches, p.microbatch_size,
+                 r.planned_s, r.predicted_s, r.measured_s, r.error, r.losses[0], r.losses[-1])
+            )
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -227,10 +287,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         _cmd_demo,
         summary="the main job: check the library, plan the demo model on this machine, run the best plans",
         description=__doc__ or "",
-        examples="  pipedsl demo --out out\n  pipedsl demo --backend local --top 2 --steps 3",
+        examples="  pipedsl demo --out out\n  pipedsl demo --backend ray --top 2 --steps 3",
     )
     demo.add_argument("--out", default="out", help="folder for plans.csv, runs.csv and timelines.png (default out)")
-    demo.add_argument("--devices", type=int, default=2, help="pipeline devices on this machine (default 2)")
-    demo.add_argument("--top", type=int, default=3, help="how many schedules to run for real (default 3)")
-    demo.add_argument("--steps", type=int, default=5, help="measured training steps per schedule (default 5)")
-    demo.add_argument("--backend", choices=("ray", "local"), default="ray", help="executor backend (default ray)")
+    demo.add_argument("--devices", type=int, default=8, help="JAX devices to plan for and run on (default 8 CPU devices)")
+    demo.add_argument("--top", type=int, default=4, help="how many ranked plans to run for real (default 4)")
+    demo.add_argument("--steps", type=int, default=5, help="measured training steps per plan (default 5)")
+    demo.add_argument("--backend", choices=("local", "ray"), default="local", help="executor backend (default local)")

@@ -20,6 +20,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from pipedsl.cli.common import add_command, make_console
+from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.hardware import (
@@ -252,6 +253,20 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
     console.print(summary.text())
     if csv is not None:
         console.print(f"all {len(frame)} ranked plans written to {csv}")
+    if len(frame):
+        _print_run_command(frame.iloc[0].to_dict(), console, csv=csv)
+
+
+def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None:
+    """How to run the best plan's layout for real (on the executor's built-in transformer)."""
+    planned = PlannedRun.from_row(best)
+    by_rank = f"pipedsl run --plan {planned.rank} --plans {csv}" if csv is not None and planned.rank is not None else None
+    console.print(
+        f"run the best plan ({planned.devices} devices) with the built-in transformer:\n  {planned.command()}"
+        + (f"\n  or: {by_rank}" if by_rank else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 # --- registration -----------------------------------------------------------------------

@@ -4,10 +4,13 @@
 model (:mod:`pipedsl.executor.models`) on a fixed synthetic batch under the schedule,
 printing the loss and the measured time of every step; ``--timeline out.json`` also
 records one more step and saves its measured timeline (draw it with ``pipedsl plot``).
+``--dp D --tp T --zero Z`` make every pipeline device a ``D x T`` mesh of JAX devices;
+``--plan RANK --plans plans.csv`` runs a plan that ``pipedsl search`` ranked (its schedule,
+degrees, microbatches and ZeRO stage) on the built-in transformer.
 
 JAX is imported only when the command runs, never when the parser is built, so
-``pipedsl check`` stays fast. On CPU the command gives JAX one device per pipeline
-device by setting ``XLA_FLAGS`` before the import.
+``pipedsl check`` stays fast. On CPU the command gives JAX ``pp x dp x tp`` devices
+by setting ``XLA_FLAGS`` before the import.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule
+from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
@@ -30,29 +34,61 @@ def _describe(schedule: Schedule) -> str:
     return f"{schedule.name}({params})" if params else schedule.name
 
 
+def _model(args: argparse.Namespace, schedule: Schedule, *, demo_shape: bool) -> tuple[Any, str]:
+    """The built-in model to train and its shape in words; a ranked plan runs the demo transformer."""
+    from pipedsl.executor.models import MODELS
+
+    if demo_shape:
+        from pipedsl.cli.calibrate import demo_transformer
+
+        return demo_transformer(schedule.num_stages), "the demo transformer"
+    layers = f"{args.layers_per_stage} layers per stage"
+    if args.model == "mlp":
+        model = MODELS["mlp"](num_stages=schedule.num_stages, width=args.width, layers_per_stage=args.layers_per_stage)
+        return model, f"width {args.width}, {layers}"
+    model = MODELS["transformer"](num_stages=schedule.num_stages, dim=args.width, layers_per_stage=args.layers_per_stage)
+    return model, f"dim {args.width}, {layers}"
+
+
+def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
+    """The schedule to run and, with ``--plan``, the plan it comes from (which then sets
+    the degrees, the microbatches and their size, and the model)."""
+    if args.plan is None:
+        if args.plans is not None:
+            raise PipedslError("--plans names the plans file of --plan RANK; give --plan too")
+        if args.file is None:
+            raise PipedslError("give a schedule FILE, or --plan RANK --plans plans.csv")
+        schedule = load_schedule(args.file, args.params)
+        schedule.validate()
+        return schedule, None
+    if args.file is not None or args.params:
+        raise PipedslError("--plan sets the schedule and its parameters; give no FILE or -p with it")
+    if args.plans is None:
+        raise PipedslError("--plan RANK needs --plans FILE.csv, the ranking that pipedsl search --csv wrote")
+    planned = read_plan(args.plans, args.plan)
+    args.dp, args.tp, args.zero, args.microbatch_size = planned.dp, planned.tp, planned.zero, planned.microbatch_size
+    args.model = "transformer"
+    return planned.schedule_of(), planned
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    schedule = load_schedule(args.file, args.params)
-    schedule.validate()
+    schedule, planned = _planned(args)
     if args.steps < 1 or args.microbatch_size < 1:
         raise PipedslError("--steps and --microbatch-size must be at least 1")
-    request_devices(schedule.num_devices)
+    if args.dp < 1 or args.tp < 1 or args.zero not in (0, 1, 2, 3):
+        raise PipedslError("--dp and --tp must be at least 1 and --zero one of 0, 1, 2, 3")
+    request_devices(schedule.num_devices * args.dp * args.tp)
+    if planned is not None:
+        print(f"plan {planned.rank} of {args.plans}: {planned.label()}")
 
     import jax
     import optax
 
-    from pipedsl.executor.models import MODELS
     from pipedsl.executor.pipeline import Pipeline
 
-    if args.model == "mlp":
-        model = MODELS["mlp"](num_stages=schedule.num_stages, width=args.width, layers_per_stage=args.layers_per_stage)
-        shape = f"width {args.width}"
-    else:
-        model = MODELS["transformer"](
-            num_stages=schedule.num_stages, dim=args.width, layers_per_stage=args.layers_per_stage
-        )
-        shape = f"dim {args.width}"
+    model, shape = _model(args, schedule, demo_shape=planned is not None)
     key = jax.random.PRNGKey(args.seed)
-    batch_size = args.microbatch_size * schedule.num_microbatches
+    batch_size = args.microbatch_size * schedule.num_microbatches * args.dp
     batch = model.batch(jax.random.fold_in(key, 1), batch_size)
     # On Ray, the actors (and a local instance pipedsl started) stop when the process exits.
     backend: Any = args.backend
@@ -62,19 +98,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         backend = RayConfig(address=args.address)
     elif args.address is not None:
         raise PipedslError("--address names a Ray cluster; use it with --backend ray")
+    mesh = {"dp": args.dp, "tp": args.tp, "zero": args.zero}
+    params = model.init_function(key) if args.marked else model.init_stages(key)
+    specs = model.param_specs(params) if args.tp > 1 else None
     if args.marked:
-        pipe = Pipeline.from_function(model.model_fn, loss=model.loss, schedule=schedule, backend=backend, remat=args.remat)
-        params = model.init_function(key)
+        pipe = Pipeline.from_function(
+            model.model_fn, loss=model.loss, schedule=schedule, backend=backend, remat=args.remat, param_specs=specs, **mesh
+        )
     else:
-        pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=backend, remat=args.remat)
-        params = model.init_stages(key)
+        pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=backend, remat=args.remat, param_specs=specs, **mesh)
     optimizer = optax.adam(args.lr)
     platform = jax.devices()[0].platform if args.backend == "local" else "Ray actor"
     form = "marked function" if args.marked else "explicit stages"
+    meshes = f" of {args.dp} x {args.tp} (dp x tp, zero {args.zero})" if args.dp * args.tp > 1 else ""
+    replicas = f" x {args.dp} replicas" if args.dp > 1 else ""
     print(
-        f"run {_describe(schedule)}: {schedule.num_stages} stages on {schedule.num_devices} {platform} devices; "
-        f"model {model.name} ({shape}, {args.layers_per_stage} layers per stage, {form}); "
-        f"batch {batch_size} = {schedule.num_microbatches} microbatches of {args.microbatch_size}"
+        f"run {_describe(schedule)}: {schedule.num_stages} stages on {schedule.num_devices} {platform} devices{meshes}; "
+        f"model {model.name} ({shape}, {form}); "
+        f"batch {batch_size} = {schedule.num_microbatches} microbatches of {args.microbatch_size}{replicas}"
     )
     print(f"{'step':>5}  {'loss':>12}  {'time':>10}")
     opt_state = None
@@ -121,12 +162,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "examples:\n"
             "  pipedsl run schedules/1f1b.sched -p pp=4 -p microbatches=8 --model mlp --steps 5\n"
             "  pipedsl run schedules/zb_h1.sched -p pp=2 --model transformer --marked --timeline zb.json\n"
-            "  pipedsl run schedules/1f1b.sched -p pp=2 --backend ray [--address HOST:PORT]"
+            "  pipedsl run schedules/1f1b.sched -p pp=2 --backend ray [--address HOST:PORT]\n"
+            "  pipedsl run 1f1b -p pp=2 --model transformer --dp 2 --tp 2 --zero 1\n"
+            "  pipedsl run gpipe -p pp=1 -p microbatches=4 --model transformer --dp 8     # SPMD data parallel\n"
+            "  pipedsl run --plan 1 --plans out/plans.csv                                   # a plan search ranked"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.set_defaults(handler=_cmd_run)
-    run.add_argument("file", metavar="FILE", help="a .sched, .csv or .json schedule")
+    run.add_argument("file", metavar="FILE", nargs="?", help="a .sched, .csv or .json schedule (or give --plan)")
     add_param_option(run)
     run.add_argument("--model", choices=("mlp", "transformer"), default="mlp", help="the built-in model (default mlp)")
     run.add_argument("--marked", action="store_true", help="split one marked function instead of explicit stages")
@@ -148,4 +192,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="ADDR",
         help="with --backend ray, the Ray cluster to join (default: $RAY_ADDRESS, else a local instance on 127.0.0.1)",
     )
+    run.add_argument("--dp", type=int, default=1, metavar="D", help="data-parallel degree inside each pipeline device (default 1)")
+    run.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree inside each pipeline device (default 1)")
+    run.add_argument("--zero", type=int, default=0, metavar="Z", help="ZeRO stage over the data axis, 0-3 (default 0)")
+    run.add_argument("--plan", type=int, metavar="RANK", help="run the plan of this rank in --plans (schedule, degrees, microbatches)")
+    run.add_argument("--plans", metavar="PLANS.csv", help="the ranking pipedsl search --csv (or demo) wrote")
     run.add_argument("--timeline", type=Path, metavar="OUT.json", help="save the measured timeline of one recorded step")

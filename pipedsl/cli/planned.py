@@ -1,0 +1,145 @@
+"""A plan that ``pipedsl search`` ranked, as something to run.
+
+A search row says how to train (``dp``, ``tp``, ``pp``, ``vpp``, microbatches and their
+size, ZeRO stage, recomputation) and which schedule the pipeline runs. :class:`PlannedRun`
+holds exactly that; :func:`read_plan` takes one from a ``plans.csv`` written by
+``search --csv`` or ``demo``, :meth:`PlannedRun.schedule` loads the schedule it runs (an
+SPMD plan is one stage over the whole mesh: ``gpipe`` with ``pp = 1``, which accumulates
+gradients over the microbatches), and :meth:`PlannedRun.command` is the ``pipedsl run``
+line that runs it.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipedsl import library
+from pipedsl.errors import PipedslError
+from pipedsl.ir import Schedule
+
+__all__ = ["PlannedRun", "read_plan", "SPMD_SCHEDULE"]
+
+SPMD_SCHEDULE = "gpipe"
+"""What an SPMD plan runs: one stage, every microbatch's forward then its backward."""
+
+_INTS = ("dp", "tp", "pp", "vpp", "microbatch_size", "microbatches", "zero")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannedRun:
+    """One ranked plan, ready to run.
+
+    Attributes:
+      schedule: the library name or ``.sched`` path the pipeline runs (``gpipe`` for SPMD).
+      kind: ``"spmd"`` (``pp = 1``), ``"pipeline"`` (``dp = tp = 1``) or ``"hybrid"``.
+      dp, tp, pp, vpp: data, tensor and pipeline degrees; stages per pipeline device.
+      microbatches, microbatch_size: per data-parallel replica and step; sequences each.
+      zero: the ZeRO stage (0 to 3) over the data-parallel axis.
+      recompute: ``"none"``, ``"selective"`` or ``"full"``.
+      planned_s: the search's estimate of the step time in seconds, when known.
+      rank: the plan's rank in its search, when known.
+    """
+
+    schedule: str
+    kind: str
+    dp: int
+    tp: int
+    pp: int
+    vpp: int
+    microbatches: int
+    microbatch_size: int
+    zero: int
+    recompute: str = "none"
+    planned_s: float | None = None
+    rank: int | None = None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any], *, where: str = "plan") -> PlannedRun:
+        """A plan from a search row (a ``plans.csv`` line or a result row), checked."""
+        missing = [k for k in ("kind", "schedule", *_INTS) if k not in row]
+        if missing:
+            raise PipedslError(f"{where}: no column {missing[0]!r}; is this a plans.csv written by pipedsl search?")
+        values = {k: _whole(row[k], k, where) for k in _INTS}
+        if min(values[k] for k in ("dp", "tp", "pp", "vpp", "microbatch_size", "microbatches")) < 1:
+            raise PipedslError(f"{where}: dp, tp, pp, vpp and the microbatch count and size must be at least 1")
+        if not 0 <= values["zero"] <= 3:
+            raise PipedslError(f"{where}: zero must be 0 to 3, not {values['zero']}")
+        spmd = str(row["kind"]) == "spmd"
+        kind = "spmd" if spmd else "pipeline" if values["dp"] == values["tp"] == 1 else "hybrid"
+        planned = row.get("step_time_s")
+        rank = row.get("rank")
+        return cls(
+            schedule=SPMD_SCHEDULE if spmd else str(row["schedule"]),
+            kind=kind,
+            recompute=str(row.get("recompute", "none")),
+            planned_s=None if planned in (None, "") else float(planned),
+            rank=None if rank in (None, "") else _whole(rank, "rank", where),
+            **values,
+        )
+
+    @property
+    def devices(self) -> int:
+        """JAX devices the plan needs: ``pp x dp x tp``."""
+        return self.pp * self.dp * self.tp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step over every replica."""
+        return self.dp * self.microbatches * self.microbatch_size
+
+    def params(self) -> dict[str, int]:
+        """The schedule's parameters: ``pp``, ``microbatches`` and ``vpp`` if it takes one."""
+        params = {"pp": self.pp, "microbatches": self.microbatches}
+        if "vpp" in library.parameters(self.schedule):
+            params["vpp"] = self.vpp
+        return params
+
+    def schedule_of(self) -> Schedule:
+        """The schedule this plan runs, evaluated and validated."""
+        schedule = library.load(self.schedule, **self.params())
+        schedule.validate()
+        return schedule
+
+    def label(self) -> str:
+        """``zbv dp=2 tp=1 pp=2 vpp=2 mb=4 zero=1`` or ``SPMD dp=8 tp=1 mb=4 zero=1``."""
+        name = "SPMD" if self.kind == "spmd" else self.schedule
+        pp = "" if self.kind == "spmd" else f" pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp > 1 else "")
+        return f"{name} dp={self.dp} tp={self.tp}{pp} mb={self.microbatch_size} x{self.microbatches} zero={self.zero}"
+
+    def command(self) -> str:
+        """The ``pipedsl run`` command line that runs this plan on the built-in transformer."""
+        params = " ".join(f"-p {k}={v}" for k, v in self.params().items())
+        return (
+            f"pipedsl run {self.schedule} {params} --model transformer --dp {self.dp} --tp {self.tp} "
+            f"--zero {self.zero} --microbatch-size {self.microbatch_size}"
+        )
+
+
+def read_plan(path: str | Path, rank: int) -> PlannedRun:
+    """The plan of rank ``rank`` in a ``plans.csv`` (``search --csv``, ``demo``)."""
+    where = str(path)
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as handle:
+            rows = list(csv.DictReader(handle))
+    except (OSError, UnicodeDecodeError) as err:
+        raise PipedslError(f"{where}: cannot read the plans: {getattr(err, 'strerror', None) or err}") from None
+    for index, row in enumerate(rows):
+        row_rank = row.get("rank") or str(index + 1)
+        if row_rank.strip() == str(rank):
+            return PlannedRun.from_row(row, where=f"{where}, rank {rank}")
+    raise PipedslError(f"{where}: no plan of rank {rank}; it ranks {len(rows)} plans (1 .. {len(rows)})")
+
+
+def _whole(value: Any, name: str, where: str) -> int:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PipedslError(f"{where}: {name} should be a whole number, not {value!r}") from None
+    if not math.isfinite(number) or number != int(number):
+        raise PipedslError(f"{where}: {name} should be a whole number, not {value!r}")
+    return int(number)
