@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pipedsl.errors import ScheduleEvalError, SourcePos
 from pipedsl.ir import Action, Schedule
 from pipedsl.lang import ast
+from pipedsl.lang.scope import Bindings
 from pipedsl.lang.compile import (
     ACTIONS,
     BUILTINS,
@@ -75,8 +76,9 @@ class _Evaluator:
         names.update(i.name for i in self.sched.items if isinstance(i, ast.FuncDef))
         self.compiler = Compiler(self.run, function_names=frozenset(names))
         self.max_actions = max_actions
-        self.consts: dict[str, int] = {}
-        self.functions: dict[str, Function] = {}
+        # Bindings, not dicts: a ``def`` keeps a snapshot of them, which must cost O(1).
+        self.consts: Bindings[int] = Bindings()
+        self.functions: Bindings[Function] = Bindings()
         self.param_names: set[str] = set()
         self.declared: dict[str, tuple[int, SourcePos]] = {}
         self.placement: tuple[int, ...] | None = None
@@ -119,7 +121,7 @@ class _Evaluator:
             if param in BUILTINS or param in ACTIONS or param in self.functions:
                 raise fail(f"`{param}` names a function or action and cannot be an argument", node.pos)
             seen.add(param)
-        function = Function(node, dict(self.consts), dict(self.functions))
+        function = Function(node, self.consts.snapshot(), self.functions.snapshot())
         # Compile the body once now so a mistake in it is reported even if it is never called.
         placeholders: dict[str, IntCode] = {p: _placeholder for p in node.params}
         self.compiler.expr(node.body, Env(function.consts, function.functions, placeholders, [], node.name))
