@@ -3,13 +3,20 @@
 Each error carries what went wrong, which rule it broke and, when the input was text,
 where: file, line and column, shown with the source line and a caret. The CLI maps
 :class:`ScheduleInvalid` to exit code 1 and every other :class:`PipedslError` to 2.
+
+A file with several independent mistakes reports them all at once, as a good compiler
+does: the first error is raised and carries the others (:func:`several`); printing it
+prints each with its place, source line and caret, then how many there were.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "MAX_REPORTED",
+    "several",
     "SourcePos",
     "PipedslError",
     "ScheduleSyntaxError",
@@ -40,28 +47,67 @@ class SourcePos:
         return f"    {text}\n    {caret}"
 
 
+#: The most errors one file reports at once; past it, a count of those left out.
+MAX_REPORTED = 20
+
+
 class PipedslError(Exception):
     """Base of every error pipedsl raises on purpose.
 
     ``message`` says what is wrong and, where one is known, what to do instead;
-    ``pos`` locates it in a source text when there is one.
+    ``pos`` locates it in a source text when there is one. ``others`` holds further
+    independent errors found in the same input (see :func:`several`), and ``omitted``
+    how many more were found past :data:`MAX_REPORTED`.
     """
 
     def __init__(self, message: str, *, pos: SourcePos | None = None) -> None:
         self.message = message
         self.pos = pos
-        super().__init__(self.__str__())
+        self.others: tuple[PipedslError, ...] = ()
+        self.omitted = 0
+        super().__init__(self._render())
+
+    @property
+    def errors(self) -> tuple[PipedslError, ...]:
+        """This error and the others found with it, in the order of the input."""
+        return (self, *self.others)
 
     def headline(self) -> str:
         """The message without location, as one line."""
         return self.message
 
-    def __str__(self) -> str:
+    def _render(self) -> str:
         if self.pos is None:
             return self.headline()
         head = f"{self.pos}: {self.headline()}"
         excerpt = self.pos.excerpt()
         return f"{head}\n{excerpt}" if excerpt else head
+
+    def __str__(self) -> str:
+        if not self.others:
+            return self._render()
+        found = len(self.others) + 1 + self.omitted
+        parts = [error._render() for error in self.errors]
+        if self.omitted:
+            parts.append(f"... and {self.omitted} more")
+        parts.append(f"{found} errors")
+        return "\n".join(parts)
+
+
+def several(errors: Sequence[PipedslError], *, limit: int = MAX_REPORTED) -> PipedslError:
+    """One error to raise for ``errors`` (at least one): the first, carrying the others.
+
+    At most ``limit`` are kept; the rest are counted in ``omitted``. Raising the first
+    keeps its class, so ``except ScheduleSyntaxError`` still catches a file with several
+    syntax errors.
+    """
+    if not errors:
+        raise ValueError("several() needs at least one error")
+    first = errors[0]
+    first.others = tuple(errors[1:limit])
+    first.omitted = max(len(errors) - limit, 0)
+    first.args = (str(first),)
+    return first
 
 
 class ScheduleSyntaxError(PipedslError):

@@ -21,3 +21,9 @@ def read_toml(path: Path, *, what: str, error: type[PipedslError]) -> dict[str, 
         raise error(f"cannot read {what} file {path}: {err.strerror or err}") from None
     except tomllib.TOMLDecodeError as err:
         raise error(f"{path}: not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise error(
+            f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); save it as UTF-8"
+        ) from None
+    except RecursionError:
+        raise error(f"{path}: not valid TOML: arrays or tables nested too deeply") from None

@@ -246,7 +246,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         # Two devices and eight microbatches unless told otherwise: this machine's size.
         declared = _parameters(spec)
         chosen = {k: v for k, v in _DEFAULT_PARAMS.items() if k in declared} | args.params
-        schedule = load_schedule(spec, chosen)
+        schedule = load_schedule(spec, chosen, max_actions=args.max_actions)
         schedule.validate()
         schedules.append(schedule)
     request_devices(max(s.num_devices for s in schedules))

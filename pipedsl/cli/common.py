@@ -87,8 +87,27 @@ class _ParamAction(argparse.Action):
         setattr(namespace, self.dest, params)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def add_param_option(parser: argparse.ArgumentParser) -> None:
-    """Add ``-p/--param NAME=VALUE`` (repeatable, integer values) as ``args.params``, a dict."""
+    """Add ``-p/--param NAME=VALUE`` (repeatable, integer values) as ``args.params``, a dict,
+    and ``--max-actions N``, the bound on the actions a .sched evaluation may emit, as
+    ``args.max_actions``: every command that takes parameters loads a schedule."""
+    parser.add_argument(
+        "--max-actions",
+        type=_positive_int,
+        default=library.MAX_ACTIONS,
+        metavar="N",
+        help=f"stop evaluating a .sched file past N actions (default {library.MAX_ACTIONS:,})",
+    )
     parser.add_argument(
         "-p",
         "--param",
@@ -100,9 +119,9 @@ def add_param_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_schedule(path: str | Path, params: dict[str, int]) -> Schedule:
+def load_schedule(path: str | Path, params: dict[str, int], *, max_actions: int = library.MAX_ACTIONS) -> Schedule:
     """Load a library schedule or a .sched, .csv or .json file (:func:`pipedsl.library.load`), unvalidated."""
-    return library.load(path, **params)
+    return library.load(path, max_actions=max_actions, **params)
 
 
 def report_error(err: PipedslError, *, path: str | Path | None = None) -> int:

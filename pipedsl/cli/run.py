@@ -16,7 +16,10 @@ by setting ``XLA_FLAGS`` before the import.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,50 @@ from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
 
 __all__ = ["register"]
+
+_INT64 = 2**63
+# Adam keeps, for every parameter, its gradient and two moments: four copies in all.
+_COPIES_FOR_ADAM = 4
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse option values that cannot train, before any work."""
+    for option, value in (
+        ("--steps", args.steps),
+        ("--microbatch-size", args.microbatch_size),
+        ("--width", args.width),
+        ("--layers-per-stage", args.layers_per_stage),
+    ):
+        if value < 1:
+            raise PipedslError(f"{option} must be at least 1, got {value}")
+    if not -_INT64 <= args.seed < _INT64:
+        raise PipedslError(f"--seed must be a 64-bit integer, from {-_INT64} to {_INT64 - 1}; got {args.seed}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise PipedslError(f"--lr must be a finite number above 0, got {args.lr}")
+
+
+def _check_fits(jax: Any, init: Any, key: Any, *, devices: int, replicas: int, what: str) -> None:
+    """Refuse a model whose parameters and Adam state, once per data-parallel replica,
+    cannot fit in the memory of this machine (or of ``devices`` accelerators).
+
+    The shapes come from ``jax.eval_shape``, which allocates nothing.
+    """
+    shapes = jax.eval_shape(init, key)
+    param_bytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(shapes))
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        available, where = stats["bytes_limit"] * devices, f"{devices} {device.platform} devices"
+    else:
+        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    needed = _COPIES_FOR_ADAM * param_bytes * replicas
+    if needed > available:
+        raise PipedslError(
+            f"{what} has {param_bytes / 1e9:.1f} GB of parameters; training it with Adam needs at least"
+            f" {needed / 1e9:.1f} GB (parameters, gradients and two moments), more than the"
+            f" {available / 1e9:.1f} GB of {where}; use a smaller --width or --layers-per-stage"
+        )
+
 
 def _describe(schedule: Schedule) -> str:
     params = ", ".join(f"{k}={v}" for k, v in schedule.params)
@@ -58,7 +105,7 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
             raise PipedslError("--plans names the plans file of --plan RANK; give --plan too")
         if args.file is None:
             raise PipedslError("give a schedule FILE, or --plan RANK --plans plans.csv")
-        schedule = load_schedule(args.file, args.params)
+        schedule = load_schedule(args.file, args.params, max_actions=args.max_actions)
         schedule.validate()
         return schedule, None
     if args.file is not None or args.params:
@@ -72,9 +119,24 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    try:
+        return _train(args)
+    except Exception as err:
+        # A runtime error of JAX's (out of memory above all) as one line of ours, not
+        # XLA's traceback; anything else is not ours to reword.
+        jax = sys.modules.get("jax")
+        if jax is None or not isinstance(err, jax.errors.JaxRuntimeError):
+            raise
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        hint = ""
+        if "RESOURCE_EXHAUSTED" in str(err):
+            hint = "; the model does not fit: use a smaller --width, --layers-per-stage or --microbatch-size"
+        raise PipedslError(f"JAX failed: {lines[0][:300]}{hint}") from None
+
+
+def _train(args: argparse.Namespace) -> int:
     schedule, planned = _planned(args)
-    if args.steps < 1 or args.microbatch_size < 1:
-        raise PipedslError("--steps and --microbatch-size must be at least 1")
     if args.dp < 1 or args.tp < 1 or args.zero not in (0, 1, 2, 3):
         raise PipedslError("--dp and --tp must be at least 1 and --zero one of 0, 1, 2, 3")
     request_devices(schedule.num_devices * args.dp * args.tp)
@@ -88,6 +150,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     model, shape = _model(args, schedule, demo_shape=planned is not None)
     key = jax.random.PRNGKey(args.seed)
+    devices = schedule.num_devices * args.dp * args.tp
+    _check_fits(jax, model.init_stages, key, devices=devices, replicas=args.dp, what=f"model {model.name} ({shape})")
     batch_size = args.microbatch_size * schedule.num_microbatches * args.dp
     batch = model.batch(jax.random.fold_in(key, 1), batch_size)
     # On Ray, the actors (and a local instance pipedsl started) stop when the process exits.

@@ -25,7 +25,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     worst = EXIT_OK
     for path in args.files:
         try:
-            schedule = load_schedule(path, args.params)
+            schedule = load_schedule(path, args.params, max_actions=args.max_actions)
             report = schedule.validate(max_inflight=args.max_inflight)
         except PipedslError as err:
             worst = max(worst, report_error(err, path=path))
@@ -40,7 +40,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    schedule = load_schedule(args.file, args.params)
+    schedule = load_schedule(args.file, args.params, max_actions=args.max_actions)
     if args.lowered:
         print(schedule.lower().format())
         return EXIT_OK
@@ -56,7 +56,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    schedule = load_schedule(args.file, args.params)
+    schedule = load_schedule(args.file, args.params, max_actions=args.max_actions)
     schedule.validate()
     text = interop.export(schedule, args.to)
     if args.output is None:

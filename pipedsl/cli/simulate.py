@@ -80,8 +80,52 @@ def _add_cost_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Bounds past which a cost is a mistake rather than a measurement, and past which sums
+# over a few million actions leave the floats' exact range: about 31 years per action,
+# an exabyte per transfer.
+_MAX_SECONDS = 1e9
+_MAX_BYTES = 10**18
+_SECONDS_FIELDS = ("forward", "backward", "input_grad", "weight_grad", "latency")
+_BYTES_FIELDS = ("activation_bytes", "gradient_bytes", "residual_bytes", "weight_residual_bytes")
+
+
+def _largest(value: object) -> float:
+    if value is None:
+        return 0.0
+    return max(value) if isinstance(value, tuple) else float(value)  # type: ignore[arg-type]
+
+
+def _check_magnitudes(costs: CostModel) -> None:
+    """Refuse costs so large that the simulated times would overflow or lose all precision."""
+    for field in _SECONDS_FIELDS:
+        largest = _largest(getattr(costs, field))
+        if largest > _MAX_SECONDS:
+            raise PipedslError(
+                f"{field} = {largest:g} s is more than the {_MAX_SECONDS:g} s (about 31 years) a"
+                " cost may be per action; give seconds, as in --f 0.012"
+            )
+    largest_bytes = max(_largest(getattr(costs, field)) for field in _BYTES_FIELDS)
+    if largest_bytes > _MAX_BYTES:
+        raise PipedslError(f"a transfer or residual of {largest_bytes:g} bytes is more than the {_MAX_BYTES:g} accepted")
+    transfer = costs.transfer_seconds(largest_bytes)
+    if transfer > _MAX_SECONDS:
+        raise PipedslError(
+            f"a transfer of {largest_bytes:g} bytes at bandwidth {costs.bandwidth:g} bytes/s takes"
+            f" {transfer:g} s, more than the {_MAX_SECONDS:g} s a cost may be; check the bandwidth's units"
+        )
+
+
 def cost_model_from_args(args: argparse.Namespace) -> CostModel:
-    """The cost model the options describe: ``--costs`` if given, then each option over it."""
+    """The cost model the options describe: ``--costs`` if given, then each option over it.
+
+    Raises PipedslError for costs that are malformed or too large to simulate.
+    """
+    costs = _options_over_file(args)
+    _check_magnitudes(costs)
+    return costs
+
+
+def _options_over_file(args: argparse.Namespace) -> CostModel:
     costs = CostModel.from_toml(args.costs) if args.costs else CostModel()
     changes: dict[str, Any] = {}
     for option, field in (("f", "forward"), ("b", "backward"), ("i", "input_grad"), ("w", "weight_grad")):
@@ -232,7 +276,7 @@ def _timeline_file(path: str) -> Timeline | None:
 
 
 def _simulate_file(path: str, args: argparse.Namespace, costs: CostModel) -> Simulation:
-    return simulate(load_schedule(path, args.params), costs)
+    return simulate(load_schedule(path, args.params, max_actions=args.max_actions), costs)
 
 
 def _each_file(

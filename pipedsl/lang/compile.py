@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pipedsl.errors import ScheduleEvalError, SourcePos
 from pipedsl.ir import Action, Kind
 from pipedsl.lang import ast
+from pipedsl.lang.scope import names_used
 
 __all__ = [
     "ACTIONS",
@@ -42,6 +43,7 @@ __all__ = [
     "COMPILE_BUDGET",
     "INT_MAX",
     "INT_MIN",
+    "RAISE_THE_LIMIT",
     "WORK_PER_ACTION",
     "Compiler",
     "Env",
@@ -63,6 +65,12 @@ __all__ = [
 WORK_PER_ACTION = 25
 #: Bound on expression nodes compiled for one schedule, counting inlined function bodies.
 COMPILE_BUDGET = 1_000_000
+
+#: How an error about the bound on actions says to lift it, in both the places it is set.
+RAISE_THE_LIMIT = (
+    "if the schedule really is this large, raise the limit"
+    " (--max-actions N on the command line, max_actions=N in Python)"
+)
 
 INT_MAX = 2**63 - 1
 INT_MIN = -(2**63)
@@ -243,15 +251,13 @@ class Run:
             raise fail(
                 f"runaway expansion: {what} goes past the evaluation budget of"
                 f" {WORK_PER_ACTION * self.max_actions} steps ({WORK_PER_ACTION} per allowed"
-                f" action, max_actions={self.max_actions}); raise max_actions if the schedule"
-                " really is this large",
+                f" action, max_actions={self.max_actions}); {RAISE_THE_LIMIT}",
                 pos,
             )
 
     def too_many(self, pos: SourcePos) -> ScheduleEvalError:
         return fail(
-            f"runaway expansion: more than max_actions={self.max_actions} actions;"
-            " raise max_actions if the schedule really is this large",
+            f"runaway expansion: more than max_actions={self.max_actions} actions; {RAISE_THE_LIMIT}",
             pos,
         )
 
@@ -626,14 +632,24 @@ class Compiler:
         test = self.cond(node.cond, env)
         if test is True:
             return _nothing
-        error = require_failed(node)
+        # The values a failed require shows: the names its condition reads, but not the
+        # device variable, which the error names already.
+        slots: dict[str, int] = {}
+        known: dict[str, int] = {}
+        for name in names_used(node.cond):
+            local = env.local(name)
+            if local is not None and local.role != "device variable":
+                slots[name] = local.slot
+            elif local is None and name in env.consts:
+                known[name] = env.consts[name]
         if test is False:
-            return _raiser(error)
+            return _raiser(require_failed(node, known))
         check = test
 
         def require(fr: Frame) -> None:
             if not check(fr):
-                raise require_failed(node)
+                values = {name: fr[slot] for name, slot in slots.items()}
+                raise require_failed(node, {**values, **known})
 
         return require
 
@@ -661,11 +677,14 @@ def _raiser(error: ScheduleEvalError) -> StmtFn:
     return fail
 
 
-def require_failed(node: ast.Require) -> ScheduleEvalError:
-    """The error a failed ``require`` raises: its message, at the ``require``."""
+def require_failed(node: ast.Require, values: Mapping[str, int]) -> ScheduleEvalError:
+    """The error a failed ``require`` raises: its message and ``values`` (what the
+    condition read), at the ``require``."""
     message = "requirement failed"
     if node.message:
         message += f": {node.message}"
+    if values:
+        message += " (" + ", ".join(f"{name} = {value}" for name, value in values.items()) + ")"
     return fail(message, node.pos)
 
 

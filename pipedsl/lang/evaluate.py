@@ -15,18 +15,20 @@ first, then bindings in source order; a binding may be given a new value later
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
-from pipedsl.errors import ScheduleEvalError, SourcePos
+from pipedsl.errors import PipedslError, ScheduleEvalError, SourcePos, several
 from pipedsl.ir import Action, Schedule
 from pipedsl.lang import ast
-from pipedsl.lang.scope import Bindings
+from pipedsl.lang.scope import Bindings, names_used
 from pipedsl.lang.compile import (
     ACTIONS,
     BUILTINS,
     COMPILE_BUDGET,
     INT_MAX,
     INT_MIN,
+    RAISE_THE_LIMIT,
     WORK_PER_ACTION,
     Compiler,
     Env,
@@ -45,6 +47,8 @@ from pipedsl.lang.compile import (
 )
 
 __all__ = ["evaluate", "MAX_ACTIONS", "WORK_PER_ACTION", "COMPILE_BUDGET"]
+
+T = TypeVar("T")
 
 #: Default bound on the number of actions one evaluation may emit.
 MAX_ACTIONS = 4_000_000
@@ -85,6 +89,8 @@ class _Evaluator:
         self.orders: list[tuple[Action, ...]] | None = None
         self.rows: dict[int, tuple[Action, ...]] = {}
         self.rows_pos: SourcePos | None = None
+        self.errors: list[PipedslError] = []
+        self.failed: set[str] = set()  # names, and "<stages>" and the like, whose definition failed
 
     # -- helpers --
 
@@ -140,22 +146,50 @@ class _Evaluator:
             )
         values: list[tuple[str, int]] = []
         for param in sched.params:
-            self._check_free(param.name, param.pos, "a parameter")
-            if param.name in self.consts:
-                raise fail(f"parameter `{param.name}` is declared twice", param.pos)
-            if param.name in overrides:
-                value = _coerce_param(param.name, overrides[param.name], param.pos)
-            else:
-                value = self._value(param.default)
-            self.consts[param.name] = value
+            value = self.attempt(self._parameter, param, overrides)
             self.param_names.add(param.name)
-            values.append((param.name, value))
+            if value is not None:
+                values.append((param.name, value))
         return tuple(values)
+
+    def _parameter(self, param: ast.Param, overrides: Mapping[str, object]) -> int:
+        self._check_free(param.name, param.pos, "a parameter")
+        if param.name in self.consts or param.name in self.param_names:
+            raise fail(f"parameter `{param.name}` is declared twice", param.pos)
+        if param.name in overrides:
+            value = _coerce_param(param.name, overrides[param.name], param.pos)
+        else:
+            value = self._value(param.default)
+        self.consts[param.name] = value
+        return value
+
+    # -- several errors at once --
+
+    def attempt(self, step: Callable[..., T], node: object, *args: object) -> T | None:
+        """Run ``step(node, *args)``, recording its error and going on to the next item.
+
+        An item that uses a name whose definition failed is skipped silently: its error
+        would only echo the first. Returns None when the step failed or was skipped.
+        """
+        if self.failed and not self.failed.isdisjoint(_needs(node)):
+            self.failed.update(_defines(node))
+            return None
+        try:
+            result = step(node, *args)
+        except ScheduleEvalError as err:
+            self.errors.append(err)
+            self.failed.update(_defines(node))
+            return None
+        self.failed.difference_update(_defines(node))
+        return result
 
     def item(self, item: ast.Item) -> None:
         if isinstance(item, ast.Require):
             if not self._truth(item.cond):
-                raise require_failed(item)
+                # What the condition read, then the parameters it did not.
+                shown = [n for n in names_used(item.cond) if n in self.consts]
+                shown += [p.name for p in self.sched.params if p.name not in shown and p.name in self.consts]
+                raise require_failed(item, {n: self.consts[n] for n in shown})
         elif isinstance(item, ast.Assign):
             if item.target in self.param_names:
                 raise fail(
@@ -188,7 +222,7 @@ class _Evaluator:
             raise fail(f"{item.what} must be at least 1, got {value}", item.pos)
         if value > self.max_actions:
             raise fail(
-                f"{item.what} = {value} is more than max_actions={self.max_actions} allows",
+                f"{item.what} = {value} is more than max_actions={self.max_actions} allows; {RAISE_THE_LIMIT}",
                 item.pos,
             )
         self.declared[item.what] = (value, item.pos)
@@ -374,13 +408,44 @@ def evaluate(
     evaluator = _Evaluator(module, max_actions=max_actions)
     try:
         for function in module.functions:
-            evaluator.define(function)
+            evaluator.attempt(evaluator.define, function)
         values = evaluator.parameters(params or {})
         for item in module.schedule.items:
-            evaluator.item(item)
+            evaluator.attempt(evaluator.item, item)
     except RecursionError:
-        raise fail(
-            "the schedule nests too deeply to evaluate; split long expressions with local bindings",
-            module.schedule.pos,
-        ) from None
+        evaluator.errors.append(
+            fail(
+                "the schedule nests too deeply to evaluate; split long expressions with local bindings",
+                module.schedule.pos,
+            )
+        )
+    if evaluator.errors:
+        raise several(evaluator.errors)
     return evaluator.finish(values, name, source)
+
+
+# The declarations items rely on, as the names ``attempt`` records when they fail.
+_STRUCTURE = {
+    ast.Place: ("<stages>", "<devices>"),
+    ast.PlaceList: ("<stages>", "<devices>"),
+    ast.OnDevice: ("<stages>", "<devices>", "<place>"),
+    ast.TableRow: ("<stages>", "<devices>", "<place>"),
+}
+
+
+def _needs(node: object) -> set[str]:
+    """The names, and the declarations, that evaluating ``node`` relies on."""
+    return {*names_used(node), *_STRUCTURE.get(type(node), ())}
+
+
+def _defines(node: object) -> tuple[str, ...]:
+    """What ``node`` defines for the items after it (which a failure of it leaves undefined)."""
+    if isinstance(node, ast.Assign):
+        return (node.target,)
+    if isinstance(node, (ast.FuncDef, ast.Param)):
+        return (node.name,)
+    if isinstance(node, ast.Declare):
+        return (f"<{node.what}>",)
+    if isinstance(node, (ast.Place, ast.PlaceList)):
+        return ("<place>",)
+    return ()

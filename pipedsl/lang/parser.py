@@ -2,7 +2,8 @@
 
 Every failure leaves as a :class:`~pipedsl.errors.ScheduleSyntaxError` with the file,
 line and column, the offending line and, in plain words, what was expected there;
-no lark exception ever escapes.
+no lark exception ever escapes. A text with several syntax errors raises the first,
+carrying the others (:mod:`pipedsl.lang.syntax_errors` finds them).
 """
 
 from __future__ import annotations
@@ -13,18 +14,14 @@ import re
 
 import lark
 from lark import Token, v_args
-from lark.exceptions import (
-    UnexpectedCharacters,
-    UnexpectedInput,
-    UnexpectedToken,
-    VisitError,
-)
+from lark.exceptions import UnexpectedInput, VisitError
 from lark.tree import Meta
 from lark.visitors import Transformer_NonRecursive
 
-from pipedsl.errors import PipedslError, ScheduleSyntaxError, SourcePos
+from pipedsl.errors import PipedslError, ScheduleSyntaxError, SourcePos, several
 from pipedsl.ir import Kind
-from pipedsl.lang import ast
+from pipedsl.lang import ast, syntax_errors
+from pipedsl.lang.syntax_errors import Source
 
 __all__ = ["parse_source", "RESERVED_WORDS"]
 
@@ -43,15 +40,6 @@ _CELL_RE = re.compile(r"([0-9]+)([FBIW])([0-9]+)")
 _MAX_DIGITS = 19
 _INT64_MAX = 2**63 - 1
 
-# Plain words for the terminals that are patterns rather than fixed strings.
-_TERMINAL_WORDS = {
-    "NAME": "a name",
-    "INT": "a number",
-    "CELL": "an action cell like 0F1",
-    "STRING": 'a quoted message like "..."',
-    "$END": "the end of the file",
-}
-
 
 @functools.cache
 def _lark() -> lark.Lark:
@@ -63,41 +51,6 @@ def _lark() -> lark.Lark:
         propagate_positions=True,
         maybe_placeholders=True,
     )
-
-
-@functools.cache
-def _terminal_descriptions() -> dict[str, str]:
-    descriptions = dict(_TERMINAL_WORDS)
-    for terminal in _lark().terminals:
-        if terminal.name not in descriptions and isinstance(terminal.pattern, lark.lexer.PatternStr):
-            descriptions[terminal.name] = f"`{terminal.pattern.value}`"
-    return descriptions
-
-
-class _Source:
-    """The text being parsed, to make SourcePos values with the line's text."""
-
-    def __init__(self, text: str, file: str) -> None:
-        self.file = file
-        self.lines = [line.rstrip("\r") for line in text.split("\n")]
-        self._text = text
-
-    def at(self, line: int, column: int) -> SourcePos:
-        line_text = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
-        return SourcePos(self.file, line, column, line_text)
-
-    def token(self, token: Token) -> SourcePos:
-        return self.at(token.line or 1, token.column or 1)
-
-    def meta(self, meta: Meta) -> SourcePos:
-        return self.at(meta.line, meta.column)
-
-    def end(self) -> SourcePos:
-        """Just after the last non-blank character: where an unexpected end of file is."""
-        body = self._text.rstrip()
-        line = body.count("\n") + 1
-        column = len(body) - (body.rfind("\n") + 1) + 1
-        return self.at(line, column)
 
 
 def _error(message: str, pos: SourcePos) -> ScheduleSyntaxError:
@@ -112,7 +65,7 @@ class _Builder(Transformer_NonRecursive):
     stack here (left-recursive rules make such chains as deep as they are long).
     """
 
-    def __init__(self, source: _Source) -> None:
+    def __init__(self, source: Source) -> None:
         super().__init__(visit_tokens=False)
         self._src = source
 
@@ -287,68 +240,20 @@ class _Builder(Transformer_NonRecursive):
         )
 
 
-def _expected(err: UnexpectedInput) -> str:
-    """What the parser would have accepted where it stopped, in words."""
-    # The interactive parser replays the pending reductions for each candidate token, so
-    # its answer is exact; the LALR table row alone over-approximates (merged states).
-    interactive = getattr(err, "interactive_parser", None)
-    names: set[str] = set()
-    if interactive is not None:
-        names = set(interactive.accepts())
-    elif isinstance(err, UnexpectedToken):
-        names = set(err.expected)
-    descriptions = _terminal_descriptions()
-    words = sorted(
-        {descriptions[n] for n in names if n in descriptions},
-        # Named things first ("a name", "a number"), then symbols and keywords.
-        key=lambda w: (w.startswith("`"), w),
-    )
-    if not words:
-        return ""
-    if len(words) == 1:
-        return f"; expected {words[0]}"
-    return f"; expected one of {', '.join(words[:-1])} or {words[-1]}"
-
-
-def _describe(token: Token) -> str:
-    if token.type == "NAME":
-        return f"name `{token.value}`"
-    if token.type == "INT":
-        return f"number {token.value}"
-    if token.type == "CELL":
-        return f"`{token.value}`"
-    if token.type == "STRING":
-        return f"message {token.value}"
-    return f"`{token.value}`"
-
-
-def _translate(err: UnexpectedInput, source: _Source) -> ScheduleSyntaxError:
-    if isinstance(err, UnexpectedCharacters):
-        if err.char == '"':
-            return _error(
-                'unterminated message: a quoted message must close with " on the same line',
-                source.at(err.line, err.column),
-            )
-        return _error(
-            f"unexpected character {err.char!r}{_expected(err)}", source.at(err.line, err.column)
-        )
-    if isinstance(err, UnexpectedToken) and err.token.type != "$END":
-        token = err.token
-        return _error(f"unexpected {_describe(token)}{_expected(err)}", source.token(token))
-    return _error(f"unexpected end of the file{_expected(err)}", source.end())
-
-
 def parse_source(text: str, *, file: str = "<string>") -> ast.Module:
     """Parse the text of a ``.sched`` file into its syntax tree.
 
     ``file`` is only used in positions and messages. Raises ScheduleSyntaxError.
     """
-    source = _Source(text, file)
+    source = Source(text, file)
     try:
         tree = _lark().parse(text)
-        functions, schedule = _Builder(source).transform(tree)
     except UnexpectedInput as err:
-        raise _translate(err, source) from None
+        # Parse again, recovering after each error, to report all of them at once.
+        found = syntax_errors.collect(_lark(), text, source)
+        raise several(found or [syntax_errors.translate(_lark(), err, source)]) from None
+    try:
+        functions, schedule = _Builder(source).transform(tree)
     except VisitError as err:
         if isinstance(err.orig_exc, PipedslError):
             raise err.orig_exc from None

@@ -13,10 +13,13 @@ bound k times.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
-__all__ = ["Bindings", "Snapshot"]
+from pipedsl.lang import ast
+
+__all__ = ["Bindings", "Snapshot", "names_used"]
 
 V = TypeVar("V")
 
@@ -95,3 +98,25 @@ class Snapshot(Mapping[str, V], Generic[V]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def names_used(node: object) -> dict[str, None]:
+    """The names a piece of syntax reads or calls, in the order they first appear.
+
+    Walks any node of :mod:`pipedsl.lang.ast` (and tuples of them) without recursion, so
+    a deeply nested expression cannot exhaust Python's stack.
+    """
+    found: dict[str, None] = {}
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, ast.Name):
+            found[current.ident] = None
+        elif isinstance(current, ast.Call):
+            found[current.func] = None
+        if isinstance(current, tuple):
+            stack.extend(reversed(current))
+        elif dataclasses.is_dataclass(current) and not isinstance(current, type):
+            children = [getattr(current, f.name) for f in dataclasses.fields(current) if f.name != "pos"]
+            stack.extend(reversed(children))
+    return found

@@ -318,11 +318,12 @@ def test_syntax_errors(marked: str, message: str) -> None:
     assert type(err) is ScheduleSyntaxError
     assert message in err.message
     assert (err.pos.file, err.pos.line, err.pos.column) == ("e.sched", line, column)
-    # The rendered message names the place and shows the line with a caret under it.
+    # The rendered message names the place and shows the line with a caret under it
+    # (first, when recovery finds further errors after it).
     rendered = str(err)
     assert rendered.startswith(f"e.sched:{line}:{column}: ")
     if err.pos.line_text:
-        caret_line = rendered.splitlines()[-1]
+        caret_line = rendered.splitlines()[2]
         assert caret_line.index("^") - 4 == column - 1
 
 
