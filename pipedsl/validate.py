@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from pipedsl.errors import ScheduleInvalid
+from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
 
 __all__ = ["Report", "validate", "dependencies", "peak_inflight"]
@@ -215,7 +215,12 @@ def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
 
 
 def validate(schedule: Schedule, *, max_inflight: int | None = None) -> Report:
-    """Check every rule; raise :class:`ScheduleInvalid` naming the first one broken."""
+    """Check every rule; raise :class:`ScheduleInvalid` naming the first one broken.
+
+    ``max_inflight`` must be a whole number >= 0 (PipedslError otherwise).
+    """
+    if max_inflight is not None and (type(max_inflight) is not int or max_inflight < 0):
+        raise PipedslError(f"max_inflight must be a whole number >= 0 (or None), got {max_inflight!r}")
     _check_shape(schedule)
     seen = _check_actions(schedule)
     _check_complete(schedule, seen)

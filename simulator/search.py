@@ -285,6 +285,8 @@ def search(
     if prune is not None and not prune >= 1.0:
         raise PlanError(f"search: prune must be a factor >= 1 (or None to simulate everything), got {prune!r}")
     batch = default_global_batch(model) if global_batch is None else global_batch
+    if type(batch) is not int or batch < 1:
+        raise PlanError(f"search: global_batch must be a whole number >= 1, got {batch!r}")
     started = time.perf_counter()
     plans = list(
         candidate_plans(

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipedsl import library
-from pipedsl.cli.common import add_command, add_param_option, load_schedule, make_console
+from pipedsl.cli.common import add_command, add_param_option, check_output_folder, load_schedule, make_console
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
@@ -241,6 +241,8 @@ def results_table(measurements: Sequence[Measurement]) -> Table:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.microbatch_size < 1:
         raise PipedslError("--steps and --microbatch-size must be at least 1")
+    if args.save_costs is not None:
+        check_output_folder(args.save_costs, option="--save-costs")
     schedules = []
     for spec in args.files or _DEFAULT_SCHEDULES:
         # Two devices and eight microbatches unless told otherwise: this machine's size.

@@ -14,6 +14,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ __all__ = [
     "parse_params",
     "load_schedule",
     "report_error",
+    "check_output_file",
+    "check_output_folder",
     "add_command",
     "make_console",
 ]
@@ -122,6 +125,38 @@ def add_param_option(parser: argparse.ArgumentParser) -> None:
 def load_schedule(path: str | Path, params: dict[str, int], *, max_actions: int = library.MAX_ACTIONS) -> Schedule:
     """Load a library schedule or a .sched, .csv or .json file (:func:`pipedsl.library.load`), unvalidated."""
     return library.load(path, max_actions=max_actions, **params)
+
+
+def _nearest_existing(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path(".")
+
+
+def check_output_file(path: str | Path, *, option: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: a folder, or a
+    place whose folder is missing or read-only. The file itself is not created."""
+    target = Path(path)
+    if target.is_dir():
+        raise PipedslError(f"{option} {target}: is a folder; give a file name")
+    folder = target.parent
+    if not folder.is_dir():
+        raise PipedslError(f"{option} {target}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise PipedslError(f"{option} {target}: cannot write there (permission denied)")
+
+
+def check_output_folder(path: str | Path, *, option: str) -> None:
+    """Refuse, before any work, an output folder that cannot be made or written: a file
+    of that name, a file in its way, or a read-only place. Nothing is created."""
+    target = Path(path)
+    existing = _nearest_existing(target)
+    if not existing.is_dir():
+        what = "is a file" if existing == target else f"cannot be made: {existing} is a file"
+        raise PipedslError(f"{option} {target}: {what}; give a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PipedslError(f"{option} {target}: cannot write in {existing} (permission denied)")
 
 
 def report_error(err: PipedslError, *, path: str | Path | None = None) -> int:

@@ -36,7 +36,7 @@ from pipedsl.cli.calibrate import (
     measure,
     results_table,
 )
-from pipedsl.cli.common import add_command, make_console
+from pipedsl.cli.common import add_command, check_output_folder, make_console
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
@@ -264,6 +264,7 @@ def _write_runs(path: Path, reports: list[Measurement]) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.devices < 2 or args.top < 1 or args.steps < 1:
         raise PipedslError("--devices must be at least 2, --top and --steps at least 1")
+    check_output_folder(args.out, option="--out")
     request_devices(args.devices)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,11 +19,12 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from pipedsl.cli.common import add_command, make_console
+from pipedsl.cli.common import add_command, check_output_file, make_console
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.hardware import (
+    Model,
     cluster_presets,
     load_cluster,
     load_model,
@@ -80,8 +81,30 @@ def _fraction(text: str) -> float:
 # --- estimate ---------------------------------------------------------------------------
 
 
+# Past these a model description is a mistake (10**12 layers), and the estimate would
+# print finite nonsense: a quadrillion parameters, a million layers, sequences of 10**8.
+_MAX_PARAMS = 10**15
+_MAX_LAYERS = 10**6
+_MAX_SEQ_LEN = 10**8
+
+
+def _check_model_size(model: Model) -> None:
+    """Refuse model sizes no estimate can mean anything for, naming the value and the bound."""
+    for field, value, bound in (
+        ("layers", model.layers, _MAX_LAYERS),
+        ("seq_len", model.seq_len, _MAX_SEQ_LEN),
+        ("parameters", model.num_params, _MAX_PARAMS),
+    ):
+        if value > bound:
+            raise PipedslError(
+                f"model {model.name}: {field} = {value:,} is past the {bound:,} this estimator accepts;"
+                " check the model description"
+            )
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     model = load_model(args.model)
+    _check_model_size(model)
     cluster = load_cluster(args.cluster)
     plan = Plan(
         dp=args.dp,
@@ -146,6 +169,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
         TimeElapsedColumn,
     )
 
+    if args.csv is not None:
+        check_output_file(args.csv, option="--csv")
+    _check_model_size(load_model(args.model))
     schedules = None if args.schedules is None else [s.strip() for s in args.schedules.split(",") if s.strip()]
     err = make_console(stderr=True)
     with Progress(

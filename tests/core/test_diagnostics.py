@@ -121,3 +121,10 @@ def test_the_report_is_capped() -> None:
     many_syntax = "schedule t {\n" + "\n".join("  x = = 1" for _ in range(50)) + "\n}\n"
     err = _errors(many_syntax)
     assert len(err.errors) == MAX_REPORTED and err.omitted == 30
+
+
+@pytest.mark.parametrize("limit", [float("nan"), -1, 2.5, True])
+def test_validate_refuses_a_limit_that_is_not_a_count(limit: object) -> None:
+    schedule = parse("schedule t { stages 1 devices 1 place s -> 0 device 0: 0F0 0B0 }")
+    with pytest.raises(PipedslError, match="max_inflight must be a whole number >= 0"):
+        schedule.validate(max_inflight=limit)  # type: ignore[arg-type]
