@@ -66,6 +66,10 @@ class Action:
         return (self.kind, self.stage, self.microbatch)
 
 
+def _count(n: int, noun: str, suffix: str = "s") -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{suffix}"
+
+
 _ACTION_RE = re.compile(r"^\s*(\d{1,18})\s*([FBIW])\s*(\d{1,18})\s*$")
 
 
@@ -78,7 +82,7 @@ def parse_action(text: str, *, pos: SourcePos | None = None) -> Action | None:
     return Action(Kind(kind), int(stage), int(microbatch), pos)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class Schedule:
     """A complete pipeline schedule for one training step.
 
@@ -102,6 +106,16 @@ class Schedule:
     orders: tuple[tuple[Action, ...], ...]
     params: tuple[tuple[str, int], ...] = ()
     source: str | None = None
+
+    def __repr__(self) -> str:
+        # A summary: the orders of a real schedule run to thousands of actions.
+        params = ", ".join(f"{k}={v}" for k, v in self.params)
+        source = f", source={self.source!r}" if self.source is not None else ""
+        return (
+            f"<Schedule {self.name}({params}): {_count(self.num_stages, 'stage')} on"
+            f" {_count(self.num_devices, 'device')}, {_count(self.num_microbatches, 'microbatch', 'es')},"
+            f" {_count(self.num_actions, 'action')}{source}>"
+        )
 
     @property
     def num_actions(self) -> int:

@@ -127,7 +127,10 @@ def load(
     """Load a schedule by library name or path, choosing the reader by the file's extension.
 
     A ``.sched`` file is evaluated under ``params`` (overrides of its defaults; ints, or
-    strings that spell one) and records its path as ``Schedule.source``. A ``.csv`` file
+    strings that spell one) and records its path as ``Schedule.source``. Every schedule
+    loaded from a file is named by the file's stem, the name it is loaded by (``1f1b``,
+    whatever its ``schedule`` line says), so tables, plots and saved cost files use the
+    name the command line takes. A ``.csv`` file
     (PyTorch's compute-only form) takes only ``microbatches``, the count PyTorch keeps
     outside the file; a ``.json`` file records everything and takes none.
 
@@ -139,7 +142,7 @@ def load(
     path = resolve(spec)
     suffix = path.suffix.lower()
     if suffix == _SUFFIX:
-        return evaluate(parsed(path), params=params, source=str(path), max_actions=max_actions)
+        return evaluate(parsed(path), params=params, name=path.stem, source=str(path), max_actions=max_actions)
     text = _read(path)
     if suffix == ".csv":
         extra = sorted(set(params) - {"microbatches"})

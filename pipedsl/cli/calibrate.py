@@ -279,6 +279,18 @@ def _parameters(spec: str) -> set[str]:
         return set()
 
 
+_DESCRIPTION = """\
+Run each schedule for real on this machine's devices (the demo transformer), fit the
+simulator's cost model to the measured timelines, then compare the simulator's
+predicted step time with the measured one.
+
+For each schedule: two steps compile the stages; a few recorded steps give measured
+timelines, from which per-stage F, B, I and W times and a transfer time are fitted;
+the simulator predicts the step time from that fit; plain training steps measure it.
+With --save-costs DIR, each fitted cost model is written to DIR/NAME.toml, NAME being
+the schedule's name (its file stem), for `pipedsl simulate --costs`."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``calibrate`` to ``pipedsl``'s subcommands."""
     cal = add_command(
@@ -286,7 +298,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "calibrate",
         _cmd_calibrate,
         summary="fit the cost model to this machine and compare predicted with measured step times",
-        description=__doc__ or "",
+        description=_DESCRIPTION,
         examples=(
             "  pipedsl calibrate                                  # 1f1b, zb_h1, interleaved_1f1b, zbv at pp=2\n"
             "  pipedsl calibrate 1f1b zb_h1 -p microbatches=16 --backend ray\n"

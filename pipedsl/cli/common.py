@@ -39,11 +39,19 @@ __all__ = [
     "check_output_folder",
     "add_command",
     "make_console",
+    "plural",
 ]
 
 EXIT_OK = 0
 EXIT_INVALID = 1
 EXIT_USAGE = 2
+
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless ``count`` is one: "1 stage", "2 stages", "3 microbatches"."""
+    if count == 1:
+        return f"{count} {noun}"
+    return f"{count} {noun}es" if noun.endswith(("ch", "sh", "s", "x")) else f"{count} {noun}s"
+
 
 def parse_params(items: Sequence[str]) -> dict[str, int]:
     """Read ``NAME=VALUE`` pairs with integer values into a dict, in the given order.

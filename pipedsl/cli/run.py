@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule
+from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, plural
 from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
@@ -177,9 +177,10 @@ def _train(args: argparse.Namespace) -> int:
     meshes = f" of {args.dp} x {args.tp} (dp x tp, zero {args.zero})" if args.dp * args.tp > 1 else ""
     replicas = f" x {args.dp} replicas" if args.dp > 1 else ""
     print(
-        f"run {_describe(schedule)}: {schedule.num_stages} stages on {schedule.num_devices} {platform} devices{meshes}; "
+        f"run {_describe(schedule)}: {plural(schedule.num_stages, 'stage')} on"
+        f" {plural(schedule.num_devices, platform + ' device')}{meshes}; "
         f"model {model.name} ({shape}, {form}); "
-        f"batch {batch_size} = {schedule.num_microbatches} microbatches of {args.microbatch_size}{replicas}"
+        f"batch {batch_size} = {plural(schedule.num_microbatches, 'microbatch')} of {args.microbatch_size}{replicas}"
     )
     print(f"{'step':>5}  {'loss':>12}  {'time':>10}")
     opt_state = None

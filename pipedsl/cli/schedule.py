@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from pipedsl import interop
-from pipedsl.cli.common import EXIT_OK, add_command, add_param_option, load_schedule, report_error
+from pipedsl.cli.common import EXIT_OK, add_command, add_param_option, load_schedule, plural, report_error
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 
@@ -32,8 +32,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
             continue
         peaks = " ".join(map(str, report.peak_inflight))
         print(
-            f"{path}: ok  {_describe(schedule)}: {schedule.num_stages} stages, {schedule.num_devices} devices, "
-            f"{schedule.num_microbatches} microbatches, {report.num_actions} actions, "
+            f"{path}: ok  {_describe(schedule)}: {plural(schedule.num_stages, 'stage')}, "
+            f"{plural(schedule.num_devices, 'device')}, {plural(schedule.num_microbatches, 'microbatch')}, "
+            f"{plural(report.num_actions, 'action')}, "
             f"peak in-flight per device {peaks}"
         )
     return worst
@@ -46,8 +47,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     placement = " ".join(map(str, schedule.placement))
     print(
-        f"{_describe(schedule)}: {schedule.num_stages} stages on {schedule.num_devices} devices "
-        f"(placement {placement}), {schedule.num_microbatches} microbatches"
+        f"{_describe(schedule)}: {plural(schedule.num_stages, 'stage')} on {plural(schedule.num_devices, 'device')} "
+        f"(placement {placement}), {plural(schedule.num_microbatches, 'microbatch')}"
     )
     print(schedule.format_grid())
     # The grid is shown even for an invalid schedule: seeing it is how one finds the fault.

@@ -23,6 +23,7 @@ from pipedsl.cli.common import (
     add_param_option,
     load_schedule,
     make_console,
+    plural,
     report_error,
 )
 from pipedsl.errors import PipedslError
@@ -199,8 +200,8 @@ def _print_summary(sim: Simulation) -> None:
     console = make_console(width=160)
     schedule = sim.schedule
     console.print(
-        f"[bold]{sim.label}[/bold]: {schedule.num_stages} stages on {schedule.num_devices} devices, "
-        f"{schedule.num_microbatches} microbatches, {schedule.num_actions} actions"
+        f"[bold]{sim.label}[/bold]: {plural(schedule.num_stages, 'stage')} on {plural(schedule.num_devices, 'device')}, "
+        f"{plural(schedule.num_microbatches, 'microbatch')}, {plural(schedule.num_actions, 'action')}"
     )
     console.print(f"costs: {sim.costs.describe()}")
     console.print(

@@ -44,7 +44,7 @@ def test_errors_belong_to_the_hierarchy() -> None:
 
 
 def test_stage_count_must_match_the_schedule() -> None:
-    with pytest.raises(ExecutionError, match="3 stages but schedule 'one_f_one_b' has 2"):
+    with pytest.raises(ExecutionError, match="3 stages but schedule '1f1b' has 2"):
         Pipeline([dense] * 3, loss=mse, schedule=one_f_one_b())
 
 

@@ -180,7 +180,7 @@ def test_cli_simulate_json_one_and_many(capsys: pytest.CaptureFixture[str]) -> N
     assert one["schedule"] == "zb_h1" and one["makespan"] == 27.0  # 3·8 + (4-1)
     assert main(["simulate", _lib("1f1b"), _lib("zb_h1"), _lib("gpipe"), "--json", "--f", "1", "--b", "3"]) == 0
     many = json.loads(capsys.readouterr().out)
-    assert [r["schedule"] for r in many] == ["zb_h1", "one_f_one_b", "gpipe"]  # by makespan, then file name
+    assert [r["schedule"] for r in many] == ["zb_h1", "1f1b", "gpipe"]  # by makespan, then file name
     assert [r["makespan"] for r in many] == sorted(r["makespan"] for r in many)
 
 
