@@ -28,6 +28,7 @@ from typing import Any
 from pipedsl.errors import ConversionError, SourcePos
 from pipedsl.ir import Action, Schedule, parse_action
 from pipedsl.lang import RESERVED_WORDS
+from pipedsl.program import BufferKind, Compute, Free, Instruction, Send
 
 __all__ = [
     "FORMATS",
@@ -39,6 +40,7 @@ __all__ = [
     "from_json",
     "to_sched_text",
     "export",
+    "to_lowered_csv",
 ]
 
 FORMATS = ("csv", "json", "sched")
@@ -66,6 +68,43 @@ def to_csv(schedule: Schedule) -> str:
     the file, decides when each action runs.
     """
     return "".join(",".join(map(str, order)) + "\n" for order in schedule.orders)
+
+
+def _lowered_cell(instruction: Instruction) -> str | None:
+    """One instruction as PyTorch's runtime form spells it, or None for a ``free``.
+
+    A send names the sending stage and a receive the receiving one, as PyTorch's
+    ``_add_send_recv`` does: ``1SEND_F0`` is stage 1 sending its forward output for
+    microbatch 0, ``2RECV_F0`` stage 2 receiving it; ``_B`` is the input gradient going
+    the other way.
+    """
+    if isinstance(instruction, Compute):
+        return str(instruction.action)
+    if isinstance(instruction, Free):
+        return None  # PyTorch frees by reference counting; its runtime form has no such step
+    buffer = instruction.buffer
+    forward = buffer.kind is BufferKind.ACTIVATION
+    if buffer.kind not in (BufferKind.ACTIVATION, BufferKind.GRADIENT):
+        raise ConversionError(f"{instruction}: PyTorch's runtime form moves only activations and gradients")
+    if isinstance(instruction, Send):
+        return f"{buffer.stage}SEND_{'F' if forward else 'B'}{buffer.microbatch}"
+    receiver = buffer.stage + 1 if forward else buffer.stage - 1
+    return f"{receiver}RECV_{'F' if forward else 'B'}{buffer.microbatch}"
+
+
+def to_lowered_csv(schedule: Schedule) -> str:
+    """PyTorch's CSV of ``schedule`` in its runtime (lowered) form: row d is device d's
+    computations with the sends and receives between them (``SEND_F``, ``RECV_F``,
+    ``SEND_B``, ``RECV_B``), in the order :func:`pipedsl.program.lower` runs them.
+
+    Validates the schedule (lowering does). A transfer between two stages of one device
+    is no send: the value stays on the device.
+    """
+    rows = []
+    for program in schedule.lower().devices:
+        cells = (_lowered_cell(instruction) for instruction in program.instructions)
+        rows.append(",".join(cell for cell in cells if cell is not None))
+    return "".join(row + "\n" for row in rows)
 
 
 def _cells(line: str) -> list[tuple[int, str]]:
@@ -327,8 +366,13 @@ def to_sched_text(schedule: Schedule) -> str:
 # --- files -------------------------------------------------------------------------
 
 
-def export(schedule: Schedule, fmt: str) -> str:
-    """``schedule`` as text in ``fmt``, one of :data:`FORMATS`."""
+def export(schedule: Schedule, fmt: str, *, lowered: bool = False) -> str:
+    """``schedule`` as text in ``fmt``, one of :data:`FORMATS`; with ``lowered``, CSV in
+    PyTorch's runtime form (:func:`to_lowered_csv`), the only format that has one."""
+    if lowered:
+        if fmt != "csv":
+            raise ConversionError(f"only csv has a lowered form (PyTorch's runtime CSV), not {fmt}")
+        return to_lowered_csv(schedule)
     if fmt == "csv":
         return to_csv(schedule)
     if fmt == "json":

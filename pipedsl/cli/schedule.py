@@ -59,7 +59,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     schedule = load_schedule(args.file, args.params, max_actions=args.max_actions)
     schedule.validate()
-    text = interop.export(schedule, args.to)
+    text = interop.export(schedule, args.to, lowered=args.lowered)
     if args.output is None:
         sys.stdout.write(text)
     else:
@@ -123,14 +123,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Load FILE, validate it and write it in another form: csv (PyTorch pipelining's\n"
             "compute-only CSV), json (pipedsl's JSON form of the IR) or sched (the language's\n"
-            "table form, which pipedsl reads back). Writes to stdout unless -o is given."
+            "table form, which pipedsl reads back). Writes to stdout unless -o is given. With\n"
+            "--lowered, the CSV is PyTorch's runtime form, with the sends and receives."
         ),
         examples=(
             "  pipedsl convert schedules/1f1b.sched -p pp=4 --to csv -o 1f1b.csv\n"
-            "  pipedsl convert torch_schedule.csv --to sched -o imported.sched"
+            "  pipedsl convert torch_schedule.csv --to sched -o imported.sched\n"
+            "  pipedsl convert schedules/zbv.sched --to csv --lowered -o zbv_runtime.csv"
         ),
     )
     convert.add_argument("file", metavar="FILE", help="a .sched, .csv or .json schedule")
     convert.add_argument("--to", required=True, choices=interop.FORMATS, help="the output format")
     convert.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    convert.add_argument(
+        "--lowered",
+        action="store_true",
+        help="with --to csv, PyTorch's runtime form: the computations with SEND_F, RECV_F, SEND_B and RECV_B",
+    )
     add_param_option(convert)
