@@ -21,7 +21,6 @@ from typing import TypeVar
 from pipedsl.errors import PipedslError, ScheduleEvalError, SourcePos, several
 from pipedsl.ir import Action, Schedule
 from pipedsl.lang import ast
-from pipedsl.lang.scope import Bindings, names_used
 from pipedsl.lang.compile import (
     ACTIONS,
     BUILTINS,
@@ -45,6 +44,7 @@ from pipedsl.lang.compile import (
     require_failed,
     suggest,
 )
+from pipedsl.lang.scope import Bindings, names_used
 
 __all__ = ["evaluate", "MAX_ACTIONS", "WORK_PER_ACTION", "COMPILE_BUDGET"]
 
