@@ -227,6 +227,8 @@ class _Recovery:
     def _tokens(self) -> Iterator[Token]:
         """The tokens of the text; a character no token can start is reported and skipped."""
         lexer = self.live.lexer_thread
+        state = lexer.state
+        assert state is not None  # parse_interactive(text) gave the lexer its text
         while True:
             try:
                 yield from lexer.lex(self.live.parser_state)
@@ -234,7 +236,7 @@ class _Recovery:
             except UnexpectedCharacters as err:
                 self._report(translate(self.parser, err, self.source))
                 self.quiet = _QUIET_AFTER_SKIP
-                counter = lexer.state.line_ctr
+                counter = state.line_ctr
                 if counter.char_pos == err.pos_in_stream:
                     counter.feed(self.text[counter.char_pos : counter.char_pos + 1])
             except UnexpectedToken as err:
