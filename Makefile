@@ -34,6 +34,7 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_parse.py
+	$(PY) bench/bench_many_defs.py
 	$(PY) bench/bench_simulate.py
 	$(PY) bench/bench_executor.py
 	$(PY) bench/bench_ray.py

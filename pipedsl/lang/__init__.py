@@ -4,7 +4,11 @@ The pieces, in the order text passes through them:
 
 - :mod:`~pipedsl.lang.parser`: lark parses the text (``grammars/pipedsl.lark``) and the
   parse tree becomes the typed syntax tree of :mod:`~pipedsl.lang.ast`, once;
-- :mod:`~pipedsl.lang.compile`: expressions and statements become closures over slot frames;
+- :mod:`~pipedsl.lang.syntax_errors`: when the text does not parse, every syntax error is
+  found by recovering after each one;
+- :mod:`~pipedsl.lang.compile`: expressions and statements become closures over slot frames
+  (with :mod:`~pipedsl.lang.arith`'s integers, :mod:`~pipedsl.lang.scope`'s names and
+  :mod:`~pipedsl.lang.budget`'s bounds);
 - :mod:`~pipedsl.lang.evaluate`: a schedule's items run under its parameters, emitting the
   per-device orders, within a bound on the actions emitted.
 

@@ -17,74 +17,39 @@ Scoping inside compiled code:
   a local ends with its block. The device variable and loop variables are read-only, and a
   body cannot rebind a schedule-level name or a function (pick another name).
 
-Bounds, so no input can hang or exhaust memory: at most ``max_actions`` actions; a work
-budget of ``WORK_PER_ACTION * max_actions`` steps charged by loops (iterations times the
-size of their body) before they start, so an empty loop cannot spin; at most
-``COMPILE_BUDGET`` expression nodes after inlining; integers past the 64-bit range (from
-``*`` or an assignment) are an error rather than a bignum. :class:`Run` holds the counters
-of one evaluation.
+The bounds on an evaluation are :mod:`pipedsl.lang.budget`'s, the integer arithmetic is
+:mod:`pipedsl.lang.arith`'s and the names in scope are :mod:`pipedsl.lang.scope`'s.
 """
 
 from __future__ import annotations
 
-import difflib
 import operator
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from pipedsl.errors import ScheduleEvalError, SourcePos
 from pipedsl.ir import Action, Kind
 from pipedsl.lang import ast
-from pipedsl.lang.scope import names_used
-
-__all__ = [
-    "ACTIONS",
-    "BUILTINS",
-    "COMPILE_BUDGET",
-    "INT_MAX",
-    "INT_MIN",
-    "RAISE_THE_LIMIT",
-    "WORK_PER_ACTION",
-    "Compiler",
-    "Env",
-    "Frame",
-    "Function",
-    "IntCode",
-    "Local",
-    "Run",
-    "count",
-    "fail",
-    "lift",
-    "no_output",
-    "overflow",
-    "require_failed",
-    "suggest",
-]
-
-#: Loop work allowed per allowed action: room for bodies that loop without emitting.
-WORK_PER_ACTION = 25
-#: Bound on expression nodes compiled for one schedule, counting inlined function bodies.
-COMPILE_BUDGET = 1_000_000
-
-#: How an error about the bound on actions says to lift it, in both the places it is set.
-RAISE_THE_LIMIT = (
-    "if the schedule really is this large, raise the limit"
-    " (--max-actions N on the command line, max_actions=N in Python)"
+from pipedsl.lang.arith import (
+    INT_MAX,
+    INT_MIN,
+    BoolCode,
+    BoolFn,
+    Frame,
+    IntCode,
+    StmtFn,
+    arith,
+    fail,
+    lift,
+    min_max,
+    overflow,
 )
+from pipedsl.lang.budget import COMPILE_BUDGET, Run, count, require_failed, suggest
+from pipedsl.lang.scope import Env, Local, names_used
 
-INT_MAX = 2**63 - 1
-INT_MIN = -(2**63)
+__all__ = ["ACTIONS", "BUILTINS", "Compiler"]
+
 BUILTINS = frozenset({"min", "max"})
 ACTIONS = frozenset(kind.value for kind in Kind)
-
-Frame = list[int]
-IntFn = Callable[[Frame], int]
-BoolFn = Callable[[Frame], bool]
-#: Compiled integer expression: an int when its value is known at compile time.
-IntCode = int | IntFn
-#: Compiled condition: a bool when its value is known at compile time.
-BoolCode = bool | BoolFn
-StmtFn = Callable[[Frame], None]
 
 _COMPARE: dict[str, Callable[[int, int], bool]] = {
     "==": operator.eq,
@@ -96,189 +61,8 @@ _COMPARE: dict[str, Callable[[int, int], bool]] = {
 }
 
 
-def fail(message: str, pos: SourcePos) -> ScheduleEvalError:
-    return ScheduleEvalError(message, pos=pos)
-
-
-def lift(code: IntCode) -> IntFn:
-    if isinstance(code, int):
-        return lambda fr: code
-    return code
-
-
 def _nothing(fr: Frame) -> None:
     return None
-
-
-def overflow(value: int, pos: SourcePos) -> ScheduleEvalError:
-    return fail(f"integer overflow: {value} is outside the 64-bit range", pos)
-
-
-# ---- arithmetic ----------------------------------------------------------------------
-
-
-def _fold_arith(op: str, a: int, b: int, pos: SourcePos) -> int:
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    if op == "*":
-        value = a * b
-        if INT_MIN <= value <= INT_MAX:
-            return value
-        raise overflow(value, pos)
-    if b == 0:
-        raise fail(f"division by zero: {a} {op} 0", pos)
-    return a // b if op == "/" else a % b
-
-
-def _arith(op: str, left: IntCode, right: IntCode, pos: SourcePos) -> IntCode:
-    """Compile ``left op right``, folding constants and specialising a constant right side."""
-    if isinstance(left, int) and isinstance(right, int):
-        try:
-            return _fold_arith(op, left, right, pos)
-        except ScheduleEvalError:
-            pass  # an operation that fails is an error only if it is ever executed
-    lf = lift(left)
-    if isinstance(right, int):
-        c = right
-        if op == "+":
-            return lambda fr: lf(fr) + c
-        if op == "-":
-            return lambda fr: lf(fr) - c
-        if op == "/" and c != 0:
-            return lambda fr: lf(fr) // c
-        if op == "%" and c != 0:
-            return lambda fr: lf(fr) % c
-    rf = lift(right)
-    if op == "+":
-        return lambda fr: lf(fr) + rf(fr)
-    if op == "-":
-        return lambda fr: lf(fr) - rf(fr)
-    if op == "*":
-
-        def mul(fr: Frame) -> int:
-            value = lf(fr) * rf(fr)
-            if INT_MIN <= value <= INT_MAX:
-                return value
-            raise overflow(value, pos)
-
-        return mul
-
-    def div_or_mod(fr: Frame) -> int:
-        a = lf(fr)
-        b = rf(fr)
-        if b == 0:
-            raise fail(f"division by zero: {a} {op} 0", pos)
-        return a // b if op == "/" else a % b
-
-    return div_or_mod
-
-
-def _min_max(name: str, args: list[IntCode]) -> IntCode:
-    pick = min if name == "min" else max
-    if all(isinstance(a, int) for a in args):
-        return pick(args)  # type: ignore[type-var]
-    fns = [lift(a) for a in args]
-    if len(fns) == 2:
-        f, g = fns
-        if name == "min":
-            return lambda fr: x if (x := f(fr)) <= (y := g(fr)) else y
-        return lambda fr: x if (x := f(fr)) >= (y := g(fr)) else y
-    return lambda fr: pick([f(fr) for f in fns])
-
-
-# ---- compile-time state --------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Function:
-    """A ``def`` with the names it closes over, frozen where it was written."""
-
-    node: ast.FuncDef
-    consts: Mapping[str, int]
-    functions: Mapping[str, Function]
-
-
-@dataclass(frozen=True, slots=True)
-class Local:
-    """A body local: its frame slot and what it is (only ``"local"`` may be reassigned)."""
-
-    slot: int
-    role: str
-
-
-@dataclass(slots=True)
-class Env:
-    """The names visible to the code being compiled."""
-
-    consts: Mapping[str, int]
-    functions: Mapping[str, Function]
-    args: Mapping[str, IntCode] = field(default_factory=dict)
-    blocks: list[dict[str, Local]] = field(default_factory=list)
-    inside: str | None = None  # the function whose body this is, for recursion messages
-
-    def local(self, name: str) -> Local | None:
-        for block in reversed(self.blocks):
-            if name in block:
-                return block[name]
-        return None
-
-    def visible(self) -> list[str]:
-        names = [*self.args, *self.consts, *self.functions]
-        for block in self.blocks:
-            names.extend(block)
-        return names
-
-
-class Run:
-    """Mutable state of one evaluation, read by the compiled closures."""
-
-    __slots__ = ("append", "actions_left", "work_left", "sole_stage", "device", "device_stages", "max_actions")
-
-    def __init__(self, max_actions: int) -> None:
-        self.append: Callable[[Action], None] = no_output
-        self.actions_left = max_actions
-        self.work_left = WORK_PER_ACTION * max_actions
-        self.sole_stage: int | None = None
-        self.device = 0
-        self.device_stages: tuple[int, ...] = ()
-        self.max_actions = max_actions
-
-    def charge(self, work: int, pos: SourcePos, what: str) -> None:
-        self.work_left -= work
-        if self.work_left < 0:
-            raise fail(
-                f"runaway expansion: {what} goes past the evaluation budget of"
-                f" {WORK_PER_ACTION * self.max_actions} steps ({WORK_PER_ACTION} per allowed"
-                f" action, max_actions={self.max_actions}); {RAISE_THE_LIMIT}",
-                pos,
-            )
-
-    def too_many(self, pos: SourcePos) -> ScheduleEvalError:
-        return fail(
-            f"runaway expansion: more than max_actions={self.max_actions} actions; {RAISE_THE_LIMIT}",
-            pos,
-        )
-
-    def stage_needed(self, kind: Kind, microbatch: int, pos: SourcePos) -> ScheduleEvalError:
-        call = f"{kind.value}({microbatch})"
-        if not self.device_stages:
-            held = "holds no stage"
-        else:
-            held = "holds stages " + ", ".join(map(str, self.device_stages))
-        return fail(
-            f"{call} leaves out the stage, but device {self.device} {held};"
-            f" write {kind.value}({microbatch}, stage)",
-            pos,
-        )
-
-
-def no_output(action: Action) -> None:
-    # Actions are statements, and statements exist only in device bodies, which set the
-    # real sink before they run; this stands in between bodies so a misrouted action is
-    # loud rather than lost.
-    raise RuntimeError("internal error: an action was emitted outside a device body")
 
 
 class Compiler:
@@ -313,7 +97,7 @@ class Compiler:
         if isinstance(node, ast.Name):
             return self._name(node, env)
         if isinstance(node, ast.BinOp):
-            return _arith(node.op, self.expr(node.left, env), self.expr(node.right, env), node.pos)
+            return arith(node.op, self.expr(node.left, env), self.expr(node.right, env), node.pos)
         if isinstance(node, ast.Neg):
             operand = self.expr(node.operand, env)
             if isinstance(operand, int):
@@ -398,7 +182,7 @@ class Compiler:
                 args = [self.expr(a, env) for a in node.args]
                 if not args:
                     raise fail(f"{name}() needs at least one argument", node.pos)
-                return _min_max(name, args)
+                return min_max(name, args)
             raise self._not_callable(node, env)
         params = function.node.params
         if len(node.args) != len(params):
@@ -407,8 +191,8 @@ class Compiler:
                 f" but this call passes {len(node.args)}",
                 node.pos,
             )
-        args = {p: self.expr(a, env) for p, a in zip(params, node.args)}
-        inner = Env(function.consts, function.functions, args, [], inside=name)
+        bound = {p: self.expr(a, env) for p, a in zip(params, node.args)}
+        inner = Env(function.consts, function.functions, bound, [], inside=name)
         return self.expr(function.node.body, inner)
 
     def _not_callable(self, node: ast.Call, env: Env) -> ScheduleEvalError:
@@ -677,21 +461,4 @@ def _raiser(error: ScheduleEvalError) -> StmtFn:
     return fail
 
 
-def require_failed(node: ast.Require, values: Mapping[str, int]) -> ScheduleEvalError:
-    """The error a failed ``require`` raises: its message and ``values`` (what the
-    condition read), at the ``require``."""
-    message = "requirement failed"
-    if node.message:
-        message += f": {node.message}"
-    if values:
-        message += " (" + ", ".join(f"{name} = {value}" for name, value in values.items()) + ")"
-    return fail(message, node.pos)
 
-
-def suggest(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, sorted(set(candidates)), n=1)
-    return f"; did you mean `{close[0]}`?" if close else ""
-
-
-def count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -21,30 +21,19 @@ from typing import TypeVar
 from pipedsl.errors import PipedslError, ScheduleEvalError, SourcePos, several
 from pipedsl.ir import Action, Schedule
 from pipedsl.lang import ast
-from pipedsl.lang.compile import (
-    ACTIONS,
-    BUILTINS,
+from pipedsl.lang.arith import INT_MAX, INT_MIN, Frame, IntCode, fail, lift, overflow
+from pipedsl.lang.budget import (
     COMPILE_BUDGET,
-    INT_MAX,
-    INT_MIN,
     RAISE_THE_LIMIT,
     WORK_PER_ACTION,
-    Compiler,
-    Env,
-    Frame,
-    Function,
-    IntCode,
-    Local,
     Run,
     count,
-    fail,
-    lift,
     no_output,
-    overflow,
     require_failed,
     suggest,
 )
-from pipedsl.lang.scope import Bindings, names_used
+from pipedsl.lang.compile import ACTIONS, BUILTINS, Compiler
+from pipedsl.lang.scope import Bindings, Env, Function, Local, names_used
 
 __all__ = ["evaluate", "MAX_ACTIONS", "WORK_PER_ACTION", "COMPILE_BUDGET"]
 
@@ -73,8 +62,9 @@ def _coerce_param(name: str, value: object, pos: SourcePos) -> int:
 class _Evaluator:
     """Runs a schedule's items in order and assembles the Schedule."""
 
-    def __init__(self, module: ast.Module, *, max_actions: int) -> None:
+    def __init__(self, module: ast.Module, *, max_actions: int, name: str | None = None) -> None:
         self.sched = module.schedule
+        self.label = name or module.schedule.name  # what messages call the schedule
         self.run = Run(max_actions)
         names = {f.name for f in module.functions}
         names.update(i.name for i in self.sched.items if isinstance(i, ast.FuncDef))
@@ -140,7 +130,7 @@ class _Evaluator:
         if unknown:
             listing = ", ".join(names) if names else "none"
             raise fail(
-                f"unknown parameter `{unknown[0]}` for schedule {sched.name}"
+                f"unknown parameter `{unknown[0]}` for schedule {self.label}"
                 f"{suggest(unknown[0], names)} (its parameters: {listing})",
                 sched.pos,
             )
@@ -345,14 +335,14 @@ class _Evaluator:
         sched = self.sched
         for what in ("stages", "devices"):
             if what not in self.declared:
-                raise fail(f"schedule {sched.name} never declares `{what}`", sched.pos)
+                raise fail(f"schedule {self.label} never declares `{what}`", sched.pos)
         if self.placement is None:
-            raise fail(f"schedule {sched.name} never declares `place`, as in `place s -> s`", sched.pos)
+            raise fail(f"schedule {self.label} never declares `place`, as in `place s -> s`", sched.pos)
         devices = self.declared["devices"][0]
         if self.orders is None:
             if not self.rows:
                 raise fail(
-                    f"schedule {sched.name} has neither an `on device` block nor table rows",
+                    f"schedule {self.label} has neither an `on device` block nor table rows",
                     sched.pos,
                 )
             missing = [d for d in range(devices) if d not in self.rows]
@@ -405,7 +395,7 @@ def evaluate(
     Returns the Schedule without validating it (see ``Schedule.validate``). Raises
     ScheduleEvalError, with the position of the offending node.
     """
-    evaluator = _Evaluator(module, max_actions=max_actions)
+    evaluator = _Evaluator(module, max_actions=max_actions, name=name)
     try:
         for function in module.functions:
             evaluator.attempt(evaluator.define, function)

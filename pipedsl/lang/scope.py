@@ -15,11 +15,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from pipedsl.lang import ast
+from pipedsl.lang.arith import IntCode
 
-__all__ = ["Bindings", "Snapshot", "names_used"]
+__all__ = ["Bindings", "Env", "Function", "Local", "Snapshot", "names_used"]
 
 V = TypeVar("V")
 
@@ -120,3 +122,43 @@ def names_used(node: object) -> dict[str, None]:
             children = [getattr(current, f.name) for f in dataclasses.fields(current) if f.name != "pos"]
             stack.extend(reversed(children))
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class Function:
+    """A ``def`` with the names it closes over, frozen where it was written."""
+
+    node: ast.FuncDef
+    consts: Mapping[str, int]
+    functions: Mapping[str, Function]
+
+
+@dataclass(frozen=True, slots=True)
+class Local:
+    """A body local: its frame slot and what it is (only ``"local"`` may be reassigned)."""
+
+    slot: int
+    role: str
+
+
+@dataclass(slots=True)
+class Env:
+    """The names visible to the code being compiled."""
+
+    consts: Mapping[str, int]
+    functions: Mapping[str, Function]
+    args: Mapping[str, IntCode] = field(default_factory=dict)
+    blocks: list[dict[str, Local]] = field(default_factory=list)
+    inside: str | None = None  # the function whose body this is, for recursion messages
+
+    def local(self, name: str) -> Local | None:
+        for block in reversed(self.blocks):
+            if name in block:
+                return block[name]
+        return None
+
+    def visible(self) -> list[str]:
+        names = [*self.args, *self.consts, *self.functions]
+        for block in self.blocks:
+            names.extend(block)
+        return names

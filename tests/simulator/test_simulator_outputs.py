@@ -167,7 +167,7 @@ def test_cli_simulate_summary(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["simulate", _lib("1f1b"), "-p", "pp=4", "-p", "microbatches=8", "--comm", "0.5"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "one_f_one_b(pp=4, microbatches=8)" in out
+    assert "1f1b(pp=4, microbatches=8)" in out
     assert "comm=0.5s" in out
     expected = simulate(load(_lib("1f1b"), pp=4, microbatches=8), CostModel(latency=0.5))
     assert f"makespan {expected.makespan:.6g} s" in out
