@@ -146,6 +146,11 @@ class Timeline:
         mask = self.compute_mask
         return np.bincount(self.device[mask], weights=(self.end - self.start)[mask], minlength=self.num_devices)
 
+    def transfer_time(self) -> np.ndarray:
+        """Per device, seconds of the transfers it sent, summed (they may overlap), shape (num_devices,)."""
+        mask = ~self.compute_mask
+        return np.bincount(self.device[mask], weights=(self.end - self.start)[mask], minlength=self.num_devices)
+
     def bubble_ratio(self) -> float:
         """``1 - busy / (devices × makespan)``, DESIGN.md's definition."""
         span = self.makespan

@@ -28,6 +28,7 @@ In flight on a device: the (stage, microbatch) pairs whose ``F`` has run and who
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -222,43 +223,56 @@ def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarra
 
     A device runs until an action needs one not yet done; it then waits, and is woken
     when that one is done. What remains blocked at the end waits in a cycle.
+
+    An action is done once its device has run past it, and a need met earlier on the
+    same device always is, so a device can stop only at its *stops*: actions that need
+    one from another device, or one that comes later on their own (a misorder). The
+    loop visits only those; devices are woken in the order the actions they wait for
+    were done, as a walk over every action would.
     """
-    needs_local, needs_upstream = local.tolist(), upstream.tolist()
-    device_of = actions.device.tolist()
+    rows = np.arange(len(actions), dtype=np.int64)
+    device = actions.device
+    cross = (upstream >= 0) & (device[np.maximum(upstream, 0)] != device)
+    misordered = (local > rows) | (~cross & (upstream > rows))
+    stops = np.flatnonzero(cross | misordered)
+    stop_row, stop_need = stops.tolist(), upstream[stops].tolist()
+    stop_owner = device[np.maximum(upstream[stops], 0)].tolist()
+    stop_bad = misordered[stops].tolist()
+    cuts = np.searchsorted(stops, actions.bounds).tolist()
+    next_stop, last_stop = cuts[:-1], cuts[1:]
     bounds = actions.bounds.tolist()
     pointer = bounds[:-1]
-    done = bytearray(len(actions))
-    waiting: dict[int, list[int]] = {}
+    waiters: list[list[tuple[int, int]]] = [[] for _ in pointer]
     blocked_on: dict[int, int] = {}
     ready = list(range(len(pointer)))
     while ready:
-        device = ready.pop()
-        row, stop = pointer[device], bounds[device + 1]
-        while row < stop:
-            missing = needs_local[row]
-            if missing < 0 or done[missing]:
-                missing = needs_upstream[row]
-                if missing < 0 or done[missing]:
-                    done[row] = 1
-                    row += 1
-                    if waiting:
-                        woken = waiting.pop(row - 1, None)
-                        if woken:
-                            for other in woken:
-                                del blocked_on[other]
-                            ready.extend(woken)
-                    continue
-            if device_of[missing] == device:
+        d = ready.pop()
+        k, end = next_stop[d], last_stop[d]
+        while k < end:
+            if stop_bad[k]:
+                row = stop_row[k]
+                need = int(local[row]) if local[row] > row else stop_need[k]
                 action = actions.action(schedule, row)
                 raise _fail(
                     "dependency-order",
-                    f"action {action} on device {device} comes before {actions.text(missing)}, which it needs",
+                    f"action {action} on device {d} comes before {actions.text(need)}, which it needs",
                     action,
                 )
-            waiting.setdefault(missing, []).append(device)
-            blocked_on[device] = missing
-            break
-        pointer[device] = row
+            need = stop_need[k]
+            owner = stop_owner[k]
+            if pointer[owner] <= need:
+                heapq.heappush(waiters[owner], (need, d))
+                blocked_on[d] = need
+                break
+            k += 1
+        next_stop[d] = k
+        pointer[d] = stop_row[k] if k < end else bounds[d + 1]
+        # Wake whoever waits for an action this device has now run past, first done first.
+        waiting, done = waiters[d], pointer[d]
+        while waiting and waiting[0][0] < done:
+            other = heapq.heappop(waiting)[1]
+            del blocked_on[other]
+            ready.append(other)
     if blocked_on:
         raise _deadlock(schedule, actions, blocked_on, pointer)
 
