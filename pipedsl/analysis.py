@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipedsl.arrays import B, F, I, ActionArrays
+from pipedsl.arrays import ActionArrays, B, F, I
 from pipedsl.ir import Schedule
 
 __all__ = ["peak_held", "peak_inflight", "chain_lower_bound"]

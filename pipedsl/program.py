@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipedsl.arrays import B, F, I, W, ActionArrays, paused_collector
+from pipedsl.arrays import ActionArrays, B, F, I, W, paused_collector
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind
 from pipedsl.validate import checked

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipedsl.analysis import peak_inflight
-from pipedsl.arrays import B, F, I, W, ActionArrays, paused_collector
+from pipedsl.arrays import ActionArrays, B, F, I, W, paused_collector
 from pipedsl.errors import ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
 

@@ -232,12 +232,12 @@ def simulate(program: Program | Schedule, costs: CostModel | None = None) -> Sim
     )
 
 
-def step_timing(program: Program, costs: StageCosts) -> tuple[float, float]:
-    """(makespan in seconds, bubble ratio) of ``program`` under resolved ``costs``: the
-    numbers :func:`simulate` reports, without building its timeline or critical path."""
+def step_timing(arrays: ProgramArrays, costs: StageCosts) -> tuple[float, float]:
+    """(makespan in seconds, bubble ratio) of a program's ``arrays`` under ``costs``
+    (resolved for its schedule): the numbers :func:`simulate` reports, without building
+    its timeline or critical path."""
     with paused_collector():
-        arrays = program.arrays
-        run = _Run.of(arrays, costs, num_stages=program.schedule.num_stages)
+        run = _Run.of(arrays, costs, num_stages=len(costs.forward))
     devices = arrays.actions.num_devices
     ends = run.end if not len(run.arrival) else np.concatenate([run.end, run.arrival])
     makespan = float(ends.max()) if len(ends) else 0.0

@@ -38,15 +38,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipedsl import library
+from pipedsl.arrays import paused_collector
 from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleInvalid
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
-from pipedsl.simulator.plan import (
-    Pipelines,
-    Plan,
-    PlanError,
-    Recompute,
-)
+from pipedsl.simulator.pipelines import Pipelines
+from pipedsl.simulator.plan import Plan, PlanError, Recompute
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -291,20 +288,13 @@ def search(
             model, cluster, gpus, global_batch=batch, schedules=schedules, extra_schedules=extra_schedules, **space
         )
     )
-    # A bounded cache: plans are costed grouped by evaluated schedule, and mostly
-    # simulated so too, so few lowered schedules need to be held at once.
+    # Plans are costed grouped by evaluated schedule, so few schedule objects need to be
+    # held at once; every shape's lowered arrays are kept for the simulations.
     pipelines = Pipelines(keep_simulations=False, max_schedules=32)
     dropped: Counter[str] = Counter()
-    prepared: list[Prepared] = []
-    for done, plan in enumerate(sorted(plans, key=_group), start=1):
-        try:
-            plan = _with_schedule_vpp(plan, pipelines)
-            prepared.append(prepare(model, cluster, plan, pipelines=pipelines, fits_first=True))
-        except PipedslError as err:
-            dropped[_reason(err)] += 1
-        if progress is not None:
-            progress("costing", done, len(plans))
-    rows = [_row(e) for e in _simulate(prepared, prune, dropped, progress)]
+    with paused_collector():
+        prepared = _cost(model, cluster, plans, pipelines, dropped, progress)
+        rows = [_row(e) for e in _simulate(prepared, prune, dropped, progress)]
     frame = pd.DataFrame(rows, columns=[c for c in COLUMNS if c != "rank"])
     frame = frame.sort_values("step_time_s", kind="stable", ignore_index=True)
     frame.insert(0, "rank", range(1, len(frame) + 1))
@@ -321,6 +311,22 @@ def search(
         global_batch=batch,
     )
     return frame
+
+
+def _cost(
+    model: Model, cluster: Cluster, plans: list[Plan], pipelines: Pipelines, dropped: Counter[str], progress: Progress | None
+) -> list[Prepared]:
+    """Cost every plan without simulating; count the dropped ones by reason."""
+    prepared: list[Prepared] = []
+    for done, plan in enumerate(sorted(plans, key=_group), start=1):
+        try:
+            plan = _with_schedule_vpp(plan, pipelines)
+            prepared.append(prepare(model, cluster, plan, pipelines=pipelines, fits_first=True))
+        except PipedslError as err:
+            dropped[_reason(err)] += 1
+        if progress is not None:
+            progress("costing", done, len(plans))
+    return prepared
 
 
 def _reason(err: PipedslError) -> str:
