@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceStats", "Simulation", "simulate", "step_timing"]
 
-_SEND_CODE = list(EventKind).index(EventKind.SEND)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,23 +129,7 @@ class Simulation:
 
     def critical_events(self) -> list[Event]:
         """The critical path as timeline events, in time order."""
-        events = self.timeline
-        out = []
-        for row in self.critical_path:
-            peer = int(events.peer[row])
-            out.append(
-                Event(
-                    device=int(events.device[row]),
-                    kind=tuple(EventKind)[int(events.kind[row])],
-                    stage=int(events.stage[row]),
-                    microbatch=int(events.microbatch[row]),
-                    start=float(events.start[row]),
-                    end=float(events.end[row]),
-                    peer=None if peer < 0 else peer,
-                    buffer=events.buffer[row] or None,
-                )
-            )
-        return out
+        return [self.timeline.event(row) for row in self.critical_path]
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per action and transfer (the timeline's columns) plus ``critical``:
@@ -351,17 +334,17 @@ def _timeline(name: str, arrays: ProgramArrays, run: _Run) -> Timeline:
     actions, senders = arrays.actions, run.senders
     n_comp, n_xfer = len(actions), len(senders)
     kind = actions.kind[senders]
-    return Timeline(
+    return Timeline.from_columns(
         name=name,
         num_devices=actions.num_devices,
         origin="simulated",
         device=np.concatenate([actions.device, actions.device[senders]]),
-        kind=np.concatenate([actions.kind.astype(np.int8), np.full(n_xfer, _SEND_CODE, np.int8)]),
+        kind=np.concatenate([actions.kind, np.full(n_xfer, EventKind.SEND.code, np.int8)]),
         stage=np.concatenate([actions.stage, actions.stage[senders]]),
         microbatch=np.concatenate([actions.microbatch, actions.microbatch[senders]]),
         start=np.concatenate([run.start, run.end[senders]]),
         end=np.concatenate([run.end, run.arrival]),
-        peer=np.concatenate([np.full(n_comp, -1, np.int64), arrays.send_to[senders]]),
+        peer=np.concatenate([np.zeros(n_comp, np.int64), arrays.send_to[senders]]),
         buffer=("",) * n_comp + tuple(np.where(kind == F, "act", "grad").tolist()),
     )
 
