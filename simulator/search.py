@@ -48,7 +48,7 @@ from pipedsl.simulator.plan import Plan, PlanError, Recompute
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["search", "candidate_plans", "Summary", "summarize", "describe", "default_global_batch", "COLUMNS"]
+__all__ = ["search", "search_plans", "RankedPlan", "candidate_plans", "Summary", "summarize", "describe", "default_global_batch", "COLUMNS"]
 
 COLUMNS = (
     "rank",
@@ -195,27 +195,59 @@ def candidate_plans(
                                 )  # fmt: skip
 
 
-def _row(e: Estimate) -> dict[str, Any]:
-    plan = e.plan
-    schedule = "spmd" if plan.schedule is None else Path(plan.schedule).name.removesuffix(".sched")
-    return {
-        "kind": "spmd" if plan.pp == 1 else "pipeline",
-        "schedule": schedule,
-        "dp": plan.dp,
-        "tp": plan.tp,
-        "pp": plan.pp,
-        "vpp": plan.vpp,
-        "microbatch_size": plan.microbatch_size,
-        "microbatches": plan.microbatches,
-        "zero": plan.zero,
-        "recompute": plan.recompute.value,
-        "step_time_s": e.step_time_s,
-        "tokens_per_s": e.tokens_per_s,
-        "mfu": e.mfu,
-        "bubble": e.bubble,
-        "dp_tail_s": e.dp_tail_s,
-        "memory_bytes_per_gpu": e.memory.total,
-    }
+@dataclass(frozen=True, slots=True)
+class RankedPlan:
+    """One ranked plan: a row of :func:`search`'s table (:data:`COLUMNS`), and the plan.
+
+    Seconds are per training step; ``memory_bytes_per_gpu`` is on the fullest GPU.
+    """
+
+    rank: int
+    kind: str
+    schedule: str
+    dp: int
+    tp: int
+    pp: int
+    vpp: int
+    microbatch_size: int
+    microbatches: int
+    zero: int
+    recompute: str
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    bubble: float
+    dp_tail_s: float
+    memory_bytes_per_gpu: int
+    plan: Plan
+
+    @classmethod
+    def of(cls, rank: int, e: Estimate) -> RankedPlan:
+        plan = e.plan
+        return cls(
+            rank=rank,
+            kind="spmd" if plan.pp == 1 else "pipeline",
+            schedule="spmd" if plan.schedule is None else Path(plan.schedule).name.removesuffix(".sched"),
+            dp=plan.dp,
+            tp=plan.tp,
+            pp=plan.pp,
+            vpp=plan.vpp,
+            microbatch_size=plan.microbatch_size,
+            microbatches=plan.microbatches,
+            zero=plan.zero,
+            recompute=plan.recompute.value,
+            step_time_s=e.step_time_s,
+            tokens_per_s=e.tokens_per_s,
+            mfu=e.mfu,
+            bubble=e.bubble,
+            dp_tail_s=e.dp_tail_s,
+            memory_bytes_per_gpu=e.memory.total,
+            plan=plan,
+        )
+
+    def row(self) -> dict[str, Any]:
+        """The :data:`COLUMNS` as a dict (a row of :func:`search`'s table)."""
+        return {column: getattr(self, column) for column in COLUMNS}
 
 
 def _with_schedule_vpp(plan: Plan, pipelines: Pipelines) -> Plan:
@@ -273,10 +305,59 @@ def search(
     Returns a DataFrame with :data:`COLUMNS`, best first. ``attrs`` holds ``considered``
     (plans tried), ``dropped`` (a dict from reason to count), ``simulations`` (distinct
     pipeline simulations run), ``seconds`` (wall time), ``model``, ``cluster``,
-    ``gpus`` and ``global_batch``.
+    ``gpus`` and ``global_batch``. :func:`search_plans` gives the same ranking as frozen
+    :class:`RankedPlan` records.
     """
     import pandas as pd
 
+    ranked, attrs = _search(
+        model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
+        prune=prune, progress=progress, **space,
+    )  # fmt: skip
+    frame = pd.DataFrame([p.row() for p in ranked], columns=list(COLUMNS))
+    if not ranked:
+        frame["rank"] = frame["rank"].astype("int64")
+    if top is not None:
+        frame = frame.head(top)
+    frame.attrs.update(attrs)
+    return frame
+
+
+def search_plans(
+    model: Model | str | Path,
+    cluster: Cluster | str | Path,
+    gpus: int,
+    *,
+    global_batch: int | None = None,
+    schedules: Sequence[str] | None = None,
+    extra_schedules: Sequence[str | Path] = (),
+    top: int | None = None,
+    prune: float | None = DEFAULT_PRUNE,
+    progress: Progress | None = None,
+    **space: Any,
+) -> tuple[RankedPlan, ...]:
+    """:func:`search`'s ranking, best first, as frozen :class:`RankedPlan` records
+    (the same arguments; ``top`` keeps the best ``top``)."""
+    ranked, _ = _search(
+        model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
+        prune=prune, progress=progress, **space,
+    )  # fmt: skip
+    return ranked if top is None else ranked[:top]
+
+
+def _search(
+    model: Model | str | Path,
+    cluster: Cluster | str | Path,
+    gpus: int,
+    *,
+    global_batch: int | None,
+    schedules: Sequence[str] | None,
+    extra_schedules: Sequence[str | Path],
+    prune: float | None,
+    progress: Progress | None,
+    **space: Any,
+) -> tuple[tuple[RankedPlan, ...], dict[str, Any]]:
+    """The ranking and what :func:`search` puts in ``attrs``."""
     model = load_model(model)
     cluster = load_cluster(cluster)
     if prune is not None and not prune >= 1.0:
@@ -294,13 +375,10 @@ def search(
     dropped: Counter[str] = Counter()
     with paused_collector():
         prepared = _cost(model, cluster, plans, pipelines, dropped, progress)
-        rows = [_row(e) for e in _simulate(prepared, prune, dropped, progress)]
-    frame = pd.DataFrame(rows, columns=[c for c in COLUMNS if c != "rank"])
-    frame = frame.sort_values("step_time_s", kind="stable", ignore_index=True)
-    frame.insert(0, "rank", range(1, len(frame) + 1))
-    if top is not None:
-        frame = frame.head(top)
-    frame.attrs.update(
+        # A stable sort: plans of equal step time keep the order they were finished in.
+        finished = sorted(_simulate(prepared, prune, dropped, progress), key=lambda e: e.step_time_s)
+    ranked = tuple(RankedPlan.of(rank, e) for rank, e in enumerate(finished, start=1))
+    attrs = dict(
         considered=len(plans),
         dropped=dict(dropped),
         simulations=pipelines.num_simulations,
@@ -310,7 +388,7 @@ def search(
         gpus=gpus,
         global_batch=batch,
     )
-    return frame
+    return ranked, attrs
 
 
 def _cost(
