@@ -242,6 +242,8 @@ def compute_io(action: Action, num_stages: int) -> tuple[tuple[Buffer, ...], tup
     """
     s, m = action.stage, action.microbatch
     last = num_stages - 1
+    reads: tuple[Buffer, ...]
+    writes: tuple[Buffer, ...]
     if action.kind is Kind.F:
         reads = (Buffer(BufferKind.ACTIVATION, s - 1, m),) if s > 0 else ()
         writes = (Buffer(BufferKind.RESIDUAL, s, m),)

@@ -242,7 +242,7 @@ class CostModel:
             value = getattr(self, name)
             return None if value is None else _expand(name, value, stages, "stages")
 
-        forward = seconds("forward")
+        forward = _expand("forward", self.forward, stages, "stages")
         backward, input_grad, weight_grad = seconds("backward"), seconds("input_grad"), seconds("weight_grad")
         if backward is None:
             if input_grad is not None and weight_grad is not None:

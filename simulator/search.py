@@ -155,7 +155,7 @@ def candidate_plans(
         # FlashAttention never stores the scores selective recomputation would drop, so
         # selective is the same plan as none.
         modes = [r for r in modes if r is not Recompute.SELECTIVE] or [Recompute.NONE]
-    common = {
+    common: dict[str, Any] = {
         "global_batch": global_batch,
         "flash_attention": flash_attention,
         "dp_overlap": dp_overlap,
