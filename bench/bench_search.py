@@ -5,16 +5,55 @@ wall time and plans per second, the split of that time between costing every pla
 simulating the pipelines, and the best pipeline plan against the best SPMD plan. With
 ``--no-prune`` every plan that fits is simulated (the ranking of the top is the same).
 
+The best 40 plans are checked against ``search_gpt3_175b_top40.json`` beside this file,
+the ranking the object-per-action implementation gave for the default arguments. With
+``--baseline PYTHON`` (another checkout's interpreter, e.g. the previous
+implementation's virtual environment), the same search is also run by that interpreter
+in a fresh process and the ratio printed.
+
     python bench/bench_search.py [--model gpt3-175b] [--cluster a100-80gb] [--gpus 1024]
-                                 [--global-batch 1536] [--no-prune]
+                                 [--global-batch 1536] [--no-prune] [--baseline PYTHON]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import tempfile
 import time
+from pathlib import Path
+
+import pandas as pd
 
 from pipedsl.simulator.search import DEFAULT_PRUNE, search, summarize
+
+RECORDED = Path(__file__).parent / "search_gpt3_175b_top40.json"
+TOP_COLUMNS = ["schedule", "dp", "tp", "pp", "vpp", "microbatch_size", "zero", "recompute", "step_time_s"]
+# The search as another interpreter runs it: wall seconds, plans considered, best 40 rows.
+_CHILD = """
+import json, sys, time
+from pipedsl.simulator.search import search
+model, cluster, gpus, batch, prune = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+start = time.perf_counter()
+frame = search(model, cluster, gpus, global_batch=batch, prune=None if prune == "none" else float(prune))
+seconds = time.perf_counter() - start
+top = frame[COLUMNS].head(40).to_dict("split")["data"]
+print(json.dumps({"seconds": seconds, "considered": frame.attrs["considered"], "top": top}))
+"""
+
+
+def _top(frame: pd.DataFrame) -> list[list[object]]:
+    """The best 40 rows' :data:`TOP_COLUMNS` as plain Python values."""
+    return frame[TOP_COLUMNS].head(40).to_dict("split")["data"]
+
+
+def _baseline(python: str, args: argparse.Namespace, prune: float | None) -> dict[str, object]:
+    code = _CHILD.replace("COLUMNS", repr(TOP_COLUMNS))
+    argv = [python, "-c", code, args.model, args.cluster, str(args.gpus), str(args.global_batch), str(prune).lower()]
+    # From a neutral folder: ``-c`` puts the working folder first on the import path.
+    done = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=tempfile.gettempdir())
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def main() -> None:
@@ -24,7 +63,9 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=1024)
     parser.add_argument("--global-batch", type=int, default=1536)
     parser.add_argument("--no-prune", action="store_true", help="simulate every plan that fits")
+    parser.add_argument("--baseline", help="another checkout's python to run the same search with")
     args = parser.parse_args()
+    prune = None if args.no_prune else DEFAULT_PRUNE
 
     phases: dict[str, float] = {}
 
@@ -32,14 +73,7 @@ def main() -> None:
         phases[phase] = time.perf_counter()
 
     started = time.perf_counter()
-    frame = search(
-        args.model,
-        args.cluster,
-        args.gpus,
-        global_batch=args.global_batch,
-        prune=None if args.no_prune else DEFAULT_PRUNE,
-        progress=progress,
-    )
+    frame = search(args.model, args.cluster, args.gpus, global_batch=args.global_batch, prune=prune, progress=progress)
     seconds = time.perf_counter() - started
     attrs = frame.attrs
     costing = phases.get("costing", started) - started
@@ -53,6 +87,15 @@ def main() -> None:
     print(f"    costing          {costing:7.1f} s")
     print(f"    simulating       {seconds - costing:7.1f} s")
     print(summarize(frame).text())
+    default = (args.model, args.cluster, args.gpus, args.global_batch) == ("gpt3-175b", "a100-80gb", 1024, 1536)
+    if default and not args.no_prune:
+        same = _top(frame) == json.loads(RECORDED.read_text())
+        print(f"  best 40 plans      {'the same as' if same else 'DIFFERENT from'} the recorded ranking ({RECORDED.name})")
+    if args.baseline:
+        base = _baseline(args.baseline, args, prune)
+        print(f"  baseline           {base['seconds']:7.1f} s  ({base['considered'] / base['seconds']:,.0f} plans/s)")
+        print(f"  ratio              {base['seconds'] / seconds:7.2f}x faster; best 40 plans "
+              f"{'the same' if base['top'] == _top(frame) else 'DIFFERENT'}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,30 +2,33 @@
 
 Interleaved 1F1B with pp=64, vpp=2 and 1024 microbatches: 262,144 actions. Each run
 loads the .sched file (parse + evaluate), validates, lowers, and simulates under the
-default cost model, timing each phase; then it times the whole command in-process
-(``pipedsl simulate FILE -p ... --json``, output discarded). Prints the best run of each
-and the rate in actions per second, for the simulation alone and for the whole path.
+default cost model, timing each phase; then it times the whole command
+(``pipedsl simulate FILE -p ... --json``, output discarded) in a fresh process, with its
+peak memory. Prints the best run of each.
 
-    python bench/bench_simulate.py [--repeat N]
+With ``--baseline PYTHON`` (the interpreter of another checkout, e.g. the previous
+implementation's virtual environment), the same command is also run by that
+interpreter, alternating with this one so that load drifts hit both alike, and the
+ratios are printed. ``--microbatches 4096`` makes it a million actions.
+
+    python bench/bench_simulate.py [--repeat N] [--microbatches M] [--baseline PYTHON]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import io
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from pipedsl.cli import main as cli_main
 from pipedsl.library import library_path, load
 from pipedsl.program import lower
 from pipedsl.simulator import CostModel, simulate
 from pipedsl.validate import validate
 
-PARAMS = {"pp": 64, "vpp": 2, "microbatches": 1024}
 T = TypeVar("T")
 
 
@@ -35,49 +38,72 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
+# Runs the command in the child and reports the child's own peak resident memory (KiB).
+_CHILD = (
+    "import resource, runpy, sys\n"
+    "sys.argv = ['pipedsl', *sys.argv[1:]]\n"
+    "try:\n"
+    "    runpy.run_module('pipedsl', run_name='__main__')\n"
+    "finally:\n"
+    "    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+)
+
+
+def _command(python: str, params: dict[str, int]) -> tuple[float, float]:
+    """(wall seconds, peak resident MiB) of ``pipedsl simulate ... --json`` run by ``python``."""
+    path = library_path("interleaved_1f1b")
+    argv = [python, "-c", _CHILD, "simulate", str(path), *(f"-p{k}={v}" for k, v in params.items()), "--json"]
+    start = time.perf_counter()
+    # From a neutral folder: ``-c`` puts the working folder first on the import path.
+    done = subprocess.run(
+        argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()
+    )
+    seconds = time.perf_counter() - start
+    return seconds, int(done.stderr.split()[-1]) / 1024
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs (default 3); the best is reported")
+    parser.add_argument("--microbatches", type=int, default=1024, help="microbatches (default 1024)")
+    parser.add_argument("--baseline", help="another checkout's python to run the same command with")
     args = parser.parse_args()
+    params = {"pp": 64, "vpp": 2, "microbatches": args.microbatches}
     path = library_path("interleaved_1f1b")
     costs = CostModel()
     best: dict[str, float] = {}
+    peaks: dict[str, float] = {}
     actions = instructions = 0
     makespan = bubble = 0.0
     for _ in range(max(args.repeat, 1)):
-        schedule, t_load = _timed(lambda: load(path, **PARAMS))
-        _, t_validate = _timed(lambda s=schedule: validate(s))
-        # lower() validates again, as every consumer's entry does; time it as called.
-        program, t_lower = _timed(lambda s=schedule: lower(s))
-        sim, t_sim = _timed(lambda p=program: simulate(p, costs))
+        schedule, t_load = _timed(lambda: load(path, **params))
+        _, t_validate = _timed(lambda: validate(schedule))  # noqa: B023 - called at once
+        # The validation is kept on the schedule: lowering a fresh copy times its own.
+        fresh = load(path, **params)
+        program, t_lower = _timed(lambda: lower(fresh))  # noqa: B023
+        sim, t_sim = _timed(lambda: simulate(program, costs))  # noqa: B023
         actions, instructions = schedule.num_actions, program.num_instructions
         makespan, bubble = sim.makespan, sim.bubble_ratio
-        # The command starts from nothing, as a user's does: no large objects left alive
-        # for the cyclic collector to walk while it runs.
-        del schedule, program, sim
-        gc.collect()
-        argv = ["simulate", str(path), *(f"-p{k}={v}" for k, v in PARAMS.items()), "--json"]
-        with contextlib.redirect_stdout(io.StringIO()):
-            code, t_cli = _timed(lambda: cli_main(argv))
-        if code != 0:
-            raise SystemExit(f"pipedsl simulate exited with {code}")
-        for phase, seconds in (
-            ("load", t_load),
-            ("validate", t_validate),
-            ("lower", t_lower),
-            ("simulate", t_sim),
-            ("command", t_cli),
-        ):
+        timings = {"load": t_load, "validate": t_validate, "lower": t_lower, "simulate": t_sim}
+        # The commands start from nothing, as a user's does.
+        runs = {"command": sys.executable} | ({"baseline": args.baseline} if args.baseline else {})
+        for name, python in runs.items():
+            timings[name], peak = _command(python, params)
+            peaks[name] = min(peaks.get(name, float("inf")), peak)
+        for phase, seconds in timings.items():
             best[phase] = min(best.get(phase, float("inf")), seconds)
 
-    print(f"schedule:     interleaved_1f1b {' '.join(f'{k}={v}' for k, v in PARAMS.items())}")
+    print(f"schedule:     interleaved_1f1b {' '.join(f'{k}={v}' for k, v in params.items())}")
     print(f"actions:      {actions:,} ({instructions:,} instructions lowered)")
     print(f"result:       makespan {makespan:g} s, bubble {bubble:.4%} (default costs F=1 B=2)")
     print(f"load:         {best['load']:.3f} s   (parse + evaluate)")
     print(f"validate:     {best['validate']:.3f} s")
     print(f"lower:        {best['lower']:.3f} s   (includes its own validation)")
     print(f"simulate:     {best['simulate']:.3f} s   {actions / best['simulate']:,.0f} actions/s")
-    print(f"command:      {best['command']:.3f} s   {actions / best['command']:,.0f} actions/s (pipedsl simulate --json)")
+    print(f"command:      {best['command']:.3f} s   peak {peaks['command']:.0f} MiB (pipedsl simulate --json)")
+    if args.baseline:
+        print(f"baseline:     {best['baseline']:.3f} s   peak {peaks['baseline']:.0f} MiB ({args.baseline})")
+        print(f"ratio:        {best['baseline'] / best['command']:.2f}x faster than the baseline")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pipedsl.errors import SourcePos
 
 if TYPE_CHECKING:
     from pipedsl.program import Program
-    from pipedsl.validate import Report
+    from pipedsl.validate import Checked, Report
 
 __all__ = ["Kind", "Action", "Schedule", "parse_action"]
 
@@ -96,6 +96,11 @@ class Schedule:
       orders: ``orders[d]`` is device ``d``'s actions in execution order (length D).
       params: the integer parameters the schedule was evaluated with, in source order.
       source: the file the schedule came from, or None.
+
+    Validation keeps what it derived (the int-coded actions and their dependencies, see
+    :class:`~pipedsl.validate.Checked`) in a private slot, so that validating, lowering
+    and simulating one schedule build them once; it is no part of the schedule's
+    identity and :func:`dataclasses.replace` starts a copy without it.
     """
 
     name: str
@@ -106,6 +111,7 @@ class Schedule:
     orders: tuple[tuple[Action, ...], ...]
     params: tuple[tuple[str, int], ...] = ()
     source: str | None = None
+    _checked: Checked | None = field(default=None, init=False, repr=False, compare=False)
 
     def __repr__(self) -> str:
         # A summary: the orders of a real schedule run to thousands of actions.

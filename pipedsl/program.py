@@ -24,16 +24,27 @@ Buffers (each one per (stage, microbatch)):
 
 Parameter gradients are accumulated by every ``B`` and ``W`` into a per-stage
 accumulator that lives for the whole step; it is not a buffer here.
+
+A lowered program is held as int arrays (:class:`ProgramArrays`: per compute, the
+compute whose sent value it receives first and the device it sends to after); the
+instruction objects are built from them only when asked for (:attr:`Program.devices`:
+the executor, a printed listing). A program put together by hand from instruction
+lists is encoded into the same arrays when the simulator asks for them.
 """
 
 from __future__ import annotations
 
 import enum
-import gc
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from pipedsl.arrays import ActionArrays, B, F, I, W, paused_collector
+from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind
+from pipedsl.validate import checked
 
 if TYPE_CHECKING:
     from pipedsl.ir import Schedule
@@ -47,6 +58,7 @@ __all__ = [
     "Free",
     "Instruction",
     "DeviceProgram",
+    "ProgramArrays",
     "Program",
     "lower",
     "compute_io",
@@ -134,16 +146,81 @@ class DeviceProgram:
         return tuple(i for i in self.instructions if isinstance(i, Compute))
 
 
-@dataclass(frozen=True, slots=True)
+NEVER_SENT = -2
+"""In :attr:`ProgramArrays.recv_from`: the compute waits for a value no compute sends."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ProgramArrays:
+    """A program's computes and the transfers between them, as int arrays.
+
+    Every compute receives at most one value from another device (its input from the
+    neighbouring stage) right before it runs, and sends at most one (its output to the
+    neighbouring stage) right after; frees do not take time.
+
+    Attributes:
+      actions: the computes, device by device in program order (N rows).
+      recv_from: per compute, the row of the compute whose sent output it receives first;
+        -1 when it receives nothing, :data:`NEVER_SENT` when no compute sends that value.
+      send_to: per compute, the device its output is sent to after it runs; -1 for none.
+    """
+
+    actions: ActionArrays
+    recv_from: np.ndarray
+    send_to: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, init=False, eq=False)
 class Program:
-    """The lowered schedule: one :class:`DeviceProgram` per device."""
+    """The lowered schedule: one :class:`DeviceProgram` per device.
+
+    ``Program(schedule, devices)`` holds instruction lists given by hand;
+    :func:`lower` builds a program from arrays whose instruction lists are made on first
+    use of :attr:`devices`.
+    """
 
     schedule: Schedule
-    devices: tuple[DeviceProgram, ...]
+    _devices: tuple[DeviceProgram, ...] | None = field(repr=False)
+    _arrays: ProgramArrays | None = field(repr=False)
+
+    def __init__(
+        self, schedule: Schedule, devices: tuple[DeviceProgram, ...] | None = None, *, arrays: ProgramArrays | None = None
+    ) -> None:
+        if devices is None and arrays is None:
+            raise TypeError("Program needs its device programs or its arrays")
+        object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "_devices", None if devices is None else tuple(devices))
+        object.__setattr__(self, "_arrays", arrays)
+
+    @property
+    def devices(self) -> tuple[DeviceProgram, ...]:
+        """Per device, its instructions (built from the arrays on first use)."""
+        if self._devices is None:
+            with paused_collector():
+                built = tuple(_device_program(self.schedule, d) for d in range(self.schedule.num_devices))
+            object.__setattr__(self, "_devices", built)
+        return self._devices  # type: ignore[return-value]
+
+    @property
+    def arrays(self) -> ProgramArrays:
+        """The computes and transfers as arrays (encoded from the instructions on first use)."""
+        if self._arrays is None:
+            object.__setattr__(self, "_arrays", _encode(self.devices))
+        return self._arrays  # type: ignore[return-value]
 
     @property
     def num_instructions(self) -> int:
-        return sum(len(p.instructions) for p in self.devices)
+        if self._devices is not None:
+            return sum(len(p.instructions) for p in self._devices)
+        arrays = self.arrays
+        kind, stage = arrays.actions.kind, arrays.actions.stage
+        last = self.schedule.num_stages - 1
+        # F reads the previous stage's activation; B and I their residual and the next
+        # stage's gradient; W its weight residual. Every read and every send is freed.
+        reads = np.where(kind == F, stage > 0, 1 + ((kind != W) & (stage < last)))
+        recvs = int(np.count_nonzero(arrays.recv_from >= 0))
+        sends = int(np.count_nonzero(arrays.send_to >= 0))
+        return len(kind) + recvs + int(reads.sum()) + 2 * sends
 
     def format(self) -> str:
         """A readable listing, one block per device."""
@@ -165,6 +242,8 @@ def compute_io(action: Action, num_stages: int) -> tuple[tuple[Buffer, ...], tup
     """
     s, m = action.stage, action.microbatch
     last = num_stages - 1
+    reads: tuple[Buffer, ...]
+    writes: tuple[Buffer, ...]
     if action.kind is Kind.F:
         reads = (Buffer(BufferKind.ACTIVATION, s - 1, m),) if s > 0 else ()
         writes = (Buffer(BufferKind.RESIDUAL, s, m),)
@@ -193,37 +272,103 @@ def _consumer_stage(buffer: Buffer) -> int:
 
 def lower(schedule: Schedule) -> Program:
     """Validate ``schedule``, then lower it to per-device programs (see module docstring)."""
-    schedule.validate()
-    # Lowering allocates millions of small acyclic objects for a large schedule; the
-    # cyclic collector's passes over them find nothing and more than double the time
-    # (262,144 actions: 7.1 s with it, 3.0 s without), so it is paused meanwhile.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _lower(schedule)
-    finally:
-        if collecting:
-            gc.enable()
+    found = checked(schedule)
+    actions, upstream = found.actions, found.upstream
+    num_stages = schedule.num_stages
+    placement = np.asarray(schedule.placement, dtype=np.int64)
+    kind, stage, device = actions.kind, actions.stage, actions.device
+    # A compute receives its input from the neighbouring stage when that stage's device is another.
+    source = np.where(upstream >= 0, device[np.maximum(upstream, 0)], device)
+    recv_from = np.where(source != device, upstream, -1)
+    # F sends its activation to stage s+1, B and I their input gradient to stage s-1.
+    backward = (kind == B) | (kind == I)
+    consumer = np.where(kind == F, stage + 1, stage - 1)
+    produces = np.where(kind == F, stage < num_stages - 1, backward & (stage > 0))
+    target = placement[np.clip(consumer, 0, num_stages - 1)]
+    send_to = np.where(produces & (target != device), target, -1)
+    return Program(schedule, arrays=ProgramArrays(actions, recv_from, send_to))
 
 
-def _lower(schedule: Schedule) -> Program:
+def _device_program(schedule: Schedule, device: int) -> DeviceProgram:
+    """Device ``device``'s instruction list (see the module docstring for its form)."""
     placement = schedule.placement
-    devices = []
-    for device, order in enumerate(schedule.orders):
-        instructions: list[Instruction] = []
-        for action in order:
-            reads, writes = compute_io(action, schedule.num_stages)
-            for buf in reads:
-                src = placement[buf.stage]
-                if src != device:
-                    instructions.append(Recv(buf, src))
-            instructions.append(Compute(action, reads, writes))
-            # Every buffer has exactly one reader, so a read is its last use here.
-            instructions.extend(Free(buf) for buf in reads)
-            for buf in writes:
-                dst = placement[_consumer_stage(buf)]
-                if dst != device:
-                    instructions.append(Send(buf, dst))
-                    instructions.append(Free(buf))
-        devices.append(DeviceProgram(device, schedule.stages_on(device), tuple(instructions)))
-    return Program(schedule, tuple(devices))
+    instructions: list[Instruction] = []
+    for action in schedule.orders[device]:
+        reads, writes = compute_io(action, schedule.num_stages)
+        for buf in reads:
+            src = placement[buf.stage]
+            if src != device:
+                instructions.append(Recv(buf, src))
+        instructions.append(Compute(action, reads, writes))
+        # Every buffer has exactly one reader, so a read is its last use here.
+        instructions.extend(Free(buf) for buf in reads)
+        for buf in writes:
+            dst = placement[_consumer_stage(buf)]
+            if dst != device:
+                instructions.append(Send(buf, dst))
+                instructions.append(Free(buf))
+    return DeviceProgram(device, schedule.stages_on(device), tuple(instructions))
+
+
+def _crossing_input(action: Action) -> Buffer | None:
+    """The buffer ``action`` reads from the neighbouring stage (None for ``W``): the
+    previous stage's activation for ``F``, the next stage's gradient for ``B``/``I``."""
+    s, m = action.stage, action.microbatch
+    if action.kind is Kind.F:
+        return Buffer(BufferKind.ACTIVATION, s - 1, m)
+    if action.kind is Kind.W:
+        return None
+    return Buffer(BufferKind.GRADIENT, s + 1, m)
+
+
+def _crossing_output(action: Action) -> Buffer | None:
+    s, m = action.stage, action.microbatch
+    if action.kind is Kind.F:
+        return Buffer(BufferKind.ACTIVATION, s, m)
+    if action.kind is Kind.W:
+        return None
+    return Buffer(BufferKind.GRADIENT, s, m)
+
+
+def _unsupported(device: int, index: int, instruction: Instruction, why: str) -> PipedslError:
+    return PipedslError(
+        f"device {device}, instruction {index} ({instruction}): {why}; the simulator runs programs in which "
+        "each compute receives at most its input from the neighbouring stage just before it and sends at "
+        "most its output just after it, as pipedsl.program.lower builds them"
+    )
+
+
+def _encode(devices: Sequence[DeviceProgram]) -> ProgramArrays:
+    """:class:`ProgramArrays` of instruction lists given by hand (devices in list order)."""
+    orders: list[list[Action]] = []
+    received: list[Buffer | None] = []
+    sent_to: list[int] = []
+    sender: dict[Buffer, int] = {}
+    for d, prog in enumerate(devices):
+        order: list[Action] = []
+        pending: Recv | None = None
+        for index, ins in enumerate(prog.instructions):
+            if isinstance(ins, Recv):
+                if pending is not None:
+                    raise _unsupported(d, index, ins, "a second receive before one compute")
+                pending = ins
+            elif isinstance(ins, Compute):
+                if pending is not None and pending.buffer != _crossing_input(ins.action):
+                    raise _unsupported(d, index, ins, f"it does not read {pending.buffer} from the neighbouring stage")
+                order.append(ins.action)
+                received.append(None if pending is None else pending.buffer)
+                sent_to.append(-1)
+                pending = None
+            elif isinstance(ins, Send):
+                row = len(sent_to) - 1
+                if not order or sent_to[row] >= 0 or ins.buffer != _crossing_output(order[-1]):
+                    raise _unsupported(d, index, ins, "it does not send the output of the compute just before it")
+                sent_to[row] = ins.peer
+                sender[ins.buffer] = row
+        if pending is not None:
+            raise _unsupported(d, len(prog.instructions) - 1, pending, "no compute follows the receive")
+        orders.append(order)
+    recv_from = [-1 if buf is None else sender.get(buf, NEVER_SENT) for buf in received]
+    return ProgramArrays(
+        ActionArrays.of_orders(orders), np.array(recv_from, dtype=np.int64), np.array(sent_to, dtype=np.int64)
+    )

@@ -7,7 +7,12 @@ events are normal and must stay cheap to build, save and turn into a DataFrame.
 
 Times are seconds from the start of the step. A compute event sits on the device that
 ran it; a transfer event sits on the sending device, with ``peer`` the receiver, and
-spans from the moment the value was handed over to the moment it arrived.
+spans from the moment the value was handed over to the moment it arrived. A compute has
+no peer: None wherever a peer is read (:meth:`Timeline.peer_at`, :meth:`Timeline.peers`,
+:meth:`Timeline.events`, the DataFrame, the JSON form).
+
+Readers ask for kinds by :class:`EventKind` (:meth:`Timeline.mask`, :meth:`Timeline.kinds`),
+never by the packed codes of the ``kind`` column.
 """
 
 from __future__ import annotations
@@ -42,9 +47,16 @@ class EventKind(enum.Enum):
     def is_compute(self) -> bool:
         return self is not EventKind.SEND
 
+    @property
+    def code(self) -> int:
+        """The kind's code in the packed ``Timeline.kind`` column (declaration order)."""
+        return _KIND_INDEX[self]
+
 
 _KINDS = tuple(EventKind)
 _KIND_INDEX = {k: i for i, k in enumerate(_KINDS)}
+_NO_PEER = -1
+"""The packed ``peer`` column's entry for a compute; never seen outside this module."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +89,10 @@ class Timeline:
       name: what ran (the schedule's name).
       num_devices: number of pipeline devices.
       origin: ``"simulated"`` or ``"measured"``.
-      device, kind, stage, microbatch, peer: int arrays (``kind`` indexes
-        :class:`EventKind` in declaration order; ``peer`` is -1 for computes, only in
-        this packed storage — :meth:`events` gives None).
+      device, kind, stage, microbatch, peer: int arrays (``kind`` packs an
+        :class:`EventKind` as its :attr:`~EventKind.code`; ``peer`` is the receiving
+        device of a transfer and means nothing on a compute's row: read peers with
+        :meth:`peer_at` or :meth:`peers`, which give None there).
       start, end: float64 arrays, seconds from the step's start.
       buffer: per event ``""`` for computes, else the moved buffer's kind.
     """
@@ -109,30 +122,83 @@ class Timeline:
             microbatch=np.fromiter((e.microbatch for e in rows), dtype=np.int64, count=len(rows)),
             start=np.fromiter((e.start for e in rows), dtype=np.float64, count=len(rows)),
             end=np.fromiter((e.end for e in rows), dtype=np.float64, count=len(rows)),
-            peer=np.fromiter((-1 if e.peer is None else e.peer for e in rows), dtype=np.int64, count=len(rows)),
+            peer=np.fromiter((_NO_PEER if e.peer is None else e.peer for e in rows), dtype=np.int64, count=len(rows)),
             buffer=tuple(e.buffer or "" for e in rows),
         )
+
+    @classmethod
+    def from_columns(
+        cls,
+        *,
+        name: str,
+        num_devices: int,
+        origin: str,
+        device: np.ndarray,
+        kind: np.ndarray,
+        stage: np.ndarray,
+        microbatch: np.ndarray,
+        start: np.ndarray,
+        end: np.ndarray,
+        peer: np.ndarray,
+        buffer: tuple[str, ...],
+    ) -> Timeline:
+        """Build from columns; ``kind`` holds :attr:`EventKind.code` values and ``peer`` is
+        read on transfer rows only (anything may stand on a compute's row)."""
+        kind = np.asarray(kind, dtype=np.int8)
+        peer = np.where(kind == EventKind.SEND.code, np.asarray(peer, dtype=np.int64), _NO_PEER)
+        return cls(name, num_devices, origin, device, kind, stage, microbatch, start, end, peer, buffer)
 
     def __len__(self) -> int:
         return int(self.device.shape[0])
 
+    def event(self, row: int) -> Event:
+        """Row ``row`` as an :class:`Event`."""
+        return Event(
+            device=int(self.device[row]),
+            kind=_KINDS[int(self.kind[row])],
+            stage=int(self.stage[row]),
+            microbatch=int(self.microbatch[row]),
+            start=float(self.start[row]),
+            end=float(self.end[row]),
+            peer=self.peer_at(row),
+            buffer=self.buffer[row] or None,
+        )
+
     def events(self) -> Iterator[Event]:
-        for i in range(len(self)):
-            peer = int(self.peer[i])
-            yield Event(
-                device=int(self.device[i]),
-                kind=_KINDS[int(self.kind[i])],
-                stage=int(self.stage[i]),
-                microbatch=int(self.microbatch[i]),
-                start=float(self.start[i]),
-                end=float(self.end[i]),
-                peer=None if peer < 0 else peer,
-                buffer=self.buffer[i] or None,
-            )
+        for row in range(len(self)):
+            yield self.event(row)
+
+    def kind_at(self, row: int) -> EventKind:
+        return _KINDS[int(self.kind[row])]
+
+    def kinds(self) -> list[EventKind]:
+        """Per event, its kind, shape (events,)."""
+        return [_KINDS[k] for k in self.kind.tolist()]
+
+    def kinds_present(self) -> set[EventKind]:
+        return {_KINDS[k] for k in np.unique(self.kind).tolist()}
+
+    def mask(self, kind: EventKind) -> np.ndarray:
+        """Whether each event is of ``kind``, bool shape (events,)."""
+        return self.kind == kind.code
+
+    def peer_at(self, row: int) -> int | None:
+        """The receiving device of transfer ``row``; None for a compute."""
+        return None if int(self.kind[row]) != EventKind.SEND.code else int(self.peer[row])
+
+    def peers(self) -> list[int | None]:
+        """Per event, the receiving device of a transfer, None for a compute, shape (events,)."""
+        sends = (self.kind == EventKind.SEND.code).tolist()
+        return [p if sent else None for p, sent in zip(self.peer.tolist(), sends, strict=True)]
+
+    @property
+    def durations(self) -> np.ndarray:
+        """Seconds each event took, float64 shape (events,)."""
+        return self.end - self.start
 
     @property
     def compute_mask(self) -> np.ndarray:
-        return self.kind != _KIND_INDEX[EventKind.SEND]
+        return self.kind != EventKind.SEND.code
 
     @property
     def makespan(self) -> float:
@@ -144,6 +210,11 @@ class Timeline:
     def busy(self) -> np.ndarray:
         """Per device, seconds spent computing (transfers excluded), shape (num_devices,)."""
         mask = self.compute_mask
+        return np.bincount(self.device[mask], weights=(self.end - self.start)[mask], minlength=self.num_devices)
+
+    def transfer_time(self) -> np.ndarray:
+        """Per device, seconds of the transfers it sent, summed (they may overlap), shape (num_devices,)."""
+        mask = ~self.compute_mask
         return np.bincount(self.device[mask], weights=(self.end - self.start)[mask], minlength=self.num_devices)
 
     def bubble_ratio(self) -> float:
@@ -166,7 +237,7 @@ class Timeline:
                 "start": self.start,
                 "end": self.end,
                 "duration": self.end - self.start,
-                "peer": pd.array([None if p < 0 else int(p) for p in self.peer], dtype="Int64"),
+                "peer": pd.array(self.peers(), dtype="Int64"),
                 "buffer": [b or None for b in self.buffer],
             }
         )
@@ -185,33 +256,15 @@ class Timeline:
                 "microbatch": self.microbatch.tolist(),
                 "start": self.start.tolist(),
                 "end": self.end.tolist(),
-                "peer": self.peer.tolist(),
+                "peer": self.peers(),
                 "buffer": list(self.buffer),
             },
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any], *, file: str = "<json>") -> Timeline:
-        if not isinstance(data, dict) or data.get("format") != "pipedsl-timeline":
-            raise ConversionError(f"{file}: not a pipedsl timeline (expected \"format\": \"pipedsl-timeline\")")
-        try:
-            cols = data["columns"]
-            kinds = [_KIND_INDEX[EventKind(k)] for k in cols["kind"]]
-            return cls(
-                name=str(data["name"]),
-                num_devices=int(data["num_devices"]),
-                origin=str(data["origin"]),
-                device=np.asarray(cols["device"], dtype=np.int64),
-                kind=np.asarray(kinds, dtype=np.int8),
-                stage=np.asarray(cols["stage"], dtype=np.int64),
-                microbatch=np.asarray(cols["microbatch"], dtype=np.int64),
-                start=np.asarray(cols["start"], dtype=np.float64),
-                end=np.asarray(cols["end"], dtype=np.float64),
-                peer=np.asarray(cols["peer"], dtype=np.int64),
-                buffer=tuple(str(b) for b in cols["buffer"]),
-            )
-        except (KeyError, TypeError, ValueError) as err:
-            raise ConversionError(f"{file}: malformed timeline: {err}") from None
+        """Read :meth:`to_json`'s form (see :func:`_read_json`)."""
+        return _read_json(cls, data, file=file)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
@@ -241,3 +294,30 @@ def concatenate(parts: Sequence[Timeline], *, name: str, num_devices: int, origi
         peer=np.concatenate([p.peer for p in parts]) if parts else np.zeros(0, np.int64),
         buffer=tuple(b for p in parts for b in p.buffer),
     )
+
+
+def _read_json(cls: type[Timeline], data: dict[str, Any], *, file: str) -> Timeline:
+    """The reader of the saved form: :meth:`Timeline.to_json`'s dict back to a Timeline.
+
+    A compute's peer is null; files written before that used -1, which reads the same.
+    """
+    if not isinstance(data, dict) or data.get("format") != "pipedsl-timeline":
+        raise ConversionError(f"{file}: not a pipedsl timeline (expected \"format\": \"pipedsl-timeline\")")
+    try:
+        cols = data["columns"]
+        kinds = [_KIND_INDEX[EventKind(k)] for k in cols["kind"]]
+        return cls(
+            name=str(data["name"]),
+            num_devices=int(data["num_devices"]),
+            origin=str(data["origin"]),
+            device=np.asarray(cols["device"], dtype=np.int64),
+            kind=np.asarray(kinds, dtype=np.int8),
+            stage=np.asarray(cols["stage"], dtype=np.int64),
+            microbatch=np.asarray(cols["microbatch"], dtype=np.int64),
+            start=np.asarray(cols["start"], dtype=np.float64),
+            end=np.asarray(cols["end"], dtype=np.float64),
+            peer=np.asarray([_NO_PEER if p is None else p for p in cols["peer"]], dtype=np.int64),
+            buffer=tuple(str(b) for b in cols["buffer"]),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConversionError(f"{file}: malformed timeline: {err}") from None

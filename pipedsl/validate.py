@@ -14,6 +14,11 @@ Rules, each named in the :class:`~pipedsl.errors.ScheduleInvalid` it raises:
   otherwise the error names the cycle of devices and what each waits for;
 - ``max-inflight`` — the peak in-flight count on each device is within a given limit.
 
+The checks run on the schedule's int-coded actions (:mod:`pipedsl.arrays`), vectorised
+where a rule allows; a broken rule is then reported on the first offending action in
+device order, with the action's own source position, as a walk over the objects would.
+What validation derives is kept as a :class:`Checked` for lowering and simulation.
+
 Dependencies: ``F(m, s)`` needs ``F(m, s-1)``; ``B``/``I`` of ``(m, s)`` need ``F(m, s)``
 and the backward (``B`` or ``I``) of ``(m, s+1)``; ``W(m, s)`` needs ``I(m, s)``.
 
@@ -23,13 +28,17 @@ In flight on a device: the (stage, microbatch) pairs whose ``F`` has run and who
 
 from __future__ import annotations
 
-from collections import defaultdict
+import heapq
 from dataclasses import dataclass
 
+import numpy as np
+
+from pipedsl.analysis import peak_inflight
+from pipedsl.arrays import ActionArrays, B, F, I, W, paused_collector
 from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
 
-__all__ = ["Report", "validate", "dependencies", "peak_inflight"]
+__all__ = ["Report", "Checked", "validate", "checked", "dependencies", "peak_inflight"]
 
 _Key = tuple[Kind, int, int]
 
@@ -42,6 +51,27 @@ class Report:
     """
 
     num_actions: int
+    peak_inflight: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Checked:
+    """A valid schedule's actions and the dependencies between them, as int arrays.
+
+    Attributes:
+      actions: the schedule's actions, device by device in execution order (N rows).
+      local: per action, the row of what it needs on its own stage: ``F(s)`` for a
+        backward (``B`` or ``I``) of stage s, ``I(s)`` for ``W(s)``; -1 for ``F``.
+      upstream: per action, the row of what it needs from the neighbouring stage:
+        ``F(s - 1)`` for ``F(s)``, the backward (``B`` or ``I``) of ``s + 1`` for a
+        backward of ``s``; -1 for ``W`` and at the ends of the pipeline. The value it
+        reads from there crosses devices where the two stages sit on different devices.
+      peak_inflight: per device, the most (stage, microbatch) pairs in flight at once.
+    """
+
+    actions: ActionArrays
+    local: np.ndarray
+    upstream: np.ndarray
     peak_inflight: tuple[int, ...]
 
 
@@ -70,52 +100,109 @@ def _check_shape(schedule: Schedule) -> None:
         raise _fail("shape", f"device {idle[0]} owns no stage; place a stage on it or use fewer devices")
 
 
-def _check_actions(schedule: Schedule) -> dict[_Key, Action]:
-    """Ranges, ownership, duplicates; returns every action by its key."""
-    seen: dict[_Key, Action] = {}
-    num_stages, num_mb, placement = schedule.num_stages, schedule.num_microbatches, schedule.placement
-    for device, order in enumerate(schedule.orders):
-        for action in order:
-            if not 0 <= action.stage < num_stages:
-                raise _fail("stage-range", f"action {action} names stage {action.stage}, outside 0..{num_stages - 1}", action)
-            if not 0 <= action.microbatch < num_mb:
-                raise _fail(
-                    "microbatch-range",
-                    f"action {action} names microbatch {action.microbatch}, outside 0..{num_mb - 1}",
-                    action,
-                )
-            owner = placement[action.stage]
-            if owner != device:
-                raise _fail(
-                    "wrong-device",
-                    f"action {action} is on device {device} but stage {action.stage} is placed on device {owner}",
-                    action,
-                )
-            key = action.key
-            if key in seen:
-                raise _fail("duplicate-action", f"action {action} appears twice", action)
-            seen[key] = action
-    return seen
 
 
-def _check_complete(schedule: Schedule, seen: dict[_Key, Action]) -> None:
-    for stage in range(schedule.num_stages):
-        for mb in range(schedule.num_microbatches):
-            f = seen.get((Kind.F, stage, mb))
-            b = seen.get((Kind.B, stage, mb))
-            i = seen.get((Kind.I, stage, mb))
-            w = seen.get((Kind.W, stage, mb))
-            where = f"stage {stage}, microbatch {mb}"
-            if b is not None and (i is not None or w is not None):
-                raise _fail("mixed-backward", f"{where} has both B and I/W; use one or the other", i or w)
-            if f is None:
-                raise _fail("missing-action", f"{where} has no forward ({stage}F{mb})", b or i or w)
-            if b is None and i is None and w is None:
-                raise _fail("missing-action", f"{where} has no backward ({stage}B{mb}, or {stage}I{mb} and {stage}W{mb})", f)
-            if b is None and (i is None or w is None):
-                have, lacking = (i, f"{stage}W{mb}") if w is None else (w, f"{stage}I{mb}")
-                raise _fail("missing-action", f"{where} splits its backward but has no {lacking}", have)
+def _action_fault(schedule: Schedule, actions: ActionArrays, row: int) -> ScheduleInvalid:
+    """The first rule action ``row`` breaks among ranges, ownership and duplicates."""
+    action = actions.action(schedule, row)
+    device = int(actions.device[row])
+    num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
+    if not 0 <= action.stage < num_stages:
+        return _fail("stage-range", f"action {action} names stage {action.stage}, outside 0..{num_stages - 1}", action)
+    if not 0 <= action.microbatch < num_mb:
+        return _fail(
+            "microbatch-range", f"action {action} names microbatch {action.microbatch}, outside 0..{num_mb - 1}", action
+        )
+    owner = schedule.placement[action.stage]
+    if owner != device:
+        return _fail(
+            "wrong-device",
+            f"action {action} is on device {device} but stage {action.stage} is placed on device {owner}",
+            action,
+        )
+    return _fail("duplicate-action", f"action {action} appears twice", action)
 
+
+def _check_actions(schedule: Schedule, actions: ActionArrays) -> None:
+    """Ranges, ownership, duplicates: raise on the first action (in device order) that breaks one."""
+    kind, stage, mb = actions.kind, actions.stage, actions.microbatch
+    bad_stage = (stage < 0) | (stage >= schedule.num_stages)
+    owner = np.asarray(schedule.placement, dtype=np.int64)[np.where(bad_stage, 0, stage)]
+    bad = bad_stage | (mb < 0) | (mb >= schedule.num_microbatches) | (owner != actions.device)
+    # A stable sort keeps equal actions in device order: every one after the first is a duplicate.
+    order = np.lexsort((mb, stage, kind))
+    k, s, m = kind[order], stage[order], mb[order]
+    bad[order[1:][(k[1:] == k[:-1]) & (s[1:] == s[:-1]) & (m[1:] == m[:-1])]] = True
+    if bad.any():
+        raise _action_fault(schedule, actions, int(np.argmax(bad)))
+
+
+def _pair_fault(schedule: Schedule, actions: ActionArrays, stage: int, mb: int, rows: list[int]) -> ScheduleInvalid:
+    """What is wrong with the actions ``rows`` of (stage, microbatch): mixed or missing."""
+    found = {int(actions.kind[r]): actions.action(schedule, r) for r in rows}
+    f, b, i, w = (found.get(code) for code in (F, B, I, W))
+    where = f"stage {stage}, microbatch {mb}"
+    if b is not None and (i is not None or w is not None):
+        return _fail("mixed-backward", f"{where} has both B and I/W; use one or the other", i or w)
+    if f is None:
+        return _fail("missing-action", f"{where} has no forward ({stage}F{mb})", b or i or w)
+    if b is None and i is None and w is None:
+        return _fail("missing-action", f"{where} has no backward ({stage}B{mb}, or {stage}I{mb} and {stage}W{mb})", f)
+    have, lacking = (i, f"{stage}W{mb}") if w is None else (w, f"{stage}I{mb}")
+    return _fail("missing-action", f"{where} splits its backward but has no {lacking}", have)
+
+
+def _check_complete(schedule: Schedule, actions: ActionArrays) -> np.ndarray:
+    """Every (stage, microbatch) has its F and one form of backward; raise on the first
+    pair (stage-major) that does not. Returns the row of each (kind, stage, microbatch),
+    flat index ``(kind * S + stage) * M + microbatch``, -1 where there is none."""
+    num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
+    kind, stage, mb = actions.kind, actions.stage, actions.microbatch
+    order = np.lexsort((mb, stage))
+    s, m = stage[order], mb[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (s[1:] != s[:-1]) | (m[1:] != m[:-1])
+    group = np.cumsum(first) - 1
+    pairs = int(first.sum())
+    have = np.zeros((pairs, 4), dtype=bool)
+    have[group, kind[order]] = True
+    f, b, i, w = have.T
+    broken = (b & (i | w)) | ~f | (~b & ~(i & w))
+    # Pairs present, in stage-major order; the first that is not the next expected one
+    # marks a pair with no action at all.
+    expected = np.arange(pairs, dtype=np.int64)
+    gap = (s[first] != expected // num_mb) | (m[first] != expected % num_mb)
+    missing = int(np.argmax(gap)) if gap.any() else (pairs if pairs < num_stages * num_mb else None)
+    faulty = int(np.argmax(broken)) if broken.any() else None
+    if faulty is not None and (missing is None or faulty < missing):
+        rows = order[group == faulty].tolist()
+        raise _pair_fault(schedule, actions, int(s[first][faulty]), int(m[first][faulty]), rows)
+    if missing is not None:
+        raise _pair_fault(schedule, actions, missing // num_mb, missing % num_mb, [])
+    index = np.full(4 * num_stages * num_mb, -1, dtype=np.int64)
+    index[(kind.astype(np.int64) * num_stages + stage) * num_mb + mb] = np.arange(len(actions), dtype=np.int64)
+    return index
+
+
+def _links(schedule: Schedule, actions: ActionArrays, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(local, upstream) of every action, as :class:`Checked` describes them."""
+    num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
+    per_kind = num_stages * num_mb
+    kind, stage = actions.kind, actions.stage
+    pair = stage * num_mb + actions.microbatch
+    local = np.full(len(actions), -1, dtype=np.int64)
+    upstream = np.full(len(actions), -1, dtype=np.int64)
+    forward = (kind == F) & (stage > 0)
+    upstream[forward] = index[F * per_kind + pair[forward] - num_mb]
+    weight = kind == W
+    local[weight] = index[I * per_kind + pair[weight]]
+    backward = (kind == B) | (kind == I)
+    local[backward] = index[F * per_kind + pair[backward]]
+    inner = backward & (stage < num_stages - 1)
+    after = pair[inner] + num_mb
+    split = index[I * per_kind + after]
+    upstream[inner] = np.where(split >= 0, split, index[B * per_kind + after])
+    return local, upstream
 
 def dependencies(action: Action, *, num_stages: int, split: set[tuple[int, int]]) -> tuple[_Key, ...]:
     """The keys of the actions ``action`` needs; ``split`` holds the (stage, microbatch)
@@ -131,87 +218,99 @@ def dependencies(action: Action, *, num_stages: int, split: set[tuple[int, int]]
     return deps
 
 
-def _fmt(key: _Key) -> str:
-    kind, stage, mb = key
-    return f"{stage}{kind.value}{mb}"
+def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarray, upstream: np.ndarray) -> None:
+    """Run the orders with unit steps; report a same-device misorder or a cross-device cycle.
 
+    A device runs until an action needs one not yet done; it then waits, and is woken
+    when that one is done. What remains blocked at the end waits in a cycle.
 
-def _check_execution(schedule: Schedule, seen: dict[_Key, Action]) -> None:
-    """Run the orders with unit steps; report a same-device misorder or a cross-device cycle."""
-    split = {(s, m) for (k, s, m) in seen if k is Kind.I}
-    orders = schedule.orders
-    position = {a.key: (d, i) for d, order in enumerate(orders) for i, a in enumerate(order)}
-    pointer = [0] * len(orders)
-    done: set[_Key] = set()
-    waiting: dict[_Key, list[int]] = defaultdict(list)
-    blocked_on: dict[int, _Key] = {}
-    ready = list(range(len(orders)))
+    An action is done once its device has run past it, and a need met earlier on the
+    same device always is, so a device can stop only at its *stops*: actions that need
+    one from another device, or one that comes later on their own (a misorder). The
+    loop visits only those; devices are woken in the order the actions they wait for
+    were done, as a walk over every action would.
+    """
+    rows = np.arange(len(actions), dtype=np.int64)
+    device = actions.device
+    cross = (upstream >= 0) & (device[np.maximum(upstream, 0)] != device)
+    misordered = (local > rows) | (~cross & (upstream > rows))
+    stops = np.flatnonzero(cross | misordered)
+    stop_row, stop_need = stops.tolist(), upstream[stops].tolist()
+    stop_owner = device[np.maximum(upstream[stops], 0)].tolist()
+    stop_bad = misordered[stops].tolist()
+    cuts = np.searchsorted(stops, actions.bounds).tolist()
+    next_stop, last_stop = cuts[:-1], cuts[1:]
+    bounds = actions.bounds.tolist()
+    pointer = bounds[:-1]
+    waiters: list[list[tuple[int, int]]] = [[] for _ in pointer]
+    blocked_on: dict[int, int] = {}
+    ready = list(range(len(pointer)))
     while ready:
-        device = ready.pop()
-        order = orders[device]
-        while pointer[device] < len(order):
-            action = order[pointer[device]]
-            missing = next(
-                (k for k in dependencies(action, num_stages=schedule.num_stages, split=split) if k not in done), None
-            )
-            if missing is not None:
-                dep_device, _ = position[missing]
-                if dep_device == device:
-                    raise _fail(
-                        "dependency-order",
-                        f"action {action} on device {device} comes before {_fmt(missing)}, which it needs",
-                        action,
-                    )
-                waiting[missing].append(device)
-                blocked_on[device] = missing
+        d = ready.pop()
+        k, end = next_stop[d], last_stop[d]
+        while k < end:
+            if stop_bad[k]:
+                row = stop_row[k]
+                need = int(local[row]) if local[row] > row else stop_need[k]
+                action = actions.action(schedule, row)
+                raise _fail(
+                    "dependency-order",
+                    f"action {action} on device {d} comes before {actions.text(need)}, which it needs",
+                    action,
+                )
+            need = stop_need[k]
+            owner = stop_owner[k]
+            if pointer[owner] <= need:
+                heapq.heappush(waiters[owner], (need, d))
+                blocked_on[d] = need
                 break
-            done.add(action.key)
-            pointer[device] += 1
-            woken = waiting.pop(action.key, None)
-            if woken:
-                for other in woken:
-                    del blocked_on[other]
-                ready.extend(woken)
+            k += 1
+        next_stop[d] = k
+        pointer[d] = stop_row[k] if k < end else bounds[d + 1]
+        # Wake whoever waits for an action this device has now run past, first done first.
+        waiting, done = waiters[d], pointer[d]
+        while waiting and waiting[0][0] < done:
+            other = heapq.heappop(waiting)[1]
+            del blocked_on[other]
+            ready.append(other)
     if blocked_on:
-        raise _deadlock(schedule, blocked_on, pointer, position)
+        raise _deadlock(schedule, actions, blocked_on, pointer)
 
 
-def _deadlock(
-    schedule: Schedule,
-    blocked_on: dict[int, _Key],
-    pointer: list[int],
-    position: dict[_Key, tuple[int, int]],
-) -> ScheduleInvalid:
+def _deadlock(schedule: Schedule, actions: ActionArrays, blocked_on: dict[int, int], pointer: list[int]) -> ScheduleInvalid:
     # Every blocked device waits on exactly one other blocked device, so walking the
     # wait-for edges from any of them must enter a cycle.
     device = min(blocked_on)
     visited: list[int] = []
     while device not in visited:
         visited.append(device)
-        device = position[blocked_on[device]][0]
+        device = int(actions.device[blocked_on[device]])
     cycle = visited[visited.index(device):]
     steps = []
     for d in cycle:
-        at = schedule.orders[d][pointer[d]]
-        want = blocked_on[d]
-        steps.append(f"device {d} waits at {at} for {_fmt(want)} on device {position[want][0]}")
-    first = schedule.orders[cycle[0]][pointer[cycle[0]]]
+        at, want = actions.text(pointer[d]), blocked_on[d]
+        steps.append(f"device {d} waits at {at} for {actions.text(want)} on device {int(actions.device[want])}")
+    first = actions.action(schedule, pointer[cycle[0]])
     return _fail("deadlock", "the device orders wait on each other: " + "; ".join(steps), first)
 
 
-def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
-    """Per device, the most (stage, microbatch) pairs held between F and B (or W)."""
-    peaks = []
-    for order in schedule.orders:
-        live = peak = 0
-        for action in order:
-            if action.kind is Kind.F:
-                live += 1
-                peak = max(peak, live)
-            elif action.kind is not Kind.I:
-                live -= 1
-        peaks.append(peak)
-    return tuple(peaks)
+def checked(schedule: Schedule) -> Checked:
+    """Check every rule but the in-flight limit; raise :class:`ScheduleInvalid` naming the
+    first one broken. The result is kept on the schedule, so a second call is free."""
+    found = schedule._checked
+    if found is not None:
+        return found
+    _check_shape(schedule)
+    with paused_collector():
+        actions = ActionArrays.of(schedule)
+        _check_actions(schedule, actions)
+        index = _check_complete(schedule, actions)
+        local, upstream = _links(schedule, actions, index)
+        del index
+        _check_execution(schedule, actions, local, upstream)
+    found = Checked(actions, local, upstream, peak_inflight(actions))
+    object.__setattr__(schedule, "_checked", found)
+    return found
 
 
 def validate(schedule: Schedule, *, max_inflight: int | None = None) -> Report:
@@ -221,16 +320,12 @@ def validate(schedule: Schedule, *, max_inflight: int | None = None) -> Report:
     """
     if max_inflight is not None and (type(max_inflight) is not int or max_inflight < 0):
         raise PipedslError(f"max_inflight must be a whole number >= 0 (or None), got {max_inflight!r}")
-    _check_shape(schedule)
-    seen = _check_actions(schedule)
-    _check_complete(schedule, seen)
-    _check_execution(schedule, seen)
-    peaks = peak_inflight(schedule)
+    found = checked(schedule)
     if max_inflight is not None:
-        for device, peak in enumerate(peaks):
+        for device, peak in enumerate(found.peak_inflight):
             if peak > max_inflight:
                 raise _fail(
                     "max-inflight",
                     f"device {device} holds {peak} microbatches in flight at its peak, above the limit of {max_inflight}",
                 )
-    return Report(num_actions=len(seen), peak_inflight=peaks)
+    return Report(num_actions=len(found.actions), peak_inflight=found.peak_inflight)

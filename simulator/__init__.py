@@ -19,7 +19,8 @@ from pipedsl.simulator.estimate import Estimate, estimate, prepare
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
 from pipedsl.simulator.plan import Plan, Recompute
 from pipedsl.simulator.plot import Panel, plot_timelines, save_figure
-from pipedsl.simulator.search import search, summarize
+from pipedsl.simulator.ranked import RankedPlan
+from pipedsl.simulator.search import search, search_plans, summarize
 from pipedsl.simulator.trace import chrome_trace, write_trace
 
 __all__ = [
@@ -47,5 +48,7 @@ __all__ = [
     "Plan",
     "Recompute",
     "search",
+    "search_plans",
+    "RankedPlan",
     "summarize",
 ]

@@ -24,7 +24,6 @@ from pipedsl.timeline import EventKind, Timeline
 
 __all__ = ["CalibrationError", "Fit", "fit_costs"]
 
-_KIND_INDEX = {kind: i for i, kind in enumerate(EventKind)}
 
 
 class CalibrationError(PipedslError):
@@ -64,11 +63,10 @@ class Fit:
 
 
 def _per_stage(timelines: Sequence[Timeline], kind: EventKind, num_stages: int) -> tuple[float, ...] | None:
-    index = _KIND_INDEX[kind]
     durations: list[list[float]] = [[] for _ in range(num_stages)]
     for tl in timelines:
-        mask = tl.kind == index
-        for stage, seconds in zip(tl.stage[mask].tolist(), (tl.end - tl.start)[mask].tolist(), strict=True):
+        mask = tl.mask(kind)
+        for stage, seconds in zip(tl.stage[mask].tolist(), tl.durations[mask].tolist(), strict=True):
             if stage >= num_stages:
                 raise CalibrationError(f"timeline {tl.name!r} has stage {stage}; the fit is for {num_stages} stages")
             durations[stage].append(seconds)
@@ -94,7 +92,7 @@ def fit_costs(timelines: Sequence[Timeline], *, num_stages: int) -> Fit:
     forward = _per_stage(timelines, EventKind.F, num_stages)
     if forward is None:
         raise CalibrationError("the measured timelines hold no forward action")
-    sends = np.concatenate([(tl.end - tl.start)[tl.kind == _KIND_INDEX[EventKind.SEND]] for tl in timelines])
+    sends = np.concatenate([tl.durations[tl.mask(EventKind.SEND)] for tl in timelines])
     return Fit(
         forward=forward,
         backward=_per_stage(timelines, EventKind.B, num_stages),

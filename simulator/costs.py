@@ -21,15 +21,26 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.tomlfile import read_toml
 
-if TYPE_CHECKING:
-    from pipedsl.ir import Schedule
 
-__all__ = ["CostError", "CostModel", "StageCosts"]
+class Layout(Protocol):
+    """Where a schedule's stages sit (a :class:`~pipedsl.ir.Schedule` is one)."""
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def num_devices(self) -> int: ...
+
+    @property
+    def placement(self) -> tuple[int, ...]: ...
+
+
+__all__ = ["CostError", "CostModel", "Layout", "StageCosts"]
 
 PerStage = float | tuple[float, ...]
 """Seconds: one number for every stage, or a tuple with one number per stage."""
@@ -222,7 +233,7 @@ class CostModel:
 
     # -- resolving -------------------------------------------------------------------
 
-    def resolve(self, schedule: Schedule) -> StageCosts:
+    def resolve(self, schedule: Layout) -> StageCosts:
         """Expand every field to the schedule's S stages, then fill in the defaults."""
         stages = schedule.num_stages
         boundaries = max(stages - 1, 0)
@@ -231,7 +242,7 @@ class CostModel:
             value = getattr(self, name)
             return None if value is None else _expand(name, value, stages, "stages")
 
-        forward = seconds("forward")
+        forward = _expand("forward", self.forward, stages, "stages")
         backward, input_grad, weight_grad = seconds("backward"), seconds("input_grad"), seconds("weight_grad")
         if backward is None:
             if input_grad is not None and weight_grad is not None:

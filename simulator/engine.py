@@ -1,21 +1,22 @@
 """Event simulation of a lowered program under a cost model.
 
-The simulator runs exactly the per-device instruction lists of
-:class:`~pipedsl.program.Program` that the executor runs. Each device's order is fixed,
-so one pass in topological order settles every time: a device's clock advances through
-its instructions, a ``Recv`` waits until its buffer has arrived, a compute starts when
-the device is free and its inputs are there (``start = max(device free, inputs
-arrived)``) and lasts its cost, and a ``Send`` starts a transfer that arrives
-``latency + bytes / bandwidth`` seconds later. A device that reaches a ``Recv`` whose
-buffer has not been sent yet parks until the sender gets there. The pass is linear in
-the number of instructions and deterministic.
+The simulator runs exactly the per-device programs of :class:`~pipedsl.program.Program`
+that the executor runs, read from their int arrays
+(:class:`~pipedsl.program.ProgramArrays`). Each device's order is fixed, so one pass in
+topological order settles every time: a device's clock advances through its computes;
+a compute that receives a value first waits until it has arrived, starts when the
+device is free and its inputs are there (``start = max(device free, inputs arrived)``)
+and lasts its cost; a compute that sends its output starts a transfer that arrives
+``latency + bytes / bandwidth`` seconds after the compute ends. A device that needs a
+value not sent yet parks until the sender gets there. The pass is linear in the number
+of computes and deterministic.
 
-Memory does not depend on time: it follows each device's order. The residual of a
-(stage, microbatch) is live from the ``F`` that writes it to its ``Free``; the weight
-residual from the ``I`` that writes it to its ``Free`` after ``W``. Memory is sampled at
-compute boundaries (after a compute and the frees that follow it), so the residual an
-``I`` consumes and the weight residual it produces are not counted together: the
-weight residual reuses the residual's storage.
+Memory does not depend on time: it follows each device's order
+(:func:`pipedsl.analysis.peak_held`). The residual of a (stage, microbatch) is live from
+the ``F`` that writes it to the ``B`` or ``I`` that reads it; the weight residual from
+the ``I`` that writes it to its ``W``. Memory is sampled at compute boundaries, so the
+residual an ``I`` consumes and the weight residual it produces are not counted
+together: the weight residual reuses the residual's storage.
 """
 
 from __future__ import annotations
@@ -25,28 +26,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipedsl.analysis import peak_held
+from pipedsl.arrays import F, paused_collector
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
-from pipedsl.program import (
-    BufferKind,
-    Compute,
-    Free,
-    Instruction,
-    Program,
-    Recv,
-    Send,
-    lower,
-)
+from pipedsl.program import NEVER_SENT, Program, ProgramArrays, lower
 from pipedsl.simulator.costs import CostModel, StageCosts
 from pipedsl.timeline import Event, EventKind, Timeline
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["DeviceStats", "Simulation", "simulate"]
+__all__ = ["DeviceStats", "Simulation", "simulate", "step_timing"]
 
-_EVENT_CODE = {kind: index for index, kind in enumerate(EventKind)}
-_SEND_CODE = _EVENT_CODE[EventKind.SEND]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,23 +129,7 @@ class Simulation:
 
     def critical_events(self) -> list[Event]:
         """The critical path as timeline events, in time order."""
-        events = self.timeline
-        out = []
-        for row in self.critical_path:
-            peer = int(events.peer[row])
-            out.append(
-                Event(
-                    device=int(events.device[row]),
-                    kind=tuple(EventKind)[int(events.kind[row])],
-                    stage=int(events.stage[row]),
-                    microbatch=int(events.microbatch[row]),
-                    start=float(events.start[row]),
-                    end=float(events.end[row]),
-                    peer=None if peer < 0 else peer,
-                    buffer=events.buffer[row] or None,
-                )
-            )
-        return out
+        return [self.timeline.event(row) for row in self.critical_path]
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per action and transfer (the timeline's columns) plus ``critical``:
@@ -202,30 +178,34 @@ def simulate(program: Program | Schedule, costs: CostModel | None = None) -> Sim
     if isinstance(program, Schedule):
         program = lower(program)
     costs = costs if costs is not None else CostModel()
-    stage_costs = costs.resolve(program.schedule)
-    timeline, critical = _run(program, stage_costs)
-    peaks = [_peak_memory(dev.instructions, stage_costs) for dev in program.devices]
+    schedule = program.schedule
+    stage_costs = costs.resolve(schedule)
+    with paused_collector():
+        arrays = program.arrays
+        run = _Run.of(arrays, stage_costs, num_stages=schedule.num_stages)
+        timeline = _timeline(schedule.name, arrays, run)
+        critical = _critical_path(arrays, run)
+        ones = np.ones(schedule.num_stages, dtype=np.int64)
+        inflight = peak_held(arrays.actions, ones, ones)
+        held = peak_held(arrays.actions, stage_costs.residual_bytes, stage_costs.weight_residual_bytes)
     makespan = timeline.makespan
     busy = timeline.busy()
-    sends = ~timeline.compute_mask
-    transfer = np.bincount(
-        timeline.device[sends], weights=(timeline.end - timeline.start)[sends], minlength=timeline.num_devices
-    )
+    transfer = timeline.transfer_time()
     devices = tuple(
         DeviceStats(
             device=d,
-            stages=program.devices[d].stages,
+            stages=schedule.stages_on(d),
             busy=float(busy[d]),
             bubble=makespan - float(busy[d]),
             bubble_ratio=(makespan - float(busy[d])) / makespan if makespan > 0 else 0.0,
             transfer=float(transfer[d]),
-            peak_inflight=peaks[d][0],
-            peak_activation_bytes=peaks[d][1],
+            peak_inflight=int(inflight[d]),
+            peak_activation_bytes=int(held[d]),
         )
-        for d in range(timeline.num_devices)
+        for d in range(arrays.actions.num_devices)
     )
     return Simulation(
-        schedule=program.schedule,
+        schedule=schedule,
         costs=costs,
         timeline=timeline,
         makespan=makespan,
@@ -235,221 +215,157 @@ def simulate(program: Program | Schedule, costs: CostModel | None = None) -> Sim
     )
 
 
-def _run(program: Program, costs: StageCosts) -> tuple[Timeline, tuple[int, ...]]:
-    """The topological pass. Returns the timeline and the critical path's rows.
+def step_timing(arrays: ProgramArrays, costs: StageCosts) -> tuple[float, float]:
+    """(makespan in seconds, bubble ratio) of a program's ``arrays`` under ``costs``
+    (resolved for its schedule): the numbers :func:`simulate` reports, without building
+    its timeline or critical path."""
+    with paused_collector():
+        run = _Run.of(arrays, costs, num_stages=len(costs.forward))
+    devices = arrays.actions.num_devices
+    ends = run.end if not len(run.arrival) else np.concatenate([run.end, run.arrival])
+    makespan = float(ends.max()) if len(ends) else 0.0
+    if makespan <= 0:
+        return makespan, 0.0
+    busy = np.bincount(arrays.actions.device, weights=run.end - run.start, minlength=devices)
+    return makespan, float(1.0 - busy.sum() / (devices * makespan))
 
-    The inner loop touches only lists, floats and ints, and appends to flat columns in
-    the order events are settled; :func:`_assemble` turns them into arrays once. A
-    compute is named in the loop by its index in the compute columns, a transfer by
-    ``-1 - index`` in the transfer columns, so each event can record its predecessor.
-    Each device walks its instructions through one iterator, which a device parked at
-    a ``Recv`` resumes from when the buffer it waits for is sent.
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Run:
+    """What the topological pass settled, per compute row of the program's arrays.
+
+    ``start``, ``end``: seconds, shape (N,). ``pred``: the event each compute waited on
+    last (a compute row r, or ``-1 - r`` for the transfer sent after compute r; None at a
+    device's start). ``senders``: the rows that send, increasing; ``arrival``: when each
+    of their transfers arrives, shape (len(senders),).
     """
-    num_devices = len(program.devices)
-    num_stages = program.schedule.num_stages
-    num_mb = program.schedule.num_microbatches
-    # A compute's cost class is kind code × S + stage: one index into ``seconds``.
-    seconds = [*costs.forward, *costs.backward, *costs.input_grad, *costs.weight_grad]
-    offset = {kind.value: _EVENT_CODE[kind] * num_stages for kind in EventKind if kind.is_compute}
-    act_seconds, grad_seconds = costs.activation_transfer, costs.gradient_transfer
-    gradient = BufferKind.GRADIENT
-    overlap = costs.overlap_sends
-    # A moved buffer is an activation or a gradient of one (stage, microbatch): its id is
-    # 2 × (stage × M + microbatch), plus 1 for a gradient.
-    num_ids = 2 * num_stages * num_mb
-    arrival: list[float | None] = [None] * num_ids
-    arrival_event = [0] * num_ids
-    parked: list[int | None] = [None] * num_ids
-    waits_for: list[int | None] = [None] * num_devices
 
-    iterators = [iter(dev.instructions) for dev in program.devices]
+    start: np.ndarray
+    end: np.ndarray
+    pred: list[int | None]
+    senders: np.ndarray
+    arrival: np.ndarray
+
+    @classmethod
+    def of(cls, arrays: ProgramArrays, costs: StageCosts, *, num_stages: int) -> _Run:
+        actions = arrays.actions
+        kind, stage = actions.kind.astype(np.int64), actions.stage
+        seconds = np.array([*costs.forward, *costs.backward, *costs.input_grad, *costs.weight_grad])
+        duration = seconds[kind * num_stages + stage]
+        # F sends its activation, B and I their input gradient; W sends nothing.
+        transfer = np.where(
+            kind == F, np.asarray(costs.activation_transfer)[stage], np.asarray(costs.gradient_transfer)[stage]
+        )
+        start, pred, arrival = _settle(arrays, duration.tolist(), transfer.tolist(), costs.overlap_sends)
+        start_array = np.array(start, dtype=np.float64)
+        senders = np.flatnonzero(arrays.send_to >= 0)
+        # The same float addition as the pass's ``t += duration``, so ends match bit for bit.
+        arrived = np.array([arrival[r] for r in senders.tolist()], dtype=np.float64)
+        return cls(start_array, start_array + duration, pred, senders, arrived)
+
+
+def _settle(
+    arrays: ProgramArrays, duration: list[float], transfer: list[float], overlap: bool
+) -> tuple[list[float], list[int | None], list[float | None]]:
+    """The topological pass: (start, pred, arrival) per compute row (see :class:`_Run`).
+
+    The loop touches only lists, floats and ints. Each device runs until a compute needs
+    a value not yet sent; it parks on the sending compute's row and is woken when that
+    compute sends.
+    """
+    recv_from, send_to = arrays.recv_from.tolist(), arrays.send_to.tolist()
+    bounds = arrays.actions.bounds.tolist()
+    num_devices = len(bounds) - 1
+    count = len(recv_from)
+    start: list[float] = [0.0] * count
+    pred: list[int | None] = [None] * count
+    arrival: list[float | None] = [None] * count
+    parked: dict[int, int] = {}
+    pointer = bounds[:-1]
     clocks = [0.0] * num_devices
     lasts: list[int | None] = [None] * num_devices
-    finished = 0
-    n_comp = n_xfer = 0
-    c_device: list[int] = []
-    c_start: list[float] = []
-    c_class: list[int] = []
-    c_mb: list[int] = []
-    c_pred: list[int | None] = []
-    x_device: list[int] = []
-    x_start: list[float] = []
-    x_end: list[float] = []
-    x_id: list[int] = []
-    x_peer: list[int] = []
-    x_pred: list[int | None] = []
-
     ready = list(range(num_devices - 1, -1, -1))
     while ready:
         d = ready.pop()
-        t = clocks[d]
-        last = lasts[d]
-        bid = waits_for[d]
-        if bid is not None:
-            waits_for[d] = None
-            arrived = arrival[bid]
-            if arrived > t:
-                t = arrived
-                last = arrival_event[bid]
-        for ins in iterators[d]:
-            tp = type(ins)
-            if tp is Free:
-                continue
-            if tp is Compute:
-                action = ins.action
-                cls = offset[action.kind._value_] + action.stage
-                c_pred.append(last)
-                c_start.append(t)
-                c_device.append(d)
-                c_class.append(cls)
-                c_mb.append(action.microbatch)
-                last = n_comp
-                n_comp += 1
-                t += seconds[cls]
-            elif tp is Recv:
-                buf = ins.buffer
-                bid = 2 * (buf.stage * num_mb + buf.microbatch) + (buf.kind is gradient)
-                arrived = arrival[bid]
+        row, stop, t, last = pointer[d], bounds[d + 1], clocks[d], lasts[d]
+        while row < stop:
+            source = recv_from[row]
+            if source != -1:
+                arrived = None if source == NEVER_SENT else arrival[source]
                 if arrived is None:
-                    parked[bid] = d
-                    waits_for[d] = bid
+                    parked[source] = d
                     break
                 if arrived > t:
                     t = arrived
-                    last = arrival_event[bid]
-            elif tp is Send:
-                buf = ins.buffer
-                is_grad = buf.kind is gradient
-                stage = buf.stage
-                bid = 2 * (stage * num_mb + buf.microbatch) + is_grad
-                done = t + (grad_seconds if is_grad else act_seconds)[stage]
-                event = -1 - n_xfer
-                n_xfer += 1
-                x_pred.append(last)
-                x_start.append(t)
-                x_end.append(done)
-                x_device.append(d)
-                x_id.append(bid)
-                x_peer.append(ins.peer)
-                arrival[bid] = done
-                arrival_event[bid] = event
+                    last = -1 - source
+            start[row] = t
+            pred[row] = last
+            last = row
+            t += duration[row]
+            if send_to[row] >= 0:
+                done = t + transfer[row]
+                arrival[row] = done
                 if not overlap:
                     t = done
-                    last = event
-                waiter = parked[bid]
+                    last = -1 - row
+                waiter = parked.pop(row, None)
                 if waiter is not None:
                     ready.append(waiter)
-            else:
-                raise PipedslError(f"device {d}: the simulator does not know the instruction {ins!r}")
-        else:
-            finished += 1
-        clocks[d] = t
-        lasts[d] = last
+            row += 1
+        pointer[d], clocks[d], lasts[d] = row, t, last
+    stuck = [d for d in range(num_devices) if pointer[d] < bounds[d + 1]]
+    if stuck:
+        raise _cannot_finish(arrays, stuck[0], pointer[stuck[0]])
+    return start, pred, arrival
 
-    if finished < num_devices:
-        d = next(d for d, b in enumerate(waits_for) if b is not None)
-        pair, is_grad = divmod(waits_for[d], 2)
-        stage, mb = divmod(pair, num_mb)
-        what = "gradient" if is_grad else "activation"
-        raise PipedslError(
-            f"the program cannot finish: device {d} waits for the {what} of stage {stage}, microbatch {mb}, "
-            "which no device sends; build programs with pipedsl.program.lower"
-        )
-    return _assemble(
-        program,
-        seconds,
-        (c_device, c_start, c_class, c_mb, c_pred),
-        (x_device, x_start, x_end, x_id, x_peer, x_pred),
+
+def _cannot_finish(arrays: ProgramArrays, device: int, row: int) -> PipedslError:
+    actions = arrays.actions
+    stage, mb = int(actions.stage[row]), int(actions.microbatch[row])
+    what, stage = ("activation", stage - 1) if int(actions.kind[row]) == F else ("gradient", stage + 1)
+    return PipedslError(
+        f"the program cannot finish: device {device} waits for the {what} of stage {stage}, microbatch {mb}, "
+        "which no device sends; build programs with pipedsl.program.lower"
     )
 
 
-def _assemble(
-    program: Program,
-    seconds: list[float],
-    computes: tuple[list, ...],
-    transfers: tuple[list, ...],
-) -> tuple[Timeline, tuple[int, ...]]:
-    """Build the Timeline (computes then transfers, each grouped by device in program
-    order) from the loop's columns, and walk back the critical path."""
-    c_device, c_start, c_class, c_mb, c_pred = computes
-    x_device, x_start, x_end, x_id, x_peer, x_pred = transfers
-    num_stages = program.schedule.num_stages
-    num_mb = program.schedule.num_microbatches
-    n_comp, n_xfer = len(c_start), len(x_start)
-
-    # Stable sorts keep each device's events in the order the loop settled them, which
-    # is that device's program order.
-    c_dev = np.array(c_device, dtype=np.int64)
-    x_dev = np.array(x_device, dtype=np.int64)
-    c_order = np.argsort(c_dev, kind="stable")
-    x_order = np.argsort(x_dev, kind="stable")
-    cls = np.array(c_class, dtype=np.int64)[c_order]
-    start = np.array(c_start, dtype=np.float64)[c_order]
-    # The same float addition as the loop's ``t += seconds``, so ends match bit for bit.
-    end = start + np.array(seconds, dtype=np.float64)[cls]
-    pair, is_grad = np.divmod(np.array(x_id, dtype=np.int64)[x_order], 2)
-    x_stage, x_mb = np.divmod(pair, num_mb)
-    names = ("act", "grad")
-    timeline = Timeline(
-        name=program.schedule.name,
-        num_devices=len(program.devices),
+def _timeline(name: str, arrays: ProgramArrays, run: _Run) -> Timeline:
+    """Computes first (device by device, each in program order), then transfers likewise."""
+    actions, senders = arrays.actions, run.senders
+    n_comp, n_xfer = len(actions), len(senders)
+    kind = actions.kind[senders]
+    return Timeline.from_columns(
+        name=name,
+        num_devices=actions.num_devices,
         origin="simulated",
-        device=np.concatenate([c_dev[c_order], x_dev[x_order]]),
-        kind=np.concatenate([(cls // num_stages).astype(np.int8), np.full(n_xfer, _SEND_CODE, np.int8)]),
-        stage=np.concatenate([cls % num_stages, x_stage]),
-        microbatch=np.concatenate([np.array(c_mb, np.int64)[c_order], x_mb]),
-        start=np.concatenate([start, np.array(x_start, np.float64)[x_order]]),
-        end=np.concatenate([end, np.array(x_end, np.float64)[x_order]]),
-        peer=np.concatenate([np.full(n_comp, -1, np.int64), np.array(x_peer, np.int64)[x_order]]),
-        buffer=("",) * n_comp + tuple(map(names.__getitem__, is_grad.tolist())),
+        device=np.concatenate([actions.device, actions.device[senders]]),
+        kind=np.concatenate([actions.kind, np.full(n_xfer, EventKind.SEND.code, np.int8)]),
+        stage=np.concatenate([actions.stage, actions.stage[senders]]),
+        microbatch=np.concatenate([actions.microbatch, actions.microbatch[senders]]),
+        start=np.concatenate([run.start, run.end[senders]]),
+        end=np.concatenate([run.end, run.arrival]),
+        peer=np.concatenate([np.zeros(n_comp, np.int64), arrays.send_to[senders]]),
+        buffer=("",) * n_comp + tuple(np.where(kind == F, "act", "grad").tolist()),
     )
+
+
+def _critical_path(arrays: ProgramArrays, run: _Run) -> tuple[int, ...]:
+    """Timeline rows from the step's start to the compute that ends last (the first
+    such row, for determinism), following each event's predecessor back."""
+    n_comp = len(run.start)
     if n_comp == 0:
-        return timeline, ()
-    c_row = np.empty(n_comp, np.int64)
-    c_row[c_order] = np.arange(n_comp)
-    x_row = np.empty(n_xfer, np.int64)
-    x_row[x_order] = np.arange(n_comp, n_comp + n_xfer)
-    # The path ends at the compute that ends last (the first such row, for determinism).
-    name: int | None = int(c_order[int(np.argmax(end))])
+        return ()
+    senders = run.senders
+    event: int | None = int(np.argmax(run.end))
     path = []
-    while name is not None:
-        if name >= 0:
-            path.append(int(c_row[name]))
-            name = c_pred[name]
+    while event is not None:
+        if event >= 0:
+            path.append(event)
+            event = run.pred[event]
         else:
-            path.append(int(x_row[-1 - name]))
-            name = x_pred[-1 - name]
+            # A transfer's predecessor is the compute that sent it.
+            sender = -1 - event
+            path.append(n_comp + int(np.searchsorted(senders, sender)))
+            event = sender
     path.reverse()
-    return timeline, tuple(path)
-
-
-def _peak_memory(instructions: tuple[Instruction, ...], costs: StageCosts) -> tuple[int, int]:
-    """(peak residual sets, peak residual bytes) of one device's program.
-
-    Sampled before each compute and at the end, i.e. after every compute's trailing
-    frees (see the module docstring).
-    """
-    held_bytes = {
-        BufferKind.RESIDUAL.value: costs.residual_bytes,
-        BufferKind.WEIGHT_RESIDUAL.value: costs.weight_residual_bytes,
-    }
-    live = peak_live = held = peak_held = 0
-    for ins in instructions:
-        tp = type(ins)
-        if tp is Compute:
-            if live > peak_live:
-                peak_live = live
-            if held > peak_held:
-                peak_held = held
-            for buf in ins.writes:
-                table = held_bytes.get(buf.kind._value_)
-                if table is not None:
-                    live += 1
-                    held += table[buf.stage]
-        elif tp is Free:
-            buf = ins.buffer
-            table = held_bytes.get(buf.kind._value_)
-            if table is not None:
-                live -= 1
-                held -= table[buf.stage]
-    return max(peak_live, live), max(peak_held, held)
+    return tuple(path)

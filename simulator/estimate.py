@@ -62,7 +62,8 @@ from pipedsl.ir import Schedule
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.hardware import Cluster, Model
-from pipedsl.simulator.plan import Pipelines, Plan, PlanError, Recompute, ScheduleKey
+from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
+from pipedsl.simulator.plan import Plan, PlanError, Recompute
 
 __all__ = [
     "DoesNotFit",

@@ -43,8 +43,6 @@ KIND_COLOURS: dict[EventKind, str] = {
 _LABELS = {EventKind.F: "F forward", EventKind.B: "B backward", EventKind.I: "I input grad", EventKind.W: "W weight grad"}
 _DARK = {EventKind.F, EventKind.I, EventKind.W}
 _SEND_COLOUR = "#9c9c9c"
-_KINDS = tuple(EventKind)
-_SEND_CODE = _KINDS.index(EventKind.SEND)
 # Above this many bars in a panel, microbatch labels would be unreadable and slow.
 _MAX_LABELS = 4000
 _COMPUTE_HEIGHT = 0.62
@@ -85,10 +83,10 @@ def _lighten(colour: str, amount: float) -> str:
 def _draw_panel(ax: Axes, panel: Panel, *, seconds_per_inch: float) -> None:
     """Draw one timeline on ``ax``, whose time axis shows ``seconds_per_inch``."""
     tl = panel.timeline
-    start, end, device, kind = tl.start, tl.end, tl.device, tl.kind
-    duration = end - start
+    start, device = tl.start, tl.device
+    duration = tl.durations
     rows = tl.num_devices
-    compute = kind != _SEND_CODE
+    compute = tl.compute_mask
     # A device's later stages (interleaved chunks, the way back up a V) are lighter.
     chunk = _chunks(tl)
     lightness = chunk * (_LATER_STAGE_TINT / max(int(chunk[compute].max(initial=0)), 1))
@@ -96,10 +94,8 @@ def _draw_panel(ax: Axes, panel: Panel, *, seconds_per_inch: float) -> None:
     # cover the colour, so dense timelines are drawn without them.
     typical = float(np.median(duration[compute])) if compute.any() else 0.0
     edge = 0.4 if typical >= 0.06 * seconds_per_inch else 0.0
-    for code, event_kind in enumerate(_KINDS):
-        if event_kind is EventKind.SEND:
-            continue
-        mask = kind == code
+    for event_kind in KIND_COLOURS:
+        mask = tl.mask(event_kind)
         width = int(chunk.max(initial=0)) + 1
         for pair in np.unique(device[mask] * width + chunk[mask]).tolist():
             dev, ch = divmod(pair, width)
@@ -144,7 +140,7 @@ def _draw_panel(ax: Axes, panel: Panel, *, seconds_per_inch: float) -> None:
     labelled = np.flatnonzero(compute & (duration >= seconds_per_inch * (0.065 * digits + 0.05)))
     if 0 < len(labelled) <= _MAX_LABELS:
         for row in labelled.tolist():
-            on_dark = _KINDS[int(kind[row])] in _DARK and lightness[row] < 0.3
+            on_dark = tl.kind_at(row) in _DARK and lightness[row] < 0.3
             ax.text(
                 float(start[row] + duration[row] / 2),
                 int(device[row]),
@@ -202,10 +198,10 @@ def plot_timelines(
         _draw_panel(ax, panel, seconds_per_inch=shown / plot_width)
         ax.set_xlim(0, shown * 1.005)
     axes[-1, 0].set_xlabel("time (s)", fontsize=8.5)
-    kinds_present = {_KINDS[int(k)] for p in panels for k in np.unique(p.timeline.kind)}
+    kinds_present = set().union(*(p.timeline.kinds_present() for p in panels))
     handles = [Patch(color=KIND_COLOURS[k], label=_LABELS[k]) for k in KIND_COLOURS if k in kinds_present]
     if EventKind.SEND in kinds_present and any(
-        ((p.timeline.kind == _SEND_CODE) & (p.timeline.end > p.timeline.start)).any() for p in panels
+        (p.timeline.mask(EventKind.SEND) & (p.timeline.durations > 0)).any() for p in panels
     ):
         handles.append(Patch(color=_SEND_COLOUR, alpha=0.7, label="send (transfer)"))
     if any(p.critical for p in panels):

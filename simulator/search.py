@@ -38,41 +38,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipedsl import library
+from pipedsl.arrays import paused_collector
 from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleInvalid
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
-from pipedsl.simulator.plan import (
-    Pipelines,
-    Plan,
-    PlanError,
-    Recompute,
-)
+from pipedsl.simulator.pipelines import Pipelines
+from pipedsl.simulator.plan import Plan, PlanError, Recompute
+from pipedsl.simulator.ranked import COLUMNS, RankedPlan
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["search", "candidate_plans", "Summary", "summarize", "describe", "default_global_batch", "COLUMNS"]
-
-COLUMNS = (
-    "rank",
-    "kind",
-    "schedule",
-    "dp",
-    "tp",
-    "pp",
-    "vpp",
-    "microbatch_size",
-    "microbatches",
-    "zero",
-    "recompute",
-    "step_time_s",
-    "tokens_per_s",
-    "mfu",
-    "bubble",
-    "dp_tail_s",
-    "memory_bytes_per_gpu",
-)
-"""The columns of :func:`search`'s DataFrame, in order."""
+__all__ = ["search", "search_plans", "RankedPlan", "candidate_plans", "Summary", "summarize", "describe", "default_global_batch", "COLUMNS"]
 
 DEFAULT_TOKENS_PER_STEP = 2**22
 """Tokens per step when no global batch is given: 4 Mi tokens (GPT-3 used 3.1 M)."""
@@ -158,7 +135,7 @@ def candidate_plans(
         # FlashAttention never stores the scores selective recomputation would drop, so
         # selective is the same plan as none.
         modes = [r for r in modes if r is not Recompute.SELECTIVE] or [Recompute.NONE]
-    common = {
+    common: dict[str, Any] = {
         "global_batch": global_batch,
         "flash_attention": flash_attention,
         "dp_overlap": dp_overlap,
@@ -196,29 +173,6 @@ def candidate_plans(
                                     dp=dp, tp=tp, pp=pp, vpp=vpp, microbatch_size=b, zero=zero,
                                     recompute=mode, schedule=sched.spec, **common,
                                 )  # fmt: skip
-
-
-def _row(e: Estimate) -> dict[str, Any]:
-    plan = e.plan
-    schedule = "spmd" if plan.schedule is None else Path(plan.schedule).name.removesuffix(".sched")
-    return {
-        "kind": "spmd" if plan.pp == 1 else "pipeline",
-        "schedule": schedule,
-        "dp": plan.dp,
-        "tp": plan.tp,
-        "pp": plan.pp,
-        "vpp": plan.vpp,
-        "microbatch_size": plan.microbatch_size,
-        "microbatches": plan.microbatches,
-        "zero": plan.zero,
-        "recompute": plan.recompute.value,
-        "step_time_s": e.step_time_s,
-        "tokens_per_s": e.tokens_per_s,
-        "mfu": e.mfu,
-        "bubble": e.bubble,
-        "dp_tail_s": e.dp_tail_s,
-        "memory_bytes_per_gpu": e.memory.total,
-    }
 
 
 def _with_schedule_vpp(plan: Plan, pipelines: Pipelines) -> Plan:
@@ -276,10 +230,59 @@ def search(
     Returns a DataFrame with :data:`COLUMNS`, best first. ``attrs`` holds ``considered``
     (plans tried), ``dropped`` (a dict from reason to count), ``simulations`` (distinct
     pipeline simulations run), ``seconds`` (wall time), ``model``, ``cluster``,
-    ``gpus`` and ``global_batch``.
+    ``gpus`` and ``global_batch``. :func:`search_plans` gives the same ranking as frozen
+    :class:`RankedPlan` records.
     """
     import pandas as pd
 
+    ranked, attrs = _search(
+        model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
+        prune=prune, progress=progress, **space,
+    )  # fmt: skip
+    frame = pd.DataFrame([p.row() for p in ranked], columns=list(COLUMNS))
+    if not ranked:
+        frame["rank"] = frame["rank"].astype("int64")
+    if top is not None:
+        frame = frame.head(top)
+    frame.attrs.update(attrs)
+    return frame
+
+
+def search_plans(
+    model: Model | str | Path,
+    cluster: Cluster | str | Path,
+    gpus: int,
+    *,
+    global_batch: int | None = None,
+    schedules: Sequence[str] | None = None,
+    extra_schedules: Sequence[str | Path] = (),
+    top: int | None = None,
+    prune: float | None = DEFAULT_PRUNE,
+    progress: Progress | None = None,
+    **space: Any,
+) -> tuple[RankedPlan, ...]:
+    """:func:`search`'s ranking, best first, as frozen :class:`RankedPlan` records
+    (the same arguments; ``top`` keeps the best ``top``)."""
+    ranked, _ = _search(
+        model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
+        prune=prune, progress=progress, **space,
+    )  # fmt: skip
+    return ranked if top is None else ranked[:top]
+
+
+def _search(
+    model: Model | str | Path,
+    cluster: Cluster | str | Path,
+    gpus: int,
+    *,
+    global_batch: int | None,
+    schedules: Sequence[str] | None,
+    extra_schedules: Sequence[str | Path],
+    prune: float | None,
+    progress: Progress | None,
+    **space: Any,
+) -> tuple[tuple[RankedPlan, ...], dict[str, Any]]:
+    """The ranking and what :func:`search` puts in ``attrs``."""
     model = load_model(model)
     cluster = load_cluster(cluster)
     if prune is not None and not prune >= 1.0:
@@ -293,26 +296,16 @@ def search(
             model, cluster, gpus, global_batch=batch, schedules=schedules, extra_schedules=extra_schedules, **space
         )
     )
-    # A bounded cache: plans are costed grouped by evaluated schedule, and mostly
-    # simulated so too, so few lowered schedules need to be held at once.
+    # Plans are costed grouped by evaluated schedule, so few schedule objects need to be
+    # held at once; every shape's lowered arrays are kept for the simulations.
     pipelines = Pipelines(keep_simulations=False, max_schedules=32)
     dropped: Counter[str] = Counter()
-    prepared: list[Prepared] = []
-    for done, plan in enumerate(sorted(plans, key=_group), start=1):
-        try:
-            plan = _with_schedule_vpp(plan, pipelines)
-            prepared.append(prepare(model, cluster, plan, pipelines=pipelines, fits_first=True))
-        except PipedslError as err:
-            dropped[_reason(err)] += 1
-        if progress is not None:
-            progress("costing", done, len(plans))
-    rows = [_row(e) for e in _simulate(prepared, prune, dropped, progress)]
-    frame = pd.DataFrame(rows, columns=[c for c in COLUMNS if c != "rank"])
-    frame = frame.sort_values("step_time_s", kind="stable", ignore_index=True)
-    frame.insert(0, "rank", range(1, len(frame) + 1))
-    if top is not None:
-        frame = frame.head(top)
-    frame.attrs.update(
+    with paused_collector():
+        prepared = _cost(model, cluster, plans, pipelines, dropped, progress)
+        # A stable sort: plans of equal step time keep the order they were finished in.
+        finished = sorted(_simulate(prepared, prune, dropped, progress), key=lambda e: e.step_time_s)
+    ranked = tuple(RankedPlan.of(rank, e) for rank, e in enumerate(finished, start=1))
+    attrs = dict(
         considered=len(plans),
         dropped=dict(dropped),
         simulations=pipelines.num_simulations,
@@ -322,7 +315,23 @@ def search(
         gpus=gpus,
         global_batch=batch,
     )
-    return frame
+    return ranked, attrs
+
+
+def _cost(
+    model: Model, cluster: Cluster, plans: list[Plan], pipelines: Pipelines, dropped: Counter[str], progress: Progress | None
+) -> list[Prepared]:
+    """Cost every plan without simulating; count the dropped ones by reason."""
+    prepared: list[Prepared] = []
+    for done, plan in enumerate(sorted(plans, key=_group), start=1):
+        try:
+            plan = _with_schedule_vpp(plan, pipelines)
+            prepared.append(prepare(model, cluster, plan, pipelines=pipelines, fits_first=True))
+        except PipedslError as err:
+            dropped[_reason(err)] += 1
+        if progress is not None:
+            progress("costing", done, len(plans))
+    return prepared
 
 
 def _reason(err: PipedslError) -> str:

@@ -23,7 +23,6 @@ from pipedsl.timeline import EventKind, Timeline
 __all__ = ["chrome_trace", "write_trace"]
 
 _MICROSECONDS = 1e6
-_KINDS = tuple(EventKind)
 _COMPUTE_TID = 0
 
 
@@ -59,25 +58,24 @@ def chrome_trace(timeline: Timeline) -> dict[str, Any]:
         events.append({"ph": "M", "name": "thread_name", "pid": device, "tid": _COMPUTE_TID, "args": {"name": "compute"}})
 
     device = timeline.device.tolist()
-    kind = timeline.kind.tolist()
+    kind = timeline.kinds()
     stage = timeline.stage.tolist()
     microbatch = timeline.microbatch.tolist()
     start = timeline.start.tolist()
     end = timeline.end.tolist()
-    peer = timeline.peer.tolist()
-    send_code = _KINDS.index(EventKind.SEND)
+    peer = timeline.peers()
 
     sends: dict[int, list[int]] = {}
     for row in range(len(timeline)):
-        if kind[row] == send_code:
+        if kind[row] is EventKind.SEND:
             sends.setdefault(device[row], []).append(row)
             continue
-        name = f"{stage[row]}{_KINDS[kind[row]].value}{microbatch[row]}"
+        name = f"{stage[row]}{kind[row].value}{microbatch[row]}"
         events.append(
             {
                 "ph": "X",
                 "name": name,
-                "cat": _KINDS[kind[row]].value,
+                "cat": kind[row].value,
                 "pid": device[row],
                 "tid": _COMPUTE_TID,
                 "ts": start[row] * _MICROSECONDS,

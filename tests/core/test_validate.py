@@ -328,3 +328,62 @@ def test_peak_inflight_counts_until_the_weight_half() -> None:
     schedule = Schedule("s", 1, 1, 2, (0,), (order,))
     assert peak_inflight(schedule) == (2,)
     assert validate(schedule).peak_inflight == (2,)
+
+
+def _walk_every_action(schedule: Schedule) -> str | None:
+    """The unit-step run over action objects, one action at a time (the rule as first
+    written): the message of the order or deadlock error it finds, or None."""
+    split = {(a.stage, a.microbatch) for _, a in schedule.actions() if a.kind is Kind.I}
+    owner = {a: d for d, a in schedule.actions()}
+    pointer = [0] * schedule.num_devices
+    done: set[Action] = set()
+    waiting: dict[Action, list[int]] = {}
+    blocked_on: dict[int, Action] = {}
+    ready = list(range(schedule.num_devices))
+    while ready:
+        device = ready.pop()
+        order = schedule.orders[device]
+        while pointer[device] < len(order):
+            action = order[pointer[device]]
+            missing = next((n for n in needs(action, schedule.num_stages, split) if n not in done), None)
+            if missing is not None:
+                if owner[missing] == device:
+                    return f"action {action} on device {device} comes before {missing}, which it needs"
+                waiting.setdefault(missing, []).append(device)
+                blocked_on[device] = missing
+                break
+            done.add(action)
+            pointer[device] += 1
+            for other in waiting.pop(action, []):
+                del blocked_on[other]
+                ready.append(other)
+    if not blocked_on:
+        return None
+    device, visited = min(blocked_on), []
+    while device not in visited:
+        visited.append(device)
+        device = owner[blocked_on[device]]
+    cycle = visited[visited.index(device):]
+    steps = [
+        f"device {d} waits at {schedule.orders[d][pointer[d]]} for {blocked_on[d]} on device {owner[blocked_on[d]]}"
+        for d in cycle
+    ]
+    return "the device orders wait on each other: " + "; ".join(steps)
+
+
+@FAST
+@given(shapes(), st.randoms(use_true_random=False), st.booleans())
+def test_order_and_deadlock_errors_match_a_walk_over_every_action(
+    shape: Shape, rng: random.Random, shuffle: bool
+) -> None:
+    num_devices, placement, num_mb, split = shape
+    orders = _device_local_orders(num_devices, placement, num_mb, split, rng, {})
+    if shuffle:
+        for order in orders:
+            rng.shuffle(order)
+    schedule = random_schedule(num_devices, placement, num_mb, orders)
+    expected = _walk_every_action(schedule)
+    if expected is None:
+        validate(schedule)
+    else:
+        assert rule_of(schedule).message == expected

@@ -35,14 +35,8 @@ from pipedsl.simulator.hardware import (
     load_model,
     model_presets,
 )
-from pipedsl.simulator.plan import (
-    Pipelines,
-    Plan,
-    PlanError,
-    Recompute,
-    ScheduleKey,
-    peak_residual_bytes,
-)
+from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
+from pipedsl.simulator.plan import Plan, PlanError, Recompute
 
 GPT = Model(name="gpt-tiny", layers=4, hidden=256, ffn_hidden=1024, heads=4, seq_len=128, vocab=1000)
 
@@ -237,10 +231,11 @@ def test_pipeline_with_even_stages_has_1f1b_bubble() -> None:
 )
 def test_memory_walk_matches_the_simulator(spec: str, vpp: int) -> None:
     pipelines = Pipelines()
-    schedule = pipelines.schedule(ScheduleKey(spec, 4, vpp if spec == "interleaved_1f1b" else 0, 8))
+    key = ScheduleKey(spec, 4, vpp if spec == "interleaved_1f1b" else 0, 8)
+    schedule = pipelines.schedule(key)
     residual = tuple(100 + 7 * s for s in range(schedule.num_stages))
     simulated = simulate(schedule.lower(), CostModel(residual_bytes=residual))
-    assert peak_residual_bytes(schedule, residual) == tuple(d.peak_activation_bytes for d in simulated.devices)
+    assert pipelines.peak_residual_bytes(key, residual) == tuple(d.peak_activation_bytes for d in simulated.devices)
 
 
 PIPELINE_SCHEDULES = [

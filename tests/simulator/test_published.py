@@ -17,7 +17,8 @@ from pathlib import Path
 
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.hardware import Model, load_cluster
-from pipedsl.simulator.plan import Pipelines, Plan
+from pipedsl.simulator.pipelines import Pipelines
+from pipedsl.simulator.plan import Plan
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 _COUNTS = ("layers", "hidden", "ffn_hidden", "heads", "seq_len", "vocab", "gpus", "dp", "tp", "pp", "vpp",

@@ -16,7 +16,7 @@ from pipedsl.library import library_path
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.hardware import Model, load_cluster
 from pipedsl.simulator.plan import Plan, PlanError
-from pipedsl.simulator.search import COLUMNS, candidate_plans, search, summarize
+from pipedsl.simulator.search import COLUMNS, candidate_plans, search, search_plans, summarize
 
 MODEL = Model(name="gpt-small", layers=8, hidden=1024, ffn_hidden=4096, heads=16, seq_len=1024, vocab=32000)
 # A100 nodes with 4 GiB per GPU: tight enough that some plans do not fit.
@@ -130,3 +130,25 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
     written = pd.read_csv(out)
     assert tuple(written.columns) == COLUMNS
     assert len(written) > 5
+
+
+# The best 20 plans of this search as the object-per-action implementation ranked them,
+# recorded before the search moved to int-coded arrays:
+# (schedule, dp, tp, pp, vpp, microbatch size, zero, recompute, step time in seconds).
+RECORDED_TOP = Path(__file__).parent / "data" / "search_demo_small_top20.json"
+
+
+def test_ranking_matches_the_recorded_one() -> None:
+    ranked = search_plans("demo-small", "a100-80gb", 16, global_batch=64, top=20)
+    found = [
+        [p.schedule, p.dp, p.tp, p.pp, p.vpp, p.microbatch_size, p.zero, p.recompute, p.step_time_s] for p in ranked
+    ]
+    assert found == json.loads(RECORDED_TOP.read_text())
+
+
+def test_search_plans_are_the_rows_of_the_search(frame: pd.DataFrame) -> None:
+    ranked = search_plans(MODEL, CLUSTER, 16, global_batch=64, schedules=SCHEDULES, prune=None)
+    assert [p.row() for p in ranked] == frame.to_dict("records")
+    assert all(dataclasses.is_dataclass(p) and p.plan.dp == p.dp for p in ranked)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ranked[0].rank = 2  # type: ignore[misc]

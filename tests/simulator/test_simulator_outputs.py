@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import gpipe, one_f_one_b, one_f_one_b_split
+from helpers import gpipe, interleaved, one_f_one_b, one_f_one_b_split, v_shape
 from pipedsl.cli import main
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
@@ -278,3 +278,38 @@ def test_simulator_imports_neither_jax_nor_ray_nor_the_executor() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_compute_has_no_peer_and_old_files_still_load(tmp_path: Path) -> None:
+    timeline = simulate(one_f_one_b(2, 2), CostModel(latency=0.5)).timeline
+    data = timeline.to_json()
+    peers = data["columns"]["peer"]
+    kinds = data["columns"]["kind"]
+    assert all((p is None) == (k != "send") for p, k in zip(peers, kinds, strict=True))
+    assert timeline.peers() == peers
+    assert [e.peer for e in timeline.events()] == peers
+    # Files written before computes had a null peer used -1.
+    data["columns"]["peer"] = [-1 if p is None else p for p in peers]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    loaded = Timeline.load(path)
+    assert loaded.peers() == peers
+    assert loaded.to_json() == timeline.to_json()
+
+
+def test_a_program_given_by_instructions_simulates_as_its_lowering() -> None:
+    for schedule in (one_f_one_b(3, 5), interleaved(2, 2, 4), v_shape(3, 4, split=True)):
+        lowered = lower(schedule)
+        by_hand = Program(schedule, lowered.devices)
+        costs = CostModel(latency=0.25, overlap_sends=False)
+        assert simulate(by_hand, costs).to_json() == simulate(lowered, costs).to_json()
+        assert by_hand.num_instructions == lowered.num_instructions
+
+
+def test_a_program_the_simulator_cannot_read_is_reported() -> None:
+    schedule = one_f_one_b(2, 1)
+    program = lower(schedule)
+    first = program.devices[1].instructions[0]
+    doubled = DeviceProgram(1, (1,), (first, *program.devices[1].instructions))
+    with pytest.raises(PipedslError, match="a second receive before one compute"):
+        simulate(Program(schedule, (program.devices[0], doubled)))

@@ -1,0 +1,106 @@
+"""Int-coded actions: a schedule's actions as flat integer columns.
+
+Validation, lowering, analysis and the simulator all work on these columns rather than
+on one object per action: a schedule of a million actions is a handful of numpy arrays,
+built once per evaluated schedule. The frozen :class:`~pipedsl.ir.Action` objects stay
+the source of truth for positions in the source text; :meth:`ActionArrays.action`
+fetches one when an error has to point at it.
+
+Kinds are coded in :class:`~pipedsl.ir.Kind`'s declaration order: 0 ``F``, 1 ``B``,
+2 ``I``, 3 ``W`` (the same codes as :class:`~pipedsl.timeline.EventKind`'s computes).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from operator import attrgetter
+
+import numpy as np
+
+from pipedsl.ir import Action, Kind, Schedule
+
+__all__ = ["F", "B", "I", "W", "KIND_CODE", "ActionArrays", "paused_collector"]
+
+F, B, I, W = 0, 1, 2, 3  # noqa: E741 - PyTorch's letters
+KIND_CODE: dict[Kind, int] = {kind: code for code, kind in enumerate(Kind)}
+"""Kind to its int code (0 F, 1 B, 2 I, 3 W)."""
+
+_stage = attrgetter("stage")
+_microbatch = attrgetter("microbatch")
+_kind = attrgetter("kind")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ActionArrays:
+    """Every action of a schedule (or of a program's computes), device by device, each
+    device in execution order.
+
+    Attributes:
+      kind: int8 codes (0 F, 1 B, 2 I, 3 W), shape (N,).
+      stage, microbatch: int64, shape (N,).
+      device: the device that runs the action, int64, shape (N,).
+      position: the action's index in its device's order, int64, shape (N,).
+      bounds: device d's actions are rows ``bounds[d]:bounds[d + 1]``, int64, shape (D + 1,).
+    """
+
+    kind: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    device: np.ndarray
+    position: np.ndarray
+    bounds: np.ndarray
+
+    @classmethod
+    def of_orders(cls, orders: Sequence[Sequence[Action]]) -> ActionArrays:
+        """The columns of per-device orders of actions (one pass over the objects)."""
+        lengths = np.fromiter((len(o) for o in orders), dtype=np.int64, count=len(orders))
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        flat = [a for order in orders for a in order]
+        count = len(flat)
+        codes = KIND_CODE
+        kind = np.fromiter((codes[k] for k in map(_kind, flat)), dtype=np.int8, count=count)
+        stage = np.fromiter(map(_stage, flat), dtype=np.int64, count=count)
+        microbatch = np.fromiter(map(_microbatch, flat), dtype=np.int64, count=count)
+        device = np.repeat(np.arange(len(orders), dtype=np.int64), lengths)
+        position = np.arange(count, dtype=np.int64) - np.repeat(bounds[:-1], lengths)
+        return cls(kind, stage, microbatch, device, position, bounds)
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> ActionArrays:
+        """The columns of ``schedule``'s orders."""
+        return cls.of_orders(schedule.orders)
+
+    def __len__(self) -> int:
+        return int(self.kind.shape[0])
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.bounds.shape[0]) - 1
+
+    def action(self, schedule: Schedule, row: int) -> Action:
+        """The :class:`Action` object of ``row`` (with its source position)."""
+        return schedule.orders[int(self.device[row])][int(self.position[row])]
+
+    def text(self, row: int) -> str:
+        """``row``'s action in ``{stage}{kind}{microbatch}`` form (``2F0``)."""
+        return f"{int(self.stage[row])}{'FBIW'[int(self.kind[row])]}{int(self.microbatch[row])}"
+
+
+@contextmanager
+def paused_collector() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a pass that allocates many acyclic objects.
+
+    The collector's passes over millions of young lists, floats and frozen dataclasses
+    find nothing to free and cost more than the pass itself; reference counting still
+    frees everything as usual.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()

@@ -1,0 +1,189 @@
+"""The pipeline schedules a plan runs, evaluated, validated and lowered once per shape.
+
+A plan with ``pp > 1`` runs a schedule (a library name such as ``1f1b`` or a ``.sched``
+file) evaluated with the plan's ``pp``, ``microbatches`` and (when it takes one) ``vpp``:
+a *shape* (:class:`ScheduleKey`). :class:`Pipelines` evaluates each shape once, validates
+and lowers it to int arrays once, and answers every question a plan asks of it from
+those arrays: peak memory and a lower bound on the time (:mod:`pipedsl.analysis`), and
+the time itself under each cost model (:func:`pipedsl.simulator.engine.step_timing`),
+once per distinct cost model. A search over thousands of plans so does each piece of
+work once, and keeps only compact arrays per shape, not one object per action.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from pipedsl import library
+from pipedsl.analysis import chain_lower_bound, peak_held
+from pipedsl.errors import PipedslError
+from pipedsl.ir import Schedule
+from pipedsl.program import Program, ProgramArrays, lower
+from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.engine import Simulation, simulate, step_timing
+from pipedsl.simulator.plan import Plan, PlanError
+
+__all__ = ["Pipelines", "ScheduleKey", "Timing", "load_pipeline"]
+
+
+def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule:
+    """Evaluate schedule ``spec`` with ``pp``, ``microbatches`` and, if it takes one, ``vpp``.
+
+    Each file is parsed once per version (:mod:`pipedsl.library`); evaluation runs every call.
+    """
+    path = library.resolve(spec)
+    names = library.parameters(path)
+    for needed in ("pp", "microbatches"):
+        if needed not in names:
+            raise PlanError(
+                f"{path}: a pipeline plan sets parameters pp and microbatches, but the schedule has no {needed!r}"
+            )
+    params = {"pp": pp, "microbatches": microbatches}
+    if "vpp" in names:
+        params["vpp"] = vpp
+    return library.load(path, **params)
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """What a plan needs from one pipeline simulation.
+
+    ``makespan`` in seconds; ``bubble_ratio`` the idle fraction of devices × makespan;
+    ``simulation`` the whole result, when the :class:`Pipelines` keeps them.
+    """
+
+    makespan: float
+    bubble_ratio: float
+    simulation: Simulation | None
+
+
+class ScheduleKey(NamedTuple):
+    """Which evaluated schedule a plan runs: ``vpp`` is 0 for a schedule without a
+    ``vpp`` parameter, so that plans differing only there share one evaluation."""
+
+    spec: str
+    pp: int
+    vpp: int
+    microbatches: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where a shape's stages sit: what a cost model needs to resolve for it."""
+
+    num_stages: int
+    num_devices: int
+    placement: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Shape:
+    """One validated, lowered shape: its layout and its program's arrays."""
+
+    layout: _Layout
+    arrays: ProgramArrays
+
+
+class Pipelines:
+    """Evaluates, validates, lowers and times schedules, remembering results.
+
+    One instance shared across many estimates (as :mod:`pipedsl.simulator.search` does)
+    evaluates, validates and lowers each (schedule, pp, vpp, microbatches) once, and
+    times each distinct cost model once per shape.
+
+    Args:
+      keep_simulations: keep each simulation whole (its timeline too); otherwise keep
+        only makespan and bubble, as a search of hundreds of simulations needs.
+      max_schedules: keep at most this many evaluated :class:`Schedule` objects (one
+        object per action), dropping the least recently used; None keeps all. The
+        lowered arrays of every shape are kept whatever this says, so a dropped schedule
+        is evaluated again only if someone asks for the schedule itself.
+    """
+
+    def __init__(self, *, keep_simulations: bool = True, max_schedules: int | None = None) -> None:
+        self._keep = keep_simulations
+        self._max = max_schedules
+        self._schedules: OrderedDict[ScheduleKey, Schedule] = OrderedDict()
+        self._shapes: dict[ScheduleKey, _Shape] = {}
+        self._errors: dict[ScheduleKey, PipedslError] = {}
+        self._timings: dict[tuple[ScheduleKey, CostModel], Timing] = {}
+        self._takes_vpp: dict[str, bool] = {}
+
+    def key(self, plan: Plan) -> ScheduleKey:
+        """The schedule ``plan`` runs (a pipeline plan: ``plan.schedule`` is set)."""
+        spec = plan.schedule
+        if spec is None:
+            raise PlanError(f"{plan.label} is an SPMD plan and runs no schedule")
+        takes_vpp = self._takes_vpp.get(spec)
+        if takes_vpp is None:
+            takes_vpp = self._takes_vpp[spec] = "vpp" in library.parameters(spec)
+        return ScheduleKey(spec, plan.pp, plan.vpp if takes_vpp else 0, plan.microbatches)
+
+    def _evaluate(self, key: ScheduleKey) -> Schedule:
+        error = self._errors.get(key)
+        if error is not None:
+            raise error
+        try:
+            schedule = load_pipeline(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
+            if key not in self._shapes:
+                layout = _Layout(schedule.num_stages, schedule.num_devices, schedule.placement)
+                self._shapes[key] = _Shape(layout, lower(schedule).arrays)
+        except PipedslError as err:
+            self._errors[key] = err
+            raise
+        self._schedules[key] = schedule
+        if self._max is not None and len(self._schedules) > self._max:
+            self._schedules.popitem(last=False)
+        return schedule
+
+    def schedule(self, key: ScheduleKey) -> Schedule:
+        """The schedule evaluated for ``key`` (validated); raises what evaluation or
+        validation raised."""
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            return self._evaluate(key)
+        self._schedules.move_to_end(key)
+        return schedule
+
+    def _shape(self, key: ScheduleKey) -> _Shape:
+        shape = self._shapes.get(key)
+        if shape is None:
+            self._evaluate(key)
+            shape = self._shapes[key]
+        return shape
+
+    def peak_residual_bytes(self, key: ScheduleKey, residual: tuple[int, ...]) -> tuple[int, ...]:
+        """Per device, the most activation bytes held at once, shape (D,), when one
+        microbatch's ``F`` on stage s keeps ``residual[s]`` bytes until its ``B`` (or,
+        split, until its ``W``: ``I`` hands the same bytes on)."""
+        actions = self._shape(key).arrays.actions
+        return tuple(int(p) for p in peak_held(actions, residual, residual))
+
+    def lower_bound_s(self, key: ScheduleKey, seconds: np.ndarray) -> float:
+        """Seconds the schedule of ``key`` takes at least, without simulating it, when
+        ``seconds[k, s]`` is the duration of kind k (F, B, I, W) on stage s (shape
+        (4, S)): :func:`pipedsl.analysis.chain_lower_bound`."""
+        return chain_lower_bound(self._shape(key).arrays.actions, seconds)
+
+    @property
+    def num_simulations(self) -> int:
+        """Distinct simulations run so far."""
+        return len(self._timings)
+
+    def timing(self, key: ScheduleKey, costs: CostModel) -> Timing:
+        """Time the schedule of ``key`` under ``costs``, once per distinct costs."""
+        found = self._timings.get((key, costs))
+        if found is None:
+            shape = self._shape(key)
+            if self._keep:
+                result = simulate(Program(self.schedule(key), arrays=shape.arrays), costs)
+                found = Timing(result.makespan, result.bubble_ratio, result)
+            else:
+                makespan, bubble = step_timing(shape.arrays, costs.resolve(shape.layout))
+                found = Timing(makespan, bubble, None)
+            self._timings[(key, costs)] = found
+        return found
