@@ -1,260 +1,98 @@
 """The plan estimator: step time, throughput, MFU and memory of one parallel plan.
 
-:func:`estimate` turns a :class:`~pipedsl.simulator.plan.Plan` into per-stage costs with
-the standard formulas and runs the pipeline part through the simulator. It is
-``prepare(...).finish()``: :func:`prepare` does everything that needs no simulation (the
-costs, the memory, a lower bound on the step time), so a search can drop or order plans
-before it simulates any.
+:func:`estimate` turns a :class:`~pipedsl.simulator.plan.Plan` into per-stage costs and
+runs the pipeline part through the simulator. It is ``prepare(...).finish()``:
+:func:`prepare` does everything that needs no simulation (the costs, the memory, a lower
+bound on the step time), so a search can drop or order plans before it simulates any.
 
-What is modelled, per GPU and per microbatch of ``b`` sequences of ``s`` tokens (h hidden,
-a heads, V vocabulary, t = tp):
+This module assembles three models:
 
-- Matrix multiplications: forward 2 FLOPs per weight per token over t GPUs, plus
-  attention's 4·b·s²·h/t; the backward twice that, of which ``W`` (weight gradients) is
-  the linear layers' share and ``I`` the rest. They run at ``peak × matmul_efficiency``.
-- Elementwise work (norms, dropout, activations, softmax, the loss) is bound by memory
-  bandwidth: each byte a layer stores for its backward (Korthikanti et al. 2022:
-  s·b·h·(34 + 5·a·s/h)/t with sequence parallelism) costs two bytes of HBM traffic in the
-  forward and four in the backward. FlashAttention never writes the a·s² scores, so it
-  drops that term from both traffic and memory.
-- Recomputation: ``full`` reruns each layer's forward (compute and tensor-parallel
-  collectives) inside ``I`` and stores only the layer input (2·s·b·h/t); ``selective``
-  reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t.
-- Tensor parallelism: 2 all-reduces of b·s·h values in the forward and 2 in the backward
-  per layer (2 more with full recomputation), ring alpha-beta on NVLink when
-  ``tp <= gpus_per_node``, otherwise on the inter-node link. Sequence parallelism turns
-  each into a reduce-scatter plus an all-gather of the same cost.
-- Stages: the layers split evenly over ``pp × vpp`` stages; the first stage adds the
-  embedding, the last the final norm, logits (2·b·s·h·V/t FLOPs) and the loss, whose fp32
-  softmax (4·b·s·V/t bytes) it keeps for the backward. Pipeline sends carry b·s·h/t
-  values per GPU (Megatron's scatter/gather), on NVLink when both pipeline neighbours sit
-  in one node and on the inter-node link otherwise. Ranks are laid out tensor-parallel
-  innermost, then data-parallel, then pipeline (Megatron's order).
+- :mod:`~pipedsl.simulator.transformer`: each layer's, the embedding's and the head's
+  work per microbatch on one GPU (matrix shapes, the size-dependent compute model,
+  elementwise traffic, kernel launches, tensor-parallel collectives);
+- :mod:`~pipedsl.simulator.collectives`: all-reduce, all-gather, reduce-scatter and
+  sends by algorithm and by the group's place in the nodes;
+- :mod:`~pipedsl.simulator.memory`: bytes per GPU by ZeRO stage.
+
+Assembly:
+
+- Stages: the layers split evenly over ``pp × vpp`` stages (or as ``stage_layers``
+  says); the first stage adds the embedding, the last the final norm, logits and loss.
+  Pipeline sends carry b·s·h/t values per GPU (Megatron's scatter/gather), on NVLink
+  when both pipeline neighbours sit in one node and at the GPU's network share
+  otherwise. Ranks are laid out tensor-parallel innermost, then data-parallel, then
+  pipeline (Megatron's order).
 - Data parallelism, reducing gradients of ``reduce_bytes`` (4, fp32, by default): ZeRO 0
-  all-reduces them once per step,
-  ZeRO 1 reduce-scatters them and all-gathers the updated 16-bit weights, ZeRO 2
-  reduce-scatters every microbatch's gradients (that is what frees their memory) and
-  all-gathers the weights once, ZeRO 3 also all-gathers the weights in every forward and
-  backward. Overlap: ``dp_overlap`` is the fraction of the covering computation that can
-  hide this traffic. Once-per-step gradient reduction can hide only behind the last
-  microbatch's backward (the gradients are final only then), the weight all-gather only
-  behind the next step's first forward; per-microbatch ZeRO 2/3 traffic hides behind that
-  microbatch's own forward or backward. The default ``dp_overlap = 1`` therefore gives
-  partial overlap: full for one microbatch, a tail for many.
-- Memory: 16-bit weights, fp32 gradients and 12 bytes of Adam state (fp32 master, m, v)
-  per parameter, sharded by ZeRO stage; activations are the simulator's peak of
-  residual bytes held per device under the schedule, plus one layer's working set under
-  full recomputation; ZeRO 3 adds two layers' gathered weights.
+  all-reduces them once per step, ZeRO 1 reduce-scatters them and all-gathers the
+  updated 16-bit weights, ZeRO 2 reduce-scatters every microbatch's gradients (that is
+  what frees their memory) and all-gathers the weights once, ZeRO 3 also all-gathers the
+  weights in every forward and backward. Overlap: ``dp_overlap`` is the fraction of the
+  covering computation that can hide this traffic. Once-per-step gradient reduction can
+  hide only behind the last microbatch's backward (the gradients are final only then),
+  the weight all-gather only behind the next step's first forward; per-microbatch
+  ZeRO 2/3 traffic hides behind that microbatch's own forward or backward.
 - The optimizer step reads and writes 30 bytes per local parameter at HBM bandwidth.
 
 Step time = pipeline makespan (simulated) + the slowest device's exposed data-parallel
-tail and optimizer step. MFU = 6·N·tokens / (GPUs × peak × step time).
+tail and optimizer step. MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
+lists the :class:`Assumption` s it priced.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from pipedsl.ir import Schedule
+from pipedsl.simulator.collectives import (
+    Group,
+    all_reduce_choice,
+    all_reduce_seconds,
+    gather_seconds,
+    group_of,
+    ring_all_reduce_seconds,
+    ring_gather_seconds,
+)
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.hardware import Cluster, Model
+from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
+from pipedsl.simulator.transformer import Shapes, Work
 
 __all__ = [
+    "Assumption",
     "DoesNotFit",
     "Memory",
     "Estimate",
     "Prepared",
     "prepare",
     "estimate",
+    "assumptions",
+    "check_divides",
     "ring_all_reduce_seconds",
     "ring_gather_seconds",
     "GRAD_BYTES",
     "OPTIMIZER_BYTES",
 ]
 
-GRAD_BYTES = 4
-"""Bytes per gradient value held: fp32, as accumulated over microbatches."""
-OPTIMIZER_BYTES = 12
-"""Bytes of Adam state per parameter: fp32 master weight, first and second moments."""
 _OPTIMIZER_TRAFFIC = 30
 """HBM bytes the Adam update moves per parameter: reads grad, master, m, v (16), writes
 master, m, v (12) and the 16-bit weight (2)."""
-_LOSS_BYTES = 4
-"""Bytes per logit of the fp32 softmax the loss keeps for its backward."""
-
-
-class DoesNotFit(PlanError):
-    """A plan needs more memory per GPU than the cluster has; ``memory`` says where it goes."""
-
-    def __init__(self, plan: Plan, memory: Memory) -> None:
-        self.plan = plan
-        self.memory = memory
-        super().__init__(
-            f"{plan.label} needs {memory.total / 2**30:.1f} GiB per GPU (weights {memory.weights / 2**30:.1f}, "
-            f"gradients {memory.gradients / 2**30:.1f}, optimizer {memory.optimizer / 2**30:.1f}, "
-            f"activations {memory.activations / 2**30:.1f}), above the {memory.usable / 2**30:.1f} GiB usable"
-        )
-
-
-# --- collectives ------------------------------------------------------------------------
-
-
-def ring_all_reduce_seconds(num_bytes: float, ranks: int, *, bandwidth: float, latency: float) -> float:
-    """Ring all-reduce of ``num_bytes`` over ``ranks``: 2(n−1)·α + 2(n−1)/n · S/B seconds."""
-    if ranks <= 1 or num_bytes <= 0:
-        return 0.0
-    return 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * num_bytes / bandwidth
-
-
-def ring_gather_seconds(num_bytes: float, ranks: int, *, bandwidth: float, latency: float) -> float:
-    """Ring all-gather or reduce-scatter of ``num_bytes`` (the whole, unsharded size) over
-    ``ranks``: (n−1)·α + (n−1)/n · S/B seconds."""
-    if ranks <= 1 or num_bytes <= 0:
-        return 0.0
-    return (ranks - 1) * latency + (ranks - 1) / ranks * num_bytes / bandwidth
-
-
-# --- per-block work ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class _Work:
-    """Seconds of one block for one microbatch: forward, input-gradient and weight-gradient
-    halves of the backward (``B = I + W``)."""
+class Assumption:
+    """One choice an estimate priced: ``name`` (a plan field or a collective), its
+    ``value`` as priced, and what that means in words."""
 
-    forward: float = 0.0
-    input_grad: float = 0.0
-    weight_grad: float = 0.0
-
-    def __add__(self, other: _Work) -> _Work:
-        return _Work(
-            self.forward + other.forward, self.input_grad + other.input_grad, self.weight_grad + other.weight_grad
-        )
-
-    def __mul__(self, factor: float) -> _Work:
-        return _Work(self.forward * factor, self.input_grad * factor, self.weight_grad * factor)
-
-    @property
-    def backward(self) -> float:
-        return self.input_grad + self.weight_grad
-
-
-@dataclass(frozen=True, slots=True)
-class _Shapes:
-    """The numbers every formula below needs, for one plan: b, s, h, a, t and friends."""
-
-    model: Model
-    cluster: Cluster
-    plan: Plan
-
-    @property
-    def tokens(self) -> int:
-        """Tokens per microbatch b·s."""
-        return self.plan.microbatch_size * self.model.seq_len
-
-    def matmul_seconds(self, flops: float) -> float:
-        return flops / self.cluster.matmul_flops
-
-    def traffic_seconds(self, num_bytes: float) -> float:
-        return num_bytes / self.cluster.hbm_bandwidth
-
-    def tp_all_reduce(self) -> float:
-        """One tensor-parallel all-reduce of b·s·h values, in seconds."""
-        tp = self.plan.tp
-        bandwidth, latency = self.cluster.link(inter_node=tp > self.cluster.gpus_per_node)
-        size = self.tokens * self.model.hidden * self.model.dtype_bytes
-        return ring_all_reduce_seconds(size, tp, bandwidth=bandwidth, latency=latency)
-
-    def layer_activation_bytes(self, recompute: Recompute) -> float:
-        """Bytes one layer keeps per microbatch for its backward (Korthikanti et al. 2022)."""
-        m, t = self.model, self.plan.tp
-        sbh = self.tokens * m.hidden
-        scores = 0.0 if self.plan.flash_attention else 5 * m.heads * m.seq_len / m.hidden
-        if recompute is Recompute.FULL:
-            return 2 * sbh / (t if self.plan.sequence_parallel else 1)
-        if recompute is Recompute.SELECTIVE:
-            scores = 0.0
-        replicated = 10 / t if self.plan.sequence_parallel else 10
-        return sbh * (replicated + 24 / t + scores / t)
-
-    def layer_work(self) -> _Work:
-        """One transformer layer for one microbatch on one GPU."""
-        m, plan = self.model, self.plan
-        t = plan.tp
-        linear = self.matmul_seconds(2 * self.tokens * m.layer_matmul_params / t)
-        attention = self.matmul_seconds(4 * plan.microbatch_size * m.seq_len**2 * m.hidden / t)
-        stored = self.layer_activation_bytes(Recompute.NONE)
-        score_bytes = 0.0
-        if not plan.flash_attention:
-            score_bytes = self.tokens * m.hidden * 5 * m.heads * m.seq_len / m.hidden / t
-        elementwise = self.traffic_seconds(2 * stored)
-        collectives = 2 * self.tp_all_reduce()
-        forward = linear + attention + elementwise + collectives
-        # I carries everything on the activation-gradient path: the input-gradient matmuls,
-        # attention's core, the elementwise backward and the backward collectives.
-        input_grad = linear + 2 * attention + 2 * elementwise + collectives
-        if plan.recompute is Recompute.FULL:
-            input_grad += forward
-        elif plan.recompute is Recompute.SELECTIVE and not plan.flash_attention:
-            input_grad += attention + self.traffic_seconds(2 * score_bytes)
-        return _Work(forward, input_grad, linear)
-
-    def embedding_work(self) -> _Work:
-        """Token (and position) lookup, its dropout, and the scatter-add of its gradient."""
-        size = self.tokens * self.model.hidden * self.model.dtype_bytes / self.plan.tp
-        seconds = self.traffic_seconds(2 * size)
-        return _Work(seconds, 0.0, 2 * seconds)
-
-    def head_work(self) -> _Work:
-        """Final norm, logits (2·b·s·h·V/t FLOPs) and the vocabulary-parallel loss."""
-        m, t = self.model, self.plan.tp
-        logits = self.matmul_seconds(self.tokens * m.logit_forward_flops_per_token / t)
-        loss = self.traffic_seconds(2 * self.head_activation_bytes())
-        return _Work(logits + loss, logits + 2 * loss, logits)
-
-    def head_activation_bytes(self) -> float:
-        """The loss's fp32 softmax plus the final norm's input, per microbatch."""
-        m, t = self.model, self.plan.tp
-        return self.tokens * (m.vocab * _LOSS_BYTES + m.hidden * m.dtype_bytes) / t
-
-    def embedding_activation_bytes(self) -> float:
-        """The embedding dropout's mask, one byte per value."""
-        return self.tokens * self.model.hidden / self.plan.tp
-
-
-# --- results ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Memory:
-    """Bytes per GPU on the fullest device, by what holds them."""
-
-    weights: int
-    gradients: int
-    optimizer: int
-    activations: int
-    total: int
-    usable: int
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.usable
-
-    def to_json(self) -> dict[str, int]:
-        return {
-            "weights": self.weights,
-            "gradients": self.gradients,
-            "optimizer": self.optimizer,
-            "activations": self.activations,
-            "total": self.total,
-            "usable": self.usable,
-        }
+    name: str
+    value: str
+    meaning: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +111,7 @@ class Estimate:
       mfu: model FLOPs utilisation, 6·N·tokens / (GPUs × peak × step time).
       memory: bytes per GPU on the fullest device.
       stage_forward_s, stage_backward_s: per-stage seconds per microbatch, shape (S,).
+      assumptions: what was priced (:func:`assumptions`), in the order printed.
       simulation: the pipeline simulation (None for SPMD).
     """
 
@@ -289,6 +128,7 @@ class Estimate:
     memory: Memory
     stage_forward_s: tuple[float, ...]
     stage_backward_s: tuple[float, ...]
+    assumptions: tuple[Assumption, ...] = ()
     simulation: Simulation | None = field(default=None, repr=False)
 
     @property
@@ -317,58 +157,54 @@ class Estimate:
             "fits": self.fits,
             "stage_forward_s": list(self.stage_forward_s),
             "stage_backward_s": list(self.stage_backward_s),
+            "assumptions": {a.name: {"value": a.value, "meaning": a.meaning} for a in self.assumptions},
         }
 
 
-# --- the pipeline part ------------------------------------------------------------------
+# --- groups and links -------------------------------------------------------------------
 
 
-def _node_of(rank: int, cluster: Cluster) -> int:
-    return rank // cluster.gpus_per_node
+def _dp_group(plan: Plan, cluster: Cluster) -> Group:
+    return group_of(plan.dp, plan.tp, cluster)
 
 
 def _pipeline_link_inter(a: int, b: int, plan: Plan, cluster: Cluster) -> bool:
-    """Whether pipeline devices a and b talk over the inter-node link for some replica.
+    """Whether pipeline devices a and b talk between nodes for some replica.
 
     Rank of (tensor rank r, data rank d, pipeline device p) is r + tp·(d + dp·p); the
     send from p to q pairs equal (r, d), so the link is inter-node if any pair crosses.
     """
-    block = plan.tp * plan.dp
-    return any(_node_of(a * block + j, cluster) != _node_of(b * block + j, cluster) for j in range(block))
+    block, node = plan.tp * plan.dp, cluster.gpus_per_node
+    return any((a * block + j) // node != (b * block + j) // node for j in range(block))
 
 
-def _transfer_costs(placement: tuple[int, ...], shapes: _Shapes) -> tuple[float, float, tuple[int, ...]]:
+def _transfer_costs(placement: tuple[int, ...], shapes: Shapes) -> tuple[float, float, tuple[int, ...]]:
     """(latency, bandwidth, bytes per stage boundary) for the simulator's one-link model.
 
-    Boundaries on the faster intra-node link keep their real bytes; a boundary on the
-    inter-node link is given the bytes that take the intra-node link as long as the
-    inter-node link takes the real ones, so that each transfer lasts exactly its own
-    link's alpha + bytes/beta. With every boundary on one link the bytes are real.
+    Boundaries inside a node keep their real bytes; a boundary between nodes is given
+    the bytes that take NVLink as long as the network takes the real ones, so that each
+    transfer lasts exactly its own link's alpha + bytes/beta. With every boundary
+    between nodes the bytes are real.
     """
     plan, cluster, model = shapes.plan, shapes.cluster, shapes.model
     size = shapes.tokens * model.hidden * model.dtype_bytes / plan.tp
     inter = [_pipeline_link_inter(placement[b], placement[b + 1], plan, cluster) for b in range(len(placement) - 1)]
     fast_bw, fast_lat = cluster.link(inter_node=False)
-    slow_bw, slow_lat = cluster.link(inter_node=True)
+    _, slow_lat = cluster.link(inter_node=True)
+    slow_bw = cluster.network_share
     if all(inter):
         return slow_lat, slow_bw, tuple(round(size) for _ in inter)
     slow_as_fast = size * fast_bw / slow_bw + (slow_lat - fast_lat) * fast_bw
     return fast_lat, fast_bw, tuple(round(slow_as_fast if x else size) for x in inter)
 
 
-# --- the estimate -------------------------------------------------------------------------
+# --- checks -----------------------------------------------------------------------------
 
 
-def _split_layers(model: Model, stages: int) -> int:
-    if model.layers % stages:
-        raise PlanError(
-            f"{model.name}'s {model.layers} layers do not split evenly over {stages} stages (pp × vpp); "
-            f"choose pp × vpp dividing {model.layers}"
-        )
-    return model.layers // stages
-
-
-def _check_fit(model: Model, cluster: Cluster, plan: Plan) -> None:
+def check_divides(model: Model, cluster: Cluster, plan: Plan) -> None:
+    """Raise :class:`PlanError` when ``plan`` does not divide ``model`` or ``cluster``:
+    heads, key/value heads or the feed-forward width by tp, or tp against the GPUs per
+    node (the layers by pp × vpp are checked when the stages are split)."""
     t = plan.tp
     if model.heads % t or (model.num_kv_heads % t and t % model.num_kv_heads):
         raise PlanError(f"tp = {t} does not divide {model.name}'s {model.heads} attention heads evenly")
@@ -379,20 +215,88 @@ def _check_fit(model: Model, cluster: Cluster, plan: Plan) -> None:
         raise PlanError(f"tp = {t} neither divides nor is a multiple of {node} GPUs per node")
 
 
-def _stage_params(model: Model, plan: Plan, stages: int, per_stage_layers: int) -> tuple[float, ...]:
+def _stage_layers(model: Model, stages: int, given: Sequence[int] | None) -> tuple[int, ...]:
+    if given is not None:
+        layers = tuple(given)
+        if len(layers) != stages or sum(layers) != model.layers or min(layers) < 0:
+            raise PlanError(
+                f"stage_layers {list(layers)} must give {stages} stages (pp × vpp) whose layers sum to "
+                f"{model.name}'s {model.layers}"
+            )
+        return layers
+    if model.layers % stages:
+        raise PlanError(
+            f"{model.name}'s {model.layers} layers do not split evenly over {stages} stages (pp × vpp); "
+            f"choose pp × vpp dividing {model.layers}"
+        )
+    return tuple(model.layers // stages for _ in range(stages))
+
+
+def _stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[float, ...]:
     """Parameters each GPU of each stage holds (tensor-parallel shards), shape (S,).
 
     With a tied embedding and more than one stage, the last stage keeps its own copy of
     the embedding matrix for the logits, as Megatron-LM does.
     """
     t = plan.tp
-    params = [per_stage_layers * model.layer_params / t for _ in range(stages)]
+    params = [n * model.layer_params / t for n in layers]
     params[0] += model.embedding_params / t
     head = model.head_params / t
-    if model.tied_embeddings and stages > 1:
+    if model.tied_embeddings and len(layers) > 1:
         head += model.vocab * model.hidden / t
     params[-1] += head
     return tuple(params)
+
+
+def _check_schedule(plan: Plan, schedule: Schedule) -> None:
+    if schedule.num_devices != plan.pp or schedule.num_stages != plan.pp * plan.vpp:
+        per_device = schedule.num_stages // max(schedule.num_devices, 1)
+        raise PlanError(
+            f"schedule {plan.schedule} runs {schedule.num_stages} stages on {schedule.num_devices} devices, "
+            f"but the plan has pp = {plan.pp} and vpp = {plan.vpp}; this schedule needs vpp = {per_device}"
+        )
+
+
+# --- assumptions ------------------------------------------------------------------------
+
+
+def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption, ...]:
+    """What an estimate of ``plan`` prices: the plan's modelling switches and the
+    collective algorithms chosen for its groups."""
+    on = {True: "on", False: "off"}
+    found = [
+        Assumption("flash_attention", on[plan.flash_attention],
+                   "attention runs fused and never stores its a×s×s scores" if plan.flash_attention
+                   else "attention stores its scores (5·a·s/h bytes per value of b·s·h)"),
+        Assumption("sequence_parallel", on[plan.sequence_parallel],
+                   "norms and dropout split over the tensor-parallel ranks" if plan.sequence_parallel
+                   else "norms and dropout replicated on every tensor-parallel rank"),
+        Assumption("recompute", plan.recompute.value, _RECOMPUTE[plan.recompute]),
+        Assumption("dp_overlap", f"{plan.dp_overlap:g}",
+                   "fraction of the last backward (first forward) that hides once-per-step data-parallel traffic"),
+        Assumption("reduce_dtype", "fp32" if plan.reduce_bytes == 4 else "bf16",
+                   f"gradients reduced at {plan.reduce_bytes} bytes per value"),
+    ]  # fmt: skip
+    size = model.num_params / (plan.tp * plan.pp) * plan.reduce_bytes
+    for name, group, num_bytes in (
+        ("tp_collectives", group_of(plan.tp, 1, cluster), model.seq_len * plan.microbatch_size * model.hidden * 2),
+        ("dp_collectives", _dp_group(plan, cluster), size),
+    ):
+        if group.ranks > 1:
+            algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
+            where = f"{group.per_node} per node over {group.nodes} nodes" if group.spans_nodes else "in one node"
+            found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
+    return tuple(found)
+
+
+_RECOMPUTE = {
+    Recompute.NONE: "every layer stores its activations",
+    Recompute.SELECTIVE: "attention's core is recomputed in the backward",
+    Recompute.FULL: "each layer's forward is rerun in the backward; only its input is stored",
+}
+
+
+# --- the estimate -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -408,11 +312,11 @@ class Prepared:
         data-parallel tail and the optimizer step.
     """
 
-    shapes: _Shapes
+    shapes: Shapes
     key: ScheduleKey | None
     placement: tuple[int, ...]
     pipelines: Pipelines | None
-    work: tuple[_Work, ...]
+    work: tuple[Work, ...]
     residual: tuple[int, ...]
     device_params: tuple[float, ...]
     memory: Memory
@@ -464,16 +368,25 @@ class Prepared:
             memory=self.memory,
             stage_forward_s=tuple(w.forward for w in work),
             stage_backward_s=tuple(w.backward for w in work),
+            assumptions=assumptions(model, cluster, plan),
             simulation=simulation,
         )
 
 
 def prepare(
-    model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipelines | None = None, fits_first: bool = False
+    model: Model,
+    cluster: Cluster,
+    plan: Plan,
+    *,
+    pipelines: Pipelines | None = None,
+    fits_first: bool = False,
+    stage_layers: Sequence[int] | None = None,
 ) -> Prepared:
     """Work out ``plan``'s costs and memory without simulating (see :class:`Prepared`).
 
     ``pipelines`` caches evaluated schedules and simulations across calls.
+    ``stage_layers`` gives each of the pp × vpp stages its number of layers (default:
+    an even split).
 
     Raises:
       PlanError: the plan does not divide the model or does not match its schedule.
@@ -482,14 +395,14 @@ def prepare(
         is evaluated.
       PipedslError: a schedule's own errors, such as a failed ``require``.
     """
-    _check_fit(model, cluster, plan)
-    shapes = _Shapes(model, cluster, plan)
+    check_divides(model, cluster, plan)
+    shapes = Shapes(model, cluster, plan)
     stages = plan.pp * plan.vpp
-    per_stage_layers = _split_layers(model, stages)
-    params = _stage_params(model, plan, stages, per_stage_layers)
+    layers = _stage_layers(model, stages, stage_layers)
+    params = _stage_params(model, plan, layers)
     # The fullest device holds at least the average share: a cheap test before the
     # schedule is evaluated.
-    average = _memory(shapes, [sum(params) / plan.pp], (0,), 0.0)
+    average = device_memory(shapes, [sum(params) / plan.pp], (0,))
     if fits_first and not average.fits:
         raise DoesNotFit(plan, average)
     key: ScheduleKey | None = None
@@ -502,7 +415,7 @@ def prepare(
         placement = schedule.placement
 
     layer = shapes.layer_work()
-    work = [layer * per_stage_layers for _ in range(stages)]
+    work = [layer * n for n in layers]
     work[0] = work[0] + shapes.embedding_work()
     work[-1] = work[-1] + shapes.head_work()
     work = [w + _zero_per_microbatch(shapes, p, w) for w, p in zip(work, params, strict=True)]
@@ -510,13 +423,14 @@ def prepare(
     for s, d in enumerate(placement):
         device_params[d] += params[s]
 
-    residual = [round(per_stage_layers * shapes.layer_activation_bytes(plan.recompute)) for _ in range(stages)]
+    per_layer = shapes.layer_activation_bytes(plan.recompute)
+    residual = [round(n * per_layer) for n in layers]
     residual[0] += round(shapes.embedding_activation_bytes())
     residual[-1] += round(shapes.head_activation_bytes())
     activations = (residual[0],)
     if key is not None and pipelines is not None:
         activations = pipelines.peak_residual_bytes(key, tuple(residual))
-    memory = _memory(shapes, device_params, activations, _transient_bytes(shapes))
+    memory = device_memory(shapes, device_params, activations)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
     return Prepared(
@@ -539,6 +453,7 @@ def estimate(
     *,
     pipelines: Pipelines | None = None,
     fits_first: bool = False,
+    stage_layers: Sequence[int] | None = None,
 ) -> Estimate:
     """Estimate ``plan`` for ``model`` on ``cluster`` (see the module docstring).
 
@@ -548,10 +463,11 @@ def estimate(
 
     Raises as :func:`prepare`.
     """
-    return prepare(model, cluster, plan, pipelines=pipelines, fits_first=fits_first).finish()
+    prepared = prepare(model, cluster, plan, pipelines=pipelines, fits_first=fits_first, stage_layers=stage_layers)
+    return prepared.finish()
 
 
-def _lower_bound(plan: Plan, work: list[_Work], key: ScheduleKey | None, pipelines: Pipelines | None) -> float:
+def _lower_bound(plan: Plan, work: list[Work], key: ScheduleKey | None, pipelines: Pipelines | None) -> float:
     """Seconds the forward/backward part takes at least (see :meth:`Pipelines.lower_bound_s`);
     for SPMD, exactly its microbatches × (F + B)."""
     if key is None or pipelines is None:
@@ -560,11 +476,14 @@ def _lower_bound(plan: Plan, work: list[_Work], key: ScheduleKey | None, pipelin
     return pipelines.lower_bound_s(key, seconds)
 
 
+# --- data parallelism and the optimizer ---------------------------------------------------
+
+
 def _tails(
-    shapes: _Shapes,
-    work: list[_Work] | tuple[_Work, ...],
+    shapes: Shapes,
+    work: Sequence[Work],
     placement: tuple[int, ...],
-    device_params: list[float] | tuple[float, ...],
+    device_params: Sequence[float],
 ) -> tuple[float, float]:
     """(exposed data-parallel seconds, optimizer seconds) of the device where they sum
     to the most."""
@@ -580,62 +499,29 @@ def _tails(
     return best
 
 
-def _check_schedule(plan: Plan, schedule: Schedule) -> None:
-    if schedule.num_devices != plan.pp or schedule.num_stages != plan.pp * plan.vpp:
-        per_device = schedule.num_stages // max(schedule.num_devices, 1)
-        raise PlanError(
-            f"schedule {plan.schedule} runs {schedule.num_stages} stages on {schedule.num_devices} devices, "
-            f"but the plan has pp = {plan.pp} and vpp = {plan.vpp}; this schedule needs vpp = {per_device}"
-        )
+def _gather(shapes: Shapes, num_bytes: float) -> float:
+    return gather_seconds(num_bytes, _dp_group(shapes.plan, shapes.cluster), shapes.cluster)
 
 
-def _memory(shapes: _Shapes, device_params: list[float], activations: tuple[int, ...], transient: float) -> Memory:
-    """Memory of the fullest of the devices holding ``device_params`` parameters and
-    ``activations`` bytes of activations (one number per device)."""
-    plan, model = shapes.plan, shapes.model
-    static = [_static_memory(plan, p, model.dtype_bytes) for p in device_params]
-    totals = [sum(parts) + held + transient for parts, held in zip(static, activations, strict=True)]
-    fullest = max(range(len(totals)), key=lambda d: totals[d])
-    weights, grads, optimizer = static[fullest]
-    return Memory(
-        weights=round(weights),
-        gradients=round(grads),
-        optimizer=round(optimizer),
-        activations=round(activations[fullest] + transient),
-        total=round(totals[fullest]),
-        usable=shapes.cluster.usable_bytes,
-    )
-
-
-def _dp_link(shapes: _Shapes) -> tuple[float, float]:
-    plan, cluster = shapes.plan, shapes.cluster
-    return cluster.link(inter_node=plan.tp * plan.dp > cluster.gpus_per_node)
-
-
-def _gather(shapes: _Shapes, num_bytes: float) -> float:
-    bandwidth, latency = _dp_link(shapes)
-    return ring_gather_seconds(num_bytes, shapes.plan.dp, bandwidth=bandwidth, latency=latency)
-
-
-def _zero_per_microbatch(shapes: _Shapes, stage_params: float, work: _Work) -> _Work:
+def _zero_per_microbatch(shapes: Shapes, stage_params: float, work: Work) -> Work:
     """Exposed per-microbatch ZeRO traffic of one stage: stage 2 reduce-scatters each
     microbatch's gradients (hidden behind ``W``), stage 3 also gathers the weights for
     the forward and again for the backward."""
     plan = shapes.plan
     if plan.zero < 2 or plan.dp == 1:
-        return _Work()
+        return Work()
     hide = plan.dp_overlap
     scatter = _gather(shapes, stage_params * plan.reduce_bytes)
     weight_grad = max(0.0, scatter - hide * work.weight_grad)
     if plan.zero == 2:
-        return _Work(0.0, 0.0, weight_grad)
+        return Work(0.0, 0.0, weight_grad)
     gather = _gather(shapes, stage_params * shapes.model.dtype_bytes)
     forward = max(0.0, gather - hide * work.forward)
     input_grad = max(0.0, gather - hide * work.input_grad)
-    return _Work(forward, input_grad, weight_grad)
+    return Work(forward, input_grad, weight_grad)
 
 
-def _dp_tail(shapes: _Shapes, device_params: float, last_backward: float, first_forward: float) -> float:
+def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_forward: float) -> float:
     """Exposed once-per-step data-parallel seconds of one device (see the module docstring)."""
     plan = shapes.plan
     if plan.dp == 1:
@@ -644,8 +530,7 @@ def _dp_tail(shapes: _Shapes, device_params: float, last_backward: float, first_
     weights = device_params * shapes.model.dtype_bytes
     grads = device_params * plan.reduce_bytes
     if plan.zero == 0:
-        bandwidth, latency = _dp_link(shapes)
-        reduce = ring_all_reduce_seconds(grads, plan.dp, bandwidth=bandwidth, latency=latency)
+        reduce = all_reduce_seconds(grads, _dp_group(plan, shapes.cluster), shapes.cluster)
         return max(0.0, reduce - hide * last_backward)
     gather = max(0.0, _gather(shapes, weights) - hide * first_forward)
     if plan.zero == 1:
@@ -655,29 +540,6 @@ def _dp_tail(shapes: _Shapes, device_params: float, last_backward: float, first_
     return 0.0
 
 
-def _static_memory(plan: Plan, device_params: float, dtype_bytes: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per GPU, sharded by ZeRO stage."""
-    dp = plan.dp
-    weights = device_params * dtype_bytes / (dp if plan.zero >= 3 else 1)
-    grads = device_params * GRAD_BYTES / (dp if plan.zero >= 2 else 1)
-    optimizer = device_params * OPTIMIZER_BYTES / (dp if plan.zero >= 1 else 1)
-    return weights, grads, optimizer
-
-
-def _transient_bytes(shapes: _Shapes) -> float:
-    """Working memory that is not per microbatch: one layer's full activations while
-    full recomputation rebuilds it; ZeRO 3's gathered weights of two layers (the one
-    running and the one prefetched)."""
-    plan, model = shapes.plan, shapes.model
-    extra = 0.0
-    if plan.recompute is Recompute.FULL:
-        extra += shapes.layer_activation_bytes(Recompute.NONE)
-    if plan.zero == 3:
-        extra += 2 * model.layer_params * model.dtype_bytes / plan.tp
-    return extra
-
-
-def _optimizer_seconds(shapes: _Shapes, device_params: float) -> float:
+def _optimizer_seconds(shapes: Shapes, device_params: float) -> float:
     local = device_params / (shapes.plan.dp if shapes.plan.zero >= 1 else 1)
     return shapes.traffic_seconds(local * _OPTIMIZER_TRAFFIC)
-

@@ -192,18 +192,29 @@ class Model:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cluster:
-    """A cluster of identical GPUs in nodes, with a fast link inside a node and a slower one between.
+    """A cluster of identical GPUs in nodes, with a fast link inside a node and network
+    adapters between nodes.
 
-    Bandwidths are per GPU and per direction, as data sheets give them; the efficiency
-    fields say which fraction of them collectives achieve. Latencies are the fixed cost
-    of one message (one step of a ring).
+    Bandwidths are per direction, as data sheets give them: per GPU inside a node, per
+    adapter between nodes; the efficiency fields say which fraction of them collectives
+    achieve. Latencies are the fixed cost of one message (one step of a ring).
+
+    Matrix multiplications run at ``min(peak, intensity × HBM bandwidth)`` (a roofline;
+    intensity is the product's FLOPs over the bytes of its three matrices) times
+    ``matmul_efficiency × F / (F + matmul_half_flops)`` for a product of F FLOPs: large
+    products approach ``matmul_efficiency``, small ones fall off. Every kernel costs
+    ``kernel_launch_s`` more. The three are fitted once per GPU type from published runs
+    (``python -m pipedsl.simulator.fit_published``, see data/README.md).
 
     Attributes:
       name: what to call it in tables.
       gpu: the GPU's name.
       peak_flops: dense 16-bit matrix FLOP/s of one GPU.
-      matmul_efficiency: fraction of ``peak_flops`` that large matrix multiplications
-        achieve in training.
+      matmul_efficiency: fraction of ``peak_flops`` that the largest matrix
+        multiplications approach in training.
+      matmul_half_flops: FLOPs of a matrix multiplication that reaches half of
+        ``matmul_efficiency``; 0 prices every product at ``matmul_efficiency``.
+      kernel_launch_s: fixed seconds per kernel (launch and tail), on top of its work.
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.
@@ -213,8 +224,8 @@ class Cluster:
       intra_node_bandwidth: bytes per second per GPU per direction inside a node (NVLink).
       intra_node_efficiency: fraction of it that collectives and sends achieve.
       intra_node_latency: seconds per message inside a node.
-      inter_node_bandwidth: bytes per second per GPU per direction between nodes (one
-        network adapter per GPU).
+      nics_per_node: network adapters per node; None means one per GPU.
+      inter_node_bandwidth: bytes per second per direction of one network adapter.
       inter_node_efficiency: fraction of it achieved.
       inter_node_latency: seconds per message between nodes.
     """
@@ -223,6 +234,8 @@ class Cluster:
     gpu: str
     peak_flops: float
     matmul_efficiency: float
+    matmul_half_flops: float = 0.0
+    kernel_launch_s: float = 0.0
     memory_bytes: int
     reserved_bytes: int = 0
     hbm_bandwidth: float
@@ -230,6 +243,7 @@ class Cluster:
     intra_node_bandwidth: float
     intra_node_efficiency: float = 1.0
     intra_node_latency: float
+    nics_per_node: int | None = None
     inter_node_bandwidth: float
     inter_node_efficiency: float = 1.0
     inter_node_latency: float
@@ -244,13 +258,15 @@ class Cluster:
             _check_float(owner, name, getattr(self, name))
         for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
             _check_float(owner, name, getattr(self, name), high=1.0)
-        for name in ("intra_node_latency", "inter_node_latency"):
+        for name in ("intra_node_latency", "inter_node_latency", "matmul_half_flops", "kernel_launch_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise DescriptionError(f"{owner}: {name} must be a number of seconds >= 0, got {value!r}")
+                raise DescriptionError(f"{owner}: {name} must be a number >= 0, got {value!r}")
         _check_int(owner, "memory_bytes", self.memory_bytes)
         _check_int(owner, "reserved_bytes", self.reserved_bytes, minimum=0)
         _check_int(owner, "gpus_per_node", self.gpus_per_node)
+        if self.nics_per_node is not None:
+            _check_int(owner, "nics_per_node", self.nics_per_node)
         if self.reserved_bytes >= self.memory_bytes:
             raise DescriptionError(
                 f"{owner}: reserved_bytes {self.reserved_bytes} leaves nothing of memory_bytes {self.memory_bytes}"
@@ -263,11 +279,24 @@ class Cluster:
 
     @property
     def matmul_flops(self) -> float:
-        """FLOP/s that training's matrix multiplications achieve on one GPU."""
+        """FLOP/s that the largest matrix multiplications approach on one GPU."""
         return self.peak_flops * self.matmul_efficiency
 
+    @property
+    def adapters_per_node(self) -> int:
+        """Network adapters per node (one per GPU unless ``nics_per_node`` says otherwise)."""
+        return self.gpus_per_node if self.nics_per_node is None else self.nics_per_node
+
+    @property
+    def network_share(self) -> float:
+        """Achieved bytes per second between nodes of one GPU while every GPU of its node
+        communicates: the node's adapters shared evenly."""
+        adapters = self.adapters_per_node * self.inter_node_bandwidth * self.inter_node_efficiency
+        return adapters / self.gpus_per_node
+
     def link(self, *, inter_node: bool) -> tuple[float, float]:
-        """(achieved bytes per second, seconds per message) of one GPU's link."""
+        """(achieved bytes per second, seconds per message) of one GPU's NVLink, or of one
+        network adapter."""
         if inter_node:
             return self.inter_node_bandwidth * self.inter_node_efficiency, self.inter_node_latency
         return self.intra_node_bandwidth * self.intra_node_efficiency, self.intra_node_latency
@@ -276,7 +305,7 @@ class Cluster:
 # --- reading descriptions -------------------------------------------------------------
 
 _INT_FIELDS = {"layers", "hidden", "ffn_hidden", "heads", "kv_heads", "seq_len", "vocab", "dtype_bytes",
-               "memory_bytes", "reserved_bytes", "gpus_per_node"}  # fmt: skip
+               "memory_bytes", "reserved_bytes", "gpus_per_node", "nics_per_node"}  # fmt: skip
 
 
 def _coerce(table: str, key: str, value: Any, source: str) -> Any:

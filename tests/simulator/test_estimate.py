@@ -162,12 +162,18 @@ def test_tensor_parallel_adds_four_all_reduces_per_layer() -> None:
 
 
 def test_data_parallel_tail_is_the_gradient_all_reduce() -> None:
-    # dp = 16 spans two nodes: the ring runs at the inter-node bandwidth; nothing hides it.
+    # dp = 16 spans two nodes with 8 members each: the ring crosses each node boundary on
+    # 8 adapters of 10 GB/s (80 GB/s, below NVLink's 100); nothing hides it.
     plan = Plan(dp=16, global_batch=16, dp_overlap=0.0)
     result = estimate(GPT, IDEAL, plan)
     assert result.dp_tail_s == pytest.approx(
-        ring_all_reduce_seconds(GPT.num_params * GRAD_BYTES, 16, bandwidth=10e9, latency=0.0)
+        ring_all_reduce_seconds(GPT.num_params * GRAD_BYTES, 16, bandwidth=80e9, latency=0.0)
     )
+    # One adapter per node (1.25 GB/s per GPU): the hierarchical all-reduce (NVLink
+    # reduce-scatter and all-gather, each GPU's eighth across the two nodes) wins.
+    one_adapter = estimate(GPT, dataclasses.replace(IDEAL, nics_per_node=1), plan)
+    size = GPT.num_params * GRAD_BYTES
+    assert one_adapter.dp_tail_s == pytest.approx(2 * 7 / 8 * size / 100e9 + 2 * 1 / 2 * (size / 8) / 1.25e9)
     hidden = estimate(GPT, IDEAL, dataclasses.replace(plan, dp_overlap=1.0))
     assert hidden.dp_tail_s < result.dp_tail_s
     bf16 = estimate(GPT, IDEAL, dataclasses.replace(plan, reduce_bytes=2))

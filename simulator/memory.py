@@ -1,0 +1,117 @@
+"""Memory per GPU of a plan: weights, gradients and optimizer state sharded by ZeRO stage,
+activations, and the working memory that is not per microbatch.
+
+16-bit weights, fp32 gradients (:data:`GRAD_BYTES`) and 12 bytes of Adam state
+(:data:`OPTIMIZER_BYTES`: fp32 master, m, v) per parameter; ZeRO 1 shards the optimizer
+state over the data-parallel ranks, ZeRO 2 also the gradients, ZeRO 3 also the weights.
+Activations are the simulator's peak of residual bytes held per device under the
+schedule (computed by the caller), plus one layer's working set under full
+recomputation; ZeRO 3 adds two layers' gathered weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipedsl.simulator.plan import Plan, PlanError, Recompute
+from pipedsl.simulator.transformer import Shapes
+
+__all__ = ["GRAD_BYTES", "OPTIMIZER_BYTES", "Memory", "DoesNotFit", "device_memory", "static_memory"]
+
+GRAD_BYTES = 4
+"""Bytes per gradient value held: fp32, as accumulated over microbatches."""
+OPTIMIZER_BYTES = 12
+"""Bytes of Adam state per parameter: fp32 master weight, first and second moments."""
+_GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Bytes per GPU on the fullest device, by what holds them."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    total: int
+    usable: int
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    @property
+    def excess(self) -> int:
+        """Bytes above what is usable (0 when the plan fits)."""
+        return max(0, self.total - self.usable)
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "total": self.total,
+            "usable": self.usable,
+        }
+
+    def text(self) -> str:
+        """``61.2 GiB per GPU (weights 4.1, ...), above the 76.0 GiB usable`` in words."""
+        where = "above" if not self.fits else "within"
+        return (
+            f"{self.total / _GIB:.1f} GiB per GPU (weights {self.weights / _GIB:.1f}, "
+            f"gradients {self.gradients / _GIB:.1f}, optimizer {self.optimizer / _GIB:.1f}, "
+            f"activations {self.activations / _GIB:.1f}), {where} the {self.usable / _GIB:.1f} GiB usable"
+        )
+
+
+class DoesNotFit(PlanError):
+    """A plan needs more memory per GPU than the cluster has; ``memory`` says where it goes."""
+
+    def __init__(self, plan: Plan, memory: Memory) -> None:
+        self.plan = plan
+        self.memory = memory
+        super().__init__(f"{plan.label} needs {memory.text()}")
+
+
+def static_memory(plan: Plan, device_params: float, dtype_bytes: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per GPU, sharded by ZeRO stage."""
+    dp = plan.dp
+    weights = device_params * dtype_bytes / (dp if plan.zero >= 3 else 1)
+    grads = device_params * GRAD_BYTES / (dp if plan.zero >= 2 else 1)
+    optimizer = device_params * OPTIMIZER_BYTES / (dp if plan.zero >= 1 else 1)
+    return weights, grads, optimizer
+
+
+def transient_bytes(shapes: Shapes) -> float:
+    """Working memory that is not per microbatch: one layer's full activations while
+    full recomputation rebuilds it; ZeRO 3's gathered weights of two layers (the one
+    running and the one prefetched)."""
+    plan, model = shapes.plan, shapes.model
+    extra = 0.0
+    if plan.recompute is Recompute.FULL:
+        extra += shapes.layer_activation_bytes(Recompute.NONE)
+    if plan.zero == 3:
+        extra += 2 * model.layer_params * model.dtype_bytes / plan.tp
+    return extra
+
+
+def device_memory(shapes: Shapes, device_params: Sequence[float], activations: Sequence[int]) -> Memory:
+    """Memory of the fullest of the devices holding ``device_params`` parameters and
+    ``activations`` bytes of activations (one number per device), with the plan's
+    working memory (:func:`transient_bytes`) on each."""
+    plan, model = shapes.plan, shapes.model
+    transient = transient_bytes(shapes)
+    static = [static_memory(plan, p, model.dtype_bytes) for p in device_params]
+    totals = [sum(parts) + held + transient for parts, held in zip(static, activations, strict=True)]
+    fullest = max(range(len(totals)), key=lambda d: totals[d])
+    weights, grads, optimizer = static[fullest]
+    return Memory(
+        weights=round(weights),
+        gradients=round(grads),
+        optimizer=round(optimizer),
+        activations=round(activations[fullest] + transient),
+        total=round(totals[fullest]),
+        usable=shapes.cluster.usable_bytes,
+    )

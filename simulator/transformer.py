@@ -1,0 +1,191 @@
+"""One transformer layer's work on one GPU: its matrix shapes, FLOPs, memory traffic and
+kernels, priced by a size-dependent compute model.
+
+Per microbatch of ``b`` sequences of ``s`` tokens (T = b·s tokens; h hidden, f the
+feed-forward width, a heads of width d = h/a, V vocabulary, t = tp):
+
+- Matrix multiplications, forward, per layer: QKV ``T × h × (h + 2·kv)/t``, the output
+  projection ``T × h/t × h``, the feed-forward ``T × h × g·f/t`` (g = 2 when gated) and
+  ``T × f/t × h``; attention's core ``b·a/t`` products ``s × d × s`` and ``s × s × d``
+  (one fused kernel with FlashAttention). The backward runs each linear product twice
+  (input gradient into ``I``, weight gradient into ``W``, same shape, same cost) and
+  attention's core twice, in ``I``. The logits ``T × h × V/t`` sit on the last stage.
+- Each product of F FLOPs runs at ``min(peak, intensity × HBM) × matmul_efficiency ×
+  F / (F + matmul_half_flops)`` (see :class:`~pipedsl.simulator.hardware.Cluster`).
+- Elementwise work (norms, dropout, activations, softmax, the loss) is bound by memory
+  bandwidth: each byte a layer stores for its backward (Korthikanti et al. 2022:
+  s·b·h·(34 + 5·a·s/h)/t with sequence parallelism) costs two bytes of HBM traffic in the
+  forward and four in the backward. FlashAttention never writes the a·s² scores.
+- Every kernel costs ``kernel_launch_s`` more: per layer forward the products above and
+  :data:`ELEMENTWISE_KERNELS` elementwise kernels (two more without FlashAttention:
+  softmax and attention dropout); the backward twice the products, as many elementwise.
+- Recomputation: ``full`` reruns each layer's forward (compute and tensor-parallel
+  collectives) inside ``I`` and stores only the layer input (2·s·b·h/t); ``selective``
+  reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t.
+- Tensor parallelism: 2 all-reduces of b·s·h values in the forward and 2 in the backward
+  per layer (:mod:`~pipedsl.simulator.collectives`); sequence parallelism turns each into
+  a reduce-scatter plus an all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, group_of
+from pipedsl.simulator.hardware import Cluster, Model
+from pipedsl.simulator.plan import Plan, Recompute
+
+__all__ = ["Work", "Shapes", "gemm_seconds", "ELEMENTWISE_KERNELS", "LOSS_BYTES"]
+
+ELEMENTWISE_KERNELS = 6
+"""Elementwise kernels of one layer's forward with FlashAttention: two norms, two fused
+bias-dropout-residual adds, the activation and the split of the fused QKV output."""
+LOSS_BYTES = 4
+"""Bytes per logit of the fp32 softmax the loss keeps for its backward."""
+
+
+def gemm_seconds(m: float, k: float, n: float, cluster: Cluster, *, dtype_bytes: int, batch: int = 1) -> float:
+    """Seconds of ``batch`` products ``(m × k) · (k × n)`` run as one kernel, launch excluded.
+
+    The roofline bound uses one product's intensity 2mkn / (bytes of its three
+    matrices); the efficiency curve the FLOPs of the whole kernel.
+    """
+    flops = 2.0 * m * k * n
+    intensity = flops / (dtype_bytes * (m * k + k * n + m * n))
+    total = batch * flops
+    roof = min(cluster.peak_flops, intensity * cluster.hbm_bandwidth)
+    rate = roof * cluster.matmul_efficiency * total / (total + cluster.matmul_half_flops)
+    return total / rate
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """Seconds of one block for one microbatch: forward, input-gradient and weight-gradient
+    halves of the backward (``B = I + W``)."""
+
+    forward: float = 0.0
+    input_grad: float = 0.0
+    weight_grad: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(
+            self.forward + other.forward, self.input_grad + other.input_grad, self.weight_grad + other.weight_grad
+        )
+
+    def __mul__(self, factor: float) -> Work:
+        return Work(self.forward * factor, self.input_grad * factor, self.weight_grad * factor)
+
+    @property
+    def backward(self) -> float:
+        return self.input_grad + self.weight_grad
+
+
+@dataclass(frozen=True, slots=True)
+class Shapes:
+    """The numbers every formula needs, for one plan: b, s, h, a, t and friends."""
+
+    model: Model
+    cluster: Cluster
+    plan: Plan
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per microbatch b·s."""
+        return self.plan.microbatch_size * self.model.seq_len
+
+    @property
+    def tp_group(self) -> Group:
+        return group_of(self.plan.tp, 1, self.cluster)
+
+    def traffic_seconds(self, num_bytes: float) -> float:
+        return num_bytes / self.cluster.hbm_bandwidth
+
+    def _gemm(self, m: float, k: float, n: float, batch: int = 1) -> float:
+        return gemm_seconds(m, k, n, self.cluster, dtype_bytes=self.model.dtype_bytes, batch=batch)
+
+    def linear_seconds(self) -> tuple[float, int]:
+        """(seconds, kernels) of one layer's four linear products, forward."""
+        m, t, tokens = self.model, self.plan.tp, self.tokens
+        gated = 2 if m.gated_ffn else 1
+        seconds = (
+            self._gemm(tokens, m.hidden, (m.hidden + 2 * m.kv_width) // t)
+            + self._gemm(tokens, m.hidden // t, m.hidden)
+            + self._gemm(tokens, m.hidden, gated * m.ffn_hidden // t)
+            + self._gemm(tokens, m.ffn_hidden // t, m.hidden)
+        )
+        return seconds, 4
+
+    def attention_seconds(self) -> tuple[float, int]:
+        """(seconds, kernels) of attention's core, forward: 4·b·s²·h/t FLOPs."""
+        m, plan = self.model, self.plan
+        heads = plan.microbatch_size * m.heads // plan.tp
+        width = m.hidden // m.heads
+        seconds = self._gemm(m.seq_len, width, m.seq_len, heads) + self._gemm(m.seq_len, m.seq_len, width, heads)
+        return seconds, 1 if plan.flash_attention else 2
+
+    def tp_all_reduce(self) -> float:
+        """One tensor-parallel all-reduce of b·s·h values (with sequence parallelism a
+        reduce-scatter plus an all-gather), in seconds."""
+        size = self.tokens * self.model.hidden * self.model.dtype_bytes
+        if self.plan.sequence_parallel:
+            return 2 * gather_seconds(size, self.tp_group, self.cluster)
+        return all_reduce_seconds(size, self.tp_group, self.cluster)
+
+    def layer_activation_bytes(self, recompute: Recompute) -> float:
+        """Bytes one layer keeps per microbatch for its backward (Korthikanti et al. 2022)."""
+        m, t = self.model, self.plan.tp
+        sbh = self.tokens * m.hidden
+        scores = 0.0 if self.plan.flash_attention else 5 * m.heads * m.seq_len / m.hidden
+        if recompute is Recompute.FULL:
+            return 2 * sbh / (t if self.plan.sequence_parallel else 1)
+        if recompute is Recompute.SELECTIVE:
+            scores = 0.0
+        replicated = 10 / t if self.plan.sequence_parallel else 10
+        return sbh * (replicated + 24 / t + scores / t)
+
+    def layer_work(self) -> Work:
+        """One transformer layer for one microbatch on one GPU."""
+        m, plan, launch = self.model, self.plan, self.cluster.kernel_launch_s
+        linear, linear_kernels = self.linear_seconds()
+        attention, attention_kernels = self.attention_seconds()
+        score_bytes = 0.0 if plan.flash_attention else self.tokens * 5 * m.heads * m.seq_len / plan.tp
+        elementwise_kernels = ELEMENTWISE_KERNELS + (0 if plan.flash_attention else 2)
+        elementwise = self.traffic_seconds(2 * self.layer_activation_bytes(Recompute.NONE))
+        collectives = 2 * self.tp_all_reduce()
+        forward = (
+            linear + attention + elementwise + collectives
+            + launch * (linear_kernels + attention_kernels + elementwise_kernels)
+        )  # fmt: skip
+        # I carries everything on the activation-gradient path: the input-gradient matmuls,
+        # attention's core, the elementwise backward and the backward collectives.
+        input_grad = (
+            linear + 2 * attention + 2 * elementwise + collectives
+            + launch * (linear_kernels + 2 * attention_kernels + elementwise_kernels)
+        )  # fmt: skip
+        if plan.recompute is Recompute.FULL:
+            input_grad += forward
+        elif plan.recompute is Recompute.SELECTIVE and not plan.flash_attention:
+            input_grad += attention + self.traffic_seconds(2 * score_bytes) + launch * (attention_kernels + 2)
+        return Work(forward, input_grad, linear + launch * linear_kernels)
+
+    def embedding_work(self) -> Work:
+        """Token (and position) lookup, its dropout, and the scatter-add of its gradient."""
+        size = self.tokens * self.model.hidden * self.model.dtype_bytes / self.plan.tp
+        seconds = self.traffic_seconds(2 * size) + self.cluster.kernel_launch_s
+        return Work(seconds, 0.0, 2 * seconds)
+
+    def head_work(self) -> Work:
+        """Final norm, logits (2·b·s·h·V/t FLOPs) and the vocabulary-parallel loss."""
+        m, t, launch = self.model, self.plan.tp, self.cluster.kernel_launch_s
+        logits = self._gemm(self.tokens, m.hidden, m.vocab / t) + launch
+        loss = self.traffic_seconds(2 * self.head_activation_bytes()) + 2 * launch
+        return Work(logits + loss, logits + 2 * loss, logits)
+
+    def head_activation_bytes(self) -> float:
+        """The loss's fp32 softmax plus the final norm's input, per microbatch."""
+        m, t = self.model, self.plan.tp
+        return self.tokens * (m.vocab * LOSS_BYTES + m.hidden * m.dtype_bytes) / t
+
+    def embedding_activation_bytes(self) -> float:
+        """The embedding dropout's mask, one byte per value."""
+        return self.tokens * self.model.hidden / self.plan.tp
