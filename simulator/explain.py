@@ -1,0 +1,138 @@
+"""Why a search found no plan, and what would make a plan that does not fit fit.
+
+A search counts what removed plans in two places: the enumeration, through the
+``skipped`` counter :func:`~pipedsl.simulator.search.candidate_plans` fills (parallel
+layouts that do not divide the batch or the layers), and the costing, by the error each
+dropped plan raised. :class:`Explanation` gathers both with the schedules that kept no
+plan, and says it in words. :func:`fit_advice` tries single changes to a plan that does
+not fit in memory and reports those that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pipedsl.simulator.estimate import prepare
+from pipedsl.simulator.hardware import Cluster, Model
+from pipedsl.simulator.memory import Memory
+from pipedsl.simulator.plan import Pipelines, Plan, Recompute
+
+from pipedsl.errors import PipedslError
+
+__all__ = ["Explanation", "Advice", "fit_advice", "misfit_text"]
+
+_GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """What a search removed and why.
+
+    Attributes:
+      considered: plans the enumeration produced.
+      ranked: plans that fit and were ranked.
+      skipped: (rule, count) for parallel layouts the enumeration never produced,
+        most first; each count is of (tp, dp, pp, vpp) layouts, not of full plans.
+      dropped: (reason, count) for produced plans that were dropped, most first.
+      schedules_without_plan: schedules that kept no ranked plan.
+    """
+
+    considered: int
+    ranked: int
+    skipped: tuple[tuple[str, int], ...]
+    dropped: tuple[tuple[str, int], ...]
+    schedules_without_plan: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        considered: int,
+        ranked: int,
+        skipped: Mapping[str, int],
+        dropped: Mapping[str, int],
+        schedules: Sequence[str],
+        ranked_schedules: Sequence[str],
+    ) -> Explanation:
+        def most_first(counts: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+            return tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+        kept = set(ranked_schedules)
+        return cls(
+            considered=considered,
+            ranked=ranked,
+            skipped=most_first(skipped),
+            dropped=most_first(dropped),
+            schedules_without_plan=tuple(s for s in schedules if s not in kept),
+        )
+
+    def lines(self) -> list[str]:
+        """The explanation, one sentence a line (empty when nothing was removed)."""
+        out = [f"not enumerated ({count} layouts): {rule}" for rule, count in self.skipped]
+        out += [f"dropped {count}: {reason}" for reason, count in self.dropped]
+        if self.schedules_without_plan:
+            out.append(f"no feasible plan for schedule(s): {', '.join(self.schedules_without_plan)}")
+        if self.ranked == 0:
+            out.append(
+                "nothing fits: choose a global batch that is a multiple of dp × microbatch size, "
+                "a GPU count whose factors divide the heads and layers, or a larger cluster"
+                if self.considered == 0
+                else "nothing fits: see the reasons above; more GPUs, recomputation or ZeRO may help"
+            )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    """A single change to a plan (``change`` in words) and the memory it needs then."""
+
+    change: str
+    plan: Plan
+    memory: Memory
+
+
+def _variants(plan: Plan) -> list[tuple[str, Plan]]:
+    out: list[tuple[str, Plan]] = []
+    for mode in (Recompute.SELECTIVE, Recompute.FULL):
+        if mode is not plan.recompute and not (mode is Recompute.SELECTIVE and plan.recompute is Recompute.FULL):
+            out.append((f"recompute {mode.value}", dataclasses.replace(plan, recompute=mode)))
+    if plan.dp > 1:
+        for zero in range(plan.zero + 1, 4):
+            out.append((f"ZeRO {zero}", dataclasses.replace(plan, zero=zero)))
+    if plan.microbatch_size > 1:
+        smaller = plan.microbatch_size // 2
+        out.append((f"microbatch size {smaller}", dataclasses.replace(plan, microbatch_size=smaller)))
+    if not plan.flash_attention:
+        out.append(("FlashAttention", dataclasses.replace(plan, flash_attention=True)))
+    if not plan.sequence_parallel and plan.tp > 1:
+        out.append(("sequence parallelism", dataclasses.replace(plan, sequence_parallel=True)))
+    return out
+
+
+def fit_advice(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipelines | None = None) -> list[Advice]:
+    """Single changes to ``plan`` (recomputation, a higher ZeRO stage, half the
+    microbatch size, FlashAttention, sequence parallelism) that make it fit, least
+    memory first. Changes the plan cannot take (a schedule's ``require``) are skipped."""
+    pipelines = pipelines if pipelines is not None else Pipelines(keep_simulations=False)
+    found = []
+    for change, variant in _variants(plan):
+        try:
+            memory = prepare(model, cluster, variant, pipelines=pipelines).memory
+        except PipedslError:
+            continue
+        if memory.fits:
+            found.append(Advice(change, variant, memory))
+    return sorted(found, key=lambda a: a.memory.total)
+
+
+def misfit_text(memory: Memory, advice: Sequence[Advice]) -> list[str]:
+    """Lines that say by how much a plan does not fit and what would make it fit."""
+    lines = [f"does not fit: needs {memory.text()}; {memory.excess / _GIB:.1f} GiB too much"]
+    if advice:
+        lines += [f"  fits with {a.change}: {a.memory.total / _GIB:.1f} GiB" for a in advice]
+    else:
+        lines.append("  no single change (recomputation, ZeRO, smaller microbatches) makes it fit; "
+                     "use more tensor or pipeline parallelism, or GPUs with more memory")  # fmt: skip
+    return lines

@@ -1,0 +1,254 @@
+"""The estimator against published training runs, and the one fit of its compute model.
+
+``data/published_runs*.csv`` hold measured iteration times (or throughputs) of training
+runs with their exact configurations; ``data/README.md`` cites each source. Each row is
+marked ``calibrate`` (used to fit the cluster's compute parameters) or ``validate`` (only
+reported). :func:`fit` picks ``matmul_efficiency``, ``matmul_half_flops`` and
+``kernel_launch_s`` of a cluster preset on the calibration rows alone, from a fixed grid
+(:data:`GRID`), minimising their mean absolute percentage error; nothing is fitted per
+run. Run ``python -m pipedsl.simulator.fit_published`` to refit, print the table and
+write ``data/ACCURACY.md``; ``--check`` evaluates the presets as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipedsl.simulator.collectives import group_of
+from pipedsl.simulator.estimate import estimate
+from pipedsl.simulator.hardware import Cluster, Model, load_cluster
+from pipedsl.simulator.plan import Pipelines, Plan
+
+__all__ = ["DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "regimes", "accuracy_markdown", "main"]
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+"""The folder of published runs (``data/`` at the repository root)."""
+
+GRID = {
+    "matmul_efficiency": tuple(round(0.66 + 0.02 * i, 2) for i in range(9)),
+    "matmul_half_flops": (0.0, 1e9, 3e9, 1e10, 2e10, 4e10, 8e10),
+    "kernel_launch_s": (0.0, 5e-6, 1e-5, 2e-5, 4e-5),
+}
+"""The values :func:`fit` tries for each compute parameter."""
+
+_COUNTS = ("layers", "hidden", "ffn_hidden", "heads", "seq_len", "vocab", "gpus", "dp", "tp", "pp", "vpp",
+           "microbatch_size", "global_batch")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One published run: its model, plan, cluster preset, per-stage layers (None for an
+    even split), measured seconds per iteration and whether it calibrates."""
+
+    name: str
+    source: str
+    role: str
+    cluster: str
+    model: Model
+    plan: Plan
+    stage_layers: tuple[int, ...] | None
+    measured_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A run with its predicted seconds per iteration; ``error`` is (predicted − measured) / measured."""
+
+    run: Run
+    predicted_s: float
+    fits: bool
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.run.measured_s) / self.run.measured_s
+
+
+def _measured_seconds(row: dict[str, str], model: Model, plan: Plan) -> float:
+    """Seconds per iteration from the reported metric.
+
+    ``tflops_per_gpu`` uses Narayanan et al.'s equation (3), which counts the recomputed
+    forward: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per iteration;
+    ``samples_per_gpu_per_s`` is global batch / (GPUs × rate).
+    """
+    reported = float(row["reported"])
+    metric = row["metric"]
+    if metric == "iteration_time_s":
+        return reported
+    if metric == "tflops_per_gpu":
+        b, s, l, h, v = plan.global_batch, model.seq_len, model.layers, model.hidden, model.vocab
+        flops = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+        return flops / (plan.gpus * reported * 1e12)
+    if metric == "samples_per_gpu_per_s":
+        return plan.global_batch / (plan.gpus * reported)
+    raise ValueError(f"{row['run']}: unknown metric {metric!r}")
+
+
+def _run(row: dict[str, str]) -> Run:
+    n = {k: int(row[k]) for k in _COUNTS}
+    model = Model(name=row["run"], layers=n["layers"], hidden=n["hidden"], ffn_hidden=n["ffn_hidden"],
+                  heads=n["heads"], seq_len=n["seq_len"], vocab=n["vocab"])  # fmt: skip
+    plan = Plan(
+        dp=n["dp"],
+        tp=n["tp"],
+        pp=n["pp"],
+        vpp=n["vpp"],
+        microbatch_size=n["microbatch_size"],
+        global_batch=n["global_batch"],
+        recompute=row["recompute"],
+        sequence_parallel=row["sequence_parallel"] == "true",
+        flash_attention=row["flash_attention"] == "true",
+        dp_overlap=float(row["dp_overlap"]),
+        schedule=row["schedule"] or None,
+    )
+    if plan.gpus != n["gpus"]:
+        raise ValueError(f"{row['run']}: dp × tp × pp = {plan.gpus}, but the row says {n['gpus']} GPUs")
+    if row["role"] not in ("calibrate", "validate"):
+        raise ValueError(f"{row['run']}: role must be calibrate or validate, got {row['role']!r}")
+    layers = tuple(int(x) for x in row["stage_layers"].split()) or None
+    return Run(row["run"], row["source"], row["role"], row["cluster"], model, plan, layers,
+               _measured_seconds(row, model, plan))  # fmt: skip
+
+
+def load_runs(folder: Path = DATA) -> list[Run]:
+    """Every row of ``published_runs*.csv`` in ``folder``, in file order."""
+    runs = []
+    for path in sorted(folder.glob("published_runs*.csv")):
+        with path.open(newline="") as handle:
+            runs.extend(_run(row) for row in csv.DictReader(handle))
+    return runs
+
+
+def evaluate(runs: Iterable[Run], clusters: dict[str, Cluster], pipelines: Pipelines | None = None) -> list[Result]:
+    """Predict every run on its cluster (``clusters`` maps preset names to descriptions)."""
+    pipelines = pipelines if pipelines is not None else Pipelines(keep_simulations=False)
+    results = []
+    for run in runs:
+        predicted = estimate(run.model, clusters[run.cluster], run.plan, pipelines=pipelines,
+                             stage_layers=run.stage_layers)  # fmt: skip
+        results.append(Result(run, predicted.step_time_s, predicted.fits))
+    return results
+
+
+def _mape(results: Sequence[Result]) -> float:
+    return sum(abs(r.error) for r in results) / len(results) if results else 0.0
+
+
+def fit(runs: Sequence[Run], cluster: Cluster) -> tuple[Cluster, float]:
+    """The grid point (see the module docstring) with the lowest mean absolute
+    percentage error on the calibration runs of ``cluster``'s preset, and that error."""
+    calibration = [r for r in runs if r.role == "calibrate" and r.cluster == cluster.name]
+    if not calibration:
+        raise ValueError(f"no calibration runs for cluster {cluster.name}")
+    pipelines = Pipelines(keep_simulations=False)
+    seen: dict[tuple[float, ...], float] = {}
+
+    def error(point: tuple[float, ...]) -> float:
+        if point not in seen:
+            candidate = dataclasses.replace(cluster, **dict(zip(GRID, point, strict=True)))
+            seen[point] = _mape(evaluate(calibration, {cluster.name: candidate}, pipelines))
+        return seen[point]
+
+    point = tuple(values[0] for values in GRID.values())
+    improved = True
+    while improved:
+        improved = False
+        for axis, values in enumerate(GRID.values()):
+            best = min(values, key=lambda v: error(point[:axis] + (v,) + point[axis + 1 :]))
+            if error(point[:axis] + (best,) + point[axis + 1 :]) < error(point):
+                point = point[:axis] + (best,) + point[axis + 1 :]
+                improved = True
+    return dataclasses.replace(cluster, **dict(zip(GRID, point, strict=True))), error(point)
+
+
+def regimes(run: Run, cluster: Cluster) -> tuple[str, ...]:
+    """The regimes a run belongs to (a run may be in several)."""
+    plan, found = run.plan, []
+    if plan.tp > cluster.gpus_per_node:
+        found.append("tensor parallel across nodes")
+    if plan.dp > 1 and group_of(plan.dp, plan.tp, cluster).nodes > 1:
+        found.append("data parallel across nodes")
+    if plan.pp >= 16:
+        found.append("pipeline depth 16-64")
+    if run.model.num_params < 5e9:
+        found.append("small model (< 5B)")
+    if plan.gpus <= cluster.gpus_per_node:
+        found.append("single node")
+    if not found:
+        found.append("other")
+    return tuple(found)
+
+
+def _table(groups: dict[str, list[Result]]) -> list[str]:
+    lines = ["| group | runs | mean abs. error | worst |", "|---|---:|---:|---:|"]
+    for name, results in groups.items():
+        worst = max(results, key=lambda r: abs(r.error))
+        lines.append(f"| {name} | {len(results)} | {100 * _mape(results):.1f}% | {100 * worst.error:+.1f}% ({worst.run.name}) |")
+    return lines
+
+
+def accuracy_markdown(results: Sequence[Result], clusters: dict[str, Cluster]) -> str:
+    """``data/ACCURACY.md``: error per source, per role, per regime, and per run."""
+    by_source: dict[str, list[Result]] = {}
+    by_role: dict[str, list[Result]] = {}
+    by_regime: dict[str, list[Result]] = {}
+    for r in results:
+        by_source.setdefault(r.run.source, []).append(r)
+        by_role.setdefault(r.run.role, []).append(r)
+        for regime in regimes(r.run, clusters[r.run.cluster]):
+            by_regime.setdefault(regime, []).append(r)
+    lines = [
+        "# Accuracy of the estimator on published runs",
+        "",
+        "Generated by `python -m pipedsl.simulator.fit_published` from `data/published_runs*.csv`",
+        "(sources in `data/README.md`). Error = (predicted − measured) / measured seconds per iteration.",
+        "",
+        "Fitted compute parameters (fitted on the `calibrate` rows only):",
+        "",
+    ]
+    for name, cluster in sorted(clusters.items()):
+        lines.append(
+            f"- `{name}`: matmul_efficiency = {cluster.matmul_efficiency:g}, "
+            f"matmul_half_flops = {cluster.matmul_half_flops:g}, kernel_launch_s = {cluster.kernel_launch_s:g}"
+        )
+    lines += ["", "## By role", ""] + _table({**by_role, "all": list(results)})
+    lines += ["", "## By source", ""] + _table(by_source)
+    lines += ["", "## By regime", ""] + _table(by_regime)
+    lines += ["", "## Every run", "", "| run | source | role | GPUs | dp·tp·pp | measured s | predicted s | error |",
+              "|---|---|---|---:|---|---:|---:|---:|"]  # fmt: skip
+    for r in results:
+        p = r.run.plan
+        lines.append(
+            f"| {r.run.name} | {r.run.source} | {r.run.role} | {p.gpus} | {p.dp}·{p.tp}·{p.pp} | "
+            f"{r.run.measured_s:.3f} | {r.predicted_s:.3f} | {100 * r.error:+.1f}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Fit (or with ``--check`` only evaluate) the presets used by the published runs."""
+    parser = argparse.ArgumentParser(prog="python -m pipedsl.simulator.fit_published", description=__doc__)
+    parser.add_argument("--check", action="store_true", help="evaluate the presets as they are; do not fit")
+    parser.add_argument("--out", type=Path, default=DATA / "ACCURACY.md", help="where to write the accuracy table")
+    args = parser.parse_args(argv)
+    runs = load_runs()
+    clusters = {name: load_cluster(name) for name in sorted({r.cluster for r in runs})}
+    if not args.check:
+        for name, cluster in clusters.items():
+            clusters[name], error = fit(runs, cluster)
+            c = clusters[name]
+            print(f"{name}: matmul_efficiency = {c.matmul_efficiency:g}, matmul_half_flops = {c.matmul_half_flops:g}, "
+                  f"kernel_launch_s = {c.kernel_launch_s:g} (calibration error {100 * error:.1f}%)")  # fmt: skip
+    text = accuracy_markdown(evaluate(runs, clusters), clusters)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
