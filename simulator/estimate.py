@@ -5,14 +5,16 @@ runs the pipeline part through the simulator. It is ``prepare(...).finish()``:
 :func:`prepare` does everything that needs no simulation (the costs, the memory, a lower
 bound on the step time), so a search can drop or order plans before it simulates any.
 
-This module assembles three models:
+This module assembles four models:
 
 - :mod:`~pipedsl.simulator.transformer`: each layer's, the embedding's and the head's
   work per microbatch on one GPU (matrix shapes, the size-dependent compute model,
   elementwise traffic, kernel launches, tensor-parallel collectives);
 - :mod:`~pipedsl.simulator.collectives`: all-reduce, all-gather, reduce-scatter and
   sends by algorithm and by the group's place in the nodes;
-- :mod:`~pipedsl.simulator.memory`: bytes per GPU by ZeRO stage.
+- :mod:`~pipedsl.simulator.memory`: bytes per GPU by ZeRO stage;
+- :mod:`~pipedsl.simulator.data_parallel`: gradient and weight traffic between
+  data-parallel ranks, its overlap, and the optimizer step.
 
 Assembly:
 
@@ -22,16 +24,8 @@ Assembly:
   when both pipeline neighbours sit in one node and at the GPU's network share
   otherwise. Ranks are laid out tensor-parallel innermost, then data-parallel, then
   pipeline (Megatron's order).
-- Data parallelism, reducing gradients of ``reduce_bytes`` (4, fp32, by default): ZeRO 0
-  all-reduces them once per step, ZeRO 1 reduce-scatters them and all-gathers the
-  updated 16-bit weights, ZeRO 2 reduce-scatters every microbatch's gradients (that is
-  what frees their memory) and all-gathers the weights once, ZeRO 3 also all-gathers the
-  weights in every forward and backward. Overlap: ``dp_overlap`` is the fraction of the
-  covering computation that can hide this traffic. Once-per-step gradient reduction can
-  hide only behind the last microbatch's backward (the gradients are final only then),
-  the weight all-gather only behind the next step's first forward; per-microbatch
-  ZeRO 2/3 traffic hides behind that microbatch's own forward or backward.
-- The optimizer step reads and writes 30 bytes per local parameter at HBM bandwidth.
+- Data-parallel traffic by ZeRO stage, what of it the computation hides, and the
+  optimizer step: :mod:`~pipedsl.simulator.data_parallel`.
 
 Step time = pipeline makespan (simulated) + the slowest device's exposed data-parallel
 tail and optimizer step. MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
@@ -48,15 +42,13 @@ import numpy as np
 
 from pipedsl.ir import Schedule
 from pipedsl.simulator.collectives import (
-    Group,
     all_reduce_choice,
-    all_reduce_seconds,
-    gather_seconds,
     group_of,
     ring_all_reduce_seconds,
     ring_gather_seconds,
 )
 from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.data_parallel import dp_group, tails, zero_per_microbatch
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory
@@ -79,11 +71,6 @@ __all__ = [
     "GRAD_BYTES",
     "OPTIMIZER_BYTES",
 ]
-
-_OPTIMIZER_TRAFFIC = 30
-"""HBM bytes the Adam update moves per parameter: reads grad, master, m, v (16), writes
-master, m, v (12) and the 16-bit weight (2)."""
-
 
 @dataclass(frozen=True, slots=True)
 class Assumption:
@@ -162,10 +149,6 @@ class Estimate:
 
 
 # --- groups and links -------------------------------------------------------------------
-
-
-def _dp_group(plan: Plan, cluster: Cluster) -> Group:
-    return group_of(plan.dp, plan.tp, cluster)
 
 
 def _pipeline_link_inter(a: int, b: int, plan: Plan, cluster: Cluster) -> bool:
@@ -280,7 +263,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
     size = model.num_params / (plan.tp * plan.pp) * plan.reduce_bytes
     for name, group, num_bytes in (
         ("tp_collectives", group_of(plan.tp, 1, cluster), model.seq_len * plan.microbatch_size * model.hidden * 2),
-        ("dp_collectives", _dp_group(plan, cluster), size),
+        ("dp_collectives", dp_group(plan, cluster), size),
     ):
         if group.ranks > 1:
             algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
@@ -351,7 +334,7 @@ class Prepared:
         else:
             pipeline_time = plan.microbatches * (work[0].forward + work[0].backward)
             bubble = 0.0
-        tail, optimizer = _tails(shapes, work, self.placement, self.device_params)
+        tail, optimizer = tails(shapes, work, self.placement, self.device_params)
         step = pipeline_time + tail + optimizer
         tokens = plan.global_batch * model.seq_len
         return Estimate(
@@ -418,7 +401,7 @@ def prepare(
     work = [layer * n for n in layers]
     work[0] = work[0] + shapes.embedding_work()
     work[-1] = work[-1] + shapes.head_work()
-    work = [w + _zero_per_microbatch(shapes, p, w) for w, p in zip(work, params, strict=True)]
+    work = [w + zero_per_microbatch(shapes, p, w) for w, p in zip(work, params, strict=True)]
     device_params = [0.0] * plan.pp
     for s, d in enumerate(placement):
         device_params[d] += params[s]
@@ -442,7 +425,7 @@ def prepare(
         residual=tuple(residual),
         device_params=tuple(device_params),
         memory=memory,
-        lower_bound_s=_lower_bound(plan, work, key, pipelines) + sum(_tails(shapes, work, placement, device_params)),
+        lower_bound_s=_lower_bound(plan, work, key, pipelines) + sum(tails(shapes, work, placement, device_params)),
     )
 
 
@@ -474,72 +457,3 @@ def _lower_bound(plan: Plan, work: list[Work], key: ScheduleKey | None, pipeline
         return plan.microbatches * (work[0].forward + work[0].backward)
     seconds = np.array([[w.forward, w.backward, w.input_grad, w.weight_grad] for w in work]).T
     return pipelines.lower_bound_s(key, seconds)
-
-
-# --- data parallelism and the optimizer ---------------------------------------------------
-
-
-def _tails(
-    shapes: Shapes,
-    work: Sequence[Work],
-    placement: tuple[int, ...],
-    device_params: Sequence[float],
-) -> tuple[float, float]:
-    """(exposed data-parallel seconds, optimizer seconds) of the device where they sum
-    to the most."""
-    best = (0.0, 0.0)
-    for d in range(shapes.plan.pp):
-        own = [s for s, dev in enumerate(placement) if dev == d]
-        last_backward = sum(work[s].backward for s in own)
-        first_forward = sum(work[s].forward for s in own)
-        tail = _dp_tail(shapes, device_params[d], last_backward, first_forward)
-        optimizer = _optimizer_seconds(shapes, device_params[d])
-        if tail + optimizer > sum(best):
-            best = (tail, optimizer)
-    return best
-
-
-def _gather(shapes: Shapes, num_bytes: float) -> float:
-    return gather_seconds(num_bytes, _dp_group(shapes.plan, shapes.cluster), shapes.cluster)
-
-
-def _zero_per_microbatch(shapes: Shapes, stage_params: float, work: Work) -> Work:
-    """Exposed per-microbatch ZeRO traffic of one stage: stage 2 reduce-scatters each
-    microbatch's gradients (hidden behind ``W``), stage 3 also gathers the weights for
-    the forward and again for the backward."""
-    plan = shapes.plan
-    if plan.zero < 2 or plan.dp == 1:
-        return Work()
-    hide = plan.dp_overlap
-    scatter = _gather(shapes, stage_params * plan.reduce_bytes)
-    weight_grad = max(0.0, scatter - hide * work.weight_grad)
-    if plan.zero == 2:
-        return Work(0.0, 0.0, weight_grad)
-    gather = _gather(shapes, stage_params * shapes.model.dtype_bytes)
-    forward = max(0.0, gather - hide * work.forward)
-    input_grad = max(0.0, gather - hide * work.input_grad)
-    return Work(forward, input_grad, weight_grad)
-
-
-def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_forward: float) -> float:
-    """Exposed once-per-step data-parallel seconds of one device (see the module docstring)."""
-    plan = shapes.plan
-    if plan.dp == 1:
-        return 0.0
-    hide = plan.dp_overlap
-    weights = device_params * shapes.model.dtype_bytes
-    grads = device_params * plan.reduce_bytes
-    if plan.zero == 0:
-        reduce = all_reduce_seconds(grads, _dp_group(plan, shapes.cluster), shapes.cluster)
-        return max(0.0, reduce - hide * last_backward)
-    gather = max(0.0, _gather(shapes, weights) - hide * first_forward)
-    if plan.zero == 1:
-        return max(0.0, _gather(shapes, grads) - hide * last_backward) + gather
-    if plan.zero == 2:
-        return gather
-    return 0.0
-
-
-def _optimizer_seconds(shapes: Shapes, device_params: float) -> float:
-    local = device_params / (shapes.plan.dp if shapes.plan.zero >= 1 else 1)
-    return shapes.traffic_seconds(local * _OPTIMIZER_TRAFFIC)

@@ -14,12 +14,12 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pipedsl.errors import PipedslError
 from pipedsl.simulator.estimate import prepare
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import Memory
-from pipedsl.simulator.plan import Pipelines, Plan, Recompute
-
-from pipedsl.errors import PipedslError
+from pipedsl.simulator.pipelines import Pipelines
+from pipedsl.simulator.plan import Plan, Recompute
 
 __all__ = ["Explanation", "Advice", "fit_advice", "misfit_text"]
 
@@ -33,15 +33,16 @@ class Explanation:
     Attributes:
       considered: plans the enumeration produced.
       ranked: plans that fit and were ranked.
-      skipped: (rule, count) for parallel layouts the enumeration never produced,
-        most first; each count is of (tp, dp, pp, vpp) layouts, not of full plans.
+      skipped: (rule, values, count) for combinations the enumeration never produced,
+        most first: the rule, the values of dp or pp × vpp that broke it, and how many
+        (layout, microbatch size, schedule) combinations it removed.
       dropped: (reason, count) for produced plans that were dropped, most first.
       schedules_without_plan: schedules that kept no ranked plan.
     """
 
     considered: int
     ranked: int
-    skipped: tuple[tuple[str, int], ...]
+    skipped: tuple[tuple[str, tuple[int, ...], int], ...]
     dropped: tuple[tuple[str, int], ...]
     schedules_without_plan: tuple[str, ...]
 
@@ -51,7 +52,7 @@ class Explanation:
         *,
         considered: int,
         ranked: int,
-        skipped: Mapping[str, int],
+        skipped: Mapping[tuple[str, int], int],
         dropped: Mapping[str, int],
         schedules: Sequence[str],
         ranked_schedules: Sequence[str],
@@ -60,17 +61,25 @@ class Explanation:
             return tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
         kept = set(ranked_schedules)
+        values: dict[str, set[int]] = {}
+        counts: dict[str, int] = {}
+        for (rule, value), count in skipped.items():
+            values.setdefault(rule, set()).add(value)
+            counts[rule] = counts.get(rule, 0) + count
         return cls(
             considered=considered,
             ranked=ranked,
-            skipped=most_first(skipped),
+            skipped=tuple((rule, tuple(sorted(values[rule])), count) for rule, count in most_first(counts)),
             dropped=most_first(dropped),
             schedules_without_plan=tuple(s for s in schedules if s not in kept),
         )
 
     def lines(self) -> list[str]:
         """The explanation, one sentence a line (empty when nothing was removed)."""
-        out = [f"not enumerated ({count} layouts): {rule}" for rule, count in self.skipped]
+        out = [
+            f"left out {count} combinations: {rule} ({', '.join(map(str, values))})"
+            for rule, values, count in self.skipped
+        ]
         out += [f"dropped {count}: {reason}" for reason, count in self.dropped]
         if self.schedules_without_plan:
             out.append(f"no feasible plan for schedule(s): {', '.join(self.schedules_without_plan)}")

@@ -23,7 +23,8 @@ from pathlib import Path
 from pipedsl.simulator.collectives import group_of
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster
-from pipedsl.simulator.plan import Pipelines, Plan
+from pipedsl.simulator.pipelines import Pipelines
+from pipedsl.simulator.plan import Plan
 
 __all__ = ["DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "regimes", "accuracy_markdown", "main"]
 
@@ -31,8 +32,8 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 """The folder of published runs (``data/`` at the repository root)."""
 
 GRID = {
-    "matmul_efficiency": tuple(round(0.66 + 0.02 * i, 2) for i in range(9)),
-    "matmul_half_flops": (0.0, 1e9, 3e9, 1e10, 2e10, 4e10, 8e10),
+    "matmul_efficiency": tuple(round(0.66 + 0.02 * i, 2) for i in range(10)),
+    "matmul_half_flops": (0.0, 1e9, 3e9, 1e10, 2e10, 4e10, 8e10, 1.6e11),
     "kernel_launch_s": (0.0, 5e-6, 1e-5, 2e-5, 4e-5),
 }
 """The values :func:`fit` tries for each compute parameter."""
@@ -139,9 +140,18 @@ def _mape(results: Sequence[Result]) -> float:
     return sum(abs(r.error) for r in results) / len(results) if results else 0.0
 
 
+def _source_mape(results: Sequence[Result]) -> float:
+    """The mean over sources of each source's mean absolute percentage error."""
+    by_source: dict[str, list[Result]] = {}
+    for r in results:
+        by_source.setdefault(r.run.source, []).append(r)
+    return sum(_mape(group) for group in by_source.values()) / len(by_source)
+
+
 def fit(runs: Sequence[Run], cluster: Cluster) -> tuple[Cluster, float]:
-    """The grid point (see the module docstring) with the lowest mean absolute
-    percentage error on the calibration runs of ``cluster``'s preset, and that error."""
+    """The grid point (see the module docstring) with the lowest error on the
+    calibration runs of ``cluster``'s preset (the mean over sources of their mean
+    absolute percentage errors), and that error."""
     calibration = [r for r in runs if r.role == "calibrate" and r.cluster == cluster.name]
     if not calibration:
         raise ValueError(f"no calibration runs for cluster {cluster.name}")
@@ -151,7 +161,7 @@ def fit(runs: Sequence[Run], cluster: Cluster) -> tuple[Cluster, float]:
     def error(point: tuple[float, ...]) -> float:
         if point not in seen:
             candidate = dataclasses.replace(cluster, **dict(zip(GRID, point, strict=True)))
-            seen[point] = _mape(evaluate(calibration, {cluster.name: candidate}, pipelines))
+            seen[point] = _source_mape(evaluate(calibration, {cluster.name: candidate}, pipelines))
         return seen[point]
 
     point = tuple(values[0] for values in GRID.values())

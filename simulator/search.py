@@ -41,6 +41,7 @@ from pipedsl import library
 from pipedsl.arrays import paused_collector
 from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleInvalid
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
+from pipedsl.simulator.explain import Explanation
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
@@ -122,12 +123,15 @@ def candidate_plans(
     flash_attention: bool = True,
     dp_overlap: float = 1.0,
     reduce_bytes: int = 4,
+    skipped: Counter[tuple[str, int]] | None = None,
 ) -> Iterator[Plan]:
     """Every plan the search tries (see the module docstring), SPMD plans first.
 
     A schedule that takes no ``vpp`` is offered with ``vpp = 1``; the search asks the
-    schedule itself how many stages it places per device (ZB-V places two).
+    schedule itself how many stages it places per device (ZB-V places two). ``skipped``,
+    when given, counts the combinations left out by (rule, the value that broke it).
     """
+    skip: Counter[tuple[str, int]] = Counter() if skipped is None else skipped
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise PlanError(f"search: gpus must be a whole number >= 1, got {gpus!r}")
     modes = [Recompute(r) for r in recompute]
@@ -145,6 +149,7 @@ def candidate_plans(
 
     def microbatch_sizes(dp: int) -> list[int]:
         if global_batch % dp:
+            skip[f"global batch {global_batch} is not a multiple of dp", dp] += 1
             return []
         return [b for b in _divisors(global_batch // dp) if b <= max_microbatch_size]
 
@@ -157,6 +162,7 @@ def candidate_plans(
     found = _schedules(schedules, extra_schedules)
     for pp in _divisors(gpus)[1:]:
         if pp > model.layers:
+            skip[f"pp exceeds the {model.layers} layers", pp] += 1
             break
         for tp in tps:
             if gpus % (pp * tp):
@@ -166,6 +172,7 @@ def candidate_plans(
                 for sched in found:
                     for vpp in vpp_sizes if sched.takes_vpp else (1,):
                         if model.layers % (pp * vpp):
+                            skip[f"{model.layers} layers do not split over pp × vpp", pp * vpp] += 1
                             continue
                         for zero in pipeline_zero:
                             for mode in modes:
@@ -230,7 +237,8 @@ def search(
     Returns a DataFrame with :data:`COLUMNS`, best first. ``attrs`` holds ``considered``
     (plans tried), ``dropped`` (a dict from reason to count), ``simulations`` (distinct
     pipeline simulations run), ``seconds`` (wall time), ``model``, ``cluster``,
-    ``gpus`` and ``global_batch``. :func:`search_plans` gives the same ranking as frozen
+    ``gpus``, ``global_batch`` and ``explanation`` (an
+    :class:`~pipedsl.simulator.explain.Explanation` of what removed plans and why). :func:`search_plans` gives the same ranking as frozen
     :class:`RankedPlan` records.
     """
     import pandas as pd
@@ -291,11 +299,13 @@ def _search(
     if type(batch) is not int or batch < 1:
         raise PlanError(f"search: global_batch must be a whole number >= 1, got {batch!r}")
     started = time.perf_counter()
+    skipped: Counter[tuple[str, int]] = Counter()
     plans = list(
         candidate_plans(
-            model, cluster, gpus, global_batch=batch, schedules=schedules, extra_schedules=extra_schedules, **space
+            model, cluster, gpus, global_batch=batch, schedules=schedules, extra_schedules=extra_schedules,
+            skipped=skipped, **space,
         )
-    )
+    )  # fmt: skip
     # Plans are costed grouped by evaluated schedule, so few schedule objects need to be
     # held at once; every shape's lowered arrays are kept for the simulations.
     pipelines = Pipelines(keep_simulations=False, max_schedules=32)
@@ -314,8 +324,20 @@ def _search(
         cluster=cluster.name,
         gpus=gpus,
         global_batch=batch,
+        explanation=Explanation.of(
+            considered=len(plans),
+            ranked=len(ranked),
+            skipped=skipped,
+            dropped=dropped,
+            schedules=[_schedule_label(s.spec) for s in _schedules(schedules, extra_schedules)],
+            ranked_schedules=sorted({_schedule_label(e.plan.schedule) for e in finished if e.plan.schedule}),
+        ),
     )
     return ranked, attrs
+
+
+def _schedule_label(spec: str) -> str:
+    return Path(spec).name.removesuffix(".sched")
 
 
 def _cost(

@@ -23,6 +23,7 @@ from pipedsl.cli.common import add_command, check_output_file, make_console
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.estimate import Estimate, estimate
+from pipedsl.simulator.explain import fit_advice, misfit_text
 from pipedsl.simulator.hardware import (
     Model,
     cluster_presets,
@@ -122,12 +123,21 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         reduce_bytes=args.reduce_bytes,
     )
     result = estimate(model, cluster, plan)
+    advice = [] if result.fits else fit_advice(model, cluster, plan)
     if args.json:
-        json.dump(result.to_json(), sys.stdout, indent=2)
+        data = result.to_json()
+        if not result.fits:
+            data["excess_bytes"] = result.memory.excess
+            data["fits_with"] = {a.change: a.memory.total for a in advice}
+        json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        _print_estimate(result, make_console())
-    return 0
+        console = make_console()
+        _print_estimate(result, console)
+        if not result.fits:
+            for line in misfit_text(result.memory, advice):
+                console.print(line, highlight=False)
+    return 0 if result.fits else 1
 
 
 def _print_estimate(result: Estimate, console: Console) -> None:
@@ -154,6 +164,9 @@ def _print_estimate(result: Estimate, console: Console) -> None:
     table.add_row("  optimizer state", f"{memory.optimizer / _GIB:.1f} GiB")
     table.add_row("  activations", f"{memory.activations / _GIB:.1f} GiB")
     table.add_row("fits", "yes" if result.fits else "[red]no[/]")
+    table.add_row("assumes", "")
+    for assumption in result.assumptions:
+        table.add_row(f"  {assumption.name}", f"{assumption.value} ({assumption.meaning})")
     console.print(table)
 
 
@@ -206,7 +219,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
         except OSError as error:
             raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
     _print_search(frame, make_console(), top=args.top, csv=args.csv)
-    return 0
+    return 0 if len(frame) else 1
 
 
 def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None) -> None:
@@ -219,8 +232,10 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
         f"{attrs['global_batch']}: {attrs['considered']} plans, {len(frame)} ranked, "
         f"{attrs['simulations']} pipeline simulations in {attrs['seconds']:.1f} s"
     )
-    for reason, count in sorted(attrs["dropped"].items(), key=lambda item: -item[1]):
-        console.print(f"  dropped {count}: {reason}")
+    for line in attrs["explanation"].lines():
+        console.print(f"  {line}", highlight=False)
+    if not len(frame):
+        return
     table = Table(title=f"best {min(top, len(frame))} plans", box=box.SIMPLE_HEAD)
     headers = {
         "rank": "#",

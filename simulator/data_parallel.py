@@ -1,0 +1,103 @@
+"""Data parallelism: gradient and weight traffic between data-parallel ranks by ZeRO
+stage, what of it the computation hides, and the optimizer step.
+
+Gradients are reduced at ``reduce_bytes`` per value (4, fp32, by default): ZeRO 0
+all-reduces them once per step, ZeRO 1 reduce-scatters them and all-gathers the updated
+16-bit weights, ZeRO 2 reduce-scatters every microbatch's gradients (that is what frees
+their memory) and all-gathers the weights once, ZeRO 3 also all-gathers the weights in
+every forward and backward. Collectives run over the data-parallel group as
+:mod:`~pipedsl.simulator.collectives` prices them. Overlap: ``dp_overlap`` is the
+fraction of the covering computation that can hide this traffic. Once-per-step gradient
+reduction can hide only behind the last microbatch's backward (the gradients are final
+only then), the weight all-gather only behind the next step's first forward;
+per-microbatch ZeRO 2/3 traffic hides behind that microbatch's own forward or backward.
+The default ``dp_overlap = 1`` therefore gives partial overlap: full for one
+microbatch, a tail for many. The optimizer step reads and writes 30 bytes per local
+parameter at HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, group_of
+from pipedsl.simulator.hardware import Cluster
+from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.transformer import Shapes, Work
+
+__all__ = ["dp_group", "tails", "zero_per_microbatch"]
+
+_OPTIMIZER_TRAFFIC = 30
+"""HBM bytes the Adam update moves per parameter: reads grad, master, m, v (16), writes
+master, m, v (12) and the 16-bit weight (2)."""
+
+
+def dp_group(plan: Plan, cluster: Cluster) -> Group:
+    """The data-parallel group of one tensor and pipeline rank (stride tp)."""
+    return group_of(plan.dp, plan.tp, cluster)
+
+
+def tails(
+    shapes: Shapes,
+    work: Sequence[Work],
+    placement: tuple[int, ...],
+    device_params: Sequence[float],
+) -> tuple[float, float]:
+    """(exposed data-parallel seconds, optimizer seconds) of the device where they sum
+    to the most."""
+    best = (0.0, 0.0)
+    for d in range(shapes.plan.pp):
+        own = [s for s, dev in enumerate(placement) if dev == d]
+        last_backward = sum(work[s].backward for s in own)
+        first_forward = sum(work[s].forward for s in own)
+        tail = _dp_tail(shapes, device_params[d], last_backward, first_forward)
+        optimizer = _optimizer_seconds(shapes, device_params[d])
+        if tail + optimizer > sum(best):
+            best = (tail, optimizer)
+    return best
+
+
+def _gather(shapes: Shapes, num_bytes: float) -> float:
+    return gather_seconds(num_bytes, dp_group(shapes.plan, shapes.cluster), shapes.cluster)
+
+
+def zero_per_microbatch(shapes: Shapes, stage_params: float, work: Work) -> Work:
+    """Exposed per-microbatch ZeRO traffic of one stage: stage 2 reduce-scatters each
+    microbatch's gradients (hidden behind ``W``), stage 3 also gathers the weights for
+    the forward and again for the backward."""
+    plan = shapes.plan
+    if plan.zero < 2 or plan.dp == 1:
+        return Work()
+    hide = plan.dp_overlap
+    scatter = _gather(shapes, stage_params * plan.reduce_bytes)
+    weight_grad = max(0.0, scatter - hide * work.weight_grad)
+    if plan.zero == 2:
+        return Work(0.0, 0.0, weight_grad)
+    gather = _gather(shapes, stage_params * shapes.model.dtype_bytes)
+    forward = max(0.0, gather - hide * work.forward)
+    input_grad = max(0.0, gather - hide * work.input_grad)
+    return Work(forward, input_grad, weight_grad)
+
+
+def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_forward: float) -> float:
+    """Exposed once-per-step data-parallel seconds of one device (see the module docstring)."""
+    plan = shapes.plan
+    if plan.dp == 1:
+        return 0.0
+    hide = plan.dp_overlap
+    weights = device_params * shapes.model.dtype_bytes
+    grads = device_params * plan.reduce_bytes
+    if plan.zero == 0:
+        reduce = all_reduce_seconds(grads, dp_group(plan, shapes.cluster), shapes.cluster)
+        return max(0.0, reduce - hide * last_backward)
+    gather = max(0.0, _gather(shapes, weights) - hide * first_forward)
+    if plan.zero == 1:
+        return max(0.0, _gather(shapes, grads) - hide * last_backward) + gather
+    if plan.zero == 2:
+        return gather
+    return 0.0
+
+
+def _optimizer_seconds(shapes: Shapes, device_params: float) -> float:
+    local = device_params / (shapes.plan.dp if shapes.plan.zero >= 1 else 1)
+    return shapes.traffic_seconds(local * _OPTIMIZER_TRAFFIC)
