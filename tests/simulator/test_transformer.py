@@ -1,0 +1,79 @@
+"""The size-dependent compute model against closed forms worked by hand
+(simulator/transformer.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipedsl.simulator.hardware import Cluster, Model
+from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.transformer import ELEMENTWISE_KERNELS, Shapes, gemm_seconds
+
+# 100 TFLOP/s peak, 1 TB/s HBM; the largest products approach 0.8 of peak, a product of
+# 1 GFLOP reaches half of that.
+GPU = Cluster(
+    name="gpu",
+    gpu="test",
+    peak_flops=100e12,
+    matmul_efficiency=0.8,
+    matmul_half_flops=1e9,
+    memory_bytes=2**34,
+    hbm_bandwidth=1e12,
+    gpus_per_node=8,
+    intra_node_bandwidth=100e9,
+    intra_node_latency=0.0,
+    inter_node_bandwidth=10e9,
+    inter_node_latency=0.0,
+)
+GPT = Model(name="gpt", layers=2, hidden=1024, ffn_hidden=4096, heads=16, seq_len=512, vocab=1000)
+
+
+def test_square_product_is_compute_bound() -> None:
+    # 1000³: 2 GFLOP over 6 MB, intensity 333 FLOP/B above the ridge of 100; the curve
+    # gives 0.8 × 2 / (2 + 1) of peak.
+    assert gemm_seconds(1000, 1000, 1000, GPU, dtype_bytes=2) == pytest.approx(2e9 / (100e12 * 0.8 * 2 / 3))
+
+
+def test_thin_product_is_bound_by_memory() -> None:
+    # 1 × 4096 × 4096: 2·4096² FLOPs over 2·(4096 + 4096² + 4096) bytes, intensity ~1.
+    flops = 2 * 4096**2
+    intensity = flops / (2 * (4096 + 4096**2 + 4096))
+    rate = intensity * 1e12 * 0.8 * flops / (flops + 1e9)
+    assert gemm_seconds(1, 4096, 4096, GPU, dtype_bytes=2) == pytest.approx(flops / rate)
+
+
+def test_efficiency_rises_with_size() -> None:
+    rates = [2 * n**3 / gemm_seconds(n, n, n, GPU, dtype_bytes=2) for n in (256, 1024, 4096, 16384)]
+    assert rates == sorted(rates)
+    assert rates[-1] == pytest.approx(0.8 * 100e12, rel=0.01)
+    flat = dataclasses.replace(GPU, matmul_half_flops=0.0)
+    assert 2 * 512**3 / gemm_seconds(512, 512, 512, flat, dtype_bytes=2) == pytest.approx(0.8 * 100e12)
+
+
+def test_batched_attention_products_count_the_whole_kernel() -> None:
+    one = gemm_seconds(512, 64, 512, GPU, dtype_bytes=2)
+    eight = gemm_seconds(512, 64, 512, GPU, dtype_bytes=2, batch=8)
+    assert eight < 8 * one  # the curve sees 8 products' FLOPs
+
+
+@pytest.mark.parametrize(
+    ("flash", "forward_kernels"), [(True, 4 + 1 + ELEMENTWISE_KERNELS), (False, 4 + 2 + ELEMENTWISE_KERNELS + 2)]
+)
+def test_each_kernel_costs_the_launch(flash: bool, forward_kernels: int) -> None:
+    plan = Plan(global_batch=1, flash_attention=flash)
+    launch = 1e-5
+    slow = Shapes(GPT, dataclasses.replace(GPU, kernel_launch_s=launch), plan).layer_work()
+    fast = Shapes(GPT, GPU, plan).layer_work()
+    assert slow.forward - fast.forward == pytest.approx(launch * forward_kernels)
+    assert slow.weight_grad - fast.weight_grad == pytest.approx(launch * 4)
+
+
+def test_linear_products_sum_to_the_layer_flops() -> None:
+    # With a flat curve and a compute-bound roofline, seconds are FLOPs over 80 TFLOP/s.
+    flat = dataclasses.replace(GPU, matmul_half_flops=0.0, hbm_bandwidth=1e30)
+    shapes = Shapes(GPT, flat, Plan(global_batch=2, microbatch_size=2))
+    seconds, kernels = shapes.linear_seconds()
+    assert kernels == 4
+    assert seconds == pytest.approx(2 * 2 * GPT.seq_len * GPT.layer_matmul_params / 80e12)
