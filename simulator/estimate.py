@@ -410,7 +410,7 @@ def prepare(
     residual = [round(n * per_layer) for n in layers]
     residual[0] += round(shapes.embedding_activation_bytes())
     residual[-1] += round(shapes.head_activation_bytes())
-    activations = (residual[0],)
+    activations: tuple[int, ...] = (residual[0],)
     if key is not None and pipelines is not None:
         activations = pipelines.peak_residual_bytes(key, tuple(residual))
     memory = device_memory(shapes, device_params, activations)

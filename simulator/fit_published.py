@@ -25,7 +25,7 @@ from pipedsl.simulator.collectives import group_of
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster
 from pipedsl.simulator.pipelines import Pipelines
-from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.plan import Plan, Recompute
 
 __all__ = ["DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "regimes", "accuracy_markdown", "main"]
 
@@ -102,7 +102,7 @@ def _run(row: dict[str, str]) -> Run:
         vpp=n["vpp"],
         microbatch_size=n["microbatch_size"],
         global_batch=n["global_batch"],
-        recompute=row["recompute"],
+        recompute=Recompute(row["recompute"]),
         sequence_parallel=row["sequence_parallel"] == "true",
         flash_attention=row["flash_attention"] == "true",
         dp_overlap=float(row["dp_overlap"]),
@@ -119,7 +119,7 @@ def _run(row: dict[str, str]) -> Run:
 
 def load_runs(folder: Path = DATA) -> list[Run]:
     """Every row of ``published_runs*.csv`` in ``folder``, in file order."""
-    runs = []
+    runs: list[Run] = []
     for path in sorted(folder.glob("published_runs*.csv")):
         with path.open(newline="") as handle:
             runs.extend(_run(row) for row in csv.DictReader(handle))
@@ -161,14 +161,19 @@ def fit(runs: Sequence[Run], cluster: Cluster) -> tuple[Cluster, float]:
 
     def error(point: tuple[float, ...]) -> float:
         if point not in seen:
-            candidate = dataclasses.replace(cluster, **dict(zip(GRID, point, strict=True)))
+            candidate = _with(cluster, point)
             seen[point] = _source_mape(evaluate(calibration, {cluster.name: candidate}, pipelines))
         return seen[point]
 
     efficiency, half, launch = GRID.values()
     pair = min(itertools.product(efficiency, half), key=lambda p: error((*p, launch[0])))
     point = min(((*pair, value) for value in launch), key=error)
-    return dataclasses.replace(cluster, **dict(zip(GRID, point, strict=True))), error(point)
+    return _with(cluster, point), error(point)
+
+
+def _with(cluster: Cluster, point: tuple[float, ...]) -> Cluster:
+    efficiency, half, launch = point
+    return dataclasses.replace(cluster, matmul_efficiency=efficiency, matmul_half_flops=half, kernel_launch_s=launch)
 
 
 def regimes(run: Run, cluster: Cluster) -> tuple[str, ...]:
