@@ -11,6 +11,7 @@ not fit in memory and reports those that fit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -139,9 +140,15 @@ def fit_advice(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipelin
 def misfit_text(memory: Memory, advice: Sequence[Advice]) -> list[str]:
     """Lines that say by how much a plan does not fit and what would make it fit."""
     lines = [f"does not fit: needs {memory.text()}; {memory.excess / _GIB:.1f} GiB too much"]
-    if advice:
-        lines += [f"  fits with {a.change}: {a.memory.total / _GIB:.1f} GiB" for a in advice]
-    else:
+    lines += [f"  fits with {a.change}: {a.memory.total / _GIB:.1f} GiB" for a in advice]
+    static = memory.weights + memory.gradients + memory.optimizer
+    if static > memory.usable:
+        factor = math.ceil(static / memory.usable)
+        lines.append(
+            f"  weights, gradients and optimizer state alone need {static / _GIB:.1f} GiB: spread them over at "
+            f"least {factor}x more tensor x pipeline parallelism, or shard them with ZeRO over more data-parallel ranks"
+        )
+    elif not advice:
         lines.append("  no single change (recomputation, ZeRO, smaller microbatches) makes it fit; "
                      "use more tensor or pipeline parallelism, or GPUs with more memory")  # fmt: skip
     return lines

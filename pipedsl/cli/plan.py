@@ -164,10 +164,10 @@ def _print_estimate(result: Estimate, console: Console) -> None:
     table.add_row("  optimizer state", f"{memory.optimizer / _GIB:.1f} GiB")
     table.add_row("  activations", f"{memory.activations / _GIB:.1f} GiB")
     table.add_row("fits", "yes" if result.fits else "[red]no[/]")
-    table.add_row("assumes", "")
-    for assumption in result.assumptions:
-        table.add_row(f"  {assumption.name}", f"{assumption.value} ({assumption.meaning})")
     console.print(table)
+    console.print("[bold]assumes[/]")
+    for assumption in result.assumptions:
+        console.print(f"  {assumption.name} = {assumption.value}: {assumption.meaning}", highlight=False)
 
 
 # --- search -----------------------------------------------------------------------------
