@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipedsl.cli.checkpoints import Checkpointing, add_checkpoint_options
 from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, plural
 from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
@@ -139,6 +140,7 @@ def _train(args: argparse.Namespace) -> int:
     schedule, planned = _planned(args)
     if args.dp < 1 or args.tp < 1 or args.zero not in (0, 1, 2, 3):
         raise PipedslError("--dp and --tp must be at least 1 and --zero one of 0, 1, 2, 3")
+    keeping = Checkpointing.from_args(args)
     request_devices(schedule.num_devices * args.dp * args.tp)
     if planned is not None:
         print(f"plan {planned.rank} of {args.plans}: {planned.label()}")
@@ -146,6 +148,7 @@ def _train(args: argparse.Namespace) -> int:
     import jax
     import optax
 
+    from pipedsl.cli.health import nonfinite_origin
     from pipedsl.executor.pipeline import Pipeline
 
     model, shape = _model(args, schedule, demo_shape=planned is not None)
@@ -182,10 +185,15 @@ def _train(args: argparse.Namespace) -> int:
         f"model {model.name} ({shape}, {form}); "
         f"batch {batch_size} = {plural(schedule.num_microbatches, 'microbatch')} of {args.microbatch_size}{replicas}"
     )
+    params, opt_state, first = keeping.restore(pipe, params, batch, optimizer, steps=args.steps)
+    if args.resume:
+        print(f"resumed from {args.checkpoint} after step {first - 1}")
     print(f"{'step':>5}  {'loss':>12}  {'time':>10}")
-    opt_state = None
     times: list[float] = []
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
+        # The parameters that entered the step, to find where a non-finite loss came from
+        # (on Ray only the latest handle is valid, so a copy is fetched).
+        before = params if args.allow_nonfinite or args.backend == "local" else pipe.gather(params)
         start = time.perf_counter()
         params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
         jax.block_until_ready((params, loss))
@@ -193,8 +201,13 @@ def _train(args: argparse.Namespace) -> int:
         times.append(elapsed)
         note = "  (includes tracing and compilation)" if step == 1 else ""
         print(f"{step:>5}  {float(loss):>12.6f}  {elapsed * 1e3:>7.1f} ms{note}")
+        if not args.allow_nonfinite and not math.isfinite(float(loss)):
+            raise nonfinite_origin(pipe, model, before, batch, step=step, marked=args.marked)
+        keeping.after_step(pipe, step, params, opt_state, last=step == args.steps)
     if len(times) > 1:
-        print(f"median step time (steps 2-{args.steps}): {statistics.median(times[1:]) * 1e3:.1f} ms")
+        print(f"median step time (steps {first + 1}-{args.steps}): {statistics.median(times[1:]) * 1e3:.1f} ms")
+    if args.checkpoint is not None:
+        print(f"checkpoint of step {max(first - 1, args.steps)} in {args.checkpoint}")
     if args.timeline is not None:
         result = pipe.step(params, batch, record=True)
         assert result.timeline is not None  # asked for with record=True
@@ -230,7 +243,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "  pipedsl run schedules/1f1b.sched -p pp=2 --backend ray [--address HOST:PORT]\n"
             "  pipedsl run 1f1b -p pp=2 --model transformer --dp 2 --tp 2 --zero 1\n"
             "  pipedsl run gpipe -p pp=1 -p microbatches=4 --model transformer --dp 8     # SPMD data parallel\n"
-            "  pipedsl run --plan 1 --plans out/plans.csv                                   # a plan search ranked"
+            "  pipedsl run --plan 1 --plans out/plans.csv                                   # a plan search ranked\n"
+            "  pipedsl run 1f1b -p pp=2 --steps 100 --checkpoint ckpt --checkpoint-every 10 [--resume]"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -263,3 +277,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--plan", type=int, metavar="RANK", help="run the plan of this rank in --plans (schedule, degrees, microbatches)")
     run.add_argument("--plans", metavar="PLANS.csv", help="the ranking pipedsl search --csv (or demo) wrote")
     run.add_argument("--timeline", type=Path, metavar="OUT.json", help="save the measured timeline of one recorded step")
+    add_checkpoint_options(run)
+    run.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="train on after a NaN or infinite loss (by default the run stops there, naming the step and stage)",
+    )
