@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -273,9 +273,11 @@ class Timeline:
     def load(cls, path: str | Path) -> Timeline:
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConversionError(f"{path}: cannot read timeline: {err}") from None
+            data = json.loads(path.read_bytes())
+        except OSError as err:
+            raise ConversionError(f"{path}: cannot read timeline: {err.strerror or err}") from None
+        except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, or nested too deep
+            raise ConversionError(f"{path}: cannot read timeline: not JSON: {str(err)[:200]}") from None
         return cls.from_json(data, file=str(path))
 
 
@@ -299,25 +301,132 @@ def concatenate(parts: Sequence[Timeline], *, name: str, num_devices: int, origi
 def _read_json(cls: type[Timeline], data: dict[str, Any], *, file: str) -> Timeline:
     """The reader of the saved form: :meth:`Timeline.to_json`'s dict back to a Timeline.
 
-    A compute's peer is null; files written before that used -1, which reads the same.
+    Every field is checked before anything is built: work and memory stay proportional
+    to the input's size (the device count may exceed the devices the events name by at
+    most :data:`DEVICE_SLACK`), and a malformed input raises
+    :class:`~pipedsl.errors.ConversionError` naming the field. A compute's peer is null;
+    files written before that used -1, which reads the same.
     """
     if not isinstance(data, dict) or data.get("format") != "pipedsl-timeline":
-        raise ConversionError(f"{file}: not a pipedsl timeline (expected \"format\": \"pipedsl-timeline\")")
-    try:
-        cols = data["columns"]
-        kinds = [_KIND_INDEX[EventKind(k)] for k in cols["kind"]]
-        return cls(
-            name=str(data["name"]),
-            num_devices=int(data["num_devices"]),
-            origin=str(data["origin"]),
-            device=np.asarray(cols["device"], dtype=np.int64),
-            kind=np.asarray(kinds, dtype=np.int8),
-            stage=np.asarray(cols["stage"], dtype=np.int64),
-            microbatch=np.asarray(cols["microbatch"], dtype=np.int64),
-            start=np.asarray(cols["start"], dtype=np.float64),
-            end=np.asarray(cols["end"], dtype=np.float64),
-            peer=np.asarray([_NO_PEER if p is None else p for p in cols["peer"]], dtype=np.int64),
-            buffer=tuple(str(b) for b in cols["buffer"]),
+        raise ConversionError(f'{file}: not a pipedsl timeline (expected "format": "pipedsl-timeline")')
+    return cls(**_checked_fields(data, file))
+
+
+# --- reading saved timelines ------------------------------------------------------------
+
+DEVICE_SLACK = 64
+"""How many more devices than its events name a saved timeline may declare (idle devices)."""
+
+_MAX_INDEX = 2**31 - 1  # stages and microbatches; keeps products of indices within int64
+_MAX_SECONDS = 1e9  # about 30 years: times beyond are no timeline's
+_INT_COLUMNS = ("device", "stage", "microbatch", "peer")
+_FLOAT_COLUMNS = ("start", "end")
+_COLUMNS = ("device", "kind", "stage", "microbatch", "start", "end", "peer", "buffer")
+_KIND_BY_VALUE = {k.value: i for i, k in enumerate(_KINDS)}
+_Fail = Callable[[str, str], ConversionError]  # (field, problem) -> the error to raise
+
+
+def _checked_fields(data: dict[str, Any], file: str) -> dict[str, Any]:
+    """The keyword arguments of :class:`Timeline` from a saved timeline's JSON, checked."""
+
+    def fail(field: str, problem: str) -> ConversionError:
+        return ConversionError(f"{file}: malformed timeline: {field}: {problem}")
+
+    if data.get("version", 1) != 1:
+        raise fail("version", f"{str(data.get('version'))[:40]}; this pipedsl reads version 1")
+    for key in ("name", "origin"):
+        if not isinstance(data.get(key), str):
+            raise fail(key, "missing or not a string")
+    cols = data.get("columns")
+    if not isinstance(cols, dict):
+        raise fail("columns", "missing or not an object of columns")
+    for key in _COLUMNS:
+        if not isinstance(cols.get(key), list):
+            raise fail(f"columns.{key}", "missing or not a list")
+    n = len(cols["device"])
+    for key in _COLUMNS:
+        if len(cols[key]) != n:
+            raise fail(f"columns.{key}", f"{len(cols[key])} entries, but columns.device has {n}")
+    columns = {**cols, "peer": [_NO_PEER if p is None else p for p in cols["peer"]]}
+    ints = {key: _int_column(columns[key], f"columns.{key}", fail) for key in _INT_COLUMNS}
+    times = {key: _float_column(cols[key], f"columns.{key}", fail) for key in _FLOAT_COLUMNS}
+    if any(type(k) is not str or k not in _KIND_BY_VALUE for k in cols["kind"]):
+        raise fail("columns.kind", f"every entry must be one of {sorted(_KIND_BY_VALUE)}")
+    kind = np.fromiter((_KIND_BY_VALUE[k] for k in cols["kind"]), dtype=np.int8, count=n)
+    if any(type(b) is not str or len(b) > 64 for b in cols["buffer"]):
+        raise fail("columns.buffer", 'every entry must be a string ("" for computes) of at most 64 characters')
+    named = int(max(ints["device"].max(initial=-1), ints["peer"].max(initial=-1))) + 1
+    num_devices = data.get("num_devices")
+    if type(num_devices) is not int or not 1 <= num_devices <= named + DEVICE_SLACK:
+        raise fail(
+            "num_devices",
+            f"{str(num_devices)[:40]}; expected a whole number from 1 to {named + DEVICE_SLACK} "
+            f"(the events name {named} devices)",
         )
-    except (KeyError, TypeError, ValueError) as err:
-        raise ConversionError(f"{file}: malformed timeline: {err}") from None
+    _check_ranges(ints, times, kind, num_devices, fail)
+    return {
+        "name": data["name"],
+        "num_devices": num_devices,
+        "origin": data["origin"],
+        "kind": kind,
+        "buffer": tuple(cols["buffer"]),
+        **ints,
+        **times,
+    }
+
+
+def _int_column(values: list[Any], field: str, fail: _Fail) -> np.ndarray:
+    """``values`` as int64, refusing anything but whole numbers within int64."""
+    if not values:
+        return np.zeros(0, np.int64)
+    try:
+        array = np.asarray(values)
+    except (ValueError, OverflowError):  # ragged nesting, or numbers numpy cannot hold
+        raise fail(field, "every entry must be a whole number") from None
+    if array.ndim != 1 or array.dtype.kind not in "iu" or array.dtype.itemsize > 8 or array.dtype == np.uint64:
+        raise fail(field, "every entry must be a whole number")
+    return array.astype(np.int64)
+
+
+def _float_column(values: list[Any], field: str, fail: _Fail) -> np.ndarray:
+    """``values`` as float64, refusing anything but finite numbers of at most
+    :data:`_MAX_SECONDS` in size."""
+    if not values:
+        return np.zeros(0, np.float64)
+    try:
+        array = np.asarray(values)
+    except (ValueError, OverflowError):
+        raise fail(field, "every entry must be a number of seconds") from None
+    if array.ndim != 1 or array.dtype.kind not in "iuf":
+        raise fail(field, "every entry must be a number of seconds")
+    array = array.astype(np.float64)
+    bad = ~(np.abs(array) <= _MAX_SECONDS)  # also true for NaN
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise fail(field, f"row {row} is {values[row]!r}; times must be finite seconds within ±{_MAX_SECONDS:g}")
+    return array
+
+
+def _check_ranges(
+    ints: dict[str, np.ndarray], times: dict[str, np.ndarray], kind: np.ndarray, num_devices: int, fail: _Fail
+) -> None:
+    """Indices within their ranges, peers only on transfers, no event ending before it starts."""
+    send = kind == _KIND_INDEX[EventKind.SEND]
+    peer = ints["peer"]
+    checks = [
+        ("columns.device", (ints["device"] < 0) | (ints["device"] >= num_devices), f"from 0 to {num_devices - 1}"),
+        ("columns.stage", (ints["stage"] < 0) | (ints["stage"] > _MAX_INDEX), f"from 0 to {_MAX_INDEX}"),
+        ("columns.microbatch", (ints["microbatch"] < 0) | (ints["microbatch"] > _MAX_INDEX), f"from 0 to {_MAX_INDEX}"),
+        (
+            "columns.peer",
+            send & ((peer < 0) | (peer >= num_devices)),
+            f"a device from 0 to {num_devices - 1} on a transfer",
+        ),
+        ("columns.peer", ~send & (peer != _NO_PEER), "null on a compute event"),
+        ("columns.end", times["end"] < times["start"], "no earlier than the event's start"),
+    ]
+    for field, bad, expected in checks:
+        if bad.any():
+            row = int(np.argmax(bad))
+            column = ints.get(field.removeprefix("columns."), times.get(field.removeprefix("columns.")))
+            raise fail(field, f"row {row} is {column[row].item()!r}; expected {expected}")

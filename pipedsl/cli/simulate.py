@@ -26,7 +26,7 @@ from pipedsl.cli.common import (
     plural,
     report_error,
 )
-from pipedsl.errors import PipedslError
+from pipedsl.errors import ConversionError, PipedslError
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate
 from pipedsl.timeline import Timeline
@@ -271,6 +271,8 @@ def _timeline_file(path: str) -> Timeline | None:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # let the schedule loader report what is wrong with it
+    except RecursionError:
+        raise ConversionError(f"{path}: not JSON that pipedsl reads: nested too deeply") from None
     if isinstance(data, dict) and data.get("format") == "pipedsl-timeline":
         return Timeline.from_json(data, file=path)
     return None
