@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck bench notebooks clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ typecheck: $(STAMP)
 	ln -s "$(CURDIR)/simulator" build/typecheck/pipedsl/simulator
 	ln -s "$(CURDIR)/executor" build/typecheck/pipedsl/executor
 	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy -p pipedsl --cache-dir $(CURDIR)/build/mypy-cache
+
+# Re-execute notebooks/*.ipynb in place, in the kernel set-up their test uses, so that they
+# are stored with fresh outputs.
+notebooks: $(STAMP)
+	PIPEDSL_WRITE_NOTEBOOKS=1 $(PY) -m pytest -q tests/test_notebooks.py
 
 bench: $(STAMP)
 	$(PY) bench/bench_parse.py

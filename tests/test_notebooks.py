@@ -1,7 +1,11 @@
-"""Every notebook in ``notebooks/`` runs top to bottom without an error.
+"""Every notebook in ``notebooks/`` runs top to bottom without an error, and is stored
+with the outputs of such a run (so that it reads as a tutorial where it is shown without
+being run).
 
 Each notebook is executed with nbclient in a fresh kernel whose working directory is
-``notebooks/``. The kernel is this interpreter (``sys.executable -m ipykernel_launcher``)
+``notebooks/``; the test does not write the result back. ``make notebooks`` runs this
+module with ``PIPEDSL_WRITE_NOTEBOOKS=1``, which writes each executed notebook over its
+file: the one way to refresh the stored outputs, in the same kernel set-up. The kernel is this interpreter (``sys.executable -m ipykernel_launcher``)
 through a kernel spec written for the test, not whatever ``python3`` kernel spec the
 machine has installed: a fresh CI machine has none, and a developer's may point at
 another Python. The kernel starts without ``XLA_FLAGS`` (other test modules set it in
@@ -26,6 +30,8 @@ from nbclient.exceptions import CellExecutionError
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 CELL_TIMEOUT_S = 120
 """Seconds one cell may run before the test fails (the slowest takes a few)."""
+WRITE = os.environ.get("PIPEDSL_WRITE_NOTEBOOKS") == "1"
+"""Write each executed notebook back to its file (``make notebooks``)."""
 
 
 def _kernel_manager(tmp_path: Path) -> KernelManager:
@@ -54,12 +60,13 @@ def _kernel_env() -> dict[str, str]:
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem)
 def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
-    code = [cell for cell in nb.cells if cell.cell_type == "code"]
-    assert all(not cell.outputs and cell.execution_count is None for cell in code), (
-        f"{path.name} is stored with outputs; clear them before saving, so that it diffs cleanly"
-    )
+    if not WRITE:
+        _check_stored_outputs(path, nb)
     km = _kernel_manager(tmp_path)
-    client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(NOTEBOOKS)}})
+    # Without timing metadata a refresh changes only what the cells print.
+    client = NotebookClient(
+        nb, km=km, timeout=CELL_TIMEOUT_S, record_timing=False, resources={"metadata": {"path": str(NOTEBOOKS)}}
+    )
     try:
         client.execute(env=_kernel_env())
     except CellExecutionError as err:
@@ -70,8 +77,23 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
             client.kc.stop_channels()
         if km.has_kernel:
             km.shutdown_kernel(now=True)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
     blank = [cell.id for cell in code if _figure_without_picture(cell)]
     assert not blank, f"{path.name}: cells {blank} show a figure as text, not as a picture"
+    if WRITE:
+        nbformat.write(nb, path)
+
+
+def _check_stored_outputs(path: Path, nb: nbformat.NotebookNode) -> None:
+    """The stored notebook shows one run from the top: every code cell executed, in order."""
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    counts = [cell.execution_count for cell in code]
+    assert counts == list(range(1, len(code) + 1)), (
+        f"{path.name} is stored without the outputs of one run from the top (execution counts {counts}); "
+        "run `make notebooks` to refresh them"
+    )
+    blank = [cell.id for cell in code if _figure_without_picture(cell)]
+    assert not blank, f"{path.name}: stored cells {blank} show a figure as text, not as a picture"
 
 
 def _figure_without_picture(cell: nbformat.NotebookNode) -> bool:
