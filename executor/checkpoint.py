@@ -160,7 +160,7 @@ def _write_version(
     staging.mkdir()
     try:
         with open(staging / "arrays.npz", "wb") as out:
-            np.savez(out, **arrays)
+            np.savez(out, allow_pickle=False, **arrays)
             _flush(out)
         with open(staging / "structure.pkl", "wb") as out:
             pickle.dump(skeletons, out)
@@ -405,8 +405,8 @@ def _compare(path: Path, part: str, saved: Any, like: Any) -> None:
     first difference by its key path."""
     if saved is None:
         raise CheckpointError(f"{path}: the checkpoint holds no {part}, but this pipeline needs one")
-    got, got_def = jax.tree_util.tree_flatten_with_path(saved)
-    want, want_def = jax.tree_util.tree_flatten_with_path(like)
+    got = jax.tree_util.tree_flatten_with_path(saved)[0]
+    want = jax.tree_util.tree_flatten_with_path(like)[0]
     for (got_path, got_leaf), (want_path, want_leaf) in zip(got, want, strict=False):
         if got_path != want_path:
             raise CheckpointError(
@@ -426,8 +426,8 @@ def _compare(path: Path, part: str, saved: Any, like: Any) -> None:
             f"{path}: the checkpoint is of another model or optimizer: its {part} has {len(got)} arrays, this "
             f"pipeline's {len(want)} (the first unmatched is {part}{first})"
         )
-    if got_def != want_def:
+    if jax.tree_util.tree_structure(saved) != jax.tree_util.tree_structure(like):  # type: ignore[operator]  # jaxlib stubs omit PyTreeDef.__eq__
         raise CheckpointError(
             f"{path}: the checkpoint is of another model or optimizer: its {part} has the structure "
-            f"{str(got_def)[:200]}, this pipeline's is {str(want_def)[:200]}"
+            f"{str(jax.tree_util.tree_structure(saved))[:200]}, this pipeline's is {str(jax.tree_util.tree_structure(like))[:200]}"
         )

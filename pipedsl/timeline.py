@@ -425,8 +425,9 @@ def _check_ranges(
         ("columns.peer", ~send & (peer != _NO_PEER), "null on a compute event"),
         ("columns.end", times["end"] < times["start"], "no earlier than the event's start"),
     ]
+    values = {**ints, **times}
     for field, bad, expected in checks:
         if bad.any():
             row = int(np.argmax(bad))
-            column = ints.get(field.removeprefix("columns."), times.get(field.removeprefix("columns.")))
+            column = values[field.removeprefix("columns.")]
             raise fail(field, f"row {row} is {column[row].item()!r}; expected {expected}")
