@@ -273,19 +273,32 @@ def load_checkpoint(path: str | Path, *, like_params: Any = None, like_opt_state
         with _locked(path, exclusive=False) as locked:
             if locked:
                 _tidy(path)
-            current = _read_pointer(path)
-            if current is None:
-                raise CheckpointError(
-                    f"{path}: not a readable pipedsl checkpoint: no {_LATEST} file naming a saved version "
-                    "(nothing was saved here, or the first save was interrupted)"
-                )
-            saved = _read_version(path / current)
+            saved = _read_current(path)
     except OSError as err:
         raise CheckpointError(f"{path}: not a readable pipedsl checkpoint: {err.strerror or err}") from None
     for part, tree, like in zip(_PARTS, (saved.params, saved.opt_state), (like_params, like_opt_state), strict=True):
         if like is not None:
             _compare(path, part, tree, like)
     return saved
+
+
+def _read_current(path: Path, *, attempts: int = 3) -> Checkpoint:
+    """The version ``LATEST`` names. A save in another process may make a newer one
+    current and remove this one while it is read; then the newer one is read instead."""
+    attempt = 1
+    while True:
+        current = _read_pointer(path)
+        if current is None:
+            raise CheckpointError(
+                f"{path}: not a readable pipedsl checkpoint: no {_LATEST} file naming a saved version "
+                "(nothing was saved here, or the first save was interrupted)"
+            )
+        try:
+            return _read_version(path / current)
+        except (OSError, CheckpointError):
+            if attempt == attempts or _read_pointer(path) == current:
+                raise
+        attempt += 1
 
 
 def _read_pointer(path: Path) -> str | None:

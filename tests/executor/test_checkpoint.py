@@ -1,9 +1,10 @@
 """Checkpoints are never lost or silently wrong: atomic saves, full checks on load.
 
-The kill test runs a real process that saves over and over and kills it with SIGKILL at
-random moments; every time, the directory must still hold a complete checkpoint (the
-last one the process finished, or the one it was writing), and the next save leaves
-nothing of the killed one behind.
+The kill test runs a real process that saves over and over, reads the checkpoint while
+it saves, and kills it with SIGKILL at random moments: every read, and the directory
+after every kill, hold a complete checkpoint (after a kill: the last one the process
+finished, or the one it was writing), and the next save leaves nothing of the killed one
+behind.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import optax
 import pytest
 
-from pipedsl.executor.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pipedsl.executor.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 
 
 def _params() -> dict[str, Any]:
@@ -183,6 +184,11 @@ while True:
 """
 
 
+def _assert_complete(saved: Checkpoint) -> None:
+    leaves = jax.tree_util.tree_leaves((saved.params, saved.opt_state))
+    assert len(leaves) == 3 and all((leaf == saved.step).all() for leaf in leaves)
+
+
 def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     rng = random.Random(1913)
@@ -194,7 +200,10 @@ def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path: Path)
         assert child.stdout is not None
         first = child.stdout.readline()  # one save is complete: the saver is in its loop
         assert first.strip(), "the saving process died before its first save"
-        time.sleep(rng.uniform(0.0, 0.25))
+        # Loads while the process saves see a complete checkpoint every time.
+        until = time.monotonic() + rng.uniform(0.0, 0.5)
+        while time.monotonic() < until:
+            _assert_complete(load_checkpoint(path))
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
         done = [int(line) for line in [first, *child.stdout.read().split()] if line.strip()]
@@ -202,8 +211,7 @@ def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path: Path)
         saved = load_checkpoint(path)
         # The last finished save, or the one under way when the kill came.
         assert saved.step in (done[-1], done[-1] + 1), (saved.step, done[-1])
-        for leaf in jax.tree_util.tree_leaves((saved.params, saved.opt_state)):
-            assert (leaf == saved.step).all()
+        _assert_complete(saved)
         step = saved.step
     save_checkpoint(path, {"w": np.zeros(1, np.float32)}, None, step=step + 1)
     names = sorted(p.name for p in path.iterdir())
