@@ -15,7 +15,7 @@ is reported where it was written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipedsl.errors import ScheduleInvalid, SourcePos
 from pipedsl.ir import Kind
@@ -71,7 +71,7 @@ class Policy:
     warmup: tuple[int, ...] | None = None
     params: tuple[tuple[str, int], ...] = ()
     source: str | None = None
-    positions: tuple[tuple[PolicyItem, SourcePos], ...] = ()
+    positions: tuple[tuple[PolicyItem, SourcePos], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.priority is None:
