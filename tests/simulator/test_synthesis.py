@@ -4,10 +4,10 @@ closed forms (ZB-H1's bubble at 1F1B's memory, ZB-H2's at about twice it)."""
 from __future__ import annotations
 
 import pytest
-from helpers import one_f_one_b
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import one_f_one_b
 from pipedsl.errors import ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import load
