@@ -239,8 +239,9 @@ def _run(plan: _Plan, variant: Variant) -> tuple[float, list[list[tuple[int, int
     cost_f, cost_b, cost_w = plan.cost
     x_f, x_b, after_f, after_b = plan.x_f, plan.x_b, plan.after_f, plan.after_b
     res, wres, later_bytes = plan.res, plan.wres, plan.later_bytes
-    max_n, max_bytes = plan.max_n, plan.max_bytes
-    limit_bytes = max_bytes is not None
+    max_n = plan.max_n
+    limit_bytes = plan.max_bytes is not None
+    max_bytes = plan.max_bytes if plan.max_bytes is not None else (0,) * D
     ahead = plan.ahead(variant)
     capped = ahead is not None
     cap = ahead if ahead is not None else [S * M] * D

@@ -40,7 +40,7 @@ from pipedsl.cli.common import add_command, check_output_folder, load_schedule, 
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
-from pipedsl.library import library_path, library_schedules, load
+from pipedsl.library import library_path, library_schedules
 from pipedsl.simulator import (
     Cluster,
     CostModel,
@@ -79,7 +79,7 @@ def _library(console: Console) -> None:
             peaks,
         )
     console.print(table)
-    one = load(library_path("zb_h1"))
+    one = load_schedule(library_path("zb_h1"), {})
     console.print(f"\n[bold]zb_h1[/bold] per-device order ({one.num_devices} devices, {one.num_microbatches} microbatches):")
     console.print(one.format_grid(), highlight=False)
 
