@@ -1,8 +1,8 @@
 """Time policy synthesis, and compare its makespans with the zero-bubble paper's scheduler.
 
 1. Timing: ``zb_auto`` synthesised for pp=8, m=32 (768 actions) against unit costs with
-   communication, best of ``--repeat`` runs, whole and per variant; beside it, for scale on
-   a loaded machine, one simulation of 1F1B of the same size.
+   communication, the least CPU time of ``--repeat`` runs, whole and per variant; beside it,
+   for scale, one simulation (validate, lower, simulate) of 1F1B of the same size.
 2. Comparison (with ``--zb PATH``, a checkout of the ``sail-sg/zero-bubble-pipeline-parallelism``
    repository; skipped without it): over a grid of depths, microbatch counts, unequal F/I/W,
    communication times and in-flight limits, that repository's automatic scheduler
@@ -39,11 +39,13 @@ _SCHEDULER = "megatron/core/pipeline_parallel/zerobubble/scheduler"
 
 
 def _best(fn: Any, repeat: int) -> float:
+    """The least CPU time (seconds) of ``repeat`` calls: on a machine shared with other work,
+    CPU time, unlike wall time, counts only this process's own computing."""
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return min(times)
 
 
@@ -55,7 +57,7 @@ def timing(repeat: int) -> None:
     whole = _best(lambda: synthesize(policy, costs), repeat)
     sim = _best(lambda: simulate(one_f_one_b, costs), repeat)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"synthesize zb_auto pp=8 m=32 ({len(variants(policy))} variants): {whole * 1e3:.2f} ms")
+    print(f"synthesize zb_auto pp=8 m=32 ({len(variants(policy))} variants): {whole * 1e3:.2f} ms of CPU")
     for variant in variants(policy):
         one = _best(lambda v=variant: synthesize(policy, costs, tries=(v,)), repeat)
         print(f"  {variant}: {one * 1e3:.2f} ms")
