@@ -230,8 +230,9 @@ def _run(plan: _Plan, variant: Variant) -> tuple[float, list[list[tuple[int, int
     """One pass of the list scheduler: the makespan (seconds) and the per-device orders as
     (kind code, stage, microbatch) triples.
 
-    One long function on purpose: the loop runs once per action and per wait, and local
-    names are what keeps a pass of pp = 8, m = 32 within a millisecond or two.
+    One long function on purpose: the loop runs once per action and per wait, and keeping
+    all its state in local names is what makes a pass cheap enough to try several (see
+    ``bench/bench_synthesis.py``).
     """
     S, D, M = plan.S, plan.D, plan.M
     split = plan.split

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pipedsl.errors import ScheduleInvalid
-from pipedsl.library import library_path, load
+from pipedsl.interop import from_csv, from_json, to_csv, to_json, to_sched_text
+from pipedsl.library import library_path, load, parse
 from pipedsl.policy import UNSATISFIABLE, Policy
 from pipedsl.simulator import CostModel, simulate
 from pipedsl.simulator.synthesize import synthesize
@@ -78,3 +79,11 @@ def test_a_limit_below_one_is_reported_at_its_line() -> None:
     assert info.value.pos is not None and "limit inflight <= max_inflight" in info.value.pos.line_text
     with pytest.raises(ScheduleInvalid, match="owns 2 stages"):
         synthesize(policy("zbv_auto", max_inflight=1))
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_synthesised_orders_round_trip_through_csv_json_and_sched(name: str) -> None:
+    schedule = synthesize(policy(name, pp=3, microbatches=6), CostModel(forward=1, input_grad=2, weight_grad=1, latency=0.1))
+    for back in (from_csv(to_csv(schedule)), from_json(to_json(schedule)), parse(to_sched_text(schedule))):
+        assert isinstance(back, type(schedule))
+        assert (back.orders, back.placement, back.num_microbatches) == (schedule.orders, schedule.placement, 6)
