@@ -33,8 +33,8 @@ from pipedsl.lang.budget import (
     suggest,
 )
 from pipedsl.lang.compile import ACTIONS, BUILTINS, Compiler
-from pipedsl.lang.scope import Bindings, Env, Function, Local, names_used
 from pipedsl.lang.policy import PolicySpec, compile_policy
+from pipedsl.lang.scope import Bindings, Env, Function, Local, names_used
 from pipedsl.policy import Policy
 
 __all__ = ["evaluate", "MAX_ACTIONS", "WORK_PER_ACTION", "COMPILE_BUDGET"]
