@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_executor.py
 	$(PY) bench/bench_ray.py
 	$(PY) bench/bench_search.py
+	$(PY) bench/bench_synthesis.py
 
 clean:
 	rm -rf $(VENV) out build *.egg-info .pytest_cache .hypothesis

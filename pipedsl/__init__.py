@@ -6,6 +6,9 @@
     (4, 3, 2, 1)
     >>> program = sched.lower()          # per-device compute/send/recv/free lists
 
+A ``.sched`` file with a ``policy`` block loads as a :class:`Policy` (limits and
+priorities); ``pipedsl.simulator.synthesize.synthesize(policy, costs)`` gives its Schedule.
+
 The simulator is :mod:`pipedsl.simulator`; the executor is :mod:`pipedsl.executor`
 (imported on demand, since it brings in JAX).
 """
@@ -20,6 +23,7 @@ from pipedsl.errors import (
 )
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import library_path, library_schedules, load, parse
+from pipedsl.policy import Policy
 from pipedsl.program import Program
 from pipedsl.timeline import Timeline
 
@@ -28,6 +32,7 @@ __all__ = [
     "ConversionError",
     "Kind",
     "PipedslError",
+    "Policy",
     "Program",
     "Schedule",
     "ScheduleEvalError",

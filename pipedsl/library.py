@@ -1,4 +1,5 @@
-"""The one schedule loader: a library name or a path to a :class:`~pipedsl.ir.Schedule`.
+"""The one schedule loader: a library name or a path to a :class:`~pipedsl.ir.Schedule`
+(or, for a policy schedule, a :class:`~pipedsl.policy.Policy`).
 
 Every command, the planner and the Python API load schedules through this module:
 
@@ -28,6 +29,7 @@ from pipedsl import interop
 from pipedsl.errors import ConversionError, PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.lang import MAX_ACTIONS, Module, evaluate, parse_source
+from pipedsl.policy import Policy
 
 __all__ = [
     "MAX_ACTIONS",
@@ -123,8 +125,12 @@ def load(
     *,
     max_actions: int = MAX_ACTIONS,
     **params: int | str,
-) -> Schedule:
+) -> Schedule | Policy:
     """Load a schedule by library name or path, choosing the reader by the file's extension.
+
+    A ``.sched`` file with a ``policy`` block gives a :class:`~pipedsl.policy.Policy`
+    instead of a Schedule: limits and priorities that ``pipedsl.simulator.synthesize``
+    turns into an order against a cost model (the core cannot: it has no costs).
 
     A ``.sched`` file is evaluated under ``params`` (overrides of its defaults; ints, or
     strings that spell one) and records its path as ``Schedule.source``. Every schedule
@@ -168,8 +174,8 @@ def parse(
     file: str = "<string>",
     max_actions: int = MAX_ACTIONS,
     **params: int | str,
-) -> Schedule:
-    """Parse and evaluate ``.sched`` text; like :func:`load`, with ``Schedule.source`` None.
+) -> Schedule | Policy:
+    """Parse and evaluate ``.sched`` text; like :func:`load`, with ``source`` None.
 
     Args:
       text: the text of a ``.sched`` file.

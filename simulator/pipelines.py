@@ -26,12 +26,14 @@ from pipedsl.program import Program, ProgramArrays, lower
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate, step_timing
 from pipedsl.simulator.plan import Plan, PlanError
+from pipedsl.simulator.synthesize import synthesize
 
 __all__ = ["Pipelines", "ScheduleKey", "Timing", "load_pipeline"]
 
 
 def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule:
-    """Evaluate schedule ``spec`` with ``pp``, ``microbatches`` and, if it takes one, ``vpp``.
+    """Evaluate schedule ``spec`` with ``pp``, ``microbatches`` and, if it takes one, ``vpp``;
+    a policy schedule is synthesised against the default cost model (B = 2F, I = W = B/2).
 
     Each file is parsed once per version (:mod:`pipedsl.library`); evaluation runs every call.
     """
@@ -45,7 +47,8 @@ def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedul
     params = {"pp": pp, "microbatches": microbatches}
     if "vpp" in names:
         params["vpp"] = vpp
-    return library.load(path, **params)
+    loaded = library.load(path, **params)
+    return loaded if isinstance(loaded, Schedule) else synthesize(loaded, CostModel())
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,9 +23,12 @@ from typing import TYPE_CHECKING
 from pipedsl import library
 from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Schedule
+from pipedsl.policy import Policy
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from pipedsl.simulator.costs import CostModel
 
 __all__ = [
     "EXIT_OK",
@@ -34,6 +37,8 @@ __all__ = [
     "add_param_option",
     "parse_params",
     "load_schedule",
+    "synthesize_policy",
+    "default_costs_note",
     "report_error",
     "check_output_file",
     "check_output_folder",
@@ -130,9 +135,43 @@ def add_param_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_schedule(path: str | Path, params: dict[str, int], *, max_actions: int = library.MAX_ACTIONS) -> Schedule:
-    """Load a library schedule or a .sched, .csv or .json file (:func:`pipedsl.library.load`), unvalidated."""
-    return library.load(path, max_actions=max_actions, **params)
+def load_schedule(
+    path: str | Path,
+    params: dict[str, int],
+    *,
+    max_actions: int = library.MAX_ACTIONS,
+    costs: CostModel | None = None,
+) -> Schedule:
+    """Load a library schedule or a .sched, .csv or .json file (:func:`pipedsl.library.load`), unvalidated.
+
+    A policy schedule is synthesised (:func:`pipedsl.simulator.synthesize.synthesize`)
+    against ``costs``; without them, against the default ``CostModel()``, which a note on
+    stderr says, since the order then follows costs the command was not given.
+    """
+    loaded = library.load(path, max_actions=max_actions, **params)
+    if isinstance(loaded, Schedule):
+        return loaded
+    return synthesize_policy(loaded, costs, path=path)
+
+
+def synthesize_policy(policy: Policy, costs: CostModel | None, *, path: str | Path, note: bool = True) -> Schedule:
+    """``policy``'s order under ``costs``; when ``costs`` is None, under the default model,
+    with a note on stderr saying so unless ``note`` is False (the caller says it)."""
+    from pipedsl.simulator.costs import CostModel
+    from pipedsl.simulator.synthesize import synthesize
+
+    if costs is None:
+        costs = CostModel()
+        if note:
+            print(f"{path}: note: {default_costs_note(policy)}", file=sys.stderr)
+    return synthesize(policy, costs)
+
+
+def default_costs_note(policy: Policy) -> str:
+    """What a command without cost options says about a policy it synthesised."""
+    from pipedsl.simulator.costs import CostModel
+
+    return f"{policy.name} is a policy, synthesised against the default cost model ({CostModel().describe()})"
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -36,13 +36,14 @@ from pipedsl.cli.calibrate import (
     measure,
     results_table,
 )
-from pipedsl.cli.common import add_command, check_output_folder, make_console
+from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
-from pipedsl.library import library_path, library_schedules, load
+from pipedsl.library import library_path, library_schedules
 from pipedsl.simulator import (
     Cluster,
+    CostModel,
     plot_timelines,
     save_figure,
     search,
@@ -66,7 +67,7 @@ def _library(console: Console) -> None:
     for column in ("schedule", "stages", "devices", "microbatches", "actions", "peak in-flight per device"):
         table.add_column(column, justify="left" if column.startswith(("schedule", "peak")) else "right")
     for name, path in library_schedules().items():
-        schedule = load(path)
+        schedule = load_schedule(path, {}, costs=CostModel())
         report = schedule.validate()
         peaks = " ".join(map(str, report.peak_inflight))
         table.add_row(
@@ -78,7 +79,7 @@ def _library(console: Console) -> None:
             peaks,
         )
     console.print(table)
-    one = load(library_path("zb_h1"))
+    one = load_schedule(library_path("zb_h1"), {})
     console.print(f"\n[bold]zb_h1[/bold] per-device order ({one.num_devices} devices, {one.num_microbatches} microbatches):")
     console.print(one.format_grid(), highlight=False)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl import library
+from pipedsl.cli.common import load_schedule
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 
@@ -101,7 +102,7 @@ class PlannedRun:
 
     def schedule_of(self) -> Schedule:
         """The schedule this plan runs, evaluated and validated."""
-        schedule = library.load(self.schedule, **self.params())
+        schedule = load_schedule(self.schedule, self.params())
         schedule.validate()
         return schedule
 

@@ -1,4 +1,7 @@
-"""``pipedsl check``, ``show`` and ``convert``: the schedule commands (core only)."""
+"""``pipedsl check``, ``show`` and ``convert``: the schedule commands.
+
+They take no cost options: a policy schedule is synthesised against the default cost model
+(a note on stderr says so)."""
 
 from __future__ import annotations
 
@@ -6,10 +9,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipedsl import interop
-from pipedsl.cli.common import EXIT_OK, add_command, add_param_option, load_schedule, plural, report_error
+from pipedsl import interop, library
+from pipedsl.cli.common import (
+    EXIT_OK,
+    add_command,
+    add_param_option,
+    default_costs_note,
+    load_schedule,
+    plural,
+    report_error,
+    synthesize_policy,
+)
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
+from pipedsl.policy import Policy
 
 __all__ = ["register"]
 
@@ -25,7 +38,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     worst = EXIT_OK
     for path in args.files:
         try:
-            schedule = load_schedule(path, args.params, max_actions=args.max_actions)
+            loaded = library.load(path, max_actions=args.max_actions, **args.params)
+            policy = loaded if isinstance(loaded, Policy) else None
+            schedule = loaded if isinstance(loaded, Schedule) else synthesize_policy(loaded, None, path=path, note=False)
             report = schedule.validate(max_inflight=args.max_inflight)
         except PipedslError as err:
             worst = max(worst, report_error(err, path=path))
@@ -35,13 +50,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"{path}: ok  {_describe(schedule)}: {plural(schedule.num_stages, 'stage')}, "
             f"{plural(schedule.num_devices, 'device')}, {plural(schedule.num_microbatches, 'microbatch')}, "
             f"{plural(report.num_actions, 'action')}, "
-            f"peak in-flight per device {peaks}"
+            f"peak in-flight per device {peaks}" + ("" if policy is None else f" ({default_costs_note(policy)})")
         )
     return worst
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    schedule = load_schedule(args.file, args.params, max_actions=args.max_actions)
+    loaded = library.load(args.file, max_actions=args.max_actions, **args.params)
+    if isinstance(loaded, Policy):
+        print(f"{loaded.label}: policy: {loaded.describe()}")
+        schedule = synthesize_policy(loaded, None, path=args.file)
+    else:
+        schedule = loaded
     if args.lowered:
         print(schedule.lower().format())
         return EXIT_OK

@@ -279,7 +279,7 @@ def _timeline_file(path: str) -> Timeline | None:
 
 
 def _simulate_file(path: str, args: argparse.Namespace, costs: CostModel) -> Simulation:
-    return simulate(load_schedule(path, args.params, max_actions=args.max_actions), costs)
+    return simulate(load_schedule(path, args.params, max_actions=args.max_actions, costs=costs), costs)
 
 
 def _each_file(

@@ -42,6 +42,8 @@ __all__ = [
     "OnDevice",
     "Cell",
     "TableRow",
+    "PolicyStmt",
+    "PolicyBlock",
     "Item",
     "ScheduleDef",
     "Module",
@@ -268,7 +270,32 @@ class TableRow:
     pos: SourcePos
 
 
-Item: TypeAlias = Require | Assign | FuncDef | Declare | Place | PlaceList | OnDevice | TableRow
+@dataclass(frozen=True, slots=True)
+class PolicyStmt:
+    """One statement of a ``policy`` block.
+
+    ``what`` is ``"split"`` (``split backward``), ``"inflight"`` or ``"activations"``
+    (``limit inflight <= e``), ``"prefer"`` (``prefer I > F > W``: ``kinds`` as written),
+    ``"idle_w"`` (``W only in idle time``: ``kinds`` holds the kind named) or ``"warmup"``
+    (``warmup e``). ``value`` is the expression of a limit or warm-up.
+    """
+
+    what: str
+    value: Expr | None
+    kinds: tuple[str, ...]
+    pos: SourcePos
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyBlock:
+    """``policy on device var { statements }``: limits and priorities instead of orders."""
+
+    var: str
+    body: tuple[PolicyStmt, ...]
+    pos: SourcePos
+
+
+Item: TypeAlias = Require | Assign | FuncDef | Declare | Place | PlaceList | OnDevice | TableRow | PolicyBlock
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,9 @@ from pipedsl.lang.budget import (
     suggest,
 )
 from pipedsl.lang.compile import ACTIONS, BUILTINS, Compiler
+from pipedsl.lang.policy import PolicySpec, compile_policy
 from pipedsl.lang.scope import Bindings, Env, Function, Local, names_used
+from pipedsl.policy import Policy
 
 __all__ = ["evaluate", "MAX_ACTIONS", "WORK_PER_ACTION", "COMPILE_BUDGET"]
 
@@ -81,6 +83,7 @@ class _Evaluator:
         self.rows_pos: SourcePos | None = None
         self.errors: list[PipedslError] = []
         self.failed: set[str] = set()  # names, and "<stages>" and the like, whose definition failed
+        self.policy: PolicySpec | None = None
 
     # -- helpers --
 
@@ -198,6 +201,8 @@ class _Evaluator:
             self.place_list(item)
         elif isinstance(item, ast.OnDevice):
             self.on_device(item)
+        elif isinstance(item, ast.PolicyBlock):
+            self.policy_block(item)
         else:
             self.table_row(item)
 
@@ -275,8 +280,18 @@ class _Evaluator:
             raise fail("declare `place` before the device orders", pos)
         return self.placement
 
+    def policy_block(self, item: ast.PolicyBlock) -> None:
+        self._orders_pos_check(item.pos)
+        if self.orders is not None or self.rows or self.policy is not None:
+            raise fail("a schedule has one `policy` block, or device orders, not both or several", item.pos)
+        self._check_free(item.var, item.pos, "the device variable")
+        devices = self.declared["devices"][0]
+        self.policy = compile_policy(item, compiler=self.compiler, env=self._env(), devices=devices)
+
     def on_device(self, item: ast.OnDevice) -> None:
         placement = self._orders_pos_check(item.pos)
+        if self.policy is not None:
+            raise fail("a schedule has a `policy` block or device orders, not both", item.pos)
         if self.orders is not None or self.rows:
             raise fail(
                 "a schedule has one `on device` block, or table rows, not both or several",
@@ -318,6 +333,8 @@ class _Evaluator:
         self._orders_pos_check(item.pos)
         if self.orders is not None:
             raise fail("a schedule has one `on device` block, or table rows, not both", item.pos)
+        if self.policy is not None:
+            raise fail("a schedule has a `policy` block or device orders, not both", item.pos)
         devices = self.declared["devices"][0]
         if not 0 <= item.device < devices:
             raise fail(
@@ -331,7 +348,7 @@ class _Evaluator:
         self.rows[item.device] = tuple(Action(c.kind, c.stage, c.microbatch, c.pos) for c in item.cells)
         self.rows_pos = self.rows_pos or item.pos
 
-    def finish(self, params: tuple[tuple[str, int], ...], name: str | None, source: str | None) -> Schedule:
+    def finish(self, params: tuple[tuple[str, int], ...], name: str | None, source: str | None) -> Schedule | Policy:
         sched = self.sched
         for what in ("stages", "devices"):
             if what not in self.declared:
@@ -339,6 +356,8 @@ class _Evaluator:
         if self.placement is None:
             raise fail(f"schedule {self.label} never declares `place`, as in `place s -> s`", sched.pos)
         devices = self.declared["devices"][0]
+        if self.policy is not None:
+            return self._policy(params, name, source)
         if self.orders is None:
             if not self.rows:
                 raise fail(
@@ -371,6 +390,36 @@ class _Evaluator:
         )
 
 
+    def _policy(self, params: tuple[tuple[str, int], ...], name: str | None, source: str | None) -> Policy:
+        spec = self.policy
+        assert spec is not None and self.placement is not None
+        if "microbatches" in self.declared:
+            microbatches = self.declared["microbatches"][0]
+        elif "microbatches" in self.param_names:
+            microbatches = self.consts["microbatches"]
+        else:
+            raise fail(
+                f"a policy schedule states how many microbatches it has: declare `microbatches` in {self.sched.name}",
+                self.sched.pos,
+            )
+        return Policy(
+            name=name or self.sched.name,
+            num_stages=self.declared["stages"][0],
+            num_devices=self.declared["devices"][0],
+            num_microbatches=microbatches,
+            placement=self.placement,
+            split_backward=spec.split_backward,
+            max_inflight=spec.max_inflight,
+            max_activation_bytes=spec.max_activation_bytes,
+            priority=spec.priority,
+            idle_w=spec.idle_w,
+            warmup=spec.warmup,
+            params=params,
+            source=source,
+            positions=spec.positions,
+        )
+
+
 def _placeholder(fr: Frame) -> int:
     return 0
 
@@ -382,7 +431,7 @@ def evaluate(
     name: str | None = None,
     source: str | None = None,
     max_actions: int = MAX_ACTIONS,
-) -> Schedule:
+) -> Schedule | Policy:
     """Evaluate a parsed schedule under ``params`` (overrides of its defaults).
 
     Args:
@@ -392,7 +441,9 @@ def evaluate(
       source: recorded as ``Schedule.source`` (the file path, or None).
       max_actions: the most actions the evaluation may emit, over all devices.
 
-    Returns the Schedule without validating it (see ``Schedule.validate``). Raises
+    Returns the Schedule without validating it (see ``Schedule.validate``), or for a
+    schedule with a ``policy`` block the :class:`~pipedsl.policy.Policy` it states (see
+    :mod:`pipedsl.lang.policy`), which the simulator synthesises into a Schedule. Raises
     ScheduleEvalError, with the position of the offending node.
     """
     evaluator = _Evaluator(module, max_actions=max_actions, name=name)
@@ -420,6 +471,7 @@ _STRUCTURE = {
     ast.PlaceList: ("<stages>", "<devices>"),
     ast.OnDevice: ("<stages>", "<devices>", "<place>"),
     ast.TableRow: ("<stages>", "<devices>", "<place>"),
+    ast.PolicyBlock: ("<stages>", "<devices>", "<place>"),
 }
 
 

@@ -143,6 +143,35 @@ class _Builder(Transformer_NonRecursive):
             raise _error(f"the cell `{token.value}` has a number too large", pos)
         return ast.Cell(_ACTION_KINDS[kind], int(stage), int(microbatch), pos)
 
+    # -- the policy form --
+
+    def policy(self, meta: Meta, children: list) -> ast.PolicyBlock:
+        var, *body = children
+        return ast.PolicyBlock(self._name(var), tuple(s for s in body if s is not None), self._src.meta(meta))
+
+    def policy_split(self, meta: Meta, children: list) -> ast.PolicyStmt:
+        return ast.PolicyStmt("split", None, (), self._src.meta(meta))
+
+    def policy_limit(self, meta: Meta, children: list) -> ast.PolicyStmt:
+        what, value = children
+        return ast.PolicyStmt(str(what.value), value, (), self._src.meta(meta))
+
+    def policy_prefer(self, meta: Meta, children: list) -> ast.PolicyStmt:
+        return ast.PolicyStmt("prefer", None, tuple(self._kind(k) for k in children), self._src.meta(meta))
+
+    def policy_idle(self, meta: Meta, children: list) -> ast.PolicyStmt:
+        (kind,) = children
+        return ast.PolicyStmt("idle_w", None, (self._kind(kind),), self._src.meta(meta))
+
+    def policy_warmup(self, meta: Meta, children: list) -> ast.PolicyStmt:
+        (value,) = children
+        return ast.PolicyStmt("warmup", value, (), self._src.meta(meta))
+
+    def _kind(self, token: Token) -> str:
+        if token.value not in _ACTION_KINDS:
+            raise _error(f"`{token.value}` is not an action kind: write F, B, I or W", self._src.token(token))
+        return str(token.value)
+
     def fundef(self, meta: Meta, children: list) -> ast.FuncDef:
         name, *params, body = children
         return ast.FuncDef(

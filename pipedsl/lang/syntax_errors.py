@@ -44,6 +44,7 @@ _TERMINAL_WORDS = {
     "NAME": "a name",
     "INT": "a number",
     "CELL": "an action cell like 0F1",
+    "LIMIT_WHAT": "`inflight` or `activations`",
     "STRING": 'a quoted message like "..."',
     "$END": "the end of the file",
 }

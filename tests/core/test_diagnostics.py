@@ -71,10 +71,11 @@ def test_an_unclosed_brace_is_reported_at_the_brace(text: str, line: int, column
 
 
 def test_bad_characters_are_each_reported_once() -> None:
-    err = _errors("schedule t { x = 3 $ y = 4 ; z = 5 }")
+    # (`;` is a token now: it separates the statements of a policy block.)
+    err = _errors("schedule t { x = 3 $ y = 4 @ z = 5 }")
     assert [(c, m) for _, c, m in _where(err)] == [
         (20, "unexpected character '$'"),
-        (28, "unexpected character ';'"),
+        (28, "unexpected character '@'"),
     ]
 
 

@@ -62,9 +62,14 @@ def test_round_trips_of_built_schedules(schedule: Schedule) -> None:
     check_round_trips(schedule)
 
 
-@pytest.mark.parametrize("name", sorted(library.library_schedules()))
+# Policy schedules have no order until the simulator synthesises one; their synthesised
+# orders round-trip in tests/simulator/test_synthesis_library.py.
+ORDERS = sorted(n for n, path in library.library_schedules().items() if isinstance(library.load(path), Schedule))
+
+
+@pytest.mark.parametrize("name", ORDERS)
 def test_round_trips_of_the_library(name: str) -> None:
-    check_round_trips(library.load(library.library_path(name)))
+    check_round_trips(library.load(library.library_path(name)))  # type: ignore[arg-type]
 
 
 def test_library_is_loaded() -> None:

@@ -10,6 +10,7 @@ import pytest
 from pipedsl.errors import PipedslError, ScheduleEvalError
 from pipedsl.ir import Kind, Schedule
 from pipedsl.library import library_path, library_schedules, load
+from pipedsl.policy import Policy
 
 Grid = list[list[str]]
 
@@ -24,6 +25,11 @@ LIBRARY: dict[str, tuple[bool, Callable[[int], int], Callable[[int], int]]] = {
     "zbv": (False, lambda pp: 2 * pp - 1, lambda pp: 1),
     "dualpipev": (False, lambda pp: 2 * pp, lambda pp: 1),
 }
+
+
+# Policy schedules: limits and priorities, synthesised against a cost model by the simulator,
+# so their grid and closed forms are checked in tests/simulator/test_synthesis_library.py.
+POLICIES = {"zb_auto", "zb_h2", "zbv_auto"}
 
 
 def grid(schedule: Schedule) -> Grid:
@@ -44,7 +50,7 @@ def cases() -> list[tuple[str, dict[str, int]]]:
 
 
 def test_the_library_is_what_this_file_covers() -> None:
-    assert set(library_schedules()) == set(LIBRARY) | {"table_example"}
+    assert set(library_schedules()) == set(LIBRARY) | POLICIES | {"table_example"}
     assert library_path("1f1b") == library_path("1f1b.sched") == library_path() / "1f1b.sched"
     with pytest.raises(PipedslError, match="no schedule 'nope' in the library; it has 1f1b"):
         library_path("nope")
@@ -56,10 +62,16 @@ def test_every_file_documents_itself_and_has_the_usual_defaults(name: str) -> No
     assert text.startswith("# ")
     header = text[: text.index("\nschedule ")]
     assert "bubble:" in header and "in flight:" in header
-    schedule = load(library_path(name))
-    schedule.validate()
-    defaults = dict(schedule.params)
-    assert {k: v for k, v in {"pp": 4, "microbatches": 8, "vpp": 2}.items() if k in defaults} == defaults
+    loaded = load(library_path(name))
+    if name in POLICIES:
+        assert isinstance(loaded, Policy)
+        loaded.check()
+    else:
+        assert isinstance(loaded, Schedule)
+        loaded.validate()
+    defaults = dict(loaded.params)
+    usual = {"pp": 4, "microbatches": 8, "vpp": 2, "max_inflight": defaults.get("pp", 0) * (2 if name == "zbv_auto" else 1)}
+    assert {k: v for k, v in usual.items() if k in defaults} == defaults
 
 
 def test_every_schedule_validates_over_the_grid() -> None:

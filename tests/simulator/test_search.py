@@ -141,7 +141,9 @@ RECORDED_TOP = Path(__file__).parent / "data" / "search_demo_small_top20.json"
 
 
 def test_ranking_matches_the_recorded_one() -> None:
-    ranked = search_plans("demo-small", "a100-80gb", 16, global_batch=64, top=20)
+    # The order schedules the ranking was recorded with (policy schedules came later).
+    orders = ["gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev"]
+    ranked = search_plans("demo-small", "a100-80gb", 16, global_batch=64, top=20, schedules=orders)
     found = [
         [p.schedule, p.dp, p.tp, p.pp, p.vpp, p.microbatch_size, p.zero, p.recompute, p.step_time_s] for p in ranked
     ]

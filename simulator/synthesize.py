@@ -1,0 +1,425 @@
+"""Synthesis: a :class:`~pipedsl.policy.Policy` and a cost model to a concrete Schedule.
+
+A timed list scheduler. Every device keeps a clock; the device that can act earliest
+(ties: the higher device first, so that a backward's news travels before the device
+upstream decides) picks, among the actions whose inputs have arrived, the first kind in
+the policy's priority order that its limits allow. The chosen action's start and end
+follow the rules the simulator applies to the lowered program (start = max(device free,
+inputs arrived); a transfer between devices takes the cost model's time; a blocking send
+keeps the sender until it arrives), so the makespan of each order tried is known exactly
+without simulating it, and the fastest is kept.
+
+Choices the policy leaves open are tried as a few :class:`Variant`\\ s (as the zero-bubble
+paper's scheduler tries its flags):
+
+- *ahead*: how many forwards a device keeps ahead of its backwards. Below that count a
+  ready forward comes first (the device fills the pipe); at it no forward runs. The
+  policy's ``warmup`` fixes it; else the synthesiser tries 1F1B's count (S - s on a device
+  whose first stage is s), eager 1F1B's (2(S - s) - 1) and none (the limits alone bound
+  the forwards, and the priority order decides);
+- *strict*: with a count, whether a backward waits until the device is that far ahead
+  (1F1B's strict alternation);
+- *guard*: whether a ``W`` waits for an action above it known to arrive before the ``W``
+  would end (``W only in idle time`` always guards). A ``W`` that frees the room a ready
+  forward needs runs first, guard or not.
+
+Limits: a forward is admitted only if the device's in-flight count and activation bytes
+stay within the policy's limits, counting for a microbatch entering a device every stage of
+that device it will still pass through (so a V placement cannot fill a device with first
+halves whose second halves then find no room). A backward frees nothing until its ``W``
+(or ``B``). Per stage, forwards, backwards and weight gradients each take the microbatches
+in order. Deterministic: no randomness, no clocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+from pipedsl.errors import PipedslError
+from pipedsl.ir import Action, Kind, Schedule
+from pipedsl.policy import Policy
+from pipedsl.simulator.costs import CostModel, StageCosts
+
+__all__ = ["SynthesisError", "Variant", "synthesize", "variants"]
+
+_INF = float("inf")
+_F, _BWD, _W = 0, 1, 2  # kind codes; _BWD is I when split, B otherwise
+_AHEAD = ("1f1b", "eager", "limits")
+
+
+class SynthesisError(PipedslError):
+    """The policy's limits leave no order that finishes (a deadlock under the limits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One setting of the choices a policy leaves to the synthesiser.
+
+    Attributes:
+      ahead: forwards a device keeps ahead of its backwards when the policy states no
+        warm-up: ``"1f1b"`` (S - s for a device whose first stage is s), ``"eager"``
+        (2(S - s) - 1) or ``"limits"`` (no count: the limits and priorities decide).
+      strict: with an ahead count, a backward runs only when the device is that many
+        forwards ahead (or can run no more forwards): 1F1B's strict alternation, which keeps
+        the devices in step; without it a ready backward may run earlier.
+      guard_w: a ready ``W`` waits for a backward or admissible forward known to arrive
+        before the ``W`` would end, when the delay it would cause is more than
+        ``(1 - guard_w)`` × its cost (0: never waits; 1: waits rather than delay at all).
+        ``W only in idle time`` fixes it at 1.
+    """
+
+    ahead: str
+    strict: bool = False
+    guard_w: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.ahead not in _AHEAD:
+            raise ValueError(f"ahead must be one of {', '.join(_AHEAD)}, got {self.ahead!r}")
+        if not 0.0 <= self.guard_w <= 1.0:
+            raise ValueError(f"guard_w is a fraction in [0, 1], got {self.guard_w!r}")
+
+
+#: The variants tried without stated warm-up counts. Chosen on the comparison grid of
+#: ``bench/bench_synthesis.py`` (depths 2-8, 1-4 microbatches per stage, unequal F/I/W,
+#: communication, memory limits pp .. 2pp): each is the fastest somewhere, and together
+#: they are never slower there than the zero-bubble paper's scheduler.
+_DEFAULT_VARIANTS = (
+    Variant("eager"),
+    Variant("1f1b", strict=True, guard_w=1.0),
+    Variant("limits"),
+    Variant("1f1b"),
+)
+
+
+def variants(policy: Policy) -> tuple[Variant, ...]:
+    """The variants :func:`synthesize` tries for ``policy``, in a fixed order (the first
+    of equally fast orders wins)."""
+    if policy.warmup is None:
+        return _DEFAULT_VARIANTS
+    # Stated warm-up counts fix the ahead count; "limits" here just means "as stated".
+    return (Variant("limits", strict=True, guard_w=1.0), Variant("limits"))
+
+
+def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[Variant, ...] | None = None) -> Schedule:
+    """The fastest order found for ``policy`` under ``costs`` (default ``CostModel()``).
+
+    Args:
+      policy: what to synthesise; checked first (:meth:`Policy.check`).
+      costs: the cost model the orders are timed against, including communication.
+      tries: the variants to try (default: :func:`variants`); the first fastest wins.
+
+    Returns an unvalidated Schedule named and parameterised like the policy.
+
+    Raises:
+      ScheduleInvalid: a limit no order can keep (rule ``unsatisfiable-policy``), at the
+        limit's source position.
+      SynthesisError: every variant deadlocks under the limits.
+    """
+    policy.check()
+    stage_costs = (costs if costs is not None else CostModel()).resolve(_skeleton(policy, ()))
+    _check_bytes(policy, stage_costs)
+    plan = _Plan(policy, stage_costs)
+    best: tuple[float, list[list[tuple[int, int, int]]]] | None = None
+    failure: SynthesisError | None = None
+    for variant in tries if tries is not None else variants(policy):
+        try:
+            found = _run(plan, variant)
+        except SynthesisError as err:
+            failure = failure or err
+            continue
+        if best is None or found[0] < best[0]:
+            best = found
+    if best is None:
+        assert failure is not None
+        raise failure
+    kinds = (Kind.F, Kind.I if policy.split_backward else Kind.B, Kind.W)
+    orders = tuple(tuple(Action(kinds[k], s, m) for k, s, m in order) for order in best[1])
+    return _skeleton(policy, orders)
+
+
+def _skeleton(policy: Policy, orders: tuple[tuple[Action, ...], ...]) -> Schedule:
+    return Schedule(
+        name=policy.name,
+        num_stages=policy.num_stages,
+        num_devices=policy.num_devices,
+        num_microbatches=policy.num_microbatches,
+        placement=policy.placement,
+        orders=orders or tuple(() for _ in range(policy.num_devices)),
+        params=policy.params,
+        source=policy.source,
+    )
+
+
+def _min_bytes(policy: Policy, costs: StageCosts, device: int) -> int:
+    """The fewest activation bytes any order holds on ``device`` at its peak: one microbatch
+    through each of its stages, its weight gradients run as soon as they can."""
+    stages = policy.stages_on(device)
+    res, wres = costs.residual_bytes, costs.weight_residual_bytes
+    held = sum(res[s] for s in stages)
+    peak = held
+    for s in reversed(stages):
+        if policy.split_backward:
+            held += wres[s] - res[s]
+            peak = max(peak, held)
+            held -= wres[s]
+        else:
+            held -= res[s]
+    return peak
+
+
+def _check_bytes(policy: Policy, costs: StageCosts) -> None:
+    if policy.max_activation_bytes is None:
+        return
+    for device, limit in enumerate(policy.max_activation_bytes):
+        need = _min_bytes(policy, costs, device)
+        if need > limit:
+            raise policy.unsatisfiable(
+                "activations",
+                f"device {device} may hold {limit} activation bytes, but one microbatch through its"
+                f" stages {', '.join(map(str, policy.stages_on(device)))} needs {need} under this cost"
+                " model: no order keeps this limit",
+            )
+
+
+class _Plan:
+    """What every variant of one synthesis shares: per-stage costs, transfers and limits."""
+
+    def __init__(self, policy: Policy, costs: StageCosts) -> None:
+        S, D = policy.num_stages, policy.num_devices
+        self.policy = policy
+        self.S, self.D, self.M = S, D, policy.num_microbatches
+        self.split = policy.split_backward
+        owner = policy.placement
+        self.owner = owner
+        self.cost = (costs.forward, costs.input_grad if self.split else costs.backward, costs.weight_grad)
+        cross_f = [s + 1 < S and owner[s + 1] != owner[s] for s in range(S)]
+        cross_b = [s > 0 and owner[s - 1] != owner[s] for s in range(S)]
+        self.x_f = [costs.activation_transfer[s] if cross_f[s] else 0.0 for s in range(S)]
+        self.x_b = [costs.gradient_transfer[s] if cross_b[s] else 0.0 for s in range(S)]
+        # A blocking send keeps the sender until the value has arrived.
+        blocking = not costs.overlap_sends
+        self.after_f = [self.x_f[s] if blocking else 0.0 for s in range(S)]
+        self.after_b = [self.x_b[s] if blocking else 0.0 for s in range(S)]
+        # Deeper stages first: their outputs are what other devices wait for soonest.
+        self.stages = [tuple(sorted(policy.stages_on(d), reverse=True)) for d in range(D)]
+        self.first = [min(st) for st in self.stages]
+        self.entry = [s == self.first[owner[s]] for s in range(S)]
+        self.later = [sum(1 for t in self.stages[owner[s]] if t > s) for s in range(S)]
+        self.res = costs.residual_bytes
+        self.wres = costs.weight_residual_bytes if self.split else costs.residual_bytes
+        self.later_bytes = [sum(self.res[t] for t in self.stages[owner[s]] if t > s) for s in range(S)]
+        self.max_n = policy.max_inflight or (S * self.M,) * D
+        self.max_bytes = policy.max_activation_bytes
+        codes = {Kind.F: _F, Kind.I: _BWD, Kind.B: _BWD, Kind.W: _W}
+        self.codes = tuple(codes[k] for k in policy.priority or ())
+
+    def ahead(self, variant: Variant) -> list[int] | None:
+        if self.policy.warmup is not None:
+            return list(self.policy.warmup)
+        S = self.S
+        if variant.ahead == "1f1b":
+            return [S - f for f in self.first]
+        if variant.ahead == "eager":
+            return [2 * (S - f) - 1 for f in self.first]
+        return None
+
+
+def _run(plan: _Plan, variant: Variant) -> tuple[float, list[list[tuple[int, int, int]]]]:
+    """One pass of the list scheduler: the makespan (seconds) and the per-device orders as
+    (kind code, stage, microbatch) triples.
+
+    One long function on purpose: the loop runs once per action and per wait, and keeping
+    all its state in local names is what makes a pass cheap enough to try several (see
+    ``bench/bench_synthesis.py``).
+    """
+    S, D, M = plan.S, plan.D, plan.M
+    split = plan.split
+    owner, stages, entry, later = plan.owner, plan.stages, plan.entry, plan.later
+    cost_f, cost_b, cost_w = plan.cost
+    x_f, x_b, after_f, after_b = plan.x_f, plan.x_b, plan.after_f, plan.after_b
+    res, wres, later_bytes = plan.res, plan.wres, plan.later_bytes
+    max_n = plan.max_n
+    limit_bytes = plan.max_bytes is not None
+    max_bytes = plan.max_bytes if plan.max_bytes is not None else (0,) * D
+    ahead = plan.ahead(variant)
+    capped = ahead is not None
+    cap = ahead if ahead is not None else [S * M] * D
+    codes = plan.codes
+    fill_codes = (_F, *(k for k in codes if k != _F)) if capped else codes
+    rank = {k: i for i, k in enumerate(codes)}
+    forced_codes = (_W, *(k for k in codes if k != _W)) if capped else (*codes[: rank[_F]], _W)
+    guard_w = 1.0 if plan.policy.idle_w else variant.guard_w
+    # The kinds above W in the priority order: what its guard looks out for.
+    above_w = codes[: rank[_W]] if split else ()
+
+    clock = [0.0] * D
+    nf = [0] * S
+    nb = [0] * S
+    arr_f = [0.0 if s == 0 else _INF for s in range(S) for _ in range(M)]
+    arr_b = [_INF] * (S * M)
+    wq: list[deque[tuple[int, int]]] = [deque() for _ in range(D)]
+    live = [0] * D
+    reserved = [0] * D
+    held = [0] * D
+    reserved_bytes = [0] * D
+    ahead_now = [0] * D
+    first = plan.first
+    strict = capped and variant.strict
+    if plan.policy.warmup is not None and variant.ahead != "limits":
+        raise ValueError("a policy with warm-up counts takes only ahead='limits' variants")
+    hold = [0.0] * D
+    due = [0.0] * D  # the time of a device's live heap entry; _INF when parked
+    version = [0] * D
+    orders: list[list[tuple[int, int, int]]] = [[] for _ in range(D)]
+    makespan = 0.0
+    remaining = S * M * (3 if split else 2)
+    heap = [(0.0, -d, 0) for d in range(D)]
+    heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
+
+    while heap:
+        t, nd, ver = pop(heap)
+        d = -nd
+        if ver != version[d]:
+            continue
+        b_s = f_s = -1
+        b_wait = f_wait = _INF
+        f_full = f_limited = False
+        for s in stages[d]:
+            mf = nf[s]
+            # The ahead count holds back only microbatches entering the device.
+            if mf < M and (ahead_now[d] < cap[d] or not entry[s]):
+                r = arr_f[s * M + mf]
+                if r < hold[d]:
+                    r = hold[d]
+                if entry[s] and (
+                    live[d] + reserved[d] + 1 + later[s] > max_n[d]
+                    or (limit_bytes and held[d] + reserved_bytes[d] + res[s] + later_bytes[s] > max_bytes[d])
+                ):
+                    f_limited = True
+                    if r <= t:
+                        f_full = True
+                elif r <= t:
+                    if f_s < 0:
+                        f_s = s
+                elif r < f_wait:
+                    f_wait = r
+        # Strict alternation: a backward only once the device is its full count ahead.
+        if not strict or ahead_now[d] >= cap[d] or f_limited or nf[first[d]] == M:
+            for s in stages[d]:
+                mb = nb[s]
+                if mb < nf[s] and (not limit_bytes or not split or held[d] + reserved_bytes[d] + wres[s] - res[s] <= max_bytes[d]):
+                    r = arr_b[s * M + mb]
+                    if r <= t:
+                        if b_s < 0:
+                            b_s = s
+                    elif r < b_wait:
+                        b_wait = r
+        w_ready = bool(wq[d]) and t >= hold[d]
+        kind = -1
+        # A ready forward that only memory holds back makes its W urgent: it frees the room.
+        if f_full and f_s < 0 and w_ready and (capped or rank[_F] < rank[_W]):
+            order = forced_codes
+        else:
+            order = fill_codes if f_s >= 0 else codes
+        for k in order:
+            if (k == _BWD and b_s >= 0) or (k == _F and f_s >= 0) or (k == _W and w_ready):
+                kind = k
+                break
+        # The guard: going ahead would delay the awaited action by ``t + c - soon``.
+        if kind == _W and guard_w > 0.0 and order is not forced_codes:
+            soon = min(b_wait if _BWD in above_w else _INF, f_wait if _F in above_w else _INF)
+            c = cost_w[wq[d][0][0]]
+            if soon < t + c and t + c - soon > (1.0 - guard_w) * c:
+                kind = -2
+        if kind == -2:
+            hold[d] = soon
+            version[d] += 1
+            due[d] = soon
+            push(heap, (soon, nd, version[d]))
+            continue
+        if kind < 0:
+            nxt = min(b_wait, f_wait, max(t, hold[d]) if wq[d] else _INF)
+            version[d] += 1
+            due[d] = nxt
+            if nxt < _INF:
+                push(heap, (nxt, nd, version[d]))
+            continue
+
+        notify = -1
+        arrival = 0.0
+        if kind == _F:
+            s = f_s
+            m = nf[s]
+            nf[s] = m + 1
+            end = t + cost_f[s]
+            if entry[s]:
+                reserved[d] += later[s]
+                reserved_bytes[d] += later_bytes[s]
+            else:
+                reserved[d] -= 1
+                reserved_bytes[d] -= res[s]
+            live[d] += 1
+            held[d] += res[s]
+            ahead_now[d] += 1
+            if s + 1 < S:
+                arrival = end + x_f[s]
+                arr_f[(s + 1) * M + m] = arrival
+                notify = owner[s + 1]
+            else:
+                arr_b[s * M + m] = end
+            clock[d] = end + after_f[s]
+        elif kind == _BWD:
+            s = b_s
+            m = nb[s]
+            nb[s] = m + 1
+            end = t + cost_b[s]
+            ahead_now[d] -= 1
+            if split:
+                wq[d].append((s, m))
+                held[d] += wres[s] - res[s]
+            else:
+                live[d] -= 1
+                held[d] -= res[s]
+            if s > 0:
+                arrival = end + x_b[s]
+                arr_b[(s - 1) * M + m] = arrival
+                notify = owner[s - 1]
+            clock[d] = end + after_b[s]
+        else:
+            s, m = wq[d].popleft()
+            end = t + cost_w[s]
+            live[d] -= 1
+            held[d] -= wres[s]
+            clock[d] = end
+        orders[d].append((kind, s, m))
+        remaining -= 1
+        if end > makespan:
+            makespan = end
+        version[d] += 1
+        due[d] = clock[d]
+        push(heap, (clock[d], nd, version[d]))
+        if notify >= 0 and notify != d:
+            wake = clock[notify] if clock[notify] > arrival else arrival
+            if wake < due[notify]:
+                version[notify] += 1
+                due[notify] = wake
+                push(heap, (wake, -notify, version[notify]))
+    if remaining:
+        raise _deadlock(plan, orders, live, held)
+    return makespan, orders
+
+
+def _deadlock(plan: _Plan, orders: list[list[tuple[int, int, int]]], live: list[int], held: list[int]) -> SynthesisError:
+    per_stage = 3 if plan.split else 2
+    d = next(d for d in range(plan.D) if len(orders[d]) < len(plan.stages[d]) * plan.M * per_stage)
+    policy = plan.policy
+    where = policy.position("inflight") or policy.position("activations") or policy.position("warmup")
+    return SynthesisError(
+        f"the policy's limits leave device {d} nothing it may run after {len(orders[d])} actions"
+        f" (in flight {live[d]}, activation bytes {held[d]}): no order within these limits"
+        " finishes; raise the limits",
+        pos=where,
+    )
