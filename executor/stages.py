@@ -33,6 +33,7 @@ from jax.tree_util import PyTreeDef
 from pipedsl.executor.backward import BackwardSplit, split_backward
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.jaxprs import aval_struct
+from pipedsl.executor.mesh import StageLayout
 
 __all__ = ["LeafFn", "StagedModel", "StageProgram", "explicit_model", "compile_stage", "describe_avals"]
 
@@ -241,6 +242,11 @@ class StageProgram:
     not copied) and, on the last stage, the running loss. ``backward`` and
     ``backward_weight`` add this microbatch's parameter gradients to an accumulator they
     consume (donated: updated in place).
+
+    Every program is jitted for the stage's mesh (``layout``): its arguments arrive
+    placed, activations and input gradients leave split over ``"data"``, accumulators
+    where ``layout.grads`` keeps them and the loss replicated, so the collectives that
+    tensor and data parallelism need are XLA's, inside the programs.
     """
 
     __slots__ = (
@@ -259,6 +265,7 @@ class StageProgram:
         "_input",
         "_weight",
         "_zeros",
+        "layout",
     )
 
     def __init__(
@@ -273,8 +280,12 @@ class StageProgram:
         computed: tuple[int, ...],
         split: BackwardSplit,
         param_avals: tuple[jax.ShapeDtypeStruct, ...],
+        out_avals: tuple[Any, ...],
+        ct_avals: tuple[Any, ...],
+        layout: StageLayout,
     ) -> None:
         self.stage = stage
+        self.layout = layout
         self.first = first
         self.last = last
         self.split = split
@@ -321,11 +332,20 @@ class StageProgram:
             param_cts = split.weight_half(handoff, given)
             return tuple(a + g for a, g in zip(acc, param_cts, strict=True))
 
-        self._forward = jax.jit(forward_fn, donate_argnums=3)
-        self._backward = jax.jit(backward_fn, donate_argnums=2)
-        self._input = jax.jit(input_fn) if split.input_eqns else input_fn
-        self._weight = jax.jit(weight_fn, donate_argnums=2)
-        self._zeros: dict[jax.Device, Callable[[], Leaves]] = {}
+        # Activations leave split over "data"; residuals stay where XLA computed them.
+        num_y = len(y_slots) if not last else 1
+        values_at = tuple(layout.batch(out_avals[i].shape) if i < num_y else None for i in computed)
+        cts_at = tuple(layout.batch(a.shape) for a in ct_avals)
+        grads_at = layout.grads
+        self._forward = jax.jit(
+            forward_fn, donate_argnums=3, out_shardings=(values_at, layout.replicated if last else None)
+        )
+        self._backward = jax.jit(backward_fn, donate_argnums=2, out_shardings=(cts_at, grads_at))
+        self._input = jax.jit(input_fn, out_shardings=(cts_at, None)) if split.input_eqns else input_fn
+        self._weight = jax.jit(weight_fn, donate_argnums=2, out_shardings=grads_at)
+        self._zeros = jax.jit(
+            lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in param_avals), out_shardings=grads_at
+        )
 
     def forward(self, params: Leaves, x: Leaves, targets: Leaves, loss: Any) -> tuple[Leaves, Leaves, Any]:
         """``F``: (activation, residuals, running loss) for one microbatch.
@@ -354,18 +374,9 @@ class StageProgram:
         computed, refs = handoff
         return self._weight(computed, refs, acc)
 
-    def zero_grads(self, device: jax.Device) -> Leaves:
-        """A fresh gradient accumulator on ``device``."""
-        make = self._zeros.get(device)
-        if make is None:
-            # One compiled program per device makes every leaf's zeros at once.
-            avals = self._param_avals
-            make = jax.jit(
-                lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in avals),
-                out_shardings=jax.sharding.SingleDeviceSharding(device),
-            )
-            self._zeros[device] = make
-        return make()
+    def zero_grads(self) -> Leaves:
+        """A fresh gradient accumulator on the stage's mesh (one dispatch for every leaf)."""
+        return self._zeros()
 
 
 def _is_float(x: Any) -> bool:
@@ -379,8 +390,10 @@ def compile_stage(
     num_microbatches: int,
     remat: bool,
     device: int,
+    layout: StageLayout,
 ) -> StageProgram:
-    """Trace stage ``stage`` of ``model`` into its forward and backward programs.
+    """Trace stage ``stage`` of ``model`` into its forward and backward programs, for
+    the mesh and shardings of ``layout``.
 
     The last stage's loss is divided by ``num_microbatches`` so that the sum over
     microbatches is the mean. With ``remat``, the forward keeps only its inputs and the
@@ -464,4 +477,7 @@ def compile_stage(
         computed=tuple(computed),
         split=split,
         param_avals=p_avals,
+        out_avals=tuple(v.aval for v in outvars),
+        ct_avals=tuple(a for a, d in zip(x_avals, diff_x, strict=True) if d),
+        layout=layout,
     )
