@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pipedsl.executor.errors import ExecutionError, stage_failure
-from pipedsl.executor.stages import StageProgram
+from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.timing import Recorder
 from pipedsl.executor.transport import Transport
 from pipedsl.ir import Kind

@@ -37,7 +37,8 @@ from pipedsl.executor.backend import StepResult
 from pipedsl.executor.errors import ExecutionError, PeerFailed
 from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
 from pipedsl.executor.split import marked_model
-from pipedsl.executor.stages import StagedModel, StageProgram, explicit_model
+from pipedsl.executor.stage_program import StageProgram
+from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder, measured_timeline
 from pipedsl.executor.transport import LocalExchange
 from pipedsl.executor.worker import Update, Worker, WorkerStep, compile_device

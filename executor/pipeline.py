@@ -34,7 +34,7 @@ from pipedsl.executor.local import LocalBackend
 from pipedsl.executor.mesh import DATA, MeshConfig
 from pipedsl.executor.ray_backend import RayRunner
 from pipedsl.executor.ray_cluster import RayConfig, RayDevices
-from pipedsl.executor.stages import StageProgram
+from pipedsl.executor.stage_program import StageProgram
 from pipedsl.ir import Schedule
 from pipedsl.program import Program
 

@@ -33,12 +33,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from pipedsl.executor.errors import ExecutionError, PeerFailed
 from pipedsl.executor.devices import xla_device_flag
+from pipedsl.executor.errors import ExecutionError, PeerFailed
 from pipedsl.executor.mesh import MeshConfig, build_meshes
 from pipedsl.executor.ray_transport import Mailbox, RayTransport, from_wire
 from pipedsl.executor.split import marked_model
-from pipedsl.executor.stages import StagedModel, StageProgram, explicit_model
+from pipedsl.executor.stage_program import StageProgram
+from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder
 from pipedsl.executor.worker import Update, Worker, compile_device
 from pipedsl.program import Buffer, DeviceProgram

@@ -51,28 +51,34 @@ class Transport(Protocol):
 
 def resharder(mesh: Mesh) -> Any:
     """A function that puts a pytree of arrays on ``mesh``, each leaf with the spec it
-    has now (a ``NamedSharding``'s spec; anything else is replicated). Leaves already
-    on ``mesh`` with that sharding are left as they are (no copy, no dispatch)."""
-    shardings: dict[PartitionSpec, NamedSharding] = {}
+    has now (a ``NamedSharding``'s spec; anything else is replicated). When every leaf is
+    already there (pipeline devices that share their JAX devices) nothing is copied or
+    dispatched."""
+    # The target of each source sharding, worked out once: a step sends the same few
+    # shardings over and over.
+    targets: dict[Any, NamedSharding] = {}
     devices = set(mesh.devices.flat)
     replicated = NamedSharding(mesh, PartitionSpec())
 
-    def target(leaf: Any) -> NamedSharding:
-        sharding = getattr(leaf, "sharding", None)
-        if not isinstance(sharding, NamedSharding):
-            return replicated
-        spec = sharding.spec
-        named = shardings.get(spec)
-        if named is None:
-            named = shardings[spec] = NamedSharding(mesh, spec)
-        return named
+    def target(sharding: Any) -> NamedSharding:
+        found = targets.get(sharding)
+        if found is None:
+            if not isinstance(sharding, NamedSharding):
+                found = replicated
+            elif sharding.device_set == devices and sharding.mesh.devices.shape == mesh.devices.shape:
+                found = sharding
+            else:
+                found = NamedSharding(mesh, sharding.spec)
+            targets[sharding] = found
+        return found
 
     def move(value: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(value)
-        if all(isinstance(getattr(v, "sharding", None), NamedSharding) and v.sharding.device_set == devices for v in leaves):
-            # Pipeline devices that share their JAX devices: nothing to move.
+        sources = [getattr(v, "sharding", None) for v in leaves]
+        goals = [target(s) for s in sources]
+        if all(g is s for g, s in zip(goals, sources, strict=True)):
             return value
-        return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, [target(v) for v in leaves]))
+        return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, goals))
 
     return move
 

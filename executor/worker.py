@@ -36,7 +36,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.interpreter import DeviceRuntime
 from pipedsl.executor.mesh import StageLayout
-from pipedsl.executor.stages import StagedModel, StageProgram, compile_stage
+from pipedsl.executor.stage_program import StageProgram, compile_stage
+from pipedsl.executor.stages import StagedModel
 from pipedsl.executor.timing import Recorder
 from pipedsl.executor.transport import Transport
 from pipedsl.program import Buffer, DeviceProgram
