@@ -266,6 +266,10 @@ def assert_trees_close(actual: Any, expected: Any, *, atol: float | None = None)
 
 
 HYBRID_MICROBATCHES = 4
+# Adam with a larger eps than ADAM: tensor and data parallelism sum in other orders, and
+# the rounding noise of gradients that are zero in exact arithmetic (the attention key
+# bias) reaches the parameters divided by eps.
+HYBRID_ADAM = optax.adam(1e-2, eps=1e-3)
 
 
 def hybrid_schedule(name: str, pp: int, vpp: int) -> pipedsl.ir.Schedule:
@@ -315,10 +319,10 @@ def hybrid_reference_adam(form: str, num_stages: int, dp: int, *, steps: int) ->
     @jax.jit
     def step(p: Any, state: Any) -> tuple[Any, Any, jax.Array]:
         loss, grads = jax.value_and_grad(lambda q: m.loss(fn(q, batch[0]), batch[1]))(p)
-        updates, state = ADAM.update(grads, state, p)
+        updates, state = HYBRID_ADAM.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss
 
-    out, state = [], ADAM.init(params)
+    out, state = [], HYBRID_ADAM.init(params)
     for _ in range(steps):
         params, state, loss = step(params, state)
         out.append((params, loss))

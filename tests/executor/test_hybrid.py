@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from helpers import (
-    ADAM,
+    HYBRID_ADAM,
     assert_relative_close,
+    assert_trees_close,
     hybrid,
     hybrid_problem,
     hybrid_reference_adam,
@@ -56,16 +57,18 @@ def test_optimizer_steps_match_optax_on_one_device(dp: int, tp: int, pp: int, na
     pipe = hybrid("explicit", schedule, dp=dp, tp=tp, zero=zero)
     state = None
     for ref_params, ref_loss in hybrid_reference_adam("explicit", schedule.num_stages, dp, steps=2):
-        params, state, loss = pipe.train_step(params, state, batch, optimizer=ADAM)
+        params, state, loss = pipe.train_step(params, state, batch, optimizer=HYBRID_ADAM)
         assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))
-    assert_relative_close(params, ref_params, rtol=1e-5)
+    # Adam turns the rounding noise of gradients that are zero in exact arithmetic (the
+    # attention key bias) into parameter noise bounded by eps: parameters of size ~0.1
+    # are compared to an absolute 1e-6, as for the pure pipelines.
+    assert_trees_close(jax.device_get(params), ref_params, atol=1e-6)
     # The gathered state is plain host arrays of the unsharded shapes.
     gathered = pipe.gather(state)
     assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree_util.tree_leaves(gathered))
     if zero:
-        # ZeRO shards the (first) Adam moment of the largest leaf over "data".
-        mu = jax.tree_util.tree_leaves(state[0][0].mu)
-        big = max(mu, key=lambda leaf: leaf.size)
+        # ZeRO shards the optimizer state of the largest leaf over "data".
+        big = max(jax.tree_util.tree_leaves(state[0]), key=lambda leaf: leaf.size)
         assert "data" in str(big.sharding.spec)
 
 

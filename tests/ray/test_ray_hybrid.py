@@ -21,8 +21,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from helpers import (  # noqa: E402
-    ADAM,
+    HYBRID_ADAM,
     assert_relative_close,
+    assert_trees_close,
     hybrid,
     hybrid_problem,
     hybrid_reference_adam,
@@ -56,11 +57,12 @@ def test_ray_hybrid_plan_matches_single_device(local_ray: None, dp: int, tp: int
         assert abs(float(result.loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))
         assert_relative_close(result.grads, ref_grads)
         ((ref_params, ref_step_loss),) = hybrid_reference_adam("explicit", schedule.num_stages, dp, steps=1)
-        new_params, state, loss = pipe.train_step(params, None, batch, optimizer=ADAM)
+        new_params, state, loss = pipe.train_step(params, None, batch, optimizer=HYBRID_ADAM)
         assert isinstance(new_params, Resident) and isinstance(state, Resident)
         assert abs(float(loss) - float(ref_step_loss)) < 1e-5 * abs(float(ref_step_loss))
         gathered = pipe.gather(new_params)
         assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree_util.tree_leaves(gathered))
-        assert_relative_close(gathered, ref_params)
+        # Adam's eps-bounded noise on zero gradients: an absolute 1e-6 (see test_hybrid).
+        assert_trees_close(gathered, ref_params, atol=1e-6)
     finally:
         pipe.close()
