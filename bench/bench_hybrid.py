@@ -73,7 +73,7 @@ def main() -> None:
         def loss(p: Any) -> jax.Array:
             total = 0.0
             for i in range(m):
-                total = total + one.loss(stage(p, xs[i]), ts[i]) / m
+                total = total + one.loss(stage(p[0], xs[i]), ts[i]) / m
             return total
 
         return jax.value_and_grad(loss)(params)

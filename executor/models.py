@@ -17,10 +17,12 @@ pipelined step must reproduce.
 Tensor parallelism: ``model.param_specs(params)`` gives the ``PartitionSpec`` pytree that
 :class:`~pipedsl.executor.Pipeline` takes as ``param_specs`` (with ``tp > 1``); for the
 transformer it is :func:`transformer_specs`, Megatron's layout: the attention's fused QKV
-projection and the MLP's first matrix split column-wise over ``"tensor"`` (each device
-computes whole heads and a slice of the hidden units), the attention output and the MLP's
+projection and the MLP's first matrix split column-wise over ``"tensor"`` (a slice of the
+projections and of the hidden units per device), the attention output and the MLP's
 second matrix split row-wise (their partial sums are all-reduced by XLA), the token
-embedding and the output head split over the vocabulary. The MLP's specs replicate
+embedding and the output head split over the vocabulary. The fused QKV columns are laid
+out ``[q | k | v]``, so a column slice holds whole heads of one projection; XLA regroups
+them for the attention. The MLP's specs replicate
 everything.
 
 Writing specs for your own model: return a pytree with the structure of your parameters
@@ -192,10 +194,8 @@ def _block(p: Params, h: jax.Array, *, heads: int) -> jax.Array:
     b, s, d = h.shape
     x = _layer_norm(p["ln1"], h)
     qkv = x @ p["qkv"]["w"] + p["qkv"]["b"]
-    # Head-major columns (head, q/k/v, d/heads): a column split over "tensor" gives each
-    # device whole heads.
-    q, k, v = jnp.split(qkv.reshape(b, s, heads, 3, d // heads), 3, axis=3)
-    q, k, v = (t[:, :, :, 0].transpose(0, 2, 1, 3) for t in (q, k, v))  # [b, heads, s, d/heads]
+    q, k, v = jnp.split(qkv.reshape(b, s, 3, heads, d // heads), 3, axis=2)
+    q, k, v = (t[:, :, 0].transpose(0, 2, 1, 3) for t in (q, k, v))  # [b, heads, s, d/heads]
     scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // heads)
     causal = jnp.tril(jnp.ones((s, s), bool))
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
@@ -311,8 +311,7 @@ def transformer_specs(params: Params) -> Params:
     parameters, in either form (``init_stages`` or ``init_function``), for
     ``Pipeline(..., tp=T, param_specs=transformer_specs(params))``.
 
-    ``T`` must divide the vocabulary and ``3 * dim``, ``4 * dim`` and ``dim``; heads are
-    kept whole on one device when it also divides ``heads``.
+    ``T`` must divide the vocabulary and ``3 * dim``, ``4 * dim`` and ``dim``.
     """
 
     def spec(path: tuple[Any, ...], leaf: Any) -> PartitionSpec | None:

@@ -106,6 +106,9 @@ class Worker:
         self.count = num_microbatches
         self.leaves: dict[int, Any] = {}
         self.states: dict[int, Any] = {}
+        # The caller's array each resident leaf was loaded from, so that passing the same
+        # parameters again moves nothing.
+        self._sources: dict[int, Any] = {}
         # Whether the last step got as far as the optimizer update (the resident state
         # of this device then no longer matches the other devices' if another failed).
         self.applied = False
@@ -134,9 +137,10 @@ class Worker:
                 raise ExecutionError(f"device {self.index} was given no value for parameter leaves {missing}")
             for i, target in self._kept.items():
                 value = leaves[i]
-                if getattr(value, "sharding", None) != target:
-                    value = jax.device_put(value, target)
-                self.leaves[i] = value
+                if isinstance(value, jax.Array) and self._sources.get(i) is value:
+                    continue  # loaded before (JAX arrays are immutable): nothing to move
+                self._sources[i] = value if isinstance(value, jax.Array) else None
+                self.leaves[i] = value if getattr(value, "sharding", None) == target else jax.device_put(value, target)
         if states is not None:
             self.states = {s: states[s] for s in self.local if s in states}
             self._placed_states.clear()
@@ -235,6 +239,7 @@ class Worker:
         """Apply the optimizer to every local stage's owned leaves, then hand updated
         shared leaves to the other devices that use them."""
         model, me, placement = self.model, self.index, self.placement
+        self._sources.clear()  # the resident leaves are no longer the caller's arrays
         if update.init:
             self.states = {}
         for s in self.local:
