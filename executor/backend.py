@@ -32,7 +32,7 @@ class StepResult:
         stage that owns it); None after an optimizer step, which consumes them.
       params: the updated parameters after an optimizer step, else None.
       opt_state: the optimizer state after an optimizer step (a tuple, one optax state
-        per stage, over the leaves that stage owns), else None.
+        per stage, over the leaves that stage owns; on Ray a handle to it), else None.
       timeline: the measured timeline when the step was recorded, else None.
       peak_held: per device, the most (stage, microbatch) pairs whose residuals it held
         at once (equals the schedule's peak in-flight count).
@@ -42,7 +42,7 @@ class StepResult:
     loss: jax.Array
     grads: Any
     params: Any
-    opt_state: tuple[Any, ...] | None
+    opt_state: Any
     timeline: Timeline | None
     peak_held: tuple[int, ...]
     leftover: tuple[tuple[Buffer, ...], ...]

@@ -159,21 +159,31 @@ class Pipeline:
             flags = tuple(bool(r) for r in remat)
             if len(flags) != schedule.num_stages:
                 raise ExecutionError(f"remat has {len(flags)} flags; the schedule has {schedule.num_stages} stages")
-        model = {"stages": stages, "model_fn": model_fn, "loss": loss, "remat": flags}
         self.backend: Backend
         if backend == "ray" or isinstance(backend, (RayConfig, RayDevices)):
             # Parameters live in the actors, so the runner takes over whole steps.
             self.backend = RayRunner.start(
                 self.program,
-                backend,  # type: ignore[arg-type]
+                backend,
+                stages=stages,
+                model_fn=model_fn,
+                loss=loss,
+                remat=flags,
                 recv_timeout=recv_timeout,
                 mesh=mesh,
                 param_specs=param_specs,
-                **model,
             )
         elif backend == "local":
             self.backend = LocalBackend(
-                self.program, devices=devices, recv_timeout=recv_timeout, mesh=mesh, param_specs=param_specs, **model
+                self.program,
+                stages=stages,
+                model_fn=model_fn,
+                loss=loss,
+                remat=flags,
+                devices=devices,
+                recv_timeout=recv_timeout,
+                mesh=mesh,
+                param_specs=param_specs,
             )
         else:
             raise ExecutionError(f"unknown backend {backend!r}; available: 'local', 'ray'")

@@ -67,10 +67,10 @@ def from_wire(value: Any, mesh: Mesh) -> Any:
         if not isinstance(x, _Sharded):
             return jax.device_put(x, replicated)
         sharding = NamedSharding(mesh, x.spec)
-        placed = [
-            jax.device_put(x.shards[_index(index)], device)
-            for device, index in sharding.addressable_devices_indices_map(x.shape).items()
-        ]
+        placed = []
+        for device, index in sharding.addressable_devices_indices_map(x.shape).items():
+            assert index is not None  # every device of the mesh holds a shard
+            placed.append(jax.device_put(x.shards[_index(index)], device))
         return jax.make_array_from_single_device_arrays(x.shape, sharding, placed)
 
     return jax.tree_util.tree_map(leaf, value, is_leaf=lambda x: isinstance(x, _Sharded))

@@ -222,7 +222,7 @@ class StageProgram:
         ct = at(ct_avals, [layout.batch(a.shape) for a in ct_avals])
         acc = at(self._param_avals, layout.grads)
         backward = self._backward.lower(residuals, ct, acc).compile()
-        return {"F": forward.as_text(), "B": backward.as_text()}
+        return {"F": forward.as_text() or "", "B": backward.as_text() or ""}
 
     def zero_grads(self) -> Leaves:
         """A fresh gradient accumulator on the stage's mesh (one dispatch for every leaf)."""
