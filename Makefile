@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_many_defs.py
 	$(PY) bench/bench_simulate.py
 	$(PY) bench/bench_executor.py
+	$(PY) bench/bench_hybrid.py
 	$(PY) bench/bench_ray.py
 	$(PY) bench/bench_search.py
 	$(PY) bench/bench_synthesis.py

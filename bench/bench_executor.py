@@ -63,7 +63,7 @@ def bench_split(width: int, layers: int, microbatch: int, repeat: int) -> None:
     _, residuals, _ = prog.forward(p, x, (), None)
     _, handoff = prog.backward_input(residuals, ct)
     split = prog.split
-    state = {"acc": prog.zero_grads(device)}
+    state = {"acc": prog.zero_grads()}
 
     # The approach the split replaces: keep jax.vjp's residuals, then jit the two halves
     # of its pullback separately; W's half re-derives the cotangent chain.

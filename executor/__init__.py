@@ -1,10 +1,12 @@
 """Running schedules: JAX stage programs interpreted per device (MPMD).
 
 ``Pipeline`` runs a model (explicit stage functions, or one function split at
-``stage_boundary`` markers) under a lowered schedule on a backend; the ``local`` backend
-uses one JAX device of this process per pipeline device, the ``ray`` backend one Ray actor
-per pipeline device (``RayConfig``, ``RayDevices``); ``save_checkpoint`` and
-``load_checkpoint`` keep parameters and optimizer state across runs.
+``stage_boundary`` markers) under a lowered schedule on a backend, every pipeline device a
+``dp x tp`` mesh of JAX devices (``Pipeline(..., dp=, tp=, zero=, param_specs=)``; see
+:mod:`pipedsl.executor.mesh`); the ``local`` backend hosts one worker per pipeline device
+on threads of this process, the ``ray`` backend one Ray actor per pipeline device
+(``RayConfig``, ``RayDevices``); ``save_checkpoint`` and ``load_checkpoint`` keep
+parameters and optimizer state across runs.
 
 JAX is imported on first use of ``Pipeline``, ``StepResult``, ``stage_boundary`` or the
 other names above, not with this package, so that ``pipedsl``'s command line (which imports

@@ -1,61 +1,76 @@
-"""What a backend provides to :class:`pipedsl.executor.pipeline.Pipeline`.
+"""What a backend provides to :class:`pipedsl.executor.pipeline.Pipeline`, and what a step returns.
 
-A backend owns the pipeline devices: it puts values on them, runs every device's
-lowered program for one step (each with a :class:`pipedsl.executor.interpreter.DeviceRuntime`
-and a :class:`pipedsl.executor.transport.Transport`), and runs small per-stage
-functions (the optimizer update) where the stage lives. The pipeline does the rest
-(stage compilation, splitting the batch, summing shared gradients, the optimizer) in
-terms of this interface, so a backend never sees the model.
+A backend owns the pipeline devices, one :class:`pipedsl.executor.worker.Worker` each
+(threads of this process for ``local``, Ray actors for ``ray``), and the state they
+keep between steps. The pipeline traces the model and splits the batch; the backend
+runs the step and hands back a :class:`StepResult`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pipedsl.executor.interpreter import DeviceStep
-from pipedsl.executor.stages import StageProgram
+import jax
+import optax
+
+from pipedsl.program import Buffer
 from pipedsl.timeline import Timeline
 
-__all__ = ["Backend", "BackendStep"]
-
-Leaves = tuple[Any, ...]
+__all__ = ["Backend", "StepResult"]
 
 
 @dataclass(frozen=True, slots=True)
-class BackendStep:
-    """One step on every device: ``devices[d]`` is device d's result; ``timeline`` is
-    the measured timeline when the step was recorded, else None."""
+class StepResult:
+    """Everything one step produced.
 
-    devices: tuple[DeviceStep, ...]
+    Attributes:
+      loss: the mean loss over microbatches (a scalar array on the last stage's mesh;
+        numpy on Ray).
+      grads: gradients with the structure of ``params`` (each leaf on the mesh of the
+        stage that owns it); None after an optimizer step, which consumes them.
+      params: the updated parameters after an optimizer step, else None.
+      opt_state: the optimizer state after an optimizer step (a tuple, one optax state
+        per stage, over the leaves that stage owns; on Ray a handle to it), else None.
+      timeline: the measured timeline when the step was recorded, else None.
+      peak_held: per device, the most (stage, microbatch) pairs whose residuals it held
+        at once (equals the schedule's peak in-flight count).
+      leftover: per device, buffers still held after the step (always empty).
+    """
+
+    loss: jax.Array
+    grads: Any
+    params: Any
+    opt_state: Any
     timeline: Timeline | None
+    peak_held: tuple[int, ...]
+    leftover: tuple[tuple[Buffer, ...], ...]
 
 
 class Backend(Protocol):
     """The pipeline devices of one schedule, as the pipeline drives them."""
 
-    def place(self, value: Any, device: int) -> Any:
-        """``value`` (a pytree of arrays) on pipeline device ``device``."""
-        ...
-
-    def run_step(
+    def step(
         self,
-        stages: Mapping[int, StageProgram],
-        params: Mapping[int, Leaves],
-        inputs: Sequence[Leaves],
-        targets: Sequence[Leaves],
+        params: Any,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        example_inputs: Any,
+        example_targets: Any,
         *,
+        optimizer: optax.GradientTransformation | None,
+        opt_state: Any,
         record: bool,
-    ) -> BackendStep:
-        """Run every device's program once.
-
-        ``stages`` maps each stage to its compiled program, ``params`` each stage to its
-        parameter leaves (already on the stage's device), ``inputs[m]`` / ``targets[m]``
-        microbatch m's leaves (already on the devices of the first / last stage).
-        """
+    ) -> StepResult:
+        """One step over the batch's leaves ``inputs``/``targets``, of which
+        ``example_inputs``/``example_targets`` give one microbatch's shapes."""
         ...
 
-    def call(self, device: int, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` run where pipeline device ``device`` lives (args already there)."""
+    def gather(self, value: Any) -> Any:
+        """``value`` (parameters, optimizer state, gradients) on the driver as numpy."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds."""
         ...

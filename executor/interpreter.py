@@ -5,9 +5,8 @@ it owns the device's buffers by name (:class:`pipedsl.program.Buffer`), dispatch
 ``Compute`` to the stage's compiled program (:class:`pipedsl.executor.stages.StageProgram`),
 hands ``Send``/``Recv`` to a :class:`pipedsl.executor.transport.Transport`, drops each
 buffer at its ``Free`` (its last use), and accumulates every local stage's parameter
-gradients over the microbatches. It knows nothing of how devices are connected, so the
-same runtime serves the local backend (one thread per device) and could live inside a
-Ray actor.
+gradients over the microbatches. It knows nothing of how devices are connected: the
+:class:`pipedsl.executor.worker.Worker` of either backend runs it.
 
 The runtime also keeps the numbers tests and users check: the most (stage,
 microbatch) pairs whose residuals were held at once, and any buffer still held at the
@@ -16,25 +15,22 @@ end of the step (there should be none).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from pipedsl.executor.errors import ExecutionError, stage_failure
-from pipedsl.executor.stages import StageProgram
+from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.timing import Recorder
 from pipedsl.executor.transport import Transport
 from pipedsl.ir import Kind
 from pipedsl.program import Buffer, BufferKind, Compute, DeviceProgram, Free, Recv, Send
 from pipedsl.timeline import Event
 
-__all__ = ["DeviceStep", "DeviceRuntime", "optimizer_update", "split_leading"]
+__all__ = ["DeviceStep", "DeviceRuntime"]
 
 Leaves = tuple[Any, ...]
 _HELD = (BufferKind.RESIDUAL, BufferKind.WEIGHT_RESIDUAL)
@@ -61,20 +57,26 @@ class DeviceStep:
     events: tuple[Event, ...]
 
 
-class DeviceRuntime:
-    """Runs ``program`` on ``device`` with the compiled ``stages`` it owns.
+# Instruction codes of the compiled program (ints: no Enum compared or hashed per action).
+_F, _B, _I, _W, _SEND, _RECV, _FREE = range(7)
+_KIND_CODE = {Kind.F: _F, Kind.B: _B, Kind.I: _I, Kind.W: _W}
 
-    ``recv_timeout`` bounds every wait for another device, in seconds.
+
+class DeviceRuntime:
+    """Runs ``program`` with the compiled ``stages`` it owns (each on its stage mesh).
+
+    ``recv_timeout`` bounds every wait for another device, in seconds. The program is
+    compiled once into flat tuples over numbered buffer slots, so that a step costs
+    little more than the JAX dispatches it makes.
     """
 
-    __slots__ = ("program", "stages", "device", "recv_timeout")
+    __slots__ = ("program", "stages", "recv_timeout", "_ops", "_buffers", "_held", "_last")
 
     def __init__(
         self,
         program: DeviceProgram,
         stages: Mapping[int, StageProgram],
         *,
-        device: jax.Device,
         recv_timeout: float,
     ) -> None:
         missing = sorted(set(program.stages) - set(stages))
@@ -84,8 +86,34 @@ class DeviceRuntime:
             )
         self.program = program
         self.stages = {s: stages[s] for s in program.stages}
-        self.device = device
         self.recv_timeout = recv_timeout
+        self._last = next((prog for prog in self.stages.values() if prog.last), None)
+        slots: dict[Buffer, int] = {}
+
+        def slot(buffer: Buffer) -> int:
+            return slots.setdefault(buffer, len(slots))
+
+        ops: list[tuple[Any, ...]] = []
+        for instr in program.instructions:
+            if isinstance(instr, Compute):
+                a = instr.action
+                code = _KIND_CODE[a.kind]
+                reads = tuple(slot(b) for b in instr.reads)
+                # compute_io's order: F writes (residual, activation); B/I write the input
+                # gradient (not on stage 0), then I writes the weight residual.
+                writes = tuple(slot(b) for b in instr.writes)
+                skip = 1 if code == _I and len(writes) == 1 else 0
+                ops.append((code, a, self.stages[a.stage], a.microbatch, reads, writes, skip))
+            elif isinstance(instr, Send):
+                ops.append((_SEND, instr.buffer, slot(instr.buffer), instr.peer))
+            elif isinstance(instr, Recv):
+                ops.append((_RECV, instr.buffer, slot(instr.buffer), instr.peer))
+            elif isinstance(instr, Free):
+                ops.append((_FREE, instr.buffer, slot(instr.buffer)))
+        self._ops = tuple(ops)
+        self._buffers = tuple(sorted(slots, key=slots.__getitem__))
+        # Per slot, the (stage, microbatch) whose residuals it holds, else None.
+        self._held = tuple((b.stage, b.microbatch) if b.kind in _HELD else None for b in self._buffers)
 
     def run_step(
         self,
@@ -98,7 +126,7 @@ class DeviceRuntime:
     ) -> DeviceStep:
         """Run the program once.
 
-        ``params`` holds each local stage's parameter leaves (on this device);
+        ``params`` holds each local stage's parameter leaves (placed on its mesh);
         ``inputs[m]`` / ``targets[m]`` are microbatch m's input and target leaves, needed
         only where stage 0 / the last stage lives (pass ``()`` elsewhere). With a
         ``recorder``, every action and transfer is waited for and recorded.
@@ -106,20 +134,21 @@ class DeviceRuntime:
         On failure the error names the device, the stage and the action; the transport
         is told first, so that no other device keeps waiting for this one.
         """
-        state = _StepState(
-            {s: prog.zero_grads(self.device) for s, prog in self.stages.items()},
-            jnp.zeros((), jnp.float32, device=self.device) if self._has_last else None,
-        )
+        last = self._last
+        loss = None if last is None else jax.device_put(jnp.zeros((), jnp.float32), last.layout.replicated)
+        state = _StepState(len(self._buffers), {s: prog.zero_grads() for s, prog in self.stages.items()}, loss)
         try:
-            for instr in self.program.instructions:
-                if isinstance(instr, Compute):
-                    self._compute(instr, state, params, inputs, targets, recorder)
-                elif isinstance(instr, Send):
-                    self._send(instr, state, transport, recorder)
-                elif isinstance(instr, Recv):
-                    state.put(instr.buffer, transport.recv(instr.buffer, instr.peer, timeout=self.recv_timeout))
-                elif isinstance(instr, Free):
-                    state.drop(instr.buffer, self.program.device)
+            for op in self._ops:
+                code = op[0]
+                if code <= _W:
+                    self._compute(op, state, params, inputs, targets, recorder)
+                elif code == _SEND:
+                    self._send(op, state, transport, recorder)
+                elif code == _RECV:
+                    state.put(op[2], transport.recv(op[1], op[3], timeout=self.recv_timeout), self._held[op[2]])
+                else:
+                    self._get(state, op[2])
+                    state.drop(op[2], self._held[op[2]])
         except BaseException as err:
             transport.abort(err)
             raise
@@ -127,132 +156,103 @@ class DeviceRuntime:
             grads=state.grads,
             loss=state.loss,
             peak_held=state.peak,
-            leftover=tuple(state.buffers),
+            leftover=tuple(b for b, v in zip(self._buffers, state.values, strict=True) if v is not _EMPTY),
             events=tuple(recorder.events) if recorder is not None else (),
         )
 
-    @property
-    def _has_last(self) -> bool:
-        return any(prog.last for prog in self.stages.values())
+    def _get(self, state: _StepState, slot: int) -> Any:
+        value = state.values[slot]
+        if value is _EMPTY:
+            buffer = self._buffers[slot]
+            device = self.program.device
+            raise ExecutionError(
+                f"device {device} needs {buffer}, which it does not hold (the program reads it "
+                "before it is written or after it is freed)",
+                stage=buffer.stage,
+                device=device,
+            )
+        return value
 
-    def _send(self, instr: Send, state: _StepState, transport: Transport, recorder: Recorder | None) -> None:
-        value = state.get(instr.buffer, self.program.device)
+    def _send(self, op: tuple[Any, ...], state: _StepState, transport: Transport, recorder: Recorder | None) -> None:
+        _, buffer, slot, peer = op
+        value = self._get(state, slot)
         if recorder is None:
-            transport.send(instr.buffer, value, instr.peer)
+            transport.send(buffer, value, peer, stage=buffer.stage)
             return
         start = recorder.now()
-        transport.send(instr.buffer, value, instr.peer, wait=True)
-        recorder.transfer(instr.buffer, instr.peer, start, recorder.now())
+        transport.send(buffer, value, peer, stage=buffer.stage, wait=True)
+        recorder.transfer(buffer, peer, start, recorder.now())
 
     def _compute(
         self,
-        instr: Compute,
+        op: tuple[Any, ...],
         state: _StepState,
         params: Mapping[int, Leaves],
         inputs: Sequence[Leaves],
         targets: Sequence[Leaves],
         recorder: Recorder | None,
     ) -> None:
-        action = instr.action
-        s, m = action.stage, action.microbatch
-        prog = self.stages[s]
-        device = self.program.device
-        reads = [state.get(b, device) for b in instr.reads]
+        code, action, prog, m, read_slots, write_slots, skip = op
+        s = prog.stage
+        reads = [self._get(state, r) for r in read_slots]
         start = recorder.now() if recorder is not None else 0.0
         try:
-            if action.kind is Kind.F:
+            if code == _F:
                 x = reads[0] if reads else inputs[m]
-                t, running = (targets[m], state.loss) if prog.last else ((), None)
-                y, residuals, loss = prog.forward(params[s], x, t, running)
-                outputs: tuple[Any, ...] = (residuals, y)
                 if prog.last:
-                    state.loss = loss
-            elif action.kind is Kind.W:
+                    _, residuals, state.loss = prog.forward(params[s], x, targets[m], state.loss)
+                    outputs: tuple[Any, ...] = (residuals,)
+                else:
+                    y, residuals, _ = prog.forward(params[s], x, (), None)
+                    outputs = (residuals, y)
+            elif code == _W:
                 state.grads[s] = prog.backward_weight(reads[0], state.grads[s])
                 outputs = ()
             else:
                 ct = reads[1] if len(reads) > 1 else ()
-                if action.kind is Kind.B:
+                if code == _B:
                     input_cts, state.grads[s] = prog.backward(reads[0], ct, state.grads[s])
                     outputs = (input_cts,)
                 else:
-                    input_cts, handoff = prog.backward_input(reads[0], ct)
-                    outputs = (input_cts, handoff)
+                    outputs = prog.backward_input(reads[0], ct)
             if recorder is not None:
                 jax.block_until_ready((outputs, state.grads[s], state.loss))
         except ExecutionError:
             raise
         except Exception as err:  # anything a compiled stage raises, named by where it ran
-            raise stage_failure(s, device, f"running {action}", err) from err
-        # compute_io's order: F writes (residual, activation); B/I write the input
-        # gradient (not on stage 0), then I writes the weight residual.
-        written = outputs[1:] if action.kind is Kind.I and len(instr.writes) == 1 else outputs[: len(instr.writes)]
-        for buffer, value in zip(instr.writes, written, strict=True):
-            state.put(buffer, value)
+            raise stage_failure(s, self.program.device, f"running {action}", err) from err
+        for slot, value in zip(write_slots, outputs[skip:], strict=False):
+            state.put(slot, value, self._held[slot])
         if recorder is not None:
             recorder.compute(action, start, recorder.now())
 
 
+_EMPTY = object()  # a slot that holds no value
+
+
 class _StepState:
-    """One step's mutable state on one device: buffers, accumulators, the running loss."""
+    """One step's mutable state on one device: buffer slots, accumulators, the running loss."""
 
-    __slots__ = ("buffers", "grads", "loss", "held", "peak")
+    __slots__ = ("values", "grads", "loss", "held", "peak")
 
-    def __init__(self, grads: dict[int, Leaves], loss: Any) -> None:
-        self.buffers: dict[Buffer, Any] = {}
+    def __init__(self, num_slots: int, grads: dict[int, Leaves], loss: Any) -> None:
+        self.values: list[Any] = [_EMPTY] * num_slots
         self.grads = grads
         self.loss = loss
-        self.held: Counter[tuple[int, int]] = Counter()
+        self.held: dict[tuple[int, int], int] = {}
         self.peak = 0
 
-    def put(self, buffer: Buffer, value: Any) -> None:
-        self.buffers[buffer] = value
-        if buffer.kind in _HELD:
-            self.held[(buffer.stage, buffer.microbatch)] += 1
+    def put(self, slot: int, value: Any, held: tuple[int, int] | None) -> None:
+        self.values[slot] = value
+        if held is not None:
+            self.held[held] = self.held.get(held, 0) + 1
             self.peak = max(self.peak, len(self.held))
 
-    def get(self, buffer: Buffer, device: int) -> Any:
-        try:
-            return self.buffers[buffer]
-        except KeyError:
-            raise ExecutionError(
-                f"device {device} needs {buffer}, which it does not hold (the program reads it "
-                "before it is written or after it is freed)",
-                stage=buffer.stage,
-                device=device,
-            ) from None
-
-    def drop(self, buffer: Buffer, device: int) -> None:
-        self.get(buffer, device)
-        del self.buffers[buffer]
-        if buffer.kind in _HELD:
-            pair = (buffer.stage, buffer.microbatch)
-            self.held[pair] -= 1
-            if not self.held[pair]:
-                del self.held[pair]
-
-
-def _split_leading(leaf: jax.Array, count: int) -> tuple[jax.Array, ...]:
-    return tuple(jnp.split(leaf, count))
-
-
-split_leading = jax.jit(_split_leading, static_argnums=1)
-"""``split_leading(leaf, count)``: ``leaf`` cut into ``count`` equal microbatches along
-axis 0, in one dispatch where the leaf lives (instead of one per microbatch)."""
-
-
-@lru_cache(maxsize=16)
-def optimizer_update(optimizer: optax.GradientTransformation) -> Any:
-    """A jitted ``(grads, opt_state, params) -> (params, opt_state)`` for ``optimizer``.
-
-    It runs wherever its arguments live, so each stage is updated on its own device.
-    Compiled once per optimizer object: pass the same object every step.
-    """
-
-    def update(grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    # The gradients are the step's own accumulators, so they may be updated in place;
-    # the state and parameters belong to the caller.
-    return jax.jit(update, donate_argnums=0)
+    def drop(self, slot: int, held: tuple[int, int] | None) -> None:
+        self.values[slot] = _EMPTY
+        if held is not None:
+            count = self.held[held] - 1
+            if count:
+                self.held[held] = count
+            else:
+                del self.held[held]

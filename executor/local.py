@@ -1,131 +1,307 @@
-"""The local backend: every pipeline device is a JAX device of this process.
+"""The local backend: every pipeline device is a mesh of JAX devices of this process.
 
-Pipeline device d runs on ``devices[d]``: the first N devices JAX reports (CPU devices
-come from ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set before JAX is
-imported; GPUs are found as they are) or a list given explicitly. An explicit list may
-name one JAX device several times: the pipeline then runs correctly but its devices
-share that device's compute.
+Pipeline device d runs on a ``dp x tp`` mesh (:mod:`pipedsl.executor.mesh`) of the
+first ``pp x dp x tp`` devices JAX reports (CPU devices come from
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set before JAX is imported;
+GPUs are found as they are) or of a list given explicitly. With ``dp = tp = 1`` an
+explicit list may name one JAX device several times: the pipeline then runs correctly
+but its devices share that device's compute.
 
-Each pipeline device runs its own program in its own thread. JAX dispatches work
+Each pipeline device is a :class:`~pipedsl.executor.worker.Worker`; the first runs on
+the calling thread, every other one on a thread of its own. JAX dispatches work
 asynchronously and releases the interpreter lock while it waits, so the threads only
 queue work and the JAX devices execute it concurrently; a thread blocks only on a
-``Recv`` whose value has not been sent yet (with a timeout) or, when the step is being
+receive whose value has not been sent yet (with a timeout) or, when the step is being
 recorded, on each action's result. A failure on one device wakes every other device
 at once, and the step raises the original error.
+
+Parameters and optimizer state live in the workers between steps; a step returns them
+as the arrays the workers hold, and passing those same arrays back moves nothing.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-from pipedsl.executor.backend import BackendStep
-from pipedsl.executor.devices import xla_device_flag
+from pipedsl.executor.backend import StepResult
 from pipedsl.executor.errors import ExecutionError, PeerFailed
-from pipedsl.executor.interpreter import DeviceRuntime, DeviceStep
-from pipedsl.executor.stages import StageProgram
+from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
+from pipedsl.executor.split import marked_model
+from pipedsl.executor.stage_program import StageProgram
+from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder, measured_timeline
 from pipedsl.executor.transport import LocalExchange
+from pipedsl.executor.worker import Update, Worker, WorkerStep, compile_device
 from pipedsl.program import Program
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "CompiledStages"]
 
-Leaves = tuple[Any, ...]
+
+@dataclass(frozen=True, slots=True)
+class CompiledStages:
+    """A model cut into stages and every stage compiled for its device's mesh."""
+
+    model: StagedModel
+    programs: tuple[StageProgram, ...]
+
+
+# Compiled stages, shared by every pipeline of the same model (the same stage functions
+# or model_fn, loss, shapes, microbatch count, remat flags, meshes and shardings):
+# comparing schedules of one model compiles its stages once per mesh. Least recently
+# used entries are dropped beyond this many.
+_CACHE_SIZE = 16
+_COMPILED: OrderedDict[Any, CompiledStages] = OrderedDict()
 
 
 class LocalBackend:
-    """Runs a lowered :class:`Program` with one thread per pipeline device.
+    """Runs a lowered :class:`Program` with one worker per pipeline device (see the
+    module docstring); implements :class:`pipedsl.executor.backend.Backend`.
 
-    ``recv_timeout`` bounds every wait for another device, in seconds.
+    ``stages`` (explicit) or ``model_fn`` (marked) is the model; ``mesh`` the SPMD shape
+    of every pipeline device; ``param_specs`` the parameters' ``PartitionSpec`` pytree
+    (None: replicated). ``recv_timeout`` bounds every wait for another device, in seconds.
     """
 
     def __init__(
         self,
         program: Program,
         *,
+        stages: tuple[Callable[[Any, Any], Any], ...] | None,
+        model_fn: Callable[[Any, Any], Any] | None,
+        loss: Callable[[Any, Any], Any],
+        remat: tuple[bool, ...],
+        mesh: MeshConfig,
+        param_specs: Any,
         devices: Sequence[jax.Device] | None = None,
         recv_timeout: float = 300.0,
     ) -> None:
-        needed = program.schedule.num_devices
-        if devices is None:
-            available = jax.devices()
-            if len(available) < needed:
-                platform = available[0].platform
-                raise ExecutionError(
-                    f"schedule {program.schedule.name!r} needs {needed} devices but JAX has "
-                    f"{len(available)} {platform} device(s); on CPU set "
-                    f"XLA_FLAGS={xla_device_flag(needed)} before jax is imported (the "
-                    "`pipedsl run` command does this itself), or pass devices=[...] to map "
-                    "several pipeline devices onto one JAX device"
-                )
-            devices = available[:needed]
-        elif len(devices) != needed:
-            raise ExecutionError(
-                f"schedule {program.schedule.name!r} has {needed} devices; {len(devices)} JAX devices were given"
-            )
+        schedule = program.schedule
         self.program = program
-        self.devices = tuple(devices)
+        self.config = mesh
+        self.meshes = build_meshes(schedule.num_devices, mesh, devices=devices, what=f"schedule {schedule.name!r}")
         self.recv_timeout = recv_timeout
+        self._stages = stages
+        self._model_fn = model_fn
+        self._loss = loss
+        self._remat = remat
+        self._specs = param_specs
+        self._workers: tuple[Worker, ...] = ()
+        self._compiled: CompiledStages | None = None
+        self._returned: list[Any] | None = None  # the parameter leaves the last step returned
 
-    def place(self, value: Any, device: int) -> Any:
-        return jax.device_put(value, self.devices[device])
+    # -- compiling -----------------------------------------------------------------
 
-    def call(self, device: int, fn: Callable[..., Any], *args: Any) -> Any:
-        # The arguments are already on the device, and jitted functions run where their
-        # arguments are.
-        return fn(*args)
+    def compiled(self, tree: Any, example_inputs: Any, example_targets: Any) -> CompiledStages:
+        """The model traced and compiled for these shapes (cached, see ``_COMPILED``)."""
+        schedule = self.program.schedule
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        specs = leaf_specs(self._specs, tree)
+        batch = (example_inputs, example_targets)
+        key = (
+            self._stages if self._stages is not None else self._model_fn,
+            self._loss,
+            schedule.placement,
+            schedule.num_microbatches,
+            self._remat,
+            treedef,
+            tuple((np.shape(v), str(jnp.result_type(v))) for v in leaves),
+            jax.tree_util.tree_structure(batch),
+            tuple((s.shape, str(s.dtype)) for s in jax.tree_util.tree_leaves(batch)),
+            tuple(tuple(m.devices.flat) for m in self.meshes),
+            specs,
+            self.config,
+        )
+        found = _COMPILED.get(key)
+        if found is not None:
+            _COMPILED.move_to_end(key)
+            return found
+        placement = schedule.placement
+        if self._stages is not None:
+            model = explicit_model(self._stages, self._loss, tree, example_inputs, example_targets, placement=placement)
+        else:
+            assert self._model_fn is not None  # one of the two forms is always given
+            model = marked_model(
+                self._model_fn,
+                self._loss,
+                tree,
+                example_inputs,
+                example_targets,
+                num_stages=schedule.num_stages,
+                placement=placement,
+            )
+        programs: dict[int, StageProgram] = {}
+        for d in range(schedule.num_devices):
+            programs |= compile_device(
+                model,
+                schedule.stages_on(d),
+                self.meshes[d],
+                specs=specs,
+                zero=self.config.zero,
+                num_microbatches=schedule.num_microbatches,
+                remat=self._remat,
+                placement=placement,
+            )
+        found = CompiledStages(model, tuple(programs[s] for s in range(model.num_stages)))
+        _COMPILED[key] = found
+        if len(_COMPILED) > _CACHE_SIZE:
+            _COMPILED.popitem(last=False)
+        return found
 
-    def run_step(
+    def _workers_for(self, compiled: CompiledStages) -> tuple[Worker, ...]:
+        if compiled is not self._compiled:
+            schedule = self.program.schedule
+            programs = dict(enumerate(compiled.programs))
+            self._workers = tuple(
+                Worker(
+                    prog,
+                    compiled.model,
+                    programs,
+                    placement=schedule.placement,
+                    num_devices=schedule.num_devices,
+                    num_microbatches=schedule.num_microbatches,
+                    recv_timeout=self.recv_timeout,
+                )
+                for prog in self.program.devices
+            )
+            self._compiled = compiled
+            self._returned = None
+        return self._workers
+
+    # -- the step ------------------------------------------------------------------
+
+    def step(
         self,
-        stages: Mapping[int, StageProgram],
-        params: Mapping[int, Leaves],
-        inputs: Sequence[Leaves],
-        targets: Sequence[Leaves],
+        params: Any,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        example_inputs: Any,
+        example_targets: Any,
         *,
+        optimizer: optax.GradientTransformation | None,
+        opt_state: Any,
         record: bool,
-    ) -> BackendStep:
+    ) -> StepResult:
+        compiled = self.compiled(params, example_inputs, example_targets)
+        workers = self._workers_for(compiled)
+        model = compiled.model
+        leaves = jax.tree_util.tree_leaves(params)
+        returned = self._returned
+        if returned is None or len(returned) != len(leaves) or any(a is not b for a, b in zip(leaves, returned, strict=True)):
+            for worker in workers:
+                worker.load(leaves_by_index(leaves), None)
+        update = None
+        if optimizer is not None:
+            self._load_states(workers, opt_state, model.num_stages)
+            update = Update(optimizer, init=opt_state is None)
+        runs = self._run(workers, inputs, targets, update=update, record=record)
+        schedule = self.program.schedule
+        common: dict[str, Any] = {
+            "loss": runs[schedule.placement[-1]].loss,
+            "timeline": None,
+            "peak_held": tuple(r.peak_held for r in runs),
+            "leftover": tuple(r.leftover for r in runs),
+        }
+        if record:
+            common["timeline"] = measured_timeline(
+                [r.events for r in runs], name=schedule.name, num_devices=schedule.num_devices
+            )
+        if optimizer is None:
+            grads = [None] * len(leaves)
+            for run in runs:
+                for i, g in run.grads.items():
+                    grads[i] = g
+            return StepResult(
+                grads=jax.tree_util.tree_unflatten(model.param_treedef, grads), params=None, opt_state=None, **common
+            )
+        new_leaves = list(leaves)
+        for worker in workers:
+            for i in worker.owned:
+                new_leaves[i] = worker.leaves[i]
+        self._returned = new_leaves
+        placement = schedule.placement
+        states = tuple(workers[placement[s]].states[s] for s in range(model.num_stages))
+        new_params = jax.tree_util.tree_unflatten(model.param_treedef, new_leaves)
+        return StepResult(grads=None, params=new_params, opt_state=states, **common)
+
+    def gather(self, value: Any) -> Any:
+        return jax.device_get(value)
+
+    def close(self) -> None:
+        """The workers' state is dropped with the backend; nothing else is held."""
+        self._workers = ()
+        self._compiled = None
+
+    def _load_states(self, workers: Sequence[Worker], opt_state: Any, num_stages: int) -> None:
+        if opt_state is None:
+            return
+        if not isinstance(opt_state, tuple) or len(opt_state) != num_stages:
+            raise ExecutionError(
+                f"opt_state must be the tuple of {num_stages} per-stage states a previous "
+                "train_step returned, or None to start"
+            )
+        for worker in workers:
+            if any(worker.states.get(s) is not opt_state[s] for s in worker.local):
+                worker.load(None, {s: opt_state[s] for s in worker.local})
+
+    def _run(
+        self,
+        workers: Sequence[Worker],
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        *,
+        update: Update | None,
+        record: bool,
+    ) -> tuple[WorkerStep, ...]:
         schedule = self.program.schedule
         first, last = schedule.placement[0], schedule.placement[-1]
-        runtimes = [
-            DeviceRuntime(prog, stages, device=self.devices[d], recv_timeout=self.recv_timeout)
-            for d, prog in enumerate(self.program.devices)
-        ]
-        exchange = LocalExchange(self.devices)
+        exchange = LocalExchange(self.meshes)
         origin = time.perf_counter()
-        results: list[DeviceStep | None] = [None] * len(runtimes)
-        errors: list[BaseException | None] = [None] * len(runtimes)
+        results: list[WorkerStep | None] = [None] * len(workers)
+        errors: list[BaseException | None] = [None] * len(workers)
 
         def work(d: int) -> None:
             try:
-                results[d] = runtimes[d].run_step(
+                results[d] = workers[d].run_step(
                     exchange.endpoint(d),
-                    {s: params[s] for s in runtimes[d].program.stages},
                     inputs if d == first else (),
                     targets if d == last else (),
+                    update=update,
                     recorder=Recorder(d, origin) if record else None,
+                    keep_grads=update is None,
                 )
             except BaseException as err:  # reported to the caller below
                 errors[d] = err
+                exchange.endpoint(d).abort(err)
 
         threads = [
             threading.Thread(target=work, args=(d,), name=f"pipedsl-device-{d}", daemon=True)
-            for d in range(len(runtimes))
+            for d in range(1, len(workers))
         ]
         for thread in threads:
             thread.start()
+        work(0)
         for thread in threads:
             thread.join()
         failed = [err for err in errors if err is not None]
         if failed:
+            if any(w.applied for w in workers):
+                # Some devices updated their state and others did not: start afresh.
+                self._returned = None
             # Devices that gave up because of another's failure only echo it.
             raise next((err for err in failed if not isinstance(err, PeerFailed)), failed[0])
-        done = tuple(r for r in results if r is not None)
-        timeline = None
-        if record:
-            events = [r.events for r in done]
-            timeline = measured_timeline(events, name=schedule.name, num_devices=schedule.num_devices)
-        return BackendStep(devices=done, timeline=timeline)
+        return tuple(r for r in results if r is not None)
+
+
+def leaves_by_index(leaves: Sequence[Any]) -> dict[int, Any]:
+    """``{i: leaves[i]}``: flat parameter leaves as a worker loads them."""
+    return dict(enumerate(leaves))

@@ -14,6 +14,24 @@ takes:
 ``reference_stages`` and ``model_fn`` itself are the unsplit models, the ground truth a
 pipelined step must reproduce.
 
+Tensor parallelism: ``model.param_specs(params)`` gives the ``PartitionSpec`` pytree that
+:class:`~pipedsl.executor.Pipeline` takes as ``param_specs`` (with ``tp > 1``); for the
+transformer it is :func:`transformer_specs`, Megatron's layout: the attention's fused QKV
+projection and the MLP's first matrix split column-wise over ``"tensor"`` (a slice of the
+projections and of the hidden units per device), the attention output and the MLP's
+second matrix split row-wise (their partial sums are all-reduced by XLA), the token
+embedding and the output head split over the vocabulary. The fused QKV columns are laid
+out ``[q | k | v]``, so a column slice holds whole heads of one projection; XLA regroups
+them for the attention. The MLP's specs replicate
+everything.
+
+Writing specs for your own model: return a pytree with the structure of your parameters
+(or a prefix of it) whose leaves are ``PartitionSpec`` naming the mesh axis ``"tensor"``
+on the axis to split (``PartitionSpec(None, "tensor")`` splits a ``[in, out]`` matrix by
+columns) or None to replicate. Any consistent choice gives the same results (XLA inserts
+whatever collectives the layout needs); a good one keeps the collectives to one
+all-reduce per matrix pair. Do not name ``"data"``: data parallelism and ZeRO add it.
+
 Shapes: the MLP maps ``f32[batch, width]`` to ``f32[batch, width]`` under a mean squared
 error; the transformer maps token ids ``i32[batch, seq]`` to logits
 ``f32[batch, seq, vocab]`` under the mean cross-entropy of next-token targets
@@ -30,10 +48,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
+from pipedsl.executor.mesh import TENSOR
 from pipedsl.executor.split import stage_boundary
 
-__all__ = ["BuiltinModel", "mlp", "transformer", "MODELS", "reference_stages"]
+__all__ = ["BuiltinModel", "mlp", "transformer", "transformer_specs", "MODELS", "reference_stages"]
 
 Params = Any
 Batch = tuple[Any, Any]
@@ -52,6 +72,8 @@ class BuiltinModel:
       model_fn: the marked function.
       init_function: ``key -> params`` for ``model_fn``.
       batch: ``(key, batch_size) -> (inputs, targets)``, synthetic.
+      param_specs: ``params -> PartitionSpec pytree`` for either form's parameters (the
+        ``param_specs`` of a tensor-parallel :class:`~pipedsl.executor.Pipeline`).
     """
 
     name: str
@@ -62,6 +84,7 @@ class BuiltinModel:
     model_fn: Callable[[Params, Any], Any]
     init_function: Callable[[jax.Array], Params]
     batch: Callable[[jax.Array, int], Batch]
+    param_specs: Callable[[Params], Any]
 
 
 def reference_stages(model: BuiltinModel) -> Callable[[list[Params], Any], Any]:
@@ -133,7 +156,12 @@ def mlp(*, num_stages: int, width: int = 32, layers_per_stage: int = 2) -> Built
         model_fn=model_fn,
         init_function=init_function,
         batch=batch,
+        param_specs=_replicated,
     )
+
+
+def _replicated(params: Params) -> None:
+    return None
 
 
 # -- transformer ---------------------------------------------------------------------
@@ -268,7 +296,36 @@ def transformer(
         model_fn=model_fn,
         init_function=init_function,
         batch=batch,
+        param_specs=transformer_specs,
     )
+
+
+# Megatron's layout by the name of the dict that holds a weight: column-split matrices
+# (and their biases), row-split matrices, vocabulary-split tables.
+_COLUMN = ("qkv", "up", "head")
+_ROW = ("out", "down")
+
+
+def transformer_specs(params: Params) -> Params:
+    """The tensor-parallel ``PartitionSpec`` of every leaf of the transformer's
+    parameters, in either form (``init_stages`` or ``init_function``), for
+    ``Pipeline(..., tp=T, param_specs=transformer_specs(params))``.
+
+    ``T`` must divide the vocabulary and ``3 * dim``, ``4 * dim`` and ``dim``.
+    """
+
+    def spec(path: tuple[Any, ...], leaf: Any) -> PartitionSpec | None:
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        name, owner = names[-1] if names else None, names[-2] if len(names) > 1 else None
+        if name == "embed":
+            return PartitionSpec(TENSOR, None)
+        if owner in _COLUMN:
+            return PartitionSpec(None, TENSOR) if name == "w" else PartitionSpec(TENSOR)
+        if owner in _ROW and name == "w":
+            return PartitionSpec(TENSOR, None)
+        return None
+
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 MODELS: dict[str, Callable[..., BuiltinModel]] = {"mlp": mlp, "transformer": transformer}

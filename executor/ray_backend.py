@@ -35,22 +35,21 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pipedsl.executor.backend import StepResult
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.ray_actor import Failure, ModelSpec, StepReport, Update, trace_model
+from pipedsl.executor.mesh import MeshConfig, leaf_specs
+from pipedsl.executor.ray_actor import Failure, ModelSpec, RayUpdate, StepReport, trace_model
 from pipedsl.executor.ray_cluster import DeviceLost, RayConfig, RayDevices
 from pipedsl.executor.stages import StagedModel
 from pipedsl.executor.timing import measured_timeline
 from pipedsl.program import Program
-
-if TYPE_CHECKING:
-    from pipedsl.executor.pipeline import StepResult
 
 __all__ = ["Resident", "RayRunner"]
 
@@ -99,7 +98,9 @@ class RayRunner:
 
     ``devices`` are the actors (at least as many as the schedule has devices; device d
     runs on ``devices.actors[d]``); with ``owns_devices`` they are closed with the
-    runner. ``recv_timeout`` bounds every wait inside an actor, in seconds.
+    runner. ``recv_timeout`` bounds every wait inside an actor, in seconds. Every
+    actor runs its device on a ``mesh.dp x mesh.tp`` mesh of its own JAX devices, with
+    the parameters placed by ``param_specs`` (see :mod:`pipedsl.executor.mesh`).
     """
 
     def __init__(
@@ -113,6 +114,8 @@ class RayRunner:
         loss: Callable[[Any, Any], Any],
         remat: tuple[bool, ...],
         recv_timeout: float,
+        mesh: MeshConfig,
+        param_specs: Any,
     ) -> None:
         schedule = program.schedule
         if devices.num_devices < schedule.num_devices:
@@ -129,6 +132,8 @@ class RayRunner:
         self._loss = loss
         self._remat = remat
         self._recv_timeout = recv_timeout
+        self._mesh = mesh
+        self._specs = param_specs
         self._layouts: dict[Any, _Layout] = {}
         self._installed: _Layout | None = None
         self._params: Any = None  # pytree of ShapeDtypeStruct of the resident parameters
@@ -149,7 +154,8 @@ class RayRunner:
         if isinstance(backend, RayDevices):
             return cls(program, backend, owns_devices=False, **options)
         config = backend if isinstance(backend, RayConfig) else RayConfig()
-        devices = RayDevices.start(program.schedule.num_devices, config)
+        mesh: MeshConfig = options["mesh"]
+        devices = RayDevices.start(program.schedule.num_devices, config, jax_devices=mesh.size)
         try:
             return cls(program, devices, owns_devices=True, **options)
         except BaseException:
@@ -173,9 +179,6 @@ class RayRunner:
         """One step over the batch's leaves ``inputs``/``targets``, of which
         ``example_inputs``/``example_targets`` give one microbatch's shapes (see
         :meth:`pipedsl.executor.pipeline.Pipeline.step`)."""
-        # The pipeline module imports this one; its result type is needed only here.
-        from pipedsl.executor.pipeline import StepResult
-
         self._check_open()
         schedule = self.program.schedule
         if isinstance(params, Resident):
@@ -312,6 +315,8 @@ class RayRunner:
             schedule.num_microbatches,
             schedule.placement,
             self._remat,
+            self._mesh,
+            leaf_specs(self._specs, params),
             treedef,
             tuple((v.shape, str(v.dtype)) for v in leaves),
             jax.tree_util.tree_structure(batch),
@@ -330,6 +335,8 @@ class RayRunner:
             num_microbatches=schedule.num_microbatches,
             placement=schedule.placement,
             remat=self._remat,
+            mesh=self._mesh,
+            specs=leaf_specs(self._specs, params),
         )
         # Traced here too: every error about the model is raised before anything runs.
         model = trace_model(spec)
@@ -377,7 +384,7 @@ class RayRunner:
         self._params = layout.params
         self._versions["params"] += 1
 
-    def _prepare_update(self, optimizer: optax.GradientTransformation, opt_state: Any, layout: _Layout) -> Update:
+    def _prepare_update(self, optimizer: optax.GradientTransformation, opt_state: Any, layout: _Layout) -> RayUpdate:
         entry = self._optimizers.get(id(optimizer))
         if entry is None or entry[1] is not optimizer:
             entry = (next(_NEXT_OPTIMIZER_ID), optimizer)
@@ -388,7 +395,7 @@ class RayRunner:
             self._check(opt_state, "opt_state")
         elif opt_state is not None:
             self._load_states(opt_state, layout)
-        return Update(optimizer_id, None if optimizer_id in self._shipped else optimizer, init)
+        return RayUpdate(optimizer_id, None if optimizer_id in self._shipped else optimizer, init)
 
     def _load_states(self, opt_state: Any, layout: _Layout) -> None:
         num_stages = layout.model.num_stages

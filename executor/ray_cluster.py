@@ -223,21 +223,23 @@ class RayDevices:
         self._closed = False
 
     @classmethod
-    def start(cls, num_devices: int, config: RayConfig | None = None) -> RayDevices:
-        """Connect (see :func:`connect`), reserve one bundle per device and start the actors."""
+    def start(cls, num_devices: int, config: RayConfig | None = None, *, jax_devices: int = 1) -> RayDevices:
+        """Connect (see :func:`connect`), reserve one bundle per device and start the actors,
+        each with ``jax_devices`` JAX devices for its stage mesh (GPUs where the cluster
+        has them: ``gpus_per_device`` per JAX device; else that many forced CPU devices)."""
         config = config or RayConfig()
         if num_devices < 1:
             raise ExecutionError(f"a device group needs at least one device, got {num_devices}")
         local_cpus = config.local_cpus or max(os.cpu_count() or 1, int(num_devices * config.cpus_per_device + 0.999))
         connect(config.address, num_cpus=local_cpus)
         try:
-            return cls._start(num_devices, config)
+            return cls._start(num_devices, config, jax_devices)
         except BaseException:
             disconnect()
             raise
 
     @classmethod
-    def _start(cls, num_devices: int, config: RayConfig) -> RayDevices:
+    def _start(cls, num_devices: int, config: RayConfig, jax_devices: int) -> RayDevices:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -245,6 +247,7 @@ class RayDevices:
         gpus = config.gpus_per_device
         if gpus is None:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+        gpus *= jax_devices
         bundle = {"CPU": config.cpus_per_device} | ({"GPU": gpus} if gpus else {})
         group = placement_group([dict(bundle) for _ in range(num_devices)], strategy=config.strategy)
         if not group.wait(timeout_seconds=config.start_timeout):
@@ -264,7 +267,7 @@ class RayDevices:
                 max_concurrency=_ACTOR_THREADS,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=d),
-                runtime_env=dict(config.runtime_env) if config.runtime_env else None,
+                runtime_env=actor_runtime_env(config.runtime_env, jax_devices, gpus=bool(gpus)),
             ).remote(d)
             for d in range(num_devices)
         )
@@ -435,6 +438,18 @@ class RayDevices:
             return ""
         self.close()
         return "; devices did not stop, so the actors have been shut down: build a new Pipeline"
+
+
+def actor_runtime_env(base: Mapping[str, Any] | None, jax_devices: int, *, gpus: bool) -> dict[str, Any] | None:
+    """An actor's runtime environment: ``base``, and on CPU the XLA flag that gives its
+    process ``jax_devices`` host devices (read when JAX starts there)."""
+    env = dict(base) if base else {}
+    if not gpus and jax_devices > 1:
+        variables = dict(env.get("env_vars", {}))
+        flags = variables.get("XLA_FLAGS", "")
+        variables["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={jax_devices}".strip()
+        env["env_vars"] = variables
+    return env or None
 
 
 def _node_alive(node_id: str) -> bool:

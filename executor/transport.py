@@ -1,40 +1,43 @@
-"""Moving buffers between pipeline devices.
+"""Moving values between pipeline devices.
 
-The interpreter (:mod:`pipedsl.executor.interpreter`) sees one small interface per
-device, :class:`Transport`: hand a buffer's value to another device, wait for one from
-another device (always with a timeout), and tell every peer that this device failed so
-that none of them waits in vain. A backend supplies the implementation; this module
-holds the one for the local backend, where every pipeline device is a JAX device of the
-same process and a transfer is a ``jax.device_put``.
+A :class:`~pipedsl.executor.worker.Worker` sees one small interface per device,
+:class:`Transport`: hand a value to another device under a key (a buffer of the lowered
+program, or the worker's own keys for gradient sums and parameter hand-outs), wait for
+one from another device (always with a timeout), and tell every peer that this device
+failed so that none of them waits in vain. A backend supplies the implementation; this
+module holds the one for the local backend, where every pipeline device is a mesh of
+JAX devices of the same process and a transfer is a ``jax.device_put`` to the receiver's
+mesh that keeps each array's sharding (spec).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError, PeerFailed
-from pipedsl.program import Buffer
 
-__all__ = ["Transport", "LocalExchange", "LocalTransport"]
+__all__ = ["Transport", "LocalExchange", "LocalTransport", "resharder"]
 
 
 class Transport(Protocol):
     """One device's end of the links between pipeline devices."""
 
-    def send(self, buffer: Buffer, value: Any, dst: int, *, wait: bool = False) -> None:
-        """Hand ``value`` (a tuple of arrays) to device ``dst`` as ``buffer``.
+    def send(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
+        """Hand ``value`` (a pytree of arrays, computed by ``stage`` or by none) to device
+        ``dst`` as ``key``.
 
         Returns at once unless ``wait``; then only once the value has arrived (used when
         timing, so that the transfer's end can be recorded).
         """
         ...
 
-    def recv(self, buffer: Buffer, src: int, *, timeout: float) -> Any:
-        """Wait at most ``timeout`` seconds for ``buffer`` from device ``src``.
+    def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
+        """Wait at most ``timeout`` seconds for ``key`` from device ``src``.
 
         Raises :class:`ExecutionError` on timeout and :class:`PeerFailed` as soon as any
         device has reported a failure.
@@ -46,43 +49,80 @@ class Transport(Protocol):
         ...
 
 
+def resharder(mesh: Mesh) -> Any:
+    """A function that puts a pytree of arrays on ``mesh``, each leaf with the spec it
+    has now (a ``NamedSharding``'s spec; anything else is replicated). When every leaf is
+    already there (pipeline devices that share their JAX devices) nothing is copied or
+    dispatched."""
+    # The target of each source sharding, worked out once: a step sends the same few
+    # shardings over and over.
+    targets: dict[Any, NamedSharding] = {}
+    devices = set(mesh.devices.flat)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def target(sharding: Any) -> NamedSharding:
+        found = targets.get(sharding)
+        if found is None:
+            if not isinstance(sharding, NamedSharding):
+                found = replicated
+            elif sharding.device_set == devices and sharding.mesh.devices.shape == mesh.devices.shape:
+                found = sharding
+            else:
+                found = NamedSharding(mesh, sharding.spec)
+            targets[sharding] = found
+        return found
+
+    def move(value: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        sources = [getattr(v, "sharding", None) for v in leaves]
+        goals = [target(s) for s in sources]
+        if all(g is s for g, s in zip(goals, sources, strict=True)):
+            return value
+        return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, goals))
+
+    return move
+
+
 class LocalExchange:
     """The mailboxes shared by the local devices for one step.
 
-    ``devices[d]`` is the JAX device that pipeline device ``d`` runs on. A value sent
-    to ``d`` is put on ``devices[d]`` (asynchronously: ``device_put`` returns before the
-    copy is done, and a computation that reads it waits for it).
+    ``meshes[d]`` is the mesh that pipeline device ``d`` runs on. A value sent to ``d``
+    is put on ``meshes[d]`` (asynchronously: ``device_put`` returns before the copy is
+    done, and a computation that reads it waits for it).
     """
 
-    def __init__(self, devices: Sequence[jax.Device]) -> None:
-        self.devices = tuple(devices)
+    def __init__(self, meshes: Sequence[Mesh]) -> None:
+        self.movers = tuple(resharder(mesh) for mesh in meshes)
         self._lock = threading.Condition()
-        self._mail: dict[tuple[Buffer, int], Any] = {}
+        self._mail: dict[tuple[Hashable, int], Any] = {}
         self._failed: int | None = None  # the first device that reported a failure
 
     def endpoint(self, device: int) -> LocalTransport:
         """Device ``device``'s :class:`Transport`."""
         return LocalTransport(self, device)
 
-    def _put(self, key: tuple[Buffer, int], value: Any) -> None:
+    def _put(self, key: tuple[Hashable, int], value: Any) -> None:
         with self._lock:
             self._mail[key] = value
             self._lock.notify_all()
 
-    def _take(self, key: tuple[Buffer, int], me: int, src: int, timeout: float) -> Any:
+    def _take(self, key: tuple[Hashable, int], me: int, src: int, timeout: float) -> Any:
         with self._lock:
+            value = self._mail.pop(key, _MISSING)
+            if value is not _MISSING:
+                return value
             arrived = self._lock.wait_for(lambda: key in self._mail or self._failed is not None, timeout=timeout)
             if key in self._mail:
                 return self._mail.pop(key)
-            buffer = key[0]
+            what = key[0]
             if not arrived:
                 raise ExecutionError(
-                    f"device {me} waited {timeout:g} s for {buffer} from device {src}, which never "
+                    f"device {me} waited {timeout:g} s for {what} from device {src}, which never "
                     "sent it; raise recv_timeout if stages really take that long",
                     device=me,
                 )
             raise PeerFailed(
-                f"device {me} stopped waiting for {buffer} from device {src}: device {self._failed} failed",
+                f"device {me} stopped waiting for {what} from device {src}: device {self._failed} failed",
                 device=me,
             )
 
@@ -91,6 +131,9 @@ class LocalExchange:
             if self._failed is None:
                 self._failed = device
             self._lock.notify_all()
+
+
+_MISSING = object()
 
 
 class LocalTransport:
@@ -102,14 +145,14 @@ class LocalTransport:
         self._exchange = exchange
         self._device = device
 
-    def send(self, buffer: Buffer, value: Any, dst: int, *, wait: bool = False) -> None:
-        moved = jax.device_put(value, self._exchange.devices[dst])
+    def send(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
+        moved = self._exchange.movers[dst](value)
         if wait:
             jax.block_until_ready(moved)
-        self._exchange._put((buffer, dst), moved)
+        self._exchange._put((key, dst), moved)
 
-    def recv(self, buffer: Buffer, src: int, *, timeout: float) -> Any:
-        return self._exchange._take((buffer, self._device), self._device, src, timeout)
+    def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
+        return self._exchange._take((key, self._device), self._device, src, timeout)
 
     def abort(self, error: BaseException) -> None:
         # The error itself reaches the caller through the failing device's thread.

@@ -260,3 +260,70 @@ def assert_trees_close(actual: Any, expected: Any, *, atol: float | None = None)
         # entries that are zero up to cancellation.
         tol = 1e-6 * float(np.abs(e).max() or 1.0) if atol is None else atol
         np.testing.assert_allclose(np.asarray(a), e, rtol=1e-5, atol=tol)
+
+
+# --- hybrid plans: every pipeline device a dp x tp mesh --------------------------------------
+
+
+HYBRID_MICROBATCHES = 4
+# Adam with a larger eps than ADAM: tensor and data parallelism sum in other orders, and
+# the rounding noise of gradients that are zero in exact arithmetic (the attention key
+# bias) reaches the parameters divided by eps.
+HYBRID_ADAM = optax.adam(1e-2, eps=1e-3)
+
+
+def hybrid_schedule(name: str, pp: int, vpp: int) -> pipedsl.ir.Schedule:
+    options: dict[str, int] = {"pp": pp, "microbatches": HYBRID_MICROBATCHES}
+    if name == "interleaved_1f1b":
+        options["vpp"] = vpp
+    return pipedsl.load(pipedsl.library_path(name), **options)
+
+
+@cache
+def hybrid_problem(form: str, num_stages: int, dp: int) -> tuple[BuiltinModel, Any, tuple[Any, Any], jax.Array, Any]:
+    """(model, params, batch, reference loss, reference grads): one example per data-parallel
+    device per microbatch, on one device."""
+    m = model("transformer", num_stages)
+    key = jax.random.PRNGKey(11)
+    batch = m.batch(jax.random.fold_in(key, 1), HYBRID_MICROBATCHES * max(dp, 2))
+    params = m.init_stages(key) if form == "explicit" else m.init_function(key)
+    fn = reference_stages(m) if form == "explicit" else m.model_fn
+    loss, grads = jax.jit(jax.value_and_grad(lambda p, x, t: m.loss(fn(p, x), t)))(params, *batch)
+    return m, params, batch, loss, grads
+
+
+def hybrid(form: str, schedule: Any, *, dp: int, tp: int, zero: int, **options: Any) -> Pipeline:
+    m, params, *_ = hybrid_problem(form, schedule.num_stages, dp)
+    specs = m.param_specs(params)
+    make = Pipeline if form == "explicit" else Pipeline.from_function
+    fn = m.stages if form == "explicit" else m.model_fn
+    return make(fn, loss=m.loss, schedule=schedule, dp=dp, tp=tp, zero=zero, param_specs=specs, **options)
+
+
+def assert_relative_close(actual: Any, expected: Any, *, rtol: float = 1e-5) -> None:
+    """Every leaf within ``rtol`` of ``expected`` in relative (L2) error."""
+    a_leaves, a_def = jax.tree_util.tree_flatten(jax.device_get(actual))
+    e_leaves, e_def = jax.tree_util.tree_flatten(jax.device_get(expected))
+    assert a_def == e_def
+    for a, e in zip(a_leaves, e_leaves, strict=True):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape
+        scale = max(float(np.linalg.norm(e)), 1e-12)
+        assert float(np.linalg.norm(a - e)) / scale < rtol
+
+
+def hybrid_reference_adam(form: str, num_stages: int, dp: int, *, steps: int) -> list[tuple[Any, jax.Array]]:
+    m, params, batch, _, _ = hybrid_problem(form, num_stages, dp)
+    fn = reference_stages(m) if form == "explicit" else m.model_fn
+
+    @jax.jit
+    def step(p: Any, state: Any) -> tuple[Any, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(lambda q: m.loss(fn(q, batch[0]), batch[1]))(p)
+        updates, state = HYBRID_ADAM.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss
+
+    out, state = [], HYBRID_ADAM.init(params)
+    for _ in range(steps):
+        params, state, loss = step(params, state)
+        out.append((params, loss))
+    return out

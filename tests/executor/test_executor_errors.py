@@ -120,12 +120,11 @@ def test_receive_times_out_instead_of_hanging() -> None:
     schedule = one_f_one_b()
     pipe = Pipeline([dense] * 2, loss=mse, schedule=schedule)
     programs = pipe.compile(params(), batch())
-    devices = jax.devices()[:2]
-    runtime = DeviceRuntime(pipe.program.devices[1], dict(enumerate(programs)), device=devices[1], recv_timeout=0.2)
+    runtime = DeviceRuntime(pipe.program.devices[1], dict(enumerate(programs)), recv_timeout=0.2)
     # Device 0 never runs, so device 1's first receive can only time out.
     targets = [(jnp.zeros((2, WIDTH)),)] * 4
     with pytest.raises(ExecutionError, match="device 1 waited 0.2 s for act\\(0,0\\) from device 0"):
-        runtime.run_step(LocalExchange(devices).endpoint(1), {1: (jnp.eye(WIDTH),)}, (), targets)
+        runtime.run_step(LocalExchange(pipe.backend.meshes).endpoint(1), {1: (jnp.eye(WIDTH),)}, (), targets)
 
 
 def test_too_few_devices_says_how_to_get_more() -> None:

@@ -1,0 +1,96 @@
+"""Hybrid and SPMD plans of the demo transformer on eight CPU devices, on one executor.
+
+Step times (medians, timed in turn so that load drifts hit all alike) of:
+
+- SPMD plans (``pp = 1``: one stage over the whole mesh, gradient accumulation over the
+  microbatches): ``dp=8``, ``dp=4 tp=2``, ``dp=8 zero=3``;
+- a hybrid plan: 1F1B with ``pp=2``, each pipeline device a ``dp=2 x tp=2`` mesh;
+- one ``jax.jit`` of the same ``dp=8`` step (the microbatch loop of ``value_and_grad`` in one
+  program, batch sharded over eight devices): the floor the executor's SPMD step is
+  compared with (its overhead ratio; target within 1.3x).
+
+The model is the demo's transformer (4 layers, hidden 128, 4 heads, sequence 64, vocab
+512; ``executor/models.py``) with its Megatron specs.
+
+    python bench/bench_hybrid.py [--batch 64] [--microbatches 4] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from functools import partial
+from typing import Any
+
+from timing import interleaved_medians
+
+DEVICES = 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from pipedsl.executor import Pipeline
+    from pipedsl.executor.models import transformer
+    from pipedsl.library import library_path, load
+
+    m = args.microbatches
+    one = transformer(num_stages=1, vocab=512, dim=128, heads=4, seq=64, layers_per_stage=4)
+    two = transformer(num_stages=2, vocab=512, dim=128, heads=4, seq=64, layers_per_stage=2)
+    key = jax.random.PRNGKey(0)
+    batch = one.batch(jax.random.fold_in(key, 1), args.batch)
+    p1, p2 = one.init_stages(key), two.init_stages(key)
+    gpipe = load(library_path("gpipe"), pp=1, microbatches=m)
+    one_f = load(library_path("1f1b"), pp=2, microbatches=m)
+
+    def plan(model: Any, schedule: Any, params: Any, **mesh: int) -> Pipeline:
+        return Pipeline(model.stages, loss=model.loss, schedule=schedule, param_specs=model.param_specs(params), **mesh)
+
+    plans = {
+        "spmd dp=8": (plan(one, gpipe, p1, dp=8), p1),
+        "spmd dp=4 tp=2": (plan(one, gpipe, p1, dp=4, tp=2), p1),
+        "spmd dp=8 zero=3": (plan(one, gpipe, p1, dp=8, zero=3), p1),
+        "hybrid 1f1b pp=2 dp=2 tp=2": (plan(two, one_f, p2, dp=2, tp=2), p2),
+    }
+    fns = {name: partial(pipe.value_and_grad, params, batch) for name, (pipe, params) in plans.items()}
+
+    mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("data",))
+    split = NamedSharding(mesh, PartitionSpec(None, "data"))
+    stage = one.stages[0]
+
+    @partial(jax.jit, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    def spmd_step(params: Any, xs: jax.Array, ts: jax.Array) -> tuple[jax.Array, Any]:
+        def loss(p: Any) -> jax.Array:
+            total = 0.0
+            for i in range(m):
+                total = total + one.loss(stage(p[0], xs[i]), ts[i]) / m
+            return total
+
+        return jax.value_and_grad(loss)(params)
+
+    per = args.batch // m
+    xs = jax.device_put(np.asarray(batch[0]).reshape(m, per, -1), split)
+    ts = jax.device_put(np.asarray(batch[1]).reshape(m, per, -1), split)
+    replicated = jax.device_put(p1, NamedSharding(mesh, PartitionSpec()))
+    fns["one jax.jit, dp=8"] = partial(spmd_step, replicated, xs, ts)
+
+    times = interleaved_medians(fns, args.repeat)
+    print(f"demo transformer on {DEVICES} CPU devices, batch {args.batch}, {m} microbatches (medians of {args.repeat})")
+    for name, t in times.items():
+        print(f"   {name:<28} {t * 1e3:8.1f} ms")
+    ratio = times["spmd dp=8"] / times["one jax.jit, dp=8"]
+    print(f"   executor dp=8 / one jax.jit dp=8: {ratio:.2f}x (target <= 1.3x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Stage meshes: every pipeline device as a ``dp x tp`` mesh of JAX devices.
+
+A pipeline device runs its stages as SPMD programs on a :class:`jax.sharding.Mesh` with
+axes ``"data"`` (size ``dp``) and ``"tensor"`` (size ``tp``). Where each value lives on
+that mesh is a :class:`jax.sharding.NamedSharding`, and the stage programs are jitted with
+these shardings as their output shardings (their inputs arrive already placed), so XLA
+inserts the tensor-parallel collectives and the data-parallel gradient reduction inside
+the compiled programs:
+
+- parameters: the model's ``PartitionSpec`` per leaf (``param_specs``; None replicates),
+  with ZeRO-3 also sharded over ``"data"``;
+- accumulated gradients: as the parameters, with ZeRO-2 and 3 sharded over ``"data"``
+  (XLA then reduce-scatters instead of all-reducing);
+- optimizer state: as the parameters, with ZeRO-1, 2 and 3 sharded over ``"data"``;
+- microbatches, activations and their gradients: axis 0 (the examples) over ``"data"``.
+
+Sharding a leaf over ``"data"`` takes its first axis that the model's spec leaves whole
+and whose size divides by ``dp``; a leaf with no such axis stays replicated over
+``"data"`` (small leaves: biases, norms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pipedsl.executor.devices import xla_device_flag
+from pipedsl.executor.errors import ExecutionError
+
+__all__ = ["MeshConfig", "StageLayout", "build_meshes", "leaf_specs", "DATA", "TENSOR"]
+
+DATA, TENSOR = "data", "tensor"
+ZERO_LEVELS = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshConfig:
+    """The SPMD shape of every pipeline device: ``dp`` x ``tp`` JAX devices, ZeRO stage
+    ``zero`` (0 to 3) over ``"data"``."""
+
+    dp: int = 1
+    tp: int = 1
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ExecutionError(f"{name} must be a positive integer, got {value!r}")
+        if self.zero not in ZERO_LEVELS:
+            raise ExecutionError(f"zero must be one of {', '.join(map(str, ZERO_LEVELS))}, got {self.zero!r}")
+
+    @property
+    def size(self) -> int:
+        """JAX devices per pipeline device."""
+        return self.dp * self.tp
+
+
+def build_meshes(
+    num_devices: int, config: MeshConfig, *, devices: Sequence[jax.Device] | None, what: str
+) -> tuple[Mesh, ...]:
+    """One mesh per pipeline device, over consecutive JAX devices.
+
+    ``devices`` (when given) lists the JAX devices of every pipeline device in order,
+    ``config.size`` each (one JAX device may appear several times when ``dp = tp = 1``:
+    pipeline devices then share it). ``what`` names the schedule in messages.
+    """
+    needed = num_devices * config.size
+    if devices is None:
+        available = jax.devices()
+        if len(available) < needed:
+            platform = available[0].platform
+            raise ExecutionError(
+                f"{what} needs {needed} JAX devices (pp={num_devices} x dp={config.dp} x tp={config.tp}) "
+                f"but JAX has {len(available)} {platform} device(s); on CPU set "
+                f"XLA_FLAGS={xla_device_flag(needed)} before jax is imported (the `pipedsl run` command "
+                "does this itself), or pass devices=[...] to map several pipeline devices onto one JAX device"
+            )
+        devices = available[:needed]
+    elif len(devices) != needed:
+        raise ExecutionError(
+            f"{what} has {num_devices} pipeline devices of dp={config.dp} x tp={config.tp}: it needs "
+            f"{needed} JAX devices; {len(devices)} were given"
+        )
+    size = config.size
+    if size > 1 and len(set(devices)) != len(devices):
+        raise ExecutionError("with dp or tp above 1, every JAX device given must be distinct")
+    return tuple(
+        Mesh(np.array(devices[d * size : (d + 1) * size], dtype=object).reshape(config.dp, config.tp), (DATA, TENSOR))
+        for d in range(num_devices)
+    )
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def leaf_specs(specs: Any, params: Any) -> tuple[PartitionSpec, ...]:
+    """Per flat leaf of ``params``, its spec from ``specs`` (a pytree with the structure
+    of ``params``, or a prefix of it: a spec or None stands for every leaf below it)."""
+    if specs is None:
+        return tuple(PartitionSpec() for _ in jax.tree_util.tree_leaves(params))
+    try:
+        full = jax.tree_util.tree_map(
+            lambda spec, leaf: jax.tree_util.tree_map(lambda _: spec or PartitionSpec(), leaf),
+            specs,
+            params,
+            is_leaf=_is_spec,
+        )
+    except ValueError as err:
+        raise ExecutionError(
+            f"param_specs must have the structure of the parameters (a PartitionSpec or None per leaf or "
+            f"subtree): {err}"
+        ) from err
+    leaves = jax.tree_util.tree_leaves(full, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    bad = [leaf for leaf in leaves if not isinstance(leaf, PartitionSpec)]
+    if bad:
+        raise ExecutionError(f"param_specs leaves must be PartitionSpec or None, got {type(bad[0]).__name__}")
+    return tuple(leaves)
+
+
+def _check_spec(spec: PartitionSpec, shape: tuple[int, ...], tp: int, leaf: int) -> None:
+    if len(spec) > len(shape):
+        raise ExecutionError(f"parameter leaf {leaf} of shape {shape} has a spec of {len(spec)} axes: {spec}")
+    for axis, name in enumerate(spec):
+        names = name if isinstance(name, tuple) else (name,)
+        for n in names:
+            if n not in (None, TENSOR, DATA):
+                raise ExecutionError(f"parameter leaf {leaf}'s spec {spec} names axis {n!r}; the mesh has 'data' and 'tensor'")
+        if TENSOR in names and shape[axis] % tp:
+            raise ExecutionError(
+                f"parameter leaf {leaf} of shape {shape} splits axis {axis} ({shape[axis]}) over tp={tp}, "
+                "which does not divide it"
+            )
+
+
+def _over_data(spec: PartitionSpec, shape: tuple[int, ...], dp: int) -> PartitionSpec:
+    """``spec`` with ``"data"`` added on the first whole axis that divides by ``dp``."""
+    if dp == 1 or any(DATA in (n if isinstance(n, tuple) else (n,)) for n in spec):
+        return spec
+    names = list(spec) + [None] * (len(shape) - len(spec))
+    for axis, name in enumerate(names):
+        if name is None and shape[axis] % dp == 0:
+            names[axis] = DATA
+            return PartitionSpec(*names)
+    return spec
+
+
+class StageLayout:
+    """Where one stage's values live on its pipeline device's mesh.
+
+    Attributes:
+      mesh: the pipeline device's mesh.
+      params: per parameter leaf of the stage (in the stage's order), where it is kept.
+      grads: per parameter leaf, where its accumulated gradient is kept.
+      states: per parameter leaf, where its optimizer state is kept.
+      replicated: a whole value on every device of the mesh (the loss, scalars).
+    """
+
+    __slots__ = ("mesh", "params", "grads", "states", "replicated", "_batch")
+
+    def __init__(
+        self, mesh: Mesh, specs: Sequence[PartitionSpec], avals: Sequence[Any], *, zero: int, leaves: Sequence[int]
+    ) -> None:
+        dp, tp = mesh.shape[DATA], mesh.shape[TENSOR]
+        base = []
+        for spec, aval, leaf in zip(specs, avals, leaves, strict=True):
+            shape = tuple(aval.shape)
+            _check_spec(spec, shape, tp, leaf)
+            base.append(spec if tp > 1 else PartitionSpec(*(_drop_tensor(n) for n in spec)))
+        sharded = [_over_data(spec, tuple(a.shape), dp) for spec, a in zip(base, avals, strict=True)]
+
+        def place(level: int) -> tuple[NamedSharding, ...]:
+            return tuple(NamedSharding(mesh, s if zero >= level else b) for s, b in zip(sharded, base, strict=True))
+
+        self.mesh = mesh
+        self.params = place(3)
+        self.grads = place(2)
+        self.states = place(1)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self._batch: dict[bool, NamedSharding] = {}
+
+    def batch(self, shape: Sequence[int]) -> NamedSharding:
+        """A value of ``shape`` split over ``"data"`` along axis 0 (the examples); values
+        without such an axis (scalars, axes that do not divide) are replicated."""
+        split = bool(shape) and shape[0] % self.mesh.shape[DATA] == 0
+        sharding = self._batch.get(split)
+        if sharding is None:
+            sharding = NamedSharding(self.mesh, PartitionSpec(DATA) if split else PartitionSpec())
+            self._batch[split] = sharding
+        return sharding
+
+    def stacked(self) -> NamedSharding:
+        """A ``[microbatches, examples, ...]`` stack: axis 1 over ``"data"``."""
+        return NamedSharding(self.mesh, PartitionSpec(None, DATA))
+
+
+def _drop_tensor(name: Any) -> Any:
+    # With tp = 1 the "tensor" axis has size 1: dropping it keeps the compiled program
+    # free of no-op collectives and identical to the unsharded one.
+    if isinstance(name, tuple):
+        kept = tuple(n for n in name if n != TENSOR)
+        return kept or None
+    return None if name == TENSOR else name

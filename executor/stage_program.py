@@ -1,0 +1,334 @@
+"""One stage's compiled programs: ``F``, ``B`` and the ``I``/``W`` halves, on its mesh.
+
+:func:`compile_stage` traces stage ``s`` of a :class:`~pipedsl.executor.stages.StagedModel`
+into a forward that keeps the residuals its backward needs and a backward split into the
+input half and the weight half (:mod:`pipedsl.executor.backward`), and jits each for the
+stage's mesh (:class:`~pipedsl.executor.mesh.StageLayout`). A :class:`StageProgram` is what
+the interpreter calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Literal, Var, jaxpr_as_fun
+from jax.tree_util import PyTreeDef
+
+from pipedsl.executor.backward import BackwardSplit, split_backward
+from pipedsl.executor.errors import ExecutionError, stage_failure
+from pipedsl.executor.jaxprs import aval_struct
+from pipedsl.executor.mesh import StageLayout
+from pipedsl.executor.stages import StagedModel, describe_avals
+
+__all__ = ["StageProgram", "compile_stage"]
+
+Leaves = tuple[Any, ...]
+
+
+# Where a value the forward returns comes from: computed by the compiled forward, one of
+# its inputs passed through (a parameter, an activation), or a constant of the trace.
+_COMPUTED, _INPUT, _CONST = 0, 1, 2
+_Slot = tuple[int, Any]
+
+
+def _slot(position: int, atom: Var | Literal, computed: list[int], inputs: dict[Var, int]) -> _Slot:
+    """Where output ``position`` (``atom``) of the traced forward comes from; computed
+    outputs are numbered in the order they are first met."""
+    if isinstance(atom, Literal):
+        return (_CONST, atom.val)
+    if atom in inputs:
+        return (_INPUT, inputs[atom])
+    computed.append(position)
+    return (_COMPUTED, len(computed) - 1)
+
+
+def _pick(slot: _Slot, computed: Sequence[Any], inputs: Sequence[Any]) -> Any:
+    kind, where = slot
+    if kind == _COMPUTED:
+        return computed[where]
+    if kind == _INPUT:
+        return inputs[where]
+    return where
+
+
+class StageProgram:
+    """One stage's compiled programs, as the interpreter calls them.
+
+    ``forward`` returns the activation (all outputs), the residuals (a tuple kept in the
+    ``RESIDUAL`` buffer; parameters and inputs the backward needs are kept by reference,
+    not copied) and, on the last stage, the running loss. ``backward`` and
+    ``backward_weight`` add this microbatch's parameter gradients to an accumulator they
+    consume (donated: updated in place).
+
+    Every program is jitted for the stage's mesh (``layout``): its arguments arrive
+    placed, activations and input gradients leave split over ``"data"``, accumulators
+    where ``layout.grads`` keeps them and the loss replicated, so the collectives that
+    tensor and data parallelism need are XLA's, inside the programs.
+    """
+
+    __slots__ = (
+        "stage",
+        "first",
+        "last",
+        "split",
+        "_y_slots",
+        "_res_slots",
+        "_const_res",
+        "_num_res",
+        "_handoff_refs",
+        "_param_avals",
+        "_forward",
+        "_backward",
+        "_input",
+        "_weight",
+        "_zeros",
+        "layout",
+        "_structs",
+    )
+
+    def __init__(
+        self,
+        *,
+        stage: int,
+        first: bool,
+        last: bool,
+        forward: ClosedJaxpr,
+        y_slots: tuple[_Slot, ...],
+        res_slots: tuple[_Slot, ...],
+        computed: tuple[int, ...],
+        split: BackwardSplit,
+        param_avals: tuple[jax.ShapeDtypeStruct, ...],
+        out_avals: tuple[Any, ...],
+        ct_avals: tuple[Any, ...],
+        layout: StageLayout,
+        example: tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]],
+    ) -> None:
+        self.stage = stage
+        self.layout = layout
+        # (inputs, targets, output cotangents) of one microbatch, for compiled_hlo.
+        self._structs = example
+        self.first = first
+        self.last = last
+        self.split = split
+        self._y_slots = y_slots
+        self._param_avals = param_avals
+        # Residuals that are trace constants are baked into the backward, not stored.
+        self._const_res = {i: slot[1] for i, slot in enumerate(res_slots) if slot[0] == _CONST}
+        self._res_slots = tuple(slot for slot in res_slots if slot[0] != _CONST)
+        self._num_res = len(res_slots)
+        # What W reads straight from I's inputs: (True, k) is stored residual k, (False,
+        # j) is output cotangent j.
+        stored_at = {i: k for k, i in enumerate(i for i in range(len(res_slots)) if i not in self._const_res)}
+        self._handoff_refs = tuple(
+            (True, stored_at[i]) if i < self._num_res else (False, i - self._num_res)
+            for i in split.handoff_inputs
+            if i not in self._const_res
+        )
+        run_forward = jaxpr_as_fun(forward)
+        const_res = self._const_res
+
+        def forward_fn(p: Leaves, x: Leaves, t: Leaves, loss: Any) -> tuple[Leaves, Any]:
+            outs = run_forward(*p, *x, *t)
+            values = tuple(outs[i] for i in computed)
+            if last:
+                return values, loss + outs[0]
+            return values, None
+
+        def inputs_of(stored: Leaves, ct: Leaves) -> list[Any]:
+            it = iter(stored)
+            res = [const_res[i] if i in const_res else next(it) for i in range(self._num_res)]
+            return res + list(ct)
+
+        def backward_fn(stored: Leaves, ct: Leaves, acc: Leaves) -> tuple[Leaves, Leaves]:
+            param_cts, input_cts = split.full(inputs_of(stored, ct))
+            return tuple(input_cts), tuple(a + g for a, g in zip(acc, param_cts, strict=True))
+
+        def input_fn(stored: Leaves, ct: Leaves) -> tuple[Leaves, Leaves]:
+            input_cts, handoff = split.input_half(inputs_of(stored, ct))
+            return tuple(input_cts), tuple(handoff)
+
+        def weight_fn(handoff: Leaves, refs: Leaves, acc: Leaves) -> Leaves:
+            it = iter(refs)
+            given = [const_res[i] if i in const_res else next(it) for i in split.handoff_inputs]
+            param_cts = split.weight_half(handoff, given)
+            return tuple(a + g for a, g in zip(acc, param_cts, strict=True))
+
+        # Activations leave split over "data"; residuals stay where XLA computed them.
+        num_y = len(y_slots) if not last else 1
+        values_at = tuple(layout.batch(out_avals[i].shape) if i < num_y else None for i in computed)
+        cts_at = tuple(layout.batch(a.shape) for a in ct_avals)
+        grads_at = layout.grads
+        self._forward = jax.jit(
+            forward_fn, donate_argnums=3, out_shardings=(values_at, layout.replicated if last else None)
+        )
+        self._backward = jax.jit(backward_fn, donate_argnums=2, out_shardings=(cts_at, grads_at))
+        self._input = jax.jit(input_fn, out_shardings=(cts_at, None)) if split.input_eqns else input_fn
+        self._weight = jax.jit(weight_fn, donate_argnums=2, out_shardings=grads_at)
+        self._zeros = jax.jit(
+            lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in param_avals), out_shardings=grads_at
+        )
+
+    def forward(self, params: Leaves, x: Leaves, targets: Leaves, loss: Any) -> tuple[Leaves, Leaves, Any]:
+        """``F``: (activation, residuals, running loss) for one microbatch.
+
+        ``loss`` is the running loss (a scalar array, donated) on the last stage, None
+        elsewhere; the activation is ``()`` on the last stage.
+        """
+        computed, loss = self._forward(params, x, targets, loss)
+        inputs = (*params, *x, *targets)
+        y = tuple(_pick(slot, computed, inputs) for slot in self._y_slots)
+        residuals = tuple(_pick(slot, computed, inputs) for slot in self._res_slots)
+        return y, residuals, loss
+
+    def backward(self, residuals: Leaves, ct: Leaves, acc: Leaves) -> tuple[Leaves, Leaves]:
+        """``B``: (input cotangents, updated accumulator); ``ct`` is ``()`` on the last stage."""
+        return self._backward(residuals, ct, acc)
+
+    def backward_input(self, residuals: Leaves, ct: Leaves) -> tuple[Leaves, Leaves]:
+        """``I``: (input cotangents, the hand-over to ``W``)."""
+        input_cts, computed = self._input(residuals, ct)
+        refs = tuple(residuals[k] if stored else ct[k] for stored, k in self._handoff_refs)
+        return input_cts, (computed, refs)
+
+    def backward_weight(self, handoff: Leaves, acc: Leaves) -> Leaves:
+        """``W``: the accumulator with this microbatch's parameter gradients added."""
+        computed, refs = handoff
+        return self._weight(computed, refs, acc)
+
+    def compiled_hlo(self) -> dict[str, str]:
+        """The optimized HLO text of ``F`` and ``B`` as XLA compiled them for this stage's
+        mesh and one microbatch (``jit(...).lower(...).compile().as_text()``): where the
+        collectives of tensor and data parallelism are, for inspection and tests."""
+        layout = self.layout
+        x_avals, t_avals, ct_avals = self._structs
+
+        def at(avals: Sequence[Any], shardings: Sequence[Any]) -> tuple[jax.ShapeDtypeStruct, ...]:
+            return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings, strict=True))
+
+        p = at(self._param_avals, layout.params)
+        x = at(x_avals, [layout.batch(a.shape) for a in x_avals])
+        t = at(t_avals, [layout.batch(a.shape) for a in t_avals])
+        loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=layout.replicated) if self.last else None
+        forward = self._forward.lower(p, x, t, loss).compile()
+        values = jax.tree_util.tree_map(
+            lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+            forward.out_info[0],
+            forward.output_shardings[0],
+        )
+        residuals = tuple(_pick(slot, values, (*p, *x, *t)) for slot in self._res_slots)
+        ct = at(ct_avals, [layout.batch(a.shape) for a in ct_avals])
+        acc = at(self._param_avals, layout.grads)
+        backward = self._backward.lower(residuals, ct, acc).compile()
+        return {"F": forward.as_text() or "", "B": backward.as_text() or ""}
+
+    def zero_grads(self) -> Leaves:
+        """A fresh gradient accumulator on the stage's mesh (one dispatch for every leaf)."""
+        return self._zeros()
+
+
+def _is_float(x: Any) -> bool:
+    return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
+def compile_stage(
+    model: StagedModel,
+    stage: int,
+    *,
+    num_microbatches: int,
+    remat: bool,
+    device: int,
+    layout: StageLayout,
+) -> StageProgram:
+    """Trace stage ``stage`` of ``model`` into its forward and backward programs, for
+    the mesh and shardings of ``layout``.
+
+    The last stage's loss is divided by ``num_microbatches`` so that the sum over
+    microbatches is the mean. With ``remat``, the forward keeps only its inputs and the
+    backward recomputes the rest. ``device`` (the pipeline device) is only for messages.
+    """
+    fn = model.functions[stage]
+    first, last = stage == 0, stage == model.num_stages - 1
+    p_avals = tuple(model.param_avals[i] for i in model.stage_params[stage])
+    x_avals = model.input_avals[stage]
+    t_avals = model.target_avals if last else ()
+    diff_x = tuple(not first and jnp.issubdtype(a.dtype, jnp.inexact) for a in x_avals)
+    traced: dict[str, Any] = {}
+
+    def fwd(p: Leaves, x: Leaves, t: Leaves) -> tuple[Leaves, Leaves, list[Any]]:
+        def g(p: Leaves, xd: Leaves) -> tuple[Leaves, Leaves]:
+            it = iter(xd)
+            xs = tuple(next(it) if d else v for v, d in zip(x, diff_x, strict=True))
+            out = fn(tuple(p), xs, tuple(t))
+            if last:
+                traced["mask"] = (True,)
+                return (out[0] / num_microbatches,), ()
+            mask = tuple(_is_float(o) for o in out)
+            traced["mask"] = mask
+            return tuple(o for o, m in zip(out, mask) if m), tuple(o for o, m in zip(out, mask) if not m)
+
+        body = jax.checkpoint(g) if remat else g
+        xd = tuple(v for v, d in zip(x, diff_x, strict=True) if d)
+        if first:
+            yd, pullback, aux = jax.vjp(lambda p: body(p, ()), tuple(p), has_aux=True)
+        else:
+            yd, pullback, aux = jax.vjp(body, tuple(p), xd, has_aux=True)
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        traced["pullback"] = treedef
+        return yd, aux, leaves
+
+    try:
+        forward = jax.make_jaxpr(fwd)(p_avals, x_avals, t_avals)
+    except ExecutionError:
+        raise
+    except Exception as err:  # a user stage may raise anything while it is traced
+        raise stage_failure(stage, device, f"tracing its forward on inputs {describe_avals(x_avals)}", err) from err
+    mask: tuple[bool, ...] = traced["mask"]
+    outvars = forward.jaxpr.outvars
+    num_y = len(mask)
+    num_yd = sum(mask)
+    inputs = {v: i for i, v in enumerate(forward.jaxpr.invars)}
+    computed: list[int] = []
+    if last:
+        # The loss is not an activation: the forward adds it to the running loss.
+        y_slots: tuple[_Slot, ...] = ()
+    else:
+        yd_slots = [_slot(i, outvars[i], computed, inputs) for i in range(num_yd)]
+        aux_slots = [_slot(i, outvars[i], computed, inputs) for i in range(num_yd, num_y)]
+        yd_it, aux_it = iter(yd_slots), iter(aux_slots)
+        y_slots = tuple(next(yd_it) if m else next(aux_it) for m in mask)
+    res_vars = outvars[num_y:]
+    res_slots = tuple(_slot(num_y + i, v, computed, inputs) for i, v in enumerate(res_vars))
+
+    res_structs = [aval_struct(v.aval) for v in res_vars]
+    ct_structs = [aval_struct(v.aval) for v in outvars[:num_yd]] if not last else []
+    pullback_def: PyTreeDef = traced["pullback"]
+
+    def bwd(res: list[Any], ct: list[Any]) -> Any:
+        pullback = jax.tree_util.tree_unflatten(pullback_def, res)
+        if last:
+            return pullback((jnp.ones((), outvars[0].aval.dtype),))
+        return pullback(tuple(ct))
+
+    try:
+        backward = jax.make_jaxpr(bwd)(res_structs, ct_structs)
+    except Exception as err:  # differentiation rules of user code may raise
+        raise stage_failure(stage, device, "tracing its backward", err) from err
+    split = split_backward(backward, num_param_cts=len(p_avals))
+    return StageProgram(
+        stage=stage,
+        first=first,
+        last=last,
+        forward=forward,
+        y_slots=y_slots,
+        res_slots=res_slots,
+        computed=tuple(computed),
+        split=split,
+        param_avals=p_avals,
+        out_avals=tuple(v.aval for v in outvars),
+        ct_avals=tuple(a for a, d in zip(x_avals, diff_x, strict=True) if d),
+        layout=layout,
+        example=(tuple(x_avals), tuple(t_avals), tuple(ct_structs)),
+    )

@@ -1,0 +1,352 @@
+"""The device side of a step, written once for every backend.
+
+A :class:`Worker` is one pipeline device of one pipeline: its lowered program, the
+compiled stages it owns (SPMD programs on its stage mesh, see :mod:`pipedsl.executor.mesh`)
+and its resident state: the parameter leaves its stages use and the optimizer state
+of the leaves they own. :meth:`Worker.run_step` runs a whole step on the device:
+
+1. cut the batch's leaves (where the first / last stage lives) into microbatches, each
+   split over the mesh's ``"data"`` axis;
+2. run the program (:class:`pipedsl.executor.interpreter.DeviceRuntime`), accumulating
+   every local stage's gradients over its microbatches;
+3. sum the gradients of shared parameters on their owner (contributions added in stage
+   order), sending those of leaves owned elsewhere;
+4. when training: a barrier with every other device, so that an optimizer step is all
+   or nothing (a step that fails before it leaves the resident state as it was), then
+   the optimizer update of the owned leaves, and the hand-out of updated shared leaves
+   to the other devices that use them.
+
+Everything between devices goes through the backend's
+:class:`~pipedsl.executor.transport.Transport`: the local backend runs one worker per
+pipeline device on threads of this process, the Ray backend one per actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pipedsl.executor.errors import ExecutionError, stage_failure
+from pipedsl.executor.interpreter import DeviceRuntime
+from pipedsl.executor.mesh import StageLayout
+from pipedsl.executor.stage_program import StageProgram, compile_stage
+from pipedsl.executor.stages import StagedModel
+from pipedsl.executor.timing import Recorder
+from pipedsl.executor.transport import Transport
+from pipedsl.program import Buffer, DeviceProgram
+from pipedsl.timeline import Event
+
+__all__ = ["Update", "WorkerStep", "Worker", "compile_device"]
+
+Leaves = tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """The optimizer step that follows a step's program; ``init`` starts the optimizer
+    state afresh (else the resident state is used)."""
+
+    optimizer: optax.GradientTransformation
+    init: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStep:
+    """What one device's step produced.
+
+    Attributes:
+      loss: the mean loss over microbatches when the last stage is here, else None.
+      grads: per flat parameter leaf this device owns, its gradient summed over every
+        using stage and microbatch (empty after an optimizer step, which consumes them).
+      peak_held: the most (stage, microbatch) pairs whose residuals were held at once.
+      leftover: buffers still held after the last instruction.
+      events: the recorded events (empty unless recording).
+    """
+
+    loss: Any
+    grads: Mapping[int, Any]
+    peak_held: int
+    leftover: tuple[Buffer, ...]
+    events: tuple[Event, ...]
+
+
+class Worker:
+    """Pipeline device ``program.device`` of a pipeline of ``num_devices`` devices.
+
+    ``stages`` holds the compiled programs of (at least) the stages ``program`` runs,
+    each on this device's mesh; ``placement`` maps every stage to its device;
+    ``num_microbatches`` is the schedule's. ``recv_timeout`` bounds every wait, in
+    seconds.
+    """
+
+    def __init__(
+        self,
+        program: DeviceProgram,
+        model: StagedModel,
+        stages: Mapping[int, StageProgram],
+        *,
+        placement: Sequence[int],
+        num_devices: int,
+        num_microbatches: int,
+        recv_timeout: float,
+    ) -> None:
+        self.index = program.device
+        self.program = program
+        self.model = model
+        self.runtime = DeviceRuntime(program, stages, recv_timeout=recv_timeout)
+        self.placement = tuple(placement)
+        self.num_devices = num_devices
+        self.count = num_microbatches
+        self.leaves: dict[int, Any] = {}
+        self.states: dict[int, Any] = {}
+        # The caller's array each resident leaf was loaded from, so that passing the same
+        # parameters again moves nothing.
+        self._sources: dict[int, Any] = {}
+        # Whether the last step got as far as the optimizer update (the resident state
+        # of this device then no longer matches the other devices' if another failed).
+        self.applied = False
+        local = self.runtime.stages
+        self.local = tuple(sorted(local))
+        # Where each leaf a local stage uses is kept (the same spec on every stage).
+        self._kept: dict[int, NamedSharding] = {}
+        for s in self.local:
+            for k, i in enumerate(model.stage_params[s]):
+                self._kept.setdefault(i, local[s].layout.params[k])
+        self.owned = tuple(i for i in sorted(self._kept) if placement[model.owner[i]] == self.index)
+        self._placed_states: set[int] = set()
+        self._optimizers: dict[int, tuple[optax.GradientTransformation, dict[int, tuple[Callable, Callable, Any]]]] = {}
+        first, last = 0 in local, model.num_stages - 1 in local
+        self._input_layout = local[0].layout if first else None
+        self._target_layout = local[model.num_stages - 1].layout if last else None
+
+    # -- resident state ------------------------------------------------------------
+
+    def load(self, leaves: Mapping[int, Any] | None, states: Mapping[int, Any] | None) -> None:
+        """Replace the parameter leaves (by flat index; every leaf a local stage uses) and
+        the optimizer states (by local stage), each when given."""
+        if leaves is not None:
+            missing = sorted(set(self._kept) - set(leaves))
+            if missing:
+                raise ExecutionError(f"device {self.index} was given no value for parameter leaves {missing}")
+            for i, target in self._kept.items():
+                value = leaves[i]
+                if isinstance(value, jax.Array) and self._sources.get(i) is value:
+                    continue  # loaded before (JAX arrays are immutable): nothing to move
+                self._sources[i] = value if isinstance(value, jax.Array) else None
+                self.leaves[i] = value if getattr(value, "sharding", None) == target else jax.device_put(value, target)
+        if states is not None:
+            self.states = {s: states[s] for s in self.local if s in states}
+            self._placed_states.clear()
+
+    def gather(self, *, params: bool, states: bool) -> tuple[dict[int, Any], dict[int, Any]]:
+        """The owned parameter leaves and the local stages' optimizer states as numpy
+        (each only when asked for)."""
+        mine = {i: self.leaves[i] for i in self.owned} if params else {}
+        return jax.device_get(mine), (jax.device_get(dict(self.states)) if states else {})
+
+    # -- the step ------------------------------------------------------------------
+
+    def run_step(
+        self,
+        transport: Transport,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        *,
+        update: Update | None,
+        recorder: Recorder | None,
+        keep_grads: bool,
+    ) -> WorkerStep:
+        """One step (see the module docstring). ``inputs``/``targets`` are the whole
+        batch's leaves where the first/last stage lives (else empty); with
+        ``keep_grads`` (and no ``update``) the summed gradients are returned."""
+        self.applied = False
+        model = self.model
+        params = {s: tuple(self.leaves[i] for i in model.stage_params[s]) for s in self.local}
+        result = self.runtime.run_step(
+            transport,
+            params,
+            self.microbatches(inputs, self._input_layout),
+            self.microbatches(targets, self._target_layout),
+            recorder=recorder,
+        )
+        for s, stage_grads in result.grads.items():
+            _computed(stage_grads, s, self.index, "accumulating its gradients")
+        if result.loss is not None:
+            _computed(result.loss, model.num_stages - 1, self.index, "computing the loss")
+        grads = self._sum_shared(transport, result.grads)
+        if update is not None:
+            self._barrier(transport)
+            self.applied = True
+            self._update(transport, update, grads)
+        return WorkerStep(
+            loss=result.loss,
+            grads=grads if keep_grads and update is None else {},
+            peak_held=result.peak_held,
+            leftover=result.leftover,
+            events=result.events,
+        )
+
+    def microbatches(self, leaves: Sequence[Any], layout: Any) -> list[Leaves]:
+        """The batch's ``leaves`` cut into this pipeline's microbatches along axis 0,
+        each placed split over ``"data"`` (stacked first, so no device sends rows to
+        another)."""
+        if not leaves or layout is None:
+            return []
+        count = self.count
+        parts = []
+        for leaf in leaves:
+            shape = np.shape(leaf)
+            per = (shape[0] // count, *shape[1:])
+            stacked = jax.device_put(leaf.reshape((count, *per)), layout.stacked())
+            parts.append(_unstack(count, layout.batch(per))(stacked))
+        return [tuple(part[m] for part in parts) for m in range(count)]
+
+    def _sum_shared(self, transport: Transport, stage_grads: Mapping[int, Leaves]) -> dict[int, Any]:
+        """Per flat leaf this device owns, the sum of every using stage's gradient."""
+        model, me, placement = self.model, self.index, self.placement
+        for s in self.local:
+            for g, i in zip(stage_grads[s], model.stage_params[s], strict=True):
+                owner = placement[model.owner[i]]
+                if owner != me:
+                    transport.send(("grad", s, i), g, owner, stage=s)
+        total: dict[int, Any] = {}
+        timeout = self.runtime.recv_timeout
+        for s in range(model.num_stages):
+            local = s in stage_grads
+            for k, i in enumerate(model.stage_params[s]):
+                if placement[model.owner[i]] != me:
+                    continue
+                g = stage_grads[s][k] if local else transport.recv(("grad", s, i), placement[s], timeout=timeout)
+                total[i] = g if i not in total else total[i] + g
+        return total
+
+    def _barrier(self, transport: Transport) -> None:
+        """Return once every device of the pipeline has finished its program (or raise)."""
+        others = [d for d in range(self.num_devices) if d != self.index]
+        for d in others:
+            transport.send(("done",), (), d, stage=None)
+        for d in others:
+            transport.recv(("done",), d, timeout=self.runtime.recv_timeout)
+
+    def _update(self, transport: Transport, update: Update, grads: dict[int, Any]) -> None:
+        """Apply the optimizer to every local stage's owned leaves, then hand updated
+        shared leaves to the other devices that use them."""
+        model, me, placement = self.model, self.index, self.placement
+        self._sources.clear()  # the resident leaves are no longer the caller's arrays
+        if update.init:
+            self.states = {}
+        for s in self.local:
+            owned = model.owned(s)
+            apply, init, state_at = self._compiled_update(update.optimizer, s)
+            treedef = model.owned_treedefs[s]
+            params_s = jax.tree_util.tree_unflatten(treedef, [self.leaves[i] for i in owned])
+            state = self.states.get(s)
+            if state is None:
+                state = init(params_s)
+            elif s not in self._placed_states:
+                state = jax.device_put(state, state_at)
+            grads_s = jax.tree_util.tree_unflatten(treedef, [grads[i] for i in owned])
+            params_s, self.states[s] = apply(grads_s, state, params_s)
+            self._placed_states.add(s)
+            for i, leaf in zip(owned, jax.tree_util.tree_leaves(params_s), strict=True):
+                self.leaves[i] = leaf
+        for s in range(model.num_stages):
+            for i in model.stage_params[s]:
+                if placement[model.owner[i]] == me and placement[s] != me:
+                    transport.send(("param", s, i), self.leaves[i], placement[s], stage=model.owner[i])
+        timeout = self.runtime.recv_timeout
+        for s in self.local:
+            for i in model.stage_params[s]:
+                owner = placement[model.owner[i]]
+                if owner != me:
+                    self.leaves[i] = transport.recv(("param", s, i), owner, timeout=timeout)
+
+    def _compiled_update(self, optimizer: optax.GradientTransformation, stage: int) -> tuple[Callable, Callable, Any]:
+        """(update, init, state shardings) of ``optimizer`` for ``stage``'s owned leaves:
+        jitted so that the state is kept where the stage's layout says (ZeRO) and the
+        parameters come back where they are kept."""
+        entry = self._optimizers.get(id(optimizer))
+        if entry is None or entry[0] is not optimizer:
+            entry = (optimizer, {})
+            self._optimizers[id(optimizer)] = entry
+        compiled = entry[1].get(stage)
+        if compiled is not None:
+            return compiled
+        model = self.model
+        layout = self.runtime.stages[stage].layout
+        position = {i: k for k, i in enumerate(model.stage_params[stage])}
+        owned = model.owned(stage)
+        treedef = model.owned_treedefs[stage]
+        params_at = jax.tree_util.tree_unflatten(treedef, [layout.params[position[i]] for i in owned])
+        state_leaf_at = jax.tree_util.tree_unflatten(treedef, [layout.states[position[i]] for i in owned])
+        avals = jax.tree_util.tree_unflatten(treedef, [model.param_avals[i] for i in owned])
+        state_at = optax.tree_utils.tree_map_params(
+            optimizer,
+            lambda _, at: at,
+            jax.eval_shape(optimizer.init, avals),
+            state_leaf_at,
+            transform_non_params=lambda _: layout.replicated,
+            is_leaf=lambda x: isinstance(x, NamedSharding),
+        )
+
+        def apply(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+            updates, state = optimizer.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        # The gradients are the step's own accumulators, so they may be updated in place;
+        # the state and parameters belong to the caller (the local backend returns them).
+        compiled = (
+            jax.jit(apply, donate_argnums=0, out_shardings=(params_at, state_at)),
+            jax.jit(optimizer.init, out_shardings=state_at),
+            state_at,
+        )
+        entry[1][stage] = compiled
+        return compiled
+
+
+def compile_device(
+    model: StagedModel,
+    stages: Sequence[int],
+    mesh: Mesh,
+    *,
+    specs: Sequence[PartitionSpec],
+    zero: int,
+    num_microbatches: int,
+    remat: Sequence[bool],
+    placement: Sequence[int],
+) -> dict[int, StageProgram]:
+    """The compiled programs of ``stages`` (all on one pipeline device, whose mesh is
+    ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``."""
+    programs = {}
+    for s in stages:
+        idx = model.stage_params[s]
+        layout = StageLayout(
+            mesh, [specs[i] for i in idx], [model.param_avals[i] for i in idx], zero=zero, leaves=idx
+        )
+        programs[s] = compile_stage(
+            model, s, num_microbatches=num_microbatches, remat=remat[s], device=placement[s], layout=layout
+        )
+    return programs
+
+
+@lru_cache(maxsize=64)
+def _unstack(count: int, sharding: NamedSharding) -> Callable[[Any], tuple[Any, ...]]:
+    """A jitted cut of a ``[count, ...]`` stack into its ``count`` entries, each placed
+    with ``sharding``: one dispatch per leaf instead of one per microbatch."""
+    return jax.jit(lambda x: tuple(x[m] for m in range(count)), out_shardings=(sharding,) * count)
+
+
+def _computed(value: Any, stage: int, device: int, what: str) -> None:
+    """Wait for ``value``; an error of the computation that produced it is raised as
+    stage ``stage``'s failure."""
+    try:
+        jax.block_until_ready(value)
+    except Exception as err:  # XLA reports a failed computation where its result is read
+        raise stage_failure(stage, device, what, err) from err
