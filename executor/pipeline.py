@@ -19,10 +19,11 @@ reused afterwards.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +190,9 @@ class Pipeline:
                 remat=self._remat,
                 recv_timeout=recv_timeout,
             )
+            # A pipeline dropped without close() still releases its actors when collected
+            # (at exit, Ray's own shutdown stops them).
+            weakref.finalize(self, self._ray.close).atexit = False
         elif isinstance(backend, str):
             if backend != "local":
                 raise ExecutionError(f"unknown backend {backend!r}; available: 'local', 'ray'")
@@ -288,6 +292,12 @@ class Pipeline:
         and the actors themselves unless they were shared); the local backend holds nothing."""
         if self._ray is not None:
             self._ray.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def compile(self, params: Any, batch: tuple[Any, Any]) -> tuple[StageProgram, ...]:
         """The compiled stage programs for these shapes (built on the first step anyway;
