@@ -27,7 +27,7 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 MARK = "PIPEDSL_TEST_RAY_MARK"
 
 
@@ -130,7 +130,7 @@ LIFECYCLE = """
     import jax.numpy as jnp
     from pipedsl.executor import ExecutionError, Pipeline, RayConfig
     from pipedsl.executor.ray_cluster import connect, disconnect
-    from pipedsl.language import library_path, load
+    from pipedsl.library import library_path, load
 
     DRIVER = os.getpid()
 
@@ -221,7 +221,11 @@ def test_pipelines_share_the_local_instance_and_release_their_actors() -> None:
 def _interrupt(mark: str, when: str) -> tuple[subprocess.Popen[str], str, str]:
     command = [sys.executable, "-m", "pipedsl", "run", "schedules/1f1b.sched", "-p", "pp=2", "--backend", "ray"]
     command += ["--steps", "100000", "--width", "8", "--layers-per-stage", "1"]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(mark), cwd=ROOT)
+    # In a session of its own, so that the signal goes to its whole process group, as a
+    # terminal's Ctrl-C does, and to nothing else.
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(mark), cwd=ROOT, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 120
         if when == "start-up":
@@ -232,7 +236,7 @@ def _interrupt(mark: str, when: str) -> tuple[subprocess.Popen[str], str, str]:
             assert run.stdout is not None
             while time.monotonic() < deadline and "(includes tracing and compilation)" not in run.stdout.readline():
                 pass
-        run.send_signal(signal.SIGINT)
+        os.killpg(run.pid, signal.SIGINT)
         out, err = run.communicate(timeout=60)
     finally:
         if run.poll() is None:
