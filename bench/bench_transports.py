@@ -17,8 +17,9 @@ trip) of each transport, in milliseconds:
   array with ``await_pull`` under an id both sides know (the programs are static, so a
   receiver knows what comes next and no message announces it) and B pulls it, then back.
 
-Each transport runs in the same actors (the inline limit needs its own instance), in
-turn, so load drifts hit all alike; the machine's load is printed with the results.
+Direct calls and JAX transfers run in the same actors, in turn, so load drifts hit both
+alike; the raised inline limit and the compiled graphs each get an instance of their own
+(see ``_measure``). The machine's load is printed with the results.
 
     python bench/bench_transports.py [--repeat 30]
 """
@@ -28,12 +29,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
 SIZES = {"4 B": 1, "256 KB": 64 * 1024, "4 MB": 1024 * 1024}  # float32 elements
 _INLINE = 8 * 1024 * 1024  # bytes: above the largest payload
 _CHAIN = (1, 5)  # hops per compiled graph, for the slope
+_GRAPH_TIMEOUT = 60.0  # seconds
 
 
 class Peer:
@@ -101,8 +104,13 @@ def _half_median(times: list[float]) -> float:
     return statistics.median(times) / 2
 
 
-def _graph_hop(a: Any, b: Any, elements: int, rounds: int) -> float:
-    """One hop of a compiled graph, in seconds: the slope over chains of ``_CHAIN`` hops."""
+def _graph_hop(remote: Any, elements: int, rounds: int) -> float:
+    """One hop of a compiled graph, in seconds: the slope over chains of ``_CHAIN`` hops.
+
+    Every graph gets two fresh actors and kills them at teardown: in Ray 2.60 on this
+    machine, tearing a graph down may otherwise hang, and a later graph on the same
+    instance with it.
+    """
     import numpy as np
     import ray
     from ray.dag import InputNode
@@ -110,31 +118,34 @@ def _graph_hop(a: Any, b: Any, elements: int, rounds: int) -> float:
     x = np.ones(elements, np.float32)
     per: list[float] = []
     for hops in _CHAIN:
+        a, b = remote.remote(), remote.remote()
         with InputNode() as node:
             out = node
             for k in range(hops + 1):  # the first bind only receives x from the driver
                 out = (a if k % 2 == 0 else b).hop.bind(out)
         graph = out.experimental_compile()
         try:
-            ray.get(graph.execute(x))
+            ray.get(graph.execute(x), timeout=_GRAPH_TIMEOUT)
             times = []
             for _ in range(rounds):
                 start = time.perf_counter()
-                ray.get(graph.execute(x))
+                ray.get(graph.execute(x), timeout=_GRAPH_TIMEOUT)
                 times.append(time.perf_counter() - start)
         finally:
-            graph.teardown()
+            graph.teardown(kill_actors=True)
         per.append(statistics.median(times))
     return (per[1] - per[0]) / (_CHAIN[1] - _CHAIN[0])
 
 
-def _measure(rounds: int, *, inline: bool) -> dict[str, dict[str, float]]:
-    """Seconds per hop by transport and size, on a fresh local instance."""
+def _measure(rounds: int, *, phase: str) -> dict[str, dict[str, float]]:
+    """Seconds per hop by size for one phase, on a fresh local instance: ``plain``
+    (direct calls and JAX transfers), ``inline`` (direct calls, raised inline limit) or
+    ``graph`` (compiled graphs; NaN where a graph did not finish within a minute)."""
     import ray
 
     options: dict[str, Any] = {"address": "local", "num_cpus": 2, "include_dashboard": False}
     options["_node_ip_address"] = "127.0.0.1"
-    if inline:
+    if phase == "inline":
         options["_system_config"] = {"max_direct_call_object_size": _INLINE}
     ray.init(**options)
     try:
@@ -142,16 +153,24 @@ def _measure(rounds: int, *, inline: bool) -> dict[str, dict[str, float]]:
         a, b = remote.remote(), remote.remote()
         ray.get([a.meet.remote(b, ray.get(b.address.remote())), b.meet.remote(a, ray.get(a.address.remote()))])
         results: dict[str, dict[str, float]] = {}
-        for label, elements in SIZES.items():
-            ray.get(a.direct.remote(elements, 3))
-            row = {("direct+inline" if inline else "direct"): _half_median(ray.get(a.direct.remote(elements, rounds)))}
-            if not inline:
-                row["graph"] = _graph_hop(a, b, elements, rounds)
+        # Largest first: in Ray 2.60 a compiled graph of 4 MB arrays hangs after one of
+        # 256 KB ran on the same instance (even on other actors); the other way works.
+        for label, elements in sorted(SIZES.items(), key=lambda item: -item[1]):
+            if phase == "graph":
+                try:
+                    results[label] = {"graph": _graph_hop(remote, elements, rounds)}
+                except ray.exceptions.RayError:
+                    results[label] = {"graph": float("nan")}
+            else:
+                ray.get(a.direct.remote(elements, 3))
+                results[label] = {("direct" if phase == "plain" else "direct+inline"): _half_median(ray.get(a.direct.remote(elements, rounds)))}
+            if phase == "plain":
                 base = 1000 * (1 + list(SIZES).index(label)) * rounds
-                there, back = a.jax_round_trips.remote(elements, rounds, True, base), b.jax_round_trips.remote(elements, rounds, False, base)
-                row["jax"] = _half_median(ray.get(there))
+                there = a.jax_round_trips.remote(elements, rounds, True, base)
+                back = b.jax_round_trips.remote(elements, rounds, False, base)
+                results[label]["jax"] = _half_median(ray.get(there))
                 ray.get(back)
-            results[label] = row
+            print(f"   measured {phase} {label}", file=sys.stderr, flush=True)
         return results
     finally:
         ray.shutdown()
@@ -166,17 +185,12 @@ def main() -> None:
     import jax
     import ray
 
-    plain = _measure(args.repeat, inline=False)
-    inline = _measure(args.repeat, inline=True)
-    names = ("direct", "direct+inline", "graph", "jax")
-    print(
-        f"ray {ray.__version__}, jax {jax.__version__}, {os.cpu_count()} cores, load average "
-        f"{os.getloadavg()[0]:.1f}: one-way hop between two actors, median ms"
-    )
-    print(f"   {'payload':<8}" + "".join(f"{n:>15}" for n in names))
-    for label in SIZES:
-        row = plain[label] | inline[label]
-        print(f"   {label:<8}" + "".join(f"{row[n] * 1e3:13.2f}ms" for n in names))
+    print(f"ray {ray.__version__}, jax {jax.__version__}, {os.cpu_count()} cores: one-way hop between two actors, median ms")
+    for phase in ("plain", "inline", "graph"):
+        results = _measure(args.repeat, phase=phase)
+        for label in SIZES:
+            cells = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in results[label].items())
+            print(f"   {label:<7} {cells}   (load average {os.getloadavg()[0]:.1f})", flush=True)
 
 
 if __name__ == "__main__":
