@@ -192,7 +192,8 @@ class Pipeline:
             )
             # A pipeline dropped without close() still releases its actors when collected
             # (at exit, Ray's own shutdown stops them).
-            weakref.finalize(self, self._ray.close).atexit = False
+            release = weakref.finalize(self, self._ray.close)
+            release.atexit = False  # type: ignore[misc]  # a documented attribute typeshed lacks
         elif isinstance(backend, str):
             if backend != "local":
                 raise ExecutionError(f"unknown backend {backend!r}; available: 'local', 'ray'")
