@@ -165,26 +165,27 @@ LIFECYCLE = """
     batch = (x, jnp.sin(x))
     schedules = {{n: load(library_path(n), pp=2, microbatches=4) for n in ("1f1b", "gpipe", "zb_h1")}}
     expected = float(Pipeline([dense, dense], loss=mse, schedule=schedules["gpipe"]).value_and_grad(params, batch)[0])
-    out = {{"expected": expected}}
+    names = {{n: repr(s.name) for n, s in schedules.items()}}  # as the placement groups name them
+    out = {{"expected": expected, "names": list(names.values())}}
     connect()  # holds the local instance, to look at it between pipelines
     with Pipeline([dense, dense], loss=mse, schedule=schedules["1f1b"], backend="ray") as first:
         second = Pipeline([dense, dense], loss=mse, schedule=schedules["gpipe"], backend="ray")
         third = Pipeline([dense, dense], loss=mse, schedule=schedules["zb_h1"], backend="ray")
         out["losses"] = [float(p.value_and_grad(params, batch)[0]) for p in (first, second, third)]
         out["alive"] = {{name: sorted(states) for name, states in groups().items()}}
-    out["after_with"] = released("'one_f_one_b'")
+    out["after_with"] = released(names["1f1b"])
     del second
     gc.collect()
-    out["after_gc"] = released("'gpipe'")
+    out["after_gc"] = released(names["gpipe"])
     third.close()
-    out["after_close"] = released("'zb_h1'")
+    out["after_close"] = released(names["zb_h1"])
     slow = Pipeline([dense, slow_to_trace], loss=mse, schedule=schedules["gpipe"], backend=RayConfig(step_timeout={timeout}))
     start = time.monotonic()
     try:
         slow.value_and_grad(params, batch)
     except ExecutionError as err:
         out["timeout"] = [round(time.monotonic() - start, 1), str(err)]
-    out["after_timeout"] = released("'gpipe'")
+    out["after_timeout"] = released(names["gpipe"])
     disconnect()
     print(json.dumps(out))
 """
@@ -205,7 +206,7 @@ def test_pipelines_share_the_local_instance_and_release_their_actors() -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     # Three pipelines alive at once, each with its own actors, all computing the same loss.
     assert out["losses"] == pytest.approx([out["expected"]] * 3, rel=1e-5)
-    assert out["alive"] == {"'one_f_one_b'": ["CREATED"], "'gpipe'": ["CREATED"], "'zb_h1'": ["CREATED"]}
+    assert out["alive"] == {name: ["CREATED"] for name in out["names"]}
     assert out["after_with"] == out["after_gc"] == out["after_close"] == ["REMOVED"]
     waited, message = out["timeout"]
     assert waited < timeout + 5
