@@ -19,9 +19,10 @@ reused afterwards.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,10 @@ class Pipeline:
                 mesh=mesh,
                 param_specs=param_specs,
             )
+            # A pipeline dropped without close() still releases its actors when collected
+            # (at exit, Ray's own shutdown stops them).
+            release = weakref.finalize(self, self.backend.close)
+            release.atexit = False  # type: ignore[misc]  # a documented attribute typeshed lacks
         elif backend == "local":
             self.backend = LocalBackend(
                 self.program,
@@ -254,6 +259,12 @@ class Pipeline:
         """Release what the backend holds for this pipeline (on Ray: the actors' state,
         and the actors themselves unless they were shared)."""
         self.backend.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def compile(self, params: Any, batch: tuple[Any, Any]) -> tuple[StageProgram, ...]:
         """The compiled stage programs for these shapes on the local backend (built on

@@ -155,7 +155,9 @@ class RayRunner:
             return cls(program, backend, owns_devices=False, **options)
         config = backend if isinstance(backend, RayConfig) else RayConfig()
         mesh: MeshConfig = options["mesh"]
-        devices = RayDevices.start(program.schedule.num_devices, config, jax_devices=mesh.size)
+        devices = RayDevices.start(
+            program.schedule.num_devices, config, jax_devices=mesh.size, label=repr(program.schedule.name)
+        )
         try:
             return cls(program, devices, owns_devices=True, **options)
         except BaseException:
@@ -362,6 +364,8 @@ class RayRunner:
         except DeviceLost:
             raise
         except ExecutionError as err:
+            if self.devices.closed:  # timed out: the message says why
+                raise
             raise ExecutionError(
                 f"{err}; if the actors could not unpickle the model, its code must be importable on "
                 "every node (install it there, or pass RayConfig(runtime_env={'py_modules': [...]}))",

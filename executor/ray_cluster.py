@@ -1,48 +1,42 @@
-"""Where the Ray backend's actors live: connecting to Ray and placing one actor per device.
+"""Where the Ray backend's actors live: one actor per device, placed as one placement group.
 
-:func:`connect` joins an existing cluster (``address=...`` or the ``RAY_ADDRESS``
-environment variable) or starts a local instance that pipedsl also shuts down. A local
-instance is started with ``address="local"``, so that a stale cluster recorded by an
-earlier ``ray start`` is never joined by accident, and keeps all its traffic on
-127.0.0.1: that takes ``_node_ip_address="127.0.0.1"`` *and* the environment variable
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which Ray reads once, when it is imported. The
-variable must not be set when joining a user's cluster (the driver would then look for
-its node at 127.0.0.1), so which of the two happens is only known when :func:`connect`
-is called; that is why the Ray backend's modules import ``ray`` inside their functions,
-never at the top. If
-``ray`` was imported before pipedsl starts a local instance, the variable comes too late
-and the instance also listens on the machine's interface address (it still works).
+Connecting is :mod:`pipedsl.executor.ray_connection`'s (:func:`connect` and
+:func:`disconnect` are re-exported here): it joins a cluster or starts a local instance
+on 127.0.0.1, and bounds every wait by ``start_timeout``.
 
 :class:`RayDevices` is one actor per pipeline device (:class:`pipedsl.executor.ray_actor.DeviceActor`),
 reserved as a placement group with one bundle per device: ``PACK`` (the default) keeps
 neighbouring devices on one node where they fit; ``SPREAD`` and ``STRICT_SPREAD`` put
-them on different nodes. Several pipelines may share one group (comparing schedules
-without restarting actors); :meth:`RayDevices.call` runs one method on every actor with
-a time bound and turns a dead actor, a lost node or a timeout into an
-:class:`~pipedsl.executor.errors.ExecutionError` that names the device and its node.
+them on different nodes. On a local instance pipedsl started, a bundle is one device
+slot of that instance (see :data:`~pipedsl.executor.ray_connection.SLOT`), so every
+pipeline of a notebook gets its actors; on a joined cluster it is ``cpus_per_device``
+CPUs (and GPUs), and a group that cannot be placed because others hold the resources
+fails at once, naming the placement groups that hold them. Several pipelines may also
+share one group (comparing schedules without restarting actors). :meth:`RayDevices.call`
+runs one method on every actor with a time bound and turns a dead actor, a lost node or
+a timeout into an :class:`~pipedsl.executor.errors.ExecutionError` that names the device
+and its node.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import sys
-import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.ray_actor import DeviceActor, Failure
+from pipedsl.executor.ray_connection import connect, disconnect
+from pipedsl.executor.ray_placement import reserve
 
 __all__ = ["RayConfig", "NodeInfo", "DeviceLost", "RayDevices", "connect", "disconnect", "STRATEGIES"]
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 """Placement group strategies (Ray's names) for the devices' bundles."""
 
-_LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # Threads per actor: one runs the step and blocks on receives; the others take
 # deliveries and aborts from peers and the driver, which never block.
 _ACTOR_THREADS = 4
@@ -62,12 +56,13 @@ class RayConfig:
       step_timeout: seconds the driver waits for one step on every actor (the first
         step also compiles the stages) and for any other call, before it aborts the
         step and raises.
-      start_timeout: seconds to wait for the placement group and the actors to start.
-      cpus_per_device: CPUs each actor reserves.
+      start_timeout: seconds to wait for the cluster to answer (or a local instance to
+        start), for the placement group and for the actors to start.
+      cpus_per_device: CPUs each actor reserves on a joined cluster (on a local instance
+        pipedsl started, an actor reserves a device slot instead).
       gpus_per_device: GPUs each actor reserves; None means 1 when the cluster has GPUs,
         else 0.
-      local_cpus: CPUs of a local instance pipedsl starts (default: the machine's
-        count, at least enough for the devices).
+      local_cpus: CPUs of a local instance pipedsl starts (default: the machine's count).
       runtime_env: Ray runtime environment of the actors (for example ``py_modules``
         holding the model's code on a remote cluster).
     """
@@ -75,7 +70,7 @@ class RayConfig:
     address: str | None = None
     strategy: str = "PACK"
     step_timeout: float = 600.0
-    start_timeout: float = 120.0
+    start_timeout: float = 30.0
     cpus_per_device: float = 1.0
     gpus_per_device: float | None = None
     local_cpus: int | None = None
@@ -113,65 +108,6 @@ class DeviceLost(ExecutionError):
     def __init__(self, message: str, *, stage: int | None, device: int, node: NodeInfo | None) -> None:
         self.node = node
         super().__init__(message, stage=stage, device=device)
-
-
-# -- the connection ---------------------------------------------------------------------
-
-
-class _Connection:
-    """This process's use of Ray: whether pipedsl started the instance, and how many
-    users (device groups, explicit connects) hold it."""
-
-    lock = threading.Lock()
-    started_here = False
-    users = 0
-
-
-def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
-    """Connect this process to Ray, once; every call must be paired with :func:`disconnect`.
-
-    Joins ``address`` (or ``RAY_ADDRESS``) when given, else starts a local instance on
-    127.0.0.1 with ``num_cpus`` CPUs (default: the machine's). When this process is
-    already connected (by pipedsl or by the caller's own ``ray.init``), that connection
-    is used as it is.
-    """
-    with _Connection.lock:
-        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
-            _Connection.users += 1
-            return
-        address = address or os.environ.get("RAY_ADDRESS") or None
-        if address is None and "ray" not in sys.modules:
-            os.environ[_LOOPBACK_VAR] = "0"
-        import ray
-
-        try:
-            with warnings.catch_warnings():
-                # Ray starts its processes with fork and exec, which is safe with JAX's
-                # threads; JAX warns about any fork all the same.
-                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-                if address is not None:
-                    ray.init(address=address)
-                else:
-                    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
-        except Exception as err:  # Ray raises ConnectionError, ValueError, RuntimeError...
-            where = f"the Ray cluster at {address}" if address else "a local Ray instance"
-            raise ExecutionError(f"cannot connect to {where}: {type(err).__name__}: {err}") from err
-        _Connection.started_here = address is None
-        _Connection.users = 1
-
-
-def disconnect() -> None:
-    """Release one :func:`connect`; the last release shuts down a local instance pipedsl
-    started (a joined cluster, or a connection the caller made, is left alone)."""
-    with _Connection.lock:
-        if _Connection.users == 0:
-            return
-        _Connection.users -= 1
-        if _Connection.users == 0 and _Connection.started_here:
-            import ray
-
-            ray.shutdown()
-            _Connection.started_here = False
 
 
 # -- the device group -------------------------------------------------------------------
@@ -223,47 +159,49 @@ class RayDevices:
         self._closed = False
 
     @classmethod
-    def start(cls, num_devices: int, config: RayConfig | None = None, *, jax_devices: int = 1) -> RayDevices:
+    def start(
+        cls, num_devices: int, config: RayConfig | None = None, *, jax_devices: int = 1, label: str = "devices"
+    ) -> RayDevices:
         """Connect (see :func:`connect`), reserve one bundle per device and start the actors,
         each with ``jax_devices`` JAX devices for its stage mesh (GPUs where the cluster
-        has them: ``gpus_per_device`` per JAX device; else that many forced CPU devices)."""
+        has them: ``gpus_per_device`` per JAX device; else that many forced CPU devices).
+
+        ``label`` names the group's placement group (with this process id), so that a
+        full cluster's error can say who holds what.
+        """
         config = config or RayConfig()
         if num_devices < 1:
             raise ExecutionError(f"a device group needs at least one device, got {num_devices}")
-        local_cpus = config.local_cpus or max(os.cpu_count() or 1, int(num_devices * config.cpus_per_device + 0.999))
-        connect(config.address, num_cpus=local_cpus)
+        connect(config.address, num_cpus=config.local_cpus or os.cpu_count() or 1, timeout=config.start_timeout)
         try:
-            return cls._start(num_devices, config, jax_devices)
+            return cls._start(num_devices, config, jax_devices, label)
         except BaseException:
             disconnect()
             raise
 
     @classmethod
-    def _start(cls, num_devices: int, config: RayConfig, jax_devices: int) -> RayDevices:
+    def _start(cls, num_devices: int, config: RayConfig, jax_devices: int, label: str) -> RayDevices:
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpus = config.gpus_per_device
         if gpus is None:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
         gpus *= jax_devices
-        bundle = {"CPU": config.cpus_per_device} | ({"GPU": gpus} if gpus else {})
-        group = placement_group([dict(bundle) for _ in range(num_devices)], strategy=config.strategy)
-        if not group.wait(timeout_seconds=config.start_timeout):
-            remove_placement_group(group)
-            have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-            raise ExecutionError(
-                f"the cluster cannot place {num_devices} devices of {bundle} each under strategy "
-                f"{config.strategy} within {config.start_timeout:g} s (it has {have} over "
-                f"{len(ray.nodes())} node(s)); use fewer devices, a smaller cpus_per_device, or "
-                "strategy PACK"
-            )
+        reservation = reserve(
+            num_devices,
+            cpus=config.cpus_per_device,
+            gpus=gpus,
+            strategy=config.strategy,
+            timeout=config.start_timeout,
+            label=label,
+        )
+        group = reservation.group
         remote = ray.remote(DeviceActor)
         actors = tuple(
             remote.options(
-                num_cpus=config.cpus_per_device,
-                num_gpus=gpus,
+                **reservation.actor_options,
                 max_concurrency=_ACTOR_THREADS,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=d),
@@ -275,10 +213,12 @@ class RayDevices:
             where = ray.get([a.where.remote() for a in actors], timeout=config.start_timeout)
             ray.get([a.connect.remote(actors) for a in actors], timeout=config.start_timeout)
             offsets = tuple(_clock_offset(a, config.start_timeout) for a in actors)
-        except Exception as err:
+        except BaseException as err:
             for actor in actors:
                 ray.kill(actor)
             remove_placement_group(group)
+            if not isinstance(err, Exception):
+                raise
             raise ExecutionError(
                 f"the {num_devices} device actors did not start within {config.start_timeout:g} s: {_first_line(err)}"
             ) from err
@@ -366,10 +306,14 @@ class RayDevices:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
-        remove_placement_group(self._group)
-        disconnect()
+        try:
+            # Ray may already be shut down (at exit, or by the caller): then so are the actors.
+            if ray.is_initialized():
+                for actor in self.actors:
+                    ray.kill(actor, no_restart=True)
+                remove_placement_group(self._group)
+        finally:
+            disconnect()
 
     def __enter__(self) -> Self:
         return self
@@ -422,7 +366,13 @@ class RayDevices:
         message = f"{what} did not finish within {limit:g} s (step_timeout): still running: {where}"
         first = running[0]
         owned = stages(first) if stages is not None else ()
-        raise ExecutionError(message + self._drain(pending), stage=owned[0] if owned else None, device=first)
+        if step is None:
+            # Not a step (compiling, loading): nothing can stop it, so stop the actors.
+            self.close()
+            message += "; it cannot be aborted, so the actors have been shut down: build a new Pipeline"
+        else:
+            message += self._drain(pending)
+        raise ExecutionError(message, stage=owned[0] if owned else None, device=first)
 
     def _drain(self, pending: dict[Any, int]) -> str:
         """Wait a little for calls still running after an abort; if some do not return,

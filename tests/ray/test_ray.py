@@ -251,6 +251,23 @@ def test_actors_on_two_nodes(cluster: Cluster) -> None:
 # -- failures -------------------------------------------------------------------------
 
 
+def test_a_full_cluster_fails_at_once_naming_who_holds_what(devices: RayDevices) -> None:
+    # The module's group holds 4 of the cluster's 10 CPUs: 7 more do not fit now, 11
+    # never do. Neither waits for start_timeout.
+    start = time.monotonic()
+    with pytest.raises(ExecutionError, match=r"the cluster is full: 7 devices of 1 CPU each need 7 CPU, \d+ of its 10") as info:
+        RayDevices.start(7, RayConfig(start_timeout=60), label="'seven'")
+    assert time.monotonic() - start < 15
+    assert f"placement group 'pipedsl devices (4 devices, process {os.getpid()})': 4 CPU" in str(info.value)
+    with pytest.raises(ExecutionError, match=r"cannot hold 11 devices of 1 CPU each: they need 11 CPU and it has 10 in all"):
+        RayDevices.start(11, RayConfig(start_timeout=60))
+    assert time.monotonic() - start < 30
+    from ray.util.placement_group import placement_group_table
+
+    assert not [g for g in placement_group_table().values() if g["state"] != "REMOVED" and "'seven'" in g["name"]]
+
+
+
 def test_failing_stage_names_its_stage_device_and_node(devices: RayDevices, flags: Path) -> None:
     schedule = library("1f1b")
     params, batch = hooked_problem()
