@@ -229,11 +229,13 @@ class Worker:
 
     def _barrier(self, transport: Transport) -> None:
         """Return once every device of the pipeline has finished its program (or raise)."""
+        # Keyed by the sender: a device hears "done" from every other one, and the local
+        # mailboxes are keyed by (key, receiver) only.
         others = [d for d in range(self.num_devices) if d != self.index]
         for d in others:
-            transport.send(("done",), (), d, stage=None)
+            transport.send(("done", self.index), (), d, stage=None)
         for d in others:
-            transport.recv(("done",), d, timeout=self.runtime.recv_timeout)
+            transport.recv(("done", d), d, timeout=self.runtime.recv_timeout)
 
     def _update(self, transport: Transport, update: Update, grads: dict[int, Any]) -> None:
         """Apply the optimizer to every local stage's owned leaves, then hand updated
