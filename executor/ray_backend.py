@@ -89,7 +89,8 @@ def _avals(tree: Any) -> Any:
 def _same_avals(a: Any, b: Any) -> bool:
     a_leaves, a_def = jax.tree_util.tree_flatten(a)
     b_leaves, b_def = jax.tree_util.tree_flatten(b)
-    return a_def == b_def and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a_leaves, b_leaves, strict=True))
+    same_tree: bool = a_def == b_def  # type: ignore[operator]  # PyTreeDef's stubs lack __eq__
+    return same_tree and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a_leaves, b_leaves, strict=True))
 
 
 class RayRunner:
@@ -377,7 +378,7 @@ class RayRunner:
     def _load_params(self, params: Any, layout: _Layout) -> None:
         leaves = jax.device_get(jax.tree_util.tree_leaves(self._param_tree(params)))
         model = layout.model
-        args = []
+        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = []
         for d in range(self.program.schedule.num_devices):
             uses = sorted({i for s in self._stages_on(d) for i in model.stage_params[s]})
             args.append(((self.key, {i: leaves[i] for i in uses}, None), {}))
@@ -409,7 +410,7 @@ class RayRunner:
                 "train_step returned (gathered or as a handle), or None to start"
             )
         host = jax.device_get(opt_state)
-        args = [
+        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
             ((self.key, None, {s: host[s] for s in self._stages_on(d)}), {})
             for d in range(self.program.schedule.num_devices)
         ]

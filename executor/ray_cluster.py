@@ -210,12 +210,12 @@ class RayDevices:
             for d in range(num_devices)
         )
         try:
-            where = ray.get([a.where.remote() for a in actors], timeout=config.start_timeout)
-            ray.get([a.connect.remote(actors) for a in actors], timeout=config.start_timeout)
+            where = ray.get([a.where.remote() for a in actors], timeout=config.start_timeout)  # type: ignore[attr-defined]
+            ray.get([a.connect.remote(actors) for a in actors], timeout=config.start_timeout)  # type: ignore[attr-defined]
             offsets = tuple(_clock_offset(a, config.start_timeout) for a in actors)
         except BaseException as err:
             for actor in actors:
-                ray.kill(actor)
+                ray.kill(actor)  # type: ignore[arg-type]
             remove_placement_group(group)
             if not isinstance(err, Exception):
                 raise

@@ -234,10 +234,15 @@ def _order_verdict(reports: list[Measurement]) -> str:
     simulator, and the planner's uncalibrated estimate)."""
     measured = _order([r.measured_s for r in reports])
     verdicts = []
-    for what, values in (("calibrated prediction", [r.predicted_s for r in reports]), ("planner", [r.planned_s for r in reports])):
-        if any(v is None for v in values):
+    predictions: tuple[tuple[str, list[float | None]], ...] = (
+        ("calibrated prediction", [r.predicted_s for r in reports]),
+        ("planner", [r.planned_s for r in reports]),
+    )
+    for what, values in predictions:
+        known = [v for v in values if v is not None]
+        if len(known) < len(values):
             continue
-        same = _order([float(v) for v in values]) == measured
+        same = _order(known) == measured
         verdicts.append(f"the {what}'s order {'agrees' if same else 'does not agree'} with the measured order")
     fastest = min(reports, key=lambda r: r.measured_s)
     return "; ".join(verdicts) + f". Fastest measured: {fastest.label}."

@@ -178,6 +178,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
         BarColumn,
         MofNCompleteColumn,
         Progress,
+        TaskID,
         TextColumn,
         TimeElapsedColumn,
     )
@@ -195,7 +196,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
         console=err,
         transient=True,
     ) as bar:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
             if phase not in tasks:

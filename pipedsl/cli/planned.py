@@ -78,7 +78,7 @@ class PlannedRun:
             schedule=SPMD_SCHEDULE if spmd else str(row["schedule"]),
             kind=kind,
             recompute=str(row.get("recompute", "none")),
-            planned_s=None if planned in (None, "") else float(planned),
+            planned_s=None if planned is None or planned == "" else float(planned),
             rank=None if rank in (None, "") else _whole(rank, "rank", where),
             **values,
         )
