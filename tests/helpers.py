@@ -234,16 +234,22 @@ def reference_training(form: str, num_stages: int, *, steps: int) -> list[tuple[
     """(params after, loss of) each of ``steps`` ADAM steps of the unsplit transformer on
     one device, from :func:`setup`'s parameters and batch."""
     params, batch, _, _ = setup("transformer", form, num_stages)
-    m = model("transformer", num_stages)
+    return _train_unsplit(model("transformer", num_stages), form, params, batch, ADAM, steps=steps)
+
+
+def _train_unsplit(
+    m: BuiltinModel, form: str, params: Any, batch: tuple[Any, Any], optimizer: Any, *, steps: int
+) -> list[tuple[Any, jax.Array]]:
+    """(params after, loss of) each of ``steps`` optimizer steps of the unsplit ``m`` on one device."""
     fn = reference_stages(m) if form == "explicit" else m.model_fn
 
     @jax.jit
     def step(p: Any, state: Any) -> tuple[Any, Any, jax.Array]:
         loss, grads = jax.value_and_grad(lambda q: m.loss(fn(q, batch[0]), batch[1]))(p)
-        updates, state = ADAM.update(grads, state, p)
+        updates, state = optimizer.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss
 
-    trained, state = [], ADAM.init(params)
+    trained, state = [], optimizer.init(params)
     for _ in range(steps):
         params, state, loss = step(params, state)
         trained.append((params, loss))
@@ -314,16 +320,4 @@ def assert_relative_close(actual: Any, expected: Any, *, rtol: float = 1e-5) -> 
 
 def hybrid_reference_adam(form: str, num_stages: int, dp: int, *, steps: int) -> list[tuple[Any, jax.Array]]:
     m, params, batch, _, _ = hybrid_problem(form, num_stages, dp)
-    fn = reference_stages(m) if form == "explicit" else m.model_fn
-
-    @jax.jit
-    def step(p: Any, state: Any) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(lambda q: m.loss(fn(q, batch[0]), batch[1]))(p)
-        updates, state = HYBRID_ADAM.update(grads, state, p)
-        return optax.apply_updates(p, updates), state, loss
-
-    out, state = [], HYBRID_ADAM.init(params)
-    for _ in range(steps):
-        params, state, loss = step(params, state)
-        out.append((params, loss))
-    return out
+    return _train_unsplit(m, form, params, batch, HYBRID_ADAM, steps=steps)
