@@ -27,13 +27,13 @@ from pipedsl.simulator.hardware import Cluster, Model, load_cluster
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, Recompute
 
-__all__ = ["DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "regimes", "accuracy_markdown", "main"]
+__all__ = ["DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "gpu_type", "regimes", "accuracy_markdown", "main"]
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 """The folder of published runs (``data/`` at the repository root)."""
 
 GRID = {
-    "matmul_efficiency": tuple(round(0.66 + 0.02 * i, 2) for i in range(6)),
+    "matmul_efficiency": tuple(round(0.62 + 0.02 * i, 2) for i in range(15)),
     "matmul_half_flops": (0.0, 1e9, 3e9, 1e10, 2e10, 4e10),
     "kernel_launch_s": (0.0, 5e-6, 1e-5, 2e-5),
 }
@@ -107,6 +107,7 @@ def _run(row: dict[str, str]) -> Run:
         flash_attention=row["flash_attention"] == "true",
         dp_overlap=float(row["dp_overlap"]),
         schedule=row["schedule"] or None,
+        reduce_bytes=int(row.get("reduce_bytes") or 4),
     )
     if plan.gpus != n["gpus"]:
         raise ValueError(f"{row['run']}: dp × tp × pp = {plan.gpus}, but the row says {n['gpus']} GPUs")
@@ -149,29 +150,42 @@ def _source_mape(results: Sequence[Result]) -> float:
     return sum(_mape(group) for group in by_source.values()) / len(by_source)
 
 
-def fit(runs: Sequence[Run], cluster: Cluster) -> tuple[Cluster, float]:
+def gpu_type(cluster: Cluster) -> str:
+    """The chip a preset's GPU is (``A100`` for ``A100-SXM4-40GB``): presets of one chip
+    share one fit of the compute model."""
+    return cluster.gpu.split("-", 1)[0]
+
+
+def fit(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cluster], float]:
     """The grid point (see the module docstring) with the lowest error on the
-    calibration runs of ``cluster``'s preset (the mean over sources of their mean
-    absolute percentage errors), and that error."""
-    calibration = [r for r in runs if r.role == "calibrate" and r.cluster == cluster.name]
+    calibration runs of ``clusters`` (presets of one GPU type; the error is the mean
+    over sources of their mean absolute percentage errors), every preset with it, and
+    that error."""
+    types = {gpu_type(c) for c in clusters.values()}
+    if len(types) != 1:
+        raise ValueError(f"fit one GPU type at a time, got {', '.join(sorted(types))}")
+    calibration = [r for r in runs if r.role == "calibrate" and r.cluster in clusters]
     if not calibration:
-        raise ValueError(f"no calibration runs for cluster {cluster.name}")
+        raise ValueError(f"no calibration runs for {', '.join(sorted(clusters))}")
     pipelines = Pipelines(keep_simulations=False)
     seen: dict[tuple[float, ...], float] = {}
 
     def error(point: tuple[float, ...]) -> float:
         if point not in seen:
-            candidate = _with(cluster, point)
-            seen[point] = _source_mape(evaluate(calibration, {cluster.name: candidate}, pipelines))
+            seen[point] = _source_mape(evaluate(calibration, _with(clusters, point), pipelines))
         return seen[point]
 
     efficiency, half, launch = GRID.values()
     pair = min(itertools.product(efficiency, half), key=lambda p: error((*p, launch[0])))
     point = min(((*pair, value) for value in launch), key=error)
-    return _with(cluster, point), error(point)
+    return _with(clusters, point), error(point)
 
 
-def _with(cluster: Cluster, point: tuple[float, ...]) -> Cluster:
+def _with(clusters: dict[str, Cluster], point: tuple[float, ...]) -> dict[str, Cluster]:
+    return {name: _with_point(cluster, point) for name, cluster in clusters.items()}
+
+
+def _with_point(cluster: Cluster, point: tuple[float, ...]) -> Cluster:
     efficiency, half, launch = point
     return dataclasses.replace(cluster, matmul_efficiency=efficiency, matmul_half_flops=half, kernel_launch_s=launch)
 
@@ -207,8 +221,10 @@ def accuracy_markdown(results: Sequence[Result], clusters: dict[str, Cluster]) -
     by_source: dict[str, list[Result]] = {}
     by_role: dict[str, list[Result]] = {}
     by_regime: dict[str, list[Result]] = {}
+    by_gpu: dict[str, list[Result]] = {}
     for r in results:
         by_source.setdefault(r.run.source, []).append(r)
+        by_gpu.setdefault(gpu_type(clusters[r.run.cluster]), []).append(r)
         by_role.setdefault(r.run.role, []).append(r)
         for regime in regimes(r.run, clusters[r.run.cluster]):
             by_regime.setdefault(regime, []).append(r)
@@ -229,6 +245,7 @@ def accuracy_markdown(results: Sequence[Result], clusters: dict[str, Cluster]) -
         )
     lines += ["", "## By role", ""] + _table({**by_role, "all": list(results)})
     lines += ["", "## By source", ""] + _table(by_source)
+    lines += ["", "## By GPU type", ""] + _table(by_gpu)
     lines += ["", "## By regime", ""] + _table(by_regime)
     lines += ["", "## Every run", "", "| run | source | role | GPUs | dp·tp·pp | measured s | predicted s | error |",
               "|---|---|---|---:|---|---:|---:|---:|"]  # fmt: skip
@@ -250,11 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = load_runs()
     clusters = {name: load_cluster(name) for name in sorted({r.cluster for r in runs})}
     if not args.check:
-        for name, cluster in clusters.items():
-            clusters[name], error = fit(runs, cluster)
-            c = clusters[name]
-            print(f"{name}: matmul_efficiency = {c.matmul_efficiency:g}, matmul_half_flops = {c.matmul_half_flops:g}, "
-                  f"kernel_launch_s = {c.kernel_launch_s:g} (calibration error {100 * error:.1f}%)")  # fmt: skip
+        for kind in sorted({gpu_type(c) for c in clusters.values()}):
+            fitted, error = fit(runs, {n: c for n, c in clusters.items() if gpu_type(c) == kind})
+            clusters.update(fitted)
+            c = next(iter(fitted.values()))
+            print(f"{kind} ({', '.join(fitted)}): matmul_efficiency = {c.matmul_efficiency:g}, "
+                  f"matmul_half_flops = {c.matmul_half_flops:g}, kernel_launch_s = {c.kernel_launch_s:g} "
+                  f"(calibration error {100 * error:.1f}%)")  # fmt: skip
     text = accuracy_markdown(evaluate(runs, clusters), clusters)
     args.out.write_text(text)
     print(text)
