@@ -83,7 +83,10 @@ def test_presets_all_load() -> None:
     assert {"gpt3-175b", "llama-8b", "llama-70b", "demo-small"} <= set(model_presets())
     assert {"a100-80gb", "h100-80gb", "h200"} <= set(cluster_presets())
     for name in cluster_presets():
-        assert load_cluster(name).gpus_per_node == 8
+        cluster = load_cluster(name)
+        assert cluster.name == name
+        assert cluster.gpus_per_node in (8, 16)  # DGX A100/H100/H200 nodes; DGX-2
+        assert cluster.adapters_per_node <= cluster.gpus_per_node
 
 
 def test_model_from_toml(tmp_path: Path) -> None:
