@@ -380,40 +380,20 @@ def prepare(
     """
     check_divides(model, cluster, plan)
     shapes = Shapes(model, cluster, plan)
-    stages = plan.pp * plan.vpp
-    layers = _stage_layers(model, stages, stage_layers)
+    layers = _stage_layers(model, plan.pp * plan.vpp, stage_layers)
     params = _stage_params(model, plan, layers)
     # The fullest device holds at least the average share: a cheap test before the
     # schedule is evaluated.
     average = device_memory(shapes, [sum(params) / plan.pp], (0,))
     if fits_first and not average.fits:
         raise DoesNotFit(plan, average)
-    key: ScheduleKey | None = None
-    placement: tuple[int, ...] = (0,)
     if plan.pp > 1:
         pipelines = pipelines if pipelines is not None else Pipelines()
-        key = pipelines.key(plan)
-        schedule = pipelines.schedule(key)
-        _check_schedule(plan, schedule)
-        placement = schedule.placement
-
-    layer = shapes.layer_work()
-    work = [layer * n for n in layers]
-    work[0] = work[0] + shapes.embedding_work()
-    work[-1] = work[-1] + shapes.head_work()
-    work = [w + zero_per_microbatch(shapes, p, w) for w, p in zip(work, params, strict=True)]
-    device_params = [0.0] * plan.pp
-    for s, d in enumerate(placement):
-        device_params[d] += params[s]
-
-    per_layer = shapes.layer_activation_bytes(plan.recompute)
-    residual = [round(n * per_layer) for n in layers]
-    residual[0] += round(shapes.embedding_activation_bytes())
-    residual[-1] += round(shapes.head_activation_bytes())
-    activations: tuple[int, ...] = (residual[0],)
-    if key is not None and pipelines is not None:
-        activations = pipelines.peak_residual_bytes(key, tuple(residual))
-    memory = device_memory(shapes, device_params, activations)
+    key, placement = _schedule_of(plan, pipelines)
+    work = _stage_work(shapes, layers, params)
+    device_params = _device_params(plan, placement, params)
+    residual = _stage_residual(shapes, layers)
+    memory = device_memory(shapes, device_params, _peak_residual(key, pipelines, residual))
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
     return Prepared(
@@ -421,12 +401,56 @@ def prepare(
         key=key,
         placement=placement,
         pipelines=pipelines,
-        work=tuple(work),
-        residual=tuple(residual),
-        device_params=tuple(device_params),
+        work=work,
+        residual=residual,
+        device_params=device_params,
         memory=memory,
         lower_bound_s=_lower_bound(plan, work, key, pipelines) + sum(tails(shapes, work, placement, device_params)),
     )
+
+
+def _schedule_of(plan: Plan, pipelines: Pipelines | None) -> tuple[ScheduleKey | None, tuple[int, ...]]:
+    """The plan's schedule key and stage-to-device placement; (None, (0,)) for SPMD."""
+    if plan.pp == 1 or pipelines is None:
+        return None, (0,)
+    key = pipelines.key(plan)
+    schedule = pipelines.schedule(key)
+    _check_schedule(plan, schedule)
+    return key, schedule.placement
+
+
+def _stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...]) -> tuple[Work, ...]:
+    """Each stage's work per microbatch: its layers, the embedding on the first stage,
+    the head on the last, and the ZeRO traffic of its parameters, shape (S,)."""
+    layer = shapes.layer_work()
+    work = [layer * n for n in layers]
+    work[0] = work[0] + shapes.embedding_work()
+    work[-1] = work[-1] + shapes.head_work()
+    return tuple(w + zero_per_microbatch(shapes, p, w) for w, p in zip(work, params, strict=True))
+
+
+def _device_params(plan: Plan, placement: tuple[int, ...], params: tuple[float, ...]) -> tuple[float, ...]:
+    """Parameters each pipeline device holds: the sum over the stages placed on it, shape (pp,)."""
+    device_params = [0.0] * plan.pp
+    for s, d in enumerate(placement):
+        device_params[d] += params[s]
+    return tuple(device_params)
+
+
+def _stage_residual(shapes: Shapes, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Bytes each stage keeps per microbatch from its forward to its backward, shape (S,)."""
+    per_layer = shapes.layer_activation_bytes(shapes.plan.recompute)
+    residual = [round(n * per_layer) for n in layers]
+    residual[0] += round(shapes.embedding_activation_bytes())
+    residual[-1] += round(shapes.head_activation_bytes())
+    return tuple(residual)
+
+
+def _peak_residual(key: ScheduleKey | None, pipelines: Pipelines | None, residual: tuple[int, ...]) -> tuple[int, ...]:
+    """Each device's peak of kept activation bytes under the schedule; one microbatch's for SPMD."""
+    if key is None or pipelines is None:
+        return (residual[0],)
+    return pipelines.peak_residual_bytes(key, residual)
 
 
 def estimate(
@@ -450,7 +474,7 @@ def estimate(
     return prepared.finish()
 
 
-def _lower_bound(plan: Plan, work: list[Work], key: ScheduleKey | None, pipelines: Pipelines | None) -> float:
+def _lower_bound(plan: Plan, work: Sequence[Work], key: ScheduleKey | None, pipelines: Pipelines | None) -> float:
     """Seconds the forward/backward part takes at least (see :meth:`Pipelines.lower_bound_s`);
     for SPMD, exactly its microbatches × (F + B)."""
     if key is None or pipelines is None:
