@@ -4,9 +4,9 @@
 runs with their exact configurations; ``data/README.md`` cites each source. Each row is
 marked ``calibrate`` (used to fit the cluster's compute parameters) or ``validate`` (only
 reported). :func:`fit` picks ``matmul_efficiency``, ``matmul_half_flops`` and
-``kernel_launch_s`` of a cluster preset on the calibration rows alone, from a fixed grid
-(:data:`GRID`), minimising their mean absolute percentage error; nothing is fitted per
-run. Run ``python -m pipedsl.simulator.fit_published`` to refit, print the table and
+``kernel_launch_s`` once per GPU type (:func:`gpu_type`; the presets of one chip share
+them) on the calibration rows alone, from a fixed grid (:data:`GRID`), minimising their
+mean absolute percentage error; nothing is fitted per run. Run ``python -m pipedsl.simulator.fit_published`` to refit, print the table and
 write ``data/ACCURACY.md``; ``--check`` evaluates the presets as they are.
 """
 

@@ -1,7 +1,7 @@
 """The estimator against measured training runs (data/published_runs*.csv).
 
-Each row is a published run with its exact configuration, marked ``calibrate`` (the
-A100 preset's compute parameters were fitted on these rows alone, by
+Each row is a published run with its exact configuration, marked ``calibrate`` (each
+GPU type's compute parameters were fitted on these rows alone, by
 ``python -m pipedsl.simulator.fit_published``) or ``validate`` (only reported). Nothing
 is fitted per row. Run with ``-s`` to see the per-row table; data/ACCURACY.md has the
 tables by source and regime.
@@ -13,7 +13,7 @@ import csv
 
 import pytest
 
-from pipedsl.simulator.fit_published import DATA, Result, evaluate, load_runs
+from pipedsl.simulator.fit_published import DATA, Result, evaluate, fit, gpu_type, load_runs
 from pipedsl.simulator.hardware import load_cluster
 
 SOURCE_LIMIT = 0.05
@@ -53,6 +53,31 @@ def test_both_roles_and_several_sources() -> None:
     runs = load_runs()
     assert {r.role for r in runs} == {"calibrate", "validate"}
     assert len({r.source for r in runs}) >= 4
+
+
+def test_each_gpu_type_has_calibration_and_validation_rows() -> None:
+    roles: dict[str, set[str]] = {}
+    for run in load_runs():
+        roles.setdefault(gpu_type(load_cluster(run.cluster)), set()).add(run.role)
+    assert len(roles) >= 2
+    for kind, found in roles.items():
+        assert found == {"calibrate", "validate"}, f"{kind}: {found}"
+
+
+def test_presets_of_one_gpu_type_share_one_fit() -> None:
+    fitted: dict[str, set[tuple[float, float, float]]] = {}
+    for name in {r.cluster for r in load_runs()}:
+        c = load_cluster(name)
+        fitted.setdefault(gpu_type(c), set()).add((c.matmul_efficiency, c.matmul_half_flops, c.kernel_launch_s))
+    assert gpu_type(load_cluster("a100-40gb")) == gpu_type(load_cluster("a100-80gb")) == "A100"
+    for kind, points in fitted.items():
+        assert len(points) == 1, f"{kind} presets disagree: {points}"
+
+
+def test_fit_takes_one_gpu_type_at_a_time() -> None:
+    clusters = {name: load_cluster(name) for name in ("a100-80gb", "v100-dgx2")}
+    with pytest.raises(ValueError, match="one GPU type"):
+        fit(load_runs(), clusters)
 
 
 def test_every_run_fits(results: list[Result]) -> None:
