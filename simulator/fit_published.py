@@ -203,6 +203,8 @@ def regimes(run: Run, cluster: Cluster) -> tuple[str, ...]:
         found.append("small model (< 5B)")
     if plan.gpus <= cluster.gpus_per_node:
         found.append("single node")
+    if 2 <= plan.gpus <= 4:
+        found.append("2-4 GPUs")
     if not found:
         found.append("other")
     return tuple(found)
