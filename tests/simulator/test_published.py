@@ -74,6 +74,15 @@ def test_presets_of_one_gpu_type_share_one_fit() -> None:
         assert len(points) == 1, f"{kind} presets disagree: {points}"
 
 
+def test_v100_fit_reproduces_its_preset() -> None:
+    # The whole fit (python -m pipedsl.simulator.fit_published) takes minutes; the V100's
+    # two calibration rows are priced without a pipeline and fit in about a second.
+    preset = load_cluster("v100-dgx2")
+    fitted, error = fit(load_runs(), {preset.name: preset})
+    assert fitted[preset.name] == preset
+    assert error < 0.05
+
+
 def test_fit_takes_one_gpu_type_at_a_time() -> None:
     clusters = {name: load_cluster(name) for name in ("a100-80gb", "v100-dgx2")}
     with pytest.raises(ValueError, match="one GPU type"):
