@@ -100,6 +100,8 @@ class Estimate:
       stage_forward_s, stage_backward_s: per-stage seconds per microbatch, shape (S,).
       assumptions: what was priced (:func:`assumptions`), in the order printed.
       simulation: the pipeline simulation (None for SPMD).
+      inflight_limit: the in-flight limit (``max_inflight``) a policy schedule was
+        synthesised with when the search chose one for the plan's memory; None otherwise.
     """
 
     model: Model
@@ -117,6 +119,7 @@ class Estimate:
     stage_backward_s: tuple[float, ...]
     assumptions: tuple[Assumption, ...] = ()
     simulation: Simulation | None = field(default=None, repr=False)
+    inflight_limit: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -144,6 +147,7 @@ class Estimate:
             "fits": self.fits,
             "stage_forward_s": list(self.stage_forward_s),
             "stage_backward_s": list(self.stage_backward_s),
+            "inflight_limit": self.inflight_limit,
             "assumptions": {a.name: {"value": a.value, "meaning": a.meaning} for a in self.assumptions},
         }
 
@@ -313,27 +317,34 @@ class Prepared:
     def fits(self) -> bool:
         return self.memory.fits
 
+    def cost_model(self) -> CostModel:
+        """The pipeline's cost model: per-stage F, I, W seconds, the links' transfer times
+        and the residual bytes per microbatch."""
+        work = self.work
+        latency, bandwidth, boundary_bytes = _transfer_costs(self.placement, self.shapes)
+        return CostModel(
+            forward=tuple(w.forward for w in work),
+            input_grad=tuple(w.input_grad for w in work),
+            weight_grad=tuple(w.weight_grad for w in work),
+            latency=latency,
+            bandwidth=bandwidth,
+            activation_bytes=boundary_bytes,
+            residual_bytes=self.residual,
+        )
+
     def finish(self) -> Estimate:
         """Simulate the pipeline (if any) and assemble the :class:`Estimate`."""
-        shapes, work, key = self.shapes, self.work, self.key
+        if self.key is not None and self.pipelines is not None:
+            timing = self.pipelines.timing(self.key, self.cost_model())
+            return self.assemble(timing.makespan, timing.bubble_ratio, timing.simulation)
+        work = self.work
+        return self.assemble(self.plan.microbatches * (work[0].forward + work[0].backward), 0.0, None)
+
+    def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
+        """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle
+        fraction ``bubble``: adds the data-parallel tail and the optimizer step."""
+        shapes, work = self.shapes, self.work
         model, cluster, plan = shapes.model, shapes.cluster, shapes.plan
-        simulation: Simulation | None = None
-        if key is not None and self.pipelines is not None:
-            latency, bandwidth, boundary_bytes = _transfer_costs(self.placement, shapes)
-            costs = CostModel(
-                forward=tuple(w.forward for w in work),
-                input_grad=tuple(w.input_grad for w in work),
-                weight_grad=tuple(w.weight_grad for w in work),
-                latency=latency,
-                bandwidth=bandwidth,
-                activation_bytes=boundary_bytes,
-                residual_bytes=self.residual,
-            )
-            timing = self.pipelines.timing(key, costs)
-            pipeline_time, bubble, simulation = timing.makespan, timing.bubble_ratio, timing.simulation
-        else:
-            pipeline_time = plan.microbatches * (work[0].forward + work[0].backward)
-            bubble = 0.0
         tail, optimizer = tails(shapes, work, self.placement, self.device_params)
         step = pipeline_time + tail + optimizer
         tokens = plan.global_batch * model.seq_len

@@ -33,6 +33,7 @@ COLUMNS = (
     "bubble",
     "dp_tail_s",
     "memory_bytes_per_gpu",
+    "inflight_limit",
 )
 """The columns of :func:`search`'s DataFrame, in order."""
 
@@ -42,6 +43,9 @@ class RankedPlan:
     """One ranked plan: a row of :func:`search`'s table (:data:`COLUMNS`), and the plan.
 
     Seconds are per training step; ``memory_bytes_per_gpu`` is on the fullest GPU.
+    ``inflight_limit`` is the ``max_inflight`` a policy schedule was synthesised with for
+    this plan's memory (:mod:`pipedsl.simulator.policy_plans`); 0 for a schedule that
+    states its order.
     """
 
     rank: int
@@ -61,6 +65,7 @@ class RankedPlan:
     bubble: float
     dp_tail_s: float
     memory_bytes_per_gpu: int
+    inflight_limit: int
     plan: Plan
 
     @classmethod
@@ -84,6 +89,7 @@ class RankedPlan:
             bubble=e.bubble,
             dp_tail_s=e.dp_tail_s,
             memory_bytes_per_gpu=e.memory.total,
+            inflight_limit=e.inflight_limit or 0,
             plan=plan,
         )
 

@@ -40,11 +40,12 @@ from typing import TYPE_CHECKING, Any
 from pipedsl import library
 from pipedsl.arrays import paused_collector
 from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleInvalid
-from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
+from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared
 from pipedsl.simulator.explain import Explanation
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
+from pipedsl.simulator.policy_plans import prepare_plan
 from pipedsl.simulator.ranked import COLUMNS, RankedPlan
 
 if TYPE_CHECKING:
@@ -348,7 +349,8 @@ def _cost(
     for done, plan in enumerate(sorted(plans, key=_group), start=1):
         try:
             plan = _with_schedule_vpp(plan, pipelines)
-            prepared.append(prepare(model, cluster, plan, pipelines=pipelines, fits_first=True))
+            # Policy schedules come back once per in-flight limit that fits (policy_plans).
+            prepared.extend(prepare_plan(model, cluster, plan, pipelines=pipelines))
         except PipedslError as err:
             dropped[_reason(err)] += 1
         if progress is not None:

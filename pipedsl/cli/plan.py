@@ -253,6 +253,7 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
         "mfu": "MFU %",
         "bubble": "bubble %",
         "memory_bytes_per_gpu": "GiB/GPU",
+        "inflight_limit": "limit",
     }
     for column in COLUMNS:
         if column in headers:
@@ -270,6 +271,8 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
                 cells.append(f"{100 * value:.1f}")
             elif column == "memory_bytes_per_gpu":
                 cells.append(f"{value / _GIB:.1f}")
+            elif column == "inflight_limit":
+                cells.append(str(value) if value else "-")
             else:
                 cells.append(str(value))
         table.add_row(*cells)

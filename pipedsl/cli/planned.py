@@ -44,6 +44,8 @@ class PlannedRun:
       recompute: ``"none"``, ``"selective"`` or ``"full"``.
       planned_s: the search's estimate of the step time in seconds, when known.
       rank: the plan's rank in its search, when known.
+      inflight_limit: the ``max_inflight`` the search chose for a policy schedule; 0 for
+        none (the schedule's own default).
     """
 
     schedule: str
@@ -58,6 +60,7 @@ class PlannedRun:
     recompute: str = "none"
     planned_s: float | None = None
     rank: int | None = None
+    inflight_limit: int = 0
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], *, where: str = "plan") -> PlannedRun:
@@ -74,12 +77,14 @@ class PlannedRun:
         kind = "spmd" if spmd else "pipeline" if values["dp"] == values["tp"] == 1 else "hybrid"
         planned = row.get("step_time_s")
         rank = row.get("rank")
+        limit = row.get("inflight_limit")
         return cls(
             schedule=SPMD_SCHEDULE if spmd else str(row["schedule"]),
             kind=kind,
             recompute=str(row.get("recompute", "none")),
             planned_s=None if planned is None or planned == "" else float(planned),
             rank=None if rank in (None, "") else _whole(rank, "rank", where),
+            inflight_limit=0 if limit in (None, "") else _whole(limit, "inflight_limit", where),
             **values,
         )
 
@@ -94,10 +99,14 @@ class PlannedRun:
         return self.dp * self.microbatches * self.microbatch_size
 
     def params(self) -> dict[str, int]:
-        """The schedule's parameters: ``pp``, ``microbatches`` and ``vpp`` if it takes one."""
+        """The schedule's parameters: ``pp``, ``microbatches``, and ``vpp`` and
+        ``max_inflight`` (the search's limit) if it takes them."""
         params = {"pp": self.pp, "microbatches": self.microbatches}
-        if "vpp" in library.parameters(self.schedule):
+        takes = library.parameters(self.schedule)
+        if "vpp" in takes:
             params["vpp"] = self.vpp
+        if self.inflight_limit and "max_inflight" in takes:
+            params["max_inflight"] = self.inflight_limit
         return params
 
     def schedule_of(self) -> Schedule:

@@ -1,0 +1,213 @@
+"""Policy schedules in the plan search, at the in-flight limits the plan's memory allows.
+
+A policy schedule with a ``max_inflight`` parameter (``zb_auto``, ``zbv_auto``) is a
+family of orders: the more microbatches a device may hold, the less of the pipeline is
+idle, and the more activation memory it needs. The search should not try it only at its
+default limit, which may not fit (and then drops the plan) or may leave memory unused.
+:func:`prepare_plan` instead tries, for each candidate plan, a few limits that fit:
+
+- the largest: the device memory left after weights, gradients, optimizer state and
+  working memory (:func:`~pipedsl.simulator.memory.device_memory`), over the bytes the
+  most expensive (stage, microbatch) pair on the device keeps, on the device where that
+  is least; never more than the pairs a device can hold at all (its stages × M);
+- the schedule's default limit, ``pp`` (1F1B's peak) and ``2pp - 1`` (ZB-H2's), each
+  where it is below the largest.
+
+Each limit is synthesised against the plan's own cost model (per-stage F, I, W and the
+links' transfer times, :meth:`~pipedsl.simulator.estimate.Prepared.cost_model`), lowered,
+and its memory taken from the order itself (the exact peak of residual bytes held), so a
+limit whose order does not fit after all is dropped. Each surviving limit is one
+:class:`LimitedPlan`, ranked by the search like any other plan; its estimate records the
+limit (``inflight_limit``). Syntheses are cached by (schedule, shape, limit, cost
+model): plans that differ only in what the pipeline does not see (ZeRO 0 or 1, the data
+parallel degree at one microbatch count) share one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+from pipedsl import library
+from pipedsl.analysis import peak_held
+from pipedsl.lang.ast import PolicyBlock
+from pipedsl.policy import Policy
+from pipedsl.program import ProgramArrays, lower
+from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.data_parallel import tails
+from pipedsl.simulator.engine import step_timing
+from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
+from pipedsl.simulator.hardware import Cluster, Model
+from pipedsl.simulator.memory import device_memory, static_memory, transient_bytes
+from pipedsl.simulator.pipelines import Pipelines
+from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.synthesize import synthesize
+
+__all__ = ["LIMIT", "LimitedPlan", "takes_limit", "fitting_limit", "candidate_limits", "prepare_plan"]
+
+LIMIT = "max_inflight"
+"""The parameter a policy schedule takes for its per-device in-flight limit."""
+
+_CACHE_SIZE = 4096
+"""Syntheses kept (each a few int arrays of one schedule's actions)."""
+
+_Synthesis = tuple[ProgramArrays, tuple[int, ...]]
+_cache: OrderedDict[tuple[object, ...], _Synthesis] = OrderedDict()
+_takes: dict[str, bool] = {}
+_policies: OrderedDict[tuple[str, tuple[tuple[str, int], ...]], Policy] = OrderedDict()
+
+
+def takes_limit(spec: str | None) -> bool:
+    """Whether ``spec`` is a policy schedule (a ``policy`` block) with a ``max_inflight``
+    parameter, which :func:`prepare_plan` tries at the limits memory allows."""
+    if spec is None:
+        return False
+    found = _takes.get(spec)
+    if found is None:
+        found = LIMIT in library.parameters(spec) and any(
+            isinstance(item, PolicyBlock) for item in library.parsed(spec).schedule.items
+        )
+        _takes[spec] = found
+    return found
+
+
+def _loaded(spec: str, params: tuple[tuple[str, int], ...]) -> Policy:
+    """``spec`` evaluated under ``params``, as the Policy :func:`takes_limit` promised;
+    cached, since a search asks again for every plan of one shape."""
+    key = (spec, params)
+    found = _policies.get(key)
+    if found is None:
+        loaded = library.load(spec, **dict(params))
+        assert isinstance(loaded, Policy)
+        _policies[key] = found = loaded
+        if len(_policies) > _CACHE_SIZE:
+            _policies.popitem(last=False)
+    return found
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LimitedPlan(Prepared):
+    """A prepared plan whose policy schedule runs at in-flight limit ``limit``.
+
+    Its order is synthesised when the plan is finished (a plan the search prunes costs no
+    synthesis), against ``costs``, the plan's cost model. Until then ``memory`` is the
+    bound the limit was chosen by (every device holding ``limit`` of its most expensive
+    pairs) and ``lower_bound_s`` a bound that holds for any order (:func:`_any_order_bound`);
+    the :class:`Estimate` has the order's exact memory.
+    """
+
+    limit: int
+    params: tuple[tuple[str, int], ...]
+    costs: CostModel
+
+    def finish(self) -> Estimate:
+        assert self.plan.schedule is not None
+        arrays, activations = _synthesis(self.plan.schedule, self.params, self.limit, self.costs, self.residual)
+        makespan, bubble = step_timing(arrays, self.costs.resolve(_loaded(self.plan.schedule, self.params)))
+        memory = device_memory(self.shapes, self.device_params, activations)
+        return replace(self.assemble(makespan, bubble, None), memory=memory, inflight_limit=self.limit)
+
+
+def fitting_limit(base: Prepared) -> int:
+    """The largest in-flight limit whose activations fit every device of ``base``'s
+    plan: per device, the bytes left after its static memory and working memory over
+    the most any of its (stage, microbatch) pairs keeps, capped at the pairs it can hold
+    (its stages × M); the least over the devices. 0 when not even that fits."""
+    shapes, plan = base.shapes, base.plan
+    transient = transient_bytes(shapes)
+    usable = shapes.cluster.usable_bytes
+    limit = None
+    for d, params in enumerate(base.device_params):
+        stages = [s for s, owner in enumerate(base.placement) if owner == d]
+        left = usable - sum(static_memory(plan, params, shapes.model.dtype_bytes)) - transient
+        pair = max(base.residual[s] for s in stages)
+        pairs = len(stages) * plan.microbatches
+        here = pairs if pair <= 0 else min(pairs, int(max(left, 0) // pair))
+        limit = here if limit is None else min(limit, here)
+    return 0 if limit is None else limit
+
+
+def candidate_limits(default: int, pp: int, least: int, most: int) -> tuple[int, ...]:
+    """The limits to try, increasing: ``most`` (the largest that fits) and, below it,
+    the schedule's ``default``, ``pp`` and ``2pp - 1``; none under ``least`` (the stages
+    on a device: fewer holds no microbatch on all of them). Empty when ``most < least``."""
+    if most < least:
+        return ()
+    return tuple(sorted({v for v in (default, pp, 2 * pp - 1, most) if least <= v <= most}))
+
+
+def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipelines) -> list[Prepared]:
+    """``plan`` prepared for the search: one :class:`LimitedPlan` per fitting limit
+    (:func:`candidate_limits`) for a policy schedule with a ``max_inflight`` parameter;
+    otherwise ``[prepare(..., fits_first=True)]``.
+
+    Raises what :func:`~pipedsl.simulator.estimate.prepare` raises; DoesNotFit when no
+    limit's order fits.
+    """
+    if not takes_limit(plan.schedule):
+        return [prepare(model, cluster, plan, pipelines=pipelines, fits_first=True)]
+    base = prepare(model, cluster, plan, pipelines=pipelines)
+    assert base.key is not None and plan.schedule is not None
+    params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if base.key.vpp else ()))
+    default = _loaded(plan.schedule, params)
+    least = max(len(default.stages_on(d)) for d in range(default.num_devices))
+    limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
+    costs = base.cost_model()
+    bound = _any_order_bound(base, default.split_backward)
+    fields = {name: getattr(base, name) for name in _PREPARED_FIELDS}
+    found: list[Prepared] = []
+    for limit in limits:
+        memory = device_memory(base.shapes, base.device_params, _held_at_most(base, limit))
+        if memory.fits:
+            found.append(
+                LimitedPlan(**fields, memory=memory, lower_bound_s=bound, limit=limit, params=params, costs=costs)
+            )
+    if not found:
+        raise DoesNotFit(plan, base.memory)
+    return found
+
+
+def _held_at_most(base: Prepared, limit: int) -> list[int]:
+    """Per device, the most activation bytes an order within ``limit`` can hold: that
+    many of its most expensive (stage, microbatch) pairs."""
+    return [
+        limit * max(base.residual[s] for s, owner in enumerate(base.placement) if owner == d)
+        for d in range(len(base.device_params))
+    ]
+
+
+def _any_order_bound(base: Prepared, split: bool) -> float:
+    """Seconds any order of ``base``'s plan takes at least: per device, the forwards of
+    the stages before its first (microbatch 0 must pass them) and then all of its own
+    work; the most over the devices, plus the data-parallel tail and optimizer step."""
+    work, placement, m = base.work, base.placement, base.plan.microbatches
+    seconds = []
+    for d in range(len(base.device_params)):
+        own = [s for s, owner in enumerate(placement) if owner == d]
+        backward = (w.input_grad + w.weight_grad if split else w.backward for w in (work[s] for s in own))
+        busy = m * (sum(work[s].forward for s in own) + sum(backward))
+        seconds.append(sum(w.forward for w in work[: min(own)]) + busy)
+    return max(seconds) + sum(tails(base.shapes, base.work, base.placement, base.device_params))
+
+
+_PREPARED_FIELDS = ("shapes", "key", "placement", "pipelines", "work", "residual", "device_params")
+"""What a :class:`LimitedPlan` keeps of the plan prepared at the default limit."""
+
+
+def _synthesis(
+    spec: str, params: tuple[tuple[str, int], ...], limit: int, costs: CostModel, residual: tuple[int, ...]
+) -> _Synthesis:
+    """The lowered order of ``spec`` at in-flight ``limit`` synthesised against ``costs``,
+    and its peak residual bytes per device, shape (D,); cached."""
+    key = (spec, params, limit, costs)
+    found = _cache.get(key)
+    if found is not None:
+        _cache.move_to_end(key)
+        return found
+    policy = _loaded(spec, (*params, (LIMIT, limit)))
+    arrays = lower(synthesize(policy, costs)).arrays
+    held = tuple(int(p) for p in peak_held(arrays.actions, residual, residual))
+    _cache[key] = found = (arrays, held)
+    if len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return found

@@ -1,0 +1,101 @@
+"""Policy schedules in the plan search: the in-flight limits memory allows, ranked."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipedsl import library
+from pipedsl.analysis import peak_inflight
+from pipedsl.cli.planned import PlannedRun
+from pipedsl.policy import Policy
+from pipedsl.simulator.estimate import DoesNotFit, prepare
+from pipedsl.simulator.hardware import Cluster, Model, load_cluster
+from pipedsl.simulator.pipelines import Pipelines
+from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.policy_plans import LimitedPlan, candidate_limits, fitting_limit, prepare_plan, takes_limit
+from pipedsl.simulator.search import search_plans
+from pipedsl.simulator.synthesize import synthesize
+
+MODEL = Model(name="gpt-small", layers=8, hidden=1024, ffn_hidden=4096, heads=16, seq_len=1024, vocab=32000)
+PLAN = Plan(dp=1, tp=1, pp=4, microbatch_size=2, global_batch=32, schedule="zb_auto")
+
+
+def _cluster(model_gib: float) -> Cluster:
+    """A100s with ``model_gib`` GiB per GPU usable (1 GiB more, reserved)."""
+    return dataclasses.replace(load_cluster("a100-80gb"), memory_bytes=int((1 + model_gib) * 2**30), reserved_bytes=2**30)
+
+
+def test_only_policy_schedules_with_a_limit_parameter_take_one() -> None:
+    assert takes_limit("zb_auto") and takes_limit("zbv_auto")
+    assert not takes_limit("zb_h2")  # a policy, but its limit is fixed at 2pp - 1
+    assert not takes_limit("1f1b") and not takes_limit(None)
+
+
+def test_candidate_limits_stay_between_the_stages_on_a_device_and_what_fits() -> None:
+    assert candidate_limits(8, 8, 1, 40) == (8, 15, 40)
+    assert candidate_limits(8, 8, 1, 10) == (8, 10)  # 2pp - 1 does not fit
+    assert candidate_limits(16, 8, 2, 5) == (5,)  # neither the default nor pp fits
+    assert candidate_limits(4, 4, 2, 1) == ()  # not one microbatch on both stages
+
+
+def test_a_plan_whose_memory_admits_only_a_smaller_limit_gets_that_limit() -> None:
+    cluster = _cluster(2.0)
+    pipelines = Pipelines(keep_simulations=False)
+    # At its default limit (pp = 4 in flight) the plan does not fit.
+    with pytest.raises(DoesNotFit):
+        prepare(MODEL, cluster, PLAN, pipelines=pipelines, fits_first=True)
+    largest = fitting_limit(prepare(MODEL, cluster, PLAN, pipelines=pipelines))
+    assert 1 <= largest < PLAN.pp
+    found = prepare_plan(MODEL, cluster, PLAN, pipelines=pipelines)
+    assert [p.limit for p in found if isinstance(p, LimitedPlan)] == [largest]
+    done = found[0].finish()
+    assert done.inflight_limit == largest and done.fits
+    # The order behind the estimate keeps the limit.
+    assert isinstance(found[0], LimitedPlan)
+    policy = library.load("zb_auto", pp=4, microbatches=16, max_inflight=largest)
+    assert isinstance(policy, Policy)
+    assert max(peak_inflight(synthesize(policy, found[0].costs))) <= largest
+
+
+def test_more_memory_adds_larger_limits_and_the_largest_is_fastest_here() -> None:
+    found = prepare_plan(MODEL, _cluster(4.0), PLAN, pipelines=Pipelines(keep_simulations=False))
+    limits = [p.limit for p in found if isinstance(p, LimitedPlan)]
+    assert limits == [4, 7]  # pp, and 2pp - 1 = the most that fits
+    times = [p.finish().step_time_s for p in found]
+    assert times[1] < times[0]
+
+
+def test_no_limit_fits_raises_does_not_fit() -> None:
+    with pytest.raises(DoesNotFit):
+        prepare_plan(MODEL, _cluster(1.2), PLAN, pipelines=Pipelines(keep_simulations=False))
+
+
+def test_the_search_ranks_policy_plans_within_the_memory_budget_deterministically() -> None:
+    cluster = _cluster(3.0)
+
+    def run() -> list[tuple[object, ...]]:
+        ranked = search_plans(MODEL, cluster, 8, global_batch=32, schedules=["zb_auto", "1f1b"])
+        return [(*p.row().values(), p.plan) for p in ranked]
+
+    first = run()
+    assert first == run()
+    ranked = search_plans(MODEL, cluster, 8, global_batch=32, schedules=["zb_auto", "1f1b"])
+    policy = [p for p in ranked if p.schedule == "zb_auto"]
+    assert policy and all(p.inflight_limit >= 1 for p in policy)
+    assert all(p.inflight_limit == 0 for p in ranked if p.schedule != "zb_auto")
+    assert all(p.memory_bytes_per_gpu <= cluster.usable_bytes for p in ranked)
+    best = policy[0]
+    base = prepare(MODEL, cluster, best.plan, pipelines=Pipelines())
+    assert best.inflight_limit <= fitting_limit(base)
+    # Some policy plan runs above its default limit (pp), which only memory allowed.
+    assert any(p.inflight_limit > p.pp for p in policy)
+
+
+def test_a_planned_run_passes_the_limit_to_the_schedule() -> None:
+    row = {"kind": "pipeline", "schedule": "zb_auto", "dp": 1, "tp": 1, "pp": 4, "vpp": 1, "microbatch_size": 2}
+    planned = PlannedRun.from_row({**row, "microbatches": 16, "zero": 0, "inflight_limit": 6})
+    assert planned.params() == {"pp": 4, "microbatches": 16, "max_inflight": 6}
+    assert "-p max_inflight=6" in planned.command()
+    assert "max_inflight" not in PlannedRun.from_row({**row, "microbatches": 16, "zero": 0}).params()
