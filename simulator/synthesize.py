@@ -226,57 +226,98 @@ class _Plan:
         return None
 
 
-def _run(plan: _Plan, variant: Variant) -> tuple[float, list[list[tuple[int, int, int]]]]:
-    """One pass of the list scheduler: the makespan (seconds) and the per-device orders as
-    (kind code, stage, microbatch) triples.
+Order = list[list[tuple[int, int, int]]]
+"""Per device, the actions chosen as (kind code, stage, microbatch) triples."""
 
-    One long function on purpose: the loop runs once per action and per wait, and keeping
-    all its state in local names is what makes a pass cheap enough to try several (see
-    ``bench/bench_synthesis.py``).
+
+class _State:
+    """What one pass of the list scheduler changes as it goes, per stage or per device."""
+
+    __slots__ = (
+        "clock", "nf", "nb", "arr_f", "arr_b", "wq", "live", "reserved", "held", "reserved_bytes",
+        "ahead_now", "hold", "due", "version", "orders", "heap",
+    )  # fmt: skip
+
+    def __init__(self, S: int, D: int, M: int) -> None:
+        self.clock = [0.0] * D  # when each device is next free
+        self.nf = [0] * S  # forwards, then backwards, run per stage
+        self.nb = [0] * S
+        self.arr_f = [0.0 if s == 0 else _INF for s in range(S) for _ in range(M)]  # inputs' arrivals
+        self.arr_b = [_INF] * (S * M)
+        self.wq: list[deque[tuple[int, int]]] = [deque() for _ in range(D)]  # W waiting per device
+        self.live = [0] * D  # microbatches held, and held for later stages, per device
+        self.reserved = [0] * D
+        self.held = [0] * D  # the same in bytes
+        self.reserved_bytes = [0] * D
+        self.ahead_now = [0] * D  # forwards ahead of backwards
+        self.hold = [0.0] * D  # a guarded W's wait
+        self.due = [0.0] * D  # the time of a device's live heap entry; _INF when parked
+        self.version = [0] * D
+        self.orders: Order = [[] for _ in range(D)]
+        self.heap = [(0.0, -d, 0) for d in range(D)]
+        heapq.heapify(self.heap)
+
+
+@dataclass(frozen=True, slots=True)
+class _Rules:
+    """What a variant fixes for a whole pass: the ahead counts, and the orders in which a
+    device looks at the kinds when filling, ordinarily, and when memory forces a W."""
+
+    cap: list[int]
+    strict: bool
+    codes: tuple[int, ...]
+    fill_codes: tuple[int, ...]
+    forced_codes: tuple[int, ...]
+    forced_ok: bool
+    guard_w: float
+    above_w: tuple[int, ...]
+
+    @classmethod
+    def of(cls, plan: _Plan, variant: Variant) -> _Rules:
+        if plan.policy.warmup is not None and variant.ahead != "limits":
+            raise ValueError("a policy with warm-up counts takes only ahead='limits' variants")
+        ahead = plan.ahead(variant)
+        capped = ahead is not None
+        codes = plan.codes
+        rank = {k: i for i, k in enumerate(codes)}
+        return cls(
+            cap=ahead if ahead is not None else [plan.S * plan.M] * plan.D,
+            strict=capped and variant.strict,
+            codes=codes,
+            fill_codes=(_F, *(k for k in codes if k != _F)) if capped else codes,
+            forced_codes=(_W, *(k for k in codes if k != _W)) if capped else (*codes[: rank[_F]], _W),
+            forced_ok=capped or (_W in rank and rank[_F] < rank[_W]),
+            guard_w=1.0 if plan.policy.idle_w else variant.guard_w,
+            # The kinds above W in the priority order: what its guard looks out for.
+            above_w=codes[: rank[_W]] if plan.split else (),
+        )
+
+
+def _run(plan: _Plan, variant: Variant) -> tuple[float, Order]:
+    """One pass of the list scheduler: the makespan (seconds) and the per-device orders.
+
+    The hot loop stays one function on purpose: it runs once per action and per wait, and
+    keeping all its state in local names is what makes a pass cheap enough to try several
+    (see ``bench/bench_synthesis.py``; split into closures, a pass took about 20% longer).
+    What is fixed for the pass comes from :class:`_Rules`, the state from :class:`_State`.
     """
     S, D, M = plan.S, plan.D, plan.M
     split = plan.split
     owner, stages, entry, later = plan.owner, plan.stages, plan.entry, plan.later
     cost_f, cost_b, cost_w = plan.cost
     x_f, x_b, after_f, after_b = plan.x_f, plan.x_b, plan.after_f, plan.after_b
-    res, wres, later_bytes = plan.res, plan.wres, plan.later_bytes
-    max_n = plan.max_n
+    res, wres, later_bytes, max_n, first = plan.res, plan.wres, plan.later_bytes, plan.max_n, plan.first
     limit_bytes = plan.max_bytes is not None
     max_bytes = plan.max_bytes if plan.max_bytes is not None else (0,) * D
-    ahead = plan.ahead(variant)
-    capped = ahead is not None
-    cap = ahead if ahead is not None else [S * M] * D
-    codes = plan.codes
-    fill_codes = (_F, *(k for k in codes if k != _F)) if capped else codes
-    rank = {k: i for i, k in enumerate(codes)}
-    forced_codes = (_W, *(k for k in codes if k != _W)) if capped else (*codes[: rank[_F]], _W)
-    guard_w = 1.0 if plan.policy.idle_w else variant.guard_w
-    # The kinds above W in the priority order: what its guard looks out for.
-    above_w = codes[: rank[_W]] if split else ()
-
-    clock = [0.0] * D
-    nf = [0] * S
-    nb = [0] * S
-    arr_f = [0.0 if s == 0 else _INF for s in range(S) for _ in range(M)]
-    arr_b = [_INF] * (S * M)
-    wq: list[deque[tuple[int, int]]] = [deque() for _ in range(D)]
-    live = [0] * D
-    reserved = [0] * D
-    held = [0] * D
-    reserved_bytes = [0] * D
-    ahead_now = [0] * D
-    first = plan.first
-    strict = capped and variant.strict
-    if plan.policy.warmup is not None and variant.ahead != "limits":
-        raise ValueError("a policy with warm-up counts takes only ahead='limits' variants")
-    hold = [0.0] * D
-    due = [0.0] * D  # the time of a device's live heap entry; _INF when parked
-    version = [0] * D
-    orders: list[list[tuple[int, int, int]]] = [[] for _ in range(D)]
+    rules = _Rules.of(plan, variant)
+    cap, strict, codes, fill_codes = rules.cap, rules.strict, rules.codes, rules.fill_codes
+    forced_codes, forced_ok, guard_w, above_w = rules.forced_codes, rules.forced_ok, rules.guard_w, rules.above_w
+    state = _State(S, D, M)
+    clock, nf, nb, arr_f, arr_b, wq = state.clock, state.nf, state.nb, state.arr_f, state.arr_b, state.wq
+    live, reserved, held, reserved_bytes = state.live, state.reserved, state.held, state.reserved_bytes
+    ahead_now, hold, due, version, orders, heap = state.ahead_now, state.hold, state.due, state.version, state.orders, state.heap
     makespan = 0.0
     remaining = S * M * (3 if split else 2)
-    heap = [(0.0, -d, 0) for d in range(D)]
-    heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
 
     while heap:
@@ -320,7 +361,7 @@ def _run(plan: _Plan, variant: Variant) -> tuple[float, list[list[tuple[int, int
         w_ready = bool(wq[d]) and t >= hold[d]
         kind = -1
         # A ready forward that only memory holds back makes its W urgent: it frees the room.
-        if f_full and f_s < 0 and w_ready and (capped or rank[_F] < rank[_W]):
+        if f_full and f_s < 0 and w_ready and forced_ok:
             order = forced_codes
         else:
             order = fill_codes if f_s >= 0 else codes

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipedsl.cli.common import add_command, check_output_file, make_console
 from pipedsl.cli.planned import PlannedRun
@@ -32,11 +32,12 @@ from pipedsl.simulator.hardware import (
     model_presets,
 )
 from pipedsl.simulator.plan import Plan, Recompute
-from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, search, summarize
+from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, Summary, search, summarize
 
 if TYPE_CHECKING:
     import pandas as pd
     from rich.console import Console
+    from rich.table import Table
 
 __all__ = ["register"]
 
@@ -223,10 +224,27 @@ def _cmd_search(args: argparse.Namespace) -> int:
     return 0 if len(frame) else 1
 
 
-def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None) -> None:
-    from rich import box
-    from rich.table import Table
+_HEADERS = {
+    "rank": "#",
+    "schedule": "schedule",
+    "dp": "dp",
+    "tp": "tp",
+    "pp": "pp",
+    "vpp": "vpp",
+    "microbatch_size": "mb",
+    "microbatches": "m",
+    "zero": "zero",
+    "recompute": "recompute",
+    "step_time_s": "step s",
+    "mfu": "MFU %",
+    "bubble": "bubble %",
+    "memory_bytes_per_gpu": "GiB/GPU",
+    "inflight_limit": "limit",
+}
+"""The columns of the printed table of best plans, and their headers."""
 
+
+def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None) -> None:
     attrs = frame.attrs
     console.print(
         f"[bold]{attrs['model']}[/] on {attrs['gpus']} GPUs of {attrs['cluster']}, global batch "
@@ -237,69 +255,66 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
         console.print(f"  {line}", highlight=False)
     if not len(frame):
         return
-    table = Table(title=f"best {min(top, len(frame))} plans", box=box.SIMPLE_HEAD)
-    headers = {
-        "rank": "#",
-        "schedule": "schedule",
-        "dp": "dp",
-        "tp": "tp",
-        "pp": "pp",
-        "vpp": "vpp",
-        "microbatch_size": "mb",
-        "microbatches": "m",
-        "zero": "zero",
-        "recompute": "recompute",
-        "step_time_s": "step s",
-        "mfu": "MFU %",
-        "bubble": "bubble %",
-        "memory_bytes_per_gpu": "GiB/GPU",
-        "inflight_limit": "limit",
-    }
-    for column in COLUMNS:
-        if column in headers:
-            table.add_column(headers[column], justify="left" if column in ("schedule", "recompute") else "right")
-    for row in frame.head(top).itertuples(index=False):
-        values = row._asdict()
-        cells = []
-        for column in COLUMNS:
-            if column not in headers:
-                continue
-            value = values[column]
-            if column == "step_time_s":
-                cells.append(f"{value:.3f}")
-            elif column in ("mfu", "bubble"):
-                cells.append(f"{100 * value:.1f}")
-            elif column == "memory_bytes_per_gpu":
-                cells.append(f"{value / _GIB:.1f}")
-            elif column == "inflight_limit":
-                cells.append(str(value) if value else "-")
-            else:
-                cells.append(str(value))
-        table.add_row(*cells)
-    console.print(table)
+    console.print(_best_plans_table(frame, top))
     summary = summarize(frame)
     if summary.best_by_schedule:
-        per = Table(title="best plan of each schedule", box=box.SIMPLE_HEAD)
-        for header in ("schedule", "plan", "step s", "MFU %", "bubble %", "vs best SPMD"):
-            per.add_column(header, justify="left" if header in ("schedule", "plan") else "right")
-        for row in summary.best_by_schedule:
-            vpp = f" vpp{row['vpp']}" if row["vpp"] > 1 else ""
-            speedup = summary.speedup_of(row)
-            per.add_row(
-                row["schedule"],
-                f"dp{row['dp']} tp{row['tp']} pp{row['pp']}{vpp} mb{row['microbatch_size']} "
-                f"zero{row['zero']} {row['recompute']}",
-                f"{row['step_time_s']:.3f}",
-                f"{100 * row['mfu']:.1f}",
-                f"{100 * row['bubble']:.1f}",
-                "-" if speedup is None else f"{speedup:.2f}x",
-            )
-        console.print(per)
+        console.print(_per_schedule_table(summary))
     console.print(summary.text())
     if csv is not None:
         console.print(f"all {len(frame)} ranked plans written to {csv}")
-    if len(frame):
-        _print_run_command(frame.iloc[0].to_dict(), console, csv=csv)
+    _print_run_command(frame.iloc[0].to_dict(), console, csv=csv)
+
+
+def _best_plans_table(frame: pd.DataFrame, top: int) -> Table:
+    """The best ``top`` rows, one column per :data:`_HEADERS` entry."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"best {min(top, len(frame))} plans", box=box.SIMPLE_HEAD)
+    columns = [c for c in COLUMNS if c in _HEADERS]
+    for column in columns:
+        table.add_column(_HEADERS[column], justify="left" if column in ("schedule", "recompute") else "right")
+    for row in frame.head(top).itertuples(index=False):
+        values = row._asdict()
+        table.add_row(*(_cell(column, values[column]) for column in columns))
+    return table
+
+
+def _cell(column: str, value: Any) -> str:
+    """One value of the best-plans table as printed."""
+    if column == "step_time_s":
+        return f"{value:.3f}"
+    if column in ("mfu", "bubble"):
+        return f"{100 * value:.1f}"
+    if column == "memory_bytes_per_gpu":
+        return f"{value / _GIB:.1f}"
+    if column == "inflight_limit":
+        return str(value) if value else "-"
+    return str(value)
+
+
+def _per_schedule_table(summary: Summary) -> Table:
+    """Each schedule's best plan and how it compares with the best SPMD plan."""
+    from rich import box
+    from rich.table import Table
+
+    per = Table(title="best plan of each schedule", box=box.SIMPLE_HEAD)
+    for header in ("schedule", "plan", "step s", "MFU %", "bubble %", "vs best SPMD"):
+        per.add_column(header, justify="left" if header in ("schedule", "plan") else "right")
+    for row in summary.best_by_schedule:
+        vpp = f" vpp{row['vpp']}" if row["vpp"] > 1 else ""
+        limit = f" inflight{row['inflight_limit']}" if row.get("inflight_limit") else ""
+        speedup = summary.speedup_of(row)
+        per.add_row(
+            row["schedule"],
+            f"dp{row['dp']} tp{row['tp']} pp{row['pp']}{vpp} mb{row['microbatch_size']} "
+            f"zero{row['zero']} {row['recompute']}{limit}",
+            f"{row['step_time_s']:.3f}",
+            f"{100 * row['mfu']:.1f}",
+            f"{100 * row['bubble']:.1f}",
+            "-" if speedup is None else f"{speedup:.2f}x",
+        )
+    return per
 
 
 def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None:
@@ -329,6 +344,11 @@ def _add_reduce_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``estimate`` and ``search`` to ``pipedsl``'s subcommands."""
+    _register_estimate(subparsers)
+    _register_search(subparsers)
+
+
+def _register_estimate(subparsers: argparse._SubParsersAction) -> None:
     est = add_command(
         subparsers,
         "estimate",
@@ -348,7 +368,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     _add_hardware_options(est)
-    plan = est.add_argument_group("plan")
+    _add_plan_options(est.add_argument_group("plan"))
+    est.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+
+def _add_plan_options(plan: argparse._ArgumentGroup) -> None:
+    """The plan ``estimate`` costs: degrees, batch, ZeRO, recomputation, schedule, overlap."""
     plan.add_argument("--dp", type=_positive, default=1, metavar="N", help="data-parallel degree (default 1)")
     plan.add_argument("--tp", type=_positive, default=1, metavar="N", help="tensor-parallel degree (default 1)")
     plan.add_argument("--pp", type=_positive, default=1, metavar="N", help="pipeline-parallel degree (default 1)")
@@ -372,8 +397,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fraction of the covering computation that hides data-parallel traffic (default 1)",
     )
     _add_reduce_option(plan)
-    est.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
+
+def _register_search(subparsers: argparse._SubParsersAction) -> None:
     src = add_command(
         subparsers,
         "search",

@@ -92,6 +92,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``check``, ``show`` and ``convert`` to ``pipedsl``'s subcommands."""
+    _register_check(subparsers)
+    _register_show(subparsers)
+    _register_convert(subparsers)
+
+
+def _register_check(subparsers: argparse._SubParsersAction) -> None:
     check = add_command(
         subparsers,
         "check",
@@ -117,6 +123,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fail if any device holds more than N microbatches' activations at once",
     )
 
+
+def _register_show(subparsers: argparse._SubParsersAction) -> None:
     show = add_command(
         subparsers,
         "show",
@@ -135,6 +143,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_param_option(show)
     show.add_argument("--lowered", action="store_true", help="print the lowered per-device programs")
 
+
+def _register_convert(subparsers: argparse._SubParsersAction) -> None:
     convert = add_command(
         subparsers,
         "convert",

@@ -355,6 +355,12 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``simulate``, ``plot`` and ``trace`` to ``pipedsl``'s subcommands."""
+    _register_simulate(subparsers)
+    _register_plot(subparsers)
+    _register_trace(subparsers)
+
+
+def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
     sim = add_command(
         subparsers,
         "simulate",
@@ -379,6 +385,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_cost_options(sim)
     sim.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
 
+
+def _register_plot(subparsers: argparse._SubParsersAction) -> None:
     plot = add_command(
         subparsers,
         "plot",
@@ -402,6 +410,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plot.add_argument("--critical", action="store_true", help="outline the critical path of simulated panels")
     plot.add_argument("--own-time", action="store_true", help="scale each panel to its own makespan")
 
+
+def _register_trace(subparsers: argparse._SubParsersAction) -> None:
     trace = add_command(
         subparsers,
         "trace",
