@@ -153,14 +153,20 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
     costs = base.cost_model()
-    bound = _any_order_bound(base, default.split_backward)
     fields = {name: getattr(base, name) for name in _PREPARED_FIELDS}
     found: list[Prepared] = []
     for limit in limits:
         memory = device_memory(base.shapes, base.device_params, _held_at_most(base, limit))
         if memory.fits:
             found.append(
-                LimitedPlan(**fields, memory=memory, lower_bound_s=bound, limit=limit, params=params, costs=costs)
+                LimitedPlan(
+                    **fields,
+                    memory=memory,
+                    lower_bound_s=_any_order_bound(base, default.split_backward, limit),
+                    limit=limit,
+                    params=params,
+                    costs=costs,
+                )
             )
     if not found:
         raise DoesNotFit(plan, base.memory)
@@ -176,17 +182,22 @@ def _held_at_most(base: Prepared, limit: int) -> list[int]:
     ]
 
 
-def _any_order_bound(base: Prepared, split: bool) -> float:
-    """Seconds any order of ``base``'s plan takes at least: per device, the forwards of
-    the stages before its first (microbatch 0 must pass them) and then all of its own
-    work; the most over the devices, plus the data-parallel tail and optimizer step."""
+def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
+    """Seconds any order of ``base``'s plan within in-flight ``limit`` takes at least,
+    with free transfers: per device, none of its work starts before microbatch 0 has passed
+    the stages before its first (their forwards), and then it needs both its own work and,
+    holding at most ``limit`` pairs at once, M times the shortest time a microbatch holds
+    its first stage (from that stage's F through every later F and backward to its W or B)
+    over ``limit``; the most over the devices, plus the data-parallel tail and optimizer step."""
     work, placement, m = base.work, base.placement, base.plan.microbatches
     seconds = []
     for d in range(len(base.device_params)):
         own = [s for s, owner in enumerate(placement) if owner == d]
-        backward = (w.input_grad + w.weight_grad if split else w.backward for w in (work[s] for s in own))
-        busy = m * (sum(work[s].forward for s in own) + sum(backward))
-        seconds.append(sum(w.forward for w in work[: min(own)]) + busy)
+        first = min(own)
+        back = [w.input_grad if split else w.backward for w in work]
+        busy = m * sum(w.forward + (w.input_grad + w.weight_grad if split else w.backward) for w in (work[s] for s in own))
+        held = sum(w.forward for w in work[first:]) + sum(back[first:]) + (work[first].weight_grad if split else 0.0)
+        seconds.append(sum(w.forward for w in work[:first]) + max(busy, m * held / limit))
     return max(seconds) + sum(tails(base.shapes, base.work, base.placement, base.device_params))
 
 

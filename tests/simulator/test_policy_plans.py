@@ -67,6 +67,18 @@ def test_more_memory_adds_larger_limits_and_the_largest_is_fastest_here() -> Non
     assert times[1] < times[0]
 
 
+@pytest.mark.parametrize("schedule, vpp", [("zb_auto", 1), ("zbv_auto", 2)])
+def test_the_lower_bound_holds_at_every_limit(schedule: str, vpp: int) -> None:
+    plan = dataclasses.replace(PLAN, schedule=schedule, vpp=vpp)
+    found = prepare_plan(MODEL, _cluster(4.0), plan, pipelines=Pipelines(keep_simulations=False))
+    assert len(found) >= 2
+    for p in found:
+        assert p.lower_bound_s <= p.finish().step_time_s
+    # A smaller limit's bound is no lower: the few microbatches in flight bound the pace.
+    bounds = [p.lower_bound_s for p in found]
+    assert bounds == sorted(bounds, reverse=True)
+
+
 def test_no_limit_fits_raises_does_not_fit() -> None:
     with pytest.raises(DoesNotFit):
         prepare_plan(MODEL, _cluster(1.2), PLAN, pipelines=Pipelines(keep_simulations=False))
