@@ -10,8 +10,8 @@ default limit, which may not fit (and then drops the plan) or may leave memory u
   working memory (:func:`~pipedsl.simulator.memory.device_memory`), over the bytes the
   most expensive (stage, microbatch) pair on the device keeps, on the device where that
   is least; never more than the pairs a device can hold at all (its stages × M);
-- the schedule's default limit, ``pp`` (1F1B's peak) and ``2pp - 1`` (ZB-H2's), each
-  where it is below the largest.
+- the schedule's default limit, and ``2pp - 1`` (ZB-H2's) where that is above the
+  default, each where it is below the largest.
 
 Each limit is synthesised against the plan's own cost model (per-stage F, I, W and the
 links' transfer times, :meth:`~pipedsl.simulator.estimate.Prepared.cost_model`), lowered,
@@ -128,12 +128,14 @@ def fitting_limit(base: Prepared) -> int:
 
 
 def candidate_limits(default: int, pp: int, least: int, most: int) -> tuple[int, ...]:
-    """The limits to try, increasing: ``most`` (the largest that fits) and, below it,
-    the schedule's ``default``, ``pp`` and ``2pp - 1``; none under ``least`` (the stages
-    on a device: fewer holds no microbatch on all of them). Empty when ``most < least``."""
+    """The limits to try, increasing: ``most`` (the largest that fits) and, below it, the
+    schedule's ``default`` and ``2pp - 1`` (ZB-H2's) when that is above the default; none
+    under ``least`` (the stages on a device: fewer holds no microbatch on all of them).
+    Empty when ``most < least``."""
     if most < least:
         return ()
-    return tuple(sorted({v for v in (default, pp, 2 * pp - 1, most) if least <= v <= most}))
+    wanted = {most, default} | ({2 * pp - 1} if 2 * pp - 1 > default else set())
+    return tuple(sorted(v for v in wanted if least <= v <= most))
 
 
 def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipelines) -> list[Prepared]:

@@ -36,7 +36,8 @@ def test_only_policy_schedules_with_a_limit_parameter_take_one() -> None:
 def test_candidate_limits_stay_between_the_stages_on_a_device_and_what_fits() -> None:
     assert candidate_limits(8, 8, 1, 40) == (8, 15, 40)
     assert candidate_limits(8, 8, 1, 10) == (8, 10)  # 2pp - 1 does not fit
-    assert candidate_limits(16, 8, 2, 5) == (5,)  # neither the default nor pp fits
+    assert candidate_limits(16, 8, 2, 40) == (16, 40)  # 2pp - 1 is below the default
+    assert candidate_limits(16, 8, 2, 5) == (5,)  # the default does not fit
     assert candidate_limits(4, 4, 2, 1) == ()  # not one microbatch on both stages
 
 
