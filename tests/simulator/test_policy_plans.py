@@ -68,10 +68,10 @@ def test_more_memory_adds_larger_limits_and_the_largest_is_fastest_here() -> Non
     assert times[1] < times[0]
 
 
-@pytest.mark.parametrize("schedule, vpp", [("zb_auto", 1), ("zbv_auto", 2)])
-def test_the_lower_bound_holds_at_every_limit(schedule: str, vpp: int) -> None:
+@pytest.mark.parametrize("schedule, vpp, gib", [("zb_auto", 1, 4.0), ("zbv_auto", 2, 8.0)])
+def test_the_lower_bound_holds_at_every_limit(schedule: str, vpp: int, gib: float) -> None:
     plan = dataclasses.replace(PLAN, schedule=schedule, vpp=vpp)
-    found = prepare_plan(MODEL, _cluster(4.0), plan, pipelines=Pipelines(keep_simulations=False))
+    found = prepare_plan(MODEL, _cluster(gib), plan, pipelines=Pipelines(keep_simulations=False))
     assert len(found) >= 2
     for p in found:
         assert p.lower_bound_s <= p.finish().step_time_s
