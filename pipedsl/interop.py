@@ -144,6 +144,31 @@ def from_csv(
         stage that appears in no row, or a file without a single action.
     """
     label = file if file is not None else "<csv>"
+    orders, placement = _csv_orders(text, label)
+    num_stages = max(placement) + 1
+    # The first gap is within len(placement) of 0; a scan of every stage number could be
+    # as long as the largest index a cell happens to spell.
+    unplaced = next((s for s in range(num_stages) if s not in placement), None)
+    if unplaced is not None:
+        raise ConversionError(
+            f"{label}: stage {unplaced} appears in no row, so it has no device; "
+            f"the CSV names stages 0..{num_stages - 1} and every one needs its actions"
+        )
+    if num_microbatches is None:
+        num_microbatches = 1 + max(a.microbatch for order in orders for a in order)
+    return Schedule(
+        name=name if name is not None else (Path(file).stem if file is not None else "csv"),
+        num_stages=num_stages,
+        num_devices=len(orders),
+        num_microbatches=num_microbatches,
+        placement=tuple(placement[s] for s in range(num_stages)),
+        orders=tuple(orders),
+        source=file,
+    )
+
+
+def _csv_orders(text: str, label: str) -> tuple[list[tuple[Action, ...]], dict[int, int]]:
+    """Each row's actions, and the row (device) that first names each stage."""
     lines = text.removeprefix("\ufeff").splitlines()
     # Blank lines at the end are an editor's doing, not ranks without work.
     while lines and not lines[-1].strip():
@@ -166,26 +191,7 @@ def from_csv(
         orders.append(tuple(order))
     if not placement:
         raise ConversionError(f"{label} holds no actions; expected rows of cells such as 0F0,0F1,0B0,0B1")
-    num_stages = max(placement) + 1
-    # The first gap is within len(placement) of 0; a scan of every stage number could be
-    # as long as the largest index a cell happens to spell.
-    unplaced = next((s for s in range(num_stages) if s not in placement), None)
-    if unplaced is not None:
-        raise ConversionError(
-            f"{label}: stage {unplaced} appears in no row, so it has no device; "
-            f"the CSV names stages 0..{num_stages - 1} and every one needs its actions"
-        )
-    if num_microbatches is None:
-        num_microbatches = 1 + max(a.microbatch for order in orders for a in order)
-    return Schedule(
-        name=name if name is not None else (Path(file).stem if file is not None else "csv"),
-        num_stages=num_stages,
-        num_devices=len(orders),
-        num_microbatches=num_microbatches,
-        placement=tuple(placement[s] for s in range(num_stages)),
-        orders=tuple(orders),
-        source=file,
-    )
+    return orders, placement
 
 
 def _bad_cell_message(cell: str) -> str:
@@ -227,23 +233,7 @@ def from_json(text: str, *, file: str | None = None) -> Schedule:
         or version, a missing or mistyped field, or an order entry that is not an action.
     """
     label = file if file is not None else "<json>"
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        lines = err.doc.splitlines()
-        line_text = lines[err.lineno - 1] if 0 < err.lineno <= len(lines) else ""
-        pos = SourcePos(label, err.lineno, err.colno, line_text)
-        raise ConversionError(f"not valid JSON: {err.msg}", pos=pos) from None
-    if not isinstance(data, dict):
-        raise ConversionError(
-            f"{label}: expected a JSON object with \"format\": \"{JSON_FORMAT}\", got {type(data).__name__}"
-        )
-    if data.get("format") != JSON_FORMAT:
-        raise ConversionError(f"{label}: \"format\" is {data.get('format')!r}, expected {JSON_FORMAT!r}")
-    if data.get("version") != JSON_VERSION:
-        raise ConversionError(
-            f"{label}: version {data.get('version')!r} is not supported; this pipedsl reads version {JSON_VERSION}"
-        )
+    data = _json_object(text, label)
 
     def field(key: str, kind: type) -> Any:
         if key not in data:
@@ -261,8 +251,44 @@ def from_json(text: str, *, file: str | None = None) -> Schedule:
     params = data.get("params", {})
     if not isinstance(params, dict) or not all(_is_int(v) for v in params.values()):
         raise ConversionError(f"{label}: field 'params' should map names to integers, got {json.dumps(params)}")
-    orders = []
-    for device, order in enumerate(field("orders", list)):
+    return Schedule(
+        name=field("name", str),
+        num_stages=field("num_stages", int),
+        num_devices=field("num_devices", int),
+        num_microbatches=field("num_microbatches", int),
+        placement=tuple(placement),
+        orders=_json_orders(field("orders", list), label),
+        params=tuple(params.items()),
+        source=file,
+    )
+
+
+def _json_object(text: str, label: str) -> dict[str, Any]:
+    """The parsed JSON object, checked to be pipedsl's format at this version."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        lines = err.doc.splitlines()
+        line_text = lines[err.lineno - 1] if 0 < err.lineno <= len(lines) else ""
+        pos = SourcePos(label, err.lineno, err.colno, line_text)
+        raise ConversionError(f"not valid JSON: {err.msg}", pos=pos) from None
+    if not isinstance(data, dict):
+        raise ConversionError(
+            f"{label}: expected a JSON object with \"format\": \"{JSON_FORMAT}\", got {type(data).__name__}"
+        )
+    if data.get("format") != JSON_FORMAT:
+        raise ConversionError(f"{label}: \"format\" is {data.get('format')!r}, expected {JSON_FORMAT!r}")
+    if data.get("version") != JSON_VERSION:
+        raise ConversionError(
+            f"{label}: version {data.get('version')!r} is not supported; this pipedsl reads version {JSON_VERSION}"
+        )
+    return data
+
+
+def _json_orders(orders: list[Any], label: str) -> tuple[tuple[Action, ...], ...]:
+    """The ``orders`` field as actions, each entry checked."""
+    result = []
+    for device, order in enumerate(orders):
         if not isinstance(order, list):
             raise ConversionError(f"{label}: orders[{device}] should be a list of actions, got {json.dumps(order)}")
         actions = []
@@ -273,17 +299,8 @@ def from_json(text: str, *, file: str | None = None) -> Schedule:
                     f"{label}: orders[{device}][{index}] is {json.dumps(cell)}, not an action such as \"2F0\""
                 )
             actions.append(action)
-        orders.append(tuple(actions))
-    return Schedule(
-        name=field("name", str),
-        num_stages=field("num_stages", int),
-        num_devices=field("num_devices", int),
-        num_microbatches=field("num_microbatches", int),
-        placement=tuple(placement),
-        orders=tuple(orders),
-        params=tuple(params.items()),
-        source=file,
-    )
+        result.append(tuple(actions))
+    return tuple(result)
 
 
 _TYPE_WORDS = {int: "an integer", str: "a string", list: "a list"}

@@ -83,74 +83,100 @@ def _lighten(colour: str, amount: float) -> str:
 def _draw_panel(ax: Axes, panel: Panel, *, seconds_per_inch: float) -> None:
     """Draw one timeline on ``ax``, whose time axis shows ``seconds_per_inch``."""
     tl = panel.timeline
-    start, device = tl.start, tl.device
-    duration = tl.durations
-    rows = tl.num_devices
     compute = tl.compute_mask
     # A device's later stages (interleaved chunks, the way back up a V) are lighter.
     chunk = _chunks(tl)
     lightness = chunk * (_LATER_STAGE_TINT / max(int(chunk[compute].max(initial=0)), 1))
+    _draw_compute(ax, tl, chunk, lightness, seconds_per_inch=seconds_per_inch)
+    _draw_sends(ax, tl)
+    if panel.critical:
+        _draw_critical(ax, tl, np.asarray(panel.critical, dtype=np.int64))
+    _draw_labels(ax, tl, lightness, seconds_per_inch=seconds_per_inch)
+    _style_axes(ax, tl, title=panel.title or tl.name)
+
+
+def _bars(tl: Timeline, sel: np.ndarray) -> list[tuple[float, float]]:
+    """(start, duration) of the selected events, as ``broken_barh`` takes them."""
+    return list(zip(tl.start[sel].tolist(), tl.durations[sel].tolist(), strict=True))
+
+
+def _draw_compute(
+    ax: Axes, tl: Timeline, chunk: np.ndarray, lightness: np.ndarray, *, seconds_per_inch: float
+) -> None:
+    """One bar per compute event, coloured by kind and lightened by stage rank."""
+    compute, duration, device = tl.compute_mask, tl.durations, tl.device
     # White edges separate neighbouring bars; on bars a few pixels wide they would
     # cover the colour, so dense timelines are drawn without them.
     typical = float(np.median(duration[compute])) if compute.any() else 0.0
     edge = 0.4 if typical >= 0.06 * seconds_per_inch else 0.0
+    width = int(chunk.max(initial=0)) + 1
     for event_kind in KIND_COLOURS:
         mask = tl.mask(event_kind)
-        width = int(chunk.max(initial=0)) + 1
         for pair in np.unique(device[mask] * width + chunk[mask]).tolist():
             dev, ch = divmod(pair, width)
             sel = mask & (device == dev) & (chunk == ch)
             ax.broken_barh(
-                list(zip(start[sel].tolist(), duration[sel].tolist(), strict=True)),
+                _bars(tl, sel),
                 (dev - _COMPUTE_HEIGHT / 2, _COMPUTE_HEIGHT),
                 facecolors=_lighten(KIND_COLOURS[event_kind], float(lightness[sel][0])),
                 edgecolors="white",
                 linewidth=edge,
             )
-    sends = (~compute) & (duration > 0)
-    for dev in np.unique(device[sends]).tolist():
-        sel = sends & (device == dev)
+
+
+def _draw_sends(ax: Axes, tl: Timeline) -> None:
+    """Sends that take time, in a thin lane under their device's compute lane."""
+    sends = (~tl.compute_mask) & (tl.durations > 0)
+    for dev in np.unique(tl.device[sends]).tolist():
         ax.broken_barh(
-            list(zip(start[sel].tolist(), duration[sel].tolist(), strict=True)),
+            _bars(tl, sends & (tl.device == dev)),
             (dev + _COMPUTE_HEIGHT / 2 + 0.03, _SEND_HEIGHT),
             facecolors=_SEND_COLOUR,
             edgecolors="none",
             alpha=0.7,
         )
-    if panel.critical:
-        crit = np.asarray(panel.critical, dtype=np.int64)
-        crit = crit[duration[crit] > 0]
-        for dev in np.unique(device[crit]).tolist():
-            for on_compute in (True, False):
-                sel = crit[(device[crit] == dev) & (compute[crit] == on_compute)]
-                if not len(sel):
-                    continue
-                lane = (dev - _COMPUTE_HEIGHT / 2, _COMPUTE_HEIGHT)
-                if not on_compute:
-                    lane = (dev + _COMPUTE_HEIGHT / 2 + 0.03, _SEND_HEIGHT)
-                ax.broken_barh(
-                    list(zip(start[sel].tolist(), duration[sel].tolist(), strict=True)),
-                    lane,
-                    facecolors="none",
-                    edgecolors="black",
-                    linewidth=1.2,
-                )
+
+
+def _draw_critical(ax: Axes, tl: Timeline, crit: np.ndarray) -> None:
+    """Outline the events of a critical path (``crit``: timeline rows) in black."""
+    device, compute = tl.device, tl.compute_mask
+    crit = crit[tl.durations[crit] > 0]
+    for dev in np.unique(device[crit]).tolist():
+        for on_compute in (True, False):
+            sel = crit[(device[crit] == dev) & (compute[crit] == on_compute)]
+            if not len(sel):
+                continue
+            lane = (dev - _COMPUTE_HEIGHT / 2, _COMPUTE_HEIGHT)
+            if not on_compute:
+                lane = (dev + _COMPUTE_HEIGHT / 2 + 0.03, _SEND_HEIGHT)
+            ax.broken_barh(_bars(tl, sel), lane, facecolors="none", edgecolors="black", linewidth=1.2)
+
+
+def _draw_labels(ax: Axes, tl: Timeline, lightness: np.ndarray, *, seconds_per_inch: float) -> None:
+    """Microbatch numbers on the compute bars wide enough to hold them."""
+    start, duration, compute = tl.start, tl.durations, tl.compute_mask
     # A label fits when its bar is wider than its digits plus a margin.
     digits = np.floor(np.log10(np.maximum(tl.microbatch, 1))) + 1
     labelled = np.flatnonzero(compute & (duration >= seconds_per_inch * (0.065 * digits + 0.05)))
-    if 0 < len(labelled) <= _MAX_LABELS:
-        for row in labelled.tolist():
-            on_dark = tl.kind_at(row) in _DARK and lightness[row] < 0.3
-            ax.text(
-                float(start[row] + duration[row] / 2),
-                int(device[row]),
-                str(int(tl.microbatch[row])),
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white" if on_dark else "black",
-                clip_on=True,
-            )
+    if not 0 < len(labelled) <= _MAX_LABELS:
+        return
+    for row in labelled.tolist():
+        on_dark = tl.kind_at(row) in _DARK and lightness[row] < 0.3
+        ax.text(
+            float(start[row] + duration[row] / 2),
+            int(tl.device[row]),
+            str(int(tl.microbatch[row])),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white" if on_dark else "black",
+            clip_on=True,
+        )
+
+
+def _style_axes(ax: Axes, tl: Timeline, *, title: str) -> None:
+    """Device rows, a light time grid, and a title with makespan and bubble."""
+    rows = tl.num_devices
     ax.set_ylim(rows - 0.5 + _SEND_HEIGHT, -0.5 - 0.05)
     ax.set_yticks(range(rows), [f"dev {d}" for d in range(rows)], fontsize=8)
     ax.tick_params(axis="y", length=0)
@@ -162,13 +188,8 @@ def _draw_panel(ax: Axes, panel: Panel, *, seconds_per_inch: float) -> None:
     span = tl.makespan
     busy = float(tl.busy().sum())
     bubble = 1.0 - busy / (rows * span) if span > 0 else 0.0
-    title = panel.title or tl.name
     origin = "" if tl.origin == "simulated" else f" [{tl.origin}]"
-    ax.set_title(
-        f"{title}{origin}    makespan {span:.4g} s · bubble {bubble:.1%}",
-        loc="left",
-        fontsize=9.5,
-    )
+    ax.set_title(f"{title}{origin}    makespan {span:.4g} s · bubble {bubble:.1%}", loc="left", fontsize=9.5)
 
 
 def plot_timelines(
