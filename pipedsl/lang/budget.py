@@ -10,7 +10,7 @@ one evaluation, read by the compiled closures.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from pipedsl.errors import ScheduleEvalError, SourcePos
 from pipedsl.ir import Action, Kind
@@ -43,10 +43,11 @@ RAISE_THE_LIMIT = (
 class Run:
     """Mutable state of one evaluation, read by the compiled closures."""
 
-    __slots__ = ("append", "actions_left", "work_left", "sole_stage", "device", "device_stages", "max_actions")
+    __slots__ = ("append", "extend", "actions_left", "work_left", "sole_stage", "device", "device_stages", "max_actions")
 
     def __init__(self, max_actions: int) -> None:
         self.append: Callable[[Action], None] = no_output
+        self.extend: Callable[[Iterable[Action]], None] = no_output
         self.actions_left = max_actions
         self.work_left = WORK_PER_ACTION * max_actions
         self.sole_stage: int | None = None
@@ -83,7 +84,7 @@ class Run:
         )
 
 
-def no_output(action: Action) -> None:
+def no_output(action: Action | Iterable[Action]) -> None:
     # Actions are statements, and statements exist only in device bodies, which set the
     # real sink before they run; this stands in between bodies so a misrouted action is
     # loud rather than lost.

@@ -45,6 +45,7 @@ from pipedsl.lang.arith import (
 )
 from pipedsl.lang.budget import COMPILE_BUDGET, Run, count, require_failed, suggest
 from pipedsl.lang.scope import Env, Local, names_used
+from pipedsl.lang.vector import compile_loop
 
 __all__ = ["ACTIONS", "BUILTINS", "Compiler"]
 
@@ -339,6 +340,11 @@ class Compiler:
         per_iteration = body_cost + 1
         run = self.run
         pos = node.pos
+        env.blocks.append({node.var: Local(slot, "loop variable")})
+        try:
+            whole = compile_loop(node.body, env, slot, run)
+        finally:
+            env.blocks.pop()
 
         def loop(fr: Frame) -> None:
             a = start(fr)
@@ -352,6 +358,8 @@ class Compiler:
                     )
                 return
             run.charge((b - a) * per_iteration, pos, f"this loop of {b - a} iterations")
+            if whole is not None and whole(fr, a, b):
+                return
             for i in range(a, b):
                 fr[slot] = i
                 body(fr)

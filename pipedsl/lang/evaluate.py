@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from pipedsl.arrays import paused_collector
 from pipedsl.errors import PipedslError, ScheduleEvalError, SourcePos, several
 from pipedsl.ir import Action, Schedule
 from pipedsl.lang import ast
-from pipedsl.lang.arith import INT_MAX, INT_MIN, Frame, IntCode, fail, lift, overflow
+from pipedsl.lang.arith import INT_MAX, INT_MIN, Frame, IntCode, StmtFn, fail, lift, overflow
 from pipedsl.lang.budget import (
     COMPILE_BUDGET,
     RAISE_THE_LIMIT,
@@ -308,11 +309,21 @@ class _Evaluator:
         held: list[list[int]] = [[] for _ in range(devices)]
         for stage, device in enumerate(placement):
             held[device].append(stage)
+        with paused_collector():
+            self.orders = self._run_body(item, body, cost, held, nslots, slot)
+        self.run.append = self.run.extend = no_output
+
+    def _run_body(
+        self, item: ast.OnDevice, body: StmtFn, cost: int, held: list[list[int]], nslots: int, slot: int
+    ) -> list[tuple[Action, ...]]:
+        """Each device's order: ``body`` (``cost`` nodes) run with the device variable in
+        ``slot``; ``held[d]`` lists the stages of device d."""
         run = self.run
         orders = []
-        for device in range(devices):
+        for device in range(len(held)):
             out: list[Action] = []
             run.append = out.append
+            run.extend = out.extend
             run.device = device
             run.device_stages = tuple(held[device])
             run.sole_stage = held[device][0] if len(held[device]) == 1 else None
@@ -326,8 +337,7 @@ class _Evaluator:
                     f"{err.message} (evaluating {item.var} = {device})", pos=err.pos
                 ) from None
             orders.append(tuple(out))
-        run.append = no_output
-        self.orders = orders
+        return orders
 
     def table_row(self, item: ast.TableRow) -> None:
         self._orders_pos_check(item.pos)
