@@ -158,18 +158,21 @@ class Simulation:
             "peak_inflight": max((d.peak_inflight for d in self.devices), default=0),
             "peak_activation_bytes": max((d.peak_activation_bytes for d in self.devices), default=0),
             "devices": [d.to_json() for d in self.devices],
-            "critical_path": [
-                {
-                    "device": e.device,
-                    "kind": e.kind.value,
-                    "stage": e.stage,
-                    "microbatch": e.microbatch,
-                    "start": e.start,
-                    "end": e.end,
-                }
-                for e in self.critical_events()
-            ],
+            "critical_path": self._critical_json(),
         }
+
+    def _critical_json(self) -> list[dict[str, Any]]:
+        """:meth:`critical_events` as JSON objects, read column by column."""
+        timeline, rows = self.timeline, np.asarray(self.critical_path, dtype=np.int64)
+        # Timeline kind codes index EventKind in declaration order.
+        letters = [kind.value for kind in EventKind]
+        kinds = [letters[code] for code in timeline.kind[rows].tolist()]
+        columns = zip(
+            timeline.device[rows].tolist(), kinds, timeline.stage[rows].tolist(), timeline.microbatch[rows].tolist(),
+            timeline.start[rows].tolist(), timeline.end[rows].tolist(),
+        )  # fmt: skip
+        names = ("device", "kind", "stage", "microbatch", "start", "end")
+        return [dict(zip(names, values)) for values in columns]
 
 
 def simulate(program: Program | Schedule, costs: CostModel | None = None) -> Simulation:

@@ -234,13 +234,14 @@ def _columns(stmts: ast.Block, env: Env, columns: _Columns, when: Code | None, o
 class VectorLoop:
     """A loop body compiled to columns; :meth:`__call__` runs one whole loop."""
 
-    __slots__ = ("_columns", "_run", "_kinds", "_poses")
+    __slots__ = ("_columns", "_run", "_kinds", "_poses", "_masked")
 
     def __init__(self, columns: list[_Column], run: Run) -> None:
         self._columns = columns
         self._run = run
         self._kinds = [c.kind for c in columns]
         self._poses = [c.pos for c in columns]
+        self._masked = any(c.when is not None for c in columns)
 
     def __call__(self, fr: Frame, start: int, stop: int) -> bool:
         """Emit the actions of iterations ``start .. stop``; False (having emitted
@@ -250,39 +251,38 @@ class VectorLoop:
             return False
         run = self._run
         iv = np.arange(start, stop, dtype=np.int64)
+        k = len(self._columns)
+        # Row i * k + c is column c's action in iteration i: the closures' order.
+        stages = np.empty((n, k), dtype=np.int64)
+        mbs = np.empty((n, k), dtype=np.int64)
+        keep = np.ones((n, k), dtype=bool) if self._masked else None
         try:
-            columns = [self._evaluate(c, fr, iv, n) for c in self._columns]
+            for c, column in enumerate(self._columns):
+                if column.stage is None:
+                    if run.sole_stage is None:
+                        raise _Fallback
+                    stages[:, c] = run.sole_stage
+                else:
+                    stages[:, c] = _lift(column.stage)(fr, iv)
+                mbs[:, c] = _lift(column.microbatch)(fr, iv)
+                if keep is not None and column.when is not None:
+                    keep[:, c] = _lift(column.when)(fr, iv)
         except _Fallback:
             return False
-        stages = np.stack([c[0] for c in columns], axis=1).ravel()
-        mbs = np.stack([c[1] for c in columns], axis=1).ravel()
         kinds, poses = self._kinds * n, self._poses * n
-        if any(c.when is not None for c in self._columns):
-            keep = np.stack([c[2] for c in columns], axis=1).ravel()
-            stages, mbs = stages[keep], mbs[keep]
-            chosen = keep.tolist()
-            kinds, poses = list(compress(kinds, chosen)), list(compress(poses, chosen))
-        count = len(kinds)
+        if keep is None:
+            stage_list, mb_list = stages.ravel().tolist(), mbs.ravel().tolist()
+        else:
+            chosen = keep.ravel()
+            stage_list, mb_list = stages.ravel()[chosen].tolist(), mbs.ravel()[chosen].tolist()
+            flags = chosen.tolist()
+            kinds, poses = list(compress(kinds, flags)), list(compress(poses, flags))
+        count = len(stage_list)
         if count > run.actions_left:
             return False
-        run.extend(map(Action, kinds, stages.tolist(), mbs.tolist(), poses))
+        run.extend(map(Action, kinds, stage_list, mb_list, poses))
         run.actions_left -= count
         return True
-
-    def _evaluate(self, column: _Column, fr: Frame, iv: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
-        if column.stage is None:
-            if self._run.sole_stage is None:
-                raise _Fallback
-            stage: Value = self._run.sole_stage
-        else:
-            stage = _lift(column.stage)(fr, iv)
-        mb = _lift(column.microbatch)(fr, iv)
-        when = True if column.when is None else _lift(column.when)(fr, iv)
-        return (
-            np.broadcast_to(np.asarray(stage, dtype=np.int64), (n,)),
-            np.broadcast_to(np.asarray(mb, dtype=np.int64), (n,)),
-            np.broadcast_to(np.asarray(when, dtype=bool), (n,)),
-        )
 
 
 def compile_loop(body: ast.Block, env: Env, slot: int, run: Run) -> VectorLoop | None:
