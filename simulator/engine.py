@@ -263,7 +263,7 @@ class _Run:
         start_array = np.array(start, dtype=np.float64)
         senders = np.flatnonzero(arrays.send_to >= 0)
         # The same float addition as the pass's ``t += duration``, so ends match bit for bit.
-        arrived = np.array([arrival[r] for r in senders.tolist()], dtype=np.float64)
+        arrived = np.fromiter(map(arrival.__getitem__, senders.tolist()), dtype=np.float64, count=len(senders))
         return cls(start_array, start_array + duration, pred, senders, arrived)
 
 

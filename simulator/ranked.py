@@ -1,4 +1,4 @@
-"""A ranked plan: one row of the plan search's table, as a frozen record.
+"""A ranked plan: one row of the plan search's table, as a frozen record; the summary of a ranking.
 
 :func:`pipedsl.simulator.search.search_plans` returns these; :func:`~pipedsl.simulator.search.search`
 turns them into its DataFrame (a table is an output, not what modules hand each other).
@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipedsl.simulator.estimate import Estimate
 from pipedsl.simulator.plan import Plan
 
-__all__ = ["COLUMNS", "RankedPlan"]
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["COLUMNS", "RankedPlan", "Summary", "describe", "summarize"]
 
 COLUMNS = (
     "rank",
@@ -96,3 +99,74 @@ class RankedPlan:
     def row(self) -> dict[str, Any]:
         """The :data:`COLUMNS` as a dict (a row of :func:`search`'s table)."""
         return {column: getattr(self, column) for column in COLUMNS}
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """The best SPMD plan, the best plan of each schedule, and how they compare.
+
+    Rows are :func:`search` rows as dicts. ``speedup`` is the best SPMD step time over
+    the best pipeline step time (above 1: the pipeline is faster); None when either kind
+    has no plan that fits.
+    """
+
+    best_spmd: dict[str, Any] | None
+    best_by_schedule: tuple[dict[str, Any], ...]
+
+    @property
+    def best_pipeline(self) -> dict[str, Any] | None:
+        return self.best_by_schedule[0] if self.best_by_schedule else None
+
+    @property
+    def speedup(self) -> float | None:
+        return None if self.best_pipeline is None else self.speedup_of(self.best_pipeline)
+
+    def speedup_of(self, row: dict[str, Any]) -> float | None:
+        """The best SPMD step time over ``row``'s; None without an SPMD plan."""
+        return None if self.best_spmd is None else self.best_spmd["step_time_s"] / row["step_time_s"]
+
+    def text(self) -> str:
+        """One or two sentences for the end of a search's output."""
+        best = self.best_pipeline
+        if best is None and self.best_spmd is None:
+            return "No plan fits."
+        if best is None:
+            return f"No pipeline plan fits; the best SPMD plan is {describe(self.best_spmd)}."
+        if self.best_spmd is None:
+            return f"No SPMD plan fits; the best pipeline plan is {describe(best)}."
+        speedup = self.speedup
+        assert speedup is not None
+        if round(speedup, 2) == 1.0:
+            verdict = f"as fast as ({speedup:.3f}x)"
+        elif speedup > 1:
+            verdict = f"{speedup:.2f}x faster than"
+        else:
+            verdict = f"{1 / speedup:.2f}x slower than"
+        beat = sum(1 for row in self.best_by_schedule if row["step_time_s"] < self.best_spmd["step_time_s"])
+        return (
+            f"Best pipeline plan {describe(best)} is {verdict} the best SPMD plan "
+            f"{describe(self.best_spmd)}; {beat} of {len(self.best_by_schedule)} schedules beat it."
+        )
+
+
+def describe(row: dict[str, Any] | None) -> str:
+    """A search row in words: ``(zbv dp=32 tp=4 pp=8 vpp=2 mb=2 zero=1 none: 18.402 s/step, MFU 56.1%)``."""
+    assert row is not None
+    vpp = f" vpp={row['vpp']}" if row["vpp"] > 1 else ""
+    pp = f" pp={row['pp']}{vpp}" if row["kind"] == "pipeline" else ""
+    name = f"{row['schedule']} " if row["kind"] == "pipeline" else ""
+    return (
+        f"({name}dp={row['dp']} tp={row['tp']}{pp} mb={row['microbatch_size']} zero={row['zero']} "
+        f"{row['recompute']}: {row['step_time_s']:.3f} s/step, MFU {100 * row['mfu']:.1f}%)"
+    )
+
+
+def summarize(frame: pd.DataFrame) -> Summary:
+    """The best SPMD plan and each schedule's best plan in a :func:`search` result
+    (schedules best first)."""
+    spmd = frame[frame["kind"] == "spmd"]
+    pipelines = frame[frame["kind"] == "pipeline"].drop_duplicates("schedule")
+    return Summary(
+        best_spmd=None if spmd.empty else spmd.iloc[0].to_dict(),
+        best_by_schedule=tuple(row.to_dict() for _, row in pipelines.iterrows()),
+    )

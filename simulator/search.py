@@ -46,7 +46,7 @@ from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.policy_plans import prepare_plan
-from pipedsl.simulator.ranked import COLUMNS, RankedPlan
+from pipedsl.simulator.ranked import COLUMNS, RankedPlan, Summary, describe, summarize
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -146,37 +146,66 @@ def candidate_plans(
         "dp_overlap": dp_overlap,
         "reduce_bytes": reduce_bytes,
     }
-    tps = _tp_sizes(model, cluster, gpus)
-
-    def microbatch_sizes(dp: int) -> list[int]:
-        if global_batch % dp:
-            skip[f"global batch {global_batch} is not a multiple of dp", dp] += 1
-            return []
-        return [b for b in _divisors(global_batch // dp) if b <= max_microbatch_size]
-
-    for tp in tps:
-        dp = gpus // tp
-        for b in microbatch_sizes(dp):
-            for zero in spmd_zero:
-                for mode in modes:
-                    yield Plan(dp=dp, tp=tp, pp=1, microbatch_size=b, zero=zero, recompute=mode, **common)
+    space = _Space(tuple(_tp_sizes(model, cluster, gpus)), tuple(modes), global_batch, max_microbatch_size, skip)
+    yield from _spmd_plans(space, gpus, spmd_zero, common)
     found = _schedules(schedules, extra_schedules)
+    yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common)
+
+
+@dataclass(frozen=True, slots=True)
+class _Space:
+    """What every part of the enumeration shares: the tensor-parallel sizes and
+    recomputation modes to try, the batch and the largest microbatch, and the counter
+    of combinations left out."""
+
+    tps: tuple[int, ...]
+    modes: tuple[Recompute, ...]
+    global_batch: int
+    max_microbatch_size: int
+    skip: Counter[tuple[str, int]]
+
+    def microbatch_sizes(self, dp: int) -> list[int]:
+        """Microbatch sizes that split the batch evenly over ``dp`` replicas."""
+        if self.global_batch % dp:
+            self.skip[f"global batch {self.global_batch} is not a multiple of dp", dp] += 1
+            return []
+        return [b for b in _divisors(self.global_batch // dp) if b <= self.max_microbatch_size]
+
+
+def _spmd_plans(space: _Space, gpus: int, spmd_zero: Sequence[int], common: dict[str, Any]) -> Iterator[Plan]:
+    for tp in space.tps:
+        dp = gpus // tp
+        for b in space.microbatch_sizes(dp):
+            for zero in spmd_zero:
+                for mode in space.modes:
+                    yield Plan(dp=dp, tp=tp, pp=1, microbatch_size=b, zero=zero, recompute=mode, **common)
+
+
+def _pipeline_plans(
+    space: _Space,
+    model: Model,
+    gpus: int,
+    found: list[_Schedule],
+    vpp_sizes: Sequence[int],
+    pipeline_zero: Sequence[int],
+    common: dict[str, Any],
+) -> Iterator[Plan]:
     for pp in _divisors(gpus)[1:]:
         if pp > model.layers:
-            skip[f"pp exceeds the {model.layers} layers", pp] += 1
+            space.skip[f"pp exceeds the {model.layers} layers", pp] += 1
             break
-        for tp in tps:
+        for tp in space.tps:
             if gpus % (pp * tp):
                 continue
             dp = gpus // (pp * tp)
-            for b in microbatch_sizes(dp):
+            for b in space.microbatch_sizes(dp):
                 for sched in found:
                     for vpp in vpp_sizes if sched.takes_vpp else (1,):
                         if model.layers % (pp * vpp):
-                            skip[f"{model.layers} layers do not split over pp × vpp", pp * vpp] += 1
+                            space.skip[f"{model.layers} layers do not split over pp × vpp", pp * vpp] += 1
                             continue
                         for zero in pipeline_zero:
-                            for mode in modes:
+                            for mode in space.modes:
                                 yield Plan(
                                     dp=dp, tp=tp, pp=pp, vpp=vpp, microbatch_size=b, zero=zero,
                                     recompute=mode, schedule=sched.spec, **common,
@@ -407,74 +436,3 @@ def _simulate(
         if progress is not None:
             progress("simulating", done, total)
     return results
-
-
-@dataclass(frozen=True, slots=True)
-class Summary:
-    """The best SPMD plan, the best plan of each schedule, and how they compare.
-
-    Rows are :func:`search` rows as dicts. ``speedup`` is the best SPMD step time over
-    the best pipeline step time (above 1: the pipeline is faster); None when either kind
-    has no plan that fits.
-    """
-
-    best_spmd: dict[str, Any] | None
-    best_by_schedule: tuple[dict[str, Any], ...]
-
-    @property
-    def best_pipeline(self) -> dict[str, Any] | None:
-        return self.best_by_schedule[0] if self.best_by_schedule else None
-
-    @property
-    def speedup(self) -> float | None:
-        return None if self.best_pipeline is None else self.speedup_of(self.best_pipeline)
-
-    def speedup_of(self, row: dict[str, Any]) -> float | None:
-        """The best SPMD step time over ``row``'s; None without an SPMD plan."""
-        return None if self.best_spmd is None else self.best_spmd["step_time_s"] / row["step_time_s"]
-
-    def text(self) -> str:
-        """One or two sentences for the end of a search's output."""
-        best = self.best_pipeline
-        if best is None and self.best_spmd is None:
-            return "No plan fits."
-        if best is None:
-            return f"No pipeline plan fits; the best SPMD plan is {describe(self.best_spmd)}."
-        if self.best_spmd is None:
-            return f"No SPMD plan fits; the best pipeline plan is {describe(best)}."
-        speedup = self.speedup
-        assert speedup is not None
-        if round(speedup, 2) == 1.0:
-            verdict = f"as fast as ({speedup:.3f}x)"
-        elif speedup > 1:
-            verdict = f"{speedup:.2f}x faster than"
-        else:
-            verdict = f"{1 / speedup:.2f}x slower than"
-        beat = sum(1 for row in self.best_by_schedule if row["step_time_s"] < self.best_spmd["step_time_s"])
-        return (
-            f"Best pipeline plan {describe(best)} is {verdict} the best SPMD plan "
-            f"{describe(self.best_spmd)}; {beat} of {len(self.best_by_schedule)} schedules beat it."
-        )
-
-
-def describe(row: dict[str, Any] | None) -> str:
-    """A search row in words: ``(zbv dp=32 tp=4 pp=8 vpp=2 mb=2 zero=1 none: 18.402 s/step, MFU 56.1%)``."""
-    assert row is not None
-    vpp = f" vpp={row['vpp']}" if row["vpp"] > 1 else ""
-    pp = f" pp={row['pp']}{vpp}" if row["kind"] == "pipeline" else ""
-    name = f"{row['schedule']} " if row["kind"] == "pipeline" else ""
-    return (
-        f"({name}dp={row['dp']} tp={row['tp']}{pp} mb={row['microbatch_size']} zero={row['zero']} "
-        f"{row['recompute']}: {row['step_time_s']:.3f} s/step, MFU {100 * row['mfu']:.1f}%)"
-    )
-
-
-def summarize(frame: pd.DataFrame) -> Summary:
-    """The best SPMD plan and each schedule's best plan in a :func:`search` result
-    (schedules best first)."""
-    spmd = frame[frame["kind"] == "spmd"]
-    pipelines = frame[frame["kind"] == "pipeline"].drop_duplicates("schedule")
-    return Summary(
-        best_spmd=None if spmd.empty else spmd.iloc[0].to_dict(),
-        best_by_schedule=tuple(row.to_dict() for _, row in pipelines.iterrows()),
-    )
