@@ -22,7 +22,7 @@ from pipedsl.arrays import paused_collector
 from pipedsl.errors import PipedslError, ScheduleEvalError, SourcePos, several
 from pipedsl.ir import Action, Schedule
 from pipedsl.lang import ast
-from pipedsl.lang.arith import INT_MAX, INT_MIN, Frame, IntCode, StmtFn, fail, lift, overflow
+from pipedsl.lang.arith import INT_MAX, INT_MIN, Frame, IntCode, fail, lift, overflow
 from pipedsl.lang.budget import (
     COMPILE_BUDGET,
     RAISE_THE_LIMIT,
@@ -309,18 +309,9 @@ class _Evaluator:
         held: list[list[int]] = [[] for _ in range(devices)]
         for stage, device in enumerate(placement):
             held[device].append(stage)
-        with paused_collector():
-            self.orders = self._run_body(item, body, cost, held, nslots, slot)
-        self.run.append = self.run.extend = no_output
-
-    def _run_body(
-        self, item: ast.OnDevice, body: StmtFn, cost: int, held: list[list[int]], nslots: int, slot: int
-    ) -> list[tuple[Action, ...]]:
-        """Each device's order: ``body`` (``cost`` nodes) run with the device variable in
-        ``slot``; ``held[d]`` lists the stages of device d."""
         run = self.run
         orders = []
-        for device in range(len(held)):
+        for device in range(devices):
             out: list[Action] = []
             run.append = out.append
             run.extend = out.extend
@@ -337,7 +328,8 @@ class _Evaluator:
                     f"{err.message} (evaluating {item.var} = {device})", pos=err.pos
                 ) from None
             orders.append(tuple(out))
-        return orders
+        run.append = run.extend = no_output
+        self.orders = orders
 
     def table_row(self, item: ast.TableRow) -> None:
         self._orders_pos_check(item.pos)
@@ -461,8 +453,9 @@ def evaluate(
         for function in module.functions:
             evaluator.attempt(evaluator.define, function)
         values = evaluator.parameters(params or {})
-        for item in module.schedule.items:
-            evaluator.attempt(evaluator.item, item)
+        with paused_collector():  # device bodies make an object per action
+            for item in module.schedule.items:
+                evaluator.attempt(evaluator.item, item)
     except RecursionError:
         evaluator.errors.append(
             fail(
