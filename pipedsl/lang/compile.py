@@ -6,7 +6,9 @@ compile time, or else to a closure over a frame list; a body is compiled once, w
 schedule-level name folded in as a constant and every local given a fixed slot in the
 frame, then run once per device. Function calls are inlined at compile time, so a call
 costs nothing at run time and recursion cannot even be written (a function sees only the
-functions defined above it). No Python source is ever evaluated.
+functions defined above it). No Python source is ever evaluated. A loop whose body holds only
+actions (and ``if``\ s of actions) also gets a whole-range form from :mod:`pipedsl.lang.vector`,
+which emits the same actions as numpy columns and leaves every error to the closures.
 
 Scoping inside compiled code:
 
