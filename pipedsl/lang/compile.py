@@ -7,7 +7,7 @@ schedule-level name folded in as a constant and every local given a fixed slot i
 frame, then run once per device. Function calls are inlined at compile time, so a call
 costs nothing at run time and recursion cannot even be written (a function sees only the
 functions defined above it). No Python source is ever evaluated. A loop whose body holds only
-actions (and ``if``\ s of actions) also gets a whole-range form from :mod:`pipedsl.lang.vector`,
+actions (and conditionals of actions) also gets a whole-range form from :mod:`pipedsl.lang.vector`,
 which emits the same actions as numpy columns and leaves every error to the closures.
 
 Scoping inside compiled code:
