@@ -70,7 +70,7 @@ class DeviceRuntime:
     little more than the JAX dispatches it makes.
     """
 
-    __slots__ = ("program", "stages", "recv_timeout", "_ops", "_buffers", "_held", "_last")
+    __slots__ = ("program", "stages", "recv_timeout", "at", "_ops", "_buffers", "_held", "_last")
 
     def __init__(
         self,
@@ -87,6 +87,9 @@ class DeviceRuntime:
         self.program = program
         self.stages = {s: stages[s] for s in program.stages}
         self.recv_timeout = recv_timeout
+        # The index of the instruction being run, -1 outside a step's program: read by
+        # another thread to say what a stalled device was doing.
+        self.at = -1
         self._last = next((prog for prog in self.stages.values() if prog.last), None)
         slots: dict[Buffer, int] = {}
 
@@ -138,7 +141,8 @@ class DeviceRuntime:
         loss = None if last is None else jax.device_put(jnp.zeros((), jnp.float32), last.layout.replicated)
         state = _StepState(len(self._buffers), {s: prog.zero_grads() for s, prog in self.stages.items()}, loss)
         try:
-            for op in self._ops:
+            for at, op in enumerate(self._ops):
+                self.at = at
                 code = op[0]
                 if code <= _W:
                     self._compute(op, state, params, inputs, targets, recorder)
@@ -152,6 +156,7 @@ class DeviceRuntime:
         except BaseException as err:
             transport.abort(err)
             raise
+        self.at = -1
         return DeviceStep(
             grads=state.grads,
             loss=state.loss,
@@ -159,6 +164,12 @@ class DeviceRuntime:
             leftover=tuple(b for b, v in zip(self._buffers, state.values, strict=True) if v is not _EMPTY),
             events=tuple(recorder.events) if recorder is not None else (),
         )
+
+    def doing(self) -> str | None:
+        """The instruction being run (as the lowered program writes it), None outside
+        the program."""
+        at = self.at
+        return None if at < 0 else f"instruction {at} ({' '.join(str(self.program.instructions[at]).split())})"
 
     def _get(self, state: _StepState, slot: int) -> Any:
         value = state.values[slot]

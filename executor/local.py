@@ -196,7 +196,11 @@ class LocalBackend:
         model = compiled.model
         leaves = jax.tree_util.tree_leaves(params)
         returned = self._returned
-        if returned is None or len(returned) != len(leaves) or any(a is not b for a, b in zip(leaves, returned, strict=True)):
+        if (
+            returned is None
+            or len(returned) != len(leaves)
+            or any(a is not b for a, b in zip(leaves, returned, strict=True))
+        ):
             for worker in workers:
                 worker.load(leaves_by_index(leaves), None)
         update = None
@@ -290,8 +294,12 @@ class LocalBackend:
         for thread in threads:
             thread.start()
         work(0)
-        for thread in threads:
-            thread.join()
+        stalled = self._join(workers, threads, errors)
+        if stalled is not None:
+            # The stalled thread still holds its worker: the next step gets new ones.
+            self._returned = None
+            self._compiled = None
+            raise stalled
         failed = [err for err in errors if err is not None]
         if failed:
             if any(w.applied for w in workers):
@@ -300,6 +308,35 @@ class LocalBackend:
             # Devices that gave up because of another's failure only echo it.
             raise next((err for err in failed if not isinstance(err, PeerFailed)), failed[0])
         return tuple(r for r in results if r is not None)
+
+    def _join(
+        self,
+        workers: Sequence[Worker],
+        threads: Sequence[threading.Thread],
+        errors: Sequence[BaseException | None],
+    ) -> ExecutionError | None:
+        """Wait for the device threads (device d runs on ``threads[d - 1]``) at most
+        ``recv_timeout`` seconds after device 0 is done or failed: every device that
+        waits for another gives up within that time, so a thread still running then is
+        stalled. Return the error naming the first such device, else None."""
+        deadline = time.monotonic() + self.recv_timeout
+        pending = list(enumerate(threads, start=1))
+        while pending:
+            d, thread = pending[0]
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                break
+            pending.pop(0)
+        if not pending:
+            return None
+        d, _ = pending[0]
+        gave_up = next((err for err in errors if err is not None), None)
+        cause = f"; meanwhile: {gave_up}" if gave_up is not None else ""
+        return ExecutionError(
+            f"device {d} is stalled: still {workers[d].doing()} {self.recv_timeout:g} s after the "
+            f"other devices stopped (recv_timeout){cause}",
+            device=d,
+        )
 
 
 def leaves_by_index(leaves: Sequence[Any]) -> dict[int, Any]:

@@ -13,8 +13,8 @@ mesh that keeps each array's sharding (spec).
 from __future__ import annotations
 
 import threading
-from functools import partial
 from collections.abc import Hashable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 import jax

@@ -23,6 +23,7 @@ pipeline device on threads of this process, the Ray backend one per actor.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -112,6 +113,8 @@ class Worker:
         # Whether the last step got as far as the optimizer update (the resident state
         # of this device then no longer matches the other devices' if another failed).
         self.applied = False
+        # What the step is doing (see doing()), for a stalled device's error.
+        self.phase = "idle"
         local = self.runtime.stages
         self.local = tuple(sorted(local))
         # Where each leaf a local stage uses is kept (the same spec on every stage).
@@ -168,7 +171,9 @@ class Worker:
         ``keep_grads`` (and no ``update``) the summed gradients are returned."""
         self.applied = False
         model = self.model
+        timeout = self.runtime.recv_timeout
         params = {s: tuple(self.leaves[i] for i in model.stage_params[s]) for s in self.local}
+        self.phase = "program"
         result = self.runtime.run_step(
             transport,
             params,
@@ -176,15 +181,20 @@ class Worker:
             self.microbatches(targets, self._target_layout),
             recorder=recorder,
         )
+        self.phase = "waiting for its stages' gradients and loss"
         for s, stage_grads in result.grads.items():
-            _computed(stage_grads, s, self.index, "accumulating its gradients")
+            _computed(stage_grads, s, self.index, "accumulating its gradients", timeout=timeout)
         if result.loss is not None:
-            _computed(result.loss, model.num_stages - 1, self.index, "computing the loss")
+            _computed(result.loss, model.num_stages - 1, self.index, "computing the loss", timeout=timeout)
+        self.phase = "summing shared gradients"
         grads = self._sum_shared(transport, result.grads)
         if update is not None:
+            self.phase = "waiting for every device to finish its program"
             self._barrier(transport)
             self.applied = True
+            self.phase = "applying the optimizer update"
             self._update(transport, update, grads)
+        self.phase = "idle"
         return WorkerStep(
             loss=result.loss,
             grads=grads if keep_grads and update is None else {},
@@ -192,6 +202,13 @@ class Worker:
             leftover=result.leftover,
             events=result.events,
         )
+
+    def doing(self) -> str:
+        """What the current step is doing, in words (read from another thread)."""
+        phase = self.phase
+        if phase == "program":
+            return f"running {self.runtime.doing() or 'its program'}"
+        return phase
 
     def microbatches(self, leaves: Sequence[Any], layout: Any) -> list[Leaves]:
         """The batch's ``leaves`` cut into this pipeline's microbatches along axis 0,
@@ -329,9 +346,7 @@ def compile_device(
     programs = {}
     for s in stages:
         idx = model.stage_params[s]
-        layout = StageLayout(
-            mesh, [specs[i] for i in idx], [model.param_avals[i] for i in idx], zero=zero, leaves=idx
-        )
+        layout = StageLayout(mesh, [specs[i] for i in idx], [model.param_avals[i] for i in idx], zero=zero, leaves=idx)
         programs[s] = compile_stage(
             model, s, num_microbatches=num_microbatches, remat=remat[s], device=placement[s], layout=layout
         )
@@ -345,9 +360,24 @@ def _unstack(count: int, sharding: NamedSharding) -> Callable[[Any], tuple[Any, 
     return jax.jit(lambda x: tuple(x[m] for m in range(count)), out_shardings=(sharding,) * count)
 
 
-def _computed(value: Any, stage: int, device: int, what: str) -> None:
-    """Wait for ``value``; an error of the computation that produced it is raised as
-    stage ``stage``'s failure."""
+def _computed(value: Any, stage: int, device: int, what: str, *, timeout: float) -> None:
+    """Wait at most ``timeout`` seconds for ``value``; an error of the computation that
+    produced it is raised as stage ``stage``'s failure, and so is a computation that
+    does not finish in time (a stalled stage must not hang the step)."""
+    leaves = [v for v in jax.tree_util.tree_leaves(value) if isinstance(v, jax.Array)]
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while not all(v.is_ready() for v in leaves):
+        if time.monotonic() > deadline:
+            raise ExecutionError(
+                f"device {device}: stage {stage}'s computation did not finish within {timeout:g} s "
+                f"while {what} (a stalled stage, or one of the devices it depends on); raise "
+                "recv_timeout if stages really take that long",
+                stage=stage,
+                device=device,
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)  # short waits stay cheap, long ones spin little
     try:
         jax.block_until_ready(value)
     except Exception as err:  # XLA reports a failed computation where its result is read

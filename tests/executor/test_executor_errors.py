@@ -127,6 +127,32 @@ def test_receive_times_out_instead_of_hanging() -> None:
         runtime.run_step(LocalExchange(pipe.backend.meshes).endpoint(1), {1: (jnp.eye(WIDTH),)}, (), targets)
 
 
+def test_stalled_stage_is_named_within_a_bounded_wait() -> None:
+    stall = 6.0  # seconds; recv_timeout is 1 s
+
+    def sleep(x: Any) -> None:
+        time.sleep(stall)
+
+    def stuck(p: jax.Array, x: jax.Array) -> jax.Array:
+        jax.debug.callback(sleep, x)
+        return dense(p, x)
+
+    pipe = Pipeline([dense, stuck], loss=mse, schedule=one_f_one_b(microbatches=2), recv_timeout=1.0)
+    pipe.compile(params(), batch(4))
+    start = time.perf_counter()
+    with pytest.raises(ExecutionError) as info:
+        pipe.value_and_grad(params(), batch(4))
+    took = time.perf_counter() - start
+    # The stalled device is named with what it was doing, and the neighbour's timeout
+    # names the device it waited on; the step fails within about two receive timeouts,
+    # long before the stage wakes up.
+    assert info.value.device == 1
+    assert "device 1 is stalled: still running instruction" in str(info.value)
+    assert "1F0" in str(info.value)
+    assert "device 0 waited 1 s for" in str(info.value) and "from device 1" in str(info.value)
+    assert took < stall - 1.0
+
+
 def test_too_few_devices_says_how_to_get_more() -> None:
     schedule = one_f_one_b(pp=16, microbatches=16)
     with pytest.raises(ExecutionError, match="XLA_FLAGS=--xla_force_host_platform_device_count=16"):
