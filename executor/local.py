@@ -320,23 +320,17 @@ class LocalBackend:
         waits for another gives up within that time, so a thread still running then is
         stalled. Return the error naming the first such device, else None."""
         deadline = time.monotonic() + self.recv_timeout
-        pending = list(enumerate(threads, start=1))
-        while pending:
-            d, thread = pending[0]
+        for d, thread in enumerate(threads, start=1):
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
-                break
-            pending.pop(0)
-        if not pending:
-            return None
-        d, _ = pending[0]
-        gave_up = next((err for err in errors if err is not None), None)
-        cause = f"; meanwhile: {gave_up}" if gave_up is not None else ""
-        return ExecutionError(
-            f"device {d} is stalled: still {workers[d].doing()} {self.recv_timeout:g} s after the "
-            f"other devices stopped (recv_timeout){cause}",
-            device=d,
-        )
+                gave_up = next((err for err in errors if err is not None), None)
+                cause = f"; meanwhile: {gave_up}" if gave_up is not None else ""
+                return ExecutionError(
+                    f"device {d} is stalled: still {workers[d].doing()} {self.recv_timeout:g} s after the "
+                    f"other devices stopped (recv_timeout){cause}",
+                    device=d,
+                )
+        return None
 
 
 def leaves_by_index(leaves: Sequence[Any]) -> dict[int, Any]:

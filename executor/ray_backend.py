@@ -183,7 +183,16 @@ class RayRunner:
         ``example_inputs``/``example_targets`` give one microbatch's shapes (see
         :meth:`pipedsl.executor.pipeline.Pipeline.step`)."""
         self._check_open()
-        schedule = self.program.schedule
+        layout = self._prepared(params, example_inputs, example_targets)
+        update = self._prepare_update(optimizer, opt_state, layout) if optimizer is not None else None
+        reports = self._run(inputs, targets, update=update, record=record, return_grads=optimizer is None)
+        if update is not None:
+            self._shipped.add(update.optimizer_id)
+        return self._result(reports, layout, trained=optimizer is not None, record=record)
+
+    def _prepared(self, params: Any, example_inputs: Any, example_targets: Any) -> _Layout:
+        """The layout of these parameters and shapes, installed on the actors, with
+        ``params`` loaded there unless they are the resident handle."""
         if isinstance(params, Resident):
             self._check(params, "params")
             tree = self._params
@@ -194,42 +203,57 @@ class RayRunner:
             self._install(layout)
         if not isinstance(params, Resident):
             self._load_params(params, layout)
-        update = self._prepare_update(optimizer, opt_state, layout) if optimizer is not None else None
+        return layout
+
+    def _run(
+        self,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        *,
+        update: RayUpdate | None,
+        record: bool,
+        return_grads: bool,
+    ) -> list[StepReport]:
+        """One ``run_step`` call per actor (the batch to the first and last stages'
+        actors); every device's report, failures raised."""
+        schedule = self.program.schedule
         n = schedule.num_devices
         first, last = schedule.placement[0], schedule.placement[-1]
         step = self.devices.next_step()
         origin = time.time() if record else None
-        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * self.devices.num_devices
         host_inputs, host_targets = jax.device_get(list(inputs)), jax.device_get(list(targets))
+        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * self.devices.num_devices
         for d in range(n):
             args[d] = (
                 (self.key, step, host_inputs if d == first else [], host_targets if d == last else []),
                 {
                     "update": update,
                     "origin": None if origin is None else origin + self.devices.offsets[d],
-                    "return_grads": optimizer is None,
+                    "return_grads": return_grads,
                 },
             )
         reports = self.devices.call(
             "run_step", args, what=f"a step of {schedule.name!r}", step=step, stages=self._stages_on
         )[:n]
         self._raise_failures(reports)
-        done: list[StepReport] = reports
-        if optimizer is not None:
-            self._shipped.add(update.optimizer_id)  # type: ignore[union-attr]
+        return reports
+
+    def _result(self, reports: Sequence[StepReport], layout: _Layout, *, trained: bool, record: bool) -> StepResult:
+        """The step's result from the devices' reports: gradients on the driver, or new
+        handles to the resident parameters and optimizer state."""
+        schedule = self.program.schedule
         timeline = None
         if record:
-            timeline = measured_timeline([r.events for r in done], name=schedule.name, num_devices=n)
-        loss = done[last].loss
+            timeline = measured_timeline([r.events for r in reports], name=schedule.name, num_devices=len(reports))
         common: dict[str, Any] = {
-            "loss": loss,
+            "loss": reports[schedule.placement[-1]].loss,
             "timeline": timeline,
-            "peak_held": tuple(r.peak_held for r in done),
-            "leftover": tuple(r.leftover for r in done),
+            "peak_held": tuple(r.peak_held for r in reports),
+            "leftover": tuple(r.leftover for r in reports),
         }
-        if optimizer is None:
+        if not trained:
             leaves: list[Any] = [None] * len(layout.model.param_avals)
-            for report in done:
+            for report in reports:
                 for i, g in report.grads.items():
                     leaves[i] = g
             grads = jax.tree_util.tree_unflatten(layout.model.param_treedef, leaves)
@@ -357,7 +381,10 @@ class RayRunner:
         spec = self.devices.put(layout.spec)
         n = self.program.schedule.num_devices
         args = [
-            ((self.key, self.program.devices[d], layout.model_id, spec), {"num_devices": n, "recv_timeout": self._recv_timeout})
+            (
+                (self.key, self.program.devices[d], layout.model_id, spec),
+                {"num_devices": n, "recv_timeout": self._recv_timeout},
+            )
             for d in range(n)
         ]
         try:

@@ -78,7 +78,7 @@ def resharder(mesh: Mesh) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(value)
         sources = tuple(getattr(v, "sharding", None) for v in leaves)
         key = (treedef, sources)
-        mover = movers.get(key)
+        mover: Any = movers.get(key)
         if mover is None:
             goals = tuple(target(s) for s in sources)
             if all(g is s for g, s in zip(goals, sources, strict=True)):

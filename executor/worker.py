@@ -23,7 +23,7 @@ pipeline device on threads of this process, the Ray backend one per actor.
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -182,10 +182,17 @@ class Worker:
             recorder=recorder,
         )
         self.phase = "waiting for its stages' gradients and loss"
+        if not _finished((result.grads, result.loss), timeout):
+            raise ExecutionError(
+                f"device {self.index}'s gradients and loss were not computed within {timeout:g} s of its "
+                "program's end (a stalled stage here or on a device it depends on); raise recv_timeout "
+                "if stages really take that long",
+                device=self.index,
+            )
         for s, stage_grads in result.grads.items():
-            _computed(stage_grads, s, self.index, "accumulating its gradients", timeout=timeout)
+            _computed(stage_grads, s, self.index, "accumulating its gradients")
         if result.loss is not None:
-            _computed(result.loss, model.num_stages - 1, self.index, "computing the loss", timeout=timeout)
+            _computed(result.loss, model.num_stages - 1, self.index, "computing the loss")
         self.phase = "summing shared gradients"
         grads = self._sum_shared(transport, result.grads)
         if update is not None:
@@ -360,25 +367,27 @@ def _unstack(count: int, sharding: NamedSharding) -> Callable[[Any], tuple[Any, 
     return jax.jit(lambda x: tuple(x[m] for m in range(count)), out_shardings=(sharding,) * count)
 
 
-def _computed(value: Any, stage: int, device: int, what: str, *, timeout: float) -> None:
-    """Wait at most ``timeout`` seconds for ``value``; an error of the computation that
-    produced it is raised as stage ``stage``'s failure, and so is a computation that
-    does not finish in time (a stalled stage must not hang the step)."""
-    leaves = [v for v in jax.tree_util.tree_leaves(value) if isinstance(v, jax.Array)]
-    deadline = time.monotonic() + timeout
-    pause = 1e-5
-    while not all(v.is_ready() for v in leaves):
-        if time.monotonic() > deadline:
-            raise ExecutionError(
-                f"device {device}: stage {stage}'s computation did not finish within {timeout:g} s "
-                f"while {what} (a stalled stage, or one of the devices it depends on); raise "
-                "recv_timeout if stages really take that long",
-                stage=stage,
-                device=device,
-            )
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)  # short waits stay cheap, long ones spin little
+def _computed(value: Any, stage: int, device: int, what: str) -> None:
+    """Wait for ``value``; an error of the computation that produced it is raised as
+    stage ``stage``'s failure."""
     try:
         jax.block_until_ready(value)
     except Exception as err:  # XLA reports a failed computation where its result is read
         raise stage_failure(stage, device, what, err) from err
+
+
+def _finished(value: Any, timeout: float) -> bool:
+    """Whether every array of ``value`` is computed (or failed) within ``timeout``
+    seconds: the wait happens on a helper thread, as JAX's own wait has no bound."""
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            jax.block_until_ready(value)
+        except Exception:  # noqa: S110  # the caller's own wait reports it, blamed on its stage
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="pipedsl-wait", daemon=True).start()
+    return done.wait(timeout)
