@@ -40,7 +40,7 @@ from pipedsl.executor.split import marked_model
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder, measured_timeline
-from pipedsl.executor.transport import LocalExchange
+from pipedsl.executor.transport import LocalExchange, resharder
 from pipedsl.executor.worker import Update, Worker, WorkerStep, compile_device
 from pipedsl.program import Program
 
@@ -90,6 +90,7 @@ class LocalBackend:
         self.config = mesh
         self.meshes = build_meshes(schedule.num_devices, mesh, devices=devices, what=f"schedule {schedule.name!r}")
         self.recv_timeout = recv_timeout
+        self._movers = tuple(resharder(m) for m in self.meshes)  # kept: each caches its copies
         self._stages = stages
         self._model_fn = model_fn
         self._loss = loss
@@ -268,7 +269,7 @@ class LocalBackend:
     ) -> tuple[WorkerStep, ...]:
         schedule = self.program.schedule
         first, last = schedule.placement[0], schedule.placement[-1]
-        exchange = LocalExchange(self.meshes)
+        exchange = LocalExchange(self._movers)
         origin = time.perf_counter()
         results: list[WorkerStep | None] = [None] * len(workers)
         errors: list[BaseException | None] = [None] * len(workers)

@@ -13,7 +13,7 @@ mesh that keeps each array's sharding (spec).
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -112,13 +112,14 @@ def _put(leaves: tuple[Any, ...], *, goals: tuple[NamedSharding, ...]) -> Any:
 class LocalExchange:
     """The mailboxes shared by the local devices for one step.
 
-    ``meshes[d]`` is the mesh that pipeline device ``d`` runs on. A value sent to ``d``
-    is put on ``meshes[d]`` (asynchronously: ``device_put`` returns before the copy is
-    done, and a computation that reads it waits for it).
+    ``movers[d]`` puts a value on the mesh that pipeline device ``d`` runs on (a
+    :func:`resharder`, made once per backend: it caches what it compiles). A value sent
+    to ``d`` goes through it asynchronously: the copy is dispatched, and a computation
+    that reads the value waits for it.
     """
 
-    def __init__(self, meshes: Sequence[Mesh]) -> None:
-        self.movers = tuple(resharder(mesh) for mesh in meshes)
+    def __init__(self, movers: Sequence[Callable[[Any], Any]]) -> None:
+        self.movers = tuple(movers)
         self._lock = threading.Condition()
         self._mail: dict[tuple[Hashable, int], Any] = {}
         self._failed: int | None = None  # the first device that reported a failure

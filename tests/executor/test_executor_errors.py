@@ -13,7 +13,7 @@ import pipedsl
 from pipedsl.errors import PipedslError
 from pipedsl.executor import ExecutionError, Pipeline, stage_boundary
 from pipedsl.executor.interpreter import DeviceRuntime
-from pipedsl.executor.transport import LocalExchange
+from pipedsl.executor.transport import LocalExchange, resharder
 from pipedsl.ir import Schedule
 
 WIDTH = 4
@@ -123,8 +123,9 @@ def test_receive_times_out_instead_of_hanging() -> None:
     runtime = DeviceRuntime(pipe.program.devices[1], dict(enumerate(programs)), recv_timeout=0.2)
     # Device 0 never runs, so device 1's first receive can only time out.
     targets = [(jnp.zeros((2, WIDTH)),)] * 4
+    exchange = LocalExchange([resharder(m) for m in pipe.backend.meshes])
     with pytest.raises(ExecutionError, match="device 1 waited 0.2 s for act\\(0,0\\) from device 0"):
-        runtime.run_step(LocalExchange(pipe.backend.meshes).endpoint(1), {1: (jnp.eye(WIDTH),)}, (), targets)
+        runtime.run_step(exchange.endpoint(1), {1: (jnp.eye(WIDTH),)}, (), targets)
 
 
 def test_stalled_stage_is_named_within_a_bounded_wait() -> None:
