@@ -6,8 +6,8 @@ program, or the worker's own keys for gradient sums and parameter hand-outs), wa
 one from another device (always with a timeout), and tell every peer that this device
 failed so that none of them waits in vain. A backend supplies the implementation; this
 module holds the one for the local backend, where every pipeline device is a mesh of
-JAX devices of the same process and a transfer is a ``jax.device_put`` to the receiver's
-mesh that keeps each array's sharding (spec).
+JAX devices of the same process and a transfer is a copy to the receiver's mesh that
+keeps each array's sharding (spec).
 """
 
 from __future__ import annotations
