@@ -100,15 +100,16 @@ class Measurement:
         )
 
 
-def demo_transformer(num_stages: int, *, what: str = "the schedule") -> Any:
-    """The executor's built-in transformer at :data:`DEMO_MODEL`'s shape, its layers split
-    evenly over ``num_stages`` stages (a :class:`~pipedsl.executor.models.BuiltinModel`)."""
+def demo_transformer(num_stages: int, *, what: str = "the schedule", layers: int = DEMO_MODEL.layers) -> Any:
+    """The executor's built-in transformer at :data:`DEMO_MODEL`'s shape (or with fewer
+    ``layers``), its layers split evenly over ``num_stages`` stages (a
+    :class:`~pipedsl.executor.models.BuiltinModel`)."""
     from pipedsl.executor.models import transformer
 
-    if num_stages < 1 or DEMO_MODEL.layers % num_stages:
+    if num_stages < 1 or layers % num_stages:
         raise PipedslError(
-            f"{what} has {num_stages} stages; the demo transformer's {DEMO_MODEL.layers} layers "
-            "split evenly only over 1, 2 or 4"
+            f"{what} has {num_stages} stages; the demo transformer's {layers} layers "
+            "split evenly only over a number of stages that divides them"
         )
     return transformer(
         num_stages=num_stages,
@@ -116,7 +117,7 @@ def demo_transformer(num_stages: int, *, what: str = "the schedule") -> Any:
         dim=DEMO_MODEL.hidden,
         heads=DEMO_MODEL.heads,
         seq=DEMO_MODEL.seq_len,
-        layers_per_stage=DEMO_MODEL.layers // num_stages,
+        layers_per_stage=layers // num_stages,
     )
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import pipedsl
 from pipedsl.simulator import CostModel, simulate
-from pipedsl.simulator.calibrate import CalibrationError, fit_costs
+from pipedsl.simulator.cost_fit import CalibrationError, fit_costs
 from pipedsl.timeline import Event, EventKind, Timeline
 
 
