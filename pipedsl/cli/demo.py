@@ -31,7 +31,7 @@ from rich.table import Table
 
 from pipedsl.cli.calibrate import DEMO_MODEL, Measurement, demo_transformer, measure
 from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
-from pipedsl.cli.machine import calibrate_machine
+from pipedsl.cli.machine import MachineCalibration, calibrate_machine
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
@@ -44,9 +44,10 @@ from pipedsl.simulator import (
     summarize,
 )
 
-__all__ = ["register", "DEMO_MODEL"]
+__all__ = ["register", "DEMO_MODEL", "GLOBAL_BATCH", "calibrated_search", "plans_to_run"]
 
-_GLOBAL_BATCH = 32
+GLOBAL_BATCH = 32
+"""Sequences per step of every plan the demo searches and runs."""
 # Each action costs tens of microseconds of dispatch on CPU, which the FLOP-based plan
 # estimate does not see; microbatches of a few sequences keep that overhead small.
 _MIN_RUN_MICROBATCH = 4
@@ -80,19 +81,26 @@ def _library(console: Console) -> None:
 # --- 2. this machine as a cluster, and the plan search -------------------------------
 
 
-def _plans(console: Console, devices: int, out: Path) -> Any:
-    console.rule("[bold]2. Plans for the demo transformer on this machine")
-    console.print(f"Calibrating this machine once ({devices} CPU devices, every one busy) ...", highlight=False)
+def calibrated_search(devices: int) -> tuple[MachineCalibration, Any]:
+    """Calibrate this machine once as ``devices`` devices, then rank every plan of the demo
+    transformer on it (a :func:`~pipedsl.simulator.search` frame)."""
     calibration = calibrate_machine(
         devices, DEMO_MODEL, lambda layers: demo_transformer(1, layers=layers), microbatch_size=_MIN_RUN_MICROBATCH
     )
-    console.print(f"this machine: {calibration.describe()}", highlight=False)
     # The executor's attention is plain (no fused kernel), and on CPU a collective runs
     # on the cores the computation needs, so none of it hides behind the computation.
     frame = search(
-        DEMO_MODEL, calibration.cluster, devices, global_batch=_GLOBAL_BATCH, reduce_bytes=4,
+        DEMO_MODEL, calibration.cluster, devices, global_batch=GLOBAL_BATCH, reduce_bytes=4,
         flash_attention=False, dp_overlap=0.0,
     )  # fmt: skip
+    return calibration, frame
+
+
+def _plans(console: Console, devices: int, out: Path) -> Any:
+    console.rule("[bold]2. Plans for the demo transformer on this machine")
+    console.print(f"Calibrating this machine once ({devices} CPU devices, every one busy) ...", highlight=False)
+    calibration, frame = calibrated_search(devices)
+    console.print(f"this machine: {calibration.describe()}", highlight=False)
     frame.to_csv(out / "plans.csv", index=False)
     summary = summarize(frame)
     best = ([summary.best_spmd] if summary.best_spmd is not None else []) + list(summary.best_by_schedule)
@@ -139,7 +147,7 @@ def _fits_demo_model(plan: PlannedRun) -> bool:
     )
 
 
-def _to_run(frame: Any, devices: int, top: int) -> list[PlannedRun]:
+def plans_to_run(frame: Any, devices: int, top: int) -> list[PlannedRun]:
     """The best SPMD plan, the best hybrid plan and the best pure pipelines over every
     device that the executor can run on the demo transformer (at most ``top`` runs)."""
     plans = [PlannedRun.from_row(row.to_dict()) for _, row in frame.iterrows()]
@@ -158,7 +166,7 @@ def _to_run(frame: Any, devices: int, top: int) -> list[PlannedRun]:
 
 
 def _runs(console: Console, frame: Any, *, devices: int, top: int, steps: int, backend: str, out: Path) -> list[Measurement]:
-    plans = _to_run(frame, devices, top)
+    plans = plans_to_run(frame, devices, top)
     console.rule(f"[bold]3. Running {len(plans)} ranked plans for real ({backend} backend, {devices} devices)")
     if not plans:
         raise PipedslError(f"no ranked plan over {devices} devices fits the demo transformer; nothing to run")
