@@ -1,18 +1,20 @@
 """Hybrid and SPMD plans of the demo transformer on eight CPU devices, on one executor.
 
-Step times (medians, timed in turn so that load drifts hit all alike) of:
-
-- SPMD plans (``pp = 1``: one stage over the whole mesh, gradient accumulation over the
-  microbatches): ``dp=8``, ``dp=4 tp=2``, ``dp=8 zero=3``;
-- a hybrid plan: 1F1B with ``pp=2``, each pipeline device a ``dp=2 x tp=2`` mesh;
-- one ``jax.jit`` of the same ``dp=8`` step (the microbatch loop of ``value_and_grad`` in one
-  program, batch sharded over eight devices): the floor the executor's SPMD step is
-  compared with (its overhead ratio; target within 1.3x).
+1. Predicted against measured: this machine is calibrated once (``pipedsl.cli.machine``),
+   the demo transformer's plans are searched on it, and the best SPMD plan and the best
+   hybrid plan (data or tensor parallel stage meshes in a pipeline) that it splits into
+   are run for real: the search's step time against the median measured training step
+   (Adam; timed in turn so that load drifts hit both alike).
+2. Overhead: the executor's ``dp=8`` SPMD step (``value_and_grad``, ``pp = 1``: one stage
+   over the whole mesh, gradient accumulation over the microbatches) against one
+   ``jax.jit`` of the same step (the microbatch loop of ``value_and_grad`` in one
+   program, batch sharded over eight devices): target within 1.3x. ``dp=4 tp=2``,
+   ``dp=8 zero=3`` and a ``pp=2`` hybrid with ``dp=2 x tp=2`` meshes are timed beside it.
 
 The model is the demo's transformer (4 layers, hidden 128, 4 heads, sequence 64, vocab
 512; ``executor/models.py``) with its Megatron specs.
 
-    python bench/bench_hybrid.py [--batch 64] [--microbatches 4] [--repeat 5]
+    python bench/bench_hybrid.py [--batch 64] [--microbatches 4] [--repeat 5] [--skip-plans]
 """
 
 from __future__ import annotations
@@ -32,9 +34,63 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--skip-plans", action="store_true", help="only the overhead part (2)")
     args = parser.parse_args()
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
+    if not args.skip_plans:
+        predicted_against_measured(args.repeat)
+    overhead(args)
+
+
+def _train(plan: Any) -> Any:
+    """A function that runs one training step of ``plan`` (a ranked plan) and returns its
+    new state, carrying the state from call to call."""
+    import jax
+    import optax
+
+    from pipedsl.cli.calibrate import demo_transformer
+    from pipedsl.executor import Pipeline
+
+    schedule = plan.schedule_of()
+    model = demo_transformer(schedule.num_stages)
+    key = jax.random.PRNGKey(0)
+    batch = model.batch(jax.random.fold_in(key, 1), plan.global_batch)
+    params = model.init_stages(key)
+    specs = model.param_specs(params) if plan.tp > 1 else None
+    pipe = Pipeline(
+        model.stages, loss=model.loss, schedule=schedule, dp=plan.dp, tp=plan.tp, zero=plan.zero, param_specs=specs
+    )
+    optimizer = optax.adam(3e-3)
+    state: list[Any] = [params, None]
+
+    def step() -> Any:
+        state[0], state[1], _ = pipe.train_step(state[0], state[1], batch, optimizer=optimizer)
+        return state[0]
+
+    return step
+
+
+def predicted_against_measured(repeat: int) -> None:
+    """Part 1 of the module docstring."""
+    from pipedsl.cli.demo import calibrated_search, plans_to_run
+
+    calibration, frame = calibrated_search(DEVICES)
+    print(f"this machine: {calibration.describe()}")
+    runs = plans_to_run(frame, DEVICES, top=2)
+    plans = {f"{p.kind} {p.label()}": p for p in runs if p.kind in ("spmd", "hybrid")}
+    times = interleaved_medians({name: _train(plan) for name, plan in plans.items()}, repeat)
+    print(f"best SPMD and hybrid plans of {len(frame)} ranked (medians of {repeat} training steps)")
+    for name, plan in plans.items():
+        assert plan.planned_s is not None  # every searched plan has its step time
+        error = plan.planned_s / times[name] - 1.0
+        print(f"   {name:<52} predicted {plan.planned_s * 1e3:8.1f} ms, measured {times[name] * 1e3:8.1f} ms ({error:+.1%})")
+    order = sorted(plans, key=lambda n: plans[n].planned_s or 0.0) == sorted(plans, key=times.__getitem__)
+    print(f"   the predicted order {'agrees' if order else 'does not agree'} with the measured order")
+
+
+def overhead(args: argparse.Namespace) -> None:
+    """Part 2 of the module docstring."""
 
     import jax
     import numpy as np

@@ -12,7 +12,7 @@ a picture is drawn.
     (33.0, 0.2727)
 """
 
-from pipedsl.simulator.calibrate import CalibrationError, Fit, fit_costs
+from pipedsl.simulator.cost_fit import CalibrationError, Fit, fit_costs
 from pipedsl.simulator.costs import CostError, CostModel, StageCosts
 from pipedsl.simulator.engine import DeviceStats, Simulation, simulate
 from pipedsl.simulator.estimate import Estimate, estimate, prepare

@@ -324,6 +324,7 @@ class Prepared:
         latency, bandwidth, boundary_bytes = _transfer_costs(self.placement, self.shapes)
         return CostModel(
             forward=tuple(w.forward for w in work),
+            backward=tuple(w.fused_backward(self.shapes.cluster.action_overhead_s) for w in work),
             input_grad=tuple(w.input_grad for w in work),
             weight_grad=tuple(w.weight_grad for w in work),
             latency=latency,
@@ -337,8 +338,8 @@ class Prepared:
         if self.key is not None and self.pipelines is not None:
             timing = self.pipelines.timing(self.key, self.cost_model())
             return self.assemble(timing.makespan, timing.bubble_ratio, timing.simulation)
-        work = self.work
-        return self.assemble(self.plan.microbatches * (work[0].forward + work[0].backward), 0.0, None)
+        work, overhead = self.work, self.shapes.cluster.action_overhead_s
+        return self.assemble(self.plan.microbatches * (work[0].forward + work[0].fused_backward(overhead)), 0.0, None)
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle
@@ -361,7 +362,7 @@ class Prepared:
             mfu=model.model_flops_per_step(tokens) / (plan.gpus * cluster.peak_flops * step),
             memory=self.memory,
             stage_forward_s=tuple(w.forward for w in work),
-            stage_backward_s=tuple(w.backward for w in work),
+            stage_backward_s=tuple(w.fused_backward(cluster.action_overhead_s) for w in work),
             assumptions=assumptions(model, cluster, plan),
             simulation=simulation,
         )
@@ -416,7 +417,7 @@ def prepare(
         residual=residual,
         device_params=device_params,
         memory=memory,
-        lower_bound_s=_lower_bound(plan, work, key, pipelines) + sum(tails(shapes, work, placement, device_params)),
+        lower_bound_s=_lower_bound(plan, cluster.action_overhead_s, work, key, pipelines) + sum(tails(shapes, work, placement, device_params)),
     )
 
 
@@ -432,12 +433,14 @@ def _schedule_of(plan: Plan, pipelines: Pipelines | None) -> tuple[ScheduleKey |
 
 def _stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...]) -> tuple[Work, ...]:
     """Each stage's work per microbatch: its layers, the embedding on the first stage,
-    the head on the last, and the ZeRO traffic of its parameters, shape (S,)."""
+    the head on the last, the ZeRO traffic of its parameters, and the dispatch overhead
+    of each of its F, I and W actions (``action_overhead_s``), shape (S,)."""
     layer = shapes.layer_work()
     work = [layer * n for n in layers]
     work[0] = work[0] + shapes.embedding_work()
     work[-1] = work[-1] + shapes.head_work()
-    return tuple(w + zero_per_microbatch(shapes, p, w) for w, p in zip(work, params, strict=True))
+    overhead = Work(*(3 * (shapes.cluster.action_overhead_s,)))
+    return tuple(w + zero_per_microbatch(shapes, p, w) + overhead for w, p in zip(work, params, strict=True))
 
 
 def _device_params(plan: Plan, placement: tuple[int, ...], params: tuple[float, ...]) -> tuple[float, ...]:
@@ -485,10 +488,12 @@ def estimate(
     return prepared.finish()
 
 
-def _lower_bound(plan: Plan, work: Sequence[Work], key: ScheduleKey | None, pipelines: Pipelines | None) -> float:
+def _lower_bound(
+    plan: Plan, overhead: float, work: Sequence[Work], key: ScheduleKey | None, pipelines: Pipelines | None
+) -> float:
     """Seconds the forward/backward part takes at least (see :meth:`Pipelines.lower_bound_s`);
     for SPMD, exactly its microbatches × (F + B)."""
     if key is None or pipelines is None:
-        return plan.microbatches * (work[0].forward + work[0].backward)
-    seconds = np.array([[w.forward, w.backward, w.input_grad, w.weight_grad] for w in work]).T
+        return plan.microbatches * (work[0].forward + work[0].fused_backward(overhead))
+    seconds = np.array([[w.forward, w.fused_backward(overhead), w.input_grad, w.weight_grad] for w in work]).T
     return pipelines.lower_bound_s(key, seconds)

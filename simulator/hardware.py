@@ -215,6 +215,10 @@ class Cluster:
       matmul_half_flops: FLOPs of a matrix multiplication that reaches half of
         ``matmul_efficiency``; 0 prices every product at ``matmul_efficiency``.
       kernel_launch_s: fixed seconds per kernel (launch and tail), on top of its work.
+      action_overhead_s: fixed seconds per scheduled action (``F``, ``B``, ``I`` or ``W``
+        of one stage for one microbatch) on top of its kernels: the runtime's dispatch of
+        one stage program. 0 for a GPU cluster whose kernels are queued ahead; measured
+        for forced CPU devices (``pipedsl demo``), where Python dispatches every action.
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.
@@ -236,6 +240,7 @@ class Cluster:
     matmul_efficiency: float
     matmul_half_flops: float = 0.0
     kernel_launch_s: float = 0.0
+    action_overhead_s: float = 0.0
     memory_bytes: int
     reserved_bytes: int = 0
     hbm_bandwidth: float
@@ -258,7 +263,9 @@ class Cluster:
             _check_float(owner, name, getattr(self, name))
         for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
             _check_float(owner, name, getattr(self, name), high=1.0)
-        for name in ("intra_node_latency", "inter_node_latency", "matmul_half_flops", "kernel_launch_s"):
+        for name in (
+            "intra_node_latency", "inter_node_latency", "matmul_half_flops", "kernel_launch_s", "action_overhead_s"
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise DescriptionError(f"{owner}: {name} must be a number >= 0, got {value!r}")

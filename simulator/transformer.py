@@ -79,6 +79,11 @@ class Work:
     def backward(self) -> float:
         return self.input_grad + self.weight_grad
 
+    def fused_backward(self, action_overhead: float) -> float:
+        """Seconds of a fused ``B`` when ``I`` and ``W`` each carry one action's
+        ``action_overhead`` seconds: one action, so one overhead."""
+        return self.backward - action_overhead
+
 
 @dataclass(frozen=True, slots=True)
 class Shapes:

@@ -36,6 +36,7 @@ from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
 from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
+from pipedsl.timeline import Timeline
 
 __all__ = ["DEMO_MODEL", "Measurement", "demo_transformer", "measure", "backend_for", "results_table", "register"]
 
@@ -100,15 +101,16 @@ class Measurement:
         )
 
 
-def demo_transformer(num_stages: int, *, what: str = "the schedule") -> Any:
-    """The executor's built-in transformer at :data:`DEMO_MODEL`'s shape, its layers split
-    evenly over ``num_stages`` stages (a :class:`~pipedsl.executor.models.BuiltinModel`)."""
+def demo_transformer(num_stages: int, *, what: str = "the schedule", layers: int = DEMO_MODEL.layers) -> Any:
+    """The executor's built-in transformer at :data:`DEMO_MODEL`'s shape (or with fewer
+    ``layers``), its layers split evenly over ``num_stages`` stages (a
+    :class:`~pipedsl.executor.models.BuiltinModel`)."""
     from pipedsl.executor.models import transformer
 
-    if num_stages < 1 or DEMO_MODEL.layers % num_stages:
+    if num_stages < 1 or layers % num_stages:
         raise PipedslError(
-            f"{what} has {num_stages} stages; the demo transformer's {DEMO_MODEL.layers} layers "
-            "split evenly only over 1, 2 or 4"
+            f"{what} has {num_stages} stages; the demo transformer's {layers} layers "
+            "split evenly only over a number of stages that divides them"
         )
     return transformer(
         num_stages=num_stages,
@@ -116,7 +118,7 @@ def demo_transformer(num_stages: int, *, what: str = "the schedule") -> Any:
         dim=DEMO_MODEL.hidden,
         heads=DEMO_MODEL.heads,
         seq=DEMO_MODEL.seq_len,
-        layers_per_stage=DEMO_MODEL.layers // num_stages,
+        layers_per_stage=layers // num_stages,
     )
 
 
@@ -134,6 +136,44 @@ def _wait(state: Any, backend: Any) -> None:
         jax.block_until_ready(state)
 
 
+def _pipeline(schedule: Schedule, microbatch_size: int, backend: Any, plan: PlannedRun | None) -> tuple[Any, Any, Any]:
+    """(pipeline, initial parameters, batch) of the demo transformer under ``schedule``."""
+    import jax
+
+    from pipedsl.executor import Pipeline
+
+    model = demo_transformer(schedule.num_stages, what=_label(schedule))
+    dp, tp, zero = (1, 1, 0) if plan is None else (plan.dp, plan.tp, plan.zero)
+    key = jax.random.PRNGKey(0)
+    batch = model.batch(jax.random.fold_in(key, 1), microbatch_size * schedule.num_microbatches * dp)
+    params = model.init_stages(key)
+    specs = model.param_specs(params) if tp > 1 else None
+    pipe = Pipeline(
+        model.stages, loss=model.loss, schedule=schedule, backend=backend, dp=dp, tp=tp, zero=zero, param_specs=specs
+    )
+    return pipe, params, batch
+
+
+def _recorded_steps(
+    pipe: Any, state: Any, opt_state: Any, batch: Any, *, optimizer: Any, backend: Any, losses: list[float]
+) -> tuple[Any, Any, list[Timeline], list[float]]:
+    """Run :data:`_RECORDED_STEPS` recorded training steps: (state, optimizer state, their
+    timelines, the seconds each step spent outside its timeline); appends their losses."""
+    # Medians over a few recorded steps: one step of few microbatches is noisy.
+    recorded, outside = [], []
+    for _ in range(_RECORDED_STEPS):
+        start = time.perf_counter()
+        result = pipe.step(state, batch, optimizer=optimizer, opt_state=opt_state, record=True)
+        state, opt_state = result.params, result.opt_state
+        losses.append(float(result.loss))
+        _wait(state, backend)
+        wall = time.perf_counter() - start
+        assert result.timeline is not None  # asked for with record=True
+        recorded.append(result.timeline)
+        outside.append(max(wall - result.timeline.makespan, 0.0))
+    return state, opt_state, recorded, outside
+
+
 def measure(
     schedule: Schedule, *, microbatch_size: int, backend: Any, steps: int, plan: PlannedRun | None = None
 ) -> Measurement:
@@ -143,39 +183,19 @@ def measure(
     With ``plan``, every pipeline device is a ``dp x tp`` mesh with the plan's ZeRO stage,
     and ``microbatch_size`` is per data-parallel replica.
     """
-    import jax
     import optax
 
-    from pipedsl.executor import Pipeline
-
-    model = demo_transformer(schedule.num_stages, what=_label(schedule))
-    dp, tp, zero = (1, 1, 0) if plan is None else (plan.dp, plan.tp, plan.zero)
-    key = jax.random.PRNGKey(0)
-    batch = model.batch(jax.random.fold_in(key, 1), microbatch_size * schedule.num_microbatches * dp)
-    state: Any = model.init_stages(key)
-    specs = model.param_specs(state) if tp > 1 else None
-    pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=schedule, backend=backend, dp=dp, tp=tp, zero=zero, param_specs=specs
-    )
+    pipe, state, batch = _pipeline(schedule, microbatch_size, backend, plan)
     try:
         optimizer = optax.adam(3e-3)
         opt_state = None
-        losses = []
+        losses: list[float] = []
         for _ in range(2):
             state, opt_state, loss = pipe.train_step(state, opt_state, batch, optimizer=optimizer)
             losses.append(float(loss))
-        # Medians over a few recorded steps: one step of few microbatches is noisy.
-        recorded, outside = [], []
-        for _ in range(_RECORDED_STEPS):
-            start = time.perf_counter()
-            result = pipe.step(state, batch, optimizer=optimizer, opt_state=opt_state, record=True)
-            state, opt_state = result.params, result.opt_state
-            losses.append(float(result.loss))
-            _wait(state, backend)
-            wall = time.perf_counter() - start
-            assert result.timeline is not None  # asked for with record=True
-            recorded.append(result.timeline)
-            outside.append(max(wall - result.timeline.makespan, 0.0))
+        state, opt_state, recorded, outside = _recorded_steps(
+            pipe, state, opt_state, batch, optimizer=optimizer, backend=backend, losses=losses
+        )
         # On Ray a send's copy to host, serialisation and actor call (measured as the
         # transfer) run in the sender's process beside its computation and slow it about
         # as much, so sends are modelled as blocking there.

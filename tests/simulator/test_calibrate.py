@@ -1,7 +1,9 @@
-"""Calibration recovers the cost model that produced a timeline."""
+"""Calibration recovers the cost model that produced a timeline, and the machine
+calibration recovers the latency, bandwidth and compute rate that produced its measurements."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,8 +13,10 @@ import numpy as np
 import pytest
 
 import pipedsl
-from pipedsl.simulator import CostModel, simulate
-from pipedsl.simulator.calibrate import CalibrationError, fit_costs
+from pipedsl.cli.machine import _fit_flops, _fit_ring
+from pipedsl.errors import PipedslError
+from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, simulate
+from pipedsl.simulator.cost_fit import CalibrationError, fit_costs
 from pipedsl.timeline import Event, EventKind, Timeline
 
 
@@ -104,3 +108,58 @@ def test_calibrate_rejects_a_model_the_schedule_cannot_split() -> None:
     )
     assert done.returncode == 2
     assert "split evenly" in done.stderr and "Traceback" not in done.stderr
+
+
+# --- the machine calibrated once (pipedsl.cli.machine), and what the estimate makes of it ---
+
+_CPU = Cluster(
+    name="cpu",
+    gpu="CPU device",
+    peak_flops=1e9,
+    matmul_efficiency=1.0,
+    memory_bytes=2**32,
+    hbm_bandwidth=1e9,
+    gpus_per_node=8,
+    intra_node_bandwidth=1e9,
+    intra_node_latency=1e-4,
+    inter_node_bandwidth=1e9,
+    inter_node_latency=1e-4,
+)
+_TINY = Model(name="tiny", layers=2, hidden=64, ffn_hidden=256, heads=2, seq_len=16, vocab=128)
+
+
+def test_each_action_pays_the_dispatch_overhead_and_a_fused_backward_pays_it_once() -> None:
+    overhead = 1e-3
+    slow = dataclasses.replace(_CPU, action_overhead_s=overhead)
+    spmd = Plan(dp=2, microbatch_size=2, global_batch=12)  # 3 microbatches: F and a fused B each
+    gap = estimate(_TINY, slow, spmd).pipeline_time_s - estimate(_TINY, _CPU, spmd).pipeline_time_s
+    assert gap == pytest.approx(3 * 2 * overhead)
+    # A zero-bubble pipeline runs I and W apart: three actions per microbatch per stage.
+    zb = Plan(pp=2, microbatch_size=1, global_batch=4, schedule="zb_h1")
+    split = estimate(_TINY, slow, zb)
+    assert split.stage_forward_s[0] - estimate(_TINY, _CPU, zb).stage_forward_s[0] == pytest.approx(overhead)
+    assert split.step_time_s > estimate(_TINY, _CPU, zb).step_time_s + 4 * 3 * overhead
+    with pytest.raises(PipedslError, match="action_overhead_s must be a number >= 0"):
+        dataclasses.replace(_CPU, action_overhead_s=-1.0)
+
+
+def test_ring_fit_recovers_latency_and_bandwidth() -> None:
+    alpha, bandwidth = 2e-4, 5e8
+    times = {(n, s): 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bandwidth for n in (2, 8) for s in (4096, 1 << 22)}
+    fitted_alpha, fitted_bandwidth = _fit_ring(times)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fitted_bandwidth == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_compute_rate_is_the_one_that_prices_the_measured_work() -> None:
+    plan = Plan(dp=8, microbatch_size=4, global_batch=32, flash_attention=False)
+    truth = estimate(_TINY, dataclasses.replace(_CPU, peak_flops=3e9), plan).pipeline_time_s
+    assert _fit_flops(_TINY, _CPU, 8, 4, truth) == pytest.approx(3e9, rel=1e-6)
+
+
+def test_demo_counts_the_pairs_of_runs_its_prediction_orders_as_measured() -> None:
+    from pipedsl.cli.demo import _pairs_agreeing
+
+    assert _pairs_agreeing([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == (3, 3)
+    assert _pairs_agreeing([1.0, 2.0, 3.0], [30.0, 20.0, 10.0]) == (0, 3)
+    assert _pairs_agreeing([1.0, 3.0, 2.0], [10.0, 20.0, 30.0]) == (2, 3)

@@ -1,4 +1,4 @@
-"""Calibration: fit the cost model to measured timelines.
+"""Fitting the cost model to measured timelines (what `pipedsl calibrate` runs on).
 
 A measured run (``pipedsl run --timeline``, or ``Pipeline.step(..., record=True)``)
 writes the same :class:`~pipedsl.timeline.Timeline` record the simulator produces. This
