@@ -121,34 +121,22 @@ def bench_overhead(repeat: int) -> None:
         schedule = load(library_path("1f1b"), pp=2, microbatches=microbatches)
         batch = model.batch(key, microbatches)
         counts.append(schedule.num_actions)
-        for variant in ("now", "device_put"):
-            pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule)
-            if variant == "device_put":
-                # The previous hop, in the same run: one jax.device_put per value sent.
-                pipe.backend._movers = tuple(_device_put_mover(m) for m in pipe.backend.meshes)
-            steps[(variant, microbatches)] = partial(pipe.value_and_grad, params, batch)
+        pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule)
+        steps[microbatches] = partial(pipe.value_and_grad, params, batch)
         instructions.append(pipe.program.num_instructions)
     times = _wall_and_cpu_medians(steps, repeat)
     print("\n2. interpreter overhead: 1F1B pp=2, one-row microbatches of a 4-wide one-layer MLP (compute negligible)")
-    print("   (wall and process CPU time; 'device_put' is the previous hop, one jax.device_put per value sent)")
-    fits = {}
-    for variant in ("now", "device_put"):
-        wall = [times[(variant, m)][0] for m in (4, 16, 64)]
-        cpu = [times[(variant, m)][1] for m in (4, 16, 64)]
-        for c, t, u in zip(counts, wall, cpu, strict=True):
-            print(f"   {variant:<10} {c:4d} actions: step {t * 1e3:6.2f} ms wall, {u * 1e3:6.2f} ms CPU")
-        # Step time = fixed cost per step + cost per action: a least-squares line.
-        per_action, fixed = np.polyfit(counts, wall, 1)
-        cpu_per_action = np.polyfit(counts, cpu, 1)[0]
-        per_instruction = np.polyfit(instructions, wall, 1)[0]
-        fits[variant] = (per_action, cpu_per_action)
-        print(
-            f"   {variant:<10} fit: {fixed * 1e3:.2f} ms per step + {per_action * 1e6:.0f} us per action wall, "
-            f"{cpu_per_action * 1e6:.0f} us CPU (= {per_instruction * 1e6:.0f} us wall per instruction)"
-        )
+    wall = [times[m][0] for m in (4, 16, 64)]
+    cpu = [times[m][1] for m in (4, 16, 64)]
+    for c, t, u in zip(counts, wall, cpu, strict=True):
+        print(f"   {c:4d} actions: step {t * 1e3:6.2f} ms wall, {u * 1e3:6.2f} ms CPU")
+    # Step time = fixed cost per step + cost per action: a least-squares line.
+    per_action, fixed = np.polyfit(counts, wall, 1)
+    cpu_per_action = np.polyfit(counts, cpu, 1)[0]
+    per_instruction = np.polyfit(instructions, wall, 1)[0]
     print(
-        f"   now / device_put per action: {fits['now'][0] / fits['device_put'][0]:.2f} wall, "
-        f"{fits['now'][1] / fits['device_put'][1]:.2f} CPU"
+        f"   fit: {fixed * 1e3:.2f} ms per step + {per_action * 1e6:.0f} us per action wall, "
+        f"{cpu_per_action * 1e6:.0f} us CPU (= {per_instruction * 1e6:.0f} us wall per instruction)"
     )
 
 
@@ -171,16 +159,6 @@ def _wall_and_cpu_medians(fns: dict[Any, Any], repeat: int) -> dict[Any, tuple[f
     return {
         name: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for name, ts in times.items()
     }
-
-
-def _device_put_mover(mesh: Any) -> Any:
-    import jax
-    from jax.sharding import NamedSharding
-
-    def move(value: Any) -> Any:
-        return jax.tree_util.tree_map(lambda v: jax.device_put(v, NamedSharding(mesh, v.sharding.spec)), value)
-
-    return move
 
 
 def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microbatch: int, repeat: int) -> None:

@@ -83,12 +83,10 @@ def resharder(mesh: Mesh) -> Any:
             goals = tuple(target(s) for s in sources)
             if all(g is s for g, s in zip(goals, sources, strict=True)):
                 mover = _UNCHANGED
-            elif all(isinstance(v, jax.Array) for v in leaves):
-                # A jitted identity whose arguments are placed by in_shardings: the copy
-                # to the receiver happens inside jit's dispatch, several times cheaper per
-                # array than jax.device_put (measured in bench/bench_executor.py).
-                mover = jax.jit(_identity, in_shardings=(goals,), out_shardings=goals)
             else:
+                # One jax.device_put per value. A jitted identity placed by in_shardings
+                # copied several times faster, but crashed the process (a segfault
+                # inside XLA) when one device thread ran it while another compiled.
                 mover = partial(_put, goals=goals)
             movers[key] = mover
         if mover is _UNCHANGED:
@@ -96,10 +94,6 @@ def resharder(mesh: Mesh) -> Any:
         return jax.tree_util.tree_unflatten(treedef, mover(tuple(leaves)))
 
     return move
-
-
-def _identity(leaves: tuple[Any, ...]) -> tuple[Any, ...]:
-    return leaves
 
 
 _UNCHANGED = object()  # the mover of values already where they go
@@ -113,7 +107,7 @@ class LocalExchange:
     """The mailboxes shared by the local devices for one step.
 
     ``movers[d]`` puts a value on the mesh that pipeline device ``d`` runs on (a
-    :func:`resharder`, made once per backend: it caches what it compiles). A value sent
+    :func:`resharder`, made once per backend: it caches the target shardings). A value sent
     to ``d`` goes through it asynchronously: the copy is dispatched, and a computation
     that reads the value waits for it.
     """
