@@ -127,34 +127,9 @@ class StageProgram:
             for i in split.handoff_inputs
             if i not in self._const_res
         )
-        run_forward = jaxpr_as_fun(forward)
-        const_res = self._const_res
-
-        def forward_fn(p: Leaves, x: Leaves, t: Leaves, loss: Any) -> tuple[Leaves, Any]:
-            outs = run_forward(*p, *x, *t)
-            values = tuple(outs[i] for i in computed)
-            if last:
-                return values, loss + outs[0]
-            return values, None
-
-        def inputs_of(stored: Leaves, ct: Leaves) -> list[Any]:
-            it = iter(stored)
-            res = [const_res[i] if i in const_res else next(it) for i in range(self._num_res)]
-            return res + list(ct)
-
-        def backward_fn(stored: Leaves, ct: Leaves, acc: Leaves) -> tuple[Leaves, Leaves]:
-            param_cts, input_cts = split.full(inputs_of(stored, ct))
-            return tuple(input_cts), tuple(a + g for a, g in zip(acc, param_cts, strict=True))
-
-        def input_fn(stored: Leaves, ct: Leaves) -> tuple[Leaves, Leaves]:
-            input_cts, handoff = split.input_half(inputs_of(stored, ct))
-            return tuple(input_cts), tuple(handoff)
-
-        def weight_fn(handoff: Leaves, refs: Leaves, acc: Leaves) -> Leaves:
-            it = iter(refs)
-            given = [const_res[i] if i in const_res else next(it) for i in split.handoff_inputs]
-            param_cts = split.weight_half(handoff, given)
-            return tuple(a + g for a, g in zip(acc, param_cts, strict=True))
+        forward_fn, backward_fn, input_fn, weight_fn = _step_functions(
+            forward, split, computed=computed, const_res=self._const_res, num_res=self._num_res, last=last
+        )
 
         # Activations leave split over "data"; residuals stay where XLA computed them.
         num_y = len(y_slots) if not last else 1
@@ -249,12 +224,53 @@ def compile_stage(
     microbatches is the mean. With ``remat``, the forward keeps only its inputs and the
     backward recomputes the rest. ``device`` (the pipeline device) is only for messages.
     """
-    fn = model.functions[stage]
     first, last = stage == 0, stage == model.num_stages - 1
     p_avals = tuple(model.param_avals[i] for i in model.stage_params[stage])
     x_avals = model.input_avals[stage]
     t_avals = model.target_avals if last else ()
     diff_x = tuple(not first and jnp.issubdtype(a.dtype, jnp.inexact) for a in x_avals)
+    fwd, traced = _forward_fn(
+        model.functions[stage], diff_x, first=first, last=last, remat=remat, num_microbatches=num_microbatches
+    )
+    try:
+        forward = jax.make_jaxpr(fwd)(p_avals, x_avals, t_avals)
+    except ExecutionError:
+        raise
+    except Exception as err:  # a user stage may raise anything while it is traced
+        raise stage_failure(stage, device, f"tracing its forward on inputs {describe_avals(x_avals)}", err) from err
+    mask: tuple[bool, ...] = traced["mask"]
+    y_slots, res_slots, computed = _output_slots(forward, mask, last=last)
+    outvars = forward.jaxpr.outvars
+    res_structs = [aval_struct(v.aval) for v in outvars[len(mask) :]]
+    ct_structs = [aval_struct(v.aval) for v in outvars[: sum(mask)]] if not last else []
+    try:
+        backward = _backward_jaxpr(traced["pullback"], res_structs, ct_structs, loss=outvars[0].aval if last else None)
+    except Exception as err:  # differentiation rules of user code may raise
+        raise stage_failure(stage, device, "tracing its backward", err) from err
+    split = split_backward(backward, num_param_cts=len(p_avals))
+    return StageProgram(
+        stage=stage,
+        first=first,
+        last=last,
+        forward=forward,
+        y_slots=y_slots,
+        res_slots=res_slots,
+        computed=tuple(computed),
+        split=split,
+        param_avals=p_avals,
+        out_avals=tuple(v.aval for v in outvars),
+        ct_avals=tuple(a for a, d in zip(x_avals, diff_x, strict=True) if d),
+        layout=layout,
+        example=(tuple(x_avals), tuple(t_avals), tuple(ct_structs)),
+    )
+
+
+def _forward_fn(
+    fn: Any, diff_x: tuple[bool, ...], *, first: bool, last: bool, remat: bool, num_microbatches: int
+) -> tuple[Any, dict[str, Any]]:
+    """The stage's forward as ``(params, inputs, targets) -> (yd, aux, pullback leaves)``
+    for :func:`jax.make_jaxpr`, and the dict where tracing leaves the float mask of its
+    outputs (``"mask"``) and the pullback's tree (``"pullback"``)."""
     traced: dict[str, Any] = {}
 
     def fwd(p: Leaves, x: Leaves, t: Leaves) -> tuple[Leaves, Leaves, list[Any]]:
@@ -279,56 +295,83 @@ def compile_stage(
         traced["pullback"] = treedef
         return yd, aux, leaves
 
-    try:
-        forward = jax.make_jaxpr(fwd)(p_avals, x_avals, t_avals)
-    except ExecutionError:
-        raise
-    except Exception as err:  # a user stage may raise anything while it is traced
-        raise stage_failure(stage, device, f"tracing its forward on inputs {describe_avals(x_avals)}", err) from err
-    mask: tuple[bool, ...] = traced["mask"]
+    return fwd, traced
+
+
+def _output_slots(
+    forward: Any, mask: tuple[bool, ...], *, last: bool
+) -> tuple[tuple[_Slot, ...], tuple[_Slot, ...], list[int]]:
+    """Where the traced forward's activations and residuals come from: the activation
+    slots in the stage's output order (none for the last stage: its output is the loss,
+    which the forward adds to the running loss), the residual slots, and the outputs
+    that are computed rather than passed through."""
     outvars = forward.jaxpr.outvars
-    num_y = len(mask)
-    num_yd = sum(mask)
+    num_y, num_yd = len(mask), sum(mask)
     inputs = {v: i for i, v in enumerate(forward.jaxpr.invars)}
     computed: list[int] = []
-    if last:
-        # The loss is not an activation: the forward adds it to the running loss.
-        y_slots: tuple[_Slot, ...] = ()
-    else:
+    y_slots: tuple[_Slot, ...] = ()
+    if not last:
         yd_slots = [_slot(i, outvars[i], computed, inputs) for i in range(num_yd)]
         aux_slots = [_slot(i, outvars[i], computed, inputs) for i in range(num_yd, num_y)]
         yd_it, aux_it = iter(yd_slots), iter(aux_slots)
         y_slots = tuple(next(yd_it) if m else next(aux_it) for m in mask)
-    res_vars = outvars[num_y:]
-    res_slots = tuple(_slot(num_y + i, v, computed, inputs) for i, v in enumerate(res_vars))
+    res_slots = tuple(_slot(num_y + i, v, computed, inputs) for i, v in enumerate(outvars[num_y:]))
+    return y_slots, res_slots, computed
 
-    res_structs = [aval_struct(v.aval) for v in res_vars]
-    ct_structs = [aval_struct(v.aval) for v in outvars[:num_yd]] if not last else []
-    pullback_def: PyTreeDef = traced["pullback"]
+
+def _step_functions(
+    forward: ClosedJaxpr,
+    split: BackwardSplit,
+    *,
+    computed: tuple[int, ...],
+    const_res: dict[int, Any],
+    num_res: int,
+    last: bool,
+) -> tuple[Any, Any, Any, Any]:
+    """The four functions a stage's programs jit: ``F`` (forward, adding the loss on the
+    last stage), ``B`` (both halves of the backward, accumulating parameter gradients),
+    ``I`` (input gradients and the hand-off to ``W``) and ``W`` (parameter gradients
+    from the hand-off). ``const_res`` are residuals baked in as trace constants."""
+    run_forward = jaxpr_as_fun(forward)
+
+    def forward_fn(p: Leaves, x: Leaves, t: Leaves, loss: Any) -> tuple[Leaves, Any]:
+        outs = run_forward(*p, *x, *t)
+        values = tuple(outs[i] for i in computed)
+        if last:
+            return values, loss + outs[0]
+        return values, None
+
+    def inputs_of(stored: Leaves, ct: Leaves) -> list[Any]:
+        it = iter(stored)
+        res = [const_res[i] if i in const_res else next(it) for i in range(num_res)]
+        return res + list(ct)
+
+    def backward_fn(stored: Leaves, ct: Leaves, acc: Leaves) -> tuple[Leaves, Leaves]:
+        param_cts, input_cts = split.full(inputs_of(stored, ct))
+        return tuple(input_cts), tuple(a + g for a, g in zip(acc, param_cts, strict=True))
+
+    def input_fn(stored: Leaves, ct: Leaves) -> tuple[Leaves, Leaves]:
+        input_cts, handoff = split.input_half(inputs_of(stored, ct))
+        return tuple(input_cts), tuple(handoff)
+
+    def weight_fn(handoff: Leaves, refs: Leaves, acc: Leaves) -> Leaves:
+        it = iter(refs)
+        given = [const_res[i] if i in const_res else next(it) for i in split.handoff_inputs]
+        param_cts = split.weight_half(handoff, given)
+        return tuple(a + g for a, g in zip(acc, param_cts, strict=True))
+
+    return forward_fn, backward_fn, input_fn, weight_fn
+
+
+def _backward_jaxpr(pullback_def: PyTreeDef, res_structs: list[Any], ct_structs: list[Any], *, loss: Any) -> Any:
+    """The backward as a jaxpr of (residuals, output cotangents): the forward's pullback
+    rebuilt from its leaves. On the last stage (``loss``: the loss's aval) the cotangent
+    is a constant one, not an input."""
 
     def bwd(res: list[Any], ct: list[Any]) -> Any:
         pullback = jax.tree_util.tree_unflatten(pullback_def, res)
-        if last:
-            return pullback((jnp.ones((), outvars[0].aval.dtype),))
+        if loss is not None:
+            return pullback((jnp.ones((), loss.dtype),))
         return pullback(tuple(ct))
 
-    try:
-        backward = jax.make_jaxpr(bwd)(res_structs, ct_structs)
-    except Exception as err:  # differentiation rules of user code may raise
-        raise stage_failure(stage, device, "tracing its backward", err) from err
-    split = split_backward(backward, num_param_cts=len(p_avals))
-    return StageProgram(
-        stage=stage,
-        first=first,
-        last=last,
-        forward=forward,
-        y_slots=y_slots,
-        res_slots=res_slots,
-        computed=tuple(computed),
-        split=split,
-        param_avals=p_avals,
-        out_avals=tuple(v.aval for v in outvars),
-        ct_avals=tuple(a for a, d in zip(x_avals, diff_x, strict=True) if d),
-        layout=layout,
-        example=(tuple(x_avals), tuple(t_avals), tuple(ct_structs)),
-    )
+    return jax.make_jaxpr(bwd)(res_structs, ct_structs)
