@@ -159,7 +159,6 @@ def _train(args: argparse.Namespace) -> int:
     import optax
 
     from pipedsl.cli.health import nonfinite_origin
-    from pipedsl.executor.pipeline import Pipeline
 
     model, shape = _model(args, schedule, demo_shape=planned is not None)
     key = jax.random.PRNGKey(args.seed)
@@ -167,23 +166,7 @@ def _train(args: argparse.Namespace) -> int:
     _check_fits(jax, model.init_stages, key, devices=devices, replicas=args.dp, what=f"model {model.name} ({shape})")
     batch_size = args.microbatch_size * schedule.num_microbatches * args.dp
     batch = model.batch(jax.random.fold_in(key, 1), batch_size)
-    # On Ray, the actors (and a local instance pipedsl started) stop when the process exits.
-    backend: Any = args.backend
-    if args.backend == "ray":
-        from pipedsl.executor.ray_cluster import RayConfig
-
-        backend = RayConfig(address=args.address)
-    elif args.address is not None:
-        raise PipedslError("--address names a Ray cluster; use it with --backend ray")
-    mesh = {"dp": args.dp, "tp": args.tp, "zero": args.zero}
-    params = model.init_function(key) if args.marked else model.init_stages(key)
-    specs = model.param_specs(params) if args.tp > 1 else None
-    if args.marked:
-        pipe = Pipeline.from_function(
-            model.model_fn, loss=model.loss, schedule=schedule, backend=backend, remat=args.remat, param_specs=specs, **mesh
-        )
-    else:
-        pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=backend, remat=args.remat, param_specs=specs, **mesh)
+    pipe, params = _build_pipeline(args, schedule, model, key)
     optimizer = optax.adam(args.lr)
     platform = jax.devices()[0].platform if args.backend == "local" else "Ray actor"
     form = "marked function" if args.marked else "explicit stages"
@@ -219,19 +202,46 @@ def _train(args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         print(f"checkpoint of step {max(first - 1, args.steps)} in {args.checkpoint}")
     if args.timeline is not None:
-        result = pipe.step(params, batch, record=True)
-        assert result.timeline is not None  # asked for with record=True
-        try:
-            result.timeline.save(args.timeline)
-        except OSError as err:
-            raise PipedslError(f"{args.timeline}: cannot write: {err.strerror or err}") from None
-        timeline = result.timeline
-        print(
-            f"timeline of one recorded step written to {args.timeline}: {len(timeline)} events, "
-            f"makespan {timeline.makespan * 1e3:.1f} ms, bubble {timeline.bubble_ratio():.1%} "
-            "(recording waits for every action, so it runs slower than the steps above)"
-        )
+        _write_timeline(pipe, params, batch, args.timeline)
     return EXIT_OK
+
+
+def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, key: Any) -> tuple[Any, Any]:
+    """The pipeline ``args`` ask for (backend, mesh, explicit stages or marked function)
+    and its initial parameters."""
+    from pipedsl.executor.pipeline import Pipeline
+
+    # On Ray, the actors (and a local instance pipedsl started) stop when the process exits.
+    backend: Any = args.backend
+    if args.backend == "ray":
+        from pipedsl.executor.ray_cluster import RayConfig
+
+        backend = RayConfig(address=args.address)
+    elif args.address is not None:
+        raise PipedslError("--address names a Ray cluster; use it with --backend ray")
+    mesh = {"dp": args.dp, "tp": args.tp, "zero": args.zero}
+    params = model.init_function(key) if args.marked else model.init_stages(key)
+    specs = model.param_specs(params) if args.tp > 1 else None
+    options = {"schedule": schedule, "backend": backend, "remat": args.remat, "param_specs": specs, **mesh}
+    if args.marked:
+        return Pipeline.from_function(model.model_fn, loss=model.loss, **options), params
+    return Pipeline(model.stages, loss=model.loss, **options), params
+
+
+def _write_timeline(pipe: Any, params: Any, batch: Any, path: str) -> None:
+    """Record one more step and save its measured timeline to ``path``."""
+    result = pipe.step(params, batch, record=True)
+    assert result.timeline is not None  # asked for with record=True
+    try:
+        result.timeline.save(path)
+    except OSError as err:
+        raise PipedslError(f"{path}: cannot write: {err.strerror or err}") from None
+    timeline = result.timeline
+    print(
+        f"timeline of one recorded step written to {path}: {len(timeline)} events, "
+        f"makespan {timeline.makespan * 1e3:.1f} ms, bubble {timeline.bubble_ratio():.1%} "
+        "(recording waits for every action, so it runs slower than the steps above)"
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
