@@ -293,6 +293,7 @@ class _Rules:
         )
 
 
+# Over 60 lines: the list scheduler's hot loop keeps its state in local names (see the docstring).
 def _run(plan: _Plan, variant: Variant) -> tuple[float, Order]:
     """One pass of the list scheduler: the makespan (seconds) and the per-device orders.
 
