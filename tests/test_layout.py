@@ -4,7 +4,8 @@
 - the simulator imports neither JAX nor Ray (nor the executor), not even inside a function;
 - the executor never imports the simulator;
 - module-level imports between pipedsl's own modules form no circle;
-- no module is over 500 lines.
+- no module is over 500 lines;
+- no function is over 60 lines unless a comment above it says why.
 """
 
 from __future__ import annotations
@@ -132,3 +133,46 @@ def test_a_circle_is_found_when_there_is_one() -> None:
 def test_no_module_is_over_500_lines(name: str) -> None:
     lines = len(MODULES[name].read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)} has {lines} lines; split it by concern"
+
+
+MAX_FUNCTION_LINES = 60
+# A longer function says why next to its ``def``: a comment block right above it (or above
+# its decorators) with a line that starts with this.
+LONG_REASON = "# Over 60 lines:"
+
+
+def _long_functions(path: Path, *, root: Path = ROOT) -> list[str]:
+    """Functions of ``path`` over :data:`MAX_FUNCTION_LINES` lines with no reason above them."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found = []
+    for node in ast.walk(ast.parse("\n".join(lines))):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        length = (node.end_lineno or node.lineno) - node.lineno + 1
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        # The comment block right above the def (or its decorators), read upwards.
+        comment = []
+        row = first - 2
+        while row >= 0 and lines[row].lstrip().startswith("#"):
+            comment.append(lines[row].strip())
+            row -= 1
+        if length > MAX_FUNCTION_LINES and not any(c.startswith(LONG_REASON) for c in comment):
+            found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_function_is_over_60_lines_without_a_reason(name: str) -> None:
+    long = _long_functions(MODULES[name])
+    assert not long, f"split these, or write `{LONG_REASON} why` above the def: {', '.join(long)}"
+
+
+def test_a_long_function_needs_its_reason(tmp_path: Path) -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    bare = tmp_path / "bare.py"
+    bare.write_text(f"def f() -> None:\n{body}")
+    reasoned = tmp_path / "reasoned.py"
+    reasoned.write_text(f"{LONG_REASON} one table, read top to bottom.\n# (second line)\ndef f() -> None:\n{body}")
+    found = _long_functions(bare, root=tmp_path)
+    assert found == [f"bare.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert _long_functions(reasoned, root=tmp_path) == []
