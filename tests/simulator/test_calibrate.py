@@ -74,7 +74,6 @@ def test_calibrate_command_fits_predicts_and_saves_costs(tmp_path: Path) -> None
             "-m",
             "pipedsl",
             "calibrate",
-            "1f1b",
             "zb_h1",
             "-p",
             "microbatches=4",
