@@ -45,6 +45,7 @@ __all__ = [
     "add_command",
     "make_console",
     "plural",
+    "positive_int",
 ]
 
 EXIT_OK = 0
@@ -103,7 +104,8 @@ class _ParamAction(argparse.Action):
         setattr(namespace, self.dest, params)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
     try:
         number = int(text)
     except ValueError:
@@ -119,7 +121,7 @@ def add_param_option(parser: argparse.ArgumentParser) -> None:
     ``args.max_actions``: every command that takes parameters loads a schedule."""
     parser.add_argument(
         "--max-actions",
-        type=_positive_int,
+        type=positive_int,
         default=library.MAX_ACTIONS,
         metavar="N",
         help=f"stop evaluating a .sched file past N actions (default {library.MAX_ACTIONS:,})",

@@ -19,7 +19,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from pipedsl.cli.common import add_command, check_output_file, make_console
+from pipedsl.cli.common import add_command, check_output_file, make_console, positive_int
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.estimate import Estimate, estimate
@@ -58,16 +58,6 @@ def _add_hardware_options(parser: argparse.ArgumentParser) -> None:
         metavar="C",
         help=f"a preset ({', '.join(cluster_presets())}) or a TOML file with a [cluster] table",
     )
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
 
 
 def _fraction(text: str) -> float:
@@ -374,12 +364,12 @@ def _register_estimate(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_plan_options(plan: argparse._ArgumentGroup) -> None:
     """The plan ``estimate`` costs: degrees, batch, ZeRO, recomputation, schedule, overlap."""
-    plan.add_argument("--dp", type=_positive, default=1, metavar="N", help="data-parallel degree (default 1)")
-    plan.add_argument("--tp", type=_positive, default=1, metavar="N", help="tensor-parallel degree (default 1)")
-    plan.add_argument("--pp", type=_positive, default=1, metavar="N", help="pipeline-parallel degree (default 1)")
-    plan.add_argument("--vpp", type=_positive, default=1, metavar="N", help="stages per pipeline device (default 1)")
-    plan.add_argument("--microbatch-size", type=_positive, default=1, metavar="B", help="sequences per microbatch")
-    plan.add_argument("--global-batch", type=_positive, required=True, metavar="B", help="sequences per step")
+    plan.add_argument("--dp", type=positive_int, default=1, metavar="N", help="data-parallel degree (default 1)")
+    plan.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor-parallel degree (default 1)")
+    plan.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline-parallel degree (default 1)")
+    plan.add_argument("--vpp", type=positive_int, default=1, metavar="N", help="stages per pipeline device (default 1)")
+    plan.add_argument("--microbatch-size", type=positive_int, default=1, metavar="B", help="sequences per microbatch")
+    plan.add_argument("--global-batch", type=positive_int, required=True, metavar="B", help="sequences per step")
     plan.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
     plan.add_argument(
         "--recompute", choices=[r.value for r in Recompute], default="none", help="activation recomputation"
@@ -417,11 +407,11 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     _add_hardware_options(src)
-    src.add_argument("--gpus", type=_positive, required=True, metavar="N", help="GPUs to use, all of them")
+    src.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="GPUs to use, all of them")
     src.add_argument(
-        "--global-batch", type=_positive, metavar="B", help="sequences per step (default: about 4 Mi tokens)"
+        "--global-batch", type=positive_int, metavar="B", help="sequences per step (default: about 4 Mi tokens)"
     )
-    src.add_argument("--top", type=_positive, default=15, metavar="K", help="show the best K plans (default 15)")
+    src.add_argument("--top", type=positive_int, default=15, metavar="K", help="show the best K plans (default 15)")
     src.add_argument("--csv", metavar="OUT", help="write every ranked plan to this CSV file")
     src.add_argument("--schedules", metavar="A,B", help="try only these library schedules (comma-separated)")
     src.add_argument(
