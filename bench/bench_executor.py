@@ -30,7 +30,7 @@ import sys
 from functools import partial
 from typing import Any
 
-from timing import interleaved_medians, medians_with_recordings
+from timing import interleaved_medians, medians_with_recordings, wall_and_cpu_medians
 
 
 def _configure(pp: int, cores: int | None) -> None:
@@ -124,7 +124,7 @@ def bench_overhead(repeat: int) -> None:
         pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule)
         steps[microbatches] = partial(pipe.value_and_grad, params, batch)
         instructions.append(pipe.program.num_instructions)
-    times = _wall_and_cpu_medians(steps, repeat)
+    times = wall_and_cpu_medians(steps, repeat)
     print("\n2. interpreter overhead: 1F1B pp=2, one-row microbatches of a 4-wide one-layer MLP (compute negligible)")
     wall = [times[m][0] for m in (4, 16, 64)]
     cpu = [times[m][1] for m in (4, 16, 64)]
@@ -138,27 +138,6 @@ def bench_overhead(repeat: int) -> None:
         f"   fit: {fixed * 1e3:.2f} ms per step + {per_action * 1e6:.0f} us per action wall, "
         f"{cpu_per_action * 1e6:.0f} us CPU (= {per_instruction * 1e6:.0f} us wall per instruction)"
     )
-
-
-def _wall_and_cpu_medians(fns: dict[Any, Any], repeat: int) -> dict[Any, tuple[float, float]]:
-    """(median wall seconds, median process CPU seconds) of each function, timed in turn
-    (each called once first); CPU time moves less with the machine's load."""
-    import statistics
-    import time
-
-    import jax
-
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    times: dict[Any, list[tuple[float, float]]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn())
-            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-    return {
-        name: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for name, ts in times.items()
-    }
 
 
 def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microbatch: int, repeat: int) -> None:

@@ -9,8 +9,14 @@ from collections.abc import Callable
 from typing import Any
 
 
-def interleaved_medians(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Median seconds of each function, timed in turn so that load drifts hit all alike.
+def interleaved_medians(fns: dict[Any, Callable[[], Any]], repeat: int) -> dict[Any, float]:
+    """Median wall seconds of each function (see :func:`wall_and_cpu_medians`)."""
+    return {name: wall for name, (wall, _) in wall_and_cpu_medians(fns, repeat).items()}
+
+
+def wall_and_cpu_medians(fns: dict[Any, Callable[[], Any]], repeat: int) -> dict[Any, tuple[float, float]]:
+    """(median wall seconds, median process CPU seconds) of each function, timed in turn
+    so that load drifts hit all alike; CPU time moves less with the machine's load.
 
     Each function is called once first (compilation, caches), and every call is waited
     for with ``jax.block_until_ready``.
@@ -19,13 +25,15 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[
 
     for fn in fns.values():
         jax.block_until_ready(fn())
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[Any, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {
+        name: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for name, ts in times.items()
+    }
 
 
 def medians_with_recordings(
