@@ -151,7 +151,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.dp < 1 or args.tp < 1 or args.zero not in (0, 1, 2, 3):
         raise PipedslError("--dp and --tp must be at least 1 and --zero one of 0, 1, 2, 3")
     keeping = Checkpointing.from_args(args)
-    request_devices(schedule.num_devices * args.dp * args.tp)
+    devices = schedule.num_devices * args.dp * args.tp
+    request_devices(devices)
     if planned is not None:
         print(f"plan {planned.rank} of {args.plans}: {planned.label()}")
 
@@ -162,7 +163,6 @@ def _train(args: argparse.Namespace) -> int:
 
     model, shape = _model(args, schedule, demo_shape=planned is not None)
     key = jax.random.PRNGKey(args.seed)
-    devices = schedule.num_devices * args.dp * args.tp
     _check_fits(jax, model.init_stages, key, devices=devices, replicas=args.dp, what=f"model {model.name} ({shape})")
     batch_size = args.microbatch_size * schedule.num_microbatches * args.dp
     batch = model.batch(jax.random.fold_in(key, 1), batch_size)
