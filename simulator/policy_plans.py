@@ -53,7 +53,6 @@ _CACHE_SIZE = 4096
 
 _Synthesis = tuple[ProgramArrays, tuple[int, ...]]
 _cache: OrderedDict[tuple[object, ...], _Synthesis] = OrderedDict()
-_takes: dict[str, bool] = {}
 _policies: OrderedDict[tuple[str, tuple[tuple[str, int], ...]], Policy] = OrderedDict()
 
 
@@ -62,13 +61,10 @@ def takes_limit(spec: str | None) -> bool:
     parameter, which :func:`prepare_plan` tries at the limits memory allows."""
     if spec is None:
         return False
-    found = _takes.get(spec)
-    if found is None:
-        found = LIMIT in library.parameters(spec) and any(
-            isinstance(item, PolicyBlock) for item in library.parsed(spec).schedule.items
-        )
-        _takes[spec] = found
-    return found
+    # library.parsed caches per version of the file, so an edited file is seen.
+    return LIMIT in library.parameters(spec) and any(
+        isinstance(item, PolicyBlock) for item in library.parsed(spec).schedule.items
+    )
 
 
 def _loaded(spec: str, params: tuple[tuple[str, int], ...]) -> Policy:
