@@ -261,6 +261,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
         Assumption("recompute", plan.recompute.value, _RECOMPUTE[plan.recompute]),
         Assumption("dp_overlap", f"{plan.dp_overlap:g}",
                    "fraction of the last backward (first forward) that hides once-per-step data-parallel traffic"),
+        Assumption("tp_overlap", f"{plan.tp_overlap:g}", "fraction of tensor-parallel collectives hidden by matmuls"),
         Assumption("reduce_dtype", "fp32" if plan.reduce_bytes == 4 else "bf16",
                    f"gradients reduced at {plan.reduce_bytes} bytes per value"),
     ]  # fmt: skip

@@ -33,7 +33,7 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 """The folder of published runs (``data/`` at the repository root)."""
 
 GRID = {
-    "matmul_efficiency": tuple(round(0.62 + 0.02 * i, 2) for i in range(15)),
+    "matmul_efficiency": tuple(round(0.50 + 0.02 * i, 2) for i in range(21)),
     "matmul_half_flops": (0.0, 1e9, 3e9, 1e10, 2e10, 4e10),
     "kernel_launch_s": (0.0, 5e-6, 1e-5, 2e-5),
 }
@@ -91,10 +91,21 @@ def _measured_seconds(row: dict[str, str], model: Model, plan: Plan) -> float:
     raise ValueError(f"{row['run']}: unknown metric {metric!r}")
 
 
+def _flag(row: dict[str, str], column: str) -> bool:
+    """An optional true/false column of the model's shape; empty or absent means the GPT
+    default (true: biases and LayerNorm, learned positions, a tied embedding)."""
+    value = row.get(column) or "true"
+    if value not in ("true", "false"):
+        raise ValueError(f"{row['run']}: {column} must be true or false, got {value!r}")
+    return value == "true"
+
+
 def _run(row: dict[str, str]) -> Run:
     n = {k: int(row[k]) for k in _COUNTS}
     model = Model(name=row["run"], layers=n["layers"], hidden=n["hidden"], ffn_hidden=n["ffn_hidden"],
-                  heads=n["heads"], seq_len=n["seq_len"], vocab=n["vocab"])  # fmt: skip
+                  heads=n["heads"], kv_heads=int(row.get("kv_heads") or n["heads"]), seq_len=n["seq_len"],
+                  vocab=n["vocab"], biases=_flag(row, "biases"), learned_positions=_flag(row, "learned_positions"),
+                  tied_embeddings=_flag(row, "tied_embeddings"))  # fmt: skip
     plan = Plan(
         dp=n["dp"],
         tp=n["tp"],
@@ -106,8 +117,10 @@ def _run(row: dict[str, str]) -> Run:
         sequence_parallel=row["sequence_parallel"] == "true",
         flash_attention=row["flash_attention"] == "true",
         dp_overlap=float(row["dp_overlap"]),
+        tp_overlap=float(row.get("tp_overlap") or 0),
         schedule=row["schedule"] or None,
         reduce_bytes=int(row.get("reduce_bytes") or 4),
+        zero=int(row.get("zero") or 0),
     )
     if plan.gpus != n["gpus"]:
         raise ValueError(f"{row['run']}: dp × tp × pp = {plan.gpus}, but the row says {n['gpus']} GPUs")

@@ -50,6 +50,10 @@ class Plan:
       flash_attention: whether attention runs fused without storing the a·s² scores.
       dp_overlap: fraction in [0, 1] of the covering computation that can hide
         data-parallel traffic (see :mod:`pipedsl.simulator.estimate`).
+      tp_overlap: fraction in [0, 1] of the tensor-parallel collectives hidden behind the
+        matrix multiplications they feed (Transformer Engine's userbuffer overlap,
+        NeMo's ``ub_tp_comm_overlap``); 0 runs them between the products, as
+        Megatron-LM does without that option.
       reduce_bytes: bytes per gradient value in data-parallel reductions: 4 (fp32, as
         Megatron-LM reduces) or 2 (bf16, as mixed-precision FSDP often does).
     """
@@ -66,6 +70,7 @@ class Plan:
     sequence_parallel: bool = True
     flash_attention: bool = True
     dp_overlap: float = 1.0
+    tp_overlap: float = 0.0
     reduce_bytes: int = 4
 
     def __post_init__(self) -> None:
@@ -84,9 +89,10 @@ class Plan:
         for name in ("sequence_parallel", "flash_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"plan: {name} must be true or false, got {getattr(self, name)!r}")
-        overlap = self.dp_overlap
-        if isinstance(overlap, bool) or not isinstance(overlap, int | float) or not 0.0 <= overlap <= 1.0:
-            raise PlanError(f"plan: dp_overlap must be a fraction in [0, 1], got {overlap!r}")
+        for name in ("dp_overlap", "tp_overlap"):
+            overlap = getattr(self, name)
+            if isinstance(overlap, bool) or not isinstance(overlap, int | float) or not 0.0 <= overlap <= 1.0:
+                raise PlanError(f"plan: {name} must be a fraction in [0, 1], got {overlap!r}")
         if isinstance(self.reduce_bytes, bool) or self.reduce_bytes not in (2, 4):
             raise PlanError(f"plan: reduce_bytes must be 2 (bf16) or 4 (fp32), got {self.reduce_bytes!r}")
         per_step = self.dp * self.microbatch_size
@@ -138,6 +144,7 @@ class Plan:
             "sequence_parallel": self.sequence_parallel,
             "flash_attention": self.flash_attention,
             "dp_overlap": self.dp_overlap,
+            "tp_overlap": self.tp_overlap,
             "reduce_bytes": self.reduce_bytes,
         }
 

@@ -6,8 +6,9 @@ feed-forward width, a heads of width d = h/a, V vocabulary, t = tp):
 
 - Matrix multiplications, forward, per layer: QKV ``T × h × (h + 2·kv)/t``, the output
   projection ``T × h/t × h``, the feed-forward ``T × h × g·f/t`` (g = 2 when gated) and
-  ``T × f/t × h``; attention's core ``b·a/t`` products ``s × d × s`` and ``s × s × d``
-  (one fused kernel with FlashAttention). The backward runs each linear product twice
+  ``T × f/t × h``; attention's core ``b·a/t`` products ``s × d × s`` and ``s × s × d``.
+  With FlashAttention the core is one fused kernel that keeps the s×s scores on chip,
+  so its roofline counts only the bytes of Q, K, V and the output (4·s·d per head). The backward runs each linear product twice
   (input gradient into ``I``, weight gradient into ``W``, same shape, same cost) and
   attention's core twice, in ``I``. The logits ``T × h × V/t`` sit on the last stage.
 - Each product of F FLOPs runs at ``min(peak, intensity × HBM) × matmul_efficiency ×
@@ -24,7 +25,8 @@ feed-forward width, a heads of width d = h/a, V vocabulary, t = tp):
   reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t.
 - Tensor parallelism: 2 all-reduces of b·s·h values in the forward and 2 in the backward
   per layer (:mod:`~pipedsl.simulator.collectives`); sequence parallelism turns each into
-  a reduce-scatter plus an all-gather.
+  a reduce-scatter plus an all-gather. The plan's ``tp_overlap`` fraction of them is
+  hidden behind the products (userbuffer overlap) and not priced.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ def gemm_seconds(m: float, k: float, n: float, cluster: Cluster, *, dtype_bytes:
     roof = min(cluster.peak_flops, intensity * cluster.hbm_bandwidth)
     rate = roof * cluster.matmul_efficiency * total / (total + cluster.matmul_half_flops)
     return total / rate
+
+
+def _fused_attention_seconds(s: int, d: int, heads: int, cluster: Cluster, *, dtype_bytes: int) -> float:
+    """Seconds of FlashAttention's forward over ``heads`` heads of ``s`` tokens and width
+    ``d``: 4·s²·d FLOPs per head, priced as one product whose HBM traffic is Q, K, V and
+    the output (4·s·d values per head), the scores never leaving the chip."""
+    flops = 4.0 * s * s * d
+    intensity = flops / (dtype_bytes * 4 * s * d)
+    total = heads * flops
+    roof = min(cluster.peak_flops, intensity * cluster.hbm_bandwidth)
+    return total / (roof * cluster.matmul_efficiency * total / (total + cluster.matmul_half_flops))
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +138,10 @@ class Shapes:
         m, plan = self.model, self.plan
         heads = plan.microbatch_size * m.heads // plan.tp
         width = m.hidden // m.heads
+        if plan.flash_attention:
+            return _fused_attention_seconds(m.seq_len, width, heads, self.cluster, dtype_bytes=m.dtype_bytes), 1
         seconds = self._gemm(m.seq_len, width, m.seq_len, heads) + self._gemm(m.seq_len, m.seq_len, width, heads)
-        return seconds, 1 if plan.flash_attention else 2
+        return seconds, 2
 
     def tp_all_reduce(self) -> float:
         """One tensor-parallel all-reduce of b·s·h values (with sequence parallelism a
@@ -156,7 +171,7 @@ class Shapes:
         score_bytes = 0.0 if plan.flash_attention else self.tokens * 5 * m.heads * m.seq_len / plan.tp
         elementwise_kernels = ELEMENTWISE_KERNELS + (0 if plan.flash_attention else 2)
         elementwise = self.traffic_seconds(2 * self.layer_activation_bytes(Recompute.NONE))
-        collectives = 2 * self.tp_all_reduce()
+        collectives = 2 * self.tp_all_reduce() * (1.0 - plan.tp_overlap)
         forward = (
             linear + attention + elementwise + collectives
             + launch * (linear_kernels + attention_kernels + elementwise_kernels)
