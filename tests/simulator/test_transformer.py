@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from pipedsl.simulator.hardware import Cluster, Model
-from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.transformer import ELEMENTWISE_KERNELS, Shapes, gemm_seconds
 
 # 100 TFLOP/s peak, 1 TB/s HBM; the largest products approach 0.8 of peak, a product of
@@ -77,3 +77,37 @@ def test_linear_products_sum_to_the_layer_flops() -> None:
     seconds, kernels = shapes.linear_seconds()
     assert kernels == 4
     assert seconds == pytest.approx(2 * 2 * GPT.seq_len * GPT.layer_matmul_params / 80e12)
+
+
+def test_fused_attention_is_priced_without_the_scores() -> None:
+    # GPT's 16 heads of width 64 over s = 512: 4·512²·64 FLOPs per head, reading and
+    # writing Q, K, V and the output (4·512·64 values of 2 bytes): intensity 256 FLOP/B,
+    # above the ridge of 100, so the kernel runs at 0.8 of peak times the curve. The
+    # unfused products write the 512×512 scores: intensity ~ 51, bound by memory.
+    flops = 16 * 4 * 512**2 * 64
+    fused, kernels = Shapes(GPT, GPU, Plan(global_batch=1, flash_attention=True)).attention_seconds()
+    assert kernels == 1
+    assert fused == pytest.approx(flops / (100e12 * 0.8 * flops / (flops + 1e9)))
+    unfused, _ = Shapes(GPT, GPU, Plan(global_batch=1, flash_attention=False)).attention_seconds()
+    assert unfused > 1.5 * fused
+
+
+def test_tp_overlap_hides_that_fraction_of_the_collectives() -> None:
+    plan = Plan(tp=4, global_batch=1, flash_attention=True)
+    shapes = Shapes(GPT, GPU, plan)
+    exposed = shapes.layer_work()
+    half = Shapes(GPT, GPU, dataclasses.replace(plan, tp_overlap=0.5)).layer_work()
+    hidden = Shapes(GPT, GPU, dataclasses.replace(plan, tp_overlap=1.0)).layer_work()
+    # Two collectives (each a reduce-scatter plus an all-gather) in the forward, two in I.
+    collectives = 2 * shapes.tp_all_reduce()
+    assert collectives > 0
+    assert exposed.forward - hidden.forward == pytest.approx(collectives)
+    assert exposed.input_grad - hidden.input_grad == pytest.approx(collectives)
+    assert exposed.forward - half.forward == pytest.approx(collectives / 2)
+    assert exposed.weight_grad == hidden.weight_grad
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, True])
+def test_tp_overlap_must_be_a_fraction(value: object) -> None:
+    with pytest.raises(PlanError, match="tp_overlap must be a fraction"):
+        Plan(global_batch=1, tp_overlap=value)  # type: ignore[arg-type]
