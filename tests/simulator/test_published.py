@@ -10,10 +10,11 @@ tables by source and regime.
 from __future__ import annotations
 
 import csv
+import dataclasses
 
 import pytest
 
-from pipedsl.simulator.fit_published import DATA, Result, evaluate, fit, gpu_type, load_runs
+from pipedsl.simulator.fit_published import DATA, GRID, Result, evaluate, fit, gpu_type, load_runs
 from pipedsl.simulator.hardware import load_cluster
 
 SOURCE_LIMIT = 0.05
@@ -111,3 +112,28 @@ def test_original_runs_stay_within_four_percent(results: list[Result]) -> None:
     original = [r for r in results if r.run.name in names]
     assert len(original) == 19
     assert _mape(original) < ORIGINAL_LIMIT
+
+
+def test_h100_preset_is_the_best_of_its_grid_neighbours() -> None:
+    # The whole H100 fit takes about ten seconds; its preset must at least beat every
+    # neighbouring grid point on the H100 calibration rows (an exact refit is
+    # python -m pipedsl.simulator.fit_published).
+    preset = load_cluster("h100-80gb")
+    runs = [r for r in load_runs() if r.cluster == preset.name and r.role == "calibrate"]
+    assert len(runs) >= 6
+
+    def error(efficiency: float, half: float) -> float:
+        # The fit's objective: the mean over sources of each source's mean error.
+        cluster = dataclasses.replace(preset, matmul_efficiency=efficiency, matmul_half_flops=half)
+        by_source: dict[str, list[Result]] = {}
+        for r in evaluate(runs, {preset.name: cluster}):
+            by_source.setdefault(r.run.source, []).append(r)
+        return sum(_mape(group) for group in by_source.values()) / len(by_source)
+
+    best = error(preset.matmul_efficiency, preset.matmul_half_flops)
+    assert best < 0.03
+    efficiencies, halves = GRID["matmul_efficiency"], GRID["matmul_half_flops"]
+    e, h = efficiencies.index(preset.matmul_efficiency), halves.index(preset.matmul_half_flops)
+    for de, dh in ((-1, 0), (1, 0), (0, -1), (0, 1)):
+        if 0 <= e + de < len(efficiencies) and 0 <= h + dh < len(halves):
+            assert best <= error(efficiencies[e + de], halves[h + dh])
