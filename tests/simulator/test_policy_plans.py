@@ -61,7 +61,11 @@ def test_a_plan_whose_memory_admits_only_a_smaller_limit_gets_that_limit() -> No
 
 
 def test_more_memory_adds_larger_limits_and_the_largest_is_fastest_here() -> None:
-    found = prepare_plan(MODEL, _cluster(4.0), PLAN, pipelines=Pipelines(keep_simulations=False))
+    # Unfused attention (its scores written to memory) makes the input-gradient half long
+    # enough that the in-flight limit changes the step; with FlashAttention every limit
+    # gives this small model the same step.
+    plan = dataclasses.replace(PLAN, flash_attention=False)
+    found = prepare_plan(MODEL, _cluster(6.0), plan, pipelines=Pipelines(keep_simulations=False))
     limits = [p.limit for p in found if isinstance(p, LimitedPlan)]
     assert limits == [4, 7]  # pp, and 2pp - 1 = the most that fits
     times = [p.finish().step_time_s for p in found]

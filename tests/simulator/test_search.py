@@ -136,7 +136,8 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
 # recompute, step time in seconds). First recorded from the object-per-action
 # implementation before the search moved to int-coded arrays; recorded again from the
 # array search when the cost model changed (collectives by adapter, size-dependent
-# matrix efficiency), which moves the step times and so the ranking.
+# matrix efficiency; FlashAttention priced as one kernel whose scores stay on chip),
+# which moves the step times and so the ranking.
 RECORDED_TOP = Path(__file__).parent / "data" / "search_demo_small_top20.json"
 
 
