@@ -9,8 +9,10 @@ the compiled programs:
 
 - parameters: the model's ``PartitionSpec`` per leaf (``param_specs``; None replicates),
   with ZeRO-3 also sharded over ``"data"``;
-- accumulated gradients: as the parameters, with ZeRO-2 and 3 sharded over ``"data"``
-  (XLA then reduce-scatters instead of all-reducing);
+- accumulated gradients: with ZeRO 0 and 1 each device's own partial sum, unreduced,
+  reduced once per step to the parameters' layout (ZeRO 0) or sharded over ``"data"``
+  (ZeRO 1); with ZeRO 2 and 3 sharded over ``"data"`` as every backward adds to them
+  (:mod:`pipedsl.executor.shards`);
 - optimizer state: as the parameters, with ZeRO-1, 2 and 3 sharded over ``"data"``;
 - microbatches, activations and their gradients: axis 0 (the examples) over ``"data"``.
 
@@ -157,12 +159,17 @@ class StageLayout:
     Attributes:
       mesh: the pipeline device's mesh.
       params: per parameter leaf of the stage (in the stage's order), where it is kept.
-      grads: per parameter leaf, where its accumulated gradient is kept.
+      grads: per parameter leaf, where the step's reduced gradient is kept (where the
+        optimizer reads it: sharded over ``"data"`` from ZeRO 1 on).
       states: per parameter leaf, where its optimizer state is kept.
+      unreduced: whether gradients accumulate unreduced, one partial sum per device of
+        ``"data"`` (``dp > 1`` and ZeRO 0 or 1), and are reduced once per step.
+      accumulators: per parameter leaf, where its accumulator is kept: ``[dp, *leaf]``
+        split over ``"data"`` when ``unreduced``, else as in ZeRO 2's layout.
       replicated: a whole value on every device of the mesh (the loss, scalars).
     """
 
-    __slots__ = ("mesh", "params", "grads", "states", "replicated", "_batch")
+    __slots__ = ("mesh", "params", "grads", "states", "unreduced", "accumulators", "replicated", "_batch")
 
     def __init__(
         self, mesh: Mesh, specs: Sequence[PartitionSpec], avals: Sequence[Any], *, zero: int, leaves: Sequence[int]
@@ -180,8 +187,12 @@ class StageLayout:
 
         self.mesh = mesh
         self.params = place(3)
-        self.grads = place(2)
         self.states = place(1)
+        self.grads = self.states
+        self.unreduced = dp > 1 and zero <= 1
+        self.accumulators = (
+            tuple(NamedSharding(mesh, PartitionSpec(DATA, *b)) for b in base) if self.unreduced else place(2)
+        )
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self._batch: dict[bool, NamedSharding] = {}
 

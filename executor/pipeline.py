@@ -306,7 +306,11 @@ class Pipeline:
                 f"{count * dp} (microbatches x dp)"
             )
 
+        # The stages are traced at what one device of "data" computes on: its share of
+        # a microbatch (see pipedsl.executor.shards).
+        share = per // dp
+
         def example(tree: Any) -> Any:
-            return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct((per, *np.shape(leaf)[1:]), jnp.result_type(leaf)), tree)
+            return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct((share, *np.shape(leaf)[1:]), jnp.result_type(leaf)), tree)
 
         return _Batch(x_leaves, t_leaves, count, example(inputs), example(targets))

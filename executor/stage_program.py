@@ -20,7 +20,8 @@ from jax.tree_util import PyTreeDef
 from pipedsl.executor.backward import BackwardSplit, split_backward
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.jaxprs import aval_struct
-from pipedsl.executor.mesh import StageLayout
+from pipedsl.executor.mesh import DATA, StageLayout
+from pipedsl.executor.shards import DataShards, stage_forms
 from pipedsl.executor.stages import StagedModel, describe_avals
 
 __all__ = ["StageProgram", "compile_stage"]
@@ -65,8 +66,11 @@ class StageProgram:
 
     Every program is jitted for the stage's mesh (``layout``): its arguments arrive
     placed, activations and input gradients leave split over ``"data"``, accumulators
-    where ``layout.grads`` keeps them and the loss replicated, so the collectives that
-    tensor and data parallelism need are XLA's, inside the programs.
+    where ``layout.accumulators`` keeps them and the loss replicated, so the collectives
+    that tensor and data parallelism need are XLA's, inside the programs. With ``dp > 1``
+    each program runs on every device's share of the microbatch
+    (:mod:`pipedsl.executor.shards`); :meth:`reduce_grads` then reduces what ZeRO 0 and 1
+    accumulate unreduced, once per step.
     """
 
     __slots__ = (
@@ -85,6 +89,7 @@ class StageProgram:
         "_input",
         "_weight",
         "_zeros",
+        "_reduce",
         "layout",
         "_structs",
     )
@@ -127,23 +132,60 @@ class StageProgram:
             for i in split.handoff_inputs
             if i not in self._const_res
         )
-        forward_fn, backward_fn, input_fn, weight_fn = _step_functions(
-            forward, split, computed=computed, const_res=self._const_res, num_res=self._num_res, last=last
-        )
+        self._jit(forward, computed=computed, out_avals=out_avals, ct_avals=ct_avals, num_y=len(y_slots))
 
-        # Activations leave split over "data"; residuals stay where XLA computed them.
-        num_y = len(y_slots) if not last else 1
-        values_at = tuple(layout.batch(out_avals[i].shape) if i < num_y else None for i in computed)
-        cts_at = tuple(layout.batch(a.shape) for a in ct_avals)
-        grads_at = layout.grads
-        self._forward = jax.jit(
-            forward_fn, donate_argnums=3, out_shardings=(values_at, layout.replicated if last else None)
+    def _jit(self, forward: ClosedJaxpr, *, computed: tuple[int, ...], out_avals: Any, ct_avals: Any, num_y: int) -> None:
+        """Compile ``F``, ``B``, ``I``, ``W`` and the accumulators' programs for the mesh."""
+        layout, split, last = self.layout, self.split, self.last
+        shards = DataShards(layout)
+        forward_fn, backward_fn, input_fn, weight_fn = _step_functions(
+            forward, split, computed=computed, const_res=self._const_res, num_res=self._num_res, last=last,
+            shards=shards,
+        )  # fmt: skip
+        activations = 0 if last else num_y
+        forms = stage_forms(
+            shards,
+            num_params=len(self._param_avals),
+            num_x=len(self._structs[0]),
+            num_t=len(self._structs[1]),
+            num_cts=len(self._structs[2]),
+            num_input_cts=len(ct_avals),
+            activations=activations,
+            computed=computed,
+            stored_from=tuple(None if kind == _COMPUTED else where for kind, where in self._res_slots),
+            num_handoff=len(split.handoff_computed),
+            handoff_refs=self._handoff_refs,
         )
-        self._backward = jax.jit(backward_fn, donate_argnums=2, out_shardings=(cts_at, grads_at))
-        self._input = jax.jit(input_fn, out_shardings=(cts_at, None)) if split.input_eqns else input_fn
-        self._weight = jax.jit(weight_fn, donate_argnums=2, out_shardings=grads_at)
+        # Activations leave split over "data"; residuals stay where XLA computed them.
+        values_at = tuple(layout.batch(_whole(out_avals[i], shards.dp).shape) if i < activations else None for i in computed)
+        cts_at = tuple(layout.batch(a.shape) for a in ct_avals)
+        acc_at = layout.accumulators
+        self._forward = jax.jit(
+            shards.program(forward_fn, forms.forward_in(last), forms.forward_out(last)),
+            donate_argnums=3 if last else (), out_shardings=(values_at, layout.replicated) if last else values_at,
+        )  # fmt: skip
+        self._backward = jax.jit(
+            shards.program(backward_fn, (forms.stored, forms.cts, forms.acc), (forms.input_cts, forms.acc)),
+            donate_argnums=2, out_shardings=(cts_at, acc_at),
+        )  # fmt: skip
+        # Without equations, I only passes values on: nothing to compile unless each
+        # device's share must be taken.
+        input_program = shards.program(input_fn, (forms.stored, forms.cts), (forms.input_cts, forms.handoff))
+        self._input = jax.jit(input_program, out_shardings=(cts_at, None)) if split.input_eqns or shards.split else input_fn
+        self._weight = jax.jit(
+            shards.program(weight_fn, (forms.handoff, forms.refs, forms.acc), forms.acc),
+            donate_argnums=2, out_shardings=acc_at,
+        )  # fmt: skip
+        acc_shapes = tuple((shards.dp, *a.shape) if layout.unreduced else a.shape for a in self._param_avals)
+        dtypes = tuple(a.dtype for a in self._param_avals)
         self._zeros = jax.jit(
-            lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in param_avals), out_shardings=grads_at
+            lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in zip(acc_shapes, dtypes, strict=True)),
+            out_shardings=acc_at,
+        )
+        self._reduce = (
+            jax.jit(shards.program(shards.reduce, (forms.acc,), shards.gradient_forms()), out_shardings=layout.grads)
+            if layout.unreduced
+            else None
         )
 
     def forward(self, params: Leaves, x: Leaves, targets: Leaves, loss: Any) -> tuple[Leaves, Leaves, Any]:
@@ -152,7 +194,10 @@ class StageProgram:
         ``loss`` is the running loss (a scalar array, donated) on the last stage, None
         elsewhere; the activation is ``()`` on the last stage.
         """
-        computed, loss = self._forward(params, x, targets, loss)
+        if self.last:
+            computed, loss = self._forward(params, x, targets, loss)
+        else:
+            computed = self._forward(params, x, targets)
         inputs = (*params, *x, *targets)
         y = tuple(_pick(slot, computed, inputs) for slot in self._y_slots)
         residuals = tuple(_pick(slot, computed, inputs) for slot in self._res_slots)
@@ -175,8 +220,9 @@ class StageProgram:
 
     def compiled_hlo(self) -> dict[str, str]:
         """The optimized HLO text of ``F`` and ``B`` as XLA compiled them for this stage's
-        mesh and one microbatch (``jit(...).lower(...).compile().as_text()``): where the
-        collectives of tensor and data parallelism are, for inspection and tests."""
+        mesh and one microbatch (``jit(...).lower(...).compile().as_text()``), and of the
+        once-per-step reduction (``"reduce"``, empty when gradients accumulate reduced):
+        where the collectives of tensor and data parallelism are, for inspection and tests."""
         layout = self.layout
         x_avals, t_avals, ct_avals = self._structs
 
@@ -186,22 +232,31 @@ class StageProgram:
         p = at(self._param_avals, layout.params)
         x = at(x_avals, [layout.batch(a.shape) for a in x_avals])
         t = at(t_avals, [layout.batch(a.shape) for a in t_avals])
-        loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=layout.replicated) if self.last else None
-        forward = self._forward.lower(p, x, t, loss).compile()
+        if self.last:
+            loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=layout.replicated)
+            forward = self._forward.lower(p, x, t, loss).compile()
+            out_info, out_at = forward.out_info[0], forward.output_shardings[0]
+        else:
+            forward = self._forward.lower(p, x, t).compile()
+            out_info, out_at = forward.out_info, forward.output_shardings
         values = jax.tree_util.tree_map(
-            lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
-            forward.out_info[0],
-            forward.output_shardings[0],
+            lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding), out_info, out_at
         )
         residuals = tuple(_pick(slot, values, (*p, *x, *t)) for slot in self._res_slots)
         ct = at(ct_avals, [layout.batch(a.shape) for a in ct_avals])
-        acc = at(self._param_avals, layout.grads)
+        acc = self.zero_grads()
         backward = self._backward.lower(residuals, ct, acc).compile()
-        return {"F": forward.as_text() or "", "B": backward.as_text() or ""}
+        reduce = "" if self._reduce is None else self._reduce.lower(acc).compile().as_text() or ""
+        return {"F": forward.as_text() or "", "B": backward.as_text() or "", "reduce": reduce}
 
     def zero_grads(self) -> Leaves:
         """A fresh gradient accumulator on the stage's mesh (one dispatch for every leaf)."""
         return self._zeros()
+
+    def reduce_grads(self, acc: Leaves) -> Leaves:
+        """The step's gradients from its accumulator (consumed): reduced over ``"data"``
+        where they accumulated unreduced, into ``layout.grads``; else ``acc`` itself."""
+        return acc if self._reduce is None else self._reduce(acc)
 
 
 def _is_float(x: Any) -> bool:
@@ -220,17 +275,20 @@ def compile_stage(
     """Trace stage ``stage`` of ``model`` into its forward and backward programs, for
     the mesh and shardings of ``layout``.
 
-    The last stage's loss is divided by ``num_microbatches`` so that the sum over
-    microbatches is the mean. With ``remat``, the forward keeps only its inputs and the
+    The last stage's loss is divided by ``num_microbatches`` (and by ``dp``, as each
+    device computes it on its share) so that the sum over microbatches is the mean. With ``remat``, the forward keeps only its inputs and the
     backward recomputes the rest. ``device`` (the pipeline device) is only for messages.
     """
     first, last = stage == 0, stage == model.num_stages - 1
+    dp = layout.mesh.shape[DATA]
     p_avals = tuple(model.param_avals[i] for i in model.stage_params[stage])
+    # The model's avals are one device's share of a microbatch (all of it when dp = 1).
     x_avals = model.input_avals[stage]
     t_avals = model.target_avals if last else ()
+    _check_splittable(x_avals, dp, stage)
     diff_x = tuple(not first and jnp.issubdtype(a.dtype, jnp.inexact) for a in x_avals)
     fwd, traced = _forward_fn(
-        model.functions[stage], diff_x, first=first, last=last, remat=remat, num_microbatches=num_microbatches
+        model.functions[stage], diff_x, first=first, last=last, remat=remat, loss_scale=num_microbatches * dp
     )
     try:
         forward = jax.make_jaxpr(fwd)(p_avals, x_avals, t_avals)
@@ -259,14 +317,23 @@ def compile_stage(
         split=split,
         param_avals=p_avals,
         out_avals=tuple(v.aval for v in outvars),
-        ct_avals=tuple(a for a, d in zip(x_avals, diff_x, strict=True) if d),
+        ct_avals=tuple(_whole(a, dp) for a, d in zip(x_avals, diff_x, strict=True) if d),
         layout=layout,
-        example=(tuple(x_avals), tuple(t_avals), tuple(ct_structs)),
+        example=(tuple(_whole(a, dp) for a in x_avals), tuple(_whole(a, dp) for a in t_avals), tuple(_whole(c, dp) for c in ct_structs)),
     )
 
 
+def _check_splittable(x_avals: Sequence[Any], dp: int, stage: int) -> None:
+    if dp > 1 and any(not a.shape for a in x_avals):
+        raise ExecutionError(
+            f"stage {stage}'s inputs are {describe_avals(x_avals)}: with dp={dp} every value passed between "
+            "stages needs an axis 0 to split its examples over",
+            stage=stage,
+        )
+
+
 def _forward_fn(
-    fn: Any, diff_x: tuple[bool, ...], *, first: bool, last: bool, remat: bool, num_microbatches: int
+    fn: Any, diff_x: tuple[bool, ...], *, first: bool, last: bool, remat: bool, loss_scale: int
 ) -> tuple[Any, dict[str, Any]]:
     """The stage's forward as ``(params, inputs, targets) -> (yd, aux, pullback leaves)``
     for :func:`jax.make_jaxpr`, and the dict where tracing leaves the float mask of its
@@ -280,7 +347,7 @@ def _forward_fn(
             out = fn(tuple(p), xs, tuple(t))
             if last:
                 traced["mask"] = (True,)
-                return (out[0] / num_microbatches,), ()
+                return (out[0] / loss_scale,), ()
             mask = tuple(_is_float(o) for o in out)
             traced["mask"] = mask
             return tuple(o for o, m in zip(out, mask) if m), tuple(o for o, m in zip(out, mask) if not m)
@@ -296,6 +363,13 @@ def _forward_fn(
         return yd, aux, leaves
 
     return fwd, traced
+
+
+def _whole(aval: Any, dp: int) -> jax.ShapeDtypeStruct:
+    """The whole microbatch's value of which ``aval`` is one of ``dp`` devices' shares
+    (split along axis 0)."""
+    shape = tuple(aval.shape)
+    return jax.ShapeDtypeStruct((shape[0] * dp, *shape[1:]) if shape else shape, aval.dtype)
 
 
 def _output_slots(
@@ -327,19 +401,23 @@ def _step_functions(
     const_res: dict[int, Any],
     num_res: int,
     last: bool,
+    shards: DataShards,
 ) -> tuple[Any, Any, Any, Any]:
-    """The four functions a stage's programs jit: ``F`` (forward, adding the loss on the
-    last stage), ``B`` (both halves of the backward, accumulating parameter gradients),
-    ``I`` (input gradients and the hand-off to ``W``) and ``W`` (parameter gradients
-    from the hand-off). ``const_res`` are residuals baked in as trace constants."""
+    """The four functions a stage's programs jit, each on one device's share of the
+    microbatch: ``F`` (forward; on the last stage ``(p, x, t, loss)``, adding the
+    devices' loss, else ``(p, x, t)``), ``B`` (both halves of the backward, accumulating
+    parameter gradients), ``I`` (input gradients and the hand-off to ``W``) and ``W``
+    (parameter gradients from the hand-off). ``const_res`` are residuals baked in as trace
+    constants."""
     run_forward = jaxpr_as_fun(forward)
 
-    def forward_fn(p: Leaves, x: Leaves, t: Leaves, loss: Any) -> tuple[Leaves, Any]:
+    def forward_values(p: Leaves, x: Leaves, t: Leaves) -> Leaves:
         outs = run_forward(*p, *x, *t)
-        values = tuple(outs[i] for i in computed)
-        if last:
-            return values, loss + outs[0]
-        return values, None
+        return tuple(outs[i] for i in computed)
+
+    def forward_loss(p: Leaves, x: Leaves, t: Leaves, loss: Any) -> tuple[Leaves, Any]:
+        outs = run_forward(*p, *x, *t)
+        return tuple(outs[i] for i in computed), loss + shards.total(outs[0])
 
     def inputs_of(stored: Leaves, ct: Leaves) -> list[Any]:
         it = iter(stored)
@@ -348,7 +426,7 @@ def _step_functions(
 
     def backward_fn(stored: Leaves, ct: Leaves, acc: Leaves) -> tuple[Leaves, Leaves]:
         param_cts, input_cts = split.full(inputs_of(stored, ct))
-        return tuple(input_cts), tuple(a + g for a, g in zip(acc, param_cts, strict=True))
+        return tuple(input_cts), shards.accumulate(acc, param_cts)
 
     def input_fn(stored: Leaves, ct: Leaves) -> tuple[Leaves, Leaves]:
         input_cts, handoff = split.input_half(inputs_of(stored, ct))
@@ -357,10 +435,9 @@ def _step_functions(
     def weight_fn(handoff: Leaves, refs: Leaves, acc: Leaves) -> Leaves:
         it = iter(refs)
         given = [const_res[i] if i in const_res else next(it) for i in split.handoff_inputs]
-        param_cts = split.weight_half(handoff, given)
-        return tuple(a + g for a, g in zip(acc, param_cts, strict=True))
+        return shards.accumulate(acc, split.weight_half(handoff, given))
 
-    return forward_fn, backward_fn, input_fn, weight_fn
+    return forward_loss if last else forward_values, backward_fn, input_fn, weight_fn
 
 
 def _backward_jaxpr(pullback_def: PyTreeDef, res_structs: list[Any], ct_structs: list[Any], *, loss: Any) -> Any:

@@ -50,8 +50,9 @@ class StagedModel:
         where the gradients of every stage using it are summed.
       owned_treedefs: per stage, the structure its owned leaves (in index order) are
         shown to the optimizer in.
-      input_avals: per stage, its input leaves (stage 0: one microbatch of inputs).
-      target_avals: the leaves of one microbatch of targets.
+      input_avals: per stage, its input leaves (stage 0: the inputs), at what one device
+        of a stage mesh's ``"data"`` axis computes on: its share of a microbatch.
+      target_avals: the leaves of the targets, at the same share.
     """
 
     functions: tuple[LeafFn, ...]

@@ -8,7 +8,8 @@ of the leaves they own. :meth:`Worker.run_step` runs a whole step on the device:
 1. cut the batch's leaves (where the first / last stage lives) into microbatches, each
    split over the mesh's ``"data"`` axis;
 2. run the program (:class:`pipedsl.executor.interpreter.DeviceRuntime`), accumulating
-   every local stage's gradients over its microbatches;
+   every local stage's gradients over its microbatches, then reduce them over ``"data"``
+   once where they accumulated unreduced (:mod:`pipedsl.executor.shards`);
 3. sum the gradients of shared parameters on their owner (contributions added in stage
    order), sending those of leaves owned elsewhere;
 4. when training: a barrier with every other device, so that an optimizer step is all
@@ -181,20 +182,22 @@ class Worker:
             self.microbatches(targets, self._target_layout),
             recorder=recorder,
         )
+        # Reduced once per step where they accumulated unreduced (ZeRO 0 and 1, dp > 1).
+        stage_grads = {s: self.runtime.stages[s].reduce_grads(g) for s, g in result.grads.items()}
         self.phase = "waiting for its stages' gradients and loss"
-        if not _finished((result.grads, result.loss), timeout):
+        if not _finished((stage_grads, result.loss), timeout):
             raise ExecutionError(
                 f"device {self.index}'s gradients and loss were not computed within {timeout:g} s of its "
                 "program's end (a stalled stage here or on a device it depends on); raise recv_timeout "
                 "if stages really take that long",
                 device=self.index,
             )
-        for s, stage_grads in result.grads.items():
-            _computed(stage_grads, s, self.index, "accumulating its gradients")
+        for s, g in stage_grads.items():
+            _computed(g, s, self.index, "accumulating its gradients")
         if result.loss is not None:
             _computed(result.loss, model.num_stages - 1, self.index, "computing the loss")
         self.phase = "summing shared gradients"
-        grads = self._sum_shared(transport, result.grads)
+        grads = self._sum_shared(transport, stage_grads)
         if update is not None:
             self.phase = "waiting for every device to finish its program"
             self._barrier(transport)

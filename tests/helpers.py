@@ -321,3 +321,15 @@ def assert_relative_close(actual: Any, expected: Any, *, rtol: float = 1e-5) -> 
 def hybrid_reference_adam(form: str, num_stages: int, dp: int, *, steps: int) -> list[tuple[Any, jax.Array]]:
     m, params, batch, _, _ = hybrid_problem(form, num_stages, dp)
     return _train_unsplit(m, form, params, batch, HYBRID_ADAM, steps=steps)
+
+
+def zb_auto(max_inflight: int) -> Schedule:
+    """``zb_auto`` at pp = 2, 4 microbatches, synthesised against a cost model with
+    communication (W twice as long as F or I)."""
+    from pipedsl.policy import Policy
+    from pipedsl.simulator import CostModel
+    from pipedsl.simulator.synthesize import synthesize
+
+    policy = pipedsl.load("zb_auto", pp=2, microbatches=4, max_inflight=max_inflight)
+    assert isinstance(policy, Policy)
+    return synthesize(policy, CostModel(forward=1, input_grad=1, weight_grad=2, latency=0.1))

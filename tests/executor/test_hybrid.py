@@ -75,18 +75,35 @@ def test_optimizer_steps_match_optax_on_one_device(dp: int, tp: int, pp: int, na
 COLLECTIVE = re.compile(r"\b(all-reduce|reduce-scatter|all-gather)(-start)?\(")
 
 
+def _collectives(text: str) -> set[str]:
+    return {m.group(1) for m in COLLECTIVE.finditer(text)}
+
+
 def test_gradient_reduction_and_tensor_collectives_are_inside_xla() -> None:
     # A dp=2, tp=2 stage's compiled programs must themselves combine the tensor-parallel
-    # partial sums (forward) and reduce the gradients over "data" (backward): their HLO
-    # has the collectives. The same stage on one device has none.
+    # partial sums (forward and backward) and reduce the gradients over "data" (the
+    # step's reduction): their HLO has the collectives. The same stage on one device has none.
     schedule = hybrid_schedule("gpipe", 1, 1)
     _, params, batch, _, _ = hybrid_problem("explicit", 1, 2)
     (program,) = hybrid("explicit", schedule, dp=2, tp=2, zero=0).compile(params, batch)
     hlo = program.compiled_hlo()
-    assert "all-reduce" in {m.group(1) for m in COLLECTIVE.finditer(hlo["F"])}
-    assert "all-reduce" in {m.group(1) for m in COLLECTIVE.finditer(hlo["B"])}
+    assert "all-reduce" in _collectives(hlo["F"]) and "all-reduce" in _collectives(hlo["B"])
+    assert _collectives(hlo["reduce"]) == {"all-reduce"}
     (single,) = hybrid("explicit", schedule, dp=1, tp=1, zero=0).compile(params, batch)
     assert not any(COLLECTIVE.search(text) for text in single.compiled_hlo().values())
+
+
+@pytest.mark.parametrize(("zero", "backward", "reduce"), [(0, set(), {"all-reduce"}), (1, set(), {"reduce-scatter"}), (2, {"reduce-scatter"}, set())])
+def test_gradients_are_reduced_once_per_step_up_to_zero_1(zero: int, backward: set[str], reduce: set[str]) -> None:
+    # Data parallel only (tp = 1): ZeRO 0 and 1 keep each device's gradients unreduced
+    # through every backward and reduce them once per step (all-reduce, reduce-scatter),
+    # as the estimator prices them; ZeRO 2 reduce-scatters every backward's gradients.
+    schedule = hybrid_schedule("gpipe", 1, 1)
+    _, params, batch, _, _ = hybrid_problem("explicit", 1, 2)
+    (program,) = hybrid("explicit", schedule, dp=2, tp=1, zero=zero).compile(params, batch)
+    hlo = program.compiled_hlo()
+    assert _collectives(hlo["B"]) == backward
+    assert _collectives(hlo["reduce"]) == reduce
 
 
 def test_microbatch_that_does_not_split_over_dp_is_refused() -> None:

@@ -33,7 +33,7 @@ import ray  # noqa: E402
 import ray.cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from helpers import ADAM, LIBRARY, assert_trees_close, library, pipeline, reference_training  # noqa: E402
+from helpers import ADAM, LIBRARY, assert_trees_close, library, pipeline, reference_training, zb_auto  # noqa: E402
 from helpers import setup as reference  # noqa: E402
 from pipedsl.executor import ExecutionError, Pipeline  # noqa: E402
 from pipedsl.executor.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -242,15 +242,21 @@ def test_measured_timeline_merges_every_actor(devices: RayDevices) -> None:
         assert float(b0.start.iloc[0]) >= float(b1.end.iloc[0]) - 1e-3
 
 
-def test_actors_on_two_nodes(cluster: Cluster) -> None:
+def test_actors_on_two_nodes_run_library_and_synthesised_schedules(cluster: Cluster) -> None:
     schedule = library("1f1b")
     params, batch, ref_loss, ref_grads = reference("transformer", "marked", schedule.num_stages)
+    # A zb_auto schedule synthesised against a cost model runs like any other.
+    synthesised = zb_auto(2)
+    s_params, s_batch, s_loss, s_grads = reference("mlp", "explicit", synthesised.num_stages)
     with RayDevices.start(2, RayConfig(strategy="STRICT_SPREAD", step_timeout=120)) as group:
         assert group.nodes[0].node_id != group.nodes[1].node_id
         assert {n.ip for n in group.nodes} == {"127.0.0.1"}
         result = pipeline("transformer", "marked", schedule, backend=group).step(params, batch)
+        s_result = pipeline("mlp", "explicit", synthesised, backend=group).step(s_params, s_batch)
     np.testing.assert_allclose(float(result.loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(result.grads, ref_grads)
+    np.testing.assert_allclose(float(s_result.loss), float(s_loss), rtol=1e-5)
+    assert_trees_close(s_result.grads, s_grads)
 
 
 # -- failures -------------------------------------------------------------------------

@@ -1,0 +1,216 @@
+"""Data parallelism inside a stage program: every device of ``"data"`` runs the stage on
+its own share of the microbatch, as the ranks of a data-parallel job do.
+
+With ``dp > 1`` a stage's programs are :func:`jax.shard_map` over ``"data"`` only (the
+``"tensor"`` axis stays XLA's, which inserts the tensor-parallel collectives): each device
+runs the stage traced at its share of the examples (``B / dp``), and the gradients it adds
+are its own. The accumulated gradients are then kept as DDP keeps them under
+``no_sync``: with ZeRO 0 and 1 every device keeps its own partial sum (an *unreduced*
+accumulator of shape ``[dp, *leaf]``) and the step reduces it once, after the last
+backward (all-reduce for ZeRO 0, reduce-scatter for ZeRO 1); with ZeRO 2 and 3 every
+backward reduce-scatters its contribution into a sharded accumulator, which is what frees
+that memory. That is the traffic the plan estimator prices.
+
+The loss is the mean of the devices' losses (a ``psum`` of each device's share divided
+by ``dp``), so the gradients are the whole microbatch's when the loss is a mean over its
+examples, as it is for data parallelism anywhere.
+
+Values that cross a program's boundary take one of these forms:
+
+- ``BATCH``: axis 0 (the examples) split over ``"data"``: microbatches, activations and
+  their cotangents;
+- ``STACKED``: each device's own value under a new leading axis of size ``dp``: residuals
+  and the ``I`` to ``W`` hand-over, which never leave their device;
+- ``WHOLE``: the same on every device: parameters (gathered over ``"data"`` where ZeRO 3
+  shards them) and the running loss;
+- an accumulator's own form (:meth:`DataShards.accumulator_forms`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from pipedsl.executor.mesh import DATA, StageLayout
+
+__all__ = ["Form", "BATCH", "STACKED", "WHOLE", "DataShards", "StageForms", "stage_forms"]
+
+
+@dataclass(frozen=True, slots=True)
+class Form:
+    """How a value is laid out over ``"data"`` where it crosses a program's boundary:
+    ``spec`` names the ``"data"`` axis only; ``stacked`` values gain a leading axis."""
+
+    spec: PartitionSpec
+    stacked: bool = False
+
+
+BATCH = Form(PartitionSpec(DATA))
+STACKED = Form(PartitionSpec(DATA), stacked=True)
+WHOLE = Form(PartitionSpec())
+
+
+def _is_form(x: Any) -> bool:
+    return isinstance(x, Form)
+
+
+class DataShards:
+    """One stage's programs over its mesh's ``"data"`` axis (module docstring)."""
+
+    __slots__ = ("layout", "dp", "_acc_axes", "_grad_axes")
+
+    def __init__(self, layout: StageLayout) -> None:
+        self.layout = layout
+        self.dp = layout.mesh.shape[DATA]
+        # Per parameter leaf, the axis its accumulator (ZeRO 2, 3) and its reduced
+        # gradient are split along over "data" (None: whole on every device).
+        self._acc_axes = tuple(_data_axis(a.spec) for a in layout.accumulators)
+        self._grad_axes = tuple(_data_axis(g.spec) for g in layout.grads)
+
+    @property
+    def split(self) -> bool:
+        """Whether the stage runs per device of ``"data"`` (``dp > 1``)."""
+        return self.dp > 1
+
+    def accumulator_forms(self) -> tuple[Form, ...]:
+        """Per parameter leaf, its accumulator's form: unreduced (ZeRO 0 and 1: each
+        device's partial sum under a leading axis) or split as ZeRO 2 and 3 keep it."""
+        if self.layout.unreduced:
+            return tuple(Form(PartitionSpec(DATA)) for _ in self._acc_axes)
+        return _split_along(self._acc_axes)
+
+    def gradient_forms(self) -> tuple[Form, ...]:
+        """Per parameter leaf, the form of the step's reduced gradient."""
+        return _split_along(self._grad_axes)
+
+    def accumulate(self, acc: Sequence[Any], grads: Sequence[Any]) -> tuple[Any, ...]:
+        """``acc`` plus this device's ``grads`` (inside a program, in the local view):
+        kept as they are where the accumulator is unreduced, else reduced into it."""
+        if not self.split:
+            return tuple(a + g for a, g in zip(acc, grads, strict=True))
+        if self.layout.unreduced:
+            return tuple(a + g[None] for a, g in zip(acc, grads, strict=True))
+        return tuple(a + _reduced(g, axis) for a, g, axis in zip(acc, grads, self._acc_axes, strict=True))
+
+    def reduce(self, acc: Sequence[Any]) -> tuple[Any, ...]:
+        """The step's gradients from an unreduced accumulator (in the local view): summed
+        over ``"data"``, each split as :meth:`gradient_forms` says (ZeRO 1: a
+        reduce-scatter, which is all the optimizer's shard needs)."""
+        return tuple(_reduced(a[0], axis) for a, axis in zip(acc, self._grad_axes, strict=True))
+
+    def total(self, value: Any) -> Any:
+        """The sum over the devices of ``"data"`` of a per-device ``value`` (the loss)."""
+        return jax.lax.psum(value, DATA) if self.split else value
+
+    def program(self, fn: Callable[..., Any], in_forms: Any, out_forms: Any) -> Callable[..., Any]:
+        """``fn``, written for one device's share, as a program over the whole mesh:
+        arguments and results in the given forms (pytrees of :class:`Form` matching them).
+        With ``dp = 1`` that is ``fn`` itself."""
+        if not self.split:
+            return fn
+
+        def body(*args: Any) -> Any:
+            local = jax.tree_util.tree_map(_to_local, in_forms, args, is_leaf=_is_form)
+            return jax.tree_util.tree_map(_to_global, out_forms, fn(*local), is_leaf=_is_form)
+
+        # check_vma=False: with it, JAX would psum the cotangent of every parameter used
+        # on a device's share (each device's gradient is kept as its own here).
+        return jax.shard_map(
+            body, mesh=self.layout.mesh, in_specs=_specs(in_forms), out_specs=_specs(out_forms), axis_names={DATA},
+            check_vma=False,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StageForms:
+    """The :class:`Form` of every argument and result of one
+    stage's programs: parameters whole, microbatches, activations and cotangents split,
+    residuals and hand-overs stacked per device, accumulators as the layout keeps them."""
+
+    params: tuple[Form, ...]
+    x: tuple[Form, ...]
+    t: tuple[Form, ...]
+    values: tuple[Form, ...]
+    stored: tuple[Form, ...]
+    cts: tuple[Form, ...]
+    input_cts: tuple[Form, ...]
+    acc: tuple[Form, ...]
+    handoff: tuple[Form, ...]
+    refs: tuple[Form, ...]
+
+    def forward_in(self, last: bool) -> tuple[Any, ...]:
+        """``F``'s arguments: ``(params, x, targets[, loss])``."""
+        return (self.params, self.x, self.t, WHOLE) if last else (self.params, self.x, self.t)
+
+    def forward_out(self, last: bool) -> Any:
+        """``F``'s results: the computed values (and the running loss)."""
+        return (self.values, WHOLE) if last else self.values
+
+
+def stage_forms(
+    shards: DataShards,
+    *,
+    num_params: int,
+    num_x: int,
+    num_t: int,
+    num_cts: int,
+    num_input_cts: int,
+    activations: int,
+    computed: tuple[int, ...],
+    stored_from: tuple[int | None, ...],
+    num_handoff: int,
+    handoff_refs: tuple[tuple[bool, int], ...],
+) -> StageForms:
+    """The forms of a stage's values: ``num_*`` count its parameters, inputs, targets,
+    output and input cotangents and computed hand-over values; ``computed`` are the
+    positions of the forward's computed outputs (activations below ``activations``,
+    residuals above); ``stored_from`` says per stored residual which of the forward's
+    inputs (parameters, then inputs, then targets) it is, None for a computed one."""
+    inputs = (WHOLE,) * num_params + (BATCH,) * (num_x + num_t)
+    stored = tuple(STACKED if where is None else inputs[where] for where in stored_from)
+    return StageForms(
+        params=(WHOLE,) * num_params,
+        x=(BATCH,) * num_x,
+        t=(BATCH,) * num_t,
+        values=tuple(BATCH if i < activations else STACKED for i in computed),
+        stored=stored,
+        cts=(BATCH,) * num_cts,
+        input_cts=(BATCH,) * num_input_cts,
+        acc=shards.accumulator_forms(),
+        handoff=(STACKED,) * num_handoff,
+        refs=tuple(stored[k] if from_stored else BATCH for from_stored, k in handoff_refs),
+    )
+
+
+def _specs(forms: Any) -> Any:
+    return jax.tree_util.tree_map(lambda f: f.spec, forms, is_leaf=_is_form)
+
+
+def _data_axis(spec: PartitionSpec) -> int | None:
+    for axis, name in enumerate(spec):
+        if DATA in (name if isinstance(name, tuple) else (name,)):
+            return axis
+    return None
+
+
+def _split_along(axes: Sequence[int | None]) -> tuple[Form, ...]:
+    return tuple(WHOLE if a is None else Form(PartitionSpec(*([None] * a), DATA)) for a in axes)
+
+
+def _reduced(value: Any, axis: int | None) -> Any:
+    """``value`` summed over ``"data"``: whole on every device, or split along ``axis``."""
+    if axis is None:
+        return jax.lax.psum(value, DATA)
+    return jax.lax.psum_scatter(value, DATA, scatter_dimension=axis, tiled=True)
+
+
+def _to_local(form: Form, value: Any) -> Any:
+    return value[0] if form.stacked else value
+
+
+def _to_global(form: Form, value: Any) -> Any:
+    return value[None] if form.stacked else value
