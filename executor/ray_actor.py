@@ -36,13 +36,14 @@ from jax.sharding import Mesh, PartitionSpec
 from pipedsl.executor.devices import xla_device_flag
 from pipedsl.executor.errors import ExecutionError, PeerFailed
 from pipedsl.executor.mesh import MeshConfig, build_meshes
+from pipedsl.executor.ray_links import Channel, Layout, Links, structs
 from pipedsl.executor.ray_transport import Mailbox, RayTransport, from_wire
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder
 from pipedsl.executor.worker import Update, Worker, compile_device
-from pipedsl.program import Buffer, DeviceProgram
+from pipedsl.program import Buffer, DeviceProgram, Send
 from pipedsl.timeline import Event
 
 __all__ = ["ModelSpec", "RayUpdate", "StepReport", "Failure", "DeviceActor", "trace_model"]
@@ -130,10 +131,14 @@ class DeviceActor:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.mailbox = Mailbox()
+        self.links: Links | None = None
+        self.mailbox = Mailbox({})
         self.peers: tuple[Any, ...] = ()
         self.mesh: Mesh | None = None
         self._hosted: dict[int, Worker] = {}
+        # Per hosted pipeline: its model id and the (key, receiver) of its program's sends.
+        self._models: dict[int, int] = {}
+        self._planned: dict[int, tuple[tuple[Buffer, int], ...]] = {}
         self._traced: OrderedDict[int, _TracedModel] = OrderedDict()
         self._optimizers: dict[int, optax.GradientTransformation] = {}
 
@@ -149,9 +154,19 @@ class DeviceActor:
         """This process's wall clock, in seconds."""
         return time.time()
 
-    def connect(self, peers: Sequence[Any]) -> None:
-        """The handles of every device's actor, by device."""
+    def serve(self) -> str:
+        """Start this actor's transfer server on its node's address; return the address."""
+        import ray
+
+        self.links = Links(ray.util.get_node_ip_address())
+        self.mailbox = Mailbox(self.links.learned)
+        return self.links.address
+
+    def connect(self, peers: Sequence[Any], addresses: Sequence[str]) -> None:
+        """The handles of every device's actor and their transfer servers' addresses, by device."""
+        assert self.links is not None  # served before the group connects
         self.peers = tuple(peers)
+        self.links.meet(tuple(addresses))
 
     def install(
         self,
@@ -185,6 +200,8 @@ class DeviceActor:
         if old is not None:
             worker.leaves, worker.states = old.leaves, old.states
         self._hosted[key] = worker
+        self._models[key] = model_id
+        self._planned[key] = tuple((i.buffer, i.peer) for i in program.instructions if isinstance(i, Send))
         return None
 
     def load(self, key: int, leaves: Mapping[int, Any] | None, states: Mapping[int, Any] | None) -> None:
@@ -200,13 +217,21 @@ class DeviceActor:
     def release(self, key: int) -> None:
         """Forget pipeline ``key`` and its state."""
         self._hosted.pop(key, None)
+        self._models.pop(key, None)
+        self._planned.pop(key, None)
 
     # -- the links ---------------------------------------------------------------------
 
-    def deliver(self, step: int, src: int, key: Hashable, value: Any) -> None:
-        """A value from device ``src`` for ``step`` (called by the sending peer)."""
-        assert self.mesh is not None  # a pipeline is installed before any step
-        self.mailbox.put(step, src, key, from_wire(value, self.mesh))
+    def deliver(
+        self, step: int, src: int, key: Hashable, value: Any, *, learn: tuple[Channel, Layout | None] | None = None
+    ) -> None:
+        """A value from device ``src`` for ``step`` (called by the sending peer); with
+        ``learn``, the layout of the later values of its channel, which come by transfer
+        (see :mod:`pipedsl.executor.ray_links`)."""
+        mesh = self.mesh
+        assert mesh is not None  # a pipeline is installed before any step
+        known = None if learn is None else (learn[0], None if learn[1] is None else structs(learn[1], mesh))
+        self.mailbox.put(step, src, key, from_wire(value, mesh), learn=known)
 
     def abort(self, step: int, device: int | None, message: str) -> None:
         """``step`` failed elsewhere (device ``device``, or the driver when None)."""
@@ -232,7 +257,19 @@ class DeviceActor:
         the step is recorded, else None.
         """
         worker = self._hosted[key]
-        transport = RayTransport(self.index, step, self.mailbox, self.peers, timeout=worker.runtime.recv_timeout)
+        assert self.links is not None and self.mesh is not None  # served and installed before a step
+        transport = RayTransport(
+            self.index,
+            step,
+            self.mailbox,
+            self.peers,
+            self.links,
+            mesh=self.mesh,
+            pipeline=(key, self._models[key]),
+            planned=self._planned[key],
+            recording=origin is not None,
+            timeout=worker.runtime.recv_timeout,
+        )
         self.mailbox.begin(step)
         worker.applied = False
         try:

@@ -211,7 +211,8 @@ class RayDevices:
         )
         try:
             where = ray.get([a.where.remote() for a in actors], timeout=config.start_timeout)  # type: ignore[attr-defined]
-            ray.get([a.connect.remote(actors) for a in actors], timeout=config.start_timeout)  # type: ignore[attr-defined]
+            addresses = ray.get([a.serve.remote() for a in actors], timeout=config.start_timeout)  # type: ignore[attr-defined]
+            ray.get([a.connect.remote(actors, addresses) for a in actors], timeout=config.start_timeout)  # type: ignore[attr-defined]
             offsets = tuple(_clock_offset(a, config.start_timeout) for a in actors)
         except BaseException as err:
             for actor in actors:

@@ -11,6 +11,7 @@ GPUs would be another :class:`~pipedsl.executor.transport.Transport`.
 
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
 from collections.abc import Hashable, Sequence
@@ -22,6 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError, PeerFailed, stage_failure
+from pipedsl.executor.ray_links import Channel, Links, channel_of, layout_of, structs, transfer_id
+from pipedsl.program import Buffer
 
 __all__ = ["Mailbox", "RayTransport", "to_wire", "from_wire"]
 
@@ -77,18 +80,21 @@ def from_wire(value: Any, mesh: Mesh) -> Any:
 
 
 class Mailbox:
-    """Values and failures that arrive at one actor, by step.
+    """Values and failures that arrive at one actor, by step, and the layouts of the
+    channels it has learned (see :mod:`pipedsl.executor.ray_links`).
 
     A step's values wait here until its receives take them; entries of earlier steps are
     dropped when a step begins (late deliveries of an aborted step). Keys are ``(step,
-    source device, key)``.
+    source device, key)``. A layout is learned from any delivery that carries one, of
+    whatever step: the sender sends a channel's later values by transfer either way.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, learned: dict[Channel, Any]) -> None:
         self._cond = threading.Condition()
         self._step = -1
         self._mail: dict[tuple[int, int, Hashable], Any] = {}
         self._failed: dict[int, str] = {}
+        self._learned = learned
 
     def begin(self, step: int) -> None:
         with self._cond:
@@ -96,24 +102,35 @@ class Mailbox:
             self._mail = {k: v for k, v in self._mail.items() if k[0] >= step}
             self._failed = {s: m for s, m in self._failed.items() if s >= step}
 
-    def put(self, step: int, src: int, key: Hashable, value: Any) -> None:
+    def put(self, step: int, src: int, key: Hashable, value: Any, *, learn: tuple[Channel, Any] | None = None) -> None:
         with self._cond:
+            if learn is not None:
+                self._learned[learn[0]] = learn[1]
             if step >= self._step:
                 self._mail[(step, src, key)] = value
-                self._cond.notify_all()
+            self._cond.notify_all()
 
     def fail(self, step: int, message: str) -> None:
         with self._cond:
             self._failed.setdefault(step, message)
             self._cond.notify_all()
 
-    def take(self, step: int, src: int, key: Hashable, *, me: int, timeout: float) -> Any:
-        """The value ``key`` from device ``src``, waiting at most ``timeout`` seconds."""
+    def take(self, step: int, src: int, key: Hashable, *, me: int, timeout: float, channel: Channel | None = None) -> Any:
+        """The value ``key`` from device ``src``, waiting at most ``timeout`` seconds; or,
+        with a ``channel`` whose layout is known (the value then comes by transfer), a
+        :class:`_Pull` of what to pull, unless the value is here already."""
         slot = (step, src, key)
+        learned = self._learned
+
+        def ready() -> bool:
+            return slot in self._mail or step in self._failed or learned.get(channel) is not None  # type: ignore[arg-type]
+
         with self._cond:
-            arrived = self._cond.wait_for(lambda: slot in self._mail or step in self._failed, timeout=timeout)
+            arrived = self._cond.wait_for(ready, timeout=timeout)
             if slot in self._mail:
                 return self._mail.pop(slot)
+            if channel is not None and learned.get(channel) is not None:
+                return _Pull(learned[channel])
             if not arrived:
                 raise ExecutionError(
                     f"device {me} waited {timeout:g} s for {_describe(key)} from device {src}, which never sent "
@@ -123,6 +140,20 @@ class Mailbox:
             raise PeerFailed(
                 f"device {me} stopped waiting for {_describe(key)} from device {src}: {self._failed[step]}", device=me
             )
+
+
+@dataclass(frozen=True, slots=True)
+class _Pull:
+    """A receive that is to pull arrays of these shapes and shardings."""
+
+    structs: tuple[jax.ShapeDtypeStruct, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _PullFailed:
+    """A pulled value that never came: the error the transfer reported."""
+
+    error: Exception
 
 
 def _describe(key: Hashable) -> str:
@@ -136,35 +167,86 @@ def _describe(key: Hashable) -> str:
 
 
 class RayTransport:
-    """Device ``device``'s end of the links for one step (implements
-    :class:`~pipedsl.executor.transport.Transport`): sends are ``deliver`` calls on the
-    peer actors, receives wait in this actor's :class:`Mailbox`.
+    """Device ``device``'s end of the links for one step of pipeline ``pipeline`` (its
+    key and model id), whose mesh is ``mesh`` (implements
+    :class:`~pipedsl.executor.transport.Transport`).
 
-    A send returns at once: a sender thread waits for the value to be computed, copies
-    it to host memory and hands it to Ray, so the device goes on dispatching its next
-    actions meanwhile. The thread keeps the order of sends; :meth:`finish` waits for it
-    at the end of the step, and a value whose computation failed is reported as its
-    stage's failure. Recorded sends (``wait=True``) stay synchronous, to be timed.
+    Activations and input gradients go by transfer (:mod:`pipedsl.executor.ray_links`)
+    once their channel's layout has been announced; everything else, a channel's first
+    value and every value of a ``recording`` step (so that each send can be timed to its
+    arrival) is a ``deliver`` call on the peer actor, waking the receive in its
+    :class:`Mailbox`.
+
+    A send returns at once: a sender thread waits for the value to be computed, then
+    offers it to the transfer server (or copies it to host memory for Ray), so the device
+    goes on dispatching its next actions meanwhile. The thread keeps the order of sends;
+    :meth:`finish` waits for it at the end of the step, and a value whose computation
+    failed is reported as its stage's failure. A receive by transfer pulls, and a waiter
+    thread posts the arrays to the mailbox once they are there, so that the receive still
+    wakes at once when a peer fails. On a failure, :meth:`abort` offers an error in place
+    of every value this device would still have sent by transfer (``planned``), so no
+    peer's pull waits for a value that will never come.
     """
 
-    __slots__ = ("device", "step", "_mailbox", "_peers", "_timeout", "_aborted", "_queue", "_sender", "_error")
+    __slots__ = (
+        "device",
+        "step",
+        "_mailbox",
+        "_peers",
+        "_links",
+        "_mesh",
+        "_pipeline",
+        "_planned",
+        "_recording",
+        "_timeout",
+        "_aborted",
+        "_queue",
+        "_sender",
+        "_error",
+        "_lock",
+        "_offered",
+        "_pulls",
+        "_waiter",
+    )
 
-    def __init__(self, device: int, step: int, mailbox: Mailbox, peers: Sequence[Any], *, timeout: float) -> None:
+    def __init__(
+        self,
+        device: int,
+        step: int,
+        mailbox: Mailbox,
+        peers: Sequence[Any],
+        links: Links,
+        *,
+        mesh: Mesh,
+        pipeline: tuple[int, int],
+        planned: Sequence[tuple[Hashable, int]],
+        recording: bool,
+        timeout: float,
+    ) -> None:
         self.device = device
         self.step = step
         self._mailbox = mailbox
         self._peers = peers
+        self._links = links
+        self._mesh = mesh
+        self._pipeline = pipeline
+        self._planned = planned
+        self._recording = recording
         self._timeout = timeout
         self._aborted = False
         self._queue: queue.SimpleQueue[tuple[Hashable, Any, int, int | None] | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._error: ExecutionError | None = None
+        self._lock = threading.Lock()
+        self._offered: set[tuple[Hashable, int]] = set()  # (key, receiver), sent by either path
+        self._pulls: queue.SimpleQueue[tuple[Hashable, int, Any] | None] = queue.SimpleQueue()
+        self._waiter: threading.Thread | None = None
 
     def send(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
         if self._error is not None:
             raise self._error
         if wait:
-            self._post(key, value, dst, stage=stage, wait=True)
+            self._deliver(key, value, dst, stage=stage, wait=True)
             return
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_queued, name=f"pipedsl-send-{self.device}", daemon=True)
@@ -181,7 +263,7 @@ class RayTransport:
             except ExecutionError as err:
                 self._error = err
                 self.abort(err)
-            except Exception as err:  # anything else Ray raises while handing the value over
+            except Exception as err:  # anything else Ray or the transfer raises while handing the value over
                 self._error = ExecutionError(f"device {self.device} could not send {key}: {err}", device=self.device)
                 self.abort(err)
 
@@ -196,36 +278,127 @@ class RayTransport:
                     f"device {self.device}'s sends did not finish within {self._timeout:g} s", device=self.device
                 )
             self._sender = None
+        if self._waiter is not None:
+            # Every pull has been taken when the step ran to its end; after a failure a
+            # pull may wait until the peer's error offer comes, so the waiter is left.
+            self._pulls.put(None)
+            self._waiter = None
         return self._error or failure
 
     def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
         if self._error is not None:
             raise self._error
-        return self._mailbox.take(self.step, src, key, me=self.device, timeout=timeout)
+        me, step = self.device, self.step
+        channel = None if self._recording else channel_of(*self._pipeline, src, me, key)
+        got = self._mailbox.take(step, src, key, me=me, timeout=timeout, channel=channel)
+        if isinstance(got, _Pull):
+            assert isinstance(key, Buffer)  # only program buffers have channels
+            pulled = self._links.connection(src).pull(transfer_id(step, me, key), list(got.structs))
+            if self._waiter is None:
+                self._waiter = threading.Thread(target=self._wait_pulls, name=f"pipedsl-pull-{me}", daemon=True)
+                self._waiter.start()
+            self._pulls.put((key, src, tuple(pulled)))
+            got = self._mailbox.take(step, src, key, me=me, timeout=timeout)
+        if isinstance(got, _PullFailed):
+            raise PeerFailed(
+                f"device {me} could not receive {_describe(key)} from device {src}: {_first_line(got.error)}", device=me
+            )
+        return got
+
+    def _wait_pulls(self) -> None:
+        while (item := self._pulls.get()) is not None:
+            key, src, arrays = item
+            try:
+                jax.block_until_ready(arrays)
+            except Exception as err:  # the peer offered an error, or its server went away
+                arrays = _PullFailed(err)
+            self._mailbox.put(self.step, src, key, arrays)
 
     def abort(self, error: BaseException) -> None:
-        if self._aborted:
-            return
-        self._aborted = True
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            unsent = [(key, dst) for key, dst in self._planned if (key, dst) not in self._offered]
         message = f"device {self.device} failed"
         self._mailbox.fail(self.step, message)
         for d, peer in enumerate(self._peers):
             if d != self.device:
                 peer.abort.remote(self.step, self.device, message)
+        if self._recording:
+            return
+        from jax.experimental import transfer
 
-    def _post(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
-        """Hand ``value`` to device ``dst`` from this thread; with ``wait``, return only
-        once it has arrived."""
+        for key, dst in unsent:
+            channel = channel_of(*self._pipeline, self.device, dst, key)
+            layout = self._links.announced.get(channel) if channel is not None else None
+            if layout is None:
+                continue  # the peer waits in its mailbox, which the abort wakes
+            assert isinstance(key, Buffer)
+            errors = [transfer.make_error_array(s, message) for s in structs(layout, self._mesh)]
+            self._links.server.await_pull(transfer_id(self.step, dst, key), errors, timeout=self._deadline())
+
+    def _post(self, key: Hashable, value: Any, dst: int, *, stage: int | None) -> None:
+        """Hand ``value`` to device ``dst`` from the sender thread."""
+        channel = None if self._recording else channel_of(*self._pipeline, self.device, dst, key)
+        layout = self._links.announced.get(channel, _UNKNOWN) if channel is not None else None
+        if layout is None or layout is _UNKNOWN:
+            self._deliver(key, value, dst, stage=stage)
+            return
+        assert isinstance(key, Buffer)
+        _computed(value, stage, self.device, key)
+        if layout_of(value) != layout:
+            raise ExecutionError(
+                f"device {self.device} sent {key} to device {dst} with shapes or shardings other than the "
+                f"first such value's ({layout_of(value)} against {layout})",
+                stage=stage,
+                device=self.device,
+            )
+        with self._lock:
+            if self._aborted:
+                return
+            self._offered.add((key, dst))
+        self._links.server.await_pull(transfer_id(self.step, dst, key), list(value), timeout=self._deadline())
+
+    def _deliver(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
+        """Hand ``value`` to device ``dst`` as an actor call (with the layout, on a
+        channel's first value); with ``wait``, return only once it has arrived."""
+        channel = channel_of(*self._pipeline, self.device, dst, key)
+        learn = None
+        if channel is not None:
+            learn = (channel, layout_of(value))
         # To host memory first: Ray moves numpy arrays without copying them again. This is
         # where an asynchronous computation's error surfaces, so it is blamed on its stage.
-        try:
-            host = to_wire(value)
-        except Exception as err:  # XLA reports a failed computation where its result is read
-            if stage is None:
-                raise
-            raise stage_failure(stage, self.device, f"computing {key}", err) from err
-        ref = self._peers[dst].deliver.remote(self.step, self.device, key, host)
+        host = _computed(value, stage, self.device, key, to_host=True)
+        with self._lock:
+            self._offered.add((key, dst))
+        ref = self._peers[dst].deliver.remote(self.step, self.device, key, host, learn=learn)
+        if channel is not None:
+            self._links.announced.setdefault(channel, learn[1] if learn is not None else None)
         if wait:
             import ray
 
             ray.get(ref, timeout=self._timeout)
+
+    def _deadline(self) -> datetime.datetime:
+        # How long an offer waits for its pull before the server drops it.
+        return datetime.datetime.now() + datetime.timedelta(seconds=self._timeout)
+
+
+_UNKNOWN = object()  # a channel whose first value has not been sent yet
+
+
+def _computed(value: Any, stage: int | None, device: int, key: Hashable, *, to_host: bool = False) -> Any:
+    """Wait for ``value`` (and, ``to_host``, return it as host data, see :func:`to_wire`);
+    a failed computation is raised as ``stage``'s failure."""
+    try:
+        return to_wire(value) if to_host else jax.block_until_ready(value)
+    except Exception as err:  # XLA reports a failed computation where its result is read
+        if stage is None:
+            raise
+        raise stage_failure(stage, device, f"computing {key}", err) from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
