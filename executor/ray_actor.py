@@ -43,7 +43,7 @@ from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder
 from pipedsl.executor.worker import Update, Worker, compile_device
-from pipedsl.program import Buffer, DeviceProgram, Send
+from pipedsl.program import Buffer, DeviceProgram, Recv, Send
 from pipedsl.timeline import Event
 
 __all__ = ["ModelSpec", "RayUpdate", "StepReport", "Failure", "DeviceActor", "trace_model"]
@@ -136,9 +136,11 @@ class DeviceActor:
         self.peers: tuple[Any, ...] = ()
         self.mesh: Mesh | None = None
         self._hosted: dict[int, Worker] = {}
-        # Per hosted pipeline: its model id and the (key, receiver) of its program's sends.
+        # Per hosted pipeline: its model id, the (key, receiver) of its program's sends and
+        # the (key, sender) of its receives, in program order.
         self._models: dict[int, int] = {}
         self._planned: dict[int, tuple[tuple[Buffer, int], ...]] = {}
+        self._expected: dict[int, tuple[tuple[Buffer, int], ...]] = {}
         self._traced: OrderedDict[int, _TracedModel] = OrderedDict()
         self._optimizers: dict[int, optax.GradientTransformation] = {}
 
@@ -202,6 +204,7 @@ class DeviceActor:
         self._hosted[key] = worker
         self._models[key] = model_id
         self._planned[key] = tuple((i.buffer, i.peer) for i in program.instructions if isinstance(i, Send))
+        self._expected[key] = tuple((i.buffer, i.peer) for i in program.instructions if isinstance(i, Recv))
         return None
 
     def load(self, key: int, leaves: Mapping[int, Any] | None, states: Mapping[int, Any] | None) -> None:
@@ -219,6 +222,7 @@ class DeviceActor:
         self._hosted.pop(key, None)
         self._models.pop(key, None)
         self._planned.pop(key, None)
+        self._expected.pop(key, None)
 
     # -- the links ---------------------------------------------------------------------
 
@@ -267,6 +271,7 @@ class DeviceActor:
             mesh=self.mesh,
             pipeline=(key, self._models[key]),
             planned=self._planned[key],
+            expected=self._expected[key],
             recording=origin is not None,
             timeout=worker.runtime.recv_timeout,
         )

@@ -149,13 +149,6 @@ class _Pull:
     structs: tuple[jax.ShapeDtypeStruct, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class _PullFailed:
-    """A pulled value that never came: the error the transfer reported."""
-
-    error: Exception
-
-
 def _describe(key: Hashable) -> str:
     if isinstance(key, tuple) and key and key[0] == "grad":
         return f"the gradient of leaf {key[2]} from stage {key[1]}"
@@ -177,15 +170,20 @@ class RayTransport:
     arrival) is a ``deliver`` call on the peer actor, waking the receive in its
     :class:`Mailbox`.
 
-    A send returns at once: a sender thread waits for the value to be computed, then
-    offers it to the transfer server (or copies it to host memory for Ray), so the device
-    goes on dispatching its next actions meanwhile. The thread keeps the order of sends;
-    :meth:`finish` waits for it at the end of the step, and a value whose computation
-    failed is reported as its stage's failure. A receive by transfer pulls, and a waiter
-    thread posts the arrays to the mailbox once they are there, so that the receive still
-    wakes at once when a peer fails. On a failure, :meth:`abort` offers an error in place
-    of every value this device would still have sent by transfer (``planned``), so no
-    peer's pull waits for a value that will never come.
+    A send returns at once. A value by transfer is offered right away (the server sends
+    it once computed) and then handed to a sender thread that waits for it, so that a
+    failed computation is reported as its stage's failure; a value by actor call is
+    handed to that thread to be computed, copied to host memory and given to Ray. The
+    thread keeps the order of what it is given; :meth:`finish` waits for it at the end of
+    the step.
+
+    Receives by transfer are pulled ahead, in the order of the program's receives
+    (``expected``), at most :data:`_AHEAD` pending, so that a value moves as soon as it
+    is offered; a receive then waits for its arrays. That wait ends when the value
+    arrives, when the peer offers an error in its place (on a failure, :meth:`abort`
+    offers one for every value this device would still have sent by transfer,
+    ``planned``), or when the peer's process is gone; a peer that stalls without failing
+    is stopped by the driver's ``step_timeout``.
     """
 
     __slots__ = (
@@ -205,8 +203,9 @@ class RayTransport:
         "_error",
         "_lock",
         "_offered",
-        "_pulls",
-        "_waiter",
+        "_ahead",
+        "_next",
+        "_pulled",
     )
 
     def __init__(
@@ -220,6 +219,7 @@ class RayTransport:
         mesh: Mesh,
         pipeline: tuple[int, int],
         planned: Sequence[tuple[Hashable, int]],
+        expected: Sequence[tuple[Hashable, int]],
         recording: bool,
         timeout: float,
     ) -> None:
@@ -234,13 +234,26 @@ class RayTransport:
         self._recording = recording
         self._timeout = timeout
         self._aborted = False
-        self._queue: queue.SimpleQueue[tuple[Hashable, Any, int, int | None] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Hashable, Any, int, int | None, bool] | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._error: ExecutionError | None = None
         self._lock = threading.Lock()
         self._offered: set[tuple[Hashable, int]] = set()  # (key, receiver), sent by either path
-        self._pulls: queue.SimpleQueue[tuple[Hashable, int, Any] | None] = queue.SimpleQueue()
-        self._waiter: threading.Thread | None = None
+        # The receives that come by transfer this step: those whose channel's layout is
+        # known now (a channel learned during the step is pulled at its receive).
+        self._ahead: list[tuple[Buffer, int, tuple[jax.ShapeDtypeStruct, ...]]] = []
+        if not recording:
+            for key, src in expected:
+                channel = channel_of(*pipeline, src, device, key)
+                known = links.learned.get(channel) if channel is not None else None
+                if known is not None:
+                    assert isinstance(key, Buffer)  # only program buffers have channels
+                    self._ahead.append((key, src, known))
+        self._next = 0  # the first of _ahead not pulled yet
+        self._pulled: dict[tuple[Hashable, int], tuple[Any, ...] | None] = {
+            (key, src): None for key, src, _ in self._ahead
+        }
+        self._pull_ahead(_AHEAD)
 
     def send(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
         if self._error is not None:
@@ -248,18 +261,22 @@ class RayTransport:
         if wait:
             self._deliver(key, value, dst, stage=stage, wait=True)
             return
+        offered = self._offer(key, value, dst, stage=stage)
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_queued, name=f"pipedsl-send-{self.device}", daemon=True)
             self._sender.start()
-        self._queue.put((key, value, dst, stage))
+        self._queue.put((key, value, dst, stage, offered))
 
     def _send_queued(self) -> None:
         while (item := self._queue.get()) is not None:
             if self._error is not None:
                 continue  # drain: the step has failed
-            key, value, dst, stage = item
+            key, value, dst, stage, offered = item
             try:
-                self._post(key, value, dst, stage=stage)
+                if offered:
+                    _computed(value, stage, self.device, key)
+                elif not self._offer(key, value, dst, stage=stage):
+                    self._deliver(key, value, dst, stage=stage)
             except ExecutionError as err:
                 self._error = err
                 self.abort(err)
@@ -278,41 +295,51 @@ class RayTransport:
                     f"device {self.device}'s sends did not finish within {self._timeout:g} s", device=self.device
                 )
             self._sender = None
-        if self._waiter is not None:
-            # Every pull has been taken when the step ran to its end; after a failure a
-            # pull may wait until the peer's error offer comes, so the waiter is left.
-            self._pulls.put(None)
-            self._waiter = None
         return self._error or failure
 
     def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
         if self._error is not None:
             raise self._error
         me, step = self.device, self.step
+        slot = (key, src)
+        if slot in self._pulled:
+            while self._pulled[slot] is None:
+                self._pull_ahead(1)
+            arrays = self._pulled.pop(slot)
+            self._pull_ahead(1)  # keeps _AHEAD pending
+            return self._arrived(key, src, arrays)
         channel = None if self._recording else channel_of(*self._pipeline, src, me, key)
         got = self._mailbox.take(step, src, key, me=me, timeout=timeout, channel=channel)
         if isinstance(got, _Pull):
+            # The channel's first value came during this step: pull this one now.
             assert isinstance(key, Buffer)  # only program buffers have channels
-            pulled = self._links.connection(src).pull(transfer_id(step, me, key), list(got.structs))
-            if self._waiter is None:
-                self._waiter = threading.Thread(target=self._wait_pulls, name=f"pipedsl-pull-{me}", daemon=True)
-                self._waiter.start()
-            self._pulls.put((key, src, tuple(pulled)))
-            got = self._mailbox.take(step, src, key, me=me, timeout=timeout)
-        if isinstance(got, _PullFailed):
-            raise PeerFailed(
-                f"device {me} could not receive {_describe(key)} from device {src}: {_first_line(got.error)}", device=me
-            )
+            return self._arrived(key, src, self._pull(key, src, got.structs))
         return got
 
-    def _wait_pulls(self) -> None:
-        while (item := self._pulls.get()) is not None:
-            key, src, arrays = item
-            try:
-                jax.block_until_ready(arrays)
-            except Exception as err:  # the peer offered an error, or its server went away
-                arrays = _PullFailed(err)
-            self._mailbox.put(self.step, src, key, arrays)
+    def _pull(self, key: Buffer, src: int, wanted: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[Any, ...]:
+        # Returns at once: the arrays fill in when the peer offers them.
+        return tuple(self._links.connection(src).pull(transfer_id(self.step, self.device, key), list(wanted)))
+
+    def _pull_ahead(self, count: int) -> None:
+        """Pull the next ``count`` receives of ``_ahead``."""
+        ahead = self._ahead
+        for _ in range(count):
+            if self._next >= len(ahead):
+                return
+            key, src, wanted = ahead[self._next]
+            self._next += 1
+            self._pulled[(key, src)] = self._pull(key, src, wanted)
+
+    def _arrived(self, key: Hashable, src: int, arrays: Any) -> tuple[Any, ...]:
+        """``arrays`` pulled from ``src``, once there; an error offered in their place
+        (or the peer's server gone) is the peer's failure."""
+        try:
+            return jax.block_until_ready(arrays)
+        except Exception as err:  # the peer offered an error, or its server went away
+            raise PeerFailed(
+                f"device {self.device} could not receive {_describe(key)} from device {src}: {_first_line(err)}",
+                device=self.device,
+            ) from err
 
     def abort(self, error: BaseException) -> None:
         with self._lock:
@@ -338,15 +365,16 @@ class RayTransport:
             errors = [transfer.make_error_array(s, message) for s in structs(layout, self._mesh)]
             self._links.server.await_pull(transfer_id(self.step, dst, key), errors, timeout=self._deadline())
 
-    def _post(self, key: Hashable, value: Any, dst: int, *, stage: int | None) -> None:
-        """Hand ``value`` to device ``dst`` from the sender thread."""
-        channel = None if self._recording else channel_of(*self._pipeline, self.device, dst, key)
-        layout = self._links.announced.get(channel, _UNKNOWN) if channel is not None else None
-        if layout is None or layout is _UNKNOWN:
-            self._deliver(key, value, dst, stage=stage)
-            return
+    def _offer(self, key: Hashable, value: Any, dst: int, *, stage: int | None) -> bool:
+        """Offer ``value`` to device ``dst`` by transfer when its channel's layout has been
+        announced (else return False: it goes as an actor call)."""
+        if self._recording:
+            return False
+        channel = channel_of(*self._pipeline, self.device, dst, key)
+        layout = self._links.announced.get(channel) if channel is not None else None
+        if layout is None:
+            return False
         assert isinstance(key, Buffer)
-        _computed(value, stage, self.device, key)
         if layout_of(value) != layout:
             raise ExecutionError(
                 f"device {self.device} sent {key} to device {dst} with shapes or shardings other than the "
@@ -356,25 +384,24 @@ class RayTransport:
             )
         with self._lock:
             if self._aborted:
-                return
+                return True
             self._offered.add((key, dst))
         self._links.server.await_pull(transfer_id(self.step, dst, key), list(value), timeout=self._deadline())
+        return True
 
     def _deliver(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
         """Hand ``value`` to device ``dst`` as an actor call (with the layout, on a
         channel's first value); with ``wait``, return only once it has arrived."""
         channel = channel_of(*self._pipeline, self.device, dst, key)
-        learn = None
-        if channel is not None:
-            learn = (channel, layout_of(value))
+        learn = None if channel is None else (channel, layout_of(value))
         # To host memory first: Ray moves numpy arrays without copying them again. This is
         # where an asynchronous computation's error surfaces, so it is blamed on its stage.
         host = _computed(value, stage, self.device, key, to_host=True)
         with self._lock:
             self._offered.add((key, dst))
         ref = self._peers[dst].deliver.remote(self.step, self.device, key, host, learn=learn)
-        if channel is not None:
-            self._links.announced.setdefault(channel, learn[1] if learn is not None else None)
+        if learn is not None:
+            self._links.announced.setdefault(learn[0], learn[1])
         if wait:
             import ray
 
@@ -386,6 +413,9 @@ class RayTransport:
 
 
 _UNKNOWN = object()  # a channel whose first value has not been sent yet
+# Pulls a receiving device keeps pending ahead of its program: a value whose pull is
+# pending moves the moment its sender offers it.
+_AHEAD = 8
 
 
 def _computed(value: Any, stage: int | None, device: int, key: Hashable, *, to_host: bool = False) -> Any:
