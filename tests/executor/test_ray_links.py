@@ -1,0 +1,88 @@
+"""The Ray backend's transfer links (:mod:`pipedsl.executor.ray_links`), without Ray.
+
+Two transfer servers in this process stand for two actors: values move between meshes of
+different forced CPU devices exactly as they move between actors' processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import transfer
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pipedsl.executor.ray_links import Links, channel_of, layout_of, structs, transfer_id
+from pipedsl.program import Buffer, BufferKind
+
+
+@pytest.fixture(scope="module")
+def links() -> tuple[Links, Links]:
+    a, b = Links("127.0.0.1"), Links("127.0.0.1")
+    for end in (a, b):
+        end.meet((a.address, b.address))
+    return a, b
+
+
+def _meshes() -> tuple[Mesh, Mesh]:
+    devices = jax.devices()
+    return Mesh(np.array(devices[:2]), ("data",)), Mesh(np.array(devices[2:4]), ("data",))
+
+
+def test_a_value_moves_to_the_other_mesh_with_its_specs(links: tuple[Links, Links]) -> None:
+    sender, receiver = links
+    here, there = _meshes()
+    split = jax.device_put(jnp.arange(12.0).reshape(6, 2), NamedSharding(here, PartitionSpec("data")))
+    whole = jax.device_put(jnp.array([1.0, 2.0, 3.0]), NamedSharding(here, PartitionSpec()))
+    layout = layout_of((split, whole))
+    assert layout == (((6, 2), "float32", PartitionSpec("data")), ((3,), "float32", PartitionSpec()))
+    sender.server.await_pull(7, [split, whole])
+    got = receiver.connection(0).pull(7, list(structs(layout, there)))
+    for moved, original in zip(got, (split, whole), strict=True):
+        np.testing.assert_array_equal(np.asarray(moved), np.asarray(original))
+        assert moved.sharding.device_set == set(there.devices.flat)
+        assert moved.sharding.spec == original.sharding.spec
+
+
+def test_an_error_offered_in_place_of_a_value_reaches_its_puller(links: tuple[Links, Links]) -> None:
+    # What a failing device offers for the values it will never send.
+    sender, receiver = links
+    here, there = _meshes()
+    layout = (((4,), "float32", PartitionSpec()),)
+    sender.server.await_pull(8, [transfer.make_error_array(s, "device 0 failed") for s in structs(layout, here)])
+    got = receiver.connection(0).pull(8, list(structs(layout, there)))
+    with pytest.raises(Exception, match="device 0 failed"):
+        jax.block_until_ready(got)
+
+
+def test_only_arrays_with_named_shardings_have_a_layout() -> None:
+    here, _ = _meshes()
+    placed = jax.device_put(jnp.ones(2), NamedSharding(here, PartitionSpec()))
+    assert layout_of((placed,)) is not None
+    assert layout_of((np.ones(2),)) is None
+    assert layout_of((placed, 1.0)) is None
+    assert layout_of(()) is None
+    assert layout_of([placed]) is None
+
+
+def test_channels_cover_activations_and_input_gradients_only() -> None:
+    act = Buffer(BufferKind.ACTIVATION, 3, 5)
+    assert channel_of(1, 2, 0, 1, act) == channel_of(1, 2, 0, 1, Buffer(BufferKind.ACTIVATION, 3, 9))
+    assert channel_of(1, 2, 0, 1, act) != channel_of(1, 2, 0, 1, Buffer(BufferKind.GRADIENT, 3, 5))
+    assert channel_of(1, 2, 0, 1, Buffer(BufferKind.RESIDUAL, 3, 5)) is None
+    assert channel_of(1, 2, 0, 1, ("grad", 3, 0)) is None
+    # Beyond what a transfer id holds: sent as actor calls.
+    assert channel_of(1, 2, 0, 256, act) is None
+    assert channel_of(1, 2, 0, 1, Buffer(BufferKind.ACTIVATION, 1024, 0)) is None
+    assert channel_of(1, 2, 0, 1, Buffer(BufferKind.ACTIVATION, 0, 1 << 16)) is None
+
+
+def test_transfer_ids_differ_for_every_step_receiver_and_buffer() -> None:
+    kinds = (BufferKind.ACTIVATION, BufferKind.GRADIENT)
+    grid = itertools.product((0, 1, 2**27 - 1), (0, 1, 255), kinds, (0, 1, 1023), (0, 1, 65535))
+    ids = [transfer_id(step, dst, Buffer(kind, stage, m)) for step, dst, kind, stage, m in grid]
+    assert len(set(ids)) == len(ids)
+    assert all(0 <= i < 2**63 for i in ids)
