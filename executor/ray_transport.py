@@ -1,12 +1,17 @@
-"""The Ray backend's links: mailboxes in the actors, and sends as actor calls.
+"""The Ray backend's links: transfers and mailboxes in the actors.
 
-A send is a ``deliver`` call on the peer actor, which runs in another of the peer's
-threads and wakes the receive waiting in its :class:`Mailbox`. Values travel through
-Ray's object store as host (numpy) data, shard by shard: an array sharded over the
-sender's mesh goes as its distinct shards and is put back together on the receiver's
-mesh with the same spec (both meshes have the same ``dp x tp`` shape), so no side ever
-assembles the whole array; a replicated array goes once. A device-to-device path on
-GPUs would be another :class:`~pipedsl.executor.transport.Transport`.
+Activations and input gradients, the values of every action, move by JAX's own
+transfer servers (:mod:`pipedsl.executor.ray_links`): the sender offers, the receiver
+pulls by an id both derive from the step and the buffer, and no actor call is made.
+Everything else (a channel's first value, which carries the layout the receiver needs;
+shared gradients and parameters; the barrier; every value of a recorded step) is a
+``deliver`` call on the peer actor, which runs in another of the peer's threads and
+wakes the receive waiting in its :class:`Mailbox`. Those values travel through Ray as
+host (numpy) data, shard by shard: an array sharded over the sender's mesh goes as its
+distinct shards and is put back together on the receiver's mesh with the same spec (both
+meshes have the same ``dp x tp`` shape), so no side ever assembles the whole array; a
+replicated array goes once. A device-to-device path on GPUs (NCCL) would be another
+:class:`~pipedsl.executor.transport.Transport`, or another kind of link behind this one.
 """
 
 from __future__ import annotations
