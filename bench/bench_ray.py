@@ -5,12 +5,14 @@ Two measurements, each printed as a small table:
 1. runtime overhead: 1F1B on a one-layer 4-wide MLP with one-row microbatches (compute
    negligible) at 4, 16 and 64 microbatches, on both backends; a least-squares line
    through the step times gives a fixed cost per step and a cost per action (on Ray
-   a step is one call per actor, an action's sends are calls from actor to actor);
+   a step is one call per actor; an action's values move between the actors' JAX
+   transfer servers, see :mod:`pipedsl.executor.ray_links`);
 2. step times on the benchmark model (GPipe, 1F1B, ZB-H1; ``--width``-wide GELU layers,
    ``--layers`` per stage, ``--microbatch``-row microbatches): the median step on both
    backends, the step the simulator predicts from the per-action and transfer times
    measured on recorded Ray steps (:func:`pipedsl.simulator.cost_fit.fit_costs`), and
-   the makespan and bubble of the median recorded Ray step.
+   the makespan and bubble of the median recorded Ray step (a recorded step sends every
+   value as an actor call, to time it to its arrival).
 
 Ray runs on a local instance started here (all on 127.0.0.1), or on ``--address``; its
 actors use one CPU each.

@@ -61,7 +61,8 @@ def transfer_id(step: int, dst: int, key: Buffer) -> int:
 
 def layout_of(value: Any) -> Layout | None:
     """The layout of ``value`` when it can go by transfer (a tuple of JAX arrays, each
-    with a ``NamedSharding``), else None."""
+    with a ``NamedSharding``), else None. Specs are written in one form (mesh axes of
+    size 1 and trailing Nones left out), so that equal placements compare equal."""
     if type(value) is not tuple or not value:
         return None
     leaves = []
@@ -69,8 +70,19 @@ def layout_of(value: Any) -> Layout | None:
         sharding = getattr(x, "sharding", None)
         if not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding):
             return None
-        leaves.append((tuple(x.shape), x.dtype.name, sharding.spec))
+        leaves.append((tuple(x.shape), x.dtype.name, _plain(sharding.spec, sharding.mesh.shape)))
     return tuple(leaves)
+
+
+def _plain(spec: PartitionSpec, sizes: Any) -> PartitionSpec:
+    def entry(names: Any) -> Any:
+        kept = tuple(n for n in (names if isinstance(names, tuple) else (names,)) if n is not None and sizes[n] > 1)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    entries = [entry(e) for e in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
 class Links:

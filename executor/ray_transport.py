@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError, PeerFailed, stage_failure
-from pipedsl.executor.ray_links import Channel, Links, channel_of, layout_of, structs, transfer_id
+from pipedsl.executor.ray_links import Channel, Layout, Links, channel_of, layout_of, structs, transfer_id
 from pipedsl.program import Buffer
 
 __all__ = ["Mailbox", "RayTransport", "to_wire", "from_wire"]
@@ -380,19 +380,30 @@ class RayTransport:
         if layout is None:
             return False
         assert isinstance(key, Buffer)
-        if layout_of(value) != layout:
-            raise ExecutionError(
-                f"device {self.device} sent {key} to device {dst} with shapes or shardings other than the "
-                f"first such value's ({layout_of(value)} against {layout})",
-                stage=stage,
-                device=self.device,
-            )
+        found = layout_of(value)
+        if found != layout:
+            value = self._conform(key, value, dst, found, layout, stage=stage)
         with self._lock:
             if self._aborted:
                 return True
             self._offered.add((key, dst))
         self._links.server.await_pull(transfer_id(self.step, dst, key), list(value), timeout=self._deadline())
         return True
+
+    def _conform(
+        self, key: Hashable, value: Any, dst: int, found: Layout | None, layout: Layout, *, stage: int | None
+    ) -> tuple[Any, ...]:
+        """``value`` placed as its channel's first value was (the receiver pulls that
+        layout): a value may come with another sharding than the first, say an input
+        passed through; other shapes or dtypes are an error."""
+        if found is None or [leaf[:2] for leaf in found] != [leaf[:2] for leaf in layout]:
+            raise ExecutionError(
+                f"device {self.device} sent {key} to device {dst} with other shapes or dtypes than the first "
+                f"such value's ({found} against {layout})",
+                stage=stage,
+                device=self.device,
+            )
+        return tuple(jax.device_put(x, NamedSharding(self._mesh, spec)) for x, (_, _, spec) in zip(value, layout, strict=True))
 
     def _deliver(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
         """Hand ``value`` to device ``dst`` as an actor call (with the layout, on a

@@ -86,3 +86,16 @@ def test_transfer_ids_differ_for_every_step_receiver_and_buffer() -> None:
     ids = [transfer_id(step, dst, Buffer(kind, stage, m)) for step, dst, kind, stage, m in grid]
     assert len(set(ids)) == len(ids)
     assert all(0 <= i < 2**63 for i in ids)
+
+
+def test_equal_placements_have_equal_layouts() -> None:
+    # A value may come with another spec that places it the same (axes of size 1).
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "tensor"))
+    x = jnp.ones((4, 2))
+
+    def layout(*spec: object) -> object:
+        return layout_of((jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec))),))
+
+    assert layout("data") == layout("data", "tensor") == layout(("data", "tensor")) == layout("data", None)
+    assert layout(None, "tensor") == layout()
+    assert layout("data") != layout()
