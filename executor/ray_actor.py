@@ -261,20 +261,7 @@ class DeviceActor:
         the step is recorded, else None.
         """
         worker = self._hosted[key]
-        assert self.links is not None and self.mesh is not None  # served and installed before a step
-        transport = RayTransport(
-            self.index,
-            step,
-            self.mailbox,
-            self.peers,
-            self.links,
-            mesh=self.mesh,
-            pipeline=(key, self._models[key]),
-            planned=self._planned[key],
-            expected=self._expected[key],
-            recording=origin is not None,
-            timeout=worker.runtime.recv_timeout,
-        )
+        transport = self._transport(key, step, recording=origin is not None, timeout=worker.runtime.recv_timeout)
         self.mailbox.begin(step)
         worker.applied = False
         try:
@@ -310,6 +297,23 @@ class DeviceActor:
             transport.abort(err)
             message = f"device {self.index} failed: {type(err).__name__}: {err}"
             return Failure(message, None, self.index, peer=False, updated=worker.applied)
+
+    def _transport(self, key: int, step: int, *, recording: bool, timeout: float) -> RayTransport:
+        """Pipeline ``key``'s links for ``step``."""
+        assert self.links is not None and self.mesh is not None  # served and installed before a step
+        return RayTransport(
+            self.index,
+            step,
+            self.mailbox,
+            self.peers,
+            self.links,
+            mesh=self.mesh,
+            pipeline=(key, self._models[key]),
+            planned=self._planned[key],
+            expected=self._expected[key],
+            recording=recording,
+            timeout=timeout,
+        )
 
     # -- compiling -------------------------------------------------------------------
 

@@ -424,14 +424,17 @@ class RayTransport:
             ray.get(ref, timeout=self._timeout)
 
     def _deadline(self) -> datetime.datetime:
-        # How long an offer waits for its pull before the server drops it.
-        return datetime.datetime.now() + datetime.timedelta(seconds=self._timeout)
+        # When the server drops an offer nobody pulled (the receiver failed first): a
+        # receiver may legitimately lag far behind its sender, so well past one wait.
+        return datetime.datetime.now() + datetime.timedelta(seconds=_OFFER_WAITS * self._timeout)
 
 
 _UNKNOWN = object()  # a channel whose first value has not been sent yet
 # Pulls a receiving device keeps pending ahead of its program: a value whose pull is
 # pending moves the moment its sender offers it.
 _AHEAD = 8
+# An offer lives this many receive timeouts (see RayTransport._deadline).
+_OFFER_WAITS = 4
 
 
 def _computed(value: Any, stage: int | None, device: int, key: Hashable, *, to_host: bool = False) -> Any:
