@@ -225,7 +225,7 @@ def step_timing(arrays: ProgramArrays, costs: StageCosts) -> tuple[float, float]
     with paused_collector():
         run = _Run.of(arrays, costs, num_stages=len(costs.forward))
     devices = arrays.actions.num_devices
-    ends = run.end if not len(run.arrival) else np.concatenate([run.end, run.arrival])
+    ends = run.end if not len(run.arrived) else np.concatenate([run.end, run.arrived])
     makespan = float(ends.max()) if len(ends) else 0.0
     if makespan <= 0:
         return makespan, 0.0
@@ -237,17 +237,18 @@ def step_timing(arrays: ProgramArrays, costs: StageCosts) -> tuple[float, float]
 class _Run:
     """What the topological pass settled, per compute row of the program's arrays.
 
-    ``start``, ``end``: seconds, shape (N,). ``pred``: the event each compute waited on
-    last (a compute row r, or ``-1 - r`` for the transfer sent after compute r; None at a
-    device's start). ``senders``: the rows that send, increasing; ``arrival``: when each
-    of their transfers arrives, shape (len(senders),).
+    ``start``, ``end``: seconds, shape (N,). ``arrival``: per compute row, when the
+    transfer it sends arrives (None for a row that sends nothing), length N.
+    ``senders``: the rows that send, increasing; ``arrived``: ``arrival`` of those
+    rows, shape (len(senders),).
     """
 
     start: np.ndarray
     end: np.ndarray
-    pred: list[int | None]
+    arrival: list[float | None]
     senders: np.ndarray
-    arrival: np.ndarray
+    arrived: np.ndarray
+    overlap: bool
 
     @classmethod
     def of(cls, arrays: ProgramArrays, costs: StageCosts, *, num_stages: int) -> _Run:
@@ -259,67 +260,86 @@ class _Run:
         transfer = np.where(
             kind == F, np.asarray(costs.activation_transfer)[stage], np.asarray(costs.gradient_transfer)[stage]
         )
-        start, pred, arrival = _settle(arrays, duration.tolist(), transfer.tolist(), costs.overlap_sends)
+        sent = transfer.astype(object)
+        sent[arrays.send_to < 0] = None
+        start, arrival = _settle(arrays, duration.tolist(), sent.tolist(), costs.overlap_sends)
         start_array = np.array(start, dtype=np.float64)
         senders = np.flatnonzero(arrays.send_to >= 0)
         # The same float addition as the pass's ``t += duration``, so ends match bit for bit.
         arrived = np.fromiter(map(arrival.__getitem__, senders.tolist()), dtype=np.float64, count=len(senders))
-        return cls(start_array, start_array + duration, pred, senders, arrived)
+        return cls(start_array, start_array + duration, arrival, senders, arrived, costs.overlap_sends)
+
+    def pred(self, arrays: ProgramArrays, row: int) -> int | None:
+        """The event compute ``row`` waited on last: the compute before it on its device
+        (``-1 - r`` for that compute's transfer, when sends block), the transfer it
+        receives (``-1 - r`` for the one compute r sent) when that arrived later, or
+        None at a device's start. The pass's own comparison, redone for one row."""
+        first = int(arrays.actions.bounds[int(arrays.actions.device[row])])
+        t, last = 0.0, None
+        if row > first:
+            before = row - 1
+            blocked = self.arrival[before] if not self.overlap else None
+            t, last = (float(self.end[before]), before) if blocked is None else (blocked, -1 - before)
+        source = int(arrays.recv_from[row])
+        if source >= 0:
+            arrived = self.arrival[source]
+            if arrived is not None and arrived > t:
+                return -1 - source
+        return last
 
 
 def _settle(
-    arrays: ProgramArrays, duration: list[float], transfer: list[float], overlap: bool
-) -> tuple[list[float], list[int | None], list[float | None]]:
-    """The topological pass: (start, pred, arrival) per compute row (see :class:`_Run`).
+    arrays: ProgramArrays, duration: list[float], sent: list[float | None], overlap: bool
+) -> tuple[list[float], list[float | None]]:
+    """The topological pass: (start, arrival) per compute row (see :class:`_Run`);
+    ``sent`` holds the seconds of each row's outgoing transfer, None where it sends
+    nothing.
 
     The loop touches only lists, floats and ints. Each device runs until a compute needs
     a value not yet sent; it parks on the sending compute's row and is woken when that
     compute sends.
     """
-    recv_from, send_to = arrays.recv_from.tolist(), arrays.send_to.tolist()
+    count = len(duration)
+    # A value no compute sends is read from one more slot, which stays None.
+    recv_from = np.where(arrays.recv_from == NEVER_SENT, count, arrays.recv_from).tolist()
     bounds = arrays.actions.bounds.tolist()
     num_devices = len(bounds) - 1
-    count = len(recv_from)
     start: list[float] = [0.0] * count
-    pred: list[int | None] = [None] * count
-    arrival: list[float | None] = [None] * count
+    arrival: list[float | None] = [None] * (count + 1)
     parked: dict[int, int] = {}
     pointer = bounds[:-1]
     clocks = [0.0] * num_devices
-    lasts: list[int | None] = [None] * num_devices
     ready = list(range(num_devices - 1, -1, -1))
     while ready:
         d = ready.pop()
-        row, stop, t, last = pointer[d], bounds[d + 1], clocks[d], lasts[d]
+        row, stop, t = pointer[d], bounds[d + 1], clocks[d]
         while row < stop:
             source = recv_from[row]
             if source != -1:
-                arrived = None if source == NEVER_SENT else arrival[source]
+                arrived = arrival[source]
                 if arrived is None:
                     parked[source] = d
                     break
                 if arrived > t:
                     t = arrived
-                    last = -1 - source
             start[row] = t
-            pred[row] = last
-            last = row
             t += duration[row]
-            if send_to[row] >= 0:
-                done = t + transfer[row]
+            seconds = sent[row]
+            if seconds is not None:
+                done = t + seconds
                 arrival[row] = done
                 if not overlap:
                     t = done
-                    last = -1 - row
                 waiter = parked.pop(row, None)
                 if waiter is not None:
                     ready.append(waiter)
             row += 1
-        pointer[d], clocks[d], lasts[d] = row, t, last
+        pointer[d], clocks[d] = row, t
     stuck = [d for d in range(num_devices) if pointer[d] < bounds[d + 1]]
     if stuck:
         raise _cannot_finish(arrays, stuck[0], pointer[stuck[0]])
-    return start, pred, arrival
+    del arrival[count]
+    return start, arrival
 
 
 def _cannot_finish(arrays: ProgramArrays, device: int, row: int) -> PipedslError:
@@ -346,7 +366,7 @@ def _timeline(name: str, arrays: ProgramArrays, run: _Run) -> Timeline:
         stage=np.concatenate([actions.stage, actions.stage[senders]]),
         microbatch=np.concatenate([actions.microbatch, actions.microbatch[senders]]),
         start=np.concatenate([run.start, run.end[senders]]),
-        end=np.concatenate([run.end, run.arrival]),
+        end=np.concatenate([run.end, run.arrived]),
         peer=np.concatenate([np.zeros(n_comp, np.int64), arrays.send_to[senders]]),
         buffer=("",) * n_comp + tuple(np.where(kind == F, "act", "grad").tolist()),
     )
@@ -364,7 +384,7 @@ def _critical_path(arrays: ProgramArrays, run: _Run) -> tuple[int, ...]:
     while event is not None:
         if event >= 0:
             path.append(event)
-            event = run.pred[event]
+            event = run.pred(arrays, event)
         else:
             # A transfer's predecessor is the compute that sent it.
             sender = -1 - event

@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from collections.abc import Sequence
 
-from pipedsl.cli import calibrate, demo, plan, run, schedule, simulate
 from pipedsl.cli.common import EXIT_OK, EXIT_USAGE, report_error
 from pipedsl.errors import PipedslError
 
@@ -33,8 +34,32 @@ examples:
 exit codes: 0 success, 1 invalid schedule, 2 usage, syntax or input error"""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser: the schedule commands, then simulation, planning, running, calibration, the demo."""
+#: The command modules in the order of ``pipedsl --help``, each with the commands its
+#: ``register`` adds. A command line names its module here, and only that one is
+#: imported: the others bring in the plan search, the executor and JAX.
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "schedule": ("check", "show", "convert"),
+    "simulate": ("simulate", "plot", "trace"),
+    "plan": ("estimate", "search"),
+    "run": ("run",),
+    "calibrate": ("calibrate",),
+    "demo": ("demo",),
+}
+
+
+def _modules_for(argv: Sequence[str]) -> tuple[str, ...]:
+    """The command modules a parser for ``argv`` needs: the one that owns the command
+    it starts with, or all of them (for ``--help``, no command or an unknown one)."""
+    if argv and not argv[0].startswith("-"):
+        for module, commands in COMMANDS.items():
+            if argv[0] in commands:
+                return (module,)
+    return tuple(COMMANDS)
+
+
+def build_parser(modules: Sequence[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """The parser with the commands of ``modules`` (default all: the schedule commands,
+    then simulation, planning, running, calibration, the demo)."""
     parser = argparse.ArgumentParser(
         prog="pipedsl",
         description=_DESCRIPTION,
@@ -42,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for module in (schedule, simulate, plan, run, calibrate, demo):
-        module.register(subparsers)
+    for name in modules:
+        importlib.import_module(f"pipedsl.cli.{name}").register(subparsers)
     return parser
 
 
@@ -55,7 +80,8 @@ def _exit_code(exit: SystemExit) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line on ``argv`` (default ``sys.argv[1:]``); return the exit code."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_modules_for(argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit:

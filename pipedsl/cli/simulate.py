@@ -26,6 +26,7 @@ from pipedsl.cli.common import (
     plural,
     report_error,
 )
+from pipedsl.arrays import paused_collector
 from pipedsl.errors import ConversionError, PipedslError
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate
@@ -301,6 +302,14 @@ def _each_file(
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    # A short command over acyclic data: the collector's passes over the schedule's
+    # objects would find nothing to free (the cost is one full pass after the
+    # simulation's own pause, or several for a million actions).
+    with paused_collector():
+        return _simulate_command(args)
+
+
+def _simulate_command(args: argparse.Namespace) -> int:
     costs = cost_model_from_args(args)
     sims, worst = _each_file(args.files, lambda path: _simulate_file(path, args, costs))
     if not sims:

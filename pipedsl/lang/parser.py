@@ -9,8 +9,11 @@ carrying the others (:mod:`pipedsl.lang.syntax_errors` finds them).
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.resources
+import os
 import re
+import sys
 
 import lark
 from lark import Token, v_args
@@ -41,16 +44,52 @@ _MAX_DIGITS = 19
 _INT64_MAX = 2**63 - 1
 
 
+#: The folder for the built parser tables; empty turns the cache off. Default: the
+#: user's cache folder (``$XDG_CACHE_HOME/pipedsl`` or ``~/.cache/pipedsl``).
+CACHE_ENV = "PIPEDSL_CACHE_DIR"
+
+_LARK_OPTIONS: dict[str, object] = {
+    "parser": "lalr",
+    "lexer": "contextual",
+    "propagate_positions": True,
+    "maybe_placeholders": True,
+}
+
+
+def _cache_file(grammar: str) -> str | None:
+    """Where lark keeps the LALR tables built from ``grammar``, or None where no cache
+    folder can be made (a read-only home, or the cache turned off).
+
+    The name carries a digest of the grammar, the options and the lark and Python
+    versions, so installs that differ never share a file; lark checks its own digest
+    inside the file again and rebuilds a stale or damaged one.
+    """
+    folder = os.environ.get(CACHE_ENV)
+    if folder is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        folder = os.path.join(base, "pipedsl")
+    if not folder:
+        return None
+    key = f"{grammar}{sorted(_LARK_OPTIONS.items())}{lark.__version__}{sys.version_info[:2]}"
+    digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return None
+    return os.path.join(folder, f"grammar-{digest}.lark")
+
+
 @functools.cache
 def _lark() -> lark.Lark:
+    """The parser, built once per process. Building the LALR tables takes most of a
+    short command's time, so they are kept in a file (lark's ``cache``) and read back by
+    later processes; lark itself falls back to building them when the file cannot be
+    read or written."""
     grammar = importlib.resources.files("pipedsl.grammars").joinpath("pipedsl.lark").read_text()
-    return lark.Lark(
-        grammar,
-        parser="lalr",
-        lexer="contextual",
-        propagate_positions=True,
-        maybe_placeholders=True,
-    )
+    cache = _cache_file(grammar)
+    return lark.Lark(grammar, cache=cache if cache is not None else False, **_LARK_OPTIONS)  # type: ignore[arg-type]
 
 
 def _error(message: str, pos: SourcePos) -> ScheduleSyntaxError:

@@ -18,10 +18,12 @@ kept within ±2**62, so a sum of two never wraps in int64.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -32,7 +34,7 @@ from pipedsl.lang.arith import Frame
 from pipedsl.lang.budget import Run
 from pipedsl.lang.scope import Env
 
-__all__ = ["MIN_ITERATIONS", "VectorLoop", "compile_loop"]
+__all__ = ["MIN_ITERATIONS", "VectorLoop", "compile_loop", "make_actions"]
 
 #: Loops shorter than this run on the closures: numpy's fixed cost per call is larger.
 MIN_ITERATIONS = 16
@@ -42,6 +44,24 @@ Value = int | bool | np.ndarray
 VecFn = Callable[[Frame, np.ndarray], Value]
 #: A compiled column: a Python int or bool when known at compile time.
 Code = int | bool | VecFn
+
+
+# Action's fields in declaration order, each set through its slot's descriptor. A frozen
+# dataclass's __init__ is a Python call with one object.__setattr__ per field, which
+# took most of a large schedule's loading; these are C calls, a column at a time, that
+# leave the same objects.
+_SETTERS = tuple(getattr(Action, f.name).__set__ for f in dataclasses.fields(Action))
+
+
+def make_actions(
+    kinds: Sequence[Kind], stages: Sequence[int], microbatches: Sequence[int], poses: Sequence[SourcePos | None]
+) -> list[Action]:
+    """``[Action(k, s, m, p) for k, s, m, p in zip(...)]``, made column by column; the
+    four columns have one length."""
+    made = list(map(object.__new__, repeat(Action, len(stages))))
+    for setter, column in zip(_SETTERS, (kinds, stages, microbatches, poses), strict=True):
+        deque(map(setter, made, column), maxlen=0)
+    return made
 
 
 class _NotVector(Exception):
@@ -280,7 +300,7 @@ class VectorLoop:
         count = len(stage_list)
         if count > run.actions_left:
             return False
-        run.extend(map(Action, kinds, stage_list, mb_list, poses))
+        run.extend(make_actions(kinds, stage_list, mb_list, poses))
         run.actions_left -= count
         return True
 
