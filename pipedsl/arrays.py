@@ -60,8 +60,7 @@ class ActionArrays:
         bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         flat = [a for order in orders for a in order]
         count = len(flat)
-        codes = KIND_CODE
-        kind = np.fromiter((codes[k] for k in map(_kind, flat)), dtype=np.int8, count=count)
+        kind = np.fromiter(map(KIND_CODE.__getitem__, map(_kind, flat)), dtype=np.int8, count=count)
         stage = np.fromiter(map(_stage, flat), dtype=np.int64, count=count)
         microbatch = np.fromiter(map(_microbatch, flat), dtype=np.int64, count=count)
         device = np.repeat(np.arange(len(orders), dtype=np.int64), lengths)

@@ -228,16 +228,18 @@ def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarra
     same device always is, so a device can stop only at its *stops*: actions that need
     one from another device, or one that comes later on their own (a misorder). The
     loop visits only those; devices are woken in the order the actions they wait for
-    were done, as a walk over every action would.
+    were done, as a walk over every action would. A misordered action waits on its own
+    device, which never gets there; the first device to wait so is the first misorder
+    a walk would meet, and it is reported before any cycle.
     """
     rows = np.arange(len(actions), dtype=np.int64)
     device = actions.device
     cross = (upstream >= 0) & (device[np.maximum(upstream, 0)] != device)
     misordered = (local > rows) | (~cross & (upstream > rows))
     stops = np.flatnonzero(cross | misordered)
-    stop_row, stop_need = stops.tolist(), upstream[stops].tolist()
-    stop_owner = device[np.maximum(upstream[stops], 0)].tolist()
-    stop_bad = misordered[stops].tolist()
+    needs = np.where(local > rows, local, upstream)[stops]
+    stop_row, stop_need = stops.tolist(), needs.tolist()
+    stop_owner = device[np.maximum(needs, 0)].tolist()
     cuts = np.searchsorted(stops, actions.bounds).tolist()
     next_stop, last_stop = cuts[:-1], cuts[1:]
     bounds = actions.bounds.tolist()
@@ -249,15 +251,6 @@ def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarra
         d = ready.pop()
         k, end = next_stop[d], last_stop[d]
         while k < end:
-            if stop_bad[k]:
-                row = stop_row[k]
-                need = int(local[row]) if local[row] > row else stop_need[k]
-                action = actions.action(schedule, row)
-                raise _fail(
-                    "dependency-order",
-                    f"action {action} on device {d} comes before {actions.text(need)}, which it needs",
-                    action,
-                )
             need = stop_need[k]
             owner = stop_owner[k]
             if pointer[owner] <= need:
@@ -273,6 +266,15 @@ def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarra
             other = heapq.heappop(waiting)[1]
             del blocked_on[other]
             ready.append(other)
+    # A device stays in ``blocked_on`` from the moment it waited for the last time.
+    for d, need in blocked_on.items():
+        if int(device[need]) == d:
+            action = actions.action(schedule, pointer[d])
+            raise _fail(
+                "dependency-order",
+                f"action {action} on device {d} comes before {actions.text(need)}, which it needs",
+                action,
+            )
     if blocked_on:
         raise _deadlock(schedule, actions, blocked_on, pointer)
 

@@ -71,7 +71,7 @@ def _cache_file(grammar: str) -> str | None:
     if not folder:
         return None
     key = f"{grammar}{sorted(_LARK_OPTIONS.items())}{lark.__version__}{sys.version_info[:2]}"
-    digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]
+    digest = hashlib.sha256(key.encode("utf-8"), usedforsecurity=False).hexdigest()[:24]
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
     except OSError:
