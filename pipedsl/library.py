@@ -50,12 +50,28 @@ _CACHED_FILES = 64
 
 def library_schedules() -> dict[str, Path]:
     """The shipped schedules by name (the file stem, such as ``"1f1b"``), sorted by name."""
-    folder = importlib.resources.files("pipedsl.schedules")
+    folder = _library_folder()
+    try:
+        version = folder.stat().st_mtime_ns
+    except OSError:
+        version = None
+    return dict(_listing(folder, version))
+
+
+@functools.cache
+def _library_folder() -> Path:
+    return Path(str(importlib.resources.files("pipedsl.schedules")))
+
+
+# A search resolves a library name for every plan; the folder's listing is read again
+# only when the folder changes (a file added, removed or renamed changes its mtime).
+@functools.lru_cache(maxsize=4)
+def _listing(folder: Path, version: int | None) -> tuple[tuple[str, Path], ...]:
     found = {}
     for entry in folder.iterdir():
         if entry.name.endswith(_SUFFIX) and entry.is_file():
-            found[entry.name[: -len(_SUFFIX)]] = Path(str(entry))
-    return dict(sorted(found.items()))
+            found[entry.name[: -len(_SUFFIX)]] = entry
+    return tuple(sorted(found.items()))
 
 
 def library_path(name: str | None = None) -> Path:
@@ -65,7 +81,7 @@ def library_path(name: str | None = None) -> Path:
     Raises PipedslError for a name that is not in the library, naming the closest ones.
     """
     if name is None:
-        return Path(str(importlib.resources.files("pipedsl.schedules")))
+        return _library_folder()
     stem = name[: -len(_SUFFIX)] if name.endswith(_SUFFIX) else name
     shipped = library_schedules()
     if stem not in shipped:

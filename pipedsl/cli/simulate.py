@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipedsl.arrays import paused_collector
 from pipedsl.cli.common import (
     EXIT_OK,
     add_command,
@@ -26,7 +27,6 @@ from pipedsl.cli.common import (
     plural,
     report_error,
 )
-from pipedsl.arrays import paused_collector
 from pipedsl.errors import ConversionError, PipedslError
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate

@@ -89,7 +89,7 @@ def _lark() -> lark.Lark:
     read or written."""
     grammar = importlib.resources.files("pipedsl.grammars").joinpath("pipedsl.lark").read_text()
     cache = _cache_file(grammar)
-    return lark.Lark(grammar, cache=cache if cache is not None else False, **_LARK_OPTIONS)  # type: ignore[arg-type]
+    return lark.Lark(grammar, cache=cache if cache is not None else False, **_LARK_OPTIONS)
 
 
 def _error(message: str, pos: SourcePos) -> ScheduleSyntaxError:

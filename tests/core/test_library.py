@@ -3,10 +3,13 @@ exactly the textbook orders, computed here independently of the language."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from pipedsl import library
 from pipedsl.errors import PipedslError, ScheduleEvalError
 from pipedsl.ir import Kind, Schedule
 from pipedsl.library import library_path, library_schedules, load
@@ -437,3 +440,19 @@ def test_zb_h1_idles_pp_minus_one_times_f_plus_i_minus_w(f: int, i: int, w: int,
 def test_v_schedules_idle_only_for_the_staggered_start(name: str, pp: int, m: int) -> None:
     cost = {Kind.F: 1, Kind.I: 1, Kind.W: 1, Kind.B: 2}
     assert idle_per_device(load(library_path(name), pp=pp, microbatches=m), cost) == [pp - 1] * pp
+
+
+def test_the_library_listing_follows_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(library, "_library_folder", lambda: tmp_path)
+    (tmp_path / "a.sched").write_text("")
+    first = library_schedules()
+    assert list(first) == ["a"]
+    first["b"] = tmp_path / "b.sched"
+    assert list(library_schedules()) == ["a"]
+    (tmp_path / "b.sched").write_text("")
+    (tmp_path / "notes.txt").write_text("")
+    # Coarse file-system clocks may give both changes one mtime; the listing follows the mtime.
+    stamp = (tmp_path / "a.sched").stat().st_mtime_ns
+    os.utime(tmp_path, ns=(stamp, stamp + 10**9))
+    assert library_schedules() == {"a": tmp_path / "a.sched", "b": tmp_path / "b.sched"}
+    assert library_path("b") == tmp_path / "b.sched"
