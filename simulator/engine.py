@@ -352,6 +352,9 @@ def _cannot_finish(arrays: ProgramArrays, device: int, row: int) -> PipedslError
     )
 
 
+_BUFFERS = ("act", "grad")  # what a transfer carries: an F's activation, else a gradient
+
+
 def _timeline(name: str, arrays: ProgramArrays, run: _Run) -> Timeline:
     """Computes first (device by device, each in program order), then transfers likewise."""
     actions, senders = arrays.actions, run.senders
@@ -368,7 +371,8 @@ def _timeline(name: str, arrays: ProgramArrays, run: _Run) -> Timeline:
         start=np.concatenate([run.start, run.end[senders]]),
         end=np.concatenate([run.end, run.arrived]),
         peer=np.concatenate([np.zeros(n_comp, np.int64), arrays.send_to[senders]]),
-        buffer=("",) * n_comp + tuple(np.where(kind == F, "act", "grad").tolist()),
+        # Two shared strings, not one new string per transfer.
+        buffer=("",) * n_comp + tuple(map(_BUFFERS.__getitem__, (kind != F).tolist())),
     )
 
 
