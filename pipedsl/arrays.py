@@ -12,17 +12,21 @@ Kinds are coded in :class:`~pipedsl.ir.Kind`'s declaration order: 0 ``F``, 1 ``B
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
 
+from pipedsl.errors import SourcePos
 from pipedsl.ir import Action, Kind, Schedule
 
-__all__ = ["F", "B", "I", "W", "KIND_CODE", "ActionArrays", "paused_collector"]
+__all__ = ["F", "B", "I", "W", "KIND_CODE", "ActionArrays", "make_actions", "paused_collector"]
 
 F, B, I, W = 0, 1, 2, 3  # noqa: E741 - PyTorch's letters
 KIND_CODE: dict[Kind, int] = {kind: code for code, kind in enumerate(Kind)}
@@ -86,6 +90,24 @@ class ActionArrays:
     def text(self, row: int) -> str:
         """``row``'s action in ``{stage}{kind}{microbatch}`` form (``2F0``)."""
         return f"{int(self.stage[row])}{'FBIW'[int(self.kind[row])]}{int(self.microbatch[row])}"
+
+
+# Action's fields in declaration order, each set through its slot's descriptor. A frozen
+# dataclass's __init__ is a Python call with one object.__setattr__ per field, which
+# took most of a large schedule's loading; these are C calls, a column at a time, that
+# leave the same objects.
+_SETTERS = tuple(getattr(Action, f.name).__set__ for f in dataclasses.fields(Action))
+
+
+def make_actions(
+    kinds: Sequence[Kind], stages: Sequence[int], microbatches: Sequence[int], poses: Sequence[SourcePos | None]
+) -> list[Action]:
+    """``[Action(k, s, m, p) for k, s, m, p in zip(...)]``, made column by column; the
+    four columns have one length."""
+    made = list(map(object.__new__, repeat(Action, len(stages))))
+    for setter, column in zip(_SETTERS, (kinds, stages, microbatches, poses), strict=True):
+        deque(map(setter, made, column), maxlen=0)
+    return made
 
 
 @contextmanager

@@ -37,6 +37,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
+from pipedsl.arrays import make_actions
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.policy import Policy
@@ -135,8 +136,12 @@ def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[V
         assert failure is not None
         raise failure
     kinds = (Kind.F, Kind.I if policy.split_backward else Kind.B, Kind.W)
-    orders = tuple(tuple(Action(kinds[k], s, m) for k, s, m in order) for order in best[1])
-    return _skeleton(policy, orders)
+    orders = []
+    for order in best[1]:
+        codes, stages, microbatches = zip(*order) if order else ((), (), ())
+        made = make_actions(list(map(kinds.__getitem__, codes)), stages, microbatches, [None] * len(order))
+        orders.append(tuple(made))
+    return _skeleton(policy, tuple(orders))
 
 
 def _skeleton(policy: Policy, orders: tuple[tuple[Action, ...], ...]) -> Schedule:

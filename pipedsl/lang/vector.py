@@ -18,23 +18,22 @@ kept within ±2**62, so a sum of two never wraps in int64.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import compress
 
 import numpy as np
 
+from pipedsl.arrays import make_actions
 from pipedsl.errors import SourcePos
-from pipedsl.ir import Action, Kind
+from pipedsl.ir import Kind
 from pipedsl.lang import ast
 from pipedsl.lang.arith import Frame
 from pipedsl.lang.budget import Run
 from pipedsl.lang.scope import Env
 
-__all__ = ["MIN_ITERATIONS", "VectorLoop", "compile_loop", "make_actions"]
+__all__ = ["MIN_ITERATIONS", "VectorLoop", "compile_loop"]
 
 #: Loops shorter than this run on the closures: numpy's fixed cost per call is larger.
 MIN_ITERATIONS = 16
@@ -44,24 +43,6 @@ Value = int | bool | np.ndarray
 VecFn = Callable[[Frame, np.ndarray], Value]
 #: A compiled column: a Python int or bool when known at compile time.
 Code = int | bool | VecFn
-
-
-# Action's fields in declaration order, each set through its slot's descriptor. A frozen
-# dataclass's __init__ is a Python call with one object.__setattr__ per field, which
-# took most of a large schedule's loading; these are C calls, a column at a time, that
-# leave the same objects.
-_SETTERS = tuple(getattr(Action, f.name).__set__ for f in dataclasses.fields(Action))
-
-
-def make_actions(
-    kinds: Sequence[Kind], stages: Sequence[int], microbatches: Sequence[int], poses: Sequence[SourcePos | None]
-) -> list[Action]:
-    """``[Action(k, s, m, p) for k, s, m, p in zip(...)]``, made column by column; the
-    four columns have one length."""
-    made = list(map(object.__new__, repeat(Action, len(stages))))
-    for setter, column in zip(_SETTERS, (kinds, stages, microbatches, poses), strict=True):
-        deque(map(setter, made, column), maxlen=0)
-    return made
 
 
 class _NotVector(Exception):

@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipedsl.arrays import make_actions
 from pipedsl.errors import SourcePos
 from pipedsl.ir import Action, Kind
 from pipedsl.lang.parser import CACHE_ENV
-from pipedsl.lang.vector import make_actions
 
 # Parses a schedule in a fresh process with lark's log on stderr (set after lark's import
 # has set its own level), which says when the tables come from the cache.
