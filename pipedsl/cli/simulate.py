@@ -317,8 +317,8 @@ def _simulate_command(args: argparse.Namespace) -> int:
     if args.json:
         ranked = sorted(sims, key=lambda item: (item[1].makespan, item[0])) if len(args.files) > 1 else sims
         payload = [dict(s.to_json(), file=path) for path, s in ranked]
-        json.dump(payload[0] if len(args.files) == 1 else payload, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        # One write: json.dump would make one per token (a hundred thousand for a long critical path).
+        sys.stdout.write(json.dumps(payload[0] if len(args.files) == 1 else payload, indent=2) + "\n")
     elif len(args.files) == 1:
         _print_summary(sims[0][1])
     else:
