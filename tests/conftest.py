@@ -7,13 +7,23 @@ executor tests use. A flag the caller already set wins.
 The tests compile hundreds of small stage programs and run each a few times, so XLA's
 compile time is most of their time: ``--xla_backend_optimization_level=0`` skips LLVM's
 optimisations of the CPU code, which about halves the hybrid grid's time. Every result is
-compared with a reference computed in the same process, under the same flags. This directory is on ``sys.path``
-(pytest puts a conftest's folder there), so every tier imports ``helpers``.
+compared with a reference computed in the same process, under the same flags.
+
+Many tests compile the same programs again (one model split the same way under every
+schedule; the subprocesses of the command-line tests; every Ray actor), so the session
+keeps one persistent compilation cache in a temporary folder, shared with every process
+it starts through the environment, and removes it at the end; a cache folder the caller
+set wins. This directory is on ``sys.path`` (pytest puts a conftest's folder there), so
+every tier imports ``helpers``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+
+import pytest
 
 DEVICES = 8
 
@@ -22,3 +32,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_backend_optimization_level=0"
+
+_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="pipedsl-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    # Every program, however small or quick to compile: most of them are.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _CACHE is not None:
+        shutil.rmtree(_CACHE, ignore_errors=True)
