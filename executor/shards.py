@@ -127,9 +127,11 @@ class DataShards:
 
 @dataclass(frozen=True, slots=True)
 class StageForms:
-    """The :class:`Form` of every argument and result of one
-    stage's programs: parameters whole, microbatches, activations and cotangents split,
-    residuals and hand-overs stacked per device, accumulators as the layout keeps them."""
+    """The :class:`Form` of every argument and result of one stage's programs:
+    parameters whole; inputs (``x``), targets (``t``), activations and cotangents split;
+    residuals (``stored``) and the ``I`` to ``W`` hand-over (``handoff``, and ``refs``:
+    what ``W`` reads from ``I``'s own arguments) stacked per device; accumulators as the
+    layout keeps them. ``values`` are the forward's computed outputs."""
 
     params: tuple[Form, ...]
     x: tuple[Form, ...]
