@@ -159,8 +159,6 @@ class StageLayout:
     Attributes:
       mesh: the pipeline device's mesh.
       params: per parameter leaf of the stage (in the stage's order), where it is kept.
-      grads: per parameter leaf, where the step's reduced gradient is kept (where the
-        optimizer reads it: sharded over ``"data"`` from ZeRO 1 on).
       states: per parameter leaf, where its optimizer state is kept.
       unreduced: whether gradients accumulate unreduced, one partial sum per device of
         ``"data"`` (``dp > 1`` and ZeRO 0 or 1), and are reduced once per step.
@@ -169,7 +167,7 @@ class StageLayout:
       replicated: a whole value on every device of the mesh (the loss, scalars).
     """
 
-    __slots__ = ("mesh", "params", "grads", "states", "unreduced", "accumulators", "replicated", "_batch")
+    __slots__ = ("mesh", "params", "states", "unreduced", "accumulators", "replicated", "_batch")
 
     def __init__(
         self, mesh: Mesh, specs: Sequence[PartitionSpec], avals: Sequence[Any], *, zero: int, leaves: Sequence[int]
@@ -188,13 +186,18 @@ class StageLayout:
         self.mesh = mesh
         self.params = place(3)
         self.states = place(1)
-        self.grads = self.states
         self.unreduced = dp > 1 and zero <= 1
         self.accumulators = (
             tuple(NamedSharding(mesh, PartitionSpec(DATA, *b)) for b in base) if self.unreduced else place(2)
         )
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self._batch: dict[bool, NamedSharding] = {}
+
+    @property
+    def grads(self) -> tuple[NamedSharding, ...]:
+        """Per parameter leaf, where the step's reduced gradient is kept: where the
+        optimizer reads it, its state's layout (sharded over ``"data"`` from ZeRO 1 on)."""
+        return self.states
 
     def batch(self, shape: Sequence[int]) -> NamedSharding:
         """A value of ``shape`` split over ``"data"`` along axis 0 (the examples); values

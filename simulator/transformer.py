@@ -52,22 +52,22 @@ def gemm_seconds(m: float, k: float, n: float, cluster: Cluster, *, dtype_bytes:
     The roofline bound uses one product's intensity 2mkn / (bytes of its three
     matrices); the efficiency curve the FLOPs of the whole kernel.
     """
-    flops = 2.0 * m * k * n
-    intensity = flops / (dtype_bytes * (m * k + k * n + m * n))
-    total = batch * flops
-    roof = min(cluster.peak_flops, intensity * cluster.hbm_bandwidth)
-    rate = roof * cluster.matmul_efficiency * total / (total + cluster.matmul_half_flops)
-    return total / rate
+    return _kernel_seconds(2.0 * m * k * n, dtype_bytes * (m * k + k * n + m * n), batch, cluster)
 
 
 def _fused_attention_seconds(s: int, d: int, heads: int, cluster: Cluster, *, dtype_bytes: int) -> float:
     """Seconds of FlashAttention's forward over ``heads`` heads of ``s`` tokens and width
     ``d``: 4·s²·d FLOPs per head, priced as one product whose HBM traffic is Q, K, V and
     the output (4·s·d values per head), the scores never leaving the chip."""
-    flops = 4.0 * s * s * d
-    intensity = flops / (dtype_bytes * 4 * s * d)
-    total = heads * flops
-    roof = min(cluster.peak_flops, intensity * cluster.hbm_bandwidth)
+    return _kernel_seconds(4.0 * s * s * d, dtype_bytes * 4 * s * d, heads, cluster)
+
+
+def _kernel_seconds(flops: float, num_bytes: float, count: int, cluster: Cluster) -> float:
+    """Seconds of ``count`` products of ``flops`` FLOPs and ``num_bytes`` of HBM traffic
+    each, run as one kernel: ``min(peak, intensity × HBM) × matmul_efficiency``, scaled
+    by the efficiency curve of the kernel's total FLOPs."""
+    total = count * flops
+    roof = min(cluster.peak_flops, flops / num_bytes * cluster.hbm_bandwidth)
     return total / (roof * cluster.matmul_efficiency * total / (total + cluster.matmul_half_flops))
 
 
