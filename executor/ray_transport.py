@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,14 +138,13 @@ class Mailbox:
             if channel is not None and learned.get(channel) is not None:
                 return _Pull(learned[channel])
             if not arrived:
-                raise ExecutionError(
-                    f"device {me} waited {timeout:g} s for {_describe(key)} from device {src}, which never sent "
-                    "it; raise recv_timeout if stages really take that long",
-                    device=me,
-                )
-            raise PeerFailed(
-                f"device {me} stopped waiting for {_describe(key)} from device {src}: {self._failed[step]}", device=me
-            )
+                raise _never_sent(me, key, src, timeout)
+            raise _stopped(me, key, src, self._failed[step])
+
+    def failure(self, step: int) -> str | None:
+        """Why ``step`` failed elsewhere, or None while it has not."""
+        with self._cond:
+            return self._failed.get(step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +152,18 @@ class _Pull:
     """A receive that is to pull arrays of these shapes and shardings."""
 
     structs: tuple[jax.ShapeDtypeStruct, ...]
+
+
+def _never_sent(me: int, key: Hashable, src: int, timeout: float) -> ExecutionError:
+    return ExecutionError(
+        f"device {me} waited {timeout:g} s for {_describe(key)} from device {src}, which never sent "
+        "it; raise recv_timeout if stages really take that long",
+        device=me,
+    )
+
+
+def _stopped(me: int, key: Hashable, src: int, why: str) -> PeerFailed:
+    return PeerFailed(f"device {me} stopped waiting for {_describe(key)} from device {src}: {why}", device=me)
 
 
 def _describe(key: Hashable) -> str:
@@ -187,8 +199,9 @@ class RayTransport:
     is offered; a receive then waits for its arrays. That wait ends when the value
     arrives, when the peer offers an error in its place (on a failure, :meth:`abort`
     offers one for every value this device would still have sent by transfer,
-    ``planned``), or when the peer's process is gone; a peer that stalls without failing
-    is stopped by the driver's ``step_timeout``.
+    ``planned``), when the peer's process is gone, when the step fails anywhere (the
+    abort reaches this device's mailbox), or after the receive timeout, as a wait in the
+    mailbox does.
     """
 
     __slots__ = (
@@ -312,13 +325,13 @@ class RayTransport:
                 self._pull_ahead(1)
             arrays = self._pulled.pop(slot)
             self._pull_ahead(1)  # keeps _AHEAD pending
-            return self._arrived(key, src, arrays)
+            return self._arrived(key, src, arrays, timeout=timeout)
         channel = None if self._recording else channel_of(*self._pipeline, src, me, key)
         got = self._mailbox.take(step, src, key, me=me, timeout=timeout, channel=channel)
         if isinstance(got, _Pull):
             # The channel's first value came during this step: pull this one now.
             assert isinstance(key, Buffer)  # only program buffers have channels
-            return self._arrived(key, src, self._pull(key, src, got.structs))
+            return self._arrived(key, src, self._pull(key, src, got.structs), timeout=timeout)
         return got
 
     def _pull(self, key: Buffer, src: int, wanted: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[Any, ...]:
@@ -335,9 +348,21 @@ class RayTransport:
             self._next += 1
             self._pulled[(key, src)] = self._pull(key, src, wanted)
 
-    def _arrived(self, key: Hashable, src: int, arrays: Any) -> tuple[Any, ...]:
+    def _arrived(self, key: Hashable, src: int, arrays: Any, *, timeout: float) -> tuple[Any, ...]:
         """``arrays`` pulled from ``src``, once there; an error offered in their place
-        (or the peer's server gone) is the peer's failure."""
+        (or the peer's server gone) is the peer's failure. Waits at most ``timeout``
+        seconds, and no longer than the step lives: a pull cannot be cancelled, and one
+        whose value never comes would otherwise hold this device past an abort."""
+        pause = _FIRST_PAUSE
+        deadline = time.monotonic() + timeout
+        while not all(x.is_ready() for x in arrays):
+            why = self._mailbox.failure(self.step)
+            if why is not None:
+                raise _stopped(self.device, key, src, why)
+            if time.monotonic() > deadline:
+                raise _never_sent(self.device, key, src, timeout)
+            time.sleep(pause)
+            pause = min(2 * pause, _LAST_PAUSE)
         try:
             return jax.block_until_ready(arrays)
         except Exception as err:  # the peer offered an error, or its server went away
@@ -435,6 +460,10 @@ _UNKNOWN = object()  # a channel whose first value has not been sent yet
 _AHEAD = 8
 # An offer lives this many receive timeouts (see RayTransport._deadline).
 _OFFER_WAITS = 4
+# Seconds between looks at a pulled value that has not arrived: doubling from the first
+# to the last, so that a value that is nearly there is seen at once and a long wait
+# costs a few hundred looks a second.
+_FIRST_PAUSE, _LAST_PAUSE = 2e-5, 5e-4
 
 
 def _computed(value: Any, stage: int | None, device: int, key: Hashable, *, to_host: bool = False) -> Any:

@@ -28,7 +28,12 @@ Assembly:
   optimizer step: :mod:`~pipedsl.simulator.data_parallel`.
 
 Step time = pipeline makespan (simulated) + the slowest device's exposed data-parallel
-tail and optimizer step. MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
+tail and optimizer step. On devices that share a node's CPU cores
+(``Cluster.shared_cores``, forced CPU devices) the rates were measured with every device
+busy, and an idle device's cores go to the busy ones: the work is conserved, so the
+pipeline part takes the devices' mean busy time, ``makespan × (1 − bubble)``, but no less
+than ``makespan × cores / devices``, the speed-up of a device that has every core to
+itself. MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """
 
@@ -90,7 +95,8 @@ class Estimate:
       model, cluster, plan: what was estimated.
       step_time_s: seconds per step.
       pipeline_time_s: seconds of the forward/backward part (the simulated makespan for
-        a pipeline; microbatches × (F + B) for SPMD).
+        a pipeline, or what is left of it on shared cores; microbatches × (F + B) for
+        SPMD).
       dp_tail_s: exposed data-parallel communication after the pipeline, seconds.
       optimizer_s: the optimizer update, seconds.
       bubble: idle fraction of the pipeline part (0 for SPMD).
@@ -338,7 +344,8 @@ class Prepared:
         """Simulate the pipeline (if any) and assemble the :class:`Estimate`."""
         if self.key is not None and self.pipelines is not None:
             timing = self.pipelines.timing(self.key, self.cost_model())
-            return self.assemble(timing.makespan, timing.bubble_ratio, timing.simulation)
+            busy = max(1.0 - timing.bubble_ratio, _sharing(self.shapes.cluster, self.plan))
+            return self.assemble(timing.makespan * busy, timing.bubble_ratio, timing.simulation)
         work, overhead = self.work, self.shapes.cluster.action_overhead_s
         return self.assemble(self.plan.microbatches * (work[0].forward + work[0].fused_backward(overhead)), 0.0, None)
 
@@ -418,7 +425,8 @@ def prepare(
         residual=residual,
         device_params=device_params,
         memory=memory,
-        lower_bound_s=_lower_bound(plan, cluster.action_overhead_s, work, key, pipelines) + sum(tails(shapes, work, placement, device_params)),
+        lower_bound_s=_lower_bound(plan, cluster.action_overhead_s, work, key, pipelines) * _sharing(cluster, plan)
+        + sum(tails(shapes, work, placement, device_params)),
     )
 
 
@@ -487,6 +495,16 @@ def estimate(
     """
     prepared = prepare(model, cluster, plan, pipelines=pipelines, fits_first=fits_first, stage_layers=stage_layers)
     return prepared.finish()
+
+
+def _sharing(cluster: Cluster, plan: Plan) -> float:
+    """The least fraction of the simulated makespan that a pipeline takes on devices
+    that share ``cluster.shared_cores`` cores: ``cores / devices`` of the node, or 1 when
+    the devices do not share (see the module docstring)."""
+    devices = min(plan.gpus, cluster.gpus_per_node)
+    if cluster.shared_cores <= 0 or devices <= cluster.shared_cores:
+        return 1.0
+    return cluster.shared_cores / devices
 
 
 def _lower_bound(

@@ -219,6 +219,10 @@ class Cluster:
         of one stage for one microbatch) on top of its kernels: the runtime's dispatch of
         one stage program. 0 for a GPU cluster whose kernels are queued ahead; measured
         for forced CPU devices (``pipedsl demo``), where Python dispatches every action.
+      shared_cores: CPU cores that the devices of one node share when they have no
+        compute of their own (forced CPU devices); 0 for GPUs. The compute rates are then
+        those of a device while every device of its node is busy, and the cores an idle
+        device leaves go to the busy ones (see :mod:`~pipedsl.simulator.estimate`).
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.
@@ -241,6 +245,7 @@ class Cluster:
     matmul_half_flops: float = 0.0
     kernel_launch_s: float = 0.0
     action_overhead_s: float = 0.0
+    shared_cores: float = 0.0
     memory_bytes: int
     reserved_bytes: int = 0
     hbm_bandwidth: float
@@ -264,7 +269,12 @@ class Cluster:
         for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
             _check_float(owner, name, getattr(self, name), high=1.0)
         for name in (
-            "intra_node_latency", "inter_node_latency", "matmul_half_flops", "kernel_launch_s", "action_overhead_s"
+            "intra_node_latency",
+            "inter_node_latency",
+            "matmul_half_flops",
+            "kernel_launch_s",
+            "action_overhead_s",
+            "shared_cores",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:

@@ -3,7 +3,9 @@
 The plan search prices a plan from a :class:`~pipedsl.simulator.Cluster`. On forced CPU
 devices every device shares this machine's cores, so each number is measured with every
 device busy at once, and once, before the search, so that the search ranks with it and
-every run's prediction comes from it (never from that run's own steps):
+every run's prediction comes from it (never from that run's own steps). The cluster
+says how many cores its devices share (``shared_cores``, the cores this process may run
+on), so that a pipeline's idle devices are priced as cores the busy ones get:
 
 - *compute*: one data-parallel forward and backward of the model (cut to one layer, so
   that it compiles quickly), a microbatch on every device at once, without any reduction
@@ -208,6 +210,7 @@ def calibrate_machine(
         gpu="CPU device",
         peak_flops=1e9,
         matmul_efficiency=1.0,
+        shared_cores=len(os.sched_getaffinity(0)),
         memory_bytes=int(memory),
         hbm_bandwidth=bandwidth,
         gpus_per_node=devices,

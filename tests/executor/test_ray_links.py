@@ -7,6 +7,8 @@ different forced CPU devices exactly as they move between actors' processes.
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,9 @@ import pytest
 from jax.experimental import transfer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pipedsl.executor.errors import ExecutionError, PeerFailed
 from pipedsl.executor.ray_links import Links, channel_of, layout_of, structs, transfer_id
+from pipedsl.executor.ray_transport import Mailbox, RayTransport
 from pipedsl.program import Buffer, BufferKind
 
 
@@ -99,3 +103,51 @@ def test_equal_placements_have_equal_layouts() -> None:
     assert layout("data") == layout("data", "tensor") == layout(("data", "tensor")) == layout("data", None)
     assert layout(None, "tensor") == layout()
     assert layout("data") != layout()
+
+
+# -- a receive by transfer whose value never comes --------------------------------------
+
+
+def _receiver(links: tuple[Links, Links], key: Buffer, *, step: int, timeout: float) -> tuple[RayTransport, Mailbox]:
+    """Device 1's end of a step in which ``key`` comes from device 0 by transfer."""
+    _, receiver = links
+    _, there = _meshes()
+    channel = channel_of(0, 0, 0, 1, key)
+    assert channel is not None
+    receiver.learned[channel] = structs((((4,), "float32", PartitionSpec()),), there)
+    mailbox = Mailbox(receiver.learned)
+    mailbox.begin(step)
+    transport = RayTransport(
+        1,
+        step,
+        mailbox,
+        (),
+        receiver,
+        mesh=there,
+        pipeline=(0, 0),
+        planned=(),
+        expected=((key, 0),),
+        recording=False,
+        timeout=timeout,
+    )
+    return transport, mailbox
+
+
+def test_a_pull_never_offered_ends_at_the_receive_timeout(links: tuple[Links, Links]) -> None:
+    key = Buffer(BufferKind.ACTIVATION, 0, 0)
+    transport, _ = _receiver(links, key, step=101, timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(ExecutionError, match="device 1 waited 0.5 s for .* from device 0, which never sent it"):
+        transport.recv(key, 0, timeout=0.5)
+    assert 0.5 <= time.monotonic() - start < 5
+
+
+def test_a_failure_elsewhere_ends_a_pull_at_once(links: tuple[Links, Links]) -> None:
+    # A pull cannot be cancelled: the receive stops looking when the step fails.
+    key = Buffer(BufferKind.GRADIENT, 1, 2)
+    transport, mailbox = _receiver(links, key, step=102, timeout=60)
+    threading.Timer(0.2, mailbox.fail, (102, "device 0 failed")).start()
+    start = time.monotonic()
+    with pytest.raises(PeerFailed, match="device 1 stopped waiting for .* from device 0: device 0 failed"):
+        transport.recv(key, 0, timeout=60)
+    assert time.monotonic() - start < 5

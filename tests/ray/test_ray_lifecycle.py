@@ -237,13 +237,35 @@ def _interrupt(mark: str, when: str) -> tuple[subprocess.Popen[str], str, str]:
             assert run.stdout is not None
             while time.monotonic() < deadline and "(includes tracing and compilation)" not in run.stdout.readline():
                 pass
+        state = _signal_state(run.pid)
         os.killpg(run.pid, signal.SIGINT)
-        out, err = run.communicate(timeout=60)
+        try:
+            out, err = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired as late:
+            output = late.stdout.decode(errors="replace") if isinstance(late.stdout, bytes) else late.stdout or ""
+            output = output[-2000:]
+            pytest.fail(f"the run did not exit within 60 s of its Ctrl-C; its signals then: {state}; its output since: {output}")
     finally:
         if run.poll() is None:
             run.kill()
             run.communicate()
     return run, out, err
+
+
+def _signal_state(pid: int) -> str:
+    """Process ``pid``'s ignored and caught signals and each thread's blocked ones (as
+    /proc writes them), to say why a Ctrl-C went unheard."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        threads = [Path(t, "status").read_text() for t in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError as err:
+        return f"unreadable ({err})"
+
+    def field(text: str, name: str) -> str:
+        return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(name + ":")), "?")
+
+    blocked = sorted({field(t, "SigBlk") for t in threads})
+    return f"ignored {field(status, 'SigIgn')}, caught {field(status, 'SigCgt')}, blocked by thread {blocked}"
 
 
 def _is_ray_server(pid: int) -> bool:

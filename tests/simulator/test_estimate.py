@@ -235,6 +235,28 @@ def test_pipeline_with_even_stages_has_1f1b_bubble() -> None:
     assert prepare(model, cluster, plan).lower_bound_s <= result.step_time_s
 
 
+def test_devices_that_share_cores_take_their_mean_busy_time() -> None:
+    # Eight devices on two cores: a pipeline's idle devices leave their cores to the busy
+    # ones, so the pipeline part is its mean busy time, never under 2/8 of the makespan.
+    model = dataclasses.replace(GPT, vocab=8, layers=8)
+    alone = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
+    shared = dataclasses.replace(alone, shared_cores=2)
+    for plan in (Plan(pp=4, dp=2, global_batch=16, schedule="1f1b"), Plan(pp=8, global_batch=2, schedule="gpipe")):
+        apart, together = estimate(model, alone, plan), estimate(model, shared, plan)
+        assert together.bubble == apart.bubble > 0
+        busy = max(1 - apart.bubble, 2 / 8)
+        assert together.pipeline_time_s == pytest.approx(apart.pipeline_time_s * busy)
+        assert prepare(model, shared, plan).lower_bound_s <= together.step_time_s * (1 + 1e-12)
+    # Without a bubble nothing changes; nor with a core per device.
+    spmd = Plan(dp=8, global_batch=8)
+    assert estimate(model, shared, spmd).step_time_s == estimate(model, alone, spmd).step_time_s
+    plan = Plan(pp=4, global_batch=8, schedule="1f1b")
+    roomy = dataclasses.replace(alone, shared_cores=8)
+    assert estimate(model, roomy, plan).step_time_s == estimate(model, alone, plan).step_time_s
+    with pytest.raises(DescriptionError, match="shared_cores must be a number >= 0"):
+        dataclasses.replace(IDEAL, shared_cores=-1)
+
+
 @pytest.mark.parametrize(
     ("spec", "vpp"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
 )
