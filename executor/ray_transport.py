@@ -462,7 +462,7 @@ _AHEAD = 8
 _OFFER_WAITS = 4
 # Seconds between looks at a pulled value that has not arrived: doubling from the first
 # to the last, so that a value that is nearly there is seen at once and a long wait
-# costs a few hundred looks a second.
+# costs two thousand looks a second (a few microseconds each).
 _FIRST_PAUSE, _LAST_PAUSE = 2e-5, 5e-4
 
 

@@ -46,19 +46,18 @@ from typing import Any
 import numpy as np
 
 from pipedsl.ir import Schedule
+from pipedsl.simulator.assumptions import Assumption, assumptions
 from pipedsl.simulator.collectives import (
-    all_reduce_choice,
-    group_of,
     ring_all_reduce_seconds,
     ring_gather_seconds,
 )
 from pipedsl.simulator.costs import CostModel
-from pipedsl.simulator.data_parallel import dp_group, tails, zero_per_microbatch
+from pipedsl.simulator.data_parallel import tails, zero_per_microbatch
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
-from pipedsl.simulator.plan import Plan, PlanError, Recompute
+from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.transformer import Shapes, Work
 
 __all__ = [
@@ -76,16 +75,6 @@ __all__ = [
     "GRAD_BYTES",
     "OPTIMIZER_BYTES",
 ]
-
-@dataclass(frozen=True, slots=True)
-class Assumption:
-    """One choice an estimate priced: ``name`` (a plan field or a collective), its
-    ``value`` as priced, and what that means in words."""
-
-    name: str
-    value: str
-    meaning: str
-
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
@@ -251,43 +240,6 @@ def _check_schedule(plan: Plan, schedule: Schedule) -> None:
 
 
 # --- assumptions ------------------------------------------------------------------------
-
-
-def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption, ...]:
-    """What an estimate of ``plan`` prices: the plan's modelling switches and the
-    collective algorithms chosen for its groups."""
-    on = {True: "on", False: "off"}
-    found = [
-        Assumption("flash_attention", on[plan.flash_attention],
-                   "attention runs fused and never stores its a×s×s scores" if plan.flash_attention
-                   else "attention stores its scores (5·a·s/h bytes per value of b·s·h)"),
-        Assumption("sequence_parallel", on[plan.sequence_parallel],
-                   "norms and dropout split over the tensor-parallel ranks" if plan.sequence_parallel
-                   else "norms and dropout replicated on every tensor-parallel rank"),
-        Assumption("recompute", plan.recompute.value, _RECOMPUTE[plan.recompute]),
-        Assumption("dp_overlap", f"{plan.dp_overlap:g}",
-                   "fraction of the last backward (first forward) that hides once-per-step data-parallel traffic"),
-        Assumption("tp_overlap", f"{plan.tp_overlap:g}", "fraction of tensor-parallel collectives hidden by matmuls"),
-        Assumption("reduce_dtype", "fp32" if plan.reduce_bytes == 4 else "bf16",
-                   f"gradients reduced at {plan.reduce_bytes} bytes per value"),
-    ]  # fmt: skip
-    size = model.num_params / (plan.tp * plan.pp) * plan.reduce_bytes
-    for name, group, num_bytes in (
-        ("tp_collectives", group_of(plan.tp, 1, cluster), model.seq_len * plan.microbatch_size * model.hidden * 2),
-        ("dp_collectives", dp_group(plan, cluster), size),
-    ):
-        if group.ranks > 1:
-            algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
-            where = f"{group.per_node} per node over {group.nodes} nodes" if group.spans_nodes else "in one node"
-            found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
-    return tuple(found)
-
-
-_RECOMPUTE = {
-    Recompute.NONE: "every layer stores its activations",
-    Recompute.SELECTIVE: "attention's core is recomputed in the backward",
-    Recompute.FULL: "each layer's forward is rerun in the backward; only its input is stored",
-}
 
 
 # --- the estimate -------------------------------------------------------------------------
