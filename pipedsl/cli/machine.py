@@ -9,15 +9,11 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
 
 - *compute*: one data-parallel forward and backward of the model (cut to one layer, so
   that it compiles quickly), a microbatch on every device at once, without any reduction
-  between them, at two microbatch sizes (the smallest the demo runs and four times it).
-  The same kernels do four times the work in the second, so the two fix both the rate
-  (``peak_flops``) and the fixed cost of each kernel (``kernel_launch_s``) at which the
-  simulator prices that same work as measured (elementwise work priced at the measured
-  memory bandwidth). A small model's step on CPU is mostly that fixed cost, so a plan
-  that runs more kernels per device (more layers on each, fewer sequences per kernel)
-  takes longer at equal FLOPs. A product benchmark overstates the rate about tenfold on
-  CPU: the backward's transposed products, the attention's small ones and the
-  elementwise work run far below it;
+  between them; the rate is the ``peak_flops`` at which the simulator's cost of that same
+  work equals the measured time (elementwise work priced at the measured memory
+  bandwidth). A product benchmark overstates this rate about tenfold on CPU: the
+  backward's transposed products, the attention's small ones and the elementwise work
+  run far below it;
 - *memory bandwidth*: one elementwise update of a few MB on every device at once;
 - *collectives*: all-reduces over groups of 2 and of every device, of a small and a
   large buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (α and B are
@@ -55,14 +51,15 @@ class MachineCalibration:
 
     Attributes:
       cluster: this machine as ``devices`` CPU devices in one node.
-      compute_s: measured seconds of one microbatch's forward and backward on every
-        device, by sequences per device.
+      compute_s: measured seconds of one microbatch's forward and backward on every device.
+      microbatch_size: sequences per device in that measurement.
       all_reduce_s: measured seconds by (group size, bytes).
       seconds: wall time of the whole calibration.
     """
 
     cluster: Cluster
-    compute_s: dict[int, float]
+    compute_s: float
+    microbatch_size: int
     all_reduce_s: dict[tuple[int, int], float]
     seconds: float
 
@@ -70,10 +67,9 @@ class MachineCalibration:
         """One line per measured quantity, with units."""
         c = self.cluster
         reduces = ", ".join(f"{n} devices {b / 1e6:.3g} MB {t * 1e3:.2f} ms" for (n, b), t in self.all_reduce_s.items())
-        computes = ", ".join(f"{b} sequences {t * 1e3:.1f} ms" for b, t in self.compute_s.items())
         return (
-            f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device and {c.kernel_launch_s * 1e6:.0f} µs per "
-            f"kernel (fitted to a forward and backward per device of {computes}); memory "
+            f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device (fitted to a forward and backward of "
+            f"{self.microbatch_size} sequences per device: {self.compute_s * 1e3:.1f} ms); memory "
             f"{c.hbm_bandwidth / 1e9:.2f} GB/s; collectives α {c.intra_node_latency * 1e6:.0f} µs, "
             f"B {c.intra_node_bandwidth / 1e9:.2f} GB/s (all-reduce {reduces}); dispatch "
             f"{c.action_overhead_s * 1e6:.0f} µs per action; calibrated in {self.seconds:.1f} s"
@@ -181,36 +177,18 @@ def _dispatch_seconds(devices: int) -> float:
     return (time.perf_counter() - start) / _DISPATCHES
 
 
-def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[int, float]) -> tuple[float, float]:
-    """The ``(peak_flops, kernel_launch_s)`` at which the simulator prices one
-    data-parallel microbatch's forward and backward as ``measured`` (seconds by
-    sequences per device, two sizes). Bisections on log scales: for each kernel cost the
-    rate that prices the smaller microbatch as measured; a higher kernel cost leaves
-    less of the larger one's time to its extra work, so the kernel cost is the one at
-    which the larger microbatch is priced as measured too (0 when even that prices it
-    short, the rate alone then fitted to the smaller)."""
-    (small, small_s), (large, large_s) = sorted(measured.items())
+def _fit_flops(model: Model, base: Cluster, devices: int, microbatch_size: int, measured: float) -> float:
+    """The ``peak_flops`` at which the simulator prices one data-parallel microbatch's
+    forward and backward at ``measured`` seconds (bisection on a log scale)."""
+    plan = Plan(dp=devices, microbatch_size=microbatch_size, global_batch=devices * microbatch_size, flash_attention=False)
 
-    def priced(size: int, flops: float, launch: float) -> float:
-        plan = Plan(dp=devices, microbatch_size=size, global_batch=devices * size, flash_attention=False)
-        cluster = dataclasses.replace(base, peak_flops=flops, kernel_launch_s=launch)
-        return estimate(model, cluster, plan).pipeline_time_s
+    def priced(flops: float) -> float:
+        return estimate(model, dataclasses.replace(base, peak_flops=flops), plan).pipeline_time_s
 
-    def rate(launch: float) -> float:
-        return _bisect(lambda flops: priced(small, flops, launch) > small_s, 1e6, 1e15)
-
-    if priced(large, rate(0.0), 0.0) <= large_s:
-        return rate(0.0), 0.0
-    launch = _bisect(lambda launch: priced(large, rate(launch), launch) > large_s, 1e-9, small_s)
-    return rate(launch), launch
-
-
-def _bisect(below: Callable[[float], bool], low: float, high: float, *, steps: int = 40) -> float:
-    """The point of ``[low, high]`` where ``below`` turns False, on a log scale
-    (``below`` is True at ``low`` and goes False once, upwards)."""
-    for _ in range(steps):
+    low, high = 1e6, 1e15
+    for _ in range(60):
         middle = (low * high) ** 0.5
-        low, high = (middle, high) if below(middle) else (low, middle)
+        low, high = (middle, high) if priced(middle) > measured else (low, middle)
     return (low * high) ** 0.5
 
 
@@ -221,8 +199,7 @@ def calibrate_machine(
     ``model`` (its simulator description); ``build(layers)`` gives the same model as the
     executor builds it, one stage of ``layers`` layers."""
     started = time.perf_counter()
-    one_layer = build(1)
-    compute = {b: _compute_seconds(one_layer, devices, b) for b in (microbatch_size, 4 * microbatch_size)}
+    compute = _compute_seconds(build(1), devices, microbatch_size)
     bandwidth = _bandwidth(devices)
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
     alpha, link = _fit_ring(reduces)
@@ -242,11 +219,12 @@ def calibrate_machine(
         inter_node_bandwidth=link,
         inter_node_latency=alpha,
     )
-    flops, launch = _fit_compute(dataclasses.replace(model, layers=1), base, devices, compute)
-    cluster = dataclasses.replace(base, peak_flops=flops, kernel_launch_s=launch, action_overhead_s=dispatch)
+    flops = _fit_flops(dataclasses.replace(model, layers=1), base, devices, microbatch_size, compute)
+    cluster = dataclasses.replace(base, peak_flops=flops, action_overhead_s=dispatch)
     return MachineCalibration(
         cluster=cluster,
         compute_s=compute,
+        microbatch_size=microbatch_size,
         all_reduce_s=reduces,
         seconds=time.perf_counter() - started,
     )

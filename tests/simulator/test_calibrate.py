@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pipedsl
-from pipedsl.cli.machine import _fit_compute, _fit_ring
+from pipedsl.cli.machine import _fit_flops, _fit_ring
 from pipedsl.errors import PipedslError
 from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, simulate
 from pipedsl.simulator.cost_fit import CalibrationError, fit_costs
@@ -150,25 +150,10 @@ def test_ring_fit_recovers_latency_and_bandwidth() -> None:
     assert fitted_bandwidth == pytest.approx(bandwidth, rel=1e-6)
 
 
-@pytest.mark.parametrize("launch", [0.0, 2e-5])
-def test_compute_fit_recovers_the_rate_and_the_cost_per_kernel(launch: float) -> None:
-    truth = dataclasses.replace(_CPU, peak_flops=3e9, kernel_launch_s=launch)
-
-    def measured(size: int) -> float:
-        plan = Plan(dp=8, microbatch_size=size, global_batch=8 * size, flash_attention=False)
-        return estimate(_TINY, truth, plan).pipeline_time_s
-
-    flops, fitted = _fit_compute(_TINY, _CPU, 8, {4: measured(4), 16: measured(16)})
-    assert flops == pytest.approx(3e9, rel=1e-4)
-    assert fitted == pytest.approx(launch, rel=1e-4, abs=1e-12)
-
-
-def test_compute_fit_without_room_for_kernel_costs_fits_the_rate_alone() -> None:
-    # The larger microbatch took longer than its FLOPs alone explain: no fixed cost.
+def test_compute_rate_is_the_one_that_prices_the_measured_work() -> None:
     plan = Plan(dp=8, microbatch_size=4, global_batch=32, flash_attention=False)
-    small = estimate(_TINY, dataclasses.replace(_CPU, peak_flops=3e9), plan).pipeline_time_s
-    flops, launch = _fit_compute(_TINY, _CPU, 8, {4: small, 16: 10 * small})
-    assert (flops, launch) == (pytest.approx(3e9, rel=1e-4), 0.0)
+    truth = estimate(_TINY, dataclasses.replace(_CPU, peak_flops=3e9), plan).pipeline_time_s
+    assert _fit_flops(_TINY, _CPU, 8, 4, truth) == pytest.approx(3e9, rel=1e-6)
 
 
 def test_demo_counts_the_pairs_of_runs_its_prediction_orders_as_measured() -> None:
