@@ -143,6 +143,7 @@ class DeviceActor:
         self._expected: dict[int, tuple[tuple[Buffer, int], ...]] = {}
         self._traced: OrderedDict[int, _TracedModel] = OrderedDict()
         self._optimizers: dict[int, optax.GradientTransformation] = {}
+        self._stepping: Worker | None = None  # the worker of the step running now
 
     # -- set-up ----------------------------------------------------------------------
 
@@ -264,6 +265,7 @@ class DeviceActor:
         transport = self._transport(key, step, recording=origin is not None, timeout=worker.runtime.recv_timeout)
         self.mailbox.begin(step)
         worker.applied = False
+        self._stepping = worker
         try:
             if update is not None and update.optimizer is not None:
                 self._optimizers[update.optimizer_id] = update.optimizer
@@ -297,6 +299,14 @@ class DeviceActor:
             transport.abort(err)
             message = f"device {self.index} failed: {type(err).__name__}: {err}"
             return Failure(message, None, self.index, peer=False, updated=worker.applied)
+        finally:
+            self._stepping = None
+
+    def doing(self) -> str:
+        """What this device's step is doing, in words ("idle" between steps); answered
+        in another of the actor's threads while the step runs."""
+        worker = self._stepping
+        return "idle" if worker is None else worker.doing()
 
     def _transport(self, key: int, step: int, *, recording: bool, timeout: float) -> RayTransport:
         """Pipeline ``key``'s links for ``step``."""

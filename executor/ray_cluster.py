@@ -42,6 +42,8 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _ACTOR_THREADS = 4
 # Seconds the devices get to stop after an abort before the driver gives up on them.
 _STOP_GRACE = 10.0
+# Seconds a device that overran its step gets to say what it is doing.
+_ASK_GRACE = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -359,10 +361,13 @@ class RayDevices:
         step: int | None,
         stages: Callable[[int], tuple[int, ...]] | None,
     ) -> None:
-        self.abort(step, f"the driver stopped waiting after {limit:g} s")
         running = sorted(pending.values())
+        # Asked before the abort changes it; a call other than a step says nothing.
+        doing = self._doing(running) if step is not None else dict.fromkeys(running, "")
+        self.abort(step, f"the driver stopped waiting after {limit:g} s")
         where = "; ".join(
-            self._describe(d, stages) + ("" if _node_alive(self.nodes[d].node_id) else " (node gone)") for d in running
+            self._describe(d, stages) + ("" if _node_alive(self.nodes[d].node_id) else " (node gone)") + doing[d]
+            for d in running
         )
         message = f"{what} did not finish within {limit:g} s (step_timeout): still running: {where}"
         first = running[0]
@@ -374,6 +379,23 @@ class RayDevices:
         else:
             message += self._drain(pending)
         raise ExecutionError(message, stage=owned[0] if owned else None, device=first)
+
+    def _doing(self, devices: Sequence[int]) -> dict[int, str]:
+        """``", <what device d says its step is doing>"`` for each of ``devices``; an
+        actor that does not answer within :data:`_ASK_GRACE` seconds (its process busy
+        or stuck outside Python's reach) is said not to answer."""
+        import ray
+        from ray.exceptions import RayError
+
+        asked = {d: self.actors[d].doing.remote() for d in devices}
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=_ASK_GRACE)
+        answers = {}
+        for d, ref in asked.items():
+            try:
+                answers[d] = f", {ray.get(ref, timeout=0)}" if ref in ready else f", not answering within {_ASK_GRACE:g} s"
+            except RayError as err:
+                answers[d] = f", not answering ({_first_line(err)})"
+        return answers
 
     def _drain(self, pending: dict[Any, int]) -> str:
         """Wait a little for calls still running after an abort; if some do not return,

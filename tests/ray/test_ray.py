@@ -15,6 +15,7 @@ import os
 # the local instances it starts; Ray reads the variable when it is imported.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -312,9 +313,11 @@ def test_slow_step_is_aborted_at_step_timeout(devices: RayDevices, flags: Path) 
         (flags / "pause").touch()
         devices.step_timeout = 1.0
         start = time.monotonic()
-        with pytest.raises(ExecutionError, match=r"did not finish within 1 s \(step_timeout\)"):
+        with pytest.raises(ExecutionError, match=r"did not finish within 1 s \(step_timeout\)") as late:
             pipe.value_and_grad(params, batch)
         assert time.monotonic() - start < 1.0 + 5
+        # Each device still running says where its program was.
+        assert re.search(r"device 1, stage 1, on .*, running ", str(late.value)), late.value
         (flags / "pause").unlink()
         # Aborted, every device stopped at its next receive: the group takes the retry.
         assert not devices.closed
