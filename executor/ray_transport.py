@@ -353,9 +353,13 @@ class RayTransport:
         (or the peer's server gone) is the peer's failure. Waits at most ``timeout``
         seconds, and no longer than the step lives: a pull cannot be cancelled, and one
         whose value never comes would otherwise hold this device past an abort."""
-        pause = _FIRST_PAUSE
+        looks, pause = 0, _FIRST_PAUSE
         deadline = time.monotonic() + timeout
         while not all(x.is_ready() for x in arrays):
+            looks += 1
+            if looks <= _SPINS:
+                time.sleep(0)  # lets the other threads run, and looks again at once
+                continue
             why = self._mailbox.failure(self.step)
             if why is not None:
                 raise _stopped(self.device, key, src, why)
@@ -460,9 +464,11 @@ _UNKNOWN = object()  # a channel whose first value has not been sent yet
 _AHEAD = 8
 # An offer lives this many receive timeouts (see RayTransport._deadline).
 _OFFER_WAITS = 4
-# Seconds between looks at a pulled value that has not arrived: doubling from the first
-# to the last, so that a value that is nearly there is seen at once and a long wait
-# costs two thousand looks a second (a few microseconds each).
+# Looks at a pulled value that has not arrived: the first _SPINS back to back (a value
+# that is nearly there is seen at once; a sleep lasts 50 µs or more), then with pauses
+# doubling from the first to the last, so that a long wait costs two thousand looks a
+# second (a few microseconds each).
+_SPINS = 50
 _FIRST_PAUSE, _LAST_PAUSE = 2e-5, 5e-4
 
 
