@@ -47,10 +47,7 @@ import numpy as np
 
 from pipedsl.ir import Schedule
 from pipedsl.simulator.assumptions import Assumption, assumptions
-from pipedsl.simulator.collectives import (
-    ring_all_reduce_seconds,
-    ring_gather_seconds,
-)
+from pipedsl.simulator.collectives import ring_all_reduce_seconds, ring_gather_seconds
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.data_parallel import tails, zero_per_microbatch
 from pipedsl.simulator.engine import Simulation
@@ -237,9 +234,6 @@ def _check_schedule(plan: Plan, schedule: Schedule) -> None:
             f"schedule {plan.schedule} runs {schedule.num_stages} stages on {schedule.num_devices} devices, "
             f"but the plan has pp = {plan.pp} and vpp = {plan.vpp}; this schedule needs vpp = {per_device}"
         )
-
-
-# --- assumptions ------------------------------------------------------------------------
 
 
 # --- the estimate -------------------------------------------------------------------------
