@@ -242,14 +242,17 @@ def _interrupt(mark: str, when: str) -> tuple[subprocess.Popen[str], str, str]:
         try:
             out, err = run.communicate(timeout=60)
         except subprocess.TimeoutExpired as late:
-            output = late.stdout.decode(errors="replace") if isinstance(late.stdout, bytes) else late.stdout or ""
-            output = output[-2000:]
-            pytest.fail(f"the run did not exit within 60 s of its Ctrl-C; its signals then: {state}; its output since: {output}")
+            out, err = (_text(late.stdout)[-1500:], _text(late.stderr)[-3000:])
+            pytest.fail(f"the run did not exit within 60 s of its Ctrl-C; its signals then: {state}\nstdout: {out}\nstderr: {err}")
     finally:
         if run.poll() is None:
             run.kill()
             run.communicate()
     return run, out, err
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _signal_state(pid: int) -> str:
