@@ -18,9 +18,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -169,34 +173,29 @@ def _train(args: argparse.Namespace) -> int:
     pipe, params = _build_pipeline(args, schedule, model, key)
     optimizer = optax.adam(args.lr)
     platform = jax.devices()[0].platform if args.backend == "local" else "Ray actor"
-    form = "marked function" if args.marked else "explicit stages"
-    meshes = f" of {args.dp} x {args.tp} (dp x tp, zero {args.zero})" if args.dp * args.tp > 1 else ""
-    replicas = f" x {args.dp} replicas" if args.dp > 1 else ""
-    print(
-        f"run {_describe(schedule)}: {plural(schedule.num_stages, 'stage')} on"
-        f" {plural(schedule.num_devices, platform + ' device')}{meshes}; "
-        f"model {model.name} ({shape}, {form}); "
-        f"batch {batch_size} = {plural(schedule.num_microbatches, 'microbatch')} of {args.microbatch_size}{replicas}"
-    )
+    print(_run_line(args, schedule, platform, model.name, shape, batch_size))
     params, opt_state, first = keeping.restore(pipe, params, batch, optimizer, steps=args.steps)
     if args.resume:
         print(f"resumed from {args.checkpoint} after step {first - 1}")
     print(f"{'step':>5}  {'loss':>12}  {'time':>10}")
     times: list[float] = []
-    for step in range(first, args.steps + 1):
-        # The parameters that entered the step, to find where a non-finite loss came from
-        # (on Ray only the latest handle is valid, so a copy is fetched).
-        before = params if args.allow_nonfinite or args.backend == "local" else pipe.gather(params)
-        start = time.perf_counter()
-        params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
-        jax.block_until_ready((params, loss))
-        elapsed = time.perf_counter() - start
-        times.append(elapsed)
-        note = "  (includes tracing and compilation)" if step == 1 else ""
-        print(f"{step:>5}  {float(loss):>12.6f}  {elapsed * 1e3:>7.1f} ms{note}")
-        if not args.allow_nonfinite and not math.isfinite(float(loss)):
-            raise nonfinite_origin(pipe, model, before, batch, step=step, marked=args.marked)
-        keeping.after_step(pipe, step, params, opt_state, last=step == args.steps)
+    with _recorded_interrupts() as interrupted:
+        for step in range(first, args.steps + 1):
+            if interrupted():
+                raise KeyboardInterrupt
+            # The parameters that entered the step, to find where a non-finite loss came
+            # from (on Ray only the latest handle is valid, so a copy is fetched).
+            before = params if args.allow_nonfinite or args.backend == "local" else pipe.gather(params)
+            start = time.perf_counter()
+            params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
+            jax.block_until_ready((params, loss))
+            elapsed = time.perf_counter() - start
+            times.append(elapsed)
+            note = "  (includes tracing and compilation)" if step == 1 else ""
+            print(f"{step:>5}  {float(loss):>12.6f}  {elapsed * 1e3:>7.1f} ms{note}")
+            if not args.allow_nonfinite and not math.isfinite(float(loss)):
+                raise nonfinite_origin(pipe, model, before, batch, step=step, marked=args.marked)
+            keeping.after_step(pipe, step, params, opt_state, last=step == args.steps)
     if len(times) > 1:
         print(f"median step time (steps {first + 1}-{args.steps}): {statistics.median(times[1:]) * 1e3:.1f} ms")
     if args.checkpoint is not None:
@@ -204,6 +203,40 @@ def _train(args: argparse.Namespace) -> int:
     if args.timeline is not None:
         _write_timeline(pipe, params, batch, args.timeline)
     return EXIT_OK
+
+
+def _run_line(args: argparse.Namespace, schedule: Schedule, platform: str, model: str, shape: str, batch_size: int) -> str:
+    """The run's first line: schedule, devices and meshes, model, batch."""
+    form = "marked function" if args.marked else "explicit stages"
+    meshes = f" of {args.dp} x {args.tp} (dp x tp, zero {args.zero})" if args.dp * args.tp > 1 else ""
+    replicas = f" x {args.dp} replicas" if args.dp > 1 else ""
+    return (
+        f"run {_describe(schedule)}: {plural(schedule.num_stages, 'stage')} on"
+        f" {plural(schedule.num_devices, platform + ' device')}{meshes}; model {model} ({shape}, {form}); "
+        f"batch {batch_size} = {plural(schedule.num_microbatches, 'microbatch')} of {args.microbatch_size}{replicas}"
+    )
+
+
+@contextmanager
+def _recorded_interrupts() -> Iterator[Callable[[], bool]]:
+    """Within the block, Ctrl-C raises ``KeyboardInterrupt`` as usual and is also
+    recorded: Python drops an exception raised where it cannot propagate (a finalizer, a
+    callback run by a library), so the step loop asks the record before each step. Only
+    in the main thread, and only while SIGINT has Python's default handler."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield lambda: False
+        return
+    seen: list[int] = []
+
+    def record(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, record)
+    try:
+        yield lambda: bool(seen)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, key: Any) -> tuple[Any, Any]:

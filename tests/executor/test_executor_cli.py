@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import pipedsl
 from pipedsl.cli import main
+from pipedsl.cli.run import _recorded_interrupts
 from pipedsl.timeline import Timeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,3 +65,21 @@ def test_run_in_process(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "model mlp (width 8, 2 layers per stage, explicit stages)" in out
     assert len([line for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]) == 2
+
+
+class _Interrupted:
+    """An object whose finalizer is where a Ctrl-C lands: Python drops the
+    ``KeyboardInterrupt`` raised there."""
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)  # the signal ends the sleep; its handler runs here
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_that_python_drops_still_ends_the_run() -> None:
+    with _recorded_interrupts() as interrupted:
+        assert not interrupted()
+        _Interrupted()  # collected at once: the KeyboardInterrupt dies in __del__
+        assert interrupted()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
