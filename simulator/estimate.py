@@ -40,14 +40,13 @@ from typing import Any
 
 import numpy as np
 
-from pipedsl.ir import Schedule
 from pipedsl.simulator.collectives import (
     all_reduce_choice,
     group_of,
     ring_all_reduce_seconds,
     ring_gather_seconds,
 )
-from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.costs import CostModel, Layout
 from pipedsl.simulator.data_parallel import dp_group, tails, zero_per_microbatch
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.hardware import Cluster, Model
@@ -63,6 +62,7 @@ __all__ = [
     "Estimate",
     "Prepared",
     "prepare",
+    "prepare_unordered",
     "estimate",
     "assumptions",
     "check_divides",
@@ -235,7 +235,7 @@ def _stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[fl
     return tuple(params)
 
 
-def _check_schedule(plan: Plan, schedule: Schedule) -> None:
+def _check_schedule(plan: Plan, schedule: Layout) -> None:
     if schedule.num_devices != plan.pp or schedule.num_stages != plan.pp * plan.vpp:
         per_device = schedule.num_stages // max(schedule.num_devices, 1)
         raise PlanError(
@@ -419,6 +419,33 @@ def prepare(
         device_params=device_params,
         memory=memory,
         lower_bound_s=_lower_bound(plan, cluster.action_overhead_s, work, key, pipelines) + sum(tails(shapes, work, placement, device_params)),
+    )
+
+
+def prepare_unordered(
+    model: Model, cluster: Cluster, plan: Plan, layout: Layout, *, key: ScheduleKey, pipelines: Pipelines
+) -> Prepared:
+    """``plan`` prepared for a schedule of ``layout`` whose order is made later, per plan (a
+    policy schedule synthesised against the plan's own cost model): ``memory`` counts no
+    activations and ``lower_bound_s`` only the data-parallel tail and the optimizer step,
+    for the caller to bound by the order it will make. Raises PlanError as :func:`prepare`."""
+    check_divides(model, cluster, plan)
+    _check_schedule(plan, layout)
+    shapes = Shapes(model, cluster, plan)
+    layers = _stage_layers(model, plan.pp * plan.vpp, None)
+    params = _stage_params(model, plan, layers)
+    work = _stage_work(shapes, layers, params)
+    device_params = _device_params(plan, layout.placement, params)
+    return Prepared(
+        shapes=shapes,
+        key=key,
+        placement=layout.placement,
+        pipelines=pipelines,
+        work=work,
+        residual=_stage_residual(shapes, layers),
+        device_params=device_params,
+        memory=device_memory(shapes, device_params, (0,) * plan.pp),
+        lower_bound_s=sum(tails(shapes, work, layout.placement, device_params)),
     )
 
 

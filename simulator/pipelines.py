@@ -22,6 +22,8 @@ from pipedsl import library
 from pipedsl.analysis import chain_lower_bound, peak_held
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
+from pipedsl.lang.ast import PolicyBlock
+from pipedsl.policy import Policy
 from pipedsl.program import Program, ProgramArrays, lower
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate, step_timing
@@ -37,6 +39,12 @@ def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedul
 
     Each file is parsed once per version (:mod:`pipedsl.library`); evaluation runs every call.
     """
+    loaded = _load_source(spec, pp=pp, vpp=vpp, microbatches=microbatches)
+    return loaded if isinstance(loaded, Schedule) else synthesize(loaded, CostModel())
+
+
+def _load_source(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule | Policy:
+    """``spec`` evaluated as :func:`load_pipeline` does, a policy left unsynthesised."""
     path = library.resolve(spec)
     names = library.parameters(path)
     for needed in ("pp", "microbatches"):
@@ -47,8 +55,16 @@ def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedul
     params = {"pp": pp, "microbatches": microbatches}
     if "vpp" in names:
         params["vpp"] = vpp
-    loaded = library.load(path, **params)
-    return loaded if isinstance(loaded, Schedule) else synthesize(loaded, CostModel())
+    return library.load(path, **params)
+
+
+def _is_policy(spec: str) -> bool:
+    """Whether ``spec`` is a ``.sched`` file that states a policy (a ``policy`` block)
+    rather than an order; False where it cannot be parsed (evaluating it reports why)."""
+    try:
+        return any(isinstance(item, PolicyBlock) for item in library.parsed(spec).schedule.items)
+    except PipedslError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +131,8 @@ class Pipelines:
         self._errors: dict[ScheduleKey, PipedslError] = {}
         self._timings: dict[tuple[ScheduleKey, CostModel], Timing] = {}
         self._takes_vpp: dict[str, bool] = {}
+        self._layouts: dict[ScheduleKey, _Layout] = {}
+        self._policy: dict[str, bool] = {}
 
     def key(self, plan: Plan) -> ScheduleKey:
         """The schedule ``plan`` runs (a pipeline plan: ``plan.schedule`` is set)."""
@@ -142,6 +160,31 @@ class Pipelines:
         if self._max is not None and len(self._schedules) > self._max:
             self._schedules.popitem(last=False)
         return schedule
+
+    def layout(self, key: ScheduleKey) -> _Layout:
+        """Where the stages of ``key``'s schedule sit; for a policy schedule, the policy's
+        own placement, without synthesising an order. Raises what evaluation raised."""
+        shape = self._shapes.get(key)
+        if shape is not None:
+            return shape.layout
+        found = self._layouts.get(key)
+        if found is not None:
+            return found
+        policy = self._policy.get(key.spec)
+        if policy is None:
+            policy = self._policy[key.spec] = _is_policy(key.spec)
+        if not policy:
+            return self._shape(key).layout
+        error = self._errors.get(key)
+        if error is not None:
+            raise error
+        try:
+            loaded = _load_source(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
+        except PipedslError as err:
+            self._errors[key] = err
+            raise
+        found = self._layouts[key] = _Layout(loaded.num_stages, loaded.num_devices, loaded.placement)
+        return found
 
     def schedule(self, key: ScheduleKey) -> Schedule:
         """The schedule evaluated for ``key`` (validated); raises what evaluation or

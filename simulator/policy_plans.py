@@ -36,7 +36,7 @@ from pipedsl.program import ProgramArrays, lower
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import step_timing
-from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
+from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare, prepare_unordered
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import device_memory, static_memory, transient_bytes
 from pipedsl.simulator.pipelines import Pipelines
@@ -144,10 +144,12 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     """
     if not takes_limit(plan.schedule):
         return [prepare(model, cluster, plan, pipelines=pipelines, fits_first=True)]
-    base = prepare(model, cluster, plan, pipelines=pipelines)
-    assert base.key is not None and plan.schedule is not None
-    params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if base.key.vpp else ()))
+    assert plan.schedule is not None
+    key = pipelines.key(plan)
+    params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if key.vpp else ()))
     default = _loaded(plan.schedule, params)
+    # Each limit's order is synthesised when its plan is finished: none at the default cost model.
+    base = prepare_unordered(model, cluster, plan, default, key=key, pipelines=pipelines)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
     costs = base.cost_model()
@@ -167,7 +169,7 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
                 )
             )
     if not found:
-        raise DoesNotFit(plan, base.memory)
+        raise DoesNotFit(plan, device_memory(base.shapes, base.device_params, _held_at_most(base, least)))
     return found
 
 
