@@ -130,7 +130,7 @@ class Pipelines:
         self._shapes: dict[ScheduleKey, _Shape] = {}
         self._errors: dict[ScheduleKey, PipedslError] = {}
         self._timings: dict[tuple[ScheduleKey, CostModel], Timing] = {}
-        self._takes_vpp: dict[str, bool] = {}
+        self._parameters: dict[str, tuple[str, ...]] = {}
         self._layouts: dict[ScheduleKey, _Layout] = {}
         self._policy: dict[str, bool] = {}
 
@@ -139,10 +139,23 @@ class Pipelines:
         spec = plan.schedule
         if spec is None:
             raise PlanError(f"{plan.label} is an SPMD plan and runs no schedule")
-        takes_vpp = self._takes_vpp.get(spec)
-        if takes_vpp is None:
-            takes_vpp = self._takes_vpp[spec] = "vpp" in library.parameters(spec)
-        return ScheduleKey(spec, plan.pp, plan.vpp if takes_vpp else 0, plan.microbatches)
+        return ScheduleKey(spec, plan.pp, plan.vpp if "vpp" in self.parameters(spec) else 0, plan.microbatches)
+
+    def parameters(self, spec: str) -> tuple[str, ...]:
+        """The parameters schedule ``spec`` takes (:func:`pipedsl.library.parameters`),
+        read once per instance: a search asks again for every plan."""
+        found = self._parameters.get(spec)
+        if found is None:
+            found = self._parameters[spec] = tuple(library.parameters(spec))
+        return found
+
+    def is_policy(self, spec: str) -> bool:
+        """Whether ``spec`` is a ``.sched`` file that states a policy rather than an
+        order, read once per instance."""
+        found = self._policy.get(spec)
+        if found is None:
+            found = self._policy[spec] = _is_policy(spec)
+        return found
 
     def _evaluate(self, key: ScheduleKey) -> Schedule:
         error = self._errors.get(key)
@@ -170,10 +183,7 @@ class Pipelines:
         found = self._layouts.get(key)
         if found is not None:
             return found
-        policy = self._policy.get(key.spec)
-        if policy is None:
-            policy = self._policy[key.spec] = _is_policy(key.spec)
-        if not policy:
+        if not self.is_policy(key.spec):
             return self._shape(key).layout
         error = self._errors.get(key)
         if error is not None:

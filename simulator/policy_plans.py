@@ -142,12 +142,13 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     Raises what :func:`~pipedsl.simulator.estimate.prepare` raises; DoesNotFit when no
     limit's order fits.
     """
-    if not takes_limit(plan.schedule):
+    spec = plan.schedule
+    # As takes_limit, from what the shared Pipelines has read once.
+    if spec is None or LIMIT not in pipelines.parameters(spec) or not pipelines.is_policy(spec):
         return [prepare(model, cluster, plan, pipelines=pipelines, fits_first=True)]
-    assert plan.schedule is not None
     key = pipelines.key(plan)
     params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if key.vpp else ()))
-    default = _loaded(plan.schedule, params)
+    default = _loaded(spec, params)
     # Each limit's order is synthesised when its plan is finished: none at the default cost model.
     base = prepare_unordered(model, cluster, plan, default, key=key, pipelines=pipelines)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
