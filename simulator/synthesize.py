@@ -417,6 +417,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
             m = nf[s]
             nf[s] = m + 1
             end = t + cost_f[s]
+            work[d] -= cost_f[s]
             if entry[s]:
                 reserved[d] += later[s]
                 reserved_bytes[d] += later_bytes[s]
@@ -438,6 +439,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
             m = nb[s]
             nb[s] = m + 1
             end = t + cost_b[s]
+            work[d] -= cost_b[s]
             ahead_now[d] -= 1
             if split:
                 wq[d].append((s, m))
@@ -457,10 +459,6 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
             held[d] -= wres[s]
             clock[d] = end
             work[d] -= cost_w[s]
-        if kind == _F:
-            work[d] -= cost_f[s]
-        elif kind == _BWD:
-            work[d] -= cost_b[s]
         if clock[d] + work[d] > stop:
             return None
         orders[d].append((kind, s, m))
