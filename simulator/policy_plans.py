@@ -18,8 +18,10 @@ links' transfer times, :meth:`~pipedsl.simulator.estimate.Prepared.cost_model`),
 and its memory taken from the order itself (the exact peak of residual bytes held), so a
 limit whose order does not fit after all is dropped. Each surviving limit is one
 :class:`LimitedPlan`, ranked by the search like any other plan; its estimate records the
-limit (``inflight_limit``). Syntheses are cached by (schedule, shape, limit, cost
-model): plans that differ only in what the pipeline does not see (ZeRO 0 or 1, the data
+limit (``inflight_limit``). Costing a plan synthesises nothing: its limits are chosen
+from the policy's placement and the plan's memory
+(:func:`~pipedsl.simulator.estimate.prepare_unordered`), and only a limit the search
+finishes is synthesised. Syntheses are cached by (schedule, shape, limit, cost model): plans that differ only in what the pipeline does not see (ZeRO 0 or 1, the data
 parallel degree at one microbatch count) share one.
 """
 
