@@ -62,7 +62,6 @@ __all__ = [
     "Estimate",
     "Prepared",
     "prepare",
-    "prepare_unordered",
     "estimate",
     "assumptions",
     "check_divides",
@@ -377,12 +376,13 @@ def prepare(
     pipelines: Pipelines | None = None,
     fits_first: bool = False,
     stage_layers: Sequence[int] | None = None,
+    layout: Layout | None = None,
 ) -> Prepared:
     """Work out ``plan``'s costs and memory without simulating (see :class:`Prepared`).
 
-    ``pipelines`` caches evaluated schedules and simulations across calls.
-    ``stage_layers`` gives each of the pp × vpp stages its number of layers (default:
-    an even split).
+    ``pipelines`` caches evaluated schedules and simulations across calls. ``stage_layers`` gives
+    each of the pp × vpp stages its layers (default: an even split). With ``layout``, an order made
+    later (a policy synthesised per plan): no activations, ``lower_bound_s`` only the tails.
 
     Raises:
       PlanError: the plan does not divide the model or does not match its schedule.
@@ -402,11 +402,11 @@ def prepare(
         raise DoesNotFit(plan, average)
     if plan.pp > 1:
         pipelines = pipelines if pipelines is not None else Pipelines()
-    key, placement = _schedule_of(plan, pipelines)
+    key, placement = _schedule_of(plan, pipelines, layout)
     work = _stage_work(shapes, layers, params)
     device_params = _device_params(plan, placement, params)
     residual = _stage_residual(shapes, layers)
-    memory = device_memory(shapes, device_params, _peak_residual(key, pipelines, residual))
+    memory = device_memory(shapes, device_params, _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
     return Prepared(
@@ -418,43 +418,16 @@ def prepare(
         residual=residual,
         device_params=device_params,
         memory=memory,
-        lower_bound_s=_lower_bound(plan, cluster.action_overhead_s, work, key, pipelines) + sum(tails(shapes, work, placement, device_params)),
+        lower_bound_s=(0.0 if layout is not None else _lower_bound(plan, cluster.action_overhead_s, work, key, pipelines)) + sum(tails(shapes, work, placement, device_params)),
     )
 
 
-def prepare_unordered(
-    model: Model, cluster: Cluster, plan: Plan, layout: Layout, *, key: ScheduleKey, pipelines: Pipelines
-) -> Prepared:
-    """``plan`` prepared for a schedule of ``layout`` whose order is made later, per plan (a
-    policy schedule synthesised against the plan's own cost model): ``memory`` counts no
-    activations and ``lower_bound_s`` only the data-parallel tail and the optimizer step,
-    for the caller to bound by the order it will make. Raises PlanError as :func:`prepare`."""
-    check_divides(model, cluster, plan)
-    _check_schedule(plan, layout)
-    shapes = Shapes(model, cluster, plan)
-    layers = _stage_layers(model, plan.pp * plan.vpp, None)
-    params = _stage_params(model, plan, layers)
-    work = _stage_work(shapes, layers, params)
-    device_params = _device_params(plan, layout.placement, params)
-    return Prepared(
-        shapes=shapes,
-        key=key,
-        placement=layout.placement,
-        pipelines=pipelines,
-        work=work,
-        residual=_stage_residual(shapes, layers),
-        device_params=device_params,
-        memory=device_memory(shapes, device_params, (0,) * plan.pp),
-        lower_bound_s=sum(tails(shapes, work, layout.placement, device_params)),
-    )
-
-
-def _schedule_of(plan: Plan, pipelines: Pipelines | None) -> tuple[ScheduleKey | None, tuple[int, ...]]:
+def _schedule_of(plan: Plan, pipelines: Pipelines | None, layout: Layout | None) -> tuple[ScheduleKey | None, tuple[int, ...]]:
     """The plan's schedule key and stage-to-device placement; (None, (0,)) for SPMD."""
     if plan.pp == 1 or pipelines is None:
         return None, (0,)
     key = pipelines.key(plan)
-    schedule = pipelines.schedule(key)
+    schedule = pipelines.schedule(key) if layout is None else layout
     _check_schedule(plan, schedule)
     return key, schedule.placement
 

@@ -19,10 +19,11 @@ and its memory taken from the order itself (the exact peak of residual bytes hel
 limit whose order does not fit after all is dropped. Each surviving limit is one
 :class:`LimitedPlan`, ranked by the search like any other plan; its estimate records the
 limit (``inflight_limit``). Costing a plan synthesises nothing: its limits are chosen
-from the policy's placement and the plan's memory
-(:func:`~pipedsl.simulator.estimate.prepare_unordered`), and only a limit the search
-finishes is synthesised. Syntheses are cached by (schedule, shape, limit, cost model): plans that differ only in what the pipeline does not see (ZeRO 0 or 1, the data
-parallel degree at one microbatch count) share one.
+from the policy's placement and the plan's memory (:func:`~pipedsl.simulator.estimate.prepare`
+given the policy as its ``layout``), and only a limit the search finishes is synthesised.
+Syntheses are cached by (schedule, shape, limit, cost model): plans that differ only in
+what the pipeline does not see (ZeRO 0 or 1, the data parallel degree at one microbatch
+count) share one.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pipedsl.program import ProgramArrays, lower
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import step_timing
-from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare, prepare_unordered
+from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import device_memory, static_memory, transient_bytes
 from pipedsl.simulator.pipelines import Pipelines
@@ -152,7 +153,7 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if key.vpp else ()))
     default = _loaded(spec, params)
     # Each limit's order is synthesised when its plan is finished: none at the default cost model.
-    base = prepare_unordered(model, cluster, plan, default, key=key, pipelines=pipelines)
+    base = prepare(model, cluster, plan, pipelines=pipelines, layout=default)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
     costs = base.cost_model()

@@ -120,7 +120,7 @@ def test_a_planned_run_passes_the_limit_to_the_schedule() -> None:
 
 @pytest.mark.parametrize("schedule", ["zb_auto", "zbv_auto"])
 def test_policy_plans_are_costed_as_the_default_order_would_be_without_making_it(schedule: str) -> None:
-    # No order is synthesised while costing (prepare_unordered); what the limits and the
+    # No order is synthesised while costing (prepare with a layout); what the limits and the
     # synthesis later use is what preparing the default order gives.
     plan = dataclasses.replace(PLAN, schedule=schedule, vpp=2 if schedule == "zbv_auto" else 1)
     cluster = _cluster(8.0)
