@@ -45,10 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from pipedsl.ir import Schedule
 from pipedsl.simulator.assumptions import Assumption, assumptions
 from pipedsl.simulator.collectives import ring_all_reduce_seconds, ring_gather_seconds
-from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.costs import CostModel, Layout
 from pipedsl.simulator.data_parallel import tails, zero_per_microbatch
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.hardware import Cluster, Model
@@ -227,7 +226,7 @@ def _stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[fl
     return tuple(params)
 
 
-def _check_schedule(plan: Plan, schedule: Schedule) -> None:
+def _check_schedule(plan: Plan, schedule: Layout) -> None:
     if schedule.num_devices != plan.pp or schedule.num_stages != plan.pp * plan.vpp:
         per_device = schedule.num_stages // max(schedule.num_devices, 1)
         raise PlanError(
@@ -330,12 +329,13 @@ def prepare(
     pipelines: Pipelines | None = None,
     fits_first: bool = False,
     stage_layers: Sequence[int] | None = None,
+    layout: Layout | None = None,
 ) -> Prepared:
     """Work out ``plan``'s costs and memory without simulating (see :class:`Prepared`).
 
-    ``pipelines`` caches evaluated schedules and simulations across calls.
-    ``stage_layers`` gives each of the pp × vpp stages its number of layers (default:
-    an even split).
+    ``pipelines`` caches evaluated schedules and simulations across calls. ``stage_layers`` gives
+    each of the pp × vpp stages its layers (default: an even split). With ``layout``, an order made
+    later (a policy synthesised per plan): no activations, ``lower_bound_s`` only the tails.
 
     Raises:
       PlanError: the plan does not divide the model or does not match its schedule.
@@ -355,11 +355,11 @@ def prepare(
         raise DoesNotFit(plan, average)
     if plan.pp > 1:
         pipelines = pipelines if pipelines is not None else Pipelines()
-    key, placement = _schedule_of(plan, pipelines)
+    key, placement = _schedule_of(plan, pipelines, layout)
     work = _stage_work(shapes, layers, params)
     device_params = _device_params(plan, placement, params)
     residual = _stage_residual(shapes, layers)
-    memory = device_memory(shapes, device_params, _peak_residual(key, pipelines, residual))
+    memory = device_memory(shapes, device_params, _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
     return Prepared(
@@ -371,17 +371,18 @@ def prepare(
         residual=residual,
         device_params=device_params,
         memory=memory,
-        lower_bound_s=_lower_bound(plan, cluster.action_overhead_s, work, key, pipelines) * _sharing(cluster, plan)
+        lower_bound_s=(0.0 if layout is not None else _lower_bound(plan, cluster.action_overhead_s, work, key, pipelines))
+        * _sharing(cluster, plan)
         + sum(tails(shapes, work, placement, device_params)),
     )
 
 
-def _schedule_of(plan: Plan, pipelines: Pipelines | None) -> tuple[ScheduleKey | None, tuple[int, ...]]:
+def _schedule_of(plan: Plan, pipelines: Pipelines | None, layout: Layout | None) -> tuple[ScheduleKey | None, tuple[int, ...]]:
     """The plan's schedule key and stage-to-device placement; (None, (0,)) for SPMD."""
     if plan.pp == 1 or pipelines is None:
         return None, (0,)
     key = pipelines.key(plan)
-    schedule = pipelines.schedule(key)
+    schedule = pipelines.schedule(key) if layout is None else layout
     _check_schedule(plan, schedule)
     return key, schedule.placement
 

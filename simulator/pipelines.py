@@ -22,6 +22,8 @@ from pipedsl import library
 from pipedsl.analysis import chain_lower_bound, peak_held
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
+from pipedsl.lang.ast import PolicyBlock
+from pipedsl.policy import Policy
 from pipedsl.program import Program, ProgramArrays, lower
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate, step_timing
@@ -37,6 +39,12 @@ def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedul
 
     Each file is parsed once per version (:mod:`pipedsl.library`); evaluation runs every call.
     """
+    loaded = _load_source(spec, pp=pp, vpp=vpp, microbatches=microbatches)
+    return loaded if isinstance(loaded, Schedule) else synthesize(loaded, CostModel())
+
+
+def _load_source(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule | Policy:
+    """``spec`` evaluated as :func:`load_pipeline` does, a policy left unsynthesised."""
     path = library.resolve(spec)
     names = library.parameters(path)
     for needed in ("pp", "microbatches"):
@@ -47,8 +55,16 @@ def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedul
     params = {"pp": pp, "microbatches": microbatches}
     if "vpp" in names:
         params["vpp"] = vpp
-    loaded = library.load(path, **params)
-    return loaded if isinstance(loaded, Schedule) else synthesize(loaded, CostModel())
+    return library.load(path, **params)
+
+
+def _is_policy(spec: str) -> bool:
+    """Whether ``spec`` is a ``.sched`` file that states a policy (a ``policy`` block)
+    rather than an order; False where it cannot be parsed (evaluating it reports why)."""
+    try:
+        return any(isinstance(item, PolicyBlock) for item in library.parsed(spec).schedule.items)
+    except PipedslError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +130,32 @@ class Pipelines:
         self._shapes: dict[ScheduleKey, _Shape] = {}
         self._errors: dict[ScheduleKey, PipedslError] = {}
         self._timings: dict[tuple[ScheduleKey, CostModel], Timing] = {}
-        self._takes_vpp: dict[str, bool] = {}
+        self._parameters: dict[str, tuple[str, ...]] = {}
+        self._layouts: dict[ScheduleKey, _Layout] = {}
+        self._policy: dict[str, bool] = {}
 
     def key(self, plan: Plan) -> ScheduleKey:
         """The schedule ``plan`` runs (a pipeline plan: ``plan.schedule`` is set)."""
         spec = plan.schedule
         if spec is None:
             raise PlanError(f"{plan.label} is an SPMD plan and runs no schedule")
-        takes_vpp = self._takes_vpp.get(spec)
-        if takes_vpp is None:
-            takes_vpp = self._takes_vpp[spec] = "vpp" in library.parameters(spec)
-        return ScheduleKey(spec, plan.pp, plan.vpp if takes_vpp else 0, plan.microbatches)
+        return ScheduleKey(spec, plan.pp, plan.vpp if "vpp" in self.parameters(spec) else 0, plan.microbatches)
+
+    def parameters(self, spec: str) -> tuple[str, ...]:
+        """The parameters schedule ``spec`` takes (:func:`pipedsl.library.parameters`),
+        read once per instance: a search asks again for every plan."""
+        found = self._parameters.get(spec)
+        if found is None:
+            found = self._parameters[spec] = tuple(library.parameters(spec))
+        return found
+
+    def is_policy(self, spec: str) -> bool:
+        """Whether ``spec`` is a ``.sched`` file that states a policy rather than an
+        order, read once per instance."""
+        found = self._policy.get(spec)
+        if found is None:
+            found = self._policy[spec] = _is_policy(spec)
+        return found
 
     def _evaluate(self, key: ScheduleKey) -> Schedule:
         error = self._errors.get(key)
@@ -142,6 +173,28 @@ class Pipelines:
         if self._max is not None and len(self._schedules) > self._max:
             self._schedules.popitem(last=False)
         return schedule
+
+    def layout(self, key: ScheduleKey) -> _Layout:
+        """Where the stages of ``key``'s schedule sit; for a policy schedule, the policy's
+        own placement, without synthesising an order. Raises what evaluation raised."""
+        shape = self._shapes.get(key)
+        if shape is not None:
+            return shape.layout
+        found = self._layouts.get(key)
+        if found is not None:
+            return found
+        if not self.is_policy(key.spec):
+            return self._shape(key).layout
+        error = self._errors.get(key)
+        if error is not None:
+            raise error
+        try:
+            loaded = _load_source(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
+        except PipedslError as err:
+            self._errors[key] = err
+            raise
+        found = self._layouts[key] = _Layout(loaded.num_stages, loaded.num_devices, loaded.placement)
+        return found
 
     def schedule(self, key: ScheduleKey) -> Schedule:
         """The schedule evaluated for ``key`` (validated); raises what evaluation or

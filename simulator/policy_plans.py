@@ -18,9 +18,12 @@ links' transfer times, :meth:`~pipedsl.simulator.estimate.Prepared.cost_model`),
 and its memory taken from the order itself (the exact peak of residual bytes held), so a
 limit whose order does not fit after all is dropped. Each surviving limit is one
 :class:`LimitedPlan`, ranked by the search like any other plan; its estimate records the
-limit (``inflight_limit``). Syntheses are cached by (schedule, shape, limit, cost
-model): plans that differ only in what the pipeline does not see (ZeRO 0 or 1, the data
-parallel degree at one microbatch count) share one.
+limit (``inflight_limit``). Costing a plan synthesises nothing: its limits are chosen
+from the policy's placement and the plan's memory (:func:`~pipedsl.simulator.estimate.prepare`
+given the policy as its ``layout``), and only a limit the search finishes is synthesised.
+Syntheses are cached by (schedule, shape, limit, cost model): plans that differ only in
+what the pipeline does not see (ZeRO 0 or 1, the data parallel degree at one microbatch
+count) share one.
 """
 
 from __future__ import annotations
@@ -142,12 +145,15 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     Raises what :func:`~pipedsl.simulator.estimate.prepare` raises; DoesNotFit when no
     limit's order fits.
     """
-    if not takes_limit(plan.schedule):
+    spec = plan.schedule
+    # As takes_limit, from what the shared Pipelines has read once.
+    if spec is None or LIMIT not in pipelines.parameters(spec) or not pipelines.is_policy(spec):
         return [prepare(model, cluster, plan, pipelines=pipelines, fits_first=True)]
-    base = prepare(model, cluster, plan, pipelines=pipelines)
-    assert base.key is not None and plan.schedule is not None
-    params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if base.key.vpp else ()))
-    default = _loaded(plan.schedule, params)
+    key = pipelines.key(plan)
+    params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if key.vpp else ()))
+    default = _loaded(spec, params)
+    # Each limit's order is synthesised when its plan is finished: none at the default cost model.
+    base = prepare(model, cluster, plan, pipelines=pipelines, layout=default)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
     costs = base.cost_model()
@@ -167,7 +173,7 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
                 )
             )
     if not found:
-        raise DoesNotFit(plan, base.memory)
+        raise DoesNotFit(plan, device_memory(base.shapes, base.device_params, _held_at_most(base, least)))
     return found
 
 

@@ -219,8 +219,9 @@ def _with_schedule_vpp(plan: Plan, pipelines: Pipelines) -> Plan:
     key = pipelines.key(plan)
     if key.vpp:
         return plan
-    schedule = pipelines.schedule(key)
-    vpp = schedule.num_stages // schedule.num_devices
+    # The layout alone: a policy schedule's order is not synthesised for this.
+    layout = pipelines.layout(key)
+    vpp = layout.num_stages // layout.num_devices
     return plan if vpp == plan.vpp else replace(plan, vpp=vpp)
 
 

@@ -48,6 +48,10 @@ __all__ = ["SynthesisError", "Variant", "synthesize", "variants"]
 _INF = float("inf")
 _F, _BWD, _W = 0, 1, 2  # kind codes; _BWD is I when split, B otherwise
 _AHEAD = ("1f1b", "eager", "limits")
+_ROUNDING = 1e-9
+"""A relative margin far above the rounding of a pass's running sums of seconds (about
+the actions per device times 2**-53), so that stopping a pass early is never a rounding
+step wrong."""
 
 
 class SynthesisError(PipedslError):
@@ -126,11 +130,12 @@ def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[V
     failure: SynthesisError | None = None
     for variant in tries if tries is not None else variants(policy):
         try:
-            found = _run(plan, variant)
+            # A pass that cannot beat the best so far stops early (see _run's ``beat``).
+            found = _run(plan, variant, beat=_INF if best is None else best[0])
         except SynthesisError as err:
             failure = failure or err
             continue
-        if best is None or found[0] < best[0]:
+        if found is not None and (best is None or found[0] < best[0]):
             best = found
     if best is None:
         assert failure is not None
@@ -299,8 +304,15 @@ class _Rules:
 
 
 # Over 60 lines: the list scheduler's hot loop keeps its state in local names (see the docstring).
-def _run(plan: _Plan, variant: Variant) -> tuple[float, Order]:
-    """One pass of the list scheduler: the makespan (seconds) and the per-device orders.
+def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, Order] | None:
+    """One pass of the list scheduler: the makespan (seconds) and the per-device orders;
+    None once the pass provably cannot finish in under ``beat`` seconds.
+
+    That proof: a device's remaining actions start no earlier than it is next free and do
+    not overlap, so the makespan is at least its clock plus its remaining work. The pass
+    stops when that exceeds ``beat`` by more than the rounding of the running sums
+    (:data:`_ROUNDING`), so a pass that stops would have lost to ``beat`` (strictly
+    slower), and :func:`synthesize` keeps the same order as with every pass finished.
 
     The hot loop stays one function on purpose: it runs once per action and per wait, and
     keeping all its state in local names is what makes a pass cheap enough to try several
@@ -325,6 +337,9 @@ def _run(plan: _Plan, variant: Variant) -> tuple[float, Order]:
     makespan = 0.0
     remaining = S * M * (3 if split else 2)
     pop, push = heapq.heappop, heapq.heappush
+    # Per device, the seconds of work it has still to run, and the bound a pass must stay under.
+    work = [M * sum(cost_f[s] + cost_b[s] + (cost_w[s] if split else 0.0) for s in stages[d]) for d in range(D)]
+    stop = beat * (1.0 + _ROUNDING)
 
     while heap:
         t, nd, ver = pop(heap)
@@ -402,6 +417,7 @@ def _run(plan: _Plan, variant: Variant) -> tuple[float, Order]:
             m = nf[s]
             nf[s] = m + 1
             end = t + cost_f[s]
+            work[d] -= cost_f[s]
             if entry[s]:
                 reserved[d] += later[s]
                 reserved_bytes[d] += later_bytes[s]
@@ -423,6 +439,7 @@ def _run(plan: _Plan, variant: Variant) -> tuple[float, Order]:
             m = nb[s]
             nb[s] = m + 1
             end = t + cost_b[s]
+            work[d] -= cost_b[s]
             ahead_now[d] -= 1
             if split:
                 wq[d].append((s, m))
@@ -441,6 +458,9 @@ def _run(plan: _Plan, variant: Variant) -> tuple[float, Order]:
             live[d] -= 1
             held[d] -= wres[s]
             clock[d] = end
+            work[d] -= cost_w[s]
+        if clock[d] + work[d] > stop:
+            return None
         orders[d].append((kind, s, m))
         remaining -= 1
         if end > makespan:

@@ -116,3 +116,18 @@ def test_a_planned_run_passes_the_limit_to_the_schedule() -> None:
     assert planned.params() == {"pp": 4, "microbatches": 16, "max_inflight": 6}
     assert "-p max_inflight=6" in planned.command()
     assert "max_inflight" not in PlannedRun.from_row({**row, "microbatches": 16, "zero": 0}).params()
+
+
+@pytest.mark.parametrize("schedule", ["zb_auto", "zbv_auto"])
+def test_policy_plans_are_costed_as_the_default_order_would_be_without_making_it(schedule: str) -> None:
+    # No order is synthesised while costing (prepare with a layout); what the limits and the
+    # synthesis later use is what preparing the default order gives.
+    plan = dataclasses.replace(PLAN, schedule=schedule, vpp=2 if schedule == "zbv_auto" else 1)
+    cluster = _cluster(8.0)
+    pipelines = Pipelines(keep_simulations=False)
+    found = prepare_plan(MODEL, cluster, plan, pipelines=pipelines)
+    assert pipelines.layout(pipelines.key(plan)).placement == found[0].placement
+    ordered = prepare(MODEL, cluster, plan, pipelines=Pipelines(keep_simulations=False))
+    for name in ("key", "placement", "work", "residual", "device_params"):
+        assert getattr(found[0], name) == getattr(ordered, name), name
+    assert all(p.lower_bound_s > 0 for p in found)

@@ -13,7 +13,7 @@ from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import load
 from pipedsl.policy import UNSATISFIABLE, Policy
 from pipedsl.simulator import CostModel, simulate
-from pipedsl.simulator.synthesize import Variant, synthesize, variants
+from pipedsl.simulator.synthesize import SynthesisError, Variant, synthesize, variants
 
 
 def chain(pp: int, m: int, limit: int | tuple[int, ...] | None = None, **options: object) -> Policy:
@@ -171,3 +171,19 @@ def test_synthesis_validates_keeps_its_limits_and_beats_1f1b(problem: tuple[Poli
     assert all(peak <= limit for peak, limit in zip(baseline.validate().peak_inflight, policy.max_inflight or ()))
     ours = simulate(schedule, costs).makespan
     assert ours <= simulate(baseline, costs).makespan + 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems())
+def test_passes_stopped_early_never_change_the_order_kept(problem: tuple[Policy, CostModel, Schedule]) -> None:
+    # Each variant alone runs to its end; together, a pass that cannot beat the best so far
+    # stops early. The order kept must be the first of the fastest either way.
+    policy, costs, _ = problem
+    alone: list[Schedule | None] = []
+    for variant in variants(policy):
+        try:
+            alone.append(synthesize(policy, costs, tries=(variant,)))
+        except SynthesisError:  # this variant deadlocks under the limits
+            alone.append(None)
+    spans = [float("inf") if s is None else simulate(s, costs).makespan for s in alone]
+    assert synthesize(policy, costs) == alone[spans.index(min(spans))]
