@@ -101,7 +101,9 @@ class Links:
         self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
         self.address: str = self.server.address()
         self.announced: dict[Channel, Layout | None] = {}
-        self.learned: dict[Channel, tuple[jax.ShapeDtypeStruct, ...] | None] = {}
+        # Per channel: the step whose delivery taught it, and what to pull (None: its
+        # values cannot go by transfer).
+        self.learned: dict[Channel, tuple[int, tuple[jax.ShapeDtypeStruct, ...] | None]] = {}
         self._peers: tuple[str, ...] = ()
         self._connections: dict[int, Any] = {}
         self._lock = threading.Lock()

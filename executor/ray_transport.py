@@ -92,7 +92,9 @@ class Mailbox:
     A step's values wait here until its receives take them; entries of earlier steps are
     dropped when a step begins (late deliveries of an aborted step). Keys are ``(step,
     source device, key)``. A layout is learned from any delivery that carries one, of
-    whatever step: the sender sends a channel's later values by transfer either way.
+    whatever step, with that step: the sender sends a channel's later values by transfer
+    either way, but only a channel learned in an earlier step has all of a step's values
+    come by transfer.
     """
 
     def __init__(self, learned: dict[Channel, Any]) -> None:
@@ -111,7 +113,7 @@ class Mailbox:
     def put(self, step: int, src: int, key: Hashable, value: Any, *, learn: tuple[Channel, Any] | None = None) -> None:
         with self._cond:
             if learn is not None:
-                self._learned[learn[0]] = learn[1]
+                self._learned[learn[0]] = (step, learn[1])
             if step >= self._step:
                 self._mail[(step, src, key)] = value
             self._cond.notify_all()
@@ -128,15 +130,20 @@ class Mailbox:
         slot = (step, src, key)
         learned = self._learned
 
+        def by_transfer() -> tuple[jax.ShapeDtypeStruct, ...] | None:
+            found = learned.get(channel) if channel is not None else None
+            return None if found is None else found[1]
+
         def ready() -> bool:
-            return slot in self._mail or step in self._failed or learned.get(channel) is not None  # type: ignore[arg-type]
+            return slot in self._mail or step in self._failed or by_transfer() is not None
 
         with self._cond:
             arrived = self._cond.wait_for(ready, timeout=timeout)
             if slot in self._mail:
                 return self._mail.pop(slot)
-            if channel is not None and learned.get(channel) is not None:
-                return _Pull(learned[channel])
+            wanted = by_transfer()
+            if wanted is not None:
+                return _Pull(wanted)
             if not arrived:
                 raise _never_sent(me, key, src, timeout)
             raise _stopped(me, key, src, self._failed[step])
@@ -257,16 +264,18 @@ class RayTransport:
         self._error: ExecutionError | None = None
         self._lock = threading.Lock()
         self._offered: set[tuple[Hashable, int]] = set()  # (key, receiver), sent by either path
-        # The receives that come by transfer this step: those whose channel's layout is
-        # known now (a channel learned during the step is pulled at its receive).
+        # The receives that come by transfer this step: those whose channel's layout was
+        # learned in an earlier step, so that the sender sends every value of this step
+        # by transfer. A channel learned in this step (its first value may have arrived
+        # before this step began here) is looked up in the mailbox at each receive.
         self._ahead: list[tuple[Buffer, int, tuple[jax.ShapeDtypeStruct, ...]]] = []
         if not recording:
             for key, src in expected:
                 channel = channel_of(*pipeline, src, device, key)
                 known = links.learned.get(channel) if channel is not None else None
-                if known is not None:
+                if known is not None and known[0] < step and known[1] is not None:
                     assert isinstance(key, Buffer)  # only program buffers have channels
-                    self._ahead.append((key, src, known))
+                    self._ahead.append((key, src, known[1]))
         self._next = 0  # the first of _ahead not pulled yet
         self._pulled: dict[tuple[Hashable, int], tuple[Any, ...] | None] = {
             (key, src): None for key, src, _ in self._ahead

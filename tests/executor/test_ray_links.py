@@ -114,7 +114,7 @@ def _receiver(links: tuple[Links, Links], key: Buffer, *, step: int, timeout: fl
     _, there = _meshes()
     channel = channel_of(0, 0, 0, 1, key)
     assert channel is not None
-    receiver.learned[channel] = structs((((4,), "float32", PartitionSpec()),), there)
+    receiver.learned[channel] = (step - 1, structs((((4,), "float32", PartitionSpec()),), there))
     mailbox = Mailbox(receiver.learned)
     mailbox.begin(step)
     transport = RayTransport(
@@ -151,3 +151,26 @@ def test_a_failure_elsewhere_ends_a_pull_at_once(links: tuple[Links, Links]) -> 
     with pytest.raises(PeerFailed, match="device 1 stopped waiting for .* from device 0: device 0 failed"):
         transport.recv(key, 0, timeout=60)
     assert time.monotonic() - start < 5
+
+
+def test_a_first_value_that_arrives_before_its_step_begins_is_taken_from_the_mailbox(
+    links: tuple[Links, Links],
+) -> None:
+    # The sender began step 5 first: the channel's first value, which carries its layout,
+    # is in this device's mailbox before this device's step 5 begins. The channel is known
+    # then, yet this step's first value did not come by transfer.
+    _, receiver = links
+    _, there = _meshes()
+    key = Buffer(BufferKind.ACTIVATION, 0, 0)
+    channel = channel_of(7, 0, 0, 1, key)
+    value = (jax.device_put(jnp.arange(4.0), NamedSharding(there, PartitionSpec())),)
+    layout = layout_of(value)
+    assert channel is not None and layout is not None
+    mailbox = Mailbox(receiver.learned)
+    mailbox.put(5, 0, key, value, learn=(channel, structs(layout, there)))
+    transport = RayTransport(
+        1, 5, mailbox, (), receiver, mesh=there, pipeline=(7, 0), planned=(), expected=((key, 0),), recording=False, timeout=2
+    )
+    mailbox.begin(5)
+    got = transport.recv(key, 0, timeout=2)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.arange(4.0))
