@@ -58,11 +58,18 @@ def _load_source(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule
     return library.load(path, **params)
 
 
-def _is_policy(spec: str) -> bool:
+def states_policy(spec: str) -> bool:
     """Whether ``spec`` is a ``.sched`` file that states a policy (a ``policy`` block)
-    rather than an order; False where it cannot be parsed (evaluating it reports why)."""
+    rather than an order; raises what parsing it raises. ``library.parsed`` caches per
+    version of the file, so an edited file is seen."""
+    return any(isinstance(item, PolicyBlock) for item in library.parsed(spec).schedule.items)
+
+
+def _is_policy(spec: str) -> bool:
+    """:func:`states_policy`, False where ``spec`` cannot be parsed (evaluating it
+    reports why)."""
     try:
-        return any(isinstance(item, PolicyBlock) for item in library.parsed(spec).schedule.items)
+        return states_policy(spec)
     except PipedslError:
         return False
 

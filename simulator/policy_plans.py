@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 
 from pipedsl import library
 from pipedsl.analysis import peak_held
-from pipedsl.lang.ast import PolicyBlock
 from pipedsl.policy import Policy
 from pipedsl.program import ProgramArrays, lower
 from pipedsl.simulator.costs import CostModel
@@ -42,7 +41,7 @@ from pipedsl.simulator.engine import step_timing
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import device_memory, static_memory, transient_bytes
-from pipedsl.simulator.pipelines import Pipelines
+from pipedsl.simulator.pipelines import Pipelines, states_policy
 from pipedsl.simulator.plan import Plan
 from pipedsl.simulator.synthesize import synthesize
 
@@ -62,12 +61,7 @@ _policies: OrderedDict[tuple[str, tuple[tuple[str, int], ...]], Policy] = Ordere
 def takes_limit(spec: str | None) -> bool:
     """Whether ``spec`` is a policy schedule (a ``policy`` block) with a ``max_inflight``
     parameter, which :func:`prepare_plan` tries at the limits memory allows."""
-    if spec is None:
-        return False
-    # library.parsed caches per version of the file, so an edited file is seen.
-    return LIMIT in library.parameters(spec) and any(
-        isinstance(item, PolicyBlock) for item in library.parsed(spec).schedule.items
-    )
+    return spec is not None and LIMIT in library.parameters(spec) and states_policy(spec)
 
 
 def _loaded(spec: str, params: tuple[tuple[str, int], ...]) -> Policy:
