@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError, PeerFailed, stage_failure
 from pipedsl.executor.ray_links import Channel, Layout, Links, channel_of, layout_of, structs, transfer_id
+from pipedsl.executor.transport import describe_key, never_sent, stopped_waiting
 from pipedsl.program import Buffer
 
 __all__ = ["Mailbox", "RayTransport", "to_wire", "from_wire"]
@@ -145,8 +146,8 @@ class Mailbox:
             if wanted is not None:
                 return _Pull(wanted)
             if not arrived:
-                raise _never_sent(me, key, src, timeout)
-            raise _stopped(me, key, src, self._failed[step])
+                raise never_sent(me, key, src, timeout)
+            raise stopped_waiting(me, key, src, self._failed[step])
 
     def failure(self, step: int) -> str | None:
         """Why ``step`` failed elsewhere, or None while it has not."""
@@ -159,28 +160,6 @@ class _Pull:
     """A receive that is to pull arrays of these shapes and shardings."""
 
     structs: tuple[jax.ShapeDtypeStruct, ...]
-
-
-def _never_sent(me: int, key: Hashable, src: int, timeout: float) -> ExecutionError:
-    return ExecutionError(
-        f"device {me} waited {timeout:g} s for {_describe(key)} from device {src}, which never sent "
-        "it; raise recv_timeout if stages really take that long",
-        device=me,
-    )
-
-
-def _stopped(me: int, key: Hashable, src: int, why: str) -> PeerFailed:
-    return PeerFailed(f"device {me} stopped waiting for {_describe(key)} from device {src}: {why}", device=me)
-
-
-def _describe(key: Hashable) -> str:
-    if isinstance(key, tuple) and key and key[0] == "grad":
-        return f"the gradient of leaf {key[2]} from stage {key[1]}"
-    if isinstance(key, tuple) and key and key[0] == "param":
-        return f"the updated leaf {key[2]}"
-    if key == ("done",):
-        return "the end of its program"
-    return str(key)
 
 
 class RayTransport:
@@ -371,16 +350,16 @@ class RayTransport:
                 continue
             why = self._mailbox.failure(self.step)
             if why is not None:
-                raise _stopped(self.device, key, src, why)
+                raise stopped_waiting(self.device, key, src, why)
             if time.monotonic() > deadline:
-                raise _never_sent(self.device, key, src, timeout)
+                raise never_sent(self.device, key, src, timeout)
             time.sleep(pause)
             pause = min(2 * pause, _LAST_PAUSE)
         try:
             return jax.block_until_ready(arrays)
         except Exception as err:  # the peer offered an error, or its server went away
             raise PeerFailed(
-                f"device {self.device} could not receive {_describe(key)} from device {src}: {_first_line(err)}",
+                f"device {self.device} could not receive {describe_key(key)} from device {src}: {_first_line(err)}",
                 device=self.device,
             ) from err
 

@@ -7,7 +7,15 @@ one from another device (always with a timeout), and tell every peer that this d
 failed so that none of them waits in vain. A backend supplies the implementation; this
 module holds the one for the local backend, where every pipeline device is a mesh of
 JAX devices of the same process and a transfer is a copy to the receiver's mesh that
-keeps each array's sharding (spec).
+keeps each array's sharding (spec), and the errors every backend's receives share.
+
+Between two CPU devices of one process a program buffer that is already computed when
+it is received goes through host memory instead: the receiver takes the sender's arrays
+as host arrays (views, no copy), and the stage program that reads them copies them in as
+it is dispatched. A ``jax.device_put`` from one CPU device to another costs a hundred
+microseconds or more of host time whatever the size (jaxlib 0.10, a 64-byte array: 70 to
+280 µs here), a jitted call's host arguments about ten. A value still being computed is
+copied by ``jax.device_put`` as before, which waits for it on the devices, not here.
 """
 
 from __future__ import annotations
@@ -18,11 +26,21 @@ from functools import partial
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError, PeerFailed
+from pipedsl.program import Buffer
 
-__all__ = ["Transport", "LocalExchange", "LocalTransport", "resharder"]
+__all__ = [
+    "Transport",
+    "LocalExchange",
+    "LocalTransport",
+    "resharder",
+    "describe_key",
+    "never_sent",
+    "stopped_waiting",
+]
 
 
 class Transport(Protocol):
@@ -50,17 +68,20 @@ class Transport(Protocol):
         ...
 
 
-def resharder(mesh: Mesh) -> Any:
-    """A function that puts a pytree of arrays on ``mesh``, each leaf with the spec it
-    has now (a ``NamedSharding``'s spec; anything else is replicated). When every leaf is
-    already there (pipeline devices that share their JAX devices) nothing is copied or
-    dispatched."""
+def resharder(mesh: Mesh) -> Callable[..., Any]:
+    """A function ``move(value, *, handoff=False)`` that puts a pytree of arrays on
+    ``mesh``, each leaf with the spec it has now (a ``NamedSharding``'s spec; anything
+    else is replicated). When every leaf is already there (pipeline devices that share
+    their JAX devices) nothing is copied or dispatched. With ``handoff``, a value that
+    goes from another CPU device to a one-CPU-device mesh is wrapped for the receiver to
+    take through host memory, or copy, when it receives it (module docstring)."""
     # The target of each source sharding, and the mover of each (tree, shardings), worked
     # out once: a step sends the same few structures over and over.
     targets: dict[Any, NamedSharding] = {}
     movers: dict[Any, Any] = {}
     devices = set(mesh.devices.flat)
     replicated = NamedSharding(mesh, PartitionSpec())
+    by_host = mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
 
     def target(sharding: Any) -> NamedSharding:
         found = targets.get(sharding)
@@ -74,10 +95,10 @@ def resharder(mesh: Mesh) -> Any:
             targets[sharding] = found
         return found
 
-    def move(value: Any) -> Any:
+    def move(value: Any, *, handoff: bool = False) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(value)
         sources = tuple(getattr(v, "sharding", None) for v in leaves)
-        key = (treedef, sources)
+        key = (treedef, sources, handoff)
         mover: Any = movers.get(key)
         if mover is None:
             goals = tuple(target(s) for s in sources)
@@ -88,9 +109,13 @@ def resharder(mesh: Mesh) -> Any:
                 # copied several times faster, but crashed the process (a segfault
                 # inside XLA) when one device thread ran it while another compiled.
                 mover = partial(_put, goals=goals)
+                if handoff and by_host and all(_on_one_cpu(s) for s in sources):
+                    mover = _ByHost(mover)
             movers[key] = mover
         if mover is _UNCHANGED:
             return value
+        if isinstance(mover, _ByHost):
+            return _Handoff(leaves, treedef, mover.put)
         return jax.tree_util.tree_unflatten(treedef, mover(tuple(leaves)))
 
     return move
@@ -99,8 +124,71 @@ def resharder(mesh: Mesh) -> Any:
 _UNCHANGED = object()  # the mover of values already where they go
 
 
+def _on_one_cpu(sharding: Any) -> bool:
+    return sharding is not None and len(sharding.device_set) == 1 and next(iter(sharding.device_set)).platform == "cpu"
+
+
+class _ByHost:
+    """The mover of values the receiver may take through host memory; ``put`` copies."""
+
+    __slots__ = ("put",)
+
+    def __init__(self, put: Callable[[tuple[Any, ...]], Any]) -> None:
+        self.put = put
+
+
+class _Handoff:
+    """A sent value on another CPU device, in the receiver's mailbox."""
+
+    __slots__ = ("leaves", "treedef", "put")
+
+    def __init__(self, leaves: list[Any], treedef: Any, put: Callable[[tuple[Any, ...]], Any]) -> None:
+        self.leaves = leaves
+        self.treedef = treedef
+        self.put = put
+
+    def ready(self) -> bool:
+        """Whether every array has been computed (or has failed)."""
+        return all(x.is_ready() for x in self.leaves)
+
+    def take(self) -> Any:
+        """The value for the receiver: host arrays if computed, else a copy to its device."""
+        if self.ready():
+            try:
+                return jax.tree_util.tree_unflatten(self.treedef, [np.asarray(x) for x in self.leaves])
+            except Exception:  # noqa: S110  # a failed computation: copied, its error is read where it is used
+                pass
+        return jax.tree_util.tree_unflatten(self.treedef, self.put(tuple(self.leaves)))
+
+
 def _put(leaves: tuple[Any, ...], *, goals: tuple[NamedSharding, ...]) -> Any:
     return jax.device_put(list(leaves), list(goals))
+
+
+def describe_key(key: Hashable) -> str:
+    """A transport key in words: a program buffer as the lowered program writes it, the
+    worker's own keys for what they carry."""
+    if isinstance(key, tuple) and key and key[0] == "grad":
+        return f"the gradient of leaf {key[2]} from stage {key[1]}"
+    if isinstance(key, tuple) and key and key[0] == "param":
+        return f"the updated leaf {key[2]}"
+    if isinstance(key, tuple) and key and key[0] == "done":
+        return "the end of its program"
+    return str(key)
+
+
+def never_sent(me: int, key: Hashable, src: int, timeout: float) -> ExecutionError:
+    """The error of a receive that waited its whole timeout."""
+    return ExecutionError(
+        f"device {me} waited {timeout:g} s for {describe_key(key)} from device {src}, which never sent "
+        "it; raise recv_timeout if stages really take that long",
+        device=me,
+    )
+
+
+def stopped_waiting(me: int, key: Hashable, src: int, why: str) -> PeerFailed:
+    """The error of a receive ended by a failure elsewhere (``why``)."""
+    return PeerFailed(f"device {me} stopped waiting for {describe_key(key)} from device {src}: {why}", device=me)
 
 
 class LocalExchange:
@@ -112,7 +200,7 @@ class LocalExchange:
     that reads the value waits for it.
     """
 
-    def __init__(self, movers: Sequence[Callable[[Any], Any]]) -> None:
+    def __init__(self, movers: Sequence[Callable[..., Any]]) -> None:
         self.movers = tuple(movers)
         self._lock = threading.Condition()
         self._mail: dict[tuple[Hashable, int], Any] = {}
@@ -135,17 +223,9 @@ class LocalExchange:
             arrived = self._lock.wait_for(lambda: key in self._mail or self._failed is not None, timeout=timeout)
             if key in self._mail:
                 return self._mail.pop(key)
-            what = key[0]
             if not arrived:
-                raise ExecutionError(
-                    f"device {me} waited {timeout:g} s for {what} from device {src}, which never "
-                    "sent it; raise recv_timeout if stages really take that long",
-                    device=me,
-                )
-            raise PeerFailed(
-                f"device {me} stopped waiting for {what} from device {src}: device {self._failed} failed",
-                device=me,
-            )
+                raise never_sent(me, key[0], src, timeout)
+            raise stopped_waiting(me, key[0], src, f"device {self._failed} failed")
 
     def _abort(self, device: int) -> None:
         with self._lock:
@@ -167,13 +247,17 @@ class LocalTransport:
         self._device = device
 
     def send(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
-        moved = self._exchange.movers[dst](value)
+        # Only program buffers may go through the host: the stage programs that read them
+        # take host arrays; parameters and gradients are kept on devices.
+        moved = self._exchange.movers[dst](value, handoff=isinstance(key, Buffer))
         if wait:
+            moved = moved.take() if isinstance(moved, _Handoff) else moved
             jax.block_until_ready(moved)
         self._exchange._put((key, dst), moved)
 
     def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
-        return self._exchange._take((key, self._device), self._device, src, timeout)
+        value = self._exchange._take((key, self._device), self._device, src, timeout)
+        return value.take() if isinstance(value, _Handoff) else value
 
     def abort(self, error: BaseException) -> None:
         # The error itself reaches the caller through the failing device's thread.

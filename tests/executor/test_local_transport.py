@@ -1,0 +1,84 @@
+"""The local backend's transport between pipeline devices of this process."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pipedsl.executor import ExecutionError
+from pipedsl.executor.transport import LocalExchange, resharder
+from pipedsl.program import Buffer, BufferKind
+
+ACT = Buffer(BufferKind.ACTIVATION, 0, 0)
+
+
+def _meshes(shape: tuple[int, int] = (1, 1)) -> list[Mesh]:
+    size = shape[0] * shape[1]
+    devices = jax.devices()
+    return [Mesh(np.array(devices[d * size : (d + 1) * size]).reshape(shape), ("data", "tensor")) for d in range(2)]
+
+
+def _exchange(meshes: list[Mesh]) -> LocalExchange:
+    return LocalExchange([resharder(m) for m in meshes])
+
+
+def _on(x: jax.Array, mesh: Mesh, spec: PartitionSpec = PartitionSpec()) -> jax.Array:
+    return jax.block_until_ready(jax.device_put(x, NamedSharding(mesh, spec)))
+
+
+def test_a_computed_buffer_between_cpu_devices_comes_through_host_memory() -> None:
+    meshes = _meshes()
+    exchange = _exchange(meshes)
+    x = _on(jnp.arange(6.0).reshape(2, 3), meshes[0])
+    exchange.endpoint(0).send(ACT, (x,), 1, stage=0)
+    (got,) = exchange.endpoint(1).recv(ACT, 0, timeout=5.0)
+    # A host array (a view of the sender's buffer), which the receiver's stage program
+    # copies in as it is dispatched.
+    assert isinstance(got, np.ndarray)
+    np.testing.assert_array_equal(got, np.arange(6.0).reshape(2, 3))
+    consume = jax.jit(lambda v: v * 2.0, in_shardings=NamedSharding(meshes[1], PartitionSpec()))
+    out = consume(got)
+    assert out.devices() == set(meshes[1].devices.flat)
+    np.testing.assert_array_equal(out, 2.0 * np.arange(6.0).reshape(2, 3))
+
+
+def test_a_buffer_still_being_computed_is_copied_to_the_receiver() -> None:
+    meshes = _meshes()
+    exchange = _exchange(meshes)
+    a = _on(jnp.eye(1024) * 0.5, meshes[0])
+    # Several large products: the dispatch returns long before the result is computed.
+    y = jax.jit(lambda m: m @ m @ m @ m @ m)(a)
+    assert not y.is_ready()
+    exchange.endpoint(0).send(ACT, (y,), 1, stage=0)
+    (got,) = exchange.endpoint(1).recv(ACT, 0, timeout=5.0)
+    assert isinstance(got, jax.Array) and got.devices() == set(meshes[1].devices.flat)
+    np.testing.assert_allclose(got[:2, :2], np.eye(2) / 32)
+
+
+def test_values_that_are_not_program_buffers_stay_on_devices() -> None:
+    # Parameters handed out after an update are kept resident: never host arrays.
+    meshes = _meshes()
+    exchange = _exchange(meshes)
+    leaf = _on(jnp.ones(3), meshes[0])
+    exchange.endpoint(0).send(("param", 1, 0), leaf, 1, stage=0)
+    got = exchange.endpoint(1).recv(("param", 1, 0), 0, timeout=5.0)
+    assert isinstance(got, jax.Array) and got.devices() == set(meshes[1].devices.flat)
+
+
+def test_a_sharded_buffer_keeps_its_sharding_on_the_receivers_mesh() -> None:
+    meshes = _meshes((2, 1))
+    exchange = _exchange(meshes)
+    x = _on(jnp.arange(8.0).reshape(4, 2), meshes[0], PartitionSpec("data"))
+    exchange.endpoint(0).send(ACT, (x,), 1, stage=0)
+    (got,) = exchange.endpoint(1).recv(ACT, 0, timeout=5.0)
+    assert got.sharding == NamedSharding(meshes[1], PartitionSpec("data"))
+    np.testing.assert_array_equal(got, np.arange(8.0).reshape(4, 2))
+
+
+def test_a_receive_that_is_never_sent_names_the_value_and_the_sender() -> None:
+    exchange = _exchange(_meshes())
+    with pytest.raises(ExecutionError, match=r"device 1 waited 0.1 s for the gradient of leaf 3 from stage 0 from device 0"):
+        exchange.endpoint(1).recv(("grad", 0, 3), 0, timeout=0.1)
