@@ -3,7 +3,9 @@
 A :class:`DeviceRuntime` runs a :class:`pipedsl.program.DeviceProgram` for one step:
 it owns the device's buffers by name (:class:`pipedsl.program.Buffer`), dispatches each
 ``Compute`` to the stage's compiled program (:class:`pipedsl.executor.stages.StageProgram`),
-hands ``Send``/``Recv`` to a :class:`pipedsl.executor.transport.Transport`, drops each
+hands each ``Send`` to a :class:`pipedsl.executor.transport.Transport` and asks for each
+``Recv`` by yielding a :class:`Receive` (so that one thread may run the programs of
+several devices, switching where one has to wait: see :func:`drive`), drops each
 buffer at its ``Free`` (its last use), and accumulates every local stage's parameter
 gradients over the microbatches. It knows nothing of how devices are connected: the
 :class:`pipedsl.executor.worker.Worker` of either backend runs it.
@@ -15,9 +17,10 @@ end of the step (there should be none).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Generator, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +33,68 @@ from pipedsl.ir import Kind
 from pipedsl.program import Buffer, BufferKind, Compute, DeviceProgram, Free, Recv, Send
 from pipedsl.timeline import Event
 
-__all__ = ["DeviceStep", "DeviceRuntime"]
+__all__ = ["Receive", "Computed", "Steps", "drive", "DeviceStep", "DeviceRuntime"]
 
 Leaves = tuple[Any, ...]
 _HELD = (BufferKind.RESIDUAL, BufferKind.WEIGHT_RESIDUAL)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Receive:
+    """A device's request for ``key`` from device ``src``, answered with the value."""
+
+    key: Hashable
+    src: int
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """A device's request to wait until every array of ``value`` is computed (or has
+    failed), answered with whether it was within the receive timeout."""
+
+    value: Any
+
+
+# A device's step as it runs: it yields what it waits for and returns its result.
+Steps = Generator[Receive | Computed, Any, T]
+
+
+def drive(steps: Steps[T], transport: Transport, *, timeout: float) -> T:
+    """Run ``steps`` to the end on this thread, answering each request by waiting for
+    it: a receive through ``transport``, a computation for at most ``timeout`` seconds.
+    A failed wait is raised inside ``steps``, which report it to their peers."""
+    try:
+        request = next(steps)
+        while True:
+            try:
+                if isinstance(request, Receive):
+                    answer = transport.recv(request.key, request.src, timeout=timeout)
+                else:
+                    answer = finished(request.value, timeout)
+            except BaseException as err:
+                request = steps.throw(err)
+                continue
+            request = steps.send(answer)
+    except StopIteration as done:
+        return done.value
+
+
+def finished(value: Any, timeout: float) -> bool:
+    """Whether every array of ``value`` is computed (or failed) within ``timeout``
+    seconds: the wait happens on a helper thread, as JAX's own wait has no bound."""
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            jax.block_until_ready(value)
+        except Exception:  # noqa: S110  # the caller's own wait reports it, blamed on its stage
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="pipedsl-wait", daemon=True).start()
+    return done.wait(timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +179,7 @@ class DeviceRuntime:
         # Per slot, the (stage, microbatch) whose residuals it holds, else None.
         self._held = tuple((b.stage, b.microbatch) if b.kind in _HELD else None for b in self._buffers)
 
-    def run_step(
+    def steps(
         self,
         transport: Transport,
         params: Mapping[int, Leaves],
@@ -126,8 +187,8 @@ class DeviceRuntime:
         targets: Sequence[Leaves],
         *,
         recorder: Recorder | None = None,
-    ) -> DeviceStep:
-        """Run the program once.
+    ) -> Steps[DeviceStep]:
+        """Run the program once, yielding a :class:`Receive` for each ``Recv``.
 
         ``params`` holds each local stage's parameter leaves (placed on its mesh);
         ``inputs[m]`` / ``targets[m]`` are microbatch m's input and target leaves, needed
@@ -149,7 +210,7 @@ class DeviceRuntime:
                 elif code == _SEND:
                     self._send(op, state, transport, recorder)
                 elif code == _RECV:
-                    state.put(op[2], transport.recv(op[1], op[3], timeout=self.recv_timeout), self._held[op[2]])
+                    state.put(op[2], (yield Receive(op[1], op[3])), self._held[op[2]])
                 else:
                     self._get(state, op[2])
                     state.drop(op[2], self._held[op[2]])

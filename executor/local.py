@@ -7,13 +7,14 @@ GPUs are found as they are) or of a list given explicitly. With ``dp = tp = 1`` 
 explicit list may name one JAX device several times: the pipeline then runs correctly
 but its devices share that device's compute.
 
-Each pipeline device is a :class:`~pipedsl.executor.worker.Worker`; the first runs on
-the calling thread, every other one on a thread of its own. JAX dispatches work
-asynchronously and releases the interpreter lock while it waits, so the threads only
-queue work and the JAX devices execute it concurrently; a thread blocks only on a
-receive whose value has not been sent yet (with a timeout) or, when the step is being
-recorded, on each action's result. A failure on one device wakes every other device
-at once, and the step raises the original error.
+Each pipeline device is a :class:`~pipedsl.executor.worker.Worker`. JAX dispatches work
+asynchronously, so the workers' steps only queue work and the JAX devices execute it
+concurrently: one thread runs every device's step, switching where one waits for a value
+not sent yet (:mod:`pipedsl.executor.cooperative`). A recorded step waits for each
+action's result where it runs, so there each device runs on a thread of its own (the
+first on the calling thread) and blocks only on that or on a receive (with a timeout).
+Either way a failure on one device stops every other device at once, and the step
+raises the original error.
 
 Parameters and optimizer state live in the workers between steps; a step returns them
 as the arrays the workers hold, and passing those same arrays back moves nothing.
@@ -34,7 +35,9 @@ import numpy as np
 import optax
 
 from pipedsl.executor.backend import StepResult
+from pipedsl.executor.cooperative import Outcome, run_together
 from pipedsl.executor.errors import ExecutionError, PeerFailed
+from pipedsl.executor.interpreter import Steps, drive
 from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stage_program import StageProgram
@@ -271,22 +274,58 @@ class LocalBackend:
         first, last = schedule.placement[0], schedule.placement[-1]
         exchange = LocalExchange(self._movers)
         origin = time.perf_counter()
-        results: list[WorkerStep | None] = [None] * len(workers)
+
+        def steps(d: int) -> Steps[WorkerStep]:
+            return workers[d].steps(
+                exchange.endpoint(d),
+                inputs if d == first else (),
+                targets if d == last else (),
+                update=update,
+                recorder=Recorder(d, origin) if record else None,
+                keep_grads=update is None,
+            )
+
+        try:
+            if record:
+                # Recording waits for every action where it runs: a thread per device
+                # keeps the devices' actions overlapping as they do unrecorded.
+                results, errors = self._on_threads(workers, steps, exchange)
+            else:
+                results, errors = run_together(
+                    [steps(d) for d in range(len(workers))],
+                    exchange,
+                    timeout=self.recv_timeout,
+                    doing=lambda d: workers[d].doing(),
+                    progress=lambda: tuple(w.runtime.at for w in workers),
+                )
+        except BaseException:
+            # Stalled or interrupted: a thread may still hold the workers, so the next
+            # step gets new ones.
+            self._returned = None
+            self._compiled = None
+            raise
+        failed = [err for err in errors if err is not None]
+        if failed:
+            if any(w.applied for w in workers):
+                # Some devices updated their state and others did not: start afresh.
+                self._returned = None
+            # Devices that gave up because of another's failure only echo it.
+            raise next((err for err in failed if not isinstance(err, PeerFailed)), failed[0])
+        return tuple(r for r in results if r is not None)
+
+    def _on_threads(
+        self, workers: Sequence[Worker], steps: Callable[[int], Steps[WorkerStep]], exchange: LocalExchange
+    ) -> Outcome:
+        """Run device d's ``steps(d)`` on a thread of its own (device 0 on this one)."""
+        results: list[Any] = [None] * len(workers)
         errors: list[BaseException | None] = [None] * len(workers)
 
         def work(d: int) -> None:
             try:
-                results[d] = workers[d].run_step(
-                    exchange.endpoint(d),
-                    inputs if d == first else (),
-                    targets if d == last else (),
-                    update=update,
-                    recorder=Recorder(d, origin) if record else None,
-                    keep_grads=update is None,
-                )
-            except BaseException as err:  # reported to the caller below
+                results[d] = drive(steps(d), exchange.endpoint(d), timeout=self.recv_timeout)
+            except BaseException as err:  # reported to the caller by _run
                 errors[d] = err
-                exchange.endpoint(d).abort(err)
+                exchange.fail(d)
 
         threads = [
             threading.Thread(target=work, args=(d,), name=f"pipedsl-device-{d}", daemon=True)
@@ -297,18 +336,8 @@ class LocalBackend:
         work(0)
         stalled = self._join(workers, threads, errors)
         if stalled is not None:
-            # The stalled thread still holds its worker: the next step gets new ones.
-            self._returned = None
-            self._compiled = None
             raise stalled
-        failed = [err for err in errors if err is not None]
-        if failed:
-            if any(w.applied for w in workers):
-                # Some devices updated their state and others did not: start afresh.
-                self._returned = None
-            # Devices that gave up because of another's failure only echo it.
-            raise next((err for err in failed if not isinstance(err, PeerFailed)), failed[0])
-        return tuple(r for r in results if r is not None)
+        return results, errors
 
     def _join(
         self,

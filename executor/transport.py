@@ -200,25 +200,48 @@ class LocalExchange:
     that reads the value waits for it.
     """
 
+    NOTHING = object()  # what :meth:`poll` returns for a value not sent yet
+
     def __init__(self, movers: Sequence[Callable[..., Any]]) -> None:
         self.movers = tuple(movers)
         self._lock = threading.Condition()
         self._mail: dict[tuple[Hashable, int], Any] = {}
+        self._arrived: list[tuple[Hashable, int]] = []  # since the last arrivals()
         self._failed: int | None = None  # the first device that reported a failure
 
     def endpoint(self, device: int) -> LocalTransport:
         """Device ``device``'s :class:`Transport`."""
         return LocalTransport(self, device)
 
+    def poll(self, slot: tuple[Hashable, int]) -> Any:
+        """The value sent as ``slot`` (key, receiver), taken, or :attr:`NOTHING`."""
+        with self._lock:
+            value = self._mail.pop(slot, self.NOTHING)
+        return value.take() if isinstance(value, _Handoff) else value
+
+    def arrivals(self) -> list[tuple[Hashable, int]]:
+        """The slots sent since the last call."""
+        with self._lock:
+            arrived, self._arrived = self._arrived, []
+        return arrived
+
+    def fail(self, device: int) -> None:
+        """Report that ``device`` failed: every wait ends."""
+        with self._lock:
+            if self._failed is None:
+                self._failed = device
+            self._lock.notify_all()
+
     def _put(self, key: tuple[Hashable, int], value: Any) -> None:
         with self._lock:
             self._mail[key] = value
+            self._arrived.append(key)
             self._lock.notify_all()
 
     def _take(self, key: tuple[Hashable, int], me: int, src: int, timeout: float) -> Any:
         with self._lock:
-            value = self._mail.pop(key, _MISSING)
-            if value is not _MISSING:
+            value = self._mail.pop(key, self.NOTHING)
+            if value is not self.NOTHING:
                 return value
             arrived = self._lock.wait_for(lambda: key in self._mail or self._failed is not None, timeout=timeout)
             if key in self._mail:
@@ -226,15 +249,6 @@ class LocalExchange:
             if not arrived:
                 raise never_sent(me, key[0], src, timeout)
             raise stopped_waiting(me, key[0], src, f"device {self._failed} failed")
-
-    def _abort(self, device: int) -> None:
-        with self._lock:
-            if self._failed is None:
-                self._failed = device
-            self._lock.notify_all()
-
-
-_MISSING = object()
 
 
 class LocalTransport:
@@ -261,4 +275,4 @@ class LocalTransport:
 
     def abort(self, error: BaseException) -> None:
         # The error itself reaches the caller through the failing device's thread.
-        self._exchange._abort(self._device)
+        self._exchange.fail(self._device)

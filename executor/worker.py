@@ -18,13 +18,15 @@ of the leaves they own. :meth:`Worker.run_step` runs a whole step on the device:
    to the other devices that use them.
 
 Everything between devices goes through the backend's
-:class:`~pipedsl.executor.transport.Transport`: the local backend runs one worker per
-pipeline device on threads of this process, the Ray backend one per actor.
+:class:`~pipedsl.executor.transport.Transport`. :meth:`Worker.steps` is the step as a
+generator that yields what it waits for (:class:`~pipedsl.executor.interpreter.Receive`,
+:class:`~pipedsl.executor.interpreter.Computed`): the Ray backend's actor answers each by
+waiting (:meth:`Worker.run_step`), the local backend runs every pipeline device's steps
+on one thread, switching devices where one waits.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,7 +38,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError, stage_failure
-from pipedsl.executor.interpreter import DeviceRuntime
+from pipedsl.executor.interpreter import Computed, DeviceRuntime, Receive, Steps, drive
 from pipedsl.executor.mesh import StageLayout
 from pipedsl.executor.stage_program import StageProgram, compile_stage
 from pipedsl.executor.stages import StagedModel
@@ -167,6 +169,20 @@ class Worker:
         recorder: Recorder | None,
         keep_grads: bool,
     ) -> WorkerStep:
+        """One step on this thread (:meth:`steps`, every request waited for)."""
+        steps = self.steps(transport, inputs, targets, update=update, recorder=recorder, keep_grads=keep_grads)
+        return drive(steps, transport, timeout=self.runtime.recv_timeout)
+
+    def steps(
+        self,
+        transport: Transport,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        *,
+        update: Update | None,
+        recorder: Recorder | None,
+        keep_grads: bool,
+    ) -> Steps[WorkerStep]:
         """One step (see the module docstring). ``inputs``/``targets`` are the whole
         batch's leaves where the first/last stage lives (else empty); with
         ``keep_grads`` (and no ``update``) the summed gradients are returned."""
@@ -175,7 +191,7 @@ class Worker:
         timeout = self.runtime.recv_timeout
         params = {s: tuple(self.leaves[i] for i in model.stage_params[s]) for s in self.local}
         self.phase = "program"
-        result = self.runtime.run_step(
+        result = yield from self.runtime.steps(
             transport,
             params,
             self.microbatches(inputs, self._input_layout),
@@ -185,7 +201,7 @@ class Worker:
         # Reduced once per step where they accumulated unreduced (ZeRO 0 and 1, dp > 1).
         stage_grads = {s: self.runtime.stages[s].reduce_grads(g) for s, g in result.grads.items()}
         self.phase = "waiting for its stages' gradients and loss"
-        if not _finished((stage_grads, result.loss), timeout):
+        if not (yield Computed((stage_grads, result.loss))):
             raise ExecutionError(
                 f"device {self.index}'s gradients and loss were not computed within {timeout:g} s of its "
                 "program's end (a stalled stage here or on a device it depends on); raise recv_timeout "
@@ -197,13 +213,13 @@ class Worker:
         if result.loss is not None:
             _computed(result.loss, model.num_stages - 1, self.index, "computing the loss")
         self.phase = "summing shared gradients"
-        grads = self._sum_shared(transport, stage_grads)
+        grads = yield from self._sum_shared(transport, stage_grads)
         if update is not None:
             self.phase = "waiting for every device to finish its program"
-            self._barrier(transport)
+            yield from self._barrier(transport)
             self.applied = True
             self.phase = "applying the optimizer update"
-            self._update(transport, update, grads)
+            yield from self._update(transport, update, grads)
         self.phase = "idle"
         return WorkerStep(
             loss=result.loss,
@@ -235,7 +251,7 @@ class Worker:
             parts.append(_unstack(count, layout.batch(per))(stacked))
         return [tuple(part[m] for part in parts) for m in range(count)]
 
-    def _sum_shared(self, transport: Transport, stage_grads: Mapping[int, Leaves]) -> dict[int, Any]:
+    def _sum_shared(self, transport: Transport, stage_grads: Mapping[int, Leaves]) -> Steps[dict[int, Any]]:
         """Per flat leaf this device owns, the sum of every using stage's gradient."""
         model, me, placement = self.model, self.index, self.placement
         for s in self.local:
@@ -244,17 +260,16 @@ class Worker:
                 if owner != me:
                     transport.send(("grad", s, i), g, owner, stage=s)
         total: dict[int, Any] = {}
-        timeout = self.runtime.recv_timeout
         for s in range(model.num_stages):
             local = s in stage_grads
             for k, i in enumerate(model.stage_params[s]):
                 if placement[model.owner[i]] != me:
                     continue
-                g = stage_grads[s][k] if local else transport.recv(("grad", s, i), placement[s], timeout=timeout)
+                g = stage_grads[s][k] if local else (yield Receive(("grad", s, i), placement[s]))
                 total[i] = g if i not in total else total[i] + g
         return total
 
-    def _barrier(self, transport: Transport) -> None:
+    def _barrier(self, transport: Transport) -> Steps[None]:
         """Return once every device of the pipeline has finished its program (or raise)."""
         # Keyed by the sender: a device hears "done" from every other one, and the local
         # mailboxes are keyed by (key, receiver) only.
@@ -262,9 +277,9 @@ class Worker:
         for d in others:
             transport.send(("done", self.index), (), d, stage=None)
         for d in others:
-            transport.recv(("done", d), d, timeout=self.runtime.recv_timeout)
+            yield Receive(("done", d), d)
 
-    def _update(self, transport: Transport, update: Update, grads: dict[int, Any]) -> None:
+    def _update(self, transport: Transport, update: Update, grads: dict[int, Any]) -> Steps[None]:
         """Apply the optimizer to every local stage's owned leaves, then hand updated
         shared leaves to the other devices that use them."""
         model, me, placement = self.model, self.index, self.placement
@@ -290,12 +305,11 @@ class Worker:
             for i in model.stage_params[s]:
                 if placement[model.owner[i]] == me and placement[s] != me:
                     transport.send(("param", s, i), self.leaves[i], placement[s], stage=model.owner[i])
-        timeout = self.runtime.recv_timeout
         for s in self.local:
             for i in model.stage_params[s]:
                 owner = placement[model.owner[i]]
                 if owner != me:
-                    self.leaves[i] = transport.recv(("param", s, i), owner, timeout=timeout)
+                    self.leaves[i] = yield Receive(("param", s, i), owner)
 
     def _compiled_update(self, optimizer: optax.GradientTransformation, stage: int) -> tuple[Callable, Callable, Any]:
         """(update, init, state shardings) of ``optimizer`` for ``stage``'s owned leaves:
@@ -377,20 +391,3 @@ def _computed(value: Any, stage: int, device: int, what: str) -> None:
         jax.block_until_ready(value)
     except Exception as err:  # XLA reports a failed computation where its result is read
         raise stage_failure(stage, device, what, err) from err
-
-
-def _finished(value: Any, timeout: float) -> bool:
-    """Whether every array of ``value`` is computed (or failed) within ``timeout``
-    seconds: the wait happens on a helper thread, as JAX's own wait has no bound."""
-    done = threading.Event()
-
-    def wait() -> None:
-        try:
-            jax.block_until_ready(value)
-        except Exception:  # noqa: S110  # the caller's own wait reports it, blamed on its stage
-            pass
-        finally:
-            done.set()
-
-    threading.Thread(target=wait, name="pipedsl-wait", daemon=True).start()
-    return done.wait(timeout)
