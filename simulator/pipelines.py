@@ -138,7 +138,7 @@ class Pipelines:
         self._errors: dict[ScheduleKey, PipedslError] = {}
         self._timings: dict[tuple[ScheduleKey, CostModel], Timing] = {}
         self._parameters: dict[str, tuple[str, ...]] = {}
-        self._layouts: dict[ScheduleKey, _Layout] = {}
+        self._policies: dict[ScheduleKey, Policy] = {}
         self._policy: dict[str, bool] = {}
 
     def key(self, plan: Plan) -> ScheduleKey:
@@ -169,7 +169,12 @@ class Pipelines:
         if error is not None:
             raise error
         try:
-            schedule = load_pipeline(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
+            if self.is_policy(key.spec):
+                # The policy evaluated once (layout() may have read it already), synthesised
+                # against the default cost model as load_pipeline does.
+                schedule = synthesize(self.policy(key), CostModel())
+            else:
+                schedule = load_pipeline(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
             if key not in self._shapes:
                 layout = _Layout(schedule.num_stages, schedule.num_devices, schedule.placement)
                 self._shapes[key] = _Shape(layout, lower(schedule).arrays)
@@ -181,17 +186,12 @@ class Pipelines:
             self._schedules.popitem(last=False)
         return schedule
 
-    def layout(self, key: ScheduleKey) -> _Layout:
-        """Where the stages of ``key``'s schedule sit; for a policy schedule, the policy's
-        own placement, without synthesising an order. Raises what evaluation raised."""
-        shape = self._shapes.get(key)
-        if shape is not None:
-            return shape.layout
-        found = self._layouts.get(key)
+    def policy(self, key: ScheduleKey) -> Policy:
+        """The policy ``key``'s schedule states (``spec`` is a policy schedule, see
+        :meth:`is_policy`), evaluated once per instance. Raises what evaluation raised."""
+        found = self._policies.get(key)
         if found is not None:
             return found
-        if not self.is_policy(key.spec):
-            return self._shape(key).layout
         error = self._errors.get(key)
         if error is not None:
             raise error
@@ -200,8 +200,21 @@ class Pipelines:
         except PipedslError as err:
             self._errors[key] = err
             raise
-        found = self._layouts[key] = _Layout(loaded.num_stages, loaded.num_devices, loaded.placement)
-        return found
+        if not isinstance(loaded, Policy):
+            raise PlanError(f"{key.spec} states an order, not a policy")
+        self._policies[key] = loaded
+        return loaded
+
+    def layout(self, key: ScheduleKey) -> _Layout:
+        """Where the stages of ``key``'s schedule sit; for a policy schedule, the policy's
+        own placement, without synthesising an order. Raises what evaluation raised."""
+        shape = self._shapes.get(key)
+        if shape is not None:
+            return shape.layout
+        if not self.is_policy(key.spec):
+            return self._shape(key).layout
+        policy = self.policy(key)
+        return _Layout(policy.num_stages, policy.num_devices, policy.placement)
 
     def schedule(self, key: ScheduleKey) -> Schedule:
         """The schedule evaluated for ``key`` (validated); raises what evaluation or

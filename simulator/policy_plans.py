@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pipedsl import library
 from pipedsl.analysis import peak_held
 from pipedsl.policy import Policy
-from pipedsl.program import ProgramArrays, lower
+from pipedsl.program import ProgramArrays
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import step_timing
@@ -43,7 +43,7 @@ from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import device_memory, static_memory, transient_bytes
 from pipedsl.simulator.pipelines import Pipelines, states_policy
 from pipedsl.simulator.plan import Plan
-from pipedsl.simulator.synthesize import synthesize
+from pipedsl.simulator.synthesize import synthesized_program
 
 __all__ = ["LIMIT", "LimitedPlan", "takes_limit", "fitting_limit", "candidate_limits", "prepare_plan"]
 
@@ -96,7 +96,8 @@ class LimitedPlan(Prepared):
     def finish(self) -> Estimate:
         assert self.plan.schedule is not None
         arrays, activations = _synthesis(self.plan.schedule, self.params, self.limit, self.costs, self.residual)
-        makespan, bubble = step_timing(arrays, self.costs.resolve(_loaded(self.plan.schedule, self.params)))
+        assert self.key is not None and self.pipelines is not None
+        makespan, bubble = step_timing(arrays, self.costs.resolve(self.pipelines.policy(self.key)))
         memory = device_memory(self.shapes, self.device_params, activations)
         return replace(self.assemble(makespan, bubble, None), memory=memory, inflight_limit=self.limit)
 
@@ -145,12 +146,13 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
         return [prepare(model, cluster, plan, pipelines=pipelines, fits_first=True)]
     key = pipelines.key(plan)
     params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if key.vpp else ()))
-    default = _loaded(spec, params)
+    default = pipelines.policy(key)
     # Each limit's order is synthesised when its plan is finished: none at the default cost model.
     base = prepare(model, cluster, plan, pipelines=pipelines, layout=default)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
     costs = base.cost_model()
+    tail = sum(tails(base.shapes, base.work, base.placement, base.device_params))
     fields = {name: getattr(base, name) for name in _PREPARED_FIELDS}
     found: list[Prepared] = []
     for limit in limits:
@@ -160,7 +162,7 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
                 LimitedPlan(
                     **fields,
                     memory=memory,
-                    lower_bound_s=_any_order_bound(base, default.split_backward, limit),
+                    lower_bound_s=_any_order_bound(base, default.split_backward, limit, tail),
                     limit=limit,
                     params=params,
                     costs=costs,
@@ -180,13 +182,14 @@ def _held_at_most(base: Prepared, limit: int) -> list[int]:
     ]
 
 
-def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
+def _any_order_bound(base: Prepared, split: bool, limit: int, tail: float) -> float:
     """Seconds any order of ``base``'s plan within in-flight ``limit`` takes at least,
     with free transfers: per device, none of its work starts before microbatch 0 has passed
     the stages before its first (their forwards), and then it needs both its own work and,
     holding at most ``limit`` pairs at once, M times the shortest time a microbatch holds
     its first stage (from that stage's F through every later F and backward to its W or B)
-    over ``limit``; the most over the devices, plus the data-parallel tail and optimizer step."""
+    over ``limit``; the most over the devices, plus ``tail`` (the plan's data-parallel tail and
+    optimizer step, seconds)."""
     work, placement, m = base.work, base.placement, base.plan.microbatches
     seconds = []
     for d in range(len(base.device_params)):
@@ -196,7 +199,7 @@ def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
         busy = m * sum(w.forward + (w.input_grad + w.weight_grad if split else w.backward) for w in (work[s] for s in own))
         held = sum(w.forward for w in work[first:]) + sum(back[first:]) + (work[first].weight_grad if split else 0.0)
         seconds.append(sum(w.forward for w in work[:first]) + max(busy, m * held / limit))
-    total = max(seconds) + sum(tails(base.shapes, base.work, base.placement, base.device_params))
+    total = max(seconds) + tail
     # The bound can be tight, and the same seconds summed in another order can land a
     # rounding step above the simulated time: keep it below by a hair.
     return total * (1.0 - 1e-9)
@@ -217,7 +220,7 @@ def _synthesis(
         _cache.move_to_end(key)
         return found
     policy = _loaded(spec, (*params, (LIMIT, limit)))
-    arrays = lower(synthesize(policy, costs)).arrays
+    arrays = synthesized_program(policy, costs)
     held = tuple(int(p) for p in peak_held(arrays.actions, residual, residual))
     _cache[key] = found = (arrays, held)
     if len(_cache) > _CACHE_SIZE:
