@@ -306,7 +306,9 @@ def _settle(
     num_devices = len(bounds) - 1
     start: list[float] = [0.0] * count
     arrival: list[float | None] = [None] * (count + 1)
-    parked: dict[int, int] = {}
+    # Per row, the device parked until that row sends (-1: none); a list, not a dict:
+    # every sending row looks here.
+    parked = [-1] * (count + 1)
     pointer = bounds[:-1]
     clocks = [0.0] * num_devices
     ready = list(range(num_devices - 1, -1, -1))
@@ -330,8 +332,8 @@ def _settle(
                 arrival[row] = done
                 if not overlap:
                     t = done
-                waiter = parked.pop(row, None)
-                if waiter is not None:
+                waiter = parked[row]
+                if waiter >= 0:
                     ready.append(waiter)
             row += 1
         pointer[d], clocks[d] = row, t

@@ -139,6 +139,8 @@ class Pipelines:
         self._timings: dict[tuple[ScheduleKey, CostModel], Timing] = {}
         self._parameters: dict[str, tuple[str, ...]] = {}
         self._policies: dict[ScheduleKey, Policy] = {}
+        self._peaks: dict[tuple[ScheduleKey, tuple[int, ...]], tuple[int, ...]] = {}
+        self._bounds: dict[tuple[object, ...], float] = {}
         self._policy: dict[str, bool] = {}
 
     def key(self, plan: Plan) -> ScheduleKey:
@@ -235,15 +237,23 @@ class Pipelines:
     def peak_residual_bytes(self, key: ScheduleKey, residual: tuple[int, ...]) -> tuple[int, ...]:
         """Per device, the most activation bytes held at once, shape (D,), when one
         microbatch's ``F`` on stage s keeps ``residual[s]`` bytes until its ``B`` (or,
-        split, until its ``W``: ``I`` hands the same bytes on)."""
-        actions = self._shape(key).arrays.actions
-        return tuple(int(p) for p in peak_held(actions, residual, residual))
+        split, until its ``W``: ``I`` hands the same bytes on); once per distinct
+        ``residual`` (plans that differ in ZeRO 0 or 1 keep the same bytes)."""
+        found = self._peaks.get((key, residual))
+        if found is None:
+            actions = self._shape(key).arrays.actions
+            found = self._peaks[(key, residual)] = tuple(int(p) for p in peak_held(actions, residual, residual))
+        return found
 
     def lower_bound_s(self, key: ScheduleKey, seconds: np.ndarray) -> float:
         """Seconds the schedule of ``key`` takes at least, without simulating it, when
         ``seconds[k, s]`` is the duration of kind k (F, B, I, W) on stage s (shape
-        (4, S)): :func:`pipedsl.analysis.chain_lower_bound`."""
-        return chain_lower_bound(self._shape(key).arrays.actions, seconds)
+        (4, S)): :func:`pipedsl.analysis.chain_lower_bound`, once per distinct ``seconds``."""
+        memo = (key, seconds.shape, seconds.dtype.str, seconds.tobytes())
+        found = self._bounds.get(memo)
+        if found is None:
+            found = self._bounds[memo] = chain_lower_bound(self._shape(key).arrays.actions, seconds)
+        return found
 
     @property
     def num_simulations(self) -> int:
