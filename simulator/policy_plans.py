@@ -83,7 +83,7 @@ class LimitedPlan(Prepared):
     """A prepared plan whose policy schedule runs at in-flight limit ``limit``.
 
     Its order is synthesised when the plan is finished (a plan the search prunes costs no
-    synthesis), against ``costs``, the plan's cost model. Until then ``memory`` is the
+    synthesis), against :attr:`costs`, the plan's cost model. Until then ``memory`` is the
     bound the limit was chosen by (every device holding ``limit`` of its most expensive
     pairs) and ``lower_bound_s`` a bound that holds for any order (:func:`_any_order_bound`);
     the :class:`Estimate` has the order's exact memory.
@@ -91,13 +91,18 @@ class LimitedPlan(Prepared):
 
     limit: int
     params: tuple[tuple[str, int], ...]
-    costs: CostModel
+
+    @property
+    def costs(self) -> CostModel:
+        """The plan's cost model (:meth:`~pipedsl.simulator.estimate.Prepared.cost_model`),
+        made when asked: most prepared plans are pruned before it is needed."""
+        return self.cost_model()
 
     def finish(self) -> Estimate:
-        assert self.plan.schedule is not None
-        arrays, activations = _synthesis(self.plan.schedule, self.params, self.limit, self.costs, self.residual)
-        assert self.key is not None and self.pipelines is not None
-        makespan, bubble = step_timing(arrays, self.costs.resolve(self.pipelines.policy(self.key)))
+        assert self.plan.schedule is not None and self.key is not None and self.pipelines is not None
+        costs = self.costs
+        arrays, activations = _synthesis(self.plan.schedule, self.params, self.limit, costs, self.residual)
+        makespan, bubble = step_timing(arrays, costs.resolve(self.pipelines.policy(self.key)))
         memory = device_memory(self.shapes, self.device_params, activations)
         return replace(self.assemble(makespan, bubble, None), memory=memory, inflight_limit=self.limit)
 
@@ -151,7 +156,6 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     base = prepare(model, cluster, plan, pipelines=pipelines, layout=default)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
-    costs = base.cost_model()
     tail = sum(tails(base.shapes, base.work, base.placement, base.device_params))
     fields = {name: getattr(base, name) for name in _PREPARED_FIELDS}
     found: list[Prepared] = []
@@ -165,7 +169,6 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
                     lower_bound_s=_any_order_bound(base, default.split_backward, limit, tail),
                     limit=limit,
                     params=params,
-                    costs=costs,
                 )
             )
     if not found:
