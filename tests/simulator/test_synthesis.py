@@ -14,8 +14,8 @@ from pipedsl.errors import ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import load
 from pipedsl.policy import UNSATISFIABLE, Policy
-from pipedsl.simulator import CostModel, simulate
 from pipedsl.program import lower
+from pipedsl.simulator import CostModel, simulate
 from pipedsl.simulator.synthesize import SynthesisError, Variant, synthesize, synthesized_program, variants
 
 
