@@ -314,8 +314,10 @@ def _settle(
     ready = list(range(num_devices - 1, -1, -1))
     while ready:
         d = ready.pop()
-        row, stop, t = pointer[d], bounds[d + 1], clocks[d]
-        while row < stop:
+        stop, t = bounds[d + 1], clocks[d]
+        # A for loop over the rows left (cheaper than counting by hand); a break leaves
+        # ``row`` at the compute that waits.
+        for row in range(pointer[d], stop):
             source = recv_from[row]
             if source != -1:
                 arrived = arrival[source]
@@ -335,7 +337,8 @@ def _settle(
                 waiter = parked[row]
                 if waiter >= 0:
                     ready.append(waiter)
-            row += 1
+        else:
+            row = stop
         pointer[d], clocks[d] = row, t
     stuck = [d for d in range(num_devices) if pointer[d] < bounds[d + 1]]
     if stuck:
