@@ -4,10 +4,13 @@ A plan with ``pp > 1`` runs a schedule (a library name such as ``1f1b`` or a ``.
 file) evaluated with the plan's ``pp``, ``microbatches`` and (when it takes one) ``vpp``:
 a *shape* (:class:`ScheduleKey`). :class:`Pipelines` evaluates each shape once, validates
 and lowers it to int arrays once, and answers every question a plan asks of it from
-those arrays: peak memory and a lower bound on the time (:mod:`pipedsl.analysis`), and
-the time itself under each cost model (:func:`pipedsl.simulator.engine.step_timing`),
-once per distinct cost model. A search over thousands of plans so does each piece of
-work once, and keeps only compact arrays per shape, not one object per action.
+those arrays: peak memory and a lower bound on the time (:mod:`pipedsl.analysis`), once
+per distinct residual bytes and stage seconds, and the time itself under each cost model
+(:func:`pipedsl.simulator.engine.step_timing`), once per distinct cost model. A policy
+schedule's shape is evaluated once too (:meth:`Pipelines.policy`): its layout, its order
+at the default cost model and the limits the search tries all read that one policy. A
+search over thousands of plans so does each piece of work once, and keeps only compact
+arrays per shape, not one object per action.
 """
 
 from __future__ import annotations
