@@ -30,9 +30,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from itertools import chain
+
+import numpy as np
 
 from pipedsl import library
 from pipedsl.analysis import peak_held
+from pipedsl.arrays import ActionArrays, B, F, I, W
 from pipedsl.policy import Policy
 from pipedsl.program import ProgramArrays
 from pipedsl.simulator.costs import CostModel
@@ -43,9 +47,9 @@ from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import device_memory, static_memory, transient_bytes
 from pipedsl.simulator.pipelines import Pipelines, states_policy
 from pipedsl.simulator.plan import Plan
-from pipedsl.simulator.synthesize import synthesized_program
+from pipedsl.simulator.synthesize import synthesized_order
 
-__all__ = ["LIMIT", "LimitedPlan", "takes_limit", "fitting_limit", "candidate_limits", "prepare_plan"]
+__all__ = ["LIMIT", "LimitedPlan", "takes_limit", "fitting_limit", "candidate_limits", "prepare_plan", "synthesized_program"]
 
 LIMIT = "max_inflight"
 """The parameter a policy schedule takes for its per-device in-flight limit."""
@@ -229,3 +233,45 @@ def _synthesis(
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return found
+
+
+def synthesized_program(policy: Policy, costs: CostModel | None = None) -> ProgramArrays:
+    """The order :func:`~pipedsl.simulator.synthesize.synthesize` finds, lowered straight to
+    int arrays: the arrays ``lower(synthesize(policy, costs))`` has, without an object per
+    action.
+
+    The synthesiser builds only complete orders in which every action runs after what it
+    needs has run (its pass takes an action once its inputs have arrived), so the order
+    needs no validation; a search that times hundreds of synthesised orders asks only
+    for these arrays. Raises as ``synthesize``.
+    """
+    order = synthesized_order(policy, costs)
+    S, M = policy.num_stages, policy.num_microbatches
+    lengths = [len(o) for o in order]
+    count = 3 * sum(lengths)
+    flat = np.fromiter(chain.from_iterable(chain.from_iterable(order)), dtype=np.int64, count=count).reshape(-1, 3)
+    # The pass's kind codes (0 F, 1 the backward, 2 W) as the arrays' (F, B or I, W).
+    pass_kind = flat[:, 0]
+    codes = np.array([F, I if policy.split_backward else B, W], dtype=np.int8)
+    kind, stage, microbatch = codes[pass_kind], flat[:, 1], flat[:, 2]
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    device = np.repeat(np.arange(len(order), dtype=np.int64), lengths)
+    position = np.arange(len(flat), dtype=np.int64) - np.repeat(bounds[:-1], lengths)
+    actions = ActionArrays(kind, stage, microbatch, device, position, bounds)
+    # Row of each (pass kind, stage, microbatch); every one is there exactly once.
+    row = np.empty(3 * S * M, dtype=np.int64)
+    row[(pass_kind * S + stage) * M + microbatch] = np.arange(len(flat), dtype=np.int64)
+    # What each compute reads from the neighbouring stage: F(s - 1) for F(s), the
+    # backward of s + 1 for a backward of s (as pipedsl.validate links them).
+    forward, backward = pass_kind == 0, pass_kind == 1
+    upstream = np.full(len(flat), -1, dtype=np.int64)
+    has = forward & (stage > 0)
+    upstream[has] = row[(stage[has] - 1) * M + microbatch[has]]
+    has = backward & (stage < S - 1)
+    upstream[has] = row[(S + stage[has] + 1) * M + microbatch[has]]
+    recv_from = np.where((upstream >= 0) & (device[np.maximum(upstream, 0)] != device), upstream, -1)
+    placement = np.asarray(policy.placement, dtype=np.int64)
+    produces = np.where(forward, stage < S - 1, backward & (stage > 0))
+    target = placement[np.clip(np.where(forward, stage + 1, stage - 1), 0, S - 1)]
+    send_to = np.where(produces & (target != device), target, -1)
+    return ProgramArrays(actions, recv_from, send_to)

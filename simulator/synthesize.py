@@ -36,18 +36,14 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from itertools import chain
 
-import numpy as np
-
-from pipedsl.arrays import ActionArrays, B, F, I, W, make_actions
+from pipedsl.arrays import make_actions
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.policy import Policy
-from pipedsl.program import ProgramArrays
 from pipedsl.simulator.costs import CostModel, StageCosts
 
-__all__ = ["SynthesisError", "Variant", "synthesize", "synthesized_program", "variants"]
+__all__ = ["SynthesisError", "Variant", "synthesize", "synthesized_order", "variants"]
 
 _INF = float("inf")
 _F, _BWD, _W = 0, 1, 2  # kind codes; _BWD is I when split, B otherwise
@@ -128,55 +124,17 @@ def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[V
     """
     kinds = (Kind.F, Kind.I if policy.split_backward else Kind.B, Kind.W)
     orders = []
-    for order in _best_order(policy, costs, tries):
+    for order in synthesized_order(policy, costs, tries):
         codes, stages, microbatches = zip(*order) if order else ((), (), ())
         made = make_actions(list(map(kinds.__getitem__, codes)), stages, microbatches, [None] * len(order))
         orders.append(tuple(made))
     return _skeleton(policy, tuple(orders))
 
 
-def synthesized_program(policy: Policy, costs: CostModel | None = None) -> ProgramArrays:
-    """The order :func:`synthesize` finds, lowered straight to int arrays: the arrays
-    ``lower(synthesize(policy, costs))`` has, without an object per action.
-
-    The synthesiser builds only complete orders in which every action runs after what it
-    needs has run (its pass takes an action once its inputs have arrived), so the order
-    needs no validation; a search that times hundreds of synthesised orders asks only
-    for these arrays. Raises as :func:`synthesize`.
-    """
-    order = _best_order(policy, costs, None)
-    S, M = policy.num_stages, policy.num_microbatches
-    lengths = [len(o) for o in order]
-    count = 3 * sum(lengths)
-    flat = np.fromiter(chain.from_iterable(chain.from_iterable(order)), dtype=np.int64, count=count).reshape(-1, 3)
-    # The pass's kind codes (F, backward, W) as the arrays' (F, B or I, W).
-    codes = np.array([F, I if policy.split_backward else B, W], dtype=np.int8)
-    kind, stage, microbatch = codes[flat[:, 0]], flat[:, 1], flat[:, 2]
-    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    device = np.repeat(np.arange(len(order), dtype=np.int64), lengths)
-    position = np.arange(len(flat), dtype=np.int64) - np.repeat(bounds[:-1], lengths)
-    actions = ActionArrays(kind, stage, microbatch, device, position, bounds)
-    # Row of each (pass kind, stage, microbatch); every one is there exactly once.
-    row = np.empty(3 * S * M, dtype=np.int64)
-    row[(flat[:, 0] * S + stage) * M + microbatch] = np.arange(len(flat), dtype=np.int64)
-    # What each compute reads from the neighbouring stage: F(s - 1) for F(s), the
-    # backward of s + 1 for a backward of s (as pipedsl.validate links them).
-    forward, backward = flat[:, 0] == _F, flat[:, 0] == _BWD
-    upstream = np.full(len(flat), -1, dtype=np.int64)
-    has = forward & (stage > 0)
-    upstream[has] = row[(_F * S + stage[has] - 1) * M + microbatch[has]]
-    has = backward & (stage < S - 1)
-    upstream[has] = row[(_BWD * S + stage[has] + 1) * M + microbatch[has]]
-    recv_from = np.where((upstream >= 0) & (device[np.maximum(upstream, 0)] != device), upstream, -1)
-    placement = np.asarray(policy.placement, dtype=np.int64)
-    produces = np.where(forward, stage < S - 1, backward & (stage > 0))
-    target = placement[np.clip(np.where(forward, stage + 1, stage - 1), 0, S - 1)]
-    send_to = np.where(produces & (target != device), target, -1)
-    return ProgramArrays(actions, recv_from, send_to)
-
-
-def _best_order(policy: Policy, costs: CostModel | None, tries: tuple[Variant, ...] | None) -> Order:
-    """The per-device order of the fastest variant (the first of equally fast ones)."""
+def synthesized_order(policy: Policy, costs: CostModel | None = None, tries: tuple[Variant, ...] | None = None) -> Order:
+    """The order :func:`synthesize` finds, as per-device (kind code, stage, microbatch)
+    triples (codes 0 F, 1 the backward, 2 W): the fastest variant's, the first of equally
+    fast ones. Raises as :func:`synthesize`."""
     policy.check()
     stage_costs = (costs if costs is not None else CostModel()).resolve(_skeleton(policy, ()))
     _check_bytes(policy, stage_costs)

@@ -16,7 +16,8 @@ from pipedsl.library import load
 from pipedsl.policy import UNSATISFIABLE, Policy
 from pipedsl.program import lower
 from pipedsl.simulator import CostModel, simulate
-from pipedsl.simulator.synthesize import SynthesisError, Variant, synthesize, synthesized_program, variants
+from pipedsl.simulator.policy_plans import synthesized_program
+from pipedsl.simulator.synthesize import SynthesisError, Variant, synthesize, variants
 
 
 def chain(pp: int, m: int, limit: int | tuple[int, ...] | None = None, **options: object) -> Policy:
