@@ -29,6 +29,7 @@ pipelined intra-node part for large ones.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -76,7 +77,12 @@ class Group:
 def group_of(ranks: int, stride: int, cluster: Cluster) -> Group:
     """The group of ``ranks`` GPUs whose global ranks are ``0, stride, 2·stride, …``
     (ranks numbered node by node), as tensor-, data- and pipeline-parallel groups are."""
-    node = cluster.gpus_per_node
+    return _group_of(ranks, stride, cluster.gpus_per_node)
+
+
+# A plan search asks for the same few groups tens of thousands of times.
+@functools.lru_cache(maxsize=1024)
+def _group_of(ranks: int, stride: int, node: int) -> Group:
     counts: dict[int, int] = {}
     for i in range(ranks):
         counts[i * stride // node] = counts.get(i * stride // node, 0) + 1

@@ -306,14 +306,18 @@ def _settle(
     num_devices = len(bounds) - 1
     start: list[float] = [0.0] * count
     arrival: list[float | None] = [None] * (count + 1)
-    parked: dict[int, int] = {}
+    # Per row, the device parked until that row sends (-1: none); a list, not a dict:
+    # every sending row looks here.
+    parked = [-1] * (count + 1)
     pointer = bounds[:-1]
     clocks = [0.0] * num_devices
     ready = list(range(num_devices - 1, -1, -1))
     while ready:
         d = ready.pop()
-        row, stop, t = pointer[d], bounds[d + 1], clocks[d]
-        while row < stop:
+        stop, t = bounds[d + 1], clocks[d]
+        # A for loop over the rows left (cheaper than counting by hand); a break leaves
+        # ``row`` at the compute that waits.
+        for row in range(pointer[d], stop):
             source = recv_from[row]
             if source != -1:
                 arrived = arrival[source]
@@ -330,10 +334,11 @@ def _settle(
                 arrival[row] = done
                 if not overlap:
                     t = done
-                waiter = parked.pop(row, None)
-                if waiter is not None:
+                waiter = parked[row]
+                if waiter >= 0:
                     ready.append(waiter)
-            row += 1
+        else:
+            row = stop
         pointer[d], clocks[d] = row, t
     stuck = [d for d in range(num_devices) if pointer[d] < bounds[d + 1]]
     if stuck:

@@ -217,7 +217,8 @@ def _stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[fl
     the embedding matrix for the logits, as Megatron-LM does.
     """
     t = plan.tp
-    params = [n * model.layer_params / t for n in layers]
+    per_layer = model.layer_params  # a derived property: worked out once, not once per stage
+    params = [n * per_layer / t for n in layers]
     params[0] += model.embedding_params / t
     head = model.head_params / t
     if model.tied_embeddings and len(layers) > 1:

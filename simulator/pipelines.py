@@ -4,10 +4,13 @@ A plan with ``pp > 1`` runs a schedule (a library name such as ``1f1b`` or a ``.
 file) evaluated with the plan's ``pp``, ``microbatches`` and (when it takes one) ``vpp``:
 a *shape* (:class:`ScheduleKey`). :class:`Pipelines` evaluates each shape once, validates
 and lowers it to int arrays once, and answers every question a plan asks of it from
-those arrays: peak memory and a lower bound on the time (:mod:`pipedsl.analysis`), and
-the time itself under each cost model (:func:`pipedsl.simulator.engine.step_timing`),
-once per distinct cost model. A search over thousands of plans so does each piece of
-work once, and keeps only compact arrays per shape, not one object per action.
+those arrays: peak memory and a lower bound on the time (:mod:`pipedsl.analysis`), once
+per distinct residual bytes and stage seconds, and the time itself under each cost model
+(:func:`pipedsl.simulator.engine.step_timing`), once per distinct cost model. A policy
+schedule's shape is evaluated once too (:meth:`Pipelines.policy`): its layout, its order
+at the default cost model and the limits the search tries all read that one policy. A
+search over thousands of plans so does each piece of work once, and keeps only compact
+arrays per shape, not one object per action.
 """
 
 from __future__ import annotations
@@ -138,7 +141,9 @@ class Pipelines:
         self._errors: dict[ScheduleKey, PipedslError] = {}
         self._timings: dict[tuple[ScheduleKey, CostModel], Timing] = {}
         self._parameters: dict[str, tuple[str, ...]] = {}
-        self._layouts: dict[ScheduleKey, _Layout] = {}
+        self._policies: dict[ScheduleKey, Policy] = {}
+        self._peaks: dict[tuple[ScheduleKey, tuple[int, ...]], tuple[int, ...]] = {}
+        self._bounds: dict[tuple[object, ...], float] = {}
         self._policy: dict[str, bool] = {}
 
     def key(self, plan: Plan) -> ScheduleKey:
@@ -169,7 +174,12 @@ class Pipelines:
         if error is not None:
             raise error
         try:
-            schedule = load_pipeline(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
+            if self.is_policy(key.spec):
+                # The policy evaluated once (layout() may have read it already), synthesised
+                # against the default cost model as load_pipeline does.
+                schedule = synthesize(self.policy(key), CostModel())
+            else:
+                schedule = load_pipeline(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
             if key not in self._shapes:
                 layout = _Layout(schedule.num_stages, schedule.num_devices, schedule.placement)
                 self._shapes[key] = _Shape(layout, lower(schedule).arrays)
@@ -181,17 +191,12 @@ class Pipelines:
             self._schedules.popitem(last=False)
         return schedule
 
-    def layout(self, key: ScheduleKey) -> _Layout:
-        """Where the stages of ``key``'s schedule sit; for a policy schedule, the policy's
-        own placement, without synthesising an order. Raises what evaluation raised."""
-        shape = self._shapes.get(key)
-        if shape is not None:
-            return shape.layout
-        found = self._layouts.get(key)
+    def policy(self, key: ScheduleKey) -> Policy:
+        """The policy ``key``'s schedule states (``spec`` is a policy schedule, see
+        :meth:`is_policy`), evaluated once per instance. Raises what evaluation raised."""
+        found = self._policies.get(key)
         if found is not None:
             return found
-        if not self.is_policy(key.spec):
-            return self._shape(key).layout
         error = self._errors.get(key)
         if error is not None:
             raise error
@@ -200,8 +205,21 @@ class Pipelines:
         except PipedslError as err:
             self._errors[key] = err
             raise
-        found = self._layouts[key] = _Layout(loaded.num_stages, loaded.num_devices, loaded.placement)
-        return found
+        if not isinstance(loaded, Policy):
+            raise PlanError(f"{key.spec} states an order, not a policy")
+        self._policies[key] = loaded
+        return loaded
+
+    def layout(self, key: ScheduleKey) -> _Layout:
+        """Where the stages of ``key``'s schedule sit; for a policy schedule, the policy's
+        own placement, without synthesising an order. Raises what evaluation raised."""
+        shape = self._shapes.get(key)
+        if shape is not None:
+            return shape.layout
+        if not self.is_policy(key.spec):
+            return self._shape(key).layout
+        policy = self.policy(key)
+        return _Layout(policy.num_stages, policy.num_devices, policy.placement)
 
     def schedule(self, key: ScheduleKey) -> Schedule:
         """The schedule evaluated for ``key`` (validated); raises what evaluation or
@@ -222,15 +240,23 @@ class Pipelines:
     def peak_residual_bytes(self, key: ScheduleKey, residual: tuple[int, ...]) -> tuple[int, ...]:
         """Per device, the most activation bytes held at once, shape (D,), when one
         microbatch's ``F`` on stage s keeps ``residual[s]`` bytes until its ``B`` (or,
-        split, until its ``W``: ``I`` hands the same bytes on)."""
-        actions = self._shape(key).arrays.actions
-        return tuple(int(p) for p in peak_held(actions, residual, residual))
+        split, until its ``W``: ``I`` hands the same bytes on); once per distinct
+        ``residual`` (plans that differ in ZeRO 0 or 1 keep the same bytes)."""
+        found = self._peaks.get((key, residual))
+        if found is None:
+            actions = self._shape(key).arrays.actions
+            found = self._peaks[(key, residual)] = tuple(int(p) for p in peak_held(actions, residual, residual))
+        return found
 
     def lower_bound_s(self, key: ScheduleKey, seconds: np.ndarray) -> float:
         """Seconds the schedule of ``key`` takes at least, without simulating it, when
         ``seconds[k, s]`` is the duration of kind k (F, B, I, W) on stage s (shape
-        (4, S)): :func:`pipedsl.analysis.chain_lower_bound`."""
-        return chain_lower_bound(self._shape(key).arrays.actions, seconds)
+        (4, S)): :func:`pipedsl.analysis.chain_lower_bound`, once per distinct ``seconds``."""
+        memo = (key, seconds.shape, seconds.dtype.str, seconds.tobytes())
+        found = self._bounds.get(memo)
+        if found is None:
+            found = self._bounds[memo] = chain_lower_bound(self._shape(key).arrays.actions, seconds)
+        return found
 
     @property
     def num_simulations(self) -> int:

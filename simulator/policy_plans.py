@@ -30,11 +30,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from itertools import chain
+
+import numpy as np
 
 from pipedsl import library
 from pipedsl.analysis import peak_held
+from pipedsl.arrays import ActionArrays, B, F, I, W
 from pipedsl.policy import Policy
-from pipedsl.program import ProgramArrays, lower
+from pipedsl.program import ProgramArrays
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import step_timing
@@ -43,9 +47,9 @@ from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import device_memory, static_memory, transient_bytes
 from pipedsl.simulator.pipelines import Pipelines, states_policy
 from pipedsl.simulator.plan import Plan
-from pipedsl.simulator.synthesize import synthesize
+from pipedsl.simulator.synthesize import synthesized_order
 
-__all__ = ["LIMIT", "LimitedPlan", "takes_limit", "fitting_limit", "candidate_limits", "prepare_plan"]
+__all__ = ["LIMIT", "LimitedPlan", "takes_limit", "fitting_limit", "candidate_limits", "prepare_plan", "synthesized_program"]
 
 LIMIT = "max_inflight"
 """The parameter a policy schedule takes for its per-device in-flight limit."""
@@ -83,7 +87,7 @@ class LimitedPlan(Prepared):
     """A prepared plan whose policy schedule runs at in-flight limit ``limit``.
 
     Its order is synthesised when the plan is finished (a plan the search prunes costs no
-    synthesis), against ``costs``, the plan's cost model. Until then ``memory`` is the
+    synthesis), against :attr:`costs`, the plan's cost model. Until then ``memory`` is the
     bound the limit was chosen by (every device holding ``limit`` of its most expensive
     pairs) and ``lower_bound_s`` a bound that holds for any order (:func:`_any_order_bound`);
     the :class:`Estimate` has the order's exact memory.
@@ -91,12 +95,18 @@ class LimitedPlan(Prepared):
 
     limit: int
     params: tuple[tuple[str, int], ...]
-    costs: CostModel
+
+    @property
+    def costs(self) -> CostModel:
+        """The plan's cost model (:meth:`~pipedsl.simulator.estimate.Prepared.cost_model`),
+        made when asked: most prepared plans are pruned before it is needed."""
+        return self.cost_model()
 
     def finish(self) -> Estimate:
-        assert self.plan.schedule is not None
-        arrays, activations = _synthesis(self.plan.schedule, self.params, self.limit, self.costs, self.residual)
-        makespan, bubble = step_timing(arrays, self.costs.resolve(_loaded(self.plan.schedule, self.params)))
+        assert self.plan.schedule is not None and self.key is not None and self.pipelines is not None
+        costs = self.costs
+        arrays, activations = _synthesis(self.plan.schedule, self.params, self.limit, costs, self.residual)
+        makespan, bubble = step_timing(arrays, costs.resolve(self.pipelines.policy(self.key)))
         memory = device_memory(self.shapes, self.device_params, activations)
         return replace(self.assemble(makespan, bubble, None), memory=memory, inflight_limit=self.limit)
 
@@ -145,12 +155,12 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
         return [prepare(model, cluster, plan, pipelines=pipelines, fits_first=True)]
     key = pipelines.key(plan)
     params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if key.vpp else ()))
-    default = _loaded(spec, params)
+    default = pipelines.policy(key)
     # Each limit's order is synthesised when its plan is finished: none at the default cost model.
     base = prepare(model, cluster, plan, pipelines=pipelines, layout=default)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
-    costs = base.cost_model()
+    tail = sum(tails(base.shapes, base.work, base.placement, base.device_params))
     fields = {name: getattr(base, name) for name in _PREPARED_FIELDS}
     found: list[Prepared] = []
     for limit in limits:
@@ -160,10 +170,9 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
                 LimitedPlan(
                     **fields,
                     memory=memory,
-                    lower_bound_s=_any_order_bound(base, default.split_backward, limit),
+                    lower_bound_s=_any_order_bound(base, default.split_backward, limit, tail),
                     limit=limit,
                     params=params,
-                    costs=costs,
                 )
             )
     if not found:
@@ -180,13 +189,14 @@ def _held_at_most(base: Prepared, limit: int) -> list[int]:
     ]
 
 
-def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
+def _any_order_bound(base: Prepared, split: bool, limit: int, tail: float) -> float:
     """Seconds any order of ``base``'s plan within in-flight ``limit`` takes at least,
     with free transfers: per device, none of its work starts before microbatch 0 has passed
     the stages before its first (their forwards), and then it needs both its own work and,
     holding at most ``limit`` pairs at once, M times the shortest time a microbatch holds
     its first stage (from that stage's F through every later F and backward to its W or B)
-    over ``limit``; the most over the devices, plus the data-parallel tail and optimizer step."""
+    over ``limit``; the most over the devices, plus ``tail`` (the plan's data-parallel tail and
+    optimizer step, seconds)."""
     work, placement, m = base.work, base.placement, base.plan.microbatches
     seconds = []
     for d in range(len(base.device_params)):
@@ -196,7 +206,7 @@ def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
         busy = m * sum(w.forward + (w.input_grad + w.weight_grad if split else w.backward) for w in (work[s] for s in own))
         held = sum(w.forward for w in work[first:]) + sum(back[first:]) + (work[first].weight_grad if split else 0.0)
         seconds.append(sum(w.forward for w in work[:first]) + max(busy, m * held / limit))
-    total = max(seconds) + sum(tails(base.shapes, base.work, base.placement, base.device_params))
+    total = max(seconds) + tail
     # The bound can be tight, and the same seconds summed in another order can land a
     # rounding step above the simulated time: keep it below by a hair.
     return total * (1.0 - 1e-9)
@@ -217,9 +227,51 @@ def _synthesis(
         _cache.move_to_end(key)
         return found
     policy = _loaded(spec, (*params, (LIMIT, limit)))
-    arrays = lower(synthesize(policy, costs)).arrays
+    arrays = synthesized_program(policy, costs)
     held = tuple(int(p) for p in peak_held(arrays.actions, residual, residual))
     _cache[key] = found = (arrays, held)
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return found
+
+
+def synthesized_program(policy: Policy, costs: CostModel | None = None) -> ProgramArrays:
+    """The order :func:`~pipedsl.simulator.synthesize.synthesize` finds, lowered straight to
+    int arrays: the arrays ``lower(synthesize(policy, costs))`` has, without an object per
+    action.
+
+    The synthesiser builds only complete orders in which every action runs after what it
+    needs has run (its pass takes an action once its inputs have arrived), so the order
+    needs no validation; a search that times hundreds of synthesised orders asks only
+    for these arrays. Raises as ``synthesize``.
+    """
+    order = synthesized_order(policy, costs)
+    S, M = policy.num_stages, policy.num_microbatches
+    lengths = [len(o) for o in order]
+    count = 3 * sum(lengths)
+    flat = np.fromiter(chain.from_iterable(chain.from_iterable(order)), dtype=np.int64, count=count).reshape(-1, 3)
+    # The pass's kind codes (0 F, 1 the backward, 2 W) as the arrays' (F, B or I, W).
+    pass_kind = flat[:, 0]
+    codes = np.array([F, I if policy.split_backward else B, W], dtype=np.int8)
+    kind, stage, microbatch = codes[pass_kind], flat[:, 1], flat[:, 2]
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    device = np.repeat(np.arange(len(order), dtype=np.int64), lengths)
+    position = np.arange(len(flat), dtype=np.int64) - np.repeat(bounds[:-1], lengths)
+    actions = ActionArrays(kind, stage, microbatch, device, position, bounds)
+    # Row of each (pass kind, stage, microbatch); every one is there exactly once.
+    row = np.empty(3 * S * M, dtype=np.int64)
+    row[(pass_kind * S + stage) * M + microbatch] = np.arange(len(flat), dtype=np.int64)
+    # What each compute reads from the neighbouring stage: F(s - 1) for F(s), the
+    # backward of s + 1 for a backward of s (as pipedsl.validate links them).
+    forward, backward = pass_kind == 0, pass_kind == 1
+    upstream = np.full(len(flat), -1, dtype=np.int64)
+    has = forward & (stage > 0)
+    upstream[has] = row[(stage[has] - 1) * M + microbatch[has]]
+    has = backward & (stage < S - 1)
+    upstream[has] = row[(S + stage[has] + 1) * M + microbatch[has]]
+    recv_from = np.where((upstream >= 0) & (device[np.maximum(upstream, 0)] != device), upstream, -1)
+    placement = np.asarray(policy.placement, dtype=np.int64)
+    produces = np.where(forward, stage < S - 1, backward & (stage > 0))
+    target = placement[np.clip(np.where(forward, stage + 1, stage - 1), 0, S - 1)]
+    send_to = np.where(produces & (target != device), target, -1)
+    return ProgramArrays(actions, recv_from, send_to)

@@ -43,7 +43,7 @@ from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.policy import Policy
 from pipedsl.simulator.costs import CostModel, StageCosts
 
-__all__ = ["SynthesisError", "Variant", "synthesize", "variants"]
+__all__ = ["SynthesisError", "Variant", "synthesize", "synthesized_order", "variants"]
 
 _INF = float("inf")
 _F, _BWD, _W = 0, 1, 2  # kind codes; _BWD is I when split, B otherwise
@@ -122,11 +122,24 @@ def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[V
         limit's source position.
       SynthesisError: every variant deadlocks under the limits.
     """
+    kinds = (Kind.F, Kind.I if policy.split_backward else Kind.B, Kind.W)
+    orders = []
+    for order in synthesized_order(policy, costs, tries):
+        codes, stages, microbatches = zip(*order) if order else ((), (), ())
+        made = make_actions(list(map(kinds.__getitem__, codes)), stages, microbatches, [None] * len(order))
+        orders.append(tuple(made))
+    return _skeleton(policy, tuple(orders))
+
+
+def synthesized_order(policy: Policy, costs: CostModel | None = None, tries: tuple[Variant, ...] | None = None) -> Order:
+    """The order :func:`synthesize` finds, as per-device (kind code, stage, microbatch)
+    triples (codes 0 F, 1 the backward, 2 W): the fastest variant's, the first of equally
+    fast ones. Raises as :func:`synthesize`."""
     policy.check()
     stage_costs = (costs if costs is not None else CostModel()).resolve(_skeleton(policy, ()))
     _check_bytes(policy, stage_costs)
     plan = _Plan(policy, stage_costs)
-    best: tuple[float, list[list[tuple[int, int, int]]]] | None = None
+    best: tuple[float, Order] | None = None
     failure: SynthesisError | None = None
     for variant in tries if tries is not None else variants(policy):
         try:
@@ -140,13 +153,7 @@ def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[V
     if best is None:
         assert failure is not None
         raise failure
-    kinds = (Kind.F, Kind.I if policy.split_backward else Kind.B, Kind.W)
-    orders = []
-    for order in best[1]:
-        codes, stages, microbatches = zip(*order) if order else ((), (), ())
-        made = make_actions(list(map(kinds.__getitem__, codes)), stages, microbatches, [None] * len(order))
-        orders.append(tuple(made))
-    return _skeleton(policy, tuple(orders))
+    return best[1]
 
 
 def _skeleton(policy: Policy, orders: tuple[tuple[Action, ...], ...]) -> Schedule:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from pipedsl import library
-from pipedsl.analysis import peak_inflight
+from pipedsl.analysis import chain_lower_bound, peak_held, peak_inflight
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.policy import Policy
+from pipedsl.program import lower
 from pipedsl.simulator.estimate import DoesNotFit, prepare
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster
 from pipedsl.simulator.pipelines import Pipelines
@@ -131,3 +133,21 @@ def test_policy_plans_are_costed_as_the_default_order_would_be_without_making_it
     for name in ("key", "placement", "work", "residual", "device_params"):
         assert getattr(found[0], name) == getattr(ordered, name), name
     assert all(p.lower_bound_s > 0 for p in found)
+
+
+def test_a_shape_is_read_once_and_answers_each_question_as_computed_afresh() -> None:
+    # One Pipelines evaluates a policy shape once for its layout, its default order and
+    # the plans' limits, and its remembered peaks and bounds are what the arrays give.
+    pipelines = Pipelines(keep_simulations=False)
+    key = pipelines.key(PLAN)
+    policy = pipelines.policy(key)
+    assert pipelines.policy(key) is policy
+    assert pipelines.layout(key).placement == policy.placement
+    assert policy == library.load("zb_auto", pp=4, microbatches=16)
+    arrays = lower(pipelines.schedule(key)).arrays.actions
+    residual = (5, 7, 7, 11)
+    seconds = np.array([[1.0, 1.5, 1.5, 2.0], [2.0, 3.0, 3.0, 4.0], [1.0, 1.5, 1.5, 2.0], [1.0, 1.5, 1.5, 2.0]])
+    for _ in range(2):
+        assert pipelines.peak_residual_bytes(key, residual) == tuple(int(p) for p in peak_held(arrays, residual, residual))
+        assert pipelines.lower_bound_s(key, seconds) == chain_lower_bound(arrays, seconds)
+    assert pipelines.lower_bound_s(key, 2 * seconds) == chain_lower_bound(arrays, 2 * seconds)

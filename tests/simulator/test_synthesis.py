@@ -3,6 +3,8 @@ closed forms (ZB-H1's bubble at 1F1B's memory, ZB-H2's at about twice it)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +14,9 @@ from pipedsl.errors import ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import load
 from pipedsl.policy import UNSATISFIABLE, Policy
+from pipedsl.program import lower
 from pipedsl.simulator import CostModel, simulate
+from pipedsl.simulator.policy_plans import synthesized_program
 from pipedsl.simulator.synthesize import SynthesisError, Variant, synthesize, variants
 
 
@@ -187,3 +191,27 @@ def test_passes_stopped_early_never_change_the_order_kept(problem: tuple[Policy,
             alone.append(None)
     spans = [float("inf") if s is None else simulate(s, costs).makespan for s in alone]
     assert synthesize(policy, costs) == alone[spans.index(min(spans))]
+
+
+@settings(max_examples=30, deadline=None)
+@given(problems(), st.booleans())
+def test_the_synthesised_program_is_the_lowered_order(problem: tuple[Policy, CostModel, Schedule], v: bool) -> None:
+    # What the search times (int arrays straight from the pass) is what lowering the
+    # synthesised schedule gives, column for column, for chains and V placements.
+    policy, costs, _ = problem
+    if v:
+        policy = v_shape(policy.num_devices, policy.num_microbatches, 2 * policy.num_devices)
+        assert isinstance(costs.forward, tuple)
+        costs = dataclasses.replace(costs, forward=costs.forward * 2)  # one per stage of the V
+    try:
+        expected = lower(synthesize(policy, costs)).arrays
+    except SynthesisError:
+        with pytest.raises(SynthesisError):
+            synthesized_program(policy, costs)
+        return
+    found = synthesized_program(policy, costs)
+    for name in ("kind", "stage", "microbatch", "device", "position", "bounds"):
+        want, got = getattr(expected.actions, name), getattr(found.actions, name)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
+    assert found.recv_from.tolist() == expected.recv_from.tolist()
+    assert found.send_to.tolist() == expected.send_to.tolist()
