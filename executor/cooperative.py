@@ -73,6 +73,8 @@ def run_together(
                 )
     finally:
         runner.stopped = True  # the thread, once it is back from JAX, runs nothing more
+    if runner.broken is not None:
+        raise runner.broken
     return runner.results, runner.errors
 
 
@@ -88,8 +90,15 @@ class _Runner:
         self.running = 0
         self.resumes = 0
         self.stopped = False
+        self.broken: BaseException | None = None  # what ended the loop itself, if anything
 
     def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # raised in the calling thread by run_together
+            self.broken = err
+
+    def _loop(self) -> None:
         # Devices whose request is answered, with the answer; devices waiting for a value
         # (by the key it is sent under); devices waiting for their computations, which
         # wait only once no other device can go on.
