@@ -403,7 +403,22 @@ def _stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ..
     work[0] = work[0] + shapes.embedding_work()
     work[-1] = work[-1] + shapes.head_work()
     overhead = Work(*(3 * (shapes.cluster.action_overhead_s,)))
-    return tuple(w + zero_per_microbatch(shapes, p, w) + overhead for w, p in zip(work, params, strict=True))
+    return tuple(
+        w + zero_per_microbatch(shapes, p, w) + _zero_waits(shapes, n) + overhead
+        for w, p, n in zip(work, params, layers, strict=True)
+    )
+
+
+def _zero_waits(shapes: Shapes, layers: int) -> Work:
+    """What a stage of ``layers`` layers waits per microbatch at its ZeRO collectives on
+    shared cores: ``collective_sync_s`` per layer for each of them (stage 2 reduce-scatters
+    each layer's gradients in ``W``; stage 3 also gathers its weights for the forward and
+    again for the backward)."""
+    plan, sync = shapes.plan, shapes.cluster.collective_sync_s
+    if plan.zero < 2 or plan.dp == 1 or sync <= 0:
+        return Work()
+    per_layer = Work(0.0, 0.0, sync) if plan.zero == 2 else Work(sync, sync, sync)
+    return per_layer * layers
 
 
 def _device_params(plan: Plan, placement: tuple[int, ...], params: tuple[float, ...]) -> tuple[float, ...]:

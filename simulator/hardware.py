@@ -230,10 +230,11 @@ class Cluster:
         gradients, optimizer state and activations, as the memory model counts them).
         0 (the default) for no such slowdown: a GPU's compute does not depend on what
         its neighbours hold. Measured by ``pipedsl demo``.
-      collective_sync_s: seconds that each tensor-parallel collective inside a stage
-        program costs on top of its transfer when the devices share cores: every device
-        of the group must have reached it, and they take turns on the cores. 0 for GPUs;
-        measured by ``pipedsl demo``.
+      collective_sync_s: seconds that each collective inside a stage program (each
+        tensor-parallel one, and ZeRO 2/3's per layer and microbatch) costs on top of its
+        transfer when the devices share cores: every device of the group must have
+        reached it, and they take turns on the cores. 0 for GPUs; measured by
+        ``pipedsl demo``.
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.

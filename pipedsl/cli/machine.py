@@ -23,10 +23,15 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
 - *collectives*: all-reduces over groups of 2 and of every device, of a small and a
   large buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (α and B are
   then also what a send between two devices costs);
-- *collectives inside a program*: the one-layer step split over a tensor axis of 2 (the
-  model's own ``param_specs``), XLA's collectives inside it; what it takes beyond what the
-  rest prices it at, per tensor-parallel collective, is ``collective_sync_s``: on shared
-  cores every device of a group must reach a collective before any goes on;
+- *collectives inside a program*: one training step of the executor's SPMD plan of the
+  one-layer model at tp 2 (the data axis the rest, the model's own ``param_specs``),
+  XLA's collectives inside its programs; what it takes beyond what the numbers above
+  price it at, per tensor-parallel collective, is ``collective_sync_s``: on shared cores
+  every device of a group must reach a collective before any goes on. (Compiling that
+  pipeline is the calibration's longest part.)
+
+The step measurements take turns (:func:`_interleaved_medians`), so that a change in the
+machine's load while they run changes their ratios, which the fits rest on, less.
 - *dispatch*: the seconds one device's thread spends per dispatched stage program while
   every device dispatches (``action_overhead_s``, what each scheduled action costs on top
   of its kernels).
