@@ -260,7 +260,7 @@ def _priced(model: Model, cluster: Cluster, devices: int, microbatch_size: int) 
 
 
 def _fit_flops(model: Model, base: Cluster, devices: int, microbatch_size: int, measured: float) -> float:
-    """The ``peak_flops`` at which the simulator prices :func:`_training_step`' work at
+    """The ``peak_flops`` at which the simulator prices :func:`_step_program`' work at
     ``measured`` seconds on ``base`` (bisection on a log scale)."""
     low, high = 1e6, 1e15
     for _ in range(60):
