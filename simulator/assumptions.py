@@ -27,9 +27,10 @@ class Assumption:
     meaning: str
 
 
-def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption, ...]:
-    """What an estimate of ``plan`` prices: the plan's modelling switches and the
-    collective algorithms chosen for its groups."""
+def assumptions(model: Model, cluster: Cluster, plan: Plan, *, slowdown: float = 1.0) -> tuple[Assumption, ...]:
+    """What an estimate of ``plan`` prices: the plan's modelling switches, the
+    collective algorithms chosen for its groups and, on devices that share a machine,
+    the ``slowdown`` its computation was priced with (``Cluster.working_set_bytes``)."""
     on = {True: "on", False: "off"}
     found = [
         Assumption("flash_attention", on[plan.flash_attention],
@@ -54,6 +55,13 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
             algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
             where = f"{group.per_node} per node over {group.nodes} nodes" if group.spans_nodes else "in one node"
             found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
+    if cluster.working_set_bytes > 0:
+        held = (slowdown - 1.0) * cluster.working_set_bytes
+        found.append(Assumption(
+            "working_set", f"x{slowdown:.3g}",
+            f"computation slowed by the {held / 1e6:.3g} MB the node's devices hold together "
+            f"(1 + held / {cluster.working_set_bytes / 1e6:.3g} MB)",
+        ))  # fmt: skip
     return tuple(found)
 
 

@@ -33,14 +33,18 @@ tail and optimizer step. On devices that share a node's CPU cores
 busy, and an idle device's cores go to the busy ones: the work is conserved, so the
 pipeline part takes the devices' mean busy time, ``makespan × (1 − bubble)``, but no less
 than ``makespan × cores / devices``, the speed-up of a device that has every core to
-itself. MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
+itself. On such devices their caches and memory are shared too: every computation's
+seconds are multiplied by ``1 + W / Cluster.working_set_bytes``, W the bytes that the
+node's devices hold together (:func:`~pipedsl.simulator.memory.node_bytes`), so eight
+data-parallel copies of a model compute more slowly than a pipeline's two (an order
+made later, a policy synthesised per plan, counts no activations in W). MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -51,7 +55,7 @@ from pipedsl.simulator.costs import CostModel, Layout
 from pipedsl.simulator.data_parallel import tails, zero_per_microbatch
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.hardware import Cluster, Model
-from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory
+from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory, node_bytes
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.transformer import Shapes, Work
@@ -317,7 +321,7 @@ class Prepared:
             memory=self.memory,
             stage_forward_s=tuple(w.forward for w in work),
             stage_backward_s=tuple(w.fused_backward(cluster.action_overhead_s) for w in work),
-            assumptions=assumptions(model, cluster, plan),
+            assumptions=assumptions(model, cluster, plan, slowdown=shapes.slowdown),
             simulation=simulation,
         )
 
@@ -357,12 +361,14 @@ def prepare(
     if plan.pp > 1:
         pipelines = pipelines if pipelines is not None else Pipelines()
     key, placement = _schedule_of(plan, pipelines, layout)
-    work = _stage_work(shapes, layers, params)
     device_params = _device_params(plan, placement, params)
     residual = _stage_residual(shapes, layers)
-    memory = device_memory(shapes, device_params, _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp)
+    held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
+    memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
+    shapes = replace(shapes, slowdown=_slowdown(cluster, node_bytes(shapes, device_params, held)))
+    work = _stage_work(shapes, layers, params)
     return Prepared(
         shapes=shapes,
         key=key,
@@ -397,7 +403,22 @@ def _stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ..
     work[0] = work[0] + shapes.embedding_work()
     work[-1] = work[-1] + shapes.head_work()
     overhead = Work(*(3 * (shapes.cluster.action_overhead_s,)))
-    return tuple(w + zero_per_microbatch(shapes, p, w) + overhead for w, p in zip(work, params, strict=True))
+    return tuple(
+        w + zero_per_microbatch(shapes, p, w) + _zero_waits(shapes, n) + overhead
+        for w, p, n in zip(work, params, layers, strict=True)
+    )
+
+
+def _zero_waits(shapes: Shapes, layers: int) -> Work:
+    """What a stage of ``layers`` layers waits per microbatch at its ZeRO collectives on
+    shared cores: ``collective_sync_s`` per layer for each of them (stage 2 reduce-scatters
+    each layer's gradients in ``W``; stage 3 also gathers its weights for the forward and
+    again for the backward)."""
+    plan, sync = shapes.plan, shapes.cluster.collective_sync_s
+    if plan.zero < 2 or plan.dp == 1 or sync <= 0:
+        return Work()
+    per_layer = Work(0.0, 0.0, sync) if plan.zero == 2 else Work(sync, sync, sync)
+    return per_layer * layers
 
 
 def _device_params(plan: Plan, placement: tuple[int, ...], params: tuple[float, ...]) -> tuple[float, ...]:
@@ -443,6 +464,15 @@ def estimate(
     """
     prepared = prepare(model, cluster, plan, pipelines=pipelines, fits_first=fits_first, stage_layers=stage_layers)
     return prepared.finish()
+
+
+def _slowdown(cluster: Cluster, held: float) -> float:
+    """The factor on every computation's seconds when a node's devices hold ``held``
+    bytes together: ``1 + held / cluster.working_set_bytes``, or 1 when the cluster's
+    devices do not share a machine (``working_set_bytes`` 0)."""
+    if cluster.working_set_bytes <= 0:
+        return 1.0
+    return 1.0 + held / cluster.working_set_bytes
 
 
 def _sharing(cluster: Cluster, plan: Plan) -> float:

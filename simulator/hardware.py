@@ -223,6 +223,18 @@ class Cluster:
         compute of their own (forced CPU devices); 0 for GPUs. The compute rates are then
         those of a device while every device of its node is busy, and the cores an idle
         device leaves go to the busy ones (see :mod:`~pipedsl.simulator.estimate`).
+      working_set_bytes: for devices that share one machine's caches and memory
+        (forced CPU devices), the bytes held by a node's devices together at which their
+        computation takes twice as long: every computation's seconds are multiplied by
+        ``1 + W / working_set_bytes``, W being what the node's devices hold (weights,
+        gradients, optimizer state and activations, as the memory model counts them).
+        0 (the default) for no such slowdown: a GPU's compute does not depend on what
+        its neighbours hold. Measured by ``pipedsl demo``.
+      collective_sync_s: seconds that each collective inside a stage program (each
+        tensor-parallel one, and ZeRO 2/3's per layer and microbatch) costs on top of its
+        transfer when the devices share cores: every device of the group must have
+        reached it, and they take turns on the cores. 0 for GPUs; measured by
+        ``pipedsl demo``.
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.
@@ -246,6 +258,8 @@ class Cluster:
     kernel_launch_s: float = 0.0
     action_overhead_s: float = 0.0
     shared_cores: float = 0.0
+    working_set_bytes: float = 0.0
+    collective_sync_s: float = 0.0
     memory_bytes: int
     reserved_bytes: int = 0
     hbm_bandwidth: float
@@ -275,6 +289,8 @@ class Cluster:
             "kernel_launch_s",
             "action_overhead_s",
             "shared_cores",
+            "working_set_bytes",
+            "collective_sync_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:

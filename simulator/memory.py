@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.transformer import Shapes
 
-__all__ = ["GRAD_BYTES", "OPTIMIZER_BYTES", "Memory", "DoesNotFit", "device_memory", "static_memory"]
+__all__ = ["GRAD_BYTES", "OPTIMIZER_BYTES", "Memory", "DoesNotFit", "device_memory", "node_bytes", "static_memory"]
 
 GRAD_BYTES = 4
 """Bytes per gradient value held: fp32, as accumulated over microbatches."""
@@ -115,3 +115,18 @@ def device_memory(shapes: Shapes, device_params: Sequence[float], activations: S
         total=round(totals[fullest]),
         usable=shapes.cluster.usable_bytes,
     )
+
+
+def node_bytes(shapes: Shapes, device_params: Sequence[float], activations: Sequence[int]) -> float:
+    """Bytes that the devices of one node hold together: the mean pipeline device's
+    weights, gradients, optimizer state, activations and working memory (as
+    :func:`device_memory` counts them, ``activations`` one number per pipeline device)
+    times the devices of the plan in one node (every data and tensor rank holds its
+    pipeline device's share)."""
+    plan, model, cluster = shapes.plan, shapes.model, shapes.cluster
+    transient = transient_bytes(shapes)
+    totals = [
+        sum(static_memory(plan, p, model.dtype_bytes)) + held + transient
+        for p, held in zip(device_params, activations, strict=True)
+    ]
+    return sum(totals) / len(totals) * min(plan.gpus, cluster.gpus_per_node)

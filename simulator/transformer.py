@@ -17,6 +17,9 @@ feed-forward width, a heads of width d = h/a, V vocabulary, t = tp):
   bandwidth: each byte a layer stores for its backward (Korthikanti et al. 2022:
   s·b·h·(34 + 5·a·s/h)/t with sequence parallelism) costs two bytes of HBM traffic in the
   forward and four in the backward. FlashAttention never writes the a·s² scores.
+- On devices that share one machine (``Cluster.working_set_bytes``), every product's
+  and every byte of traffic's seconds are multiplied by ``Shapes.slowdown``, which
+  :mod:`~pipedsl.simulator.estimate` sets from what the node's devices hold.
 - Every kernel costs ``kernel_launch_s`` more: per layer forward the products above and
   :data:`ELEMENTWISE_KERNELS` elementwise kernels (two more without FlashAttention:
   softmax and attention dropout); the backward twice the products, as many elementwise.
@@ -24,7 +27,8 @@ feed-forward width, a heads of width d = h/a, V vocabulary, t = tp):
   collectives) inside ``I`` and stores only the layer input (2·s·b·h/t); ``selective``
   reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t.
 - Tensor parallelism: 2 all-reduces of b·s·h values in the forward and 2 in the backward
-  per layer (:mod:`~pipedsl.simulator.collectives`); sequence parallelism turns each into
+  per layer (:mod:`~pipedsl.simulator.collectives`), each ``collective_sync_s`` more on
+  devices that share cores (the wait until every device of the group reaches it); sequence parallelism turns each into
   a reduce-scatter plus an all-gather. The plan's ``tp_overlap`` fraction of them is
   hidden behind the products (userbuffer overlap) and not priced.
 """
@@ -105,6 +109,10 @@ class Shapes:
     model: Model
     cluster: Cluster
     plan: Plan
+    slowdown: float = 1.0
+    """Factor on every computation's seconds (matrix products and memory traffic, not
+    collectives or launches): what the node's working set costs on devices that share a
+    machine (``Cluster.working_set_bytes``); 1 otherwise."""
 
     @property
     def tokens(self) -> int:
@@ -116,10 +124,10 @@ class Shapes:
         return group_of(self.plan.tp, 1, self.cluster)
 
     def traffic_seconds(self, num_bytes: float) -> float:
-        return num_bytes / self.cluster.hbm_bandwidth
+        return num_bytes / self.cluster.hbm_bandwidth * self.slowdown
 
     def _gemm(self, m: float, k: float, n: float, batch: int = 1) -> float:
-        return gemm_seconds(m, k, n, self.cluster, dtype_bytes=self.model.dtype_bytes, batch=batch)
+        return gemm_seconds(m, k, n, self.cluster, dtype_bytes=self.model.dtype_bytes, batch=batch) * self.slowdown
 
     def linear_seconds(self) -> tuple[float, int]:
         """(seconds, kernels) of one layer's four linear products, forward."""
@@ -139,17 +147,22 @@ class Shapes:
         heads = plan.microbatch_size * m.heads // plan.tp
         width = m.hidden // m.heads
         if plan.flash_attention:
-            return _fused_attention_seconds(m.seq_len, width, heads, self.cluster, dtype_bytes=m.dtype_bytes), 1
+            fused = _fused_attention_seconds(m.seq_len, width, heads, self.cluster, dtype_bytes=m.dtype_bytes)
+            return fused * self.slowdown, 1
         seconds = self._gemm(m.seq_len, width, m.seq_len, heads) + self._gemm(m.seq_len, m.seq_len, width, heads)
         return seconds, 2
 
     def tp_all_reduce(self) -> float:
         """One tensor-parallel all-reduce of b·s·h values (with sequence parallelism a
-        reduce-scatter plus an all-gather), in seconds."""
+        reduce-scatter plus an all-gather), in seconds, each collective with the
+        cluster's ``collective_sync_s`` on top."""
+        if self.plan.tp == 1:
+            return 0.0
         size = self.tokens * self.model.hidden * self.model.dtype_bytes
+        sync = self.cluster.collective_sync_s
         if self.plan.sequence_parallel:
-            return 2 * gather_seconds(size, self.tp_group, self.cluster)
-        return all_reduce_seconds(size, self.tp_group, self.cluster)
+            return 2 * (gather_seconds(size, self.tp_group, self.cluster) + sync)
+        return all_reduce_seconds(size, self.tp_group, self.cluster) + sync
 
     def layer_activation_bytes(self, recompute: Recompute) -> float:
         """Bytes one layer keeps per microbatch for its backward (Korthikanti et al. 2022)."""

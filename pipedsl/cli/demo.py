@@ -3,8 +3,9 @@
 1. *Library*: check every shipped schedule and print a summary table and one schedule's
    per-device order.
 2. *Plan*: describe this machine as a cluster of forced CPU devices (eight by default;
-   each device's matrix FLOP/s measured with all of them busy, and the copy bandwidth
-   between two), search the SPMD, pipeline and hybrid plans of the demo transformer on it,
+   each device's compute rate and how it slows with the bytes the devices hold together,
+   measured with all of them busy, the collectives, the dispatch cost and the wait of a
+   tensor-parallel collective: :mod:`pipedsl.cli.machine`), search the SPMD, pipeline and hybrid plans of the demo transformer on it,
    show the ranking and write it as CSV.
 3. *Run*: take the best SPMD plan, the best hybrid plan (data or tensor parallel stages in
    a pipeline) and the best pure pipelines that the demo transformer splits into, and run

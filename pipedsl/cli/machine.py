@@ -7,17 +7,31 @@ every run's prediction comes from it (never from that run's own steps). The clus
 says how many cores its devices share (``shared_cores``, the cores this process may run
 on), so that a pipeline's idle devices are priced as cores the busy ones get:
 
-- *compute*: one data-parallel forward and backward of the model (cut to one layer, so
-  that it compiles quickly), a microbatch on every device at once, without any reduction
-  between them; the rate is the ``peak_flops`` at which the simulator's cost of that same
-  work equals the measured time (elementwise work priced at the measured memory
-  bandwidth). A product benchmark overstates this rate about tenfold on CPU: the
-  backward's transposed products, the attention's small ones and the elementwise work
-  run far below it;
+- *compute*: one data-parallel forward and backward of the model, a microbatch on every
+  device at once, without any reduction between them, cut to one layer and to two so that
+  it compiles quickly. The devices share this machine's caches and memory, and a step's
+  time grows faster than its work as the bytes the devices hold together grow (eight
+  data-parallel copies of a model are slower per FLOP than a pipeline's two). So two
+  numbers are fitted to the two steps: the
+  ``peak_flops`` and the ``working_set_bytes`` at which the simulator's cost of the same
+  work, every computation's seconds times ``1 + held / working_set_bytes`` (held: what
+  the memory model says the devices hold together), equals the measured times
+  (elementwise work priced at the measured memory bandwidth). A product benchmark
+  overstates this rate about tenfold on CPU: the backward's transposed products, the
+  attention's small ones and the elementwise work run far below it;
 - *memory bandwidth*: one elementwise update of a few MB on every device at once;
 - *collectives*: all-reduces over groups of 2 and of every device, of a small and a
   large buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (α and B are
   then also what a send between two devices costs);
+- *collectives inside a program*: one training step of the executor's SPMD plan of the
+  one-layer model at tp 2 (the data axis the rest, the model's own ``param_specs``),
+  XLA's collectives inside its programs; what it takes beyond what the numbers above
+  price it at, per tensor-parallel collective, is ``collective_sync_s``: on shared cores
+  every device of a group must reach a collective before any goes on. (Compiling that
+  pipeline is the calibration's longest part.)
+
+The step measurements take turns (:func:`_interleaved_medians`), so that a change in the
+machine's load while they run changes their ratios, which the fits rest on, less.
 - *dispatch*: the seconds one device's thread spends per dispatched stage program while
   every device dispatches (``action_overhead_s``, what each scheduled action costs on top
   of its kernels).
@@ -36,11 +50,18 @@ from typing import Any
 
 import numpy as np
 
+from pipedsl.cli.common import load_schedule
+from pipedsl.cli.planned import SPMD_SCHEDULE
 from pipedsl.simulator import Cluster, Model, Plan, estimate
 
 __all__ = ["MachineCalibration", "calibrate_machine"]
 
 _REPEATS = 3
+_STEP_REPEATS = 5
+_LAYERS = (1, 2)
+_TENSOR = 2
+"""The tensor axis of the step that measures collectives inside a program."""
+"""The forward and backward steps measured: the model cut to one layer and to two."""
 _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 
@@ -51,14 +72,18 @@ class MachineCalibration:
 
     Attributes:
       cluster: this machine as ``devices`` CPU devices in one node.
-      compute_s: measured seconds of one microbatch's forward and backward on every device.
-      microbatch_size: sequences per device in that measurement.
+      step_s: measured seconds of one microbatch's forward and backward of the model cut
+        to so many layers, by layers, on every device at once.
+      tensor_step_s: measured seconds of the one-layer forward and backward split over a
+        tensor axis of 2 (a data axis the rest), its gradients summed over the data axis.
+      microbatch_size: sequences per device (per data rank) in those steps.
       all_reduce_s: measured seconds by (group size, bytes).
       seconds: wall time of the whole calibration.
     """
 
     cluster: Cluster
-    compute_s: float
+    step_s: dict[int, float]
+    tensor_step_s: float
     microbatch_size: int
     all_reduce_s: dict[tuple[int, int], float]
     seconds: float
@@ -67,31 +92,48 @@ class MachineCalibration:
         """One line per measured quantity, with units."""
         c = self.cluster
         reduces = ", ".join(f"{n} devices {b / 1e6:.3g} MB {t * 1e3:.2f} ms" for (n, b), t in self.all_reduce_s.items())
+        steps = ", ".join(f"{n} layer{'s' if n > 1 else ''} {t * 1e3:.1f} ms" for n, t in self.step_s.items())
+        slowed = (
+            f"slowed by 1 + held / {c.working_set_bytes / 1e6:.0f} MB for the bytes the devices hold together"
+            if c.working_set_bytes > 0
+            else "not slowed by what the devices hold"
+        )
         return (
-            f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device (fitted to a forward and backward of "
-            f"{self.microbatch_size} sequences per device: {self.compute_s * 1e3:.1f} ms); memory "
+            f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {slowed} (fitted to a forward and backward "
+            f"of {self.microbatch_size} sequences per device: {steps}); memory "
             f"{c.hbm_bandwidth / 1e9:.2f} GB/s; collectives α {c.intra_node_latency * 1e6:.0f} µs, "
             f"B {c.intra_node_bandwidth / 1e9:.2f} GB/s (all-reduce {reduces}); dispatch "
-            f"{c.action_overhead_s * 1e6:.0f} µs per action; calibrated in {self.seconds:.1f} s"
+            f"{c.action_overhead_s * 1e6:.0f} µs per action; each tensor-parallel collective "
+            f"{c.collective_sync_s * 1e3:.2f} ms more (fitted to a one-layer step at tp=2: "
+            f"{self.tensor_step_s * 1e3:.1f} ms); calibrated in {self.seconds:.1f} s"
         )
 
 
 def _median_seconds(run: Callable[[], Any], repeats: int = _REPEATS) -> float:
     """Median wall seconds of ``run()`` (its result blocked on), after one warm-up call."""
+    return _interleaved_medians({0: run}, repeats)[0]
+
+
+def _interleaved_medians(runs: dict[Any, Callable[[], Any]], repeats: int = _REPEATS) -> dict[Any, float]:
+    """Median wall seconds of each of ``runs`` (results blocked on), after one warm-up
+    call each, taking turns, so that a change in the machine's load while they are
+    measured slows them all alike and their ratios hold."""
     import jax
 
-    jax.block_until_ready(run())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    for run in runs.values():
         jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[Any, list[float]] = {key: [] for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
-def _compute_seconds(model: Any, devices: int, microbatch_size: int) -> float:
-    """One forward and backward of ``microbatch_size`` sequences on each of ``devices``,
-    all at once, nothing reduced between them."""
+def _step_program(model: Any, devices: int, microbatch_size: int) -> Callable[[], Any]:
+    """A call that runs one forward and backward of ``microbatch_size`` sequences on each
+    of ``devices``, all at once, nothing reduced between them."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -114,7 +156,33 @@ def _compute_seconds(model: Any, devices: int, microbatch_size: int) -> float:
     )  # fmt: skip
     params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
     tokens, targets = jax.device_put(tokens, split), jax.device_put(targets, split)
-    return _median_seconds(lambda: program(params, tokens, targets))
+    return lambda: program(params, tokens, targets)
+
+
+def _tensor_training_step(model: Any, devices: int, microbatch_size: int) -> tuple[Callable[[], Any], Any]:
+    """The executor's SPMD plan of ``model`` over every device at tp 2 (the data axis the
+    rest), one microbatch of ``microbatch_size`` sequences per data rank: (a call that
+    runs one Adam training step, the pipeline to close)."""
+    import jax
+    import optax
+
+    from pipedsl.executor import Pipeline
+
+    key = jax.random.PRNGKey(0)
+    params = model.init_stages(key)
+    pipe = Pipeline(
+        model.stages, loss=model.loss, schedule=load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": 1}),
+        backend="local", dp=devices // _TENSOR, tp=_TENSOR, param_specs=model.param_specs(params),
+    )  # fmt: skip
+    batch = model.batch(jax.random.fold_in(key, 1), devices // _TENSOR * microbatch_size)
+    optimizer = optax.adam(1e-3)
+    held: list[Any] = [params, None]
+
+    def step() -> Any:
+        held[0], held[1], _ = pipe.train_step(held[0], held[1], batch, optimizer=optimizer)
+        return held[0]
+
+    return step, pipe
 
 
 def _bandwidth(devices: int) -> float:
@@ -177,19 +245,73 @@ def _dispatch_seconds(devices: int) -> float:
     return (time.perf_counter() - start) / _DISPATCHES
 
 
+def _plan(dp: int, tp: int, microbatch_size: int) -> Plan:
+    """The plan a calibration step runs: one stage, one microbatch per data rank."""
+    return Plan(
+        dp=dp, tp=tp, microbatch_size=microbatch_size, global_batch=dp * microbatch_size,
+        flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
+    )  # fmt: skip
+
+
+def _priced(model: Model, cluster: Cluster, devices: int, microbatch_size: int) -> float:
+    """The simulator's seconds of what :func:`_step_program` runs: one data-parallel
+    microbatch's forward and backward, its devices holding what a training step's do."""
+    return estimate(model, cluster, _plan(devices, 1, microbatch_size)).pipeline_time_s
+
+
 def _fit_flops(model: Model, base: Cluster, devices: int, microbatch_size: int, measured: float) -> float:
-    """The ``peak_flops`` at which the simulator prices one data-parallel microbatch's
-    forward and backward at ``measured`` seconds (bisection on a log scale)."""
-    plan = Plan(dp=devices, microbatch_size=microbatch_size, global_batch=devices * microbatch_size, flash_attention=False)
-
-    def priced(flops: float) -> float:
-        return estimate(model, dataclasses.replace(base, peak_flops=flops), plan).pipeline_time_s
-
+    """The ``peak_flops`` at which the simulator prices :func:`_step_program`' work at
+    ``measured`` seconds on ``base`` (bisection on a log scale)."""
     low, high = 1e6, 1e15
     for _ in range(60):
         middle = (low * high) ** 0.5
-        low, high = (middle, high) if priced(middle) > measured else (low, middle)
+        slow = _priced(model, dataclasses.replace(base, peak_flops=middle), devices, microbatch_size) > measured
+        low, high = (middle, high) if slow else (low, middle)
     return (low * high) ** 0.5
+
+
+def _fit_compute(
+    model: Model, base: Cluster, devices: int, microbatch_size: int, measured: dict[int, float]
+) -> tuple[float, float]:
+    """(``peak_flops``, ``working_set_bytes``) at which the simulator prices the training
+    steps of ``model`` cut to the fewer and to the more layers of ``measured`` (layers to
+    seconds, two entries) as measured. More layers hold more bytes; when their step takes
+    no longer than its work says, nothing slows and ``working_set_bytes`` is 0."""
+    small, large = sorted(measured)
+
+    def fitted(working_set: float) -> tuple[Cluster, float]:
+        """The cluster fitted to the smaller step at ``working_set``, and its larger step's
+        priced over measured seconds."""
+        cluster = dataclasses.replace(base, working_set_bytes=working_set)
+        flops = _fit_flops(dataclasses.replace(model, layers=small), cluster, devices, microbatch_size, measured[small])
+        cluster = dataclasses.replace(cluster, peak_flops=flops)
+        ratio = _priced(dataclasses.replace(model, layers=large), cluster, devices, microbatch_size) / measured[large]
+        return cluster, ratio
+
+    cluster, ratio = fitted(0.0)
+    if ratio >= 1.0:
+        return cluster.peak_flops, 0.0
+    # A smaller working set slows the larger step more than the smaller: bisect on a log scale.
+    low, high = 1e3, 1e15
+    for _ in range(40):
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if fitted(middle)[1] > 1.0 else (low, middle)
+    cluster, _ = fitted((low * high) ** 0.5)
+    return cluster.peak_flops, cluster.working_set_bytes
+
+
+def _fit_sync(model: Model, cluster: Cluster, devices: int, microbatch_size: int, measured: float) -> float:
+    """The ``collective_sync_s`` at which the simulator prices the executor's
+    tensor-parallel training step (:func:`_tensor_training_step`) at ``measured`` seconds on
+    ``cluster``; 0 when it prices it at ``measured`` or more without any."""
+    plan = _plan(devices // _TENSOR, _TENSOR, microbatch_size)
+
+    def priced(sync: float) -> float:
+        return estimate(model, dataclasses.replace(cluster, collective_sync_s=sync), plan).step_time_s
+
+    # The step's seconds grow by one sync per collective: linear in it.
+    without, per_second = priced(0.0), priced(1.0) - priced(0.0)
+    return max(0.0, (measured - without) / per_second)
 
 
 def calibrate_machine(
@@ -199,7 +321,14 @@ def calibrate_machine(
     ``model`` (its simulator description); ``build(layers)`` gives the same model as the
     executor builds it, one stage of ``layers`` layers."""
     started = time.perf_counter()
-    compute = _compute_seconds(build(1), devices, microbatch_size)
+    runs: dict[Any, Callable[[], Any]] = {n: _step_program(build(n), devices, microbatch_size) for n in _LAYERS}
+    runs["tensor"], pipe = _tensor_training_step(build(1), devices, microbatch_size)
+    try:
+        measured = _interleaved_medians(runs, _STEP_REPEATS)
+    finally:
+        pipe.close()
+    tensor = measured.pop("tensor")
+    steps = {n: measured[n] for n in _LAYERS}
     bandwidth = _bandwidth(devices)
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
     alpha, link = _fit_ring(reduces)
@@ -219,11 +348,14 @@ def calibrate_machine(
         inter_node_bandwidth=link,
         inter_node_latency=alpha,
     )
-    flops = _fit_flops(dataclasses.replace(model, layers=1), base, devices, microbatch_size, compute)
-    cluster = dataclasses.replace(base, peak_flops=flops, action_overhead_s=dispatch)
+    flops, working_set = _fit_compute(model, base, devices, microbatch_size, steps)
+    cluster = dataclasses.replace(base, peak_flops=flops, working_set_bytes=working_set, action_overhead_s=dispatch)
+    one_layer = dataclasses.replace(model, layers=1)
+    cluster = dataclasses.replace(cluster, collective_sync_s=_fit_sync(one_layer, cluster, devices, microbatch_size, tensor))
     return MachineCalibration(
         cluster=cluster,
-        compute_s=compute,
+        step_s=steps,
+        tensor_step_s=tensor,
         microbatch_size=microbatch_size,
         all_reduce_s=reduces,
         seconds=time.perf_counter() - started,

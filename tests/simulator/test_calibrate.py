@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pipedsl
-from pipedsl.cli.machine import _fit_flops, _fit_ring
+from pipedsl.cli.machine import _fit_compute, _fit_flops, _fit_ring, _fit_sync, _interleaved_medians, _plan
 from pipedsl.errors import PipedslError
 from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, simulate
 from pipedsl.simulator.cost_fit import CalibrationError, fit_costs
@@ -162,3 +162,32 @@ def test_demo_counts_the_pairs_of_runs_its_prediction_orders_as_measured() -> No
     assert _pairs_agreeing([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == (3, 3)
     assert _pairs_agreeing([1.0, 2.0, 3.0], [30.0, 20.0, 10.0]) == (0, 3)
     assert _pairs_agreeing([1.0, 3.0, 2.0], [10.0, 20.0, 30.0]) == (2, 3)
+
+
+def test_compute_fit_recovers_the_rate_and_the_working_set_from_two_depths() -> None:
+    # Steps of one and two layers priced on a cluster whose computation slows by what its
+    # devices hold: the fit finds both numbers again.
+    truth = dataclasses.replace(_CPU, peak_flops=3e9, working_set_bytes=20e6)
+    plan = _plan(8, 1, 4)
+    measured = {n: estimate(dataclasses.replace(_TINY, layers=n), truth, plan).pipeline_time_s for n in (1, 2)}
+    flops, working_set = _fit_compute(_TINY, _CPU, 8, 4, measured)
+    assert flops == pytest.approx(3e9, rel=1e-3)
+    assert working_set == pytest.approx(20e6, rel=1e-3)
+    # A deeper step no slower than its work says: nothing slows.
+    even = {n: estimate(dataclasses.replace(_TINY, layers=n), _CPU, plan).pipeline_time_s for n in (1, 2)}
+    assert _fit_compute(_TINY, _CPU, 8, 4, even)[1] == 0.0
+
+
+def test_sync_fit_recovers_the_wait_per_tensor_parallel_collective() -> None:
+    truth = dataclasses.replace(_CPU, collective_sync_s=2e-3)
+    model = dataclasses.replace(_TINY, layers=1)
+    measured = estimate(model, truth, _plan(4, 2, 4)).step_time_s
+    assert _fit_sync(model, _CPU, 8, 4, measured) == pytest.approx(2e-3, rel=1e-6)
+    assert _fit_sync(model, _CPU, 8, 4, 0.0) == 0.0
+
+
+def test_interleaved_measurements_take_turns() -> None:
+    order: list[str] = []
+    medians = _interleaved_medians({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 2)
+    assert order == ["a", "b", "a", "b", "a", "b"]  # one warm-up each, then in turns
+    assert set(medians) == {"a", "b"} and all(t >= 0 for t in medians.values())

@@ -257,6 +257,50 @@ def test_devices_that_share_cores_take_their_mean_busy_time() -> None:
         dataclasses.replace(IDEAL, shared_cores=-1)
 
 
+def test_what_a_nodes_devices_hold_slows_their_computation() -> None:
+    # Devices that share one machine's caches: every computation's seconds times
+    # 1 + W / working_set_bytes, W the bytes the node's devices hold together.
+    model = dataclasses.replace(GPT, vocab=8, layers=8)
+    alone = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
+    ws = 50e6
+    shared = dataclasses.replace(alone, working_set_bytes=ws)
+    spmd = Plan(dp=8, global_batch=8)
+    held = estimate(model, alone, spmd).memory.total * 8  # eight alike devices
+    slowed = estimate(model, shared, spmd)
+    assert slowed.pipeline_time_s == pytest.approx(estimate(model, alone, spmd).pipeline_time_s * (1 + held / ws))
+    assert any(a.name == "working_set" for a in slowed.assumptions)
+    assert not any(a.name == "working_set" for a in estimate(model, alone, spmd).assumptions)
+    # Eight data-parallel copies hold more than a pipeline's two, so they slow more.
+    pipe = Plan(pp=4, dp=2, global_batch=8, schedule="1f1b")
+    spmd_ratio = slowed.step_time_s / estimate(model, alone, spmd).step_time_s
+    pipe_ratio = estimate(model, shared, pipe).step_time_s / estimate(model, alone, pipe).step_time_s
+    assert spmd_ratio > pipe_ratio > 1
+    assert prepare(model, shared, pipe).lower_bound_s <= estimate(model, shared, pipe).step_time_s * (1 + 1e-12)
+    with pytest.raises(DescriptionError, match="working_set_bytes must be a number >= 0"):
+        dataclasses.replace(IDEAL, working_set_bytes=-1)
+
+
+def test_each_tensor_parallel_collective_waits_its_sync_on_shared_cores() -> None:
+    # Two all-reduces in each layer's forward and two in its backward, each sync more
+    # (with sequence parallelism each is a reduce-scatter and an all-gather: two syncs).
+    model = dataclasses.replace(GPT, vocab=8)
+    sync = 1e-3
+    waits = dataclasses.replace(IDEAL, collective_sync_s=sync)
+    for parallel, collectives in ((False, 4), (True, 8)):
+        # 3 microbatches
+        plan = Plan(tp=2, dp=4, microbatch_size=1, global_batch=12, tp_overlap=0.0, sequence_parallel=parallel)
+        gap = estimate(model, waits, plan).pipeline_time_s - estimate(model, IDEAL, plan).pipeline_time_s
+        assert gap == pytest.approx(3 * model.layers * collectives * sync)
+    # Without a tensor axis there is nothing to wait for, unless ZeRO 2/3 sums or gathers
+    # every layer in every microbatch: one sync per layer (stage 2), three (stage 3).
+    dp = Plan(dp=8, microbatch_size=1, global_batch=24)
+    assert estimate(model, waits, dp).step_time_s == estimate(model, IDEAL, dp).step_time_s
+    for zero, collectives in ((2, 1), (3, 3)):
+        sharded = dataclasses.replace(dp, zero=zero)
+        gap = estimate(model, waits, sharded).pipeline_time_s - estimate(model, IDEAL, sharded).pipeline_time_s
+        assert gap == pytest.approx(3 * model.layers * collectives * sync)
+
+
 @pytest.mark.parametrize(
     ("spec", "vpp"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
 )
