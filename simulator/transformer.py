@@ -28,9 +28,10 @@ feed-forward width, a heads of width d = h/a, V vocabulary, t = tp):
   reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t.
 - Tensor parallelism: 2 all-reduces of b·s·h values in the forward and 2 in the backward
   per layer (:mod:`~pipedsl.simulator.collectives`), each ``collective_sync_s`` more on
-  devices that share cores (the wait until every device of the group reaches it); sequence parallelism turns each into
-  a reduce-scatter plus an all-gather. The plan's ``tp_overlap`` fraction of them is
-  hidden behind the products (userbuffer overlap) and not priced.
+  devices that share cores (the wait until every device of the group reaches it);
+  sequence parallelism turns each into a reduce-scatter plus an all-gather. The plan's
+  ``tp_overlap`` fraction of them is hidden behind the products (userbuffer overlap) and
+  not priced.
 """
 
 from __future__ import annotations
