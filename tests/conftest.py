@@ -15,13 +15,19 @@ keeps one persistent compilation cache in a temporary folder, shared with every 
 it starts through the environment, and removes it at the end; a cache folder the caller
 set wins. This directory is on ``sys.path`` (pytest puts a conftest's folder there), so
 every tier imports ``helpers``.
+
+Tests of Ctrl-C take the ``ctrl_c`` fixture: SIGINT as a foreground job in a terminal gets
+it, whatever this run inherited (a shell starts a background job with SIGINT ignored, and
+every process it starts inherits that).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -40,6 +46,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # Every program, however small or quick to compile: most of them are.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """Python's own SIGINT handler in this process (and so SIGINT's default in the
+    processes it starts) for the test, then the handler it had."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -77,6 +77,7 @@ class _Interrupted:
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_ctrl_c_that_python_drops_still_ends_the_run() -> None:
     with _recorded_interrupts() as interrupted:
         assert not interrupted()

@@ -279,6 +279,7 @@ def _is_ray_server(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("when", ["start-up", "steps"])
+@pytest.mark.usefixtures("ctrl_c")
 def test_ctrl_c_prints_one_line_and_leaves_no_ray_process(when: str) -> None:
     mark = uuid.uuid4().hex
     run, _, err = _interrupt(mark, when)
