@@ -35,6 +35,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from pipedsl.executor.devices import xla_device_flag
 from pipedsl.executor.errors import ExecutionError, PeerFailed
+from pipedsl.executor.interpreter import drive
 from pipedsl.executor.mesh import MeshConfig, build_meshes
 from pipedsl.executor.ray_links import Channel, Layout, Links, structs
 from pipedsl.executor.ray_transport import Mailbox, RayTransport, from_wire
@@ -269,7 +270,7 @@ class DeviceActor:
         try:
             if update is not None and update.optimizer is not None:
                 self._optimizers[update.optimizer_id] = update.optimizer
-            result = worker.run_step(
+            steps = worker.steps(
                 transport,
                 inputs,
                 targets,
@@ -277,6 +278,7 @@ class DeviceActor:
                 recorder=Recorder(self.index, origin, clock=time.time) if origin is not None else None,
                 keep_grads=return_grads,
             )
+            result = drive(steps, transport, timeout=worker.runtime.recv_timeout)
             failure = transport.finish()
             if failure is not None:
                 raise failure

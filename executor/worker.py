@@ -3,7 +3,7 @@
 A :class:`Worker` is one pipeline device of one pipeline: its lowered program, the
 compiled stages it owns (SPMD programs on its stage mesh, see :mod:`pipedsl.executor.mesh`)
 and its resident state: the parameter leaves its stages use and the optimizer state
-of the leaves they own. :meth:`Worker.run_step` runs a whole step on the device:
+of the leaves they own. :meth:`Worker.steps` runs a whole step on the device:
 
 1. cut the batch's leaves (where the first / last stage lives) into microbatches, each
    split over the mesh's ``"data"`` axis;
@@ -21,7 +21,7 @@ Everything between devices goes through the backend's
 :class:`~pipedsl.executor.transport.Transport`. :meth:`Worker.steps` is the step as a
 generator that yields what it waits for (:class:`~pipedsl.executor.interpreter.Receive`,
 :class:`~pipedsl.executor.interpreter.Computed`): the Ray backend's actor answers each by
-waiting (:meth:`Worker.run_step`), the local backend runs every pipeline device's steps
+waiting (:func:`~pipedsl.executor.interpreter.drive`), the local backend runs every pipeline device's steps
 on one thread, switching devices where one waits.
 """
 
@@ -38,7 +38,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError, stage_failure
-from pipedsl.executor.interpreter import Computed, DeviceRuntime, Receive, Steps, drive
+from pipedsl.executor.interpreter import Computed, DeviceRuntime, Receive, Steps
 from pipedsl.executor.mesh import StageLayout
 from pipedsl.executor.stage_program import StageProgram, compile_stage
 from pipedsl.executor.stages import StagedModel
@@ -158,20 +158,6 @@ class Worker:
         return jax.device_get(mine), (jax.device_get(dict(self.states)) if states else {})
 
     # -- the step ------------------------------------------------------------------
-
-    def run_step(
-        self,
-        transport: Transport,
-        inputs: Sequence[Any],
-        targets: Sequence[Any],
-        *,
-        update: Update | None,
-        recorder: Recorder | None,
-        keep_grads: bool,
-    ) -> WorkerStep:
-        """One step on this thread (:meth:`steps`, every request waited for)."""
-        steps = self.steps(transport, inputs, targets, update=update, recorder=recorder, keep_grads=keep_grads)
-        return drive(steps, transport, timeout=self.runtime.recv_timeout)
 
     def steps(
         self,
