@@ -367,7 +367,9 @@ def prepare(
     memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
-    shapes = replace(shapes, slowdown=_slowdown(cluster, node_bytes(shapes, device_params, held)))
+    if cluster.working_set_bytes > 0:
+        # Devices that share one machine compute more slowly the more the node holds.
+        shapes = replace(shapes, slowdown=1.0 + node_bytes(shapes, device_params, held) / cluster.working_set_bytes)
     work = _stage_work(shapes, layers, params)
     return Prepared(
         shapes=shapes,
@@ -464,15 +466,6 @@ def estimate(
     """
     prepared = prepare(model, cluster, plan, pipelines=pipelines, fits_first=fits_first, stage_layers=stage_layers)
     return prepared.finish()
-
-
-def _slowdown(cluster: Cluster, held: float) -> float:
-    """The factor on every computation's seconds when a node's devices hold ``held``
-    bytes together: ``1 + held / cluster.working_set_bytes``, or 1 when the cluster's
-    devices do not share a machine (``working_set_bytes`` 0)."""
-    if cluster.working_set_bytes <= 0:
-        return 1.0
-    return 1.0 + held / cluster.working_set_bytes
 
 
 def _sharing(cluster: Cluster, plan: Plan) -> float:

@@ -101,10 +101,7 @@ def device_memory(shapes: Shapes, device_params: Sequence[float], activations: S
     """Memory of the fullest of the devices holding ``device_params`` parameters and
     ``activations`` bytes of activations (one number per device), with the plan's
     working memory (:func:`transient_bytes`) on each."""
-    plan, model = shapes.plan, shapes.model
-    transient = transient_bytes(shapes)
-    static = [static_memory(plan, p, model.dtype_bytes) for p in device_params]
-    totals = [sum(parts) + held + transient for parts, held in zip(static, activations, strict=True)]
+    static, totals, transient = _per_device(shapes, device_params, activations)
     fullest = max(range(len(totals)), key=lambda d: totals[d])
     weights, grads, optimizer = static[fullest]
     return Memory(
@@ -123,10 +120,16 @@ def node_bytes(shapes: Shapes, device_params: Sequence[float], activations: Sequ
     :func:`device_memory` counts them, ``activations`` one number per pipeline device)
     times the devices of the plan in one node (every data and tensor rank holds its
     pipeline device's share)."""
-    plan, model, cluster = shapes.plan, shapes.model, shapes.cluster
+    _, totals, _ = _per_device(shapes, device_params, activations)
+    return sum(totals) / len(totals) * min(shapes.plan.gpus, shapes.cluster.gpus_per_node)
+
+
+def _per_device(
+    shapes: Shapes, device_params: Sequence[float], activations: Sequence[int]
+) -> tuple[list[tuple[float, float, float]], list[float], float]:
+    """(static memory, total bytes) of each device, and the working memory on each."""
+    plan, model = shapes.plan, shapes.model
     transient = transient_bytes(shapes)
-    totals = [
-        sum(static_memory(plan, p, model.dtype_bytes)) + held + transient
-        for p, held in zip(device_params, activations, strict=True)
-    ]
-    return sum(totals) / len(totals) * min(plan.gpus, cluster.gpus_per_node)
+    static = [static_memory(plan, p, model.dtype_bytes) for p in device_params]
+    totals = [sum(parts) + held + transient for parts, held in zip(static, activations, strict=True)]
+    return static, totals, transient

@@ -29,12 +29,12 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   price it at, per tensor-parallel collective, is ``collective_sync_s``: on shared cores
   every device of a group must reach a collective before any goes on. (Compiling that
   pipeline is the calibration's longest part.)
-
-The step measurements take turns (:func:`_interleaved_medians`), so that a change in the
-machine's load while they run changes their ratios, which the fits rest on, less.
 - *dispatch*: the seconds one device's thread spends per dispatched stage program while
   every device dispatches (``action_overhead_s``, what each scheduled action costs on top
   of its kernels).
+
+The step measurements take turns (:func:`_interleaved_medians`), so that a change in the
+machine's load while they run changes their ratios, which the fits rest on, less.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ __all__ = ["MachineCalibration", "calibrate_machine"]
 _REPEATS = 3
 _STEP_REPEATS = 5
 _LAYERS = (1, 2)
+"""The forward and backward steps measured: the model cut to one layer and to two."""
 _TENSOR = 2
 """The tensor axis of the step that measures collectives inside a program."""
-"""The forward and backward steps measured: the model cut to one layer and to two."""
 _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 
