@@ -61,6 +61,7 @@ __all__ = [
     "ProgramArrays",
     "Program",
     "lower",
+    "program_arrays",
     "compute_io",
 ]
 
@@ -273,9 +274,15 @@ def _consumer_stage(buffer: Buffer) -> int:
 def lower(schedule: Schedule) -> Program:
     """Validate ``schedule``, then lower it to per-device programs (see module docstring)."""
     found = checked(schedule)
-    actions, upstream = found.actions, found.upstream
-    num_stages = schedule.num_stages
-    placement = np.asarray(schedule.placement, dtype=np.int64)
+    return Program(schedule, arrays=program_arrays(found.actions, found.upstream, schedule.placement))
+
+
+def program_arrays(actions: ActionArrays, upstream: np.ndarray, placement: Sequence[int]) -> ProgramArrays:
+    """The lowered program of valid ``actions``, as arrays: ``upstream`` is each action's
+    input from the neighbouring stage (as :class:`~pipedsl.validate.Checked` has it),
+    ``placement`` every stage's device."""
+    num_stages = len(placement)
+    where = np.asarray(placement, dtype=np.int64)
     kind, stage, device = actions.kind, actions.stage, actions.device
     # A compute receives its input from the neighbouring stage when that stage's device is another.
     source = np.where(upstream >= 0, device[np.maximum(upstream, 0)], device)
@@ -284,9 +291,9 @@ def lower(schedule: Schedule) -> Program:
     backward = (kind == B) | (kind == I)
     consumer = np.where(kind == F, stage + 1, stage - 1)
     produces = np.where(kind == F, stage < num_stages - 1, backward & (stage > 0))
-    target = placement[np.clip(consumer, 0, num_stages - 1)]
+    target = where[np.clip(consumer, 0, num_stages - 1)]
     send_to = np.where(produces & (target != device), target, -1)
-    return Program(schedule, arrays=ProgramArrays(actions, recv_from, send_to))
+    return ProgramArrays(actions, recv_from, send_to)
 
 
 def _device_program(schedule: Schedule, device: int) -> DeviceProgram:

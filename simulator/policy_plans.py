@@ -38,7 +38,7 @@ from pipedsl import library
 from pipedsl.analysis import peak_held
 from pipedsl.arrays import ActionArrays, B, F, I, W
 from pipedsl.policy import Policy
-from pipedsl.program import ProgramArrays
+from pipedsl.program import ProgramArrays, program_arrays
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import step_timing
@@ -269,9 +269,4 @@ def synthesized_program(policy: Policy, costs: CostModel | None = None) -> Progr
     upstream[has] = row[(stage[has] - 1) * M + microbatch[has]]
     has = backward & (stage < S - 1)
     upstream[has] = row[(S + stage[has] + 1) * M + microbatch[has]]
-    recv_from = np.where((upstream >= 0) & (device[np.maximum(upstream, 0)] != device), upstream, -1)
-    placement = np.asarray(policy.placement, dtype=np.int64)
-    produces = np.where(forward, stage < S - 1, backward & (stage > 0))
-    target = placement[np.clip(np.where(forward, stage + 1, stage - 1), 0, S - 1)]
-    send_to = np.where(produces & (target != device), target, -1)
-    return ProgramArrays(actions, recv_from, send_to)
+    return program_arrays(actions, upstream, policy.placement)
