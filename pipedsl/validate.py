@@ -38,7 +38,7 @@ from pipedsl.arrays import ActionArrays, B, F, I, W, paused_collector
 from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
 
-__all__ = ["Report", "Checked", "validate", "checked", "dependencies", "peak_inflight"]
+__all__ = ["Report", "Checked", "Execution", "validate", "checked", "kept_check", "execute", "dependencies", "peak_inflight"]
 
 _Key = tuple[Kind, int, int]
 
@@ -67,12 +67,16 @@ class Checked:
         backward of ``s``; -1 for ``W`` and at the ends of the pipeline. The value it
         reads from there crosses devices where the two stages sit on different devices.
       peak_inflight: per device, the most (stage, microbatch) pairs in flight at once.
+      order: every row once, each after every row it needs (int64, shape (N,)): an order
+        the lowered program's computes can run in, as its devices' sends and receives
+        allow.
     """
 
     actions: ActionArrays
     local: np.ndarray
     upstream: np.ndarray
     peak_inflight: tuple[int, ...]
+    order: np.ndarray
 
 
 def _fail(rule: str, message: str, action: Action | None = None) -> ScheduleInvalid:
@@ -218,8 +222,77 @@ def dependencies(action: Action, *, num_stages: int, split: set[tuple[int, int]]
     return deps
 
 
-def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarray, upstream: np.ndarray) -> None:
-    """Run the orders with unit steps; report a same-device misorder or a cross-device cycle.
+@dataclass(frozen=True, slots=True, eq=False)
+class Execution:
+    """A run of per-device orders in which an action waits until the one it needs has run.
+
+    Attributes:
+      order: the rows that ran, int64, each after every row it needs: stretches of one
+        device's order, in the order they ran.
+      pointer: per device, the first row it did not run (its end bound when it finished).
+      blocked_on: per device that did not finish, the row it waits for.
+    """
+
+    order: np.ndarray
+    pointer: list[int]
+    blocked_on: dict[int, int]
+
+
+def execute(bounds: np.ndarray, stops: np.ndarray, needs: np.ndarray, owners: np.ndarray) -> Execution:
+    """Run device d's rows ``bounds[d]:bounds[d + 1]`` in order, each device until a row
+    needs one not yet run, waking it once that one has run.
+
+    ``stops`` are the rows, increasing, that need row ``needs[k]`` of device ``owners[k]``
+    (a need at or past the end of that device's rows is never met); every other row needs
+    only rows before it on its own device. A device runs as far as it can, then the one
+    woken last; devices are woken in the order the rows they wait for ran.
+    """
+    stop_row, stop_need, stop_owner = stops.tolist(), needs.tolist(), owners.tolist()
+    cuts = np.searchsorted(stops, bounds).tolist()
+    next_stop, last_stop = cuts[:-1], cuts[1:]
+    ends = bounds.tolist()[1:]
+    pointer = bounds.tolist()[:-1]
+    waiters: list[list[tuple[int, int]]] = [[] for _ in pointer]
+    blocked_on: dict[int, int] = {}
+    began: list[int] = []
+    ended: list[int] = []
+    ready = list(range(len(pointer)))
+    while ready:
+        d = ready.pop()
+        k, end = next_stop[d], last_stop[d]
+        while k < end:
+            need = stop_need[k]
+            owner = stop_owner[k]
+            if pointer[owner] <= need:
+                heapq.heappush(waiters[owner], (need, d))
+                blocked_on[d] = need
+                break
+            k += 1
+        next_stop[d] = k
+        began.append(pointer[d])
+        pointer[d] = done = stop_row[k] if k < end else ends[d]
+        ended.append(done)
+        # Wake whoever waits for a row this device has now run past, first run first.
+        waiting = waiters[d]
+        while waiting and waiting[0][0] < done:
+            other = heapq.heappop(waiting)[1]
+            del blocked_on[other]
+            ready.append(other)
+    return Execution(_stretches(began, ended), pointer, blocked_on)
+
+
+def _stretches(began: list[int], ended: list[int]) -> np.ndarray:
+    """The rows ``began[k]:ended[k]`` for every k in turn, int64."""
+    first, stop = np.array(began, dtype=np.int64), np.array(ended, dtype=np.int64)
+    lengths = stop - first
+    # Each row is its stretch's first row plus its offset within the stretch.
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(first - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarray, upstream: np.ndarray) -> np.ndarray:
+    """Run the orders with unit steps; report a same-device misorder or a cross-device
+    cycle. Returns the rows in the order they ran (:attr:`Execution.order`).
 
     A device runs until an action needs one not yet done; it then waits, and is woken
     when that one is done. What remains blocked at the end waits in a cycle.
@@ -238,45 +311,19 @@ def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarra
     misordered = (local > rows) | (~cross & (upstream > rows))
     stops = np.flatnonzero(cross | misordered)
     needs = np.where(local > rows, local, upstream)[stops]
-    stop_row, stop_need = stops.tolist(), needs.tolist()
-    stop_owner = device[np.maximum(needs, 0)].tolist()
-    cuts = np.searchsorted(stops, actions.bounds).tolist()
-    next_stop, last_stop = cuts[:-1], cuts[1:]
-    bounds = actions.bounds.tolist()
-    pointer = bounds[:-1]
-    waiters: list[list[tuple[int, int]]] = [[] for _ in pointer]
-    blocked_on: dict[int, int] = {}
-    ready = list(range(len(pointer)))
-    while ready:
-        d = ready.pop()
-        k, end = next_stop[d], last_stop[d]
-        while k < end:
-            need = stop_need[k]
-            owner = stop_owner[k]
-            if pointer[owner] <= need:
-                heapq.heappush(waiters[owner], (need, d))
-                blocked_on[d] = need
-                break
-            k += 1
-        next_stop[d] = k
-        pointer[d] = stop_row[k] if k < end else bounds[d + 1]
-        # Wake whoever waits for an action this device has now run past, first done first.
-        waiting, done = waiters[d], pointer[d]
-        while waiting and waiting[0][0] < done:
-            other = heapq.heappop(waiting)[1]
-            del blocked_on[other]
-            ready.append(other)
+    run = execute(actions.bounds, stops, needs, device[np.maximum(needs, 0)])
     # A device stays in ``blocked_on`` from the moment it waited for the last time.
-    for d, need in blocked_on.items():
+    for d, need in run.blocked_on.items():
         if int(device[need]) == d:
-            action = actions.action(schedule, pointer[d])
+            action = actions.action(schedule, run.pointer[d])
             raise _fail(
                 "dependency-order",
                 f"action {action} on device {d} comes before {actions.text(need)}, which it needs",
                 action,
             )
-    if blocked_on:
-        raise _deadlock(schedule, actions, blocked_on, pointer)
+    if run.blocked_on:
+        raise _deadlock(schedule, actions, run.blocked_on, run.pointer)
+    return run.order
 
 
 def _deadlock(schedule: Schedule, actions: ActionArrays, blocked_on: dict[int, int], pointer: list[int]) -> ScheduleInvalid:
@@ -309,10 +356,15 @@ def checked(schedule: Schedule) -> Checked:
         index = _check_complete(schedule, actions)
         local, upstream = _links(schedule, actions, index)
         del index
-        _check_execution(schedule, actions, local, upstream)
-    found = Checked(actions, local, upstream, peak_inflight(actions))
+        order = _check_execution(schedule, actions, local, upstream)
+    found = Checked(actions, local, upstream, peak_inflight(actions), order)
     object.__setattr__(schedule, "_checked", found)
     return found
+
+
+def kept_check(schedule: Schedule) -> Checked | None:
+    """What :func:`checked` kept on ``schedule``, or None when it has not run (this checks nothing)."""
+    return schedule._checked
 
 
 def validate(schedule: Schedule, *, max_inflight: int | None = None) -> Report:

@@ -21,7 +21,9 @@ together: the weight residual reuses the residual's storage.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,6 +35,7 @@ from pipedsl.ir import Schedule
 from pipedsl.program import NEVER_SENT, Program, ProgramArrays, lower
 from pipedsl.simulator.costs import CostModel, StageCosts
 from pipedsl.timeline import Event, EventKind, Timeline
+from pipedsl.validate import kept_check
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -185,7 +188,7 @@ def simulate(program: Program | Schedule, costs: CostModel | None = None) -> Sim
     stage_costs = costs.resolve(schedule)
     with paused_collector():
         arrays = program.arrays
-        run = _Run.of(arrays, stage_costs, num_stages=schedule.num_stages)
+        run = _Run.of(arrays, stage_costs, num_stages=schedule.num_stages, order=_kept_order(program))
         timeline = _timeline(schedule.name, arrays, run)
         critical = _critical_path(arrays, run)
         ones = np.ones(schedule.num_stages, dtype=np.int64)
@@ -218,12 +221,28 @@ def simulate(program: Program | Schedule, costs: CostModel | None = None) -> Sim
     )
 
 
-def step_timing(arrays: ProgramArrays, costs: StageCosts) -> tuple[float, float]:
+def _kept_order(program: Program) -> np.ndarray | None:
+    """The order validation ran the program's computes in, when its arrays are the
+    validated schedule's own (as :func:`~pipedsl.program.lower` makes them)."""
+    found = kept_check(program.schedule)
+    if found is None or found.actions is not program.arrays.actions:
+        return None
+    return found.order
+
+
+def step_timing(
+    arrays: ProgramArrays, costs: StageCosts, *, order: np.ndarray | None = None
+) -> tuple[float, float]:
     """(makespan in seconds, bubble ratio) of a program's ``arrays`` under ``costs``
     (resolved for its schedule): the numbers :func:`simulate` reports, without building
-    its timeline or critical path."""
+    its timeline or critical path.
+
+    ``order``: the schedule's :attr:`~pipedsl.validate.Checked.order` when ``arrays``
+    were lowered from its checked actions; with it the pass runs the rows in that order
+    instead of finding one, which is faster when the same arrays are timed many times.
+    """
     with paused_collector():
-        run = _Run.of(arrays, costs, num_stages=len(costs.forward))
+        run = _Run.of(arrays, costs, num_stages=len(costs.forward), order=order)
     devices = arrays.actions.num_devices
     ends = run.end if not len(run.arrived) else np.concatenate([run.end, run.arrived])
     makespan = float(ends.max()) if len(ends) else 0.0
@@ -238,35 +257,40 @@ class _Run:
     """What the topological pass settled, per compute row of the program's arrays.
 
     ``start``, ``end``: seconds, shape (N,). ``arrival``: per compute row, when the
-    transfer it sends arrives (None for a row that sends nothing), length N.
+    transfer it sends arrives (meaningless for a row that sends nothing), length N.
     ``senders``: the rows that send, increasing; ``arrived``: ``arrival`` of those
     rows, shape (len(senders),).
     """
 
     start: np.ndarray
     end: np.ndarray
-    arrival: list[float | None]
+    arrival: list[float]
     senders: np.ndarray
     arrived: np.ndarray
     overlap: bool
 
     @classmethod
-    def of(cls, arrays: ProgramArrays, costs: StageCosts, *, num_stages: int) -> _Run:
+    def of(
+        cls, arrays: ProgramArrays, costs: StageCosts, *, num_stages: int, order: np.ndarray | None = None
+    ) -> _Run:
+        """Settle every compute; ``order``, when given, is one its dependencies allow."""
         actions = arrays.actions
         kind, stage = actions.kind.astype(np.int64), actions.stage
         seconds = np.array([*costs.forward, *costs.backward, *costs.input_grad, *costs.weight_grad])
         duration = seconds[kind * num_stages + stage]
-        # F sends its activation, B and I their input gradient; W sends nothing.
+        # F sends its activation, B and I their input gradient; W sends nothing. A row
+        # that sends nothing adds 0.0, which leaves a blocked sender's clock as it was.
+        sends = arrays.send_to >= 0
         transfer = np.where(
             kind == F, np.asarray(costs.activation_transfer)[stage], np.asarray(costs.gradient_transfer)[stage]
         )
-        sent = transfer.astype(object)
-        sent[arrays.send_to < 0] = None
-        start, arrival = _settle(arrays, duration.tolist(), sent.tolist(), costs.overlap_sends)
+        sent = np.where(sends, transfer, 0.0)
+        settle = _settle if order is None else partial(_settle_in_order, order=order)
+        start, arrival = settle(arrays, duration.tolist(), sent.tolist(), costs.overlap_sends)
         start_array = np.array(start, dtype=np.float64)
-        senders = np.flatnonzero(arrays.send_to >= 0)
-        # The same float addition as the pass's ``t += duration``, so ends match bit for bit.
-        arrived = np.fromiter(map(arrival.__getitem__, senders.tolist()), dtype=np.float64, count=len(senders))
+        senders = np.flatnonzero(sends)
+        # The same float additions as the pass's, so ends and arrivals match bit for bit.
+        arrived = np.array(arrival, dtype=np.float64)[senders]
         return cls(start_array, start_array + duration, arrival, senders, arrived, costs.overlap_sends)
 
     def pred(self, arrays: ProgramArrays, row: int) -> int | None:
@@ -278,72 +302,105 @@ class _Run:
         t, last = 0.0, None
         if row > first:
             before = row - 1
-            blocked = self.arrival[before] if not self.overlap else None
-            t, last = (float(self.end[before]), before) if blocked is None else (blocked, -1 - before)
+            blocked = not self.overlap and int(arrays.send_to[before]) >= 0
+            t, last = (self.arrival[before], -1 - before) if blocked else (float(self.end[before]), before)
         source = int(arrays.recv_from[row])
-        if source >= 0:
-            arrived = self.arrival[source]
-            if arrived is not None and arrived > t:
-                return -1 - source
+        if source >= 0 and self.arrival[source] > t:
+            return -1 - source
         return last
 
 
+# In the pass that finds its own order, a row's arrival until it sends: larger than any
+# time, so that one test ``arrived > t`` finds both a later arrival and one not sent
+# yet; told apart by identity, since a time may itself overflow to infinity.
+_UNSENT = float("inf")
+
+
+def _settle_in_order(
+    arrays: ProgramArrays, duration: list[float], sent: list[float], overlap: bool, *, order: np.ndarray
+) -> tuple[list[float], list[float]]:
+    """:func:`_settle` over the rows in ``order``, one its dependencies allow: each
+    compute's input was sent before it comes, so nothing waits and no device parks.
+    ``arrival`` holds ``end + sent`` for every row."""
+    count = len(duration)
+    # A compute that receives nothing reads the last slot, earlier than any time.
+    arrival = [0.0] * count + [-math.inf]
+    reads = np.where(arrays.recv_from < 0, count, arrays.recv_from).tolist()
+    start = [0.0] * count
+    clocks = [0.0] * arrays.actions.num_devices
+    blocking = not overlap
+    for row, d in zip(order.tolist(), arrays.actions.device[order].tolist()):
+        t = clocks[d]
+        arrived = arrival[reads[row]]
+        if arrived > t:
+            t = arrived
+        start[row] = t
+        t += duration[row]
+        arrival[row] = done = t + sent[row]
+        clocks[d] = done if blocking else t
+    del arrival[count]
+    return start, arrival
+
+
 def _settle(
-    arrays: ProgramArrays, duration: list[float], sent: list[float | None], overlap: bool
-) -> tuple[list[float], list[float | None]]:
+    arrays: ProgramArrays, duration: list[float], sent: list[float], overlap: bool
+) -> tuple[list[float], list[float]]:
     """The topological pass: (start, arrival) per compute row (see :class:`_Run`);
-    ``sent`` holds the seconds of each row's outgoing transfer, None where it sends
-    nothing.
+    ``sent`` holds the seconds of each row's outgoing transfer (0.0 where it sends
+    nothing).
 
     The loop touches only lists, floats and ints. Each device runs until a compute needs
     a value not yet sent; it parks on the sending compute's row and is woken when that
     compute sends.
     """
     count = len(duration)
-    # A value no compute sends is read from one more slot, which stays None.
-    recv_from = np.where(arrays.recv_from == NEVER_SENT, count, arrays.recv_from).tolist()
+    # Slots past the rows: ``count`` for a value no compute sends (it stays unsent),
+    # ``count + 1`` read by a compute that receives nothing (earlier than any time), and
+    # ``count + 2`` written by one that sends nothing.
+    arrival = [_UNSENT] * (count + 3)
+    arrival[count + 1] = -math.inf
+    recv_from = arrays.recv_from
+    reads = np.where(recv_from == -1, count + 1, np.where(recv_from == NEVER_SENT, count, recv_from)).tolist()
+    writes = np.where(arrays.send_to >= 0, np.arange(count), count + 2).tolist()
     bounds = arrays.actions.bounds.tolist()
     num_devices = len(bounds) - 1
     start: list[float] = [0.0] * count
-    arrival: list[float | None] = [None] * (count + 1)
-    # Per row, the device parked until that row sends (-1: none); a list, not a dict:
-    # every sending row looks here.
-    parked = [-1] * (count + 1)
+    # Per slot, the device parked until that row sends (-1: none); a list, not a dict:
+    # every row looks here.
+    parked = [-1] * (count + 3)
     pointer = bounds[:-1]
     clocks = [0.0] * num_devices
     ready = list(range(num_devices - 1, -1, -1))
+    blocking = not overlap
     while ready:
         d = ready.pop()
         stop, t = bounds[d + 1], clocks[d]
         # A for loop over the rows left (cheaper than counting by hand); a break leaves
         # ``row`` at the compute that waits.
         for row in range(pointer[d], stop):
-            source = recv_from[row]
-            if source != -1:
-                arrived = arrival[source]
-                if arrived is None:
-                    parked[source] = d
+            arrived = arrival[reads[row]]
+            if arrived > t:
+                if arrived is _UNSENT:
+                    parked[reads[row]] = d
                     break
-                if arrived > t:
-                    t = arrived
+                t = arrived
             start[row] = t
             t += duration[row]
-            seconds = sent[row]
-            if seconds is not None:
-                done = t + seconds
-                arrival[row] = done
-                if not overlap:
-                    t = done
-                waiter = parked[row]
-                if waiter >= 0:
-                    ready.append(waiter)
+            slot = writes[row]
+            done = t + sent[row]
+            arrival[slot] = done
+            if blocking:
+                t = done
+            waiter = parked[slot]
+            if waiter >= 0:
+                ready.append(waiter)
         else:
             row = stop
         pointer[d], clocks[d] = row, t
     stuck = [d for d in range(num_devices) if pointer[d] < bounds[d + 1]]
     if stuck:
         raise _cannot_finish(arrays, stuck[0], pointer[stuck[0]])
-    del arrival[count]
+    del arrival[count:]
     return start, arrival
 
 
