@@ -40,6 +40,9 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float]:
 
 # Runs the command in the child and reports the child's own peak resident memory (KiB)
 # and CPU seconds (user + system): on a loaded machine the CPU time is what compares.
+# Linux keeps ``ru_maxrss`` across exec, so there it would be this process's own peak
+# (the schedules it holds) whenever that is larger: the child's high-water mark of its
+# own memory is read from /proc instead.
 _CHILD = (
     "import resource, runpy, sys\n"
     "sys.argv = ['pipedsl', *sys.argv[1:]]\n"
@@ -47,7 +50,13 @@ _CHILD = (
     "    runpy.run_module('pipedsl', run_name='__main__')\n"
     "finally:\n"
     "    use = resource.getrusage(resource.RUSAGE_SELF)\n"
-    "    print(use.ru_utime + use.ru_stime, use.ru_maxrss, file=sys.stderr)\n"
+    "    peak = use.ru_maxrss\n"
+    "    try:\n"
+    "        with open('/proc/self/status') as status:\n"
+    "            peak = next(int(line.split()[1]) for line in status if line.startswith('VmHWM:'))\n"
+    "    except (OSError, StopIteration):\n"
+    "        pass\n"
+    "    print(use.ru_utime + use.ru_stime, peak, file=sys.stderr)\n"
 )
 
 

@@ -230,7 +230,8 @@ class Execution:
       order: the rows that ran, int64, each after every row it needs: stretches of one
         device's order, in the order they ran.
       pointer: per device, the first row it did not run (its end bound when it finished).
-      blocked_on: per device that did not finish, the row it waits for.
+      blocked_on: per device that did not finish, the row it waits for, in the order
+        the devices began to wait.
     """
 
     order: np.ndarray
@@ -253,32 +254,35 @@ def execute(bounds: np.ndarray, stops: np.ndarray, needs: np.ndarray, owners: np
     ends = bounds.tolist()[1:]
     pointer = bounds.tolist()[:-1]
     waiters: list[list[tuple[int, int]]] = [[] for _ in pointer]
-    blocked_on: dict[int, int] = {}
+    # Per device, the row it waited for last and the visit it waited in (lists, not a
+    # dict of the devices waiting now: one store per wait, none per wake).
+    wanted, waited_in = [0] * len(pointer), [0] * len(pointer)
     began: list[int] = []
     ended: list[int] = []
     ready = list(range(len(pointer)))
     while ready:
         d = ready.pop()
-        k, end = next_stop[d], last_stop[d]
-        while k < end:
+        end = last_stop[d]
+        for k in range(next_stop[d], end):
             need = stop_need[k]
-            owner = stop_owner[k]
-            if pointer[owner] <= need:
-                heapq.heappush(waiters[owner], (need, d))
-                blocked_on[d] = need
+            if pointer[stop_owner[k]] <= need:
+                heapq.heappush(waiters[stop_owner[k]], (need, d))
+                wanted[d], waited_in[d] = need, len(began)
+                done = stop_row[k]
                 break
-            k += 1
+        else:
+            k, done = end, ends[d]
         next_stop[d] = k
         began.append(pointer[d])
-        pointer[d] = done = stop_row[k] if k < end else ends[d]
         ended.append(done)
+        pointer[d] = done
         # Wake whoever waits for a row this device has now run past, first run first.
         waiting = waiters[d]
         while waiting and waiting[0][0] < done:
-            other = heapq.heappop(waiting)[1]
-            del blocked_on[other]
-            ready.append(other)
-    return Execution(_stretches(began, ended), pointer, blocked_on)
+            ready.append(heapq.heappop(waiting)[1])
+    # The devices that did not finish, in the order they waited for the last time.
+    stuck = sorted((waited_in[d], d) for d, at in enumerate(pointer) if at < ends[d])
+    return Execution(_stretches(began, ended), pointer, {d: wanted[d] for _, d in stuck})
 
 
 def _stretches(began: list[int], ended: list[int]) -> np.ndarray:

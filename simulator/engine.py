@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -264,7 +263,7 @@ class _Run:
 
     start: np.ndarray
     end: np.ndarray
-    arrival: list[float]
+    arrival: np.ndarray
     senders: np.ndarray
     arrived: np.ndarray
     overlap: bool
@@ -276,22 +275,30 @@ class _Run:
         """Settle every compute; ``order``, when given, is one its dependencies allow."""
         actions = arrays.actions
         kind, stage = actions.kind.astype(np.int64), actions.stage
-        seconds = np.array([*costs.forward, *costs.backward, *costs.input_grad, *costs.weight_grad])
-        duration = seconds[kind * num_stages + stage]
+        # The pass reads each row's seconds from lists of a few shared floats (one per
+        # kind and stage), not one float object per row.
+        seconds = [*costs.forward, *costs.backward, *costs.input_grad, *costs.weight_grad]
+        code = kind * num_stages + stage
+        duration = np.array(seconds, dtype=np.float64)[code]
         # F sends its activation, B and I their input gradient; W sends nothing. A row
         # that sends nothing adds 0.0, which leaves a blocked sender's clock as it was.
         sends = arrays.send_to >= 0
-        transfer = np.where(
-            kind == F, np.asarray(costs.activation_transfer)[stage], np.asarray(costs.gradient_transfer)[stage]
-        )
-        sent = np.where(sends, transfer, 0.0)
-        settle = _settle if order is None else partial(_settle_in_order, order=order)
-        start, arrival = settle(arrays, duration.tolist(), sent.tolist(), costs.overlap_sends)
-        start_array = np.array(start, dtype=np.float64)
+        transfers = [*costs.activation_transfer, *costs.gradient_transfer, 0.0]
+        gradients = len(costs.activation_transfer)
+        sent_code = np.where(sends, np.where(kind == F, 0, gradients) + stage, len(transfers) - 1)
+        if order is None:
+            start, arrival = _settle(
+                arrays, _shared(seconds, code), _shared(transfers, sent_code), costs.overlap_sends
+            )
+            start_array, arrival_array = np.array(start, dtype=np.float64), np.array(arrival, dtype=np.float64)
+        else:
+            start_array, arrival_array = _settle_in_order(
+                arrays, order, _shared(seconds, code[order]), _shared(transfers, sent_code[order]), costs.overlap_sends
+            )
         senders = np.flatnonzero(sends)
         # The same float additions as the pass's, so ends and arrivals match bit for bit.
-        arrived = np.array(arrival, dtype=np.float64)[senders]
-        return cls(start_array, start_array + duration, arrival, senders, arrived, costs.overlap_sends)
+        arrived = arrival_array[senders]
+        return cls(start_array, start_array + duration, arrival_array, senders, arrived, costs.overlap_sends)
 
     def pred(self, arrays: ProgramArrays, row: int) -> int | None:
         """The event compute ``row`` waited on last: the compute before it on its device
@@ -303,7 +310,7 @@ class _Run:
         if row > first:
             before = row - 1
             blocked = not self.overlap and int(arrays.send_to[before]) >= 0
-            t, last = (self.arrival[before], -1 - before) if blocked else (float(self.end[before]), before)
+            t, last = (float(self.arrival[before]), -1 - before) if blocked else (float(self.end[before]), before)
         source = int(arrays.recv_from[row])
         if source >= 0 and self.arrival[source] > t:
             return -1 - source
@@ -316,30 +323,48 @@ class _Run:
 _UNSENT = float("inf")
 
 
+def _shared(table: list[float], codes: np.ndarray) -> list[float]:
+    """``table[c]`` for every code c: a list of the table's own few float objects."""
+    return list(map(table.__getitem__, codes.tolist()))
+
+
 def _settle_in_order(
-    arrays: ProgramArrays, duration: list[float], sent: list[float], overlap: bool, *, order: np.ndarray
-) -> tuple[list[float], list[float]]:
-    """:func:`_settle` over the rows in ``order``, one its dependencies allow: each
+    arrays: ProgramArrays, order: np.ndarray, duration: list[float], sent: list[float], overlap: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_settle` over the rows in ``order``, one their dependencies allow: each
     compute's input was sent before it comes, so nothing waits and no device parks.
-    ``arrival`` holds ``end + sent`` for every row."""
-    count = len(duration)
-    # A compute that receives nothing reads the last slot, earlier than any time.
-    arrival = [0.0] * count + [-math.inf]
-    reads = np.where(arrays.recv_from < 0, count, arrays.recv_from).tolist()
-    start = [0.0] * count
+    ``duration`` and ``sent`` are given in that order. Returns (start, arrival) per row,
+    arrival being ``end + sent`` for every row.
+
+    The loop walks its inputs in order and appends its outputs, so it reads memory
+    in sequence; it reads the arrival of a value sent shortly before.
+    """
+    count = len(order)
+    # Where each row comes in the order, counted from 1: slot 0 of ``arrival`` is what
+    # a compute that receives nothing reads, earlier than any time.
+    position = np.empty(count, dtype=np.int64)
+    position[order] = np.arange(1, count + 1, dtype=np.int64)
+    source = arrays.recv_from[order]
+    reads = np.where(source < 0, 0, position[np.maximum(source, 0)]).tolist()
+    starts: list[float] = []
+    arrival = [-math.inf]
+    begin, send = starts.append, arrival.append
     clocks = [0.0] * arrays.actions.num_devices
     blocking = not overlap
-    for row, d in zip(order.tolist(), arrays.actions.device[order].tolist()):
+    for d, read, seconds, transfer in zip(arrays.actions.device[order].tolist(), reads, duration, sent):
         t = clocks[d]
-        arrived = arrival[reads[row]]
+        arrived = arrival[read]
         if arrived > t:
             t = arrived
-        start[row] = t
-        t += duration[row]
-        arrival[row] = done = t + sent[row]
+        begin(t)
+        t += seconds
+        done = t + transfer
+        send(done)
         clocks[d] = done if blocking else t
-    del arrival[count]
-    return start, arrival
+    start, arrived_at = np.empty(count, dtype=np.float64), np.empty(count, dtype=np.float64)
+    start[order] = starts
+    arrived_at[order] = np.array(arrival, dtype=np.float64)[1:]
+    return start, arrived_at
 
 
 def _settle(
