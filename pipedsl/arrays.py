@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -62,7 +62,7 @@ class ActionArrays:
         """The columns of per-device orders of actions (one pass over the objects)."""
         lengths = np.fromiter((len(o) for o in orders), dtype=np.int64, count=len(orders))
         bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        flat = [a for order in orders for a in order]
+        flat = list(chain.from_iterable(orders))
         count = len(flat)
         kind = np.fromiter(map(KIND_CODE.__getitem__, map(_kind, flat)), dtype=np.int8, count=count)
         stage = np.fromiter(map(_stage, flat), dtype=np.int64, count=count)

@@ -127,18 +127,28 @@ def _action_fault(schedule: Schedule, actions: ActionArrays, row: int) -> Schedu
     return _fail("duplicate-action", f"action {action} appears twice", action)
 
 
-def _check_actions(schedule: Schedule, actions: ActionArrays) -> None:
-    """Ranges, ownership, duplicates: raise on the first action (in device order) that breaks one."""
+def _check_actions(schedule: Schedule, actions: ActionArrays) -> np.ndarray:
+    """Ranges, ownership, duplicates: raise on the first action (in device order) that
+    breaks one. Returns how many actions there are of each (stage, microbatch, kind),
+    shape (S * M, 4), kinds in code order."""
+    num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
     kind, stage, mb = actions.kind, actions.stage, actions.microbatch
-    bad_stage = (stage < 0) | (stage >= schedule.num_stages)
+    bad_stage = (stage < 0) | (stage >= num_stages)
+    in_range = ~bad_stage & (mb >= 0) & (mb < num_mb)
     owner = np.asarray(schedule.placement, dtype=np.int64)[np.where(bad_stage, 0, stage)]
-    bad = bad_stage | (mb < 0) | (mb >= schedule.num_microbatches) | (owner != actions.device)
-    # A stable sort keeps equal actions in device order: every one after the first is a duplicate.
-    order = np.lexsort((mb, stage, kind))
-    k, s, m = kind[order], stage[order], mb[order]
-    bad[order[1:][(k[1:] == k[:-1]) & (s[1:] == s[:-1]) & (m[1:] == m[:-1])]] = True
+    bad = ~in_range | (owner != actions.device)
+    # Each action in range as one index, pair-major; those out of range share one more.
+    slots = 4 * num_stages * num_mb
+    key = np.where(in_range, (stage * num_mb + mb) * 4 + kind, slots)
+    counts = np.bincount(key, minlength=slots + 1)[:slots]
+    if counts.max(initial=0) > 1:
+        # A stable sort keeps equal actions in device order: every one after the first is a duplicate.
+        order = np.argsort(key, kind="stable")
+        same = key[order]
+        bad[order[1:][same[1:] == same[:-1]]] = True
     if bad.any():
         raise _action_fault(schedule, actions, int(np.argmax(bad)))
+    return counts.reshape(num_stages * num_mb, 4)
 
 
 def _pair_fault(schedule: Schedule, actions: ActionArrays, stage: int, mb: int, rows: list[int]) -> ScheduleInvalid:
@@ -156,33 +166,21 @@ def _pair_fault(schedule: Schedule, actions: ActionArrays, stage: int, mb: int, 
     return _fail("missing-action", f"{where} splits its backward but has no {lacking}", have)
 
 
-def _check_complete(schedule: Schedule, actions: ActionArrays) -> np.ndarray:
+def _check_complete(schedule: Schedule, actions: ActionArrays, counts: np.ndarray) -> np.ndarray:
     """Every (stage, microbatch) has its F and one form of backward; raise on the first
-    pair (stage-major) that does not. Returns the row of each (kind, stage, microbatch),
-    flat index ``(kind * S + stage) * M + microbatch``, -1 where there is none."""
+    pair (stage-major) that does not. ``counts`` is :func:`_check_actions`'s. Returns the
+    row of each (kind, stage, microbatch), flat index ``(kind * S + stage) * M +
+    microbatch``, -1 where there is none."""
     num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
     kind, stage, mb = actions.kind, actions.stage, actions.microbatch
-    order = np.lexsort((mb, stage))
-    s, m = stage[order], mb[order]
-    first = np.ones(len(order), dtype=bool)
-    first[1:] = (s[1:] != s[:-1]) | (m[1:] != m[:-1])
-    group = np.cumsum(first) - 1
-    pairs = int(first.sum())
-    have = np.zeros((pairs, 4), dtype=bool)
-    have[group, kind[order]] = True
-    f, b, i, w = have.T
+    f, b, i, w = (counts > 0).T
+    # A pair with no action at all lacks its F too.
     broken = (b & (i | w)) | ~f | (~b & ~(i & w))
-    # Pairs present, in stage-major order; the first that is not the next expected one
-    # marks a pair with no action at all.
-    expected = np.arange(pairs, dtype=np.int64)
-    gap = (s[first] != expected // num_mb) | (m[first] != expected % num_mb)
-    missing = int(np.argmax(gap)) if gap.any() else (pairs if pairs < num_stages * num_mb else None)
-    faulty = int(np.argmax(broken)) if broken.any() else None
-    if faulty is not None and (missing is None or faulty < missing):
-        rows = order[group == faulty].tolist()
-        raise _pair_fault(schedule, actions, int(s[first][faulty]), int(m[first][faulty]), rows)
-    if missing is not None:
-        raise _pair_fault(schedule, actions, missing // num_mb, missing % num_mb, [])
+    if broken.any():
+        pair = int(np.argmax(broken))
+        at_stage, at_mb = divmod(pair, num_mb)
+        rows = np.flatnonzero((stage == at_stage) & (mb == at_mb)).tolist()
+        raise _pair_fault(schedule, actions, at_stage, at_mb, rows)
     index = np.full(4 * num_stages * num_mb, -1, dtype=np.int64)
     index[(kind.astype(np.int64) * num_stages + stage) * num_mb + mb] = np.arange(len(actions), dtype=np.int64)
     return index
@@ -250,7 +248,11 @@ def execute(bounds: np.ndarray, stops: np.ndarray, needs: np.ndarray, owners: np
     """
     stop_row, stop_need, stop_owner = stops.tolist(), needs.tolist(), owners.tolist()
     cuts = np.searchsorted(stops, bounds).tolist()
-    next_stop, last_stop = cuts[:-1], cuts[1:]
+    # Per device, an iterator over its stops, resumed where the device last stopped: a
+    # device is woken only once the row it waits for has run, so that stop is passed.
+    rest = [
+        zip(stop_need[a:b], stop_owner[a:b], stop_row[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
     ends = bounds.tolist()[1:]
     pointer = bounds.tolist()[:-1]
     waiters: list[list[tuple[int, int]]] = [[] for _ in pointer]
@@ -262,17 +264,14 @@ def execute(bounds: np.ndarray, stops: np.ndarray, needs: np.ndarray, owners: np
     ready = list(range(len(pointer)))
     while ready:
         d = ready.pop()
-        end = last_stop[d]
-        for k in range(next_stop[d], end):
-            need = stop_need[k]
-            if pointer[stop_owner[k]] <= need:
-                heapq.heappush(waiters[stop_owner[k]], (need, d))
+        for need, owner, row in rest[d]:
+            if pointer[owner] <= need:
+                heapq.heappush(waiters[owner], (need, d))
                 wanted[d], waited_in[d] = need, len(began)
-                done = stop_row[k]
+                done = row
                 break
         else:
-            k, done = end, ends[d]
-        next_stop[d] = k
+            done = ends[d]
         began.append(pointer[d])
         ended.append(done)
         pointer[d] = done
@@ -356,8 +355,9 @@ def checked(schedule: Schedule) -> Checked:
     _check_shape(schedule)
     with paused_collector():
         actions = ActionArrays.of(schedule)
-        _check_actions(schedule, actions)
-        index = _check_complete(schedule, actions)
+        counts = _check_actions(schedule, actions)
+        index = _check_complete(schedule, actions, counts)
+        del counts
         local, upstream = _links(schedule, actions, index)
         del index
         order = _check_execution(schedule, actions, local, upstream)

@@ -439,7 +439,8 @@ def _cannot_finish(arrays: ProgramArrays, device: int, row: int) -> PipedslError
     )
 
 
-_BUFFERS = ("act", "grad")  # what a transfer carries: an F's activation, else a gradient
+# What a transfer carries: an F's activation, else a gradient.
+_BUFFERS = np.array(["act", "grad"], dtype=object)
 
 
 def _timeline(name: str, arrays: ProgramArrays, run: _Run) -> Timeline:
@@ -458,8 +459,8 @@ def _timeline(name: str, arrays: ProgramArrays, run: _Run) -> Timeline:
         start=np.concatenate([run.start, run.end[senders]]),
         end=np.concatenate([run.end, run.arrived]),
         peer=np.concatenate([np.zeros(n_comp, np.int64), arrays.send_to[senders]]),
-        # Two shared strings, not one new string per transfer.
-        buffer=("",) * n_comp + tuple(map(_BUFFERS.__getitem__, (kind != F).tolist())),
+        # Two shared strings, not one new string per transfer (picked by numpy, in C).
+        buffer=("",) * n_comp + tuple(_BUFFERS[(kind != F).astype(np.int8)].tolist()),
     )
 
 
