@@ -25,7 +25,6 @@ import importlib.resources
 import os
 from pathlib import Path
 
-from pipedsl import interop
 from pipedsl.errors import ConversionError, PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.lang import MAX_ACTIONS, Module, evaluate, parse_source
@@ -165,6 +164,9 @@ def load(
     suffix = path.suffix.lower()
     if suffix == _SUFFIX:
         return evaluate(parsed(path), params=params, name=path.stem, source=str(path), max_actions=max_actions)
+    # The CSV and JSON readers load only for such files: a .sched file never needs them.
+    from pipedsl import interop
+
     text = _read(path)
     if suffix == ".csv":
         extra = sorted(set(params) - {"microbatches"})

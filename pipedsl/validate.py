@@ -246,12 +246,11 @@ def execute(bounds: np.ndarray, stops: np.ndarray, needs: np.ndarray, owners: np
     only rows before it on its own device. A device runs as far as it can, then the one
     woken last; devices are woken in the order the rows they wait for ran.
     """
-    stop_row, stop_need, stop_owner = stops.tolist(), needs.tolist(), owners.tolist()
     cuts = np.searchsorted(stops, bounds).tolist()
     # Per device, an iterator over its stops, resumed where the device last stopped: a
     # device is woken only once the row it waits for has run, so that stop is passed.
     rest = [
-        zip(stop_need[a:b], stop_owner[a:b], stop_row[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)
+        zip(needs[a:b].tolist(), owners[a:b].tolist(), stops[a:b].tolist()) for a, b in zip(cuts, cuts[1:], strict=False)
     ]
     ends = bounds.tolist()[1:]
     pointer = bounds.tolist()[:-1]

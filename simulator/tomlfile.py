@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,9 @@ __all__ = ["read_toml"]
 def read_toml(path: Path, *, what: str, error: type[PipedslError]) -> dict[str, Any]:
     """The table of TOML file ``path`` (a ``what`` file); an unreadable or malformed file
     raises ``error`` naming it."""
+    # Loaded here: a simulation without a cost file never reads TOML.
+    import tomllib
+
     try:
         with path.open("rb") as handle:
             return tomllib.load(handle)
