@@ -127,28 +127,34 @@ def _action_fault(schedule: Schedule, actions: ActionArrays, row: int) -> Schedu
     return _fail("duplicate-action", f"action {action} appears twice", action)
 
 
-def _check_actions(schedule: Schedule, actions: ActionArrays) -> np.ndarray:
+def _check_actions(schedule: Schedule, actions: ActionArrays) -> np.ndarray | None:
     """Ranges, ownership, duplicates: raise on the first action (in device order) that
     breaks one. Returns how many actions there are of each (stage, microbatch, kind),
-    shape (S * M, 4), kinds in code order."""
+    shape (S * M, 4), kinds in code order; None when there are too few actions for
+    every pair to have its two or more (a table that size could dwarf the schedule)."""
     num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
     kind, stage, mb = actions.kind, actions.stage, actions.microbatch
     bad_stage = (stage < 0) | (stage >= num_stages)
     in_range = ~bad_stage & (mb >= 0) & (mb < num_mb)
     owner = np.asarray(schedule.placement, dtype=np.int64)[np.where(bad_stage, 0, stage)]
     bad = ~in_range | (owner != actions.device)
-    # Each action in range as one index, pair-major; those out of range share one more.
-    slots = 4 * num_stages * num_mb
-    key = np.where(in_range, (stage * num_mb + mb) * 4 + kind, slots)
-    counts = np.bincount(key, minlength=slots + 1)[:slots]
-    if counts.max(initial=0) > 1:
+    counts = None
+    if 2 * num_stages * num_mb <= len(actions):
+        # Each action in range as one index, pair-major; those out of range share one more.
+        slots = 4 * num_stages * num_mb
+        key = np.where(in_range, (stage * num_mb + mb) * 4 + kind, slots)
+        counts = np.bincount(key, minlength=slots + 1)[:slots].reshape(num_stages * num_mb, 4)
+        repeated = bool(counts.max(initial=0) > 1)
+        order = np.argsort(key, kind="stable") if repeated else None
+    else:
+        order = np.lexsort((kind, mb, stage))
+    if order is not None:
         # A stable sort keeps equal actions in device order: every one after the first is a duplicate.
-        order = np.argsort(key, kind="stable")
-        same = key[order]
-        bad[order[1:][same[1:] == same[:-1]]] = True
+        k, s, m = kind[order], stage[order], mb[order]
+        bad[order[1:][(k[1:] == k[:-1]) & (s[1:] == s[:-1]) & (m[1:] == m[:-1])]] = True
     if bad.any():
         raise _action_fault(schedule, actions, int(np.argmax(bad)))
-    return counts.reshape(num_stages * num_mb, 4)
+    return counts
 
 
 def _pair_fault(schedule: Schedule, actions: ActionArrays, stage: int, mb: int, rows: list[int]) -> ScheduleInvalid:
@@ -166,24 +172,53 @@ def _pair_fault(schedule: Schedule, actions: ActionArrays, stage: int, mb: int, 
     return _fail("missing-action", f"{where} splits its backward but has no {lacking}", have)
 
 
-def _check_complete(schedule: Schedule, actions: ActionArrays, counts: np.ndarray) -> np.ndarray:
+def _check_complete(schedule: Schedule, actions: ActionArrays, counts: np.ndarray | None) -> np.ndarray:
     """Every (stage, microbatch) has its F and one form of backward; raise on the first
     pair (stage-major) that does not. ``counts`` is :func:`_check_actions`'s. Returns the
     row of each (kind, stage, microbatch), flat index ``(kind * S + stage) * M +
     microbatch``, -1 where there is none."""
     num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
     kind, stage, mb = actions.kind, actions.stage, actions.microbatch
+    if counts is None:
+        raise _sparse_pair_fault(schedule, actions)
     f, b, i, w = (counts > 0).T
     # A pair with no action at all lacks its F too.
     broken = (b & (i | w)) | ~f | (~b & ~(i & w))
     if broken.any():
-        pair = int(np.argmax(broken))
-        at_stage, at_mb = divmod(pair, num_mb)
+        at_stage, at_mb = divmod(int(np.argmax(broken)), num_mb)
         rows = np.flatnonzero((stage == at_stage) & (mb == at_mb)).tolist()
         raise _pair_fault(schedule, actions, at_stage, at_mb, rows)
     index = np.full(4 * num_stages * num_mb, -1, dtype=np.int64)
     index[(kind.astype(np.int64) * num_stages + stage) * num_mb + mb] = np.arange(len(actions), dtype=np.int64)
     return index
+
+
+def _sparse_pair_fault(schedule: Schedule, actions: ActionArrays) -> ScheduleInvalid:
+    """The first pair (stage-major) that is broken or has no action, among more pairs
+    than the actions could fill, found from the pairs present alone."""
+    num_mb = schedule.num_microbatches
+    kind, stage, mb = actions.kind, actions.stage, actions.microbatch
+    order = np.lexsort((mb, stage))
+    s, m = stage[order], mb[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (s[1:] != s[:-1]) | (m[1:] != m[:-1])
+    group = np.cumsum(first) - 1
+    pairs = int(first.sum())
+    have = np.zeros((pairs, 4), dtype=bool)
+    have[group, kind[order]] = True
+    f, b, i, w = have.T
+    broken = (b & (i | w)) | ~f | (~b & ~(i & w))
+    # Pairs present, in stage-major order; the first that is not the next expected one
+    # marks a pair with no action at all. With none, every pair is present and, one
+    # action short, some pair broken.
+    expected = np.arange(pairs, dtype=np.int64)
+    gap = (s[first] != expected // num_mb) | (m[first] != expected % num_mb)
+    missing = int(np.argmax(gap)) if gap.any() else pairs
+    faulty = int(np.argmax(broken)) if broken.any() else None
+    if faulty is not None and faulty < missing:
+        rows = order[group == faulty].tolist()
+        return _pair_fault(schedule, actions, int(s[first][faulty]), int(m[first][faulty]), rows)
+    return _pair_fault(schedule, actions, missing // num_mb, missing % num_mb, [])
 
 
 def _links(schedule: Schedule, actions: ActionArrays, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
