@@ -59,7 +59,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan, *, slowdown: float =
         held = (slowdown - 1.0) * cluster.working_set_bytes
         found.append(Assumption(
             "working_set", f"x{slowdown:.3g}",
-            f"computation slowed by the {held / 1e6:.3g} MB the node's devices hold together "
+            f"computation slowed by the {held / 1e6:.3g} MB the node's devices touch together "
             f"(1 + held / {cluster.working_set_bytes / 1e6:.3g} MB)",
         ))  # fmt: skip
     return tuple(found)

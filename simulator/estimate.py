@@ -35,7 +35,8 @@ pipeline part takes the devices' mean busy time, ``makespan × (1 − bubble)``,
 than ``makespan × cores / devices``, the speed-up of a device that has every core to
 itself. On such devices their caches and memory are shared too: every computation's
 seconds are multiplied by ``1 + W / Cluster.working_set_bytes``, W the bytes that the
-node's devices hold together (:func:`~pipedsl.simulator.memory.node_bytes`), so eight
+node's devices touch together as they compute (weights, gradients and activations:
+:func:`~pipedsl.simulator.memory.node_bytes`), so eight
 data-parallel copies of a model compute more slowly than a pipeline's two (an order
 made later, a policy synthesised per plan, counts no activations in W). MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.

@@ -214,7 +214,8 @@ class Cluster:
         multiplications approach in training.
       matmul_half_flops: FLOPs of a matrix multiplication that reaches half of
         ``matmul_efficiency``; 0 prices every product at ``matmul_efficiency``.
-      kernel_launch_s: fixed seconds per kernel (launch and tail), on top of its work.
+      kernel_launch_s: fixed seconds per kernel (launch and tail), on top of its work;
+        for forced CPU devices measured by ``pipedsl demo``.
       action_overhead_s: fixed seconds per scheduled action (``F``, ``B``, ``I`` or ``W``
         of one stage for one microbatch) on top of its kernels: the runtime's dispatch of
         one stage program. 0 for a GPU cluster whose kernels are queued ahead; measured
@@ -224,10 +225,11 @@ class Cluster:
         those of a device while every device of its node is busy, and the cores an idle
         device leaves go to the busy ones (see :mod:`~pipedsl.simulator.estimate`).
       working_set_bytes: for devices that share one machine's caches and memory
-        (forced CPU devices), the bytes held by a node's devices together at which their
-        computation takes twice as long: every computation's seconds are multiplied by
-        ``1 + W / working_set_bytes``, W being what the node's devices hold (weights,
-        gradients, optimizer state and activations, as the memory model counts them).
+        (forced CPU devices), the bytes touched by a node's devices together at which
+        their computation takes twice as long: every computation's seconds are multiplied
+        by ``1 + W / working_set_bytes``, W being what the node's devices touch as they
+        run forward and backward (weights and gradients, whole at every ZeRO stage, and
+        activations; not the optimizer state, which only the update reads).
         0 (the default) for no such slowdown: a GPU's compute does not depend on what
         its neighbours hold. Measured by ``pipedsl demo``.
       collective_sync_s: seconds that each collective inside a stage program (each

@@ -115,13 +115,19 @@ def device_memory(shapes: Shapes, device_params: Sequence[float], activations: S
 
 
 def node_bytes(shapes: Shapes, device_params: Sequence[float], activations: Sequence[int]) -> float:
-    """Bytes that the devices of one node hold together: the mean pipeline device's
-    weights, gradients, optimizer state, activations and working memory (as
-    :func:`device_memory` counts them, ``activations`` one number per pipeline device)
-    times the devices of the plan in one node (every data and tensor rank holds its
-    pipeline device's share)."""
-    _, totals, _ = _per_device(shapes, device_params, activations)
-    return sum(totals) / len(totals) * min(shapes.plan.gpus, shapes.cluster.gpus_per_node)
+    """Bytes that the devices of one node touch together while they run forward and
+    backward: the mean pipeline device's weights and gradients, whole at every ZeRO stage
+    (the forward reads every weight, gathered under ZeRO 3; the backward writes every
+    gradient before any is reduced), its activations (``activations``, one number per
+    pipeline device) and full recomputation's rebuilt layer, times the devices of the
+    plan in one node (every data and tensor rank holds its pipeline device's share).
+    Optimizer state is left out: only the update reads it."""
+    plan, model = shapes.plan, shapes.model
+    rebuilt = shapes.layer_activation_bytes(Recompute.NONE) if plan.recompute is Recompute.FULL else 0.0
+    touched = [
+        p * (model.dtype_bytes + GRAD_BYTES) + held + rebuilt for p, held in zip(device_params, activations, strict=True)
+    ]
+    return sum(touched) / len(touched) * min(plan.gpus, shapes.cluster.gpus_per_node)
 
 
 def _per_device(

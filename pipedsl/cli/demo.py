@@ -3,7 +3,7 @@
 1. *Library*: check every shipped schedule and print a summary table and one schedule's
    per-device order.
 2. *Plan*: describe this machine as a cluster of forced CPU devices (eight by default;
-   each device's compute rate and how it slows with the bytes the devices hold together,
+   each device's compute rate, the fixed cost of a kernel and how the computation slows with the bytes the devices touch together,
    measured with all of them busy, the collectives, the dispatch cost and the wait of a
    tensor-parallel collective: :mod:`pipedsl.cli.machine`), search the SPMD, pipeline and hybrid plans of the demo transformer on it,
    show the ranking and write it as CSV.

@@ -8,16 +8,18 @@ says how many cores its devices share (``shared_cores``, the cores this process 
 on), so that a pipeline's idle devices are priced as cores the busy ones get:
 
 - *compute*: one data-parallel forward and backward of the model, a microbatch on every
-  device at once, without any reduction between them, cut to one layer and to two so that
-  it compiles quickly. The devices share this machine's caches and memory, and a step's
-  time grows faster than its work as the bytes the devices hold together grow (eight
-  data-parallel copies of a model are slower per FLOP than a pipeline's two). So two
-  numbers are fitted to the two steps: the
-  ``peak_flops`` and the ``working_set_bytes`` at which the simulator's cost of the same
-  work, every computation's seconds times ``1 + held / working_set_bytes`` (held: what
-  the memory model says the devices hold together), equals the measured times
-  (elementwise work priced at the measured memory bandwidth). A product benchmark
-  overstates this rate about tenfold on CPU: the backward's transposed products, the
+  device at once, without any reduction between them, at four shapes: the model cut to one
+  layer and whole, with one sequence per device and with the microbatch size. Three
+  numbers of the cluster are fitted to the four steps (least squares of the log of
+  priced over measured seconds): the ``peak_flops``, the ``kernel_launch_s`` that every
+  kernel costs on top of its work (on shared cores a one-sequence step takes far more
+  than a quarter of a four-sequence one) and the ``working_set_bytes`` at which the
+  simulator's seconds of the same work, every computation's seconds times
+  ``1 + W / working_set_bytes`` (W: the weights, gradients and activations the memory
+  model says the devices hold together), match: the devices share this machine's caches and memory, and eight
+  data-parallel copies of a model are slower per FLOP than a pipeline's two.
+  Elementwise work is priced at the measured memory bandwidth. A product benchmark
+  overstates the rate about tenfold on CPU: the backward's transposed products, the
   attention's small ones and the elementwise work run far below it;
 - *memory bandwidth*: one elementwise update of a few MB on every device at once;
 - *collectives*: all-reduces over groups of 2 and of every device, of a small and a
@@ -58,8 +60,8 @@ __all__ = ["MachineCalibration", "calibrate_machine"]
 
 _REPEATS = 3
 _STEP_REPEATS = 5
-_LAYERS = (1, 2)
-"""The forward and backward steps measured: the model cut to one layer and to two."""
+_FIT_ROUNDS = 60
+"""Most damped Gauss-Newton rounds of the compute fit (from its start it settles within about forty)."""
 _TENSOR = 2
 """The tensor axis of the step that measures collectives inside a program."""
 _DISPATCHES = 100
@@ -72,17 +74,18 @@ class MachineCalibration:
 
     Attributes:
       cluster: this machine as ``devices`` CPU devices in one node.
-      step_s: measured seconds of one microbatch's forward and backward of the model cut
-        to so many layers, by layers, on every device at once.
+      step_s: measured seconds of one microbatch's forward and backward on every device
+        at once, by (layers the model is cut to, sequences per device).
       tensor_step_s: measured seconds of the one-layer forward and backward split over a
         tensor axis of 2 (a data axis the rest), its gradients summed over the data axis.
-      microbatch_size: sequences per device (per data rank) in those steps.
+      microbatch_size: sequences per device (per data rank) in the tensor-parallel step
+        and the larger compute steps.
       all_reduce_s: measured seconds by (group size, bytes).
       seconds: wall time of the whole calibration.
     """
 
     cluster: Cluster
-    step_s: dict[int, float]
+    step_s: dict[tuple[int, int], float]
     tensor_step_s: float
     microbatch_size: int
     all_reduce_s: dict[tuple[int, int], float]
@@ -92,15 +95,17 @@ class MachineCalibration:
         """One line per measured quantity, with units."""
         c = self.cluster
         reduces = ", ".join(f"{n} devices {b / 1e6:.3g} MB {t * 1e3:.2f} ms" for (n, b), t in self.all_reduce_s.items())
-        steps = ", ".join(f"{n} layer{'s' if n > 1 else ''} {t * 1e3:.1f} ms" for n, t in self.step_s.items())
+        steps = ", ".join(
+            f"{n} layer{'s' if n > 1 else ''} x {m} {t * 1e3:.1f} ms" for (n, m), t in self.step_s.items()
+        )
         slowed = (
-            f"slowed by 1 + held / {c.working_set_bytes / 1e6:.0f} MB for the bytes the devices hold together"
+            f"slowed by 1 + W / {c.working_set_bytes / 1e6:.0f} MB for the W bytes the devices touch together"
             if c.working_set_bytes > 0
             else "not slowed by what the devices hold"
         )
         return (
-            f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {slowed} (fitted to a forward and backward "
-            f"of {self.microbatch_size} sequences per device: {steps}); memory "
+            f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {c.kernel_launch_s * 1e6:.0f} µs per kernel, "
+            f"{slowed} (fitted to a forward and backward of so many layers x sequences per device: {steps}); memory "
             f"{c.hbm_bandwidth / 1e9:.2f} GB/s; collectives α {c.intra_node_latency * 1e6:.0f} µs, "
             f"B {c.intra_node_bandwidth / 1e9:.2f} GB/s (all-reduce {reduces}); dispatch "
             f"{c.action_overhead_s * 1e6:.0f} µs per action; each tensor-parallel collective "
@@ -259,45 +264,62 @@ def _priced(model: Model, cluster: Cluster, devices: int, microbatch_size: int) 
     return estimate(model, cluster, _plan(devices, 1, microbatch_size)).pipeline_time_s
 
 
-def _fit_flops(model: Model, base: Cluster, devices: int, microbatch_size: int, measured: float) -> float:
-    """The ``peak_flops`` at which the simulator prices :func:`_step_program`' work at
-    ``measured`` seconds on ``base`` (bisection on a log scale)."""
-    low, high = 1e6, 1e15
-    for _ in range(60):
-        middle = (low * high) ** 0.5
-        slow = _priced(model, dataclasses.replace(base, peak_flops=middle), devices, microbatch_size) > measured
-        low, high = (middle, high) if slow else (low, middle)
-    return (low * high) ** 0.5
+def _step_shapes(model: Model, microbatch_size: int) -> tuple[tuple[int, int], ...]:
+    """(layers, sequences per device) of the compute steps measured: the model cut to one
+    layer and whole, at one sequence and at ``microbatch_size``."""
+    return tuple((n, m) for n in sorted({1, model.layers}) for m in sorted({1, microbatch_size}))
 
 
-def _fit_compute(
-    model: Model, base: Cluster, devices: int, microbatch_size: int, measured: dict[int, float]
-) -> tuple[float, float]:
-    """(``peak_flops``, ``working_set_bytes``) at which the simulator prices the training
-    steps of ``model`` cut to the fewer and to the more layers of ``measured`` (layers to
-    seconds, two entries) as measured. More layers hold more bytes; when their step takes
-    no longer than its work says, nothing slows and ``working_set_bytes`` is 0."""
-    small, large = sorted(measured)
+def _with_compute(base: Cluster, x: np.ndarray) -> Cluster:
+    """``base`` at ``x`` = log (``peak_flops``, ``kernel_launch_s``, 1 / ``working_set_bytes``)."""
+    flops, launch, inverse = np.exp(x)
+    return dataclasses.replace(base, peak_flops=float(flops), kernel_launch_s=float(launch), working_set_bytes=float(1 / inverse))
 
-    def fitted(working_set: float) -> tuple[Cluster, float]:
-        """The cluster fitted to the smaller step at ``working_set``, and its larger step's
-        priced over measured seconds."""
-        cluster = dataclasses.replace(base, working_set_bytes=working_set)
-        flops = _fit_flops(dataclasses.replace(model, layers=small), cluster, devices, microbatch_size, measured[small])
-        cluster = dataclasses.replace(cluster, peak_flops=flops)
-        ratio = _priced(dataclasses.replace(model, layers=large), cluster, devices, microbatch_size) / measured[large]
-        return cluster, ratio
 
-    cluster, ratio = fitted(0.0)
-    if ratio >= 1.0:
-        return cluster.peak_flops, 0.0
-    # A smaller working set slows the larger step more than the smaller: bisect on a log scale.
-    low, high = 1e3, 1e15
-    for _ in range(40):
-        middle = (low * high) ** 0.5
-        low, high = (middle, high) if fitted(middle)[1] > 1.0 else (low, middle)
-    cluster, _ = fitted((low * high) ** 0.5)
-    return cluster.peak_flops, cluster.working_set_bytes
+# The box the fit searches, in the coordinates of :func:`_with_compute`. A launch or
+# 1 / working set within a factor ten of its lower bound (10 ns, 100 TB) stands for none:
+# where a term changes nothing the fit drifts towards the bound without reaching it.
+_LOW = np.log([1e6, 1e-9, 1e-15])
+_HIGH = np.log([1e15, 1.0, 1e-3])
+
+
+def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple[int, int], float]) -> Cluster:
+    """``base`` with the ``peak_flops``, ``kernel_launch_s`` and ``working_set_bytes`` at
+    which the simulator prices the steps of ``measured`` ((layers, sequences per device)
+    to seconds) closest to as measured: least squares of the log of priced over measured
+    seconds, by damped Gauss-Newton within a box. A launch or a working-set term the
+    steps do not call for ends near its bound and is 0."""
+    shapes, seconds = list(measured), np.log(list(measured.values()))
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        cluster = _with_compute(base, x)
+        priced = [_priced(dataclasses.replace(model, layers=n), cluster, devices, m) for n, m in shapes]
+        return np.log(priced) - seconds
+
+    # Start from the rate that prices the largest step alone, nothing else slowing it.
+    largest = max(shapes, key=lambda shape: shape[0] * shape[1])
+    start = _priced(dataclasses.replace(model, layers=largest[0]), base, devices, largest[1]) / measured[largest]
+    x = np.clip(np.log([base.peak_flops * start, 1e-4, 1e-8]), _LOW, _HIGH)
+    r, damping = residuals(x), 1e-2
+    for _ in range(_FIT_ROUNDS):
+        jacobian = np.column_stack([(residuals(x + 1e-4 * unit) - r) / 1e-4 for unit in np.eye(3)])
+        normal = jacobian.T @ jacobian
+        step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -jacobian.T @ r)
+        trial = np.clip(x + step, _LOW, _HIGH)
+        tried = residuals(trial)
+        if tried @ tried < r @ r:
+            done = r @ r - tried @ tried < 1e-12
+            x, r, damping = trial, tried, damping / 3
+            if done:
+                break
+        else:
+            damping *= 4
+    cluster = _with_compute(base, x)
+    return dataclasses.replace(
+        cluster,
+        kernel_launch_s=0.0 if x[1] < _LOW[1] + np.log(10) else cluster.kernel_launch_s,
+        working_set_bytes=0.0 if x[2] < _LOW[2] + np.log(10) else cluster.working_set_bytes,
+    )
 
 
 def _fit_sync(model: Model, cluster: Cluster, devices: int, microbatch_size: int, measured: float) -> float:
@@ -321,14 +343,15 @@ def calibrate_machine(
     ``model`` (its simulator description); ``build(layers)`` gives the same model as the
     executor builds it, one stage of ``layers`` layers."""
     started = time.perf_counter()
-    runs: dict[Any, Callable[[], Any]] = {n: _step_program(build(n), devices, microbatch_size) for n in _LAYERS}
+    shapes = _step_shapes(model, microbatch_size)
+    runs: dict[Any, Callable[[], Any]] = {(n, m): _step_program(build(n), devices, m) for n, m in shapes}
     runs["tensor"], pipe = _tensor_training_step(build(1), devices, microbatch_size)
     try:
         measured = _interleaved_medians(runs, _STEP_REPEATS)
     finally:
         pipe.close()
     tensor = measured.pop("tensor")
-    steps = {n: measured[n] for n in _LAYERS}
+    steps = {shape: measured[shape] for shape in shapes}
     bandwidth = _bandwidth(devices)
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
     alpha, link = _fit_ring(reduces)
@@ -348,8 +371,7 @@ def calibrate_machine(
         inter_node_bandwidth=link,
         inter_node_latency=alpha,
     )
-    flops, working_set = _fit_compute(model, base, devices, microbatch_size, steps)
-    cluster = dataclasses.replace(base, peak_flops=flops, working_set_bytes=working_set, action_overhead_s=dispatch)
+    cluster = dataclasses.replace(_fit_compute(model, base, devices, steps), action_overhead_s=dispatch)
     one_layer = dataclasses.replace(model, layers=1)
     cluster = dataclasses.replace(cluster, collective_sync_s=_fit_sync(one_layer, cluster, devices, microbatch_size, tensor))
     return MachineCalibration(

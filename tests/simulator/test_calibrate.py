@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pipedsl
-from pipedsl.cli.machine import _fit_compute, _fit_flops, _fit_ring, _fit_sync, _interleaved_medians, _plan
+from pipedsl.cli.machine import _fit_compute, _fit_ring, _fit_sync, _interleaved_medians, _plan, _priced, _step_shapes
 from pipedsl.errors import PipedslError
 from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, simulate
 from pipedsl.simulator.cost_fit import CalibrationError, fit_costs
@@ -150,12 +150,6 @@ def test_ring_fit_recovers_latency_and_bandwidth() -> None:
     assert fitted_bandwidth == pytest.approx(bandwidth, rel=1e-6)
 
 
-def test_compute_rate_is_the_one_that_prices_the_measured_work() -> None:
-    plan = Plan(dp=8, microbatch_size=4, global_batch=32, flash_attention=False)
-    truth = estimate(_TINY, dataclasses.replace(_CPU, peak_flops=3e9), plan).pipeline_time_s
-    assert _fit_flops(_TINY, _CPU, 8, 4, truth) == pytest.approx(3e9, rel=1e-6)
-
-
 def test_demo_counts_the_pairs_of_runs_its_prediction_orders_as_measured() -> None:
     from pipedsl.cli.demo import _pairs_agreeing
 
@@ -164,18 +158,30 @@ def test_demo_counts_the_pairs_of_runs_its_prediction_orders_as_measured() -> No
     assert _pairs_agreeing([1.0, 3.0, 2.0], [10.0, 20.0, 30.0]) == (2, 3)
 
 
-def test_compute_fit_recovers_the_rate_and_the_working_set_from_two_depths() -> None:
-    # Steps of one and two layers priced on a cluster whose computation slows by what its
-    # devices hold: the fit finds both numbers again.
-    truth = dataclasses.replace(_CPU, peak_flops=3e9, working_set_bytes=20e6)
-    plan = _plan(8, 1, 4)
-    measured = {n: estimate(dataclasses.replace(_TINY, layers=n), truth, plan).pipeline_time_s for n in (1, 2)}
-    flops, working_set = _fit_compute(_TINY, _CPU, 8, 4, measured)
-    assert flops == pytest.approx(3e9, rel=1e-3)
-    assert working_set == pytest.approx(20e6, rel=1e-3)
-    # A deeper step no slower than its work says: nothing slows.
-    even = {n: estimate(dataclasses.replace(_TINY, layers=n), _CPU, plan).pipeline_time_s for n in (1, 2)}
-    assert _fit_compute(_TINY, _CPU, 8, 4, even)[1] == 0.0
+def _steps(cluster: Cluster) -> dict[tuple[int, int], float]:
+    """The calibration's compute steps of ``_TINY`` as ``cluster`` prices them."""
+    return {(n, m): _priced(dataclasses.replace(_TINY, layers=n), cluster, 8, m) for n, m in _step_shapes(_TINY, 4)}
+
+
+def test_compute_steps_are_the_corners_of_depth_and_microbatch() -> None:
+    assert _step_shapes(_TINY, 4) == ((1, 1), (1, 4), (2, 1), (2, 4))
+    assert _step_shapes(dataclasses.replace(_TINY, layers=1), 1) == ((1, 1),)
+
+
+def test_compute_fit_recovers_the_rate_the_launch_and_the_working_set() -> None:
+    # Steps priced on a cluster whose kernels cost a fixed time each and whose computation
+    # slows by what its devices hold: the fit finds all three numbers again.
+    truth = dataclasses.replace(_CPU, peak_flops=3e9, kernel_launch_s=2e-4, working_set_bytes=20e6)
+    fitted = _fit_compute(_TINY, _CPU, 8, _steps(truth))
+    assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
+    assert fitted.kernel_launch_s == pytest.approx(2e-4, rel=1e-4)
+    assert fitted.working_set_bytes == pytest.approx(20e6, rel=1e-4)
+
+
+def test_compute_fit_leaves_out_the_terms_the_steps_do_not_call_for() -> None:
+    fitted = _fit_compute(_TINY, _CPU, 8, _steps(dataclasses.replace(_CPU, peak_flops=3e9)))
+    assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
+    assert fitted.kernel_launch_s == 0.0 and fitted.working_set_bytes == 0.0
 
 
 def test_sync_fit_recovers_the_wait_per_tensor_parallel_collective() -> None:

@@ -257,17 +257,23 @@ def test_devices_that_share_cores_take_their_mean_busy_time() -> None:
         dataclasses.replace(IDEAL, shared_cores=-1)
 
 
-def test_what_a_nodes_devices_hold_slows_their_computation() -> None:
+def test_what_a_nodes_devices_touch_slows_their_computation() -> None:
     # Devices that share one machine's caches: every computation's seconds times
-    # 1 + W / working_set_bytes, W the bytes the node's devices hold together.
+    # 1 + W / working_set_bytes, W the weights, gradients and activations of the node's
+    # devices together.
     model = dataclasses.replace(GPT, vocab=8, layers=8)
     alone = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
     ws = 50e6
     shared = dataclasses.replace(alone, working_set_bytes=ws)
     spmd = Plan(dp=8, global_batch=8)
-    held = estimate(model, alone, spmd).memory.total * 8  # eight alike devices
+    memory = estimate(model, alone, spmd).memory
+    touched = (memory.weights + memory.gradients + memory.activations) * 8  # eight alike devices
     slowed = estimate(model, shared, spmd)
-    assert slowed.pipeline_time_s == pytest.approx(estimate(model, alone, spmd).pipeline_time_s * (1 + held / ws))
+    assert slowed.pipeline_time_s == pytest.approx(estimate(model, alone, spmd).pipeline_time_s * (1 + touched / ws))
+    # The forward and backward touch every weight and gradient at every ZeRO stage, and no optimizer state.
+    for zero in (1, 2, 3):
+        sharded = dataclasses.replace(spmd, zero=zero)
+        assert estimate(model, shared, sharded).pipeline_time_s == pytest.approx(slowed.pipeline_time_s)
     assert any(a.name == "working_set" for a in slowed.assumptions)
     assert not any(a.name == "working_set" for a in estimate(model, alone, spmd).assumptions)
     # Eight data-parallel copies hold more than a pipeline's two, so they slow more.
