@@ -35,10 +35,9 @@ pipeline part takes the devices' mean busy time, ``makespan × (1 − bubble)``,
 than ``makespan × cores / devices``, the speed-up of a device that has every core to
 itself. On such devices their caches and memory are shared too: every computation's
 seconds are multiplied by ``1 + W / Cluster.working_set_bytes``, W the bytes that the
-node's devices touch together as they compute (weights, gradients and activations:
-:func:`~pipedsl.simulator.memory.node_bytes`), so eight
-data-parallel copies of a model compute more slowly than a pipeline's two (an order
-made later, a policy synthesised per plan, counts no activations in W). MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
+node's devices touch together as they compute (weights, gradients and one microbatch's
+activations: :func:`~pipedsl.simulator.memory.node_bytes`), so eight
+data-parallel copies of a model compute more slowly than a pipeline's two. MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """
 
@@ -369,8 +368,9 @@ def prepare(
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
     if cluster.working_set_bytes > 0:
-        # Devices that share one machine compute more slowly the more the node holds.
-        shapes = replace(shapes, slowdown=1.0 + node_bytes(shapes, device_params, held) / cluster.working_set_bytes)
+        # Devices that share one machine compute more slowly the more they touch at once.
+        touched = node_bytes(shapes, device_params, _one_microbatch(placement, residual))
+        shapes = replace(shapes, slowdown=1.0 + touched / cluster.working_set_bytes)
     work = _stage_work(shapes, layers, params)
     return Prepared(
         shapes=shapes,
@@ -439,6 +439,16 @@ def _stage_residual(shapes: Shapes, layers: tuple[int, ...]) -> tuple[int, ...]:
     residual[0] += round(shapes.embedding_activation_bytes())
     residual[-1] += round(shapes.head_activation_bytes())
     return tuple(residual)
+
+
+def _one_microbatch(placement: Sequence[int], residual: tuple[int, ...]) -> tuple[int, ...]:
+    """Per pipeline device, the activation bytes that its largest stage keeps for one
+    microbatch: what one of its actions touches (the residuals of other microbatches
+    wait in memory untouched), shape (pp,)."""
+    largest = [0] * (max(placement) + 1)
+    for stage, device in enumerate(placement):
+        largest[device] = max(largest[device], residual[stage])
+    return tuple(largest)
 
 
 def _peak_residual(key: ScheduleKey | None, pipelines: Pipelines | None, residual: tuple[int, ...]) -> tuple[int, ...]:

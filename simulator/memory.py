@@ -118,8 +118,9 @@ def node_bytes(shapes: Shapes, device_params: Sequence[float], activations: Sequ
     """Bytes that the devices of one node touch together while they run forward and
     backward: the mean pipeline device's weights and gradients, whole at every ZeRO stage
     (the forward reads every weight, gathered under ZeRO 3; the backward writes every
-    gradient before any is reduced), its activations (``activations``, one number per
-    pipeline device) and full recomputation's rebuilt layer, times the devices of the
+    gradient before any is reduced), the activations one of its actions touches
+    (``activations``, one number per pipeline device) and full recomputation's rebuilt
+    layer, times the devices of the
     plan in one node (every data and tensor rank holds its pipeline device's share).
     Optimizer state is left out: only the update reads it."""
     plan, model = shapes.plan, shapes.model
