@@ -22,11 +22,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.interpreter import Computed, Receive, Steps, finished
-from pipedsl.executor.transport import LocalExchange, describe_key
+from pipedsl.executor.interpreter import Computed, Receive, Steps
+from pipedsl.executor.transport import Handoff, LocalExchange, describe_key, finished
 
 __all__ = ["Outcome", "run_together"]
 
@@ -100,31 +101,41 @@ class _Runner:
 
     def _loop(self) -> None:
         # Devices whose request is answered, with the answer; devices waiting for a value
-        # (by the key it is sent under); devices waiting for their computations, which
-        # wait only once no other device can go on.
+        # (by the key it is sent under); devices waiting for computations (their own, or
+        # a value's that was sent before it was computed), which wait only once no other
+        # device can go on: each with the wait that gives its answer.
         ready: deque[tuple[int, Any]] = deque((d, None) for d in range(len(self.steps)))
         parked: dict[Any, tuple[int, Receive]] = {}
-        finishing: deque[tuple[int, Computed]] = deque()
+        finishing: deque[tuple[int, Callable[[], Any]]] = deque()
         exchange = self.exchange
+
+        def answer_with(d: int, value: Any) -> None:
+            if isinstance(value, Handoff):
+                finishing.append((d, partial(value.take, self.timeout)))
+            else:
+                ready.append((d, value))
+
         while (ready or finishing) and not self.stopped:
             if ready:
                 d, answer = ready.popleft()
             else:
                 d, wait = finishing.popleft()
-                answer = finished(wait.value, self.timeout)
+                answer = wait()
             request = self._resume(d, answer)
             if request is None:
                 if self.errors[d] is not None:
                     self._stop_all(d)
                     return
             elif isinstance(request, Computed):
-                finishing.append((d, request))
+                finishing.append((d, partial(finished, request.value, self.timeout)))
+            elif isinstance(request, Handoff):
+                answer_with(d, request)
             else:
                 parked[(request.key, d)] = (d, request)
             for slot in exchange.arrivals():
                 waiting = parked.pop(slot, None)
                 if waiting is not None:
-                    ready.append((waiting[0], exchange.poll(slot)))
+                    answer_with(waiting[0], exchange.poll(slot))
         if parked and not self.stopped:
             d, request = next(iter(parked.values()))
             self.errors[d] = ExecutionError(
@@ -135,9 +146,10 @@ class _Runner:
             )
             self._stop_all(d)
 
-    def _resume(self, d: int, answer: Any) -> Receive | Computed | None:
-        """Device ``d``'s next request that has to wait, or None once its step has ended
-        (or failed); a value sent before it was asked for is taken at once."""
+    def _resume(self, d: int, answer: Any) -> Receive | Computed | Handoff | None:
+        """Device ``d``'s next request that has to wait (a value sent but still being
+        computed: its :class:`Handoff`), or None once its step has ended (or failed); a
+        value sent and computed before it was asked for is taken at once."""
         self.running = d
         steps = self.steps[d]
         while not self.stopped:
@@ -155,6 +167,8 @@ class _Runner:
             answer = self.exchange.poll((request.key, d))
             if answer is _NOTHING:
                 return request
+            if isinstance(answer, Handoff):
+                return answer
         return None
 
     def _stop_all(self, failed: int) -> None:

@@ -17,7 +17,6 @@ end of the step (there should be none).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Generator, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.timing import Recorder
-from pipedsl.executor.transport import Transport
+from pipedsl.executor.transport import Transport, finished
 from pipedsl.ir import Kind
 from pipedsl.program import Buffer, BufferKind, Compute, DeviceProgram, Free, Recv, Send
 from pipedsl.timeline import Event
@@ -78,23 +77,6 @@ def drive(steps: Steps[T], transport: Transport, *, timeout: float) -> T:
             request = steps.send(answer)
     except StopIteration as done:
         return done.value
-
-
-def finished(value: Any, timeout: float) -> bool:
-    """Whether every array of ``value`` is computed (or failed) within ``timeout``
-    seconds: the wait happens on a helper thread, as JAX's own wait has no bound."""
-    done = threading.Event()
-
-    def wait() -> None:
-        try:
-            jax.block_until_ready(value)
-        except Exception:  # noqa: S110  # the caller's own wait reports it, blamed on its stage
-            pass
-        finally:
-            done.set()
-
-    threading.Thread(target=wait, name="pipedsl-wait", daemon=True).start()
-    return done.wait(timeout)
 
 
 @dataclass(frozen=True, slots=True)

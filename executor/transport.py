@@ -15,7 +15,9 @@ as host arrays (views, no copy), and the stage program that reads them copies th
 it is dispatched. A ``jax.device_put`` from one CPU device to another costs a hundred
 microseconds or more of host time whatever the size (jaxlib 0.10, a 64-byte array: 70 to
 280 µs here), a jitted call's host arguments about ten. A value still being computed is
-copied by ``jax.device_put`` as before, which waits for it on the devices, not here.
+waited for (:class:`Handoff`), never copied: a stage program compiles once for host
+arguments and once more for device arrays, so a buffer that came one way in one step and
+the other way in the next compiled every program that reads it twice.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def resharder(mesh: Mesh) -> Callable[..., Any]:
         if mover is _UNCHANGED:
             return value
         if isinstance(mover, _ByHost):
-            return _Handoff(leaves, treedef, mover.put)
+            return Handoff(leaves, treedef, mover.put)
         return jax.tree_util.tree_unflatten(treedef, mover(tuple(leaves)))
 
     return move
@@ -137,8 +139,9 @@ class _ByHost:
         self.put = put
 
 
-class _Handoff:
-    """A sent value on another CPU device, in the receiver's mailbox."""
+class Handoff:
+    """A sent value on another CPU device, in the receiver's mailbox, that the receiver
+    takes as host arrays."""
 
     __slots__ = ("leaves", "treedef", "put")
 
@@ -151,14 +154,33 @@ class _Handoff:
         """Whether every array has been computed (or has failed)."""
         return all(x.is_ready() for x in self.leaves)
 
-    def take(self) -> Any:
-        """The value for the receiver: host arrays if computed, else a copy to its device."""
-        if self.ready():
+    def take(self, timeout: float) -> Any:
+        """The value for the receiver as host arrays, once every array is computed (waiting
+        at most ``timeout`` seconds); one whose computation failed or did not finish in
+        time is copied to the receiver's device, where reading it reports its error."""
+        if self.ready() or finished(self.leaves, timeout):
             try:
                 return jax.tree_util.tree_unflatten(self.treedef, [np.asarray(x) for x in self.leaves])
             except Exception:  # noqa: S110  # a failed computation: copied, its error is read where it is used
                 pass
         return jax.tree_util.tree_unflatten(self.treedef, self.put(tuple(self.leaves)))
+
+
+def finished(value: Any, timeout: float) -> bool:
+    """Whether every array of ``value`` is computed (or failed) within ``timeout``
+    seconds: the wait happens on a helper thread, as JAX's own wait has no bound."""
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            jax.block_until_ready(value)
+        except Exception:  # noqa: S110  # the caller's own wait reports it, blamed on its stage
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="pipedsl-wait", daemon=True).start()
+    return done.wait(timeout)
 
 
 def _put(leaves: tuple[Any, ...], *, goals: tuple[NamedSharding, ...]) -> Any:
@@ -214,10 +236,12 @@ class LocalExchange:
         return LocalTransport(self, device)
 
     def poll(self, slot: tuple[Hashable, int]) -> Any:
-        """The value sent as ``slot`` (key, receiver), taken, or :attr:`NOTHING`."""
+        """The value sent as ``slot`` (key, receiver), taken, or :attr:`NOTHING`; a
+        :class:`Handoff` still being computed is returned as it is, for the caller to
+        take once it has nothing else to do."""
         with self._lock:
             value = self._mail.pop(slot, self.NOTHING)
-        return value.take() if isinstance(value, _Handoff) else value
+        return value.take(0.0) if isinstance(value, Handoff) and value.ready() else value
 
     def arrivals(self) -> list[tuple[Hashable, int]]:
         """The slots sent since the last call."""
@@ -263,15 +287,16 @@ class LocalTransport:
     def send(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
         # Only program buffers may go through the host: the stage programs that read them
         # take host arrays; parameters and gradients are kept on devices.
+        if wait:
+            jax.block_until_ready(value)
         moved = self._exchange.movers[dst](value, handoff=isinstance(key, Buffer))
         if wait:
-            moved = moved.take() if isinstance(moved, _Handoff) else moved
-            jax.block_until_ready(moved)
+            jax.block_until_ready(moved.take(0.0) if isinstance(moved, Handoff) else moved)
         self._exchange._put((key, dst), moved)
 
     def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
         value = self._exchange._take((key, self._device), self._device, src, timeout)
-        return value.take() if isinstance(value, _Handoff) else value
+        return value.take(timeout) if isinstance(value, Handoff) else value
 
     def abort(self, error: BaseException) -> None:
         # The error itself reaches the caller through the failing device's thread.
