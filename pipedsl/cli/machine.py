@@ -15,9 +15,11 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   kernel costs on top of its work (on shared cores a one-sequence step takes far more
   than a quarter of a four-sequence one) and the ``working_set_bytes`` at which the
   simulator's seconds of the same work, every computation's seconds times
-  ``1 + W / working_set_bytes`` (W: the weights, gradients and activations the memory
-  model says the devices hold together), match: the devices share this machine's caches and memory, and eight
-  data-parallel copies of a model are slower per FLOP than a pipeline's two.
+  ``1 + W / working_set_bytes`` (W: what the devices touch together as they compute,
+  weights, gradients and one microbatch's activations, as
+  :func:`~pipedsl.simulator.memory.node_bytes` counts them), match: the devices share
+  this machine's caches and memory, and eight data-parallel copies of a model are slower
+  per FLOP than a pipeline's two.
   Elementwise work is priced at the measured memory bandwidth. A product benchmark
   overstates the rate about tenfold on CPU: the backward's transposed products, the
   attention's small ones and the elementwise work run far below it;
@@ -101,7 +103,7 @@ class MachineCalibration:
         slowed = (
             f"slowed by 1 + W / {c.working_set_bytes / 1e6:.0f} MB for the W bytes the devices touch together"
             if c.working_set_bytes > 0
-            else "not slowed by what the devices hold"
+            else "not slowed by what the devices touch"
         )
         return (
             f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {c.kernel_launch_s * 1e6:.0f} µs per kernel, "
