@@ -32,6 +32,7 @@ from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate, step_timing
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.synthesize import synthesize
+from pipedsl.validate import checked
 
 __all__ = ["Pipelines", "ScheduleKey", "Timing", "load_pipeline"]
 
@@ -111,10 +112,12 @@ class _Layout:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _Shape:
-    """One validated, lowered shape: its layout and its program's arrays."""
+    """One validated, lowered shape: its layout, its program's arrays and the order
+    validation ran their computes in (which every timing of the shape walks)."""
 
     layout: _Layout
     arrays: ProgramArrays
+    order: np.ndarray
 
 
 class Pipelines:
@@ -182,7 +185,7 @@ class Pipelines:
                 schedule = load_pipeline(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
             if key not in self._shapes:
                 layout = _Layout(schedule.num_stages, schedule.num_devices, schedule.placement)
-                self._shapes[key] = _Shape(layout, lower(schedule).arrays)
+                self._shapes[key] = _Shape(layout, lower(schedule).arrays, checked(schedule).order)
         except PipedslError as err:
             self._errors[key] = err
             raise
@@ -272,7 +275,7 @@ class Pipelines:
                 result = simulate(Program(self.schedule(key), arrays=shape.arrays), costs)
                 found = Timing(result.makespan, result.bubble_ratio, result)
             else:
-                makespan, bubble = step_timing(shape.arrays, costs.resolve(shape.layout))
+                makespan, bubble = step_timing(shape.arrays, costs.resolve(shape.layout), order=shape.order)
                 found = Timing(makespan, bubble, None)
             self._timings[(key, costs)] = found
         return found
