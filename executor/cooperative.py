@@ -129,7 +129,7 @@ class _Runner:
             elif isinstance(request, Computed):
                 finishing.append((d, partial(finished, request.value, self.timeout)))
             elif isinstance(request, Handoff):
-                answer_with(d, request)
+                finishing.append((d, partial(request.take, self.timeout)))
             else:
                 parked[(request.key, d)] = (d, request)
             for slot in exchange.arrivals():

@@ -38,7 +38,7 @@ from pipedsl.arrays import ActionArrays, B, F, I, W, paused_collector
 from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
 
-__all__ = ["Report", "Checked", "Execution", "validate", "checked", "kept_check", "execute", "dependencies", "peak_inflight"]
+__all__ = ["Report", "Checked", "validate", "checked", "kept_check", "dependencies", "peak_inflight"]
 
 _Key = tuple[Kind, int, int]
 
@@ -256,7 +256,7 @@ def dependencies(action: Action, *, num_stages: int, split: set[tuple[int, int]]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Execution:
+class _Execution:
     """A run of per-device orders in which an action waits until the one it needs has run.
 
     Attributes:
@@ -272,7 +272,7 @@ class Execution:
     blocked_on: dict[int, int]
 
 
-def execute(bounds: np.ndarray, stops: np.ndarray, needs: np.ndarray, owners: np.ndarray) -> Execution:
+def _execute(bounds: np.ndarray, stops: np.ndarray, needs: np.ndarray, owners: np.ndarray) -> _Execution:
     """Run device d's rows ``bounds[d]:bounds[d + 1]`` in order, each device until a row
     needs one not yet run, waking it once that one has run.
 
@@ -315,7 +315,7 @@ def execute(bounds: np.ndarray, stops: np.ndarray, needs: np.ndarray, owners: np
             ready.append(heapq.heappop(waiting)[1])
     # The devices that did not finish, in the order they waited for the last time.
     stuck = sorted((waited_in[d], d) for d, at in enumerate(pointer) if at < ends[d])
-    return Execution(_stretches(began, ended), pointer, {d: wanted[d] for _, d in stuck})
+    return _Execution(_stretches(began, ended), pointer, {d: wanted[d] for _, d in stuck})
 
 
 def _stretches(began: list[int], ended: list[int]) -> np.ndarray:
@@ -329,7 +329,7 @@ def _stretches(began: list[int], ended: list[int]) -> np.ndarray:
 
 def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarray, upstream: np.ndarray) -> np.ndarray:
     """Run the orders with unit steps; report a same-device misorder or a cross-device
-    cycle. Returns the rows in the order they ran (:attr:`Execution.order`).
+    cycle. Returns the rows in the order they ran (:attr:`_Execution.order`).
 
     A device runs until an action needs one not yet done; it then waits, and is woken
     when that one is done. What remains blocked at the end waits in a cycle.
@@ -348,7 +348,7 @@ def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarra
     misordered = (local > rows) | (~cross & (upstream > rows))
     stops = np.flatnonzero(cross | misordered)
     needs = np.where(local > rows, local, upstream)[stops]
-    run = execute(actions.bounds, stops, needs, device[np.maximum(needs, 0)])
+    run = _execute(actions.bounds, stops, needs, device[np.maximum(needs, 0)])
     # A device stays in ``blocked_on`` from the moment it waited for the last time.
     for d, need in run.blocked_on.items():
         if int(device[need]) == d:

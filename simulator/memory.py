@@ -101,7 +101,10 @@ def device_memory(shapes: Shapes, device_params: Sequence[float], activations: S
     """Memory of the fullest of the devices holding ``device_params`` parameters and
     ``activations`` bytes of activations (one number per device), with the plan's
     working memory (:func:`transient_bytes`) on each."""
-    static, totals, transient = _per_device(shapes, device_params, activations)
+    plan, model = shapes.plan, shapes.model
+    transient = transient_bytes(shapes)
+    static = [static_memory(plan, p, model.dtype_bytes) for p in device_params]
+    totals = [sum(parts) + held + transient for parts, held in zip(static, activations, strict=True)]
     fullest = max(range(len(totals)), key=lambda d: totals[d])
     weights, grads, optimizer = static[fullest]
     return Memory(
@@ -120,9 +123,8 @@ def node_bytes(shapes: Shapes, device_params: Sequence[float], activations: Sequ
     (the forward reads every weight, gathered under ZeRO 3; the backward writes every
     gradient before any is reduced), the activations one of its actions touches
     (``activations``, one number per pipeline device) and full recomputation's rebuilt
-    layer, times the devices of the
-    plan in one node (every data and tensor rank holds its pipeline device's share).
-    Optimizer state is left out: only the update reads it."""
+    layer, times the devices of the plan in one node (every data and tensor rank holds
+    its pipeline device's share). Optimizer state is left out: only the update reads it."""
     plan, model = shapes.plan, shapes.model
     rebuilt = shapes.layer_activation_bytes(Recompute.NONE) if plan.recompute is Recompute.FULL else 0.0
     touched = [
@@ -130,13 +132,3 @@ def node_bytes(shapes: Shapes, device_params: Sequence[float], activations: Sequ
     ]
     return sum(touched) / len(touched) * min(plan.gpus, shapes.cluster.gpus_per_node)
 
-
-def _per_device(
-    shapes: Shapes, device_params: Sequence[float], activations: Sequence[int]
-) -> tuple[list[tuple[float, float, float]], list[float], float]:
-    """(static memory, total bytes) of each device, and the working memory on each."""
-    plan, model = shapes.plan, shapes.model
-    transient = transient_bytes(shapes)
-    static = [static_memory(plan, p, model.dtype_bytes) for p in device_params]
-    totals = [sum(parts) + held + transient for parts, held in zip(static, activations, strict=True)]
-    return static, totals, transient
