@@ -30,6 +30,7 @@ class Assumption:
 def assumptions(model: Model, cluster: Cluster, plan: Plan, *, slowdown: float = 1.0) -> tuple[Assumption, ...]:
     """What an estimate of ``plan`` prices: the plan's modelling switches, the
     collective algorithms chosen for its groups and, on devices that share a machine,
+    the wait of each collective inside a stage program (``Cluster.collective_sync``) and
     the ``slowdown`` its computation was priced with (``Cluster.working_set_bytes``)."""
     on = {True: "on", False: "off"}
     found = [
@@ -55,6 +56,14 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan, *, slowdown: float =
             algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
             where = f"{group.per_node} per node over {group.nodes} nodes" if group.spans_nodes else "in one node"
             found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
+    waits = [(name, n) for name, n in (("tensor", plan.tp), ("data", plan.dp if plan.zero >= 2 else 1)) if n > 1]
+    for axis, n in waits:
+        if cluster.collective_sync(n) > 0:
+            found.append(Assumption(
+                f"{axis}_collective_sync", f"{cluster.collective_sync(n) * 1e3:.3g} ms",
+                f"each collective of the {n} {axis}-parallel devices waits this on shared cores "
+                "until every one of them reaches it",
+            ))  # fmt: skip
     if cluster.working_set_bytes > 0:
         held = (slowdown - 1.0) * cluster.working_set_bytes
         found.append(Assumption(

@@ -7,9 +7,11 @@ every run's prediction comes from it (never from that run's own steps). The clus
 says how many cores its devices share (``shared_cores``, the cores this process may run
 on), so that a pipeline's idle devices are priced as cores the busy ones get:
 
-- *compute*: one data-parallel forward and backward of the model, a microbatch on every
-  device at once, without any reduction between them, at four shapes: the model cut to one
-  layer and whole, with one sequence per device and with the microbatch size. Three
+- *compute*: one training step of the executor's data-parallel plan of the model over
+  every device (one microbatch's forward and backward, the gradients' all-reduce, Adam's
+  update: the stage programs that runs execute, not one program of the whole step, which
+  XLA runs at another speed), at four shapes: the model cut to one layer and whole, with
+  one sequence per device and with the microbatch size. Three
   numbers of the cluster are fitted to the four steps (least squares of the log of
   priced over measured seconds): the ``peak_flops``, the ``kernel_launch_s`` that every
   kernel costs on top of its work (on shared cores a one-sequence step takes far more
@@ -28,11 +30,14 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   large buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (α and B are
   then also what a send between two devices costs);
 - *collectives inside a program*: one training step of the executor's SPMD plan of the
-  one-layer model at tp 2 (the data axis the rest, the model's own ``param_specs``),
-  XLA's collectives inside its programs; what it takes beyond what the numbers above
-  price it at, per tensor-parallel collective, is ``collective_sync_s``: on shared cores
-  every device of a group must reach a collective before any goes on. (Compiling that
-  pipeline is the calibration's longest part.)
+  one-layer model at tp 2 and at tp 4 (the data axis the rest, the model's own
+  ``param_specs``), XLA's collectives inside its programs; what they take beyond what the
+  numbers above price them at, per tensor-parallel collective, is the wait of a group of
+  two (``collective_sync_s``) and what each device more adds to it
+  (``collective_sync_per_device_s``): on shared cores every device of a group must reach
+  a collective before any goes on, and a group of four waits longer than one of two
+  (measured here: about 1.6 times). (Compiling those pipelines is the calibration's
+  longest part.)
 - *dispatch*: the seconds one device's thread spends per dispatched stage program while
   every device dispatches (``action_overhead_s``, what each scheduled action costs on top
   of its kernels).
@@ -64,8 +69,9 @@ _REPEATS = 3
 _STEP_REPEATS = 5
 _FIT_ROUNDS = 60
 """Most damped Gauss-Newton rounds of the compute fit (from its start it settles within about forty)."""
-_TENSOR = 2
-"""The tensor axis of the step that measures collectives inside a program."""
+_TENSORS = (2, 4)
+"""The tensor axes of the steps that measure collectives inside a program (those that
+divide the devices and the model's heads and vocabulary)."""
 _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 
@@ -76,10 +82,10 @@ class MachineCalibration:
 
     Attributes:
       cluster: this machine as ``devices`` CPU devices in one node.
-      step_s: measured seconds of one microbatch's forward and backward on every device
-        at once, by (layers the model is cut to, sequences per device).
-      tensor_step_s: measured seconds of the one-layer forward and backward split over a
-        tensor axis of 2 (a data axis the rest), its gradients summed over the data axis.
+      step_s: measured seconds of one data-parallel training step over every device (one
+        microbatch), by (layers the model is cut to, sequences per device).
+      tensor_step_s: measured seconds of one training step of the one-layer model split
+        over a tensor axis (a data axis the rest), by the tensor axis.
       microbatch_size: sequences per device (per data rank) in the tensor-parallel step
         and the larger compute steps.
       all_reduce_s: measured seconds by (group size, bytes).
@@ -88,7 +94,7 @@ class MachineCalibration:
 
     cluster: Cluster
     step_s: dict[tuple[int, int], float]
-    tensor_step_s: float
+    tensor_step_s: dict[int, float]
     microbatch_size: int
     all_reduce_s: dict[tuple[int, int], float]
     seconds: float
@@ -100,6 +106,7 @@ class MachineCalibration:
         steps = ", ".join(
             f"{n} layer{'s' if n > 1 else ''} x {m} {t * 1e3:.1f} ms" for (n, m), t in self.step_s.items()
         )
+        tensor = ", ".join(f"tp={t} {s * 1e3:.1f} ms" for t, s in self.tensor_step_s.items()) or "no tp"
         slowed = (
             f"slowed by 1 + W / {c.working_set_bytes / 1e6:.0f} MB for the W bytes the devices touch together"
             if c.working_set_bytes > 0
@@ -111,8 +118,8 @@ class MachineCalibration:
             f"{c.hbm_bandwidth / 1e9:.2f} GB/s; collectives α {c.intra_node_latency * 1e6:.0f} µs, "
             f"B {c.intra_node_bandwidth / 1e9:.2f} GB/s (all-reduce {reduces}); dispatch "
             f"{c.action_overhead_s * 1e6:.0f} µs per action; each tensor-parallel collective "
-            f"{c.collective_sync_s * 1e3:.2f} ms more (fitted to a one-layer step at tp=2: "
-            f"{self.tensor_step_s * 1e3:.1f} ms); calibrated in {self.seconds:.1f} s"
+            f"{c.collective_sync_s * 1e3:.2f} ms more in a group of 2, {c.collective_sync_per_device_s * 1e3:.2f} ms "
+            f"more for each device beyond (fitted to one-layer steps at {tensor}); calibrated in {self.seconds:.1f} s"
         )
 
 
@@ -138,38 +145,15 @@ def _interleaved_medians(runs: dict[Any, Callable[[], Any]], repeats: int = _REP
     return {key: statistics.median(t) for key, t in times.items()}
 
 
-def _step_program(model: Any, devices: int, microbatch_size: int) -> Callable[[], Any]:
-    """A call that runs one forward and backward of ``microbatch_size`` sequences on each
-    of ``devices``, all at once, nothing reduced between them."""
-    import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
-    key = jax.random.PRNGKey(0)
-    params = model.init_stages(key)[0]
-    tokens, targets = model.batch(jax.random.fold_in(key, 1), devices * microbatch_size)
-    split = NamedSharding(mesh, PartitionSpec("data"))
-
-    def local(p: Any, x: jax.Array, t: jax.Array) -> Any:
-        loss, grads = jax.value_and_grad(lambda q: model.loss(model.stages[0](q, x), t))(p)
-        # Each device's own gradients, stacked: no reduction between devices.
-        return loss[None], jax.tree.map(lambda g: g[None], grads)
-
-    program = jax.jit(
-        jax.shard_map(
-            local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("data"), PartitionSpec("data")),
-            out_specs=PartitionSpec("data"), check_vma=False,
-        )
-    )  # fmt: skip
-    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    tokens, targets = jax.device_put(tokens, split), jax.device_put(targets, split)
-    return lambda: program(params, tokens, targets)
-
-
-def _tensor_training_step(model: Any, devices: int, microbatch_size: int) -> tuple[Callable[[], Any], Any]:
-    """The executor's SPMD plan of ``model`` over every device at tp 2 (the data axis the
-    rest), one microbatch of ``microbatch_size`` sequences per data rank: (a call that
-    runs one Adam training step, the pipeline to close)."""
+def _training_step(
+    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1
+) -> tuple[Callable[[], Any], Any]:
+    """The executor's SPMD plan of ``model`` over every device at tp ``tensor`` (the data
+    axis the rest), one microbatch of ``microbatch_size`` sequences per data rank: (a call
+    that runs one Adam training step, the pipeline to close). The calibration times the
+    executor's own programs: a forward and a backward jitted apart run at another speed
+    than one program of both (here a four-layer step of four sequences per device took
+    half as long as one ``value_and_grad`` program of it)."""
     import jax
     import optax
 
@@ -179,9 +163,9 @@ def _tensor_training_step(model: Any, devices: int, microbatch_size: int) -> tup
     params = model.init_stages(key)
     pipe = Pipeline(
         model.stages, loss=model.loss, schedule=load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": 1}),
-        backend="local", dp=devices // _TENSOR, tp=_TENSOR, param_specs=model.param_specs(params),
+        backend="local", dp=devices // tensor, tp=tensor, param_specs=model.param_specs(params),
     )  # fmt: skip
-    batch = model.batch(jax.random.fold_in(key, 1), devices // _TENSOR * microbatch_size)
+    batch = model.batch(jax.random.fold_in(key, 1), devices // tensor * microbatch_size)
     optimizer = optax.adam(1e-3)
     held: list[Any] = [params, None]
 
@@ -261,9 +245,10 @@ def _plan(dp: int, tp: int, microbatch_size: int) -> Plan:
 
 
 def _priced(model: Model, cluster: Cluster, devices: int, microbatch_size: int) -> float:
-    """The simulator's seconds of what :func:`_step_program` runs: one data-parallel
-    microbatch's forward and backward, its devices holding what a training step's do."""
-    return estimate(model, cluster, _plan(devices, 1, microbatch_size)).pipeline_time_s
+    """The simulator's seconds of what :func:`_training_step` runs without a tensor axis:
+    one data-parallel microbatch's forward and backward, the gradients' all-reduce and
+    the optimizer's update."""
+    return estimate(model, cluster, _plan(devices, 1, microbatch_size)).step_time_s
 
 
 def _step_shapes(model: Model, microbatch_size: int) -> tuple[tuple[int, int], ...]:
@@ -324,18 +309,44 @@ def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple
     )
 
 
-def _fit_sync(model: Model, cluster: Cluster, devices: int, microbatch_size: int, measured: float) -> float:
-    """The ``collective_sync_s`` at which the simulator prices the executor's
-    tensor-parallel training step (:func:`_tensor_training_step`) at ``measured`` seconds on
-    ``cluster``; 0 when it prices it at ``measured`` or more without any."""
-    plan = _plan(devices // _TENSOR, _TENSOR, microbatch_size)
+def _tensor_axes(model: Model, devices: int) -> tuple[int, ...]:
+    """The tensor axes of :data:`_TENSORS` that the devices and ``model`` split into."""
+    return tuple(t for t in _TENSORS if devices % t == 0 and model.heads % t == 0 and model.vocab % t == 0)
 
-    def priced(sync: float) -> float:
-        return estimate(model, dataclasses.replace(cluster, collective_sync_s=sync), plan).step_time_s
 
-    # The step's seconds grow by one sync per collective: linear in it.
-    without, per_second = priced(0.0), priced(1.0) - priced(0.0)
-    return max(0.0, (measured - without) / per_second)
+def _fit_sync(
+    model: Model, cluster: Cluster, devices: int, microbatch_size: int, measured: dict[int, float]
+) -> Cluster:
+    """``cluster`` with the ``collective_sync_s`` and ``collective_sync_per_device_s`` at
+    which the simulator prices the executor's tensor-parallel training steps
+    (:func:`_tensor_training_step`, ``measured`` seconds by tensor axis) closest to as
+    measured (least squares, both at least 0; with one axis measured, no growth)."""
+
+    def priced(sync: float, per_device: float, tensor: int) -> float:
+        waits = dataclasses.replace(cluster, collective_sync_s=sync, collective_sync_per_device_s=per_device)
+        return estimate(model, waits, _plan(devices // tensor, tensor, microbatch_size)).step_time_s
+
+    # A step's seconds grow by one wait per collective, and a wait is linear in both
+    # terms: measured - priced without = collectives x (sync + (t - 2) x per device).
+    axes = sorted(measured)
+    gaps = np.array([measured[t] - priced(0.0, 0.0, t) for t in axes])
+    counts = np.array([priced(1.0, 0.0, t) - priced(0.0, 0.0, t) for t in axes])
+    rows = np.column_stack([counts, counts * (np.array(axes) - 2)])
+    sync, per_device = _least_squares_at_least_zero(rows, gaps)
+    return dataclasses.replace(cluster, collective_sync_s=sync, collective_sync_per_device_s=per_device)
+
+
+def _least_squares_at_least_zero(rows: np.ndarray, values: np.ndarray) -> tuple[float, float]:
+    """The (a, b) >= 0 that minimise ``|rows @ (a, b) - values|``: the unconstrained
+    solution where it has no negative part, else the best with one or both at 0."""
+    candidates = [np.linalg.lstsq(rows, values, rcond=None)[0]]
+    for column in (0, 1):
+        alone = rows[:, column]
+        weight = max(float(alone @ values) / float(alone @ alone), 0.0) if alone @ alone > 0 else 0.0
+        candidates.append(np.array([weight, 0.0] if column == 0 else [0.0, weight]))
+    feasible = [c for c in candidates if (c >= 0).all()]
+    best = min(feasible, key=lambda c: float(np.sum((rows @ c - values) ** 2)))
+    return float(best[0]), float(best[1])
 
 
 def calibrate_machine(
@@ -346,13 +357,20 @@ def calibrate_machine(
     executor builds it, one stage of ``layers`` layers."""
     started = time.perf_counter()
     shapes = _step_shapes(model, microbatch_size)
-    runs: dict[Any, Callable[[], Any]] = {(n, m): _step_program(build(n), devices, m) for n, m in shapes}
-    runs["tensor"], pipe = _tensor_training_step(build(1), devices, microbatch_size)
+    runs: dict[Any, Callable[[], Any]] = {}
+    pipes = []
     try:
+        for n, m in shapes:
+            runs[(n, m)], pipe = _training_step(build(n), devices, m)
+            pipes.append(pipe)
+        for t in _tensor_axes(model, devices):
+            runs[("tensor", t)], pipe = _training_step(build(1), devices, microbatch_size, tensor=t)
+            pipes.append(pipe)
         measured = _interleaved_medians(runs, _STEP_REPEATS)
     finally:
-        pipe.close()
-    tensor = measured.pop("tensor")
+        for pipe in pipes:
+            pipe.close()
+    tensor = {key[1]: seconds for key, seconds in measured.items() if key[0] == "tensor"}
     steps = {shape: measured[shape] for shape in shapes}
     bandwidth = _bandwidth(devices)
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
@@ -372,10 +390,12 @@ def calibrate_machine(
         intra_node_latency=alpha,
         inter_node_bandwidth=link,
         inter_node_latency=alpha,
+        action_overhead_s=dispatch,
     )
-    cluster = dataclasses.replace(_fit_compute(model, base, devices, steps), action_overhead_s=dispatch)
+    cluster = _fit_compute(model, base, devices, steps)
     one_layer = dataclasses.replace(model, layers=1)
-    cluster = dataclasses.replace(cluster, collective_sync_s=_fit_sync(one_layer, cluster, devices, microbatch_size, tensor))
+    if tensor:
+        cluster = _fit_sync(one_layer, cluster, devices, microbatch_size, tensor)
     return MachineCalibration(
         cluster=cluster,
         step_s=steps,

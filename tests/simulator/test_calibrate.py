@@ -184,12 +184,33 @@ def test_compute_fit_leaves_out_the_terms_the_steps_do_not_call_for() -> None:
     assert fitted.kernel_launch_s == 0.0 and fitted.working_set_bytes == 0.0
 
 
-def test_sync_fit_recovers_the_wait_per_tensor_parallel_collective() -> None:
-    truth = dataclasses.replace(_CPU, collective_sync_s=2e-3)
-    model = dataclasses.replace(_TINY, layers=1)
-    measured = estimate(model, truth, _plan(4, 2, 4)).step_time_s
-    assert _fit_sync(model, _CPU, 8, 4, measured) == pytest.approx(2e-3, rel=1e-6)
-    assert _fit_sync(model, _CPU, 8, 4, 0.0) == 0.0
+def _tensor_steps(truth: Cluster, model: Model, axes: tuple[int, ...]) -> dict[int, float]:
+    return {t: estimate(model, truth, _plan(8 // t, t, 4)).step_time_s for t in axes}
+
+
+def test_sync_fit_recovers_the_wait_of_a_group_of_two_and_its_growth() -> None:
+    truth = dataclasses.replace(_CPU, collective_sync_s=2e-3, collective_sync_per_device_s=5e-4)
+    model = dataclasses.replace(_TINY, layers=1, heads=4)
+    fitted = _fit_sync(model, _CPU, 8, 4, _tensor_steps(truth, model, (2, 4)))
+    assert fitted.collective_sync_s == pytest.approx(2e-3, rel=1e-6)
+    assert fitted.collective_sync_per_device_s == pytest.approx(5e-4, rel=1e-6)
+    assert fitted.collective_sync(4) == pytest.approx(3e-3, rel=1e-6)
+    # One axis measured: the wait of a group of two, no growth.
+    alone = _fit_sync(model, _CPU, 8, 4, _tensor_steps(truth, model, (2,)))
+    assert alone.collective_sync_s == pytest.approx(2e-3, rel=1e-6) and alone.collective_sync_per_device_s == 0.0
+
+
+def test_sync_fit_keeps_both_terms_at_least_zero() -> None:
+    model = dataclasses.replace(_TINY, layers=1, heads=4)
+    # Steps faster than priced without any wait: no wait at all.
+    none = _fit_sync(model, _CPU, 8, 4, {2: 0.0, 4: 0.0})
+    assert (none.collective_sync_s, none.collective_sync_per_device_s) == (0.0, 0.0)
+    # A group of four waiting less than one of two: no growth, one wait fitted to both.
+    shrinking = dataclasses.replace(_CPU, collective_sync_s=3e-3)
+    less = dataclasses.replace(_CPU, collective_sync_s=1e-3)
+    measured = _tensor_steps(shrinking, model, (2,)) | _tensor_steps(less, model, (4,))
+    fitted = _fit_sync(model, _CPU, 8, 4, measured)
+    assert fitted.collective_sync_per_device_s == 0.0 and 1e-3 < fitted.collective_sync_s < 3e-3
 
 
 def test_interleaved_measurements_take_turns() -> None:

@@ -307,6 +307,26 @@ def test_each_tensor_parallel_collective_waits_its_sync_on_shared_cores() -> Non
         assert gap == pytest.approx(3 * model.layers * collectives * sync)
 
 
+def test_a_larger_group_waits_longer_at_each_collective() -> None:
+    # A group of n waits collective_sync_s + (n - 2) x collective_sync_per_device_s: the
+    # tensor-parallel group at its collectives, the data-parallel group at ZeRO's.
+    model = dataclasses.replace(GPT, vocab=8)
+    waits = dataclasses.replace(IDEAL, collective_sync_s=1e-3, collective_sync_per_device_s=2e-4)
+    assert [waits.collective_sync(n) for n in (1, 2, 4, 8)] == pytest.approx([0.0, 1e-3, 1.4e-3, 2.2e-3])
+    for tp in (2, 4):
+        plan = Plan(tp=tp, dp=8 // tp, microbatch_size=1, global_batch=3 * (8 // tp), tp_overlap=0.0, sequence_parallel=False)
+        gap = estimate(model, waits, plan).pipeline_time_s - estimate(model, IDEAL, plan).pipeline_time_s
+        assert gap == pytest.approx(3 * model.layers * 4 * waits.collective_sync(tp))
+    sharded = Plan(dp=8, microbatch_size=1, global_batch=24, zero=2)
+    gap = estimate(model, waits, sharded).pipeline_time_s - estimate(model, IDEAL, sharded).pipeline_time_s
+    assert gap == pytest.approx(3 * model.layers * waits.collective_sync(8))
+    listed = {a.name: a.value for a in estimate(model, waits, plan).assumptions}
+    assert listed["tensor_collective_sync"] == "1.4 ms" and "data_collective_sync" not in listed
+    assert {a.name: a.value for a in estimate(model, waits, sharded).assumptions}["data_collective_sync"] == "2.2 ms"
+    with pytest.raises(DescriptionError, match="collective_sync_per_device_s must be a number >= 0"):
+        dataclasses.replace(IDEAL, collective_sync_per_device_s=-1.0)
+
+
 @pytest.mark.parametrize(
     ("spec", "vpp"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
 )
