@@ -32,7 +32,7 @@ from rich.table import Table
 
 from pipedsl.cli.calibrate import DEMO_MODEL, Measurement, demo_transformer, measure
 from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
-from pipedsl.cli.machine import MachineCalibration, calibrate_machine
+from pipedsl.cli.machine import MachineCalibration, calibrate_machine, load_drift
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
@@ -82,12 +82,15 @@ def _library(console: Console) -> None:
 # --- 2. this machine as a cluster, and the plan search -------------------------------
 
 
+def _one_stage(layers: int) -> Any:
+    """The demo transformer cut to ``layers`` layers, one stage: what the calibration times."""
+    return demo_transformer(1, layers=layers)
+
+
 def calibrated_search(devices: int) -> tuple[MachineCalibration, Any]:
     """Calibrate this machine once as ``devices`` devices, then rank every plan of the demo
     transformer on it (a :func:`~pipedsl.simulator.search` frame)."""
-    calibration = calibrate_machine(
-        devices, DEMO_MODEL, lambda layers: demo_transformer(1, layers=layers), microbatch_size=_MIN_RUN_MICROBATCH
-    )
+    calibration = calibrate_machine(devices, DEMO_MODEL, _one_stage, microbatch_size=_MIN_RUN_MICROBATCH)
     # The executor's attention is plain (no fused kernel), and on CPU a collective runs
     # on the cores the computation needs, so none of it hides behind the computation.
     frame = search(
@@ -97,7 +100,7 @@ def calibrated_search(devices: int) -> tuple[MachineCalibration, Any]:
     return calibration, frame
 
 
-def _plans(console: Console, devices: int, out: Path) -> Any:
+def _plans(console: Console, devices: int, out: Path) -> tuple[MachineCalibration, Any]:
     console.rule("[bold]2. Plans for the demo transformer on this machine")
     console.print(f"Calibrating this machine once ({devices} CPU devices, every one busy) ...", highlight=False)
     calibration, frame = calibrated_search(devices)
@@ -129,7 +132,7 @@ def _plans(console: Console, devices: int, out: Path) -> Any:
         )
     console.print(table)
     console.print(summary.text())
-    return frame
+    return calibration, frame
 
 
 # --- 3. running the best plans for real ------------------------------------------------
@@ -166,7 +169,10 @@ def plans_to_run(frame: Any, devices: int, top: int) -> list[PlannedRun]:
     return sorted(chosen[:top], key=lambda p: p.planned_s or 0.0)
 
 
-def _runs(console: Console, frame: Any, *, devices: int, top: int, steps: int, backend: str, out: Path) -> list[Measurement]:
+def _runs(
+    console: Console, frame: Any, calibration: MachineCalibration, *, devices: int, top: int, steps: int, backend: str,
+    out: Path,
+) -> list[Measurement]:
     plans = plans_to_run(frame, devices, top)
     console.rule(f"[bold]3. Running {len(plans)} ranked plans for real ({backend} backend, {devices} devices)")
     if not plans:
@@ -183,6 +189,7 @@ def _runs(console: Console, frame: Any, *, devices: int, top: int, steps: int, b
         reports.append(m)
     console.print(_results_table(reports))
     console.print(_order_verdict(reports), highlight=False)
+    console.print(_drift_verdict(*load_drift(calibration, _one_stage)), highlight=False)
     _write_runs(out / "runs.csv", reports)
     figure = plot_timelines([p for r in reports for p in r.panels], share_time=False, caption="simulated against measured")
     save_figure(figure, out / "timelines.png")
@@ -225,10 +232,6 @@ def _results_table(reports: list[Measurement]) -> Table:
     return table
 
 
-def _order(values: list[float]) -> list[int]:
-    return sorted(range(len(values)), key=values.__getitem__)
-
-
 def _pairs_agreeing(predicted: list[float], measured: list[float]) -> tuple[int, int]:
     """(pairs of runs that the prediction orders as measured, pairs)."""
     pairs = [(i, j) for i in range(len(measured)) for j in range(i + 1, len(measured))]
@@ -242,13 +245,36 @@ def _order_verdict(reports: list[Measurement]) -> str:
     measured = [r.measured_s for r in reports]
     predicted = [_predicted(r) for r in reports]
     same, pairs = _pairs_agreeing(predicted, measured)
-    agrees = _order(predicted) == _order(measured)
+    # Every pair ordered as measured: two runs predicted alike order nothing.
+    agrees = same == pairs
     within = sum(abs(_error(r)) <= 0.2 for r in reports)
     fastest = min(reports, key=lambda r: r.measured_s)
     return (
         f"The predicted order {'agrees' if agrees else 'does not agree'} with the measured order "
         f"({same} of {pairs} pairs of runs ordered as measured); {within} of {len(reports)} predictions "
         f"within 20% of measured. Fastest measured: {fastest.label}."
+    )
+
+
+_DRIFT = 0.1
+"""A change of the reference step's time beyond which the demo says the load moved."""
+
+
+def _drift_verdict(then: float, now: float) -> str:
+    """Whether the machine ran the calibration's smallest step as fast after the runs as
+    when it was calibrated: the predictions assume the same load throughout."""
+    change = now / then - 1.0
+    said = (
+        f"The calibration's smallest step took {_ms(then)} ms when calibrated and {_ms(now)} ms after the runs "
+        f"({change:+.0%}): "
+    )
+    if abs(change) <= _DRIFT:
+        return said + "the machine's load held, so the predictions are comparable with the measurements."
+    return said + (
+        "the machine's load changed between the calibration and the runs (devices that share cores run "
+        "as fast as the rest of the machine lets them, larger steps slowed more than this one), so the "
+        "predictions, made at the calibration's load, do not compare with these measurements; run again "
+        "on a quieter machine."
     )
 
 
@@ -284,8 +310,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     console.rule("[bold]1. The schedule library")
     _library(console)
-    frame = _plans(console, args.devices, out)
-    _runs(console, frame, devices=args.devices, top=args.top, steps=args.steps, backend=args.backend, out=out)
+    calibration, frame = _plans(console, args.devices, out)
+    _runs(console, frame, calibration, devices=args.devices, top=args.top, steps=args.steps, backend=args.backend, out=out)
     console.rule()
     console.print(f"done in {time.perf_counter() - started:.0f} s; outputs in {out}/: plans.csv, runs.csv, timelines.png")
     return 0

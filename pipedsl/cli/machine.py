@@ -63,7 +63,7 @@ from pipedsl.cli.common import load_schedule
 from pipedsl.cli.planned import SPMD_SCHEDULE
 from pipedsl.simulator import Cluster, Model, Plan, estimate
 
-__all__ = ["MachineCalibration", "calibrate_machine"]
+__all__ = ["MachineCalibration", "calibrate_machine", "load_drift"]
 
 _REPEATS = 3
 _STEP_REPEATS = 5
@@ -404,3 +404,17 @@ def calibrate_machine(
         all_reduce_s=reduces,
         seconds=time.perf_counter() - started,
     )
+
+
+def load_drift(calibration: MachineCalibration, build: Callable[[int], Any]) -> tuple[float, float]:
+    """(seconds at calibration, seconds now) of the calibration's smallest step (the
+    one-layer model, one sequence per device; ``build`` as for :func:`calibrate_machine`),
+    timed again: every prediction rests on the machine being as loaded as when it was
+    calibrated, and on shared cores a busier or quieter machine moves every step."""
+    devices = calibration.cluster.gpus_per_node
+    step, pipe = _training_step(build(1), devices, 1)
+    try:
+        now = _median_seconds(step, _STEP_REPEATS)
+    finally:
+        pipe.close()
+    return calibration.step_s[(1, 1)], now

@@ -158,6 +158,16 @@ def test_demo_counts_the_pairs_of_runs_its_prediction_orders_as_measured() -> No
     assert _pairs_agreeing([1.0, 3.0, 2.0], [10.0, 20.0, 30.0]) == (2, 3)
 
 
+def test_demo_says_whether_the_load_held_from_calibration_to_runs() -> None:
+    from pipedsl.cli.demo import _drift_verdict
+
+    held = _drift_verdict(0.050, 0.053)
+    assert "50.0 ms when calibrated and 53.0 ms after the runs (+6%)" in held and "load held" in held
+    moved = _drift_verdict(0.050, 0.070)
+    assert "(+40%)" in moved and "load changed" in moved and "quieter machine" in moved
+    assert "load changed" in _drift_verdict(0.050, 0.040)
+
+
 def _steps(cluster: Cluster) -> dict[tuple[int, int], float]:
     """The calibration's compute steps of ``_TINY`` as ``cluster`` prices them."""
     return {(n, m): _priced(dataclasses.replace(_TINY, layers=n), cluster, 8, m) for n, m in _step_shapes(_TINY, 4)}
