@@ -45,7 +45,7 @@ from pipedsl.simulator import (
     summarize,
 )
 
-__all__ = ["register", "DEMO_MODEL", "GLOBAL_BATCH", "calibrated_search", "plans_to_run"]
+__all__ = ["register", "DEMO_MODEL", "GLOBAL_BATCH", "calibrated_search", "plans_to_run", "runnable_plans", "pairs_agreeing"]
 
 GLOBAL_BATCH = 32
 """Sequences per step of every plan the demo searches and runs."""
@@ -151,11 +151,17 @@ def _fits_demo_model(plan: PlannedRun) -> bool:
     )
 
 
+def runnable_plans(frame: Any, devices: int) -> list[PlannedRun]:
+    """The ranked plans of ``frame`` over every device that the executor can run on the
+    demo transformer, best first."""
+    plans = [PlannedRun.from_row(row.to_dict()) for _, row in frame.iterrows()]
+    return [p for p in plans if p.devices == devices and _fits_demo_model(p)]
+
+
 def plans_to_run(frame: Any, devices: int, top: int) -> list[PlannedRun]:
     """The best SPMD plan, the best hybrid plan and the best pure pipelines over every
     device that the executor can run on the demo transformer (at most ``top`` runs)."""
-    plans = [PlannedRun.from_row(row.to_dict()) for _, row in frame.iterrows()]
-    runnable = [p for p in plans if p.devices == devices and _fits_demo_model(p)]
+    runnable = runnable_plans(frame, devices)
     chosen: list[PlannedRun] = []
     for kind in ("spmd", "hybrid", "pipeline"):
         chosen += [p for p in runnable if p.kind == kind][:1]
@@ -232,7 +238,7 @@ def _results_table(reports: list[Measurement]) -> Table:
     return table
 
 
-def _pairs_agreeing(predicted: list[float], measured: list[float]) -> tuple[int, int]:
+def pairs_agreeing(predicted: list[float], measured: list[float]) -> tuple[int, int]:
     """(pairs of runs that the prediction orders as measured, pairs)."""
     pairs = [(i, j) for i in range(len(measured)) for j in range(i + 1, len(measured))]
     same = sum((predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0 for i, j in pairs)
@@ -244,7 +250,7 @@ def _order_verdict(reports: list[Measurement]) -> str:
     of runs it orders right, how many predictions are within 20%, and the fastest run."""
     measured = [r.measured_s for r in reports]
     predicted = [_predicted(r) for r in reports]
-    same, pairs = _pairs_agreeing(predicted, measured)
+    same, pairs = pairs_agreeing(predicted, measured)
     # Every pair ordered as measured: two runs predicted alike order nothing.
     agrees = same == pairs
     within = sum(abs(_error(r)) <= 0.2 for r in reports)

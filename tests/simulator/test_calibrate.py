@@ -151,11 +151,11 @@ def test_ring_fit_recovers_latency_and_bandwidth() -> None:
 
 
 def test_demo_counts_the_pairs_of_runs_its_prediction_orders_as_measured() -> None:
-    from pipedsl.cli.demo import _pairs_agreeing
+    from pipedsl.cli.demo import pairs_agreeing
 
-    assert _pairs_agreeing([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == (3, 3)
-    assert _pairs_agreeing([1.0, 2.0, 3.0], [30.0, 20.0, 10.0]) == (0, 3)
-    assert _pairs_agreeing([1.0, 3.0, 2.0], [10.0, 20.0, 30.0]) == (2, 3)
+    assert pairs_agreeing([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == (3, 3)
+    assert pairs_agreeing([1.0, 2.0, 3.0], [30.0, 20.0, 10.0]) == (0, 3)
+    assert pairs_agreeing([1.0, 3.0, 2.0], [10.0, 20.0, 30.0]) == (2, 3)
 
 
 def test_demo_says_whether_the_load_held_from_calibration_to_runs() -> None:
