@@ -414,12 +414,10 @@ def _stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ..
 
 def _zero_waits(shapes: Shapes, layers: int) -> Work:
     """What a stage of ``layers`` layers waits per microbatch at its ZeRO collectives on
-    shared cores: the wait of a collective over the data-parallel group
-    (:meth:`~pipedsl.simulator.hardware.Cluster.collective_sync`) per layer for each of
-    them (stage 2 reduce-scatters each layer's gradients in ``W``; stage 3 also gathers
-    its weights for the forward and again for the backward)."""
-    plan = shapes.plan
-    sync = shapes.cluster.collective_sync(plan.dp)
+    shared cores: a data-parallel group's ``Cluster.collective_sync`` per layer for each
+    of them (stage 2 reduce-scatters each layer's gradients in ``W``; stage 3 also
+    gathers its weights for the forward and again for the backward)."""
+    plan, sync = shapes.plan, shapes.cluster.collective_sync(shapes.plan.dp)
     if plan.zero < 2 or plan.dp == 1 or sync <= 0:
         return Work()
     per_layer = Work(0.0, 0.0, sync) if plan.zero == 2 else Work(sync, sync, sync)
