@@ -275,19 +275,26 @@ class _State:
         heapq.heapify(self.heap)
 
 
+def _picks(order: tuple[int, ...]) -> tuple[int, ...]:
+    """For each set of ready kinds (bit 1 the backward, 2 F, 4 W), the first of ``order``
+    among them, -1 for none: the choice a device makes, looked up in one step."""
+    bits = {_BWD: 1, _F: 2, _W: 4}
+    return tuple(next((k for k in order if ready & bits[k]), -1) for ready in range(8))
+
+
 @dataclass(frozen=True, slots=True)
 class _Rules:
-    """What a variant fixes for a whole pass: the ahead counts, and the orders in which a
-    device looks at the kinds when filling, ordinarily, and when memory forces a W."""
+    """What a variant fixes for a whole pass: the ahead counts, and the kind a device
+    picks among the ready ones (:func:`_picks`) ordinarily and when memory forces a W."""
 
     cap: list[int]
     strict: bool
-    codes: tuple[int, ...]
-    fill_codes: tuple[int, ...]
-    forced_codes: tuple[int, ...]
+    picks: tuple[int, ...]
+    forced_picks: tuple[int, ...]
     forced_ok: bool
     guard_w: float
-    above_w: tuple[int, ...]
+    guard_b: bool
+    guard_f: bool
 
     @classmethod
     def of(cls, plan: _Plan, variant: Variant) -> _Rules:
@@ -297,16 +304,20 @@ class _Rules:
         capped = ahead is not None
         codes = plan.codes
         rank = {k: i for i, k in enumerate(codes)}
+        # With a ready forward, a capped device fills: F first.
+        fill = _picks((_F, *(k for k in codes if k != _F)) if capped else codes)
+        plain = _picks(codes)
+        # The kinds above W in the priority order: what its guard looks out for.
+        above_w = codes[: rank[_W]] if plan.split else ()
         return cls(
             cap=ahead if ahead is not None else [plan.S * plan.M] * plan.D,
             strict=capped and variant.strict,
-            codes=codes,
-            fill_codes=(_F, *(k for k in codes if k != _F)) if capped else codes,
-            forced_codes=(_W, *(k for k in codes if k != _W)) if capped else (*codes[: rank[_F]], _W),
+            picks=tuple(fill[r] if r & 2 else plain[r] for r in range(8)),
+            forced_picks=_picks((_W, *(k for k in codes if k != _W)) if capped else (*codes[: rank[_F]], _W)),
             forced_ok=capped or (_W in rank and rank[_F] < rank[_W]),
             guard_w=1.0 if plan.policy.idle_w else variant.guard_w,
-            # The kinds above W in the priority order: what its guard looks out for.
-            above_w=codes[: rank[_W]] if plan.split else (),
+            guard_b=_BWD in above_w,
+            guard_f=_F in above_w,
         )
 
 
@@ -335,23 +346,27 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
     limit_bytes = plan.max_bytes is not None
     max_bytes = plan.max_bytes if plan.max_bytes is not None else (0,) * D
     rules = _Rules.of(plan, variant)
-    cap, strict, codes, fill_codes = rules.cap, rules.strict, rules.codes, rules.fill_codes
-    forced_codes, forced_ok, guard_w, above_w = rules.forced_codes, rules.forced_ok, rules.guard_w, rules.above_w
+    cap, strict, picks, forced_picks, forced_ok = rules.cap, rules.strict, rules.picks, rules.forced_picks, rules.forced_ok
+    guard_w, guard_b, guard_f = rules.guard_w, rules.guard_b, rules.guard_f
     state = _State(S, D, M)
     clock, nf, nb, arr_f, arr_b, wq = state.clock, state.nf, state.nb, state.arr_f, state.arr_b, state.wq
     live, reserved, held, reserved_bytes = state.live, state.reserved, state.held, state.reserved_bytes
     ahead_now, hold, due, version, orders, heap = state.ahead_now, state.hold, state.due, state.version, state.orders, state.heap
     makespan = 0.0
     remaining = S * M * (3 if split else 2)
-    pop, push = heapq.heappop, heapq.heappush
+    pop, push, pushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
     # Per device, the seconds of work it has still to run, and the bound a pass must stay under.
     work = [M * sum(cost_f[s] + cost_b[s] + (cost_w[s] if split else 0.0) for s in stages[d]) for d in range(D)]
     stop = beat * (1.0 + _ROUNDING)
 
-    while heap:
-        t, nd, ver = pop(heap)
+    # A device's next entry goes in with the next one taken out (heappushpop): when it is
+    # the earliest, as after most actions, the heap is not touched at all.
+    due_next: tuple[float, int, int] | None = pop(heap)
+    while due_next is not None:
+        t, nd, ver = due_next
         d = -nd
         if ver != version[d]:
+            due_next = pop(heap) if heap else None
             continue
         b_s = f_s = -1
         b_wait = f_wait = _INF
@@ -387,19 +402,12 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
                     elif r < b_wait:
                         b_wait = r
         w_ready = bool(wq[d]) and t >= hold[d]
-        kind = -1
         # A ready forward that only memory holds back makes its W urgent: it frees the room.
-        if f_full and f_s < 0 and w_ready and forced_ok:
-            order = forced_codes
-        else:
-            order = fill_codes if f_s >= 0 else codes
-        for k in order:
-            if (k == _BWD and b_s >= 0) or (k == _F and f_s >= 0) or (k == _W and w_ready):
-                kind = k
-                break
+        forced = f_full and f_s < 0 and w_ready and forced_ok
+        kind = (forced_picks if forced else picks)[(b_s >= 0) + 2 * (f_s >= 0) + 4 * w_ready]
         # The guard: going ahead would delay the awaited action by ``t + c - soon``.
-        if kind == _W and guard_w > 0.0 and order is not forced_codes:
-            soon = min(b_wait if _BWD in above_w else _INF, f_wait if _F in above_w else _INF)
+        if kind == _W and guard_w > 0.0 and not forced:
+            soon = min(b_wait if guard_b else _INF, f_wait if guard_f else _INF)
             c = cost_w[wq[d][0][0]]
             if soon < t + c and t + c - soon > (1.0 - guard_w) * c:
                 kind = -2
@@ -407,14 +415,16 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
             hold[d] = soon
             version[d] += 1
             due[d] = soon
-            push(heap, (soon, nd, version[d]))
+            due_next = pushpop(heap, (soon, nd, version[d]))
             continue
         if kind < 0:
             nxt = min(b_wait, f_wait, max(t, hold[d]) if wq[d] else _INF)
             version[d] += 1
             due[d] = nxt
             if nxt < _INF:
-                push(heap, (nxt, nd, version[d]))
+                due_next = pushpop(heap, (nxt, nd, version[d]))
+            else:
+                due_next = pop(heap) if heap else None
             continue
 
         notify = -1
@@ -472,15 +482,15 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
         remaining -= 1
         if end > makespan:
             makespan = end
-        version[d] += 1
-        due[d] = clock[d]
-        push(heap, (clock[d], nd, version[d]))
         if notify >= 0 and notify != d:
             wake = clock[notify] if clock[notify] > arrival else arrival
             if wake < due[notify]:
                 version[notify] += 1
                 due[notify] = wake
                 push(heap, (wake, -notify, version[notify]))
+        version[d] += 1
+        due[d] = clock[d]
+        due_next = pushpop(heap, (clock[d], nd, version[d]))
     if remaining:
         raise _deadlock(plan, orders, live, held)
     return makespan, orders
