@@ -45,15 +45,19 @@ def tails(
 ) -> tuple[float, float]:
     """(exposed data-parallel seconds, optimizer seconds) of the device where they sum
     to the most."""
+    own: list[list[int]] = [[] for _ in range(shapes.plan.pp)]
+    for s, dev in enumerate(placement):
+        own[dev].append(s)
+    # Devices of like stages hold like parameters: each distinct device is priced once.
+    priced: dict[tuple[float, float, float], tuple[float, float]] = {}
     best = (0.0, 0.0)
-    for d in range(shapes.plan.pp):
-        own = [s for s, dev in enumerate(placement) if dev == d]
-        last_backward = sum(work[s].backward for s in own)
-        first_forward = sum(work[s].forward for s in own)
-        tail = _dp_tail(shapes, device_params[d], last_backward, first_forward)
-        optimizer = _optimizer_seconds(shapes, device_params[d])
-        if tail + optimizer > sum(best):
-            best = (tail, optimizer)
+    for d, stages in enumerate(own):
+        device = (device_params[d], sum(work[s].backward for s in stages), sum(work[s].forward for s in stages))
+        found = priced.get(device)
+        if found is None:
+            found = priced[device] = (_dp_tail(shapes, *device), _optimizer_seconds(shapes, device[0]))
+        if found[0] + found[1] > sum(best):
+            best = found
     return best
 
 

@@ -402,14 +402,25 @@ def _stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ..
     the head on the last, the ZeRO traffic of its parameters, and the dispatch overhead
     of each of its F, I and W actions (``action_overhead_s``), shape (S,)."""
     layer = shapes.layer_work()
-    work = [layer * n for n in layers]
-    work[0] = work[0] + shapes.embedding_work()
-    work[-1] = work[-1] + shapes.head_work()
     overhead = Work(*(3 * (shapes.cluster.action_overhead_s,)))
-    return tuple(
-        w + zero_per_microbatch(shapes, p, w) + _zero_waits(shapes, n) + overhead
-        for w, p, n in zip(work, params, layers, strict=True)
-    )
+    last = len(layers) - 1
+    # Stages between the ends with like layers and parameters do like work: each is
+    # worked out once (a plan of 96 stages has two or three distinct ones).
+    inner: dict[tuple[int, float], Work] = {}
+    work = []
+    for s, (n, p) in enumerate(zip(layers, params, strict=True)):
+        found = inner.get((n, p)) if 0 < s < last else None
+        if found is None:
+            w = layer * n
+            if s == 0:
+                w = w + shapes.embedding_work()
+            if s == last:
+                w = w + shapes.head_work()
+            found = w + zero_per_microbatch(shapes, p, w) + _zero_waits(shapes, n) + overhead
+            if 0 < s < last:
+                inner[(n, p)] = found
+        work.append(found)
+    return tuple(work)
 
 
 def _zero_waits(shapes: Shapes, layers: int) -> Work:
