@@ -353,7 +353,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
     live, reserved, held, reserved_bytes = state.live, state.reserved, state.held, state.reserved_bytes
     ahead_now, hold, due, version, orders, heap = state.ahead_now, state.hold, state.due, state.version, state.orders, state.heap
     makespan = 0.0
-    remaining = S * M * (3 if split else 2)
+    total = S * M * (3 if split else 2)
     pop, push, pushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
     # Per device, the seconds of work it has still to run, and the bound a pass must stay under.
     work = [M * sum(cost_f[s] + cost_b[s] + (cost_w[s] if split else 0.0) for s in stages[d]) for d in range(D)]
@@ -450,7 +450,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
                 notify = owner[s + 1]
             else:
                 arr_b[s * M + m] = end
-            clock[d] = end + after_f[s]
+            free = end + after_f[s]
         elif kind == _BWD:
             s = b_s
             m = nb[s]
@@ -468,18 +468,18 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
                 arrival = end + x_b[s]
                 arr_b[(s - 1) * M + m] = arrival
                 notify = owner[s - 1]
-            clock[d] = end + after_b[s]
+            free = end + after_b[s]
         else:
             s, m = wq[d].popleft()
             end = t + cost_w[s]
             live[d] -= 1
             held[d] -= wres[s]
-            clock[d] = end
+            free = end
             work[d] -= cost_w[s]
-        if clock[d] + work[d] > stop:
+        if free + work[d] > stop:
             return None
+        clock[d] = free
         orders[d].append((kind, s, m))
-        remaining -= 1
         if end > makespan:
             makespan = end
         if notify >= 0 and notify != d:
@@ -488,10 +488,11 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
                 version[notify] += 1
                 due[notify] = wake
                 push(heap, (wake, -notify, version[notify]))
-        version[d] += 1
-        due[d] = clock[d]
-        due_next = pushpop(heap, (clock[d], nd, version[d]))
-    if remaining:
+        ver += 1
+        version[d] = ver
+        due[d] = free
+        due_next = pushpop(heap, (free, nd, ver))
+    if sum(map(len, orders)) < total:
         raise _deadlock(plan, orders, live, held)
     return makespan, orders
 
