@@ -45,14 +45,16 @@ def tails(
 ) -> tuple[float, float]:
     """(exposed data-parallel seconds, optimizer seconds) of the device where they sum
     to the most."""
-    own: list[list[int]] = [[] for _ in range(shapes.plan.pp)]
-    for s, dev in enumerate(placement):
-        own[dev].append(s)
+    # Per device, its stages' backward and forward seconds, summed in stage order.
+    last_backward, first_forward = [0.0] * shapes.plan.pp, [0.0] * shapes.plan.pp
+    for w, d in zip(work, placement, strict=True):
+        last_backward[d] += w.backward
+        first_forward[d] += w.forward
     # Devices of like stages hold like parameters: each distinct device is priced once.
     priced: dict[tuple[float, float, float], tuple[float, float]] = {}
     best = (0.0, 0.0)
-    for d, stages in enumerate(own):
-        device = (device_params[d], sum(work[s].backward for s in stages), sum(work[s].forward for s in stages))
+    for d in range(shapes.plan.pp):
+        device = (device_params[d], last_backward[d], first_forward[d])
         found = priced.get(device)
         if found is None:
             found = priced[device] = (_dp_tail(shapes, *device), _optimizer_seconds(shapes, device[0]))

@@ -254,6 +254,8 @@ class Prepared:
         schedule's order against each action's dependency chain with free transfers
         (:meth:`~pipedsl.simulator.plan.Pipelines.lower_bound_s`), plus the
         data-parallel tail and the optimizer step.
+      tails: (exposed data-parallel seconds, optimizer seconds) of the device where they
+        sum to the most (:func:`~pipedsl.simulator.data_parallel.tails`), worked out once.
     """
 
     shapes: Shapes
@@ -265,6 +267,7 @@ class Prepared:
     device_params: tuple[float, ...]
     memory: Memory
     lower_bound_s: float
+    tails: tuple[float, float]
 
     @property
     def plan(self) -> Plan:
@@ -304,7 +307,7 @@ class Prepared:
         fraction ``bubble``: adds the data-parallel tail and the optimizer step."""
         shapes, work = self.shapes, self.work
         model, cluster, plan = shapes.model, shapes.cluster, shapes.plan
-        tail, optimizer = tails(shapes, work, self.placement, self.device_params)
+        tail, optimizer = self.tails
         step = pipeline_time + tail + optimizer
         tokens = plan.global_batch * model.seq_len
         return Estimate(
@@ -372,6 +375,7 @@ def prepare(
         touched = node_bytes(shapes, device_params, _one_microbatch(placement, residual))
         shapes = replace(shapes, slowdown=1.0 + touched / cluster.working_set_bytes)
     work = _stage_work(shapes, layers, params)
+    tail = tails(shapes, work, placement, device_params)
     return Prepared(
         shapes=shapes,
         key=key,
@@ -383,7 +387,8 @@ def prepare(
         memory=memory,
         lower_bound_s=(0.0 if layout is not None else _lower_bound(plan, cluster.action_overhead_s, work, key, pipelines))
         * _sharing(cluster, plan)
-        + sum(tails(shapes, work, placement, device_params)),
+        + sum(tail),
+        tails=tail,
     )
 
 

@@ -40,7 +40,6 @@ from pipedsl.arrays import ActionArrays, B, F, I, W
 from pipedsl.policy import Policy
 from pipedsl.program import ProgramArrays, program_arrays
 from pipedsl.simulator.costs import CostModel
-from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import step_timing
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
 from pipedsl.simulator.hardware import Cluster, Model
@@ -160,7 +159,7 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     base = prepare(model, cluster, plan, pipelines=pipelines, layout=default)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
-    tail = sum(tails(base.shapes, base.work, base.placement, base.device_params))
+    tail = sum(base.tails)
     fields = {name: getattr(base, name) for name in _PREPARED_FIELDS}
     found: list[Prepared] = []
     for limit in limits:
@@ -212,7 +211,7 @@ def _any_order_bound(base: Prepared, split: bool, limit: int, tail: float) -> fl
     return total * (1.0 - 1e-9)
 
 
-_PREPARED_FIELDS = ("shapes", "key", "placement", "pipelines", "work", "residual", "device_params")
+_PREPARED_FIELDS = ("shapes", "key", "placement", "pipelines", "work", "residual", "device_params", "tails")
 """What a :class:`LimitedPlan` keeps of the plan prepared at the default limit."""
 
 
