@@ -46,7 +46,7 @@ from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import device_memory, static_memory, transient_bytes
 from pipedsl.simulator.pipelines import Pipelines, states_policy
 from pipedsl.simulator.plan import Plan
-from pipedsl.simulator.synthesize import synthesized_order
+from pipedsl.simulator.synthesize import synthesized_steps
 
 __all__ = ["LIMIT", "LimitedPlan", "takes_limit", "fitting_limit", "candidate_limits", "prepare_plan", "synthesized_program"]
 
@@ -56,7 +56,7 @@ LIMIT = "max_inflight"
 _CACHE_SIZE = 4096
 """Syntheses kept (each a few int arrays of one schedule's actions)."""
 
-_Synthesis = tuple[ProgramArrays, tuple[int, ...]]
+_Synthesis = tuple[ProgramArrays, np.ndarray, tuple[int, ...]]
 _cache: OrderedDict[tuple[object, ...], _Synthesis] = OrderedDict()
 _policies: OrderedDict[tuple[str, tuple[tuple[str, int], ...]], Policy] = OrderedDict()
 
@@ -104,8 +104,8 @@ class LimitedPlan(Prepared):
     def finish(self) -> Estimate:
         assert self.plan.schedule is not None and self.key is not None and self.pipelines is not None
         costs = self.costs
-        arrays, activations = _synthesis(self.plan.schedule, self.params, self.limit, costs, self.residual)
-        makespan, bubble = step_timing(arrays, costs.resolve(self.pipelines.policy(self.key)))
+        arrays, order, activations = _synthesis(self.plan.schedule, self.params, self.limit, costs, self.residual)
+        makespan, bubble = step_timing(arrays, costs.resolve(self.pipelines.policy(self.key)), order=order)
         memory = device_memory(self.shapes, self.device_params, activations)
         return replace(self.assemble(makespan, bubble, None), memory=memory, inflight_limit=self.limit)
 
@@ -219,16 +219,17 @@ def _synthesis(
     spec: str, params: tuple[tuple[str, int], ...], limit: int, costs: CostModel, residual: tuple[int, ...]
 ) -> _Synthesis:
     """The lowered order of ``spec`` at in-flight ``limit`` synthesised against ``costs``,
-    and its peak residual bytes per device, shape (D,); cached."""
+    the order its computes can be timed in (:func:`_synthesized`) and its peak residual
+    bytes per device, shape (D,); cached."""
     key = (spec, params, limit, costs)
     found = _cache.get(key)
     if found is not None:
         _cache.move_to_end(key)
         return found
     policy = _loaded(spec, (*params, (LIMIT, limit)))
-    arrays = synthesized_program(policy, costs)
+    arrays, order = _synthesized(policy, costs)
     held = tuple(int(p) for p in peak_held(arrays.actions, residual, residual))
-    _cache[key] = found = (arrays, held)
+    _cache[key] = found = (arrays, order, held)
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return found
@@ -244,17 +245,27 @@ def synthesized_program(policy: Policy, costs: CostModel | None = None) -> Progr
     needs no validation; a search that times hundreds of synthesised orders asks only
     for these arrays. Raises as ``synthesize``.
     """
-    order = synthesized_order(policy, costs)
-    S, M = policy.num_stages, policy.num_microbatches
-    lengths = [len(o) for o in order]
-    count = 3 * sum(lengths)
-    flat = np.fromiter(chain.from_iterable(chain.from_iterable(order)), dtype=np.int64, count=count).reshape(-1, 3)
+    return _synthesized(policy, costs)[0]
+
+
+def _synthesized(policy: Policy, costs: CostModel | None) -> tuple[ProgramArrays, np.ndarray]:
+    """:func:`synthesized_program`, and the rows of its computes in the order the
+    synthesiser's pass took them: an order their dependencies allow, which a timing pass
+    walks without looking for one (``step_timing(..., order=...)``)."""
+    steps = synthesized_steps(policy, costs)
+    S, M, D = policy.num_stages, policy.num_microbatches, policy.num_devices
+    taken = np.fromiter(chain.from_iterable(steps), dtype=np.int64, count=4 * len(steps)).reshape(-1, 4)
+    # Device by device, each device's actions in the order it runs them (a stable sort).
+    rows = np.argsort(taken[:, 0], kind="stable")
+    flat = taken[rows]
+    order = np.empty(len(rows), dtype=np.int64)
+    order[rows] = np.arange(len(rows), dtype=np.int64)
     # The pass's kind codes (0 F, 1 the backward, 2 W) as the arrays' (F, B or I, W).
-    pass_kind = flat[:, 0]
+    pass_kind = flat[:, 1]
     codes = np.array([F, I if policy.split_backward else B, W], dtype=np.int8)
-    kind, stage, microbatch = codes[pass_kind], flat[:, 1], flat[:, 2]
+    kind, stage, microbatch, device = codes[pass_kind], flat[:, 2], flat[:, 3], flat[:, 0]
+    lengths = np.bincount(device, minlength=D)
     bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    device = np.repeat(np.arange(len(order), dtype=np.int64), lengths)
     position = np.arange(len(flat), dtype=np.int64) - np.repeat(bounds[:-1], lengths)
     actions = ActionArrays(kind, stage, microbatch, device, position, bounds)
     # Row of each (pass kind, stage, microbatch); every one is there exactly once.
@@ -268,4 +279,4 @@ def synthesized_program(policy: Policy, costs: CostModel | None = None) -> Progr
     upstream[has] = row[(stage[has] - 1) * M + microbatch[has]]
     has = backward & (stage < S - 1)
     upstream[has] = row[(S + stage[has] + 1) * M + microbatch[has]]
-    return program_arrays(actions, upstream, policy.placement)
+    return program_arrays(actions, upstream, policy.placement), order

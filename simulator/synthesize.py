@@ -43,7 +43,7 @@ from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.policy import Policy
 from pipedsl.simulator.costs import CostModel, StageCosts
 
-__all__ = ["SynthesisError", "Variant", "synthesize", "synthesized_order", "variants"]
+__all__ = ["SynthesisError", "Variant", "synthesize", "synthesized_order", "synthesized_steps", "variants"]
 
 _INF = float("inf")
 _F, _BWD, _W = 0, 1, 2  # kind codes; _BWD is I when split, B otherwise
@@ -135,11 +135,21 @@ def synthesized_order(policy: Policy, costs: CostModel | None = None, tries: tup
     """The order :func:`synthesize` finds, as per-device (kind code, stage, microbatch)
     triples (codes 0 F, 1 the backward, 2 W): the fastest variant's, the first of equally
     fast ones. Raises as :func:`synthesize`."""
+    order: Order = [[] for _ in range(policy.num_devices)]
+    for d, kind, stage, microbatch in synthesized_steps(policy, costs, tries):
+        order[d].append((kind, stage, microbatch))
+    return order
+
+
+def synthesized_steps(policy: Policy, costs: CostModel | None = None, tries: tuple[Variant, ...] | None = None) -> Steps:
+    """:func:`synthesized_order`'s actions as (device, kind code, stage, microbatch), in the
+    order its pass took them: each after every action it needs, so the order a timing
+    pass can run the lowered program's computes in. Raises as :func:`synthesize`."""
     policy.check()
     stage_costs = (costs if costs is not None else CostModel()).resolve(_skeleton(policy, ()))
     _check_bytes(policy, stage_costs)
     plan = _Plan(policy, stage_costs)
-    best: tuple[float, Order] | None = None
+    best: tuple[float, Steps] | None = None
     failure: SynthesisError | None = None
     for variant in tries if tries is not None else variants(policy):
         try:
@@ -245,6 +255,8 @@ class _Plan:
 
 Order = list[list[tuple[int, int, int]]]
 """Per device, the actions chosen as (kind code, stage, microbatch) triples."""
+Steps = list[tuple[int, int, int, int]]
+"""The actions chosen as (device, kind code, stage, microbatch), in the order chosen."""
 
 
 class _State:
@@ -252,7 +264,7 @@ class _State:
 
     __slots__ = (
         "clock", "nf", "nb", "arr_f", "arr_b", "wq", "live", "reserved", "held", "reserved_bytes",
-        "ahead_now", "hold", "due", "version", "orders", "heap",
+        "ahead_now", "hold", "due", "version", "steps", "heap",
     )  # fmt: skip
 
     def __init__(self, S: int, D: int, M: int) -> None:
@@ -270,7 +282,7 @@ class _State:
         self.hold = [0.0] * D  # a guarded W's wait
         self.due = [0.0] * D  # the time of a device's live heap entry; _INF when parked
         self.version = [0] * D
-        self.orders: Order = [[] for _ in range(D)]
+        self.steps: Steps = []
         self.heap = [(0.0, -d, 0) for d in range(D)]
         heapq.heapify(self.heap)
 
@@ -322,9 +334,9 @@ class _Rules:
 
 
 # Over 60 lines: the list scheduler's hot loop keeps its state in local names (see the docstring).
-def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, Order] | None:
-    """One pass of the list scheduler: the makespan (seconds) and the per-device orders;
-    None once the pass provably cannot finish in under ``beat`` seconds.
+def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, Steps] | None:
+    """One pass of the list scheduler: the makespan (seconds) and the actions in the order
+    taken; None once the pass provably cannot finish in under ``beat`` seconds.
 
     That proof: a device's remaining actions start no earlier than it is next free and do
     not overlap, so the makespan is at least its clock plus its remaining work. The pass
@@ -351,7 +363,8 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
     state = _State(S, D, M)
     clock, nf, nb, arr_f, arr_b, wq = state.clock, state.nf, state.nb, state.arr_f, state.arr_b, state.wq
     live, reserved, held, reserved_bytes = state.live, state.reserved, state.held, state.reserved_bytes
-    ahead_now, hold, due, version, orders, heap = state.ahead_now, state.hold, state.due, state.version, state.orders, state.heap
+    ahead_now, hold, due, version, heap = state.ahead_now, state.hold, state.due, state.version, state.heap
+    take = state.steps.append
     makespan = 0.0
     total = S * M * (3 if split else 2)
     pop, push, pushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
@@ -479,7 +492,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
         if free + work[d] > stop:
             return None
         clock[d] = free
-        orders[d].append((kind, s, m))
+        take((d, kind, s, m))
         if end > makespan:
             makespan = end
         if notify >= 0 and notify != d:
@@ -492,18 +505,21 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
         version[d] = ver
         due[d] = free
         due_next = pushpop(heap, (free, nd, ver))
-    if sum(map(len, orders)) < total:
-        raise _deadlock(plan, orders, live, held)
-    return makespan, orders
+    if len(state.steps) < total:
+        raise _deadlock(plan, state.steps, live, held)
+    return makespan, state.steps
 
 
-def _deadlock(plan: _Plan, orders: list[list[tuple[int, int, int]]], live: list[int], held: list[int]) -> SynthesisError:
+def _deadlock(plan: _Plan, steps: Steps, live: list[int], held: list[int]) -> SynthesisError:
     per_stage = 3 if plan.split else 2
-    d = next(d for d in range(plan.D) if len(orders[d]) < len(plan.stages[d]) * plan.M * per_stage)
+    done = [0] * plan.D
+    for step in steps:
+        done[step[0]] += 1
+    d = next(d for d in range(plan.D) if done[d] < len(plan.stages[d]) * plan.M * per_stage)
     policy = plan.policy
     where = policy.position("inflight") or policy.position("activations") or policy.position("warmup")
     return SynthesisError(
-        f"the policy's limits leave device {d} nothing it may run after {len(orders[d])} actions"
+        f"the policy's limits leave device {d} nothing it may run after {done[d]} actions"
         f" (in flight {live[d]}, activation bytes {held[d]}): no order within these limits"
         " finishes; raise the limits",
         pos=where,
