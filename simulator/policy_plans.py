@@ -119,8 +119,7 @@ def fitting_limit(base: Prepared) -> int:
     transient = transient_bytes(shapes)
     usable = shapes.cluster.usable_bytes
     limit = None
-    for d, params in enumerate(base.device_params):
-        stages = [s for s, owner in enumerate(base.placement) if owner == d]
+    for params, stages in zip(base.device_params, _stages_by_device(base), strict=True):
         left = usable - sum(static_memory(plan, params, shapes.model.dtype_bytes)) - transient
         pair = max(base.residual[s] for s in stages)
         pairs = len(stages) * plan.microbatches
@@ -182,10 +181,15 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
 def _held_at_most(base: Prepared, limit: int) -> list[int]:
     """Per device, the most activation bytes an order within ``limit`` can hold: that
     many of its most expensive (stage, microbatch) pairs."""
-    return [
-        limit * max(base.residual[s] for s, owner in enumerate(base.placement) if owner == d)
-        for d in range(len(base.device_params))
-    ]
+    return [limit * max(base.residual[s] for s in stages) for stages in _stages_by_device(base)]
+
+
+def _stages_by_device(base: Prepared) -> list[list[int]]:
+    """The stages of each device of ``base``'s plan, increasing, shape (D, its stages)."""
+    stages: list[list[int]] = [[] for _ in base.device_params]
+    for s, owner in enumerate(base.placement):
+        stages[owner].append(s)
+    return stages
 
 
 def _any_order_bound(base: Prepared, split: bool, limit: int, tail: float) -> float:
@@ -196,15 +200,17 @@ def _any_order_bound(base: Prepared, split: bool, limit: int, tail: float) -> fl
     its first stage (from that stage's F through every later F and backward to its W or B)
     over ``limit``; the most over the devices, plus ``tail`` (the plan's data-parallel tail and
     optimizer step, seconds)."""
-    work, placement, m = base.work, base.placement, base.plan.microbatches
+    work, m = base.work, base.plan.microbatches
+    # Per stage, once for every device: its forward, its backward (I when split) and all its work.
+    forward = [w.forward for w in work]
+    back = [w.input_grad if split else w.backward for w in work]
+    whole = [w.forward + (w.input_grad + w.weight_grad if split else w.backward) for w in work]
     seconds = []
-    for d in range(len(base.device_params)):
-        own = [s for s, owner in enumerate(placement) if owner == d]
-        first = min(own)
-        back = [w.input_grad if split else w.backward for w in work]
-        busy = m * sum(w.forward + (w.input_grad + w.weight_grad if split else w.backward) for w in (work[s] for s in own))
-        held = sum(w.forward for w in work[first:]) + sum(back[first:]) + (work[first].weight_grad if split else 0.0)
-        seconds.append(sum(w.forward for w in work[:first]) + max(busy, m * held / limit))
+    for own in _stages_by_device(base):
+        first = own[0]
+        busy = m * sum(whole[s] for s in own)
+        held = sum(forward[first:]) + sum(back[first:]) + (work[first].weight_grad if split else 0.0)
+        seconds.append(sum(forward[:first]) + max(busy, m * held / limit))
     total = max(seconds) + tail
     # The bound can be tight, and the same seconds summed in another order can land a
     # rounding step above the simulated time: keep it below by a hair.
