@@ -79,6 +79,13 @@ def chain_lower_bound(arrays: ActionArrays, seconds: np.ndarray) -> float:
     stage_chain = np.stack([before, total_forward + after, total_forward + after, total_forward + after + seconds[I]])
     earliest = stage_chain[kinds, stages]
     duration = seconds[kinds, stages]
+    lengths = np.diff(arrays.bounds)
+    if len(lengths) and lengths[0] > 0 and bool((lengths == lengths[0]).all()):
+        # Devices of equal length: one row each, summed along the row (cumsum adds a
+        # row's numbers one by one, in the same order as the loop below would).
+        rows = (-1, int(lengths[0]))
+        remaining = np.cumsum(duration.reshape(rows)[:, ::-1], axis=1)[:, ::-1]
+        return max(0.0, float((earliest.reshape(rows) + remaining).max()))
     bound = 0.0
     bounds = arrays.bounds.tolist()
     # Per device, so that each remaining-time sum adds the same numbers in the same order

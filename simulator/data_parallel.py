@@ -45,15 +45,21 @@ def tails(
 ) -> tuple[float, float]:
     """(exposed data-parallel seconds, optimizer seconds) of the device where they sum
     to the most."""
+    # Per device, its stages' backward and forward seconds, summed in stage order.
+    last_backward, first_forward = [0.0] * shapes.plan.pp, [0.0] * shapes.plan.pp
+    for w, d in zip(work, placement, strict=True):
+        last_backward[d] += w.backward
+        first_forward[d] += w.forward
+    # Devices of like stages hold like parameters: each distinct device is priced once.
+    priced: dict[tuple[float, float, float], tuple[float, float]] = {}
     best = (0.0, 0.0)
     for d in range(shapes.plan.pp):
-        own = [s for s, dev in enumerate(placement) if dev == d]
-        last_backward = sum(work[s].backward for s in own)
-        first_forward = sum(work[s].forward for s in own)
-        tail = _dp_tail(shapes, device_params[d], last_backward, first_forward)
-        optimizer = _optimizer_seconds(shapes, device_params[d])
-        if tail + optimizer > sum(best):
-            best = (tail, optimizer)
+        device = (device_params[d], last_backward[d], first_forward[d])
+        found = priced.get(device)
+        if found is None:
+            found = priced[device] = (_dp_tail(shapes, *device), _optimizer_seconds(shapes, device[0]))
+        if found[0] + found[1] > sum(best):
+            best = found
     return best
 
 

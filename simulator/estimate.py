@@ -52,12 +52,13 @@ import numpy as np
 from pipedsl.simulator.assumptions import Assumption, assumptions
 from pipedsl.simulator.collectives import ring_all_reduce_seconds, ring_gather_seconds
 from pipedsl.simulator.costs import CostModel, Layout
-from pipedsl.simulator.data_parallel import tails, zero_per_microbatch
+from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory, node_bytes
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
+from pipedsl.simulator.stages import split_layers, stage_params, stage_residual, stage_work
 from pipedsl.simulator.transformer import Shapes, Work
 
 __all__ = [
@@ -197,40 +198,6 @@ def check_divides(model: Model, cluster: Cluster, plan: Plan) -> None:
         raise PlanError(f"tp = {t} neither divides nor is a multiple of {node} GPUs per node")
 
 
-def _stage_layers(model: Model, stages: int, given: Sequence[int] | None) -> tuple[int, ...]:
-    if given is not None:
-        layers = tuple(given)
-        if len(layers) != stages or sum(layers) != model.layers or min(layers) < 0:
-            raise PlanError(
-                f"stage_layers {list(layers)} must give {stages} stages (pp × vpp) whose layers sum to "
-                f"{model.name}'s {model.layers}"
-            )
-        return layers
-    if model.layers % stages:
-        raise PlanError(
-            f"{model.name}'s {model.layers} layers do not split evenly over {stages} stages (pp × vpp); "
-            f"choose pp × vpp dividing {model.layers}"
-        )
-    return tuple(model.layers // stages for _ in range(stages))
-
-
-def _stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[float, ...]:
-    """Parameters each GPU of each stage holds (tensor-parallel shards), shape (S,).
-
-    With a tied embedding and more than one stage, the last stage keeps its own copy of
-    the embedding matrix for the logits, as Megatron-LM does.
-    """
-    t = plan.tp
-    per_layer = model.layer_params  # a derived property: worked out once, not once per stage
-    params = [n * per_layer / t for n in layers]
-    params[0] += model.embedding_params / t
-    head = model.head_params / t
-    if model.tied_embeddings and len(layers) > 1:
-        head += model.vocab * model.hidden / t
-    params[-1] += head
-    return tuple(params)
-
-
 def _check_schedule(plan: Plan, schedule: Layout) -> None:
     if schedule.num_devices != plan.pp or schedule.num_stages != plan.pp * plan.vpp:
         per_device = schedule.num_stages // max(schedule.num_devices, 1)
@@ -254,6 +221,8 @@ class Prepared:
         schedule's order against each action's dependency chain with free transfers
         (:meth:`~pipedsl.simulator.plan.Pipelines.lower_bound_s`), plus the
         data-parallel tail and the optimizer step.
+      tails: (exposed data-parallel seconds, optimizer seconds) of the device where they
+        sum to the most (:func:`~pipedsl.simulator.data_parallel.tails`), worked out once.
     """
 
     shapes: Shapes
@@ -265,6 +234,7 @@ class Prepared:
     device_params: tuple[float, ...]
     memory: Memory
     lower_bound_s: float
+    tails: tuple[float, float]
 
     @property
     def plan(self) -> Plan:
@@ -304,7 +274,7 @@ class Prepared:
         fraction ``bubble``: adds the data-parallel tail and the optimizer step."""
         shapes, work = self.shapes, self.work
         model, cluster, plan = shapes.model, shapes.cluster, shapes.plan
-        tail, optimizer = tails(shapes, work, self.placement, self.device_params)
+        tail, optimizer = self.tails
         step = pipeline_time + tail + optimizer
         tokens = plan.global_batch * model.seq_len
         return Estimate(
@@ -344,25 +314,24 @@ def prepare(
 
     Raises:
       PlanError: the plan does not divide the model or does not match its schedule.
-      DoesNotFit: with ``fits_first``, when the plan does not fit; if not even the
-        average device's weights, gradients and optimizer state fit, before the schedule
-        is evaluated.
+      DoesNotFit: with ``fits_first``, when the plan does not fit; if not even the average device's
+        weights, gradients and optimizer state fit, before the schedule is evaluated.
       PipedslError: a schedule's own errors, such as a failed ``require``.
     """
     check_divides(model, cluster, plan)
     shapes = Shapes(model, cluster, plan)
-    layers = _stage_layers(model, plan.pp * plan.vpp, stage_layers)
-    params = _stage_params(model, plan, layers)
+    layers = split_layers(model, plan.pp * plan.vpp, stage_layers)
+    params = stage_params(model, plan, layers)
     # The fullest device holds at least the average share: a cheap test before the
     # schedule is evaluated.
     average = device_memory(shapes, [sum(params) / plan.pp], (0,))
     if fits_first and not average.fits:
         raise DoesNotFit(plan, average)
-    if plan.pp > 1:
-        pipelines = pipelines if pipelines is not None else Pipelines()
+    if plan.pp > 1 and pipelines is None:
+        pipelines = Pipelines()
     key, placement = _schedule_of(plan, pipelines, layout)
     device_params = _device_params(plan, placement, params)
-    residual = _stage_residual(shapes, layers)
+    residual = stage_residual(shapes, layers)
     held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
     memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:
@@ -371,7 +340,8 @@ def prepare(
         # Devices that share one machine compute more slowly the more they touch at once.
         touched = node_bytes(shapes, device_params, _one_microbatch(placement, residual))
         shapes = replace(shapes, slowdown=1.0 + touched / cluster.working_set_bytes)
-    work = _stage_work(shapes, layers, params)
+    work = stage_work(shapes, layers, params)
+    tail = tails(shapes, work, placement, device_params)
     return Prepared(
         shapes=shapes,
         key=key,
@@ -383,7 +353,8 @@ def prepare(
         memory=memory,
         lower_bound_s=(0.0 if layout is not None else _lower_bound(plan, cluster.action_overhead_s, work, key, pipelines))
         * _sharing(cluster, plan)
-        + sum(tails(shapes, work, placement, device_params)),
+        + sum(tail),
+        tails=tail,
     )
 
 
@@ -397,48 +368,12 @@ def _schedule_of(plan: Plan, pipelines: Pipelines | None, layout: Layout | None)
     return key, schedule.placement
 
 
-def _stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...]) -> tuple[Work, ...]:
-    """Each stage's work per microbatch: its layers, the embedding on the first stage,
-    the head on the last, the ZeRO traffic of its parameters, and the dispatch overhead
-    of each of its F, I and W actions (``action_overhead_s``), shape (S,)."""
-    layer = shapes.layer_work()
-    work = [layer * n for n in layers]
-    work[0] = work[0] + shapes.embedding_work()
-    work[-1] = work[-1] + shapes.head_work()
-    overhead = Work(*(3 * (shapes.cluster.action_overhead_s,)))
-    return tuple(
-        w + zero_per_microbatch(shapes, p, w) + _zero_waits(shapes, n) + overhead
-        for w, p, n in zip(work, params, layers, strict=True)
-    )
-
-
-def _zero_waits(shapes: Shapes, layers: int) -> Work:
-    """What a stage of ``layers`` layers waits per microbatch at its ZeRO collectives on
-    shared cores: a data-parallel group's ``Cluster.collective_sync`` per layer for each
-    of them (stage 2 reduce-scatters each layer's gradients in ``W``; stage 3 also
-    gathers its weights for the forward and again for the backward)."""
-    plan, sync = shapes.plan, shapes.cluster.collective_sync(shapes.plan.dp)
-    if plan.zero < 2 or plan.dp == 1 or sync <= 0:
-        return Work()
-    per_layer = Work(0.0, 0.0, sync) if plan.zero == 2 else Work(sync, sync, sync)
-    return per_layer * layers
-
-
 def _device_params(plan: Plan, placement: tuple[int, ...], params: tuple[float, ...]) -> tuple[float, ...]:
     """Parameters each pipeline device holds: the sum over the stages placed on it, shape (pp,)."""
     device_params = [0.0] * plan.pp
     for s, d in enumerate(placement):
         device_params[d] += params[s]
     return tuple(device_params)
-
-
-def _stage_residual(shapes: Shapes, layers: tuple[int, ...]) -> tuple[int, ...]:
-    """Bytes each stage keeps per microbatch from its forward to its backward, shape (S,)."""
-    per_layer = shapes.layer_activation_bytes(shapes.plan.recompute)
-    residual = [round(n * per_layer) for n in layers]
-    residual[0] += round(shapes.embedding_activation_bytes())
-    residual[-1] += round(shapes.head_activation_bytes())
-    return tuple(residual)
 
 
 def _one_microbatch(placement: Sequence[int], residual: tuple[int, ...]) -> tuple[int, ...]:

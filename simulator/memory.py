@@ -103,7 +103,9 @@ def device_memory(shapes: Shapes, device_params: Sequence[float], activations: S
     working memory (:func:`transient_bytes`) on each."""
     plan, model = shapes.plan, shapes.model
     transient = transient_bytes(shapes)
-    static = [static_memory(plan, p, model.dtype_bytes) for p in device_params]
+    # Devices of like stages hold like parameters: each distinct count is worked out once.
+    shares = {p: static_memory(plan, p, model.dtype_bytes) for p in dict.fromkeys(device_params)}
+    static = [shares[p] for p in device_params]
     totals = [sum(parts) + held + transient for parts, held in zip(static, activations, strict=True)]
     fullest = max(range(len(totals)), key=lambda d: totals[d])
     weights, grads, optimizer = static[fullest]

@@ -40,14 +40,13 @@ from pipedsl.arrays import ActionArrays, B, F, I, W
 from pipedsl.policy import Policy
 from pipedsl.program import ProgramArrays, program_arrays
 from pipedsl.simulator.costs import CostModel
-from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import step_timing
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import device_memory, static_memory, transient_bytes
 from pipedsl.simulator.pipelines import Pipelines, states_policy
 from pipedsl.simulator.plan import Plan
-from pipedsl.simulator.synthesize import synthesized_order
+from pipedsl.simulator.synthesize import synthesized_steps
 
 __all__ = ["LIMIT", "LimitedPlan", "takes_limit", "fitting_limit", "candidate_limits", "prepare_plan", "synthesized_program"]
 
@@ -57,7 +56,7 @@ LIMIT = "max_inflight"
 _CACHE_SIZE = 4096
 """Syntheses kept (each a few int arrays of one schedule's actions)."""
 
-_Synthesis = tuple[ProgramArrays, tuple[int, ...]]
+_Synthesis = tuple[ProgramArrays, np.ndarray, tuple[int, ...]]
 _cache: OrderedDict[tuple[object, ...], _Synthesis] = OrderedDict()
 _policies: OrderedDict[tuple[str, tuple[tuple[str, int], ...]], Policy] = OrderedDict()
 
@@ -105,8 +104,8 @@ class LimitedPlan(Prepared):
     def finish(self) -> Estimate:
         assert self.plan.schedule is not None and self.key is not None and self.pipelines is not None
         costs = self.costs
-        arrays, activations = _synthesis(self.plan.schedule, self.params, self.limit, costs, self.residual)
-        makespan, bubble = step_timing(arrays, costs.resolve(self.pipelines.policy(self.key)))
+        arrays, order, activations = _synthesis(self.plan.schedule, self.params, self.limit, costs, self.residual)
+        makespan, bubble = step_timing(arrays, costs.resolve(self.pipelines.policy(self.key)), order=order)
         memory = device_memory(self.shapes, self.device_params, activations)
         return replace(self.assemble(makespan, bubble, None), memory=memory, inflight_limit=self.limit)
 
@@ -120,8 +119,7 @@ def fitting_limit(base: Prepared) -> int:
     transient = transient_bytes(shapes)
     usable = shapes.cluster.usable_bytes
     limit = None
-    for d, params in enumerate(base.device_params):
-        stages = [s for s, owner in enumerate(base.placement) if owner == d]
+    for params, stages in zip(base.device_params, _stages_by_device(base), strict=True):
         left = usable - sum(static_memory(plan, params, shapes.model.dtype_bytes)) - transient
         pair = max(base.residual[s] for s in stages)
         pairs = len(stages) * plan.microbatches
@@ -160,7 +158,7 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     base = prepare(model, cluster, plan, pipelines=pipelines, layout=default)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
-    tail = sum(tails(base.shapes, base.work, base.placement, base.device_params))
+    tail = sum(base.tails)
     fields = {name: getattr(base, name) for name in _PREPARED_FIELDS}
     found: list[Prepared] = []
     for limit in limits:
@@ -183,10 +181,15 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
 def _held_at_most(base: Prepared, limit: int) -> list[int]:
     """Per device, the most activation bytes an order within ``limit`` can hold: that
     many of its most expensive (stage, microbatch) pairs."""
-    return [
-        limit * max(base.residual[s] for s, owner in enumerate(base.placement) if owner == d)
-        for d in range(len(base.device_params))
-    ]
+    return [limit * max(base.residual[s] for s in stages) for stages in _stages_by_device(base)]
+
+
+def _stages_by_device(base: Prepared) -> list[list[int]]:
+    """The stages of each device of ``base``'s plan, increasing, shape (D, its stages)."""
+    stages: list[list[int]] = [[] for _ in base.device_params]
+    for s, owner in enumerate(base.placement):
+        stages[owner].append(s)
+    return stages
 
 
 def _any_order_bound(base: Prepared, split: bool, limit: int, tail: float) -> float:
@@ -197,22 +200,24 @@ def _any_order_bound(base: Prepared, split: bool, limit: int, tail: float) -> fl
     its first stage (from that stage's F through every later F and backward to its W or B)
     over ``limit``; the most over the devices, plus ``tail`` (the plan's data-parallel tail and
     optimizer step, seconds)."""
-    work, placement, m = base.work, base.placement, base.plan.microbatches
+    work, m = base.work, base.plan.microbatches
+    # Per stage, once for every device: its forward, its backward (I when split) and all its work.
+    forward = [w.forward for w in work]
+    back = [w.input_grad if split else w.backward for w in work]
+    whole = [w.forward + (w.input_grad + w.weight_grad if split else w.backward) for w in work]
     seconds = []
-    for d in range(len(base.device_params)):
-        own = [s for s, owner in enumerate(placement) if owner == d]
-        first = min(own)
-        back = [w.input_grad if split else w.backward for w in work]
-        busy = m * sum(w.forward + (w.input_grad + w.weight_grad if split else w.backward) for w in (work[s] for s in own))
-        held = sum(w.forward for w in work[first:]) + sum(back[first:]) + (work[first].weight_grad if split else 0.0)
-        seconds.append(sum(w.forward for w in work[:first]) + max(busy, m * held / limit))
+    for own in _stages_by_device(base):
+        first = own[0]
+        busy = m * sum(whole[s] for s in own)
+        held = sum(forward[first:]) + sum(back[first:]) + (work[first].weight_grad if split else 0.0)
+        seconds.append(sum(forward[:first]) + max(busy, m * held / limit))
     total = max(seconds) + tail
     # The bound can be tight, and the same seconds summed in another order can land a
     # rounding step above the simulated time: keep it below by a hair.
     return total * (1.0 - 1e-9)
 
 
-_PREPARED_FIELDS = ("shapes", "key", "placement", "pipelines", "work", "residual", "device_params")
+_PREPARED_FIELDS = ("shapes", "key", "placement", "pipelines", "work", "residual", "device_params", "tails")
 """What a :class:`LimitedPlan` keeps of the plan prepared at the default limit."""
 
 
@@ -220,16 +225,17 @@ def _synthesis(
     spec: str, params: tuple[tuple[str, int], ...], limit: int, costs: CostModel, residual: tuple[int, ...]
 ) -> _Synthesis:
     """The lowered order of ``spec`` at in-flight ``limit`` synthesised against ``costs``,
-    and its peak residual bytes per device, shape (D,); cached."""
+    the order its computes can be timed in (:func:`_synthesized`) and its peak residual
+    bytes per device, shape (D,); cached."""
     key = (spec, params, limit, costs)
     found = _cache.get(key)
     if found is not None:
         _cache.move_to_end(key)
         return found
     policy = _loaded(spec, (*params, (LIMIT, limit)))
-    arrays = synthesized_program(policy, costs)
+    arrays, order = _synthesized(policy, costs)
     held = tuple(int(p) for p in peak_held(arrays.actions, residual, residual))
-    _cache[key] = found = (arrays, held)
+    _cache[key] = found = (arrays, order, held)
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return found
@@ -245,17 +251,27 @@ def synthesized_program(policy: Policy, costs: CostModel | None = None) -> Progr
     needs no validation; a search that times hundreds of synthesised orders asks only
     for these arrays. Raises as ``synthesize``.
     """
-    order = synthesized_order(policy, costs)
-    S, M = policy.num_stages, policy.num_microbatches
-    lengths = [len(o) for o in order]
-    count = 3 * sum(lengths)
-    flat = np.fromiter(chain.from_iterable(chain.from_iterable(order)), dtype=np.int64, count=count).reshape(-1, 3)
+    return _synthesized(policy, costs)[0]
+
+
+def _synthesized(policy: Policy, costs: CostModel | None) -> tuple[ProgramArrays, np.ndarray]:
+    """:func:`synthesized_program`, and the rows of its computes in the order the
+    synthesiser's pass took them: an order their dependencies allow, which a timing pass
+    walks without looking for one (``step_timing(..., order=...)``)."""
+    steps = synthesized_steps(policy, costs)
+    S, M, D = policy.num_stages, policy.num_microbatches, policy.num_devices
+    taken = np.fromiter(chain.from_iterable(steps), dtype=np.int64, count=4 * len(steps)).reshape(-1, 4)
+    # Device by device, each device's actions in the order it runs them (a stable sort).
+    rows = np.argsort(taken[:, 0], kind="stable")
+    flat = taken[rows]
+    order = np.empty(len(rows), dtype=np.int64)
+    order[rows] = np.arange(len(rows), dtype=np.int64)
     # The pass's kind codes (0 F, 1 the backward, 2 W) as the arrays' (F, B or I, W).
-    pass_kind = flat[:, 0]
+    pass_kind = flat[:, 1]
     codes = np.array([F, I if policy.split_backward else B, W], dtype=np.int8)
-    kind, stage, microbatch = codes[pass_kind], flat[:, 1], flat[:, 2]
+    kind, stage, microbatch, device = codes[pass_kind], flat[:, 2], flat[:, 3], flat[:, 0]
+    lengths = np.bincount(device, minlength=D)
     bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    device = np.repeat(np.arange(len(order), dtype=np.int64), lengths)
     position = np.arange(len(flat), dtype=np.int64) - np.repeat(bounds[:-1], lengths)
     actions = ActionArrays(kind, stage, microbatch, device, position, bounds)
     # Row of each (pass kind, stage, microbatch); every one is there exactly once.
@@ -269,4 +285,4 @@ def synthesized_program(policy: Policy, costs: CostModel | None = None) -> Progr
     upstream[has] = row[(stage[has] - 1) * M + microbatch[has]]
     has = backward & (stage < S - 1)
     upstream[has] = row[(S + stage[has] + 1) * M + microbatch[has]]
-    return program_arrays(actions, upstream, policy.placement)
+    return program_arrays(actions, upstream, policy.placement), order

@@ -42,12 +42,12 @@ from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.policy import Policy
 from pipedsl.simulator.costs import CostModel, StageCosts
+from pipedsl.simulator.synthesis_variants import Variant, variants
 
-__all__ = ["SynthesisError", "Variant", "synthesize", "synthesized_order", "variants"]
+__all__ = ["SynthesisError", "Variant", "synthesize", "synthesized_order", "synthesized_steps", "variants"]
 
 _INF = float("inf")
 _F, _BWD, _W = 0, 1, 2  # kind codes; _BWD is I when split, B otherwise
-_AHEAD = ("1f1b", "eager", "limits")
 _ROUNDING = 1e-9
 """A relative margin far above the rounding of a pass's running sums of seconds (about
 the actions per device times 2**-53), so that stopping a pass early is never a rounding
@@ -56,55 +56,6 @@ step wrong."""
 
 class SynthesisError(PipedslError):
     """The policy's limits leave no order that finishes (a deadlock under the limits)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Variant:
-    """One setting of the choices a policy leaves to the synthesiser.
-
-    Attributes:
-      ahead: forwards a device keeps ahead of its backwards when the policy states no
-        warm-up: ``"1f1b"`` (S - s for a device whose first stage is s), ``"eager"``
-        (2(S - s) - 1) or ``"limits"`` (no count: the limits and priorities decide).
-      strict: with an ahead count, a backward runs only when the device is that many
-        forwards ahead (or can run no more forwards): 1F1B's strict alternation, which keeps
-        the devices in step; without it a ready backward may run earlier.
-      guard_w: a ready ``W`` waits for a backward or admissible forward known to arrive
-        before the ``W`` would end, when the delay it would cause is more than
-        ``(1 - guard_w)`` × its cost (0: never waits; 1: waits rather than delay at all).
-        ``W only in idle time`` fixes it at 1.
-    """
-
-    ahead: str
-    strict: bool = False
-    guard_w: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.ahead not in _AHEAD:
-            raise ValueError(f"ahead must be one of {', '.join(_AHEAD)}, got {self.ahead!r}")
-        if not 0.0 <= self.guard_w <= 1.0:
-            raise ValueError(f"guard_w is a fraction in [0, 1], got {self.guard_w!r}")
-
-
-#: The variants tried without stated warm-up counts. Chosen on the comparison grid of
-#: ``bench/bench_synthesis.py`` (depths 2-8, 1-4 microbatches per stage, unequal F/I/W,
-#: communication, memory limits pp .. 2pp): each is the fastest somewhere, and together
-#: they are never slower there than the zero-bubble paper's scheduler.
-_DEFAULT_VARIANTS = (
-    Variant("eager"),
-    Variant("1f1b", strict=True, guard_w=1.0),
-    Variant("limits"),
-    Variant("1f1b"),
-)
-
-
-def variants(policy: Policy) -> tuple[Variant, ...]:
-    """The variants :func:`synthesize` tries for ``policy``, in a fixed order (the first
-    of equally fast orders wins)."""
-    if policy.warmup is None:
-        return _DEFAULT_VARIANTS
-    # Stated warm-up counts fix the ahead count; "limits" here just means "as stated".
-    return (Variant("limits", strict=True, guard_w=1.0), Variant("limits"))
 
 
 def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[Variant, ...] | None = None) -> Schedule:
@@ -135,11 +86,21 @@ def synthesized_order(policy: Policy, costs: CostModel | None = None, tries: tup
     """The order :func:`synthesize` finds, as per-device (kind code, stage, microbatch)
     triples (codes 0 F, 1 the backward, 2 W): the fastest variant's, the first of equally
     fast ones. Raises as :func:`synthesize`."""
+    order: Order = [[] for _ in range(policy.num_devices)]
+    for d, kind, stage, microbatch in synthesized_steps(policy, costs, tries):
+        order[d].append((kind, stage, microbatch))
+    return order
+
+
+def synthesized_steps(policy: Policy, costs: CostModel | None = None, tries: tuple[Variant, ...] | None = None) -> Steps:
+    """:func:`synthesized_order`'s actions as (device, kind code, stage, microbatch), in the
+    order its pass took them: each after every action it needs, so the order a timing
+    pass can run the lowered program's computes in. Raises as :func:`synthesize`."""
     policy.check()
     stage_costs = (costs if costs is not None else CostModel()).resolve(_skeleton(policy, ()))
     _check_bytes(policy, stage_costs)
     plan = _Plan(policy, stage_costs)
-    best: tuple[float, Order] | None = None
+    best: tuple[float, Steps] | None = None
     failure: SynthesisError | None = None
     for variant in tries if tries is not None else variants(policy):
         try:
@@ -245,6 +206,8 @@ class _Plan:
 
 Order = list[list[tuple[int, int, int]]]
 """Per device, the actions chosen as (kind code, stage, microbatch) triples."""
+Steps = list[tuple[int, int, int, int]]
+"""The actions chosen as (device, kind code, stage, microbatch), in the order chosen."""
 
 
 class _State:
@@ -252,7 +215,7 @@ class _State:
 
     __slots__ = (
         "clock", "nf", "nb", "arr_f", "arr_b", "wq", "live", "reserved", "held", "reserved_bytes",
-        "ahead_now", "hold", "due", "version", "orders", "heap",
+        "ahead_now", "hold", "due", "version", "steps", "heap",
     )  # fmt: skip
 
     def __init__(self, S: int, D: int, M: int) -> None:
@@ -270,24 +233,31 @@ class _State:
         self.hold = [0.0] * D  # a guarded W's wait
         self.due = [0.0] * D  # the time of a device's live heap entry; _INF when parked
         self.version = [0] * D
-        self.orders: Order = [[] for _ in range(D)]
+        self.steps: Steps = []
         self.heap = [(0.0, -d, 0) for d in range(D)]
         heapq.heapify(self.heap)
 
 
+def _picks(order: tuple[int, ...]) -> tuple[int, ...]:
+    """For each set of ready kinds (bit 1 the backward, 2 F, 4 W), the first of ``order``
+    among them, -1 for none: the choice a device makes, looked up in one step."""
+    bits = {_BWD: 1, _F: 2, _W: 4}
+    return tuple(next((k for k in order if ready & bits[k]), -1) for ready in range(8))
+
+
 @dataclass(frozen=True, slots=True)
 class _Rules:
-    """What a variant fixes for a whole pass: the ahead counts, and the orders in which a
-    device looks at the kinds when filling, ordinarily, and when memory forces a W."""
+    """What a variant fixes for a whole pass: the ahead counts, and the kind a device
+    picks among the ready ones (:func:`_picks`) ordinarily and when memory forces a W."""
 
     cap: list[int]
     strict: bool
-    codes: tuple[int, ...]
-    fill_codes: tuple[int, ...]
-    forced_codes: tuple[int, ...]
+    picks: tuple[int, ...]
+    forced_picks: tuple[int, ...]
     forced_ok: bool
     guard_w: float
-    above_w: tuple[int, ...]
+    guard_b: bool
+    guard_f: bool
 
     @classmethod
     def of(cls, plan: _Plan, variant: Variant) -> _Rules:
@@ -297,23 +267,27 @@ class _Rules:
         capped = ahead is not None
         codes = plan.codes
         rank = {k: i for i, k in enumerate(codes)}
+        # With a ready forward, a capped device fills: F first.
+        fill = _picks((_F, *(k for k in codes if k != _F)) if capped else codes)
+        plain = _picks(codes)
+        # The kinds above W in the priority order: what its guard looks out for.
+        above_w = codes[: rank[_W]] if plan.split else ()
         return cls(
             cap=ahead if ahead is not None else [plan.S * plan.M] * plan.D,
             strict=capped and variant.strict,
-            codes=codes,
-            fill_codes=(_F, *(k for k in codes if k != _F)) if capped else codes,
-            forced_codes=(_W, *(k for k in codes if k != _W)) if capped else (*codes[: rank[_F]], _W),
+            picks=tuple(fill[r] if r & 2 else plain[r] for r in range(8)),
+            forced_picks=_picks((_W, *(k for k in codes if k != _W)) if capped else (*codes[: rank[_F]], _W)),
             forced_ok=capped or (_W in rank and rank[_F] < rank[_W]),
             guard_w=1.0 if plan.policy.idle_w else variant.guard_w,
-            # The kinds above W in the priority order: what its guard looks out for.
-            above_w=codes[: rank[_W]] if plan.split else (),
+            guard_b=_BWD in above_w,
+            guard_f=_F in above_w,
         )
 
 
 # Over 60 lines: the list scheduler's hot loop keeps its state in local names (see the docstring).
-def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, Order] | None:
-    """One pass of the list scheduler: the makespan (seconds) and the per-device orders;
-    None once the pass provably cannot finish in under ``beat`` seconds.
+def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, Steps] | None:
+    """One pass of the list scheduler: the makespan (seconds) and the actions in the order
+    taken; None once the pass provably cannot finish in under ``beat`` seconds.
 
     That proof: a device's remaining actions start no earlier than it is next free and do
     not overlap, so the makespan is at least its clock plus its remaining work. The pass
@@ -335,23 +309,28 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
     limit_bytes = plan.max_bytes is not None
     max_bytes = plan.max_bytes if plan.max_bytes is not None else (0,) * D
     rules = _Rules.of(plan, variant)
-    cap, strict, codes, fill_codes = rules.cap, rules.strict, rules.codes, rules.fill_codes
-    forced_codes, forced_ok, guard_w, above_w = rules.forced_codes, rules.forced_ok, rules.guard_w, rules.above_w
+    cap, strict, picks, forced_picks, forced_ok = rules.cap, rules.strict, rules.picks, rules.forced_picks, rules.forced_ok
+    guard_w, guard_b, guard_f = rules.guard_w, rules.guard_b, rules.guard_f
     state = _State(S, D, M)
     clock, nf, nb, arr_f, arr_b, wq = state.clock, state.nf, state.nb, state.arr_f, state.arr_b, state.wq
     live, reserved, held, reserved_bytes = state.live, state.reserved, state.held, state.reserved_bytes
-    ahead_now, hold, due, version, orders, heap = state.ahead_now, state.hold, state.due, state.version, state.orders, state.heap
+    ahead_now, hold, due, version, heap = state.ahead_now, state.hold, state.due, state.version, state.heap
+    take = state.steps.append
     makespan = 0.0
-    remaining = S * M * (3 if split else 2)
-    pop, push = heapq.heappop, heapq.heappush
+    total = S * M * (3 if split else 2)
+    pop, push, pushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
     # Per device, the seconds of work it has still to run, and the bound a pass must stay under.
     work = [M * sum(cost_f[s] + cost_b[s] + (cost_w[s] if split else 0.0) for s in stages[d]) for d in range(D)]
     stop = beat * (1.0 + _ROUNDING)
 
-    while heap:
-        t, nd, ver = pop(heap)
+    # A device's next entry goes in with the next one taken out (heappushpop): when it is
+    # the earliest, as after most actions, the heap is not touched at all.
+    due_next: tuple[float, int, int] | None = pop(heap)
+    while due_next is not None:
+        t, nd, ver = due_next
         d = -nd
         if ver != version[d]:
+            due_next = pop(heap) if heap else None
             continue
         b_s = f_s = -1
         b_wait = f_wait = _INF
@@ -387,19 +366,12 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
                     elif r < b_wait:
                         b_wait = r
         w_ready = bool(wq[d]) and t >= hold[d]
-        kind = -1
         # A ready forward that only memory holds back makes its W urgent: it frees the room.
-        if f_full and f_s < 0 and w_ready and forced_ok:
-            order = forced_codes
-        else:
-            order = fill_codes if f_s >= 0 else codes
-        for k in order:
-            if (k == _BWD and b_s >= 0) or (k == _F and f_s >= 0) or (k == _W and w_ready):
-                kind = k
-                break
+        forced = f_full and f_s < 0 and w_ready and forced_ok
+        kind = (forced_picks if forced else picks)[(b_s >= 0) + 2 * (f_s >= 0) + 4 * w_ready]
         # The guard: going ahead would delay the awaited action by ``t + c - soon``.
-        if kind == _W and guard_w > 0.0 and order is not forced_codes:
-            soon = min(b_wait if _BWD in above_w else _INF, f_wait if _F in above_w else _INF)
+        if kind == _W and guard_w > 0.0 and not forced:
+            soon = min(b_wait if guard_b else _INF, f_wait if guard_f else _INF)
             c = cost_w[wq[d][0][0]]
             if soon < t + c and t + c - soon > (1.0 - guard_w) * c:
                 kind = -2
@@ -407,14 +379,16 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
             hold[d] = soon
             version[d] += 1
             due[d] = soon
-            push(heap, (soon, nd, version[d]))
+            due_next = pushpop(heap, (soon, nd, version[d]))
             continue
         if kind < 0:
             nxt = min(b_wait, f_wait, max(t, hold[d]) if wq[d] else _INF)
             version[d] += 1
             due[d] = nxt
             if nxt < _INF:
-                push(heap, (nxt, nd, version[d]))
+                due_next = pushpop(heap, (nxt, nd, version[d]))
+            else:
+                due_next = pop(heap) if heap else None
             continue
 
         notify = -1
@@ -440,7 +414,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
                 notify = owner[s + 1]
             else:
                 arr_b[s * M + m] = end
-            clock[d] = end + after_f[s]
+            free = end + after_f[s]
         elif kind == _BWD:
             s = b_s
             m = nb[s]
@@ -458,41 +432,45 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, O
                 arrival = end + x_b[s]
                 arr_b[(s - 1) * M + m] = arrival
                 notify = owner[s - 1]
-            clock[d] = end + after_b[s]
+            free = end + after_b[s]
         else:
             s, m = wq[d].popleft()
             end = t + cost_w[s]
             live[d] -= 1
             held[d] -= wres[s]
-            clock[d] = end
+            free = end
             work[d] -= cost_w[s]
-        if clock[d] + work[d] > stop:
+        if free + work[d] > stop:
             return None
-        orders[d].append((kind, s, m))
-        remaining -= 1
+        clock[d] = free
+        take((d, kind, s, m))
         if end > makespan:
             makespan = end
-        version[d] += 1
-        due[d] = clock[d]
-        push(heap, (clock[d], nd, version[d]))
         if notify >= 0 and notify != d:
             wake = clock[notify] if clock[notify] > arrival else arrival
             if wake < due[notify]:
                 version[notify] += 1
                 due[notify] = wake
                 push(heap, (wake, -notify, version[notify]))
-    if remaining:
-        raise _deadlock(plan, orders, live, held)
-    return makespan, orders
+        ver += 1
+        version[d] = ver
+        due[d] = free
+        due_next = pushpop(heap, (free, nd, ver))
+    if len(state.steps) < total:
+        raise _deadlock(plan, state.steps, live, held)
+    return makespan, state.steps
 
 
-def _deadlock(plan: _Plan, orders: list[list[tuple[int, int, int]]], live: list[int], held: list[int]) -> SynthesisError:
+def _deadlock(plan: _Plan, steps: Steps, live: list[int], held: list[int]) -> SynthesisError:
     per_stage = 3 if plan.split else 2
-    d = next(d for d in range(plan.D) if len(orders[d]) < len(plan.stages[d]) * plan.M * per_stage)
+    done = [0] * plan.D
+    for step in steps:
+        done[step[0]] += 1
+    d = next(d for d in range(plan.D) if done[d] < len(plan.stages[d]) * plan.M * per_stage)
     policy = plan.policy
     where = policy.position("inflight") or policy.position("activations") or policy.position("warmup")
     return SynthesisError(
-        f"the policy's limits leave device {d} nothing it may run after {len(orders[d])} actions"
+        f"the policy's limits leave device {d} nothing it may run after {done[d]} actions"
         f" (in flight {live[d]}, activation bytes {held[d]}): no order within these limits"
         " finishes; raise the limits",
         pos=where,

@@ -1,0 +1,101 @@
+"""A plan's model split into pipeline stages: each stage's layers, the parameters each of
+its GPUs holds, the activation bytes it keeps per microbatch and its work per microbatch
+(forward, input-gradient and weight-gradient seconds), as
+:mod:`~pipedsl.simulator.estimate` assembles them. The layers split evenly over
+``pp × vpp`` stages unless given; the first stage adds the embedding, the last the final
+norm, logits and loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipedsl.simulator.data_parallel import zero_per_microbatch
+from pipedsl.simulator.hardware import Model
+from pipedsl.simulator.plan import Plan, PlanError
+from pipedsl.simulator.transformer import Shapes, Work
+
+__all__ = ["split_layers", "stage_params", "stage_residual", "stage_work"]
+
+
+def split_layers(model: Model, stages: int, given: Sequence[int] | None) -> tuple[int, ...]:
+    """Each of ``stages`` stages' layers: ``given`` when set (checked), else an even split,
+    shape (S,). Raises PlanError when they do not add up or do not split evenly."""
+    if given is not None:
+        layers = tuple(given)
+        if len(layers) != stages or sum(layers) != model.layers or min(layers) < 0:
+            raise PlanError(
+                f"stage_layers {list(layers)} must give {stages} stages (pp × vpp) whose layers sum to "
+                f"{model.name}'s {model.layers}"
+            )
+        return layers
+    if model.layers % stages:
+        raise PlanError(
+            f"{model.name}'s {model.layers} layers do not split evenly over {stages} stages (pp × vpp); "
+            f"choose pp × vpp dividing {model.layers}"
+        )
+    return tuple(model.layers // stages for _ in range(stages))
+
+
+def stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[float, ...]:
+    """Parameters each GPU of each stage holds (tensor-parallel shards), shape (S,).
+
+    With a tied embedding and more than one stage, the last stage keeps its own copy of
+    the embedding matrix for the logits, as Megatron-LM does.
+    """
+    t = plan.tp
+    per_layer = model.layer_params  # a derived property: worked out once, not once per stage
+    params = [n * per_layer / t for n in layers]
+    params[0] += model.embedding_params / t
+    head = model.head_params / t
+    if model.tied_embeddings and len(layers) > 1:
+        head += model.vocab * model.hidden / t
+    params[-1] += head
+    return tuple(params)
+
+
+def stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...]) -> tuple[Work, ...]:
+    """Each stage's work per microbatch: its layers, the embedding on the first stage,
+    the head on the last, the ZeRO traffic of its parameters, and the dispatch overhead
+    of each of its F, I and W actions (``action_overhead_s``), shape (S,)."""
+    layer = shapes.layer_work()
+    overhead = Work(*(3 * (shapes.cluster.action_overhead_s,)))
+    last = len(layers) - 1
+    # Stages between the ends with like layers and parameters do like work: each is
+    # worked out once (a plan of 96 stages has two or three distinct ones).
+    inner: dict[tuple[int, float], Work] = {}
+    work = []
+    for s, (n, p) in enumerate(zip(layers, params, strict=True)):
+        found = inner.get((n, p)) if 0 < s < last else None
+        if found is None:
+            w = layer * n
+            if s == 0:
+                w = w + shapes.embedding_work()
+            if s == last:
+                w = w + shapes.head_work()
+            found = w + zero_per_microbatch(shapes, p, w) + _zero_waits(shapes, n) + overhead
+            if 0 < s < last:
+                inner[(n, p)] = found
+        work.append(found)
+    return tuple(work)
+
+
+def _zero_waits(shapes: Shapes, layers: int) -> Work:
+    """What a stage of ``layers`` layers waits per microbatch at its ZeRO collectives on
+    shared cores: a data-parallel group's ``Cluster.collective_sync`` per layer for each
+    of them (stage 2 reduce-scatters each layer's gradients in ``W``; stage 3 also
+    gathers its weights for the forward and again for the backward)."""
+    plan, sync = shapes.plan, shapes.cluster.collective_sync(shapes.plan.dp)
+    if plan.zero < 2 or plan.dp == 1 or sync <= 0:
+        return Work()
+    per_layer = Work(0.0, 0.0, sync) if plan.zero == 2 else Work(sync, sync, sync)
+    return per_layer * layers
+
+
+def stage_residual(shapes: Shapes, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Bytes each stage keeps per microbatch from its forward to its backward, shape (S,)."""
+    per_layer = shapes.layer_activation_bytes(shapes.plan.recompute)
+    residual = [round(n * per_layer) for n in layers]
+    residual[0] += round(shapes.embedding_activation_bytes())
+    residual[-1] += round(shapes.head_activation_bytes())
+    return tuple(residual)
