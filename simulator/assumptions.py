@@ -56,11 +56,12 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan, *, slowdown: float =
             algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
             where = f"{group.per_node} per node over {group.nodes} nodes" if group.spans_nodes else "in one node"
             found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
+    tokens = plan.microbatch_size * model.seq_len
     waits = [(name, n) for name, n in (("tensor", plan.tp), ("data", plan.dp if plan.zero >= 2 else 1)) if n > 1]
     for axis, n in waits:
-        if cluster.collective_sync(n) > 0:
+        if cluster.collective_sync(n, tokens) > 0:
             found.append(Assumption(
-                f"{axis}_collective_sync", f"{cluster.collective_sync(n) * 1e3:.3g} ms",
+                f"{axis}_collective_sync", f"{cluster.collective_sync(n, tokens) * 1e3:.3g} ms",
                 f"each collective of the {n} {axis}-parallel devices waits this on shared cores "
                 "until every one of them reaches it",
             ))  # fmt: skip

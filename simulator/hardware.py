@@ -233,14 +233,14 @@ class Cluster:
         0 (the default) for no such slowdown: a GPU's compute does not depend on what
         its neighbours hold. Measured by ``pipedsl demo``.
       collective_sync_s: seconds that each collective inside a stage program (each
-        tensor-parallel one, and ZeRO 2/3's per layer and microbatch) of a group of two
-        devices costs on top of its transfer when the devices share cores: every device
-        of the group must have reached it, and they take turns on the cores. 0 for GPUs;
-        measured by ``pipedsl demo``.
-      collective_sync_per_device_s: seconds more that such a collective waits for each
-        device of its group beyond two (a group of n waits ``collective_sync_s + (n - 2)
-        × collective_sync_per_device_s``: :meth:`collective_sync`); 0 for GPUs, measured by
-        ``pipedsl demo``.
+        tensor-parallel one, and ZeRO 2/3's per layer and microbatch) waits on top of its
+        transfer, for each device of its group but one, when the devices share cores:
+        every device of the group must have reached it, and they take turns on the cores.
+        0 for GPUs; measured by ``pipedsl demo``.
+      collective_sync_per_token_s: seconds more per token of the microbatch that the
+        collective's group works on between collectives, for each device of the group but
+        one: the work each device must finish before the others can go on grows with the
+        tokens (:meth:`collective_sync`). 0 for GPUs; measured by ``pipedsl demo``.
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.
@@ -266,7 +266,7 @@ class Cluster:
     shared_cores: float = 0.0
     working_set_bytes: float = 0.0
     collective_sync_s: float = 0.0
-    collective_sync_per_device_s: float = 0.0
+    collective_sync_per_token_s: float = 0.0
     memory_bytes: int
     reserved_bytes: int = 0
     hbm_bandwidth: float
@@ -298,7 +298,7 @@ class Cluster:
             "shared_cores",
             "working_set_bytes",
             "collective_sync_s",
-            "collective_sync_per_device_s",
+            "collective_sync_per_token_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
@@ -318,12 +318,14 @@ class Cluster:
         """Memory per GPU the model may use: ``memory_bytes - reserved_bytes``."""
         return self.memory_bytes - self.reserved_bytes
 
-    def collective_sync(self, group: int) -> float:
-        """Seconds that one collective inside a stage program over ``group`` devices waits
-        on shared cores beyond its transfer (0 for a group of one, or where nothing is shared)."""
+    def collective_sync(self, group: int, tokens: float) -> float:
+        """Seconds that one collective inside a stage program over ``group`` devices, each
+        working on ``tokens`` tokens of a microbatch, waits on shared cores beyond its
+        transfer: ``(group - 1) × (collective_sync_s + tokens × collective_sync_per_token_s)``
+        (0 for a group of one, or where nothing is shared)."""
         if group < 2:
             return 0.0
-        return self.collective_sync_s + (group - 2) * self.collective_sync_per_device_s
+        return (group - 1) * (self.collective_sync_s + tokens * self.collective_sync_per_token_s)
 
     @property
     def matmul_flops(self) -> float:

@@ -85,7 +85,7 @@ def _zero_waits(shapes: Shapes, layers: int) -> Work:
     shared cores: a data-parallel group's ``Cluster.collective_sync`` per layer for each
     of them (stage 2 reduce-scatters each layer's gradients in ``W``; stage 3 also
     gathers its weights for the forward and again for the backward)."""
-    plan, sync = shapes.plan, shapes.cluster.collective_sync(shapes.plan.dp)
+    plan, sync = shapes.plan, shapes.cluster.collective_sync(shapes.plan.dp, shapes.tokens)
     if plan.zero < 2 or plan.dp == 1 or sync <= 0:
         return Work()
     per_layer = Work(0.0, 0.0, sync) if plan.zero == 2 else Work(sync, sync, sync)

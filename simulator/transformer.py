@@ -27,9 +27,9 @@ feed-forward width, a heads of width d = h/a, V vocabulary, t = tp):
   collectives) inside ``I`` and stores only the layer input (2·s·b·h/t); ``selective``
   reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t.
 - Tensor parallelism: 2 all-reduces of b·s·h values in the forward and 2 in the backward
-  per layer (:mod:`~pipedsl.simulator.collectives`), each ``Cluster.collective_sync(tp)``
+  per layer (:mod:`~pipedsl.simulator.collectives`), each ``Cluster.collective_sync``
   more on devices that share cores (the wait until every device of the group reaches
-  it, longer the larger the group);
+  it, longer the larger the group and the microbatch);
   sequence parallelism turns each into a reduce-scatter plus an all-gather. The plan's
   ``tp_overlap`` fraction of them is hidden behind the products (userbuffer overlap) and
   not priced.
@@ -162,7 +162,7 @@ class Shapes:
         if self.plan.tp == 1:
             return 0.0
         size = self.tokens * self.model.hidden * self.model.dtype_bytes
-        sync = self.cluster.collective_sync(self.plan.tp)
+        sync = self.cluster.collective_sync(self.plan.tp, self.tokens)
         if self.plan.sequence_parallel:
             return 2 * (gather_seconds(size, self.tp_group, self.cluster) + sync)
         return all_reduce_seconds(size, self.tp_group, self.cluster) + sync

@@ -29,14 +29,15 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
 - *collectives*: all-reduces over groups of 2 and of every device, of a small and a
   large buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (α and B are
   then also what a send between two devices costs);
-- *collectives inside a program*: one training step of the executor's SPMD plan of the
+- *collectives inside a program*: training steps of the executor's SPMD plan of the
   one-layer model at tp 2 and at tp 4 (the data axis the rest, the model's own
-  ``param_specs``), XLA's collectives inside its programs; what they take beyond what the
-  numbers above price them at, per tensor-parallel collective, is the wait of a group of
-  two (``collective_sync_s``) and what each device more adds to it
-  (``collective_sync_per_device_s``): on shared cores every device of a group must reach
-  a collective before any goes on, and a group of four waits longer than one of two
-  (measured here: about 1.6 times). (Compiling those pipelines is the calibration's
+  ``param_specs``), each with the microbatch size and four times it per data rank, XLA's
+  collectives inside their programs; what they take beyond what the numbers above price
+  them at is fitted as a wait per tensor-parallel collective for each device of its group
+  but one, partly fixed (``collective_sync_s``) and partly per token of the microbatch
+  (``collective_sync_per_token_s``): on shared cores every device of a group must reach a
+  collective before any goes on, so a group of four waits for three others' work, and
+  that work grows with the microbatch. (Compiling those pipelines is the calibration's
   longest part.)
 - *dispatch*: the seconds one device's thread spends per dispatched stage program while
   every device dispatches (``action_overhead_s``, what each scheduled action costs on top
@@ -72,6 +73,8 @@ _FIT_ROUNDS = 60
 _TENSORS = (2, 4)
 """The tensor axes of the steps that measure collectives inside a program (those that
 divide the devices and the model's heads and vocabulary)."""
+_TENSOR_BATCHES = (1, 4)
+"""The sequences per data rank of those steps, in microbatch sizes."""
 _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 
@@ -85,16 +88,16 @@ class MachineCalibration:
       step_s: measured seconds of one data-parallel training step over every device (one
         microbatch), by (layers the model is cut to, sequences per device).
       tensor_step_s: measured seconds of one training step of the one-layer model split
-        over a tensor axis (a data axis the rest), by the tensor axis.
-      microbatch_size: sequences per device (per data rank) in the tensor-parallel step
-        and the larger compute steps.
+        over a tensor axis (a data axis the rest), by (tensor axis, sequences per data rank).
+      microbatch_size: sequences per device (per data rank) in the larger compute steps
+        and the smaller tensor-parallel steps.
       all_reduce_s: measured seconds by (group size, bytes).
       seconds: wall time of the whole calibration.
     """
 
     cluster: Cluster
     step_s: dict[tuple[int, int], float]
-    tensor_step_s: dict[int, float]
+    tensor_step_s: dict[tuple[int, int], float]
     microbatch_size: int
     all_reduce_s: dict[tuple[int, int], float]
     seconds: float
@@ -106,7 +109,7 @@ class MachineCalibration:
         steps = ", ".join(
             f"{n} layer{'s' if n > 1 else ''} x {m} {t * 1e3:.1f} ms" for (n, m), t in self.step_s.items()
         )
-        tensor = ", ".join(f"tp={t} {s * 1e3:.1f} ms" for t, s in self.tensor_step_s.items()) or "no tp"
+        tensor = ", ".join(f"tp={t} x {m} {s * 1e3:.1f} ms" for (t, m), s in self.tensor_step_s.items()) or "none"
         slowed = (
             f"slowed by 1 + W / {c.working_set_bytes / 1e6:.0f} MB for the W bytes the devices touch together"
             if c.working_set_bytes > 0
@@ -117,9 +120,10 @@ class MachineCalibration:
             f"{slowed} (fitted to a forward and backward of so many layers x sequences per device: {steps}); memory "
             f"{c.hbm_bandwidth / 1e9:.2f} GB/s; collectives α {c.intra_node_latency * 1e6:.0f} µs, "
             f"B {c.intra_node_bandwidth / 1e9:.2f} GB/s (all-reduce {reduces}); dispatch "
-            f"{c.action_overhead_s * 1e6:.0f} µs per action; each tensor-parallel collective "
-            f"{c.collective_sync_s * 1e3:.2f} ms more in a group of 2, {c.collective_sync_per_device_s * 1e3:.2f} ms "
-            f"more for each device beyond (fitted to one-layer steps at {tensor}); calibrated in {self.seconds:.1f} s"
+            f"{c.action_overhead_s * 1e6:.0f} µs per action; each tensor-parallel collective waits "
+            f"{c.collective_sync_s * 1e3:.2f} ms + {c.collective_sync_per_token_s * 1e6:.2f} µs per token for each "
+            f"device of its group but one (fitted to one-layer steps at tp x sequences per data rank: {tensor}); "
+            f"calibrated in {self.seconds:.1f} s"
         )
 
 
@@ -309,31 +313,30 @@ def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple
     )
 
 
-def _tensor_axes(model: Model, devices: int) -> tuple[int, ...]:
-    """The tensor axes of :data:`_TENSORS` that the devices and ``model`` split into."""
-    return tuple(t for t in _TENSORS if devices % t == 0 and model.heads % t == 0 and model.vocab % t == 0)
+def _tensor_shapes(model: Model, devices: int, microbatch_size: int) -> tuple[tuple[int, int], ...]:
+    """(tensor axis, sequences per data rank) of the steps that measure collectives inside
+    a program: the axes of :data:`_TENSORS` that the devices and ``model`` split into."""
+    axes = [t for t in _TENSORS if devices % t == 0 and model.heads % t == 0 and model.vocab % t == 0]
+    return tuple((t, k * microbatch_size) for t in axes for k in _TENSOR_BATCHES)
 
 
-def _fit_sync(
-    model: Model, cluster: Cluster, devices: int, microbatch_size: int, measured: dict[int, float]
-) -> Cluster:
-    """``cluster`` with the ``collective_sync_s`` and ``collective_sync_per_device_s`` at
+def _fit_sync(model: Model, cluster: Cluster, devices: int, measured: dict[tuple[int, int], float]) -> Cluster:
+    """``cluster`` with the ``collective_sync_s`` and ``collective_sync_per_token_s`` at
     which the simulator prices the executor's tensor-parallel training steps
-    (:func:`_tensor_training_step`, ``measured`` seconds by tensor axis) closest to as
-    measured (least squares, both at least 0; with one axis measured, no growth)."""
+    (:func:`_training_step`, ``measured`` seconds by (tensor axis, sequences per data
+    rank)) closest to as measured (least squares, both at least 0)."""
 
-    def priced(sync: float, per_device: float, tensor: int) -> float:
-        waits = dataclasses.replace(cluster, collective_sync_s=sync, collective_sync_per_device_s=per_device)
-        return estimate(model, waits, _plan(devices // tensor, tensor, microbatch_size)).step_time_s
+    def priced(sync: float, per_token: float, shape: tuple[int, int]) -> float:
+        waits = dataclasses.replace(cluster, collective_sync_s=sync, collective_sync_per_token_s=per_token)
+        tensor, sequences = shape
+        return estimate(model, waits, _plan(devices // tensor, tensor, sequences)).step_time_s
 
-    # A step's seconds grow by one wait per collective, and a wait is linear in both
-    # terms: measured - priced without = collectives x (sync + (t - 2) x per device).
-    axes = sorted(measured)
-    gaps = np.array([measured[t] - priced(0.0, 0.0, t) for t in axes])
-    counts = np.array([priced(1.0, 0.0, t) - priced(0.0, 0.0, t) for t in axes])
-    rows = np.column_stack([counts, counts * (np.array(axes) - 2)])
-    sync, per_device = _least_squares_at_least_zero(rows, gaps)
-    return dataclasses.replace(cluster, collective_sync_s=sync, collective_sync_per_device_s=per_device)
+    # A step's seconds grow by one wait per collective, linear in both terms.
+    shapes = list(measured)
+    without = np.array([priced(0.0, 0.0, shape) for shape in shapes])
+    rows = np.array([[priced(1.0, 0.0, shape), priced(0.0, 1.0, shape)] for shape in shapes]) - without[:, None]
+    sync, per_token = _least_squares_at_least_zero(rows, np.array(list(measured.values())) - without)
+    return dataclasses.replace(cluster, collective_sync_s=sync, collective_sync_per_token_s=per_token)
 
 
 def _least_squares_at_least_zero(rows: np.ndarray, values: np.ndarray) -> tuple[float, float]:
@@ -363,14 +366,14 @@ def calibrate_machine(
         for n, m in shapes:
             runs[(n, m)], pipe = _training_step(build(n), devices, m)
             pipes.append(pipe)
-        for t in _tensor_axes(model, devices):
-            runs[("tensor", t)], pipe = _training_step(build(1), devices, microbatch_size, tensor=t)
+        for t, m in _tensor_shapes(model, devices, microbatch_size):
+            runs[("tensor", t, m)], pipe = _training_step(build(1), devices, m, tensor=t)
             pipes.append(pipe)
         measured = _interleaved_medians(runs, _STEP_REPEATS)
     finally:
         for pipe in pipes:
             pipe.close()
-    tensor = {key[1]: seconds for key, seconds in measured.items() if key[0] == "tensor"}
+    tensor = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "tensor"}
     steps = {shape: measured[shape] for shape in shapes}
     bandwidth = _bandwidth(devices)
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
@@ -395,7 +398,7 @@ def calibrate_machine(
     cluster = _fit_compute(model, base, devices, steps)
     one_layer = dataclasses.replace(model, layers=1)
     if tensor:
-        cluster = _fit_sync(one_layer, cluster, devices, microbatch_size, tensor)
+        cluster = _fit_sync(one_layer, cluster, devices, tensor)
     return MachineCalibration(
         cluster=cluster,
         step_s=steps,

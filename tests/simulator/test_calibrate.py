@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 
 import pipedsl
-from pipedsl.cli.machine import _fit_compute, _fit_ring, _fit_sync, _interleaved_medians, _plan, _priced, _step_shapes
+from pipedsl.cli.machine import (
+    _fit_compute,
+    _fit_ring,
+    _fit_sync,
+    _interleaved_medians,
+    _plan,
+    _priced,
+    _step_shapes,
+    _tensor_shapes,
+)
 from pipedsl.errors import PipedslError
 from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, simulate
 from pipedsl.simulator.cost_fit import CalibrationError, fit_costs
@@ -194,33 +203,33 @@ def test_compute_fit_leaves_out_the_terms_the_steps_do_not_call_for() -> None:
     assert fitted.kernel_launch_s == 0.0 and fitted.working_set_bytes == 0.0
 
 
-def _tensor_steps(truth: Cluster, model: Model, axes: tuple[int, ...]) -> dict[int, float]:
-    return {t: estimate(model, truth, _plan(8 // t, t, 4)).step_time_s for t in axes}
+def _tensor_steps(truth: Cluster, model: Model, shapes: tuple[tuple[int, int], ...]) -> dict[tuple[int, int], float]:
+    return {(t, m): estimate(model, truth, _plan(8 // t, t, m)).step_time_s for t, m in shapes}
 
 
-def test_sync_fit_recovers_the_wait_of_a_group_of_two_and_its_growth() -> None:
-    truth = dataclasses.replace(_CPU, collective_sync_s=2e-3, collective_sync_per_device_s=5e-4)
+def test_sync_fit_recovers_the_wait_per_collective_and_per_token() -> None:
+    truth = dataclasses.replace(_CPU, collective_sync_s=2e-3, collective_sync_per_token_s=5e-6)
     model = dataclasses.replace(_TINY, layers=1, heads=4)
-    fitted = _fit_sync(model, _CPU, 8, 4, _tensor_steps(truth, model, (2, 4)))
+    shapes = _tensor_shapes(model, 8, 4)
+    assert shapes == ((2, 4), (2, 16), (4, 4), (4, 16))
+    fitted = _fit_sync(model, _CPU, 8, _tensor_steps(truth, model, shapes))
     assert fitted.collective_sync_s == pytest.approx(2e-3, rel=1e-6)
-    assert fitted.collective_sync_per_device_s == pytest.approx(5e-4, rel=1e-6)
-    assert fitted.collective_sync(4) == pytest.approx(3e-3, rel=1e-6)
-    # One axis measured: the wait of a group of two, no growth.
-    alone = _fit_sync(model, _CPU, 8, 4, _tensor_steps(truth, model, (2,)))
-    assert alone.collective_sync_s == pytest.approx(2e-3, rel=1e-6) and alone.collective_sync_per_device_s == 0.0
+    assert fitted.collective_sync_per_token_s == pytest.approx(5e-6, rel=1e-6)
+    # A group of four waits for three others, each working on the microbatch's tokens.
+    assert fitted.collective_sync(4, 64) == pytest.approx(3 * (2e-3 + 64 * 5e-6), rel=1e-6)
+    # Only the heads the model splits into: tp 4 does not divide two.
+    assert _tensor_shapes(dataclasses.replace(model, heads=2), 8, 4) == ((2, 4), (2, 16))
 
 
 def test_sync_fit_keeps_both_terms_at_least_zero() -> None:
     model = dataclasses.replace(_TINY, layers=1, heads=4)
+    shapes = ((2, 4), (4, 16))
     # Steps faster than priced without any wait: no wait at all.
-    none = _fit_sync(model, _CPU, 8, 4, {2: 0.0, 4: 0.0})
-    assert (none.collective_sync_s, none.collective_sync_per_device_s) == (0.0, 0.0)
-    # A group of four waiting less than one of two: no growth, one wait fitted to both.
-    shrinking = dataclasses.replace(_CPU, collective_sync_s=3e-3)
-    less = dataclasses.replace(_CPU, collective_sync_s=1e-3)
-    measured = _tensor_steps(shrinking, model, (2,)) | _tensor_steps(less, model, (4,))
-    fitted = _fit_sync(model, _CPU, 8, 4, measured)
-    assert fitted.collective_sync_per_device_s == 0.0 and 1e-3 < fitted.collective_sync_s < 3e-3
+    none = _fit_sync(model, _CPU, 8, dict.fromkeys(shapes, 0.0))
+    assert (none.collective_sync_s, none.collective_sync_per_token_s) == (0.0, 0.0)
+    # Waits that a fixed part alone prices best: no part per token.
+    fixed = _fit_sync(model, _CPU, 8, _tensor_steps(dataclasses.replace(_CPU, collective_sync_s=3e-3), model, shapes))
+    assert fixed.collective_sync_s == pytest.approx(3e-3, rel=1e-6) and fixed.collective_sync_per_token_s == 0.0
 
 
 def test_interleaved_measurements_take_turns() -> None:

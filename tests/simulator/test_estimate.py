@@ -304,27 +304,34 @@ def test_each_tensor_parallel_collective_waits_its_sync_on_shared_cores() -> Non
     for zero, collectives in ((2, 1), (3, 3)):
         sharded = dataclasses.replace(dp, zero=zero)
         gap = estimate(model, waits, sharded).pipeline_time_s - estimate(model, IDEAL, sharded).pipeline_time_s
-        assert gap == pytest.approx(3 * model.layers * collectives * sync)
+        # The group of eight waits for seven others at each.
+        assert gap == pytest.approx(3 * model.layers * collectives * 7 * sync)
 
 
-def test_a_larger_group_waits_longer_at_each_collective() -> None:
-    # A group of n waits collective_sync_s + (n - 2) x collective_sync_per_device_s: the
-    # tensor-parallel group at its collectives, the data-parallel group at ZeRO's.
+def test_a_larger_group_and_a_larger_microbatch_wait_longer_at_each_collective() -> None:
+    # A group of n waits (n - 1) x (collective_sync_s + tokens x collective_sync_per_token_s):
+    # the tensor-parallel group at its collectives, the data-parallel group at ZeRO's.
     model = dataclasses.replace(GPT, vocab=8)
-    waits = dataclasses.replace(IDEAL, collective_sync_s=1e-3, collective_sync_per_device_s=2e-4)
-    assert [waits.collective_sync(n) for n in (1, 2, 4, 8)] == pytest.approx([0.0, 1e-3, 1.4e-3, 2.2e-3])
+    waits = dataclasses.replace(IDEAL, collective_sync_s=1e-3, collective_sync_per_token_s=1e-6)
+    tokens = model.seq_len  # one sequence per microbatch
+    assert waits.collective_sync(1, tokens) == 0.0
+    assert [waits.collective_sync(n, 1000) for n in (2, 4)] == pytest.approx([2e-3, 6e-3])
     for tp in (2, 4):
-        plan = Plan(tp=tp, dp=8 // tp, microbatch_size=1, global_batch=3 * (8 // tp), tp_overlap=0.0, sequence_parallel=False)
+        plan = Plan(
+            tp=tp, dp=8 // tp, microbatch_size=1, global_batch=3 * (8 // tp), tp_overlap=0.0, sequence_parallel=False
+        )
         gap = estimate(model, waits, plan).pipeline_time_s - estimate(model, IDEAL, plan).pipeline_time_s
-        assert gap == pytest.approx(3 * model.layers * 4 * waits.collective_sync(tp))
+        assert gap == pytest.approx(3 * model.layers * 4 * waits.collective_sync(tp, tokens))
     sharded = Plan(dp=8, microbatch_size=1, global_batch=24, zero=2)
     gap = estimate(model, waits, sharded).pipeline_time_s - estimate(model, IDEAL, sharded).pipeline_time_s
-    assert gap == pytest.approx(3 * model.layers * waits.collective_sync(8))
+    assert gap == pytest.approx(3 * model.layers * waits.collective_sync(8, tokens))
     listed = {a.name: a.value for a in estimate(model, waits, plan).assumptions}
-    assert listed["tensor_collective_sync"] == "1.4 ms" and "data_collective_sync" not in listed
-    assert {a.name: a.value for a in estimate(model, waits, sharded).assumptions}["data_collective_sync"] == "2.2 ms"
-    with pytest.raises(DescriptionError, match="collective_sync_per_device_s must be a number >= 0"):
-        dataclasses.replace(IDEAL, collective_sync_per_device_s=-1.0)
+    assert listed["tensor_collective_sync"] == f"{waits.collective_sync(4, tokens) * 1e3:.3g} ms"
+    assert "data_collective_sync" not in listed
+    zero = {a.name: a.value for a in estimate(model, waits, sharded).assumptions}
+    assert zero["data_collective_sync"] == f"{waits.collective_sync(8, tokens) * 1e3:.3g} ms"
+    with pytest.raises(DescriptionError, match="collective_sync_per_token_s must be a number >= 0"):
+        dataclasses.replace(IDEAL, collective_sync_per_token_s=-1.0)
 
 
 @pytest.mark.parametrize(
