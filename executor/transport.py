@@ -99,26 +99,28 @@ def resharder(mesh: Mesh) -> Callable[..., Any]:
 
     def move(value: Any, *, handoff: bool = False) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(value)
-        sources = tuple(getattr(v, "sharding", None) for v in leaves)
-        key = (treedef, sources, handoff)
+        key = (treedef, handoff, *[getattr(v, "sharding", None) for v in leaves])
         mover: Any = movers.get(key)
         if mover is None:
-            goals = tuple(target(s) for s in sources)
-            if all(g is s for g, s in zip(goals, sources, strict=True)):
-                mover = _UNCHANGED
-            else:
-                # One jax.device_put per value. A jitted identity placed by in_shardings
-                # copied several times faster, but crashed the process (a segfault
-                # inside XLA) when one device thread ran it while another compiled.
-                mover = partial(_put, goals=goals)
-                if handoff and by_host and all(_on_one_cpu(s) for s in sources):
-                    mover = _ByHost(mover)
-            movers[key] = mover
+            mover = movers[key] = mover_of(leaves, handoff)
         if mover is _UNCHANGED:
             return value
-        if isinstance(mover, _ByHost):
+        if type(mover) is _ByHost:
             return Handoff(leaves, treedef, mover.put)
         return jax.tree_util.tree_unflatten(treedef, mover(tuple(leaves)))
+
+    def mover_of(leaves: list[Any], handoff: bool) -> Any:
+        sources = tuple(getattr(v, "sharding", None) for v in leaves)
+        goals = tuple(target(s) for s in sources)
+        if all(g is s for g, s in zip(goals, sources, strict=True)):
+            return _UNCHANGED
+        # One jax.device_put per value. A jitted identity placed by in_shardings copied
+        # several times faster, but crashed the process (a segfault inside XLA) when one
+        # device thread ran it while another compiled.
+        put = partial(_put, goals=goals)
+        if handoff and by_host and all(_on_one_cpu(s) for s in sources):
+            return _ByHost(put)
+        return put
 
     return move
 
@@ -152,7 +154,10 @@ class Handoff:
 
     def ready(self) -> bool:
         """Whether every array has been computed (or has failed)."""
-        return all(x.is_ready() for x in self.leaves)
+        for x in self.leaves:
+            if not x.is_ready():
+                return False
+        return True
 
     def take(self, timeout: float) -> Any:
         """The value for the receiver as host arrays, once every array is computed (waiting
@@ -226,7 +231,11 @@ class LocalExchange:
 
     def __init__(self, movers: Sequence[Callable[..., Any]]) -> None:
         self.movers = tuple(movers)
-        self._lock = threading.Condition()
+        # Taking and putting mail holds the lock only; a receive on a thread of its own
+        # waits on the condition, which a put wakes only when some receive waits.
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._waiting = 0
         self._mail: dict[tuple[Hashable, int], Any] = {}
         self._arrived: list[tuple[Hashable, int]] = []  # since the last arrivals()
         self._failed: int | None = None  # the first device that reported a failure
@@ -241,7 +250,7 @@ class LocalExchange:
         take once it has nothing else to do."""
         with self._lock:
             value = self._mail.pop(slot, self.NOTHING)
-        return value.take(0.0) if isinstance(value, Handoff) and value.ready() else value
+        return value.take(0.0) if type(value) is Handoff and value.ready() else value
 
     def arrivals(self) -> list[tuple[Hashable, int]]:
         """The slots sent since the last call."""
@@ -254,20 +263,25 @@ class LocalExchange:
         with self._lock:
             if self._failed is None:
                 self._failed = device
-            self._lock.notify_all()
+            self._changed.notify_all()
 
     def _put(self, key: tuple[Hashable, int], value: Any) -> None:
         with self._lock:
             self._mail[key] = value
             self._arrived.append(key)
-            self._lock.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
 
     def _take(self, key: tuple[Hashable, int], me: int, src: int, timeout: float) -> Any:
         with self._lock:
             value = self._mail.pop(key, self.NOTHING)
             if value is not self.NOTHING:
                 return value
-            arrived = self._lock.wait_for(lambda: key in self._mail or self._failed is not None, timeout=timeout)
+            self._waiting += 1
+            try:
+                arrived = self._changed.wait_for(lambda: key in self._mail or self._failed is not None, timeout=timeout)
+            finally:
+                self._waiting -= 1
             if key in self._mail:
                 return self._mail.pop(key)
             if not arrived:
