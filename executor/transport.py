@@ -162,14 +162,22 @@ class Handoff:
 
     def take(self, timeout: float) -> Any:
         """The value for the receiver as host arrays, once every array is computed (waiting
-        at most ``timeout`` seconds); one whose computation failed or did not finish in
-        time is copied to the receiver's device, where reading it reports its error."""
+        at most ``timeout`` seconds); one that did not finish in time is copied to the
+        receiver's device, where reading it waits."""
         if self.ready() or finished(self.leaves, timeout):
-            try:
-                return jax.tree_util.tree_unflatten(self.treedef, [np.asarray(x) for x in self.leaves])
-            except Exception:  # noqa: S110  # a failed computation: copied, its error is read where it is used
-                pass
-        return jax.tree_util.tree_unflatten(self.treedef, self.put(tuple(self.leaves)))
+            return self.computed()
+        return self._copied()
+
+    def computed(self) -> Any:
+        """The value as host arrays, every array being computed; one whose computation
+        failed is copied to the receiver's device, where reading it reports its error."""
+        try:
+            return self.treedef.unflatten([np.asarray(x) for x in self.leaves])
+        except Exception:  # a failed computation: copied, its error is read where it is used
+            return self._copied()
+
+    def _copied(self) -> Any:
+        return self.treedef.unflatten(self.put(tuple(self.leaves)))
 
 
 def finished(value: Any, timeout: float) -> bool:
@@ -279,7 +287,7 @@ class LocalExchange:
         take once it has nothing else to do."""
         with self._lock:
             value = self._mail.pop(slot, self.NOTHING)
-        return value.take(0.0) if type(value) is Handoff and value.ready() else value
+        return value.computed() if type(value) is Handoff and value.ready() else value
 
     def arrivals(self) -> list[tuple[Hashable, int]]:
         """The slots sent since the last call."""
