@@ -186,7 +186,7 @@ def finished(value: Any, timeout: float) -> bool:
     computed already need no wait (XLA's CPU client runs small programs as they are
     dispatched: a step's last gradients often are)."""
     try:
-        if all(x.is_ready() for x in jax.tree_util.tree_leaves(value) if isinstance(x, jax.Array)):
+        if all(x.is_ready() for x in jax.tree_util.tree_leaves(value) if hasattr(x, "is_ready")):
             return True
     except Exception:  # noqa: S110  # a deleted array: the helper's wait reports it as failed
         pass
