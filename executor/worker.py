@@ -238,8 +238,8 @@ class Worker:
         devices = layout.mesh.devices
         if devices.size == 1 and devices.flat[0].platform == "cpu":
             host = [np.asarray(leaf) for leaf in leaves]
-            rows = [h.shape[0] // count for h in host]
-            return [tuple(h[m * n : (m + 1) * n] for h, n in zip(host, rows, strict=True)) for m in range(count)]
+            # Iterating a [count, rows, ...] view yields the microbatches' views.
+            return list(zip(*(list(h.reshape((count, h.shape[0] // count, *h.shape[1:]))) for h in host), strict=True))
         parts = []
         for leaf in leaves:
             shape = np.shape(leaf)
