@@ -17,19 +17,18 @@ end of the step (there should be none).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Hashable, Mapping, Sequence
+from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.timing import Recorder
 from pipedsl.executor.transport import Transport, finished
 from pipedsl.ir import Kind
-from pipedsl.program import Buffer, BufferKind, Compute, DeviceProgram, Free, Recv, Send
+from pipedsl.program import Buffer, BufferKind, Compute, DeviceProgram, Instruction, Recv, Send
 from pipedsl.timeline import Event
 
 __all__ = ["Receive", "Computed", "Steps", "drive", "DeviceStep", "DeviceRuntime"]
@@ -100,20 +99,22 @@ class DeviceStep:
     events: tuple[Event, ...]
 
 
-# Instruction codes of the compiled program (ints: no Enum compared or hashed per action).
-_F, _B, _I, _W, _SEND, _RECV, _FREE = range(7)
-_KIND_CODE = {Kind.F: _F, Kind.B: _B, Kind.I: _I, Kind.W: _W}
+# A compiled instruction: a function of the step's state, or a receive (the request it
+# yields, answered with the value for the slot it names).
+_Run = Callable[["_StepState"], None]
+_Op = _Run | tuple[Receive, int]
 
 
 class DeviceRuntime:
     """Runs ``program`` with the compiled ``stages`` it owns (each on its stage mesh).
 
     ``recv_timeout`` bounds every wait for another device, in seconds. The program is
-    compiled once into flat tuples over numbered buffer slots, so that a step costs
-    little more than the JAX dispatches it makes.
+    compiled once into a flat tuple of small functions over numbered buffer slots (and
+    the receives it yields, made once), so that a step costs little more than the JAX
+    dispatches it makes: no instruction is decoded and no Enum compared or hashed per step.
     """
 
-    __slots__ = ("program", "stages", "recv_timeout", "at", "_ops", "_buffers", "_held", "_last")
+    __slots__ = ("program", "stages", "recv_timeout", "at", "_ops", "_buffers", "_held", "_num_held", "_last")
 
     def __init__(
         self,
@@ -135,31 +136,17 @@ class DeviceRuntime:
         self.at = -1
         self._last = next((prog for prog in self.stages.values() if prog.last), None)
         slots: dict[Buffer, int] = {}
-
-        def slot(buffer: Buffer) -> int:
-            return slots.setdefault(buffer, len(slots))
-
-        ops: list[tuple[Any, ...]] = []
         for instr in program.instructions:
-            if isinstance(instr, Compute):
-                a = instr.action
-                code = _KIND_CODE[a.kind]
-                reads = tuple(slot(b) for b in instr.reads)
-                # compute_io's order: F writes (residual, activation); B/I write the input
-                # gradient (not on stage 0), then I writes the weight residual.
-                writes = tuple(slot(b) for b in instr.writes)
-                skip = 1 if code == _I and len(writes) == 1 else 0
-                ops.append((code, a, self.stages[a.stage], a.microbatch, reads, writes, skip))
-            elif isinstance(instr, Send):
-                ops.append((_SEND, instr.buffer, slot(instr.buffer), instr.peer))
-            elif isinstance(instr, Recv):
-                ops.append((_RECV, instr.buffer, slot(instr.buffer), instr.peer))
-            elif isinstance(instr, Free):
-                ops.append((_FREE, instr.buffer, slot(instr.buffer)))
-        self._ops = tuple(ops)
-        self._buffers = tuple(sorted(slots, key=slots.__getitem__))
-        # Per slot, the (stage, microbatch) whose residuals it holds, else None.
-        self._held = tuple((b.stage, b.microbatch) if b.kind in _HELD else None for b in self._buffers)
+            for buffer in _buffers_of(instr):
+                slots.setdefault(buffer, len(slots))
+        self._buffers = tuple(slots)
+        # Per slot, the number of the (stage, microbatch) whose residuals it holds, else None.
+        pairs: dict[tuple[int, int], int] = {}
+        self._held = tuple(
+            pairs.setdefault((b.stage, b.microbatch), len(pairs)) if b.kind in _HELD else None for b in self._buffers
+        )
+        self._num_held = len(pairs)
+        self._ops = tuple(self._compile(instr, slots) for instr in program.instructions)
 
     def steps(
         self,
@@ -181,21 +168,15 @@ class DeviceRuntime:
         is told first, so that no other device keeps waiting for this one.
         """
         last = self._last
-        loss = None if last is None else jax.device_put(jnp.zeros((), jnp.float32), last.layout.replicated)
-        state = _StepState(len(self._buffers), {s: prog.zero_grads() for s, prog in self.stages.items()}, loss)
+        state = _StepState(self, transport, params, inputs, targets, recorder)
+        state.loss = None if last is None else last.zero_loss()
         try:
             for at, op in enumerate(self._ops):
                 self.at = at
-                code = op[0]
-                if code <= _W:
-                    self._compute(op, state, params, inputs, targets, recorder)
-                elif code == _SEND:
-                    self._send(op, state, transport, recorder)
-                elif code == _RECV:
-                    state.put(op[2], (yield Receive(op[1], op[3])), self._held[op[2]])
+                if isinstance(op, tuple):
+                    state.put(op[1], (yield op[0]))
                 else:
-                    self._get(state, op[2])
-                    state.drop(op[2], self._held[op[2]])
+                    op(state)
         except BaseException as err:
             transport.abort(err)
             raise
@@ -214,99 +195,234 @@ class DeviceRuntime:
         at = self.at
         return None if at < 0 else f"instruction {at} ({' '.join(str(self.program.instructions[at]).split())})"
 
-    def _get(self, state: _StepState, slot: int) -> Any:
-        value = state.values[slot]
-        if value is _EMPTY:
-            buffer = self._buffers[slot]
-            device = self.program.device
-            raise ExecutionError(
-                f"device {device} needs {buffer}, which it does not hold (the program reads it "
-                "before it is written or after it is freed)",
-                stage=buffer.stage,
-                device=device,
-            )
-        return value
+    def _missing(self, slot: int) -> ExecutionError:
+        """The error of reading the buffer of ``slot`` while it holds no value."""
+        buffer = self._buffers[slot]
+        device = self.program.device
+        return ExecutionError(
+            f"device {device} needs {buffer}, which it does not hold (the program reads it "
+            "before it is written or after it is freed)",
+            stage=buffer.stage,
+            device=device,
+        )
 
-    def _send(self, op: tuple[Any, ...], state: _StepState, transport: Transport, recorder: Recorder | None) -> None:
-        _, buffer, slot, peer = op
-        value = self._get(state, slot)
+    def _compile(self, instr: Instruction, slots: Mapping[Buffer, int]) -> _Op:
+        if isinstance(instr, Compute):
+            return self._compute(instr, slots)
+        slot = slots[instr.buffer]
+        if isinstance(instr, Recv):
+            return (Receive(instr.buffer, instr.peer), slot)
+        if isinstance(instr, Send):
+            return _send(instr.buffer, slot, instr.peer)
+        return _free(slot, self._held[slot])
+
+    def _compute(self, instr: Compute, slots: Mapping[Buffer, int]) -> _Run:
+        """``instr`` as a function of the step's state: its stage program's call (one of
+        :func:`_forward`, :func:`_backward`, :func:`_input`, :func:`_weight`), whose
+        failure is raised as the stage's, timed and waited for when recording."""
+        action = instr.action
+        prog = self.stages[action.stage]
+        reads = tuple(slots[b] for b in instr.reads)
+        writes = tuple(slots[b] for b in instr.writes)
+        held = tuple(self._held[w] for w in writes)
+        make = _CALLS[action.kind]
+        call = make(prog, action.microbatch, reads, writes, held)
+        stage, device, what = action.stage, self.program.device, f"running {action}"
+
+        def run(state: _StepState) -> None:
+            recorder = state.recorder
+            start = recorder.now() if recorder is not None else 0.0
+            try:
+                outputs = call(state)
+                if recorder is not None:
+                    jax.block_until_ready((outputs, state.grads[stage], state.loss))
+            except ExecutionError:
+                raise
+            except Exception as err:  # anything a compiled stage raises, named by where it ran
+                raise stage_failure(stage, device, what, err) from err
+            if recorder is not None:
+                recorder.compute(action, start, recorder.now())
+
+        return run
+
+
+def _buffers_of(instr: Instruction) -> tuple[Buffer, ...]:
+    if isinstance(instr, Compute):
+        return (*instr.reads, *instr.writes)
+    return (instr.buffer,)
+
+
+# The calls of each action kind: made once per instruction from its stage program, its
+# microbatch and its slots (reads and writes in compute_io's order, and per write the
+# residual pair it holds); each runs the stage program on the step's state, writes its
+# outputs, and returns what they are (for a recorded step to wait for).
+_Call = Callable[["_StepState"], Any]
+_Slots = tuple[int, ...]
+_Held = tuple[int | None, ...]
+
+
+def _forward(prog: StageProgram, m: int, reads: _Slots, writes: _Slots, held: _Held) -> _Call:
+    # F writes (residual, activation); on the last stage only the residual, and the
+    # running loss instead of an activation.
+    forward, s = prog.forward, prog.stage
+    read = reads[0] if reads else None
+    residual, counted = writes[0], held[0]
+    if prog.last:
+
+        def last(state: _StepState) -> Any:
+            x = state.inputs[m] if read is None else state.read(read)
+            _, residuals, state.loss = forward(state.params[s], x, state.targets[m], state.loss)
+            state.hold(residual, residuals, counted)
+            return residuals
+
+        return last
+    activation = writes[1] if len(writes) > 1 else None
+
+    def run(state: _StepState) -> Any:
+        x = state.inputs[m] if read is None else state.read(read)
+        y, residuals, _ = forward(state.params[s], x, (), None)
+        state.hold(residual, residuals, counted)
+        if activation is not None:
+            state.values[activation] = y
+        return residuals, y
+
+    return run
+
+
+def _backward(prog: StageProgram, m: int, reads: _Slots, writes: _Slots, held: _Held) -> _Call:
+    # B reads (residual, output gradient; none on the last stage) and writes the input
+    # gradient (none on stage 0).
+    backward, s = prog.backward, prog.stage
+    residual, ct = reads[0], (reads[1] if len(reads) > 1 else None)
+    out = writes[0] if writes else None
+
+    def run(state: _StepState) -> Any:
+        residuals = state.read(residual)
+        cts = () if ct is None else state.read(ct)
+        input_cts, state.grads[s] = backward(residuals, cts, state.grads[s])
+        if out is not None:
+            state.hold(out, input_cts, held[0])
+        return input_cts
+
+    return run
+
+
+def _input(prog: StageProgram, m: int, reads: _Slots, writes: _Slots, held: _Held) -> _Call:
+    # I reads what B reads and writes the input gradient (none on stage 0), then the
+    # weight residual W reads.
+    backward_input = prog.backward_input
+    residual, ct = reads[0], (reads[1] if len(reads) > 1 else None)
+    out = writes[0] if len(writes) > 1 else None
+    handed, counted = writes[-1], held[-1]
+
+    def run(state: _StepState) -> Any:
+        residuals = state.read(residual)
+        cts = () if ct is None else state.read(ct)
+        input_cts, handoff = backward_input(residuals, cts)
+        if out is not None:
+            state.hold(out, input_cts, held[0])
+        state.hold(handed, handoff, counted)
+        return input_cts, handoff
+
+    return run
+
+
+def _weight(prog: StageProgram, m: int, reads: _Slots, writes: _Slots, held: _Held) -> _Call:
+    backward_weight, s = prog.backward_weight, prog.stage
+    handed = reads[0]
+
+    def run(state: _StepState) -> Any:
+        state.grads[s] = backward_weight(state.read(handed), state.grads[s])
+        return ()
+
+    return run
+
+
+_CALLS = {Kind.F: _forward, Kind.B: _backward, Kind.I: _input, Kind.W: _weight}
+
+
+def _send(buffer: Buffer, slot: int, peer: int) -> _Run:
+    stage = buffer.stage
+
+    def run(state: _StepState) -> None:
+        value = state.read(slot)
+        recorder = state.recorder
         if recorder is None:
-            transport.send(buffer, value, peer, stage=buffer.stage)
+            state.transport.send(buffer, value, peer, stage=stage)
             return
         start = recorder.now()
-        transport.send(buffer, value, peer, stage=buffer.stage, wait=True)
+        state.transport.send(buffer, value, peer, stage=stage, wait=True)
         recorder.transfer(buffer, peer, start, recorder.now())
 
-    def _compute(
-        self,
-        op: tuple[Any, ...],
-        state: _StepState,
-        params: Mapping[int, Leaves],
-        inputs: Sequence[Leaves],
-        targets: Sequence[Leaves],
-        recorder: Recorder | None,
-    ) -> None:
-        code, action, prog, m, read_slots, write_slots, skip = op
-        s = prog.stage
-        reads = [self._get(state, r) for r in read_slots]
-        start = recorder.now() if recorder is not None else 0.0
-        try:
-            if code == _F:
-                x = reads[0] if reads else inputs[m]
-                if prog.last:
-                    _, residuals, state.loss = prog.forward(params[s], x, targets[m], state.loss)
-                    outputs: tuple[Any, ...] = (residuals,)
-                else:
-                    y, residuals, _ = prog.forward(params[s], x, (), None)
-                    outputs = (residuals, y)
-            elif code == _W:
-                state.grads[s] = prog.backward_weight(reads[0], state.grads[s])
-                outputs = ()
-            else:
-                ct = reads[1] if len(reads) > 1 else ()
-                if code == _B:
-                    input_cts, state.grads[s] = prog.backward(reads[0], ct, state.grads[s])
-                    outputs = (input_cts,)
-                else:
-                    outputs = prog.backward_input(reads[0], ct)
-            if recorder is not None:
-                jax.block_until_ready((outputs, state.grads[s], state.loss))
-        except ExecutionError:
-            raise
-        except Exception as err:  # anything a compiled stage raises, named by where it ran
-            raise stage_failure(s, self.program.device, f"running {action}", err) from err
-        for slot, value in zip(write_slots, outputs[skip:], strict=False):
-            state.put(slot, value, self._held[slot])
-        if recorder is not None:
-            recorder.compute(action, start, recorder.now())
+    return run
+
+
+def _free(slot: int, counted: int | None) -> _Run:
+    def run(state: _StepState) -> None:
+        state.read(slot)  # freeing a buffer that is not held is the program's error
+        state.values[slot] = _EMPTY
+        if counted is not None:
+            state.release(counted)
+
+    return run
 
 
 _EMPTY = object()  # a slot that holds no value
 
 
 class _StepState:
-    """One step's mutable state on one device: buffer slots, accumulators, the running loss."""
+    """One step's state on one device: what it runs on (parameters, microbatches, the
+    transport, the recorder), its buffer slots, accumulators and running loss, and how
+    many (stage, microbatch) pairs hold residuals (per pair, how many of its slots)."""
 
-    __slots__ = ("values", "grads", "loss", "held", "peak")
+    __slots__ = (
+        "runtime", "transport", "params", "inputs", "targets", "recorder",
+        "values", "grads", "loss", "counts", "live", "peak",
+    )  # fmt: skip
 
-    def __init__(self, num_slots: int, grads: dict[int, Leaves], loss: Any) -> None:
-        self.values: list[Any] = [_EMPTY] * num_slots
-        self.grads = grads
-        self.loss = loss
-        self.held: dict[tuple[int, int], int] = {}
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        transport: Transport,
+        params: Mapping[int, Leaves],
+        inputs: Sequence[Leaves],
+        targets: Sequence[Leaves],
+        recorder: Recorder | None,
+    ) -> None:
+        self.runtime = runtime
+        self.transport = transport
+        self.params = params
+        self.inputs = inputs
+        self.targets = targets
+        self.recorder = recorder
+        self.values: list[Any] = [_EMPTY] * len(runtime._buffers)
+        self.grads = {s: prog.zero_grads() for s, prog in runtime.stages.items()}
+        self.loss: Any = None
+        self.counts = [0] * runtime._num_held
+        self.live = 0
         self.peak = 0
 
-    def put(self, slot: int, value: Any, held: tuple[int, int] | None) -> None:
-        self.values[slot] = value
-        if held is not None:
-            self.held[held] = self.held.get(held, 0) + 1
-            self.peak = max(self.peak, len(self.held))
+    def read(self, slot: int) -> Any:
+        value = self.values[slot]
+        if value is _EMPTY:
+            raise self.runtime._missing(slot)
+        return value
 
-    def drop(self, slot: int, held: tuple[int, int] | None) -> None:
-        self.values[slot] = _EMPTY
-        if held is not None:
-            count = self.held[held] - 1
-            if count:
-                self.held[held] = count
-            else:
-                del self.held[held]
+    def put(self, slot: int, value: Any) -> None:
+        self.hold(slot, value, self.runtime._held[slot])
+
+    def hold(self, slot: int, value: Any, counted: int | None) -> None:
+        """Write ``slot``; ``counted`` is the residual pair it holds, if any."""
+        self.values[slot] = value
+        if counted is not None:
+            count = self.counts[counted]
+            self.counts[counted] = count + 1
+            if not count:
+                self.live += 1
+                self.peak = max(self.peak, self.live)
+
+    def release(self, counted: int) -> None:
+        count = self.counts[counted] - 1
+        self.counts[counted] = count
+        if not count:
+            self.live -= 1

@@ -9,7 +9,8 @@ the interpreter calls.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Any
 
 import jax
@@ -46,13 +47,37 @@ def _slot(position: int, atom: Var | Literal, computed: list[int], inputs: dict[
     return (_COMPUTED, len(computed) - 1)
 
 
-def _pick(slot: _Slot, computed: Sequence[Any], inputs: Sequence[Any]) -> Any:
-    kind, where = slot
-    if kind == _COMPUTED:
-        return computed[where]
-    if kind == _INPUT:
-        return inputs[where]
-    return where
+def _picker(slots: Sequence[_Slot], *, num_computed: int, num_inputs: int) -> _Picker:
+    """A function ``(computed, params, x, targets) -> values of slots``, worked out once:
+    each value is taken by position from the computed outputs, the inputs
+    ``(*params, *x, *targets)`` (``num_inputs`` of them) or the trace's constants."""
+    consts = tuple(where for kind, where in slots if kind == _CONST)
+    positions, k = [], 0
+    for kind, where in slots:
+        if kind == _COMPUTED:
+            positions.append(where)
+        elif kind == _INPUT:
+            positions.append(num_computed + where)
+        else:
+            positions.append(num_computed + num_inputs + k)
+            k += 1
+    take = _getter(positions)
+    if all(kind == _COMPUTED for kind, _ in slots):
+        return lambda computed, p, x, t: take(computed)
+    return lambda computed, p, x, t: take((*computed, *p, *x, *t, *consts))
+
+
+_Picker = Callable[[Sequence[Any], Leaves, Leaves, Leaves], Leaves]
+
+
+def _getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], Leaves]:
+    """``lambda pool: tuple(pool[i] for i in positions)``, at the cost of one C call."""
+    if not positions:
+        return lambda pool: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda pool: (pool[i],)
+    return itemgetter(*positions)
 
 
 class StageProgram:
@@ -78,17 +103,20 @@ class StageProgram:
         "first",
         "last",
         "split",
-        "_y_slots",
+        "_pick_y",
+        "_pick_res",
         "_res_slots",
         "_const_res",
         "_num_res",
         "_handoff_refs",
+        "_pick_refs",
         "_param_avals",
         "_forward",
         "_backward",
         "_input",
         "_weight",
         "_zeros",
+        "_zero_loss",
         "_reduce",
         "layout",
         "_structs",
@@ -118,7 +146,6 @@ class StageProgram:
         self.first = first
         self.last = last
         self.split = split
-        self._y_slots = y_slots
         self._param_avals = param_avals
         # Residuals that are trace constants are baked into the backward, not stored.
         self._const_res = {i: slot[1] for i, slot in enumerate(res_slots) if slot[0] == _CONST}
@@ -132,6 +159,11 @@ class StageProgram:
             for i in split.handoff_inputs
             if i not in self._const_res
         )
+        num_stored = len(self._res_slots)
+        self._pick_refs = _getter([k if stored else num_stored + k for stored, k in self._handoff_refs])
+        sizes = {"num_computed": len(computed), "num_inputs": len(param_avals) + sum(map(len, example[:2]))}
+        self._pick_y = _picker(y_slots, **sizes)
+        self._pick_res = _picker(self._res_slots, **sizes)
         self._jit(forward, computed=computed, out_avals=out_avals, ct_avals=ct_avals, num_y=len(y_slots))
 
     def _jit(self, forward: ClosedJaxpr, *, computed: tuple[int, ...], out_avals: Any, ct_avals: Any, num_y: int) -> None:
@@ -182,6 +214,7 @@ class StageProgram:
             lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in zip(acc_shapes, dtypes, strict=True)),
             out_shardings=acc_at,
         )
+        self._zero_loss = jax.jit(lambda: jnp.zeros((), jnp.float32), out_shardings=layout.replicated)
         self._reduce = (
             jax.jit(shards.program(shards.reduce, (forms.acc,), shards.gradient_forms()), out_shardings=layout.grads)
             if layout.unreduced
@@ -198,10 +231,7 @@ class StageProgram:
             computed, loss = self._forward(params, x, targets, loss)
         else:
             computed = self._forward(params, x, targets)
-        inputs = (*params, *x, *targets)
-        y = tuple(_pick(slot, computed, inputs) for slot in self._y_slots)
-        residuals = tuple(_pick(slot, computed, inputs) for slot in self._res_slots)
-        return y, residuals, loss
+        return self._pick_y(computed, params, x, targets), self._pick_res(computed, params, x, targets), loss
 
     def backward(self, residuals: Leaves, ct: Leaves, acc: Leaves) -> tuple[Leaves, Leaves]:
         """``B``: (input cotangents, updated accumulator); ``ct`` is ``()`` on the last stage."""
@@ -210,8 +240,7 @@ class StageProgram:
     def backward_input(self, residuals: Leaves, ct: Leaves) -> tuple[Leaves, Leaves]:
         """``I``: (input cotangents, the hand-over to ``W``)."""
         input_cts, computed = self._input(residuals, ct)
-        refs = tuple(residuals[k] if stored else ct[k] for stored, k in self._handoff_refs)
-        return input_cts, (computed, refs)
+        return input_cts, (computed, self._pick_refs((*residuals, *ct)))
 
     def backward_weight(self, handoff: Leaves, acc: Leaves) -> Leaves:
         """``W``: the accumulator with this microbatch's parameter gradients added."""
@@ -242,12 +271,16 @@ class StageProgram:
         values = jax.tree_util.tree_map(
             lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding), out_info, out_at
         )
-        residuals = tuple(_pick(slot, values, (*p, *x, *t)) for slot in self._res_slots)
+        residuals = self._pick_res(values, p, x, t)
         ct = at(ct_avals, [layout.batch(a.shape) for a in ct_avals])
         acc = self.zero_grads()
         backward = self._backward.lower(residuals, ct, acc).compile()
         reduce = "" if self._reduce is None else self._reduce.lower(acc).compile().as_text() or ""
         return {"F": forward.as_text() or "", "B": backward.as_text() or "", "reduce": reduce}
+
+    def zero_loss(self) -> jax.Array:
+        """A zero running loss for the last stage's ``F``, replicated on its mesh."""
+        return self._zero_loss()
 
     def zero_grads(self) -> Leaves:
         """A fresh gradient accumulator on the stage's mesh (one dispatch for every leaf)."""

@@ -22,6 +22,7 @@ the other way in the next compiled every program that reads it twice.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
@@ -99,26 +100,28 @@ def resharder(mesh: Mesh) -> Callable[..., Any]:
 
     def move(value: Any, *, handoff: bool = False) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(value)
-        sources = tuple(getattr(v, "sharding", None) for v in leaves)
-        key = (treedef, sources, handoff)
+        key = (treedef, handoff, *[getattr(v, "sharding", None) for v in leaves])
         mover: Any = movers.get(key)
         if mover is None:
-            goals = tuple(target(s) for s in sources)
-            if all(g is s for g, s in zip(goals, sources, strict=True)):
-                mover = _UNCHANGED
-            else:
-                # One jax.device_put per value. A jitted identity placed by in_shardings
-                # copied several times faster, but crashed the process (a segfault
-                # inside XLA) when one device thread ran it while another compiled.
-                mover = partial(_put, goals=goals)
-                if handoff and by_host and all(_on_one_cpu(s) for s in sources):
-                    mover = _ByHost(mover)
-            movers[key] = mover
+            mover = movers[key] = mover_of(leaves, handoff)
         if mover is _UNCHANGED:
             return value
-        if isinstance(mover, _ByHost):
+        if type(mover) is _ByHost:
             return Handoff(leaves, treedef, mover.put)
         return jax.tree_util.tree_unflatten(treedef, mover(tuple(leaves)))
+
+    def mover_of(leaves: list[Any], handoff: bool) -> Any:
+        sources = tuple(getattr(v, "sharding", None) for v in leaves)
+        goals = tuple(target(s) for s in sources)
+        if all(g is s for g, s in zip(goals, sources, strict=True)):
+            return _UNCHANGED
+        # One jax.device_put per value. A jitted identity placed by in_shardings copied
+        # several times faster, but crashed the process (a segfault inside XLA) when one
+        # device thread ran it while another compiled.
+        put = partial(_put, goals=goals)
+        if handoff and by_host and all(_on_one_cpu(s) for s in sources):
+            return _ByHost(put)
+        return put
 
     return move
 
@@ -152,35 +155,81 @@ class Handoff:
 
     def ready(self) -> bool:
         """Whether every array has been computed (or has failed)."""
-        return all(x.is_ready() for x in self.leaves)
+        for x in self.leaves:
+            if not x.is_ready():
+                return False
+        return True
 
     def take(self, timeout: float) -> Any:
         """The value for the receiver as host arrays, once every array is computed (waiting
-        at most ``timeout`` seconds); one whose computation failed or did not finish in
-        time is copied to the receiver's device, where reading it reports its error."""
+        at most ``timeout`` seconds); one that did not finish in time is copied to the
+        receiver's device, where reading it waits."""
         if self.ready() or finished(self.leaves, timeout):
-            try:
-                return jax.tree_util.tree_unflatten(self.treedef, [np.asarray(x) for x in self.leaves])
-            except Exception:  # noqa: S110  # a failed computation: copied, its error is read where it is used
-                pass
-        return jax.tree_util.tree_unflatten(self.treedef, self.put(tuple(self.leaves)))
+            return self.computed()
+        return self._copied()
+
+    def computed(self) -> Any:
+        """The value as host arrays, every array being computed; one whose computation
+        failed is copied to the receiver's device, where reading it reports its error."""
+        try:
+            return self.treedef.unflatten([np.asarray(x) for x in self.leaves])
+        except Exception:  # a failed computation: copied, its error is read where it is used
+            return self._copied()
+
+    def _copied(self) -> Any:
+        return self.treedef.unflatten(self.put(tuple(self.leaves)))
 
 
 def finished(value: Any, timeout: float) -> bool:
     """Whether every array of ``value`` is computed (or failed) within ``timeout``
-    seconds: the wait happens on a helper thread, as JAX's own wait has no bound."""
-    done = threading.Event()
+    seconds: the wait happens on a helper thread, as JAX's own wait has no bound. Arrays
+    computed already need no wait (XLA's CPU client runs small programs as they are
+    dispatched: a step's last gradients often are)."""
+    try:
+        if all(x.is_ready() for x in jax.tree_util.tree_leaves(value) if hasattr(x, "is_ready")):
+            return True
+    except Exception:  # noqa: S110  # a deleted array: the helper's wait reports it as failed
+        pass
+    return _WAITERS.wait(value, timeout)
 
-    def wait() -> None:
-        try:
-            jax.block_until_ready(value)
-        except Exception:  # noqa: S110  # the caller's own wait reports it, blamed on its stage
-            pass
-        finally:
-            done.set()
 
-    threading.Thread(target=wait, name="pipedsl-wait", daemon=True).start()
-    return done.wait(timeout)
+class _Waiters:
+    """The helper threads of :func:`finished`, kept between waits: a thread started per
+    wait cost 0.1 to 1 ms of the step (more on a loaded machine), and every device waits
+    at least once per step. A wait that outlives its timeout keeps its thread; the next
+    wait gets another."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[tuple[Any, threading.Event]]] = []
+
+    def wait(self, value: Any, timeout: float) -> bool:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="pipedsl-wait", daemon=True).start()
+        done = threading.Event()
+        inbox.put((value, done))
+        return done.wait(timeout)
+
+    def _serve(self, inbox: queue.SimpleQueue[tuple[Any, threading.Event]]) -> None:
+        while True:
+            _wait(*inbox.get())  # in a call of its own, so that no value is kept while idle
+            with self._lock:
+                self._idle.append(inbox)
+
+
+def _wait(value: Any, done: threading.Event) -> None:
+    try:
+        jax.block_until_ready(value)
+    except Exception:  # noqa: S110  # the caller's own wait reports it, blamed on its stage
+        pass
+    finally:
+        done.set()
+
+
+_WAITERS = _Waiters()
 
 
 def _put(leaves: tuple[Any, ...], *, goals: tuple[NamedSharding, ...]) -> Any:
@@ -226,7 +275,11 @@ class LocalExchange:
 
     def __init__(self, movers: Sequence[Callable[..., Any]]) -> None:
         self.movers = tuple(movers)
-        self._lock = threading.Condition()
+        # Taking and putting mail holds the lock only; a receive on a thread of its own
+        # waits on the condition, which a put wakes only when some receive waits.
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._waiting = 0
         self._mail: dict[tuple[Hashable, int], Any] = {}
         self._arrived: list[tuple[Hashable, int]] = []  # since the last arrivals()
         self._failed: int | None = None  # the first device that reported a failure
@@ -241,7 +294,7 @@ class LocalExchange:
         take once it has nothing else to do."""
         with self._lock:
             value = self._mail.pop(slot, self.NOTHING)
-        return value.take(0.0) if isinstance(value, Handoff) and value.ready() else value
+        return value.computed() if type(value) is Handoff and value.ready() else value
 
     def arrivals(self) -> list[tuple[Hashable, int]]:
         """The slots sent since the last call."""
@@ -254,20 +307,25 @@ class LocalExchange:
         with self._lock:
             if self._failed is None:
                 self._failed = device
-            self._lock.notify_all()
+            self._changed.notify_all()
 
     def _put(self, key: tuple[Hashable, int], value: Any) -> None:
         with self._lock:
             self._mail[key] = value
             self._arrived.append(key)
-            self._lock.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
 
     def _take(self, key: tuple[Hashable, int], me: int, src: int, timeout: float) -> Any:
         with self._lock:
             value = self._mail.pop(key, self.NOTHING)
             if value is not self.NOTHING:
                 return value
-            arrived = self._lock.wait_for(lambda: key in self._mail or self._failed is not None, timeout=timeout)
+            self._waiting += 1
+            try:
+                arrived = self._changed.wait_for(lambda: key in self._mail or self._failed is not None, timeout=timeout)
+            finally:
+                self._waiting -= 1
             if key in self._mail:
                 return self._mail.pop(key)
             if not arrived:

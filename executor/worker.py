@@ -225,10 +225,21 @@ class Worker:
     def microbatches(self, leaves: Sequence[Any], layout: Any) -> list[Leaves]:
         """The batch's ``leaves`` cut into this pipeline's microbatches along axis 0,
         each placed split over ``"data"`` (stacked first, so no device sends rows to
-        another)."""
+        another).
+
+        On a mesh of one CPU device they are host arrays (views), which the stage program
+        that reads them copies in as it is dispatched, as received activations are
+        (:mod:`pipedsl.executor.transport`): placing the batch and cutting it with one
+        jitted program cost about 5 us of host time per microbatch and leaf, besides
+        the placement itself (64 microbatches of a 4-wide row, jaxlib 0.10)."""
         if not leaves or layout is None:
             return []
         count = self.count
+        devices = layout.mesh.devices
+        if devices.size == 1 and devices.flat[0].platform == "cpu":
+            host = [np.asarray(leaf) for leaf in leaves]
+            # Iterating a [count, rows, ...] view yields the microbatches' views.
+            return list(zip(*(list(h.reshape((count, h.shape[0] // count, *h.shape[1:]))) for h in host), strict=True))
         parts = []
         for leaf in leaves:
             shape = np.shape(leaf)

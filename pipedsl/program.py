@@ -72,6 +72,10 @@ class BufferKind(enum.Enum):
     RESIDUAL = "res"
     WEIGHT_RESIDUAL = "wres"
 
+    # Identity hashing, as for Kind: a buffer is a transport key, hashed on every send
+    # and receive, and Enum's own __hash__ runs Python code.
+    __hash__ = object.__hash__
+
 
 @dataclass(frozen=True, slots=True)
 class Buffer:
