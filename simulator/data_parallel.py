@@ -13,7 +13,8 @@ only then), the weight all-gather only behind the next step's first forward;
 per-microbatch ZeRO 2/3 traffic hides behind that microbatch's own forward or backward.
 The default ``dp_overlap = 1`` therefore gives partial overlap: full for one
 microbatch, a tail for many. The optimizer step reads and writes 30 bytes per local
-parameter at HBM bandwidth.
+parameter at HBM bandwidth; it is priced with the cluster's fixed cost of a step
+(``Cluster.step_overhead_s``, 0 on GPUs).
 """
 
 from __future__ import annotations
@@ -105,5 +106,7 @@ def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_f
 
 
 def _optimizer_seconds(shapes: Shapes, device_params: float) -> float:
+    """The update of a device's parameters, and the runtime's fixed cost of the step
+    (``Cluster.step_overhead_s``) that ends with it."""
     local = device_params / (shapes.plan.dp if shapes.plan.zero >= 1 else 1)
-    return shapes.traffic_seconds(local * _OPTIMIZER_TRAFFIC)
+    return shapes.traffic_seconds(local * _OPTIMIZER_TRAFFIC) + shapes.cluster.step_overhead_s

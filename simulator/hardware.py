@@ -241,6 +241,10 @@ class Cluster:
         collective's group works on between collectives, for each device of the group but
         one: the work each device must finish before the others can go on grows with the
         tokens (:meth:`collective_sync`). 0 for GPUs; measured by ``pipedsl demo``.
+      step_overhead_s: fixed seconds per training step on top of its actions and its
+        update: the runtime's own work to start a step, hand the batch out and gather the
+        results (Python drives every step of forced CPU devices). 0 for a GPU cluster;
+        measured by ``pipedsl demo``.
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.
@@ -267,6 +271,7 @@ class Cluster:
     working_set_bytes: float = 0.0
     collective_sync_s: float = 0.0
     collective_sync_per_token_s: float = 0.0
+    step_overhead_s: float = 0.0
     memory_bytes: int
     reserved_bytes: int = 0
     hbm_bandwidth: float
@@ -299,6 +304,7 @@ class Cluster:
             "working_set_bytes",
             "collective_sync_s",
             "collective_sync_per_token_s",
+            "step_overhead_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:

@@ -75,6 +75,8 @@ _TENSORS = (2, 4)
 divide the devices and the model's heads and vocabulary)."""
 _TENSOR_BATCHES = (1, 4)
 """The sequences per data rank of those steps, in microbatch sizes."""
+_MICROBATCHES = 4
+"""Microbatches of the compute step that tells a step's fixed cost from a microbatch's."""
 _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 
@@ -85,8 +87,8 @@ class MachineCalibration:
 
     Attributes:
       cluster: this machine as ``devices`` CPU devices in one node.
-      step_s: measured seconds of one data-parallel training step over every device (one
-        microbatch), by (layers the model is cut to, sequences per device).
+      step_s: measured seconds of one data-parallel training step over every device, by
+        (layers the model is cut to, sequences per device, microbatches).
       tensor_step_s: measured seconds of one training step of the one-layer model split
         over a tensor axis (a data axis the rest), by (tensor axis, sequences per data rank).
       microbatch_size: sequences per device (per data rank) in the larger compute steps
@@ -96,7 +98,7 @@ class MachineCalibration:
     """
 
     cluster: Cluster
-    step_s: dict[tuple[int, int], float]
+    step_s: dict[tuple[int, int, int], float]
     tensor_step_s: dict[tuple[int, int], float]
     microbatch_size: int
     all_reduce_s: dict[tuple[int, int], float]
@@ -107,7 +109,8 @@ class MachineCalibration:
         c = self.cluster
         reduces = ", ".join(f"{n} devices {b / 1e6:.3g} MB {t * 1e3:.2f} ms" for (n, b), t in self.all_reduce_s.items())
         steps = ", ".join(
-            f"{n} layer{'s' if n > 1 else ''} x {m} {t * 1e3:.1f} ms" for (n, m), t in self.step_s.items()
+            f"{n} layer{'s' if n > 1 else ''} x {m}{f' x {k} microbatches' if k > 1 else ''} {t * 1e3:.1f} ms"
+            for (n, m, k), t in self.step_s.items()
         )
         tensor = ", ".join(f"tp={t} x {m} {s * 1e3:.1f} ms" for (t, m), s in self.tensor_step_s.items()) or "none"
         slowed = (
@@ -150,14 +153,15 @@ def _interleaved_medians(runs: dict[Any, Callable[[], Any]], repeats: int = _REP
 
 
 def _training_step(
-    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1
+    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
 ) -> tuple[Callable[[], Any], Any]:
     """The executor's SPMD plan of ``model`` over every device at tp ``tensor`` (the data
-    axis the rest), one microbatch of ``microbatch_size`` sequences per data rank: (a call
-    that runs one Adam training step, the pipeline to close). The calibration times the
-    executor's own programs: a forward and a backward jitted apart run at another speed
-    than one program of both (here a four-layer step of four sequences per device took
-    half as long as one ``value_and_grad`` program of it)."""
+    axis the rest), ``microbatches`` of ``microbatch_size`` sequences per data rank: (a
+    call that runs one Adam training step, the pipeline to close). The calibration times
+    the executor's own programs: a forward and a backward jitted apart run at another
+    speed than one program of both (measured here, all eight devices busy: a four-layer
+    step of four sequences per device 380 ms against 555 ms for one ``value_and_grad``
+    program of it, and a one-layer step of one sequence 42 ms against 26 ms)."""
     import jax
     import optax
 
@@ -166,10 +170,10 @@ def _training_step(
     key = jax.random.PRNGKey(0)
     params = model.init_stages(key)
     pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": 1}),
+        model.stages, loss=model.loss, schedule=load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": microbatches}),
         backend="local", dp=devices // tensor, tp=tensor, param_specs=model.param_specs(params),
     )  # fmt: skip
-    batch = model.batch(jax.random.fold_in(key, 1), devices // tensor * microbatch_size)
+    batch = model.batch(jax.random.fold_in(key, 1), devices // tensor * microbatch_size * microbatches)
     optimizer = optax.adam(1e-3)
     held: list[Any] = [params, None]
 
@@ -240,60 +244,71 @@ def _dispatch_seconds(devices: int) -> float:
     return (time.perf_counter() - start) / _DISPATCHES
 
 
-def _plan(dp: int, tp: int, microbatch_size: int) -> Plan:
-    """The plan a calibration step runs: one stage, one microbatch per data rank."""
+def _plan(dp: int, tp: int, microbatch_size: int, microbatches: int = 1) -> Plan:
+    """The plan a calibration step runs: one stage, ``microbatches`` per data rank."""
     return Plan(
-        dp=dp, tp=tp, microbatch_size=microbatch_size, global_batch=dp * microbatch_size,
+        dp=dp, tp=tp, microbatch_size=microbatch_size, global_batch=dp * microbatch_size * microbatches,
         flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
     )  # fmt: skip
 
 
-def _priced(model: Model, cluster: Cluster, devices: int, microbatch_size: int) -> float:
+def _priced(model: Model, cluster: Cluster, devices: int, microbatch_size: int, microbatches: int = 1) -> float:
     """The simulator's seconds of what :func:`_training_step` runs without a tensor axis:
-    one data-parallel microbatch's forward and backward, the gradients' all-reduce and
-    the optimizer's update."""
-    return estimate(model, cluster, _plan(devices, 1, microbatch_size)).step_time_s
+    each data-parallel microbatch's forward and backward, the gradients' all-reduce, the
+    optimizer's update and the runtime's fixed cost of a step."""
+    return estimate(model, cluster, _plan(devices, 1, microbatch_size, microbatches)).step_time_s
 
 
-def _step_shapes(model: Model, microbatch_size: int) -> tuple[tuple[int, int], ...]:
-    """(layers, sequences per device) of the compute steps measured: the model cut to one
-    layer and whole, at one sequence and at ``microbatch_size``."""
-    return tuple((n, m) for n in sorted({1, model.layers}) for m in sorted({1, microbatch_size}))
+def _step_shapes(model: Model, microbatch_size: int) -> tuple[tuple[int, int, int], ...]:
+    """(layers, sequences per device, microbatches) of the compute steps measured: the
+    model cut to one layer and whole, at one sequence and at ``microbatch_size``, one
+    microbatch; and the one-layer, one-sequence step with :data:`_MICROBATCHES` of them,
+    which tells what a step costs once from what each microbatch costs."""
+    corners = tuple((n, m, 1) for n in sorted({1, model.layers}) for m in sorted({1, microbatch_size}))
+    return (*corners, (1, 1, _MICROBATCHES))
 
 
 def _with_compute(base: Cluster, x: np.ndarray) -> Cluster:
-    """``base`` at ``x`` = log (``peak_flops``, ``kernel_launch_s``, 1 / ``working_set_bytes``)."""
-    flops, launch, inverse = np.exp(x)
-    return dataclasses.replace(base, peak_flops=float(flops), kernel_launch_s=float(launch), working_set_bytes=float(1 / inverse))
+    """``base`` at ``x`` = log (``peak_flops``, ``kernel_launch_s``, 1 / ``working_set_bytes``,
+    ``step_overhead_s``)."""
+    flops, launch, inverse, step = np.exp(x)
+    return dataclasses.replace(
+        base, peak_flops=float(flops), kernel_launch_s=float(launch), working_set_bytes=float(1 / inverse),
+        step_overhead_s=float(step),
+    )  # fmt: skip
 
 
-# The box the fit searches, in the coordinates of :func:`_with_compute`. A launch or
-# 1 / working set within a factor ten of its lower bound (10 ns, 100 TB) stands for none:
-# where a term changes nothing the fit drifts towards the bound without reaching it.
-_LOW = np.log([1e6, 1e-9, 1e-15])
-_HIGH = np.log([1e15, 1.0, 1e-3])
+# The box the fit searches, in the coordinates of :func:`_with_compute`. A launch, a
+# 1 / working set or a step's cost within a factor ten of its lower bound (10 ns, 100 TB,
+# 1 µs) stands for none: where a term changes nothing the fit drifts towards the bound
+# without reaching it.
+_LOW = np.log([1e6, 1e-9, 1e-15, 1e-7])
+_HIGH = np.log([1e15, 1.0, 1e-3, 10.0])
 
 
-def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple[int, int], float]) -> Cluster:
-    """``base`` with the ``peak_flops``, ``kernel_launch_s`` and ``working_set_bytes`` at
-    which the simulator prices the steps of ``measured`` ((layers, sequences per device)
-    to seconds) closest to as measured: least squares of the log of priced over measured
-    seconds, by damped Gauss-Newton within a box. A launch or a working-set term the
-    steps do not call for ends near its bound and is 0."""
+def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple[int, int, int], float]) -> Cluster:
+    """``base`` with the ``peak_flops``, ``kernel_launch_s``, ``working_set_bytes`` and
+    ``step_overhead_s`` at which the simulator prices the steps of ``measured`` ((layers,
+    sequences per device, microbatches) to seconds) closest to as measured: least squares
+    of the log of priced over measured seconds, by damped Gauss-Newton within a box. A
+    term the steps do not call for ends near its bound and is 0."""
     shapes, seconds = list(measured), np.log(list(measured.values()))
+
+    def priced(cluster: Cluster, shape: tuple[int, int, int]) -> float:
+        layers, sequences, microbatches = shape
+        return _priced(dataclasses.replace(model, layers=layers), cluster, devices, sequences, microbatches)
 
     def residuals(x: np.ndarray) -> np.ndarray:
         cluster = _with_compute(base, x)
-        priced = [_priced(dataclasses.replace(model, layers=n), cluster, devices, m) for n, m in shapes]
-        return np.log(priced) - seconds
+        return np.log([priced(cluster, shape) for shape in shapes]) - seconds
 
     # Start from the rate that prices the largest step alone, nothing else slowing it.
-    largest = max(shapes, key=lambda shape: shape[0] * shape[1])
-    start = _priced(dataclasses.replace(model, layers=largest[0]), base, devices, largest[1]) / measured[largest]
-    x = np.clip(np.log([base.peak_flops * start, 1e-4, 1e-8]), _LOW, _HIGH)
+    largest = max(shapes, key=lambda shape: shape[0] * shape[1] * shape[2])
+    start = priced(base, largest) / measured[largest]
+    x = np.clip(np.log([base.peak_flops * start, 1e-4, 1e-8, 1e-3]), _LOW, _HIGH)
     r, damping = residuals(x), 1e-2
     for _ in range(_FIT_ROUNDS):
-        jacobian = np.column_stack([(residuals(x + 1e-4 * unit) - r) / 1e-4 for unit in np.eye(3)])
+        jacobian = np.column_stack([(residuals(x + 1e-4 * unit) - r) / 1e-4 for unit in np.eye(len(x))])
         normal = jacobian.T @ jacobian
         step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -jacobian.T @ r)
         trial = np.clip(x + step, _LOW, _HIGH)
@@ -310,6 +325,7 @@ def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple
         cluster,
         kernel_launch_s=0.0 if x[1] < _LOW[1] + np.log(10) else cluster.kernel_launch_s,
         working_set_bytes=0.0 if x[2] < _LOW[2] + np.log(10) else cluster.working_set_bytes,
+        step_overhead_s=0.0 if x[3] < _LOW[3] + np.log(10) else cluster.step_overhead_s,
     )
 
 
@@ -363,8 +379,8 @@ def calibrate_machine(
     runs: dict[Any, Callable[[], Any]] = {}
     pipes = []
     try:
-        for n, m in shapes:
-            runs[(n, m)], pipe = _training_step(build(n), devices, m)
+        for n, m, k in shapes:
+            runs[(n, m, k)], pipe = _training_step(build(n), devices, m, microbatches=k)
             pipes.append(pipe)
         for t, m in _tensor_shapes(model, devices, microbatch_size):
             runs[("tensor", t, m)], pipe = _training_step(build(1), devices, m, tensor=t)
@@ -420,4 +436,4 @@ def load_drift(calibration: MachineCalibration, build: Callable[[int], Any]) -> 
         now = _median_seconds(step, _STEP_REPEATS)
     finally:
         pipe.close()
-    return calibration.step_s[(1, 1)], now
+    return calibration.step_s[(1, 1, 1)], now

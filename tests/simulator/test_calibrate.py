@@ -177,30 +177,35 @@ def test_demo_says_whether_the_load_held_from_calibration_to_runs() -> None:
     assert "load changed" in _drift_verdict(0.050, 0.040)
 
 
-def _steps(cluster: Cluster) -> dict[tuple[int, int], float]:
+def _steps(cluster: Cluster) -> dict[tuple[int, int, int], float]:
     """The calibration's compute steps of ``_TINY`` as ``cluster`` prices them."""
-    return {(n, m): _priced(dataclasses.replace(_TINY, layers=n), cluster, 8, m) for n, m in _step_shapes(_TINY, 4)}
+    return {
+        (n, m, k): _priced(dataclasses.replace(_TINY, layers=n), cluster, 8, m, k) for n, m, k in _step_shapes(_TINY, 4)
+    }
 
 
 def test_compute_steps_are_the_corners_of_depth_and_microbatch() -> None:
-    assert _step_shapes(_TINY, 4) == ((1, 1), (1, 4), (2, 1), (2, 4))
-    assert _step_shapes(dataclasses.replace(_TINY, layers=1), 1) == ((1, 1),)
+    assert _step_shapes(_TINY, 4) == ((1, 1, 1), (1, 4, 1), (2, 1, 1), (2, 4, 1), (1, 1, 4))
+    assert _step_shapes(dataclasses.replace(_TINY, layers=1), 1) == ((1, 1, 1), (1, 1, 4))
 
 
 def test_compute_fit_recovers_the_rate_the_launch_and_the_working_set() -> None:
     # Steps priced on a cluster whose kernels cost a fixed time each and whose computation
     # slows by what its devices hold: the fit finds all three numbers again.
-    truth = dataclasses.replace(_CPU, peak_flops=3e9, kernel_launch_s=2e-4, working_set_bytes=20e6)
+    truth = dataclasses.replace(
+        _CPU, peak_flops=3e9, kernel_launch_s=2e-4, working_set_bytes=20e6, step_overhead_s=5e-3
+    )
     fitted = _fit_compute(_TINY, _CPU, 8, _steps(truth))
     assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
     assert fitted.kernel_launch_s == pytest.approx(2e-4, rel=1e-4)
     assert fitted.working_set_bytes == pytest.approx(20e6, rel=1e-4)
+    assert fitted.step_overhead_s == pytest.approx(5e-3, rel=1e-4)
 
 
 def test_compute_fit_leaves_out_the_terms_the_steps_do_not_call_for() -> None:
     fitted = _fit_compute(_TINY, _CPU, 8, _steps(dataclasses.replace(_CPU, peak_flops=3e9)))
     assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
-    assert fitted.kernel_launch_s == 0.0 and fitted.working_set_bytes == 0.0
+    assert fitted.kernel_launch_s == 0.0 and fitted.working_set_bytes == 0.0 and fitted.step_overhead_s == 0.0
 
 
 def _tensor_steps(truth: Cluster, model: Model, shapes: tuple[tuple[int, int], ...]) -> dict[tuple[int, int], float]:
