@@ -30,10 +30,11 @@ Assembly:
 Step time = pipeline makespan (simulated) + the slowest device's exposed data-parallel
 tail and optimizer step. On devices that share a node's CPU cores
 (``Cluster.shared_cores``, forced CPU devices) the rates were measured with every device
-busy, and an idle device's cores go to the busy ones: the work is conserved, so the
-pipeline part takes the devices' mean busy time, ``makespan × (1 − bubble)``, but no less
-than ``makespan × cores / devices``, the speed-up of a device that has every core to
-itself. On such devices their caches and memory are shared too: every computation's
+busy, and an idle device's cores go to the busy ones, which then also contend less for
+them: the pipeline part takes ``makespan × (1 − bubble) ** (1 + c)``, c being
+``Cluster.contention_exponent`` (0: the work is conserved, the devices' mean busy time),
+but no less than ``makespan × cores / devices``, the speed-up of a device that has every
+core to itself. On such devices their caches and memory are shared too: every computation's
 seconds are multiplied by ``1 + W / Cluster.working_set_bytes``, W the bytes that the
 node's devices touch together as they compute (weights, gradients and one microbatch's
 activations: :func:`~pipedsl.simulator.memory.node_bytes`), so eight
@@ -264,10 +265,18 @@ class Prepared:
         """Simulate the pipeline (if any) and assemble the :class:`Estimate`."""
         if self.key is not None and self.pipelines is not None:
             timing = self.pipelines.timing(self.key, self.cost_model())
-            busy = max(1.0 - timing.bubble_ratio, _sharing(self.shapes.cluster, self.plan))
-            return self.assemble(timing.makespan * busy, timing.bubble_ratio, timing.simulation)
+            pipeline = self.pipeline_seconds(timing.makespan, timing.bubble_ratio)
+            return self.assemble(pipeline, timing.bubble_ratio, timing.simulation)
         work, overhead = self.work, self.shapes.cluster.action_overhead_s
         return self.assemble(self.plan.microbatches * (work[0].forward + work[0].fused_backward(overhead)), 0.0, None)
+
+    def pipeline_seconds(self, makespan: float, bubble: float) -> float:
+        """The pipeline part of a step whose simulated ``makespan`` (seconds) leaves its
+        devices idle a ``bubble`` fraction of it: all of it, unless the devices share cores
+        (module docstring)."""
+        cluster = self.shapes.cluster
+        busy = (1.0 - bubble) ** (1.0 + cluster.contention_exponent)
+        return makespan * max(busy, _sharing(cluster, self.plan))
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle

@@ -107,7 +107,8 @@ class LimitedPlan(Prepared):
         arrays, order, activations = _synthesis(self.plan.schedule, self.params, self.limit, costs, self.residual)
         makespan, bubble = step_timing(arrays, costs.resolve(self.pipelines.policy(self.key)), order=order)
         memory = device_memory(self.shapes, self.device_params, activations)
-        return replace(self.assemble(makespan, bubble, None), memory=memory, inflight_limit=self.limit)
+        pipeline = self.pipeline_seconds(makespan, bubble)
+        return replace(self.assemble(pipeline, bubble, None), memory=memory, inflight_limit=self.limit)
 
 
 def fitting_limit(base: Prepared) -> int:
