@@ -30,11 +30,10 @@ Assembly:
 Step time = pipeline makespan (simulated) + the slowest device's exposed data-parallel
 tail and optimizer step. On devices that share a node's CPU cores
 (``Cluster.shared_cores``, forced CPU devices) the rates were measured with every device
-busy, and an idle device's cores go to the busy ones, which then also contend less for
-them: the pipeline part takes ``makespan × (1 − bubble) ** (1 + c)``, c being
-``Cluster.contention_exponent`` (0: the work is conserved, the devices' mean busy time),
-but no less than ``makespan × cores / devices``, the speed-up of a device that has every
-core to itself. On such devices their caches and memory are shared too: every computation's
+busy, and an idle device's cores go to the busy ones: the work is conserved, so the
+pipeline part takes the devices' mean busy time, ``makespan × (1 − bubble)``, but no less
+than ``makespan × cores / devices``, the speed-up of a device that has every core to
+itself. On such devices their caches and memory are shared too: every computation's
 seconds are multiplied by ``1 + W / Cluster.working_set_bytes``, W the bytes that the
 node's devices touch together as they compute (weights, gradients and one microbatch's
 activations: :func:`~pipedsl.simulator.memory.node_bytes`), so eight
@@ -274,9 +273,7 @@ class Prepared:
         """The pipeline part of a step whose simulated ``makespan`` (seconds) leaves its
         devices idle a ``bubble`` fraction of it: all of it, unless the devices share cores
         (module docstring)."""
-        cluster = self.shapes.cluster
-        busy = (1.0 - bubble) ** (1.0 + cluster.contention_exponent)
-        return makespan * max(busy, _sharing(cluster, self.plan))
+        return makespan * max(1.0 - bubble, _sharing(self.shapes.cluster, self.plan))
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle

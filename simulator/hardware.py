@@ -245,12 +245,6 @@ class Cluster:
         update: the runtime's own work to start a step, hand the batch out and gather the
         results (Python drives every step of forced CPU devices). 0 for a GPU cluster;
         measured by ``pipedsl demo``.
-      contention_exponent: for devices that share cores, how much faster than the cores
-        they gain the busy devices compute while others idle (they also contend less for
-        caches and memory): a pipeline that leaves its devices idle a fraction ``b`` of its
-        makespan takes ``makespan × (1 - b) ** (1 + contention_exponent)``
-        (:mod:`~pipedsl.simulator.estimate`); 0 where idle cores only conserve the work.
-        Measured by ``pipedsl demo``.
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.
@@ -278,7 +272,6 @@ class Cluster:
     collective_sync_s: float = 0.0
     collective_sync_per_token_s: float = 0.0
     step_overhead_s: float = 0.0
-    contention_exponent: float = 0.0
     memory_bytes: int
     reserved_bytes: int = 0
     hbm_bandwidth: float
@@ -312,7 +305,6 @@ class Cluster:
             "collective_sync_s",
             "collective_sync_per_token_s",
             "step_overhead_s",
-            "contention_exponent",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:

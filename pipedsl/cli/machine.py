@@ -39,11 +39,6 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   collective before any goes on, so a group of four waits for three others' work, and
   that work grows with the microbatch. (Compiling those pipelines is the calibration's
   longest part.)
-- *contention*: the one-layer step of the microbatch size on half the devices, the rest
-  idle, against the same step on every device: a busy device gains its idle neighbours'
-  cores and, with fewer devices contending for caches and memory, more than that; how
-  much more is ``contention_exponent`` (a pipeline whose devices are busy a fraction f of
-  its makespan is priced at ``f ** (1 + contention_exponent)`` of it);
 - *dispatch*: the seconds one device's thread spends per dispatched stage program while
   every device dispatches (``action_overhead_s``, what each scheduled action costs on top
   of its kernels).
@@ -80,8 +75,6 @@ _TENSORS = (2, 4)
 divide the devices and the model's heads and vocabulary)."""
 _TENSOR_BATCHES = (1, 4)
 """The sequences per data rank of those steps, in microbatch sizes."""
-_MOST_CONTENTION = 2.0
-"""The largest ``contention_exponent`` the calibration fits (a busy device 8x faster with half idle)."""
 _MICROBATCHES = 4
 """Microbatches of the compute step that tells a step's fixed cost from a microbatch's."""
 _DISPATCHES = 100
@@ -98,8 +91,6 @@ class MachineCalibration:
         (layers the model is cut to, sequences per device, microbatches).
       tensor_step_s: measured seconds of one training step of the one-layer model split
         over a tensor axis (a data axis the rest), by (tensor axis, sequences per data rank).
-      half_step_s: measured seconds of the one-layer step of ``microbatch_size`` sequences
-        per device on half the devices, the others idle.
       microbatch_size: sequences per device (per data rank) in the larger compute steps
         and the smaller tensor-parallel steps.
       all_reduce_s: measured seconds by (group size, bytes).
@@ -109,7 +100,6 @@ class MachineCalibration:
     cluster: Cluster
     step_s: dict[tuple[int, int, int], float]
     tensor_step_s: dict[tuple[int, int], float]
-    half_step_s: float
     microbatch_size: int
     all_reduce_s: dict[tuple[int, int], float]
     seconds: float
@@ -130,9 +120,7 @@ class MachineCalibration:
         )
         return (
             f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {c.kernel_launch_s * 1e6:.0f} µs per kernel, "
-            f"{slowed}, {c.step_overhead_s * 1e3:.1f} ms per step (fitted to training steps of so many layers x "
-            f"sequences per device: {steps}); on half the devices {self.half_step_s * 1e3:.1f} ms, contention "
-            f"exponent {c.contention_exponent:.2f}; memory "
+            f"{slowed} (fitted to a forward and backward of so many layers x sequences per device: {steps}); memory "
             f"{c.hbm_bandwidth / 1e9:.2f} GB/s; collectives α {c.intra_node_latency * 1e6:.0f} µs, "
             f"B {c.intra_node_bandwidth / 1e9:.2f} GB/s (all-reduce {reduces}); dispatch "
             f"{c.action_overhead_s * 1e6:.0f} µs per action; each tensor-parallel collective waits "
@@ -367,21 +355,6 @@ def _fit_sync(model: Model, cluster: Cluster, devices: int, measured: dict[tuple
     return dataclasses.replace(cluster, collective_sync_s=sync, collective_sync_per_token_s=per_token)
 
 
-def _fit_contention(model: Model, cluster: Cluster, devices: int, microbatch_size: int, every: float, half: float) -> float:
-    """The ``contention_exponent`` of ``cluster`` from a one-layer step of
-    ``microbatch_size`` sequences per device on every device (``every`` seconds) and on
-    half of them (``half``): the work of a device, without what ``cluster`` prices as the
-    step's tails (the gradients' all-reduce, the update, the step's fixed cost), takes
-    ``2 ** -(1 + c)`` as long when half the devices idle; 0 when it gains no more than their cores."""
-
-    def computing(seconds: float, dp: int) -> float:
-        priced = estimate(model, cluster, _plan(dp, 1, microbatch_size))
-        return seconds - (priced.step_time_s - priced.pipeline_time_s)
-
-    gained = computing(every, devices) / max(computing(half, devices // 2), 1e-12)
-    return float(np.clip(np.log2(max(gained, 1e-12)) - 1.0, 0.0, _MOST_CONTENTION))
-
-
 def _least_squares_at_least_zero(rows: np.ndarray, values: np.ndarray) -> tuple[float, float]:
     """The (a, b) >= 0 that minimise ``|rows @ (a, b) - values|``: the unconstrained
     solution where it has no negative part, else the best with one or both at 0."""
@@ -395,27 +368,6 @@ def _least_squares_at_least_zero(rows: np.ndarray, values: np.ndarray) -> tuple[
     return float(best[0]), float(best[1])
 
 
-def _training_steps(model: Model, build: Callable[[int], Any], devices: int, microbatch_size: int) -> dict[Any, float]:
-    """Median seconds of every training step the calibration times, taking turns: the
-    compute steps by :func:`_step_shapes`, ``"half"`` (the one-layer step on half the
-    devices) and the tensor-parallel steps by ``("tensor", axis, sequences)``."""
-    runs: dict[Any, Callable[[], Any]] = {}
-    pipes = []
-    try:
-        for n, m, k in _step_shapes(model, microbatch_size):
-            runs[(n, m, k)], pipe = _training_step(build(n), devices, m, microbatches=k)
-            pipes.append(pipe)
-        runs["half"], pipe = _training_step(build(1), devices // 2, microbatch_size)
-        pipes.append(pipe)
-        for t, m in _tensor_shapes(model, devices, microbatch_size):
-            runs[("tensor", t, m)], pipe = _training_step(build(1), devices, m, tensor=t)
-            pipes.append(pipe)
-        return _interleaved_medians(runs, _STEP_REPEATS)
-    finally:
-        for pipe in pipes:
-            pipe.close()
-
-
 def calibrate_machine(
     devices: int, model: Model, build: Callable[[int], Any], *, microbatch_size: int
 ) -> MachineCalibration:
@@ -424,9 +376,20 @@ def calibrate_machine(
     executor builds it, one stage of ``layers`` layers."""
     started = time.perf_counter()
     shapes = _step_shapes(model, microbatch_size)
-    measured = _training_steps(model, build, devices, microbatch_size)
+    runs: dict[Any, Callable[[], Any]] = {}
+    pipes = []
+    try:
+        for n, m, k in shapes:
+            runs[(n, m, k)], pipe = _training_step(build(n), devices, m, microbatches=k)
+            pipes.append(pipe)
+        for t, m in _tensor_shapes(model, devices, microbatch_size):
+            runs[("tensor", t, m)], pipe = _training_step(build(1), devices, m, tensor=t)
+            pipes.append(pipe)
+        measured = _interleaved_medians(runs, _STEP_REPEATS)
+    finally:
+        for pipe in pipes:
+            pipe.close()
     tensor = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "tensor"}
-    half = measured["half"]
     steps = {shape: measured[shape] for shape in shapes}
     bandwidth = _bandwidth(devices)
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
@@ -450,15 +413,12 @@ def calibrate_machine(
     )
     cluster = _fit_compute(model, base, devices, steps)
     one_layer = dataclasses.replace(model, layers=1)
-    contention = _fit_contention(one_layer, cluster, devices, microbatch_size, steps[(1, microbatch_size, 1)], half)
-    cluster = dataclasses.replace(cluster, contention_exponent=contention)
     if tensor:
         cluster = _fit_sync(one_layer, cluster, devices, tensor)
     return MachineCalibration(
         cluster=cluster,
         step_s=steps,
         tensor_step_s=tensor,
-        half_step_s=half,
         microbatch_size=microbatch_size,
         all_reduce_s=reduces,
         seconds=time.perf_counter() - started,

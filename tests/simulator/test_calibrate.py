@@ -15,7 +15,6 @@ import pytest
 import pipedsl
 from pipedsl.cli.machine import (
     _fit_compute,
-    _fit_contention,
     _fit_ring,
     _fit_sync,
     _interleaved_medians,
@@ -236,22 +235,6 @@ def test_sync_fit_keeps_both_terms_at_least_zero() -> None:
     # Waits that a fixed part alone prices best: no part per token.
     fixed = _fit_sync(model, _CPU, 8, _tensor_steps(dataclasses.replace(_CPU, collective_sync_s=3e-3), model, shapes))
     assert fixed.collective_sync_s == pytest.approx(3e-3, rel=1e-6) and fixed.collective_sync_per_token_s == 0.0
-
-
-def test_contention_fit_recovers_how_much_faster_half_the_devices_compute() -> None:
-    model = dataclasses.replace(_TINY, layers=1)
-
-    def tails(dp: int) -> float:
-        priced = estimate(model, _CPU, _plan(dp, 1, 4))
-        return priced.step_time_s - priced.pipeline_time_s
-
-    work = 0.1
-    every = work + tails(8)
-    for exponent in (0.0, 0.5):
-        half = work * 2 ** -(1 + exponent) + tails(4)
-        assert _fit_contention(model, _CPU, 8, 4, every, half) == pytest.approx(exponent, abs=1e-9)
-    # Half the devices no faster than all of them: no contention (never below 0).
-    assert _fit_contention(model, _CPU, 8, 4, every, work + tails(4)) == 0.0
 
 
 def test_interleaved_measurements_take_turns() -> None:

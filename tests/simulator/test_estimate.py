@@ -257,26 +257,6 @@ def test_devices_that_share_cores_take_their_mean_busy_time() -> None:
         dataclasses.replace(IDEAL, shared_cores=-1)
 
 
-def test_busy_devices_that_contend_less_run_faster_than_the_cores_they_gain() -> None:
-    # With a contention exponent c the pipeline part is makespan x busy ** (1 + c), still
-    # never under cores / devices of it; SPMD (never idle) and unshared devices unchanged.
-    model = dataclasses.replace(GPT, vocab=8, layers=8)
-    alone = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
-    shared = dataclasses.replace(alone, shared_cores=2, contention_exponent=0.5)
-    for plan in (Plan(pp=4, dp=2, global_batch=16, schedule="1f1b"), Plan(pp=8, global_batch=2, schedule="gpipe")):
-        apart, together = estimate(model, alone, plan), estimate(model, shared, plan)
-        busy = max((1 - apart.bubble) ** 1.5, 2 / 8)
-        assert together.pipeline_time_s == pytest.approx(apart.pipeline_time_s * busy)
-        assert prepare(model, shared, plan).lower_bound_s <= together.step_time_s * (1 + 1e-12)
-    spmd = Plan(dp=8, global_batch=8)
-    assert estimate(model, shared, spmd).step_time_s == estimate(model, alone, spmd).step_time_s
-    unshared = dataclasses.replace(alone, contention_exponent=0.5)
-    plan = Plan(pp=4, global_batch=8, schedule="1f1b")
-    assert estimate(model, unshared, plan).step_time_s == estimate(model, alone, plan).step_time_s
-    with pytest.raises(DescriptionError, match="contention_exponent must be a number >= 0"):
-        dataclasses.replace(IDEAL, contention_exponent=-0.1)
-
-
 def test_what_a_nodes_devices_touch_slows_their_computation() -> None:
     # Devices that share one machine's caches: every computation's seconds times
     # 1 + W / working_set_bytes, W the weights, gradients and activations of the node's

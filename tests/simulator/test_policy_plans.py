@@ -151,3 +151,18 @@ def test_a_shape_is_read_once_and_answers_each_question_as_computed_afresh() -> 
         assert pipelines.peak_residual_bytes(key, residual) == tuple(int(p) for p in peak_held(arrays, residual, residual))
         assert pipelines.lower_bound_s(key, seconds) == chain_lower_bound(arrays, seconds)
     assert pipelines.lower_bound_s(key, 2 * seconds) == chain_lower_bound(arrays, 2 * seconds)
+
+
+def test_a_limited_plan_on_devices_that_share_cores_takes_its_mean_busy_time() -> None:
+    # As every pipeline does (estimate's module docstring): its idle devices leave their
+    # cores to the busy ones, so the pipeline part is the makespan times the busy fraction.
+    alone = _cluster(6.0)
+    shared = dataclasses.replace(alone, shared_cores=1)
+    pipelines = Pipelines(keep_simulations=False)
+    for apart, together in zip(
+        prepare_plan(MODEL, alone, PLAN, pipelines=pipelines), prepare_plan(MODEL, shared, PLAN, pipelines=pipelines)
+    ):
+        assert isinstance(apart, LimitedPlan) and isinstance(together, LimitedPlan)
+        a, t = apart.finish(), together.finish()
+        assert t.bubble == a.bubble > 0
+        assert t.pipeline_time_s == pytest.approx(a.pipeline_time_s * max(1 - a.bubble, 1 / 4))
