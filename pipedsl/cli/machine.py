@@ -8,12 +8,14 @@ says how many cores its devices share (``shared_cores``, the cores this process 
 on), so that a pipeline's idle devices are priced as cores the busy ones get:
 
 - *compute*: one training step of the executor's data-parallel plan of the model over
-  every device (one microbatch's forward and backward, the gradients' all-reduce, Adam's
+  every device (each microbatch's forward and backward, the gradients' all-reduce, Adam's
   update: the stage programs that runs execute, not one program of the whole step, which
-  XLA runs at another speed), at four shapes: the model cut to one layer and whole, with
-  one sequence per device and with the microbatch size. Three
-  numbers of the cluster are fitted to the four steps (least squares of the log of
-  priced over measured seconds): the ``peak_flops``, the ``kernel_launch_s`` that every
+  XLA runs at another speed), at five shapes: the model cut to one layer and whole, with
+  one sequence per device and with the microbatch size, one microbatch; and the one-layer,
+  one-sequence step with four microbatches. Four numbers of the cluster are fitted to the
+  five steps (least squares of the log of priced over measured seconds): the
+  ``peak_flops``, the ``step_overhead_s`` that a step costs once (the four-microbatch step
+  tells it from what each microbatch costs), the ``kernel_launch_s`` that every
   kernel costs on top of its work (on shared cores a one-sequence step takes far more
   than a quarter of a four-sequence one) and the ``working_set_bytes`` at which the
   simulator's seconds of the same work, every computation's seconds times
