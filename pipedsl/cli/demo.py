@@ -262,16 +262,17 @@ def _order_verdict(reports: list[Measurement]) -> str:
     )
 
 
-_DRIFT = 0.1
-"""A change of the reference step's time beyond which the demo says the load moved."""
+_DRIFT = 0.15
+"""A change of the reference step's time beyond which the demo says the load moved (on the
+quiet 2-core machine a one-layer step moved by up to 13% from run to run)."""
 
 
 def _drift_verdict(then: float, now: float) -> str:
-    """Whether the machine ran the calibration's smallest step as fast after the runs as
+    """Whether the machine ran the calibration's one-layer step as fast after the runs as
     when it was calibrated: the predictions assume the same load throughout."""
     change = now / then - 1.0
     said = (
-        f"The calibration's smallest step took {_ms(then)} ms when calibrated and {_ms(now)} ms after the runs "
+        f"The calibration's one-layer step took {_ms(then)} ms when calibrated and {_ms(now)} ms after the runs "
         f"({change:+.0%}): "
     )
     if abs(change) <= _DRIFT:

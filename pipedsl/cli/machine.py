@@ -428,14 +428,15 @@ def calibrate_machine(
 
 
 def load_drift(calibration: MachineCalibration, build: Callable[[int], Any]) -> tuple[float, float]:
-    """(seconds at calibration, seconds now) of the calibration's smallest step (the
-    one-layer model, one sequence per device; ``build`` as for :func:`calibrate_machine`),
+    """(seconds at calibration, seconds now) of the calibration's one-layer step of
+    ``microbatch_size`` sequences per device (``build`` as for :func:`calibrate_machine`),
     timed again: every prediction rests on the machine being as loaded as when it was
-    calibrated, and on shared cores a busier or quieter machine moves every step."""
-    devices = calibration.cluster.gpus_per_node
-    step, pipe = _training_step(build(1), devices, 1)
+    calibrated, and on shared cores a busier or quieter machine moves every step. (The
+    one-sequence step is mostly fixed costs, which load moves less.)"""
+    devices, sequences = calibration.cluster.gpus_per_node, calibration.microbatch_size
+    step, pipe = _training_step(build(1), devices, sequences)
     try:
         now = _median_seconds(step, _STEP_REPEATS)
     finally:
         pipe.close()
-    return calibration.step_s[(1, 1, 1)], now
+    return calibration.step_s[(1, sequences, 1)], now
