@@ -122,7 +122,8 @@ class MachineCalibration:
         )
         return (
             f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {c.kernel_launch_s * 1e6:.0f} µs per kernel, "
-            f"{slowed} (fitted to a forward and backward of so many layers x sequences per device: {steps}); memory "
+            f"{slowed}, {c.step_overhead_s * 1e3:.1f} ms per step (fitted to training steps of so many layers x "
+            f"sequences per device: {steps}); memory "
             f"{c.hbm_bandwidth / 1e9:.2f} GB/s; collectives α {c.intra_node_latency * 1e6:.0f} µs, "
             f"B {c.intra_node_bandwidth / 1e9:.2f} GB/s (all-reduce {reduces}); dispatch "
             f"{c.action_overhead_s * 1e6:.0f} µs per action; each tensor-parallel collective waits "

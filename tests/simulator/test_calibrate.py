@@ -14,6 +14,7 @@ import pytest
 
 import pipedsl
 from pipedsl.cli.machine import (
+    MachineCalibration,
     _fit_compute,
     _fit_ring,
     _fit_sync,
@@ -242,3 +243,14 @@ def test_interleaved_measurements_take_turns() -> None:
     medians = _interleaved_medians({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 2)
     assert order == ["a", "b", "a", "b", "a", "b"]  # one warm-up each, then in turns
     assert set(medians) == {"a", "b"} and all(t >= 0 for t in medians.values())
+
+
+def test_the_calibration_describes_every_fitted_number_with_its_measurements() -> None:
+    cluster = dataclasses.replace(_CPU, step_overhead_s=9.5e-3, collective_sync_per_token_s=4.2e-6)
+    calibration = MachineCalibration(
+        cluster=cluster, step_s={(1, 1, 1): 0.04, (1, 1, 4): 0.12}, tensor_step_s={(2, 4): 0.06},
+        microbatch_size=4, all_reduce_s={(2, 4096): 1e-3}, seconds=50.0,
+    )  # fmt: skip
+    said = calibration.describe()
+    assert "9.5 ms per step" in said and "1 layer x 1 x 4 microbatches 120.0 ms" in said
+    assert "4.20 µs per token" in said and "tp=2 x 4 60.0 ms" in said
