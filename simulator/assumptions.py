@@ -57,11 +57,12 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan, *, slowdown: float =
             where = f"{group.per_node} per node over {group.nodes} nodes" if group.spans_nodes else "in one node"
             found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
     tokens = plan.microbatch_size * model.seq_len
-    waits = [(name, n) for name, n in (("tensor", plan.tp), ("data", plan.dp if plan.zero >= 2 else 1)) if n > 1]
-    for axis, n in waits:
-        if cluster.collective_sync(n, tokens) > 0:
+    # ZeRO 2/3 alone wait at data-parallel collectives inside a stage program.
+    for axis, n in (("tensor", plan.tp), ("data", plan.dp if plan.zero >= 2 else 1)):
+        wait = cluster.collective_sync(n, tokens)
+        if wait > 0:
             found.append(Assumption(
-                f"{axis}_collective_sync", f"{cluster.collective_sync(n, tokens) * 1e3:.3g} ms",
+                f"{axis}_collective_sync", f"{wait * 1e3:.3g} ms",
                 f"each collective of the {n} {axis}-parallel devices waits this on shared cores "
                 "until every one of them reaches it",
             ))  # fmt: skip
