@@ -37,7 +37,9 @@ itself. On such devices their caches and memory are shared too: every computatio
 seconds are multiplied by ``1 + W / Cluster.working_set_bytes``, W the bytes that the
 node's devices touch together as they compute (weights, gradients and one microbatch's
 activations: :func:`~pipedsl.simulator.memory.node_bytes`), so eight
-data-parallel copies of a model compute more slowly than a pipeline's two. MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
+data-parallel copies of a model compute more slowly than a pipeline's two; and since an
+idle device touches nothing, a pipeline's devices touch ``(1 − bubble) × W`` together on
+average, which the pipeline part is priced at (:meth:`Prepared.pipeline_seconds`). MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """
 
@@ -273,7 +275,16 @@ class Prepared:
         """The pipeline part of a step whose simulated ``makespan`` (seconds) leaves its
         devices idle a ``bubble`` fraction of it: all of it, unless the devices share cores
         (module docstring)."""
-        return makespan * max(1.0 - bubble, _sharing(self.shapes.cluster, self.plan))
+        busy = 1.0 - bubble
+        # The devices touch their bytes together only while busy: an idle one's weights
+        # and activations take no room in the caches the busy ones share. The work was
+        # priced with all of them touched (slowdown 1 + W / working set); at the busy
+        # fraction of W it takes (1 + busy x (slowdown - 1)) / slowdown as long (applied to
+        # the whole pipeline part, whose launches and waits the slowdown leaves alone: a
+        # slight overstatement where they are a large part of it).
+        slowdown = self.shapes.slowdown
+        busy *= (1.0 + busy * (slowdown - 1.0)) / slowdown
+        return makespan * max(busy, _sharing(self.shapes.cluster, self.plan))
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle

@@ -286,6 +286,25 @@ def test_what_a_nodes_devices_touch_slows_their_computation() -> None:
         dataclasses.replace(IDEAL, working_set_bytes=-1)
 
 
+def test_a_pipeline_on_shared_cores_touches_together_only_what_its_busy_devices_hold() -> None:
+    # Idle devices touch nothing: busy a fraction b of the makespan, the devices touch b x W
+    # together on average, so the pipeline part is b x (1 + b (s - 1)) / s of the makespan
+    # (s = 1 + W / working set), never under cores / devices of it.
+    model = dataclasses.replace(GPT, vocab=8, layers=8)
+    cached = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30, working_set_bytes=50e6)
+    shared = dataclasses.replace(cached, shared_cores=2)
+    pipe = Plan(pp=4, dp=2, global_batch=16, schedule="1f1b")
+    whole, part = estimate(model, cached, pipe), estimate(model, shared, pipe)
+    slowdown = prepare(model, shared, pipe).shapes.slowdown
+    assert slowdown > 1 and part.bubble == whole.bubble > 0
+    busy = 1 - whole.bubble
+    expected = max(busy * (1 + busy * (slowdown - 1)) / slowdown, 2 / 8)
+    assert part.pipeline_time_s == pytest.approx(whole.pipeline_time_s * expected)
+    assert prepare(model, shared, pipe).lower_bound_s <= part.step_time_s * (1 + 1e-12)
+    spmd = Plan(dp=8, global_batch=8)  # never idle: priced with all it touches
+    assert estimate(model, shared, spmd).step_time_s == estimate(model, cached, spmd).step_time_s
+
+
 def test_each_tensor_parallel_collective_waits_its_sync_on_shared_cores() -> None:
     # Two all-reduces in each layer's forward and two in its backward, each sync more
     # (with sequence parallelism each is a reduce-scatter and an all-gather: two syncs).
