@@ -371,6 +371,22 @@ def _least_squares_at_least_zero(rows: np.ndarray, values: np.ndarray) -> tuple[
     return float(best[0]), float(best[1])
 
 
+def _timed_steps(steps: dict[Any, tuple[Any, int, int, int]], devices: int) -> dict[Any, float]:
+    """Median seconds of :func:`_training_step` s over ``devices`` devices, by key, timed
+    in turns; each is (executor model, sequences per data rank, tensor axis, microbatches).
+    Their pipelines are closed whatever happens."""
+    runs: dict[Any, Callable[[], Any]] = {}
+    pipes = []
+    try:
+        for key, (model, sequences, tensor, microbatches) in steps.items():
+            runs[key], pipe = _training_step(model, devices, sequences, tensor=tensor, microbatches=microbatches)
+            pipes.append(pipe)
+        return _interleaved_medians(runs, _STEP_REPEATS)
+    finally:
+        for pipe in pipes:
+            pipe.close()
+
+
 def calibrate_machine(
     devices: int, model: Model, build: Callable[[int], Any], *, microbatch_size: int
 ) -> MachineCalibration:
@@ -378,22 +394,13 @@ def calibrate_machine(
     ``model`` (its simulator description); ``build(layers)`` gives the same model as the
     executor builds it, one stage of ``layers`` layers."""
     started = time.perf_counter()
-    shapes = _step_shapes(model, microbatch_size)
-    runs: dict[Any, Callable[[], Any]] = {}
-    pipes = []
-    try:
-        for n, m, k in shapes:
-            runs[(n, m, k)], pipe = _training_step(build(n), devices, m, microbatches=k)
-            pipes.append(pipe)
-        for t, m in _tensor_shapes(model, devices, microbatch_size):
-            runs[("tensor", t, m)], pipe = _training_step(build(1), devices, m, tensor=t)
-            pipes.append(pipe)
-        measured = _interleaved_medians(runs, _STEP_REPEATS)
-    finally:
-        for pipe in pipes:
-            pipe.close()
+    measured = _timed_steps(
+        {("compute", n, m, k): (build(n), m, 1, k) for n, m, k in _step_shapes(model, microbatch_size)}
+        | {("tensor", t, m): (build(1), m, t, 1) for t, m in _tensor_shapes(model, devices, microbatch_size)},
+        devices,
+    )
+    steps = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
     tensor = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "tensor"}
-    steps = {shape: measured[shape] for shape in shapes}
     bandwidth = _bandwidth(devices)
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
     alpha, link = _fit_ring(reduces)
@@ -434,10 +441,6 @@ def load_drift(calibration: MachineCalibration, build: Callable[[int], Any]) -> 
     timed again: every prediction rests on the machine being as loaded as when it was
     calibrated, and on shared cores a busier or quieter machine moves every step. (The
     one-sequence step is mostly fixed costs, which load moves less.)"""
-    devices, sequences = calibration.cluster.gpus_per_node, calibration.microbatch_size
-    step, pipe = _training_step(build(1), devices, sequences)
-    try:
-        now = _median_seconds(step, _STEP_REPEATS)
-    finally:
-        pipe.close()
+    sequences = calibration.microbatch_size
+    now = _timed_steps({"again": (build(1), sequences, 1, 1)}, calibration.cluster.gpus_per_node)["again"]
     return calibration.step_s[(1, sequences, 1)], now
