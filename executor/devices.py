@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["xla_device_flag", "request_devices"]
+__all__ = ["xla_device_flag", "request_devices", "with_device_count"]
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
@@ -19,6 +19,12 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 def xla_device_flag(count: int) -> str:
     """The ``XLA_FLAGS`` entry that gives JAX ``count`` CPU devices."""
     return f"{_DEVICE_FLAG}={count}"
+
+
+def with_device_count(flags: str, count: int) -> str:
+    """``XLA_FLAGS`` text ``flags`` with its host device count, if any, replaced by ``count``."""
+    kept = [f for f in flags.split() if not f.startswith(_DEVICE_FLAG)]
+    return " ".join([*kept, xla_device_flag(count)])
 
 
 def request_devices(count: int) -> None:

@@ -252,6 +252,7 @@ class DeviceActor:
         inputs: Sequence[Any],
         targets: Sequence[Any],
         *,
+        params: Mapping[int, Any] | None,
         update: RayUpdate | None,
         origin: float | None,
         return_grads: bool,
@@ -259,8 +260,9 @@ class DeviceActor:
         """Run pipeline ``key``'s step on this device (see the module docstring).
 
         ``inputs``/``targets`` are the whole batch's leaves where the first/last stage
-        lives (else empty); ``origin`` is the step's start on this actor's wall clock when
-        the step is recorded, else None.
+        lives (else empty); ``params``, when given, replace the parameter leaves (by flat
+        index) before the step; ``origin`` is the step's start on this actor's wall clock
+        when the step is recorded, else None.
         """
         worker = self._hosted[key]
         transport = self._transport(key, step, recording=origin is not None, timeout=worker.runtime.recv_timeout)
@@ -268,6 +270,8 @@ class DeviceActor:
         worker.applied = False
         self._stepping = worker
         try:
+            if params is not None:
+                worker.load(params, None)
             if update is not None and update.optimizer is not None:
                 self._optimizers[update.optimizer_id] = update.optimizer
             steps = worker.steps(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -93,6 +94,15 @@ def _same_avals(a: Any, b: Any) -> bool:
     return same_tree and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a_leaves, b_leaves, strict=True))
 
 
+def _sent(layout: _Layout, version: int, params: Any) -> tuple[_Layout, int, tuple[weakref.ref[Any], ...]] | None:
+    """What :meth:`RayRunner._holds` compares later parameters with, or None when some
+    leaf is not a JAX array (a numpy array may change in place)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    if not all(isinstance(x, jax.Array) for x in leaves):
+        return None
+    return layout, version, tuple(weakref.ref(x) for x in leaves)
+
+
 class RayRunner:
     """Runs ``program`` on Ray actors for a model given as explicit ``stages`` or a
     marked ``model_fn`` (one of them), with ``loss`` and per-stage ``remat`` flags.
@@ -141,6 +151,9 @@ class RayRunner:
         self._versions = {"params": 0, "opt_state": 0}
         self._optimizers: dict[int, tuple[int, optax.GradientTransformation]] = {}
         self._shipped: set[int] = set()
+        # (layout, params version, a weak reference per leaf) of the JAX arrays the
+        # actors hold as their parameters, when they were given as such.
+        self._sent: tuple[_Layout, int, tuple[weakref.ref[Any], ...]] | None = None
         self._closed = False
 
     @classmethod
@@ -183,16 +196,22 @@ class RayRunner:
         ``example_inputs``/``example_targets`` give one microbatch's shapes (see
         :meth:`pipedsl.executor.pipeline.Pipeline.step`)."""
         self._check_open()
-        layout = self._prepared(params, example_inputs, example_targets)
+        layout, loads = self._prepared(params, example_inputs, example_targets)
         update = self._prepare_update(optimizer, opt_state, layout) if optimizer is not None else None
-        reports = self._run(inputs, targets, update=update, record=record, return_grads=optimizer is None)
+        # What the actors hold is known again once the step succeeds: a step that loads or
+        # updates may fail halfway.
+        kept, self._sent = self._sent, None
+        reports = self._run(inputs, targets, loads=loads, update=update, record=record, return_grads=optimizer is None)
+        if optimizer is None:
+            self._sent = kept if loads is None else _sent(layout, self._versions["params"], self._param_tree(params))
         if update is not None:
             self._shipped.add(update.optimizer_id)
         return self._result(reports, layout, trained=optimizer is not None, record=record)
 
-    def _prepared(self, params: Any, example_inputs: Any, example_targets: Any) -> _Layout:
-        """The layout of these parameters and shapes, installed on the actors, with
-        ``params`` loaded there unless they are the resident handle."""
+    def _prepared(self, params: Any, example_inputs: Any, example_targets: Any) -> tuple[_Layout, list[Any] | None]:
+        """The layout of these parameters and shapes, installed on the actors, and per
+        device the leaves of ``params`` it is to load with the step (None for the
+        resident handle)."""
         if isinstance(params, Resident):
             self._check(params, "params")
             tree = self._params
@@ -201,21 +220,33 @@ class RayRunner:
         layout = self._layout(tree, example_inputs, example_targets)
         if self._installed is not layout:
             self._install(layout)
-        if not isinstance(params, Resident):
-            self._load_params(params, layout)
-        return layout
+        if isinstance(params, Resident) or self._holds(params, layout):
+            return layout, None
+        return layout, self._params_to_load(params, layout)
+
+    def _holds(self, params: Any, layout: _Layout) -> bool:
+        """Whether the actors hold ``params`` already: the very JAX arrays (immutable)
+        the last successful step loaded, with no update since. The local backend moves
+        such arrays to their devices only once too (:meth:`Worker.load`)."""
+        sent = self._sent
+        if sent is None or sent[0] is not layout or sent[1] != self._versions["params"]:
+            return False
+        leaves = jax.tree_util.tree_leaves(self._param_tree(params))
+        return len(leaves) == len(sent[2]) and all(ref() is leaf for ref, leaf in zip(sent[2], leaves, strict=True))
 
     def _run(
         self,
         inputs: Sequence[Any],
         targets: Sequence[Any],
         *,
+        loads: list[Any] | None,
         update: RayUpdate | None,
         record: bool,
         return_grads: bool,
     ) -> list[StepReport]:
         """One ``run_step`` call per actor (the batch to the first and last stages'
-        actors); every device's report, failures raised."""
+        actors, and ``loads[d]``, parameters to load first, to device d); every device's
+        report, failures raised."""
         schedule = self.program.schedule
         n = schedule.num_devices
         first, last = schedule.placement[0], schedule.placement[-1]
@@ -227,6 +258,7 @@ class RayRunner:
             args[d] = (
                 (self.key, step, host_inputs if d == first else [], host_targets if d == last else []),
                 {
+                    "params": None if loads is None else loads[d],
                     "update": update,
                     "origin": None if origin is None else origin + self.devices.offsets[d],
                     "return_grads": return_grads,
@@ -402,19 +434,22 @@ class RayRunner:
         self._raise_failures([f for f in failures if f is not None])
         self._installed = layout
 
-    def _load_params(self, params: Any, layout: _Layout) -> None:
+    def _params_to_load(self, params: Any, layout: _Layout) -> list[dict[int, Any]]:
+        """Per device, the leaves of ``params`` its stages use, by flat index: sent with
+        the step (one call per actor, not a load and then a step), they replace the
+        resident parameters, so the resident handles move on a version."""
         leaves = jax.device_get(jax.tree_util.tree_leaves(self._param_tree(params)))
         model = layout.model
-        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = []
+        loads = []
         for d in range(self.program.schedule.num_devices):
             uses = sorted({i for s in self._stages_on(d) for i in model.stage_params[s]})
-            args.append(((self.key, {i: leaves[i] for i in uses}, None), {}))
-        self.devices.call("load", args, what="sending the parameters")
+            loads.append({i: leaves[i] for i in uses})
         if self._params is not None and not _same_avals(self._params, layout.params):
             # Parameters of another shape: the resident optimizer state no longer fits.
             self._versions["opt_state"] += 1
         self._params = layout.params
         self._versions["params"] += 1
+        return loads
 
     def _prepare_update(self, optimizer: optax.GradientTransformation, opt_state: Any, layout: _Layout) -> RayUpdate:
         entry = self._optimizers.get(id(optimizer))

@@ -27,9 +27,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
+from pipedsl.executor.devices import with_device_count
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.ray_actor import DeviceActor, Failure
-from pipedsl.executor.ray_connection import connect, disconnect
+from pipedsl.executor.ray_connection import connect, disconnect, owns_instance
 from pipedsl.executor.ray_placement import reserve
 
 __all__ = ["RayConfig", "NodeInfo", "DeviceLost", "RayDevices", "connect", "disconnect", "STRATEGIES"]
@@ -207,7 +208,9 @@ class RayDevices:
                 max_concurrency=_ACTOR_THREADS,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=d),
-                runtime_env=actor_runtime_env(config.runtime_env, jax_devices, gpus=bool(gpus)),
+                runtime_env=actor_runtime_env(
+                    config.runtime_env, jax_devices, gpus=bool(gpus), threads=_threads_per_actor(config, num_devices)
+                ),
             ).remote(d)
             for d in range(num_devices)
         )
@@ -413,16 +416,35 @@ class RayDevices:
         return "; devices did not stop, so the actors have been shut down: build a new Pipeline"
 
 
-def actor_runtime_env(base: Mapping[str, Any] | None, jax_devices: int, *, gpus: bool) -> dict[str, Any] | None:
-    """An actor's runtime environment: ``base``, and on CPU the XLA flag that gives its
-    process ``jax_devices`` host devices (read when JAX starts there)."""
+def actor_runtime_env(
+    base: Mapping[str, Any] | None, jax_devices: int, *, gpus: bool, threads: int
+) -> dict[str, Any] | None:
+    """An actor's runtime environment: ``base``, and on CPU what its process's JAX reads
+    when it starts: ``jax_devices`` host devices (whatever count the driver's own
+    ``XLA_FLAGS`` asks for, which the actor would otherwise inherit) and a compute thread
+    pool of ``threads`` (``NPROC``, which XLA's CPU client sizes its pool by; ``base``
+    may set its own).
+
+    Why the pool: by default every actor's XLA takes a thread per core of the node, so
+    actors sharing a node run more compute threads than it has cores, and an operation
+    split over threads waits for its slowest part while another actor holds that core.
+    Sized to the actor's share of the cores (as Ray sizes ``OMP_NUM_THREADS`` by the CPUs
+    an actor reserves), a two-actor 1F1B step on two cores took 0.80-0.88 of the time."""
     env = dict(base) if base else {}
-    if not gpus and jax_devices > 1:
+    if not gpus:
         variables = dict(env.get("env_vars", {}))
-        flags = variables.get("XLA_FLAGS", "")
-        variables["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={jax_devices}".strip()
+        variables["XLA_FLAGS"] = with_device_count(variables.get("XLA_FLAGS", ""), jax_devices)
+        variables.setdefault("NPROC", str(threads))
         env["env_vars"] = variables
     return env or None
+
+
+def _threads_per_actor(config: RayConfig, num_devices: int) -> int:
+    """The compute threads each actor's XLA gets on CPU: its share of a local instance's
+    cores, or the whole CPUs it reserves on a joined cluster; at least one."""
+    if owns_instance():
+        return max(1, (config.local_cpus or os.cpu_count() or 1) // num_devices)
+    return max(1, int(config.cpus_per_device))
 
 
 def _node_alive(node_id: str) -> bool:

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError, PeerFailed, stage_failure
 from pipedsl.executor.ray_links import Channel, Layout, Links, channel_of, layout_of, structs, transfer_id
-from pipedsl.executor.transport import describe_key, never_sent, stopped_waiting
+from pipedsl.executor.transport import describe_key, never_sent, stopped_waiting, watch
 from pipedsl.program import Buffer
 
 __all__ = ["Mailbox", "RayTransport", "to_wire", "from_wire"]
@@ -341,20 +341,15 @@ class RayTransport:
         (or the peer's server gone) is the peer's failure. Waits at most ``timeout``
         seconds, and no longer than the step lives: a pull cannot be cancelled, and one
         whose value never comes would otherwise hold this device past an abort."""
-        looks, pause = 0, _FIRST_PAUSE
-        deadline = time.monotonic() + timeout
-        while not all(x.is_ready() for x in arrays):
-            looks += 1
-            if looks <= _SPINS:
-                time.sleep(0)  # lets the other threads run, and looks again at once
-                continue
-            why = self._mailbox.failure(self.step)
-            if why is not None:
-                raise stopped_waiting(self.device, key, src, why)
-            if time.monotonic() > deadline:
-                raise never_sent(self.device, key, src, timeout)
-            time.sleep(pause)
-            pause = min(2 * pause, _LAST_PAUSE)
+        if not all(x.is_ready() for x in arrays):
+            arrived = watch(arrays)
+            deadline = time.monotonic() + timeout
+            while not arrived.wait(_LOOK):
+                why = self._mailbox.failure(self.step)
+                if why is not None:
+                    raise stopped_waiting(self.device, key, src, why)
+                if time.monotonic() > deadline:
+                    raise never_sent(self.device, key, src, timeout)
         try:
             return jax.block_until_ready(arrays)
         except Exception as err:  # the peer offered an error, or its server went away
@@ -452,12 +447,9 @@ _UNKNOWN = object()  # a channel whose first value has not been sent yet
 _AHEAD = 8
 # An offer lives this many receive timeouts (see RayTransport._deadline).
 _OFFER_WAITS = 4
-# Looks at a pulled value that has not arrived: the first _SPINS back to back (a value
-# that is nearly there is seen at once; a sleep lasts 50 µs or more), then with pauses
-# doubling from the first to the last, so that a long wait costs two thousand looks a
-# second (a few microseconds each).
-_SPINS = 50
-_FIRST_PAUSE, _LAST_PAUSE = 2e-5, 5e-4
+# How often a receive waiting for a pulled value looks whether the step has failed
+# elsewhere, in seconds (the value's arrival itself wakes it at once).
+_LOOK = 0.05
 
 
 def _computed(value: Any, stage: int | None, device: int, key: Hashable, *, to_host: bool = False) -> Any:
