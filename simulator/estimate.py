@@ -36,7 +36,8 @@ than ``makespan × cores / devices``, the speed-up of a device that has every co
 itself. On such devices their caches and memory are shared too: every computation's
 seconds are multiplied by ``1 + W / Cluster.working_set_bytes``, W the bytes that the
 node's devices touch together as they compute (weights, gradients and one microbatch's
-activations: :func:`~pipedsl.simulator.memory.node_bytes`), so eight
+activations, a tensor-parallel device counting as its whole group:
+:func:`~pipedsl.simulator.memory.node_bytes`), so eight
 data-parallel copies of a model compute more slowly than a pipeline's two; and since an
 idle device touches nothing, a pipeline's devices touch ``(1 − bubble) × W`` together on
 average, which the pipeline part is priced at (:meth:`Prepared.pipeline_seconds`). MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate

@@ -276,6 +276,13 @@ def test_what_a_nodes_devices_touch_slows_their_computation() -> None:
         assert estimate(model, shared, sharded).pipeline_time_s == pytest.approx(slowed.pipeline_time_s)
     assert any(a.name == "working_set" for a in slowed.assumptions)
     assert not any(a.name == "working_set" for a in estimate(model, alone, spmd).assumptions)
+    # A tensor-parallel device touches as much as its whole group holds.
+    tensor = Plan(dp=4, tp=2, global_batch=8)
+    split = estimate(model, alone, tensor).memory
+    grouped = (split.weights + split.gradients + split.activations) * 8 * 2
+    assert estimate(model, shared, tensor).pipeline_time_s == pytest.approx(
+        estimate(model, alone, tensor).pipeline_time_s * (1 + grouped / ws)
+    )
     # Eight data-parallel copies hold more than a pipeline's two, so they slow more.
     pipe = Plan(pp=4, dp=2, global_batch=8, schedule="1f1b")
     spmd_ratio = slowed.step_time_s / estimate(model, alone, spmd).step_time_s
