@@ -272,13 +272,11 @@ class DeviceActor:
         try:
             if params is not None:
                 worker.load(params, None)
-            if update is not None and update.optimizer is not None:
-                self._optimizers[update.optimizer_id] = update.optimizer
             steps = worker.steps(
                 transport,
                 inputs,
                 targets,
-                update=None if update is None else Update(self._optimizers[update.optimizer_id], init=update.init),
+                update=self._update(update),
                 recorder=Recorder(self.index, origin, clock=time.time) if origin is not None else None,
                 keep_grads=return_grads,
             )
@@ -307,6 +305,14 @@ class DeviceActor:
             return Failure(message, None, self.index, peer=False, updated=worker.applied)
         finally:
             self._stepping = None
+
+    def _update(self, update: RayUpdate | None) -> Update | None:
+        """The step's update, its optimizer kept here when this is the first to bring it."""
+        if update is None:
+            return None
+        if update.optimizer is not None:
+            self._optimizers[update.optimizer_id] = update.optimizer
+        return Update(self._optimizers[update.optimizer_id], init=update.init)
 
     def doing(self) -> str:
         """What this device's step is doing, in words ("idle" between steps); answered

@@ -43,8 +43,6 @@ __all__ = [
     "describe_key",
     "never_sent",
     "stopped_waiting",
-    "finished",
-    "watch",
 ]
 
 
@@ -192,19 +190,11 @@ def finished(value: Any, timeout: float) -> bool:
             return True
     except Exception:  # noqa: S110  # a deleted array: the helper's wait reports it as failed
         pass
-    return watch(value).wait(timeout)
-
-
-def watch(value: Any) -> threading.Event:
-    """An event set once every array of ``value`` is computed (or failed), by a helper
-    thread: a waiter that must also notice other things (a failure elsewhere, its own
-    deadline) waits on the event in slices instead of polling the arrays, which would
-    take CPU from the computation it waits for."""
-    return _WAITERS.watch(value)
+    return _WAITERS.wait(value, timeout)
 
 
 class _Waiters:
-    """The helper threads of :func:`watch`, kept between waits: a thread started per
+    """The helper threads of :func:`finished`, kept between waits: a thread started per
     wait cost 0.1 to 1 ms of the step (more on a loaded machine), and every device waits
     at least once per step. A wait that outlives its timeout keeps its thread; the next
     wait gets another."""
@@ -213,7 +203,7 @@ class _Waiters:
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue[tuple[Any, threading.Event]]] = []
 
-    def watch(self, value: Any) -> threading.Event:
+    def wait(self, value: Any, timeout: float) -> bool:
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
         if inbox is None:
@@ -221,7 +211,7 @@ class _Waiters:
             threading.Thread(target=self._serve, args=(inbox,), name="pipedsl-wait", daemon=True).start()
         done = threading.Event()
         inbox.put((value, done))
-        return done
+        return done.wait(timeout)
 
     def _serve(self, inbox: queue.SimpleQueue[tuple[Any, threading.Event]]) -> None:
         while True:
