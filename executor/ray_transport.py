@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError, PeerFailed, stage_failure
 from pipedsl.executor.ray_links import Channel, Layout, Links, channel_of, layout_of, structs, transfer_id
-from pipedsl.executor.transport import describe_key, never_sent, stopped_waiting
+from pipedsl.executor.transport import describe_key, never_sent, stopped_waiting, watch
 from pipedsl.program import Buffer
 
 __all__ = ["Mailbox", "RayTransport", "to_wire", "from_wire"]
@@ -341,16 +341,15 @@ class RayTransport:
         (or the peer's server gone) is the peer's failure. Waits at most ``timeout``
         seconds, and no longer than the step lives: a pull cannot be cancelled, and one
         whose value never comes would otherwise hold this device past an abort."""
-        pause = _FIRST_PAUSE
-        deadline = time.monotonic() + timeout
-        while not all(x.is_ready() for x in arrays):
-            why = self._mailbox.failure(self.step)
-            if why is not None:
-                raise stopped_waiting(self.device, key, src, why)
-            if time.monotonic() > deadline:
-                raise never_sent(self.device, key, src, timeout)
-            time.sleep(pause)
-            pause = min(2 * pause, _LAST_PAUSE)
+        if not all(x.is_ready() for x in arrays):
+            arrived = watch(arrays)
+            deadline = time.monotonic() + timeout
+            while not arrived.wait(_LOOK):
+                why = self._mailbox.failure(self.step)
+                if why is not None:
+                    raise stopped_waiting(self.device, key, src, why)
+                if time.monotonic() > deadline:
+                    raise never_sent(self.device, key, src, timeout)
         try:
             return jax.block_until_ready(arrays)
         except Exception as err:  # the peer offered an error, or its server went away
@@ -448,15 +447,17 @@ _UNKNOWN = object()  # a channel whose first value has not been sent yet
 _AHEAD = 8
 # An offer lives this many receive timeouts (see RayTransport._deadline).
 _OFFER_WAITS = 4
-# Looks at a pulled value that has not arrived, with pauses doubling from the first to
-# the last, so that a long wait costs a thousand looks a second (a few microseconds each).
-# None is made back to back: where the actors' computations fill a node's cores, a
-# receive that spins takes the CPU from them (with fifty looks in a row first, as
-# before, a two-actor 1F1B step on two cores took 1.44-1.48x the local backend's step;
-# without them 1.15-1.33x). A helper thread blocked in JAX's own wait would cost
-# nothing, but a pull cannot be cancelled, so one whose value never comes would hold
-# that thread in JAX to the process's end, where it aborts the process.
-_FIRST_PAUSE, _LAST_PAUSE = 5e-5, 1e-3
+# How often a receive waiting for a pulled value looks whether the step has failed
+# elsewhere, in seconds (the value's arrival itself wakes it at once). The receive waits
+# on a helper thread blocked in JAX's own wait, not by looking at the arrays: where the
+# actors' computations fill a node's cores, looking takes the CPU from them (with fifty
+# looks in a row first and then pauses, a two-actor 1F1B step on two cores took
+# 1.44-1.55x the local backend's step; with pauses only, 1.24-1.50x; waiting so,
+# 1.13-1.22x). A pull cannot be cancelled, and a helper still in JAX's wait when the
+# process ends aborts it; every pull of a step completes, though: with its value, with
+# the error its sender's abort offers in its place (:meth:`RayTransport.abort`, run on
+# every device of a failed or timed-out step), or when the sender's server goes away.
+_LOOK = 0.05
 
 
 def _computed(value: Any, stage: int | None, device: int, key: Hashable, *, to_host: bool = False) -> Any:

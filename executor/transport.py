@@ -43,6 +43,8 @@ __all__ = [
     "describe_key",
     "never_sent",
     "stopped_waiting",
+    "finished",
+    "watch",
 ]
 
 
@@ -190,11 +192,19 @@ def finished(value: Any, timeout: float) -> bool:
             return True
     except Exception:  # noqa: S110  # a deleted array: the helper's wait reports it as failed
         pass
-    return _WAITERS.wait(value, timeout)
+    return watch(value).wait(timeout)
+
+
+def watch(value: Any) -> threading.Event:
+    """An event set once every array of ``value`` is computed (or failed), by a helper
+    thread: a waiter that must also notice other things (a failure elsewhere, its own
+    deadline) waits on the event in slices instead of polling the arrays, which would
+    take CPU from the computation it waits for."""
+    return _WAITERS.watch(value)
 
 
 class _Waiters:
-    """The helper threads of :func:`finished`, kept between waits: a thread started per
+    """The helper threads of :func:`watch`, kept between waits: a thread started per
     wait cost 0.1 to 1 ms of the step (more on a loaded machine), and every device waits
     at least once per step. A wait that outlives its timeout keeps its thread; the next
     wait gets another."""
@@ -203,7 +213,7 @@ class _Waiters:
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue[tuple[Any, threading.Event]]] = []
 
-    def wait(self, value: Any, timeout: float) -> bool:
+    def watch(self, value: Any) -> threading.Event:
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
         if inbox is None:
@@ -211,7 +221,7 @@ class _Waiters:
             threading.Thread(target=self._serve, args=(inbox,), name="pipedsl-wait", daemon=True).start()
         done = threading.Event()
         inbox.put((value, done))
-        return done.wait(timeout)
+        return done
 
     def _serve(self, inbox: queue.SimpleQueue[tuple[Any, threading.Event]]) -> None:
         while True:

@@ -6,6 +6,7 @@ different forced CPU devices exactly as they move between actors' processes.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import threading
 import time
@@ -133,24 +134,40 @@ def _receiver(links: tuple[Links, Links], key: Buffer, *, step: int, timeout: fl
     return transport, mailbox
 
 
+def _offer_error(links: tuple[Links, Links], key: Buffer, *, step: int) -> None:
+    """What device 0's abort offers in place of ``key``: the pull device 1 left pending
+    completes (a pull cannot be cancelled; one pending when the process ends aborts it)."""
+    sender, _ = links
+    here, _ = _meshes()
+    wanted = structs((((4,), "float32", PartitionSpec()),), here)
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=60)
+    sender.server.await_pull(transfer_id(step, 1, key), [transfer.make_error_array(s, "step over") for s in wanted], timeout=deadline)
+
+
 def test_a_pull_never_offered_ends_at_the_receive_timeout(links: tuple[Links, Links]) -> None:
     key = Buffer(BufferKind.ACTIVATION, 0, 0)
     transport, _ = _receiver(links, key, step=101, timeout=0.5)
     start = time.monotonic()
-    with pytest.raises(ExecutionError, match="device 1 waited 0.5 s for .* from device 0, which never sent it"):
-        transport.recv(key, 0, timeout=0.5)
-    assert 0.5 <= time.monotonic() - start < 5
+    try:
+        with pytest.raises(ExecutionError, match="device 1 waited 0.5 s for .* from device 0, which never sent it"):
+            transport.recv(key, 0, timeout=0.5)
+        assert 0.5 <= time.monotonic() - start < 5
+    finally:
+        _offer_error(links, key, step=101)
 
 
 def test_a_failure_elsewhere_ends_a_pull_at_once(links: tuple[Links, Links]) -> None:
-    # A pull cannot be cancelled: the receive stops looking when the step fails.
+    # A pull cannot be cancelled: the receive stops waiting when the step fails.
     key = Buffer(BufferKind.GRADIENT, 1, 2)
     transport, mailbox = _receiver(links, key, step=102, timeout=60)
     threading.Timer(0.2, mailbox.fail, (102, "device 0 failed")).start()
     start = time.monotonic()
-    with pytest.raises(PeerFailed, match="device 1 stopped waiting for .* from device 0: device 0 failed"):
-        transport.recv(key, 0, timeout=60)
-    assert time.monotonic() - start < 5
+    try:
+        with pytest.raises(PeerFailed, match="device 1 stopped waiting for .* from device 0: device 0 failed"):
+            transport.recv(key, 0, timeout=60)
+        assert time.monotonic() - start < 5
+    finally:
+        _offer_error(links, key, step=102)
 
 
 def test_a_first_value_that_arrives_before_its_step_begins_is_taken_from_the_mailbox(
