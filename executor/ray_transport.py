@@ -341,7 +341,7 @@ class RayTransport:
         (or the peer's server gone) is the peer's failure. Waits at most ``timeout``
         seconds, and no longer than the step lives: a pull cannot be cancelled, and one
         whose value never comes would otherwise hold this device past an abort."""
-        if not all(x.is_ready() for x in arrays):
+        if not _ready(arrays):
             arrived = watch(arrays)
             deadline = time.monotonic() + timeout
             while not arrived.wait(_LOOK):
@@ -458,6 +458,17 @@ _OFFER_WAITS = 4
 # the error its sender's abort offers in its place (:meth:`RayTransport.abort`, run on
 # every device of a failed or timed-out step), or when the sender's server goes away.
 _LOOK = 0.05
+# Seconds between a receive's two looks at a pulled value before it waits on a helper.
+_MOMENT = 1e-4
+
+
+def _ready(arrays: tuple[Any, ...]) -> bool:
+    """Whether ``arrays`` have arrived, looking twice, a moment apart: a value nearly
+    there (one of a small model's) comes without a hand-over to a helper thread."""
+    if all(x.is_ready() for x in arrays):
+        return True
+    time.sleep(_MOMENT)
+    return all(x.is_ready() for x in arrays)
 
 
 def _computed(value: Any, stage: int | None, device: int, key: Hashable, *, to_host: bool = False) -> Any:
