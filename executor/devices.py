@@ -35,4 +35,4 @@ def request_devices(count: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if _DEVICE_FLAG in flags:
         return
-    os.environ["XLA_FLAGS"] = f"{flags} {xla_device_flag(count)}".strip()
+    os.environ["XLA_FLAGS"] = with_device_count(flags, count)

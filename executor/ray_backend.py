@@ -94,10 +94,9 @@ def _same_avals(a: Any, b: Any) -> bool:
     return same_tree and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a_leaves, b_leaves, strict=True))
 
 
-def _sent(layout: _Layout, version: int, params: Any) -> tuple[_Layout, int, tuple[weakref.ref[Any], ...]] | None:
-    """What :meth:`RayRunner._holds` compares later parameters with, or None when some
-    leaf is not a JAX array (a numpy array may change in place)."""
-    leaves = jax.tree_util.tree_leaves(params)
+def _identities(layout: _Layout, version: int, leaves: list[Any]) -> tuple[_Layout, int, tuple[weakref.ref[Any], ...]] | None:
+    """What :meth:`RayRunner._holds` compares later parameter leaves with, or None when
+    some leaf is not a JAX array (a numpy array may change in place)."""
     if not all(isinstance(x, jax.Array) for x in leaves):
         return None
     return layout, version, tuple(weakref.ref(x) for x in leaves)
@@ -196,23 +195,28 @@ class RayRunner:
         ``example_inputs``/``example_targets`` give one microbatch's shapes (see
         :meth:`pipedsl.executor.pipeline.Pipeline.step`)."""
         self._check_open()
-        layout, loads = self._prepared(params, example_inputs, example_targets)
+        # The given parameters' leaves, flattened once for every use below (None for the
+        # resident handle).
+        given = None if isinstance(params, Resident) else jax.tree_util.tree_leaves(self._param_tree(params))
+        layout, loads = self._prepared(params, given, example_inputs, example_targets)
         update = self._prepare_update(optimizer, opt_state, layout) if optimizer is not None else None
         # What the actors hold is known again once the step succeeds: a step that loads or
         # updates may fail halfway.
         kept, self._sent = self._sent, None
         reports = self._run(inputs, targets, loads=loads, update=update, record=record, return_grads=optimizer is None)
         if optimizer is None:
-            self._sent = kept if loads is None else _sent(layout, self._versions["params"], self._param_tree(params))
+            self._sent = kept if loads is None or given is None else _identities(layout, self._versions["params"], given)
         if update is not None:
             self._shipped.add(update.optimizer_id)
         return self._result(reports, layout, trained=optimizer is not None, record=record)
 
-    def _prepared(self, params: Any, example_inputs: Any, example_targets: Any) -> tuple[_Layout, list[Any] | None]:
+    def _prepared(
+        self, params: Any, given: list[Any] | None, example_inputs: Any, example_targets: Any
+    ) -> tuple[_Layout, list[Any] | None]:
         """The layout of these parameters and shapes, installed on the actors, and per
-        device the leaves of ``params`` it is to load with the step (None for the
-        resident handle)."""
-        if isinstance(params, Resident):
+        device the leaves of ``given`` (the leaves of ``params``; None for the resident
+        handle) it is to load with the step, or None when there is nothing to load."""
+        if given is None:
             self._check(params, "params")
             tree = self._params
         else:
@@ -220,18 +224,17 @@ class RayRunner:
         layout = self._layout(tree, example_inputs, example_targets)
         if self._installed is not layout:
             self._install(layout)
-        if isinstance(params, Resident) or self._holds(params, layout):
+        if given is None or self._holds(given, layout):
             return layout, None
-        return layout, self._params_to_load(params, layout)
+        return layout, self._params_to_load(given, layout)
 
-    def _holds(self, params: Any, layout: _Layout) -> bool:
-        """Whether the actors hold ``params`` already: the very JAX arrays (immutable)
-        the last successful step loaded, with no update since. The local backend moves
-        such arrays to their devices only once too (:meth:`Worker.load`)."""
+    def _holds(self, leaves: list[Any], layout: _Layout) -> bool:
+        """Whether the actors hold these parameter leaves already: the very JAX arrays
+        (immutable) the last successful step loaded, with no update since. The local
+        backend moves such arrays to their devices only once too (:meth:`Worker.load`)."""
         sent = self._sent
         if sent is None or sent[0] is not layout or sent[1] != self._versions["params"]:
             return False
-        leaves = jax.tree_util.tree_leaves(self._param_tree(params))
         return len(leaves) == len(sent[2]) and all(ref() is leaf for ref, leaf in zip(sent[2], leaves, strict=True))
 
     def _run(
@@ -434,11 +437,11 @@ class RayRunner:
         self._raise_failures([f for f in failures if f is not None])
         self._installed = layout
 
-    def _params_to_load(self, params: Any, layout: _Layout) -> list[dict[int, Any]]:
-        """Per device, the leaves of ``params`` its stages use, by flat index: sent with
-        the step (one call per actor, not a load and then a step), they replace the
-        resident parameters, so the resident handles move on a version."""
-        leaves = jax.device_get(jax.tree_util.tree_leaves(self._param_tree(params)))
+    def _params_to_load(self, given: list[Any], layout: _Layout) -> list[dict[int, Any]]:
+        """Per device, the parameter leaves of ``given`` its stages use, by flat index:
+        sent with the step (one call per actor, not a load and then a step), they replace
+        the resident parameters, so the resident handles move on a version."""
+        leaves = jax.device_get(given)
         model = layout.model
         loads = []
         for d in range(self.program.schedule.num_devices):

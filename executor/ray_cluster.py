@@ -175,7 +175,7 @@ class RayDevices:
         config = config or RayConfig()
         if num_devices < 1:
             raise ExecutionError(f"a device group needs at least one device, got {num_devices}")
-        connect(config.address, num_cpus=config.local_cpus or os.cpu_count() or 1, timeout=config.start_timeout)
+        connect(config.address, num_cpus=_local_cpus(config), timeout=config.start_timeout)
         try:
             return cls._start(num_devices, config, jax_devices, label)
         except BaseException:
@@ -443,8 +443,13 @@ def _threads_per_actor(config: RayConfig, num_devices: int) -> int:
     """The compute threads each actor's XLA gets on CPU: its share of a local instance's
     cores, or the whole CPUs it reserves on a joined cluster; at least one."""
     if owns_instance():
-        return max(1, (config.local_cpus or os.cpu_count() or 1) // num_devices)
+        return max(1, _local_cpus(config) // num_devices)
     return max(1, int(config.cpus_per_device))
+
+
+def _local_cpus(config: RayConfig) -> int:
+    """The CPUs of a local instance pipedsl starts."""
+    return config.local_cpus or os.cpu_count() or 1
 
 
 def _node_alive(node_id: str) -> bool:

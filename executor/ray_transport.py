@@ -441,7 +441,6 @@ class RayTransport:
         return datetime.datetime.now() + datetime.timedelta(seconds=_OFFER_WAITS * self._timeout)
 
 
-_UNKNOWN = object()  # a channel whose first value has not been sent yet
 # Pulls a receiving device keeps pending ahead of its program: a value whose pull is
 # pending moves the moment its sender offers it.
 _AHEAD = 8

@@ -284,8 +284,8 @@ class Prepared:
         # the whole pipeline part, whose launches and waits the slowdown leaves alone: a
         # slight overstatement where they are a large part of it).
         slowdown = self.shapes.slowdown
-        busy *= (1.0 + busy * (slowdown - 1.0)) / slowdown
-        return makespan * max(busy, _sharing(self.shapes.cluster, self.plan))
+        priced = busy * (1.0 + busy * (slowdown - 1.0)) / slowdown
+        return makespan * max(priced, _sharing(self.shapes.cluster, self.plan))
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle

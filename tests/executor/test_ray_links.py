@@ -108,6 +108,8 @@ def test_equal_placements_have_equal_layouts() -> None:
 
 # -- a receive by transfer whose value never comes --------------------------------------
 
+_PULLED = (((4,), "float32", PartitionSpec()),)  # the layout of the value pulled below
+
 
 def _receiver(links: tuple[Links, Links], key: Buffer, *, step: int, timeout: float) -> tuple[RayTransport, Mailbox]:
     """Device 1's end of a step in which ``key`` comes from device 0 by transfer."""
@@ -115,7 +117,7 @@ def _receiver(links: tuple[Links, Links], key: Buffer, *, step: int, timeout: fl
     _, there = _meshes()
     channel = channel_of(0, 0, 0, 1, key)
     assert channel is not None
-    receiver.learned[channel] = (step - 1, structs((((4,), "float32", PartitionSpec()),), there))
+    receiver.learned[channel] = (step - 1, structs(_PULLED, there))
     mailbox = Mailbox(receiver.learned)
     mailbox.begin(step)
     transport = RayTransport(
@@ -139,7 +141,7 @@ def _offer_error(links: tuple[Links, Links], key: Buffer, *, step: int) -> None:
     completes (a pull cannot be cancelled; one pending when the process ends aborts it)."""
     sender, _ = links
     here, _ = _meshes()
-    wanted = structs((((4,), "float32", PartitionSpec()),), here)
+    wanted = structs(_PULLED, here)
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=60)
     sender.server.await_pull(transfer_id(step, 1, key), [transfer.make_error_array(s, "step over") for s in wanted], timeout=deadline)
 
