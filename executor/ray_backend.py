@@ -94,12 +94,12 @@ def _same_avals(a: Any, b: Any) -> bool:
     return same_tree and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a_leaves, b_leaves, strict=True))
 
 
-def _identities(layout: _Layout, version: int, leaves: list[Any]) -> tuple[_Layout, int, tuple[weakref.ref[Any], ...]] | None:
+def _identities(layout: _Layout, leaves: list[Any]) -> tuple[_Layout, tuple[weakref.ref[Any], ...]] | None:
     """What :meth:`RayRunner._holds` compares later parameter leaves with, or None when
     some leaf is not a JAX array (a numpy array may change in place)."""
     if not all(isinstance(x, jax.Array) for x in leaves):
         return None
-    return layout, version, tuple(weakref.ref(x) for x in leaves)
+    return layout, tuple(weakref.ref(x) for x in leaves)
 
 
 class RayRunner:
@@ -150,9 +150,10 @@ class RayRunner:
         self._versions = {"params": 0, "opt_state": 0}
         self._optimizers: dict[int, tuple[int, optax.GradientTransformation]] = {}
         self._shipped: set[int] = set()
-        # (layout, params version, a weak reference per leaf) of the JAX arrays the
-        # actors hold as their parameters, when they were given as such.
-        self._sent: tuple[_Layout, int, tuple[weakref.ref[Any], ...]] | None = None
+        # (layout, a weak reference per leaf) of the JAX arrays the actors hold as their
+        # parameters, when they were given as such. Only a step changes what the actors
+        # hold, and a step clears this until it has succeeded without an update.
+        self._sent: tuple[_Layout, tuple[weakref.ref[Any], ...]] | None = None
         self._closed = False
 
     @classmethod
@@ -205,7 +206,7 @@ class RayRunner:
         kept, self._sent = self._sent, None
         reports = self._run(inputs, targets, loads=loads, update=update, record=record, return_grads=optimizer is None)
         if optimizer is None:
-            self._sent = kept if loads is None or given is None else _identities(layout, self._versions["params"], given)
+            self._sent = kept if loads is None or given is None else _identities(layout, given)
         if update is not None:
             self._shipped.add(update.optimizer_id)
         return self._result(reports, layout, trained=optimizer is not None, record=record)
@@ -233,9 +234,9 @@ class RayRunner:
         (immutable) the last successful step loaded, with no update since. The local
         backend moves such arrays to their devices only once too (:meth:`Worker.load`)."""
         sent = self._sent
-        if sent is None or sent[0] is not layout or sent[1] != self._versions["params"]:
+        if sent is None or sent[0] is not layout:
             return False
-        return len(leaves) == len(sent[2]) and all(ref() is leaf for ref, leaf in zip(sent[2], leaves, strict=True))
+        return len(leaves) == len(sent[1]) and all(ref() is leaf for ref, leaf in zip(sent[1], leaves, strict=True))
 
     def _run(
         self,
