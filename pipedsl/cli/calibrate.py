@@ -9,7 +9,9 @@ schedule on this machine's devices:
    and a transfer time; what a step spends outside its timeline (dispatch, the
    optimizer update) is measured alongside;
 3. the simulator predicts the step time from that fit;
-4. plain training steps measure the step time, with the loss going down.
+4. plain training steps measure the step time, with the loss going down: every run's
+   timed steps are taken in turns (a step of each, then the next round), so that a
+   change in the machine's speed while they are timed reaches them all alike.
 
 The fitted cost models can be saved as TOML for ``pipedsl simulate --costs``.
 
@@ -21,7 +23,7 @@ import argparse
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ from pipedsl.ir import Schedule
 from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
 from pipedsl.timeline import Timeline
 
-__all__ = ["DEMO_MODEL", "Measurement", "demo_transformer", "measure", "backend_for", "results_table", "register"]
+__all__ = ["DEMO_MODEL", "Measurement", "demo_transformer", "Run", "measure", "backend_for", "results_table", "register"]
 
 DEMO_MODEL = Model(
     name="demo-cpu",
@@ -174,56 +176,107 @@ def _recorded_steps(
     return state, opt_state, recorded, outside
 
 
-def measure(
-    schedule: Schedule, *, microbatch_size: int, backend: Any, steps: int, plan: PlannedRun | None = None
-) -> Measurement:
-    """Calibrate on ``schedule`` and compare prediction with measurement (module docstring).
+class _Trial:
+    """One schedule on this machine's devices, compiled and calibrated when made (steps
+    1-3 of the module docstring), then timed one plain training step at a time (step 4);
+    :meth:`close` releases its pipeline."""
 
-    ``backend`` is ``"local"``, ``"ray"`` or a started :class:`~pipedsl.executor.ray_cluster.RayDevices`.
-    With ``plan``, every pipeline device is a ``dp x tp`` mesh with the plan's ZeRO stage,
-    and ``microbatch_size`` is per data-parallel replica.
-    """
-    import optax
+    def __init__(self, schedule: Schedule, *, microbatch_size: int, backend: Any, plan: PlannedRun | None) -> None:
+        import optax
 
-    pipe, state, batch = _pipeline(schedule, microbatch_size, backend, plan)
-    try:
-        optimizer = optax.adam(3e-3)
-        opt_state = None
-        losses: list[float] = []
-        for _ in range(2):
-            state, opt_state, loss = pipe.train_step(state, opt_state, batch, optimizer=optimizer)
-            losses.append(float(loss))
-        state, opt_state, recorded, outside = _recorded_steps(
-            pipe, state, opt_state, batch, optimizer=optimizer, backend=backend, losses=losses
-        )
+        self.schedule, self.plan, self.backend = schedule, plan, backend
+        self.pipe, self.state, self.batch = _pipeline(schedule, microbatch_size, backend, plan)
+        try:
+            self.optimizer = optax.adam(3e-3)
+            self.opt_state: Any = None
+            self.losses: list[float] = []
+            for _ in range(2):
+                self._train()
+            self.state, self.opt_state, self.recorded, outside = _recorded_steps(
+                self.pipe, self.state, self.opt_state, self.batch, optimizer=self.optimizer, backend=backend,
+                losses=self.losses,
+            )  # fmt: skip
+        except BaseException:
+            self.pipe.close()
+            raise
         # On Ray a send's copy to host, serialisation and actor call (measured as the
         # transfer) run in the sender's process beside its computation and slow it about
         # as much, so sends are modelled as blocking there.
-        costs = fit_costs(recorded, num_stages=schedule.num_stages).cost_model()
-        costs = costs.with_changes(overlap_sends=backend == "local")
-        simulated = simulate(schedule, costs)
-        times = []
+        costs = fit_costs(self.recorded, num_stages=schedule.num_stages).cost_model()
+        self.costs = costs.with_changes(overlap_sends=backend == "local")
+        self.simulated = simulate(schedule, self.costs)
+        self.outside_s = statistics.median(outside)
+        self.times: list[float] = []
+
+    def _train(self) -> None:
+        self.state, self.opt_state, loss = self.pipe.train_step(
+            self.state, self.opt_state, self.batch, optimizer=self.optimizer
+        )
+        self.losses.append(float(loss))
+
+    def timed_step(self) -> None:
+        """One plain training step, its wall time kept (seconds, updates included)."""
+        start = time.perf_counter()
+        self._train()
+        _wait(self.state, self.backend)
+        self.times.append(time.perf_counter() - start)
+
+    def result(self) -> Measurement:
+        """The prediction against the median of the timed steps (at least one)."""
+        label = _label(self.schedule) if self.plan is None else self.plan.label()
+        return Measurement(
+            plan=self.plan,
+            label=label,
+            costs=self.costs,
+            predicted_s=self.simulated.makespan + self.outside_s,
+            measured_s=statistics.median(self.times),
+            losses=tuple(self.losses),
+            panels=(
+                Panel(self.simulated.timeline, title=f"{label} simulated (calibrated)"),
+                Panel(self.recorded[-1], title=f"{label} recorded step"),
+            ),
+        )
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What :func:`measure` runs: ``schedule`` with microbatches of ``microbatch_size``
+    sequences (per data-parallel replica); with ``plan``, every pipeline device is a
+    ``dp x tp`` mesh with the plan's ZeRO stage."""
+
+    schedule: Schedule
+    microbatch_size: int
+    plan: PlannedRun | None = None
+
+
+def measure(
+    runs: Sequence[Run], *, backend: Any, steps: int, prepared: Callable[[int], None] | None = None
+) -> list[Measurement]:
+    """Calibrate on each run and compare prediction with measurement (module docstring).
+
+    Every run is compiled and calibrated first, one after another (``prepared(i)`` is
+    called once run i is); then their ``steps`` timed steps are taken in turns, a step of
+    each run and then the next round, so that a change in the machine's speed while they
+    are timed reaches every run alike rather than the runs timed during it.
+    ``backend`` is ``"local"``, ``"ray"`` or a started
+    :class:`~pipedsl.executor.ray_cluster.RayDevices`.
+    """
+    trials: list[_Trial] = []
+    try:
+        for i, run in enumerate(runs):
+            trials.append(_Trial(run.schedule, microbatch_size=run.microbatch_size, backend=backend, plan=run.plan))
+            if prepared is not None:
+                prepared(i)
         for _ in range(steps):
-            start = time.perf_counter()
-            state, opt_state, loss = pipe.train_step(state, opt_state, batch, optimizer=optimizer)
-            losses.append(float(loss))
-            _wait(state, backend)
-            times.append(time.perf_counter() - start)
+            for trial in trials:
+                trial.timed_step()
+        return [trial.result() for trial in trials]
     finally:
-        pipe.close()
-    label = _label(schedule) if plan is None else plan.label()
-    return Measurement(
-        plan=plan,
-        label=label,
-        costs=costs,
-        predicted_s=simulated.makespan + statistics.median(outside),
-        measured_s=statistics.median(times),
-        losses=tuple(losses),
-        panels=(
-            Panel(simulated.timeline, title=f"{label} simulated (calibrated)"),
-            Panel(recorded[-1], title=f"{label} recorded step"),
-        ),
-    )
+        for trial in trials:
+            trial.close()
 
 
 @contextlib.contextmanager
@@ -275,15 +328,18 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     console = make_console()
     if args.save_costs is not None:
         Path(args.save_costs).mkdir(parents=True, exist_ok=True)
-    measurements = []
+    runs = [Run(schedule, args.microbatch_size) for schedule in schedules]
+
+    def prepared(i: int) -> None:
+        console.print(f"  {_label(schedules[i])}: compiled and calibrated", highlight=False)
+
     with backend_for(args.backend, max(s.num_devices for s in schedules), console) as backend:
-        for schedule in schedules:
-            m = measure(schedule, microbatch_size=args.microbatch_size, backend=backend, steps=args.steps)
-            console.print(f"  {m.summary()}\n    fitted: {m.costs.describe()}", highlight=False)
-            if args.save_costs is not None:
-                path = Path(args.save_costs) / f"{schedule.name}.toml"
-                path.write_text(f"# fitted by pipedsl calibrate on {m.label}\n{m.costs.to_toml()}")
-            measurements.append(m)
+        measurements = measure(runs, backend=backend, steps=args.steps, prepared=prepared)
+    for schedule, m in zip(schedules, measurements, strict=True):
+        console.print(f"  {m.summary()}\n    fitted: {m.costs.describe()}", highlight=False)
+        if args.save_costs is not None:
+            path = Path(args.save_costs) / f"{schedule.name}.toml"
+            path.write_text(f"# fitted by pipedsl calibrate on {m.label}\n{m.costs.to_toml()}")
     console.print(results_table(measurements))
     if args.save_costs is not None:
         console.print(f"cost models written to {args.save_costs}/ (use with pipedsl simulate --costs)")
@@ -306,8 +362,8 @@ predicted step time with the measured one.
 
 For each schedule: two steps compile the stages; a few recorded steps give measured
 timelines, from which per-stage F, B, I and W times and a transfer time are fitted;
-the simulator predicts the step time from that fit; plain training steps measure it.
-With --save-costs DIR, each fitted cost model is written to DIR/NAME.toml, NAME being
+the simulator predicts the step time from that fit. Then plain training steps measure
+it, a step of each schedule in turn, so that every schedule meets the same load. With --save-costs DIR, each fitted cost model is written to DIR/NAME.toml, NAME being
 the schedule's name (its file stem), for `pipedsl simulate --costs`."""
 
 

@@ -12,7 +12,8 @@
    each for real on the local backend (or Ray): every pipeline device a ``dp x tp`` mesh.
    A few recorded steps fit the cost model to this machine (calibration), the simulator
    predicts the step time from it, then training steps measure it with the loss going
-   down. Prints the planner's estimate, the calibrated prediction and the measured step
+   down (a step of each plan in turn, so that a change in the machine's speed meets
+   every plan alike). Prints the planner's estimate, the calibrated prediction and the measured step
    time of every run, whether the predicted order is the measured one, and draws the
    simulated and measured timelines side by side.
 
@@ -30,7 +31,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipedsl.cli.calibrate import DEMO_MODEL, Measurement, demo_transformer, measure
+from pipedsl.cli.calibrate import DEMO_MODEL, Measurement, Run, demo_transformer, measure
 from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
 from pipedsl.cli.machine import MachineCalibration, calibrate_machine, load_drift
 from pipedsl.cli.planned import PlannedRun
@@ -183,16 +184,24 @@ def _runs(
     console.rule(f"[bold]3. Running {len(plans)} ranked plans for real ({backend} backend, {devices} devices)")
     if not plans:
         raise PipedslError(f"no ranked plan over {devices} devices fits the demo transformer; nothing to run")
-    reports = []
     for plan in plans:
         console.print(f"plan {plan.rank} ({plan.kind}): {plan.label()}", highlight=False)
-        m = measure(plan.schedule_of(), microbatch_size=plan.microbatch_size, backend=backend, steps=steps, plan=plan)
+
+    def prepared(i: int) -> None:
+        console.print(f"  plan {plans[i].rank}: compiled and calibrated", highlight=False)
+
+    runs = [Run(plan.schedule_of(), plan.microbatch_size, plan) for plan in plans]
+    console.print(
+        f"Compiling and calibrating each plan, then timing {steps} steps of each, a step of each in turn ...",
+        highlight=False,
+    )
+    reports = measure(runs, backend=backend, steps=steps, prepared=prepared)
+    for plan, m in zip(plans, reports, strict=True):
         console.print(
-            f"  loss {m.losses[0]:.4f} -> {m.losses[-1]:.4f}; predicted {_ms(_predicted(m))} ms, "
+            f"plan {plan.rank}: loss {m.losses[0]:.4f} -> {m.losses[-1]:.4f}; predicted {_ms(_predicted(m))} ms, "
             f"measured {_ms(m.measured_s)} ms per step ({_error(m):+.1%})",
             highlight=False,
         )
-        reports.append(m)
     console.print(_results_table(reports))
     console.print(_order_verdict(reports), highlight=False)
     console.print(_drift_verdict(*load_drift(calibration, _one_stage)), highlight=False)

@@ -76,7 +76,8 @@ def test_errors_name_what_is_missing() -> None:
 
 
 def test_calibrate_command_fits_predicts_and_saves_costs(tmp_path: Path) -> None:
-    """The whole loop on this machine: run, record, fit, simulate, measure, save."""
+    """The whole loop on this machine: run, record, fit, simulate, measure, save; every
+    schedule is compiled and calibrated before any is timed (their steps take turns)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(
         [
@@ -85,6 +86,7 @@ def test_calibrate_command_fits_predicts_and_saves_costs(tmp_path: Path) -> None
             "pipedsl",
             "calibrate",
             "zb_h1",
+            "1f1b",
             "-p",
             "microbatches=4",
             "--steps",
@@ -101,6 +103,11 @@ def test_calibrate_command_fits_predicts_and_saves_costs(tmp_path: Path) -> None
     )
     assert done.returncode == 0, done.stderr
     assert "predicted" in done.stdout and "measured" in done.stdout
+    lines = done.stdout.splitlines()
+    calibrated = [i for i, line in enumerate(lines) if "compiled and calibrated" in line]
+    timed = [i for i, line in enumerate(lines) if "per step" in line]
+    assert len(calibrated) == len(timed) == 2 and max(calibrated) < min(timed)
+    assert (tmp_path / "1f1b.toml").is_file()
     fitted = CostModel.from_toml(tmp_path / "zb_h1.toml")
     stages = _library("zb_h1", pp=2, microbatches=4)
     resolved = fitted.resolve(stages)
