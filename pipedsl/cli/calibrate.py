@@ -176,16 +176,27 @@ def _recorded_steps(
     return state, opt_state, recorded, outside
 
 
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What :func:`measure` runs: ``schedule`` with microbatches of ``microbatch_size``
+    sequences (per data-parallel replica); with ``plan``, every pipeline device is a
+    ``dp x tp`` mesh with the plan's ZeRO stage."""
+
+    schedule: Schedule
+    microbatch_size: int
+    plan: PlannedRun | None = None
+
+
 class _Trial:
     """One schedule on this machine's devices, compiled and calibrated when made (steps
     1-3 of the module docstring), then timed one plain training step at a time (step 4);
     :meth:`close` releases its pipeline."""
 
-    def __init__(self, schedule: Schedule, *, microbatch_size: int, backend: Any, plan: PlannedRun | None) -> None:
+    def __init__(self, run: Run, *, backend: Any) -> None:
         import optax
 
-        self.schedule, self.plan, self.backend = schedule, plan, backend
-        self.pipe, self.state, self.batch = _pipeline(schedule, microbatch_size, backend, plan)
+        self.schedule, self.plan, self.backend = run.schedule, run.plan, backend
+        self.pipe, self.state, self.batch = _pipeline(run.schedule, run.microbatch_size, backend, run.plan)
         try:
             self.optimizer = optax.adam(3e-3)
             self.opt_state: Any = None
@@ -196,15 +207,15 @@ class _Trial:
                 self.pipe, self.state, self.opt_state, self.batch, optimizer=self.optimizer, backend=backend,
                 losses=self.losses,
             )  # fmt: skip
+            # On Ray a send's copy to host, serialisation and actor call (measured as the
+            # transfer) run in the sender's process beside its computation and slow it about
+            # as much, so sends are modelled as blocking there.
+            costs = fit_costs(self.recorded, num_stages=run.schedule.num_stages).cost_model()
+            self.costs = costs.with_changes(overlap_sends=backend == "local")
+            self.simulated = simulate(run.schedule, self.costs)
         except BaseException:
             self.pipe.close()
             raise
-        # On Ray a send's copy to host, serialisation and actor call (measured as the
-        # transfer) run in the sender's process beside its computation and slow it about
-        # as much, so sends are modelled as blocking there.
-        costs = fit_costs(self.recorded, num_stages=schedule.num_stages).cost_model()
-        self.costs = costs.with_changes(overlap_sends=backend == "local")
-        self.simulated = simulate(schedule, self.costs)
         self.outside_s = statistics.median(outside)
         self.times: list[float] = []
 
@@ -241,17 +252,6 @@ class _Trial:
         self.pipe.close()
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
-    """What :func:`measure` runs: ``schedule`` with microbatches of ``microbatch_size``
-    sequences (per data-parallel replica); with ``plan``, every pipeline device is a
-    ``dp x tp`` mesh with the plan's ZeRO stage."""
-
-    schedule: Schedule
-    microbatch_size: int
-    plan: PlannedRun | None = None
-
-
 def measure(
     runs: Sequence[Run], *, backend: Any, steps: int, prepared: Callable[[int], None] | None = None
 ) -> list[Measurement]:
@@ -267,7 +267,7 @@ def measure(
     trials: list[_Trial] = []
     try:
         for i, run in enumerate(runs):
-            trials.append(_Trial(run.schedule, microbatch_size=run.microbatch_size, backend=backend, plan=run.plan))
+            trials.append(_Trial(run, backend=backend))
             if prepared is not None:
                 prepared(i)
         for _ in range(steps):
@@ -363,8 +363,9 @@ predicted step time with the measured one.
 For each schedule: two steps compile the stages; a few recorded steps give measured
 timelines, from which per-stage F, B, I and W times and a transfer time are fitted;
 the simulator predicts the step time from that fit. Then plain training steps measure
-it, a step of each schedule in turn, so that every schedule meets the same load. With --save-costs DIR, each fitted cost model is written to DIR/NAME.toml, NAME being
-the schedule's name (its file stem), for `pipedsl simulate --costs`."""
+it, a step of each schedule in turn, so that every schedule meets the same load. With
+--save-costs DIR, each fitted cost model is written to DIR/NAME.toml, NAME being the
+schedule's name (its file stem), for `pipedsl simulate --costs`."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -13,9 +13,9 @@
    A few recorded steps fit the cost model to this machine (calibration), the simulator
    predicts the step time from it, then training steps measure it with the loss going
    down (a step of each plan in turn, so that a change in the machine's speed meets
-   every plan alike). Prints the planner's estimate, the calibrated prediction and the measured step
-   time of every run, whether the predicted order is the measured one, and draws the
-   simulated and measured timelines side by side.
+   every plan alike). Prints the planner's estimate, the calibrated prediction and the
+   measured step time of every run, whether the predicted order is the measured one, and
+   draws the simulated and measured timelines side by side.
 
 Everything lands in ``--out``: ``plans.csv``, ``runs.csv``, ``timelines.png``.
 """
