@@ -4,7 +4,10 @@ Validation, lowering, analysis and the simulator all work on these columns rathe
 on one object per action: a schedule of a million actions is a handful of numpy arrays,
 built once per evaluated schedule. The frozen :class:`~pipedsl.ir.Action` objects stay
 the source of truth for positions in the source text; :meth:`ActionArrays.action`
-fetches one when an error has to point at it.
+fetches one when an error has to point at it. A caller that only validates and times
+a schedule (the plan search, thousands of them) can have it evaluated straight into
+these columns, a :class:`ScheduleArrays`, without an object per action; an error found
+there names the action without its place in the file.
 
 Kinds are coded in :class:`~pipedsl.ir.Kind`'s declaration order: 0 ``F``, 1 ``B``,
 2 ``I``, 3 ``W`` (the same codes as :class:`~pipedsl.timeline.EventKind`'s computes).
@@ -26,11 +29,12 @@ import numpy as np
 from pipedsl.errors import SourcePos
 from pipedsl.ir import Action, Kind, Schedule
 
-__all__ = ["F", "B", "I", "W", "KIND_CODE", "ActionArrays", "make_actions", "paused_collector"]
+__all__ = ["F", "B", "I", "W", "KIND_CODE", "ActionArrays", "ScheduleArrays", "make_actions", "paused_collector"]
 
 F, B, I, W = 0, 1, 2, 3  # noqa: E741 - PyTorch's letters
 KIND_CODE: dict[Kind, int] = {kind: code for code, kind in enumerate(Kind)}
 """Kind to its int code (0 F, 1 B, 2 I, 3 W)."""
+_KINDS = tuple(Kind)
 
 _stage = attrgetter("stage")
 _microbatch = attrgetter("microbatch")
@@ -72,6 +76,22 @@ class ActionArrays:
         return cls(kind, stage, microbatch, device, position, bounds)
 
     @classmethod
+    def of_columns(
+        cls, kinds: Sequence[Sequence[int]], stages: Sequence[Sequence[int]], microbatches: Sequence[Sequence[int]]
+    ) -> ActionArrays:
+        """The columns of per-device lists of kind codes, stages and microbatches (device
+        d's actions in order are ``kinds[d]``, ``stages[d]``, ``microbatches[d]``)."""
+        lengths = np.fromiter(map(len, stages), dtype=np.int64, count=len(stages))
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        count = int(bounds[-1])
+        kind = np.fromiter(chain.from_iterable(kinds), dtype=np.int8, count=count)
+        stage = np.fromiter(chain.from_iterable(stages), dtype=np.int64, count=count)
+        microbatch = np.fromiter(chain.from_iterable(microbatches), dtype=np.int64, count=count)
+        device = np.repeat(np.arange(len(stages), dtype=np.int64), lengths)
+        position = np.arange(count, dtype=np.int64) - np.repeat(bounds[:-1], lengths)
+        return cls(kind, stage, microbatch, device, position, bounds)
+
+    @classmethod
     def of(cls, schedule: Schedule) -> ActionArrays:
         """The columns of ``schedule``'s orders."""
         return cls.of_orders(schedule.orders)
@@ -83,13 +103,49 @@ class ActionArrays:
     def num_devices(self) -> int:
         return int(self.bounds.shape[0]) - 1
 
-    def action(self, schedule: Schedule, row: int) -> Action:
-        """The :class:`Action` object of ``row`` (with its source position)."""
+    def action(self, schedule: Schedule | ScheduleArrays, row: int) -> Action:
+        """The :class:`Action` object of ``row``: ``schedule``'s own, with its source
+        position; made from the columns, without one, for a :class:`ScheduleArrays`."""
+        if isinstance(schedule, ScheduleArrays):
+            return Action(_KINDS[int(self.kind[row])], int(self.stage[row]), int(self.microbatch[row]), None)
         return schedule.orders[int(self.device[row])][int(self.position[row])]
 
     def text(self, row: int) -> str:
         """``row``'s action in ``{stage}{kind}{microbatch}`` form (``2F0``)."""
         return f"{int(self.stage[row])}{'FBIW'[int(self.kind[row])]}{int(self.microbatch[row])}"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ScheduleArrays:
+    """A schedule evaluated straight into int columns (:func:`pipedsl.lang.evaluate.evaluate_arrays`):
+    what a :class:`~pipedsl.ir.Schedule` says, its orders as :attr:`actions` instead of
+    one :class:`Action` object each, so without source positions. Validated by
+    :func:`pipedsl.validate.checked` like a Schedule; an error then names the action
+    without its place in the file.
+    """
+
+    name: str
+    num_stages: int
+    num_devices: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    actions: ActionArrays
+    params: tuple[tuple[str, int], ...] = ()
+    source: str | None = None
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> ScheduleArrays:
+        """``schedule``'s columns (for one read from a CSV or JSON file)."""
+        return cls(
+            name=schedule.name,
+            num_stages=schedule.num_stages,
+            num_devices=schedule.num_devices,
+            num_microbatches=schedule.num_microbatches,
+            placement=schedule.placement,
+            actions=ActionArrays.of(schedule),
+            params=schedule.params,
+            source=schedule.source,
+        )
 
 
 # Action's fields in declaration order, each set through its slot's descriptor. A frozen

@@ -25,9 +25,10 @@ import importlib.resources
 import os
 from pathlib import Path
 
+from pipedsl.arrays import ScheduleArrays
 from pipedsl.errors import ConversionError, PipedslError
 from pipedsl.ir import Schedule
-from pipedsl.lang import MAX_ACTIONS, Module, evaluate, parse_source
+from pipedsl.lang import MAX_ACTIONS, Module, evaluate, evaluate_arrays, parse_source
 from pipedsl.policy import Policy
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "library_path",
     "library_schedules",
     "load",
+    "load_arrays",
     "parameters",
     "parse",
     "parsed",
@@ -182,6 +184,25 @@ def load(
             f"{path}: a JSON schedule records every value and takes no parameters; got {sorted(params)[0]!r}"
         )
     return interop.from_json(text, file=str(path))
+
+
+def load_arrays(
+    spec: str | os.PathLike[str],
+    /,
+    *,
+    max_actions: int = MAX_ACTIONS,
+    **params: int | str,
+) -> ScheduleArrays | Policy:
+    """:func:`load`, a ``.sched`` file's actions made straight into int columns
+    (:func:`~pipedsl.lang.evaluate.evaluate_arrays`: no object per action, so no source
+    position per action); a CSV or JSON file is read as :func:`load` reads it. What a
+    caller that validates and times many schedules (the plan search) asks for. Raises as
+    :func:`load`."""
+    path = resolve(spec)
+    if path.suffix.lower() == _SUFFIX:
+        return evaluate_arrays(parsed(path), params=params, name=path.stem, source=str(path), max_actions=max_actions)
+    loaded = load(path, max_actions=max_actions, **params)
+    return loaded if isinstance(loaded, Policy) else ScheduleArrays.of(loaded)
 
 
 def parse(

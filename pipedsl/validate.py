@@ -34,13 +34,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipedsl.analysis import peak_inflight
-from pipedsl.arrays import ActionArrays, B, F, I, W, paused_collector
+from pipedsl.arrays import ActionArrays, B, F, I, ScheduleArrays, W, paused_collector
 from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
 
 __all__ = ["Report", "Checked", "validate", "checked", "kept_check", "dependencies", "peak_inflight"]
 
 _Key = tuple[Kind, int, int]
+_Subject = Schedule | ScheduleArrays
+"""What the checks read: the shape of a schedule, and its actions as objects or columns."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +90,7 @@ def _fail(rule: str, message: str, action: Action | None = None) -> ScheduleInva
     )
 
 
-def _check_shape(schedule: Schedule) -> None:
+def _check_shape(schedule: _Subject) -> None:
     s, d = schedule.num_stages, schedule.num_devices
     if s < 1 or d < 1 or schedule.num_microbatches < 1:
         raise _fail("shape", f"need at least one stage, device and microbatch; got {s}, {d}, {schedule.num_microbatches}")
@@ -97,8 +99,9 @@ def _check_shape(schedule: Schedule) -> None:
     for stage, device in enumerate(schedule.placement):
         if not 0 <= device < d:
             raise _fail("shape", f"stage {stage} is placed on device {device}, outside 0..{d - 1}")
-    if len(schedule.orders) != d:
-        raise _fail("shape", f"there are orders for {len(schedule.orders)} devices, the schedule has {d}")
+    orders = schedule.actions.num_devices if isinstance(schedule, ScheduleArrays) else len(schedule.orders)
+    if orders != d:
+        raise _fail("shape", f"there are orders for {orders} devices, the schedule has {d}")
     idle = sorted(set(range(d)) - set(schedule.placement))
     if idle:
         raise _fail("shape", f"device {idle[0]} owns no stage; place a stage on it or use fewer devices")
@@ -106,7 +109,7 @@ def _check_shape(schedule: Schedule) -> None:
 
 
 
-def _action_fault(schedule: Schedule, actions: ActionArrays, row: int) -> ScheduleInvalid:
+def _action_fault(schedule: _Subject, actions: ActionArrays, row: int) -> ScheduleInvalid:
     """The first rule action ``row`` breaks among ranges, ownership and duplicates."""
     action = actions.action(schedule, row)
     device = int(actions.device[row])
@@ -127,7 +130,7 @@ def _action_fault(schedule: Schedule, actions: ActionArrays, row: int) -> Schedu
     return _fail("duplicate-action", f"action {action} appears twice", action)
 
 
-def _check_actions(schedule: Schedule, actions: ActionArrays) -> np.ndarray | None:
+def _check_actions(schedule: _Subject, actions: ActionArrays) -> np.ndarray | None:
     """Ranges, ownership, duplicates: raise on the first action (in device order) that
     breaks one. Returns how many actions there are of each (stage, microbatch, kind),
     shape (S * M, 4), kinds in code order; None when there are too few actions for
@@ -157,7 +160,7 @@ def _check_actions(schedule: Schedule, actions: ActionArrays) -> np.ndarray | No
     return counts
 
 
-def _pair_fault(schedule: Schedule, actions: ActionArrays, stage: int, mb: int, rows: list[int]) -> ScheduleInvalid:
+def _pair_fault(schedule: _Subject, actions: ActionArrays, stage: int, mb: int, rows: list[int]) -> ScheduleInvalid:
     """What is wrong with the actions ``rows`` of (stage, microbatch): mixed or missing."""
     found = {int(actions.kind[r]): actions.action(schedule, r) for r in rows}
     f, b, i, w = (found.get(code) for code in (F, B, I, W))
@@ -172,7 +175,7 @@ def _pair_fault(schedule: Schedule, actions: ActionArrays, stage: int, mb: int, 
     return _fail("missing-action", f"{where} splits its backward but has no {lacking}", have)
 
 
-def _check_complete(schedule: Schedule, actions: ActionArrays, counts: np.ndarray | None) -> np.ndarray:
+def _check_complete(schedule: _Subject, actions: ActionArrays, counts: np.ndarray | None) -> np.ndarray:
     """Every (stage, microbatch) has its F and one form of backward; raise on the first
     pair (stage-major) that does not. ``counts`` is :func:`_check_actions`'s. Returns the
     row of each (kind, stage, microbatch), flat index ``(kind * S + stage) * M +
@@ -193,7 +196,7 @@ def _check_complete(schedule: Schedule, actions: ActionArrays, counts: np.ndarra
     return index
 
 
-def _sparse_pair_fault(schedule: Schedule, actions: ActionArrays) -> ScheduleInvalid:
+def _sparse_pair_fault(schedule: _Subject, actions: ActionArrays) -> ScheduleInvalid:
     """The first pair (stage-major) that is broken or has no action, among more pairs
     than the actions could fill, found from the pairs present alone."""
     num_mb = schedule.num_microbatches
@@ -221,7 +224,7 @@ def _sparse_pair_fault(schedule: Schedule, actions: ActionArrays) -> ScheduleInv
     return _pair_fault(schedule, actions, missing // num_mb, missing % num_mb, [])
 
 
-def _links(schedule: Schedule, actions: ActionArrays, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _links(schedule: _Subject, actions: ActionArrays, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(local, upstream) of every action, as :class:`Checked` describes them."""
     num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
     per_kind = num_stages * num_mb
@@ -327,7 +330,7 @@ def _stretches(began: list[int], ended: list[int]) -> np.ndarray:
     return np.repeat(first - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
-def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarray, upstream: np.ndarray) -> np.ndarray:
+def _check_execution(schedule: _Subject, actions: ActionArrays, local: np.ndarray, upstream: np.ndarray) -> np.ndarray:
     """Run the orders with unit steps; report a same-device misorder or a cross-device
     cycle. Returns the rows in the order they ran (:attr:`_Execution.order`).
 
@@ -363,7 +366,7 @@ def _check_execution(schedule: Schedule, actions: ActionArrays, local: np.ndarra
     return run.order
 
 
-def _deadlock(schedule: Schedule, actions: ActionArrays, blocked_on: dict[int, int], pointer: list[int]) -> ScheduleInvalid:
+def _deadlock(schedule: _Subject, actions: ActionArrays, blocked_on: dict[int, int], pointer: list[int]) -> ScheduleInvalid:
     # Every blocked device waits on exactly one other blocked device, so walking the
     # wait-for edges from any of them must enter a cycle.
     device = min(blocked_on)
@@ -380,15 +383,16 @@ def _deadlock(schedule: Schedule, actions: ActionArrays, blocked_on: dict[int, i
     return _fail("deadlock", "the device orders wait on each other: " + "; ".join(steps), first)
 
 
-def checked(schedule: Schedule) -> Checked:
+def checked(schedule: Schedule | ScheduleArrays) -> Checked:
     """Check every rule but the in-flight limit; raise :class:`ScheduleInvalid` naming the
-    first one broken. The result is kept on the schedule, so a second call is free."""
-    found = schedule._checked
-    if found is not None:
-        return found
+    first one broken. The result is kept on a Schedule, so a second call is free; a
+    :class:`~pipedsl.arrays.ScheduleArrays` is checked on its columns as they are, and an
+    error names its action without a source position."""
+    if isinstance(schedule, Schedule) and schedule._checked is not None:
+        return schedule._checked
     _check_shape(schedule)
     with paused_collector():
-        actions = ActionArrays.of(schedule)
+        actions = schedule.actions if isinstance(schedule, ScheduleArrays) else ActionArrays.of(schedule)
         counts = _check_actions(schedule, actions)
         index = _check_complete(schedule, actions, counts)
         del counts
@@ -396,7 +400,8 @@ def checked(schedule: Schedule) -> Checked:
         del index
         order = _check_execution(schedule, actions, local, upstream)
     found = Checked(actions, local, upstream, peak_inflight(actions), order)
-    object.__setattr__(schedule, "_checked", found)
+    if isinstance(schedule, Schedule):
+        object.__setattr__(schedule, "_checked", found)
     return found
 
 

@@ -381,7 +381,7 @@ def _schedule_of(plan: Plan, pipelines: Pipelines | None, layout: Layout | None)
     if plan.pp == 1 or pipelines is None:
         return None, (0,)
     key = pipelines.key(plan)
-    schedule = pipelines.schedule(key) if layout is None else layout
+    schedule = pipelines.layout(key) if layout is None else layout
     _check_schedule(plan, schedule)
     return key, schedule.placement
 

@@ -16,6 +16,7 @@ arrays per shape, not one object per action.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,16 +24,17 @@ import numpy as np
 
 from pipedsl import library
 from pipedsl.analysis import chain_lower_bound, peak_held
-from pipedsl.errors import PipedslError
+from pipedsl.arrays import ScheduleArrays
+from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Schedule
 from pipedsl.lang.ast import PolicyBlock
 from pipedsl.policy import Policy
-from pipedsl.program import Program, ProgramArrays, lower
+from pipedsl.program import Program, ProgramArrays, program_arrays
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate, step_timing
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.synthesize import synthesize
-from pipedsl.validate import checked
+from pipedsl.validate import Checked, checked
 
 __all__ = ["Pipelines", "ScheduleKey", "Timing", "load_pipeline"]
 
@@ -47,8 +49,9 @@ def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedul
     return loaded if isinstance(loaded, Schedule) else synthesize(loaded, CostModel())
 
 
-def _load_source(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule | Policy:
-    """``spec`` evaluated as :func:`load_pipeline` does, a policy left unsynthesised."""
+def _params(spec: str, *, pp: int, vpp: int, microbatches: int) -> dict[str, int]:
+    """The parameters a pipeline plan gives ``spec``: ``pp``, ``microbatches`` and, if it
+    takes one, ``vpp``. Raises PlanError for a schedule without the first two."""
     path = library.resolve(spec)
     names = library.parameters(path)
     for needed in ("pp", "microbatches"):
@@ -59,7 +62,32 @@ def _load_source(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule
     params = {"pp": pp, "microbatches": microbatches}
     if "vpp" in names:
         params["vpp"] = vpp
-    return library.load(path, **params)
+    return params
+
+
+def _load_source(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule | Policy:
+    """``spec`` evaluated as :func:`load_pipeline` does, a policy left unsynthesised."""
+    return library.load(spec, **_params(spec, pp=pp, vpp=vpp, microbatches=microbatches))
+
+
+def _load_arrays(key: ScheduleKey) -> ScheduleArrays:
+    """The order ``key``'s file states (not a policy), evaluated as :func:`_load_source`
+    does but straight into int columns."""
+    params = _params(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
+    loaded = library.load_arrays(key.spec, **params)
+    if isinstance(loaded, Policy):
+        raise PlanError(f"{key.spec} states a policy, not an order")
+    return loaded
+
+
+def _checked_with_position(arrays: ScheduleArrays, objects: Callable[[], Schedule]) -> Checked:
+    """``checked(arrays)``; when it breaks a rule, the same check of the schedule's
+    objects (``objects()``) raises the error with the action's place in the file."""
+    try:
+        return checked(arrays)
+    except ScheduleInvalid as err:
+        checked(objects())
+        raise err from None
 
 
 def states_policy(spec: str) -> bool:
@@ -173,19 +201,17 @@ class Pipelines:
         return found
 
     def _evaluate(self, key: ScheduleKey) -> Schedule:
+        """``key``'s schedule as objects: a policy synthesised against the default cost
+        model, as :func:`load_pipeline` does; kept while it is among the most recent."""
         error = self._errors.get(key)
         if error is not None:
             raise error
         try:
             if self.is_policy(key.spec):
-                # The policy evaluated once (layout() may have read it already), synthesised
-                # against the default cost model as load_pipeline does.
+                # The policy evaluated once (layout() may have read it already).
                 schedule = synthesize(self.policy(key), CostModel())
             else:
                 schedule = load_pipeline(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
-            if key not in self._shapes:
-                layout = _Layout(schedule.num_stages, schedule.num_devices, schedule.placement)
-                self._shapes[key] = _Shape(layout, lower(schedule).arrays, checked(schedule).order)
         except PipedslError as err:
             self._errors[key] = err
             raise
@@ -236,9 +262,28 @@ class Pipelines:
     def _shape(self, key: ScheduleKey) -> _Shape:
         shape = self._shapes.get(key)
         if shape is None:
-            self._evaluate(key)
-            shape = self._shapes[key]
+            shape = self._shapes[key] = self._validated(key)
         return shape
+
+    def _validated(self, key: ScheduleKey) -> _Shape:
+        """``key``'s schedule validated and lowered to arrays. An order a file states is
+        evaluated straight into int columns (no object per action); only when it breaks
+        a rule is it evaluated again as objects, for the error's place in the file."""
+        error = self._errors.get(key)
+        if error is not None:
+            raise error
+        if self.is_policy(key.spec):
+            schedule: Schedule | ScheduleArrays = self.schedule(key)
+            found = checked(schedule)
+        else:
+            try:
+                schedule = _load_arrays(key)
+                found = _checked_with_position(schedule, lambda: self.schedule(key))
+            except PipedslError as err:
+                self._errors[key] = err
+                raise
+        layout = _Layout(schedule.num_stages, schedule.num_devices, schedule.placement)
+        return _Shape(layout, program_arrays(found.actions, found.upstream, schedule.placement), found.order)
 
     def peak_residual_bytes(self, key: ScheduleKey, residual: tuple[int, ...]) -> tuple[int, ...]:
         """Per device, the most activation bytes held at once, shape (D,), when one

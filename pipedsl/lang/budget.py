@@ -10,7 +10,7 @@ one evaluation, read by the compiled closures.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from pipedsl.errors import ScheduleEvalError, SourcePos
 from pipedsl.ir import Action, Kind
@@ -21,12 +21,17 @@ __all__ = [
     "COMPILE_BUDGET",
     "RAISE_THE_LIMIT",
     "WORK_PER_ACTION",
+    "Columns",
     "Run",
     "count",
     "no_output",
     "require_failed",
     "suggest",
 ]
+
+Columns = tuple[Sequence[Kind], Sequence[int], Sequence[int], Sequence[SourcePos | None]]
+"""A run of actions as four columns of one length: kinds, stages, microbatches and
+source positions."""
 
 #: Loop work allowed per allowed action: room for bodies that loop without emitting.
 WORK_PER_ACTION = 25
@@ -46,8 +51,10 @@ class Run:
     __slots__ = ("append", "extend", "actions_left", "work_left", "sole_stage", "device", "device_stages", "max_actions")
 
     def __init__(self, max_actions: int) -> None:
+        # Where a device body's actions go: one at a time, or a loop's as columns
+        # (kinds, stages, microbatches, source positions; see :data:`Columns`).
         self.append: Callable[[Action], None] = no_output
-        self.extend: Callable[[Iterable[Action]], None] = no_output
+        self.extend: Callable[[Columns], None] = no_output
         self.actions_left = max_actions
         self.work_left = WORK_PER_ACTION * max_actions
         self.sole_stage: int | None = None
@@ -84,7 +91,7 @@ class Run:
         )
 
 
-def no_output(action: Action | Iterable[Action]) -> None:
+def no_output(actions: Action | Columns) -> None:
     # Actions are statements, and statements exist only in device bodies, which set the
     # real sink before they run; this stands in between bodies so a misrouted action is
     # loud rather than lost.

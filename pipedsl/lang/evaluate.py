@@ -7,6 +7,10 @@ body or table rows). Expressions and ``on device`` bodies are compiled to Python
 by :mod:`pipedsl.lang.compile`, which also states the scoping rules inside function and device
 bodies and the bounds on an evaluation (``max_actions``, the work and compile budgets).
 
+The orders come out as :class:`~pipedsl.ir.Action` objects (:func:`evaluate`) or, for a
+caller that only validates and times the schedule, as int columns without them
+(:func:`evaluate_arrays`); the two differ in nothing else, errors included.
+
 Scoping at the schedule level, the rules a reader of a ``.sched`` file needs: parameters
 first, then bindings in source order; a binding may be given a new value later
 (``x = 1 ... x = x + 1``), a parameter may not. Names must be defined above their use; a
@@ -18,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from pipedsl.arrays import paused_collector
+from pipedsl.arrays import ScheduleArrays, paused_collector
 from pipedsl.errors import PipedslError, ScheduleEvalError, SourcePos, several
 from pipedsl.ir import Action, Schedule
 from pipedsl.lang import ast
@@ -34,11 +38,12 @@ from pipedsl.lang.budget import (
     suggest,
 )
 from pipedsl.lang.compile import ACTIONS, BUILTINS, Compiler
+from pipedsl.lang.orders import ActionCodes, ActionList, DeviceOutput, collected, most_microbatch
 from pipedsl.lang.policy import PolicySpec, compile_policy
 from pipedsl.lang.scope import Bindings, Env, Function, Local, names_used
 from pipedsl.policy import Policy
 
-__all__ = ["evaluate", "MAX_ACTIONS", "WORK_PER_ACTION", "COMPILE_BUDGET"]
+__all__ = ["evaluate", "evaluate_arrays", "MAX_ACTIONS", "WORK_PER_ACTION", "COMPILE_BUDGET"]
 
 T = TypeVar("T")
 
@@ -63,9 +68,10 @@ def _coerce_param(name: str, value: object, pos: SourcePos) -> int:
 
 
 class _Evaluator:
-    """Runs a schedule's items in order and assembles the Schedule."""
+    """Runs a schedule's items in order and assembles the Schedule (or, with ``objects``
+    False, its :class:`~pipedsl.arrays.ScheduleArrays`)."""
 
-    def __init__(self, module: ast.Module, *, max_actions: int, name: str | None = None) -> None:
+    def __init__(self, module: ast.Module, *, max_actions: int, name: str | None = None, objects: bool = True) -> None:
         self.sched = module.schedule
         self.label = name or module.schedule.name  # what messages call the schedule
         self.run = Run(max_actions)
@@ -79,7 +85,8 @@ class _Evaluator:
         self.param_names: set[str] = set()
         self.declared: dict[str, tuple[int, SourcePos]] = {}
         self.placement: tuple[int, ...] | None = None
-        self.orders: list[tuple[Action, ...]] | None = None
+        self.objects = objects
+        self.outputs: list[DeviceOutput] | None = None
         self.rows: dict[int, tuple[Action, ...]] = {}
         self.rows_pos: SourcePos | None = None
         self.errors: list[PipedslError] = []
@@ -283,7 +290,7 @@ class _Evaluator:
 
     def policy_block(self, item: ast.PolicyBlock) -> None:
         self._orders_pos_check(item.pos)
-        if self.orders is not None or self.rows or self.policy is not None:
+        if self.outputs is not None or self.rows or self.policy is not None:
             raise fail("a schedule has one `policy` block, or device orders, not both or several", item.pos)
         self._check_free(item.var, item.pos, "the device variable")
         devices = self.declared["devices"][0]
@@ -293,7 +300,7 @@ class _Evaluator:
         placement = self._orders_pos_check(item.pos)
         if self.policy is not None:
             raise fail("a schedule has a `policy` block or device orders, not both", item.pos)
-        if self.orders is not None or self.rows:
+        if self.outputs is not None or self.rows:
             raise fail(
                 "a schedule has one `on device` block, or table rows, not both or several",
                 item.pos,
@@ -310,11 +317,10 @@ class _Evaluator:
         for stage, device in enumerate(placement):
             held[device].append(stage)
         run = self.run
-        orders = []
+        outputs: list[DeviceOutput] = []
         for device in range(devices):
-            out: list[Action] = []
-            run.append = out.append
-            run.extend = out.extend
+            out = ActionList() if self.objects else ActionCodes()
+            run.append, run.extend = out.append, out.extend
             run.device = device
             run.device_stages = tuple(held[device])
             run.sole_stage = held[device][0] if len(held[device]) == 1 else None
@@ -327,13 +333,13 @@ class _Evaluator:
                 raise ScheduleEvalError(
                     f"{err.message} (evaluating {item.var} = {device})", pos=err.pos
                 ) from None
-            orders.append(tuple(out))
+            outputs.append(out)
         run.append = run.extend = no_output
-        self.orders = orders
+        self.outputs = outputs
 
     def table_row(self, item: ast.TableRow) -> None:
         self._orders_pos_check(item.pos)
-        if self.orders is not None:
+        if self.outputs is not None:
             raise fail("a schedule has one `on device` block, or table rows, not both", item.pos)
         if self.policy is not None:
             raise fail("a schedule has a `policy` block or device orders, not both", item.pos)
@@ -350,76 +356,54 @@ class _Evaluator:
         self.rows[item.device] = tuple(Action(c.kind, c.stage, c.microbatch, c.pos) for c in item.cells)
         self.rows_pos = self.rows_pos or item.pos
 
-    def finish(self, params: tuple[tuple[str, int], ...], name: str | None, source: str | None) -> Schedule | Policy:
+    def finish(
+        self, params: tuple[tuple[str, int], ...], name: str | None, source: str | None
+    ) -> Schedule | ScheduleArrays | Policy:
         sched = self.sched
         for what in ("stages", "devices"):
             if what not in self.declared:
                 raise fail(f"schedule {self.label} never declares `{what}`", sched.pos)
         if self.placement is None:
             raise fail(f"schedule {self.label} never declares `place`, as in `place s -> s`", sched.pos)
-        devices = self.declared["devices"][0]
+        name, stages, devices = name or sched.name, self.declared["stages"][0], self.declared["devices"][0]
+        if "microbatches" in self.declared:
+            stated: int | None = self.declared["microbatches"][0]
+        else:
+            stated = self.consts["microbatches"] if "microbatches" in self.param_names else None
         if self.policy is not None:
-            return self._policy(params, name, source)
-        if self.orders is None:
-            if not self.rows:
+            if stated is None:
                 raise fail(
-                    f"schedule {self.label} has neither an `on device` block nor table rows",
+                    f"a policy schedule states how many microbatches it has: declare `microbatches` in {sched.name}",
                     sched.pos,
                 )
-            missing = [d for d in range(devices) if d not in self.rows]
-            if missing:
-                raise fail(
-                    f"the table has no row for device {missing[0]}; write `device {missing[0]}:`"
-                    " (a row may be empty)",
-                    self.rows_pos or sched.pos,
-                )
-            self.orders = [self.rows[d] for d in range(devices)]
-        if "microbatches" in self.declared:
-            microbatches = self.declared["microbatches"][0]
-        elif "microbatches" in self.param_names:
-            microbatches = self.consts["microbatches"]
-        else:
-            microbatches = 1 + max((a.microbatch for order in self.orders for a in order), default=-1)
-        return Schedule(
-            name=name or sched.name,
-            num_stages=self.declared["stages"][0],
-            num_devices=devices,
-            num_microbatches=microbatches,
-            placement=self.placement,
-            orders=tuple(self.orders),
-            params=params,
-            source=source,
-        )
+            return self.policy.policy(
+                name=name, num_stages=stages, num_devices=devices, num_microbatches=stated,
+                placement=self.placement, params=params, source=source,
+            )  # fmt: skip
+        orders, actions = collected(self.outputs if self.outputs is not None else self._table(devices))
+        microbatches = stated if stated is not None else 1 + most_microbatch(orders, actions)
+        if orders is not None:
+            return Schedule(name, stages, devices, microbatches, self.placement, orders, params, source)
+        assert actions is not None  # collected gives one of the two
+        return ScheduleArrays(name, stages, devices, microbatches, self.placement, actions, params, source)
 
-
-    def _policy(self, params: tuple[tuple[str, int], ...], name: str | None, source: str | None) -> Policy:
-        spec = self.policy
-        assert spec is not None and self.placement is not None
-        if "microbatches" in self.declared:
-            microbatches = self.declared["microbatches"][0]
-        elif "microbatches" in self.param_names:
-            microbatches = self.consts["microbatches"]
-        else:
+    def _table(self, devices: int) -> list[DeviceOutput]:
+        """The table rows as every device's output."""
+        if not self.rows:
+            raise fail(f"schedule {self.label} has neither an `on device` block nor table rows", self.sched.pos)
+        missing = [d for d in range(devices) if d not in self.rows]
+        if missing:
             raise fail(
-                f"a policy schedule states how many microbatches it has: declare `microbatches` in {self.sched.name}",
-                self.sched.pos,
+                f"the table has no row for device {missing[0]}; write `device {missing[0]}:` (a row may be empty)",
+                self.rows_pos or self.sched.pos,
             )
-        return Policy(
-            name=name or self.sched.name,
-            num_stages=self.declared["stages"][0],
-            num_devices=self.declared["devices"][0],
-            num_microbatches=microbatches,
-            placement=self.placement,
-            split_backward=spec.split_backward,
-            max_inflight=spec.max_inflight,
-            max_activation_bytes=spec.max_activation_bytes,
-            priority=spec.priority,
-            idle_w=spec.idle_w,
-            warmup=spec.warmup,
-            params=params,
-            source=source,
-            positions=spec.positions,
-        )
+        outputs: list[DeviceOutput] = []
+        for d in range(devices):
+            out = ActionList() if self.objects else ActionCodes()
+            for action in self.rows[d]:
+                out.append(action)
+            outputs.append(out)
+        return outputs
 
 
 def _placeholder(fr: Frame) -> int:
@@ -448,21 +432,38 @@ def evaluate(
     :mod:`pipedsl.lang.policy`), which the simulator synthesises into a Schedule. Raises
     ScheduleEvalError, with the position of the offending node.
     """
-    evaluator = _Evaluator(module, max_actions=max_actions, name=name)
+    found = _run(_Evaluator(module, max_actions=max_actions, name=name), module, params, name, source)
+    assert not isinstance(found, ScheduleArrays)  # an evaluator that makes objects
+    return found
+
+
+def evaluate_arrays(
+    module: ast.Module,
+    *,
+    params: Mapping[str, object] | None = None,
+    name: str | None = None,
+    source: str | None = None,
+    max_actions: int = MAX_ACTIONS,
+) -> ScheduleArrays | Policy:
+    """:func:`evaluate`, the actions made straight into int columns (no :class:`Action`,
+    so no source position each), for a caller that only validates and times; the same errors."""
+    found = _run(_Evaluator(module, max_actions=max_actions, name=name, objects=False), module, params, name, source)
+    assert not isinstance(found, Schedule)  # an evaluator that makes columns
+    return found
+
+
+def _run(evaluator: _Evaluator, module: ast.Module, params: Mapping[str, object] | None, name: str | None,
+         source: str | None) -> Schedule | ScheduleArrays | Policy:  # fmt: skip
     try:
         for function in module.functions:
             evaluator.attempt(evaluator.define, function)
         values = evaluator.parameters(params or {})
-        with paused_collector():  # device bodies make an object per action
+        with paused_collector():  # device bodies make many small objects
             for item in module.schedule.items:
                 evaluator.attempt(evaluator.item, item)
     except RecursionError:
-        evaluator.errors.append(
-            fail(
-                "the schedule nests too deeply to evaluate; split long expressions with local bindings",
-                module.schedule.pos,
-            )
-        )
+        nested = "the schedule nests too deeply to evaluate; split long expressions with local bindings"
+        evaluator.errors.append(fail(nested, module.schedule.pos))
     if evaluator.errors:
         raise several(evaluator.errors)
     return evaluator.finish(values, name, source)

@@ -25,6 +25,7 @@ from pipedsl.lang import ast
 from pipedsl.lang.arith import INT_MAX, INT_MIN, fail, lift, overflow
 from pipedsl.lang.compile import Compiler
 from pipedsl.lang.scope import Env, Local
+from pipedsl.policy import Policy
 
 __all__ = ["PolicySpec", "compile_policy"]
 
@@ -40,6 +41,35 @@ class PolicySpec:
     idle_w: bool
     warmup: tuple[int, ...] | None
     positions: tuple[tuple[str, SourcePos], ...]
+
+    def policy(
+        self,
+        *,
+        name: str,
+        num_stages: int,
+        num_devices: int,
+        num_microbatches: int,
+        placement: tuple[int, ...],
+        params: tuple[tuple[str, int], ...],
+        source: str | None,
+    ) -> Policy:
+        """The :class:`Policy` these statements state for a schedule of this shape."""
+        return Policy(
+            name=name,
+            num_stages=num_stages,
+            num_devices=num_devices,
+            num_microbatches=num_microbatches,
+            placement=placement,
+            split_backward=self.split_backward,
+            max_inflight=self.max_inflight,
+            max_activation_bytes=self.max_activation_bytes,
+            priority=self.priority,
+            idle_w=self.idle_w,
+            warmup=self.warmup,
+            params=params,
+            source=source,
+            positions=self.positions,
+        )
 
 
 def compile_policy(block: ast.PolicyBlock, *, compiler: Compiler, env: Env, devices: int) -> PolicySpec:

@@ -25,7 +25,6 @@ from itertools import compress
 
 import numpy as np
 
-from pipedsl.arrays import make_actions
 from pipedsl.errors import SourcePos
 from pipedsl.ir import Kind
 from pipedsl.lang import ast
@@ -281,7 +280,7 @@ class VectorLoop:
         count = len(stage_list)
         if count > run.actions_left:
             return False
-        run.extend(make_actions(kinds, stage_list, mb_list, poses))
+        run.extend((kinds, stage_list, mb_list, poses))
         run.actions_left -= count
         return True
 

@@ -12,9 +12,11 @@ import pandas as pd
 import pytest
 
 from pipedsl.cli import plan as plan_cli
+from pipedsl.errors import ScheduleInvalid
 from pipedsl.library import library_path
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.hardware import Model, load_cluster
+from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.search import COLUMNS, candidate_plans, search, search_plans, summarize
 
@@ -157,3 +159,36 @@ def test_search_plans_are_the_rows_of_the_search(frame: pd.DataFrame) -> None:
     assert all(dataclasses.is_dataclass(p) and p.plan.dp == p.dp for p in ranked)
     with pytest.raises(dataclasses.FrozenInstanceError):
         ranked[0].rank = 2  # type: ignore[misc]
+
+
+_BROKEN = """\
+schedule broken(pp = 2, microbatches = 2) {
+  stages pp
+  devices pp
+  microbatches microbatches
+  place s -> s
+  on device d {
+    for m in 0 .. microbatches {
+      if d == 1 { B(m) }
+      F(m)
+      if d == 0 { B(m) }
+    }
+  }
+}
+"""
+
+
+def test_a_search_shape_that_breaks_a_rule_names_its_place_in_the_file(tmp_path: Path) -> None:
+    """The search reads a shape's order as int columns; a broken rule is reported from
+    the objects, with the action's line."""
+    path = tmp_path / "broken.sched"
+    path.write_text(_BROKEN)
+    pipelines = Pipelines(keep_simulations=False)
+    key = ScheduleKey(str(path), 2, 0, 2)
+    with pytest.raises(ScheduleInvalid) as caught:
+        pipelines.layout(key)
+    assert caught.value.pos is not None and caught.value.pos.file == str(path) and caught.value.pos.line == 8
+    # The error is kept: asking again raises the same one.
+    with pytest.raises(ScheduleInvalid) as again:
+        pipelines.layout(key)
+    assert again.value is caught.value

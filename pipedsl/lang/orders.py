@@ -1,0 +1,73 @@
+"""Where a device body's actions go as it runs: :class:`~pipedsl.ir.Action` objects, or
+int columns without them.
+
+The compiled closures hand the evaluator's :class:`~pipedsl.lang.budget.Run` one action at
+a time (``append``) and a vectorised loop's actions as columns (``extend``). An
+:class:`ActionList` keeps objects, with their source positions, for a
+:class:`~pipedsl.ir.Schedule`; an :class:`ActionCodes` keeps only kind codes, stages and
+microbatches, for a :class:`~pipedsl.arrays.ScheduleArrays` (the plan search evaluates
+thousands of shapes and never needs the objects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipedsl.arrays import KIND_CODE, ActionArrays, make_actions
+from pipedsl.ir import Action
+from pipedsl.lang.budget import Columns
+
+__all__ = ["ActionCodes", "ActionList", "DeviceOutput", "collected", "most_microbatch"]
+
+
+class ActionList:
+    """One device's actions as :class:`Action` objects, in order."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.append = self.actions.append
+
+    def extend(self, columns: Columns) -> None:
+        self.actions.extend(make_actions(*columns))
+
+
+class ActionCodes:
+    """One device's actions as int columns (kind code, stage, microbatch), in order."""
+
+    def __init__(self) -> None:
+        self.kinds: list[int] = []
+        self.stages: list[int] = []
+        self.microbatches: list[int] = []
+
+    def append(self, action: Action) -> None:
+        self.kinds.append(KIND_CODE[action.kind])
+        self.stages.append(action.stage)
+        self.microbatches.append(action.microbatch)
+
+    def extend(self, columns: Columns) -> None:
+        kinds, stages, microbatches, _ = columns
+        self.kinds.extend(map(KIND_CODE.__getitem__, kinds))
+        self.stages.extend(stages)
+        self.microbatches.extend(microbatches)
+
+
+DeviceOutput = ActionList | ActionCodes
+
+
+def collected(outputs: Sequence[DeviceOutput]) -> tuple[tuple[tuple[Action, ...], ...] | None, ActionArrays | None]:
+    """Every device's output, one kind for all: (the orders, None) from :class:`ActionList`\\ s,
+    (None, their columns) from :class:`ActionCodes`."""
+    lists = [out for out in outputs if isinstance(out, ActionList)]
+    if len(lists) == len(outputs):
+        return tuple(tuple(out.actions) for out in lists), None
+    codes = [out for out in outputs if isinstance(out, ActionCodes)]
+    assert len(codes) == len(outputs)  # an evaluation makes one kind
+    return None, ActionArrays.of_columns([o.kinds for o in codes], [o.stages for o in codes], [o.microbatches for o in codes])
+
+
+def most_microbatch(orders: tuple[tuple[Action, ...], ...] | None, actions: ActionArrays | None) -> int:
+    """The largest microbatch index in what :func:`collected` gave; -1 when there is no action."""
+    if orders is not None:
+        return max((a.microbatch for order in orders for a in order), default=-1)
+    assert actions is not None
+    return int(actions.microbatch.max(initial=-1))
