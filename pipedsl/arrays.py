@@ -64,16 +64,12 @@ class ActionArrays:
     @classmethod
     def of_orders(cls, orders: Sequence[Sequence[Action]]) -> ActionArrays:
         """The columns of per-device orders of actions (one pass over the objects)."""
-        lengths = np.fromiter((len(o) for o in orders), dtype=np.int64, count=len(orders))
-        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         flat = list(chain.from_iterable(orders))
         count = len(flat)
         kind = np.fromiter(map(KIND_CODE.__getitem__, map(_kind, flat)), dtype=np.int8, count=count)
         stage = np.fromiter(map(_stage, flat), dtype=np.int64, count=count)
         microbatch = np.fromiter(map(_microbatch, flat), dtype=np.int64, count=count)
-        device = np.repeat(np.arange(len(orders), dtype=np.int64), lengths)
-        position = np.arange(count, dtype=np.int64) - np.repeat(bounds[:-1], lengths)
-        return cls(kind, stage, microbatch, device, position, bounds)
+        return cls._device_by_device(kind, stage, microbatch, list(map(len, orders)))
 
     @classmethod
     def of_columns(
@@ -81,14 +77,21 @@ class ActionArrays:
     ) -> ActionArrays:
         """The columns of per-device lists of kind codes, stages and microbatches (device
         d's actions in order are ``kinds[d]``, ``stages[d]``, ``microbatches[d]``)."""
-        lengths = np.fromiter(map(len, stages), dtype=np.int64, count=len(stages))
-        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        count = int(bounds[-1])
+        count = sum(map(len, stages))
         kind = np.fromiter(chain.from_iterable(kinds), dtype=np.int8, count=count)
         stage = np.fromiter(chain.from_iterable(stages), dtype=np.int64, count=count)
         microbatch = np.fromiter(chain.from_iterable(microbatches), dtype=np.int64, count=count)
-        device = np.repeat(np.arange(len(stages), dtype=np.int64), lengths)
-        position = np.arange(count, dtype=np.int64) - np.repeat(bounds[:-1], lengths)
+        return cls._device_by_device(kind, stage, microbatch, list(map(len, stages)))
+
+    @classmethod
+    def _device_by_device(
+        cls, kind: np.ndarray, stage: np.ndarray, microbatch: np.ndarray, lengths: list[int]
+    ) -> ActionArrays:
+        """The flat columns of every device's actions in turn, device d's ``lengths[d]`` long."""
+        counts = np.array(lengths, dtype=np.int64)
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        device = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
+        position = np.arange(len(kind), dtype=np.int64) - np.repeat(bounds[:-1], counts)
         return cls(kind, stage, microbatch, device, position, bounds)
 
     @classmethod
