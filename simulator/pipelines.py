@@ -2,8 +2,10 @@
 
 A plan with ``pp > 1`` runs a schedule (a library name such as ``1f1b`` or a ``.sched``
 file) evaluated with the plan's ``pp``, ``microbatches`` and (when it takes one) ``vpp``:
-a *shape* (:class:`ScheduleKey`). :class:`Pipelines` evaluates each shape once, validates
-and lowers it to int arrays once, and answers every question a plan asks of it from
+a *shape* (:class:`ScheduleKey`). :class:`Pipelines` evaluates each shape once, straight
+into int columns (:func:`pipedsl.library.load_arrays`: no object per action, unless a
+broken rule needs its place in the file), validates and lowers those once, and answers
+every question a plan asks of it from
 those arrays: peak memory and a lower bound on the time (:mod:`pipedsl.analysis`), once
 per distinct residual bytes and stage seconds, and the time itself under each cost model
 (:func:`pipedsl.simulator.engine.step_timing`), once per distinct cost model. A policy
@@ -272,16 +274,16 @@ class Pipelines:
         error = self._errors.get(key)
         if error is not None:
             raise error
-        if self.is_policy(key.spec):
-            schedule: Schedule | ScheduleArrays = self.schedule(key)
-            found = checked(schedule)
-        else:
-            try:
+        try:
+            if self.is_policy(key.spec):
+                schedule: Schedule | ScheduleArrays = self.schedule(key)
+                found = checked(schedule)
+            else:
                 schedule = _load_arrays(key)
                 found = _checked_with_position(schedule, lambda: self.schedule(key))
-            except PipedslError as err:
-                self._errors[key] = err
-                raise
+        except PipedslError as err:
+            self._errors[key] = err
+            raise
         layout = _Layout(schedule.num_stages, schedule.num_devices, schedule.placement)
         return _Shape(layout, program_arrays(found.actions, found.upstream, schedule.placement), found.order)
 
