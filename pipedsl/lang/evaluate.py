@@ -380,7 +380,8 @@ class _Evaluator:
                 name=name, num_stages=stages, num_devices=devices, num_microbatches=stated,
                 placement=self.placement, params=params, source=source,
             )  # fmt: skip
-        orders, actions = collected(self.outputs if self.outputs is not None else self._table(devices))
+        outputs = self.outputs if self.outputs is not None else self._table(devices)
+        orders, actions = collected(outputs, objects=self.objects)
         microbatches = stated if stated is not None else 1 + most_microbatch(orders, actions)
         if orders is not None:
             return Schedule(name, stages, devices, microbatches, self.placement, orders, params, source)

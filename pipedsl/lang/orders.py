@@ -54,14 +54,14 @@ class ActionCodes:
 DeviceOutput = ActionList | ActionCodes
 
 
-def collected(outputs: Sequence[DeviceOutput]) -> tuple[tuple[tuple[Action, ...], ...] | None, ActionArrays | None]:
-    """Every device's output, one kind for all: (the orders, None) from :class:`ActionList`\\ s,
-    (None, their columns) from :class:`ActionCodes`."""
-    lists = [out for out in outputs if isinstance(out, ActionList)]
-    if len(lists) == len(outputs):
-        return tuple(tuple(out.actions) for out in lists), None
+def collected(
+    outputs: Sequence[DeviceOutput], *, objects: bool
+) -> tuple[tuple[tuple[Action, ...], ...] | None, ActionArrays | None]:
+    """Every device's output, all of the kind ``objects`` says: (the orders, None) from
+    :class:`ActionList`\\ s, (None, their columns) from :class:`ActionCodes`."""
+    if objects:
+        return tuple(tuple(out.actions) for out in outputs if isinstance(out, ActionList)), None
     codes = [out for out in outputs if isinstance(out, ActionCodes)]
-    assert len(codes) == len(outputs)  # an evaluation makes one kind
     return None, ActionArrays.of_columns([o.kinds for o in codes], [o.stages for o in codes], [o.microbatches for o in codes])
 
 
