@@ -195,7 +195,7 @@ class _Trial:
     def __init__(self, run: Run, *, backend: Any) -> None:
         import optax
 
-        self.schedule, self.plan, self.backend = run.schedule, run.plan, backend
+        self.run, self.backend = run, backend
         self.pipe, self.state, self.batch = _pipeline(run.schedule, run.microbatch_size, backend, run.plan)
         try:
             self.optimizer = optax.adam(3e-3)
@@ -234,9 +234,10 @@ class _Trial:
 
     def result(self) -> Measurement:
         """The prediction against the median of the timed steps (at least one)."""
-        label = _label(self.schedule) if self.plan is None else self.plan.label()
+        plan = self.run.plan
+        label = _label(self.run.schedule) if plan is None else plan.label()
         return Measurement(
-            plan=self.plan,
+            plan=plan,
             label=label,
             costs=self.costs,
             predicted_s=self.simulated.makespan + self.outside_s,

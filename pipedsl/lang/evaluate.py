@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from pipedsl.arrays import ScheduleArrays, paused_collector
+from pipedsl.arrays import ActionArrays, ScheduleArrays, paused_collector
 from pipedsl.errors import PipedslError, ScheduleEvalError, SourcePos, several
 from pipedsl.ir import Action, Schedule
 from pipedsl.lang import ast
@@ -381,12 +381,11 @@ class _Evaluator:
                 placement=self.placement, params=params, source=source,
             )  # fmt: skip
         outputs = self.outputs if self.outputs is not None else self._table(devices)
-        orders, actions = collected(outputs, objects=self.objects)
-        microbatches = stated if stated is not None else 1 + most_microbatch(orders, actions)
-        if orders is not None:
-            return Schedule(name, stages, devices, microbatches, self.placement, orders, params, source)
-        assert actions is not None  # collected gives one of the two
-        return ScheduleArrays(name, stages, devices, microbatches, self.placement, actions, params, source)
+        found = collected(outputs, objects=self.objects)
+        microbatches = stated if stated is not None else 1 + most_microbatch(found)
+        if isinstance(found, ActionArrays):
+            return ScheduleArrays(name, stages, devices, microbatches, self.placement, found, params, source)
+        return Schedule(name, stages, devices, microbatches, self.placement, found, params, source)
 
     def _table(self, devices: int) -> list[DeviceOutput]:
         """The table rows as every device's output."""

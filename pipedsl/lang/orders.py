@@ -17,7 +17,7 @@ from pipedsl.arrays import KIND_CODE, ActionArrays, make_actions
 from pipedsl.ir import Action
 from pipedsl.lang.budget import Columns
 
-__all__ = ["ActionCodes", "ActionList", "DeviceOutput", "collected", "most_microbatch"]
+__all__ = ["ActionCodes", "ActionList", "DeviceOutput", "Orders", "collected", "most_microbatch"]
 
 
 class ActionList:
@@ -52,22 +52,21 @@ class ActionCodes:
 
 
 DeviceOutput = ActionList | ActionCodes
+Orders = tuple[tuple[Action, ...], ...]
+"""Every device's actions as objects, in order."""
 
 
-def collected(
-    outputs: Sequence[DeviceOutput], *, objects: bool
-) -> tuple[tuple[tuple[Action, ...], ...] | None, ActionArrays | None]:
-    """Every device's output, all of the kind ``objects`` says: (the orders, None) from
-    :class:`ActionList`\\ s, (None, their columns) from :class:`ActionCodes`."""
+def collected(outputs: Sequence[DeviceOutput], *, objects: bool) -> Orders | ActionArrays:
+    """Every device's output, all of the kind ``objects`` says: the orders from
+    :class:`ActionList`\\ s, their columns from :class:`ActionCodes`."""
     if objects:
-        return tuple(tuple(out.actions) for out in outputs if isinstance(out, ActionList)), None
+        return tuple(tuple(out.actions) for out in outputs if isinstance(out, ActionList))
     codes = [out for out in outputs if isinstance(out, ActionCodes)]
-    return None, ActionArrays.of_columns([o.kinds for o in codes], [o.stages for o in codes], [o.microbatches for o in codes])
+    return ActionArrays.of_columns([o.kinds for o in codes], [o.stages for o in codes], [o.microbatches for o in codes])
 
 
-def most_microbatch(orders: tuple[tuple[Action, ...], ...] | None, actions: ActionArrays | None) -> int:
+def most_microbatch(found: Orders | ActionArrays) -> int:
     """The largest microbatch index in what :func:`collected` gave; -1 when there is no action."""
-    if orders is not None:
-        return max((a.microbatch for order in orders for a in order), default=-1)
-    assert actions is not None
-    return int(actions.microbatch.max(initial=-1))
+    if isinstance(found, ActionArrays):
+        return int(found.microbatch.max(initial=-1))
+    return max((a.microbatch for order in found for a in order), default=-1)
