@@ -14,202 +14,46 @@ schedule's best. Each (schedule, pp, vpp, microbatches) is evaluated once and lo
 most once while it is needed (:class:`~pipedsl.simulator.plan.Pipelines`), and plans
 that differ only in what the pipeline does not see (ZeRO 0 or 1) share one simulation.
 
-Enumeration, for ``gpus`` GPUs and a global batch B:
-
-- tensor-parallel degrees: powers of two up to the GPUs per node (tensor parallelism
-  stays on NVLink) that divide the heads and the feed-forward width;
-- pipeline degrees: divisors of ``gpus`` from 2 up, with ``pp × vpp`` dividing the layers;
-- virtual stages: ``vpp_sizes`` (2, 3, 4, 6, 8) for schedules with a ``vpp``
-  parameter (vpp = 1 is 1F1B's or GPipe's plan); what the schedule places otherwise;
-- microbatch sizes: divisors of B/dp up to ``max_microbatch_size``;
-- ZeRO: 0–3 for SPMD; 0 and 1 for pipelines (ZeRO 2 and 3 communicate every microbatch,
-  which a pipeline of many microbatches multiplies);
-- recomputation: none, selective, full (selective is left out with FlashAttention,
-  where it is the same plan as none).
+The plans tried are :func:`~pipedsl.simulator.candidates.candidate_plans`. The SPMD
+plans and each schedule's plans are ranked apart (a pipeline plan is pruned only against
+its own schedule's best), in worker processes for a large search
+(:mod:`~pipedsl.simulator.workers`), with the same ranking either way.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipedsl import library
 from pipedsl.arrays import paused_collector
 from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleInvalid
+from pipedsl.simulator.candidates import candidate_plans, default_global_batch, searched_schedules
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared
 from pipedsl.simulator.explain import Explanation
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines
-from pipedsl.simulator.plan import Plan, PlanError, Recompute
-from pipedsl.simulator.policy_plans import prepare_plan
+from pipedsl.simulator.plan import Plan, PlanError
+from pipedsl.simulator.policy_plans import prepare_plan, takes_limit
 from pipedsl.simulator.ranked import COLUMNS, RankedPlan, Summary, describe, summarize
+from pipedsl.simulator.workers import Advance, available_cores, run_in_workers
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["search", "search_plans", "RankedPlan", "candidate_plans", "Summary", "summarize", "describe", "default_global_batch", "COLUMNS"]
-
-DEFAULT_TOKENS_PER_STEP = 2**22
-"""Tokens per step when no global batch is given: 4 Mi tokens (GPT-3 used 3.1 M)."""
+__all__ = ["search", "search_plans", "RankedPlan", "candidate_plans", "Summary", "summarize", "describe", "default_global_batch", "COLUMNS", "DEFAULT_PRUNE", "PARALLEL_FROM"]
 
 Progress = Callable[[str, int, int], None]
-"""Called with (phase, plans done, plans in the phase) as the search goes."""
+"""Called with (phase, plans done, plans in all) as the search goes: phase ``"costing"``
+and ``"simulating"``."""
 
 DEFAULT_PRUNE = 1.25
 """Pipeline plans whose lower bound exceeds this factor times their schedule's best step
 time are not simulated."""
-
-
-def default_global_batch(model: Model) -> int:
-    """Sequences per step for about 4 Mi tokens: ``2**22 // seq_len`` (at least 1)."""
-    return max(DEFAULT_TOKENS_PER_STEP // model.seq_len, 1)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_sizes(model: Model, cluster: Cluster, gpus: int) -> list[int]:
-    sizes = []
-    t = 1
-    while t <= min(cluster.gpus_per_node, gpus):
-        if gpus % t == 0 and model.heads % t == 0 and model.ffn_hidden % t == 0:
-            sizes.append(t)
-        t *= 2
-    return sizes
-
-
-@dataclass(frozen=True, slots=True)
-class _Schedule:
-    """A schedule to try: how plans name it, and whether it takes a ``vpp`` parameter."""
-
-    spec: str
-    takes_vpp: bool
-
-
-def _schedules(schedules: Sequence[str] | None, extra: Sequence[str | Path]) -> list[_Schedule]:
-    """The schedules to try. Library schedules without ``pp`` and ``microbatches``
-    parameters (fixed tables) are left out; a named one without them is an error."""
-    named = [str(p) for p in extra] + ([] if schedules is None else list(schedules))
-    shipped = [] if schedules is not None else [n for n in library.library_schedules() if n not in named]
-    found = []
-    for spec in dict.fromkeys(shipped + named):
-        params = library.parameters(spec)
-        if "pp" not in params or "microbatches" not in params:
-            if spec in shipped:
-                continue
-            takes = ", ".join(params) or "no parameters"
-            raise PlanError(f"schedule {spec}: the search sets pp and microbatches, but it takes {takes}")
-        found.append(_Schedule(spec, "vpp" in params))
-    return found
-
-
-def candidate_plans(
-    model: Model,
-    cluster: Cluster,
-    gpus: int,
-    *,
-    global_batch: int,
-    schedules: Sequence[str] | None = None,
-    extra_schedules: Sequence[str | Path] = (),
-    max_microbatch_size: int = 16,
-    vpp_sizes: Sequence[int] = (2, 3, 4, 6, 8),
-    spmd_zero: Sequence[int] = (0, 1, 2, 3),
-    pipeline_zero: Sequence[int] = (0, 1),
-    recompute: Sequence[Recompute | str] = tuple(Recompute),
-    flash_attention: bool = True,
-    dp_overlap: float = 1.0,
-    reduce_bytes: int = 4,
-    skipped: Counter[tuple[str, int]] | None = None,
-) -> Iterator[Plan]:
-    """Every plan the search tries (see the module docstring), SPMD plans first.
-
-    A schedule that takes no ``vpp`` is offered with ``vpp = 1``; the search asks the
-    schedule itself how many stages it places per device (ZB-V places two). ``skipped``,
-    when given, counts the combinations left out by (rule, the value that broke it).
-    """
-    skip: Counter[tuple[str, int]] = Counter() if skipped is None else skipped
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise PlanError(f"search: gpus must be a whole number >= 1, got {gpus!r}")
-    modes = [Recompute(r) for r in recompute]
-    if flash_attention:
-        # FlashAttention never stores the scores selective recomputation would drop, so
-        # selective is the same plan as none.
-        modes = [r for r in modes if r is not Recompute.SELECTIVE] or [Recompute.NONE]
-    common: dict[str, Any] = {
-        "global_batch": global_batch,
-        "flash_attention": flash_attention,
-        "dp_overlap": dp_overlap,
-        "reduce_bytes": reduce_bytes,
-    }
-    space = _Space(tuple(_tp_sizes(model, cluster, gpus)), tuple(modes), global_batch, max_microbatch_size, skip)
-    yield from _spmd_plans(space, gpus, spmd_zero, common)
-    found = _schedules(schedules, extra_schedules)
-    yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common)
-
-
-@dataclass(frozen=True, slots=True)
-class _Space:
-    """What every part of the enumeration shares: the tensor-parallel sizes and
-    recomputation modes to try, the batch and the largest microbatch, and the counter
-    of combinations left out."""
-
-    tps: tuple[int, ...]
-    modes: tuple[Recompute, ...]
-    global_batch: int
-    max_microbatch_size: int
-    skip: Counter[tuple[str, int]]
-
-    def microbatch_sizes(self, dp: int) -> list[int]:
-        """Microbatch sizes that split the batch evenly over ``dp`` replicas."""
-        if self.global_batch % dp:
-            self.skip[f"global batch {self.global_batch} is not a multiple of dp", dp] += 1
-            return []
-        return [b for b in _divisors(self.global_batch // dp) if b <= self.max_microbatch_size]
-
-
-def _spmd_plans(space: _Space, gpus: int, spmd_zero: Sequence[int], common: dict[str, Any]) -> Iterator[Plan]:
-    for tp in space.tps:
-        dp = gpus // tp
-        for b in space.microbatch_sizes(dp):
-            for zero in spmd_zero:
-                for mode in space.modes:
-                    yield Plan(dp=dp, tp=tp, pp=1, microbatch_size=b, zero=zero, recompute=mode, **common)
-
-
-def _pipeline_plans(
-    space: _Space,
-    model: Model,
-    gpus: int,
-    found: list[_Schedule],
-    vpp_sizes: Sequence[int],
-    pipeline_zero: Sequence[int],
-    common: dict[str, Any],
-) -> Iterator[Plan]:
-    for pp in _divisors(gpus)[1:]:
-        if pp > model.layers:
-            space.skip[f"pp exceeds the {model.layers} layers", pp] += 1
-            break
-        for tp in space.tps:
-            if gpus % (pp * tp):
-                continue
-            dp = gpus // (pp * tp)
-            for b in space.microbatch_sizes(dp):
-                for sched in found:
-                    for vpp in vpp_sizes if sched.takes_vpp else (1,):
-                        if model.layers % (pp * vpp):
-                            space.skip[f"{model.layers} layers do not split over pp × vpp", pp * vpp] += 1
-                            continue
-                        for zero in pipeline_zero:
-                            for mode in space.modes:
-                                yield Plan(
-                                    dp=dp, tp=tp, pp=pp, vpp=vpp, microbatch_size=b, zero=zero,
-                                    recompute=mode, schedule=sched.spec, **common,
-                                )  # fmt: skip
 
 
 def _with_schedule_vpp(plan: Plan, pipelines: Pipelines) -> Plan:
@@ -241,6 +85,7 @@ def search(
     top: int | None = None,
     prune: float | None = DEFAULT_PRUNE,
     progress: Progress | None = None,
+    jobs: int | None = None,
     **space: Any,
 ) -> pd.DataFrame:
     """Rank every plan for ``model`` on ``gpus`` GPUs of ``cluster`` by step time.
@@ -260,14 +105,18 @@ def search(
       extra_schedules: more ``.sched`` files to try besides.
       top: keep only the best ``top`` rows.
       prune: the factor above (default :data:`DEFAULT_PRUNE`), or None.
-      progress: called with (phase, done, total), phase ``"costing"`` then ``"simulating"``.
+      progress: called with (phase, plans done, plans in all), phase ``"costing"`` and
+        ``"simulating"`` (a schedule's plans count as simulated once it is ranked).
+      jobs: processes ranking schedules at once, the same ranking for any number; by
+        default one per core from :data:`PARALLEL_FROM` pipeline plans, else 1 (this one).
       **space: options of :func:`candidate_plans` (``max_microbatch_size``,
         ``vpp_sizes``, ``spmd_zero``, ``pipeline_zero``, ``recompute``,
         ``flash_attention``, ``dp_overlap``, ``reduce_bytes``).
 
     Returns a DataFrame with :data:`COLUMNS`, best first. ``attrs`` holds ``considered``
     (plans tried), ``dropped`` (a dict from reason to count), ``simulations`` (distinct
-    pipeline simulations run), ``seconds`` (wall time), ``model``, ``cluster``,
+    pipeline simulations run), ``seconds`` (wall time), ``processes`` (that ranked the
+    plans, this one included when 1), ``model``, ``cluster``,
     ``gpus``, ``global_batch`` and ``explanation`` (an
     :class:`~pipedsl.simulator.explain.Explanation` of what removed plans and why). :func:`search_plans` gives the same ranking as frozen
     :class:`RankedPlan` records.
@@ -276,7 +125,7 @@ def search(
 
     ranked, attrs = _search(
         model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
-        prune=prune, progress=progress, **space,
+        prune=prune, progress=progress, jobs=jobs, **space,
     )  # fmt: skip
     frame = pd.DataFrame([p.row() for p in ranked], columns=list(COLUMNS))
     if not ranked:
@@ -298,13 +147,14 @@ def search_plans(
     top: int | None = None,
     prune: float | None = DEFAULT_PRUNE,
     progress: Progress | None = None,
+    jobs: int | None = None,
     **space: Any,
 ) -> tuple[RankedPlan, ...]:
     """:func:`search`'s ranking, best first, as frozen :class:`RankedPlan` records
     (the same arguments; ``top`` keeps the best ``top``)."""
     ranked, _ = _search(
         model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
-        prune=prune, progress=progress, **space,
+        prune=prune, progress=progress, jobs=jobs, **space,
     )  # fmt: skip
     return ranked if top is None else ranked[:top]
 
@@ -319,6 +169,7 @@ def _search(
     extra_schedules: Sequence[str | Path],
     prune: float | None,
     progress: Progress | None,
+    jobs: int | None,
     **space: Any,
 ) -> tuple[tuple[RankedPlan, ...], dict[str, Any]]:
     """The ranking and what :func:`search` puts in ``attrs``."""
@@ -326,6 +177,8 @@ def _search(
     cluster = load_cluster(cluster)
     if prune is not None and not prune >= 1.0:
         raise PlanError(f"search: prune must be a factor >= 1 (or None to simulate everything), got {prune!r}")
+    if jobs is not None and (type(jobs) is not int or jobs < 1):
+        raise PlanError(f"search: jobs must be a whole number >= 1 (or None for one per core), got {jobs!r}")
     batch = default_global_batch(model) if global_batch is None else global_batch
     if type(batch) is not int or batch < 1:
         raise PlanError(f"search: global_batch must be a whole number >= 1, got {batch!r}")
@@ -337,20 +190,20 @@ def _search(
             skipped=skipped, **space,
         )
     )  # fmt: skip
-    # Plans are costed grouped by evaluated schedule, so few schedule objects need to be
-    # held at once; every shape's lowered arrays are kept for the simulations.
-    pipelines = Pipelines(keep_simulations=False, max_schedules=32)
-    dropped: Counter[str] = Counter()
-    with paused_collector():
-        prepared = _cost(model, cluster, plans, pipelines, dropped, progress)
-        # A stable sort: plans of equal step time keep the order they were finished in.
-        finished = sorted(_simulate(prepared, prune, dropped, progress), key=lambda e: e.step_time_s)
+    done = _Tally(len(plans), progress)
+    split = _parts(plans)
+    processes = _processes(jobs, split)
+    parts = _rank_parts(model, cluster, split, prune, processes=processes, advance=done.advance)
+    # A stable sort: plans of equal step time keep the order they were finished in.
+    finished = sorted(chain.from_iterable(part.finished for part in parts), key=lambda e: e.step_time_s)
+    dropped: Counter[str] = sum((part.dropped for part in parts), Counter())
     ranked = tuple(RankedPlan.of(rank, e) for rank, e in enumerate(finished, start=1))
     attrs = dict(
         considered=len(plans),
         dropped=dict(dropped),
-        simulations=pipelines.num_simulations,
+        simulations=sum(part.simulations for part in parts),
         seconds=time.perf_counter() - started,
+        processes=processes,
         model=model.name,
         cluster=cluster.name,
         gpus=gpus,
@@ -360,11 +213,103 @@ def _search(
             ranked=len(ranked),
             skipped=skipped,
             dropped=dropped,
-            schedules=[_schedule_label(s.spec) for s in _schedules(schedules, extra_schedules)],
+            schedules=[_schedule_label(s.spec) for s in searched_schedules(schedules, extra_schedules)],
             ranked_schedules=sorted({_schedule_label(e.plan.schedule) for e in finished if e.plan.schedule}),
         ),
     )
     return ranked, attrs
+
+
+PARALLEL_FROM = 4000
+"""Pipeline plans from which a search ranks its schedules in worker processes by default.
+Below it, starting the workers (about a third of a second each on a 2-core machine)
+costs about what they save: there, ``demo-small`` on 16 GPUs (2,144 plans) took 1.0 s
+in two processes against 0.7 s in one, ``llama-8b`` on 64 H100s (4,612) 2.9 s against
+3.8 s, GPT-3 175B on 1024 A100s (8,680) 4.8 s against 8.1 s."""
+
+
+class _Tally:
+    """Plans done per phase, reported to the caller's :data:`Progress` as they add up."""
+
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.total = total
+        self.progress = progress
+        self.done: Counter[str] = Counter()
+
+    def advance(self, phase: str, plans: int) -> None:
+        self.done[phase] += plans
+        if self.progress is not None:
+            self.progress(phase, self.done[phase], self.total)
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One part of the search ranked: its plans finished, in the order they were
+    finished; the plans dropped, by reason; the distinct simulations run."""
+
+    finished: tuple[Estimate, ...]
+    dropped: Counter[str]
+    simulations: int
+
+
+def _parts(plans: list[Plan]) -> list[list[Plan]]:
+    """``plans`` in the order they are costed (grouped by evaluated schedule, see
+    :func:`_group`), cut into the SPMD plans and each schedule's: parts that rank
+    independently, since a pipeline plan is pruned only against its own schedule's best.
+    Ranking the parts in this order and putting their plans together gives the order
+    ranking them all at once would have."""
+    parts: dict[str, list[Plan]] = {}
+    for plan in sorted(plans, key=_group):
+        parts.setdefault(plan.schedule or "", []).append(plan)
+    return list(parts.values())
+
+
+def _processes(jobs: int | None, parts: list[list[Plan]]) -> int:
+    """The processes that rank ``parts`` for :func:`search`'s ``jobs``: never more than
+    the parts."""
+    if jobs is None:
+        pipeline_plans = sum(len(part) for part in parts if part[0].schedule is not None)
+        jobs = available_cores() if pipeline_plans >= PARALLEL_FROM else 1
+    return max(min(jobs, len(parts)), 1)
+
+
+def _rank_parts(
+    model: Model, cluster: Cluster, parts: list[list[Plan]], prune: float | None, *, processes: int, advance: Advance
+) -> list[_Part]:
+    """Every part ranked (:func:`_rank_part`), in this process (``processes`` 1) or in
+    that many worker processes; the same parts whichever, in the order given."""
+    if processes == 1:
+        return [_rank_part(model, cluster, part, prune, advance=advance) for part in parts]
+    # The longest first, so that no worker is left with one at the end: a policy schedule
+    # with an in-flight limit is synthesised for each of its plans that is finished.
+    longest = sorted(range(len(parts)), key=lambda i: (takes_limit(parts[i][0].schedule), len(parts[i])), reverse=True)
+    ranked = run_in_workers(
+        _rank_part,
+        [(model, cluster, parts[i], prune) for i in longest],
+        jobs=processes,
+        advance=advance,
+        names=[_part_label(parts[i]) for i in longest],
+    )
+    by_part = dict(zip(longest, ranked, strict=True))
+    return [by_part[i] for i in range(len(parts))]
+
+
+def _part_label(plans: list[Plan]) -> str:
+    spec = plans[0].schedule
+    return "the SPMD plans" if spec is None else f"the plans of schedule {_schedule_label(spec)}"
+
+
+def _rank_part(model: Model, cluster: Cluster, plans: list[Plan], prune: float | None, *, advance: Advance) -> _Part:
+    """One part's plans (all SPMD, or all one schedule's) costed, then finished as far as
+    ``prune`` asks (:func:`_simulate`)."""
+    # Every shape's lowered arrays are kept for the simulations; schedule objects, few at once.
+    pipelines = Pipelines(keep_simulations=False, max_schedules=32)
+    dropped: Counter[str] = Counter()
+    with paused_collector():
+        prepared = _cost(model, cluster, plans, pipelines, dropped, advance)
+        finished = _simulate(prepared, prune, dropped)
+    advance("simulating", len(plans))
+    return _Part(tuple(finished), dropped, pipelines.num_simulations)
 
 
 def _schedule_label(spec: str) -> str:
@@ -372,19 +317,18 @@ def _schedule_label(spec: str) -> str:
 
 
 def _cost(
-    model: Model, cluster: Cluster, plans: list[Plan], pipelines: Pipelines, dropped: Counter[str], progress: Progress | None
+    model: Model, cluster: Cluster, plans: list[Plan], pipelines: Pipelines, dropped: Counter[str], advance: Advance
 ) -> list[Prepared]:
-    """Cost every plan without simulating; count the dropped ones by reason."""
+    """Cost every plan without simulating, in the order given; count the dropped ones by reason."""
     prepared: list[Prepared] = []
-    for done, plan in enumerate(sorted(plans, key=_group), start=1):
+    for plan in plans:
         try:
             plan = _with_schedule_vpp(plan, pipelines)
             # Policy schedules come back once per in-flight limit that fits (policy_plans).
             prepared.extend(prepare_plan(model, cluster, plan, pipelines=pipelines))
         except PipedslError as err:
             dropped[_reason(err)] += 1
-        if progress is not None:
-            progress("costing", done, len(plans))
+        advance("costing", 1)
     return prepared
 
 
@@ -401,9 +345,7 @@ def _reason(err: PipedslError) -> str:
     return "schedule failed to load"
 
 
-def _simulate(
-    prepared: list[Prepared], prune: float | None, dropped: Counter[str], progress: Progress | None
-) -> list[Estimate]:
+def _simulate(prepared: list[Prepared], prune: float | None, dropped: Counter[str]) -> list[Estimate]:
     """Finish the prepared plans. SPMD plans cost nothing more and are all finished.
     Pipeline plans go schedule by schedule: best-first by lower bound until that
     schedule's best step time is settled (no lower bound left below it), then the rest
@@ -414,8 +356,6 @@ def _simulate(
     for p in prepared:
         if p.key is not None:
             by_schedule.setdefault(p.key.spec, []).append(p)
-    total = len(prepared)
-    done = len(results)
     for plans in by_schedule.values():
         order = sorted(plans, key=lambda p: p.lower_bound_s)
         best = float("inf")
@@ -433,7 +373,4 @@ def _simulate(
         rest.sort(key=lambda p: _group(p.plan))
         for item in rest:
             results.append(item.finish())
-        done += len(plans)
-        if progress is not None:
-            progress("simulating", done, total)
     return results

@@ -32,7 +32,7 @@ from pipedsl.simulator.hardware import (
     model_presets,
 )
 from pipedsl.simulator.plan import Plan, Recompute
-from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, Summary, search, summarize
+from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -203,6 +203,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
             extra_schedules=args.extra,
             prune=None if args.no_prune else args.prune,
             progress=progress,
+            jobs=args.jobs,
             reduce_bytes=args.reduce_bytes,
         )
     if args.csv is not None:
@@ -240,6 +241,7 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
         f"[bold]{attrs['model']}[/] on {attrs['gpus']} GPUs of {attrs['cluster']}, global batch "
         f"{attrs['global_batch']}: {attrs['considered']} plans, {len(frame)} ranked, "
         f"{attrs['simulations']} pipeline simulations in {attrs['seconds']:.1f} s"
+        + (f" ({attrs['processes']} processes)" if attrs["processes"] > 1 else "")
     )
     for line in attrs["explanation"].lines():
         console.print(f"  {line}", highlight=False)
@@ -423,5 +425,12 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         f"(default {DEFAULT_PRUNE:g})",
     )
     src.add_argument("--no-prune", action="store_true", help="simulate every plan that fits")
+    src.add_argument(
+        "--jobs",
+        type=positive_int,
+        metavar="N",
+        help="rank schedules in N processes at once (default: one per core for a search of at least "
+        f"{PARALLEL_FROM} pipeline plans, else 1); the ranking is the same for any N",
+    )
     _add_reduce_option(src)
     src.add_argument("extra", nargs="*", metavar="FILE.sched", help="more schedules to try")

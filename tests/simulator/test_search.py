@@ -111,6 +111,37 @@ def _run(argv: list[str]) -> int:
     return args.handler(args)
 
 
+def test_worker_processes_rank_the_same(frame: pd.DataFrame, tmp_path: Path) -> None:
+    """Schedules ranked in two worker processes give the ranking, drops and simulations
+    of one process, and progress reaches every plan in both phases."""
+    reported: dict[str, tuple[int, int]] = {}
+
+    def progress(phase: str, done: int, total: int) -> None:
+        reported[phase] = (done, total)
+
+    parallel = search(MODEL, CLUSTER, 16, global_batch=64, schedules=SCHEDULES, prune=None, jobs=2, progress=progress)
+    assert frame.attrs["processes"] == 1 and parallel.attrs["processes"] == 2
+    assert parallel.to_dict("records") == frame.to_dict("records")
+    for name in ("considered", "dropped", "simulations"):
+        assert parallel.attrs[name] == frame.attrs[name]
+    considered = frame.attrs["considered"]
+    assert reported == {"costing": (considered, considered), "simulating": (considered, considered)}
+    # A schedule file given by a path relative to the working folder reaches the workers.
+    shutil.copy(library_path("zb_h1"), tmp_path / "mine.sched")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        alone = search(MODEL, CLUSTER, 16, global_batch=64, schedules=("1f1b",), extra_schedules=["mine.sched"])
+        both = search(MODEL, CLUSTER, 16, global_batch=64, schedules=("1f1b",), extra_schedules=["mine.sched"], jobs=2)
+    assert "mine" in set(alone["schedule"])
+    assert both.to_dict("records") == alone.to_dict("records")
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
+def test_jobs_must_be_a_whole_number(jobs: object) -> None:
+    with pytest.raises(PlanError, match="jobs must be a whole number"):
+        search(MODEL, CLUSTER, 16, global_batch=64, schedules=SCHEDULES, jobs=jobs)  # type: ignore[arg-type]
+
+
 def test_cli_estimate_json(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["estimate", "--model", "gpt3-175b", "--cluster", "a100-80gb", "--dp", "16", "--tp", "8", "--pp", "8",
             "--vpp", "3", "--global-batch", "1536", "--recompute", "selective", "--zero", "1",
@@ -125,10 +156,10 @@ def test_cli_estimate_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plans.csv"
     argv = ["search", "--model", "demo-small", "--cluster", "a100-80gb", "--gpus", "8", "--global-batch", "64",
-            "--schedules", "1f1b,zbv", "--top", "5", "--csv", str(out)]  # fmt: skip
+            "--schedules", "1f1b,zbv", "--top", "5", "--csv", str(out), "--jobs", "2"]  # fmt: skip
     assert _run(argv) == 0
     printed = " ".join(capsys.readouterr().out.split())  # rich wraps long sentences
-    assert "best 5 plans" in printed and "SPMD plan" in printed
+    assert "best 5 plans" in printed and "SPMD plan" in printed and "(2 processes)" in printed
     written = pd.read_csv(out)
     assert tuple(written.columns) == COLUMNS
     assert len(written) > 5

@@ -1,0 +1,180 @@
+"""The plans a search tries: every SPMD and pipeline plan for a model on N GPUs.
+
+Enumeration, for ``gpus`` GPUs and a global batch B:
+
+- tensor-parallel degrees: powers of two up to the GPUs per node (tensor parallelism
+  stays on NVLink) that divide the heads and the feed-forward width;
+- pipeline degrees: divisors of ``gpus`` from 2 up, with ``pp × vpp`` dividing the layers;
+- virtual stages: ``vpp_sizes`` (2, 3, 4, 6, 8) for schedules with a ``vpp``
+  parameter (vpp = 1 is 1F1B's or GPipe's plan); what the schedule places otherwise;
+- microbatch sizes: divisors of B/dp up to ``max_microbatch_size``;
+- ZeRO: 0–3 for SPMD; 0 and 1 for pipelines (ZeRO 2 and 3 communicate every microbatch,
+  which a pipeline of many microbatches multiplies);
+- recomputation: none, selective, full (selective is left out with FlashAttention,
+  where it is the same plan as none).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipedsl import library
+from pipedsl.simulator.hardware import Cluster, Model
+from pipedsl.simulator.plan import Plan, PlanError, Recompute
+
+__all__ = ["DEFAULT_TOKENS_PER_STEP", "SearchedSchedule", "candidate_plans", "default_global_batch", "searched_schedules"]
+
+DEFAULT_TOKENS_PER_STEP = 2**22
+"""Tokens per step when no global batch is given: 4 Mi tokens (GPT-3 used 3.1 M)."""
+
+
+def default_global_batch(model: Model) -> int:
+    """Sequences per step for about 4 Mi tokens: ``2**22 // seq_len`` (at least 1)."""
+    return max(DEFAULT_TOKENS_PER_STEP // model.seq_len, 1)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_sizes(model: Model, cluster: Cluster, gpus: int) -> list[int]:
+    sizes = []
+    t = 1
+    while t <= min(cluster.gpus_per_node, gpus):
+        if gpus % t == 0 and model.heads % t == 0 and model.ffn_hidden % t == 0:
+            sizes.append(t)
+        t *= 2
+    return sizes
+
+
+@dataclass(frozen=True, slots=True)
+class SearchedSchedule:
+    """A schedule to try: how plans name it, and whether it takes a ``vpp`` parameter."""
+
+    spec: str
+    takes_vpp: bool
+
+
+def searched_schedules(schedules: Sequence[str] | None, extra: Sequence[str | Path]) -> list[SearchedSchedule]:
+    """The schedules to try. Library schedules without ``pp`` and ``microbatches``
+    parameters (fixed tables) are left out; a named one without them is an error."""
+    named = [str(p) for p in extra] + ([] if schedules is None else list(schedules))
+    shipped = [] if schedules is not None else [n for n in library.library_schedules() if n not in named]
+    found = []
+    for spec in dict.fromkeys(shipped + named):
+        params = library.parameters(spec)
+        if "pp" not in params or "microbatches" not in params:
+            if spec in shipped:
+                continue
+            takes = ", ".join(params) or "no parameters"
+            raise PlanError(f"schedule {spec}: the search sets pp and microbatches, but it takes {takes}")
+        found.append(SearchedSchedule(spec, "vpp" in params))
+    return found
+
+
+def candidate_plans(
+    model: Model,
+    cluster: Cluster,
+    gpus: int,
+    *,
+    global_batch: int,
+    schedules: Sequence[str] | None = None,
+    extra_schedules: Sequence[str | Path] = (),
+    max_microbatch_size: int = 16,
+    vpp_sizes: Sequence[int] = (2, 3, 4, 6, 8),
+    spmd_zero: Sequence[int] = (0, 1, 2, 3),
+    pipeline_zero: Sequence[int] = (0, 1),
+    recompute: Sequence[Recompute | str] = tuple(Recompute),
+    flash_attention: bool = True,
+    dp_overlap: float = 1.0,
+    reduce_bytes: int = 4,
+    skipped: Counter[tuple[str, int]] | None = None,
+) -> Iterator[Plan]:
+    """Every plan the search tries (see the module docstring), SPMD plans first.
+
+    A schedule that takes no ``vpp`` is offered with ``vpp = 1``; the search asks the
+    schedule itself how many stages it places per device (ZB-V places two). ``skipped``,
+    when given, counts the combinations left out by (rule, the value that broke it).
+    """
+    skip: Counter[tuple[str, int]] = Counter() if skipped is None else skipped
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise PlanError(f"search: gpus must be a whole number >= 1, got {gpus!r}")
+    modes = [Recompute(r) for r in recompute]
+    if flash_attention:
+        # FlashAttention never stores the scores selective recomputation would drop, so
+        # selective is the same plan as none.
+        modes = [r for r in modes if r is not Recompute.SELECTIVE] or [Recompute.NONE]
+    common: dict[str, Any] = {
+        "global_batch": global_batch,
+        "flash_attention": flash_attention,
+        "dp_overlap": dp_overlap,
+        "reduce_bytes": reduce_bytes,
+    }
+    space = _Space(tuple(_tp_sizes(model, cluster, gpus)), tuple(modes), global_batch, max_microbatch_size, skip)
+    yield from _spmd_plans(space, gpus, spmd_zero, common)
+    found = searched_schedules(schedules, extra_schedules)
+    yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common)
+
+
+@dataclass(frozen=True, slots=True)
+class _Space:
+    """What every part of the enumeration shares: the tensor-parallel sizes and
+    recomputation modes to try, the batch and the largest microbatch, and the counter
+    of combinations left out."""
+
+    tps: tuple[int, ...]
+    modes: tuple[Recompute, ...]
+    global_batch: int
+    max_microbatch_size: int
+    skip: Counter[tuple[str, int]]
+
+    def microbatch_sizes(self, dp: int) -> list[int]:
+        """Microbatch sizes that split the batch evenly over ``dp`` replicas."""
+        if self.global_batch % dp:
+            self.skip[f"global batch {self.global_batch} is not a multiple of dp", dp] += 1
+            return []
+        return [b for b in _divisors(self.global_batch // dp) if b <= self.max_microbatch_size]
+
+
+def _spmd_plans(space: _Space, gpus: int, spmd_zero: Sequence[int], common: dict[str, Any]) -> Iterator[Plan]:
+    for tp in space.tps:
+        dp = gpus // tp
+        for b in space.microbatch_sizes(dp):
+            for zero in spmd_zero:
+                for mode in space.modes:
+                    yield Plan(dp=dp, tp=tp, pp=1, microbatch_size=b, zero=zero, recompute=mode, **common)
+
+
+def _pipeline_plans(
+    space: _Space,
+    model: Model,
+    gpus: int,
+    found: list[SearchedSchedule],
+    vpp_sizes: Sequence[int],
+    pipeline_zero: Sequence[int],
+    common: dict[str, Any],
+) -> Iterator[Plan]:
+    for pp in _divisors(gpus)[1:]:
+        if pp > model.layers:
+            space.skip[f"pp exceeds the {model.layers} layers", pp] += 1
+            break
+        for tp in space.tps:
+            if gpus % (pp * tp):
+                continue
+            dp = gpus // (pp * tp)
+            for b in space.microbatch_sizes(dp):
+                for sched in found:
+                    for vpp in vpp_sizes if sched.takes_vpp else (1,):
+                        if model.layers % (pp * vpp):
+                            space.skip[f"{model.layers} layers do not split over pp × vpp", pp * vpp] += 1
+                            continue
+                        for zero in pipeline_zero:
+                            for mode in space.modes:
+                                yield Plan(
+                                    dp=dp, tp=tp, pp=pp, vpp=vpp, microbatch_size=b, zero=zero,
+                                    recompute=mode, schedule=sched.spec, **common,
+                                )  # fmt: skip

@@ -1,0 +1,245 @@
+"""Worker processes for the plan search: independent calls run on several cores.
+
+The search ranks each pipeline schedule's plans apart from every other schedule's
+(its pruning compares a plan only with its own schedule's best), so the schedules can be
+ranked at once in separate processes and the results put together in the order the
+search would have made them itself: the ranking is the same, byte for byte.
+
+A worker is a fresh interpreter (``sys.executable``) started with this process's import
+path; it imports only what a call needs (never the caller's ``__main__``, unlike
+:mod:`multiprocessing`'s spawn, so a script that searches without an
+``if __name__ == "__main__"`` guard works). Calls and results travel as pickles over the
+worker's standard input and output, each behind its length. A worker reports progress
+while it works, at most every :data:`_REPORT_S` seconds; it exits when its input closes.
+A worker that dies, or a call that raises, ends the whole run with an error (the call's
+own exception where it can be pickled); the workers left are stopped either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import IO, Any, TypeVar
+
+from pipedsl.errors import PipedslError
+
+__all__ = ["Advance", "available_cores", "run_in_workers"]
+
+R = TypeVar("R")
+
+Advance = Callable[[str, int], None]
+"""Called with (phase, items) when ``items`` more items of ``phase`` are done."""
+
+_REPORT_S = 0.2
+"""Seconds between a worker's progress reports, at most one per interval."""
+
+_POLL_S = 1.0
+"""Seconds the caller waits for a message before it checks its workers are alive."""
+
+_STOP_S = 5.0
+"""Seconds a worker whose input has closed gets to exit before it is killed."""
+
+_HEADER = struct.Struct("<Q")
+
+# Run by ``python -c``: this process's import path, then the worker loop.
+_BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from pipedsl.simulator.workers import serve; serve()"
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def run_in_workers(
+    fn: Callable[..., R],
+    calls: Sequence[tuple[Any, ...]],
+    *,
+    jobs: int,
+    advance: Advance,
+    names: Sequence[str],
+) -> list[R]:
+    """``fn(*call, advance=...)`` for every call, in ``jobs`` worker processes; the results
+    in the order of ``calls``.
+
+    ``fn`` is a module-level function (it is pickled by name) that reports progress
+    through its ``advance`` keyword; those reports reach ``advance`` here, on the
+    calling thread. Calls are handed out in the order given, each to the next free
+    worker, so put the longest first. ``names[i]`` says what call i is in an error.
+
+    Raises the exception a call raised (the first to arrive), or PipedslError when a
+    worker exits before it answers.
+    """
+    results: list[Any] = [None] * len(calls)
+    messages: queue.Queue[tuple[int, tuple[Any, ...]]] = queue.Queue()
+    workers = [_Worker.start(w, messages) for w in range(min(jobs, len(calls)))]
+    try:
+        pending = iter(range(len(calls)))
+        for worker in workers:
+            worker.give(next(pending, None), fn, calls)
+        outstanding = len(calls)
+        while outstanding:
+            try:
+                w, message = messages.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            worker = workers[w]
+            kind = message[0]
+            if kind == "progress":
+                for phase, items in message[1].items():
+                    advance(phase, items)
+            elif kind == "done":
+                assert worker.call is not None  # an answer comes only to a call
+                results[worker.call] = message[1]
+                outstanding -= 1
+                worker.give(next(pending, None), fn, calls)
+            elif kind == "error":
+                raise message[1]
+            elif worker.call is not None:  # it exited with a call unanswered
+                raise PipedslError(
+                    f"search worker process {worker.process.pid} exited with code {message[1]}"
+                    f" while ranking {names[worker.call]}"
+                )
+    finally:
+        for worker in workers:
+            worker.stop()
+    return results
+
+
+class _Worker:
+    """One worker process, the call it is running, and the thread that reads its
+    messages onto the caller's queue (tagged with the worker's index)."""
+
+    def __init__(self, index: int, process: subprocess.Popen[bytes]) -> None:
+        self.index = index
+        self.process = process
+        self.call: int | None = None
+
+    @classmethod
+    def start(cls, index: int, messages: queue.Queue[tuple[int, tuple[Any, ...]]]) -> _Worker:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, json.dumps(sys.path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=os.getcwd(),
+        )
+        worker = cls(index, process)
+        threading.Thread(target=worker._read, args=(messages,), daemon=True).start()
+        return worker
+
+    def give(self, call: int | None, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> None:
+        """Hand call number ``call`` to the worker; None closes its input (no more calls)."""
+        self.call = call
+        assert self.process.stdin is not None
+        try:
+            if call is None:
+                self.process.stdin.close()
+            else:
+                _write(self.process.stdin, (fn, calls[call]))
+        except BrokenPipeError:
+            pass  # it has exited: its reader reports how, naming this call
+
+    def _read(self, messages: queue.Queue[tuple[int, tuple[Any, ...]]]) -> None:
+        assert self.process.stdout is not None
+        while (message := _read(self.process.stdout)) is not None:
+            messages.put((self.index, message))
+        messages.put((self.index, ("exit", self.process.wait())))
+
+    def stop(self) -> None:
+        """Close the worker's input; kill it if it has not exited within :data:`_STOP_S`."""
+        try:
+            if self.process.stdin is not None and not self.process.stdin.closed:
+                self.process.stdin.close()
+        except OSError:
+            pass  # it is gone already: the wait below returns at once
+        try:
+            self.process.wait(timeout=_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _write(stream: IO[bytes], message: object) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read(stream: IO[bytes]) -> Any | None:
+    """The next message on ``stream``; None at its end (the other side has gone)."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+def serve() -> None:
+    """The worker's loop: run each call that arrives on standard input and answer on
+    standard output, until the input closes. What a call prints goes to standard error,
+    so that only messages travel on the output."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    try:
+        while (message := _read(sys.stdin.buffer)) is not None:
+            fn, call = message
+            reporter = _Reporter(out)
+            try:
+                result = fn(*call, advance=reporter.advance)
+            except Exception as err:  # noqa: BLE001 - every failure goes back to the caller
+                reporter.flush()
+                _write(out, ("error", _portable(err)))
+            else:
+                reporter.flush()
+                _write(out, ("done", result))
+    except KeyboardInterrupt:
+        # Ctrl-C reaches the caller too, which stops its workers: exit quietly.
+        return
+
+
+class _Reporter:
+    """A call's progress, sent on at most every :data:`_REPORT_S` seconds."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self.out = out
+        self.pending: Counter[str] = Counter()
+        self.sent = time.monotonic()
+
+    def advance(self, phase: str, items: int) -> None:
+        self.pending[phase] += items
+        if time.monotonic() - self.sent >= _REPORT_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            _write(self.out, ("progress", dict(self.pending)))
+            self.pending.clear()
+        self.sent = time.monotonic()
+
+
+def _portable(err: Exception) -> Exception:
+    """``err`` as it can travel back: itself when it survives pickling, else a
+    RuntimeError naming it. Anything but one of pipedsl's own errors carries the
+    worker's traceback as a note, since the caller's traceback ends at the worker."""
+    if not isinstance(err, PipedslError):
+        err.add_note("In the search worker process:\n" + "".join(traceback.format_exception(err)).rstrip())
+    try:
+        pickle.loads(pickle.dumps(err, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:  # noqa: BLE001 - any failure to pickle or rebuild means: send its text
+        return RuntimeError("".join(traceback.format_exception(err)).rstrip())
+    return err

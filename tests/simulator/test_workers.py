@@ -1,0 +1,93 @@
+"""Worker processes for the search: results in order, progress, errors, and no hang."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+
+import pytest
+
+from pipedsl.errors import PipedslError
+from pipedsl.simulator.plan import PlanError
+from pipedsl.simulator.workers import Advance, available_cores, run_in_workers
+
+
+def _square(n: int, *, advance: Advance) -> tuple[int, int]:
+    advance("squared", n)
+    return n * n, os.getpid()
+
+
+def _reject(n: int, *, advance: Advance) -> int:
+    if n == 2:
+        raise PlanError(f"plan {n} does not divide the model")
+    return n
+
+
+def _exit(n: int, *, advance: Advance) -> int:
+    if n == 1:
+        os._exit(3)
+    return n
+
+
+class _Unpicklable(Exception):
+    def __init__(self, n: int, lock: object) -> None:
+        super().__init__(f"number {n}")
+        self.lock = lock
+
+
+def _raise_unpicklable(n: int, *, advance: Advance) -> int:
+    raise _Unpicklable(n, threading.Lock())
+
+
+def _fail(n: int, *, advance: Advance) -> int:
+    return 1 // (n - n)
+
+
+def _names(count: int) -> list[str]:
+    return [f"call {i}" for i in range(count)]
+
+
+def test_results_come_back_in_the_order_of_the_calls() -> None:
+    done: Counter[str] = Counter()
+    found = run_in_workers(
+        _square, [(n,) for n in range(7)], jobs=3, advance=lambda phase, n: done.update({phase: n}), names=_names(7)
+    )
+    assert [square for square, _ in found] == [n * n for n in range(7)]
+    # Every call ran in a worker, and at most three of them.
+    pids = {pid for _, pid in found}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 3
+    assert done == {"squared": sum(range(7))}
+
+
+def test_more_jobs_than_calls_start_only_what_is_needed() -> None:
+    found = run_in_workers(_square, [(4,)], jobs=8, advance=lambda *_: None, names=_names(1))
+    assert found[0][0] == 16
+
+
+def test_a_call_that_raises_raises_its_own_error_here() -> None:
+    with pytest.raises(PlanError, match="plan 2 does not divide the model") as caught:
+        run_in_workers(_reject, [(n,) for n in range(4)], jobs=2, advance=lambda *_: None, names=_names(4))
+    # One of pipedsl's own errors comes back as it is, without the worker's traceback.
+    assert not getattr(caught.value, "__notes__", None)
+
+
+def test_any_other_error_carries_the_workers_traceback() -> None:
+    with pytest.raises(ZeroDivisionError) as caught:
+        run_in_workers(_fail, [(1,)], jobs=1, advance=lambda *_: None, names=_names(1))
+    notes = "\n".join(caught.value.__notes__)
+    assert "In the search worker process" in notes and "_fail" in notes
+
+
+def test_an_error_that_cannot_travel_comes_back_as_its_text() -> None:
+    with pytest.raises(RuntimeError, match=r"_Unpicklable: number 5"):
+        run_in_workers(_raise_unpicklable, [(5,)], jobs=1, advance=lambda *_: None, names=_names(1))
+
+
+def test_a_worker_that_dies_is_an_error_not_a_hang() -> None:
+    with pytest.raises(PipedslError, match=r"exited with code 3 while ranking call 1"):
+        run_in_workers(_exit, [(n,) for n in range(3)], jobs=2, advance=lambda *_: None, names=_names(3))
+
+
+def test_available_cores_is_at_least_one() -> None:
+    assert available_cores() >= 1
