@@ -8,8 +8,8 @@ search would have made them itself: the ranking is the same, byte for byte.
 A worker is a fresh interpreter (``sys.executable``) started with this process's import
 path; it imports only what a call needs (never the caller's ``__main__``, unlike
 :mod:`multiprocessing`'s spawn, so a script that searches without an
-``if __name__ == "__main__"`` guard works). Calls and results travel as pickles over the
-worker's standard input and output, each behind its length. A worker reports progress
+``if __name__ == "__main__"`` guard works). Calls travel as pickles on the worker's
+standard input and answers on a pipe of their own, each behind its length. A worker reports progress
 while it works, at most every :data:`_REPORT_S` seconds; it exits when its input closes.
 A worker that dies, or a call that raises, ends the whole run with an error (the call's
 own exception where it can be pickled); the workers left are stopped either way.
@@ -52,7 +52,10 @@ _STOP_S = 5.0
 _HEADER = struct.Struct("<Q")
 
 # Run by ``python -c``: this process's import path, then the worker loop.
-_BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from pipedsl.simulator.workers import serve; serve()"
+_BOOT = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]);"
+    " from pipedsl.simulator.workers import serve; serve(int(sys.argv[2]))"
+)
 
 
 def available_cores() -> int:
@@ -122,20 +125,30 @@ class _Worker:
     """One worker process, the call it is running, and the thread that reads its
     messages onto the caller's queue (tagged with the worker's index)."""
 
-    def __init__(self, index: int, process: subprocess.Popen[bytes]) -> None:
+    def __init__(self, index: int, process: subprocess.Popen[bytes], answers: IO[bytes]) -> None:
         self.index = index
         self.process = process
+        self.answers = answers
         self.call: int | None = None
 
     @classmethod
     def start(cls, index: int, messages: queue.Queue[tuple[int, tuple[Any, ...]]]) -> _Worker:
-        process = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, json.dumps(sys.path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=os.getcwd(),
-        )
-        worker = cls(index, process)
+        # Answers come on a pipe of their own: nothing the interpreter or a library
+        # prints on standard output as it starts can be taken for one.
+        read, write = os.pipe()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(write)],
+                stdin=subprocess.PIPE,
+                pass_fds=(write,),
+                cwd=os.getcwd(),
+            )
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        worker = cls(index, process, os.fdopen(read, "rb"))
         threading.Thread(target=worker._read, args=(messages,), daemon=True).start()
         return worker
 
@@ -152,9 +165,9 @@ class _Worker:
             pass  # it has exited: its reader reports how, naming this call
 
     def _read(self, messages: queue.Queue[tuple[int, tuple[Any, ...]]]) -> None:
-        assert self.process.stdout is not None
-        while (message := _read(self.process.stdout)) is not None:
-            messages.put((self.index, message))
+        with self.answers:
+            while (message := _read(self.answers)) is not None:
+                messages.put((self.index, message))
         messages.put((self.index, ("exit", self.process.wait())))
 
     def stop(self) -> None:
@@ -189,11 +202,11 @@ def _read(stream: IO[bytes]) -> Any | None:
     return pickle.loads(data)
 
 
-def serve() -> None:
-    """The worker's loop: run each call that arrives on standard input and answer on
-    standard output, until the input closes. What a call prints goes to standard error,
-    so that only messages travel on the output."""
-    out = os.fdopen(os.dup(1), "wb")
+def serve(answers: int) -> None:
+    """The worker's loop: run each call that arrives on standard input and answer on file
+    descriptor ``answers``, until the input closes. What a call prints goes to standard
+    error, as the caller's standard output is for its own results."""
+    out = os.fdopen(answers, "wb")
     os.dup2(2, 1)
     try:
         while (message := _read(sys.stdin.buffer)) is not None:

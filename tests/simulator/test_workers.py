@@ -44,6 +44,12 @@ def _fail(n: int, *, advance: Advance) -> int:
     return 1 // (n - n)
 
 
+def _chatty(n: int, *, advance: Advance) -> int:
+    print("a line on standard output", n)
+    os.write(1, b"\x00" * 64)
+    return n + 1
+
+
 def _names(count: int) -> list[str]:
     return [f"call {i}" for i in range(count)]
 
@@ -87,6 +93,12 @@ def test_an_error_that_cannot_travel_comes_back_as_its_text() -> None:
 def test_a_worker_that_dies_is_an_error_not_a_hang() -> None:
     with pytest.raises(PipedslError, match=r"exited with code 3 while ranking call 1"):
         run_in_workers(_exit, [(n,) for n in range(3)], jobs=2, advance=lambda *_: None, names=_names(3))
+
+
+def test_what_a_call_prints_does_not_reach_the_answers(capfd: pytest.CaptureFixture[str]) -> None:
+    found = run_in_workers(_chatty, [(1,), (2,)], jobs=2, advance=lambda *_: None, names=_names(2))
+    assert found == [2, 3]
+    assert "a line on standard output" in capfd.readouterr().err
 
 
 def test_available_cores_is_at_least_one() -> None:
