@@ -175,6 +175,39 @@ def test_demo_counts_the_pairs_of_runs_its_prediction_orders_as_measured() -> No
     assert pairs_agreeing([1.0, 3.0, 2.0], [10.0, 20.0, 30.0]) == (2, 3)
 
 
+def _row(rank: int, schedule: str, dp: int, tp: int, pp: int, step_s: float) -> dict[str, object]:
+    spmd = schedule == "spmd"
+    return {
+        "rank": rank, "kind": "spmd" if spmd else "pipeline", "schedule": schedule, "dp": dp, "tp": tp, "pp": pp,
+        "vpp": 1, "microbatch_size": 8, "microbatches": 2, "zero": 1, "recompute": "none", "step_time_s": step_s,
+    }  # fmt: skip
+
+
+def test_demo_runs_the_best_of_each_kind_then_plans_priced_apart() -> None:
+    """The best SPMD and hybrid plans, then the best plans of other schedules whose
+    predictions are 10% or more from every chosen one's (no pure pipeline of 8 stages
+    splits the 4-layer demo transformer)."""
+    import pandas as pd
+
+    from pipedsl.cli.demo import plans_to_run
+
+    frame = pd.DataFrame(
+        [
+            _row(1, "eager_1f1b", 2, 1, 4, 0.200),
+            _row(2, "gpipe", 2, 1, 4, 0.200),  # priced as plan 1: its order would be the machine's
+            _row(3, "1f1b", 2, 1, 4, 0.210),  # within 10% of plan 1
+            _row(4, "zb_h1", 4, 1, 2, 0.230),
+            _row(5, "looped_bfs", 4, 1, 2, 0.240),  # within 10% of plan 4
+            _row(6, "1f1b", 4, 1, 2, 0.270),  # a schedule not run yet, priced apart
+            _row(7, "spmd", 8, 1, 1, 0.310),
+            _row(8, "eager_1f1b", 4, 1, 2, 0.400),  # a schedule run already
+        ]
+    )
+    chosen = plans_to_run(frame, 8, top=5)
+    assert [p.rank for p in chosen] == [1, 4, 6, 7]
+    assert [p.rank for p in plans_to_run(frame, 8, top=3)] == [1, 4, 7]
+
+
 def test_demo_says_whether_the_load_held_from_calibration_to_runs() -> None:
     from pipedsl.cli.demo import _drift_verdict
 
