@@ -34,6 +34,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_INVALID",
     "EXIT_USAGE",
+    "EXIT_INTERRUPTED",
     "add_param_option",
     "parse_params",
     "load_schedule",
@@ -51,6 +52,8 @@ __all__ = [
 EXIT_OK = 0
 EXIT_INVALID = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+"""The shell's code for a command stopped by SIGINT (Ctrl-C)."""
 
 def plural(count: int, noun: str) -> str:
     """``count`` and ``noun``, plural unless ``count`` is one: "1 stage", "2 stages", "3 microbatches"."""

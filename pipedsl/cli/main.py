@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pipedsl.cli.common import EXIT_OK, EXIT_USAGE, report_error
+from pipedsl.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, report_error
 from pipedsl.errors import PipedslError
 
 __all__ = ["build_parser", "main"]
@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except PipedslError as err:
         return report_error(err, path=getattr(args, "file", None))
+    except KeyboardInterrupt:
+        # One line, not a traceback. What the command started stops with this process:
+        # the search's worker processes are stopped on the way out, a local Ray instance
+        # pipedsl started is shut down at exit, and a joined cluster stops the actors of
+        # a driver that is gone.
+        print(f"pipedsl {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (``pipedsl show ... | head``); that is not our error. Point
         # stdout at /dev/null so that the flush at exit does not raise again.

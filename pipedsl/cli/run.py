@@ -123,10 +123,6 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
     return planned.schedule_of(), planned
 
 
-# The shell's code for a command stopped by SIGINT.
-EXIT_INTERRUPTED = 130
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     _check_args(args)
     try:
@@ -142,12 +138,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if "RESOURCE_EXHAUSTED" in str(err):
             hint = "; the model does not fit: use a smaller --width, --layers-per-stage or --microbatch-size"
         raise PipedslError(f"JAX failed: {lines[0][:300]}{hint}") from None
-    except KeyboardInterrupt:
-        # One line, not a traceback. Whatever Ray runs for us stops with this process:
-        # a local instance pipedsl started is shut down at exit, and a joined cluster
-        # stops the actors of a driver that is gone.
-        print("pipedsl run: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 def _train(args: argparse.Namespace) -> int:

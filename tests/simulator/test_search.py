@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -134,6 +139,45 @@ def test_worker_processes_rank_the_same(frame: pd.DataFrame, tmp_path: Path) -> 
         both = search(MODEL, CLUSTER, 16, global_batch=64, schedules=("1f1b",), extra_schedules=["mine.sched"], jobs=2)
     assert "mine" in set(alone["schedule"])
     assert both.to_dict("records") == alone.to_dict("records")
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # The parent's id is the field after the state, past the parenthesised name.
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.usefixtures("ctrl_c")
+def test_ctrl_c_stops_the_search_and_its_workers() -> None:
+    command = [sys.executable, "-m", "pipedsl", "search", "--model", "gpt3-175b", "--cluster", "a100-80gb",
+               "--gpus", "1024", "--global-batch", "1536", "--jobs", "2"]  # fmt: skip
+    # In a session of its own, so that the signal goes to its whole process group, as a
+    # terminal's Ctrl-C does.
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := _children(run.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(workers) == 2, "the search started no worker processes"
+        time.sleep(0.5)  # into the ranking
+        os.killpg(run.pid, signal.SIGINT)
+        _, err = run.communicate(timeout=30)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "pipedsl search: interrupted" and "Traceback" not in err, err
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
 
 
 @pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
