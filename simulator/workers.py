@@ -9,10 +9,11 @@ A worker is a fresh interpreter (``sys.executable``) started with this process's
 path; it imports only what a call needs (never the caller's ``__main__``, unlike
 :mod:`multiprocessing`'s spawn, so a script that searches without an
 ``if __name__ == "__main__"`` guard works). Calls travel as pickles on the worker's
-standard input and answers on a pipe of their own, each behind its length. A worker reports progress
-while it works, at most every :data:`_REPORT_S` seconds; it exits when its input closes.
-A worker that dies, or a call that raises, ends the whole run with an error (the call's
-own exception where it can be pickled); the workers left are stopped either way.
+standard input and answers on a pipe of their own, each behind its length. A worker
+reports progress while it works, at most every :data:`_REPORT_S` seconds, and exits when
+its input closes. A worker that dies, or a call that raises, ends the whole run with an
+error (the call's own exception where it can be pickled), and the other workers are
+killed at once; so are they on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ _REPORT_S = 0.2
 """Seconds between a worker's progress reports, at most one per interval."""
 
 _POLL_S = 1.0
-"""Seconds the caller waits for a message before it checks its workers are alive."""
+"""Seconds the caller waits on its queue at a time. It never waits on a worker that has
+gone: each worker's reader reports its exit."""
 
 _STOP_S = 5.0
 """Seconds a worker whose input has closed gets to exit before it is killed."""
@@ -115,9 +117,13 @@ def run_in_workers(
                     f"search worker process {worker.process.pid} exited with code {message[1]}"
                     f" while ranking {names[worker.call]}"
                 )
-    finally:
+    except BaseException:
+        # An error or Ctrl-C: what the other workers are doing is not wanted any more.
         for worker in workers:
-            worker.stop()
+            worker.kill()
+        raise
+    for worker in workers:
+        worker.stop()
     return results
 
 
@@ -171,17 +177,17 @@ class _Worker:
         messages.put((self.index, ("exit", self.process.wait())))
 
     def stop(self) -> None:
-        """Close the worker's input; kill it if it has not exited within :data:`_STOP_S`."""
-        try:
-            if self.process.stdin is not None and not self.process.stdin.closed:
-                self.process.stdin.close()
-        except OSError:
-            pass  # it is gone already: the wait below returns at once
+        """Wait for the worker to exit, its calls answered and its input closed; kill it
+        if it has not within :data:`_STOP_S`."""
         try:
             self.process.wait(timeout=_STOP_S)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            self.kill()
+
+    def kill(self) -> None:
+        """Stop the worker now, whatever it is doing."""
+        self.process.kill()
+        self.process.wait()
 
 
 def _write(stream: IO[bytes], message: object) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -21,6 +22,14 @@ def _square(n: int, *, advance: Advance) -> tuple[int, int]:
 def _reject(n: int, *, advance: Advance) -> int:
     if n == 2:
         raise PlanError(f"plan {n} does not divide the model")
+    return n
+
+
+def _raise_or_sleep(n: int, *, advance: Advance) -> int:
+    if n == 0:
+        time.sleep(0.5)
+        raise PlanError("the first call fails")
+    time.sleep(60)
     return n
 
 
@@ -76,6 +85,13 @@ def test_a_call_that_raises_raises_its_own_error_here() -> None:
         run_in_workers(_reject, [(n,) for n in range(4)], jobs=2, advance=lambda *_: None, names=_names(4))
     # One of pipedsl's own errors comes back as it is, without the worker's traceback.
     assert not getattr(caught.value, "__notes__", None)
+
+
+def test_an_error_stops_the_other_workers_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(PlanError, match="the first call fails"):
+        run_in_workers(_raise_or_sleep, [(0,), (1,)], jobs=2, advance=lambda *_: None, names=_names(2))
+    assert time.monotonic() - started < 30
 
 
 def test_any_other_error_carries_the_workers_traceback() -> None:
