@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -178,6 +179,21 @@ def test_ctrl_c_stops_the_search_and_its_workers() -> None:
     assert run.returncode == 130, err
     assert err.strip().splitlines()[-1] == "pipedsl search: interrupted" and "Traceback" not in err, err
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
+def test_a_large_search_uses_a_process_per_core_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The module, not the function of the same name that pipedsl.simulator exports.
+    search_module = importlib.import_module("pipedsl.simulator.search")
+    monkeypatch.setattr(search_module, "available_cores", lambda: 4)
+    spmd = [Plan(dp=8, tp=1, pp=1, microbatch_size=1, global_batch=8)]
+    pipeline = Plan(dp=2, tp=1, pp=4, microbatch_size=1, global_batch=8, schedule="1f1b")
+    small = [spmd, [pipeline] * (search_module.PARALLEL_FROM - 1)]
+    large = [spmd, [pipeline] * (search_module.PARALLEL_FROM // 2), [pipeline] * (search_module.PARALLEL_FROM // 2)]
+    assert search_module._processes(None, small) == 1
+    # No more processes than parts, however many cores.
+    assert search_module._processes(None, large) == 3
+    assert search_module._processes(2, large) == 2
+    assert search_module._processes(8, small) == 2
 
 
 @pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
