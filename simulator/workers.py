@@ -147,7 +147,6 @@ class _Worker:
                 [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(write)],
                 stdin=subprocess.PIPE,
                 pass_fds=(write,),
-                cwd=os.getcwd(),
             )
         except BaseException:
             os.close(read)
