@@ -10,7 +10,8 @@ those arrays: peak memory and a lower bound on the time (:mod:`pipedsl.analysis`
 per distinct residual bytes and stage seconds, and the time itself under each cost model
 (:func:`pipedsl.simulator.engine.step_timing`), once per distinct cost model. A policy
 schedule's shape is evaluated once too (:meth:`Pipelines.policy`): its layout, its order
-at the default cost model and the limits the search tries all read that one policy. A
+at the default cost model (synthesised straight into arrays, :func:`synthesized_arrays`)
+and the limits the search tries all read that one policy. A
 search over thousands of plans so does each piece of work once, and keeps only compact
 arrays per shape, not one object per action.
 """
@@ -20,13 +21,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
 
 from pipedsl import library
 from pipedsl.analysis import chain_lower_bound, peak_held
-from pipedsl.arrays import ScheduleArrays
+from pipedsl.arrays import ActionArrays, B, F, I, ScheduleArrays, W
 from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Schedule
 from pipedsl.lang.ast import PolicyBlock
@@ -35,10 +37,10 @@ from pipedsl.program import Program, ProgramArrays, program_arrays
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate, step_timing
 from pipedsl.simulator.plan import Plan, PlanError
-from pipedsl.simulator.synthesize import synthesize
+from pipedsl.simulator.synthesize import synthesize, synthesized_steps
 from pipedsl.validate import Checked, checked
 
-__all__ = ["Pipelines", "ScheduleKey", "Timing", "load_pipeline"]
+__all__ = ["Pipelines", "ScheduleKey", "Timing", "load_pipeline", "synthesized_arrays", "synthesized_program"]
 
 
 def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule:
@@ -267,19 +269,21 @@ class Pipelines:
         return shape
 
     def _validated(self, key: ScheduleKey) -> _Shape:
-        """``key``'s schedule validated and lowered to arrays. An order a file states is
-        evaluated straight into int columns (no object per action); only when it breaks
-        a rule is it evaluated again as objects, for the error's place in the file."""
+        """``key``'s schedule validated and lowered to arrays, with no object per action.
+        An order a file states is evaluated straight into int columns (and again as
+        objects only when it breaks a rule, for the error's place in the file); a policy
+        is synthesised against the default cost model, as :func:`load_pipeline` does,
+        straight into arrays (:func:`synthesized_arrays`)."""
         error = self._errors.get(key)
         if error is not None:
             raise error
         try:
             if self.is_policy(key.spec):
-                schedule: Schedule | ScheduleArrays = self.schedule(key)
-                found = checked(schedule)
-            else:
-                schedule = _load_arrays(key)
-                found = _checked_with_position(schedule, lambda: self.schedule(key))
+                policy = self.policy(key)
+                arrays, order = synthesized_arrays(policy, CostModel())
+                return _Shape(_Layout(policy.num_stages, policy.num_devices, policy.placement), arrays, order)
+            schedule = _load_arrays(key)
+            found = _checked_with_position(schedule, lambda: self.schedule(key))
         except PipedslError as err:
             self._errors[key] = err
             raise
@@ -325,3 +329,50 @@ class Pipelines:
                 found = Timing(makespan, bubble, None)
             self._timings[(key, costs)] = found
         return found
+
+
+def synthesized_program(policy: Policy, costs: CostModel | None = None) -> ProgramArrays:
+    """The order :func:`~pipedsl.simulator.synthesize.synthesize` finds, lowered straight to
+    int arrays: the arrays ``lower(synthesize(policy, costs))`` has, without an object per
+    action.
+
+    The synthesiser builds only complete orders in which every action runs after what it
+    needs has run (its pass takes an action once its inputs have arrived), so the order
+    needs no validation; a search that times hundreds of synthesised orders asks only
+    for these arrays. Raises as ``synthesize``.
+    """
+    return synthesized_arrays(policy, costs)[0]
+
+
+def synthesized_arrays(policy: Policy, costs: CostModel | None) -> tuple[ProgramArrays, np.ndarray]:
+    """:func:`synthesized_program`, and the rows of its computes in the order the
+    synthesiser's pass took them: an order their dependencies allow, which a timing pass
+    walks without looking for one (``step_timing(..., order=...)``)."""
+    steps = synthesized_steps(policy, costs)
+    S, M, D = policy.num_stages, policy.num_microbatches, policy.num_devices
+    taken = np.fromiter(chain.from_iterable(steps), dtype=np.int64, count=4 * len(steps)).reshape(-1, 4)
+    # Device by device, each device's actions in the order it runs them (a stable sort).
+    rows = np.argsort(taken[:, 0], kind="stable")
+    flat = taken[rows]
+    order = np.empty(len(rows), dtype=np.int64)
+    order[rows] = np.arange(len(rows), dtype=np.int64)
+    # The pass's kind codes (0 F, 1 the backward, 2 W) as the arrays' (F, B or I, W).
+    pass_kind = flat[:, 1]
+    codes = np.array([F, I if policy.split_backward else B, W], dtype=np.int8)
+    kind, stage, microbatch, device = codes[pass_kind], flat[:, 2], flat[:, 3], flat[:, 0]
+    lengths = np.bincount(device, minlength=D)
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    position = np.arange(len(flat), dtype=np.int64) - np.repeat(bounds[:-1], lengths)
+    actions = ActionArrays(kind, stage, microbatch, device, position, bounds)
+    # Row of each (pass kind, stage, microbatch); every one is there exactly once.
+    row = np.empty(3 * S * M, dtype=np.int64)
+    row[(pass_kind * S + stage) * M + microbatch] = np.arange(len(flat), dtype=np.int64)
+    # What each compute reads from the neighbouring stage: F(s - 1) for F(s), the
+    # backward of s + 1 for a backward of s (as pipedsl.validate links them).
+    forward, backward = pass_kind == 0, pass_kind == 1
+    upstream = np.full(len(flat), -1, dtype=np.int64)
+    has = forward & (stage > 0)
+    upstream[has] = row[(stage[has] - 1) * M + microbatch[has]]
+    has = backward & (stage < S - 1)
+    upstream[has] = row[(S + stage[has] + 1) * M + microbatch[has]]
+    return program_arrays(actions, upstream, policy.placement), order

@@ -30,23 +30,20 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from itertools import chain
 
 import numpy as np
 
 from pipedsl import library
 from pipedsl.analysis import peak_held
-from pipedsl.arrays import ActionArrays, B, F, I, W
 from pipedsl.policy import Policy
-from pipedsl.program import ProgramArrays, program_arrays
+from pipedsl.program import ProgramArrays
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import step_timing
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, prepare
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import device_memory, static_memory, transient_bytes
-from pipedsl.simulator.pipelines import Pipelines, states_policy
+from pipedsl.simulator.pipelines import Pipelines, states_policy, synthesized_arrays, synthesized_program
 from pipedsl.simulator.plan import Plan
-from pipedsl.simulator.synthesize import synthesized_steps
 
 __all__ = ["LIMIT", "LimitedPlan", "takes_limit", "fitting_limit", "candidate_limits", "prepare_plan", "synthesized_program"]
 
@@ -226,7 +223,7 @@ def _synthesis(
     spec: str, params: tuple[tuple[str, int], ...], limit: int, costs: CostModel, residual: tuple[int, ...]
 ) -> _Synthesis:
     """The lowered order of ``spec`` at in-flight ``limit`` synthesised against ``costs``,
-    the order its computes can be timed in (:func:`_synthesized`) and its peak residual
+    the order its computes can be timed in (:func:`~pipedsl.simulator.pipelines.synthesized_arrays`) and its peak residual
     bytes per device, shape (D,); cached."""
     key = (spec, params, limit, costs)
     found = _cache.get(key)
@@ -234,56 +231,9 @@ def _synthesis(
         _cache.move_to_end(key)
         return found
     policy = _loaded(spec, (*params, (LIMIT, limit)))
-    arrays, order = _synthesized(policy, costs)
+    arrays, order = synthesized_arrays(policy, costs)
     held = tuple(int(p) for p in peak_held(arrays.actions, residual, residual))
     _cache[key] = found = (arrays, order, held)
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return found
-
-
-def synthesized_program(policy: Policy, costs: CostModel | None = None) -> ProgramArrays:
-    """The order :func:`~pipedsl.simulator.synthesize.synthesize` finds, lowered straight to
-    int arrays: the arrays ``lower(synthesize(policy, costs))`` has, without an object per
-    action.
-
-    The synthesiser builds only complete orders in which every action runs after what it
-    needs has run (its pass takes an action once its inputs have arrived), so the order
-    needs no validation; a search that times hundreds of synthesised orders asks only
-    for these arrays. Raises as ``synthesize``.
-    """
-    return _synthesized(policy, costs)[0]
-
-
-def _synthesized(policy: Policy, costs: CostModel | None) -> tuple[ProgramArrays, np.ndarray]:
-    """:func:`synthesized_program`, and the rows of its computes in the order the
-    synthesiser's pass took them: an order their dependencies allow, which a timing pass
-    walks without looking for one (``step_timing(..., order=...)``)."""
-    steps = synthesized_steps(policy, costs)
-    S, M, D = policy.num_stages, policy.num_microbatches, policy.num_devices
-    taken = np.fromiter(chain.from_iterable(steps), dtype=np.int64, count=4 * len(steps)).reshape(-1, 4)
-    # Device by device, each device's actions in the order it runs them (a stable sort).
-    rows = np.argsort(taken[:, 0], kind="stable")
-    flat = taken[rows]
-    order = np.empty(len(rows), dtype=np.int64)
-    order[rows] = np.arange(len(rows), dtype=np.int64)
-    # The pass's kind codes (0 F, 1 the backward, 2 W) as the arrays' (F, B or I, W).
-    pass_kind = flat[:, 1]
-    codes = np.array([F, I if policy.split_backward else B, W], dtype=np.int8)
-    kind, stage, microbatch, device = codes[pass_kind], flat[:, 2], flat[:, 3], flat[:, 0]
-    lengths = np.bincount(device, minlength=D)
-    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    position = np.arange(len(flat), dtype=np.int64) - np.repeat(bounds[:-1], lengths)
-    actions = ActionArrays(kind, stage, microbatch, device, position, bounds)
-    # Row of each (pass kind, stage, microbatch); every one is there exactly once.
-    row = np.empty(3 * S * M, dtype=np.int64)
-    row[(pass_kind * S + stage) * M + microbatch] = np.arange(len(flat), dtype=np.int64)
-    # What each compute reads from the neighbouring stage: F(s - 1) for F(s), the
-    # backward of s + 1 for a backward of s (as pipedsl.validate links them).
-    forward, backward = pass_kind == 0, pass_kind == 1
-    upstream = np.full(len(flat), -1, dtype=np.int64)
-    has = forward & (stage > 0)
-    upstream[has] = row[(stage[has] - 1) * M + microbatch[has]]
-    has = backward & (stage < S - 1)
-    upstream[has] = row[(S + stage[has] + 1) * M + microbatch[has]]
-    return program_arrays(actions, upstream, policy.placement), order

@@ -65,6 +65,7 @@ import numpy as np
 from pipedsl.cli.common import load_schedule
 from pipedsl.cli.planned import SPMD_SCHEDULE
 from pipedsl.simulator import Cluster, Model, Plan, estimate
+from pipedsl.simulator.workers import available_cores
 
 __all__ = ["MachineCalibration", "calibrate_machine", "load_drift"]
 
@@ -411,7 +412,7 @@ def calibrate_machine(
         gpu="CPU device",
         peak_flops=1e9,
         matmul_efficiency=1.0,
-        shared_cores=len(os.sched_getaffinity(0)),
+        shared_cores=available_cores(),
         memory_bytes=int(memory),
         hbm_bandwidth=bandwidth,
         gpus_per_node=devices,
