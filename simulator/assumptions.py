@@ -27,11 +27,12 @@ class Assumption:
     meaning: str
 
 
-def assumptions(model: Model, cluster: Cluster, plan: Plan, *, slowdown: float = 1.0) -> tuple[Assumption, ...]:
+def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption, ...]:
     """What an estimate of ``plan`` prices: the plan's modelling switches, the
     collective algorithms chosen for its groups and, on devices that share a machine,
     the wait of each collective inside a stage program (``Cluster.collective_sync``) and
-    the ``slowdown`` its computation was priced with (``Cluster.working_set_bytes``)."""
+    for a pipeline how much of its idle devices' time the busy ones take up
+    (``Cluster.idle_share``)."""
     on = {True: "on", False: "off"}
     found = [
         Assumption("flash_attention", on[plan.flash_attention],
@@ -66,12 +67,10 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan, *, slowdown: float =
                 f"each collective of the {n} {axis}-parallel devices waits this on shared cores "
                 "until every one of them reaches it",
             ))  # fmt: skip
-    if cluster.working_set_bytes > 0:
-        held = (slowdown - 1.0) * cluster.working_set_bytes
+    if cluster.shared_cores > 0 and plan.pp > 1:
         found.append(Assumption(
-            "working_set", f"x{slowdown:.3g}",
-            f"computation slowed by the {held / 1e6:.3g} MB the node's devices touch together "
-            f"(1 + held / {cluster.working_set_bytes / 1e6:.3g} MB)",
+            "idle_share", f"{cluster.idle_share:.3g}",
+            "fraction of an idle pipeline device's time that the busy devices' work takes up on the cores it leaves",
         ))  # fmt: skip
     return tuple(found)
 

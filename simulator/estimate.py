@@ -30,24 +30,20 @@ Assembly:
 Step time = pipeline makespan (simulated) + the slowest device's exposed data-parallel
 tail and optimizer step. On devices that share a node's CPU cores
 (``Cluster.shared_cores``, forced CPU devices) the rates were measured with every device
-busy, and an idle device's cores go to the busy ones: the work is conserved, so the
-pipeline part takes the devices' mean busy time, ``makespan × (1 − bubble)``, but no less
-than ``makespan × cores / devices``, the speed-up of a device that has every core to
-itself. On such devices their caches and memory are shared too: every computation's
-seconds are multiplied by ``1 + W / Cluster.working_set_bytes``, W the bytes that the
-node's devices touch together as they compute (weights, gradients and one microbatch's
-activations, a tensor-parallel device counting as its whole group:
-:func:`~pipedsl.simulator.memory.node_bytes`), so eight
-data-parallel copies of a model compute more slowly than a pipeline's two; and since an
-idle device touches nothing, a pipeline's devices touch ``(1 − bubble) × W`` together on
-average, which the pipeline part is priced at (:meth:`Prepared.pipeline_seconds`). MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
+busy, and an idle device's cores go to the busy ones, which take up a
+``Cluster.idle_share`` of its time (1 when the cores change hands perfectly: the work is
+conserved; measured by ``pipedsl demo``). So the pipeline part takes
+``makespan × (1 − idle_share × bubble)``, its devices' mean busy time at a share of 1,
+but no less than ``makespan × cores / devices``, the speed-up of a device that has every
+core to itself (:meth:`Prepared.pipeline_seconds`).
+MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -58,7 +54,7 @@ from pipedsl.simulator.costs import CostModel, Layout
 from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.hardware import Cluster, Model
-from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory, node_bytes
+from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.stages import split_layers, stage_params, stage_residual, stage_work
@@ -276,16 +272,7 @@ class Prepared:
         """The pipeline part of a step whose simulated ``makespan`` (seconds) leaves its
         devices idle a ``bubble`` fraction of it: all of it, unless the devices share cores
         (module docstring)."""
-        busy = 1.0 - bubble
-        # The devices touch their bytes together only while busy: an idle one's weights
-        # and activations take no room in the caches the busy ones share. The work was
-        # priced with all of them touched (slowdown 1 + W / working set); at the busy
-        # fraction of W it takes (1 + busy x (slowdown - 1)) / slowdown as long (applied to
-        # the whole pipeline part, whose launches and waits the slowdown leaves alone: a
-        # slight overstatement where they are a large part of it).
-        slowdown = self.shapes.slowdown
-        priced = busy * (1.0 + busy * (slowdown - 1.0)) / slowdown
-        return makespan * max(priced, _sharing(self.shapes.cluster, self.plan))
+        return makespan * max(1.0 - self.shapes.cluster.idle_share * bubble, _sharing(self.shapes.cluster, self.plan))
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle
@@ -309,7 +296,7 @@ class Prepared:
             memory=self.memory,
             stage_forward_s=tuple(w.forward for w in work),
             stage_backward_s=tuple(w.fused_backward(cluster.action_overhead_s) for w in work),
-            assumptions=assumptions(model, cluster, plan, slowdown=shapes.slowdown),
+            assumptions=assumptions(model, cluster, plan),
             simulation=simulation,
         )
 
@@ -354,10 +341,6 @@ def prepare(
     memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
-    if cluster.working_set_bytes > 0:
-        # Devices that share one machine compute more slowly the more they touch at once.
-        touched = node_bytes(shapes, device_params, _one_microbatch(placement, residual))
-        shapes = replace(shapes, slowdown=1.0 + touched / cluster.working_set_bytes)
     work = stage_work(shapes, layers, params)
     tail = tails(shapes, work, placement, device_params)
     return Prepared(
@@ -392,16 +375,6 @@ def _device_params(plan: Plan, placement: tuple[int, ...], params: tuple[float, 
     for s, d in enumerate(placement):
         device_params[d] += params[s]
     return tuple(device_params)
-
-
-def _one_microbatch(placement: Sequence[int], residual: tuple[int, ...]) -> tuple[int, ...]:
-    """Per pipeline device, the activation bytes that its largest stage keeps for one
-    microbatch: what one of its actions touches (the residuals of other microbatches
-    wait in memory untouched), shape (pp,)."""
-    largest = [0] * (max(placement) + 1)
-    for stage, device in enumerate(placement):
-        largest[device] = max(largest[device], residual[stage])
-    return tuple(largest)
 
 
 def _peak_residual(key: ScheduleKey | None, pipelines: Pipelines | None, residual: tuple[int, ...]) -> tuple[int, ...]:

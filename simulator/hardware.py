@@ -224,14 +224,11 @@ class Cluster:
         compute of their own (forced CPU devices); 0 for GPUs. The compute rates are then
         those of a device while every device of its node is busy, and the cores an idle
         device leaves go to the busy ones (see :mod:`~pipedsl.simulator.estimate`).
-      working_set_bytes: for devices that share one machine's caches and memory
-        (forced CPU devices), the bytes touched by a node's devices together at which
-        their computation takes twice as long: every computation's seconds are multiplied
-        by ``1 + W / working_set_bytes``, W being what the node's devices touch as they
-        run forward and backward (weights and gradients, whole at every ZeRO stage, and
-        activations; not the optimizer state, which only the update reads).
-        0 (the default) for no such slowdown: a GPU's compute does not depend on what
-        its neighbours hold. Measured by ``pipedsl demo``.
+      idle_share: for devices that share cores (``shared_cores`` above 0), the fraction
+        of an idle device's time that the busy devices' work takes up on the cores it
+        leaves: 1 (the default) prices a pipeline at its devices' mean busy time, 0 at
+        its makespan (see :mod:`~pipedsl.simulator.estimate`). Measured by ``pipedsl
+        demo``; ignored where devices do not share cores.
       collective_sync_s: seconds that each collective inside a stage program (each
         tensor-parallel one, and ZeRO 2/3's per layer and microbatch) waits on top of its
         transfer, for each device of its group but one, when the devices share cores:
@@ -268,7 +265,7 @@ class Cluster:
     kernel_launch_s: float = 0.0
     action_overhead_s: float = 0.0
     shared_cores: float = 0.0
-    working_set_bytes: float = 0.0
+    idle_share: float = 1.0
     collective_sync_s: float = 0.0
     collective_sync_per_token_s: float = 0.0
     step_overhead_s: float = 0.0
@@ -301,7 +298,6 @@ class Cluster:
             "kernel_launch_s",
             "action_overhead_s",
             "shared_cores",
-            "working_set_bytes",
             "collective_sync_s",
             "collective_sync_per_token_s",
             "step_overhead_s",
@@ -309,6 +305,9 @@ class Cluster:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise DescriptionError(f"{owner}: {name} must be a number >= 0, got {value!r}")
+        share = self.idle_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise DescriptionError(f"{owner}: idle_share must be a number in [0, 1], got {share!r}")
         _check_int(owner, "memory_bytes", self.memory_bytes)
         _check_int(owner, "reserved_bytes", self.reserved_bytes, minimum=0)
         _check_int(owner, "gpus_per_node", self.gpus_per_node)

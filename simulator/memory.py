@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.transformer import Shapes
 
-__all__ = ["GRAD_BYTES", "OPTIMIZER_BYTES", "Memory", "DoesNotFit", "device_memory", "node_bytes", "static_memory"]
+__all__ = ["GRAD_BYTES", "OPTIMIZER_BYTES", "Memory", "DoesNotFit", "device_memory", "static_memory"]
 
 GRAD_BYTES = 4
 """Bytes per gradient value held: fp32, as accumulated over microbatches."""
@@ -117,29 +117,3 @@ def device_memory(shapes: Shapes, device_params: Sequence[float], activations: S
         total=round(totals[fullest]),
         usable=shapes.cluster.usable_bytes,
     )
-
-
-def node_bytes(shapes: Shapes, device_params: Sequence[float], activations: Sequence[int]) -> float:
-    """Bytes that the devices of one node touch together while they run forward and
-    backward: the mean pipeline device's weights and gradients, whole at every ZeRO stage
-    (the forward reads every weight, gathered under ZeRO 3; the backward writes every
-    gradient before any is reduced), the activations one of its actions touches
-    (``activations``, one number per pipeline device) and full recomputation's rebuilt
-    layer, times the devices of the plan in one node (every data and tensor rank holds
-    its pipeline device's share). Optimizer state is left out: only the update reads it.
-
-    A tensor-parallel device counts as its whole group: the group works on the same
-    tokens in lockstep, each collective reading and writing every member's whole
-    activation, so on shared cores it slows its devices as a device holding the group's
-    bytes would. Measured on 8 CPU devices of 2 cores (the demo transformer, one layer,
-    4 and 16 sequences per data rank, tp 2 and 4): counted by its own share, a tp step
-    came out 16-51% fast before any collective's wait; counted so, 4-19% fast, and
-    within 8% once the waits were fitted to it. The whole four-layer model's steps at
-    tp 2 went from 33-35% to 18-20% fast, at tp 4 from 17% to 21%."""
-    plan, model = shapes.plan, shapes.model
-    rebuilt = shapes.layer_activation_bytes(Recompute.NONE) if plan.recompute is Recompute.FULL else 0.0
-    touched = [
-        p * (model.dtype_bytes + GRAD_BYTES) + held + rebuilt for p, held in zip(device_params, activations, strict=True)
-    ]
-    return sum(touched) / len(touched) * min(plan.gpus, shapes.cluster.gpus_per_node) * plan.tp
-

@@ -17,9 +17,6 @@ feed-forward width, a heads of width d = h/a, V vocabulary, t = tp):
   bandwidth: each byte a layer stores for its backward (Korthikanti et al. 2022:
   s·b·h·(34 + 5·a·s/h)/t with sequence parallelism) costs two bytes of HBM traffic in the
   forward and four in the backward. FlashAttention never writes the a·s² scores.
-- On devices that share one machine (``Cluster.working_set_bytes``), every product's
-  and every byte of traffic's seconds are multiplied by ``Shapes.slowdown``, which
-  :mod:`~pipedsl.simulator.estimate` sets from what the node's devices hold.
 - Every kernel costs ``kernel_launch_s`` more: per layer forward the products above and
   :data:`ELEMENTWISE_KERNELS` elementwise kernels (two more without FlashAttention:
   softmax and attention dropout); the backward twice the products, as many elementwise.
@@ -111,10 +108,6 @@ class Shapes:
     model: Model
     cluster: Cluster
     plan: Plan
-    slowdown: float = 1.0
-    """Factor on every computation's seconds (matrix products and memory traffic, not
-    collectives or launches): what the node's working set costs on devices that share a
-    machine (``Cluster.working_set_bytes``); 1 otherwise."""
 
     @property
     def tokens(self) -> int:
@@ -126,10 +119,10 @@ class Shapes:
         return group_of(self.plan.tp, 1, self.cluster)
 
     def traffic_seconds(self, num_bytes: float) -> float:
-        return num_bytes / self.cluster.hbm_bandwidth * self.slowdown
+        return num_bytes / self.cluster.hbm_bandwidth
 
     def _gemm(self, m: float, k: float, n: float, batch: int = 1) -> float:
-        return gemm_seconds(m, k, n, self.cluster, dtype_bytes=self.model.dtype_bytes, batch=batch) * self.slowdown
+        return gemm_seconds(m, k, n, self.cluster, dtype_bytes=self.model.dtype_bytes, batch=batch)
 
     def linear_seconds(self) -> tuple[float, int]:
         """(seconds, kernels) of one layer's four linear products, forward."""
@@ -149,8 +142,7 @@ class Shapes:
         heads = plan.microbatch_size * m.heads // plan.tp
         width = m.hidden // m.heads
         if plan.flash_attention:
-            fused = _fused_attention_seconds(m.seq_len, width, heads, self.cluster, dtype_bytes=m.dtype_bytes)
-            return fused * self.slowdown, 1
+            return _fused_attention_seconds(m.seq_len, width, heads, self.cluster, dtype_bytes=m.dtype_bytes), 1
         seconds = self._gemm(m.seq_len, width, m.seq_len, heads) + self._gemm(m.seq_len, m.seq_len, width, heads)
         return seconds, 2
 

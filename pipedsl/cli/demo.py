@@ -83,15 +83,16 @@ def _library(console: Console) -> None:
 # --- 2. this machine as a cluster, and the plan search -------------------------------
 
 
-def _one_stage(layers: int) -> Any:
-    """The demo transformer cut to ``layers`` layers, one stage: what the calibration times."""
-    return demo_transformer(1, layers=layers)
+def _cut(layers: int, stages: int) -> Any:
+    """The demo transformer cut to ``layers`` layers over ``stages`` stages: what the
+    calibration times."""
+    return demo_transformer(stages, layers=layers)
 
 
 def calibrated_search(devices: int) -> tuple[MachineCalibration, Any]:
     """Calibrate this machine once as ``devices`` devices, then rank every plan of the demo
     transformer on it (a :func:`~pipedsl.simulator.search` frame)."""
-    calibration = calibrate_machine(devices, DEMO_MODEL, _one_stage, microbatch_size=_MIN_RUN_MICROBATCH)
+    calibration = calibrate_machine(devices, DEMO_MODEL, _cut, microbatch_size=_MIN_RUN_MICROBATCH)
     # The executor's attention is plain (no fused kernel), and on CPU a collective runs
     # on the cores the computation needs, so none of it hides behind the computation.
     frame = search(
@@ -219,7 +220,7 @@ def _runs(
         )
     console.print(_results_table(reports))
     console.print(_order_verdict(reports), highlight=False)
-    console.print(_drift_verdict(*load_drift(calibration, _one_stage)), highlight=False)
+    console.print(_drift_verdict(*load_drift(calibration, _cut)), highlight=False)
     _write_runs(out / "runs.csv", reports)
     figure = plot_timelines([p for r in reports for p in r.panels], share_time=False, caption="simulated against measured")
     save_figure(figure, out / "timelines.png")

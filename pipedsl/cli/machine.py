@@ -12,21 +12,21 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   update: the stage programs that runs execute, not one program of the whole step, which
   XLA runs at another speed), at five shapes: the model cut to one layer and whole, with
   one sequence per device and with the microbatch size, one microbatch; and the one-layer,
-  one-sequence step with four microbatches. Four numbers of the cluster are fitted to the
+  one-sequence step with four microbatches. Three numbers of the cluster are fitted to the
   five steps (least squares of the log of priced over measured seconds): the
   ``peak_flops``, the ``step_overhead_s`` that a step costs once (the four-microbatch step
-  tells it from what each microbatch costs), the ``kernel_launch_s`` that every
+  tells it from what each microbatch costs) and the ``kernel_launch_s`` that every
   kernel costs on top of its work (on shared cores a one-sequence step takes far more
-  than a quarter of a four-sequence one) and the ``working_set_bytes`` at which the
-  simulator's seconds of the same work, every computation's seconds times
-  ``1 + W / working_set_bytes`` (W: what the devices touch together as they compute,
-  weights, gradients and one microbatch's activations, as
-  :func:`~pipedsl.simulator.memory.node_bytes` counts them), match: the devices share
-  this machine's caches and memory, and eight data-parallel copies of a model are slower
-  per FLOP than a pipeline's two.
+  than a quarter of a four-sequence one).
   Elementwise work is priced at the measured memory bandwidth. A product benchmark
   overstates the rate about tenfold on CPU: the backward's transposed products, the
   attention's small ones and the elementwise work run far below it;
+- *idle devices*: one training step of the whole model as a two-stage pipeline
+  (``gpipe``, one microbatch of the microbatch size per data rank, half the devices a
+  stage's data axis), whose devices are idle half the step: the ``idle_share`` of an
+  idle device's time that the busy devices take up on the cores it leaves is fitted to
+  it (1 prices a pipeline at its devices' mean busy time, 0 at its makespan; here it
+  comes out near 1);
 - *memory bandwidth*: one elementwise update of a few MB on every device at once;
 - *collectives*: all-reduces over groups of 2 and of every device, of a small and a
   large buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (α and B are
@@ -94,6 +94,8 @@ class MachineCalibration:
         (layers the model is cut to, sequences per device, microbatches).
       tensor_step_s: measured seconds of one training step of the one-layer model split
         over a tensor axis (a data axis the rest), by (tensor axis, sequences per data rank).
+      pipeline_step_s: measured seconds of the two-stage pipeline's training step, or None
+        where the devices or the model's layers do not split in two (``idle_share`` then 1).
       microbatch_size: sequences per device (per data rank) in the larger compute steps
         and the smaller tensor-parallel steps.
       all_reduce_s: measured seconds by (group size, bytes).
@@ -103,6 +105,7 @@ class MachineCalibration:
     cluster: Cluster
     step_s: dict[tuple[int, int, int], float]
     tensor_step_s: dict[tuple[int, int], float]
+    pipeline_step_s: float | None
     microbatch_size: int
     all_reduce_s: dict[tuple[int, int], float]
     seconds: float
@@ -116,21 +119,22 @@ class MachineCalibration:
             for (n, m, k), t in self.step_s.items()
         )
         tensor = ", ".join(f"tp={t} x {m} {s * 1e3:.1f} ms" for (t, m), s in self.tensor_step_s.items()) or "none"
-        slowed = (
-            f"slowed by 1 + W / {c.working_set_bytes / 1e6:.0f} MB for the W bytes the devices touch together"
-            if c.working_set_bytes > 0
-            else "not slowed by what the devices touch"
+        idle = (
+            f"busy devices take up {c.idle_share:.0%} of an idle one's time (fitted to a two-stage pipeline's "
+            f"step, {self.pipeline_step_s * 1e3:.1f} ms)"
+            if self.pipeline_step_s is not None
+            else "idle devices not measured"
         )
         return (
             f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {c.kernel_launch_s * 1e6:.0f} µs per kernel, "
-            f"{slowed}, {c.step_overhead_s * 1e3:.1f} ms per step (fitted to training steps of so many layers x "
+            f"{c.step_overhead_s * 1e3:.1f} ms per step (fitted to training steps of so many layers x "
             f"sequences per device: {steps}); memory "
             f"{c.hbm_bandwidth / 1e9:.2f} GB/s; collectives α {c.intra_node_latency * 1e6:.0f} µs, "
             f"B {c.intra_node_bandwidth / 1e9:.2f} GB/s (all-reduce {reduces}); dispatch "
             f"{c.action_overhead_s * 1e6:.0f} µs per action; each tensor-parallel collective waits "
             f"{c.collective_sync_s * 1e3:.2f} ms + {c.collective_sync_per_token_s * 1e6:.2f} µs per token for each "
             f"device of its group but one (fitted to one-layer steps at tp x sequences per data rank: {tensor}); "
-            f"calibrated in {self.seconds:.1f} s"
+            f"{idle}; calibrated in {self.seconds:.1f} s"
         )
 
 
@@ -159,13 +163,12 @@ def _interleaved_medians(runs: dict[Any, Callable[[], Any]], repeats: int = _REP
 def _training_step(
     model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
 ) -> tuple[Callable[[], Any], Any]:
-    """The executor's SPMD plan of ``model`` over every device at tp ``tensor`` (the data
-    axis the rest), ``microbatches`` of ``microbatch_size`` sequences per data rank: (a
-    call that runs one Adam training step, the pipeline to close). The calibration times
-    the executor's own programs: a forward and a backward jitted apart run at another
-    speed than one program of both (measured here, all eight devices busy: a four-layer
-    step of four sequences per device 380 ms against 555 ms for one ``value_and_grad``
-    program of it, and a one-layer step of one sequence 42 ms against 26 ms)."""
+    """The executor's plan of ``model`` (its stages a ``gpipe`` pipeline; one stage: the
+    SPMD plan) over every device at tp ``tensor``, the data axis the rest of each stage's
+    devices, ``microbatches`` of ``microbatch_size`` sequences per data rank: (a call
+    that runs one Adam training step, the pipeline to close). The calibration times the
+    executor's own programs: a forward and a backward jitted apart run at another speed
+    than one program of both."""
     import jax
     import optax
 
@@ -173,11 +176,14 @@ def _training_step(
 
     key = jax.random.PRNGKey(0)
     params = model.init_stages(key)
+    stages = model.num_stages
+    dp = devices // (tensor * stages)
+    schedule = load_schedule(SPMD_SCHEDULE, {"pp": stages, "microbatches": microbatches})
     pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": microbatches}),
-        backend="local", dp=devices // tensor, tp=tensor, param_specs=model.param_specs(params),
+        model.stages, loss=model.loss, schedule=schedule, backend="local", dp=dp, tp=tensor,
+        param_specs=model.param_specs(params) if tensor > 1 else None,
     )  # fmt: skip
-    batch = model.batch(jax.random.fold_in(key, 1), devices // tensor * microbatch_size * microbatches)
+    batch = model.batch(jax.random.fold_in(key, 1), dp * microbatch_size * microbatches)
     optimizer = optax.adam(1e-3)
     held: list[Any] = [params, None]
 
@@ -273,29 +279,24 @@ def _step_shapes(model: Model, microbatch_size: int) -> tuple[tuple[int, int, in
 
 
 def _with_compute(base: Cluster, x: np.ndarray) -> Cluster:
-    """``base`` at ``x`` = log (``peak_flops``, ``kernel_launch_s``, 1 / ``working_set_bytes``,
-    ``step_overhead_s``)."""
-    flops, launch, inverse, step = np.exp(x)
-    return dataclasses.replace(
-        base, peak_flops=float(flops), kernel_launch_s=float(launch), working_set_bytes=float(1 / inverse),
-        step_overhead_s=float(step),
-    )  # fmt: skip
+    """``base`` at ``x`` = log (``peak_flops``, ``kernel_launch_s``, ``step_overhead_s``)."""
+    flops, launch, step = np.exp(x)
+    return dataclasses.replace(base, peak_flops=float(flops), kernel_launch_s=float(launch), step_overhead_s=float(step))
 
 
-# The box the fit searches, in the coordinates of :func:`_with_compute`. A launch, a
-# 1 / working set or a step's cost within a factor ten of its lower bound (10 ns, 100 TB,
-# 1 µs) stands for none: where a term changes nothing the fit drifts towards the bound
-# without reaching it.
-_LOW = np.log([1e6, 1e-9, 1e-15, 1e-7])
-_HIGH = np.log([1e15, 1.0, 1e-3, 10.0])
+# The box the fit searches, in the coordinates of :func:`_with_compute`. A launch or a
+# step's cost within a factor ten of its lower bound (10 ns, 1 µs) stands for none: where
+# a term changes nothing the fit drifts towards the bound without reaching it.
+_LOW = np.log([1e6, 1e-9, 1e-7])
+_HIGH = np.log([1e15, 1.0, 10.0])
 
 
 def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple[int, int, int], float]) -> Cluster:
-    """``base`` with the ``peak_flops``, ``kernel_launch_s``, ``working_set_bytes`` and
-    ``step_overhead_s`` at which the simulator prices the steps of ``measured`` ((layers,
-    sequences per device, microbatches) to seconds) closest to as measured: least squares
-    of the log of priced over measured seconds, by damped Gauss-Newton within a box. A
-    term the steps do not call for ends near its bound and is 0."""
+    """``base`` with the ``peak_flops``, ``kernel_launch_s`` and ``step_overhead_s`` at
+    which the simulator prices the steps of ``measured`` ((layers, sequences per device,
+    microbatches) to seconds) closest to as measured: least squares of the log of priced
+    over measured seconds, by damped Gauss-Newton within a box. A term the steps do not
+    call for ends near its bound and is 0."""
     shapes, seconds = list(measured), np.log(list(measured.values()))
 
     def priced(cluster: Cluster, shape: tuple[int, int, int]) -> float:
@@ -309,7 +310,7 @@ def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple
     # Start from the rate that prices the largest step alone, nothing else slowing it.
     largest = max(shapes, key=lambda shape: shape[0] * shape[1] * shape[2])
     start = priced(base, largest) / measured[largest]
-    x = np.clip(np.log([base.peak_flops * start, 1e-4, 1e-8, 1e-3]), _LOW, _HIGH)
+    x = np.clip(np.log([base.peak_flops * start, 1e-4, 1e-3]), _LOW, _HIGH)
     r, damping = residuals(x), 1e-2
     for _ in range(_FIT_ROUNDS):
         jacobian = np.column_stack([(residuals(x + 1e-4 * unit) - r) / 1e-4 for unit in np.eye(len(x))])
@@ -328,9 +329,33 @@ def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple
     return dataclasses.replace(
         cluster,
         kernel_launch_s=0.0 if x[1] < _LOW[1] + np.log(10) else cluster.kernel_launch_s,
-        working_set_bytes=0.0 if x[2] < _LOW[2] + np.log(10) else cluster.working_set_bytes,
-        step_overhead_s=0.0 if x[3] < _LOW[3] + np.log(10) else cluster.step_overhead_s,
+        step_overhead_s=0.0 if x[2] < _LOW[2] + np.log(10) else cluster.step_overhead_s,
     )
+
+
+def _pipeline_plan(devices: int, microbatch_size: int) -> Plan:
+    """The plan of the step that measures idle devices: two ``gpipe`` stages, one
+    microbatch of ``microbatch_size`` sequences per data rank."""
+    return Plan(
+        dp=devices // 2, pp=2, microbatch_size=microbatch_size, global_batch=devices // 2 * microbatch_size,
+        schedule=SPMD_SCHEDULE, flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
+    )  # fmt: skip
+
+
+def _fit_idle_share(model: Model, cluster: Cluster, devices: int, microbatch_size: int, measured: float) -> Cluster:
+    """``cluster`` with the ``idle_share`` in [0, 1] at which the simulator prices the
+    two-stage pipeline's step (:func:`_pipeline_plan`) as ``measured`` seconds, or the
+    nearer end where none does (the priced step shrinks as the share grows)."""
+    plan = _pipeline_plan(devices, microbatch_size)
+
+    def priced(share: float) -> float:
+        return estimate(model, dataclasses.replace(cluster, idle_share=share), plan).step_time_s
+
+    low, high = 0.0, 1.0
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if priced(middle) > measured else (low, middle)
+    return dataclasses.replace(cluster, idle_share=(low + high) / 2)
 
 
 def _tensor_shapes(model: Model, devices: int, microbatch_size: int) -> tuple[tuple[int, int], ...]:
@@ -389,19 +414,24 @@ def _timed_steps(steps: dict[Any, tuple[Any, int, int, int]], devices: int) -> d
 
 
 def calibrate_machine(
-    devices: int, model: Model, build: Callable[[int], Any], *, microbatch_size: int
+    devices: int, model: Model, build: Callable[[int, int], Any], *, microbatch_size: int
 ) -> MachineCalibration:
     """Measure this machine once (module docstring) as ``devices`` CPU devices running
-    ``model`` (its simulator description); ``build(layers)`` gives the same model as the
-    executor builds it, one stage of ``layers`` layers."""
+    ``model`` (its simulator description); ``build(layers, stages)`` gives the same model
+    as the executor builds it, cut to ``layers`` layers split evenly over ``stages``."""
     started = time.perf_counter()
+    pipeline: dict[Any, tuple[Any, int, int, int]] = {}
+    if devices % 2 == 0 and model.layers % 2 == 0:
+        pipeline[("pipeline",)] = (build(model.layers, 2), microbatch_size, 1, 1)
     measured = _timed_steps(
-        {("compute", n, m, k): (build(n), m, 1, k) for n, m, k in _step_shapes(model, microbatch_size)}
-        | {("tensor", t, m): (build(1), m, t, 1) for t, m in _tensor_shapes(model, devices, microbatch_size)},
+        {("compute", n, m, k): (build(n, 1), m, 1, k) for n, m, k in _step_shapes(model, microbatch_size)}
+        | {("tensor", t, m): (build(1, 1), m, t, 1) for t, m in _tensor_shapes(model, devices, microbatch_size)}
+        | pipeline,
         devices,
     )
     steps = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
     tensor = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "tensor"}
+    pipeline_s = measured.get(("pipeline",))
     bandwidth = _bandwidth(devices)
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
     alpha, link = _fit_ring(reduces)
@@ -426,22 +456,25 @@ def calibrate_machine(
     one_layer = dataclasses.replace(model, layers=1)
     if tensor:
         cluster = _fit_sync(one_layer, cluster, devices, tensor)
+    if pipeline_s is not None:
+        cluster = _fit_idle_share(model, cluster, devices, microbatch_size, pipeline_s)
     return MachineCalibration(
         cluster=cluster,
         step_s=steps,
         tensor_step_s=tensor,
+        pipeline_step_s=pipeline_s,
         microbatch_size=microbatch_size,
         all_reduce_s=reduces,
         seconds=time.perf_counter() - started,
     )
 
 
-def load_drift(calibration: MachineCalibration, build: Callable[[int], Any]) -> tuple[float, float]:
+def load_drift(calibration: MachineCalibration, build: Callable[[int, int], Any]) -> tuple[float, float]:
     """(seconds at calibration, seconds now) of the calibration's one-layer step of
     ``microbatch_size`` sequences per device (``build`` as for :func:`calibrate_machine`),
     timed again: every prediction rests on the machine being as loaded as when it was
     calibrated, and on shared cores a busier or quieter machine moves every step. (The
     one-sequence step is mostly fixed costs, which load moves less.)"""
     sequences = calibration.microbatch_size
-    now = _timed_steps({"again": (build(1), sequences, 1, 1)}, calibration.cluster.gpus_per_node)["again"]
+    now = _timed_steps({"again": (build(1, 1), sequences, 1, 1)}, calibration.cluster.gpus_per_node)["again"]
     return calibration.step_s[(1, sequences, 1)], now

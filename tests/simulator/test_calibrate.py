@@ -16,9 +16,11 @@ import pipedsl
 from pipedsl.cli.machine import (
     MachineCalibration,
     _fit_compute,
+    _fit_idle_share,
     _fit_ring,
     _fit_sync,
     _interleaved_medians,
+    _pipeline_plan,
     _plan,
     _priced,
     _step_shapes,
@@ -230,23 +232,34 @@ def test_compute_steps_are_the_corners_of_depth_and_microbatch() -> None:
     assert _step_shapes(dataclasses.replace(_TINY, layers=1), 1) == ((1, 1, 1), (1, 1, 4))
 
 
-def test_compute_fit_recovers_the_rate_the_launch_and_the_working_set() -> None:
-    # Steps priced on a cluster whose kernels cost a fixed time each and whose computation
-    # slows by what its devices hold: the fit finds all three numbers again.
-    truth = dataclasses.replace(
-        _CPU, peak_flops=3e9, kernel_launch_s=2e-4, working_set_bytes=20e6, step_overhead_s=5e-3
-    )
+def test_compute_fit_recovers_the_rate_the_launch_and_the_step_cost() -> None:
+    # Steps priced on a cluster whose kernels and steps cost a fixed time each: the fit
+    # finds all three numbers again.
+    truth = dataclasses.replace(_CPU, peak_flops=3e9, kernel_launch_s=2e-4, step_overhead_s=5e-3)
     fitted = _fit_compute(_TINY, _CPU, 8, _steps(truth))
     assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
     assert fitted.kernel_launch_s == pytest.approx(2e-4, rel=1e-4)
-    assert fitted.working_set_bytes == pytest.approx(20e6, rel=1e-4)
     assert fitted.step_overhead_s == pytest.approx(5e-3, rel=1e-4)
+
+
+def test_idle_share_fit_recovers_the_share_and_stays_within_zero_and_one() -> None:
+    shared = dataclasses.replace(_CPU, shared_cores=2)
+    plan = _pipeline_plan(8, 4)
+
+    def priced(share: float) -> float:
+        return estimate(_TINY, dataclasses.replace(shared, idle_share=share), plan).step_time_s
+
+    # A pipeline with idle devices costs more the less of their time the busy ones take up.
+    assert priced(0.0) > priced(0.7) > priced(1.0)
+    assert _fit_idle_share(_TINY, shared, 8, 4, priced(0.7)).idle_share == pytest.approx(0.7, abs=1e-6)
+    assert _fit_idle_share(_TINY, shared, 8, 4, priced(1.0) / 2).idle_share == pytest.approx(1.0, abs=1e-6)
+    assert _fit_idle_share(_TINY, shared, 8, 4, priced(0.0) * 2).idle_share == pytest.approx(0.0, abs=1e-6)
 
 
 def test_compute_fit_leaves_out_the_terms_the_steps_do_not_call_for() -> None:
     fitted = _fit_compute(_TINY, _CPU, 8, _steps(dataclasses.replace(_CPU, peak_flops=3e9)))
     assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
-    assert fitted.kernel_launch_s == 0.0 and fitted.working_set_bytes == 0.0 and fitted.step_overhead_s == 0.0
+    assert fitted.kernel_launch_s == 0.0 and fitted.step_overhead_s == 0.0
 
 
 def _tensor_steps(truth: Cluster, model: Model, shapes: tuple[tuple[int, int], ...]) -> dict[tuple[int, int], float]:
@@ -289,8 +302,9 @@ def test_the_calibration_describes_every_fitted_number_with_its_measurements() -
     cluster = dataclasses.replace(_CPU, step_overhead_s=9.5e-3, collective_sync_per_token_s=4.2e-6)
     calibration = MachineCalibration(
         cluster=cluster, step_s={(1, 1, 1): 0.04, (1, 1, 4): 0.12}, tensor_step_s={(2, 4): 0.06},
-        microbatch_size=4, all_reduce_s={(2, 4096): 1e-3}, seconds=50.0,
+        pipeline_step_s=0.083, microbatch_size=4, all_reduce_s={(2, 4096): 1e-3}, seconds=50.0,
     )  # fmt: skip
     said = calibration.describe()
     assert "9.5 ms per step" in said and "1 layer x 1 x 4 microbatches 120.0 ms" in said
     assert "4.20 µs per token" in said and "tp=2 x 4 60.0 ms" in said
+    assert "take up 100% of an idle one's time" in said and "step, 83.0 ms" in said

@@ -257,59 +257,27 @@ def test_devices_that_share_cores_take_their_mean_busy_time() -> None:
         dataclasses.replace(IDEAL, shared_cores=-1)
 
 
-def test_what_a_nodes_devices_touch_slows_their_computation() -> None:
-    # Devices that share one machine's caches: every computation's seconds times
-    # 1 + W / working_set_bytes, W the weights, gradients and activations of the node's
-    # devices together.
+def test_busy_devices_take_up_only_the_idle_share_of_an_idle_devices_time() -> None:
+    # Of an idle device's time on shared cores, the busy devices' work takes up a share:
+    # the pipeline part is the makespan times 1 - share x bubble, never under 2/8 of it.
     model = dataclasses.replace(GPT, vocab=8, layers=8)
     alone = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
-    ws = 50e6
-    shared = dataclasses.replace(alone, working_set_bytes=ws)
-    spmd = Plan(dp=8, global_batch=8)
-    memory = estimate(model, alone, spmd).memory
-    touched = (memory.weights + memory.gradients + memory.activations) * 8  # eight alike devices
-    slowed = estimate(model, shared, spmd)
-    assert slowed.pipeline_time_s == pytest.approx(estimate(model, alone, spmd).pipeline_time_s * (1 + touched / ws))
-    # The forward and backward touch every weight and gradient at every ZeRO stage, and no optimizer state.
-    for zero in (1, 2, 3):
-        sharded = dataclasses.replace(spmd, zero=zero)
-        assert estimate(model, shared, sharded).pipeline_time_s == pytest.approx(slowed.pipeline_time_s)
-    assert any(a.name == "working_set" for a in slowed.assumptions)
-    assert not any(a.name == "working_set" for a in estimate(model, alone, spmd).assumptions)
-    # A tensor-parallel device touches as much as its whole group holds.
-    tensor = Plan(dp=4, tp=2, global_batch=8)
-    split = estimate(model, alone, tensor).memory
-    grouped = (split.weights + split.gradients + split.activations) * 8 * 2
-    assert estimate(model, shared, tensor).pipeline_time_s == pytest.approx(
-        estimate(model, alone, tensor).pipeline_time_s * (1 + grouped / ws)
-    )
-    # Eight data-parallel copies hold more than a pipeline's two, so they slow more.
-    pipe = Plan(pp=4, dp=2, global_batch=8, schedule="1f1b")
-    spmd_ratio = slowed.step_time_s / estimate(model, alone, spmd).step_time_s
-    pipe_ratio = estimate(model, shared, pipe).step_time_s / estimate(model, alone, pipe).step_time_s
-    assert spmd_ratio > pipe_ratio > 1
-    assert prepare(model, shared, pipe).lower_bound_s <= estimate(model, shared, pipe).step_time_s * (1 + 1e-12)
-    with pytest.raises(DescriptionError, match="working_set_bytes must be a number >= 0"):
-        dataclasses.replace(IDEAL, working_set_bytes=-1)
-
-
-def test_a_pipeline_on_shared_cores_touches_together_only_what_its_busy_devices_hold() -> None:
-    # Idle devices touch nothing: busy a fraction b of the makespan, the devices touch b x W
-    # together on average, so the pipeline part is b x (1 + b (s - 1)) / s of the makespan
-    # (s = 1 + W / working set), never under cores / devices of it.
-    model = dataclasses.replace(GPT, vocab=8, layers=8)
-    cached = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30, working_set_bytes=50e6)
-    shared = dataclasses.replace(cached, shared_cores=2)
     pipe = Plan(pp=4, dp=2, global_batch=16, schedule="1f1b")
-    whole, part = estimate(model, cached, pipe), estimate(model, shared, pipe)
-    slowdown = prepare(model, shared, pipe).shapes.slowdown
-    assert slowdown > 1 and part.bubble == whole.bubble > 0
-    busy = 1 - whole.bubble
-    expected = max(busy * (1 + busy * (slowdown - 1)) / slowdown, 2 / 8)
-    assert part.pipeline_time_s == pytest.approx(whole.pipeline_time_s * expected)
-    assert prepare(model, shared, pipe).lower_bound_s <= part.step_time_s * (1 + 1e-12)
-    spmd = Plan(dp=8, global_batch=8)  # never idle: priced with all it touches
-    assert estimate(model, shared, spmd).step_time_s == estimate(model, cached, spmd).step_time_s
+    apart = estimate(model, alone, pipe)
+    for share in (0.0, 0.4, 1.0):
+        shared = dataclasses.replace(alone, shared_cores=2, idle_share=share)
+        together = estimate(model, shared, pipe)
+        expected = max(1 - share * apart.bubble, 2 / 8)
+        assert together.pipeline_time_s == pytest.approx(apart.pipeline_time_s * expected)
+        assert prepare(model, shared, pipe).lower_bound_s <= together.step_time_s * (1 + 1e-12)
+        assert any(a.name == "idle_share" and a.value == f"{share:.3g}" for a in together.assumptions)
+    # Only a pipeline on shared cores says so: SPMD has no idle devices, a GPU no shared cores.
+    spmd = Plan(dp=8, global_batch=8)
+    assert not any(a.name == "idle_share" for a in estimate(model, shared, spmd).assumptions)
+    assert not any(a.name == "idle_share" for a in apart.assumptions)
+    for bad in (-0.1, 1.5, True):
+        with pytest.raises(DescriptionError, match="idle_share must be a number in \\[0, 1\\]"):
+            dataclasses.replace(IDEAL, idle_share=bad)
 
 
 def test_each_tensor_parallel_collective_waits_its_sync_on_shared_cores() -> None:
