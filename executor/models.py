@@ -196,8 +196,9 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     Why the reshape: XLA on CPU runs a product of one contracting axis (and the two
     transposed products of its backward) on its fast path, while the weight gradient of
     a ``[b, s, d] @ [d, f]`` product contracts two axes and runs several times slower,
-    the more so the more activations a program holds: a four-block step took twice the
-    seconds per block of a one-block step that way, and the same per block this way.
+    the more so the more activations a program holds: on one CPU device, the gradient of
+    four blocks of 32 sequences took 1.4-1.7 times the seconds per block of one block's
+    that way, and 1.1 times this way (and 0.6 of the time in all).
     """
     y = x.reshape(-1, x.shape[-1]) @ w
     return y.reshape(*x.shape[:-1], w.shape[-1])
