@@ -25,6 +25,7 @@ from pipedsl.cli.machine import (
     _priced,
     _step_shapes,
     _tensor_shapes,
+    _timed_steps,
 )
 from pipedsl.errors import PipedslError
 from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, simulate
@@ -289,6 +290,20 @@ def test_sync_fit_keeps_both_terms_at_least_zero() -> None:
     # Waits that a fixed part alone prices best: no part per token.
     fixed = _fit_sync(model, _CPU, 8, _tensor_steps(dataclasses.replace(_CPU, collective_sync_s=3e-3), model, shapes))
     assert fixed.collective_sync_s == pytest.approx(3e-3, rel=1e-6) and fixed.collective_sync_per_token_s == 0.0
+
+
+def test_the_calibration_times_the_executors_spmd_and_pipeline_steps() -> None:
+    # The steps the calibration times, on four of the devices: one stage over all of them
+    # (the data axis), one stage split over a tensor axis, and two pipeline stages each
+    # over half of them.
+    from pipedsl.executor.models import transformer
+
+    def build(layers: int, stages: int) -> object:
+        return transformer(num_stages=stages, layers_per_stage=layers // stages, vocab=16, dim=8, heads=2, seq=4)
+
+    steps = {"spmd": (build(2, 1), 2, 1, 2), "tensor": (build(1, 1), 2, 2, 1), "pipeline": (build(2, 2), 2, 1, 1)}
+    seconds = _timed_steps(steps, 4)
+    assert set(seconds) == set(steps) and all(t > 0 for t in seconds.values())
 
 
 def test_interleaved_measurements_take_turns() -> None:
