@@ -67,7 +67,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
                 f"each collective of the {n} {axis}-parallel devices waits this on shared cores "
                 "until every one of them reaches it",
             ))  # fmt: skip
-    if cluster.shared_cores > 0 and plan.pp > 1:
+    if plan.pp > 1 and cluster.core_share(plan.gpus) < 1:
         found.append(Assumption(
             "idle_share", f"{cluster.idle_share:.3g}",
             "fraction of an idle pipeline device's time that the busy devices' work takes up on the cores it leaves",

@@ -272,7 +272,8 @@ class Prepared:
         """The pipeline part of a step whose simulated ``makespan`` (seconds) leaves its
         devices idle a ``bubble`` fraction of it: all of it, unless the devices share cores
         (module docstring)."""
-        return makespan * max(1.0 - self.shapes.cluster.idle_share * bubble, _sharing(self.shapes.cluster, self.plan))
+        cluster = self.shapes.cluster
+        return makespan * max(1.0 - cluster.idle_share * bubble, cluster.core_share(self.plan.gpus))
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle
@@ -353,7 +354,7 @@ def prepare(
         device_params=device_params,
         memory=memory,
         lower_bound_s=(0.0 if layout is not None else _lower_bound(plan, cluster.action_overhead_s, work, key, pipelines))
-        * _sharing(cluster, plan)
+        * cluster.core_share(plan.gpus)
         + sum(tail),
         tails=tail,
     )
@@ -403,16 +404,6 @@ def estimate(
     """
     prepared = prepare(model, cluster, plan, pipelines=pipelines, fits_first=fits_first, stage_layers=stage_layers)
     return prepared.finish()
-
-
-def _sharing(cluster: Cluster, plan: Plan) -> float:
-    """The least fraction of the simulated makespan that a pipeline takes on devices
-    that share ``cluster.shared_cores`` cores: ``cores / devices`` of the node, or 1 when
-    the devices do not share (see the module docstring)."""
-    devices = min(plan.gpus, cluster.gpus_per_node)
-    if cluster.shared_cores <= 0 or devices <= cluster.shared_cores:
-        return 1.0
-    return cluster.shared_cores / devices
 
 
 def _lower_bound(

@@ -323,6 +323,16 @@ class Cluster:
         """Memory per GPU the model may use: ``memory_bytes - reserved_bytes``."""
         return self.memory_bytes - self.reserved_bytes
 
+    def core_share(self, gpus: int) -> float:
+        """The least fraction of its simulated makespan that a pipeline over ``gpus``
+        devices takes where they share ``shared_cores`` cores: ``cores / devices`` of one
+        node (what a device busy alone speeds up by, every core to itself), or 1 where
+        the devices do not share (see :mod:`~pipedsl.simulator.estimate`)."""
+        devices = min(gpus, self.gpus_per_node)
+        if self.shared_cores <= 0 or devices <= self.shared_cores:
+            return 1.0
+        return self.shared_cores / devices
+
     def collective_sync(self, group: int, tokens: float) -> float:
         """Seconds that one collective inside a stage program over ``group`` devices, each
         working on ``tokens`` tokens of a microbatch, waits on shared cores beyond its

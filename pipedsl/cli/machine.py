@@ -80,6 +80,9 @@ _TENSOR_BATCHES = (1, 4)
 """The sequences per data rank of those steps, in microbatch sizes."""
 _MICROBATCHES = 4
 """Microbatches of the compute step that tells a step's fixed cost from a microbatch's."""
+_PIPELINE_STAGES = 2
+"""Stages of the pipeline step that measures idle devices (one busy at a time, so half
+the devices idle)."""
 _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 
@@ -254,11 +257,12 @@ def _dispatch_seconds(devices: int) -> float:
     return (time.perf_counter() - start) / _DISPATCHES
 
 
-def _plan(dp: int, tp: int, microbatch_size: int, microbatches: int = 1) -> Plan:
-    """The plan a calibration step runs: one stage, ``microbatches`` per data rank."""
+def _plan(dp: int, tp: int, microbatch_size: int, microbatches: int = 1, *, pp: int = 1) -> Plan:
+    """The plan a calibration step runs: ``pp`` stages (``gpipe`` beyond one), each over
+    ``dp x tp`` devices, ``microbatches`` per data rank."""
     return Plan(
-        dp=dp, tp=tp, microbatch_size=microbatch_size, global_batch=dp * microbatch_size * microbatches,
-        flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
+        dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size, global_batch=dp * microbatch_size * microbatches,
+        schedule=SPMD_SCHEDULE if pp > 1 else None, flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
     )  # fmt: skip
 
 
@@ -333,20 +337,12 @@ def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple
     )
 
 
-def _pipeline_plan(devices: int, microbatch_size: int) -> Plan:
-    """The plan of the step that measures idle devices: two ``gpipe`` stages, one
-    microbatch of ``microbatch_size`` sequences per data rank."""
-    return Plan(
-        dp=devices // 2, pp=2, microbatch_size=microbatch_size, global_batch=devices // 2 * microbatch_size,
-        schedule=SPMD_SCHEDULE, flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
-    )  # fmt: skip
-
-
 def _fit_idle_share(model: Model, cluster: Cluster, devices: int, microbatch_size: int, measured: float) -> Cluster:
     """``cluster`` with the ``idle_share`` in [0, 1] at which the simulator prices the
-    two-stage pipeline's step (:func:`_pipeline_plan`) as ``measured`` seconds, or the
-    nearer end where none does (the priced step shrinks as the share grows)."""
-    plan = _pipeline_plan(devices, microbatch_size)
+    pipeline step (:data:`_PIPELINE_STAGES` stages, one microbatch of ``microbatch_size``
+    sequences per data rank) as ``measured`` seconds, or the nearer end where none does
+    (the priced step shrinks as the share grows)."""
+    plan = _plan(devices // _PIPELINE_STAGES, 1, microbatch_size, pp=_PIPELINE_STAGES)
 
     def priced(share: float) -> float:
         return estimate(model, dataclasses.replace(cluster, idle_share=share), plan).step_time_s
@@ -421,8 +417,8 @@ def calibrate_machine(
     as the executor builds it, cut to ``layers`` layers split evenly over ``stages``."""
     started = time.perf_counter()
     pipeline: dict[Any, tuple[Any, int, int, int]] = {}
-    if devices % 2 == 0 and model.layers % 2 == 0:
-        pipeline[("pipeline",)] = (build(model.layers, 2), microbatch_size, 1, 1)
+    if devices % _PIPELINE_STAGES == 0 and model.layers % _PIPELINE_STAGES == 0:
+        pipeline[("pipeline",)] = (build(model.layers, _PIPELINE_STAGES), microbatch_size, 1, 1)
     measured = _timed_steps(
         {("compute", n, m, k): (build(n, 1), m, 1, k) for n, m, k in _step_shapes(model, microbatch_size)}
         | {("tensor", t, m): (build(1, 1), m, t, 1) for t, m in _tensor_shapes(model, devices, microbatch_size)}

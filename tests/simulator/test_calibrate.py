@@ -20,7 +20,6 @@ from pipedsl.cli.machine import (
     _fit_ring,
     _fit_sync,
     _interleaved_medians,
-    _pipeline_plan,
     _plan,
     _priced,
     _step_shapes,
@@ -245,7 +244,7 @@ def test_compute_fit_recovers_the_rate_the_launch_and_the_step_cost() -> None:
 
 def test_idle_share_fit_recovers_the_share_and_stays_within_zero_and_one() -> None:
     shared = dataclasses.replace(_CPU, shared_cores=2)
-    plan = _pipeline_plan(8, 4)
+    plan = _plan(4, 1, 4, pp=2)
 
     def priced(share: float) -> float:
         return estimate(_TINY, dataclasses.replace(shared, idle_share=share), plan).step_time_s
