@@ -160,6 +160,11 @@ def runnable_plans(frame: Any, devices: int) -> list[PlannedRun]:
     return [p for p in plans if p.devices == devices and _fits_demo_model(p)]
 
 
+_STEPS = 11
+"""Timed steps of each run by default: a step's time varies by a fifth from one step to the
+next on the shared 2-core machine, and the median of more steps is steadier (the
+calibration times as many rounds of its own steps for the same reason)."""
+
 _APART = 0.10
 """How far (relative) a further run's prediction stays from every chosen run's, so that
 each pair of runs tests the predicted order: in one demo on the quiet 2-core machine, two
@@ -362,5 +367,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--out", default="out", help="folder for plans.csv, runs.csv and timelines.png (default out)")
     demo.add_argument("--devices", type=int, default=8, help="JAX devices to plan for and run on (default 8 CPU devices)")
     demo.add_argument("--top", type=int, default=4, help="how many ranked plans to run for real (default 4)")
-    demo.add_argument("--steps", type=int, default=5, help="measured training steps per plan (default 5)")
+    demo.add_argument(
+        "--steps", type=int, default=_STEPS, help=f"measured training steps per plan (default {_STEPS})"
+    )
     demo.add_argument("--backend", choices=("local", "ray"), default="local", help="executor backend (default local)")
