@@ -73,8 +73,10 @@ _REPEATS = 3
 _STEP_REPEATS = 11
 """Timed rounds of the calibration's training steps. On the shared 2-core machine a step
 of four layers x four sequences per device varies 147-234 ms from one round to the next;
-its median of 5 rounds ranged 153-272 ms over eight calibrations, of 11 rounds 164-194 ms
-over three, and that step sets the compute rate every plan is priced at."""
+its median of 5 rounds ranged 153-272 ms over eight calibrations, of 11 rounds 156-194 ms
+over four, and that step sets the compute rate every plan is priced at. (More rounds do
+not remove the machine's slower changes of speed, over minutes: the load check reports
+those.)"""
 _FIT_ROUNDS = 60
 """Most damped Gauss-Newton rounds of the compute fit (from its start it settles within about forty)."""
 _TENSORS = (2, 4)
