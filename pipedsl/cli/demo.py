@@ -33,7 +33,7 @@ from rich.table import Table
 
 from pipedsl.cli.calibrate import DEMO_MODEL, Measurement, Run, demo_transformer, measure
 from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
-from pipedsl.cli.machine import MachineCalibration, calibrate_machine, load_drift
+from pipedsl.cli.machine import STEP_ROUNDS, MachineCalibration, calibrate_machine, load_drift
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
@@ -159,11 +159,6 @@ def runnable_plans(frame: Any, devices: int) -> list[PlannedRun]:
     plans = [PlannedRun.from_row(row.to_dict()) for _, row in frame.iterrows()]
     return [p for p in plans if p.devices == devices and _fits_demo_model(p)]
 
-
-_STEPS = 11
-"""Timed steps of each run by default: a step's time varies by a fifth from one step to the
-next on the shared 2-core machine, and the median of more steps is steadier (the
-calibration times as many rounds of its own steps for the same reason)."""
 
 _APART = 0.10
 """How far (relative) a further run's prediction stays from every chosen run's, so that
@@ -368,6 +363,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--devices", type=int, default=8, help="JAX devices to plan for and run on (default 8 CPU devices)")
     demo.add_argument("--top", type=int, default=4, help="how many ranked plans to run for real (default 4)")
     demo.add_argument(
-        "--steps", type=int, default=_STEPS, help=f"measured training steps per plan (default {_STEPS})"
+        "--steps", type=int, default=STEP_ROUNDS, help=f"measured training steps per plan (default {STEP_ROUNDS})"
     )
     demo.add_argument("--backend", choices=("local", "ray"), default="local", help="executor backend (default local)")

@@ -67,16 +67,17 @@ from pipedsl.cli.planned import SPMD_SCHEDULE
 from pipedsl.simulator import Cluster, Model, Plan, estimate
 from pipedsl.simulator.workers import available_cores
 
-__all__ = ["MachineCalibration", "calibrate_machine", "load_drift"]
+__all__ = ["STEP_ROUNDS", "MachineCalibration", "calibrate_machine", "load_drift"]
 
 _REPEATS = 3
-_STEP_REPEATS = 11
-"""Timed rounds of the calibration's training steps. On the shared 2-core machine a step
-of four layers x four sequences per device varies 147-234 ms from one round to the next;
-its median of 5 rounds ranged 153-272 ms over eight calibrations, of 11 rounds 156-194 ms
-over four, and that step sets the compute rate every plan is priced at. (More rounds do
-not remove the machine's slower changes of speed, over minutes: the load check reports
-those.)"""
+STEP_ROUNDS = 11
+"""Timed rounds of a training step whose median is taken: the calibration's steps, and by
+default each run the demo measures against its prediction. On the shared 2-core machine
+a step of four layers x four sequences per device varies 147-234 ms from one round to
+the next; its median of 5 rounds ranged 153-272 ms over eight calibrations, of 11 rounds
+156-194 ms over four, and that step sets the compute rate every plan is priced at. (More
+rounds do not remove the machine's slower changes of speed, over minutes: the load check
+reports those.)"""
 _FIT_ROUNDS = 60
 """Most damped Gauss-Newton rounds of the compute fit (from its start it settles within about forty)."""
 _TENSORS = (2, 4)
@@ -409,7 +410,7 @@ def _timed_steps(steps: dict[Any, tuple[Any, int, int, int]], devices: int) -> d
         for key, (model, sequences, tensor, microbatches) in steps.items():
             runs[key], pipe = _training_step(model, devices, sequences, tensor=tensor, microbatches=microbatches)
             pipes.append(pipe)
-        return _interleaved_medians(runs, _STEP_REPEATS)
+        return _interleaved_medians(runs, STEP_ROUNDS)
     finally:
         for pipe in pipes:
             pipe.close()
