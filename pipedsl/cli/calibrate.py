@@ -34,6 +34,7 @@ from rich.table import Table
 from pipedsl import library
 from pipedsl.cli.common import add_command, add_param_option, check_output_folder, load_schedule, make_console
 from pipedsl.cli.planned import PlannedRun
+from pipedsl.cli.timed import STEP_ROUNDS
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
@@ -254,7 +255,12 @@ class _Trial:
 
 
 def measure(
-    runs: Sequence[Run], *, backend: Any, steps: int, prepared: Callable[[int], None] | None = None
+    runs: Sequence[Run],
+    *,
+    backend: Any,
+    steps: int,
+    prepared: Callable[[int], None] | None = None,
+    each_round: Callable[[], None] | None = None,
 ) -> list[Measurement]:
     """Calibrate on each run and compare prediction with measurement (module docstring).
 
@@ -262,7 +268,8 @@ def measure(
     called once run i is); then their ``steps`` timed steps are taken in turns, a step of
     each run and then the next round, so that a change in the machine's speed while they
     are timed reaches every run alike rather than the runs timed during it.
-    ``backend`` is ``"local"``, ``"ray"`` or a started
+    ``each_round()``, when given, is called after every round, in turn with the runs
+    (the demo times its load check there). ``backend`` is ``"local"``, ``"ray"`` or a started
     :class:`~pipedsl.executor.ray_cluster.RayDevices`.
     """
     trials: list[_Trial] = []
@@ -274,6 +281,8 @@ def measure(
         for _ in range(steps):
             for trial in trials:
                 trial.timed_step()
+            if each_round is not None:
+                each_round()
         return [trial.result() for trial in trials]
     finally:
         for trial in trials:
@@ -386,6 +395,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("files", nargs="*", metavar="FILE", help="schedules (default: 1f1b zb_h1 interleaved_1f1b zbv)")
     add_param_option(cal)
     cal.add_argument("--microbatch-size", type=int, default=4, help="sequences per microbatch (default 4)")
-    cal.add_argument("--steps", type=int, default=5, help="measured training steps per schedule (default 5)")
+    cal.add_argument(
+        "--steps", type=int, default=STEP_ROUNDS, help=f"measured training steps per schedule (default {STEP_ROUNDS})"
+    )
     cal.add_argument("--backend", choices=("local", "ray"), default="local", help="executor backend (default local)")
     cal.add_argument("--save-costs", metavar="DIR", help="write each fitted cost model to DIR/NAME.toml")

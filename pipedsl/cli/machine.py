@@ -45,7 +45,7 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   every device dispatches (``action_overhead_s``, what each scheduled action costs on top
   of its kernels).
 
-The step measurements take turns (:func:`_interleaved_medians`), so that a change in the
+The step measurements take turns (:func:`~pipedsl.cli.timed.interleaved_medians`), so that a change in the
 machine's load while they run changes their ratios, which the fits rest on, less.
 """
 
@@ -62,22 +62,15 @@ from typing import Any
 
 import numpy as np
 
-from pipedsl.cli.common import load_schedule
 from pipedsl.cli.planned import SPMD_SCHEDULE
+from pipedsl.cli.timed import median_seconds, timed_steps, training_step
 from pipedsl.simulator import Cluster, Model, Plan, estimate
 from pipedsl.simulator.workers import available_cores
 
-__all__ = ["STEP_ROUNDS", "MachineCalibration", "calibrate_machine", "load_drift"]
+__all__ = ["LoadCheck", "MachineCalibration", "calibrate_machine"]
 
 _REPEATS = 3
-STEP_ROUNDS = 11
-"""Timed rounds of a training step whose median is taken: the calibration's steps, and by
-default each run the demo measures against its prediction. On the shared 2-core machine
-a step of four layers x four sequences per device varies 147-234 ms from one round to
-the next; its median of 5 rounds ranged 153-272 ms over eight calibrations, of 11 rounds
-156-194 ms over four, and that step sets the compute rate every plan is priced at. (More
-rounds do not remove the machine's slower changes of speed, over minutes: the load check
-reports those.)"""
+"""Timed calls of the short measurements (memory bandwidth, all-reduces)."""
 _FIT_ROUNDS = 60
 """Most damped Gauss-Newton rounds of the compute fit (from its start it settles within about forty)."""
 _TENSORS = (2, 4)
@@ -148,62 +141,6 @@ class MachineCalibration:
         )
 
 
-def _median_seconds(run: Callable[[], Any], repeats: int = _REPEATS) -> float:
-    """Median wall seconds of ``run()`` (its result blocked on), after one warm-up call."""
-    return _interleaved_medians({0: run}, repeats)[0]
-
-
-def _interleaved_medians(runs: dict[Any, Callable[[], Any]], repeats: int = _REPEATS) -> dict[Any, float]:
-    """Median wall seconds of each of ``runs`` (results blocked on), after one warm-up
-    call each, taking turns, so that a change in the machine's load while they are
-    measured slows them all alike and their ratios hold."""
-    import jax
-
-    for run in runs.values():
-        jax.block_until_ready(run())
-    times: dict[Any, list[float]] = {key: [] for key in runs}
-    for _ in range(repeats):
-        for key, run in runs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(run())
-            times[key].append(time.perf_counter() - start)
-    return {key: statistics.median(t) for key, t in times.items()}
-
-
-def _training_step(
-    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
-) -> tuple[Callable[[], Any], Any]:
-    """The executor's plan of ``model`` (its stages a ``gpipe`` pipeline; one stage: the
-    SPMD plan) over every device at tp ``tensor``, the data axis the rest of each stage's
-    devices, ``microbatches`` of ``microbatch_size`` sequences per data rank: (a call
-    that runs one Adam training step, the pipeline to close). The calibration times the
-    executor's own programs: a forward and a backward jitted apart run at another speed
-    than one program of both."""
-    import jax
-    import optax
-
-    from pipedsl.executor import Pipeline
-
-    key = jax.random.PRNGKey(0)
-    params = model.init_stages(key)
-    stages = model.num_stages
-    dp = devices // (tensor * stages)
-    schedule = load_schedule(SPMD_SCHEDULE, {"pp": stages, "microbatches": microbatches})
-    pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=schedule, backend="local", dp=dp, tp=tensor,
-        param_specs=model.param_specs(params) if tensor > 1 else None,
-    )  # fmt: skip
-    batch = model.batch(jax.random.fold_in(key, 1), dp * microbatch_size * microbatches)
-    optimizer = optax.adam(1e-3)
-    held: list[Any] = [params, None]
-
-    def step() -> Any:
-        held[0], held[1], _ = pipe.train_step(held[0], held[1], batch, optimizer=optimizer)
-        return held[0]
-
-    return step, pipe
-
-
 def _bandwidth(devices: int) -> float:
     """Bytes per second of an elementwise update (read and write) on every device at once."""
     import jax
@@ -213,7 +150,7 @@ def _bandwidth(devices: int) -> float:
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
     x = jax.device_put(jnp.ones((devices, 1 << 20), jnp.float32), NamedSharding(mesh, PartitionSpec("data")))
     update = jax.jit(lambda v: v * 0.5 + 1.0)
-    return 2 * x.nbytes / devices / _median_seconds(lambda: update(x))
+    return 2 * x.nbytes / devices / median_seconds(lambda: update(x), repeats=_REPEATS)
 
 
 def _all_reduce_seconds(devices: int, group: int, num_bytes: int) -> float:
@@ -227,7 +164,7 @@ def _all_reduce_seconds(devices: int, group: int, num_bytes: int) -> float:
     spec = PartitionSpec(("g", "r"))
     x = jax.device_put(jnp.ones((devices, num_bytes // 4), jnp.float32), NamedSharding(mesh, spec))
     program = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "r"), mesh=mesh, in_specs=spec, out_specs=spec))
-    return _median_seconds(lambda: program(x))
+    return median_seconds(lambda: program(x), repeats=_REPEATS)
 
 
 def _fit_ring(times: dict[tuple[int, int], float]) -> tuple[float, float]:
@@ -274,7 +211,7 @@ def _plan(dp: int, tp: int, microbatch_size: int, microbatches: int = 1, *, pp: 
 
 
 def _priced(model: Model, cluster: Cluster, devices: int, microbatch_size: int, microbatches: int = 1) -> float:
-    """The simulator's seconds of what :func:`_training_step` runs without a tensor axis:
+    """The simulator's seconds of what :func:`~pipedsl.cli.timed.training_step` runs without a tensor axis:
     each data-parallel microbatch's forward and backward, the gradients' all-reduce, the
     optimizer's update and the runtime's fixed cost of a step."""
     return estimate(model, cluster, _plan(devices, 1, microbatch_size, microbatches)).step_time_s
@@ -371,7 +308,7 @@ def _tensor_shapes(model: Model, devices: int, microbatch_size: int) -> tuple[tu
 def _fit_sync(model: Model, cluster: Cluster, devices: int, measured: dict[tuple[int, int], float]) -> Cluster:
     """``cluster`` with the ``collective_sync_s`` and ``collective_sync_per_token_s`` at
     which the simulator prices the executor's tensor-parallel training steps
-    (:func:`_training_step`, ``measured`` seconds by (tensor axis, sequences per data
+    (:func:`~pipedsl.cli.timed.training_step`, ``measured`` seconds by (tensor axis, sequences per data
     rank)) closest to as measured (least squares, both at least 0)."""
 
     def priced(sync: float, per_token: float, shape: tuple[int, int]) -> float:
@@ -400,22 +337,6 @@ def _least_squares_at_least_zero(rows: np.ndarray, values: np.ndarray) -> tuple[
     return float(best[0]), float(best[1])
 
 
-def _timed_steps(steps: dict[Any, tuple[Any, int, int, int]], devices: int) -> dict[Any, float]:
-    """Median seconds of :func:`_training_step` s over ``devices`` devices, by key, timed
-    in turns; each is (executor model, sequences per data rank, tensor axis, microbatches).
-    Their pipelines are closed whatever happens."""
-    runs: dict[Any, Callable[[], Any]] = {}
-    pipes = []
-    try:
-        for key, (model, sequences, tensor, microbatches) in steps.items():
-            runs[key], pipe = _training_step(model, devices, sequences, tensor=tensor, microbatches=microbatches)
-            pipes.append(pipe)
-        return _interleaved_medians(runs, STEP_ROUNDS)
-    finally:
-        for pipe in pipes:
-            pipe.close()
-
-
 def calibrate_machine(
     devices: int, model: Model, build: Callable[[int, int], Any], *, microbatch_size: int
 ) -> MachineCalibration:
@@ -426,7 +347,7 @@ def calibrate_machine(
     pipeline: dict[Any, tuple[Any, int, int, int]] = {}
     if devices % _PIPELINE_STAGES == 0 and model.layers % _PIPELINE_STAGES == 0:
         pipeline[("pipeline",)] = (build(model.layers, _PIPELINE_STAGES), microbatch_size, 1, 1)
-    measured = _timed_steps(
+    measured = timed_steps(
         {("compute", n, m, k): (build(n, 1), m, 1, k) for n, m, k in _step_shapes(model, microbatch_size)}
         | {("tensor", t, m): (build(1, 1), m, t, 1) for t, m in _tensor_shapes(model, devices, microbatch_size)}
         | pipeline,
@@ -472,12 +393,65 @@ def calibrate_machine(
     )
 
 
-def load_drift(calibration: MachineCalibration, build: Callable[[int, int], Any]) -> tuple[float, float]:
-    """(seconds at calibration, seconds now) of the calibration's one-layer step of
-    ``microbatch_size`` sequences per device (``build`` as for :func:`calibrate_machine`),
-    timed again: every prediction rests on the machine being as loaded as when it was
-    calibrated, and on shared cores a busier or quieter machine moves every step. (The
-    one-sequence step is mostly fixed costs, which load moves less.)"""
-    sequences = calibration.microbatch_size
-    now = _timed_steps({"again": (build(1, 1), sequences, 1, 1)}, calibration.cluster.gpus_per_node)["again"]
-    return calibration.step_s[(1, sequences, 1)], now
+class LoadCheck:
+    """The calibration's largest compute step (the whole model at the microbatch size, the
+    work that sets the compute rate every plan is priced at), built again so that its
+    training steps can be timed in turns with the runs (:meth:`timed_step`, once per
+    round): its median then, against its calibrated time, says how far the machine's
+    speed moved between the calibration and the runs. On shared cores a busier or
+    quieter machine moves every step, and every prediction rests on the load the
+    calibration saw. (The one-layer step timed after the runs, as the check was before,
+    read +10% in a demo whose runs came out about 25% slower than priced: a small step is
+    mostly fixed costs, which load moves less, and a minute later the machine may run at
+    another speed.) ``build`` is as for :func:`calibrate_machine`; close the check (or
+    use it as a context manager) to release its pipeline.
+
+    Attributes:
+      shape: (layers, sequences per device, microbatches) of the step.
+      calibrated_s: its seconds when the machine was calibrated.
+    """
+
+    def __init__(self, calibration: MachineCalibration, build: Callable[[int, int], Any]) -> None:
+        import jax
+
+        self.shape = max(key for key in calibration.step_s if key[2] == 1)
+        self.calibrated_s = calibration.step_s[self.shape]
+        layers, sequences, microbatches = self.shape
+        self._step, self._pipe = training_step(
+            build(layers, 1), calibration.cluster.gpus_per_node, sequences, microbatches=microbatches
+        )
+        self._times: list[float] = []
+        try:
+            jax.block_until_ready(self._step())  # compiles it, outside the timed rounds
+        except BaseException:
+            self._pipe.close()
+            raise
+
+    def timed_step(self) -> None:
+        """One training step, its wall time kept."""
+        import jax
+
+        start = time.perf_counter()
+        jax.block_until_ready(self._step())
+        self._times.append(time.perf_counter() - start)
+
+    @property
+    def measured_s(self) -> float:
+        """The median seconds of the steps timed so far (at least one)."""
+        if not self._times:
+            raise ValueError("the load check has timed no step yet")
+        return statistics.median(self._times)
+
+    def describe(self) -> str:
+        """The step's shape in words."""
+        layers, sequences, _ = self.shape
+        return f"{layers} layer{'s' if layers > 1 else ''} x {sequences} sequence{'s' if sequences > 1 else ''} per device"
+
+    def close(self) -> None:
+        self._pipe.close()
+
+    def __enter__(self) -> LoadCheck:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -14,18 +14,18 @@ import pytest
 
 import pipedsl
 from pipedsl.cli.machine import (
+    LoadCheck,
     MachineCalibration,
     _fit_compute,
     _fit_idle_share,
     _fit_ring,
     _fit_sync,
-    _interleaved_medians,
     _plan,
     _priced,
     _step_shapes,
     _tensor_shapes,
-    _timed_steps,
 )
+from pipedsl.cli.timed import interleaved_medians, timed_steps
 from pipedsl.errors import PipedslError
 from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, simulate
 from pipedsl.simulator.cost_fit import CalibrationError, fit_costs
@@ -213,11 +213,13 @@ def test_demo_runs_the_best_of_each_kind_then_plans_priced_apart() -> None:
 def test_demo_says_whether_the_load_held_from_calibration_to_runs() -> None:
     from pipedsl.cli.demo import _drift_verdict
 
-    held = _drift_verdict(0.050, 0.056)
-    assert "50.0 ms when calibrated and 56.0 ms after the runs (+12%)" in held and "load held" in held
-    moved = _drift_verdict(0.050, 0.070)
-    assert "(+40%)" in moved and "load changed" in moved and "quieter machine" in moved
-    assert "load changed" in _drift_verdict(0.050, 0.040)
+    step = "4 layers x 4 sequences per device"
+    held = _drift_verdict(0.050, 0.056, step=step)
+    assert f"({step}) took 50.0 ms when calibrated and 56.0 ms in turns with the runs (+12%)" in held
+    assert "held its speed" in held
+    moved = _drift_verdict(0.050, 0.070, step=step)
+    assert "(+40%)" in moved and "ran it slower during the runs" in moved and "quieter machine" in moved
+    assert "ran it faster during the runs" in _drift_verdict(0.050, 0.040, step=step)
 
 
 def _steps(cluster: Cluster) -> dict[tuple[int, int, int], float]:
@@ -301,13 +303,33 @@ def test_the_calibration_times_the_executors_spmd_and_pipeline_steps() -> None:
         return transformer(num_stages=stages, layers_per_stage=layers // stages, vocab=16, dim=8, heads=2, seq=4)
 
     steps = {"spmd": (build(2, 1), 2, 1, 2), "tensor": (build(1, 1), 2, 2, 1), "pipeline": (build(2, 2), 2, 1, 1)}
-    seconds = _timed_steps(steps, 4)
+    seconds = timed_steps(steps, 4)
     assert set(seconds) == set(steps) and all(t > 0 for t in seconds.values())
+
+
+def test_the_load_check_times_the_calibrations_largest_step_again() -> None:
+    from pipedsl.executor.models import transformer
+
+    def build(layers: int, stages: int) -> object:
+        return transformer(num_stages=stages, layers_per_stage=layers // stages, vocab=16, dim=8, heads=2, seq=4)
+
+    calibration = MachineCalibration(
+        cluster=dataclasses.replace(_CPU, gpus_per_node=4), step_s={(1, 1, 1): 0.01, (2, 2, 1): 0.05, (1, 1, 4): 0.03},
+        tensor_step_s={}, pipeline_step_s=None, microbatch_size=2, all_reduce_s={}, seconds=1.0,
+    )  # fmt: skip
+    with LoadCheck(calibration, build) as check:
+        assert (check.shape, check.calibrated_s) == ((2, 2, 1), 0.05)
+        assert check.describe() == "2 layers x 2 sequences per device"
+        with pytest.raises(ValueError, match="no step yet"):
+            _ = check.measured_s
+        check.timed_step()
+        check.timed_step()
+        assert check.measured_s > 0
 
 
 def test_interleaved_measurements_take_turns() -> None:
     order: list[str] = []
-    medians = _interleaved_medians({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 2)
+    medians = interleaved_medians({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=2)
     assert order == ["a", "b", "a", "b", "a", "b"]  # one warm-up each, then in turns
     assert set(medians) == {"a", "b"} and all(t >= 0 for t in medians.values())
 
