@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from pipedsl.executor.mesh import DATA, StageLayout
+from pipedsl.executor.mesh import DATA, TENSOR, StageLayout
 
 __all__ = ["Form", "BATCH", "STACKED", "WHOLE", "DataShards", "StageForms", "stage_forms"]
 
@@ -61,7 +62,7 @@ def _is_form(x: Any) -> bool:
 class DataShards:
     """One stage's programs over its mesh's ``"data"`` axis (module docstring)."""
 
-    __slots__ = ("layout", "dp", "_acc_axes", "_grad_axes")
+    __slots__ = ("layout", "dp", "_acc_axes", "_grad_axes", "_bucketed")
 
     def __init__(self, layout: StageLayout) -> None:
         self.layout = layout
@@ -70,6 +71,9 @@ class DataShards:
         # gradient are split along over "data" (None: whole on every device).
         self._acc_axes = tuple(_data_axis(a.spec) for a in layout.accumulators)
         self._grad_axes = tuple(_data_axis(g.spec) for g in layout.grads)
+        # Leaves whole over "tensor" go into one collective per kind and dtype (see
+        # _reduce_all); a leaf split over "tensor" is reduced alone, where it lies.
+        self._bucketed = tuple(not _names(g.spec) & {TENSOR} for g in layout.grads)
 
     @property
     def split(self) -> bool:
@@ -94,13 +98,14 @@ class DataShards:
             return tuple(a + g for a, g in zip(acc, grads, strict=True))
         if self.layout.unreduced:
             return tuple(a + g[None] for a, g in zip(acc, grads, strict=True))
-        return tuple(a + _reduced(g, axis) for a, g, axis in zip(acc, grads, self._acc_axes, strict=True))
+        reduced = _reduce_all(tuple(grads), self._acc_axes, self._bucketed, self.dp)
+        return tuple(a + g for a, g in zip(acc, reduced, strict=True))
 
     def reduce(self, acc: Sequence[Any]) -> tuple[Any, ...]:
         """The step's gradients from an unreduced accumulator (in the local view): summed
         over ``"data"``, each split as :meth:`gradient_forms` says (ZeRO 1: a
         reduce-scatter, which is all the optimizer's shard needs)."""
-        return tuple(_reduced(a[0], axis) for a, axis in zip(acc, self._grad_axes, strict=True))
+        return _reduce_all(tuple(a[0] for a in acc), self._grad_axes, self._bucketed, self.dp)
 
     def total(self, value: Any) -> Any:
         """The sum over the devices of ``"data"`` of a per-device ``value`` (the loss)."""
@@ -208,6 +213,54 @@ def _reduced(value: Any, axis: int | None) -> Any:
     if axis is None:
         return jax.lax.psum(value, DATA)
     return jax.lax.psum_scatter(value, DATA, scatter_dimension=axis, tiled=True)
+
+
+def _reduce_all(values: tuple[Any, ...], axes: Sequence[int | None], bucketed: Sequence[bool], dp: int) -> tuple[Any, ...]:
+    """Every leaf of ``values`` (one device's, in the local view) summed over ``"data"``
+    as :func:`_reduced` sums it, with the ``bucketed`` leaves of one dtype that stay whole
+    in one all-reduce and those split over ``"data"`` in one reduce-scatter, each of one
+    flat buffer. A step's gradients are dozens of leaves: on CPU devices a collective of
+    each, even combined into one operation of many operands by XLA, took 16.2 ms for the
+    demo transformer's 54 leaves over 8 devices, one all-reduce of the same values in one
+    buffer 9.7 ms and one reduce-scatter of them 4.7 ms (as DDP's and FSDP's buckets do on
+    GPUs, where a collective's launch costs as much)."""
+    out: list[Any] = list(values)
+    whole: dict[Any, list[int]] = {}
+    split: dict[Any, list[tuple[int, int]]] = {}
+    for i, (v, axis, bucket) in enumerate(zip(values, axes, bucketed, strict=True)):
+        if not bucket:
+            out[i] = _reduced(v, axis)
+        elif axis is None:
+            whole.setdefault(v.dtype, []).append(i)
+        else:
+            split.setdefault(v.dtype, []).append((i, axis))
+    for members in whole.values():
+        summed = jax.lax.psum(jnp.concatenate([values[i].ravel() for i in members]), DATA)
+        for i, part in zip(members, _pieces(summed, [values[i].size for i in members]), strict=True):
+            out[i] = part.reshape(values[i].shape)
+    for pairs in split.values():
+        # Row d of each leaf is device d's shard of it (its split axis moved first), so
+        # the scatter leaves every device its own shard of every leaf.
+        moved = [jnp.moveaxis(values[i], axis, 0) for i, axis in pairs]
+        rows = jnp.concatenate([m.reshape(dp, -1) for m in moved], axis=1)
+        mine = jax.lax.psum_scatter(rows, DATA, scatter_dimension=0, tiled=True)[0]
+        for (i, axis), m, part in zip(pairs, moved, _pieces(mine, [m.size // dp for m in moved]), strict=True):
+            out[i] = jnp.moveaxis(part.reshape((m.shape[0] // dp, *m.shape[1:])), 0, axis)
+    return tuple(out)
+
+
+def _pieces(flat: Any, sizes: Sequence[int]) -> list[Any]:
+    """``flat`` cut into consecutive pieces of ``sizes``."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(flat[start : start + size])
+        start += size
+    return pieces
+
+
+def _names(spec: PartitionSpec) -> set[Any]:
+    """The mesh axes a spec names."""
+    return {n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None}
 
 
 def _to_local(form: Form, value: Any) -> Any:

@@ -98,12 +98,15 @@ def test_gradients_are_reduced_once_per_step_up_to_zero_1(zero: int, backward: s
     # Data parallel only (tp = 1): ZeRO 0 and 1 keep each device's gradients unreduced
     # through every backward and reduce them once per step (all-reduce, reduce-scatter),
     # as the estimator prices them; ZeRO 2 reduce-scatters every backward's gradients.
+    # Every leaf goes in one collective (one flat buffer), as the estimator prices one.
     schedule = hybrid_schedule("gpipe", 1, 1)
     _, params, batch, _, _ = hybrid_problem("explicit", 1, 2)
     (program,) = hybrid("explicit", schedule, dp=2, tp=1, zero=zero).compile(params, batch)
     hlo = program.compiled_hlo()
     assert _collectives(hlo["B"]) == backward
     assert _collectives(hlo["reduce"]) == reduce
+    assert len(jax.tree_util.tree_leaves(params)) > 1
+    assert len(COLLECTIVE.findall(hlo["reduce"] if reduce else hlo["B"])) == 1
 
 
 def test_microbatch_that_does_not_split_over_dp_is_refused() -> None:
