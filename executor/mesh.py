@@ -162,12 +162,14 @@ class StageLayout:
       states: per parameter leaf, where its optimizer state is kept.
       unreduced: whether gradients accumulate unreduced, one partial sum per device of
         ``"data"`` (``dp > 1`` and ZeRO 0 or 1), and are reduced once per step.
+      gathers_params: whether the optimizer updates shards of parameters that are kept
+        whole, which are then gathered (ZeRO 1 and 2 with some leaf split over ``"data"``).
       accumulators: per parameter leaf, where its accumulator is kept: ``[dp, *leaf]``
         split over ``"data"`` when ``unreduced``, else as in ZeRO 2's layout.
       replicated: a whole value on every device of the mesh (the loss, scalars).
     """
 
-    __slots__ = ("mesh", "params", "states", "unreduced", "accumulators", "replicated", "_batch")
+    __slots__ = ("mesh", "params", "states", "unreduced", "gathers_params", "accumulators", "replicated", "_batch")
 
     def __init__(
         self, mesh: Mesh, specs: Sequence[PartitionSpec], avals: Sequence[Any], *, zero: int, leaves: Sequence[int]
@@ -187,6 +189,7 @@ class StageLayout:
         self.params = place(3)
         self.states = place(1)
         self.unreduced = dp > 1 and zero <= 1
+        self.gathers_params = 1 <= zero <= 2 and any(p != q for p, q in zip(self.params, self.states, strict=True))
         self.accumulators = (
             tuple(NamedSharding(mesh, PartitionSpec(DATA, *b)) for b in base) if self.unreduced else place(2)
         )

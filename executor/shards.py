@@ -107,6 +107,23 @@ class DataShards:
         reduce-scatter, which is all the optimizer's shard needs)."""
         return _reduce_all(tuple(a[0] for a in acc), self._grad_axes, self._bucketed, self.dp)
 
+    def whole(self, positions: Sequence[int]) -> Callable[..., tuple[Any, ...]]:
+        """A program that takes the stage's parameter leaves at ``positions`` (of its
+        leaves), placed as their optimizer state is, and returns them placed as the
+        parameters are kept: ZeRO 1 and 2 update each device's shard and then gather the
+        new parameters, the leaves of a bucket (see :func:`_reduce_all`) in one
+        all-gather. Jit it with the parameters' shardings as its outputs'."""
+        axes = [self._grad_axes[k] for k in positions]
+        kept = [_data_axis(self.layout.params[k].spec) for k in positions]
+        bucketed = [self._bucketed[k] for k in positions]
+        if any(k is not None for k in kept) or not self.split:
+            raise ValueError("only parameters kept whole over data and a split data axis are gathered")
+
+        def gather(*values: Any) -> tuple[Any, ...]:
+            return _gather_all(values, axes, bucketed)
+
+        return self.program(gather, tuple(_split_along(axes)), (WHOLE,) * len(axes))
+
     def total(self, value: Any) -> Any:
         """The sum over the devices of ``"data"`` of a per-device ``value`` (the loss)."""
         return jax.lax.psum(value, DATA) if self.split else value
@@ -246,6 +263,31 @@ def _reduce_all(values: tuple[Any, ...], axes: Sequence[int | None], bucketed: S
         mine = jax.lax.psum_scatter(rows, DATA, scatter_dimension=0, tiled=True)[0]
         for (i, axis), m, part in zip(pairs, moved, _pieces(mine, [m.size // dp for m in moved]), strict=True):
             out[i] = jnp.moveaxis(part.reshape((m.shape[0] // dp, *m.shape[1:])), 0, axis)
+    return tuple(out)
+
+
+def _gather_all(values: tuple[Any, ...], axes: Sequence[int | None], bucketed: Sequence[bool]) -> tuple[Any, ...]:
+    """Every leaf of ``values`` (one device's shard, split along ``axes`` over ``"data"``,
+    in the local view) gathered whole on every device: the inverse of the reduce-scatter
+    of :func:`_reduce_all`, the ``bucketed`` leaves of one dtype in one all-gather."""
+    out: list[Any] = list(values)
+    split: dict[Any, list[tuple[int, int]]] = {}
+    for i, (v, axis, bucket) in enumerate(zip(values, axes, bucketed, strict=True)):
+        if axis is None:
+            continue
+        if bucket:
+            split.setdefault(v.dtype, []).append((i, axis))
+        else:
+            out[i] = jax.lax.all_gather(v, DATA, axis=axis, tiled=True)
+    for pairs in split.values():
+        moved = [jnp.moveaxis(values[i], axis, 0) for i, axis in pairs]
+        # Row d: device d's shards, one after another.
+        rows = jax.lax.all_gather(jnp.concatenate([m.ravel() for m in moved]), DATA)
+        start = 0
+        for (i, axis), m in zip(pairs, moved, strict=True):
+            part = rows[:, start : start + m.size]
+            start += m.size
+            out[i] = jnp.moveaxis(part.reshape((rows.shape[0] * m.shape[0], *m.shape[1:])), 0, axis)
     return tuple(out)
 
 

@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.interpreter import Computed, DeviceRuntime, Receive, Steps
 from pipedsl.executor.mesh import StageLayout
+from pipedsl.executor.shards import DataShards
 from pipedsl.executor.stage_program import StageProgram, compile_stage
 from pipedsl.executor.stages import StagedModel
 from pipedsl.executor.timing import Recorder
@@ -342,11 +343,22 @@ class Worker:
 
         # The gradients are the step's own accumulators, so they may be updated in place;
         # the state and parameters belong to the caller (the local backend returns them).
-        compiled = (
-            jax.jit(apply, donate_argnums=0, out_shardings=(params_at, state_at)),
-            jax.jit(optimizer.init, out_shardings=state_at),
-            state_at,
-        )
+        update: Callable[[Any, Any, Any], tuple[Any, Any]]
+        if layout.gathers_params:
+            # ZeRO 1 and 2: each device updates its shard, then one program gathers the
+            # new parameters, a bucket at a time (XLA would gather each leaf apart).
+            positions = [position[i] for i in owned]
+            gather = jax.jit(DataShards(layout).whole(positions), out_shardings=tuple(jax.tree_util.tree_leaves(params_at)))
+            sharded = jax.jit(apply, donate_argnums=0, out_shardings=(state_leaf_at, state_at))
+
+            def gathered(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+                new, state = sharded(grads, state, params)
+                return jax.tree_util.tree_unflatten(treedef, gather(*jax.tree_util.tree_leaves(new))), state
+
+            update = gathered
+        else:
+            update = jax.jit(apply, donate_argnums=0, out_shardings=(params_at, state_at))
+        compiled = (update, jax.jit(optimizer.init, out_shardings=state_at), state_at)
         entry[1][stage] = compiled
         return compiled
 

@@ -50,7 +50,7 @@ def test_hybrid_plan_matches_single_device(dp: int, tp: int, pp: int, name: str,
     assert {len(g.sharding.device_set) for g in jax.tree_util.tree_leaves(result.grads)} == {dp * tp}
 
 
-@pytest.mark.parametrize(("dp", "tp", "pp", "name", "zero"), [(4, 2, 1, "gpipe", 1), (2, 2, 2, "1f1b", 3)])
+@pytest.mark.parametrize(("dp", "tp", "pp", "name", "zero"), [(4, 2, 1, "gpipe", 1), (2, 1, 2, "zb_h1", 2), (2, 2, 2, "1f1b", 3)])
 def test_optimizer_steps_match_optax_on_one_device(dp: int, tp: int, pp: int, name: str, zero: int) -> None:
     schedule = hybrid_schedule(name, pp, 1)
     _, params, batch, _, _ = hybrid_problem("explicit", schedule.num_stages, dp)
@@ -107,6 +107,31 @@ def test_gradients_are_reduced_once_per_step_up_to_zero_1(zero: int, backward: s
     assert _collectives(hlo["reduce"]) == reduce
     assert len(jax.tree_util.tree_leaves(params)) > 1
     assert len(COLLECTIVE.findall(hlo["reduce"] if reduce else hlo["B"])) == 1
+
+
+def test_zero_1_gathers_the_updated_parameters_in_one_collective() -> None:
+    # ZeRO 1 and 2 update each device's shard of a parameter kept whole; the new
+    # parameters come back whole from one all-gather of every split leaf, each leaf
+    # exactly the array it was (leaves split along their first, second or no axis).
+    from jax.sharding import Mesh, PartitionSpec
+
+    from pipedsl.executor.mesh import StageLayout
+    from pipedsl.executor.shards import DataShards
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "tensor"))
+    values = [np.arange(n, dtype=np.float32).reshape(shape) for n, shape in ((12, (4, 3)), (24, (3, 8)), (6, (6,)), (5, (5,)))]
+    avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
+    layout = StageLayout(mesh, [PartitionSpec()] * len(values), avals, zero=1, leaves=range(len(values)))
+    assert layout.gathers_params
+    assert [tuple(s.spec) for s in layout.states] == [("data", None), (None, "data"), ("data",), ()]
+    gather = jax.jit(DataShards(layout).whole(range(len(values))), out_shardings=layout.params)
+    shards = [jax.device_put(v, s) for v, s in zip(values, layout.states, strict=True)]
+    whole = gather(*shards)
+    for got, want, at in zip(whole, values, layout.params, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert got.sharding.is_equivalent_to(at, want.ndim)
+    assert len(COLLECTIVE.findall(gather.lower(*shards).compile().as_text())) == 1
+    assert not StageLayout(mesh, [PartitionSpec()] * len(values), avals, zero=0, leaves=range(len(values))).gathers_params
 
 
 def test_microbatch_that_does_not_split_over_dp_is_refused() -> None:
