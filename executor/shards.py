@@ -71,8 +71,9 @@ class DataShards:
         # gradient are split along over "data" (None: whole on every device).
         self._acc_axes = tuple(_data_axis(a.spec) for a in layout.accumulators)
         self._grad_axes = tuple(_data_axis(g.spec) for g in layout.grads)
-        # Leaves whole over "tensor" go into one collective per kind and dtype (see
-        # _reduce_all); a leaf split over "tensor" is reduced alone, where it lies.
+        # Inside a stage's programs (manual over "data" only), leaves whole over "tensor"
+        # go into one collective per kind and dtype (see _reduce_all); a leaf split over
+        # "tensor" is reduced alone, where XLA keeps it.
         self._bucketed = tuple(not _names(g.spec) & {TENSOR} for g in layout.grads)
 
     @property
@@ -87,10 +88,6 @@ class DataShards:
             return tuple(Form(PartitionSpec(DATA)) for _ in self._acc_axes)
         return _split_along(self._acc_axes)
 
-    def gradient_forms(self) -> tuple[Form, ...]:
-        """Per parameter leaf, the form of the step's reduced gradient."""
-        return _split_along(self._grad_axes)
-
     def accumulate(self, acc: Sequence[Any], grads: Sequence[Any]) -> tuple[Any, ...]:
         """``acc`` plus this device's ``grads`` (inside a program, in the local view):
         kept as they are where the accumulator is unreduced, else reduced into it."""
@@ -101,28 +98,43 @@ class DataShards:
         reduced = _reduce_all(tuple(grads), self._acc_axes, self._bucketed, self.dp)
         return tuple(a + g for a, g in zip(acc, reduced, strict=True))
 
-    def reduce(self, acc: Sequence[Any]) -> tuple[Any, ...]:
-        """The step's gradients from an unreduced accumulator (in the local view): summed
-        over ``"data"``, each split as :meth:`gradient_forms` says (ZeRO 1: a
-        reduce-scatter, which is all the optimizer's shard needs)."""
-        return _reduce_all(tuple(a[0] for a in acc), self._grad_axes, self._bucketed, self.dp)
+    def reduce(self) -> Callable[..., tuple[Any, ...]]:
+        """A program that takes an unreduced accumulator and returns the step's gradients:
+        summed over ``"data"``, each kept as its optimizer state is (ZeRO 1: a
+        reduce-scatter, which is all the optimizer's shard needs), every leaf in one
+        collective per dtype (:func:`_reduce_all`). Jit it with ``layout.grads`` as its
+        outputs' shardings."""
+        axes, dp = self._grad_axes, self.dp
+
+        def reduce(acc: Sequence[Any]) -> tuple[Any, ...]:
+            return _reduce_all(tuple(a[0] for a in acc), axes, (True,) * len(axes), dp)
+
+        layout = self.layout
+        return self._manual(reduce, (tuple(a.spec for a in layout.accumulators),), tuple(g.spec for g in layout.grads))
 
     def whole(self, positions: Sequence[int]) -> Callable[..., tuple[Any, ...]]:
         """A program that takes the stage's parameter leaves at ``positions`` (of its
         leaves), placed as their optimizer state is, and returns them placed as the
         parameters are kept: ZeRO 1 and 2 update each device's shard and then gather the
-        new parameters, the leaves of a bucket (see :func:`_reduce_all`) in one
-        all-gather. Jit it with the parameters' shardings as its outputs'."""
-        axes = [self._grad_axes[k] for k in positions]
-        kept = [_data_axis(self.layout.params[k].spec) for k in positions]
-        bucketed = [self._bucketed[k] for k in positions]
-        if any(k is not None for k in kept) or not self.split:
+        new parameters in one all-gather per dtype. Jit it with the parameters'
+        shardings as its outputs'."""
+        layout = self.layout
+        if not self.split or any(_data_axis(layout.params[k].spec) is not None for k in positions):
             raise ValueError("only parameters kept whole over data and a split data axis are gathered")
+        axes = [self._grad_axes[k] for k in positions]
 
         def gather(*values: Any) -> tuple[Any, ...]:
-            return _gather_all(values, axes, bucketed)
+            return _gather_all(values, axes)
 
-        return self.program(gather, tuple(_split_along(axes)), (WHOLE,) * len(axes))
+        states, params = (tuple(layout.states[k].spec for k in positions), tuple(layout.params[k].spec for k in positions))
+        return self._manual(gather, states, params)
+
+    def _manual(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+        # Over both of the mesh's axes (specs as pytrees matching the arguments and
+        # results), unlike the stage's programs: each device then holds its own piece of a
+        # leaf split over "tensor" too, so every leaf joins one flat buffer and only
+        # "data" is communicated.
+        return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     def total(self, value: Any) -> Any:
         """The sum over the devices of ``"data"`` of a per-device ``value`` (the loss)."""
@@ -266,19 +278,15 @@ def _reduce_all(values: tuple[Any, ...], axes: Sequence[int | None], bucketed: S
     return tuple(out)
 
 
-def _gather_all(values: tuple[Any, ...], axes: Sequence[int | None], bucketed: Sequence[bool]) -> tuple[Any, ...]:
+def _gather_all(values: tuple[Any, ...], axes: Sequence[int | None]) -> tuple[Any, ...]:
     """Every leaf of ``values`` (one device's shard, split along ``axes`` over ``"data"``,
-    in the local view) gathered whole on every device: the inverse of the reduce-scatter
-    of :func:`_reduce_all`, the ``bucketed`` leaves of one dtype in one all-gather."""
+    in the local view) gathered whole on every device of ``"data"``: the inverse of the
+    reduce-scatter of :func:`_reduce_all`, the leaves of one dtype in one all-gather."""
     out: list[Any] = list(values)
     split: dict[Any, list[tuple[int, int]]] = {}
-    for i, (v, axis, bucket) in enumerate(zip(values, axes, bucketed, strict=True)):
-        if axis is None:
-            continue
-        if bucket:
+    for i, (v, axis) in enumerate(zip(values, axes, strict=True)):
+        if axis is not None:
             split.setdefault(v.dtype, []).append((i, axis))
-        else:
-            out[i] = jax.lax.all_gather(v, DATA, axis=axis, tiled=True)
     for pairs in split.values():
         moved = [jnp.moveaxis(values[i], axis, 0) for i, axis in pairs]
         # Row d: device d's shards, one after another.

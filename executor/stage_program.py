@@ -216,7 +216,7 @@ class StageProgram:
         )
         self._zero_loss = jax.jit(lambda: jnp.zeros((), jnp.float32), out_shardings=layout.replicated)
         self._reduce = (
-            jax.jit(shards.program(shards.reduce, (forms.acc,), shards.gradient_forms()), out_shardings=layout.grads)
+            jax.jit(shards.reduce(), out_shardings=layout.grads)
             if layout.unreduced
             else None
         )

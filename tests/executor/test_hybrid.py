@@ -89,6 +89,12 @@ def test_gradient_reduction_and_tensor_collectives_are_inside_xla() -> None:
     hlo = program.compiled_hlo()
     assert "all-reduce" in _collectives(hlo["F"]) and "all-reduce" in _collectives(hlo["B"])
     assert _collectives(hlo["reduce"]) == {"all-reduce"}
+    # Leaves split over "tensor" join the flat buffers too: with ZeRO 1, one reduce-scatter
+    # of every leaf split over "data" (XLA does not combine these by itself) and one
+    # all-reduce of those that stay whole (a vector split over "tensor" has no axis left).
+    (sharded,) = hybrid("explicit", schedule, dp=2, tp=2, zero=1).compile(params, batch)
+    reduce = sharded.compiled_hlo()["reduce"]
+    assert sorted(m.group(1) for m in COLLECTIVE.finditer(reduce)) == ["all-reduce", "reduce-scatter"]
     (single,) = hybrid("explicit", schedule, dp=1, tp=1, zero=0).compile(params, batch)
     assert not any(COLLECTIVE.search(text) for text in single.compiled_hlo().values())
 
