@@ -189,7 +189,7 @@ class StageLayout:
         self.params = place(3)
         self.states = place(1)
         self.unreduced = dp > 1 and zero <= 1
-        self.gathers_params = 1 <= zero <= 2 and any(p != q for p, q in zip(self.params, self.states, strict=True))
+        self.gathers_params = self.params != self.states
         self.accumulators = (
             tuple(NamedSharding(mesh, PartitionSpec(DATA, *b)) for b in base) if self.unreduced else place(2)
         )

@@ -119,8 +119,8 @@ class DataShards:
         new parameters in one all-gather per dtype. Jit it with the parameters'
         shardings as its outputs'."""
         layout = self.layout
-        if not self.split or any(_data_axis(layout.params[k].spec) is not None for k in positions):
-            raise ValueError("only parameters kept whole over data and a split data axis are gathered")
+        if not layout.gathers_params:
+            raise ValueError("only parameters kept whole over data and updated in shards are gathered")
         axes = [self._grad_axes[k] for k in positions]
 
         def gather(*values: Any) -> tuple[Any, ...]:
@@ -254,20 +254,15 @@ def _reduce_all(values: tuple[Any, ...], axes: Sequence[int | None], bucketed: S
     buffer 9.7 ms and one reduce-scatter of them 4.7 ms (as DDP's and FSDP's buckets do on
     GPUs, where a collective's launch costs as much)."""
     out: list[Any] = list(values)
-    whole: dict[Any, list[int]] = {}
-    split: dict[Any, list[tuple[int, int]]] = {}
     for i, (v, axis, bucket) in enumerate(zip(values, axes, bucketed, strict=True)):
         if not bucket:
             out[i] = _reduced(v, axis)
-        elif axis is None:
-            whole.setdefault(v.dtype, []).append(i)
-        else:
-            split.setdefault(v.dtype, []).append((i, axis))
-    for members in whole.values():
+    whole, split = _buckets(values, axes, bucketed)
+    for members in whole:
         summed = jax.lax.psum(jnp.concatenate([values[i].ravel() for i in members]), DATA)
         for i, part in zip(members, _pieces(summed, [values[i].size for i in members]), strict=True):
             out[i] = part.reshape(values[i].shape)
-    for pairs in split.values():
+    for pairs in split:
         # Row d of each leaf is device d's shard of it (its split axis moved first), so
         # the scatter leaves every device its own shard of every leaf.
         moved = [jnp.moveaxis(values[i], axis, 0) for i, axis in pairs]
@@ -283,27 +278,37 @@ def _gather_all(values: tuple[Any, ...], axes: Sequence[int | None]) -> tuple[An
     in the local view) gathered whole on every device of ``"data"``: the inverse of the
     reduce-scatter of :func:`_reduce_all`, the leaves of one dtype in one all-gather."""
     out: list[Any] = list(values)
-    split: dict[Any, list[tuple[int, int]]] = {}
-    for i, (v, axis) in enumerate(zip(values, axes, strict=True)):
-        if axis is not None:
-            split.setdefault(v.dtype, []).append((i, axis))
-    for pairs in split.values():
+    for pairs in _buckets(values, axes, (True,) * len(values))[1]:
         moved = [jnp.moveaxis(values[i], axis, 0) for i, axis in pairs]
         # Row d: device d's shards, one after another.
         rows = jax.lax.all_gather(jnp.concatenate([m.ravel() for m in moved]), DATA)
-        start = 0
-        for (i, axis), m in zip(pairs, moved, strict=True):
-            part = rows[:, start : start + m.size]
-            start += m.size
+        for (i, axis), m, part in zip(pairs, moved, _pieces(rows, [m.size for m in moved]), strict=True):
             out[i] = jnp.moveaxis(part.reshape((rows.shape[0] * m.shape[0], *m.shape[1:])), 0, axis)
     return tuple(out)
 
 
+def _buckets(
+    values: Sequence[Any], axes: Sequence[int | None], bucketed: Sequence[bool]
+) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """The ``bucketed`` leaves by dtype: those whole over ``"data"`` (their indices) and
+    those split over it (index, split axis), one list per bucket."""
+    whole: dict[Any, list[int]] = {}
+    split: dict[Any, list[tuple[int, int]]] = {}
+    for i, (v, axis, bucket) in enumerate(zip(values, axes, bucketed, strict=True)):
+        if not bucket:
+            continue
+        if axis is None:
+            whole.setdefault(v.dtype, []).append(i)
+        else:
+            split.setdefault(v.dtype, []).append((i, axis))
+    return list(whole.values()), list(split.values())
+
+
 def _pieces(flat: Any, sizes: Sequence[int]) -> list[Any]:
-    """``flat`` cut into consecutive pieces of ``sizes``."""
+    """``flat`` cut along its last axis into consecutive pieces of ``sizes``."""
     pieces, start = [], 0
     for size in sizes:
-        pieces.append(flat[start : start + size])
+        pieces.append(flat[..., start : start + size])
         start += size
     return pieces
 
