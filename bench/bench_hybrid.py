@@ -3,10 +3,12 @@
 1. Predicted against measured: this machine is calibrated once (``pipedsl.cli.machine``),
    the demo transformer's plans are searched on it, and the best SPMD plan, the best
    hybrid plan (data or tensor parallel stage meshes in a pipeline) and the best SPMD
-   plan at each other tensor axis that it splits into are run for real: the search's
+   plan at each other tensor axis that it splits into are run for real: the predicted
    step time against the median measured training step (Adam; timed in turn so that
-   load drifts hit them all alike), and how many pairs of plans the search orders as
-   measured.
+   load drifts hit them all alike), and how many pairs of plans it orders as measured.
+   As in the demo, the calibration's steps are timed again in turn with the plans and
+   fitted again, and each plan is priced at that machine ("predicted") and as the
+   search priced it ("searched").
 2. Overhead: the executor's ``dp=8`` SPMD step (``value_and_grad``, ``pp = 1``: one stage
    over the whole mesh, gradient accumulation over the microbatches) against one
    ``jax.jit`` of the same step (the microbatch loop of ``value_and_grad`` in one
@@ -75,26 +77,43 @@ def _train(plan: Any) -> Any:
 
 def predicted_against_measured(repeat: int) -> None:
     """Part 1 of the module docstring."""
-    from pipedsl.cli.demo import calibrated_search, pairs_agreeing, plans_to_run, runnable_plans
+    from pipedsl.cli.demo import (
+        DEMO_MODEL,
+        calibrated_search,
+        demo_calibration_steps,
+        pairs_agreeing,
+        plans_to_run,
+        repriced,
+        runnable_plans,
+    )
+    from pipedsl.cli.machine import recalibrated
 
-    calibration, frame = calibrated_search(DEVICES)
-    print(f"this machine: {calibration.describe()}")
-    chosen = [p for p in plans_to_run(frame, DEVICES, top=2) if p.kind in ("spmd", "hybrid")]
-    for plan in runnable_plans(frame, DEVICES):
-        if plan.kind == "spmd" and all(plan.tp != p.tp for p in chosen if p.kind == "spmd"):
-            chosen.append(plan)
-    plans = {f"{p.kind} {p.label()}": p for p in chosen}
-    times = interleaved_medians({name: _train(plan) for name, plan in plans.items()}, repeat)
+    with demo_calibration_steps(DEVICES) as steps:
+        calibration, frame = calibrated_search(steps)
+        print(f"this machine: {calibration.describe()}")
+        chosen = [p for p in plans_to_run(frame, DEVICES, top=2) if p.kind in ("spmd", "hybrid")]
+        for plan in runnable_plans(frame, DEVICES):
+            if plan.kind == "spmd" and all(plan.tp != p.tp for p in chosen if p.kind == "spmd"):
+                chosen.append(plan)
+        plans = {f"{p.kind} {p.label()}": p for p in chosen}
+        runs = {name: _train(plan) for name, plan in plans.items()}
+        times = interleaved_medians(runs | {"calibration": steps.timed_round}, repeat)
+        during = recalibrated(calibration, DEMO_MODEL, steps.take())
+    print(f"this machine during the runs: {during.describe()}")
     print(f"best SPMD and hybrid plans, and the best SPMD plan at each tensor axis, of {len(frame)} ranked")
     print(f"(medians of {repeat} training steps)")
-    predicted = []
-    for name, plan in plans.items():
+    predicted = repriced(list(plans.values()), during.cluster)
+    for (name, plan), price in zip(plans.items(), predicted, strict=True):
         assert plan.planned_s is not None  # every searched plan has its step time
-        predicted.append(plan.planned_s)
-        error = plan.planned_s / times[name] - 1.0
-        print(f"   {name:<52} predicted {plan.planned_s * 1e3:8.1f} ms, measured {times[name] * 1e3:8.1f} ms ({error:+.1%})")
-    same, pairs = pairs_agreeing(predicted, [times[name] for name in plans])
-    print(f"   {same} of {pairs} pairs of plans ordered as measured")
+        measured = times[name]
+        print(
+            f"   {name:<52} predicted {price * 1e3:8.1f} ms, measured {measured * 1e3:8.1f} ms "
+            f"({price / measured - 1.0:+.1%}; searched {plan.planned_s * 1e3:.1f} ms, {plan.planned_s / measured - 1.0:+.1%})"
+        )
+    measured = [times[name] for name in plans]
+    same, pairs = pairs_agreeing(predicted, measured)
+    searched, _ = pairs_agreeing([p.planned_s or 0.0 for p in plans.values()], measured)
+    print(f"   {same} of {pairs} pairs of plans ordered as measured (the search's prices: {searched})")
 
 
 def overhead(args: argparse.Namespace) -> None:

@@ -32,7 +32,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
     collective algorithms chosen for its groups and, on devices that share a machine,
     the wait of each collective inside a stage program (``Cluster.collective_sync``) and
     for a pipeline how much of its idle devices' time the busy ones take up
-    (``Cluster.idle_share``)."""
+    (``Cluster.idle_share``) and how fast a device busy alone runs (``Cluster.alone_efficiency``)."""
     on = {True: "on", False: "off"}
     found = [
         Assumption("flash_attention", on[plan.flash_attention],
@@ -72,6 +72,11 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
             "idle_share", f"{cluster.idle_share:.3g}",
             "fraction of an idle pipeline device's time that the busy devices' work takes up on the cores it leaves",
         ))  # fmt: skip
+        if cluster.alone_efficiency < 1:
+            found.append(Assumption(
+                "alone_efficiency", f"{cluster.alone_efficiency:.3g}",
+                "fraction of the ideal speed-up (a core to itself) that a pipeline device busy alone reaches",
+            ))  # fmt: skip
     return tuple(found)
 
 

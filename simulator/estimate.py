@@ -34,8 +34,9 @@ busy, and an idle device's cores go to the busy ones, which take up a
 ``Cluster.idle_share`` of its time (1 when the cores change hands perfectly: the work is
 conserved; measured by ``pipedsl demo``). So the pipeline part takes
 ``makespan × (1 − idle_share × bubble)``, its devices' mean busy time at a share of 1,
-but no less than ``makespan × cores / devices``, the speed-up of a device that has every
-core to itself (:meth:`Prepared.pipeline_seconds`).
+but no less than ``makespan × cores / devices``, the speed-up of a device that has a core to
+itself, over the ``Cluster.alone_efficiency`` of it that such a device reaches
+(:meth:`Prepared.pipeline_seconds`, :meth:`Cluster.core_share`).
 MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """

@@ -229,6 +229,12 @@ class Cluster:
         leaves: 1 (the default) prices a pipeline at its devices' mean busy time, 0 at
         its makespan (see :mod:`~pipedsl.simulator.estimate`). Measured by ``pipedsl
         demo``; ignored where devices do not share cores.
+      alone_efficiency: for devices that share cores, the fraction of its ideal speed-up
+        (a core to itself) that a device busy while the others idle reaches: a pipeline
+        takes at least ``cores / devices / alone_efficiency`` of its makespan
+        (:meth:`core_share`). 1 (the default) is the ideal; measured by ``pipedsl demo``
+        (on two cores, a four-stage pipeline's stage busy alone ran about 3.1 times as
+        fast as with every device busy, not 4); ignored where devices do not share cores.
       collective_sync_s: seconds that each collective inside a stage program (each
         tensor-parallel one, and ZeRO 2/3's per layer and microbatch) waits on top of its
         transfer, for each device of its group but one, when the devices share cores:
@@ -266,6 +272,7 @@ class Cluster:
     action_overhead_s: float = 0.0
     shared_cores: float = 0.0
     idle_share: float = 1.0
+    alone_efficiency: float = 1.0
     collective_sync_s: float = 0.0
     collective_sync_per_token_s: float = 0.0
     step_overhead_s: float = 0.0
@@ -308,6 +315,9 @@ class Cluster:
         share = self.idle_share
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
             raise DescriptionError(f"{owner}: idle_share must be a number in [0, 1], got {share!r}")
+        alone = self.alone_efficiency
+        if isinstance(alone, bool) or not isinstance(alone, int | float) or not 0 < alone <= 1:
+            raise DescriptionError(f"{owner}: alone_efficiency must be a number in (0, 1], got {alone!r}")
         _check_int(owner, "memory_bytes", self.memory_bytes)
         _check_int(owner, "reserved_bytes", self.reserved_bytes, minimum=0)
         _check_int(owner, "gpus_per_node", self.gpus_per_node)
@@ -326,12 +336,13 @@ class Cluster:
     def core_share(self, gpus: int) -> float:
         """The least fraction of its simulated makespan that a pipeline over ``gpus``
         devices takes where they share ``shared_cores`` cores: ``cores / devices`` of one
-        node (what a device busy alone speeds up by, every core to itself), or 1 where
+        node (a device busy alone speeds up at most by ``devices / cores``, a core to
+        itself), over the ``alone_efficiency`` of that speed-up it reaches; or 1 where
         the devices do not share (see :mod:`~pipedsl.simulator.estimate`)."""
         devices = min(gpus, self.gpus_per_node)
         if self.shared_cores <= 0 or devices <= self.shared_cores:
             return 1.0
-        return self.shared_cores / devices
+        return min(self.shared_cores / devices / self.alone_efficiency, 1.0)
 
     def collective_sync(self, group: int, tokens: float) -> float:
         """Seconds that one collective inside a stage program over ``group`` devices, each

@@ -269,7 +269,7 @@ def measure(
     each run and then the next round, so that a change in the machine's speed while they
     are timed reaches every run alike rather than the runs timed during it.
     ``each_round()``, when given, is called after every round, in turn with the runs
-    (the demo times its load check there). ``backend`` is ``"local"``, ``"ray"`` or a started
+    (the demo times the machine calibration's steps there). ``backend`` is ``"local"``, ``"ray"`` or a started
     :class:`~pipedsl.executor.ray_cluster.RayDevices`.
     """
     trials: list[_Trial] = []

@@ -13,11 +13,12 @@
    A few recorded steps fit the cost model to this machine (calibration), the simulator
    predicts the step time from it, then training steps measure it with the loss going
    down (a step of each plan in turn, so that a change in the machine's speed meets
-   every plan alike). Prints the planner's estimate, the calibrated prediction and the
-   measured step time of every run, whether the predicted order is the measured one, and
-   draws the simulated and measured timelines side by side. A load check times the
-   calibration's largest step again in turns with the runs and says how far the machine's
-   speed moved since it was calibrated.
+   every plan alike). The machine calibration's own steps are timed again in those
+   rounds and fitted again, so that each run's prediction is priced at the machine's
+   speed while the runs ran (on shared cores it moves by a fifth over minutes), beside
+   the search's price from the calibration before. Prints both against the measured
+   step time of every run, whether the predicted order is the measured one and how far
+   the machine's speed moved, and draws the simulated and measured timelines side by side.
 
 Everything lands in ``--out``: ``plans.csv``, ``runs.csv``, ``timelines.png``.
 """
@@ -26,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +38,9 @@ from rich.table import Table
 
 from pipedsl.cli.calibrate import DEMO_MODEL, Measurement, Run, demo_transformer, measure
 from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
-from pipedsl.cli.machine import LoadCheck, MachineCalibration, calibrate_machine
+from pipedsl.cli.machine import MachineCalibration, calibrate_machine, calibration_steps, recalibrated
 from pipedsl.cli.planned import PlannedRun
-from pipedsl.cli.timed import STEP_ROUNDS
+from pipedsl.cli.timed import STEP_ROUNDS, TimedSteps
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.library import library_path, library_schedules
@@ -48,8 +51,12 @@ from pipedsl.simulator import (
     search,
     summarize,
 )
+from pipedsl.simulator.search import DEFAULT_PRUNE
 
-__all__ = ["register", "DEMO_MODEL", "GLOBAL_BATCH", "calibrated_search", "plans_to_run", "runnable_plans", "pairs_agreeing"]
+__all__ = [
+    "register", "DEMO_MODEL", "GLOBAL_BATCH", "demo_calibration_steps", "calibrated_search", "plans_to_run",
+    "runnable_plans", "pairs_agreeing",
+]  # fmt: skip
 
 GLOBAL_BATCH = 32
 """Sequences per step of every plan the demo searches and runs."""
@@ -92,23 +99,49 @@ def _cut(layers: int, stages: int) -> Any:
     return demo_transformer(stages, layers=layers)
 
 
-def calibrated_search(devices: int) -> tuple[MachineCalibration, Any]:
-    """Calibrate this machine once as ``devices`` devices, then rank every plan of the demo
-    transformer on it (a :func:`~pipedsl.simulator.search` frame)."""
-    calibration = calibrate_machine(devices, DEMO_MODEL, _cut, microbatch_size=_MIN_RUN_MICROBATCH)
+def demo_calibration_steps(devices: int) -> TimedSteps:
+    """The machine calibration's training steps of the demo transformer over ``devices``
+    devices, compiled (close them when done)."""
+    return calibration_steps(devices, DEMO_MODEL, _cut, microbatch_size=_MIN_RUN_MICROBATCH)
+
+
+def _search(cluster: Any, *, prune: float | None = DEFAULT_PRUNE) -> Any:
     # The executor's attention is plain (no fused kernel), and on CPU a collective runs
     # on the cores the computation needs, so none of it hides behind the computation.
-    frame = search(
-        DEMO_MODEL, calibration.cluster, devices, global_batch=GLOBAL_BATCH, reduce_bytes=4,
-        flash_attention=False, dp_overlap=0.0,
+    return search(
+        DEMO_MODEL, cluster, cluster.gpus_per_node, global_batch=GLOBAL_BATCH, reduce_bytes=4,
+        flash_attention=False, dp_overlap=0.0, prune=prune,
     )  # fmt: skip
-    return calibration, frame
 
 
-def _plans(console: Console, devices: int, out: Path) -> tuple[MachineCalibration, Any]:
+def calibrated_search(steps: TimedSteps) -> tuple[MachineCalibration, Any]:
+    """Calibrate this machine once on ``steps`` (:func:`demo_calibration_steps`), then rank
+    every plan of the demo transformer on it (a :func:`~pipedsl.simulator.search` frame)."""
+    calibration = calibrate_machine(steps, DEMO_MODEL, microbatch_size=_MIN_RUN_MICROBATCH)
+    return calibration, _search(calibration.cluster)
+
+
+def repriced(plans: list[PlannedRun], cluster: Any) -> list[float]:
+    """The step time the search gives each of ``plans`` on ``cluster`` (every plan that
+    fits is priced there, none pruned), in seconds."""
+    def unpriced(plan: PlannedRun) -> PlannedRun:
+        return dataclasses.replace(plan, planned_s=None, rank=None)
+
+    prices: dict[PlannedRun, float] = {}
+    for _, row in _search(cluster, prune=None).iterrows():
+        plan = PlannedRun.from_row(row.to_dict())
+        if plan.planned_s is not None:
+            prices[unpriced(plan)] = plan.planned_s
+    missing = [plan.label() for plan in plans if unpriced(plan) not in prices]
+    if missing:
+        raise PipedslError(f"the search no longer ranks {', '.join(missing)} on the machine calibrated again")
+    return [prices[unpriced(plan)] for plan in plans]
+
+
+def _plans(console: Console, steps: TimedSteps, out: Path) -> tuple[MachineCalibration, Any]:
     console.rule("[bold]2. Plans for the demo transformer on this machine")
-    console.print(f"Calibrating this machine once ({devices} CPU devices, every one busy) ...", highlight=False)
-    calibration, frame = calibrated_search(devices)
+    console.print(f"Calibrating this machine ({steps.devices} CPU devices, every one busy) ...", highlight=False)
+    calibration, frame = calibrated_search(steps)
     console.print(f"this machine: {calibration.describe()}", highlight=False)
     frame.to_csv(out / "plans.csv", index=False)
     summary = summarize(frame)
@@ -195,14 +228,40 @@ def _apart(plan: PlannedRun, chosen: list[PlannedRun]) -> bool:
     return all(abs(mine - (c.planned_s or 0.0)) >= _APART * min(mine, c.planned_s or 0.0) for c in chosen)
 
 
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """One run of the demo against its two prices.
+
+    Attributes:
+      run: the run (its plan, measured step time, losses, timelines).
+      predicted_s: the plan's step time priced at the machine calibrated again in turns
+        with the runs, in seconds.
+      searched_s: its step time as the search priced it, at the calibration before it.
+    """
+
+    run: Measurement
+    predicted_s: float
+    searched_s: float
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured, minus one."""
+        return self.predicted_s / self.run.measured_s - 1.0
+
+    @property
+    def searched_error(self) -> float:
+        """The search's price over measured, minus one."""
+        return self.searched_s / self.run.measured_s - 1.0
+
+
 def _runs(
-    console: Console, frame: Any, calibration: MachineCalibration, *, devices: int, top: int, steps: int, backend: str,
-    out: Path,
-) -> list[Measurement]:
-    plans = plans_to_run(frame, devices, top)
-    console.rule(f"[bold]3. Running {len(plans)} ranked plans for real ({backend} backend, {devices} devices)")
+    console: Console, frame: Any, calibration: MachineCalibration, steps: TimedSteps, *, top: int, rounds: int,
+    backend: str, out: Path,
+) -> list[RunResult]:
+    plans = plans_to_run(frame, steps.devices, top)
+    console.rule(f"[bold]3. Running {len(plans)} ranked plans for real ({backend} backend, {steps.devices} devices)")
     if not plans:
-        raise PipedslError(f"no ranked plan over {devices} devices fits the demo transformer; nothing to run")
+        raise PipedslError(f"no ranked plan over {steps.devices} devices fits the demo transformer; nothing to run")
     for plan in plans:
         console.print(f"plan {plan.rank} ({plan.kind}): {plan.label()}", highlight=False)
 
@@ -211,59 +270,60 @@ def _runs(
 
     runs = [Run(plan.schedule_of(), plan.microbatch_size, plan) for plan in plans]
     console.print(
-        f"Compiling and calibrating each plan, then timing {steps} steps of each, a step of each in turn ...",
+        f"Compiling and calibrating each plan, then timing {rounds} steps of each, a step of each in turn and a "
+        "step of each of the machine calibration's ...",
         highlight=False,
     )
-    with LoadCheck(calibration, _cut) as check:
-        reports = measure(runs, backend=backend, steps=steps, prepared=prepared, each_round=check.timed_step)
-        drift = _drift_verdict(check.calibrated_s, check.measured_s, step=check.describe())
-    for plan, m in zip(plans, reports, strict=True):
+    reports = measure(runs, backend=backend, steps=rounds, prepared=prepared, each_round=steps.timed_round)
+    during = recalibrated(calibration, DEMO_MODEL, steps.take())
+    console.print(f"this machine during the runs: {during.describe()}", highlight=False)
+    results = [
+        RunResult(run=m, predicted_s=price, searched_s=_searched(m))
+        for m, price in zip(reports, repriced(plans, during.cluster), strict=True)
+    ]
+    for plan, r in zip(plans, results, strict=True):
         console.print(
-            f"plan {plan.rank}: loss {m.losses[0]:.4f} -> {m.losses[-1]:.4f}; predicted {_ms(_predicted(m))} ms, "
-            f"measured {_ms(m.measured_s)} ms per step ({_error(m):+.1%})",
+            f"plan {plan.rank}: loss {r.run.losses[0]:.4f} -> {r.run.losses[-1]:.4f}; predicted "
+            f"{_ms(r.predicted_s)} ms, measured {_ms(r.run.measured_s)} ms per step ({r.error:+.1%})",
             highlight=False,
         )
-    console.print(_results_table(reports))
-    console.print(_order_verdict(reports), highlight=False)
-    console.print(drift, highlight=False)
-    _write_runs(out / "runs.csv", reports)
-    figure = plot_timelines([p for r in reports for p in r.panels], share_time=False, caption="simulated against measured")
+    console.print(_results_table(results))
+    console.print(_order_verdict(results), highlight=False)
+    console.print(_speed_verdict(calibration, during), highlight=False)
+    _write_runs(out / "runs.csv", results)
+    figure = plot_timelines([p for m in reports for p in m.panels], share_time=False, caption="simulated against measured")
     save_figure(figure, out / "timelines.png")
-    return reports
+    return results
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def _predicted(m: Measurement) -> float:
-    """The search's step time for the run's plan, on the machine calibrated once."""
+def _searched(m: Measurement) -> float:
     assert m.planned_s is not None  # every demo run comes from a ranked plan
     return m.planned_s
 
 
-def _error(m: Measurement) -> float:
-    """Predicted over measured, minus one."""
-    return _predicted(m) / m.measured_s - 1.0
-
-
-def _results_table(reports: list[Measurement]) -> Table:
+def _results_table(results: list[RunResult]) -> Table:
     table = Table(
-        title="Predicted (the search, on this machine calibrated once) against measured step time", title_justify="left"
+        title="Predicted (on this machine calibrated in turns with the runs) against measured step time",
+        title_justify="left",
     )
-    columns = ("plan", "kind", "predicted (ms)", "measured (ms)", "error", "fitted to its run (ms)", "first loss", "last loss")
+    columns = ("plan", "kind", "predicted (ms)", "measured (ms)", "error", "searched (ms)", "its error", "fitted to its run (ms)")
     for column in columns:
         table.add_column(column, justify="left" if column in ("plan", "kind") else "right")
-    for m in reports:
+    for r in results:
+        m = r.run
         table.add_row(
             m.label,
             m.plan.kind if m.plan is not None else "",
-            _ms(_predicted(m)),
+            _ms(r.predicted_s),
             _ms(m.measured_s),
-            f"{_error(m):+.1%}",
+            f"{r.error:+.1%}",
+            _ms(r.searched_s),
+            f"{r.searched_error:+.1%}",
             _ms(m.predicted_s),
-            f"{m.losses[0]:.4f}",
-            f"{m.losses[-1]:.4f}",
         )
     return table
 
@@ -275,67 +335,72 @@ def pairs_agreeing(predicted: list[float], measured: list[float]) -> tuple[int, 
     return same, len(pairs)
 
 
-def _order_verdict(reports: list[Measurement]) -> str:
+def _order_verdict(results: list[RunResult]) -> str:
     """Whether ranking the runs by prediction gives the measured ranking, how many pairs
-    of runs it orders right, how many predictions are within 20%, and the fastest run."""
-    measured = [r.measured_s for r in reports]
-    predicted = [_predicted(r) for r in reports]
-    same, pairs = pairs_agreeing(predicted, measured)
+    of runs it orders right (and the search's prices), how many predictions are within
+    20%, and the fastest run."""
+    measured = [r.run.measured_s for r in results]
+    same, pairs = pairs_agreeing([r.predicted_s for r in results], measured)
+    searched, _ = pairs_agreeing([r.searched_s for r in results], measured)
     # Every pair ordered as measured: two runs predicted alike order nothing.
     agrees = same == pairs
-    within = sum(abs(_error(r)) <= 0.2 for r in reports)
-    fastest = min(reports, key=lambda r: r.measured_s)
+    within = sum(abs(r.error) <= 0.2 for r in results)
+    fastest = min(results, key=lambda r: r.run.measured_s)
     return (
         f"The predicted order {'agrees' if agrees else 'does not agree'} with the measured order "
-        f"({same} of {pairs} pairs of runs ordered as measured); {within} of {len(reports)} predictions "
-        f"within 20% of measured. Fastest measured: {fastest.label}."
+        f"({same} of {pairs} pairs of runs ordered as measured; the search's prices: {searched} of {pairs}); "
+        f"{within} of {len(results)} predictions within 20% of measured. Fastest measured: {fastest.run.label}."
     )
 
 
 _DRIFT = 0.15
-"""A change of the load check's step time beyond which the demo says the machine's speed moved (on the
-quiet 2-core machine the median of 11 rounds of that step read 151-183 ms over ten timings
-within six minutes, in one process with nothing else changed)."""
+"""A change of the calibration's largest step beyond which the demo says the machine's
+speed moved (on the quiet 2-core machine the median of 11 rounds of that step read
+151-183 ms over ten timings within six minutes, in one process with nothing else changed)."""
 
 
-def _drift_verdict(then: float, now: float, *, step: str) -> str:
-    """Whether the machine ran the calibration's largest step (``step``, in words) as fast
-    in turns with the runs as when it was calibrated: the predictions assume the same
-    load throughout (see :class:`~pipedsl.cli.machine.LoadCheck`)."""
+def _speed_verdict(before: MachineCalibration, during: MachineCalibration) -> str:
+    """How far the machine's speed moved from the calibration ``before`` the search to
+    the one ``during`` the runs, read on the calibration's largest step."""
+    layers, sequences, _ = shape = before.largest_step
+    then, now = before.step_s[shape], during.step_s[shape]
     change = now / then - 1.0
     said = (
-        f"Load check: the calibration's largest step ({step}) took {_ms(then)} ms when calibrated and "
-        f"{_ms(now)} ms in turns with the runs ({change:+.0%}): "
+        f"The calibration's largest step ({layers} layer{'s' if layers > 1 else ''} x {sequences} sequence"
+        f"{'s' if sequences > 1 else ''} per device) took {_ms(then)} ms before the search and {_ms(now)} ms "
+        f"in turns with the runs ({change:+.0%}): "
     )
     if abs(change) <= _DRIFT:
-        return said + "the machine held its speed, so the predictions are comparable with the measurements."
+        return said + "the machine held its speed, so the search's prices and the predictions agree."
     return said + (
-        f"the machine ran it {'faster' if change < 0 else 'slower'} during the runs than when it was calibrated "
-        "(devices that share cores run as fast as the rest of the machine lets them), and the predictions, made "
-        "at the calibration's speed, carry that difference; run again, on a quieter machine, to tell it from "
-        "the cost model's own error."
+        f"the machine ran {'faster' if change < 0 else 'slower'} during the runs than before the search "
+        "(devices that share cores run as fast as the rest of the machine lets them), so the search's prices "
+        "carry that difference and the predictions, priced at the runs' speed, do not."
     )
 
 
 _RUN_COLUMNS = (
     "schedule", "kind", "dp", "tp", "pp", "vpp", "zero", "microbatches", "microbatch_size",
-    "predicted_s", "measured_s", "error", "fitted_s", "fitted_error", "first_loss", "last_loss",
+    "predicted_s", "measured_s", "error", "searched_s", "searched_error", "fitted_s", "fitted_error",
+    "first_loss", "last_loss",
 )
 
 
-def _write_runs(path: Path, reports: list[Measurement]) -> None:
-    """One row per run: the plan, its prediction from the one calibration against its
-    measured step time, and (for reference) the prediction fitted to its own steps."""
+def _write_runs(path: Path, results: list[RunResult]) -> None:
+    """One row per run: the plan, its prediction (the machine calibrated in turns with
+    the runs) and the search's price against its measured step time, and (for reference)
+    the prediction fitted to its own steps."""
     with open(path, "w", encoding="utf-8", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(_RUN_COLUMNS)
-        for r in reports:
-            p = r.plan
+        for r in results:
+            m, p = r.run, r.run.plan
             assert p is not None  # every demo run comes from a ranked plan
             writer.writerow(
                 (p.schedule, p.kind, p.dp, p.tp, p.pp, p.vpp, p.zero, p.microbatches, p.microbatch_size,
-                 _predicted(r), r.measured_s, _error(r), r.predicted_s, r.error, r.losses[0], r.losses[-1])
-            )
+                 r.predicted_s, m.measured_s, r.error, r.searched_s, r.searched_error, m.predicted_s, m.error,
+                 m.losses[0], m.losses[-1])
+            )  # fmt: skip
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -349,8 +414,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     console.rule("[bold]1. The schedule library")
     _library(console)
-    calibration, frame = _plans(console, args.devices, out)
-    _runs(console, frame, calibration, devices=args.devices, top=args.top, steps=args.steps, backend=args.backend, out=out)
+    with demo_calibration_steps(args.devices) as steps:
+        calibration, frame = _plans(console, steps, out)
+        _runs(console, frame, calibration, steps, top=args.top, rounds=args.steps, backend=args.backend, out=out)
     console.rule()
     console.print(f"done in {time.perf_counter() - started:.0f} s; outputs in {out}/: plans.csv, runs.csv, timelines.png")
     return 0

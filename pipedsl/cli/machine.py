@@ -27,6 +27,12 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   idle device's time that the busy devices take up on the cores it leaves is fitted to
   it (1 prices a pipeline at its devices' mean busy time, 0 at its makespan; here it
   comes out near 1);
+- *a stage busy alone*: where the devices outnumber the cores, one training step of the
+  whole model as a pipeline of ``devices / cores`` stages (a device per core in the one
+  busy stage, one microbatch, the same sequences in all as the two-stage step): the
+  ``alone_efficiency``, the fraction of its ideal speed-up (a core to itself) that a
+  device busy alone reaches, is fitted to it where the idle share alone prices it too
+  fast (on two cores, four stages: about 3.1 times the all-busy rate, not 4);
 - *memory bandwidth*: one elementwise update of a few MB on every device at once;
 - *collectives*: all-reduces over groups of 2 and of every device, of a small and a
   large buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (α and B are
@@ -45,15 +51,18 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   every device dispatches (``action_overhead_s``, what each scheduled action costs on top
   of its kernels).
 
-The step measurements take turns (:func:`~pipedsl.cli.timed.interleaved_medians`), so that a change in the
-machine's load while they run changes their ratios, which the fits rest on, less.
+The step measurements take turns (:class:`~pipedsl.cli.timed.TimedSteps`), so that a change
+in the machine's load while they run changes their ratios, which the fits rest on, less.
+On shared cores the machine's speed also moves over minutes (the largest step's median of
+11 rounds read 151-225 ms over an hour here), so the demo times the same steps again in
+turns with its runs and fits them again (:func:`recalibrated`): its predictions then rest
+on the speed the runs saw, while the search ranked with the calibration before them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -63,11 +72,11 @@ from typing import Any
 import numpy as np
 
 from pipedsl.cli.planned import SPMD_SCHEDULE
-from pipedsl.cli.timed import median_seconds, timed_steps, training_step
+from pipedsl.cli.timed import STEP_ROUNDS, TimedSteps, median_seconds
 from pipedsl.simulator import Cluster, Model, Plan, estimate
 from pipedsl.simulator.workers import available_cores
 
-__all__ = ["LoadCheck", "MachineCalibration", "calibrate_machine"]
+__all__ = ["MachineCalibration", "calibrate_machine", "calibration_steps", "recalibrated"]
 
 _REPEATS = 3
 """Timed calls of the short measurements (memory bandwidth, all-reduces)."""
@@ -83,6 +92,8 @@ _MICROBATCHES = 4
 _PIPELINE_STAGES = 2
 """Stages of the pipeline step that measures idle devices (one busy at a time, so half
 the devices idle)."""
+_ALONE_LOW = 0.05
+"""The least ``alone_efficiency`` the fit tries."""
 _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 
@@ -102,7 +113,10 @@ class MachineCalibration:
       microbatch_size: sequences per device (per data rank) in the larger compute steps
         and the smaller tensor-parallel steps.
       all_reduce_s: measured seconds by (group size, bytes).
-      seconds: wall time of the whole calibration.
+      seconds: wall time of the whole calibration (0 for one fitted again to its steps
+        timed later, :func:`recalibrated`).
+      alone_step_s: measured seconds of the pipeline step whose busy stage has a device per
+        core, or None where there is none (``alone_efficiency`` then 1).
     """
 
     cluster: Cluster
@@ -112,6 +126,13 @@ class MachineCalibration:
     microbatch_size: int
     all_reduce_s: dict[tuple[int, int], float]
     seconds: float
+    alone_step_s: float | None = None
+
+    @property
+    def largest_step(self) -> tuple[int, int, int]:
+        """The shape (as ``step_s``'s keys) of the largest one-microbatch compute step: the
+        whole model at the microbatch size, the work that sets the compute rate."""
+        return max(key for key in self.step_s if key[2] == 1)
 
     def describe(self) -> str:
         """One line per measured quantity, with units."""
@@ -128,6 +149,11 @@ class MachineCalibration:
             if self.pipeline_step_s is not None
             else "idle devices not measured"
         )
+        if self.alone_step_s is not None:
+            idle += (
+                f"; a device busy alone reaches {c.alone_efficiency:.0%} of its ideal speed-up (fitted to a "
+                f"{_alone_stages(c.gpus_per_node, c.shared_cores)}-stage pipeline's step, {self.alone_step_s * 1e3:.1f} ms)"
+            )
         return (
             f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {c.kernel_launch_s * 1e6:.0f} µs per kernel, "
             f"{c.step_overhead_s * 1e3:.1f} ms per step (fitted to training steps of so many layers x "
@@ -137,7 +163,7 @@ class MachineCalibration:
             f"{c.action_overhead_s * 1e6:.0f} µs per action; each tensor-parallel collective waits "
             f"{c.collective_sync_s * 1e3:.2f} ms + {c.collective_sync_per_token_s * 1e6:.2f} µs per token for each "
             f"device of its group but one (fitted to one-layer steps at tp x sequences per data rank: {tensor}); "
-            f"{idle}; calibrated in {self.seconds:.1f} s"
+            f"{idle}" + (f"; calibrated in {self.seconds:.1f} s" if self.seconds > 0 else "")
         )
 
 
@@ -298,6 +324,39 @@ def _fit_idle_share(model: Model, cluster: Cluster, devices: int, microbatch_siz
     return dataclasses.replace(cluster, idle_share=(low + high) / 2)
 
 
+def _alone_stages(devices: int, cores: float) -> int:
+    """Stages of the pipeline step whose one busy stage has a device per core: ``devices /
+    cores`` (0 where the cores do not divide the devices)."""
+    whole = int(cores)
+    return devices // whole if whole >= 1 and whole == cores and devices % whole == 0 else 0
+
+
+def _alone_sequences(stages: int, microbatch_size: int) -> int:
+    """Sequences per data rank of that step: as many in all as the two-stage step's."""
+    return microbatch_size * stages // _PIPELINE_STAGES
+
+
+def _fit_alone(model: Model, cluster: Cluster, stages: int, microbatch_size: int, measured: float) -> Cluster:
+    """``cluster`` with the ``alone_efficiency`` in [:data:`_ALONE_LOW`, 1] at which the
+    simulator prices the pipeline step of ``stages`` stages (one microbatch; see
+    :func:`_alone_sequences`) as ``measured`` seconds, or the nearer end where none does
+    (1 where the idle share already prices it as slow or slower: the priced step grows as
+    the efficiency falls)."""
+    devices = cluster.gpus_per_node
+    plan = _plan(devices // stages, 1, _alone_sequences(stages, microbatch_size), pp=stages)
+
+    def priced(efficiency: float) -> float:
+        return estimate(model, dataclasses.replace(cluster, alone_efficiency=efficiency), plan).step_time_s
+
+    low, high = _ALONE_LOW, 1.0
+    if priced(high) >= measured:
+        return cluster
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if priced(middle) > measured else (low, middle)
+    return dataclasses.replace(cluster, alone_efficiency=(low + high) / 2)
+
+
 def _tensor_shapes(model: Model, devices: int, microbatch_size: int) -> tuple[tuple[int, int], ...]:
     """(tensor axis, sequences per data rank) of the steps that measure collectives inside
     a program: the axes of :data:`_TENSORS` that the devices and ``model`` split into."""
@@ -337,25 +396,36 @@ def _least_squares_at_least_zero(rows: np.ndarray, values: np.ndarray) -> tuple[
     return float(best[0]), float(best[1])
 
 
-def calibrate_machine(
-    devices: int, model: Model, build: Callable[[int, int], Any], *, microbatch_size: int
-) -> MachineCalibration:
-    """Measure this machine once (module docstring) as ``devices`` CPU devices running
-    ``model`` (its simulator description); ``build(layers, stages)`` gives the same model
-    as the executor builds it, cut to ``layers`` layers split evenly over ``stages``."""
-    started = time.perf_counter()
+def calibration_steps(devices: int, model: Model, build: Callable[[int, int], Any], *, microbatch_size: int) -> TimedSteps:
+    """The training steps the calibration times (module docstring) for ``model`` (its
+    simulator description) over ``devices`` CPU devices, built and compiled:
+    ``build(layers, stages)`` gives the same model as the executor builds it, cut to
+    ``layers`` layers split evenly over ``stages``. Keyed ``("compute", layers, sequences
+    per device, microbatches)``, ``("tensor", tensor axis, sequences per data rank)`` and
+    ``("pipeline",)`` and ``("alone", stages)``."""
     pipeline: dict[Any, tuple[Any, int, int, int]] = {}
     if devices % _PIPELINE_STAGES == 0 and model.layers % _PIPELINE_STAGES == 0:
         pipeline[("pipeline",)] = (build(model.layers, _PIPELINE_STAGES), microbatch_size, 1, 1)
-    measured = timed_steps(
+        alone = _alone_stages(devices, available_cores())
+        if alone > _PIPELINE_STAGES and model.layers % alone == 0:
+            pipeline[("alone", alone)] = (build(model.layers, alone), _alone_sequences(alone, microbatch_size), 1, 1)
+    return TimedSteps(
         {("compute", n, m, k): (build(n, 1), m, 1, k) for n, m, k in _step_shapes(model, microbatch_size)}
         | {("tensor", t, m): (build(1, 1), m, t, 1) for t, m in _tensor_shapes(model, devices, microbatch_size)}
         | pipeline,
         devices,
     )
-    steps = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
-    tensor = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "tensor"}
-    pipeline_s = measured.get(("pipeline",))
+
+
+def calibrate_machine(steps: TimedSteps, model: Model, *, microbatch_size: int) -> MachineCalibration:
+    """Measure this machine once (module docstring) as the devices of ``steps``
+    (:func:`calibration_steps` of ``model`` at ``microbatch_size``): their medians over
+    :data:`~pipedsl.cli.timed.STEP_ROUNDS` rounds, then the short measurements, then the fits."""
+    started = time.perf_counter()
+    for _ in range(STEP_ROUNDS):
+        steps.timed_round()
+    measured = steps.take()
+    devices = steps.devices
     bandwidth = _bandwidth(devices)
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
     alpha, link = _fit_ring(reduces)
@@ -376,82 +446,51 @@ def calibrate_machine(
         inter_node_latency=alpha,
         action_overhead_s=dispatch,
     )
+    return _fitted(model, base, measured, microbatch_size=microbatch_size, all_reduce_s=reduces, started=started)
+
+
+def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[Any, float]) -> MachineCalibration:
+    """``calibration`` fitted again to ``measured``, its steps' seconds timed again later
+    (:meth:`~pipedsl.cli.timed.TimedSteps.take` of the same :func:`calibration_steps`):
+    the demo times them in turns with its runs, so that its predictions rest on the
+    machine's speed while they ran. The short measurements (memory bandwidth,
+    collectives, dispatch) are kept; the fits start afresh, as the calibration's did."""
+    base = dataclasses.replace(
+        calibration.cluster, peak_flops=1e9, kernel_launch_s=0.0, step_overhead_s=0.0, idle_share=1.0,
+        alone_efficiency=1.0, collective_sync_s=0.0, collective_sync_per_token_s=0.0,
+    )  # fmt: skip
+    return _fitted(
+        model, base, measured, microbatch_size=calibration.microbatch_size, all_reduce_s=calibration.all_reduce_s,
+        started=None,
+    )  # fmt: skip
+
+
+def _fitted(
+    model: Model, base: Cluster, measured: dict[Any, float], *, microbatch_size: int,
+    all_reduce_s: dict[tuple[int, int], float], started: float | None,
+) -> MachineCalibration:  # fmt: skip
+    """``base`` fitted to the training steps' ``measured`` seconds (keyed as by
+    :func:`calibration_steps`): compute, then the tensor-parallel waits, then the idle
+    share, then how fast a device busy alone runs."""
+    devices = base.gpus_per_node
+    steps = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
+    tensor = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "tensor"}
+    pipeline_s = measured.get(("pipeline",))
     cluster = _fit_compute(model, base, devices, steps)
-    one_layer = dataclasses.replace(model, layers=1)
     if tensor:
-        cluster = _fit_sync(one_layer, cluster, devices, tensor)
+        cluster = _fit_sync(dataclasses.replace(model, layers=1), cluster, devices, tensor)
     if pipeline_s is not None:
         cluster = _fit_idle_share(model, cluster, devices, microbatch_size, pipeline_s)
+    alone = {key[1]: seconds for key, seconds in measured.items() if key[0] == "alone"}
+    for stages, seconds in alone.items():
+        cluster = _fit_alone(model, cluster, stages, microbatch_size, seconds)
     return MachineCalibration(
         cluster=cluster,
         step_s=steps,
         tensor_step_s=tensor,
         pipeline_step_s=pipeline_s,
         microbatch_size=microbatch_size,
-        all_reduce_s=reduces,
-        seconds=time.perf_counter() - started,
+        all_reduce_s=all_reduce_s,
+        seconds=0.0 if started is None else time.perf_counter() - started,
+        alone_step_s=next(iter(alone.values()), None),
     )
-
-
-class LoadCheck:
-    """The calibration's largest compute step (the whole model at the microbatch size, the
-    work that sets the compute rate every plan is priced at), built again so that its
-    training steps can be timed in turns with the runs (:meth:`timed_step`, once per
-    round): its median then, against its calibrated time, says how far the machine's
-    speed moved between the calibration and the runs. On shared cores a busier or
-    quieter machine moves every step, and every prediction rests on the load the
-    calibration saw. (The one-layer step timed after the runs, as the check was before,
-    read +10% in a demo whose runs came out about 25% slower than priced: a small step is
-    mostly fixed costs, which load moves less, and a minute later the machine may run at
-    another speed.) ``build`` is as for :func:`calibrate_machine`; close the check (or
-    use it as a context manager) to release its pipeline.
-
-    Attributes:
-      shape: (layers, sequences per device, microbatches) of the step.
-      calibrated_s: its seconds when the machine was calibrated.
-    """
-
-    def __init__(self, calibration: MachineCalibration, build: Callable[[int, int], Any]) -> None:
-        import jax
-
-        self.shape = max(key for key in calibration.step_s if key[2] == 1)
-        self.calibrated_s = calibration.step_s[self.shape]
-        layers, sequences, microbatches = self.shape
-        self._step, self._pipe = training_step(
-            build(layers, 1), calibration.cluster.gpus_per_node, sequences, microbatches=microbatches
-        )
-        self._times: list[float] = []
-        try:
-            jax.block_until_ready(self._step())  # compiles it, outside the timed rounds
-        except BaseException:
-            self._pipe.close()
-            raise
-
-    def timed_step(self) -> None:
-        """One training step, its wall time kept."""
-        import jax
-
-        start = time.perf_counter()
-        jax.block_until_ready(self._step())
-        self._times.append(time.perf_counter() - start)
-
-    @property
-    def measured_s(self) -> float:
-        """The median seconds of the steps timed so far (at least one)."""
-        if not self._times:
-            raise ValueError("the load check has timed no step yet")
-        return statistics.median(self._times)
-
-    def describe(self) -> str:
-        """The step's shape in words."""
-        layers, sequences, _ = self.shape
-        return f"{layers} layer{'s' if layers > 1 else ''} x {sequences} sequence{'s' if sequences > 1 else ''} per device"
-
-    def close(self) -> None:
-        self._pipe.close()
-
-    def __enter__(self) -> LoadCheck:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

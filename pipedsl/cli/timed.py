@@ -1,12 +1,12 @@
 """Timing the executor's training steps on this machine's forced CPU devices.
 
-What the machine calibration (:mod:`pipedsl.cli.machine`) and its load check time: a
-call's median wall seconds, its result blocked on, after one warm-up call; several calls
-*in turns* (a round of each, then the next round), so that a change in the machine's load
-while they are measured slows them all alike and their ratios hold; and the executor's
-own training step of a model on every device (:func:`training_step`), since the stage
-programs a run executes are what a prediction must price.
-"""
+What the machine calibration (:mod:`pipedsl.cli.machine`) times, before the search and
+again in turns with the demo's runs: a call's median wall seconds, its result blocked on,
+after one warm-up call; several calls *in turns* (a round of each, then the next round),
+so that a change in the machine's load while they are measured slows them all alike and
+their ratios hold; and the executor's own training step of a model on every device
+(:func:`training_step`, built and compiled once in :class:`TimedSteps`), since the stage
+programs a run executes are what a prediction must price."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 from pipedsl.cli.common import load_schedule
 from pipedsl.cli.planned import SPMD_SCHEDULE
 
-__all__ = ["STEP_ROUNDS", "median_seconds", "interleaved_medians", "training_step", "timed_steps"]
+__all__ = ["STEP_ROUNDS", "TimedSteps", "median_seconds", "interleaved_medians", "training_step"]
 
 STEP_ROUNDS = 11
 """Timed rounds of a training step whose median is taken: the calibration's steps, and by
@@ -26,8 +26,8 @@ default each run the demo measures against its prediction. On the shared 2-core 
 a step of four layers x four sequences per device varies 147-234 ms from one round to
 the next; its median of 5 rounds ranged 153-272 ms over eight calibrations, of 11 rounds
 156-194 ms over four, and that step sets the compute rate every plan is priced at. (More
-rounds do not remove the machine's slower changes of speed, over minutes: the load check
-reports those.)"""
+rounds do not remove the machine's slower changes of speed, over minutes: hence the demo
+times the calibration's steps again in turns with its runs.)"""
 
 
 def median_seconds(run: Callable[[], Any], *, repeats: int) -> float:
@@ -87,17 +87,56 @@ def training_step(
     return step, pipe
 
 
-def timed_steps(steps: dict[Any, tuple[Any, int, int, int]], devices: int) -> dict[Any, float]:
-    """Median seconds of :func:`training_step` s over ``devices`` devices, by key, timed
-    in turns for :data:`STEP_ROUNDS` rounds; each is (executor model, sequences per data
-    rank, tensor axis, microbatches). Their pipelines are closed whatever happens."""
-    runs: dict[Any, Callable[[], Any]] = {}
-    pipes = []
-    try:
-        for key, (model, sequences, tensor, microbatches) in steps.items():
-            runs[key], pipe = training_step(model, devices, sequences, tensor=tensor, microbatches=microbatches)
-            pipes.append(pipe)
-        return interleaved_medians(runs, repeats=STEP_ROUNDS)
-    finally:
-        for pipe in pipes:
+class TimedSteps:
+    """:func:`training_step` s over ``devices`` devices, built and compiled once and then
+    timed in rounds (:meth:`timed_round`, a step of each in turn), so that the same steps
+    can be timed again later without compiling them again: the calibration times them,
+    and the demo times them again in turns with its runs. ``steps`` maps a key to
+    (executor model, sequences per data rank, tensor axis, microbatches). Close it (or use
+    it as a context manager) to release the pipelines.
+    """
+
+    def __init__(self, steps: dict[Any, tuple[Any, int, int, int]], devices: int) -> None:
+        import jax
+
+        self.devices = devices
+        self._runs: dict[Any, Callable[[], Any]] = {}
+        self._pipes: list[Any] = []
+        try:
+            for key, (model, sequences, tensor, microbatches) in steps.items():
+                self._runs[key], pipe = training_step(model, devices, sequences, tensor=tensor, microbatches=microbatches)
+                self._pipes.append(pipe)
+                jax.block_until_ready(self._runs[key]())  # compiles it, outside the timed rounds
+        except BaseException:
+            self.close()
+            raise
+        self._times: dict[Any, list[float]] = {key: [] for key in self._runs}
+
+    def timed_round(self) -> None:
+        """One training step of each, in turn, their wall times kept."""
+        import jax
+
+        for key, run in self._runs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            self._times[key].append(time.perf_counter() - start)
+
+    def take(self) -> dict[Any, float]:
+        """The median seconds of each step over the rounds timed since the last take (at
+        least one), which are then forgotten."""
+        if not all(self._times.values()):
+            raise ValueError("no round of the steps has been timed since they were last taken")
+        medians = {key: statistics.median(times) for key, times in self._times.items()}
+        self._times = {key: [] for key in self._runs}
+        return medians
+
+    def close(self) -> None:
+        for pipe in self._pipes:
             pipe.close()
+        self._pipes.clear()
+
+    def __enter__(self) -> TimedSteps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -14,8 +14,10 @@ import pytest
 
 import pipedsl
 from pipedsl.cli.machine import (
-    LoadCheck,
     MachineCalibration,
+    _alone_sequences,
+    _alone_stages,
+    _fit_alone,
     _fit_compute,
     _fit_idle_share,
     _fit_ring,
@@ -24,8 +26,9 @@ from pipedsl.cli.machine import (
     _priced,
     _step_shapes,
     _tensor_shapes,
+    recalibrated,
 )
-from pipedsl.cli.timed import interleaved_medians, timed_steps
+from pipedsl.cli.timed import TimedSteps, interleaved_medians
 from pipedsl.errors import PipedslError
 from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, simulate
 from pipedsl.simulator.cost_fit import CalibrationError, fit_costs
@@ -210,16 +213,25 @@ def test_demo_runs_the_best_of_each_kind_then_plans_priced_apart() -> None:
     assert [p.rank for p in plans_to_run(frame, 8, top=3)] == [1, 4, 7]
 
 
-def test_demo_says_whether_the_load_held_from_calibration_to_runs() -> None:
-    from pipedsl.cli.demo import _drift_verdict
+def _calibration(cluster: Cluster, step_s: dict[tuple[int, int, int], float], **more: object) -> MachineCalibration:
+    fields: dict[str, object] = dict(
+        tensor_step_s={}, pipeline_step_s=None, microbatch_size=4, all_reduce_s={(2, 4096): 1e-3}, seconds=1.0
+    )
+    return MachineCalibration(cluster=cluster, step_s=step_s, **(fields | more))  # type: ignore[arg-type]
 
-    step = "4 layers x 4 sequences per device"
-    held = _drift_verdict(0.050, 0.056, step=step)
-    assert f"({step}) took 50.0 ms when calibrated and 56.0 ms in turns with the runs (+12%)" in held
+
+def test_demo_says_how_far_the_machines_speed_moved_from_the_search_to_the_runs() -> None:
+    from pipedsl.cli.demo import _speed_verdict
+
+    def steps(largest: float) -> MachineCalibration:
+        return _calibration(_CPU, {(1, 1, 1): 0.01, (4, 4, 1): largest, (1, 1, 4): 0.5})
+
+    held = _speed_verdict(steps(0.050), steps(0.056))
+    assert "(4 layers x 4 sequences per device) took 50.0 ms before the search and 56.0 ms in turns with the runs (+12%)" in held
     assert "held its speed" in held
-    moved = _drift_verdict(0.050, 0.070, step=step)
-    assert "(+40%)" in moved and "ran it slower during the runs" in moved and "quieter machine" in moved
-    assert "ran it faster during the runs" in _drift_verdict(0.050, 0.040, step=step)
+    moved = _speed_verdict(steps(0.050), steps(0.070))
+    assert "(+40%)" in moved and "ran slower during the runs" in moved and "priced at the runs' speed" in moved
+    assert "ran faster during the runs" in _speed_verdict(steps(0.050), steps(0.040))
 
 
 def _steps(cluster: Cluster) -> dict[tuple[int, int, int], float]:
@@ -258,6 +270,22 @@ def test_idle_share_fit_recovers_the_share_and_stays_within_zero_and_one() -> No
     assert _fit_idle_share(_TINY, shared, 8, 4, priced(0.0) * 2).idle_share == pytest.approx(0.0, abs=1e-6)
 
 
+def test_alone_fit_recovers_the_efficiency_only_where_the_idle_share_prices_too_fast() -> None:
+    model = dataclasses.replace(_TINY, layers=4)
+    shared = dataclasses.replace(_CPU, shared_cores=2)
+    assert (_alone_stages(8, 2), _alone_stages(8, 3), _alone_stages(8, 0)) == (4, 0, 0)
+    plan = _plan(2, 1, _alone_sequences(4, 4), pp=4)
+    assert plan.global_batch == _plan(4, 1, 4, pp=2).global_batch  # as many sequences as the two-stage step
+
+    def priced(efficiency: float) -> float:
+        return estimate(model, dataclasses.replace(shared, alone_efficiency=efficiency), plan).step_time_s
+
+    assert priced(0.5) > priced(0.8) > priced(1.0)
+    assert _fit_alone(model, shared, 4, 4, priced(0.7)).alone_efficiency == pytest.approx(0.7, abs=1e-6)
+    assert _fit_alone(model, shared, 4, 4, priced(1.0) / 2).alone_efficiency == 1.0
+    assert _fit_alone(model, shared, 4, 4, priced(0.05) * 2).alone_efficiency == pytest.approx(0.05, abs=1e-6)
+
+
 def test_compute_fit_leaves_out_the_terms_the_steps_do_not_call_for() -> None:
     fitted = _fit_compute(_TINY, _CPU, 8, _steps(dataclasses.replace(_CPU, peak_flops=3e9)))
     assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
@@ -293,38 +321,81 @@ def test_sync_fit_keeps_both_terms_at_least_zero() -> None:
     assert fixed.collective_sync_s == pytest.approx(3e-3, rel=1e-6) and fixed.collective_sync_per_token_s == 0.0
 
 
-def test_the_calibration_times_the_executors_spmd_and_pipeline_steps() -> None:
+def test_the_calibration_times_the_executors_spmd_and_pipeline_steps_in_rounds() -> None:
     # The steps the calibration times, on four of the devices: one stage over all of them
     # (the data axis), one stage split over a tensor axis, and two pipeline stages each
-    # over half of them.
+    # over half of them; compiled once, timed in rounds at the calibration and again later.
     from pipedsl.executor.models import transformer
 
     def build(layers: int, stages: int) -> object:
         return transformer(num_stages=stages, layers_per_stage=layers // stages, vocab=16, dim=8, heads=2, seq=4)
 
     steps = {"spmd": (build(2, 1), 2, 1, 2), "tensor": (build(1, 1), 2, 2, 1), "pipeline": (build(2, 2), 2, 1, 1)}
-    seconds = timed_steps(steps, 4)
-    assert set(seconds) == set(steps) and all(t > 0 for t in seconds.values())
+    with TimedSteps(steps, 4) as timed:
+        with pytest.raises(ValueError, match="no round"):
+            timed.take()
+        timed.timed_round()
+        timed.timed_round()
+        first = timed.take()
+        assert set(first) == set(steps) and all(t > 0 for t in first.values())
+        with pytest.raises(ValueError, match="no round"):
+            timed.take()  # the rounds taken are forgotten
+        timed.timed_round()
+        assert set(timed.take()) == set(steps)
 
 
-def test_the_load_check_times_the_calibrations_largest_step_again() -> None:
-    from pipedsl.executor.models import transformer
-
-    def build(layers: int, stages: int) -> object:
-        return transformer(num_stages=stages, layers_per_stage=layers // stages, vocab=16, dim=8, heads=2, seq=4)
-
-    calibration = MachineCalibration(
-        cluster=dataclasses.replace(_CPU, gpus_per_node=4), step_s={(1, 1, 1): 0.01, (2, 2, 1): 0.05, (1, 1, 4): 0.03},
-        tensor_step_s={}, pipeline_step_s=None, microbatch_size=2, all_reduce_s={}, seconds=1.0,
+def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later() -> None:
+    # A calibration fitted on one machine, its steps timed again on a machine half as
+    # fast whose kernels, steps, collectives inside a program and idle devices cost other
+    # amounts: fitted again, it finds that machine's numbers and keeps the short
+    # measurements (memory bandwidth, collectives, dispatch) it had.
+    model = dataclasses.replace(_TINY, heads=4, layers=4)
+    first = dataclasses.replace(_CPU, shared_cores=2, peak_flops=2e9, kernel_launch_s=1e-4, action_overhead_s=7e-5)
+    later = dataclasses.replace(
+        first, peak_flops=1e9, kernel_launch_s=3e-4, step_overhead_s=4e-3, collective_sync_s=2e-3,
+        collective_sync_per_token_s=5e-6, idle_share=0.9, alone_efficiency=0.75,
     )  # fmt: skip
-    with LoadCheck(calibration, build) as check:
-        assert (check.shape, check.calibrated_s) == ((2, 2, 1), 0.05)
-        assert check.describe() == "2 layers x 2 sequences per device"
-        with pytest.raises(ValueError, match="no step yet"):
-            _ = check.measured_s
-        check.timed_step()
-        check.timed_step()
-        assert check.measured_s > 0
+
+    def timed(truth: Cluster) -> dict[object, float]:
+        compute = {
+            ("compute", n, m, k): _priced(dataclasses.replace(model, layers=n), truth, 8, m, k)
+            for n, m, k in _step_shapes(model, 4)
+        }
+        one_layer = dataclasses.replace(model, layers=1)
+        tensor = {("tensor", t, m): s for (t, m), s in _tensor_steps(truth, one_layer, _tensor_shapes(model, 8, 4)).items()}
+        pipeline = estimate(model, truth, _plan(4, 1, 4, pp=2)).step_time_s
+        alone = estimate(model, truth, _plan(2, 1, _alone_sequences(4, 4), pp=4)).step_time_s
+        return compute | tensor | {("pipeline",): pipeline, ("alone", 4): alone}
+
+    calibration = _calibration(first, {}, all_reduce_s={(2, 4096): 3e-4})
+    again = recalibrated(calibration, model, timed(later))
+    fitted = again.cluster
+    assert fitted.peak_flops == pytest.approx(1e9, rel=1e-4)
+    assert fitted.kernel_launch_s == pytest.approx(3e-4, rel=1e-3)
+    assert fitted.step_overhead_s == pytest.approx(4e-3, rel=1e-3)
+    assert fitted.collective_sync_s == pytest.approx(2e-3, rel=1e-3)
+    assert fitted.collective_sync_per_token_s == pytest.approx(5e-6, rel=1e-3)
+    assert fitted.idle_share == pytest.approx(0.9, abs=1e-3)
+    assert fitted.alone_efficiency == pytest.approx(0.75, abs=1e-3)
+    assert (fitted.action_overhead_s, fitted.hbm_bandwidth, fitted.intra_node_latency) == (
+        first.action_overhead_s, first.hbm_bandwidth, first.intra_node_latency,
+    )  # fmt: skip
+    assert again.all_reduce_s == {(2, 4096): 3e-4} and again.microbatch_size == 4
+    assert again.largest_step == (4, 4, 1) and again.pipeline_step_s == pytest.approx(timed(later)[("pipeline",)])
+    assert again.alone_step_s == pytest.approx(timed(later)[("alone", 4)])
+    assert "reaches 75% of its ideal speed-up (fitted to a 4-stage pipeline's step" in again.describe()
+    assert "calibrated in" not in again.describe()  # its steps were timed with something else
+
+
+def test_the_demo_prices_its_runs_again_as_the_search_would_on_another_machine() -> None:
+    from pipedsl.cli.demo import _search, repriced, runnable_plans
+
+    machine = dataclasses.replace(_CPU, shared_cores=2, peak_flops=2e9)
+    plans = runnable_plans(_search(machine), 8)
+    plans = [next(p for p in plans if p.kind == kind) for kind in ("spmd", "hybrid")] + plans[:4]
+    assert repriced(plans, machine) == pytest.approx([p.planned_s for p in plans], rel=1e-12)
+    slower = repriced(plans, dataclasses.replace(machine, peak_flops=1e9))
+    assert all(s > p.planned_s for s, p in zip(slower, plans, strict=True))  # type: ignore[operator]
 
 
 def test_interleaved_measurements_take_turns() -> None:

@@ -280,6 +280,31 @@ def test_busy_devices_take_up_only_the_idle_share_of_an_idle_devices_time() -> N
             dataclasses.replace(IDEAL, idle_share=bad)
 
 
+def test_a_device_busy_alone_reaches_only_the_alone_efficiency_of_its_speed_up() -> None:
+    # A one-microbatch pipeline of four stages on eight devices and two cores: a quarter
+    # of its devices busy at a time, so it takes a quarter of its makespan at best, a
+    # core to each busy device; at an efficiency of 0.8 it takes 0.25 / 0.8 of it.
+    model = dataclasses.replace(GPT, vocab=8, layers=8)
+    alone = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
+    pipe = Plan(pp=4, dp=2, global_batch=2, schedule="gpipe")
+    apart = estimate(model, alone, pipe)
+    ideal = dataclasses.replace(alone, shared_cores=2)
+    assert estimate(model, ideal, pipe).pipeline_time_s == pytest.approx(apart.pipeline_time_s * 0.25)
+    slower = dataclasses.replace(ideal, alone_efficiency=0.8)
+    together = estimate(model, slower, pipe)
+    assert together.pipeline_time_s == pytest.approx(apart.pipeline_time_s * 0.25 / 0.8)
+    assert prepare(model, slower, pipe).lower_bound_s <= together.step_time_s * (1 + 1e-12)
+    assert any(a.name == "alone_efficiency" and a.value == "0.8" for a in together.assumptions)
+    assert not any(a.name == "alone_efficiency" for a in estimate(model, ideal, pipe).assumptions)
+    # A pipeline busy enough stays above the floor, and the floor never passes the makespan.
+    busy = Plan(pp=4, dp=2, global_batch=64, schedule="1f1b")
+    assert estimate(model, slower, busy).step_time_s == estimate(model, ideal, busy).step_time_s
+    assert dataclasses.replace(ideal, alone_efficiency=0.1).core_share(8) == 1.0
+    for bad in (0.0, 1.5, True):
+        with pytest.raises(DescriptionError, match="alone_efficiency must be a number in \\(0, 1\\]"):
+            dataclasses.replace(IDEAL, alone_efficiency=bad)
+
+
 def test_each_tensor_parallel_collective_waits_its_sync_on_shared_cores() -> None:
     # Two all-reduces in each layer's forward and two in its backward, each sync more
     # (with sequence parallelism each is a reduce-scatter and an all-gather: two syncs).
