@@ -22,14 +22,13 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   overstates the rate about tenfold on CPU: the backward's transposed products, the
   attention's small ones and the elementwise work run far below it;
 - *idle devices*: one training step of the whole model as a two-stage pipeline
-  (``gpipe``, one microbatch of the microbatch size per data rank, half the devices a
-  stage's data axis), whose devices are idle half the step: the ``idle_share`` of an
-  idle device's time that the busy devices take up on the cores it leaves is fitted to
-  it (1 prices a pipeline at its devices' mean busy time, 0 at its makespan; here it
-  comes out near 1);
-- *a stage busy alone*: where the devices outnumber the cores, one training step of the
-  whole model as a pipeline of ``devices / cores`` stages (a device per core in the one
-  busy stage, one microbatch, the same sequences in all as the two-stage step): the
+  (``gpipe``, one microbatch, half the devices a stage's data axis, as many sequences as
+  the largest compute step), whose devices are idle half the step: the ``idle_share`` of
+  an idle device's time that the busy devices take up on the cores it leaves is fitted
+  to it (1 prices a pipeline at its devices' mean busy time, 0 at its makespan; here
+  80-100%);
+- *a stage busy alone*: where the devices outnumber the cores, the same step as a
+  pipeline of ``devices / cores`` stages (a device per core in the one busy stage): the
   ``alone_efficiency``, the fraction of its ideal speed-up (a core to itself) that a
   device busy alone reaches, is fitted to it where the idle share alone prices it too
   fast (on two cores, four stages: about 3.1 times the all-busy rate, not 4);
@@ -92,8 +91,7 @@ _MICROBATCHES = 4
 _PIPELINE_STAGES = 2
 """Stages of the pipeline step that measures idle devices (one busy at a time, so half
 the devices idle)."""
-_ALONE_LOW = 0.05
-"""The least ``alone_efficiency`` the fit tries."""
+_ALONE_LOW = 0.05  # the least alone_efficiency the fit tries
 _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 
@@ -309,10 +307,11 @@ def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple
 
 def _fit_idle_share(model: Model, cluster: Cluster, devices: int, microbatch_size: int, measured: float) -> Cluster:
     """``cluster`` with the ``idle_share`` in [0, 1] at which the simulator prices the
-    pipeline step (:data:`_PIPELINE_STAGES` stages, one microbatch of ``microbatch_size``
-    sequences per data rank) as ``measured`` seconds, or the nearer end where none does
+    pipeline step (:data:`_PIPELINE_STAGES` stages, one microbatch of
+    :func:`_pipeline_sequences` per data rank) as ``measured`` seconds, or the nearer end where none does
     (the priced step shrinks as the share grows)."""
-    plan = _plan(devices // _PIPELINE_STAGES, 1, microbatch_size, pp=_PIPELINE_STAGES)
+    stages = _PIPELINE_STAGES
+    plan = _plan(devices // stages, 1, _pipeline_sequences(stages, microbatch_size), pp=stages)
 
     def priced(share: float) -> float:
         return estimate(model, dataclasses.replace(cluster, idle_share=share), plan).step_time_s
@@ -331,19 +330,21 @@ def _alone_stages(devices: int, cores: float) -> int:
     return devices // whole if whole >= 1 and whole == cores and devices % whole == 0 else 0
 
 
-def _alone_sequences(stages: int, microbatch_size: int) -> int:
-    """Sequences per data rank of that step: as many in all as the two-stage step's."""
-    return microbatch_size * stages // _PIPELINE_STAGES
+def _pipeline_sequences(stages: int, microbatch_size: int) -> int:
+    """Sequences per data rank of a pipeline step of ``stages`` stages over every device:
+    as many as the largest compute step's (the idle share falls with the work: on two
+    cores 100% at half as many, which priced one-microbatch plans 17-28% fast; 81% here)."""
+    return microbatch_size * stages
 
 
 def _fit_alone(model: Model, cluster: Cluster, stages: int, microbatch_size: int, measured: float) -> Cluster:
     """``cluster`` with the ``alone_efficiency`` in [:data:`_ALONE_LOW`, 1] at which the
     simulator prices the pipeline step of ``stages`` stages (one microbatch; see
-    :func:`_alone_sequences`) as ``measured`` seconds, or the nearer end where none does
+    :func:`_pipeline_sequences`) as ``measured`` seconds, or the nearer end where none does
     (1 where the idle share already prices it as slow or slower: the priced step grows as
     the efficiency falls)."""
     devices = cluster.gpus_per_node
-    plan = _plan(devices // stages, 1, _alone_sequences(stages, microbatch_size), pp=stages)
+    plan = _plan(devices // stages, 1, _pipeline_sequences(stages, microbatch_size), pp=stages)
 
     def priced(efficiency: float) -> float:
         return estimate(model, dataclasses.replace(cluster, alone_efficiency=efficiency), plan).step_time_s
@@ -405,10 +406,11 @@ def calibration_steps(devices: int, model: Model, build: Callable[[int, int], An
     ``("pipeline",)`` and ``("alone", stages)``."""
     pipeline: dict[Any, tuple[Any, int, int, int]] = {}
     if devices % _PIPELINE_STAGES == 0 and model.layers % _PIPELINE_STAGES == 0:
-        pipeline[("pipeline",)] = (build(model.layers, _PIPELINE_STAGES), microbatch_size, 1, 1)
+        sequences = _pipeline_sequences(_PIPELINE_STAGES, microbatch_size)
+        pipeline[("pipeline",)] = (build(model.layers, _PIPELINE_STAGES), sequences, 1, 1)
         alone = _alone_stages(devices, available_cores())
         if alone > _PIPELINE_STAGES and model.layers % alone == 0:
-            pipeline[("alone", alone)] = (build(model.layers, alone), _alone_sequences(alone, microbatch_size), 1, 1)
+            pipeline[("alone", alone)] = (build(model.layers, alone), _pipeline_sequences(alone, microbatch_size), 1, 1)
     return TimedSteps(
         {("compute", n, m, k): (build(n, 1), m, 1, k) for n, m, k in _step_shapes(model, microbatch_size)}
         | {("tensor", t, m): (build(1, 1), m, t, 1) for t, m in _tensor_shapes(model, devices, microbatch_size)}

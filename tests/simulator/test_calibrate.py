@@ -15,13 +15,13 @@ import pytest
 import pipedsl
 from pipedsl.cli.machine import (
     MachineCalibration,
-    _alone_sequences,
     _alone_stages,
     _fit_alone,
     _fit_compute,
     _fit_idle_share,
     _fit_ring,
     _fit_sync,
+    _pipeline_sequences,
     _plan,
     _priced,
     _step_shapes,
@@ -258,7 +258,7 @@ def test_compute_fit_recovers_the_rate_the_launch_and_the_step_cost() -> None:
 
 def test_idle_share_fit_recovers_the_share_and_stays_within_zero_and_one() -> None:
     shared = dataclasses.replace(_CPU, shared_cores=2)
-    plan = _plan(4, 1, 4, pp=2)
+    plan = _plan(4, 1, _pipeline_sequences(2, 4), pp=2)
 
     def priced(share: float) -> float:
         return estimate(_TINY, dataclasses.replace(shared, idle_share=share), plan).step_time_s
@@ -274,8 +274,9 @@ def test_alone_fit_recovers_the_efficiency_only_where_the_idle_share_prices_too_
     model = dataclasses.replace(_TINY, layers=4)
     shared = dataclasses.replace(_CPU, shared_cores=2)
     assert (_alone_stages(8, 2), _alone_stages(8, 3), _alone_stages(8, 0)) == (4, 0, 0)
-    plan = _plan(2, 1, _alone_sequences(4, 4), pp=4)
-    assert plan.global_batch == _plan(4, 1, 4, pp=2).global_batch  # as many sequences as the two-stage step
+    plan = _plan(2, 1, _pipeline_sequences(4, 4), pp=4)
+    # Both pipeline steps train as many sequences as the largest compute step: 4 per device.
+    assert plan.global_batch == _plan(4, 1, _pipeline_sequences(2, 4), pp=2).global_batch == 8 * 4
 
     def priced(efficiency: float) -> float:
         return estimate(model, dataclasses.replace(shared, alone_efficiency=efficiency), plan).step_time_s
@@ -363,8 +364,8 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
         }
         one_layer = dataclasses.replace(model, layers=1)
         tensor = {("tensor", t, m): s for (t, m), s in _tensor_steps(truth, one_layer, _tensor_shapes(model, 8, 4)).items()}
-        pipeline = estimate(model, truth, _plan(4, 1, 4, pp=2)).step_time_s
-        alone = estimate(model, truth, _plan(2, 1, _alone_sequences(4, 4), pp=4)).step_time_s
+        pipeline = estimate(model, truth, _plan(4, 1, _pipeline_sequences(2, 4), pp=2)).step_time_s
+        alone = estimate(model, truth, _plan(2, 1, _pipeline_sequences(4, 4), pp=4)).step_time_s
         return compute | tensor | {("pipeline",): pipeline, ("alone", 4): alone}
 
     calibration = _calibration(first, {}, all_reduce_s={(2, 4096): 3e-4})
