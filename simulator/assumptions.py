@@ -69,7 +69,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
             ))  # fmt: skip
     if plan.pp > 1 and cluster.core_share(plan.gpus) < 1:
         found.append(Assumption(
-            "idle_share", f"{cluster.idle_share:.3g}",
+            "idle_share", f"{cluster.idle_share_at(plan.tp):.3g}",
             "fraction of an idle pipeline device's time that the busy devices' work takes up on the cores it leaves",
         ))  # fmt: skip
         if cluster.alone_efficiency < 1:

@@ -32,7 +32,8 @@ tail and optimizer step. On devices that share a node's CPU cores
 (``Cluster.shared_cores``, forced CPU devices) the rates were measured with every device
 busy, and an idle device's cores go to the busy ones, which take up a
 ``Cluster.idle_share`` of its time (1 when the cores change hands perfectly: the work is
-conserved; measured by ``pipedsl demo``). So the pipeline part takes
+conserved; ``Cluster.tensor_idle_share`` where the stages are tensor parallel; measured
+by ``pipedsl demo``). So the pipeline part takes
 ``makespan × (1 − idle_share × bubble)``, its devices' mean busy time at a share of 1,
 but no less than ``makespan × cores / devices``, the speed-up of a device that has a core to
 itself, over the ``Cluster.alone_efficiency`` of it that such a device reaches
@@ -274,7 +275,8 @@ class Prepared:
         devices idle a ``bubble`` fraction of it: all of it, unless the devices share cores
         (module docstring)."""
         cluster = self.shapes.cluster
-        return makespan * max(1.0 - cluster.idle_share * bubble, cluster.core_share(self.plan.gpus))
+        share = cluster.idle_share_at(self.plan.tp)
+        return makespan * max(1.0 - share * bubble, cluster.core_share(self.plan.gpus))
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle

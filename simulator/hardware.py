@@ -229,6 +229,11 @@ class Cluster:
         leaves: 1 (the default) prices a pipeline at its devices' mean busy time, 0 at
         its makespan (see :mod:`~pipedsl.simulator.estimate`). Measured by ``pipedsl
         demo``; ignored where devices do not share cores.
+      tensor_idle_share: the ``idle_share`` of a pipeline whose stages are tensor
+        parallel, or None for the same as the rest: each collective inside a stage
+        program waits for every device of its group, and on shared cores the busy groups
+        contend for them, so they take up less of the idle devices' time (measured by
+        ``pipedsl demo``; see :meth:`idle_share_at`).
       alone_efficiency: for devices that share cores, the fraction of its ideal speed-up
         (a core to itself) that a device busy while the others idle reaches: a pipeline
         takes at least ``cores / devices / alone_efficiency`` of its makespan
@@ -272,6 +277,7 @@ class Cluster:
     action_overhead_s: float = 0.0
     shared_cores: float = 0.0
     idle_share: float = 1.0
+    tensor_idle_share: float | None = None
     alone_efficiency: float = 1.0
     collective_sync_s: float = 0.0
     collective_sync_per_token_s: float = 0.0
@@ -312,9 +318,12 @@ class Cluster:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise DescriptionError(f"{owner}: {name} must be a number >= 0, got {value!r}")
-        share = self.idle_share
-        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
-            raise DescriptionError(f"{owner}: idle_share must be a number in [0, 1], got {share!r}")
+        for name in ("idle_share", "tensor_idle_share"):
+            share = getattr(self, name)
+            if name == "tensor_idle_share" and share is None:
+                continue
+            if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+                raise DescriptionError(f"{owner}: {name} must be a number in [0, 1], got {share!r}")
         alone = self.alone_efficiency
         if isinstance(alone, bool) or not isinstance(alone, int | float) or not 0 < alone <= 1:
             raise DescriptionError(f"{owner}: alone_efficiency must be a number in (0, 1], got {alone!r}")
@@ -332,6 +341,11 @@ class Cluster:
     def usable_bytes(self) -> int:
         """Memory per GPU the model may use: ``memory_bytes - reserved_bytes``."""
         return self.memory_bytes - self.reserved_bytes
+
+    def idle_share_at(self, tp: int) -> float:
+        """The ``idle_share`` of a pipeline whose stages are ``tp``-way tensor parallel:
+        ``tensor_idle_share`` beyond 1 where it is given, else ``idle_share``."""
+        return self.tensor_idle_share if tp > 1 and self.tensor_idle_share is not None else self.idle_share
 
     def core_share(self, gpus: int) -> float:
         """The least fraction of its simulated makespan that a pipeline over ``gpus``

@@ -26,7 +26,9 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   the largest compute step), whose devices are idle half the step: the ``idle_share`` of
   an idle device's time that the busy devices take up on the cores it leaves is fitted
   to it (1 prices a pipeline at its devices' mean busy time, 0 at its makespan; here
-  80-100%);
+  65-100%); and the same step with ``tp=2`` stages, to which the ``tensor_idle_share``
+  of pipelines with tensor-parallel stages is fitted (each collective waits for every
+  device of its group, and busy groups contend for the cores);
 - *a stage busy alone*: where the devices outnumber the cores, the same step as a
   pipeline of ``devices / cores`` stages (a device per core in the one busy stage): the
   ``alone_efficiency``, the fraction of its ideal speed-up (a core to itself) that a
@@ -70,17 +72,23 @@ from typing import Any
 
 import numpy as np
 
-from pipedsl.cli.planned import SPMD_SCHEDULE
+from pipedsl.cli.machine_fit import (
+    PIPELINE_STAGES,
+    fit_alone,
+    fit_compute,
+    fit_idle_share,
+    fit_ring,
+    fit_sync,
+    pipeline_sequences,
+)
 from pipedsl.cli.timed import STEP_ROUNDS, TimedSteps, median_seconds
-from pipedsl.simulator import Cluster, Model, Plan, estimate
+from pipedsl.simulator import Cluster, Model
 from pipedsl.simulator.workers import available_cores
 
 __all__ = ["MachineCalibration", "calibrate_machine", "calibration_steps", "recalibrated"]
 
 _REPEATS = 3
 """Timed calls of the short measurements (memory bandwidth, all-reduces)."""
-_FIT_ROUNDS = 60
-"""Most damped Gauss-Newton rounds of the compute fit (from its start it settles within about forty)."""
 _TENSORS = (2, 4)
 """The tensor axes of the steps that measure collectives inside a program (those that
 divide the devices and the model's heads and vocabulary)."""
@@ -88,10 +96,6 @@ _TENSOR_BATCHES = (1, 4)
 """The sequences per data rank of those steps, in microbatch sizes."""
 _MICROBATCHES = 4
 """Microbatches of the compute step that tells a step's fixed cost from a microbatch's."""
-_PIPELINE_STAGES = 2
-"""Stages of the pipeline step that measures idle devices (one busy at a time, so half
-the devices idle)."""
-_ALONE_LOW = 0.05  # the least alone_efficiency the fit tries
 _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 
@@ -115,6 +119,8 @@ class MachineCalibration:
         timed later, :func:`recalibrated`).
       alone_step_s: measured seconds of the pipeline step whose busy stage has a device per
         core, or None where there is none (``alone_efficiency`` then 1).
+      tensor_pipeline_step_s: measured seconds of the two-stage pipeline's step with
+        tensor-parallel stages, or None where there is none (``tensor_idle_share`` then None).
     """
 
     cluster: Cluster
@@ -125,6 +131,7 @@ class MachineCalibration:
     all_reduce_s: dict[tuple[int, int], float]
     seconds: float
     alone_step_s: float | None = None
+    tensor_pipeline_step_s: float | None = None
 
     @property
     def largest_step(self) -> tuple[int, int, int]:
@@ -147,6 +154,11 @@ class MachineCalibration:
             if self.pipeline_step_s is not None
             else "idle devices not measured"
         )
+        if self.tensor_pipeline_step_s is not None and c.tensor_idle_share is not None:
+            idle += (
+                f"; {c.tensor_idle_share:.0%} with tp={_TENSORS[0]} stages (fitted to such a step, "
+                f"{self.tensor_pipeline_step_s * 1e3:.1f} ms)"
+            )
         if self.alone_step_s is not None:
             idle += (
                 f"; a device busy alone reaches {c.alone_efficiency:.0%} of its ideal speed-up (fitted to a "
@@ -191,16 +203,6 @@ def _all_reduce_seconds(devices: int, group: int, num_bytes: int) -> float:
     return median_seconds(lambda: program(x), repeats=_REPEATS)
 
 
-def _fit_ring(times: dict[tuple[int, int], float]) -> tuple[float, float]:
-    """(α seconds, B bytes per second) of ``2(n-1)·α + 2(n-1)/n · S/B`` by least squares
-    of the relative error over the measured all-reduces (so that the small ones, which
-    set α, weigh as much as the large ones; both kept positive)."""
-    measured = np.array(list(times.values()))
-    rows = np.array([[2 * (n - 1), 2 * (n - 1) / n * s] for n, s in times]) / measured[:, None]
-    alpha, inverse = np.linalg.lstsq(rows, np.ones(len(measured)), rcond=None)[0]
-    return max(float(alpha), 1e-6), 1.0 / max(float(inverse), 1e-12)
-
-
 def _dispatch_seconds(devices: int) -> float:
     """Seconds per dispatch of a tiny compiled program, one thread per device, every
     device dispatching at once (they share the interpreter, as the executor's workers do)."""
@@ -225,22 +227,6 @@ def _dispatch_seconds(devices: int) -> float:
     return (time.perf_counter() - start) / _DISPATCHES
 
 
-def _plan(dp: int, tp: int, microbatch_size: int, microbatches: int = 1, *, pp: int = 1) -> Plan:
-    """The plan a calibration step runs: ``pp`` stages (``gpipe`` beyond one), each over
-    ``dp x tp`` devices, ``microbatches`` per data rank."""
-    return Plan(
-        dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size, global_batch=dp * microbatch_size * microbatches,
-        schedule=SPMD_SCHEDULE if pp > 1 else None, flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
-    )  # fmt: skip
-
-
-def _priced(model: Model, cluster: Cluster, devices: int, microbatch_size: int, microbatches: int = 1) -> float:
-    """The simulator's seconds of what :func:`~pipedsl.cli.timed.training_step` runs without a tensor axis:
-    each data-parallel microbatch's forward and backward, the gradients' all-reduce, the
-    optimizer's update and the runtime's fixed cost of a step."""
-    return estimate(model, cluster, _plan(devices, 1, microbatch_size, microbatches)).step_time_s
-
-
 def _step_shapes(model: Model, microbatch_size: int) -> tuple[tuple[int, int, int], ...]:
     """(layers, sequences per device, microbatches) of the compute steps measured: the
     model cut to one layer and whole, at one sequence and at ``microbatch_size``, one
@@ -250,112 +236,11 @@ def _step_shapes(model: Model, microbatch_size: int) -> tuple[tuple[int, int, in
     return (*corners, (1, 1, _MICROBATCHES))
 
 
-def _with_compute(base: Cluster, x: np.ndarray) -> Cluster:
-    """``base`` at ``x`` = log (``peak_flops``, ``kernel_launch_s``, ``step_overhead_s``)."""
-    flops, launch, step = np.exp(x)
-    return dataclasses.replace(base, peak_flops=float(flops), kernel_launch_s=float(launch), step_overhead_s=float(step))
-
-
-# The box the fit searches, in the coordinates of :func:`_with_compute`. A launch or a
-# step's cost within a factor ten of its lower bound (10 ns, 1 µs) stands for none: where
-# a term changes nothing the fit drifts towards the bound without reaching it.
-_LOW = np.log([1e6, 1e-9, 1e-7])
-_HIGH = np.log([1e15, 1.0, 10.0])
-
-
-def _fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple[int, int, int], float]) -> Cluster:
-    """``base`` with the ``peak_flops``, ``kernel_launch_s`` and ``step_overhead_s`` at
-    which the simulator prices the steps of ``measured`` ((layers, sequences per device,
-    microbatches) to seconds) closest to as measured: least squares of the log of priced
-    over measured seconds, by damped Gauss-Newton within a box. A term the steps do not
-    call for ends near its bound and is 0."""
-    shapes, seconds = list(measured), np.log(list(measured.values()))
-
-    def priced(cluster: Cluster, shape: tuple[int, int, int]) -> float:
-        layers, sequences, microbatches = shape
-        return _priced(dataclasses.replace(model, layers=layers), cluster, devices, sequences, microbatches)
-
-    def residuals(x: np.ndarray) -> np.ndarray:
-        cluster = _with_compute(base, x)
-        return np.log([priced(cluster, shape) for shape in shapes]) - seconds
-
-    # Start from the rate that prices the largest step alone, nothing else slowing it.
-    largest = max(shapes, key=lambda shape: shape[0] * shape[1] * shape[2])
-    start = priced(base, largest) / measured[largest]
-    x = np.clip(np.log([base.peak_flops * start, 1e-4, 1e-3]), _LOW, _HIGH)
-    r, damping = residuals(x), 1e-2
-    for _ in range(_FIT_ROUNDS):
-        jacobian = np.column_stack([(residuals(x + 1e-4 * unit) - r) / 1e-4 for unit in np.eye(len(x))])
-        normal = jacobian.T @ jacobian
-        step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -jacobian.T @ r)
-        trial = np.clip(x + step, _LOW, _HIGH)
-        tried = residuals(trial)
-        if tried @ tried < r @ r:
-            done = r @ r - tried @ tried < 1e-12
-            x, r, damping = trial, tried, damping / 3
-            if done:
-                break
-        else:
-            damping *= 4
-    cluster = _with_compute(base, x)
-    return dataclasses.replace(
-        cluster,
-        kernel_launch_s=0.0 if x[1] < _LOW[1] + np.log(10) else cluster.kernel_launch_s,
-        step_overhead_s=0.0 if x[2] < _LOW[2] + np.log(10) else cluster.step_overhead_s,
-    )
-
-
-def _fit_idle_share(model: Model, cluster: Cluster, devices: int, microbatch_size: int, measured: float) -> Cluster:
-    """``cluster`` with the ``idle_share`` in [0, 1] at which the simulator prices the
-    pipeline step (:data:`_PIPELINE_STAGES` stages, one microbatch of
-    :func:`_pipeline_sequences` per data rank) as ``measured`` seconds, or the nearer end where none does
-    (the priced step shrinks as the share grows)."""
-    stages = _PIPELINE_STAGES
-    plan = _plan(devices // stages, 1, _pipeline_sequences(stages, microbatch_size), pp=stages)
-
-    def priced(share: float) -> float:
-        return estimate(model, dataclasses.replace(cluster, idle_share=share), plan).step_time_s
-
-    low, high = 0.0, 1.0
-    for _ in range(30):
-        middle = (low + high) / 2
-        low, high = (middle, high) if priced(middle) > measured else (low, middle)
-    return dataclasses.replace(cluster, idle_share=(low + high) / 2)
-
-
 def _alone_stages(devices: int, cores: float) -> int:
     """Stages of the pipeline step whose one busy stage has a device per core: ``devices /
     cores`` (0 where the cores do not divide the devices)."""
     whole = int(cores)
     return devices // whole if whole >= 1 and whole == cores and devices % whole == 0 else 0
-
-
-def _pipeline_sequences(stages: int, microbatch_size: int) -> int:
-    """Sequences per data rank of a pipeline step of ``stages`` stages over every device:
-    as many as the largest compute step's (the idle share falls with the work: on two
-    cores 100% at half as many, which priced one-microbatch plans 17-28% fast; 81% here)."""
-    return microbatch_size * stages
-
-
-def _fit_alone(model: Model, cluster: Cluster, stages: int, microbatch_size: int, measured: float) -> Cluster:
-    """``cluster`` with the ``alone_efficiency`` in [:data:`_ALONE_LOW`, 1] at which the
-    simulator prices the pipeline step of ``stages`` stages (one microbatch; see
-    :func:`_pipeline_sequences`) as ``measured`` seconds, or the nearer end where none does
-    (1 where the idle share already prices it as slow or slower: the priced step grows as
-    the efficiency falls)."""
-    devices = cluster.gpus_per_node
-    plan = _plan(devices // stages, 1, _pipeline_sequences(stages, microbatch_size), pp=stages)
-
-    def priced(efficiency: float) -> float:
-        return estimate(model, dataclasses.replace(cluster, alone_efficiency=efficiency), plan).step_time_s
-
-    low, high = _ALONE_LOW, 1.0
-    if priced(high) >= measured:
-        return cluster
-    for _ in range(30):
-        middle = (low + high) / 2
-        low, high = (middle, high) if priced(middle) > measured else (low, middle)
-    return dataclasses.replace(cluster, alone_efficiency=(low + high) / 2)
 
 
 def _tensor_shapes(model: Model, devices: int, microbatch_size: int) -> tuple[tuple[int, int], ...]:
@@ -365,52 +250,23 @@ def _tensor_shapes(model: Model, devices: int, microbatch_size: int) -> tuple[tu
     return tuple((t, k * microbatch_size) for t in axes for k in _TENSOR_BATCHES)
 
 
-def _fit_sync(model: Model, cluster: Cluster, devices: int, measured: dict[tuple[int, int], float]) -> Cluster:
-    """``cluster`` with the ``collective_sync_s`` and ``collective_sync_per_token_s`` at
-    which the simulator prices the executor's tensor-parallel training steps
-    (:func:`~pipedsl.cli.timed.training_step`, ``measured`` seconds by (tensor axis, sequences per data
-    rank)) closest to as measured (least squares, both at least 0)."""
-
-    def priced(sync: float, per_token: float, shape: tuple[int, int]) -> float:
-        waits = dataclasses.replace(cluster, collective_sync_s=sync, collective_sync_per_token_s=per_token)
-        tensor, sequences = shape
-        return estimate(model, waits, _plan(devices // tensor, tensor, sequences)).step_time_s
-
-    # A step's seconds grow by one wait per collective, linear in both terms.
-    shapes = list(measured)
-    without = np.array([priced(0.0, 0.0, shape) for shape in shapes])
-    rows = np.array([[priced(1.0, 0.0, shape), priced(0.0, 1.0, shape)] for shape in shapes]) - without[:, None]
-    sync, per_token = _least_squares_at_least_zero(rows, np.array(list(measured.values())) - without)
-    return dataclasses.replace(cluster, collective_sync_s=sync, collective_sync_per_token_s=per_token)
-
-
-def _least_squares_at_least_zero(rows: np.ndarray, values: np.ndarray) -> tuple[float, float]:
-    """The (a, b) >= 0 that minimise ``|rows @ (a, b) - values|``: the unconstrained
-    solution where it has no negative part, else the best with one or both at 0."""
-    candidates = [np.linalg.lstsq(rows, values, rcond=None)[0]]
-    for column in (0, 1):
-        alone = rows[:, column]
-        weight = max(float(alone @ values) / float(alone @ alone), 0.0) if alone @ alone > 0 else 0.0
-        candidates.append(np.array([weight, 0.0] if column == 0 else [0.0, weight]))
-    feasible = [c for c in candidates if (c >= 0).all()]
-    best = min(feasible, key=lambda c: float(np.sum((rows @ c - values) ** 2)))
-    return float(best[0]), float(best[1])
-
-
 def calibration_steps(devices: int, model: Model, build: Callable[[int, int], Any], *, microbatch_size: int) -> TimedSteps:
     """The training steps the calibration times (module docstring) for ``model`` (its
     simulator description) over ``devices`` CPU devices, built and compiled:
     ``build(layers, stages)`` gives the same model as the executor builds it, cut to
     ``layers`` layers split evenly over ``stages``. Keyed ``("compute", layers, sequences
     per device, microbatches)``, ``("tensor", tensor axis, sequences per data rank)`` and
-    ``("pipeline",)`` and ``("alone", stages)``."""
+    ``("pipeline", tensor axis)`` and ``("alone", stages)``."""
     pipeline: dict[Any, tuple[Any, int, int, int]] = {}
-    if devices % _PIPELINE_STAGES == 0 and model.layers % _PIPELINE_STAGES == 0:
-        sequences = _pipeline_sequences(_PIPELINE_STAGES, microbatch_size)
-        pipeline[("pipeline",)] = (build(model.layers, _PIPELINE_STAGES), sequences, 1, 1)
+    if devices % PIPELINE_STAGES == 0 and model.layers % PIPELINE_STAGES == 0:
+        split = {t for t, _ in _tensor_shapes(model, devices, microbatch_size)}
+        for tensor in (1, *({_TENSORS[0]} & split)):
+            if devices % (PIPELINE_STAGES * tensor) == 0:
+                sequences = pipeline_sequences(PIPELINE_STAGES, microbatch_size, tensor)
+                pipeline[("pipeline", tensor)] = (build(model.layers, PIPELINE_STAGES), sequences, tensor, 1)
         alone = _alone_stages(devices, available_cores())
-        if alone > _PIPELINE_STAGES and model.layers % alone == 0:
-            pipeline[("alone", alone)] = (build(model.layers, alone), _pipeline_sequences(alone, microbatch_size), 1, 1)
+        if alone > PIPELINE_STAGES and model.layers % alone == 0:
+            pipeline[("alone", alone)] = (build(model.layers, alone), pipeline_sequences(alone, microbatch_size), 1, 1)
     return TimedSteps(
         {("compute", n, m, k): (build(n, 1), m, 1, k) for n, m, k in _step_shapes(model, microbatch_size)}
         | {("tensor", t, m): (build(1, 1), m, t, 1) for t, m in _tensor_shapes(model, devices, microbatch_size)}
@@ -430,7 +286,7 @@ def calibrate_machine(steps: TimedSteps, model: Model, *, microbatch_size: int) 
     devices = steps.devices
     bandwidth = _bandwidth(devices)
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
-    alpha, link = _fit_ring(reduces)
+    alpha, link = fit_ring(reduces)
     dispatch = _dispatch_seconds(devices)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(devices, 1)
     base = Cluster(
@@ -459,7 +315,7 @@ def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[A
     collectives, dispatch) are kept; the fits start afresh, as the calibration's did."""
     base = dataclasses.replace(
         calibration.cluster, peak_flops=1e9, kernel_launch_s=0.0, step_overhead_s=0.0, idle_share=1.0,
-        alone_efficiency=1.0, collective_sync_s=0.0, collective_sync_per_token_s=0.0,
+        tensor_idle_share=None, alone_efficiency=1.0, collective_sync_s=0.0, collective_sync_per_token_s=0.0,
     )  # fmt: skip
     return _fitted(
         model, base, measured, microbatch_size=calibration.microbatch_size, all_reduce_s=calibration.all_reduce_s,
@@ -477,20 +333,24 @@ def _fitted(
     devices = base.gpus_per_node
     steps = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
     tensor = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "tensor"}
-    pipeline_s = measured.get(("pipeline",))
-    cluster = _fit_compute(model, base, devices, steps)
+    pipeline_s = measured.get(("pipeline", 1))
+    tensor_pipeline_s = measured.get(("pipeline", _TENSORS[0]))
+    cluster = fit_compute(model, base, devices, steps)
     if tensor:
-        cluster = _fit_sync(dataclasses.replace(model, layers=1), cluster, devices, tensor)
+        cluster = fit_sync(dataclasses.replace(model, layers=1), cluster, devices, tensor)
     if pipeline_s is not None:
-        cluster = _fit_idle_share(model, cluster, devices, microbatch_size, pipeline_s)
+        cluster = fit_idle_share(model, cluster, devices, microbatch_size, pipeline_s)
+    if tensor_pipeline_s is not None:
+        cluster = fit_idle_share(model, cluster, devices, microbatch_size, tensor_pipeline_s, tensor=_TENSORS[0])
     alone = {key[1]: seconds for key, seconds in measured.items() if key[0] == "alone"}
     for stages, seconds in alone.items():
-        cluster = _fit_alone(model, cluster, stages, microbatch_size, seconds)
+        cluster = fit_alone(model, cluster, stages, microbatch_size, seconds)
     return MachineCalibration(
         cluster=cluster,
         step_s=steps,
         tensor_step_s=tensor,
         pipeline_step_s=pipeline_s,
+        tensor_pipeline_step_s=tensor_pipeline_s,
         microbatch_size=microbatch_size,
         all_reduce_s=all_reduce_s,
         seconds=0.0 if started is None else time.perf_counter() - started,

@@ -13,20 +13,16 @@ import numpy as np
 import pytest
 
 import pipedsl
-from pipedsl.cli.machine import (
-    MachineCalibration,
-    _alone_stages,
-    _fit_alone,
-    _fit_compute,
-    _fit_idle_share,
-    _fit_ring,
-    _fit_sync,
-    _pipeline_sequences,
-    _plan,
-    _priced,
-    _step_shapes,
-    _tensor_shapes,
-    recalibrated,
+from pipedsl.cli.machine import MachineCalibration, _alone_stages, _step_shapes, _tensor_shapes, recalibrated
+from pipedsl.cli.machine_fit import (
+    fit_alone,
+    fit_compute,
+    fit_idle_share,
+    fit_ring,
+    fit_sync,
+    pipeline_sequences,
+    priced_step,
+    step_plan,
 )
 from pipedsl.cli.timed import TimedSteps, interleaved_medians
 from pipedsl.errors import PipedslError
@@ -167,7 +163,7 @@ def test_each_action_pays_the_dispatch_overhead_and_a_fused_backward_pays_it_onc
 def test_ring_fit_recovers_latency_and_bandwidth() -> None:
     alpha, bandwidth = 2e-4, 5e8
     times = {(n, s): 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bandwidth for n in (2, 8) for s in (4096, 1 << 22)}
-    fitted_alpha, fitted_bandwidth = _fit_ring(times)
+    fitted_alpha, fitted_bandwidth = fit_ring(times)
     assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
     assert fitted_bandwidth == pytest.approx(bandwidth, rel=1e-6)
 
@@ -237,7 +233,7 @@ def test_demo_says_how_far_the_machines_speed_moved_from_the_search_to_the_runs(
 def _steps(cluster: Cluster) -> dict[tuple[int, int, int], float]:
     """The calibration's compute steps of ``_TINY`` as ``cluster`` prices them."""
     return {
-        (n, m, k): _priced(dataclasses.replace(_TINY, layers=n), cluster, 8, m, k) for n, m, k in _step_shapes(_TINY, 4)
+        (n, m, k): priced_step(dataclasses.replace(_TINY, layers=n), cluster, 8, m, k) for n, m, k in _step_shapes(_TINY, 4)
     }
 
 
@@ -250,7 +246,7 @@ def test_compute_fit_recovers_the_rate_the_launch_and_the_step_cost() -> None:
     # Steps priced on a cluster whose kernels and steps cost a fixed time each: the fit
     # finds all three numbers again.
     truth = dataclasses.replace(_CPU, peak_flops=3e9, kernel_launch_s=2e-4, step_overhead_s=5e-3)
-    fitted = _fit_compute(_TINY, _CPU, 8, _steps(truth))
+    fitted = fit_compute(_TINY, _CPU, 8, _steps(truth))
     assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
     assert fitted.kernel_launch_s == pytest.approx(2e-4, rel=1e-4)
     assert fitted.step_overhead_s == pytest.approx(5e-3, rel=1e-4)
@@ -258,43 +254,49 @@ def test_compute_fit_recovers_the_rate_the_launch_and_the_step_cost() -> None:
 
 def test_idle_share_fit_recovers_the_share_and_stays_within_zero_and_one() -> None:
     shared = dataclasses.replace(_CPU, shared_cores=2)
-    plan = _plan(4, 1, _pipeline_sequences(2, 4), pp=2)
+    plan = step_plan(4, 1, pipeline_sequences(2, 4), pp=2)
 
     def priced(share: float) -> float:
         return estimate(_TINY, dataclasses.replace(shared, idle_share=share), plan).step_time_s
 
     # A pipeline with idle devices costs more the less of their time the busy ones take up.
     assert priced(0.0) > priced(0.7) > priced(1.0)
-    assert _fit_idle_share(_TINY, shared, 8, 4, priced(0.7)).idle_share == pytest.approx(0.7, abs=1e-6)
-    assert _fit_idle_share(_TINY, shared, 8, 4, priced(1.0) / 2).idle_share == pytest.approx(1.0, abs=1e-6)
-    assert _fit_idle_share(_TINY, shared, 8, 4, priced(0.0) * 2).idle_share == pytest.approx(0.0, abs=1e-6)
+    assert fit_idle_share(_TINY, shared, 8, 4, priced(0.7)).idle_share == pytest.approx(0.7, abs=1e-6)
+    assert fit_idle_share(_TINY, shared, 8, 4, priced(1.0) / 2).idle_share == pytest.approx(1.0, abs=1e-6)
+    assert fit_idle_share(_TINY, shared, 8, 4, priced(0.0) * 2).idle_share == pytest.approx(0.0, abs=1e-6)
+    # With tensor-parallel stages the fit sets their own share and leaves the other.
+    tensor_plan = step_plan(2, 2, pipeline_sequences(2, 4, 2), pp=2)
+    truth = dataclasses.replace(shared, tensor_idle_share=0.4)
+    measured = estimate(_TINY, truth, tensor_plan).step_time_s
+    fitted = fit_idle_share(_TINY, shared, 8, 4, measured, tensor=2)
+    assert fitted.tensor_idle_share == pytest.approx(0.4, abs=1e-6) and fitted.idle_share == shared.idle_share
 
 
 def test_alone_fit_recovers_the_efficiency_only_where_the_idle_share_prices_too_fast() -> None:
     model = dataclasses.replace(_TINY, layers=4)
     shared = dataclasses.replace(_CPU, shared_cores=2)
     assert (_alone_stages(8, 2), _alone_stages(8, 3), _alone_stages(8, 0)) == (4, 0, 0)
-    plan = _plan(2, 1, _pipeline_sequences(4, 4), pp=4)
+    plan = step_plan(2, 1, pipeline_sequences(4, 4), pp=4)
     # Both pipeline steps train as many sequences as the largest compute step: 4 per device.
-    assert plan.global_batch == _plan(4, 1, _pipeline_sequences(2, 4), pp=2).global_batch == 8 * 4
+    assert plan.global_batch == step_plan(4, 1, pipeline_sequences(2, 4), pp=2).global_batch == 8 * 4
 
     def priced(efficiency: float) -> float:
         return estimate(model, dataclasses.replace(shared, alone_efficiency=efficiency), plan).step_time_s
 
     assert priced(0.5) > priced(0.8) > priced(1.0)
-    assert _fit_alone(model, shared, 4, 4, priced(0.7)).alone_efficiency == pytest.approx(0.7, abs=1e-6)
-    assert _fit_alone(model, shared, 4, 4, priced(1.0) / 2).alone_efficiency == 1.0
-    assert _fit_alone(model, shared, 4, 4, priced(0.05) * 2).alone_efficiency == pytest.approx(0.05, abs=1e-6)
+    assert fit_alone(model, shared, 4, 4, priced(0.7)).alone_efficiency == pytest.approx(0.7, abs=1e-6)
+    assert fit_alone(model, shared, 4, 4, priced(1.0) / 2).alone_efficiency == 1.0
+    assert fit_alone(model, shared, 4, 4, priced(0.05) * 2).alone_efficiency == pytest.approx(0.05, abs=1e-6)
 
 
 def test_compute_fit_leaves_out_the_terms_the_steps_do_not_call_for() -> None:
-    fitted = _fit_compute(_TINY, _CPU, 8, _steps(dataclasses.replace(_CPU, peak_flops=3e9)))
+    fitted = fit_compute(_TINY, _CPU, 8, _steps(dataclasses.replace(_CPU, peak_flops=3e9)))
     assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
     assert fitted.kernel_launch_s == 0.0 and fitted.step_overhead_s == 0.0
 
 
 def _tensor_steps(truth: Cluster, model: Model, shapes: tuple[tuple[int, int], ...]) -> dict[tuple[int, int], float]:
-    return {(t, m): estimate(model, truth, _plan(8 // t, t, m)).step_time_s for t, m in shapes}
+    return {(t, m): estimate(model, truth, step_plan(8 // t, t, m)).step_time_s for t, m in shapes}
 
 
 def test_sync_fit_recovers_the_wait_per_collective_and_per_token() -> None:
@@ -302,7 +304,7 @@ def test_sync_fit_recovers_the_wait_per_collective_and_per_token() -> None:
     model = dataclasses.replace(_TINY, layers=1, heads=4)
     shapes = _tensor_shapes(model, 8, 4)
     assert shapes == ((2, 4), (2, 16), (4, 4), (4, 16))
-    fitted = _fit_sync(model, _CPU, 8, _tensor_steps(truth, model, shapes))
+    fitted = fit_sync(model, _CPU, 8, _tensor_steps(truth, model, shapes))
     assert fitted.collective_sync_s == pytest.approx(2e-3, rel=1e-6)
     assert fitted.collective_sync_per_token_s == pytest.approx(5e-6, rel=1e-6)
     # A group of four waits for three others, each working on the microbatch's tokens.
@@ -315,10 +317,10 @@ def test_sync_fit_keeps_both_terms_at_least_zero() -> None:
     model = dataclasses.replace(_TINY, layers=1, heads=4)
     shapes = ((2, 4), (4, 16))
     # Steps faster than priced without any wait: no wait at all.
-    none = _fit_sync(model, _CPU, 8, dict.fromkeys(shapes, 0.0))
+    none = fit_sync(model, _CPU, 8, dict.fromkeys(shapes, 0.0))
     assert (none.collective_sync_s, none.collective_sync_per_token_s) == (0.0, 0.0)
     # Waits that a fixed part alone prices best: no part per token.
-    fixed = _fit_sync(model, _CPU, 8, _tensor_steps(dataclasses.replace(_CPU, collective_sync_s=3e-3), model, shapes))
+    fixed = fit_sync(model, _CPU, 8, _tensor_steps(dataclasses.replace(_CPU, collective_sync_s=3e-3), model, shapes))
     assert fixed.collective_sync_s == pytest.approx(3e-3, rel=1e-6) and fixed.collective_sync_per_token_s == 0.0
 
 
@@ -354,19 +356,20 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
     first = dataclasses.replace(_CPU, shared_cores=2, peak_flops=2e9, kernel_launch_s=1e-4, action_overhead_s=7e-5)
     later = dataclasses.replace(
         first, peak_flops=1e9, kernel_launch_s=3e-4, step_overhead_s=4e-3, collective_sync_s=2e-3,
-        collective_sync_per_token_s=5e-6, idle_share=0.9, alone_efficiency=0.75,
+        collective_sync_per_token_s=5e-6, idle_share=0.9, tensor_idle_share=0.55, alone_efficiency=0.75,
     )  # fmt: skip
 
     def timed(truth: Cluster) -> dict[object, float]:
         compute = {
-            ("compute", n, m, k): _priced(dataclasses.replace(model, layers=n), truth, 8, m, k)
+            ("compute", n, m, k): priced_step(dataclasses.replace(model, layers=n), truth, 8, m, k)
             for n, m, k in _step_shapes(model, 4)
         }
         one_layer = dataclasses.replace(model, layers=1)
         tensor = {("tensor", t, m): s for (t, m), s in _tensor_steps(truth, one_layer, _tensor_shapes(model, 8, 4)).items()}
-        pipeline = estimate(model, truth, _plan(4, 1, _pipeline_sequences(2, 4), pp=2)).step_time_s
-        alone = estimate(model, truth, _plan(2, 1, _pipeline_sequences(4, 4), pp=4)).step_time_s
-        return compute | tensor | {("pipeline",): pipeline, ("alone", 4): alone}
+        pipeline = estimate(model, truth, step_plan(4, 1, pipeline_sequences(2, 4), pp=2)).step_time_s
+        alone = estimate(model, truth, step_plan(2, 1, pipeline_sequences(4, 4), pp=4)).step_time_s
+        tensor_pipeline = estimate(model, truth, step_plan(2, 2, pipeline_sequences(2, 4, 2), pp=2)).step_time_s
+        return compute | tensor | {("pipeline", 1): pipeline, ("pipeline", 2): tensor_pipeline, ("alone", 4): alone}
 
     calibration = _calibration(first, {}, all_reduce_s={(2, 4096): 3e-4})
     again = recalibrated(calibration, model, timed(later))
@@ -377,14 +380,16 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
     assert fitted.collective_sync_s == pytest.approx(2e-3, rel=1e-3)
     assert fitted.collective_sync_per_token_s == pytest.approx(5e-6, rel=1e-3)
     assert fitted.idle_share == pytest.approx(0.9, abs=1e-3)
+    assert fitted.tensor_idle_share == pytest.approx(0.55, abs=1e-3)
     assert fitted.alone_efficiency == pytest.approx(0.75, abs=1e-3)
     assert (fitted.action_overhead_s, fitted.hbm_bandwidth, fitted.intra_node_latency) == (
         first.action_overhead_s, first.hbm_bandwidth, first.intra_node_latency,
     )  # fmt: skip
     assert again.all_reduce_s == {(2, 4096): 3e-4} and again.microbatch_size == 4
-    assert again.largest_step == (4, 4, 1) and again.pipeline_step_s == pytest.approx(timed(later)[("pipeline",)])
+    assert again.largest_step == (4, 4, 1) and again.pipeline_step_s == pytest.approx(timed(later)[("pipeline", 1)])
     assert again.alone_step_s == pytest.approx(timed(later)[("alone", 4)])
     assert "reaches 75% of its ideal speed-up (fitted to a 4-stage pipeline's step" in again.describe()
+    assert "55% with tp=2 stages (fitted to such a step" in again.describe()
     assert "calibrated in" not in again.describe()  # its steps were timed with something else
 
 

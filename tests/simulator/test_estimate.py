@@ -278,6 +278,22 @@ def test_busy_devices_take_up_only_the_idle_share_of_an_idle_devices_time() -> N
     for bad in (-0.1, 1.5, True):
         with pytest.raises(DescriptionError, match="idle_share must be a number in \\[0, 1\\]"):
             dataclasses.replace(IDEAL, idle_share=bad)
+        with pytest.raises(DescriptionError, match="tensor_idle_share must be a number in \\[0, 1\\]"):
+            dataclasses.replace(IDEAL, tensor_idle_share=bad)
+
+
+def test_tensor_parallel_stages_take_up_their_own_share_of_idle_time() -> None:
+    model = dataclasses.replace(GPT, vocab=8, layers=8)
+    shared = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30, shared_cores=2, idle_share=0.9)
+    tensor = Plan(pp=2, dp=2, tp=2, global_batch=2, schedule="gpipe")
+    data = Plan(pp=2, dp=4, global_batch=4, schedule="gpipe")
+    apart = dataclasses.replace(shared, tensor_idle_share=0.5)
+    # None: the same share as every pipeline; given: only the tensor-parallel plan moves.
+    assert shared.idle_share_at(2) == 0.9 and apart.idle_share_at(2) == 0.5 and apart.idle_share_at(1) == 0.9
+    assert estimate(model, apart, data).step_time_s == estimate(model, shared, data).step_time_s
+    slower = estimate(model, apart, tensor)
+    assert slower.step_time_s > estimate(model, shared, tensor).step_time_s
+    assert any(a.name == "idle_share" and a.value == "0.5" for a in slower.assumptions)
 
 
 def test_a_device_busy_alone_reaches_only_the_alone_efficiency_of_its_speed_up() -> None:
