@@ -371,7 +371,7 @@ def _speed_verdict(before: MachineCalibration, during: MachineCalibration) -> st
         f"in turns with the runs ({change:+.0%}): "
     )
     if abs(change) <= _DRIFT:
-        return said + "the machine held its speed, so the search's prices and the predictions agree."
+        return said + f"the machine held its speed (within {_DRIFT:.0%}); the predictions are priced at the runs' speed."
     return said + (
         f"the machine ran {'faster' if change < 0 else 'slower'} during the runs than before the search "
         "(devices that share cores run as fast as the rest of the machine lets them), so the search's prices "
