@@ -92,6 +92,8 @@ _REPEATS = 3
 _TENSORS = (2, 4)
 """The tensor axes of the steps that measure collectives inside a program (those that
 divide the devices and the model's heads and vocabulary)."""
+_PIPELINE_TENSOR = 2
+"""The tensor axis of the pipeline step with tensor-parallel stages."""
 _TENSOR_BATCHES = (1, 4)
 """The sequences per data rank of those steps, in microbatch sizes."""
 _MICROBATCHES = 4
@@ -156,7 +158,7 @@ class MachineCalibration:
         )
         if self.tensor_pipeline_step_s is not None and c.tensor_idle_share is not None:
             idle += (
-                f"; {c.tensor_idle_share:.0%} with tp={_TENSORS[0]} stages (fitted to such a step, "
+                f"; {c.tensor_idle_share:.0%} with tp={_PIPELINE_TENSOR} stages (fitted to such a step, "
                 f"{self.tensor_pipeline_step_s * 1e3:.1f} ms)"
             )
         if self.alone_step_s is not None:
@@ -256,11 +258,11 @@ def calibration_steps(devices: int, model: Model, build: Callable[[int, int], An
     ``build(layers, stages)`` gives the same model as the executor builds it, cut to
     ``layers`` layers split evenly over ``stages``. Keyed ``("compute", layers, sequences
     per device, microbatches)``, ``("tensor", tensor axis, sequences per data rank)`` and
-    ``("pipeline", tensor axis)`` and ``("alone", stages)``."""
+    ``("pipeline", tensor axis)`` (two stages) and ``("alone", stages)``."""
     pipeline: dict[Any, tuple[Any, int, int, int]] = {}
     if devices % PIPELINE_STAGES == 0 and model.layers % PIPELINE_STAGES == 0:
         split = {t for t, _ in _tensor_shapes(model, devices, microbatch_size)}
-        for tensor in (1, *({_TENSORS[0]} & split)):
+        for tensor in (1, *({_PIPELINE_TENSOR} & split)):
             if devices % (PIPELINE_STAGES * tensor) == 0:
                 sequences = pipeline_sequences(PIPELINE_STAGES, microbatch_size, tensor)
                 pipeline[("pipeline", tensor)] = (build(model.layers, PIPELINE_STAGES), sequences, tensor, 1)
@@ -334,14 +336,14 @@ def _fitted(
     steps = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
     tensor = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "tensor"}
     pipeline_s = measured.get(("pipeline", 1))
-    tensor_pipeline_s = measured.get(("pipeline", _TENSORS[0]))
+    tensor_pipeline_s = measured.get(("pipeline", _PIPELINE_TENSOR))
     cluster = fit_compute(model, base, devices, steps)
     if tensor:
         cluster = fit_sync(dataclasses.replace(model, layers=1), cluster, devices, tensor)
     if pipeline_s is not None:
         cluster = fit_idle_share(model, cluster, devices, microbatch_size, pipeline_s)
     if tensor_pipeline_s is not None:
-        cluster = fit_idle_share(model, cluster, devices, microbatch_size, tensor_pipeline_s, tensor=_TENSORS[0])
+        cluster = fit_idle_share(model, cluster, devices, microbatch_size, tensor_pipeline_s, tensor=_PIPELINE_TENSOR)
     alone = {key[1]: seconds for key, seconds in measured.items() if key[0] == "alone"}
     for stages, seconds in alone.items():
         cluster = fit_alone(model, cluster, stages, microbatch_size, seconds)

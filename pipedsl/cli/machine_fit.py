@@ -33,6 +33,8 @@ PIPELINE_STAGES = 2
 """Stages of the pipeline step that measures idle devices (one busy at a time, so half
 the devices idle)."""
 _ALONE_LOW = 0.05  # the least alone_efficiency the fit tries
+
+
 def fit_ring(times: dict[tuple[int, int], float]) -> tuple[float, float]:
     """(α seconds, B bytes per second) of ``2(n-1)·α + 2(n-1)/n · S/B`` by least squares
     of the relative error over the measured all-reduces (so that the small ones, which
