@@ -315,23 +315,24 @@ def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[A
     the demo times them in turns with its runs, so that its predictions rest on the
     machine's speed while they ran. The short measurements (memory bandwidth,
     collectives, dispatch) are kept; the fits start afresh, as the calibration's did."""
-    base = dataclasses.replace(
-        calibration.cluster, peak_flops=1e9, kernel_launch_s=0.0, step_overhead_s=0.0, idle_share=1.0,
-        tensor_idle_share=None, alone_efficiency=1.0, collective_sync_s=0.0, collective_sync_per_token_s=0.0,
-    )  # fmt: skip
     return _fitted(
-        model, base, measured, microbatch_size=calibration.microbatch_size, all_reduce_s=calibration.all_reduce_s,
+        model, calibration.cluster, measured, microbatch_size=calibration.microbatch_size, all_reduce_s=calibration.all_reduce_s,
         started=None,
     )  # fmt: skip
 
 
 def _fitted(
-    model: Model, base: Cluster, measured: dict[Any, float], *, microbatch_size: int,
+    model: Model, measured_cluster: Cluster, measured: dict[Any, float], *, microbatch_size: int,
     all_reduce_s: dict[tuple[int, int], float], started: float | None,
 ) -> MachineCalibration:  # fmt: skip
-    """``base`` fitted to the training steps' ``measured`` seconds (keyed as by
+    """``measured_cluster`` (its short measurements; whatever it holds of the fitted
+    numbers is set aside) fitted to the training steps' ``measured`` seconds (keyed as by
     :func:`calibration_steps`): compute, then the tensor-parallel waits, then the idle
     share, then how fast a device busy alone runs."""
+    base = dataclasses.replace(
+        measured_cluster, peak_flops=1e9, kernel_launch_s=0.0, step_overhead_s=0.0, idle_share=1.0,
+        tensor_idle_share=None, alone_efficiency=1.0, collective_sync_s=0.0, collective_sync_per_token_s=0.0,
+    )  # fmt: skip
     devices = base.gpus_per_node
     steps = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
     tensor = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "tensor"}

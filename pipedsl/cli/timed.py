@@ -44,13 +44,34 @@ def interleaved_medians(runs: dict[Any, Callable[[], Any]], *, repeats: int) -> 
 
     for run in runs.values():
         jax.block_until_ready(run())
-    times: dict[Any, list[float]] = {key: [] for key in runs}
+    rounds = _Rounds(runs)
     for _ in range(repeats):
-        for key, run in runs.items():
+        rounds.timed_round()
+    return rounds.take()
+
+
+class _Rounds:
+    """``runs`` timed in rounds, a call of each in turn (results blocked on), their wall
+    times kept until taken as medians."""
+
+    def __init__(self, runs: dict[Any, Callable[[], Any]]) -> None:
+        self._runs = runs
+        self._times: dict[Any, list[float]] = {key: [] for key in runs}
+
+    def timed_round(self) -> None:
+        import jax
+
+        for key, run in self._runs.items():
             start = time.perf_counter()
             jax.block_until_ready(run())
-            times[key].append(time.perf_counter() - start)
-    return {key: statistics.median(t) for key, t in times.items()}
+            self._times[key].append(time.perf_counter() - start)
+
+    def take(self) -> dict[Any, float]:
+        if not all(self._times.values()):
+            raise ValueError("no round of the steps has been timed since they were last taken")
+        medians = {key: statistics.median(times) for key, times in self._times.items()}
+        self._times = {key: [] for key in self._runs}
+        return medians
 
 
 def training_step(
@@ -100,35 +121,26 @@ class TimedSteps:
         import jax
 
         self.devices = devices
-        self._runs: dict[Any, Callable[[], Any]] = {}
+        runs: dict[Any, Callable[[], Any]] = {}
         self._pipes: list[Any] = []
         try:
             for key, (model, sequences, tensor, microbatches) in steps.items():
-                self._runs[key], pipe = training_step(model, devices, sequences, tensor=tensor, microbatches=microbatches)
+                runs[key], pipe = training_step(model, devices, sequences, tensor=tensor, microbatches=microbatches)
                 self._pipes.append(pipe)
-                jax.block_until_ready(self._runs[key]())  # compiles it, outside the timed rounds
+                jax.block_until_ready(runs[key]())  # compiles it, outside the timed rounds
         except BaseException:
             self.close()
             raise
-        self._times: dict[Any, list[float]] = {key: [] for key in self._runs}
+        self._rounds = _Rounds(runs)
 
     def timed_round(self) -> None:
         """One training step of each, in turn, their wall times kept."""
-        import jax
-
-        for key, run in self._runs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(run())
-            self._times[key].append(time.perf_counter() - start)
+        self._rounds.timed_round()
 
     def take(self) -> dict[Any, float]:
         """The median seconds of each step over the rounds timed since the last take (at
         least one), which are then forgotten."""
-        if not all(self._times.values()):
-            raise ValueError("no round of the steps has been timed since they were last taken")
-        medians = {key: statistics.median(times) for key, times in self._times.items()}
-        self._times = {key: [] for key in self._runs}
-        return medians
+        return self._rounds.take()
 
     def close(self) -> None:
         for pipe in self._pipes:
