@@ -32,7 +32,8 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
     collective algorithms chosen for its groups and, on devices that share a machine,
     the wait of each collective inside a stage program (``Cluster.collective_sync``) and
     for a pipeline how much of its idle devices' time the busy ones take up
-    (``Cluster.idle_share``) and how fast a device busy alone runs (``Cluster.alone_efficiency``)."""
+    (``Cluster.idle_share``), how fast a device busy alone runs (``Cluster.alone_efficiency``)
+    and what a split backward costs (``Cluster.split_backward_cost``)."""
     on = {True: "on", False: "off"}
     found = [
         Assumption("flash_attention", on[plan.flash_attention],
@@ -77,6 +78,11 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
                 "alone_efficiency", f"{cluster.alone_efficiency:.3g}",
                 "fraction of the ideal speed-up (a core to itself) that a pipeline device busy alone reaches",
             ))  # fmt: skip
+    if plan.pp > 1 and cluster.split_backward_cost > 1:
+        found.append(Assumption(
+            "split_backward_cost", f"{cluster.split_backward_cost:.3g}",
+            "what a backward split into I and W (where the schedule splits it) costs over the fused one",
+        ))  # fmt: skip
     return tuple(found)
 
 

@@ -248,13 +248,14 @@ class Prepared:
     def cost_model(self) -> CostModel:
         """The pipeline's cost model: per-stage F, I, W seconds, the links' transfer times
         and the residual bytes per microbatch."""
-        work = self.work
+        work, cluster = self.work, self.shapes.cluster
         latency, bandwidth, boundary_bytes = _transfer_costs(self.placement, self.shapes)
+        input_grad, weight_grad = _split_backward(work, cluster)
         return CostModel(
             forward=tuple(w.forward for w in work),
-            backward=tuple(w.fused_backward(self.shapes.cluster.action_overhead_s) for w in work),
-            input_grad=tuple(w.input_grad for w in work),
-            weight_grad=tuple(w.weight_grad for w in work),
+            backward=tuple(w.fused_backward(cluster.action_overhead_s) for w in work),
+            input_grad=input_grad,
+            weight_grad=weight_grad,
             latency=latency,
             bandwidth=bandwidth,
             activation_bytes=boundary_bytes,
@@ -356,7 +357,7 @@ def prepare(
         residual=residual,
         device_params=device_params,
         memory=memory,
-        lower_bound_s=(0.0 if layout is not None else _lower_bound(plan, cluster.action_overhead_s, work, key, pipelines))
+        lower_bound_s=(0.0 if layout is not None else _lower_bound(plan, cluster, work, key, pipelines))
         * cluster.core_share(plan.gpus)
         + sum(tail),
         tails=tail,
@@ -410,11 +411,30 @@ def estimate(
 
 
 def _lower_bound(
-    plan: Plan, overhead: float, work: Sequence[Work], key: ScheduleKey | None, pipelines: Pipelines | None
+    plan: Plan, cluster: Cluster, work: Sequence[Work], key: ScheduleKey | None, pipelines: Pipelines | None
 ) -> float:
     """Seconds the forward/backward part takes at least (see :meth:`Pipelines.lower_bound_s`);
     for SPMD, exactly its microbatches × (F + B)."""
+    overhead = cluster.action_overhead_s
     if key is None or pipelines is None:
         return plan.microbatches * (work[0].forward + work[0].fused_backward(overhead))
-    seconds = np.array([[w.forward, w.fused_backward(overhead), w.input_grad, w.weight_grad] for w in work]).T
+    input_grad, weight_grad = _split_backward(work, cluster)
+    fused = [w.fused_backward(overhead) for w in work]
+    seconds = np.array([[w.forward for w in work], fused, input_grad, weight_grad])
     return pipelines.lower_bound_s(key, seconds)
+
+
+def _split_backward(work: Sequence[Work], cluster: Cluster) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Seconds of each stage's ``I`` and of its ``W`` where a schedule splits the backward,
+    shape (S,) each, as the executor divides it: ``I`` computes what the input's
+    cotangent needs, which the first stage (token ids in) has none of, so there ``I`` is
+    one action's dispatch and ``W`` the fused backward's one program; elsewhere, beyond
+    each action's overhead, the halves cost ``Cluster.split_backward_cost`` times their
+    share of the fused backward."""
+    overhead, cost = cluster.action_overhead_s, cluster.split_backward_cost
+
+    def halves(w: Work) -> tuple[float, float]:
+        return overhead + (w.input_grad - overhead) * cost, overhead + (w.weight_grad - overhead) * cost
+
+    split = [(overhead, w.fused_backward(overhead)) if s == 0 else halves(w) for s, w in enumerate(work)]
+    return tuple(i for i, _ in split), tuple(w for _, w in split)

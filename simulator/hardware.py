@@ -240,6 +240,12 @@ class Cluster:
         (:meth:`core_share`). 1 (the default) is the ideal; measured by ``pipedsl demo``
         (on two cores, a four-stage pipeline's stage busy alone ran about 3.1 times as
         fast as with every device busy, not 4); ignored where devices do not share cores.
+      split_backward_cost: what a backward split into ``I`` and ``W`` (zero-bubble
+        schedules) costs over the fused ``B`` it divides, beyond each action's overhead:
+        at least 1; 1 (the default) prices the two halves at the fused backward's work,
+        which is what they run. Two programs in place of one lose what the compiler
+        fused across the halves and pay each program's tail once more: on forced CPU
+        devices ``pipedsl demo`` measures 1.1-1.3.
       collective_sync_s: seconds that each collective inside a stage program (each
         tensor-parallel one, and ZeRO 2/3's per layer and microbatch) waits on top of its
         transfer, for each device of its group but one, when the devices share cores:
@@ -279,6 +285,7 @@ class Cluster:
     idle_share: float = 1.0
     tensor_idle_share: float | None = None
     alone_efficiency: float = 1.0
+    split_backward_cost: float = 1.0
     collective_sync_s: float = 0.0
     collective_sync_per_token_s: float = 0.0
     step_overhead_s: float = 0.0
@@ -327,6 +334,9 @@ class Cluster:
         alone = self.alone_efficiency
         if isinstance(alone, bool) or not isinstance(alone, int | float) or not 0 < alone <= 1:
             raise DescriptionError(f"{owner}: alone_efficiency must be a number in (0, 1], got {alone!r}")
+        split = self.split_backward_cost
+        if isinstance(split, bool) or not isinstance(split, int | float) or not math.isfinite(split) or split < 1:
+            raise DescriptionError(f"{owner}: split_backward_cost must be a number >= 1, got {split!r}")
         _check_int(owner, "memory_bytes", self.memory_bytes)
         _check_int(owner, "reserved_bytes", self.reserved_bytes, minimum=0)
         _check_int(owner, "gpus_per_node", self.gpus_per_node)

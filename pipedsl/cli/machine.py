@@ -34,6 +34,12 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   ``alone_efficiency``, the fraction of its ideal speed-up (a core to itself) that a
   device busy alone reaches, is fitted to it where the idle share alone prices it too
   fast (on two cores, four stages: about 3.1 times the all-busy rate, not 4);
+- *a split backward*: the two-stage pipeline's step again, as a zero-bubble schedule runs
+  it (``zb_auto``: each stage's backward split into ``I`` and ``W``): the
+  ``split_backward_cost``, what the halves cost over the fused backward, is fitted to it
+  (two programs lose what the compiler fused across them and each pays its own tail on
+  the shared cores; timed apart, a stage's ``I`` then ``W`` took 1.1-1.3 times its ``B``
+  here, and in pipelines more);
 - *memory bandwidth*: one elementwise update of a few MB on every device at once;
 - *collectives*: all-reduces over groups of 2 and of every device, of a small and a
   large buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (α and B are
@@ -74,14 +80,16 @@ import numpy as np
 
 from pipedsl.cli.machine_fit import (
     PIPELINE_STAGES,
+    SPLIT_SCHEDULE,
     fit_alone,
     fit_compute,
     fit_idle_share,
     fit_ring,
+    fit_split,
     fit_sync,
     pipeline_sequences,
 )
-from pipedsl.cli.timed import STEP_ROUNDS, TimedSteps, median_seconds
+from pipedsl.cli.timed import STEP_ROUNDS, Step, TimedSteps, median_seconds
 from pipedsl.simulator import Cluster, Model
 from pipedsl.simulator.workers import available_cores
 
@@ -123,6 +131,8 @@ class MachineCalibration:
         core, or None where there is none (``alone_efficiency`` then 1).
       tensor_pipeline_step_s: measured seconds of the two-stage pipeline's step with
         tensor-parallel stages, or None where there is none (``tensor_idle_share`` then None).
+      split_step_s: measured seconds of the two-stage pipeline's step with its backward
+        split (``I`` then ``W``), or None where there is none (``split_backward_cost`` then 1).
     """
 
     cluster: Cluster
@@ -134,6 +144,7 @@ class MachineCalibration:
     seconds: float
     alone_step_s: float | None = None
     tensor_pipeline_step_s: float | None = None
+    split_step_s: float | None = None
 
     @property
     def largest_step(self) -> tuple[int, int, int]:
@@ -165,6 +176,11 @@ class MachineCalibration:
             idle += (
                 f"; a device busy alone reaches {c.alone_efficiency:.0%} of its ideal speed-up (fitted to a "
                 f"{_alone_stages(c.gpus_per_node, c.shared_cores)}-stage pipeline's step, {self.alone_step_s * 1e3:.1f} ms)"
+            )
+        if self.split_step_s is not None:
+            idle += (
+                f"; a backward split into I and W costs {c.split_backward_cost:.2f} times the fused one (fitted to "
+                f"the two-stage step as {SPLIT_SCHEDULE} runs it, {self.split_step_s * 1e3:.1f} ms)"
             )
         return (
             f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {c.kernel_launch_s * 1e6:.0f} µs per kernel, "
@@ -257,21 +273,24 @@ def calibration_steps(devices: int, model: Model, build: Callable[[int, int], An
     simulator description) over ``devices`` CPU devices, built and compiled:
     ``build(layers, stages)`` gives the same model as the executor builds it, cut to
     ``layers`` layers split evenly over ``stages``. Keyed ``("compute", layers, sequences
-    per device, microbatches)``, ``("tensor", tensor axis, sequences per data rank)`` and
-    ``("pipeline", tensor axis)`` (two stages) and ``("alone", stages)``."""
-    pipeline: dict[Any, tuple[Any, int, int, int]] = {}
+    per device, microbatches)``, ``("tensor", tensor axis, sequences per data rank)``,
+    ``("pipeline", tensor axis)`` (two stages), ``("split", 1)`` (the same two stages,
+    their backward split) and ``("alone", stages)``."""
+    pipeline: dict[Any, Step] = {}
     if devices % PIPELINE_STAGES == 0 and model.layers % PIPELINE_STAGES == 0:
+        two = build(model.layers, PIPELINE_STAGES)
         split = {t for t, _ in _tensor_shapes(model, devices, microbatch_size)}
         for tensor in (1, *({_PIPELINE_TENSOR} & split)):
             if devices % (PIPELINE_STAGES * tensor) == 0:
                 sequences = pipeline_sequences(PIPELINE_STAGES, microbatch_size, tensor)
-                pipeline[("pipeline", tensor)] = (build(model.layers, PIPELINE_STAGES), sequences, tensor, 1)
+                pipeline[("pipeline", tensor)] = Step(two, sequences, tensor)
+        pipeline[("split", 1)] = Step(two, pipeline_sequences(PIPELINE_STAGES, microbatch_size), schedule=SPLIT_SCHEDULE)
         alone = _alone_stages(devices, available_cores())
         if alone > PIPELINE_STAGES and model.layers % alone == 0:
-            pipeline[("alone", alone)] = (build(model.layers, alone), pipeline_sequences(alone, microbatch_size), 1, 1)
+            pipeline[("alone", alone)] = Step(build(model.layers, alone), pipeline_sequences(alone, microbatch_size))
     return TimedSteps(
-        {("compute", n, m, k): (build(n, 1), m, 1, k) for n, m, k in _step_shapes(model, microbatch_size)}
-        | {("tensor", t, m): (build(1, 1), m, t, 1) for t, m in _tensor_shapes(model, devices, microbatch_size)}
+        {("compute", n, m, k): Step(build(n, 1), m, microbatches=k) for n, m, k in _step_shapes(model, microbatch_size)}
+        | {("tensor", t, m): Step(build(1, 1), m, t) for t, m in _tensor_shapes(model, devices, microbatch_size)}
         | pipeline,
         devices,
     )
@@ -328,10 +347,11 @@ def _fitted(
     """``measured_cluster`` (its short measurements; whatever it holds of the fitted
     numbers is set aside) fitted to the training steps' ``measured`` seconds (keyed as by
     :func:`calibration_steps`): compute, then the tensor-parallel waits, then the idle
-    share, then how fast a device busy alone runs."""
+    share, then how fast a device busy alone runs, then what a split backward costs."""
     base = dataclasses.replace(
         measured_cluster, peak_flops=1e9, kernel_launch_s=0.0, step_overhead_s=0.0, idle_share=1.0,
-        tensor_idle_share=None, alone_efficiency=1.0, collective_sync_s=0.0, collective_sync_per_token_s=0.0,
+        tensor_idle_share=None, alone_efficiency=1.0, split_backward_cost=1.0, collective_sync_s=0.0,
+        collective_sync_per_token_s=0.0,
     )  # fmt: skip
     devices = base.gpus_per_node
     steps = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
@@ -348,6 +368,9 @@ def _fitted(
     alone = {key[1]: seconds for key, seconds in measured.items() if key[0] == "alone"}
     for stages, seconds in alone.items():
         cluster = fit_alone(model, cluster, stages, microbatch_size, seconds)
+    split_s = measured.get(("split", 1))
+    if split_s is not None:
+        cluster = fit_split(model, cluster, devices, microbatch_size, split_s)
     return MachineCalibration(
         cluster=cluster,
         step_s=steps,
@@ -358,4 +381,5 @@ def _fitted(
         all_reduce_s=all_reduce_s,
         seconds=0.0 if started is None else time.perf_counter() - started,
         alone_step_s=next(iter(alone.values()), None),
+        split_step_s=split_s,
     )

@@ -13,12 +13,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pipedsl.cli.common import load_schedule
 from pipedsl.cli.planned import SPMD_SCHEDULE
 
-__all__ = ["STEP_ROUNDS", "TimedSteps", "median_seconds", "interleaved_medians", "training_step"]
+__all__ = ["STEP_ROUNDS", "Step", "TimedSteps", "median_seconds", "interleaved_medians", "training_step"]
 
 STEP_ROUNDS = 11
 """Timed rounds of a training step whose median is taken: the calibration's steps, and by
@@ -74,15 +75,37 @@ class _Rounds:
         return medians
 
 
+@dataclass(frozen=True, slots=True)
+class Step:
+    """A training step that :class:`TimedSteps` times (see :func:`training_step`).
+
+    Attributes:
+      model: the executor model, its stages the pipeline's (one stage: the SPMD plan).
+      sequences: sequences per data rank in each microbatch.
+      tensor: the tensor axis of each stage's mesh.
+      microbatches: microbatches per data rank.
+      schedule: the library schedule the stages run (``gpipe`` by default; a zero-bubble
+        one to time the backward split into ``I`` and ``W``).
+    """
+
+    model: Any
+    sequences: int
+    tensor: int = 1
+    microbatches: int = 1
+    schedule: str = SPMD_SCHEDULE
+
+
 def training_step(
-    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
-) -> tuple[Callable[[], Any], Any]:
-    """The executor's plan of ``model`` (its stages a ``gpipe`` pipeline; one stage: the
-    SPMD plan) over every device at tp ``tensor``, the data axis the rest of each stage's
-    devices, ``microbatches`` of ``microbatch_size`` sequences per data rank: (a call
-    that runs one Adam training step and returns the new parameters, the pipeline to
-    close). The calibration times the executor's own programs: a forward and a backward
-    jitted apart run at another speed than one program of both."""
+    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1,
+    schedule: str = SPMD_SCHEDULE,
+) -> tuple[Callable[[], Any], Any]:  # fmt: skip
+    """The executor's plan of ``model`` (its stages a pipeline of ``schedule``, ``gpipe``
+    by default; one stage: the SPMD plan) over every device at tp ``tensor``, the data
+    axis the rest of each stage's devices, ``microbatches`` of ``microbatch_size``
+    sequences per data rank: (a call that runs one Adam training step and returns the new
+    parameters, the pipeline to close). The calibration times the executor's own
+    programs: a forward and a backward jitted apart run at another speed than one program
+    of both."""
     import jax
     import optax
 
@@ -92,9 +115,9 @@ def training_step(
     params = model.init_stages(key)
     stages = model.num_stages
     dp = devices // (tensor * stages)
-    schedule = load_schedule(SPMD_SCHEDULE, {"pp": stages, "microbatches": microbatches})
     pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=schedule, backend="local", dp=dp, tp=tensor,
+        model.stages, loss=model.loss, schedule=load_schedule(schedule, {"pp": stages, "microbatches": microbatches}),
+        backend="local", dp=dp, tp=tensor,
         param_specs=model.param_specs(params) if tensor > 1 else None,
     )  # fmt: skip
     batch = model.batch(jax.random.fold_in(key, 1), dp * microbatch_size * microbatches)
@@ -112,20 +135,23 @@ class TimedSteps:
     """:func:`training_step` s over ``devices`` devices, built and compiled once and then
     timed in rounds (:meth:`timed_round`, a step of each in turn), so that the same steps
     can be timed again later without compiling them again: the calibration times them,
-    and the demo times them again in turns with its runs. ``steps`` maps a key to
-    (executor model, sequences per data rank, tensor axis, microbatches). Close it (or use
-    it as a context manager) to release the pipelines.
+    and the demo times them again in turns with its runs. ``steps`` maps a key to the
+    :class:`Step` timed under it. Close it (or use it as a context manager) to release
+    the pipelines.
     """
 
-    def __init__(self, steps: dict[Any, tuple[Any, int, int, int]], devices: int) -> None:
+    def __init__(self, steps: dict[Any, Step], devices: int) -> None:
         import jax
 
         self.devices = devices
         runs: dict[Any, Callable[[], Any]] = {}
         self._pipes: list[Any] = []
         try:
-            for key, (model, sequences, tensor, microbatches) in steps.items():
-                runs[key], pipe = training_step(model, devices, sequences, tensor=tensor, microbatches=microbatches)
+            for key, step in steps.items():
+                runs[key], pipe = training_step(
+                    step.model, devices, step.sequences, tensor=step.tensor, microbatches=step.microbatches,
+                    schedule=step.schedule,
+                )  # fmt: skip
                 self._pipes.append(pipe)
                 jax.block_until_ready(runs[key]())  # compiles it, outside the timed rounds
         except BaseException:

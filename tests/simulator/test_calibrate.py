@@ -15,16 +15,18 @@ import pytest
 import pipedsl
 from pipedsl.cli.machine import MachineCalibration, _alone_stages, _step_shapes, _tensor_shapes, recalibrated
 from pipedsl.cli.machine_fit import (
+    SPLIT_SCHEDULE,
     fit_alone,
     fit_compute,
     fit_idle_share,
     fit_ring,
+    fit_split,
     fit_sync,
     pipeline_sequences,
     priced_step,
     step_plan,
 )
-from pipedsl.cli.timed import TimedSteps, interleaved_medians
+from pipedsl.cli.timed import Step, TimedSteps, interleaved_medians
 from pipedsl.errors import PipedslError
 from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, simulate
 from pipedsl.simulator.cost_fit import CalibrationError, fit_costs
@@ -333,7 +335,10 @@ def test_the_calibration_times_the_executors_spmd_and_pipeline_steps_in_rounds()
     def build(layers: int, stages: int) -> object:
         return transformer(num_stages=stages, layers_per_stage=layers // stages, vocab=16, dim=8, heads=2, seq=4)
 
-    steps = {"spmd": (build(2, 1), 2, 1, 2), "tensor": (build(1, 1), 2, 2, 1), "pipeline": (build(2, 2), 2, 1, 1)}
+    steps = {
+        "spmd": Step(build(2, 1), 2, microbatches=2), "tensor": Step(build(1, 1), 2, 2), "pipeline": Step(build(2, 2), 2),
+        "split": Step(build(2, 2), 2, schedule=SPLIT_SCHEDULE),
+    }  # fmt: skip
     with TimedSteps(steps, 4) as timed:
         with pytest.raises(ValueError, match="no round"):
             timed.take()
@@ -347,6 +352,19 @@ def test_the_calibration_times_the_executors_spmd_and_pipeline_steps_in_rounds()
         assert set(timed.take()) == set(steps)
 
 
+def test_split_fit_recovers_the_cost_and_never_goes_below_the_fused_backward() -> None:
+    model = dataclasses.replace(_TINY, layers=4)
+    shared = dataclasses.replace(_CPU, shared_cores=2, action_overhead_s=2e-4, idle_share=0.8)
+    plan = step_plan(4, 1, pipeline_sequences(2, 4), pp=2, schedule=SPLIT_SCHEDULE)
+
+    def priced(cost: float) -> float:
+        return estimate(model, dataclasses.replace(shared, split_backward_cost=cost), plan).step_time_s
+
+    assert priced(1.4) > priced(1.0)
+    assert fit_split(model, shared, 8, 4, priced(1.4)).split_backward_cost == pytest.approx(1.4, abs=1e-6)
+    assert fit_split(model, shared, 8, 4, priced(1.0) * 0.9).split_backward_cost == 1.0  # noise below the fused one
+
+
 def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later() -> None:
     # A calibration fitted on one machine, its steps timed again on a machine half as
     # fast whose kernels, steps, collectives inside a program and idle devices cost other
@@ -357,6 +375,7 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
     later = dataclasses.replace(
         first, peak_flops=1e9, kernel_launch_s=3e-4, step_overhead_s=4e-3, collective_sync_s=2e-3,
         collective_sync_per_token_s=5e-6, idle_share=0.9, tensor_idle_share=0.55, alone_efficiency=0.75,
+        split_backward_cost=1.3,
     )  # fmt: skip
 
     def timed(truth: Cluster) -> dict[object, float]:
@@ -369,7 +388,8 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
         pipeline = estimate(model, truth, step_plan(4, 1, pipeline_sequences(2, 4), pp=2)).step_time_s
         alone = estimate(model, truth, step_plan(2, 1, pipeline_sequences(4, 4), pp=4)).step_time_s
         tensor_pipeline = estimate(model, truth, step_plan(2, 2, pipeline_sequences(2, 4, 2), pp=2)).step_time_s
-        return compute | tensor | {("pipeline", 1): pipeline, ("pipeline", 2): tensor_pipeline, ("alone", 4): alone}
+        split = estimate(model, truth, step_plan(4, 1, pipeline_sequences(2, 4), pp=2, schedule=SPLIT_SCHEDULE)).step_time_s
+        return compute | tensor | {("split", 1): split} | {("pipeline", 1): pipeline, ("pipeline", 2): tensor_pipeline, ("alone", 4): alone}
 
     calibration = _calibration(first, {}, all_reduce_s={(2, 4096): 3e-4})
     again = recalibrated(calibration, model, timed(later))
@@ -382,6 +402,7 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
     assert fitted.idle_share == pytest.approx(0.9, abs=1e-3)
     assert fitted.tensor_idle_share == pytest.approx(0.55, abs=1e-3)
     assert fitted.alone_efficiency == pytest.approx(0.75, abs=1e-3)
+    assert fitted.split_backward_cost == pytest.approx(1.3, abs=1e-6)
     assert (fitted.action_overhead_s, fitted.hbm_bandwidth, fitted.intra_node_latency) == (
         first.action_overhead_s, first.hbm_bandwidth, first.intra_node_latency,
     )  # fmt: skip
@@ -390,6 +411,7 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
     assert again.alone_step_s == pytest.approx(timed(later)[("alone", 4)])
     assert "reaches 75% of its ideal speed-up (fitted to a 4-stage pipeline's step" in again.describe()
     assert "55% with tp=2 stages (fitted to such a step" in again.describe()
+    assert "split into I and W costs 1.30 times the fused one (fitted to the two-stage step as zb_auto" in again.describe()
     assert "calibrated in" not in again.describe()  # its steps were timed with something else
 
 

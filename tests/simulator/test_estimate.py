@@ -321,6 +321,39 @@ def test_a_device_busy_alone_reaches_only_the_alone_efficiency_of_its_speed_up()
             dataclasses.replace(IDEAL, alone_efficiency=bad)
 
 
+def test_a_split_backward_costs_its_halves_as_the_executor_divides_them() -> None:
+    # The first stage takes token ids: its I has no input cotangent to compute, so it is
+    # one action's dispatch and its W the fused backward. Elsewhere I and W cost their
+    # shares of the fused backward, times split_backward_cost beyond each dispatch.
+    model = dataclasses.replace(GPT, vocab=8, layers=8)
+    overhead = 1e-4
+    base = dataclasses.replace(IDEAL, action_overhead_s=overhead)
+    zb = Plan(pp=4, dp=2, global_batch=16, schedule="zb_h1")
+    plain = prepare(model, base, zb)
+    costs = plain.cost_model()
+    work = plain.work
+    assert costs.input_grad[0] == overhead
+    assert costs.weight_grad[0] == pytest.approx(work[0].fused_backward(overhead))
+    assert costs.input_grad[1:] == tuple(w.input_grad for w in work[1:])
+    assert costs.weight_grad[1:] == tuple(w.weight_grad for w in work[1:])
+    dearer = dataclasses.replace(base, split_backward_cost=1.25)
+    split = prepare(model, dearer, zb).cost_model()
+    for s in range(1, 4):
+        assert split.input_grad[s] - overhead == pytest.approx(1.25 * (costs.input_grad[s] - overhead))
+        assert split.weight_grad[s] - overhead == pytest.approx(1.25 * (costs.weight_grad[s] - overhead))
+    assert split.backward == costs.backward and split.forward == costs.forward
+    priced = estimate(model, dearer, zb)
+    assert priced.step_time_s > estimate(model, base, zb).step_time_s
+    assert prepare(model, dearer, zb).lower_bound_s <= priced.step_time_s * (1 + 1e-12)
+    assert any(a.name == "split_backward_cost" and a.value == "1.25" for a in priced.assumptions)
+    # A schedule that runs the fused backward costs the same.
+    fused = Plan(pp=4, dp=2, global_batch=16, schedule="1f1b")
+    assert estimate(model, dearer, fused).step_time_s == estimate(model, base, fused).step_time_s
+    for bad in (0.9, math.inf, True):
+        with pytest.raises(DescriptionError, match="split_backward_cost must be a number >= 1"):
+            dataclasses.replace(IDEAL, split_backward_cost=bad)
+
+
 def test_each_tensor_parallel_collective_waits_its_sync_on_shared_cores() -> None:
     # Two all-reduces in each layer's forward and two in its backward, each sync more
     # (with sequence parallelism each is a reduce-scatter and an all-gather: two syncs).
