@@ -61,7 +61,8 @@ class CompiledStages:
 # Compiled stages, shared by every pipeline of the same model (the same stage functions
 # or model_fn, loss, shapes, microbatch count, remat flags, meshes and shardings):
 # comparing schedules of one model compiles its stages once per mesh. Least recently
-# used entries are dropped beyond this many.
+# used entries are dropped beyond this many; a backend keeps its own (``_held``), so that
+# more pipelines than this, stepped in turns, never compile again.
 _CACHE_SIZE = 16
 _COMPILED: OrderedDict[Any, CompiledStages] = OrderedDict()
 
@@ -101,6 +102,7 @@ class LocalBackend:
         self._specs = param_specs
         self._workers: tuple[Worker, ...] = ()
         self._compiled: CompiledStages | None = None
+        self._held: tuple[Any, CompiledStages] | None = None  # (cache key, stages) of the last step
         self._returned: list[Any] | None = None  # the parameter leaves the last step returned
 
     # -- compiling -----------------------------------------------------------------
@@ -125,9 +127,12 @@ class LocalBackend:
             specs,
             self.config,
         )
+        if self._held is not None and self._held[0] == key:
+            return self._held[1]
         found = _COMPILED.get(key)
         if found is not None:
             _COMPILED.move_to_end(key)
+            self._held = (key, found)
             return found
         placement = schedule.placement
         if self._stages is not None:
@@ -159,6 +164,7 @@ class LocalBackend:
         _COMPILED[key] = found
         if len(_COMPILED) > _CACHE_SIZE:
             _COMPILED.popitem(last=False)
+        self._held = (key, found)
         return found
 
     def _workers_for(self, compiled: CompiledStages) -> tuple[Worker, ...]:
@@ -248,6 +254,7 @@ class LocalBackend:
         """The workers' state is dropped with the backend; nothing else is held."""
         self._workers = ()
         self._compiled = None
+        self._held = None
 
     def _load_states(self, workers: Sequence[Worker], opt_state: Any, num_stages: int) -> None:
         if opt_state is None:

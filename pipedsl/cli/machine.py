@@ -34,12 +34,13 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   ``alone_efficiency``, the fraction of its ideal speed-up (a core to itself) that a
   device busy alone reaches, is fitted to it where the idle share alone prices it too
   fast (on two cores, four stages: about 3.1 times the all-busy rate, not 4);
-- *a split backward*: the two-stage pipeline's step again, as a zero-bubble schedule runs
-  it (``zb_auto``: each stage's backward split into ``I`` and ``W``): the
-  ``split_backward_cost``, what the halves cost over the fused backward, is fitted to it
-  (two programs lose what the compiler fused across them and each pays its own tail on
-  the shared cores; timed apart, a stage's ``I`` then ``W`` took 1.1-1.3 times its ``B``
-  here, and in pipelines more);
+- *a split backward*: the last stage of the two-stage pipeline's model (its mesh half the
+  devices), its backward on the residuals of one forward, as one program (``B``) and as
+  the two that zero-bubble schedules run (``I`` then ``W``), in turns:
+  ``split_backward_cost`` is what the halves cost over the fused backward (on this 2-core
+  machine 1.3; a single device runs them at about the fused cost, a mesh of two or more
+  about a quarter more, and that holds from 16 to 64 sequences, so the halves run slower
+  rather than paying a fixed cost each);
 - *memory bandwidth*: one elementwise update of a few MB on every device at once;
 - *collectives*: all-reduces over groups of 2 and of every device, of a small and a
   large buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (α and B are
@@ -80,7 +81,6 @@ import numpy as np
 
 from pipedsl.cli.machine_fit import (
     PIPELINE_STAGES,
-    SPLIT_SCHEDULE,
     fit_alone,
     fit_compute,
     fit_idle_share,
@@ -107,6 +107,8 @@ _TENSOR_BATCHES = (1, 4)
 _MICROBATCHES = 4
 """Microbatches of the compute step that tells a step's fixed cost from a microbatch's."""
 _DISPATCHES = 100
+_BACKWARD_ROUNDS = 15
+"""Timed rounds of the fused and the split backward (a few tens of ms each)."""
 _SMALL, _LARGE = 1 << 12, 1 << 22
 
 
@@ -131,8 +133,9 @@ class MachineCalibration:
         core, or None where there is none (``alone_efficiency`` then 1).
       tensor_pipeline_step_s: measured seconds of the two-stage pipeline's step with
         tensor-parallel stages, or None where there is none (``tensor_idle_share`` then None).
-      split_step_s: measured seconds of the two-stage pipeline's step with its backward
-        split (``I`` then ``W``), or None where there is none (``split_backward_cost`` then 1).
+      backward_s: measured seconds of a stage's backward fused and split (``I`` then
+        ``W``; a short measurement, kept when fitted again), or None where there is no
+        two-stage pipeline (``split_backward_cost`` then 1).
     """
 
     cluster: Cluster
@@ -144,7 +147,7 @@ class MachineCalibration:
     seconds: float
     alone_step_s: float | None = None
     tensor_pipeline_step_s: float | None = None
-    split_step_s: float | None = None
+    backward_s: tuple[float, float] | None = None
 
     @property
     def largest_step(self) -> tuple[int, int, int]:
@@ -177,10 +180,11 @@ class MachineCalibration:
                 f"; a device busy alone reaches {c.alone_efficiency:.0%} of its ideal speed-up (fitted to a "
                 f"{_alone_stages(c.gpus_per_node, c.shared_cores)}-stage pipeline's step, {self.alone_step_s * 1e3:.1f} ms)"
             )
-        if self.split_step_s is not None:
+        if self.backward_s is not None:
+            fused, split = self.backward_s
             idle += (
-                f"; a backward split into I and W costs {c.split_backward_cost:.2f} times the fused one (fitted to "
-                f"the two-stage step as {SPLIT_SCHEDULE} runs it, {self.split_step_s * 1e3:.1f} ms)"
+                f"; a backward split into I and W costs {c.split_backward_cost:.2f} times the fused one (the last "
+                f"of {PIPELINE_STAGES} stages: B {fused * 1e3:.1f} ms, I then W {split * 1e3:.1f} ms)"
             )
         return (
             f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {c.kernel_launch_s * 1e6:.0f} µs per kernel, "
@@ -274,9 +278,10 @@ def calibration_steps(devices: int, model: Model, build: Callable[[int, int], An
     ``build(layers, stages)`` gives the same model as the executor builds it, cut to
     ``layers`` layers split evenly over ``stages``. Keyed ``("compute", layers, sequences
     per device, microbatches)``, ``("tensor", tensor axis, sequences per data rank)``,
-    ``("pipeline", tensor axis)`` (two stages), ``("split", 1)`` (the same two stages,
-    their backward split) and ``("alone", stages)``."""
+    ``("pipeline", tensor axis)`` (two stages) and ``("alone", stages)``; and the last
+    stage's backward of the two-stage model, fused and split (:meth:`TimedSteps.backward_seconds`)."""
     pipeline: dict[Any, Step] = {}
+    backward = None
     if devices % PIPELINE_STAGES == 0 and model.layers % PIPELINE_STAGES == 0:
         two = build(model.layers, PIPELINE_STAGES)
         split = {t for t, _ in _tensor_shapes(model, devices, microbatch_size)}
@@ -284,7 +289,7 @@ def calibration_steps(devices: int, model: Model, build: Callable[[int, int], An
             if devices % (PIPELINE_STAGES * tensor) == 0:
                 sequences = pipeline_sequences(PIPELINE_STAGES, microbatch_size, tensor)
                 pipeline[("pipeline", tensor)] = Step(two, sequences, tensor)
-        pipeline[("split", 1)] = Step(two, pipeline_sequences(PIPELINE_STAGES, microbatch_size), schedule=SPLIT_SCHEDULE)
+        backward = Step(two, pipeline_sequences(PIPELINE_STAGES, microbatch_size))
         alone = _alone_stages(devices, available_cores())
         if alone > PIPELINE_STAGES and model.layers % alone == 0:
             pipeline[("alone", alone)] = Step(build(model.layers, alone), pipeline_sequences(alone, microbatch_size))
@@ -293,6 +298,7 @@ def calibration_steps(devices: int, model: Model, build: Callable[[int, int], An
         | {("tensor", t, m): Step(build(1, 1), m, t) for t, m in _tensor_shapes(model, devices, microbatch_size)}
         | pipeline,
         devices,
+        backward=backward,
     )
 
 
@@ -309,6 +315,7 @@ def calibrate_machine(steps: TimedSteps, model: Model, *, microbatch_size: int) 
     reduces = {(n, s): _all_reduce_seconds(devices, n, s) for n in sorted({2, devices}) for s in (_SMALL, _LARGE)}
     alpha, link = fit_ring(reduces)
     dispatch = _dispatch_seconds(devices)
+    backward = steps.backward_seconds(repeats=_BACKWARD_ROUNDS)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(devices, 1)
     base = Cluster(
         name="this machine",
@@ -325,7 +332,11 @@ def calibrate_machine(steps: TimedSteps, model: Model, *, microbatch_size: int) 
         inter_node_latency=alpha,
         action_overhead_s=dispatch,
     )
-    return _fitted(model, base, measured, microbatch_size=microbatch_size, all_reduce_s=reduces, started=started)
+    if backward is not None:
+        base = fit_split(base, *backward)
+    return _fitted(
+        model, base, measured, microbatch_size=microbatch_size, all_reduce_s=reduces, backward_s=backward, started=started
+    )
 
 
 def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[Any, float]) -> MachineCalibration:
@@ -333,25 +344,25 @@ def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[A
     (:meth:`~pipedsl.cli.timed.TimedSteps.take` of the same :func:`calibration_steps`):
     the demo times them in turns with its runs, so that its predictions rest on the
     machine's speed while they ran. The short measurements (memory bandwidth,
-    collectives, dispatch) are kept; the fits start afresh, as the calibration's did."""
+    collectives, dispatch, the split backward) are kept; the fits start afresh, as the
+    calibration's did."""
     return _fitted(
         model, calibration.cluster, measured, microbatch_size=calibration.microbatch_size, all_reduce_s=calibration.all_reduce_s,
-        started=None,
+        backward_s=calibration.backward_s, started=None,
     )  # fmt: skip
 
 
 def _fitted(
     model: Model, measured_cluster: Cluster, measured: dict[Any, float], *, microbatch_size: int,
-    all_reduce_s: dict[tuple[int, int], float], started: float | None,
+    all_reduce_s: dict[tuple[int, int], float], backward_s: tuple[float, float] | None, started: float | None,
 ) -> MachineCalibration:  # fmt: skip
     """``measured_cluster`` (its short measurements; whatever it holds of the fitted
     numbers is set aside) fitted to the training steps' ``measured`` seconds (keyed as by
     :func:`calibration_steps`): compute, then the tensor-parallel waits, then the idle
-    share, then how fast a device busy alone runs, then what a split backward costs."""
+    share, then how fast a device busy alone runs."""
     base = dataclasses.replace(
         measured_cluster, peak_flops=1e9, kernel_launch_s=0.0, step_overhead_s=0.0, idle_share=1.0,
-        tensor_idle_share=None, alone_efficiency=1.0, split_backward_cost=1.0, collective_sync_s=0.0,
-        collective_sync_per_token_s=0.0,
+        tensor_idle_share=None, alone_efficiency=1.0, collective_sync_s=0.0, collective_sync_per_token_s=0.0,
     )  # fmt: skip
     devices = base.gpus_per_node
     steps = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
@@ -368,9 +379,6 @@ def _fitted(
     alone = {key[1]: seconds for key, seconds in measured.items() if key[0] == "alone"}
     for stages, seconds in alone.items():
         cluster = fit_alone(model, cluster, stages, microbatch_size, seconds)
-    split_s = measured.get(("split", 1))
-    if split_s is not None:
-        cluster = fit_split(model, cluster, devices, microbatch_size, split_s)
     return MachineCalibration(
         cluster=cluster,
         step_s=steps,
@@ -381,5 +389,5 @@ def _fitted(
         all_reduce_s=all_reduce_s,
         seconds=0.0 if started is None else time.perf_counter() - started,
         alone_step_s=next(iter(alone.values()), None),
-        split_step_s=split_s,
+        backward_s=backward_s,
     )

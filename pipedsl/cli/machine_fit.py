@@ -11,8 +11,8 @@ calibration's measurements as measured.
 - :func:`fit_alone`: how fast a device busy alone runs, to a pipeline step whose busy stage
   has a device per core;
 - :func:`fit_ring`: the ring all-reduce's latency and bandwidth, to the all-reduces;
-- :func:`fit_split`: what a backward split in two programs costs, to the two-stage
-  pipeline's step with its backward split.
+- :func:`fit_split`: what a backward split in two programs costs, to one stage's backward
+  timed fused and split.
 """
 
 from __future__ import annotations
@@ -25,18 +25,12 @@ from pipedsl.cli.planned import SPMD_SCHEDULE
 from pipedsl.simulator import Cluster, Model, Plan, estimate
 
 __all__ = [
-    "PIPELINE_STAGES", "SPLIT_SCHEDULE", "fit_alone", "fit_compute", "fit_idle_share", "fit_ring", "fit_split", "fit_sync",
+    "PIPELINE_STAGES", "fit_alone", "fit_compute", "fit_idle_share", "fit_ring", "fit_split", "fit_sync",
     "pipeline_sequences", "priced_step", "step_plan",
 ]  # fmt: skip
 
 _FIT_ROUNDS = 60
 """Most damped Gauss-Newton rounds of the compute fit (from its start it settles within about forty)."""
-SPLIT_SCHEDULE = "zb_auto"
-"""The schedule of the pipeline step that measures a split backward's cost: the library's
-zero-bubble policy, which splits every backward and, at one microbatch of two stages,
-runs each device's ``F``, ``I``, ``W`` in that order (the last stage's ``W`` while the
-first stage's backward runs)."""
-_SPLIT_HIGH = 4.0  # the most split_backward_cost the fit tries
 PIPELINE_STAGES = 2
 """Stages of the pipeline step that measures idle devices (one busy at a time, so half
 the devices idle)."""
@@ -53,14 +47,12 @@ def fit_ring(times: dict[tuple[int, int], float]) -> tuple[float, float]:
     return max(float(alpha), 1e-6), 1.0 / max(float(inverse), 1e-12)
 
 
-def step_plan(
-    dp: int, tp: int, microbatch_size: int, microbatches: int = 1, *, pp: int = 1, schedule: str = SPMD_SCHEDULE
-) -> Plan:
-    """The plan a calibration step runs: ``pp`` stages (run by ``schedule`` beyond one),
-    each over ``dp x tp`` devices, ``microbatches`` per data rank."""
+def step_plan(dp: int, tp: int, microbatch_size: int, microbatches: int = 1, *, pp: int = 1) -> Plan:
+    """The plan a calibration step runs: ``pp`` stages (``gpipe`` beyond one), each over
+    ``dp x tp`` devices, ``microbatches`` per data rank."""
     return Plan(
         dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size, global_batch=dp * microbatch_size * microbatches,
-        schedule=schedule if pp > 1 else None, flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
+        schedule=SPMD_SCHEDULE if pp > 1 else None, flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
     )  # fmt: skip
 
 
@@ -214,24 +206,13 @@ def _least_squares_at_least_zero(rows: np.ndarray, values: np.ndarray) -> tuple[
 
 
 
-def fit_split(model: Model, cluster: Cluster, devices: int, microbatch_size: int, measured: float) -> Cluster:
-    """``cluster`` with the ``split_backward_cost`` in [1, :data:`_SPLIT_HIGH`] at which
-    the simulator prices the pipeline step of :data:`PIPELINE_STAGES` stages run by
-    :data:`SPLIT_SCHEDULE` (one microbatch of :func:`pipeline_sequences` per data rank) as
-    ``measured`` seconds, or the nearer end where none does (the priced step grows with
-    the cost; 1 where the halves at the fused backward's cost price it as slow or slower)."""
-    stages = PIPELINE_STAGES
-    plan = step_plan(
-        devices // stages, 1, pipeline_sequences(stages, microbatch_size), pp=stages, schedule=SPLIT_SCHEDULE
-    )  # fmt: skip
 
-    def priced(cost: float) -> float:
-        return estimate(model, dataclasses.replace(cluster, split_backward_cost=cost), plan).step_time_s
-
-    low, high = 1.0, _SPLIT_HIGH
-    if priced(low) >= measured:
-        return cluster
-    for _ in range(30):
-        middle = (low + high) / 2
-        low, high = (middle, high) if priced(middle) < measured else (low, middle)
-    return dataclasses.replace(cluster, split_backward_cost=(low + high) / 2)
+def fit_split(cluster: Cluster, fused_s: float, split_s: float) -> Cluster:
+    """``cluster`` with the ``split_backward_cost`` of a stage whose fused backward took
+    ``fused_s`` seconds and whose ``I`` then ``W`` took ``split_s``: the simulator prices
+    them ``c + o`` and ``k·c + 2·o`` (``c`` the backward's work, ``o`` an action's
+    overhead), so ``k = (split_s - 2·o) / (fused_s - o)``; at least 1, since the halves
+    run the fused backward's equations once each."""
+    overhead = cluster.action_overhead_s
+    work = max(fused_s - overhead, 1e-12)
+    return dataclasses.replace(cluster, split_backward_cost=max((split_s - 2 * overhead) / work, 1.0))

@@ -19,7 +19,9 @@ from typing import Any
 from pipedsl.cli.common import load_schedule
 from pipedsl.cli.planned import SPMD_SCHEDULE
 
-__all__ = ["STEP_ROUNDS", "Step", "TimedSteps", "median_seconds", "interleaved_medians", "training_step"]
+__all__ = [
+    "STEP_ROUNDS", "Step", "TimedSteps", "backward_halves", "median_seconds", "interleaved_medians", "training_step",
+]  # fmt: skip
 
 STEP_ROUNDS = 11
 """Timed rounds of a training step whose median is taken: the calibration's steps, and by
@@ -84,28 +86,23 @@ class Step:
       sequences: sequences per data rank in each microbatch.
       tensor: the tensor axis of each stage's mesh.
       microbatches: microbatches per data rank.
-      schedule: the library schedule the stages run (``gpipe`` by default; a zero-bubble
-        one to time the backward split into ``I`` and ``W``).
     """
 
     model: Any
     sequences: int
     tensor: int = 1
     microbatches: int = 1
-    schedule: str = SPMD_SCHEDULE
 
 
 def training_step(
-    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1,
-    schedule: str = SPMD_SCHEDULE,
-) -> tuple[Callable[[], Any], Any]:  # fmt: skip
-    """The executor's plan of ``model`` (its stages a pipeline of ``schedule``, ``gpipe``
-    by default; one stage: the SPMD plan) over every device at tp ``tensor``, the data
-    axis the rest of each stage's devices, ``microbatches`` of ``microbatch_size``
-    sequences per data rank: (a call that runs one Adam training step and returns the new
-    parameters, the pipeline to close). The calibration times the executor's own
-    programs: a forward and a backward jitted apart run at another speed than one program
-    of both."""
+    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
+) -> tuple[Callable[[], Any], Any]:
+    """The executor's plan of ``model`` (its stages a ``gpipe`` pipeline; one stage: the
+    SPMD plan) over every device at tp ``tensor``, the data axis the rest of each stage's
+    devices, ``microbatches`` of ``microbatch_size`` sequences per data rank: (a call
+    that runs one Adam training step and returns the new parameters, the pipeline to
+    close). The calibration times the executor's own programs: a forward and a backward
+    jitted apart run at another speed than one program of both."""
     import jax
     import optax
 
@@ -115,9 +112,9 @@ def training_step(
     params = model.init_stages(key)
     stages = model.num_stages
     dp = devices // (tensor * stages)
+    schedule = load_schedule(SPMD_SCHEDULE, {"pp": stages, "microbatches": microbatches})
     pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=load_schedule(schedule, {"pp": stages, "microbatches": microbatches}),
-        backend="local", dp=dp, tp=tensor,
+        model.stages, loss=model.loss, schedule=schedule, backend="local", dp=dp, tp=tensor,
         param_specs=model.param_specs(params) if tensor > 1 else None,
     )  # fmt: skip
     batch = model.batch(jax.random.fold_in(key, 1), dp * microbatch_size * microbatches)
@@ -131,16 +128,69 @@ def training_step(
     return step, pipe
 
 
+def backward_halves(model: Any, devices: int, microbatch_size: int) -> tuple[dict[str, Callable[[], Any]], Any]:
+    """The last stage's backward of ``model`` (an executor model of two stages or more)
+    as the executor's plan over ``devices`` devices compiles it (each stage's data axis
+    ``devices / stages``, one microbatch of ``microbatch_size`` sequences per data rank),
+    run on the residuals of one forward: (``{"fused": a call of B, "split": a call of I
+    then W}``, each adding to an accumulator of its own, which it returns; the pipeline to
+    close). What a zero-bubble schedule pays for running the backward as two programs."""
+    import jax
+
+    from pipedsl.executor import Pipeline
+
+    key = jax.random.PRNGKey(0)
+    params = model.init_stages(key)
+    stages = model.num_stages
+    dp = devices // stages
+    schedule = load_schedule(SPMD_SCHEDULE, {"pp": stages, "microbatches": 1})
+    pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend="local", dp=dp)
+    try:
+        inputs, targets = model.batch(jax.random.fold_in(key, 1), dp * microbatch_size)
+        values = tuple(jax.tree_util.tree_leaves(inputs))
+        for s, program in enumerate(pipe.compile(params, (inputs, targets))):
+            last = s == stages - 1
+            stage_params = tuple(map(jax.device_put, jax.tree_util.tree_leaves(params[s]), program.layout.params))
+            given = _placed(jax.tree_util.tree_leaves(targets), program.layout) if last else ()
+            values, residuals, _ = program.forward(
+                stage_params, _placed(values, program.layout), given, program.zero_loss() if last else None
+            )
+    except BaseException:
+        pipe.close()
+        raise
+    held = {"fused": program.zero_grads(), "split": program.zero_grads()}
+
+    def fused() -> Any:
+        _, held["fused"] = program.backward(residuals, (), held["fused"])
+        return held["fused"]
+
+    def split() -> Any:
+        _, handoff = program.backward_input(residuals, ())
+        held["split"] = program.backward_weight(handoff, held["split"])
+        return held["split"]
+
+    return {"fused": fused, "split": split}, pipe
+
+
+def _placed(leaves: Any, layout: Any) -> tuple[Any, ...]:
+    """``leaves`` on ``layout``'s mesh, split over its data axis."""
+    import jax
+
+    return tuple(jax.device_put(leaf, layout.batch(leaf.shape)) for leaf in leaves)
+
+
 class TimedSteps:
     """:func:`training_step` s over ``devices`` devices, built and compiled once and then
     timed in rounds (:meth:`timed_round`, a step of each in turn), so that the same steps
     can be timed again later without compiling them again: the calibration times them,
     and the demo times them again in turns with its runs. ``steps`` maps a key to the
-    :class:`Step` timed under it. Close it (or use it as a context manager) to release
-    the pipelines.
+    :class:`Step` timed under it. ``backward`` (a model of two stages or more, and the
+    sequences per data rank) adds its last stage's backward, fused and split
+    (:func:`backward_halves`), timed apart by :meth:`backward_seconds`. Close it (or use
+    it as a context manager) to release the pipelines.
     """
 
-    def __init__(self, steps: dict[Any, Step], devices: int) -> None:
+    def __init__(self, steps: dict[Any, Step], devices: int, *, backward: Step | None = None) -> None:
         import jax
 
         self.devices = devices
@@ -149,11 +199,14 @@ class TimedSteps:
         try:
             for key, step in steps.items():
                 runs[key], pipe = training_step(
-                    step.model, devices, step.sequences, tensor=step.tensor, microbatches=step.microbatches,
-                    schedule=step.schedule,
-                )  # fmt: skip
+                    step.model, devices, step.sequences, tensor=step.tensor, microbatches=step.microbatches
+                )
                 self._pipes.append(pipe)
                 jax.block_until_ready(runs[key]())  # compiles it, outside the timed rounds
+            self._halves: dict[str, Callable[[], Any]] = {}
+            if backward is not None:
+                self._halves, pipe = backward_halves(backward.model, devices, backward.sequences)
+                self._pipes.append(pipe)
         except BaseException:
             self.close()
             raise
@@ -167,6 +220,14 @@ class TimedSteps:
         """The median seconds of each step over the rounds timed since the last take (at
         least one), which are then forgotten."""
         return self._rounds.take()
+
+    def backward_seconds(self, *, repeats: int) -> tuple[float, float] | None:
+        """Median seconds of the backward given at construction, fused and split (``I``
+        then ``W``), over ``repeats`` rounds in turns; None where none was given."""
+        if not self._halves:
+            return None
+        medians = interleaved_medians(self._halves, repeats=repeats)
+        return medians["fused"], medians["split"]
 
     def close(self) -> None:
         for pipe in self._pipes:

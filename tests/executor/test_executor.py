@@ -147,6 +147,25 @@ def test_compiled_stages_are_reused_across_steps() -> None:
     assert pipe.compile(params, bigger) is not first
 
 
+def test_a_pipeline_keeps_its_compiled_stages_however_many_others_are_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pipelines stepped in turns (the demo's runs and its calibration's steps) never
+    # compile again, even when more of them are alive than the shared cache holds.
+    from collections import OrderedDict
+
+    import pipedsl.executor.local
+
+    monkeypatch.setattr(pipedsl.executor.local, "_COMPILED", OrderedDict())
+    monkeypatch.setattr(pipedsl.executor.local, "_CACHE_SIZE", 1)
+    schedule = library("1f1b")
+    params, batch, _, _ = setup("mlp", "explicit", schedule.num_stages)
+    bigger = tuple(jnp.concatenate([x, x]) for x in batch)
+    mine, other = pipeline("mlp", "explicit", schedule), pipeline("mlp", "explicit", schedule)
+    first = mine.compile(params, batch)
+    other.compile(params, bigger)  # drops the first from the shared cache
+    assert mine.compile(params, batch) is first
+    assert other.compile(params, batch) is not first  # only the pipeline that compiled them keeps them
+
+
 def test_marked_split_routes_inputs_integers_and_parameter_only_values() -> None:
     # Stage 2 reads the raw input (carried through stage 1 untouched) and the integer
     # ids (carried forward, with no gradient); stage 1 reads a value computed from

@@ -15,7 +15,6 @@ import pytest
 import pipedsl
 from pipedsl.cli.machine import MachineCalibration, _alone_stages, _step_shapes, _tensor_shapes, recalibrated
 from pipedsl.cli.machine_fit import (
-    SPLIT_SCHEDULE,
     fit_alone,
     fit_compute,
     fit_idle_share,
@@ -335,11 +334,8 @@ def test_the_calibration_times_the_executors_spmd_and_pipeline_steps_in_rounds()
     def build(layers: int, stages: int) -> object:
         return transformer(num_stages=stages, layers_per_stage=layers // stages, vocab=16, dim=8, heads=2, seq=4)
 
-    steps = {
-        "spmd": Step(build(2, 1), 2, microbatches=2), "tensor": Step(build(1, 1), 2, 2), "pipeline": Step(build(2, 2), 2),
-        "split": Step(build(2, 2), 2, schedule=SPLIT_SCHEDULE),
-    }  # fmt: skip
-    with TimedSteps(steps, 4) as timed:
+    steps = {"spmd": Step(build(2, 1), 2, microbatches=2), "tensor": Step(build(1, 1), 2, 2), "pipeline": Step(build(2, 2), 2)}
+    with TimedSteps(steps, 4, backward=Step(build(2, 2), 2)) as timed:
         with pytest.raises(ValueError, match="no round"):
             timed.take()
         timed.timed_round()
@@ -350,19 +346,42 @@ def test_the_calibration_times_the_executors_spmd_and_pipeline_steps_in_rounds()
             timed.take()  # the rounds taken are forgotten
         timed.timed_round()
         assert set(timed.take()) == set(steps)
+        fused, split = timed.backward_seconds(repeats=2) or (0.0, 0.0)
+        assert fused > 0 and split > 0  # timed apart from the rounds
+    with TimedSteps(steps, 4) as plain:
+        assert plain.backward_seconds(repeats=2) is None
 
 
-def test_split_fit_recovers_the_cost_and_never_goes_below_the_fused_backward() -> None:
-    model = dataclasses.replace(_TINY, layers=4)
-    shared = dataclasses.replace(_CPU, shared_cores=2, action_overhead_s=2e-4, idle_share=0.8)
-    plan = step_plan(4, 1, pipeline_sequences(2, 4), pp=2, schedule=SPLIT_SCHEDULE)
+def test_split_fit_prices_the_halves_as_timed_and_never_below_the_fused_backward() -> None:
+    # B is one action (its work and one dispatch), I then W two: the cost is the ratio of
+    # the work alone.
+    cluster = dataclasses.replace(_CPU, action_overhead_s=2e-4)
+    work = 0.030
+    fitted = fit_split(cluster, work + 2e-4, 1.25 * work + 4e-4)
+    assert fitted.split_backward_cost == pytest.approx(1.25, rel=1e-9)
+    assert fit_split(cluster, 0.030, 0.029).split_backward_cost == 1.0  # noise below the fused one
 
-    def priced(cost: float) -> float:
-        return estimate(model, dataclasses.replace(shared, split_backward_cost=cost), plan).step_time_s
 
-    assert priced(1.4) > priced(1.0)
-    assert fit_split(model, shared, 8, 4, priced(1.4)).split_backward_cost == pytest.approx(1.4, abs=1e-6)
-    assert fit_split(model, shared, 8, 4, priced(1.0) * 0.9).split_backward_cost == 1.0  # noise below the fused one
+def test_the_backward_halves_timed_compute_what_the_fused_backward_does() -> None:
+    # What the calibration times for a split backward's cost: I then W add the same
+    # parameter gradients as B, each call once more to its own accumulator.
+    import jax
+
+    from pipedsl.cli.timed import backward_halves
+    from pipedsl.executor.models import transformer
+
+    model = transformer(num_stages=2, layers_per_stage=1, vocab=16, dim=8, heads=2, seq=4)
+    runs, pipe = backward_halves(model, 4, 2)
+    try:
+        fused, split = runs["fused"](), runs["split"]()
+        assert any(float(np.abs(np.asarray(a)).max()) > 0 for a in jax.tree_util.tree_leaves(fused))
+        for a, b in zip(jax.tree_util.tree_leaves(fused), jax.tree_util.tree_leaves(split), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+        twice = runs["fused"]()
+        for a, b in zip(jax.tree_util.tree_leaves(twice), jax.tree_util.tree_leaves(split), strict=True):
+            np.testing.assert_allclose(np.asarray(a), 2 * np.asarray(b), rtol=1e-5, atol=1e-7)
+    finally:
+        pipe.close()
 
 
 def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later() -> None:
@@ -375,7 +394,6 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
     later = dataclasses.replace(
         first, peak_flops=1e9, kernel_launch_s=3e-4, step_overhead_s=4e-3, collective_sync_s=2e-3,
         collective_sync_per_token_s=5e-6, idle_share=0.9, tensor_idle_share=0.55, alone_efficiency=0.75,
-        split_backward_cost=1.3,
     )  # fmt: skip
 
     def timed(truth: Cluster) -> dict[object, float]:
@@ -388,10 +406,10 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
         pipeline = estimate(model, truth, step_plan(4, 1, pipeline_sequences(2, 4), pp=2)).step_time_s
         alone = estimate(model, truth, step_plan(2, 1, pipeline_sequences(4, 4), pp=4)).step_time_s
         tensor_pipeline = estimate(model, truth, step_plan(2, 2, pipeline_sequences(2, 4, 2), pp=2)).step_time_s
-        split = estimate(model, truth, step_plan(4, 1, pipeline_sequences(2, 4), pp=2, schedule=SPLIT_SCHEDULE)).step_time_s
-        return compute | tensor | {("split", 1): split} | {("pipeline", 1): pipeline, ("pipeline", 2): tensor_pipeline, ("alone", 4): alone}
+        return compute | tensor | {("pipeline", 1): pipeline, ("pipeline", 2): tensor_pipeline, ("alone", 4): alone}
 
-    calibration = _calibration(first, {}, all_reduce_s={(2, 4096): 3e-4})
+    measured_split = dataclasses.replace(first, split_backward_cost=1.3)
+    calibration = _calibration(measured_split, {}, all_reduce_s={(2, 4096): 3e-4}, backward_s=(0.0302, 0.0393))
     again = recalibrated(calibration, model, timed(later))
     fitted = again.cluster
     assert fitted.peak_flops == pytest.approx(1e9, rel=1e-4)
@@ -402,7 +420,7 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
     assert fitted.idle_share == pytest.approx(0.9, abs=1e-3)
     assert fitted.tensor_idle_share == pytest.approx(0.55, abs=1e-3)
     assert fitted.alone_efficiency == pytest.approx(0.75, abs=1e-3)
-    assert fitted.split_backward_cost == pytest.approx(1.3, abs=1e-6)
+    assert fitted.split_backward_cost == 1.3 and again.backward_s == (0.0302, 0.0393)  # short measurements: kept
     assert (fitted.action_overhead_s, fitted.hbm_bandwidth, fitted.intra_node_latency) == (
         first.action_overhead_s, first.hbm_bandwidth, first.intra_node_latency,
     )  # fmt: skip
@@ -411,7 +429,7 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
     assert again.alone_step_s == pytest.approx(timed(later)[("alone", 4)])
     assert "reaches 75% of its ideal speed-up (fitted to a 4-stage pipeline's step" in again.describe()
     assert "55% with tp=2 stages (fitted to such a step" in again.describe()
-    assert "split into I and W costs 1.30 times the fused one (fitted to the two-stage step as zb_auto" in again.describe()
+    assert "split into I and W costs 1.30 times the fused one (the last of 2 stages: B 30.2 ms, I then W 39.3 ms)" in again.describe()
     assert "calibrated in" not in again.describe()  # its steps were timed with something else
 
 
