@@ -243,9 +243,9 @@ class Cluster:
       split_backward_cost: what a backward split into ``I`` and ``W`` (zero-bubble
         schedules) costs over the fused ``B`` it divides, beyond each action's overhead:
         at least 1; 1 (the default) prices the two halves at the fused backward's work,
-        which is what they run. Two programs in place of one lose what the compiler
-        fused across the halves and pay each program's tail once more: on forced CPU
-        devices ``pipedsl demo`` measures 1.1-1.3.
+        which is what they run. On forced CPU devices a mesh of two or more runs the two
+        programs slower than the one (a single device does not), by a fraction that
+        holds whatever the microbatch: ``pipedsl demo`` measures 1.16-1.33.
       collective_sync_s: seconds that each collective inside a stage program (each
         tensor-parallel one, and ZeRO 2/3's per layer and microbatch) waits on top of its
         transfer, for each device of its group but one, when the devices share cores:

@@ -38,7 +38,7 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
   devices), its backward on the residuals of one forward, as one program (``B``) and as
   the two that zero-bubble schedules run (``I`` then ``W``), in turns:
   ``split_backward_cost`` is what the halves cost over the fused backward (on this 2-core
-  machine 1.3; a single device runs them at about the fused cost, a mesh of two or more
+  machine 1.16-1.33; a single device runs them at about the fused cost, a mesh of two or more
   about a quarter more, and that holds from 16 to 64 sequences, so the halves run slower
   rather than paying a fixed cost each);
 - *memory bandwidth*: one elementwise update of a few MB on every device at once;
