@@ -289,7 +289,7 @@ def calibration_steps(devices: int, model: Model, build: Callable[[int, int], An
             if devices % (PIPELINE_STAGES * tensor) == 0:
                 sequences = pipeline_sequences(PIPELINE_STAGES, microbatch_size, tensor)
                 pipeline[("pipeline", tensor)] = Step(two, sequences, tensor)
-        backward = Step(two, pipeline_sequences(PIPELINE_STAGES, microbatch_size))
+        backward = (two, pipeline_sequences(PIPELINE_STAGES, microbatch_size))
         alone = _alone_stages(devices, available_cores())
         if alone > PIPELINE_STAGES and model.layers % alone == 0:
             pipeline[("alone", alone)] = Step(build(model.layers, alone), pipeline_sequences(alone, microbatch_size))

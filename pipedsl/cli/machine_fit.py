@@ -205,8 +205,6 @@ def _least_squares_at_least_zero(rows: np.ndarray, values: np.ndarray) -> tuple[
     return float(best[0]), float(best[1])
 
 
-
-
 def fit_split(cluster: Cluster, fused_s: float, split_s: float) -> Cluster:
     """``cluster`` with the ``split_backward_cost`` of a stage whose fused backward took
     ``fused_s`` seconds and whose ``I`` then ``W`` took ``split_s``: the simulator prices

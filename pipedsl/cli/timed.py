@@ -184,18 +184,19 @@ class TimedSteps:
     timed in rounds (:meth:`timed_round`, a step of each in turn), so that the same steps
     can be timed again later without compiling them again: the calibration times them,
     and the demo times them again in turns with its runs. ``steps`` maps a key to the
-    :class:`Step` timed under it. ``backward`` (a model of two stages or more, and the
+    :class:`Step` timed under it. ``backward`` (an executor model of two stages or more,
     sequences per data rank) adds its last stage's backward, fused and split
     (:func:`backward_halves`), timed apart by :meth:`backward_seconds`. Close it (or use
     it as a context manager) to release the pipelines.
     """
 
-    def __init__(self, steps: dict[Any, Step], devices: int, *, backward: Step | None = None) -> None:
+    def __init__(self, steps: dict[Any, Step], devices: int, *, backward: tuple[Any, int] | None = None) -> None:
         import jax
 
         self.devices = devices
         runs: dict[Any, Callable[[], Any]] = {}
         self._pipes: list[Any] = []
+        self._halves: dict[str, Callable[[], Any]] = {}
         try:
             for key, step in steps.items():
                 runs[key], pipe = training_step(
@@ -203,9 +204,9 @@ class TimedSteps:
                 )
                 self._pipes.append(pipe)
                 jax.block_until_ready(runs[key]())  # compiles it, outside the timed rounds
-            self._halves: dict[str, Callable[[], Any]] = {}
             if backward is not None:
-                self._halves, pipe = backward_halves(backward.model, devices, backward.sequences)
+                model, sequences = backward
+                self._halves, pipe = backward_halves(model, devices, sequences)
                 self._pipes.append(pipe)
         except BaseException:
             self.close()

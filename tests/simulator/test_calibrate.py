@@ -335,7 +335,7 @@ def test_the_calibration_times_the_executors_spmd_and_pipeline_steps_in_rounds()
         return transformer(num_stages=stages, layers_per_stage=layers // stages, vocab=16, dim=8, heads=2, seq=4)
 
     steps = {"spmd": Step(build(2, 1), 2, microbatches=2), "tensor": Step(build(1, 1), 2, 2), "pipeline": Step(build(2, 2), 2)}
-    with TimedSteps(steps, 4, backward=Step(build(2, 2), 2)) as timed:
+    with TimedSteps(steps, 4, backward=(build(2, 2), 2)) as timed:
         with pytest.raises(ValueError, match="no round"):
             timed.take()
         timed.timed_round()
