@@ -248,12 +248,12 @@ class Prepared:
     def cost_model(self) -> CostModel:
         """The pipeline's cost model: per-stage F, I, W seconds, the links' transfer times
         and the residual bytes per microbatch."""
-        work, cluster = self.work, self.shapes.cluster
+        work = self.work
         latency, bandwidth, boundary_bytes = _transfer_costs(self.placement, self.shapes)
-        input_grad, weight_grad = _split_backward(work, cluster)
+        backward, input_grad, weight_grad = _backward_seconds(work, self.shapes.cluster)
         return CostModel(
             forward=tuple(w.forward for w in work),
-            backward=tuple(w.fused_backward(cluster.action_overhead_s) for w in work),
+            backward=backward,
             input_grad=input_grad,
             weight_grad=weight_grad,
             latency=latency,
@@ -415,26 +415,29 @@ def _lower_bound(
 ) -> float:
     """Seconds the forward/backward part takes at least (see :meth:`Pipelines.lower_bound_s`);
     for SPMD, exactly its microbatches × (F + B)."""
-    overhead = cluster.action_overhead_s
     if key is None or pipelines is None:
-        return plan.microbatches * (work[0].forward + work[0].fused_backward(overhead))
-    input_grad, weight_grad = _split_backward(work, cluster)
-    fused = [w.fused_backward(overhead) for w in work]
-    seconds = np.array([[w.forward for w in work], fused, input_grad, weight_grad])
+        return plan.microbatches * (work[0].forward + work[0].fused_backward(cluster.action_overhead_s))
+    seconds = np.array([[w.forward for w in work], *_backward_seconds(work, cluster)])
     return pipelines.lower_bound_s(key, seconds)
 
 
-def _split_backward(work: Sequence[Work], cluster: Cluster) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Seconds of each stage's ``I`` and of its ``W`` where a schedule splits the backward,
-    shape (S,) each, as the executor divides it: ``I`` computes what the input's
-    cotangent needs, which the first stage (token ids in) has none of, so there ``I`` is
-    one action's dispatch and ``W`` the fused backward's one program; elsewhere, beyond
-    each action's overhead, the halves cost ``Cluster.split_backward_cost`` times their
-    share of the fused backward."""
-    overhead, cost = cluster.action_overhead_s, cluster.split_backward_cost
+_Seconds = tuple[float, ...]
 
-    def halves(w: Work) -> tuple[float, float]:
+
+def _backward_seconds(work: Sequence[Work], cluster: Cluster) -> tuple[_Seconds, _Seconds, _Seconds]:
+    """Seconds of each stage's fused ``B``, and of its ``I`` and its ``W`` where a schedule
+    splits the backward, shape (S,) each, as the executor runs them: ``B`` is one action,
+    so one overhead; ``I`` computes what the input's cotangent needs, which the first
+    stage (token ids in) has none of, so there ``I`` is one action's dispatch and ``W``
+    the fused backward's one program; elsewhere, beyond each action's overhead, the halves
+    cost ``Cluster.split_backward_cost`` times their share of the fused backward."""
+    overhead, cost = cluster.action_overhead_s, cluster.split_backward_cost
+    fused = tuple(w.fused_backward(overhead) for w in work)
+
+    def halves(s: int, w: Work) -> tuple[float, float]:
+        if s == 0:
+            return overhead, fused[0]
         return overhead + (w.input_grad - overhead) * cost, overhead + (w.weight_grad - overhead) * cost
 
-    split = [(overhead, w.fused_backward(overhead)) if s == 0 else halves(w) for s, w in enumerate(work)]
-    return tuple(i for i, _ in split), tuple(w for _, w in split)
+    input_grad, weight_grad = zip(*(halves(s, w) for s, w in enumerate(work)), strict=True)
+    return fused, input_grad, weight_grad

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import tomllib
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from importlib import resources
 from pathlib import Path
@@ -63,6 +64,13 @@ def _check_float(owner: str, name: str, value: object, *, low: float = 0.0, high
     if not math.isfinite(value) or not low < value <= high:
         bound = f"in ({low:g}, {high:g}]" if math.isfinite(high) else f"> {low:g}"
         raise DescriptionError(f"{owner}: {name} must be {bound}, got {value!r}")
+
+
+def _check_within(owner: str, name: str, value: object, bound: str, within: Callable[[float], bool]) -> None:
+    """Check that ``value`` is a finite number for which ``within`` holds; else say it must
+    be a number ``bound`` (``">= 0"``, ``"in [0, 1]"``, ...)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not within(value):
+        raise DescriptionError(f"{owner}: {name} must be a number {bound}, got {value!r}")
 
 
 def _check_bool(owner: str, name: str, value: object) -> None:
@@ -322,21 +330,12 @@ class Cluster:
             "collective_sync_per_token_s",
             "step_overhead_s",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise DescriptionError(f"{owner}: {name} must be a number >= 0, got {value!r}")
-        for name in ("idle_share", "tensor_idle_share"):
-            share = getattr(self, name)
-            if name == "tensor_idle_share" and share is None:
-                continue
-            if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
-                raise DescriptionError(f"{owner}: {name} must be a number in [0, 1], got {share!r}")
-        alone = self.alone_efficiency
-        if isinstance(alone, bool) or not isinstance(alone, int | float) or not 0 < alone <= 1:
-            raise DescriptionError(f"{owner}: alone_efficiency must be a number in (0, 1], got {alone!r}")
-        split = self.split_backward_cost
-        if isinstance(split, bool) or not isinstance(split, int | float) or not math.isfinite(split) or split < 1:
-            raise DescriptionError(f"{owner}: split_backward_cost must be a number >= 1, got {split!r}")
+            _check_within(owner, name, getattr(self, name), ">= 0", lambda v: v >= 0)
+        _check_within(owner, "idle_share", self.idle_share, "in [0, 1]", lambda v: 0 <= v <= 1)
+        if self.tensor_idle_share is not None:
+            _check_within(owner, "tensor_idle_share", self.tensor_idle_share, "in [0, 1]", lambda v: 0 <= v <= 1)
+        _check_within(owner, "alone_efficiency", self.alone_efficiency, "in (0, 1]", lambda v: 0 < v <= 1)
+        _check_within(owner, "split_backward_cost", self.split_backward_cost, ">= 1", lambda v: v >= 1)
         _check_int(owner, "memory_bytes", self.memory_bytes)
         _check_int(owner, "reserved_bytes", self.reserved_bytes, minimum=0)
         _check_int(owner, "gpus_per_node", self.gpus_per_node)

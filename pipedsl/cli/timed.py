@@ -94,17 +94,14 @@ class Step:
     microbatches: int = 1
 
 
-def training_step(
+def _gpipe(
     model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
-) -> tuple[Callable[[], Any], Any]:
-    """The executor's plan of ``model`` (its stages a ``gpipe`` pipeline; one stage: the
-    SPMD plan) over every device at tp ``tensor``, the data axis the rest of each stage's
-    devices, ``microbatches`` of ``microbatch_size`` sequences per data rank: (a call
-    that runs one Adam training step and returns the new parameters, the pipeline to
-    close). The calibration times the executor's own programs: a forward and a backward
-    jitted apart run at another speed than one program of both."""
+) -> tuple[Any, Any, Any]:
+    """The executor's ``gpipe`` plan of ``model`` over every device at tp ``tensor`` (the
+    data axis the rest of each stage's devices) on the local backend, its parameters and a
+    batch of ``microbatches`` microbatches of ``microbatch_size`` sequences per data rank:
+    (pipeline, parameters, batch)."""
     import jax
-    import optax
 
     from pipedsl.executor import Pipeline
 
@@ -117,7 +114,21 @@ def training_step(
         model.stages, loss=model.loss, schedule=schedule, backend="local", dp=dp, tp=tensor,
         param_specs=model.param_specs(params) if tensor > 1 else None,
     )  # fmt: skip
-    batch = model.batch(jax.random.fold_in(key, 1), dp * microbatch_size * microbatches)
+    return pipe, params, model.batch(jax.random.fold_in(key, 1), dp * microbatch_size * microbatches)
+
+
+def training_step(
+    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
+) -> tuple[Callable[[], Any], Any]:
+    """The executor's plan of ``model`` (its stages a ``gpipe`` pipeline; one stage: the
+    SPMD plan) over every device at tp ``tensor``, the data axis the rest of each stage's
+    devices, ``microbatches`` of ``microbatch_size`` sequences per data rank: (a call
+    that runs one Adam training step and returns the new parameters, the pipeline to
+    close). The calibration times the executor's own programs: a forward and a backward
+    jitted apart run at another speed than one program of both."""
+    import optax
+
+    pipe, params, batch = _gpipe(model, devices, microbatch_size, tensor=tensor, microbatches=microbatches)
     optimizer = optax.adam(1e-3)
     held: list[Any] = [params, None]
 
@@ -137,16 +148,9 @@ def backward_halves(model: Any, devices: int, microbatch_size: int) -> tuple[dic
     close). What a zero-bubble schedule pays for running the backward as two programs."""
     import jax
 
-    from pipedsl.executor import Pipeline
-
-    key = jax.random.PRNGKey(0)
-    params = model.init_stages(key)
     stages = model.num_stages
-    dp = devices // stages
-    schedule = load_schedule(SPMD_SCHEDULE, {"pp": stages, "microbatches": 1})
-    pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend="local", dp=dp)
+    pipe, params, (inputs, targets) = _gpipe(model, devices, microbatch_size)
     try:
-        inputs, targets = model.batch(jax.random.fold_in(key, 1), dp * microbatch_size)
         values = tuple(jax.tree_util.tree_leaves(inputs))
         for s, program in enumerate(pipe.compile(params, (inputs, targets))):
             last = s == stages - 1
