@@ -262,9 +262,11 @@ def assert_trees_close(actual: Any, expected: Any, *, atol: float | None = None)
     assert a_tree == e_tree
     for a, e in zip(a_leaves, e_leaves, strict=True):
         e = np.asarray(e)
-        # rtol 1e-5 as promised; the tiny default atol only forgives float32 rounding of
-        # entries that are zero up to cancellation.
-        tol = 1e-6 * float(np.abs(e).max() or 1.0) if atol is None else atol
+        # rtol 1e-5 as promised; the default atol forgives float32 rounding of entries that
+        # are sums cancelling to near zero: their rounding is that of their terms, which are
+        # as large as the leaf's largest entry. Summed in another order (another CPU's XLA
+        # kernels), such an entry of a transformer's gradient moved by 1.25e-6 of the largest.
+        tol = 1e-5 * float(np.abs(e).max() or 1.0) if atol is None else atol
         np.testing.assert_allclose(np.asarray(a), e, rtol=1e-5, atol=tol)
 
 

@@ -69,8 +69,10 @@ def test_optimizer_steps_match_single_device_loop(form: str) -> None:
     for ref_params, ref_loss in reference_training(form, schedule.num_stages, steps=3):
         pipe_params, pipe_state, loss = pipe.train_step(pipe_params, pipe_state, batch, optimizer=ADAM)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    # Parameters are of size ~0.1: an absolute 1e-6 is still tight.
-    assert_trees_close(pipe_params, ref_params, atol=1e-6)
+    # Adam moves a parameter by lr / eps = 100 times its gradient's rounding (float32, about
+    # 1e-8 for gradients of this size) at each step: 3e-6 after three steps. Parameters are
+    # of size ~0.1, so an absolute 5e-6 is still tight.
+    assert_trees_close(pipe_params, ref_params, atol=5e-6)
 
 
 def test_tied_parameter_is_owned_by_first_user() -> None:
