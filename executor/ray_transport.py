@@ -17,11 +17,11 @@ replicated array goes once. A device-to-device path on GPUs (NCCL) would be anot
 from __future__ import annotations
 
 import datetime
-import queue
 import threading
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError, PeerFailed, stage_failure
 from pipedsl.executor.ray_links import Channel, Layout, Links, channel_of, layout_of, structs, transfer_id
-from pipedsl.executor.transport import describe_key, never_sent, stopped_waiting, watch
+from pipedsl.executor.transport import Inbox, describe_key, helper, never_sent, stopped_waiting, watch
 from pipedsl.program import Buffer
 
 __all__ = ["Mailbox", "RayTransport", "to_wire", "from_wire"]
@@ -177,8 +177,8 @@ class RayTransport:
     it once computed) and then handed to a sender thread that waits for it, so that a
     failed computation is reported as its stage's failure; a value by actor call is
     handed to that thread to be computed, copied to host memory and given to Ray. The
-    thread keeps the order of what it is given; :meth:`finish` waits for it at the end of
-    the step.
+    thread (a kept helper, :func:`~pipedsl.executor.transport.helper`) keeps the order of
+    what it is given; :meth:`finish` waits for it at the end of the step.
 
     Receives by transfer are pulled ahead, in the order of the program's receives
     (``expected``), at most :data:`_AHEAD` pending, so that a value moves as soon as it
@@ -202,7 +202,6 @@ class RayTransport:
         "_recording",
         "_timeout",
         "_aborted",
-        "_queue",
         "_sender",
         "_error",
         "_lock",
@@ -238,8 +237,7 @@ class RayTransport:
         self._recording = recording
         self._timeout = timeout
         self._aborted = False
-        self._queue: queue.SimpleQueue[tuple[Hashable, Any, int, int | None, bool] | None] = queue.SimpleQueue()
-        self._sender: threading.Thread | None = None
+        self._sender: Inbox | None = None
         self._error: ExecutionError | None = None
         self._lock = threading.Lock()
         self._offered: set[tuple[Hashable, int]] = set()  # (key, receiver), sent by either path
@@ -269,34 +267,32 @@ class RayTransport:
             return
         offered = self._offer(key, value, dst, stage=stage)
         if self._sender is None:
-            self._sender = threading.Thread(target=self._send_queued, name=f"pipedsl-send-{self.device}", daemon=True)
-            self._sender.start()
-        self._queue.put((key, value, dst, stage, offered))
+            self._sender = helper()
+        self._sender.put(partial(self._send_queued, key, value, dst, stage, offered))
 
-    def _send_queued(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue  # drain: the step has failed
-            key, value, dst, stage, offered = item
-            try:
-                if offered:
-                    _computed(value, stage, self.device, key)
-                elif not self._offer(key, value, dst, stage=stage):
-                    self._deliver(key, value, dst, stage=stage)
-            except ExecutionError as err:
-                self._error = err
-                self.abort(err)
-            except Exception as err:  # anything else Ray or the transfer raises while handing the value over
-                self._error = ExecutionError(f"device {self.device} could not send {key}: {err}", device=self.device)
-                self.abort(err)
+    def _send_queued(self, key: Hashable, value: Any, dst: int, stage: int | None, offered: bool) -> None:
+        if self._error is not None:
+            return  # the step has failed: what is still queued is dropped
+        try:
+            if offered:
+                _computed(value, stage, self.device, key)
+            elif not self._offer(key, value, dst, stage=stage):
+                self._deliver(key, value, dst, stage=stage)
+        except ExecutionError as err:
+            self._error = err
+            self.abort(err)
+        except Exception as err:  # anything else Ray or the transfer raises while handing the value over
+            self._error = ExecutionError(f"device {self.device} could not send {key}: {err}", device=self.device)
+            self.abort(err)
 
     def finish(self, failure: ExecutionError | None = None) -> ExecutionError | None:
         """Wait for the queued sends (at most the receive timeout); return the step's
         failure: the sender's own, which caused any other, else ``failure``."""
         if self._sender is not None:
-            self._queue.put(None)
-            self._sender.join(timeout=self._timeout)
-            if self._sender.is_alive() and self._error is None:
+            sent = threading.Event()
+            self._sender.put(sent.set)
+            self._sender.put(None)
+            if not sent.wait(timeout=self._timeout) and self._error is None:
                 self._error = ExecutionError(
                     f"device {self.device}'s sends did not finish within {self._timeout:g} s", device=self.device
                 )
