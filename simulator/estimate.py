@@ -415,10 +415,10 @@ def _lower_bound(
 ) -> float:
     """Seconds the forward/backward part takes at least (see :meth:`Pipelines.lower_bound_s`);
     for SPMD, exactly its microbatches × (F + B)."""
+    backward = _backward_seconds(work, cluster)
     if key is None or pipelines is None:
-        return plan.microbatches * (work[0].forward + work[0].fused_backward(cluster.action_overhead_s))
-    seconds = np.array([[w.forward for w in work], *_backward_seconds(work, cluster)])
-    return pipelines.lower_bound_s(key, seconds)
+        return plan.microbatches * (work[0].forward + backward[0][0])
+    return pipelines.lower_bound_s(key, np.array([[w.forward for w in work], *backward]))
 
 
 _Seconds = tuple[float, ...]
