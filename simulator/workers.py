@@ -53,10 +53,17 @@ _STOP_S = 5.0
 
 _HEADER = struct.Struct("<Q")
 
-# Run by ``python -c``: this process's import path, then the worker loop.
+# Run by ``python -c``: this process's import path, then the worker loop. Ctrl-C reaches
+# the caller too, which stops its workers, so a worker exits quietly on it, also while it
+# is still importing (a search interrupted within a second of its start printed a
+# worker's traceback on a slow machine).
 _BOOT = (
-    "import json, sys; sys.path[:] = json.loads(sys.argv[1]);"
-    " from pipedsl.simulator.workers import serve; serve(int(sys.argv[2]))"
+    "import sys\n"
+    "try:\n"
+    "    import json; sys.path[:] = json.loads(sys.argv[1])\n"
+    "    from pipedsl.simulator.workers import serve; serve(int(sys.argv[2]))\n"
+    "except KeyboardInterrupt:\n"
+    "    pass\n"
 )
 
 
@@ -213,21 +220,17 @@ def serve(answers: int) -> None:
     error, as the caller's standard output is for its own results."""
     out = os.fdopen(answers, "wb")
     os.dup2(2, 1)
-    try:
-        while (message := _read(sys.stdin.buffer)) is not None:
-            fn, call = message
-            reporter = _Reporter(out)
-            try:
-                result = fn(*call, advance=reporter.advance)
-            except Exception as err:  # noqa: BLE001 - every failure goes back to the caller
-                reporter.flush()
-                _write(out, ("error", _portable(err)))
-            else:
-                reporter.flush()
-                _write(out, ("done", result))
-    except KeyboardInterrupt:
-        # Ctrl-C reaches the caller too, which stops its workers: exit quietly.
-        return
+    while (message := _read(sys.stdin.buffer)) is not None:
+        fn, call = message
+        reporter = _Reporter(out)
+        try:
+            result = fn(*call, advance=reporter.advance)
+        except Exception as err:  # noqa: BLE001 - every failure goes back to the caller
+            reporter.flush()
+            _write(out, ("error", _portable(err)))
+        else:
+            reporter.flush()
+            _write(out, ("done", result))
 
 
 class _Reporter:
