@@ -64,8 +64,9 @@ class Pipeline:
       loss: ``loss(y, targets) -> scalar``; it should average over the microbatch's
         examples (the pipeline averages over microbatches).
       schedule: the schedule to run (validated and lowered here). A schedule with one
-        device (``pp = 1``, e.g. ``gpipe``) runs the SPMD baselines: one stage over the
-        whole mesh, gradients accumulated over microbatches.
+        device (``pp = 1``, e.g. ``1f1b``) runs the SPMD baselines: one stage over the
+        whole mesh, gradients accumulated over microbatches (``1f1b`` keeps one
+        microbatch's activations at a time, ``gpipe`` every microbatch's).
       backend: ``"local"`` (every pipeline device a mesh of JAX devices of this process),
         ``"ray"`` (one Ray actor per pipeline device; a
         :class:`~pipedsl.executor.ray_cluster.RayConfig` sets its options, a

@@ -33,7 +33,8 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
     the wait of each collective inside a stage program (``Cluster.collective_sync``) and
     for a pipeline how much of its idle devices' time the busy ones take up
     (``Cluster.idle_share``), how fast a device busy alone runs (``Cluster.alone_efficiency``)
-    and what a split backward costs (``Cluster.split_backward_cost``)."""
+    what a split backward costs (``Cluster.split_backward_cost``) and how a device's
+    working set slows its compute (``Cluster.working_set_bytes``)."""
     on = {True: "on", False: "off"}
     found = [
         Assumption("flash_attention", on[plan.flash_attention],
@@ -78,6 +79,12 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
                 "alone_efficiency", f"{cluster.alone_efficiency:.3g}",
                 "fraction of the ideal speed-up (a core to itself) that a pipeline device busy alone reaches",
             ))  # fmt: skip
+    if cluster.working_set_bytes > 0:
+        found.append(Assumption(
+            "working_set_bytes", f"{cluster.working_set_bytes / 1e6:.3g} MB",
+            "a device's compute takes 1 + kept / this times its priced seconds, kept the most activation "
+            "bytes it keeps at once",
+        ))  # fmt: skip
     if plan.pp > 1 and cluster.split_backward_cost > 1:
         found.append(Assumption(
             "split_backward_cost", f"{cluster.split_backward_cost:.3g}",

@@ -37,7 +37,11 @@ by ``pipedsl demo``). So the pipeline part takes
 ``makespan × (1 − idle_share × bubble)``, its devices' mean busy time at a share of 1,
 but no less than ``makespan × cores / devices``, the speed-up of a device that has a core to
 itself, over the ``Cluster.alone_efficiency`` of it that such a device reaches
-(:meth:`Prepared.pipeline_seconds`, :meth:`Cluster.core_share`).
+(:meth:`Prepared.pipeline_seconds`, :meth:`Cluster.core_share`). Their compute also
+slows with the activations kept: every stage's work takes ``1 + kept /
+Cluster.working_set_bytes`` times, ``kept`` the mean over the pipeline devices of the most
+activation bytes each keeps at once under the schedule (one microbatch's for SPMD, as
+the executor runs it; a policy order's bound at its in-flight limit).
 MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """
@@ -315,12 +319,14 @@ def prepare(
     fits_first: bool = False,
     stage_layers: Sequence[int] | None = None,
     layout: Layout | None = None,
+    held: Sequence[int] | None = None,
 ) -> Prepared:
     """Work out ``plan``'s costs and memory without simulating (see :class:`Prepared`).
 
     ``pipelines`` caches evaluated schedules and simulations across calls. ``stage_layers`` gives
     each of the pp × vpp stages its layers (default: an even split). With ``layout``, an order made
-    later (a policy synthesised per plan): no activations, ``lower_bound_s`` only the tails.
+    later (a policy synthesised per plan): ``lower_bound_s`` only the tails, and no activations
+    unless ``held`` gives each device's most activation bytes kept at once (the order's bound).
 
     Raises:
       PlanError: the plan does not divide the model or does not match its schedule.
@@ -342,11 +348,12 @@ def prepare(
     key, placement = _schedule_of(plan, pipelines, layout)
     device_params = _device_params(plan, placement, params)
     residual = stage_residual(shapes, layers)
-    held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
+    if held is None:
+        held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
     memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
-    work = stage_work(shapes, layers, params)
+    work = stage_work(shapes, layers, params, slowdown=cluster.working_set_factor(sum(held) / len(held)))
     tail = tails(shapes, work, placement, device_params)
     return Prepared(
         shapes=shapes,

@@ -263,6 +263,15 @@ class Cluster:
         collective's group works on between collectives, for each device of the group but
         one: the work each device must finish before the others can go on grows with the
         tokens (:meth:`collective_sync`). 0 for GPUs; measured by ``pipedsl demo``.
+      working_set_bytes: the activation bytes kept per device at which its compute takes
+        twice as long: each stage's work (its layers, embedding and head, kernels'
+        launches included) takes ``1 + kept / working_set_bytes`` times its priced
+        seconds, ``kept`` being the most activation bytes a device keeps at once under the
+        schedule, the mean over the plan's pipeline devices (:meth:`working_set_factor`).
+        Forced CPU devices share the machine's caches and memory bandwidth, and a step's
+        cost per sequence grows with what it keeps (four layers: 41 ms per sequence up
+        to four sequences per device, 73 from eight to sixteen). 0 (the default) for
+        none, as on GPUs; measured by ``pipedsl demo``.
       step_overhead_s: fixed seconds per training step on top of its actions and its
         update: the runtime's own work to start a step, hand the batch out and gather the
         results (Python drives every step of forced CPU devices). 0 for a GPU cluster;
@@ -296,6 +305,7 @@ class Cluster:
     split_backward_cost: float = 1.0
     collective_sync_s: float = 0.0
     collective_sync_per_token_s: float = 0.0
+    working_set_bytes: float = 0.0
     step_overhead_s: float = 0.0
     memory_bytes: int
     reserved_bytes: int = 0
@@ -328,6 +338,7 @@ class Cluster:
             "shared_cores",
             "collective_sync_s",
             "collective_sync_per_token_s",
+            "working_set_bytes",
             "step_overhead_s",
         ):
             _check_within(owner, name, getattr(self, name), ">= 0", lambda v: v >= 0)
@@ -366,6 +377,12 @@ class Cluster:
         if self.shared_cores <= 0 or devices <= self.shared_cores:
             return 1.0
         return min(self.shared_cores / devices / self.alone_efficiency, 1.0)
+
+    def working_set_factor(self, kept_bytes: float) -> float:
+        """How many times its priced seconds a device's compute takes where it keeps at
+        most ``kept_bytes`` of activations at once: ``1 + kept_bytes / working_set_bytes``,
+        or 1 where ``working_set_bytes`` is 0."""
+        return 1.0 + kept_bytes / self.working_set_bytes if self.working_set_bytes > 0 else 1.0
 
     def collective_sync(self, group: int, tokens: float) -> float:
         """Seconds that one collective inside a stage program over ``group`` devices, each

@@ -157,16 +157,20 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
     tail = sum(base.tails)
-    fields = {name: getattr(base, name) for name in _PREPARED_FIELDS}
     found: list[Prepared] = []
     for limit in limits:
-        memory = device_memory(base.shapes, base.device_params, _held_at_most(base, limit))
+        held = _held_at_most(base, limit)
+        memory = device_memory(base.shapes, base.device_params, held)
         if memory.fits:
+            # Where the cluster prices a working set, each limit's work is slowed by its own.
+            at = base
+            if cluster.working_set_bytes > 0:
+                at = prepare(model, cluster, plan, pipelines=pipelines, layout=default, held=held)
             found.append(
                 LimitedPlan(
-                    **fields,
+                    **{name: getattr(at, name) for name in _PREPARED_FIELDS},
                     memory=memory,
-                    lower_bound_s=_any_order_bound(base, default.split_backward, limit, tail),
+                    lower_bound_s=_any_order_bound(at, default.split_backward, limit, tail),
                     limit=limit,
                     params=params,
                 )

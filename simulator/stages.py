@@ -54,10 +54,14 @@ def stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[flo
     return tuple(params)
 
 
-def stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...]) -> tuple[Work, ...]:
-    """Each stage's work per microbatch: its layers, the embedding on the first stage,
-    the head on the last, the ZeRO traffic of its parameters, and the dispatch overhead
-    of each of its F, I and W actions (``action_overhead_s``), shape (S,)."""
+def stage_work(
+    shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...], *, slowdown: float = 1.0
+) -> tuple[Work, ...]:
+    """Each stage's work per microbatch: its layers, the embedding on the first stage and
+    the head on the last, all ``slowdown`` times their seconds (the working set's,
+    :meth:`~pipedsl.simulator.hardware.Cluster.working_set_factor`); the ZeRO traffic of
+    its parameters, and the dispatch overhead of each of its F, I and W actions
+    (``action_overhead_s``), shape (S,)."""
     layer = shapes.layer_work()
     overhead = Work(*(3 * (shapes.cluster.action_overhead_s,)))
     last = len(layers) - 1
@@ -73,6 +77,7 @@ def stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...
                 w = w + shapes.embedding_work()
             if s == last:
                 w = w + shapes.head_work()
+            w = w * slowdown
             found = w + zero_per_microbatch(shapes, p, w) + _zero_waits(shapes, n) + overhead
             if 0 < s < last:
                 inner[(n, p)] = found

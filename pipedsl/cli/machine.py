@@ -10,14 +10,17 @@ on), so that a pipeline's idle devices are priced as cores the busy ones get:
 - *compute*: one training step of the executor's data-parallel plan of the model over
   every device (each microbatch's forward and backward, the gradients' all-reduce, Adam's
   update: the stage programs that runs execute, not one program of the whole step, which
-  XLA runs at another speed), at five shapes: the model cut to one layer and whole, with
-  one sequence per device and with the microbatch size, one microbatch; and the one-layer,
-  one-sequence step with four microbatches. Three numbers of the cluster are fitted to the
-  five steps (least squares of the log of priced over measured seconds): the
-  ``peak_flops``, the ``step_overhead_s`` that a step costs once (the four-microbatch step
-  tells it from what each microbatch costs) and the ``kernel_launch_s`` that every
-  kernel costs on top of its work (on shared cores a one-sequence step takes far more
-  than a quarter of a four-sequence one).
+  XLA runs at another speed), at six shapes: the model cut to one layer and whole, with
+  one sequence per device and with the microbatch size, one microbatch; the one-layer,
+  one-sequence step with four microbatches; and the whole model at twice the microbatch
+  size. Four numbers of the cluster are fitted to the six steps (least squares of the log
+  of priced over measured seconds): the ``peak_flops``, the ``step_overhead_s`` that a
+  step costs once (the four-microbatch step tells it from what each microbatch costs),
+  the ``kernel_launch_s`` that every kernel costs on top of its work (on shared cores a
+  one-sequence step takes far more than a quarter of a four-sequence one) and the
+  ``working_set_bytes`` at which a device's compute takes twice as long for the
+  activations it keeps (the step's cost per sequence grows with them: the caches the
+  devices share hold less of them; the largest step tells it).
   Elementwise work is priced at the measured memory bandwidth. A product benchmark
   overstates the rate about tenfold on CPU: the backward's transposed products, the
   attention's small ones and the elementwise work run far below it;
@@ -106,6 +109,10 @@ _TENSOR_BATCHES = (1, 4)
 """The sequences per data rank of those steps, in microbatch sizes."""
 _MICROBATCHES = 4
 """Microbatches of the compute step that tells a step's fixed cost from a microbatch's."""
+_WORKING_SET_BATCH = 2
+"""Sequences per device of the compute step that prices the working set, in microbatch
+sizes: the whole model at twice the microbatch (the effect grows with the step: at 4 times
+it is well beyond what the plans run)."""
 _DISPATCHES = 100
 _BACKWARD_ROUNDS = 15
 """Timed rounds of the fused and the split backward (a few tens of ms each)."""
@@ -153,7 +160,7 @@ class MachineCalibration:
     def largest_step(self) -> tuple[int, int, int]:
         """The shape (as ``step_s``'s keys) of the largest one-microbatch compute step: the
         whole model at the microbatch size, the work that sets the compute rate."""
-        return max(key for key in self.step_s if key[2] == 1)
+        return max(key for key in self.step_s if key[2] == 1 and key[1] == self.microbatch_size)
 
     def describe(self) -> str:
         """One line per measured quantity, with units."""
@@ -186,9 +193,14 @@ class MachineCalibration:
                 f"; a backward split into I and W costs {c.split_backward_cost:.2f} times the fused one (the last "
                 f"of {PIPELINE_STAGES} stages: B {fused * 1e3:.1f} ms, I then W {split * 1e3:.1f} ms)"
             )
+        working_set = (
+            f"twice as long at {c.working_set_bytes / 1e6:.1f} MB of activations kept per device"
+            if c.working_set_bytes > 0
+            else "no working-set cost"
+        )
         return (
             f"compute {c.peak_flops / 1e9:.2f} GFLOP/s per device, {c.kernel_launch_s * 1e6:.0f} µs per kernel, "
-            f"{c.step_overhead_s * 1e3:.1f} ms per step (fitted to training steps of so many layers x "
+            f"{c.step_overhead_s * 1e3:.1f} ms per step, {working_set} (fitted to training steps of so many layers x "
             f"sequences per device: {steps}); memory "
             f"{c.hbm_bandwidth / 1e9:.2f} GB/s; collectives α {c.intra_node_latency * 1e6:.0f} µs, "
             f"B {c.intra_node_bandwidth / 1e9:.2f} GB/s (all-reduce {reduces}); dispatch "
@@ -252,10 +264,12 @@ def _dispatch_seconds(devices: int) -> float:
 def _step_shapes(model: Model, microbatch_size: int) -> tuple[tuple[int, int, int], ...]:
     """(layers, sequences per device, microbatches) of the compute steps measured: the
     model cut to one layer and whole, at one sequence and at ``microbatch_size``, one
-    microbatch; and the one-layer, one-sequence step with :data:`_MICROBATCHES` of them,
-    which tells what a step costs once from what each microbatch costs."""
+    microbatch; the one-layer, one-sequence step with :data:`_MICROBATCHES` of them,
+    which tells what a step costs once from what each microbatch costs; and the whole
+    model at :data:`_WORKING_SET_BATCH` times the microbatch, whose working set (its
+    activations kept) tells what that costs."""
     corners = tuple((n, m, 1) for n in sorted({1, model.layers}) for m in sorted({1, microbatch_size}))
-    return (*corners, (1, 1, _MICROBATCHES))
+    return (*corners, (1, 1, _MICROBATCHES), (model.layers, _WORKING_SET_BATCH * microbatch_size, 1))
 
 
 def _alone_stages(devices: int, cores: float) -> int:
@@ -363,6 +377,7 @@ def _fitted(
     base = dataclasses.replace(
         measured_cluster, peak_flops=1e9, kernel_launch_s=0.0, step_overhead_s=0.0, idle_share=1.0,
         tensor_idle_share=None, alone_efficiency=1.0, collective_sync_s=0.0, collective_sync_per_token_s=0.0,
+        working_set_bytes=0.0,
     )  # fmt: skip
     devices = base.gpus_per_node
     steps = {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}

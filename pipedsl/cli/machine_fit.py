@@ -21,8 +21,8 @@ import dataclasses
 
 import numpy as np
 
-from pipedsl.cli.planned import SPMD_SCHEDULE
-from pipedsl.simulator import Cluster, Model, Plan, estimate
+from pipedsl.cli.timed import PIPELINE_STEP_SCHEDULE
+from pipedsl.simulator import Cluster, Model, Plan, estimate, prepare
 
 __all__ = [
     "PIPELINE_STAGES", "fit_alone", "fit_compute", "fit_idle_share", "fit_ring", "fit_split", "fit_sync",
@@ -48,11 +48,12 @@ def fit_ring(times: dict[tuple[int, int], float]) -> tuple[float, float]:
 
 
 def step_plan(dp: int, tp: int, microbatch_size: int, microbatches: int = 1, *, pp: int = 1) -> Plan:
-    """The plan a calibration step runs: ``pp`` stages (``gpipe`` beyond one), each over
-    ``dp x tp`` devices, ``microbatches`` per data rank."""
+    """The plan a calibration step runs: ``pp`` stages (beyond one, a
+    :data:`~pipedsl.cli.timed.PIPELINE_STEP_SCHEDULE` pipeline), each over ``dp x tp``
+    devices, ``microbatches`` per data rank."""
     return Plan(
         dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size, global_batch=dp * microbatch_size * microbatches,
-        schedule=SPMD_SCHEDULE if pp > 1 else None, flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
+        schedule=PIPELINE_STEP_SCHEDULE if pp > 1 else None, flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
     )  # fmt: skip
 
 
@@ -64,24 +65,29 @@ def priced_step(model: Model, cluster: Cluster, devices: int, microbatch_size: i
 
 
 def _with_compute(base: Cluster, x: np.ndarray) -> Cluster:
-    """``base`` at ``x`` = log (``peak_flops``, ``kernel_launch_s``, ``step_overhead_s``)."""
-    flops, launch, step = np.exp(x)
-    return dataclasses.replace(base, peak_flops=float(flops), kernel_launch_s=float(launch), step_overhead_s=float(step))
+    """``base`` at ``x`` = log (``peak_flops``, ``kernel_launch_s``, ``step_overhead_s``,
+    ``working_set_bytes``)."""
+    flops, launch, step, working_set = np.exp(x)
+    return dataclasses.replace(
+        base, peak_flops=float(flops), kernel_launch_s=float(launch), step_overhead_s=float(step),
+        working_set_bytes=float(working_set),
+    )  # fmt: skip
 
 
 # The box the fit searches, in the coordinates of :func:`_with_compute`. A launch or a
-# step's cost within a factor ten of its lower bound (10 ns, 1 µs) stands for none: where
-# a term changes nothing the fit drifts towards the bound without reaching it.
-_LOW = np.log([1e6, 1e-9, 1e-7])
-_HIGH = np.log([1e15, 1.0, 10.0])
+# step's cost within a factor ten of its lower bound (10 ns, 1 µs), or a working set
+# within a factor ten of its upper bound (10 TB), stands for none: where a term changes
+# nothing the fit drifts towards the bound without reaching it.
+_LOW = np.log([1e6, 1e-9, 1e-7, 1e3])
+_HIGH = np.log([1e15, 1.0, 10.0, 1e13])
 
 
 def fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple[int, int, int], float]) -> Cluster:
-    """``base`` with the ``peak_flops``, ``kernel_launch_s`` and ``step_overhead_s`` at
-    which the simulator prices the steps of ``measured`` ((layers, sequences per device,
-    microbatches) to seconds) closest to as measured: least squares of the log of priced
-    over measured seconds, by damped Gauss-Newton within a box. A term the steps do not
-    call for ends near its bound and is 0."""
+    """``base`` with the ``peak_flops``, ``kernel_launch_s``, ``step_overhead_s`` and
+    ``working_set_bytes`` at which the simulator prices the steps of ``measured``
+    ((layers, sequences per device, microbatches) to seconds) closest to as measured:
+    least squares of the log of priced over measured seconds, by damped Gauss-Newton
+    within a box. A term the steps do not call for ends near its bound and is 0."""
     shapes, seconds = list(measured), np.log(list(measured.values()))
 
     def priced(cluster: Cluster, shape: tuple[int, int, int]) -> float:
@@ -92,10 +98,13 @@ def fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple[
         cluster = _with_compute(base, x)
         return np.log([priced(cluster, shape) for shape in shapes]) - seconds
 
-    # Start from the rate that prices the largest step alone, nothing else slowing it.
+    # Start from the rate that prices the largest step alone, nothing else slowing it,
+    # and a working set that would slow it by a quarter.
     largest = max(shapes, key=lambda shape: shape[0] * shape[1] * shape[2])
-    start = priced(base, largest) / measured[largest]
-    x = np.clip(np.log([base.peak_flops * start, 1e-4, 1e-3]), _LOW, _HIGH)
+    plain = dataclasses.replace(base, working_set_bytes=0.0)
+    start = priced(plain, largest) / measured[largest]
+    kept = _kept_bytes(dataclasses.replace(model, layers=largest[0]), plain, devices, largest[1])
+    x = np.clip(np.log([base.peak_flops * start, 1e-4, 1e-3, 4 * kept]), _LOW, _HIGH)
     r, damping = residuals(x), 1e-2
     for _ in range(_FIT_ROUNDS):
         jacobian = np.column_stack([(residuals(x + 1e-4 * unit) - r) / 1e-4 for unit in np.eye(len(x))])
@@ -115,7 +124,14 @@ def fit_compute(model: Model, base: Cluster, devices: int, measured: dict[tuple[
         cluster,
         kernel_launch_s=0.0 if x[1] < _LOW[1] + np.log(10) else cluster.kernel_launch_s,
         step_overhead_s=0.0 if x[2] < _LOW[2] + np.log(10) else cluster.step_overhead_s,
+        working_set_bytes=0.0 if x[3] > _HIGH[3] - np.log(10) else cluster.working_set_bytes,
     )
+
+
+def _kept_bytes(model: Model, cluster: Cluster, devices: int, microbatch_size: int) -> float:
+    """Activation bytes one microbatch keeps on each device in the data-parallel step of
+    ``model`` over ``devices`` devices at ``microbatch_size`` sequences per device."""
+    return float(sum(prepare(model, cluster, step_plan(devices, 1, microbatch_size)).residual))
 
 
 def fit_idle_share(

@@ -4,8 +4,8 @@ A search row says how to train (``dp``, ``tp``, ``pp``, ``vpp``, microbatches an
 size, ZeRO stage, recomputation) and which schedule the pipeline runs. :class:`PlannedRun`
 holds exactly that; :func:`read_plan` takes one from a ``plans.csv`` written by
 ``search --csv`` or ``demo``, :meth:`PlannedRun.schedule` loads the schedule it runs (an
-SPMD plan is one stage over the whole mesh: ``gpipe`` with ``pp = 1``, which accumulates
-gradients over the microbatches), and :meth:`PlannedRun.command` is the ``pipedsl run``
+SPMD plan is one stage over the whole mesh: ``1f1b`` with ``pp = 1``, which accumulates
+gradients over the microbatches, each microbatch's backward right after its forward), and :meth:`PlannedRun.command` is the ``pipedsl run``
 line that runs it.
 """
 
@@ -25,8 +25,10 @@ from pipedsl.ir import Schedule
 
 __all__ = ["PlannedRun", "read_plan", "SPMD_SCHEDULE"]
 
-SPMD_SCHEDULE = "gpipe"
-"""What an SPMD plan runs: one stage, every microbatch's forward then its backward."""
+SPMD_SCHEDULE = "1f1b"
+"""What an SPMD plan runs: one stage, each microbatch's forward and at once its backward,
+so that one microbatch's activations are kept at a time, as the simulator prices SPMD
+plans (``gpipe`` with ``pp = 1`` would keep every microbatch's)."""
 
 _INTS = ("dp", "tp", "pp", "vpp", "microbatch_size", "microbatches", "zero")
 
@@ -36,7 +38,7 @@ class PlannedRun:
     """One ranked plan, ready to run.
 
     Attributes:
-      schedule: the library name or ``.sched`` path the pipeline runs (``gpipe`` for SPMD).
+      schedule: the library name or ``.sched`` path the pipeline runs (``1f1b`` for SPMD).
       kind: ``"spmd"`` (``pp = 1``), ``"pipeline"`` (``dp = tp = 1``) or ``"hybrid"``.
       dp, tp, pp, vpp: data, tensor and pipeline degrees; stages per pipeline device.
       microbatches, microbatch_size: per data-parallel replica and step; sequences each.

@@ -285,7 +285,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "  pipedsl run schedules/zb_h1.sched -p pp=2 --model transformer --marked --timeline zb.json\n"
             "  pipedsl run schedules/1f1b.sched -p pp=2 --backend ray [--address HOST:PORT]\n"
             "  pipedsl run 1f1b -p pp=2 --model transformer --dp 2 --tp 2 --zero 1\n"
-            "  pipedsl run gpipe -p pp=1 -p microbatches=4 --model transformer --dp 8     # SPMD data parallel\n"
+            "  pipedsl run 1f1b -p pp=1 -p microbatches=4 --model transformer --dp 8      # SPMD data parallel\n"
             "  pipedsl run --plan 1 --plans out/plans.csv                                   # a plan search ranked\n"
             "  pipedsl run 1f1b -p pp=2 --steps 100 --checkpoint ckpt --checkpoint-every 10 [--resume]"
         ),

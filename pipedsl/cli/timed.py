@@ -20,8 +20,12 @@ from pipedsl.cli.common import load_schedule
 from pipedsl.cli.planned import SPMD_SCHEDULE
 
 __all__ = [
-    "STEP_ROUNDS", "Step", "TimedSteps", "backward_halves", "median_seconds", "interleaved_medians", "training_step",
+    "PIPELINE_STEP_SCHEDULE", "STEP_ROUNDS", "Step", "TimedSteps", "backward_halves", "median_seconds", "interleaved_medians", "training_step",
 ]  # fmt: skip
+
+PIPELINE_STEP_SCHEDULE = "gpipe"
+"""The schedule of the calibration's pipeline steps: every stage's forward, then the
+backwards, of one microbatch."""
 
 STEP_ROUNDS = 11
 """Timed rounds of a training step whose median is taken: the calibration's steps, and by
@@ -94,10 +98,11 @@ class Step:
     microbatches: int = 1
 
 
-def _gpipe(
+def _planned(
     model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
 ) -> tuple[Any, Any, Any]:
-    """The executor's ``gpipe`` plan of ``model`` over every device at tp ``tensor`` (the
+    """The executor's plan of ``model`` (one stage: the SPMD plan's schedule; more:
+    :data:`PIPELINE_STEP_SCHEDULE`) over every device at tp ``tensor`` (the
     data axis the rest of each stage's devices) on the local backend, its parameters and a
     batch of ``microbatches`` microbatches of ``microbatch_size`` sequences per data rank:
     (pipeline, parameters, batch)."""
@@ -109,7 +114,8 @@ def _gpipe(
     params = model.init_stages(key)
     stages = model.num_stages
     dp = devices // (tensor * stages)
-    schedule = load_schedule(SPMD_SCHEDULE, {"pp": stages, "microbatches": microbatches})
+    name = SPMD_SCHEDULE if stages == 1 else PIPELINE_STEP_SCHEDULE
+    schedule = load_schedule(name, {"pp": stages, "microbatches": microbatches})
     pipe = Pipeline(
         model.stages, loss=model.loss, schedule=schedule, backend="local", dp=dp, tp=tensor,
         param_specs=model.param_specs(params) if tensor > 1 else None,
@@ -120,15 +126,16 @@ def _gpipe(
 def training_step(
     model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
 ) -> tuple[Callable[[], Any], Any]:
-    """The executor's plan of ``model`` (its stages a ``gpipe`` pipeline; one stage: the
-    SPMD plan) over every device at tp ``tensor``, the data axis the rest of each stage's
-    devices, ``microbatches`` of ``microbatch_size`` sequences per data rank: (a call
+    """The executor's plan of ``model`` (its stages a :data:`PIPELINE_STEP_SCHEDULE`
+    pipeline; one stage: the SPMD plan) over every device at tp ``tensor``, the data
+    axis the rest of each stage's devices, ``microbatches`` of ``microbatch_size``
+    sequences per data rank: (a call
     that runs one Adam training step and returns the new parameters, the pipeline to
     close). The calibration times the executor's own programs: a forward and a backward
     jitted apart run at another speed than one program of both."""
     import optax
 
-    pipe, params, batch = _gpipe(model, devices, microbatch_size, tensor=tensor, microbatches=microbatches)
+    pipe, params, batch = _planned(model, devices, microbatch_size, tensor=tensor, microbatches=microbatches)
     optimizer = optax.adam(1e-3)
     held: list[Any] = [params, None]
 
@@ -149,7 +156,7 @@ def backward_halves(model: Any, devices: int, microbatch_size: int) -> tuple[dic
     import jax
 
     stages = model.num_stages
-    pipe, params, (inputs, targets) = _gpipe(model, devices, microbatch_size)
+    pipe, params, (inputs, targets) = _planned(model, devices, microbatch_size)
     try:
         values = tuple(jax.tree_util.tree_leaves(inputs))
         for s, program in enumerate(pipe.compile(params, (inputs, targets))):

@@ -239,18 +239,19 @@ def _steps(cluster: Cluster) -> dict[tuple[int, int, int], float]:
 
 
 def test_compute_steps_are_the_corners_of_depth_and_microbatch() -> None:
-    assert _step_shapes(_TINY, 4) == ((1, 1, 1), (1, 4, 1), (2, 1, 1), (2, 4, 1), (1, 1, 4))
-    assert _step_shapes(dataclasses.replace(_TINY, layers=1), 1) == ((1, 1, 1), (1, 1, 4))
+    assert _step_shapes(_TINY, 4) == ((1, 1, 1), (1, 4, 1), (2, 1, 1), (2, 4, 1), (1, 1, 4), (2, 8, 1))
+    assert _step_shapes(dataclasses.replace(_TINY, layers=1), 1) == ((1, 1, 1), (1, 1, 4), (1, 2, 1))
 
 
-def test_compute_fit_recovers_the_rate_the_launch_and_the_step_cost() -> None:
-    # Steps priced on a cluster whose kernels and steps cost a fixed time each: the fit
-    # finds all three numbers again.
-    truth = dataclasses.replace(_CPU, peak_flops=3e9, kernel_launch_s=2e-4, step_overhead_s=5e-3)
+def test_compute_fit_recovers_the_rate_the_launch_the_step_cost_and_the_working_set() -> None:
+    # Steps priced on a cluster whose kernels and steps cost a fixed time each and whose
+    # compute slows with the activations kept: the fit finds all four numbers again.
+    truth = dataclasses.replace(_CPU, peak_flops=3e9, kernel_launch_s=2e-4, step_overhead_s=5e-3, working_set_bytes=2e6)
     fitted = fit_compute(_TINY, _CPU, 8, _steps(truth))
     assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
     assert fitted.kernel_launch_s == pytest.approx(2e-4, rel=1e-4)
     assert fitted.step_overhead_s == pytest.approx(5e-3, rel=1e-4)
+    assert fitted.working_set_bytes == pytest.approx(2e6, rel=1e-4)
 
 
 def test_idle_share_fit_recovers_the_share_and_stays_within_zero_and_one() -> None:
@@ -293,7 +294,7 @@ def test_alone_fit_recovers_the_efficiency_only_where_the_idle_share_prices_too_
 def test_compute_fit_leaves_out_the_terms_the_steps_do_not_call_for() -> None:
     fitted = fit_compute(_TINY, _CPU, 8, _steps(dataclasses.replace(_CPU, peak_flops=3e9)))
     assert fitted.peak_flops == pytest.approx(3e9, rel=1e-4)
-    assert fitted.kernel_launch_s == 0.0 and fitted.step_overhead_s == 0.0
+    assert fitted.kernel_launch_s == 0.0 and fitted.step_overhead_s == 0.0 and fitted.working_set_bytes == 0.0
 
 
 def _tensor_steps(truth: Cluster, model: Model, shapes: tuple[tuple[int, int], ...]) -> dict[tuple[int, int], float]:
@@ -392,7 +393,7 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
     model = dataclasses.replace(_TINY, heads=4, layers=4)
     first = dataclasses.replace(_CPU, shared_cores=2, peak_flops=2e9, kernel_launch_s=1e-4, action_overhead_s=7e-5)
     later = dataclasses.replace(
-        first, peak_flops=1e9, kernel_launch_s=3e-4, step_overhead_s=4e-3, collective_sync_s=2e-3,
+        first, peak_flops=1e9, kernel_launch_s=3e-4, step_overhead_s=4e-3, working_set_bytes=5e6, collective_sync_s=2e-3,
         collective_sync_per_token_s=5e-6, idle_share=0.9, tensor_idle_share=0.55, alone_efficiency=0.75,
     )  # fmt: skip
 
@@ -415,6 +416,7 @@ def test_the_machine_calibrated_again_is_fitted_afresh_to_the_steps_timed_later(
     assert fitted.peak_flops == pytest.approx(1e9, rel=1e-4)
     assert fitted.kernel_launch_s == pytest.approx(3e-4, rel=1e-3)
     assert fitted.step_overhead_s == pytest.approx(4e-3, rel=1e-3)
+    assert fitted.working_set_bytes == pytest.approx(5e6, rel=1e-3)
     assert fitted.collective_sync_s == pytest.approx(2e-3, rel=1e-3)
     assert fitted.collective_sync_per_token_s == pytest.approx(5e-6, rel=1e-3)
     assert fitted.idle_share == pytest.approx(0.9, abs=1e-3)
@@ -458,6 +460,8 @@ def test_the_calibration_describes_every_fitted_number_with_its_measurements() -
         pipeline_step_s=0.083, microbatch_size=4, all_reduce_s={(2, 4096): 1e-3}, seconds=50.0,
     )  # fmt: skip
     said = calibration.describe()
-    assert "9.5 ms per step" in said and "1 layer x 1 x 4 microbatches 120.0 ms" in said
+    assert "9.5 ms per step, no working-set cost" in said and "1 layer x 1 x 4 microbatches 120.0 ms" in said
+    slowed = dataclasses.replace(calibration, cluster=dataclasses.replace(cluster, working_set_bytes=3.25e7))
+    assert "twice as long at 32.5 MB of activations kept per device" in slowed.describe()
     assert "4.20 µs per token" in said and "tp=2 x 4 60.0 ms" in said
     assert "take up 100% of an idle one's time" in said and "step, 83.0 ms" in said

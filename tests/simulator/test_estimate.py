@@ -402,6 +402,29 @@ def test_a_larger_group_and_a_larger_microbatch_wait_longer_at_each_collective()
         dataclasses.replace(IDEAL, collective_sync_per_token_s=-1.0)
 
 
+def test_a_device_computes_slower_the_more_activations_one_microbatch_keeps_on_it() -> None:
+    # Each stage's work takes 1 + kept / working_set_bytes times, kept the most activation
+    # bytes a pipeline device keeps at once (the mean over them); dispatch is not slowed.
+    model = dataclasses.replace(GPT, vocab=8)
+    slowed = dataclasses.replace(IDEAL, working_set_bytes=4e9, action_overhead_s=1e-3)
+    plain = dataclasses.replace(slowed, working_set_bytes=0.0)
+    assert plain.working_set_factor(1e9) == 1.0 and slowed.working_set_factor(1e9) == pytest.approx(1.25)
+    for plan in (Plan(dp=8, microbatch_size=2, global_batch=32), Plan(pp=4, global_batch=8, schedule="1f1b")):
+        fast, slow = prepare(model, plain, plan), prepare(model, slowed, plan)
+        # 1F1B's device d keeps pp - d microbatches at its peak; SPMD (pp = 1) one.
+        kept = sum((plan.pp - d) * r for d, r in enumerate(fast.residual)) / plan.pp
+        factor = slowed.working_set_factor(kept)
+        for a, b in zip(fast.work, slow.work, strict=True):
+            assert b.forward - 1e-3 == pytest.approx((a.forward - 1e-3) * factor)
+            assert b.backward - 2e-3 == pytest.approx((a.backward - 2e-3) * factor)
+    listed = {a.name: a.value for a in estimate(model, slowed, plan).assumptions}
+    assert listed["working_set_bytes"] == "4e+03 MB" and "working_set_bytes" not in {
+        a.name for a in estimate(model, plain, plan).assumptions
+    }
+    with pytest.raises(DescriptionError, match="working_set_bytes must be a number >= 0"):
+        dataclasses.replace(IDEAL, working_set_bytes=-1.0)
+
+
 @pytest.mark.parametrize(
     ("spec", "vpp"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
 )

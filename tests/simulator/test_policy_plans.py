@@ -112,12 +112,41 @@ def test_the_search_ranks_policy_plans_within_the_memory_budget_deterministicall
     assert any(p.inflight_limit > p.pp for p in policy)
 
 
+def test_each_limit_of_a_policy_plan_is_slowed_by_its_own_working_set() -> None:
+    # A limit lets a device keep more microbatches, and a cluster that prices a working
+    # set slows its work by what that limit's order may keep at once.
+    plain = _cluster(40.0)
+    slowed = dataclasses.replace(plain, working_set_bytes=1e9)
+    pipelines = Pipelines(keep_simulations=False)
+    fast = {p.limit: p for p in prepare_plan(MODEL, plain, PLAN, pipelines=pipelines) if isinstance(p, LimitedPlan)}
+    slow = {p.limit: p for p in prepare_plan(MODEL, slowed, PLAN, pipelines=pipelines) if isinstance(p, LimitedPlan)}
+    assert len(slow) >= 2 and slow.keys() == fast.keys()
+    factors = []
+    for limit, found in slow.items():
+        held = [limit * max(found.residual[s] for s in stages) for stages in ([0], [1], [2], [3])]
+        factor = slowed.working_set_factor(sum(held) / len(held))
+        forward = [w.forward for w in found.work]
+        assert forward == pytest.approx([w.forward * factor for w in fast[limit].work])
+        factors.append(factor)
+    assert factors == sorted(factors) and factors[0] < factors[-1]
+
+
 def test_a_planned_run_passes_the_limit_to_the_schedule() -> None:
     row = {"kind": "pipeline", "schedule": "zb_auto", "dp": 1, "tp": 1, "pp": 4, "vpp": 1, "microbatch_size": 2}
     planned = PlannedRun.from_row({**row, "microbatches": 16, "zero": 0, "inflight_limit": 6})
     assert planned.params() == {"pp": 4, "microbatches": 16, "max_inflight": 6}
     assert "-p max_inflight=6" in planned.command()
     assert "max_inflight" not in PlannedRun.from_row({**row, "microbatches": 16, "zero": 0}).params()
+
+
+def test_an_spmd_plan_keeps_one_microbatch_at_a_time_as_priced() -> None:
+    # The simulator prices an SPMD plan's memory at one microbatch's activations
+    # (gradient accumulation); the schedule it runs must keep no more.
+    row = {"kind": "spmd", "schedule": "", "dp": 8, "tp": 1, "pp": 1, "vpp": 1, "microbatch_size": 2}
+    planned = PlannedRun.from_row({**row, "microbatches": 4, "zero": 1})
+    schedule = planned.schedule_of()
+    assert schedule.num_stages == 1
+    assert peak_inflight(schedule) == (1,)
 
 
 @pytest.mark.parametrize("schedule", ["zb_auto", "zbv_auto"])
