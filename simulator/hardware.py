@@ -264,14 +264,9 @@ class Cluster:
         one: the work each device must finish before the others can go on grows with the
         tokens (:meth:`collective_sync`). 0 for GPUs; measured by ``pipedsl demo``.
       working_set_bytes: the activation bytes kept per device at which its compute takes
-        twice as long: each stage's work (its layers, embedding and head, kernels'
-        launches included) takes ``1 + kept / working_set_bytes`` times its priced
-        seconds, ``kept`` being the most activation bytes a device keeps at once under the
-        schedule, the mean over the plan's pipeline devices (:meth:`working_set_factor`).
-        Forced CPU devices share the machine's caches and memory bandwidth, and a step's
-        cost per sequence grows with what it keeps (four layers: 41 ms per sequence up
-        to four sequences per device, 73 from eight to sixteen). 0 (the default) for
-        none, as on GPUs; measured by ``pipedsl demo``.
+        twice as long (:meth:`working_set_factor`): forced CPU devices share the machine's
+        caches and memory bandwidth, and a step's cost per sequence grows with what it
+        keeps. 0 (the default) for none, as on GPUs; measured by ``pipedsl demo``.
       step_overhead_s: fixed seconds per training step on top of its actions and its
         update: the runtime's own work to start a step, hand the batch out and gather the
         results (Python drives every step of forced CPU devices). 0 for a GPU cluster;
@@ -330,17 +325,9 @@ class Cluster:
         for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
             _check_float(owner, name, getattr(self, name), high=1.0)
         for name in (
-            "intra_node_latency",
-            "inter_node_latency",
-            "matmul_half_flops",
-            "kernel_launch_s",
-            "action_overhead_s",
-            "shared_cores",
-            "collective_sync_s",
-            "collective_sync_per_token_s",
-            "working_set_bytes",
-            "step_overhead_s",
-        ):
+            "intra_node_latency", "inter_node_latency", "matmul_half_flops", "kernel_launch_s", "action_overhead_s",
+            "shared_cores", "collective_sync_s", "collective_sync_per_token_s", "working_set_bytes", "step_overhead_s",
+        ):  # fmt: skip
             _check_within(owner, name, getattr(self, name), ">= 0", lambda v: v >= 0)
         _check_within(owner, "idle_share", self.idle_share, "in [0, 1]", lambda v: 0 <= v <= 1)
         if self.tensor_idle_share is not None:
@@ -379,9 +366,11 @@ class Cluster:
         return min(self.shared_cores / devices / self.alone_efficiency, 1.0)
 
     def working_set_factor(self, kept_bytes: float) -> float:
-        """How many times its priced seconds a device's compute takes where it keeps at
-        most ``kept_bytes`` of activations at once: ``1 + kept_bytes / working_set_bytes``,
-        or 1 where ``working_set_bytes`` is 0."""
+        """How many times its priced seconds each stage's work (its layers, embedding and
+        head, kernels' launches included) takes on a device that keeps at most
+        ``kept_bytes`` of activations at once: ``1 + kept_bytes / working_set_bytes``, or
+        1 where ``working_set_bytes`` is 0 (:mod:`~pipedsl.simulator.estimate` takes
+        ``kept`` under the plan's schedule, the mean over its pipeline devices)."""
         return 1.0 + kept_bytes / self.working_set_bytes if self.working_set_bytes > 0 else 1.0
 
     def collective_sync(self, group: int, tokens: float) -> float:
