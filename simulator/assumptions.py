@@ -29,12 +29,8 @@ class Assumption:
 
 def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption, ...]:
     """What an estimate of ``plan`` prices: the plan's modelling switches, the
-    collective algorithms chosen for its groups and, on devices that share a machine,
-    the wait of each collective inside a stage program (``Cluster.collective_sync``) and
-    for a pipeline how much of its idle devices' time the busy ones take up
-    (``Cluster.idle_share``), how fast a device busy alone runs (``Cluster.alone_efficiency``)
-    what a split backward costs (``Cluster.split_backward_cost``) and how a device's
-    working set slows its compute (``Cluster.working_set_bytes``)."""
+    collective algorithms chosen for its groups and what devices that share a machine
+    cost beyond their work (:func:`_shared_machine`)."""
     on = {True: "on", False: "off"}
     found = [
         Assumption("flash_attention", on[plan.flash_attention],
@@ -59,6 +55,17 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
             algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
             where = f"{group.per_node} per node over {group.nodes} nodes" if group.spans_nodes else "in one node"
             found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
+    return (*found, *_shared_machine(model, cluster, plan))
+
+
+def _shared_machine(model: Model, cluster: Cluster, plan: Plan) -> list[Assumption]:
+    """On devices that share a machine: the wait of each collective inside a stage program
+    (``Cluster.collective_sync``), how a device's working set slows its compute
+    (``Cluster.working_set_bytes``), and for a pipeline how much of its idle devices' time
+    the busy ones take up (``Cluster.idle_share``), how fast a device busy alone runs
+    (``Cluster.alone_efficiency``) and what a split backward costs
+    (``Cluster.split_backward_cost``)."""
+    found: list[Assumption] = []
     tokens = plan.microbatch_size * model.seq_len
     # ZeRO 2/3 alone wait at data-parallel collectives inside a stage program.
     for axis, n in (("tensor", plan.tp), ("data", plan.dp if plan.zero >= 2 else 1)):
@@ -90,7 +97,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
             "split_backward_cost", f"{cluster.split_backward_cost:.3g}",
             "what a backward split into I and W (where the schedule splits it) costs over the fused one",
         ))  # fmt: skip
-    return tuple(found)
+    return found
 
 
 _RECOMPUTE = {
