@@ -5,8 +5,8 @@ size, ZeRO stage, recomputation) and which schedule the pipeline runs. :class:`P
 holds exactly that; :func:`read_plan` takes one from a ``plans.csv`` written by
 ``search --csv`` or ``demo``, :meth:`PlannedRun.schedule` loads the schedule it runs (an
 SPMD plan is one stage over the whole mesh: ``1f1b`` with ``pp = 1``, which accumulates
-gradients over the microbatches, each microbatch's backward right after its forward), and :meth:`PlannedRun.command` is the ``pipedsl run``
-line that runs it.
+gradients over the microbatches, each microbatch's backward right after its forward),
+and :meth:`PlannedRun.command` is the ``pipedsl run`` line that runs it.
 """
 
 from __future__ import annotations

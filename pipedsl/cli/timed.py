@@ -20,7 +20,8 @@ from pipedsl.cli.common import load_schedule
 from pipedsl.cli.planned import SPMD_SCHEDULE
 
 __all__ = [
-    "PIPELINE_STEP_SCHEDULE", "STEP_ROUNDS", "Step", "TimedSteps", "backward_halves", "median_seconds", "interleaved_medians", "training_step",
+    "PIPELINE_STEP_SCHEDULE", "STEP_ROUNDS", "Step", "TimedSteps", "backward_halves", "median_seconds",
+    "interleaved_medians", "training_step",
 ]  # fmt: skip
 
 PIPELINE_STEP_SCHEDULE = "gpipe"
@@ -102,9 +103,9 @@ def _planned(
     model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
 ) -> tuple[Any, Any, Any]:
     """The executor's plan of ``model`` (one stage: the SPMD plan's schedule; more:
-    :data:`PIPELINE_STEP_SCHEDULE`) over every device at tp ``tensor`` (the
-    data axis the rest of each stage's devices) on the local backend, its parameters and a
-    batch of ``microbatches`` microbatches of ``microbatch_size`` sequences per data rank:
+    :data:`PIPELINE_STEP_SCHEDULE`) over every device at tp ``tensor`` (the data axis the
+    rest of each stage's devices) on the local backend, its parameters and a batch of
+    ``microbatches`` microbatches of ``microbatch_size`` sequences per data rank:
     (pipeline, parameters, batch)."""
     import jax
 
@@ -129,9 +130,8 @@ def training_step(
     """The executor's plan of ``model`` (its stages a :data:`PIPELINE_STEP_SCHEDULE`
     pipeline; one stage: the SPMD plan) over every device at tp ``tensor``, the data
     axis the rest of each stage's devices, ``microbatches`` of ``microbatch_size``
-    sequences per data rank: (a call
-    that runs one Adam training step and returns the new parameters, the pipeline to
-    close). The calibration times the executor's own programs: a forward and a backward
+    sequences per data rank: (a call that runs one Adam training step and returns the new
+    parameters, the pipeline to close). The calibration times the executor's own programs: a forward and a backward
     jitted apart run at another speed than one program of both."""
     import optax
 
