@@ -156,7 +156,6 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     base = prepare(model, cluster, plan, pipelines=pipelines, layout=default)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
-    tail = sum(base.tails)
     found: list[Prepared] = []
     for limit in limits:
         held = _held_at_most(base, limit)
@@ -170,7 +169,7 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
                 LimitedPlan(
                     **{name: getattr(at, name) for name in _PREPARED_FIELDS},
                     memory=memory,
-                    lower_bound_s=_any_order_bound(at, default.split_backward, limit, tail),
+                    lower_bound_s=_any_order_bound(at, default.split_backward, limit),
                     limit=limit,
                     params=params,
                 )
@@ -194,14 +193,14 @@ def _stages_by_device(base: Prepared) -> list[list[int]]:
     return stages
 
 
-def _any_order_bound(base: Prepared, split: bool, limit: int, tail: float) -> float:
+def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
     """Seconds any order of ``base``'s plan within in-flight ``limit`` takes at least,
     with free transfers: per device, none of its work starts before microbatch 0 has passed
     the stages before its first (their forwards), and then it needs both its own work and,
     holding at most ``limit`` pairs at once, M times the shortest time a microbatch holds
     its first stage (from that stage's F through every later F and backward to its W or B)
-    over ``limit``; the most over the devices, plus ``tail`` (the plan's data-parallel tail and
-    optimizer step, seconds)."""
+    over ``limit``; the most over the devices, plus ``base``'s tails (its data-parallel
+    tail and optimizer step, seconds)."""
     work, m = base.work, base.plan.microbatches
     # Per stage, once for every device: its forward, its backward (I when split) and all its work.
     forward = [w.forward for w in work]
@@ -213,7 +212,7 @@ def _any_order_bound(base: Prepared, split: bool, limit: int, tail: float) -> fl
         busy = m * sum(whole[s] for s in own)
         held = sum(forward[first:]) + sum(back[first:]) + (work[first].weight_grad if split else 0.0)
         seconds.append(sum(forward[:first]) + max(busy, m * held / limit))
-    total = max(seconds) + tail
+    total = max(seconds) + sum(base.tails)
     # The bound can be tight, and the same seconds summed in another order can land a
     # rounding step above the simulated time: keep it below by a hair.
     return total * (1.0 - 1e-9)

@@ -114,21 +114,24 @@ def test_the_search_ranks_policy_plans_within_the_memory_budget_deterministicall
 
 def test_each_limit_of_a_policy_plan_is_slowed_by_its_own_working_set() -> None:
     # A limit lets a device keep more microbatches, and a cluster that prices a working
-    # set slows its work by what that limit's order may keep at once.
+    # set slows its work by what that limit's order may keep at once; its lower bound
+    # (with the data-parallel tail that slower work hides more of) stays under its step.
     plain = _cluster(40.0)
     slowed = dataclasses.replace(plain, working_set_bytes=1e9)
     pipelines = Pipelines(keep_simulations=False)
-    fast = {p.limit: p for p in prepare_plan(MODEL, plain, PLAN, pipelines=pipelines) if isinstance(p, LimitedPlan)}
-    slow = {p.limit: p for p in prepare_plan(MODEL, slowed, PLAN, pipelines=pipelines) if isinstance(p, LimitedPlan)}
-    assert len(slow) >= 2 and slow.keys() == fast.keys()
-    factors = []
-    for limit, found in slow.items():
-        held = [limit * max(found.residual[s] for s in stages) for stages in ([0], [1], [2], [3])]
-        factor = slowed.working_set_factor(sum(held) / len(held))
-        forward = [w.forward for w in found.work]
-        assert forward == pytest.approx([w.forward * factor for w in fast[limit].work])
-        factors.append(factor)
-    assert factors == sorted(factors) and factors[0] < factors[-1]
+    for plan in (PLAN, dataclasses.replace(PLAN, dp=2, global_batch=64)):
+        fast = {p.limit: p for p in prepare_plan(MODEL, plain, plan, pipelines=pipelines) if isinstance(p, LimitedPlan)}
+        slow = {p.limit: p for p in prepare_plan(MODEL, slowed, plan, pipelines=pipelines) if isinstance(p, LimitedPlan)}
+        assert len(slow) >= 2 and slow.keys() == fast.keys()
+        factors = []
+        for limit, found in slow.items():
+            held = [limit * max(found.residual[s] for s in stages) for stages in ([0], [1], [2], [3])]
+            factor = slowed.working_set_factor(sum(held) / len(held))
+            forward = [w.forward for w in found.work]
+            assert forward == pytest.approx([w.forward * factor for w in fast[limit].work])
+            assert found.lower_bound_s <= found.finish().step_time_s
+            factors.append(factor)
+        assert factors == sorted(factors) and factors[0] < factors[-1]
 
 
 def test_a_planned_run_passes_the_limit_to_the_schedule() -> None:
