@@ -77,7 +77,8 @@ def stage_work(
                 w = w + shapes.embedding_work()
             if s == last:
                 w = w + shapes.head_work()
-            w = w * slowdown
+            if slowdown != 1.0:  # 1 wherever no working set is priced (every GPU): the search's common case
+                w = w * slowdown
             found = w + zero_per_microbatch(shapes, p, w) + _zero_waits(shapes, n) + overhead
             if 0 < s < last:
                 inner[(n, p)] = found
