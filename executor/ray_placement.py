@@ -15,6 +15,7 @@ satisfy yet, a node still joining) it waits up to the start timeout.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ __all__ = ["Reservation", "reserve"]
 _QUICK_WAIT = 2.0
 # Resources named in messages (Ray also tracks memory, object store and node labels).
 _SHOWN = ("CPU", "GPU")
+# Numbers this process's groups: Ray's placement group names are unique in a cluster, and
+# one process may hold several groups of one label (two pipelines of one schedule).
+_GROUP_NUMBERS = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,8 @@ def reserve(
     label: str,
 ) -> Reservation:
     """Place ``num_devices`` bundles under ``strategy`` (see the module docstring); the
-    group is named after ``label`` and this process. Raises :class:`ExecutionError`."""
+    group is named after ``label``, this process and the group's number in it. Raises
+    :class:`ExecutionError`."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -67,7 +72,7 @@ def reserve(
         bundle["GPU"] = gpus
     if not bundle:
         raise ExecutionError("a device must reserve some CPUs or GPUs on a joined cluster; raise cpus_per_device")
-    name = f"pipedsl {label} ({num_devices} devices, process {os.getpid()})"
+    name = f"pipedsl {label} ({num_devices} devices, process {os.getpid()}, group {next(_GROUP_NUMBERS)})"
     group = placement_group([dict(bundle) for _ in range(num_devices)], strategy=strategy, name=name)
     try:
         if not group.wait(timeout_seconds=min(_QUICK_WAIT, timeout)):

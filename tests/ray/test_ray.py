@@ -195,28 +195,44 @@ def test_value_and_grad_reuses_held_params_only_while_the_actors_hold_them(devic
         assert_trees_close(grads, ref_grads)
 
 
-def test_each_actor_gets_its_own_device_count_and_share_of_cores(devices: RayDevices) -> None:
+def test_each_actor_gets_its_own_device_count_share_of_cores_and_allocator(devices: RayDevices) -> None:
     # The driver has 8 forced CPU devices; an actor of a dp=tp=1 group needs one, and
-    # on a joined cluster as many compute threads as the one CPU it reserves.
+    # on a joined cluster as many compute threads as the one CPU it reserves; its
+    # allocator keeps the memory its steps free.
     for node in devices.nodes:
         environ = dict(
             entry.split("=", 1) for entry in Path(f"/proc/{node.pid}/environ").read_text().split("\0") if "=" in entry
         )
         assert environ["XLA_FLAGS"].split()[-1] == "--xla_force_host_platform_device_count=1"
         assert environ["NPROC"] == "1"
+        assert environ["MALLOC_TRIM_THRESHOLD_"] == str(4 << 30)
+        assert environ["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)
 
 
 def test_actor_runtime_env_replaces_the_device_count_and_keeps_the_users_choices() -> None:
-    base = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x", "NPROC": "3"}}
+    base = {
+        "env_vars": {
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x",
+            "NPROC": "3",
+            "MALLOC_TRIM_THRESHOLD_": "0",
+        }
+    }
     env = actor_runtime_env(base, 4, gpus=False, threads=2)
     assert env is not None
     assert env["env_vars"] == {
         "XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4",
         "NPROC": "3",
+        "MALLOC_TRIM_THRESHOLD_": "0",
+        "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     }
     assert base["env_vars"]["NPROC"] == "3" and "=8" in base["env_vars"]["XLA_FLAGS"]  # not changed in place
     assert actor_runtime_env(None, 2, gpus=False, threads=1) == {
-        "env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "NPROC": "1"}
+        "env_vars": {
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "NPROC": "1",
+            "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
+            "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+        }
     }
     assert actor_runtime_env(None, 2, gpus=True, threads=1) is None
 
@@ -325,7 +341,7 @@ def test_a_full_cluster_fails_at_once_naming_who_holds_what(devices: RayDevices)
     with pytest.raises(ExecutionError, match=r"the cluster is full: 7 devices of 1 CPU each need 7 CPU, \d+ of its 10") as info:
         RayDevices.start(7, RayConfig(start_timeout=60), label="'seven'")
     assert time.monotonic() - start < 15
-    assert f"placement group 'pipedsl devices (4 devices, process {os.getpid()})': 4 CPU" in str(info.value)
+    assert re.search(rf"placement group 'pipedsl devices \(4 devices, process {os.getpid()}, group \d+\)': 4 CPU", str(info.value))
     with pytest.raises(ExecutionError, match=r"cannot hold 11 devices of 1 CPU each: they need 11 CPU and it has 10 in all"):
         RayDevices.start(11, RayConfig(start_timeout=60))
     assert time.monotonic() - start < 30
@@ -333,6 +349,23 @@ def test_a_full_cluster_fails_at_once_naming_who_holds_what(devices: RayDevices)
 
     assert not [g for g in placement_group_table().values() if g["state"] != "REMOVED" and "'seven'" in g["name"]]
 
+
+
+def test_one_process_reserves_two_groups_of_one_label(devices: RayDevices) -> None:
+    # Ray's placement group names are unique in a cluster: two pipelines of one schedule
+    # in one process each reserve a group of their own.
+    from ray.util.placement_group import remove_placement_group
+
+    from pipedsl.executor.ray_placement import reserve
+
+    groups = [reserve(1, cpus=1.0, gpus=0.0, strategy="PACK", timeout=30.0, label="'1f1b'") for _ in range(2)]
+    try:
+        names = [ray.util.placement_group_table(g.group)["name"] for g in groups]
+        assert names[0] != names[1]
+        assert all(name.startswith(f"pipedsl '1f1b' (1 devices, process {os.getpid()}, group ") for name in names)
+    finally:
+        for g in groups:
+            remove_placement_group(g.group)
 
 
 def test_failing_stage_names_its_stage_device_and_node(devices: RayDevices, flags: Path) -> None:
