@@ -115,8 +115,6 @@ class DeviceLost(ExecutionError):
 
 # -- the device group -------------------------------------------------------------------
 
-_GROUP_IDS = itertools.count()
-
 
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
@@ -156,7 +154,6 @@ class RayDevices:
         self.offsets = offsets
         self.platforms = platforms
         self.step_timeout = config.step_timeout
-        self.id = next(_GROUP_IDS)
         self._group = group
         self._steps = itertools.count()
         self._closed = False
