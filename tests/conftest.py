@@ -15,8 +15,8 @@ keeps one persistent compilation cache in a temporary folder, shared with every 
 it starts through the environment, and removes it at the end; a cache folder the caller
 set wins. Under pytest-xdist (``make test`` runs two workers) the controller loads this
 file before it starts the workers, so they inherit its folder and leave it to the
-controller to remove. This directory is on ``sys.path`` (pytest puts a conftest's folder there), so
-every tier imports ``helpers``.
+controller to remove. This directory is on ``sys.path`` (pytest puts a conftest's folder
+there), so every tier imports ``helpers``.
 
 Tests of Ctrl-C take the ``ctrl_c`` fixture: SIGINT as a foreground job in a terminal gets
 it, whatever this run inherited (a shell starts a background job with SIGINT ignored, and
