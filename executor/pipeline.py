@@ -37,7 +37,7 @@ from pipedsl.executor.ray_backend import RayRunner
 from pipedsl.executor.ray_cluster import RayConfig, RayDevices
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.ir import Schedule
-from pipedsl.program import Program
+from pipedsl.program import Program, lower
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -152,7 +152,7 @@ class Pipeline:
         param_specs: Any,
     ) -> None:
         self.schedule = schedule
-        self.program: Program = schedule.lower()
+        self.program: Program = lower(schedule)
         self.mesh = mesh
         self._stages = stages
         if isinstance(remat, bool):

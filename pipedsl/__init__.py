@@ -2,9 +2,12 @@
 
     >>> import pipedsl
     >>> sched = pipedsl.load("1f1b", pp=4, microbatches=8)   # a library name or a path
-    >>> sched.validate().peak_inflight
+    >>> pipedsl.validate(sched).peak_inflight
     (4, 3, 2, 1)
-    >>> program = sched.lower()          # per-device compute/send/recv/free lists
+    >>> program = pipedsl.lower(sched)   # per-device compute/send/recv/free lists
+
+A :class:`Schedule` is plain data; :func:`validate` checks it and :func:`lower` (which
+validates first) turns it into a :class:`Program`.
 
 A ``.sched`` file with a ``policy`` block loads as a :class:`Policy` (limits and
 priorities); ``pipedsl.simulator.synthesize.synthesize(policy, costs)`` gives its Schedule.
@@ -24,8 +27,9 @@ from pipedsl.errors import (
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import library_path, library_schedules, load, parse
 from pipedsl.policy import Policy
-from pipedsl.program import Program
+from pipedsl.program import Program, lower
 from pipedsl.timeline import Timeline
+from pipedsl.validate import Report, validate
 
 __all__ = [
     "Action",
@@ -34,6 +38,7 @@ __all__ = [
     "PipedslError",
     "Policy",
     "Program",
+    "Report",
     "Schedule",
     "ScheduleEvalError",
     "ScheduleInvalid",
@@ -43,7 +48,9 @@ __all__ = [
     "library_path",
     "library_schedules",
     "load",
+    "lower",
     "parse",
+    "validate",
 ]
 
 __version__ = "0.1.0"

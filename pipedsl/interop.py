@@ -28,7 +28,7 @@ from typing import Any
 from pipedsl.errors import ConversionError, SourcePos
 from pipedsl.ir import Action, Schedule, parse_action
 from pipedsl.lang import RESERVED_WORDS
-from pipedsl.program import BufferKind, Compute, Free, Instruction, Send
+from pipedsl.program import BufferKind, Compute, Free, Instruction, Send, lower
 
 __all__ = [
     "FORMATS",
@@ -101,7 +101,7 @@ def to_lowered_csv(schedule: Schedule) -> str:
     is no send: the value stays on the device.
     """
     rows = []
-    for program in schedule.lower().devices:
+    for program in lower(schedule).devices:
         cells = (_lowered_cell(instruction) for instruction in program.instructions)
         rows.append(",".join(cell for cell in cells if cell is not None))
     return "".join(row + "\n" for row in rows)

@@ -16,13 +16,8 @@ import enum
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pipedsl.errors import SourcePos
-
-if TYPE_CHECKING:
-    from pipedsl.program import Program
-    from pipedsl.validate import Checked, Report
 
 __all__ = ["Kind", "Action", "Schedule", "parse_action"]
 
@@ -97,10 +92,12 @@ class Schedule:
       params: the integer parameters the schedule was evaluated with, in source order.
       source: the file the schedule came from, or None.
 
-    Validation keeps what it derived (the int-coded actions and their dependencies, see
-    :class:`~pipedsl.validate.Checked`) in a private slot, so that validating, lowering
-    and simulating one schedule build them once; it is no part of the schedule's
-    identity and :func:`dataclasses.replace` starts a copy without it.
+    A schedule is plain data: :func:`pipedsl.validate` checks it and :func:`pipedsl.lower`
+    lowers it; this module imports neither. Validation keeps what it derived (the int-coded
+    actions and their dependencies, a :class:`~pipedsl.validate.Checked`) in a private
+    slot, so that validating, lowering and simulating one schedule build them once; it is
+    no part of the schedule's identity and :func:`dataclasses.replace` starts a copy
+    without it.
     """
 
     name: str
@@ -111,7 +108,9 @@ class Schedule:
     orders: tuple[tuple[Action, ...], ...]
     params: tuple[tuple[str, int], ...] = ()
     source: str | None = None
-    _checked: Checked | None = field(default=None, init=False, repr=False, compare=False)
+    # Typed as object so that the IR needs nothing of the validator; only
+    # pipedsl.validate reads or writes it.
+    _checked: object | None = field(default=None, init=False, repr=False, compare=False)
 
     def __repr__(self) -> str:
         # A summary: the orders of a real schedule run to thousands of actions.
@@ -145,18 +144,6 @@ class Schedule:
     def splits_backward(self) -> bool:
         """Whether any action is an ``I`` or ``W`` (the zero-bubble split)."""
         return any(a.kind in (Kind.I, Kind.W) for _, a in self.actions())
-
-    def validate(self, *, max_inflight: int | None = None) -> Report:
-        """Check every rule of :mod:`pipedsl.validate`; raise ScheduleInvalid on the first broken one."""
-        from pipedsl.validate import validate
-
-        return validate(self, max_inflight=max_inflight)
-
-    def lower(self) -> Program:
-        """Validate, then lower to per-device programs of compute, send, receive and free."""
-        from pipedsl.program import lower
-
-        return lower(self)
 
     def format_grid(self) -> str:
         """The per-device orders as a text grid, one row per device."""

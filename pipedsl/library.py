@@ -10,7 +10,7 @@ Every command, the planner and the Python API load schedules through this module
 - :func:`load` evaluates a ``.sched`` file under parameter overrides, or reads PyTorch's
   CSV or pipedsl's JSON form (:mod:`pipedsl.interop`); :func:`parse` does the same for text.
 
-Schedules come back *unvalidated*; ``schedule.validate()`` checks them.
+Schedules come back *unvalidated*; ``pipedsl.validate(schedule)`` checks them.
 
     >>> import pipedsl
     >>> pipedsl.load("1f1b", pp=4, microbatches=8).num_actions

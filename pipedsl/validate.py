@@ -388,7 +388,7 @@ def checked(schedule: Schedule | ScheduleArrays) -> Checked:
     first one broken. The result is kept on a Schedule, so a second call is free; a
     :class:`~pipedsl.arrays.ScheduleArrays` is checked on its columns as they are, and an
     error names its action without a source position."""
-    if isinstance(schedule, Schedule) and schedule._checked is not None:
+    if isinstance(schedule, Schedule) and isinstance(schedule._checked, Checked):
         return schedule._checked
     _check_shape(schedule)
     with paused_collector():
@@ -407,7 +407,7 @@ def checked(schedule: Schedule | ScheduleArrays) -> Checked:
 
 def kept_check(schedule: Schedule) -> Checked | None:
     """What :func:`checked` kept on ``schedule``, or None when it has not run (this checks nothing)."""
-    return schedule._checked
+    return schedule._checked if isinstance(schedule._checked, Checked) else None
 
 
 def validate(schedule: Schedule, *, max_inflight: int | None = None) -> Report:

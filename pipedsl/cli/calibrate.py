@@ -40,6 +40,7 @@ from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
 from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
 from pipedsl.timeline import Timeline
+from pipedsl.validate import validate
 
 __all__ = ["DEMO_MODEL", "Measurement", "demo_transformer", "Run", "measure", "backend_for", "results_table", "register"]
 
@@ -332,7 +333,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         declared = _parameters(spec)
         chosen = {k: v for k, v in _DEFAULT_PARAMS.items() if k in declared} | args.params
         schedule = load_schedule(spec, chosen, max_actions=args.max_actions)
-        schedule.validate()
+        validate(schedule)
         schedules.append(schedule)
     request_devices(max(s.num_devices for s in schedules))
     console = make_console()

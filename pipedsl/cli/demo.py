@@ -52,6 +52,7 @@ from pipedsl.simulator import (
     summarize,
 )
 from pipedsl.simulator.search import DEFAULT_PRUNE
+from pipedsl.validate import validate
 
 __all__ = [
     "register", "DEMO_MODEL", "GLOBAL_BATCH", "demo_calibration_steps", "calibrated_search", "plans_to_run",
@@ -74,7 +75,7 @@ def _library(console: Console) -> None:
         table.add_column(column, justify="left" if column.startswith(("schedule", "peak")) else "right")
     for name, path in library_schedules().items():
         schedule = load_schedule(path, {}, costs=CostModel())
-        report = schedule.validate()
+        report = validate(schedule)
         peaks = " ".join(map(str, report.peak_inflight))
         table.add_row(
             name,

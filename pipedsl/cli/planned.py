@@ -22,6 +22,7 @@ from pipedsl import library
 from pipedsl.cli.common import load_schedule
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
+from pipedsl.validate import validate
 
 __all__ = ["PlannedRun", "read_plan", "SPMD_SCHEDULE"]
 
@@ -114,7 +115,7 @@ class PlannedRun:
     def schedule_of(self) -> Schedule:
         """The schedule this plan runs, evaluated and validated."""
         schedule = load_schedule(self.schedule, self.params())
-        schedule.validate()
+        validate(schedule)
         return schedule
 
     def label(self) -> str:

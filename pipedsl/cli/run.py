@@ -34,6 +34,7 @@ from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
+from pipedsl.validate import validate
 
 __all__ = ["register"]
 
@@ -111,7 +112,7 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
         if args.file is None:
             raise PipedslError("give a schedule FILE, or --plan RANK --plans plans.csv")
         schedule = load_schedule(args.file, args.params, max_actions=args.max_actions)
-        schedule.validate()
+        validate(schedule)
         return schedule, None
     if args.file is not None or args.params:
         raise PipedslError("--plan sets the schedule and its parameters; give no FILE or -p with it")

@@ -23,6 +23,8 @@ from pipedsl.cli.common import (
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.policy import Policy
+from pipedsl.program import lower
+from pipedsl.validate import validate
 
 __all__ = ["register"]
 
@@ -41,7 +43,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             loaded = library.load(path, max_actions=args.max_actions, **args.params)
             policy = loaded if isinstance(loaded, Policy) else None
             schedule = loaded if isinstance(loaded, Schedule) else synthesize_policy(loaded, None, path=path, note=False)
-            report = schedule.validate(max_inflight=args.max_inflight)
+            report = validate(schedule, max_inflight=args.max_inflight)
         except PipedslError as err:
             worst = max(worst, report_error(err, path=path))
             continue
@@ -63,7 +65,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     else:
         schedule = loaded
     if args.lowered:
-        print(schedule.lower().format())
+        print(lower(schedule).format())
         return EXIT_OK
     placement = " ".join(map(str, schedule.placement))
     print(
@@ -72,13 +74,13 @@ def _cmd_show(args: argparse.Namespace) -> int:
     )
     print(schedule.format_grid())
     # The grid is shown even for an invalid schedule: seeing it is how one finds the fault.
-    schedule.validate()
+    validate(schedule)
     return EXIT_OK
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     schedule = load_schedule(args.file, args.params, max_actions=args.max_actions)
-    schedule.validate()
+    validate(schedule)
     text = interop.export(schedule, args.to, lowered=args.lowered)
     if args.output is None:
         sys.stdout.write(text)

@@ -427,7 +427,7 @@ def evaluate(
       source: recorded as ``Schedule.source`` (the file path, or None).
       max_actions: the most actions the evaluation may emit, over all devices.
 
-    Returns the Schedule without validating it (see ``Schedule.validate``), or for a
+    Returns the Schedule without validating it (see :func:`pipedsl.validate`), or for a
     schedule with a ``policy`` block the :class:`~pipedsl.policy.Policy` it states (see
     :mod:`pipedsl.lang.policy`), which the simulator synthesises into a Schedule. Raises
     ScheduleEvalError, with the position of the offending node.

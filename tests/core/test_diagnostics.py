@@ -8,6 +8,7 @@ import pytest
 
 from pipedsl.errors import MAX_REPORTED, PipedslError, ScheduleEvalError, ScheduleSyntaxError
 from pipedsl.library import parse
+from pipedsl.validate import validate
 
 
 def _errors(text: str) -> PipedslError:
@@ -128,4 +129,4 @@ def test_the_report_is_capped() -> None:
 def test_validate_refuses_a_limit_that_is_not_a_count(limit: object) -> None:
     schedule = parse("schedule t { stages 1 devices 1 place s -> 0 device 0: 0F0 0B0 }")
     with pytest.raises(PipedslError, match="max_inflight must be a whole number >= 0"):
-        schedule.validate(max_inflight=limit)  # type: ignore[arg-type]
+        validate(schedule, max_inflight=limit)  # type: ignore[arg-type]

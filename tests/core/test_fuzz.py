@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleSyntaxError
 from pipedsl.library import library_schedules, parse
 from pipedsl.policy import Policy
+from pipedsl.validate import validate
 
 SEED = 20240611
 MUTANTS_PER_FILE = 600  # per library file: over 5,000 mutants in all
@@ -138,7 +139,7 @@ def check(text: str, label: str) -> str:
         pytest.fail(f"{type(err).__name__}: {err}\n--- text ---\n{text}")
     try:
         # A policy schedule is checked as far as the core can without a cost model.
-        schedule.check() if isinstance(schedule, Policy) else schedule.validate()
+        schedule.check() if isinstance(schedule, Policy) else validate(schedule)
     except PipedslError as err:
         str(err)
         return type(err).__name__

@@ -17,6 +17,7 @@ from pipedsl.interop import (
     to_sched_text,
 )
 from pipedsl.ir import Schedule
+from pipedsl.validate import validate
 
 
 def same_schedule(a: Schedule, b: Schedule) -> bool:
@@ -45,7 +46,7 @@ def _id(schedule: Schedule) -> str:
 
 
 def check_round_trips(schedule: Schedule) -> None:
-    schedule.validate()
+    validate(schedule)
     via_csv = from_csv(to_csv(schedule))
     assert same_schedule(via_csv, schedule)
     via_json = from_json(to_json(schedule))
@@ -131,7 +132,7 @@ def test_torch_visualiser_out_of_range_microbatch() -> None:
     assert last_row.startswith(",,,3F1,3B0,") and "3F8" in last_row
     schedule = from_csv(text, file="torch_1f1b.csv", num_microbatches=8)
     with pytest.raises(ScheduleInvalid) as info:
-        schedule.validate()
+        validate(schedule)
     err = info.value
     assert err.rule == "microbatch-range" and err.action == "3F8"
     assert err.pos is not None
@@ -139,7 +140,7 @@ def test_torch_visualiser_out_of_range_microbatch() -> None:
     assert str(err).splitlines()[1].strip() == last_row
     # Without the microbatch count the CSV implies 9 microbatches, and 3F0 is missing.
     with pytest.raises(ScheduleInvalid) as info:
-        from_csv(text).validate()
+        validate(from_csv(text))
     assert info.value.rule == "missing-action"
 
 
@@ -154,7 +155,7 @@ def test_csv_reading_details() -> None:
     # are no ranks.
     assert schedule.placement == (0, 0, 1) and schedule.num_devices == 2
     with pytest.raises(ScheduleInvalid) as info:
-        schedule.validate()
+        validate(schedule)
     err = info.value
     assert err.rule == "wrong-device" and err.action == "1B0"
     assert err.pos is not None and (err.pos.line, err.pos.column) == (2, 1)

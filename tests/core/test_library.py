@@ -14,6 +14,7 @@ from pipedsl.errors import PipedslError, ScheduleEvalError
 from pipedsl.ir import Kind, Schedule
 from pipedsl.library import library_path, library_schedules, load
 from pipedsl.policy import Policy
+from pipedsl.validate import validate
 
 Grid = list[list[str]]
 
@@ -71,7 +72,7 @@ def test_every_file_documents_itself_and_has_the_usual_defaults(name: str) -> No
         loaded.check()
     else:
         assert isinstance(loaded, Schedule)
-        loaded.validate()
+        validate(loaded)
     defaults = dict(loaded.params)
     usual = {"pp": 4, "microbatches": 8, "vpp": 2, "max_inflight": defaults.get("pp", 0) * (2 if name == "zbv_auto" else 1)}
     assert {k: v for k, v in usual.items() if k in defaults} == defaults
@@ -84,7 +85,7 @@ def test_every_schedule_validates_over_the_grid() -> None:
         pp, m, vpp = params["pp"], params["microbatches"], params.get("vpp", 1)
         stages = 2 * pp if name in ("zbv", "dualpipev") else pp * vpp
         assert (schedule.num_stages, schedule.num_devices, schedule.num_microbatches) == (stages, pp, m)
-        report = schedule.validate()
+        report = validate(schedule)
         assert report.num_actions == schedule.num_actions
         assert report.peak_inflight == expected_peak(name, pp, vpp, m), (name, params)
         checked += 1

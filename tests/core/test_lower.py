@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+import pipedsl
 from helpers import gpipe, interleaved, one_f_one_b, one_f_one_b_split, v_shape, valid_schedules
 from pipedsl.errors import ScheduleInvalid
 from pipedsl.ir import Action, Kind, Schedule
@@ -27,6 +28,7 @@ from pipedsl.program import (
     compute_io,
     lower,
 )
+from pipedsl.validate import validate
 
 # --- schedules with more than one stage per device -------------------------------------
 
@@ -172,6 +174,16 @@ def test_lower_validates_first() -> None:
     broken = Schedule(broken.name, 2, 2, 2, broken.placement, (broken.orders[0][1:], broken.orders[1]))
     with pytest.raises(ScheduleInvalid):
         lower(broken)
+
+
+def test_the_package_validates_and_lowers_plain_data() -> None:
+    # A Schedule carries no validate/lower methods: the free functions are the one way in,
+    # and they are the modules' own, so both paths give the same result.
+    schedule = one_f_one_b(4, 8)
+    assert not hasattr(Schedule, "validate") and not hasattr(Schedule, "lower")
+    assert pipedsl.validate is validate and pipedsl.lower is lower
+    assert pipedsl.validate(schedule).peak_inflight == (4, 3, 2, 1)
+    assert pipedsl.lower(schedule).num_instructions == lower(schedule).num_instructions > schedule.num_actions
 
 
 def test_format_lists_every_instruction() -> None:

@@ -26,7 +26,7 @@ from helpers import (
 )
 from pipedsl.executor import Pipeline, stage_boundary
 from pipedsl.executor.split import marked_model
-from pipedsl.program import BufferKind
+from pipedsl.program import BufferKind, lower
 from pipedsl.timeline import EventKind
 from pipedsl.validate import peak_inflight
 
@@ -110,7 +110,7 @@ def test_weight_half_repeats_nothing_of_the_input_half(kind: str) -> None:
 
 def test_weight_residual_buffers_carry_the_handoff() -> None:
     schedule = library("zb_h1")
-    program = schedule.lower()
+    program = lower(schedule)
     kinds = {i.buffer.kind for dev in program.devices for i in dev.instructions if hasattr(i, "buffer")}
     assert BufferKind.WEIGHT_RESIDUAL in kinds
     params, batch, _, _ = setup("mlp", "explicit", schedule.num_stages)

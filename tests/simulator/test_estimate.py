@@ -15,6 +15,7 @@ import pytest
 from pipedsl import library
 from pipedsl.errors import PipedslError, ScheduleEvalError
 from pipedsl.library import library_schedules
+from pipedsl.program import lower
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import simulate
 from pipedsl.simulator.estimate import (
@@ -433,7 +434,7 @@ def test_memory_walk_matches_the_simulator(spec: str, vpp: int) -> None:
     key = ScheduleKey(spec, 4, vpp if spec == "interleaved_1f1b" else 0, 8)
     schedule = pipelines.schedule(key)
     residual = tuple(100 + 7 * s for s in range(schedule.num_stages))
-    simulated = simulate(schedule.lower(), CostModel(residual_bytes=residual))
+    simulated = simulate(lower(schedule), CostModel(residual_bytes=residual))
     assert pipelines.peak_residual_bytes(key, residual) == tuple(d.peak_activation_bytes for d in simulated.devices)
 
 

@@ -18,6 +18,7 @@ from pipedsl.program import lower
 from pipedsl.simulator import CostModel, simulate
 from pipedsl.simulator.policy_plans import synthesized_program
 from pipedsl.simulator.synthesize import SynthesisError, Variant, synthesize, variants
+from pipedsl.validate import validate
 
 
 def chain(pp: int, m: int, limit: int | tuple[int, ...] | None = None, **options: object) -> Policy:
@@ -50,7 +51,7 @@ def test_at_1f1b_memory_the_bubble_is_zb_h1s_or_better(pp: int, per_stage: int, 
     m = per_stage * pp
     costs = UNIFORM.with_changes(latency=comm)
     schedule = synthesize(chain(pp, m, pp), costs)
-    assert max(schedule.validate(max_inflight=pp).peak_inflight) <= pp
+    assert max(validate(schedule, max_inflight=pp).peak_inflight) <= pp
     ours = simulate(schedule, costs)
     zb_h1 = simulate(load("zb_h1", pp=pp, microbatches=m), costs)
     assert ours.makespan <= zb_h1.makespan + 1e-9
@@ -65,7 +66,7 @@ def test_at_2pp_minus_1_the_only_bubble_is_the_staggered_start(pp: int, f: float
     costs = CostModel(forward=f, input_grad=i, weight_grad=w)
     for m in (2 * pp, 4 * pp):
         schedule = synthesize(chain(pp, m, 2 * pp - 1), costs)
-        assert max(schedule.validate().peak_inflight) <= 2 * pp - 1
+        assert max(validate(schedule).peak_inflight) <= 2 * pp - 1
         # Device pp-1 cannot start before (pp-1) F; past that, nobody idles (ZB-H2).
         assert simulate(schedule, costs).makespan == pytest.approx((pp - 1) * f + m * (f + i + w))
 
@@ -96,7 +97,7 @@ def test_v_placement_keeps_its_limit_without_deadlock() -> None:
     for pp in (2, 3, 4):
         for limit in (2, 3, 2 * pp):
             schedule = synthesize(v_shape(pp, 3 * pp, limit), UNIFORM)
-            assert max(schedule.validate().peak_inflight) <= limit
+            assert max(validate(schedule).peak_inflight) <= limit
 
 
 def test_activation_byte_limits_are_kept() -> None:
@@ -170,9 +171,9 @@ def problems(draw: st.DrawFn) -> tuple[Policy, CostModel, Schedule]:
 def test_synthesis_validates_keeps_its_limits_and_beats_1f1b(problem: tuple[Policy, CostModel, Schedule]) -> None:
     policy, costs, baseline = problem
     schedule = synthesize(policy, costs)
-    report = schedule.validate()
+    report = validate(schedule)
     assert all(peak <= limit for peak, limit in zip(report.peak_inflight, policy.max_inflight or ()))
-    assert all(peak <= limit for peak, limit in zip(baseline.validate().peak_inflight, policy.max_inflight or ()))
+    assert all(peak <= limit for peak, limit in zip(validate(baseline).peak_inflight, policy.max_inflight or ()))
     ours = simulate(schedule, costs).makespan
     assert ours <= simulate(baseline, costs).makespan + 1e-9
 

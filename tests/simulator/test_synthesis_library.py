@@ -11,6 +11,7 @@ from pipedsl.library import library_path, load, parse
 from pipedsl.policy import UNSATISFIABLE, Policy
 from pipedsl.simulator import CostModel, simulate
 from pipedsl.simulator.synthesize import synthesize
+from pipedsl.validate import validate
 
 UNIFORM = CostModel(forward=1, input_grad=1, weight_grad=1)
 
@@ -40,7 +41,7 @@ def test_every_policy_synthesises_a_valid_order_over_the_grid(name: str, pp: int
         schedule = synthesize(loaded, UNIFORM)
         assert (schedule.num_stages, schedule.num_devices, schedule.num_microbatches) == (stages(pp), pp, m)
         assert schedule.source == str(library_path(name))
-        report = schedule.validate(max_inflight=limit(pp))
+        report = validate(schedule, max_inflight=limit(pp))
         assert report.num_actions == 3 * stages(pp) * m
 
 
