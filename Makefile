@@ -25,8 +25,10 @@ TEST_WORKERS ?= 2
 test: lint typecheck
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# The format check reads pyproject's [tool.ruff] settings (line length 120).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # mypy reads packages from folders named as they import; pyproject's package-dir maps
 # simulator/ and executor/ into pipedsl, so a tree of links under build/ spells that out.
