@@ -155,34 +155,38 @@ def test_a_receive_no_device_will_answer_is_found_at_once() -> None:
 
 
 def test_stalled_stage_is_named_within_a_bounded_wait() -> None:
-    stall = 4.0  # seconds; recv_timeout is 0.5 s
+    # The stage stays stuck until the test releases it, after the step has failed: so the
+    # failure came while the stage was still running, whatever the machine's speed. The
+    # release's own timeout only bounds a wrong program, which would wait for the stage.
+    release, returned = threading.Event(), threading.Event()
 
-    def sleep(x: Any) -> None:
-        time.sleep(stall)
+    def hold(x: Any) -> None:
+        release.wait(timeout=120.0)
+        returned.set()
 
     def stuck(p: jax.Array, x: jax.Array) -> jax.Array:
-        jax.debug.callback(sleep, x)
+        jax.debug.callback(hold, x)
         return dense(p, x)
 
     pipe = Pipeline([dense, stuck], loss=mse, schedule=one_f_one_b(microbatches=2), recv_timeout=0.5)
     pipe.compile(params(), batch(4))
-    start = time.perf_counter()
     try:
         with pytest.raises(ExecutionError) as info:
             pipe.value_and_grad(params(), batch(4))
-        took = time.perf_counter() - start
+        stuck_when_it_failed = not returned.is_set()
     finally:
+        release.set()
         # The devices' thread ends once the stage wakes; it may not outlive the test (a
         # thread inside XLA at interpreter exit aborts the process).
         for thread in threading.enumerate():
             if thread.name.startswith("pipedsl-device"):
-                thread.join(timeout=2 * stall)
+                thread.join(timeout=30.0)
     # The stalled device is named with what it was doing; the step fails about one
-    # receive timeout after the last progress, long before the stage wakes up.
+    # receive timeout after the last progress, while the stage is still stuck.
     assert info.value.device == 1
     assert "device 1 is stalled: still running instruction" in str(info.value)
     assert "1F0" in str(info.value) and "without progress" in str(info.value)
-    assert took < stall - 1.0
+    assert stuck_when_it_failed
 
 
 def test_too_few_devices_says_how_to_get_more() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -164,13 +165,23 @@ def test_ctrl_c_stops_the_search_and_its_workers() -> None:
     # In a session of its own, so that the signal goes to its whole process group, as a
     # terminal's Ctrl-C does.
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    workers: set[int] = set()
     try:
+        # Each worker is paused the moment it appears, before its interpreter has even
+        # imported pipedsl, so it cannot answer: the search is then waiting on its workers
+        # in the middle of the ranking, however fast the machine.
         deadline = time.monotonic() + 60
-        while len(workers := _children(run.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while len(workers) < 2 and run.poll() is None and time.monotonic() < deadline:
+            for pid in set(_children(run.pid)) - workers:
+                os.kill(pid, signal.SIGSTOP)
+                workers.add(pid)
+            time.sleep(0.01)
         assert len(workers) == 2, "the search started no worker processes"
-        time.sleep(0.5)  # into the ranking
+        assert run.poll() is None, "the search finished before its workers could be paused"
         os.killpg(run.pid, signal.SIGINT)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         _, err = run.communicate(timeout=30)
     finally:
         if run.poll() is None:
