@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench notebooks clean
+.PHONY: demo test lint typecheck bench results notebooks clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,8 +14,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The demo appends its run to bench/results/demo.jsonl, and the page drawn from the
+# results is redrawn (`make results`).
 demo: $(STAMP)
-	$(VENV)/bin/pipedsl demo --out out
+	PIPEDSL_RESULTS_DIR=bench/results $(VENV)/bin/pipedsl demo --out out
+	$(MAKE) --no-print-directory results
 
 # Two workers: most of the suite's time is single-threaded (XLA's compiles, Python), so a
 # 2-core machine runs it in about three quarters of the time. A file's tests stay on one
@@ -53,6 +56,11 @@ bench: $(STAMP)
 	$(PY) bench/bench_ray.py
 	$(PY) bench/bench_search.py
 	$(PY) bench/bench_synthesis.py
+	$(MAKE) --no-print-directory results
+
+# bench/RESULTS.md, drawn from the runs in bench/results/ (tests/core/test_results.py checks it).
+results: $(STAMP)
+	$(PY) -m pipedsl.results bench/results -o bench/RESULTS.md
 
 clean:
 	rm -rf $(VENV) out build *.egg-info .pytest_cache .hypothesis

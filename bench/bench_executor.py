@@ -30,7 +30,7 @@ import sys
 from functools import partial
 from typing import Any
 
-from timing import interleaved_medians, medians_with_recordings, wall_and_cpu_medians
+from timing import interleaved_medians, medians_with_recordings, record, wall_and_cpu_medians
 
 
 def _configure(pp: int, cores: int | None) -> None:
@@ -103,6 +103,9 @@ def bench_split(width: int, layers: int, microbatch: int, repeat: int) -> None:
         f"   two jitted halves of one vjp: B {t['B vjp'] * 1e3:.2f} ms, I {t['I vjp'] * 1e3:.2f} ms, "
         f"W {t['W vjp'] * 1e3:.2f} ms, (I+W)/B = {naive:.3f}"
     )
+    iw = (t["I"] + t["W"]) / t["B"]
+    record("bench_executor_split", {"B_ms": t["B"] * 1e3, "I_ms": t["I"] * 1e3, "W_ms": t["W"] * 1e3,
+                                    "iw_over_b": iw, "vjp_halves_iw_over_b": naive})  # fmt: skip
 
 
 def bench_overhead(repeat: int) -> None:
@@ -138,6 +141,8 @@ def bench_overhead(repeat: int) -> None:
         f"   fit: {fixed * 1e3:.2f} ms per step + {per_action * 1e6:.0f} us per action wall, "
         f"{cpu_per_action * 1e6:.0f} us CPU (= {per_instruction * 1e6:.0f} us wall per instruction)"
     )
+    record("bench_executor_overhead", {"per_step_ms": fixed * 1e3, "per_action_us": per_action * 1e6,
+                                       "per_action_cpu_us": cpu_per_action * 1e6})  # fmt: skip
 
 
 def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microbatch: int, repeat: int) -> None:
@@ -197,6 +202,8 @@ def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microba
     print(f"\n4. one jax.jit of the same microbatch loop on one device: {base * 1e3:.1f} ms")
     for name, t in steps.items():
         print(f"   {name:<8} pipelined / single jit = {t / base:.3f}{'   (best)' if name == best else ''}")
+    figures = {f"{name}_ms": t * 1e3 for name, t in steps.items()}
+    record("bench_executor_schedules", {**figures, "one_jit_ms": base * 1e3, "pp": pp, "microbatches": microbatches})
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ import os
 from functools import partial
 from typing import Any
 
-from timing import interleaved_medians
+from timing import interleaved_medians, record
 
 DEVICES = 8
 
@@ -114,6 +114,12 @@ def predicted_against_measured(repeat: int) -> None:
     same, pairs = pairs_agreeing(predicted, measured)
     searched, _ = pairs_agreeing([p.planned_s or 0.0 for p in plans.values()], measured)
     print(f"   {same} of {pairs} pairs of plans ordered as measured (the search's prices: {searched})")
+    errors = [
+        f"{name} {price / times[name] - 1.0:+.1%} (searched {(plan.planned_s or 0.0) / times[name] - 1.0:+.1%})"
+        for (name, plan), price in zip(plans.items(), predicted, strict=True)
+    ]
+    record("bench_hybrid_plans", {"plans": "; ".join(errors), "pairs_in_order": f"{same} of {pairs}",
+                                  "searched_pairs_in_order": f"{searched} of {pairs}"})  # fmt: skip
 
 
 def overhead(args: argparse.Namespace) -> None:
@@ -173,6 +179,7 @@ def overhead(args: argparse.Namespace) -> None:
         print(f"   {name:<28} {t * 1e3:8.1f} ms")
     ratio = times["spmd dp=8"] / times["one jax.jit, dp=8"]
     print(f"   executor dp=8 / one jax.jit dp=8: {ratio:.2f}x (target <= 1.3x)")
+    record("bench_hybrid_overhead", {**{f"{name}_ms": t * 1e3 for name, t in times.items()}, "executor_over_jit": ratio})
 
 
 if __name__ == "__main__":

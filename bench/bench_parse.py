@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from timing import record
+
 from pipedsl.library import library_path, load
 
 PARAMS = {"pp": 64, "vpp": 2, "microbatches": 1024}
@@ -35,6 +37,7 @@ def main() -> None:
     print(f"first:     {times[0]:.3f} s")
     print(f"best:      {best:.3f} s")
     print(f"rate:      {actions / best:,.0f} actions/s")
+    record("bench_parse", {"actions": actions, "first_s": times[0], "best_s": best, "actions_per_s": actions / best})
 
 
 if __name__ == "__main__":

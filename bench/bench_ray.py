@@ -30,7 +30,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from timing import interleaved_medians, medians_with_recordings
+from timing import interleaved_medians, medians_with_recordings, record
 
 
 def bench_overhead(devices: Any, repeat: int) -> None:
@@ -62,9 +62,12 @@ def bench_overhead(devices: Any, repeat: int) -> None:
     print(f"   {'actions':>7} {'local':>10} {'ray':>10}")
     for c, m in zip(counts, (4, 16, 64), strict=True):
         print(f"   {c:7d} {times[f'local {m}'] * 1e3:8.2f}ms {times[f'ray {m}'] * 1e3:8.2f}ms")
+    figures: dict[str, float] = {}
     for backend in ("local", "ray"):
         per_action, fixed = np.polyfit(counts, [times[f"{backend} {m}"] for m in (4, 16, 64)], 1)
         print(f"   {backend:<5} fit: {fixed * 1e3:6.2f} ms per step + {per_action * 1e6:5.0f} us per action")
+        figures |= {f"{backend}_per_step_ms": fixed * 1e3, f"{backend}_per_action_us": per_action * 1e6}
+    record("bench_ray_overhead", figures)
 
 
 def bench_schedules(devices: Any, pp: int, microbatches: int, width: int, layers: int, microbatch: int, repeat: int) -> None:
@@ -116,6 +119,7 @@ def bench_schedules(devices: Any, pp: int, microbatches: int, width: int, layers
         f"   measured on Ray (medians): F {fit.forward[0] * 1e3:.2f} ms, B {(fit.backward or (0.0,))[0] * 1e3:.2f} ms, "
         f"transfer {fit.transfer * 1e3:.2f} ms (stage 0)"
     )
+    record("bench_ray_schedules", {f"{n}_{b}_ms": steps[f"{b} {n}"] * 1e3 for n in names for b in ("local", "ray")})
     for pipe in ray.values():
         pipe.close()
 

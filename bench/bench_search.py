@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+from timing import record
 
 from pipedsl.simulator.search import DEFAULT_PRUNE, search, summarize
 
@@ -105,6 +106,11 @@ def main() -> None:
               f", {base['cpu']:.1f} s of CPU ({base['considered'] / base['cpu']:,.0f} plans per CPU second)")  # fmt: skip
         print(f"  ratio              {base['seconds'] / seconds:7.2f}x faster ({base['cpu'] / cpu:.2f}x in CPU time); best 40 plans "
               f"{'the same' if base['top'] == _top(frame) else 'DIFFERENT'}")  # fmt: skip
+    figures = {"plans": attrs["considered"], "ranked": len(frame), "processes": attrs["processes"],
+               "seconds": seconds, "plans_per_s": attrs["considered"] / seconds, "cpu_s": cpu}  # fmt: skip
+    if args.baseline:
+        figures |= {"baseline_s": base["seconds"], "speedup": base["seconds"] / seconds}
+    record("bench_search", figures)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from timing import record
+
 from pipedsl.library import library_path, load
 from pipedsl.program import lower
 from pipedsl.simulator import CostModel, simulate
@@ -126,6 +128,11 @@ def main() -> None:
             f"ratio:        {best['baseline'] / best['command']:.2f}x faster than the baseline"
             f" ({best['baseline cpu'] / best['command cpu']:.2f}x in CPU time)"
         )
+    figures = {"actions": actions, "simulate_s": best["simulate"], "command_s": best["command"],
+               "command_cpu_s": best["command cpu"], "peak_mib": peaks["command"]}  # fmt: skip
+    if args.baseline:
+        figures |= {"baseline_s": best["baseline"], "baseline_peak_mib": peaks["baseline"]}
+    record("bench_simulate", figures)
 
 
 if __name__ == "__main__":

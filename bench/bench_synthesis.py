@@ -29,6 +29,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from timing import record
+
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import library_path, load
 from pipedsl.policy import Policy
@@ -62,6 +64,8 @@ def timing(repeat: int) -> None:
         one = _best(lambda v=variant: synthesize(policy, costs, tries=(v,)), repeat)
         print(f"  {variant}: {one * 1e3:.2f} ms")
     print(f"for scale: simulate 1f1b pp=8 m=32 once: {sim * 1e3:.2f} ms (synthesis / simulation = {whole / sim:.2f})")
+    record("bench_synthesis", {"synthesis_cpu_ms": whole * 1e3, "simulation_cpu_ms": sim * 1e3,
+                               "synthesis_over_simulation": whole / sim})  # fmt: skip
 
 
 def _their_scheduler(repo: Path) -> types.ModuleType:

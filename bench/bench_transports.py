@@ -36,6 +36,8 @@ import sys
 import time
 from typing import Any
 
+from timing import record
+
 SIZES = {"4 B": 1, "256 KB": 64 * 1024, "4 MB": 1024 * 1024}  # float32 elements
 _INLINE = 8 * 1024 * 1024  # bytes: above the largest payload
 _CHAIN = (1, 5)  # hops per compiled graph, for the slope
@@ -189,11 +191,14 @@ def main() -> None:
     import ray
 
     print(f"ray {ray.__version__}, jax {jax.__version__}, {os.cpu_count()} cores: one-way hop between two actors, median ms")
+    figures: dict[str, float] = {}
     for phase in ("plain", "inline", "graph"):
         results = _measure(args.repeat, phase=phase)
         for label in SIZES:
             cells = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in results[label].items())
             print(f"   {label:<7} {cells}   (load average {os.getloadavg()[0]:.1f})", flush=True)
+            figures |= {f"{name}_{label.replace(' ', '')}_ms": seconds * 1e3 for name, seconds in results[label].items()}
+    record("bench_transports", figures)
 
 
 if __name__ == "__main__":

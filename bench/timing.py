@@ -1,12 +1,28 @@
 """Timing helpers shared by the benchmark scripts (run as ``python bench/NAME.py``, which
-puts this folder on ``sys.path``)."""
+puts this folder on ``sys.path``), and :func:`record`, which keeps each run's figures."""
 
 from __future__ import annotations
 
+import shlex
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+from pipedsl.results import Figure, append_result
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"""Where every benchmark run appends its line (``make results`` draws bench/RESULTS.md from it)."""
+
+
+def record(benchmark: str, figures: Mapping[str, Figure]) -> None:
+    """Append this run's ``figures`` to ``bench/results/<benchmark>.jsonl`` with the command
+    that ran it, the commit, the machine and its load (:func:`pipedsl.results.append_result`)."""
+    command = shlex.join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    path = append_result(benchmark, figures, command=command, folder=RESULTS)
+    print(f"\nrecorded in bench/results/{path.name if path else '-'} (make results redraws bench/RESULTS.md)")
 
 
 def interleaved_medians(fns: dict[Any, Callable[[], Any]], repeat: int) -> dict[Any, float]:

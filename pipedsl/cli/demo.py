@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import shlex
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ from pipedsl.cli.timed import STEP_ROUNDS, TimedSteps
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.library import library_path, library_schedules
+from pipedsl.results import Figure, append_result
 from pipedsl.simulator import (
     CostModel,
     plot_timelines,
@@ -417,10 +420,29 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     _library(console)
     with demo_calibration_steps(args.devices) as steps:
         calibration, frame = _plans(console, steps, out)
-        _runs(console, frame, calibration, steps, top=args.top, rounds=args.steps, backend=args.backend, out=out)
+        results = _runs(console, frame, calibration, steps, top=args.top, rounds=args.steps, backend=args.backend, out=out)
     console.rule()
-    console.print(f"done in {time.perf_counter() - started:.0f} s; outputs in {out}/: plans.csv, runs.csv, timelines.png")
+    seconds = time.perf_counter() - started
+    console.print(f"done in {seconds:.0f} s; outputs in {out}/: plans.csv, runs.csv, timelines.png")
+    _record(results, seconds)
     return 0
+
+
+def _record(results: list[RunResult], seconds: float) -> None:
+    """One line for this run in ``$PIPEDSL_RESULTS_DIR/demo.jsonl`` (``make demo`` sets it; unset, nothing)."""
+    measured = [r.run.measured_s for r in results]
+    same, pairs = pairs_agreeing([r.predicted_s for r in results], measured)
+    searched, _ = pairs_agreeing([r.searched_s for r in results], measured)
+    plans = "; ".join(f"{r.run.label} {r.error:+.1%} (searched {r.searched_error:+.1%})" for r in results)
+    within = sum(abs(r.error) <= 0.2 for r in results)
+    figures: dict[str, Figure] = {
+        "seconds": round(seconds),
+        "plans": plans,
+        "within_20_percent": f"{within} of {len(results)}",
+        "pairs_in_order": f"{same} of {pairs}",
+        "searched_pairs_in_order": f"{searched} of {pairs}",
+    }
+    append_result("demo", figures, command=shlex.join(["pipedsl", *sys.argv[1:]]))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
