@@ -1,12 +1,13 @@
 # The two set-up commands of a fresh machine: `make demo` and `make test`.
-# Both create .venv and install pipedsl (editable, with its test extras) on first use.
+# Both create .venv and install pipedsl (editable, with its test extras) on first use;
+# `make install` does only that.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench results notebooks clean
+.PHONY: install demo test lint typecheck bench results notebooks clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +17,8 @@ $(STAMP): pyproject.toml
 
 # The demo appends its run to bench/results/demo.jsonl, and the page drawn from the
 # results is redrawn (`make results`).
+install: $(STAMP)
+
 demo: $(STAMP)
 	PIPEDSL_RESULTS_DIR=bench/results $(VENV)/bin/pipedsl demo --out out
 	$(MAKE) --no-print-directory results

@@ -2,7 +2,7 @@
 
 Four measurements, each printed as a small table:
 
-1. I/W split: (I + W) / B on a middle stage of 4 GELU layers 512 wide (DESIGN.md's
+1. I/W split: (I + W) / B on a middle stage of 4 GELU layers 512 wide (docs/design.md's
    example), against the two separately jitted halves of one vjp that re-derive the
    cotangent chain;
 2. interpreter overhead: a step of a tiny model, where compute is negligible, divided by

@@ -218,7 +218,7 @@ class Timeline:
         return np.bincount(self.device[mask], weights=(self.end - self.start)[mask], minlength=self.num_devices)
 
     def bubble_ratio(self) -> float:
-        """``1 - busy / (devices × makespan)``, DESIGN.md's definition."""
+        """``1 - busy / (devices × makespan)``, the definition in docs/design.md."""
         span = self.makespan
         if span <= 0:
             return 0.0

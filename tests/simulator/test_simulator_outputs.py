@@ -268,7 +268,7 @@ def test_schedules_with_one_device_and_one_stage() -> None:
 
 
 def test_simulator_imports_neither_jax_nor_ray_nor_the_executor() -> None:
-    # DESIGN.md's import rule: the simulator sees the core only, and plots pull in
+    # The import rule of docs/design.md: the simulator sees the core only, and plots pull in
     # matplotlib only when drawn.
     code = (
         "import sys, pkgutil, importlib, pipedsl.simulator; "
