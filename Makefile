@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The demo appends its run to bench/results/demo.jsonl, and the page drawn from the
-# results is redrawn (`make results`).
 install: $(STAMP)
 
+# The demo appends its run to bench/results/demo.jsonl, and the page drawn from the
+# results is redrawn (`make results`).
 demo: $(STAMP)
 	PIPEDSL_RESULTS_DIR=bench/results $(VENV)/bin/pipedsl demo --out out
 	$(MAKE) --no-print-directory results
