@@ -180,12 +180,22 @@ def marked_model(
     closed = inline_calls(closed)
     jaxpr = closed.jaxpr
     _check_nesting(jaxpr)
-    _check_markers(jaxpr, num_stages)
+    markers = sum(e.primitive is stage_boundary_p for e in jaxpr.eqns)
+    if markers + 1 != num_stages:
+        raise ExecutionError(
+            f"model_fn has {markers} stage_boundary markers, so {markers + 1} stages; the schedule "
+            f"has {num_stages} stages: call stage_boundary {num_stages - 1} times"
+        )
     n_p = len(jaxpr.invars) - n_x - n_t
     p_vars, x_vars, t_vars = jaxpr.invars[:n_p], jaxpr.invars[n_p : n_p + n_x], jaxpr.invars[n_p + n_x :]
     last = num_stages - 1
     cut = _cut(jaxpr, x_vars, t_vars, last)
-    stage_params, owner = _param_owners(cut, p_vars, num_stages)
+    # Per stage, the parameter leaves it reads or owns; per leaf, its owner (the first
+    # stage that reads it; stage 0 for a leaf no stage reads).
+    param_index = {v: i for i, v in enumerate(p_vars)}
+    uses = [sorted(param_index[v] for v in cut.reads[k] if v in param_index) for k in range(num_stages)]
+    owner = [next((k for k in range(num_stages) if i in uses[k]), 0) for i in range(n_p)]
+    stage_params = [tuple(sorted(set(uses[k]) | {i for i in range(n_p) if owner[i] == k})) for k in range(num_stages)]
     param_avals = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in p_vars)
     check_float_params(param_avals, owner.__getitem__, placement)
     check_loss(cut.outputs[last][0].aval, stage=last, device=placement[last])
@@ -219,27 +229,6 @@ def marked_model(
     )
 
 
-def _check_markers(jaxpr: Jaxpr, num_stages: int) -> None:
-    """Raise when the markers in ``jaxpr`` do not make ``num_stages`` stages."""
-    markers = sum(e.primitive is stage_boundary_p for e in jaxpr.eqns)
-    if markers + 1 != num_stages:
-        raise ExecutionError(
-            f"model_fn has {markers} stage_boundary markers, so {markers + 1} stages; the schedule "
-            f"has {num_stages} stages: call stage_boundary {num_stages - 1} times"
-        )
-
-
-def _param_owners(cut: _Cut, p_vars: Sequence[Var], num_stages: int) -> tuple[list[tuple[int, ...]], list[int]]:
-    """Per stage, the parameter leaves it reads or owns; per leaf, its owner (the first
-    stage that reads it; stage 0 for a leaf no stage reads)."""
-    n_p = len(p_vars)
-    param_index = {v: i for i, v in enumerate(p_vars)}
-    uses = [sorted(param_index[v] for v in cut.reads[k] if v in param_index) for k in range(num_stages)]
-    owner = [next((k for k in range(num_stages) if i in uses[k]), 0) for i in range(n_p)]
-    stage_params = [tuple(sorted(set(uses[k]) | {i for i in range(n_p) if owner[i] == k})) for k in range(num_stages)]
-    return stage_params, owner
-
-
 class _Cut:
     """The jaxpr divided into stages (see :func:`_cut`)."""
 
@@ -263,81 +252,75 @@ class _Cut:
 def _cut(jaxpr: Jaxpr, x_vars: Sequence[Var], t_vars: Sequence[Var], last: int) -> _Cut:
     """Assign equations to stages and find what crosses each boundary.
 
-    Per stage: its equations (the data-free ones it needs first, then its own), its
-    input variables (stage 0: the model's inputs), its outputs (the last stage: the
-    loss) and every variable its equations read.
+    One pass over the equations finds which stage defines each data-dependent variable,
+    which equations are data-free (placed later, where needed), and the last stage that
+    reads each variable; marker outputs are aliases of their operands. Then, per stage:
+    its equations (the data-free ones it needs first, then its own), its input variables
+    (stage 0: the model's inputs), its outputs (the last stage: the loss) and every
+    variable its equations read.
     """
-    a = _Assignment(jaxpr, x_vars, t_vars, last)
-    inputs = [tuple(x_vars)] + [a.carried(k) for k in range(1, last + 1)]
-    outputs: list[tuple[Any, ...]] = [a.carried(k + 1) for k in range(last)] + [(a.loss,)]
+    alias: dict[Var, Any] = {}
+
+    def resolve(atom: Any) -> Any:
+        while isinstance(atom, Var) and atom in alias:
+            atom = alias[atom]
+        return atom
+
+    order: dict[Var, int] = {}
+    home: dict[Var, int] = {}  # data-dependent variable -> stage that defines it
+    for v in x_vars:
+        home[v] = 0
+        order[v] = len(order)
+    for v in t_vars:
+        home[v] = last
+        order[v] = len(order)
+    floating: dict[Var, int] = {}  # data-free variable -> index of its equation
+    own: list[list[int]] = [[] for _ in range(last + 1)]
+    needed_at: dict[Var, int] = {}
+    stage = 0
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive is stage_boundary_p:
+            stage += 1
+            for out, operand in zip(eqn.outvars, eqn.invars, strict=True):
+                alias[out] = resolve(operand)
+            continue
+        ins = [resolve(v) for v in eqn.invars]
+        data = [v for v in ins if isinstance(v, Var) and v in home]
+        if not data:
+            for out in eqn.outvars:
+                floating[out] = i
+            continue
+        for v in data:
+            needed_at[v] = max(needed_at.get(v, 0), stage)
+        own[stage].append(i)
+        for out in eqn.outvars:
+            home[out] = stage
+            order[out] = len(order)
+    loss = resolve(jaxpr.outvars[0])
+    if isinstance(loss, Var) and loss in home:
+        needed_at[loss] = max(needed_at.get(loss, 0), last)
+
+    def carried(boundary: int) -> tuple[Var, ...]:
+        """Data-dependent values defined before stage ``boundary`` and used from it on."""
+        live = [v for v, at in needed_at.items() if home[v] < boundary <= at]
+        return tuple(sorted(live, key=order.__getitem__))
+
+    inputs = [tuple(x_vars)] + [carried(k) for k in range(1, last + 1)]
+    outputs: list[tuple[Any, ...]] = [carried(k + 1) for k in range(last)] + [(loss,)]
     eqns: list[list[JaxprEqn]] = []
     reads: list[set[Var]] = []
     for k in range(last + 1):
-        roots = [a.resolve(v) for i in a.own[k] for v in jaxpr.eqns[i].invars]
+        roots = [resolve(v) for i in own[k] for v in jaxpr.eqns[i].invars]
         if k == last:
-            roots.append(a.loss)
-        prelude = _floating_closure(jaxpr.eqns, a.floating, roots, a.resolve)
-        chosen = [jaxpr.eqns[i] for i in prelude + a.own[k]]
+            roots.append(loss)
+        prelude = _floating_closure(jaxpr.eqns, floating, roots, resolve)
+        chosen = [jaxpr.eqns[i] for i in prelude + own[k]]
         eqns.append(chosen)
-        read_here = {r for e in chosen for v in e.invars if isinstance(r := a.resolve(v), Var)}
-        if k == last and isinstance(a.loss, Var):
-            read_here.add(a.loss)
+        read_here = {r for e in chosen for v in e.invars if isinstance(r := resolve(v), Var)}
+        if k == last and isinstance(loss, Var):
+            read_here.add(loss)
         reads.append(read_here)
-    return _Cut(eqns, a.alias, inputs, outputs, reads)
-
-
-class _Assignment:
-    """One pass over the equations: which stage defines each data-dependent variable,
-    which equations are data-free (placed later, where needed), and the last stage that
-    reads each variable. Marker outputs are aliases of their operands."""
-
-    def __init__(self, jaxpr: Jaxpr, x_vars: Sequence[Var], t_vars: Sequence[Var], last: int) -> None:
-        self.alias: dict[Var, Any] = {}
-        self.order: dict[Var, int] = {}
-        self.home: dict[Var, int] = {}  # data-dependent variable -> stage that defines it
-        self.floating: dict[Var, int] = {}  # data-free variable -> index of its equation
-        self.own: list[list[int]] = [[] for _ in range(last + 1)]
-        self.needed_at: dict[Var, int] = {}
-        for v in x_vars:
-            self._define(v, 0)
-        for v in t_vars:
-            self._define(v, last)
-        stage = 0
-        for i, eqn in enumerate(jaxpr.eqns):
-            if eqn.primitive is stage_boundary_p:
-                stage += 1
-                for out, operand in zip(eqn.outvars, eqn.invars, strict=True):
-                    self.alias[out] = self.resolve(operand)
-                continue
-            ins = [self.resolve(v) for v in eqn.invars]
-            data = [v for v in ins if isinstance(v, Var) and v in self.home]
-            if not data:
-                for out in eqn.outvars:
-                    self.floating[out] = i
-                continue
-            for v in data:
-                self.needed_at[v] = max(self.needed_at.get(v, 0), stage)
-            self.own[stage].append(i)
-            for out in eqn.outvars:
-                self._define(out, stage)
-        self.loss = self.resolve(jaxpr.outvars[0])
-        if isinstance(self.loss, Var) and self.loss in self.home:
-            self.needed_at[self.loss] = max(self.needed_at.get(self.loss, 0), last)
-
-    def _define(self, v: Var, stage: int) -> None:
-        self.home[v] = stage
-        self.order[v] = len(self.order)
-
-    def resolve(self, atom: Any) -> Any:
-        """``atom`` with marker aliases followed to the value they pass on."""
-        while isinstance(atom, Var) and atom in self.alias:
-            atom = self.alias[atom]
-        return atom
-
-    def carried(self, boundary: int) -> tuple[Var, ...]:
-        """Data-dependent values defined before stage ``boundary`` and used from it on."""
-        live = [v for v, at in self.needed_at.items() if self.home[v] < boundary <= at]
-        return tuple(sorted(live, key=self.order.__getitem__))
+    return _Cut(eqns, alias, inputs, outputs, reads)
 
 
 def _floating_closure(

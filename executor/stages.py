@@ -125,10 +125,21 @@ def explicit_model(
     previous stage's output, so a stage that raises or rejects its input shapes is
     reported here, naming the stage and its device, before anything runs.
     """
-    _check_stage_params(params, len(stages))
+    if not isinstance(params, (list, tuple)) or len(params) != len(stages):
+        got = f"{len(params)} entries" if isinstance(params, (list, tuple)) else type(params).__name__
+        raise ExecutionError(f"explicit stages take a list of {len(stages)} per-stage parameter pytrees; got {got}")
     param_leaves, param_treedef = jax.tree_util.tree_flatten(list(params))
     param_avals = tuple(_struct(p) for p in param_leaves)
-    stage_params, treedefs = _stage_leaves(params)
+    # Per stage, the indices of its leaves among all stages' flattened parameters, and the
+    # tree of its own parameters.
+    stage_params: list[tuple[int, ...]] = []
+    treedefs: list[PyTreeDef] = []
+    start = 0
+    for p in params:
+        leaves, treedef = jax.tree_util.tree_flatten(p)
+        stage_params.append(tuple(range(start, start + len(leaves))))
+        treedefs.append(treedef)
+        start += len(leaves)
     owner = tuple(s for s, idx in enumerate(stage_params) for _ in idx)
     check_float_params(param_avals, owner.__getitem__, placement)
 
@@ -168,27 +179,6 @@ def explicit_model(
         input_avals=tuple(input_avals),
         target_avals=t_avals,
     )
-
-
-def _check_stage_params(params: Any, num_stages: int) -> None:
-    """Raise unless ``params`` is a list (or tuple) of one pytree per stage."""
-    if not isinstance(params, (list, tuple)) or len(params) != num_stages:
-        got = f"{len(params)} entries" if isinstance(params, (list, tuple)) else type(params).__name__
-        raise ExecutionError(f"explicit stages take a list of {num_stages} per-stage parameter pytrees; got {got}")
-
-
-def _stage_leaves(params: Sequence[Any]) -> tuple[list[tuple[int, ...]], list[PyTreeDef]]:
-    """Per stage, the indices of its leaves among all stages' flattened parameters, and
-    the tree of its own parameters."""
-    stage_params: list[tuple[int, ...]] = []
-    treedefs: list[PyTreeDef] = []
-    start = 0
-    for p in params:
-        leaves, treedef = jax.tree_util.tree_flatten(p)
-        stage_params.append(tuple(range(start, start + len(leaves))))
-        treedefs.append(treedef)
-        start += len(leaves)
-    return stage_params, treedefs
 
 
 def _explicit_fn(
