@@ -229,7 +229,7 @@ def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-# Over 60 lines: one model's pieces (stage functions, both inits, the marked form, its
+# One model's pieces (stage functions, both inits, the marked form, its
 # batches) are closures over the same sizes, read together as the model's definition.
 def transformer(
     *,

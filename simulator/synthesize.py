@@ -284,7 +284,7 @@ class _Rules:
         )
 
 
-# Over 60 lines: the list scheduler's hot loop keeps its state in local names (see the docstring).
+# The list scheduler's hot loop keeps its state in local names (see the docstring).
 def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, Steps] | None:
     """One pass of the list scheduler: the makespan (seconds) and the actions in the order
     taken; None once the pass provably cannot finish in under ``beat`` seconds.
