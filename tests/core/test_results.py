@@ -31,7 +31,9 @@ def test_every_recorded_run_names_its_command_machine_and_figures() -> None:
             assert run.benchmark == benchmark and run.command and run.figures and run.machine, run
 
 
-def test_a_run_appends_one_line_with_what_reproduces_it(tmp_path: Path) -> None:
+def test_a_run_appends_one_line_with_what_reproduces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not a checkout, even where the temporary folder lies inside one.
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     first = append_result("bench_x", {"best_s": 0.25, "actions": 262_144}, command="python bench/x.py", folder=tmp_path)
     second = append_result(
         "bench_x", {"best_s": 0.5, "rate": "fast"}, command="python bench/x.py -r 2", folder=tmp_path
@@ -43,7 +45,7 @@ def test_a_run_appends_one_line_with_what_reproduces_it(tmp_path: Path) -> None:
     assert record["figures"] == {"best_s": 0.25, "actions": 262_144}
     assert record["command"] == "python bench/x.py"
     assert len(record["load"]) == 3 and record["machine"]["cores"] >= 1
-    # Not a checkout: the commit is unknown rather than some other folder's.
+    # The commit is unknown rather than some other folder's.
     assert record["commit"] is None
     assert [r.figures["best_s"] for r in read_results(tmp_path)["bench_x"]] == [0.25, 0.5]
 
