@@ -6,7 +6,8 @@ marked ``calibrate`` (used to fit the cluster's compute parameters) or ``validat
 reported). :func:`fit` picks ``matmul_efficiency``, ``matmul_half_flops`` and
 ``kernel_launch_s`` once per GPU type (:func:`gpu_type`; the presets of one chip share
 them) on the calibration rows alone, from a fixed grid (:data:`GRID`), minimising their
-mean absolute percentage error; nothing is fitted per run. Run ``python -m pipedsl.simulator.fit_published`` to refit, print the table and
+mean absolute percentage error (the calibration's fitter,
+:func:`~pipedsl.simulator.calibration.fitter.grid_search`); nothing is fitted per run. Run ``python -m pipedsl.simulator.fit_published`` to refit, print the table and
 write ``data/ACCURACY.md``; ``--check`` evaluates the presets as they are.
 """
 
@@ -14,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
-import itertools
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipedsl.simulator.calibration.fitter import Step, grid_search
 from pipedsl.simulator.collectives import group_of
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster
@@ -155,14 +155,6 @@ def _mape(results: Sequence[Result]) -> float:
     return sum(abs(r.error) for r in results) / len(results) if results else 0.0
 
 
-def _source_mape(results: Sequence[Result]) -> float:
-    """The mean over sources of each source's mean absolute percentage error."""
-    by_source: dict[str, list[Result]] = {}
-    for r in results:
-        by_source.setdefault(r.run.source, []).append(r)
-    return sum(_mape(group) for group in by_source.values()) / len(by_source)
-
-
 def gpu_type(cluster: Cluster) -> str:
     """The chip a preset's GPU is (``A100`` for ``A100-SXM4-40GB``): presets of one chip
     share one fit of the compute model."""
@@ -181,26 +173,23 @@ def fit(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cl
     if not calibration:
         raise ValueError(f"no calibration runs for {', '.join(sorted(clusters))}")
     pipelines = Pipelines(keep_simulations=False)
-    seen: dict[tuple[float, ...], float] = {}
-
-    def error(point: tuple[float, ...]) -> float:
-        if point not in seen:
-            seen[point] = _source_mape(evaluate(calibration, _with(clusters, point), pipelines))
-        return seen[point]
-
-    efficiency, half, launch = GRID.values()
-    pair = min(itertools.product(efficiency, half), key=lambda p: error((*p, launch[0])))
-    point = min(((*pair, value) for value in launch), key=error)
-    return _with(clusters, point), error(point)
+    steps = [_step(run, pipelines) for run in calibration]
+    return grid_search(clusters, GRID, _BLOCKS, steps)
 
 
-def _with(clusters: dict[str, Cluster], point: tuple[float, ...]) -> dict[str, Cluster]:
-    return {name: _with_point(cluster, point) for name, cluster in clusters.items()}
+_BLOCKS = (("matmul_efficiency", "matmul_half_flops"), ("kernel_launch_s",))
+"""The grid's fields in the order :func:`fit` searches them: the efficiency curve first,
+at the smallest launch cost, then the launch cost."""
 
 
-def _with_point(cluster: Cluster, point: tuple[float, ...]) -> Cluster:
-    efficiency, half, launch = point
-    return dataclasses.replace(cluster, matmul_efficiency=efficiency, matmul_half_flops=half, kernel_launch_s=launch)
+def _step(run: Run, pipelines: Pipelines) -> Step:
+    """``run`` as a calibration step of the fitter: its measured seconds per iteration
+    against the estimate on a candidate cluster, grouped by its source."""
+
+    def priced(cluster: Cluster) -> float:
+        return estimate(run.model, cluster, run.plan, pipelines=pipelines, stage_layers=run.stage_layers).step_time_s
+
+    return Step(run.name, run.measured_s, priced, group=run.source, cluster=run.cluster)
 
 
 def regimes(run: Run, cluster: Cluster) -> tuple[str, ...]:
