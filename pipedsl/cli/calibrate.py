@@ -357,6 +357,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise PipedslError("--steps, --microbatch-size and --devices must be at least 1")
     if args.save_costs is not None:
         check_output_folder(args.save_costs, option="--save-costs")
+    out = Path(args.out)
+    if out.is_dir() or any(parent.exists() and not parent.is_dir() for parent in out.parents):
+        raise PipedslError(f"--out {args.out}: cannot write a cluster file there; give a file path in a folder")
     schedules = []
     for spec in args.files:
         # Two devices and eight microbatches unless told otherwise: this machine's size.
@@ -402,7 +405,7 @@ def _machine(console: Console, args: argparse.Namespace) -> None:
     kind, what = platform()
     console.print(f"Calibrating this machine: {devices} {kind} devices ({what}) ...", highlight=False)
     with calibration_steps(devices, DEMO_MODEL, demo_cut, microbatch_size=args.microbatch_size) as steps:
-        calibration = calibrate_machine(steps, DEMO_MODEL, microbatch_size=args.microbatch_size)
+        calibration = calibrate_machine(steps, DEMO_MODEL, microbatch_size=args.microbatch_size, rounds=args.steps)
     console.print(calibration.describe(), highlight=False)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(cluster_toml(calibration))
@@ -457,7 +460,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"sequences per microbatch and per device (default {MACHINE_MICROBATCH})",
     )  # fmt: skip
     cal.add_argument(
-        "--steps", type=int, default=STEP_ROUNDS, help=f"measured training steps per schedule (default {STEP_ROUNDS})"
+        "--steps", type=int, default=STEP_ROUNDS,
+        help=f"timed rounds of each calibration step, and measured training steps per schedule (default {STEP_ROUNDS})",
     )
     cal.add_argument("--backend", choices=("local", "ray"), default="local", help="executor backend (default local)")
     cal.add_argument("--save-costs", metavar="DIR", help="write each fitted cost model to DIR/NAME.toml")

@@ -164,12 +164,14 @@ def _memory(kind: str, devices: int) -> tuple[int, str]:
     return int(total // max(devices, 1)), f"the host's memory over the {devices} devices"
 
 
-def calibrate_machine(steps: TimedSteps, model: Model, *, microbatch_size: int) -> MachineCalibration:
+def calibrate_machine(
+    steps: TimedSteps, model: Model, *, microbatch_size: int, rounds: int = STEP_ROUNDS
+) -> MachineCalibration:
     """Measure this machine once (module docstring) as the devices of ``steps``
     (:func:`calibration_steps` of ``model`` at ``microbatch_size``): their medians over
-    :data:`~pipedsl.cli.timed.STEP_ROUNDS` rounds, then the short measurements, then the fit."""
+    ``rounds`` rounds, then the short measurements, then the fit."""
     started = time.perf_counter()
-    for _ in range(STEP_ROUNDS):
+    for _ in range(rounds):
         steps.timed_round()
     measured = steps.take()
     devices = steps.devices

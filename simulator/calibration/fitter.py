@@ -157,6 +157,8 @@ def grid_search(
         return seen[key]
 
     for block in blocks:
-        options = [chosen | dict(zip(block, values, strict=True)) for values in itertools.product(*(grid[n] for n in block))]
+        options = [
+            chosen | dict(zip(block, values, strict=True)) for values in itertools.product(*(grid[n] for n in block))
+        ]
         chosen = min(options, key=scored)
     return at(chosen), scored(chosen)

@@ -235,7 +235,9 @@ def _base(m: MachineMeasurements, model: Model) -> tuple[Cluster, list[Measured]
         Measured("hbm_bandwidth", m.bandwidth, "B/s", "an elementwise update of 4 MB per device, every device at once"),
         Measured("intra_node_latency", alpha, "s", link_source),
         Measured("intra_node_bandwidth", link, "B/s", link_source),
-        Measured("action_overhead_s", m.dispatch_s, "s", "dispatch of a tiny program, one thread per device, all at once"),
+        Measured(
+            "action_overhead_s", m.dispatch_s, "s", "dispatch of a tiny program, one thread per device, all at once"
+        ),
     ]
     if m.matmul_s:
         told = f"products of the model's dtype ({m.dtype}) fitted to 1/rate = 1/peak + half/(peak·F); {rates}"
@@ -258,7 +260,9 @@ def fit_machine(model: Model, m: MachineMeasurements) -> MachineCalibration:
     ]
     if not m.matmul_s:
         # Start from the rate that prices the largest step alone, nothing else slowing it.
-        start = base.peak_flops * priced_step(dataclasses.replace(model, layers=largest[0]), base, m.devices, largest[1])
+        start = base.peak_flops * priced_step(
+            dataclasses.replace(model, layers=largest[0]), base, m.devices, largest[1]
+        )
         fitted.insert(0, Parameter("peak_flops", "FLOP/s", 1e6, 1e16, start / m.step_s[largest]))
     compute = least_squares(base, fitted, steps)
     told = f"fitted to the {len(steps)} training steps below (least squares of log priced / measured)"
@@ -276,10 +280,14 @@ def fit_machine(model: Model, m: MachineMeasurements) -> MachineCalibration:
         low, high = m.host_cores / m.devices, m.host_cores / alone
         cores = least_squares(cluster, [Parameter("device_cores", "cores", low, high, (low * high) ** 0.5)], [step])
         cluster = cores.cluster
-        lines.append(Measured("device_cores", cluster.device_cores, "cores", f"fitted to the step on {alone} devices below"))
+        lines.append(
+            Measured("device_cores", cluster.device_cores, "cores", f"fitted to the step on {alone} devices below")
+        )
         results += list(reproduced(Fitted(cluster, cores.steps, tuple(s.priced(cluster) for s in cores.steps), ())))
     said = "" if m.seconds <= 0 else f", measured in {m.seconds:.0f} s"
-    report = Report(f"{m.devices} {m.platform} devices ({m.device_kind}){said}", m.platform, tuple(lines), tuple(results))
+    report = Report(
+        f"{m.devices} {m.platform} devices ({m.device_kind}){said}", m.platform, tuple(lines), tuple(results)
+    )
     return MachineCalibration(cluster, m, report)
 
 

@@ -101,6 +101,8 @@ class Report:
         return {
             "title": self.title,
             "platform": self.platform,
-            "parameters": [{"name": p.name, "value": p.value, "unit": p.unit, "source": p.source} for p in self.parameters],
+            "parameters": [
+                {"name": p.name, "value": p.value, "unit": p.unit, "source": p.source} for p in self.parameters
+            ],
             "steps": [{"name": s.name, "measured_s": s.measured_s, "priced_s": s.priced_s} for s in self.steps],
         }

@@ -45,7 +45,14 @@ def test_calibrate_writes_this_machines_cluster_and_runs_schedules_against_their
     assert isinstance(cluster, Cluster) and cluster.gpus_per_node == 2 and cluster.gpu == "cpu"
     assert cluster.host_cores == available_cores() and cluster.peak_flops > 0 and cluster.action_overhead_s > 0
     assert "(platform: cpu)" in done.stdout
-    for name in ("peak_flops", "kernel_launch_s", "step_overhead_s", "hbm_bandwidth", "intra_node_latency", "host_cores"):
+    for name in (
+        "peak_flops",
+        "kernel_launch_s",
+        "step_overhead_s",
+        "hbm_bandwidth",
+        "intra_node_latency",
+        "host_cores",
+    ):
         assert re.search(rf"^  {name} ", done.stdout, flags=re.MULTILINE), name
     reproduced = re.findall(r"train step: .* measured +([\d.]+) ms +model +([\d.]+) ms +([+-][\d.]+)%", done.stdout)
     assert len(reproduced) == len(compute_shapes(DEMO_MODEL, 1))
@@ -55,7 +62,9 @@ def test_calibrate_writes_this_machines_cluster_and_runs_schedules_against_their
     lines = done.stdout.splitlines()
     calibrated = [i for i, line in enumerate(lines) if "compiled and calibrated" in line]
     timed = [line for line in lines if "per step" in line]
-    assert len(calibrated) == len(timed) == 2 and max(calibrated) < lines.index(next(x for x in lines if "per step" in x))
+    assert len(calibrated) == len(timed) == 2 and max(calibrated) < lines.index(
+        next(x for x in lines if "per step" in x)
+    )
     for name, line in zip(("zb_h1", "1f1b"), timed, strict=True):
         first, last, predicted = re.search(r"loss ([\d.]+) -> ([\d.]+); predicted ([\d.]+) ms", line).groups()  # type: ignore[union-attr]
         assert float(last) < float(first)
@@ -77,8 +86,8 @@ def test_the_calibration_times_its_steps_in_rounds_each_on_its_own_devices() -> 
     def build(layers: int) -> object:
         return transformer(num_stages=1, layers_per_stage=layers, vocab=16, dim=8, heads=2, seq=4)
 
-    steps = {"all": Step(build(2), 2, microbatches=2), "one": Step(build(2), 2, devices=1)}
-    with TimedSteps(steps, 4) as timed:
+    steps = {"all": Step(build(1), 2, microbatches=2), "one": Step(build(1), 2, devices=1)}
+    with TimedSteps(steps, 2) as timed:
         with pytest.raises(ValueError, match="no round"):
             timed.take()
         timed.timed_round()
@@ -115,9 +124,9 @@ def _result(label: str, predicted: float, searched: float, times: tuple[float, .
 def test_the_demo_claims_no_order_for_predictions_closer_than_the_measured_spread() -> None:
     from pipedsl.cli.demo import _order_verdict, first_is_fastest, pairs_agreeing, within_spread
 
-    # Spreads (interquartile ranges) of 0.02, 0.02 and 0.2 seconds.
+    # Spreads (interquartile ranges) in seconds; the larger of a pair's counts.
     assert within_spread([1.0, 1.01, 2.0], [0.02, 0.02, 0.2]) == [(0, 1)]
-    assert within_spread([1.0, 1.1, 1.3], [0.02, 0.02, 0.25]) == [(0, 2), (1, 2)]
+    assert within_spread([1.0, 1.1, 1.3], [0.02, 0.02, 0.35]) == [(0, 2), (1, 2)]
     # Orders are counted over the pairs the prediction tells apart only.
     assert pairs_agreeing([1.0, 2.0, 3.0], [10.0, 20.0, 30.0], [0.0] * 3) == (3, 3)
     assert pairs_agreeing([1.0, 3.0, 2.0], [10.0, 20.0, 30.0], [0.0] * 3) == (2, 3)

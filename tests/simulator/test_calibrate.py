@@ -201,7 +201,10 @@ def test_the_report_gives_every_fitted_number_its_measurement_and_every_step_its
     named = {p.name for p in report.parameters}
     # Every field the calibration set is accounted for; the rest keep their defaults.
     changed = {f.name for f in dataclasses.fields(Cluster) if getattr(calibration.cluster, f.name) != f.default}
-    assert changed - {"name", "gpu", "peak_flops", "matmul_efficiency", "inter_node_bandwidth", "inter_node_latency"} <= named
+    assert (
+        changed - {"name", "gpu", "peak_flops", "matmul_efficiency", "inter_node_bandwidth", "inter_node_latency"}
+        <= named
+    )
     assert all(p.source for p in report.parameters)
     assert len(report.steps) == len(compute_shapes(model, 4)) + 1 and report.worst < 1e-3
     text = calibration.describe()
@@ -230,7 +233,9 @@ def test_a_gpu_machine_takes_its_rate_from_products_and_shares_no_cores() -> Non
         _CPU, peak_flops=peak, matmul_half_flops=half, kernel_launch_s=5e-6, step_overhead_s=2e-3, hbm_bandwidth=4e12
     )
     model = dataclasses.replace(_TINY, layers=4, dtype_bytes=2)
-    steps = {s: priced_step(dataclasses.replace(model, layers=s[0]), truth, 1, s[1], s[2]) for s in compute_shapes(model, 4)}
+    steps = {
+        s: priced_step(dataclasses.replace(model, layers=s[0]), truth, 1, s[1], s[2]) for s in compute_shapes(model, 4)
+    }
     measured = MachineMeasurements(
         platform="gpu", device_kind="NVIDIA H200", devices=1, host_cores=None, memory_bytes=140 * 2**30,
         memory_source="the device allocator's limit", bandwidth=4e12, all_reduce_s={}, dispatch_s=0.0, step_s=steps,
