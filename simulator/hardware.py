@@ -238,8 +238,8 @@ class Cluster:
         that computes while fewer do gets more of the cores (:meth:`speedup`).
       device_cores: the most of ``host_cores`` that one device's programs keep busy at
         once (cores; a device's stream of kernels leaves gaps and not every kernel runs
-        on several threads). Measured by ``pipedsl calibrate``: a step on one device
-        while the others idle. Ignored where ``host_cores`` is None.
+        on several threads). Measured by ``pipedsl calibrate``: a step on one device per
+        core while the others idle. Ignored where ``host_cores`` is None.
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.
