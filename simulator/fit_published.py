@@ -21,13 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipedsl.simulator.calibration.fitter import Step, grid_search
+from pipedsl.simulator.calibration.report import Measured, Report, Reproduced
 from pipedsl.simulator.collectives import group_of
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, Recompute
 
-__all__ = ["DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "gpu_type", "regimes", "accuracy_markdown", "main"]
+__all__ = [
+    "DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "fit_report", "gpu_type", "regimes",
+    "accuracy_markdown", "main",
+]  # fmt: skip
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 """The folder of published runs (``data/`` at the repository root)."""
@@ -278,10 +282,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{kind} ({', '.join(fitted)}): matmul_efficiency = {c.matmul_efficiency:g}, "
                   f"matmul_half_flops = {c.matmul_half_flops:g}, kernel_launch_s = {c.kernel_launch_s:g} "
                   f"(calibration error {100 * error:.1f}%)")  # fmt: skip
-    text = accuracy_markdown(evaluate(runs, clusters), clusters)
+    results = evaluate(runs, clusters)
+    for kind in sorted({gpu_type(c) for c in clusters.values()}):
+        print(fit_report(results, clusters, kind, fitted=not args.check).text())
+    text = accuracy_markdown(results, clusters)
     args.out.write_text(text)
     print(text)
     return 0
+
+
+def fit_report(results: Sequence[Result], clusters: dict[str, Cluster], kind: str, *, fitted: bool) -> Report:
+    """The compute model of GPU type ``kind`` in the calibration's report form: its three
+    parameters and where they came from, and each of its ``calibrate`` rows of
+    ``results`` reproduced (the ``validate`` rows are in ``data/ACCURACY.md``)."""
+    rows = [r for r in results if r.run.role == "calibrate" and gpu_type(clusters[r.run.cluster]) == kind]
+    sources = sorted({r.run.source for r in rows})
+    told = (
+        f"grid search on {len(rows)} calibrate rows of {', '.join(sources)} (mean over sources of their mean abs. error)"
+        if fitted
+        else "the preset as it is (--check)"
+    )
+    c = next(cluster for cluster in clusters.values() if gpu_type(cluster) == kind)
+    parameters = (
+        Measured("matmul_efficiency", c.matmul_efficiency, "", told),
+        Measured("matmul_half_flops", c.matmul_half_flops, "FLOP", told),
+        Measured("kernel_launch_s", c.kernel_launch_s, "s", told),
+    )
+    steps = tuple(Reproduced(f"{r.run.name} ({r.run.source})", r.run.measured_s, r.predicted_s) for r in rows)
+    presets = ", ".join(sorted(n for n, cluster in clusters.items() if gpu_type(cluster) == kind))
+    return Report(f"{kind} ({presets}): compute model on published runs", "published runs", parameters, steps)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
 from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
+from pipedsl.simulator.calibration.report import Report
+from pipedsl.simulator.calibration.timelines import timeline_report
 from pipedsl.timeline import Timeline
 
 __all__ = [
@@ -89,6 +91,8 @@ class Measurement:
       losses: the loss of every step run, in order.
       panels: the simulated timeline and the last recorded one, for plotting.
       plan: the ranked plan run (degrees, ZeRO stage), or None for a plain schedule.
+      report: the fit of ``costs`` to the recorded steps, each time with the actions
+        behind it and each recorded step against its simulation.
     """
 
     label: str
@@ -99,6 +103,7 @@ class Measurement:
     losses: tuple[float, ...]
     panels: tuple[Panel, Panel]
     plan: PlannedRun | None = None
+    report: Report | None = None
 
     @property
     def quartiles(self) -> tuple[float, float]:
@@ -158,6 +163,15 @@ def demo_cut(layers: int) -> Any:
 def _label(schedule: Schedule) -> str:
     params = ", ".join(f"{k}={v}" for k, v in schedule.params)
     return f"{schedule.name}({params})" if params else schedule.name
+
+
+def _platform(backend: Any) -> str:
+    """Where a run's steps ran: JAX's platform on the local backend, else Ray actors."""
+    if backend != "local":
+        return "ray"
+    import jax
+
+    return str(jax.devices()[0].platform)
 
 
 def _wait(state: Any, backend: Any) -> None:
@@ -241,9 +255,10 @@ class _Trial:
             # On Ray a send's copy to host, serialisation and actor call (measured as the
             # transfer) run in the sender's process beside its computation and slow it about
             # as much, so sends are modelled as blocking there.
-            costs = fit_costs(self.recorded, num_stages=run.schedule.num_stages).cost_model()
-            self.costs = costs.with_changes(overlap_sends=backend == "local")
+            fit = fit_costs(self.recorded, num_stages=run.schedule.num_stages)
+            self.costs = fit.cost_model().with_changes(overlap_sends=backend == "local")
             self.simulated = simulate(run.schedule, self.costs)
+            self.report = timeline_report(fit, run.schedule, self.recorded, self.costs, platform=_platform(backend))
         except BaseException:
             self.pipe.close()
             raise
@@ -275,6 +290,7 @@ class _Trial:
             measured_s=statistics.median(self.times),
             times=tuple(self.times),
             losses=tuple(self.losses),
+            report=self.report,
             panels=(
                 Panel(self.simulated.timeline, title=f"{label} simulated (calibrated)"),
                 Panel(self.recorded[-1], title=f"{label} recorded step"),
@@ -384,7 +400,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     with backend_for(args.backend, max(s.num_devices for s in schedules), console) as backend:
         measurements = measure(runs, backend=backend, steps=args.steps, prepared=prepared)
     for schedule, m in zip(schedules, measurements, strict=True):
-        console.print(f"  {m.summary()}\n    fitted: {m.costs.describe()}", highlight=False)
+        console.print(f"  {m.summary()}", highlight=False)
+        if m.report is not None:
+            console.print("\n".join(f"    {line}" for line in m.report.lines()), highlight=False)
         if args.save_costs is not None:
             path = Path(args.save_costs) / f"{schedule.name}.toml"
             path.write_text(f"# fitted by pipedsl calibrate on {m.label}\n{m.costs.to_toml()}")

@@ -28,7 +28,7 @@ from pipedsl.simulator.calibration.machine import (
     priced_step,
 )
 from pipedsl.simulator.calibration.report import quantity
-from pipedsl.simulator.calibration.timelines import CalibrationError, fit_costs
+from pipedsl.simulator.calibration.timelines import CalibrationError, fit_costs, timeline_report
 from pipedsl.timeline import Event, EventKind, Timeline
 
 
@@ -55,6 +55,22 @@ def test_fitted_model_predicts_the_run_it_was_fitted_on() -> None:
     assert predicted.makespan == pytest.approx(measured.makespan, rel=1e-12)
     # The fused backward a 1F1B run would need is derived from the split halves.
     assert fit.cost_model().resolve(_library("1f1b", pp=2, microbatches=4)).backward == (1.5, 2.25)
+
+
+def test_the_timeline_fit_reports_each_time_with_its_actions_and_each_step_reproduced() -> None:
+    truth = CostModel(forward=(1.0, 2.0), input_grad=(1.0, 1.5), weight_grad=(0.5, 0.75), latency=0.1)
+    sched = _library("zb_h1", pp=2, microbatches=4)
+    recorded = [simulate(sched, truth).timeline] * 2
+    fit = fit_costs(recorded, num_stages=2)
+    report = timeline_report(fit, sched, recorded, fit.cost_model(), platform="cpu")
+    lines = {p.name: p for p in report.parameters}
+    assert set(lines) == {"F stage 0", "F stage 1", "I stage 0", "I stage 1", "W stage 0", "W stage 1", "transfer"}
+    assert lines["F stage 1"].value == 2.0 and lines["F stage 1"].source == "median of 8 recorded actions"
+    assert lines["transfer"].source == "median of 16 recorded sends"
+    assert len(report.steps) == 2 and report.worst < 1e-12
+    # A fit that does not reproduce its runs shows it.
+    slower = fit.cost_model().with_changes(forward=(2.0, 4.0))
+    assert timeline_report(fit, sched, recorded, slower, platform="cpu").worst > 0.1
 
 
 def test_median_ignores_outliers() -> None:
