@@ -11,11 +11,8 @@ and lasts its cost; a compute that sends its output starts a transfer that arriv
 value not sent yet parks until the sender gets there. The pass is linear in the number
 of computes and deterministic.
 
-Devices that share compute (forced CPU devices on one host's cores; the cost model's
-``speedup``) are simulated by processor sharing instead: time advances from event to
-event (a compute starts or ends), and while ``n`` devices compute each progresses
-through its compute's priced seconds ``speedup[n - 1]`` times as fast. That pass visits
-every device at every event: linear in computes times devices.
+Devices that share compute (the cost model's ``speedup``: forced CPU devices on one
+host's cores) are simulated by processor sharing (:mod:`~pipedsl.simulator.sharing`).
 
 Memory does not depend on time: it follows each device's order
 (:func:`pipedsl.analysis.peak_held`). The residual of a (stage, microbatch) is live from
@@ -39,6 +36,7 @@ from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.program import NEVER_SENT, Program, ProgramArrays, lower
 from pipedsl.simulator.costs import CostModel, StageCosts
+from pipedsl.simulator.sharing import settle_shared
 from pipedsl.timeline import Event, EventKind, Timeline
 from pipedsl.validate import kept_check
 
@@ -293,9 +291,11 @@ class _Run:
         gradients = len(costs.activation_transfer)
         sent_code = np.where(sends, np.where(kind == F, 0, gradients) + stage, len(transfers) - 1)
         if costs.speedup is not None:
-            shared = _settle_shared(
+            *shared, stuck = settle_shared(
                 arrays, _shared(seconds, code), _shared(transfers, sent_code), costs.overlap_sends, costs.speedup
             )
+            if stuck is not None:
+                raise _cannot_finish(arrays, *stuck)
             start_array, end_array, arrival_array = (np.array(v, dtype=np.float64) for v in shared)
             senders = np.flatnonzero(sends)
             return cls(start_array, end_array, arrival_array, senders, arrival_array[senders], costs.overlap_sends)
@@ -440,64 +440,6 @@ def _settle(
         raise _cannot_finish(arrays, stuck[0], pointer[stuck[0]])
     del arrival[count:]
     return start, arrival
-
-
-def _settle_shared(
-    arrays: ProgramArrays, duration: list[float], sent: list[float], overlap: bool, speedup: tuple[float, ...]
-) -> tuple[list[float], list[float], list[float]]:
-    """Processor sharing (module docstring): (start, end, arrival) per compute row, where
-    ``duration`` holds each row's priced seconds and ``sent`` its outgoing transfer's
-    (0.0 where it sends nothing); while n devices compute, each runs ``speedup[n - 1]``
-    times as fast as priced. A device starts its next compute at the first event at
-    which it is free (its last compute ended, or with blocking sends its transfer
-    arrived) and the value it receives has arrived."""
-    count = len(duration)
-    recv_from = arrays.recv_from.tolist()
-    bounds = arrays.actions.bounds.tolist()
-    num_devices = len(bounds) - 1
-    start, end, arrival = [0.0] * count, [0.0] * count, [_UNSENT] * count
-    pointer, free = bounds[:-1], [0.0] * num_devices
-    running: dict[int, list[float]] = {}  # device -> [its row, priced seconds left]
-    blocking, t = not overlap, 0.0
-    while True:
-        waiting = math.inf  # the earliest time an idle device whose input is sent becomes ready
-        for d in range(num_devices):
-            row = pointer[d]
-            if d in running or row >= bounds[d + 1]:
-                continue
-            source, ready = recv_from[row], free[d]
-            if source == NEVER_SENT or (source >= 0 and arrival[source] is _UNSENT):
-                continue
-            if source >= 0 and arrival[source] > ready:
-                ready = arrival[source]
-            if ready <= t:
-                start[row] = t
-                running[d] = [float(row), duration[row]]
-            elif ready < waiting:
-                waiting = ready
-        if not running:
-            if waiting == math.inf:
-                break
-            t = waiting
-            continue
-        rate = speedup[len(running) - 1]
-        finish = {d: t + left / rate for d, (_, left) in running.items()}
-        now = min(min(finish.values()), waiting)
-        for d, job in list(running.items()):
-            if finish[d] <= now:
-                row = int(job[0])
-                end[row] = now
-                arrival[row] = now + sent[row]
-                free[d] = arrival[row] if blocking else now
-                pointer[d] += 1
-                del running[d]
-            else:
-                job[1] -= (now - t) * rate
-        t = now
-    stuck = [d for d in range(num_devices) if pointer[d] < bounds[d + 1]]
-    if stuck:
-        raise _cannot_finish(arrays, stuck[0], pointer[stuck[0]])
-    return start, end, arrival
 
 
 def _cannot_finish(arrays: ProgramArrays, device: int, row: int) -> PipedslError:

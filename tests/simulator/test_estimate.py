@@ -251,6 +251,24 @@ def test_a_device_gets_the_cores_the_idle_ones_leave_up_to_what_it_keeps_busy() 
             dataclasses.replace(IDEAL, device_cores=bad)
 
 
+@pytest.mark.parametrize("spec", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv"])
+def test_processor_sharing_at_one_speed_is_the_plain_pass_and_conserves_work(spec: str) -> None:
+    schedule = library.load(spec, pp=4, microbatches=8)
+    forward = tuple(1.0 + 0.5 * (s % 3) for s in range(schedule.num_stages))  # uneven stages
+    costs = CostModel(forward=forward, backward=tuple(2 * f + 0.5 for f in forward), latency=0.25, overlap_sends=False)
+    devices = schedule.num_devices
+    plain = simulate(schedule, costs)
+    same = simulate(schedule, costs.with_changes(speedup=(1.0,) * devices))
+    assert same.makespan == pytest.approx(plain.makespan, rel=1e-12)
+    assert same.critical_path and same.busy == pytest.approx(plain.busy, rel=1e-12)
+    # Cores that do the same work whoever computes (speed-up devices / n): never faster
+    # than the work over every device, nor slower than the plain pass.
+    shared = simulate(schedule, costs.with_changes(speedup=tuple(devices / n for n in range(1, devices + 1))))
+    assert plain.busy / devices * (1 - 1e-12) <= shared.makespan <= plain.makespan * (1 + 1e-12)
+    with pytest.raises(PipedslError, match="speedup lists 2 values but the schedule has 4 devices"):
+        simulate(schedule, costs.with_changes(speedup=(2.0, 1.0)))
+
+
 def test_devices_that_share_cores_share_them_among_the_busy_ones() -> None:
     # Processor sharing in the simulator: a one-microbatch pipeline of four stages of two
     # devices has two devices busy at a time, each with a core, 4x their priced rate.
