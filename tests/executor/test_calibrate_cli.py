@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pipedsl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    # A fresh process without XLA_FLAGS: the command must give JAX its devices itself.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # A fresh process without XLA_FLAGS: the command must give JAX its devices itself; on
+    # CPU, whatever else the machine has (the GPU path is the same fit on other numbers).
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     return subprocess.run(
         [sys.executable, "-m", "pipedsl", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout
     )
