@@ -9,7 +9,7 @@ Four measurements, each printed as a small table:
    its number of actions and of instructions;
 3. step times of GPipe, 1F1B and ZB-H1 on the benchmark model, each beside the step the
    simulator predicts when given the per-action times measured on recorded steps (medians,
-   :func:`pipedsl.simulator.cost_fit.fit_costs`), and the makespan and bubble of the
+   :func:`pipedsl.simulator.calibration.timelines.fit_costs`), and the makespan and bubble of the
    median recorded step;
 4. the pipelined step against one ``jax.jit`` of the same microbatch loop on one device.
 
@@ -153,7 +153,7 @@ def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microba
     from pipedsl.executor.models import mlp, reference_stages
     from pipedsl.library import library_path, load
     from pipedsl.simulator import simulate
-    from pipedsl.simulator.cost_fit import fit_costs
+    from pipedsl.simulator.calibration.timelines import fit_costs
 
     model = mlp(num_stages=pp, width=width, layers_per_stage=layers)
     key = jax.random.PRNGKey(0)

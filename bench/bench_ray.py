@@ -10,7 +10,7 @@ Two measurements, each printed as a small table:
 2. step times on the benchmark model (GPipe, 1F1B, ZB-H1; ``--width``-wide GELU layers,
    ``--layers`` per stage, ``--microbatch``-row microbatches): the median step on both
    backends, the step the simulator predicts from the per-action and transfer times
-   measured on recorded Ray steps (:func:`pipedsl.simulator.cost_fit.fit_costs`), and
+   measured on recorded Ray steps (:func:`pipedsl.simulator.calibration.timelines.fit_costs`), and
    the makespan and bubble of the median recorded Ray step (a recorded step sends every
    value as an actor call, to time it to its arrival).
 
@@ -77,7 +77,7 @@ def bench_schedules(devices: Any, pp: int, microbatches: int, width: int, layers
     from pipedsl.executor.models import mlp
     from pipedsl.library import library_path, load
     from pipedsl.simulator import simulate
-    from pipedsl.simulator.cost_fit import fit_costs
+    from pipedsl.simulator.calibration.timelines import fit_costs
 
     model = mlp(num_stages=pp, width=width, layers_per_stage=layers)
     key = jax.random.PRNGKey(0)

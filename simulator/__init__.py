@@ -20,7 +20,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipedsl.simulator.cost_fit import CalibrationError, Fit, fit_costs
+    from pipedsl.simulator.calibration.timelines import CalibrationError, Fit, fit_costs
     from pipedsl.simulator.costs import CostError, CostModel, StageCosts
     from pipedsl.simulator.engine import DeviceStats, Simulation, simulate
     from pipedsl.simulator.estimate import Estimate, estimate, prepare
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # Each name's module, imported on first use: ``pipedsl simulate`` needs the engine and
 # the cost model, not the plan search or the plotting.
 _HOMES = {
-    "cost_fit": ("CalibrationError", "Fit", "fit_costs"),
+    "calibration.timelines": ("CalibrationError", "Fit", "fit_costs"),
     "costs": ("CostError", "CostModel", "StageCosts"),
     "engine": ("DeviceStats", "Simulation", "simulate"),
     "estimate": ("Estimate", "estimate", "prepare"),

@@ -29,8 +29,8 @@ class Assumption:
 
 def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption, ...]:
     """What an estimate of ``plan`` prices: the plan's modelling switches, the
-    collective algorithms chosen for its groups and what devices that share a machine
-    cost beyond their work (:func:`_shared_machine`)."""
+    collective algorithms chosen for its groups and how devices that share a host's cores
+    share them (:func:`_shared_machine`)."""
     on = {True: "on", False: "off"}
     found = [
         Assumption("flash_attention", on[plan.flash_attention],
@@ -55,49 +55,21 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
             algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
             where = f"{group.per_node} per node over {group.nodes} nodes" if group.spans_nodes else "in one node"
             found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
-    return (*found, *_shared_machine(model, cluster, plan))
+    return (*found, *_shared_machine(cluster, plan))
 
 
-def _shared_machine(model: Model, cluster: Cluster, plan: Plan) -> list[Assumption]:
-    """On devices that share a machine: the wait of each collective inside a stage program
-    (``Cluster.collective_sync``), how a device's working set slows its compute
-    (``Cluster.working_set_bytes``), and for a pipeline how much of its idle devices' time
-    the busy ones take up (``Cluster.idle_share``), how fast a device busy alone runs
-    (``Cluster.alone_efficiency``) and what a split backward costs
-    (``Cluster.split_backward_cost``)."""
-    found: list[Assumption] = []
-    tokens = plan.microbatch_size * model.seq_len
-    # ZeRO 2/3 alone wait at data-parallel collectives inside a stage program.
-    for axis, n in (("tensor", plan.tp), ("data", plan.dp if plan.zero >= 2 else 1)):
-        wait = cluster.collective_sync(n, tokens)
-        if wait > 0:
-            found.append(Assumption(
-                f"{axis}_collective_sync", f"{wait * 1e3:.3g} ms",
-                f"each collective of the {n} {axis}-parallel devices waits this on shared cores "
-                "until every one of them reaches it",
-            ))  # fmt: skip
-    if plan.pp > 1 and cluster.core_share(plan.gpus) < 1:
-        found.append(Assumption(
-            "idle_share", f"{cluster.idle_share_at(plan.tp):.3g}",
-            "fraction of an idle pipeline device's time that the busy devices' work takes up on the cores it leaves",
-        ))  # fmt: skip
-        if cluster.alone_efficiency < 1:
-            found.append(Assumption(
-                "alone_efficiency", f"{cluster.alone_efficiency:.3g}",
-                "fraction of the ideal speed-up (a core to itself) that a pipeline device busy alone reaches",
-            ))  # fmt: skip
-    if cluster.working_set_bytes > 0:
-        found.append(Assumption(
-            "working_set_bytes", f"{cluster.working_set_bytes / 1e6:.3g} MB",
-            "a device's compute takes 1 + kept / this times its priced seconds, kept the most activation "
-            "bytes it keeps at once",
-        ))  # fmt: skip
-    if plan.pp > 1 and cluster.split_backward_cost > 1:
-        found.append(Assumption(
-            "split_backward_cost", f"{cluster.split_backward_cost:.3g}",
-            "what a backward split into I and W (where the schedule splits it) costs over the fused one",
-        ))  # fmt: skip
-    return found
+def _shared_machine(cluster: Cluster, plan: Plan) -> list[Assumption]:
+    """On devices that share a host's cores (``Cluster.host_cores``): how they share them."""
+    if cluster.host_cores is None:
+        return []
+    fastest = cluster.speedup(min(plan.tp * plan.dp, cluster.gpus_per_node))
+    return [
+        Assumption(
+            "host_cores", f"{cluster.host_cores:g}",
+            f"the {cluster.gpus_per_node} devices of a node share these cores (at most {cluster.device_cores:.3g} "
+            f"each): a pipeline device computes up to {fastest:.3g} times as fast as priced while the others idle",
+        )
+    ]  # fmt: skip
 
 
 _RECOMPUTE = {

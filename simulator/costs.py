@@ -10,6 +10,12 @@ heavier first stage with the embedding, a last stage with the logits) are expres
 directly. Defaults follow the usual rules of thumb: a backward costs twice its forward,
 and a split backward's two halves (``I`` and ``W``) cost half a backward each.
 
+Devices that share compute (forced CPU devices on one host's cores) are priced by
+processor sharing: ``speedup[n - 1]`` says how many times as fast as its priced seconds a
+device computes while ``n`` devices compute at once (the simulator,
+:mod:`~pipedsl.simulator.engine`, follows how many do). Without it every device has
+compute of its own.
+
 Communication uses the alpha-beta link model: one transfer of ``n`` bytes takes
 ``latency + n / bandwidth`` seconds. Transfers between different pairs of devices, and
 successive transfers on one link, do not slow each other down.
@@ -108,6 +114,8 @@ class StageCosts:
       weight_residual_bytes: bytes ``I`` keeps on its device until ``W``, shape (S,).
       overlap_sends: whether a send runs beside the sender's computation (True) or keeps
         the sender from computing until the transfer has arrived (False).
+      speedup: how many times as fast as priced a device computes while n devices
+        compute at once, at index n - 1, shape (D,); None: every device has its own compute.
     """
 
     forward: tuple[float, ...]
@@ -119,6 +127,7 @@ class StageCosts:
     residual_bytes: tuple[int, ...]
     weight_residual_bytes: tuple[int, ...]
     overlap_sends: bool
+    speedup: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,6 +160,11 @@ class CostModel:
         holding k stages (interleaved, V placements) spends 1/k of them on each stage.
         This compares schedules with different stages per device on the same model.
         Transfer bytes do not split: a boundary's activation has the same size.
+      speedup: for devices that share compute (a host's cores), how many times as fast
+        as its priced seconds a device computes while n devices compute at once, at index
+        n - 1, one value per device count from 1 to the schedule's devices (processor
+        sharing; :meth:`~pipedsl.simulator.hardware.Cluster.speedup` gives them for a
+        cluster); None (the default) when every device has compute of its own.
     """
 
     forward: PerStage = 1.0
@@ -165,6 +179,7 @@ class CostModel:
     weight_residual_bytes: PerStageBytes | None = None
     overlap_sends: bool = True
     per_device: bool = False
+    speedup: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward", "activation_bytes", "residual_bytes"):
@@ -186,6 +201,13 @@ class CostModel:
         for name in ("overlap_sends", "per_device"):
             if not isinstance(getattr(self, name), bool):
                 raise CostError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.speedup is not None:
+            if not isinstance(self.speedup, list | tuple) or not self.speedup:
+                raise CostError(f"speedup must be a list of numbers > 0, one per count of busy devices, got {self.speedup!r}")
+            speedup = tuple(_number("speedup", v, where=f"[{i}]") for i, v in enumerate(self.speedup))
+            if min(speedup) <= 0:
+                raise CostError(f"speedup values must be > 0, got {list(speedup)}")
+            object.__setattr__(self, "speedup", speedup)
 
     # -- reading ---------------------------------------------------------------------
 
@@ -283,7 +305,18 @@ class CostModel:
             residual_bytes=tuple(round(b) for b in res),
             weight_residual_bytes=tuple(round(b) for b in wres),
             overlap_sends=self.overlap_sends,
+            speedup=self._speedup_for(schedule.num_devices),
         )
+
+    def _speedup_for(self, devices: int) -> tuple[float, ...] | None:
+        if self.speedup is None:
+            return None
+        if len(self.speedup) < devices:
+            raise CostError(
+                f"speedup lists {len(self.speedup)} values but the schedule has {devices} devices; "
+                "give one per count of busy devices, 1 to the devices"
+            )
+        return self.speedup[:devices]
 
     def transfer_seconds(self, num_bytes: float) -> float:
         """Seconds one transfer of ``num_bytes`` bytes takes: latency + bytes / bandwidth."""
@@ -326,4 +359,6 @@ class CostModel:
             parts.append("blocking-sends")
         if self.per_device:
             parts.append("per-device")
+        if self.speedup is not None:
+            parts.append("shared-compute")
         return " ".join(parts)

@@ -11,6 +11,9 @@ and lasts its cost; a compute that sends its output starts a transfer that arriv
 value not sent yet parks until the sender gets there. The pass is linear in the number
 of computes and deterministic.
 
+Devices that share compute (the cost model's ``speedup``: forced CPU devices on one
+host's cores) are simulated by processor sharing (:mod:`~pipedsl.simulator.sharing`).
+
 Memory does not depend on time: it follows each device's order
 (:func:`pipedsl.analysis.peak_held`). The residual of a (stage, microbatch) is live from
 the ``F`` that writes it to the ``B`` or ``I`` that reads it; the weight residual from
@@ -33,6 +36,7 @@ from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.program import NEVER_SENT, Program, ProgramArrays, lower
 from pipedsl.simulator.costs import CostModel, StageCosts
+from pipedsl.simulator.sharing import settle_shared
 from pipedsl.timeline import Event, EventKind, Timeline
 from pipedsl.validate import kept_check
 
@@ -286,6 +290,15 @@ class _Run:
         transfers = [*costs.activation_transfer, *costs.gradient_transfer, 0.0]
         gradients = len(costs.activation_transfer)
         sent_code = np.where(sends, np.where(kind == F, 0, gradients) + stage, len(transfers) - 1)
+        if costs.speedup is not None:
+            *shared, stuck = settle_shared(
+                arrays, _shared(seconds, code), _shared(transfers, sent_code), costs.overlap_sends, costs.speedup
+            )
+            if stuck is not None:
+                raise _cannot_finish(arrays, *stuck)
+            start_array, end_array, arrival_array = (np.array(v, dtype=np.float64) for v in shared)
+            senders = np.flatnonzero(sends)
+            return cls(start_array, end_array, arrival_array, senders, arrival_array[senders], costs.overlap_sends)
         if order is None:
             start, arrival = _settle(
                 arrays, _shared(seconds, code), _shared(transfers, sent_code), costs.overlap_sends

@@ -28,20 +28,11 @@ Assembly:
   optimizer step: :mod:`~pipedsl.simulator.data_parallel`.
 
 Step time = pipeline makespan (simulated) + the slowest device's exposed data-parallel
-tail and optimizer step. On devices that share a node's CPU cores
-(``Cluster.shared_cores``, forced CPU devices) the rates were measured with every device
-busy, and an idle device's cores go to the busy ones, which take up a
-``Cluster.idle_share`` of its time (1 when the cores change hands perfectly: the work is
-conserved; ``Cluster.tensor_idle_share`` where the stages are tensor parallel; measured
-by ``pipedsl demo``). So the pipeline part takes
-``makespan × (1 − idle_share × bubble)``, its devices' mean busy time at a share of 1,
-but no less than ``makespan × cores / devices``, the speed-up of a device that has a core to
-itself, over the ``Cluster.alone_efficiency`` of it that such a device reaches
-(:meth:`Prepared.pipeline_seconds`, :meth:`Cluster.core_share`). Their compute also
-slows with the activations kept: every stage's work takes ``1 + kept /
-Cluster.working_set_bytes`` times, ``kept`` the mean over the pipeline devices of the most
-activation bytes each keeps at once under the schedule (one microbatch's for SPMD, as
-the executor runs it; a policy order's bound at its in-flight limit).
+tail and optimizer step. Devices that share a host's cores (``Cluster.host_cores``,
+forced CPU devices) are priced at their rates with every device of the node busy, and
+the simulator shares the cores among the pipeline devices that compute at each moment
+(processor sharing: :meth:`Cluster.speedup`, worked out for the plan in one place,
+:func:`_speedup`); an SPMD plan is one pipeline device that is always busy.
 MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """
@@ -90,8 +81,7 @@ class Estimate:
       model, cluster, plan: what was estimated.
       step_time_s: seconds per step.
       pipeline_time_s: seconds of the forward/backward part (the simulated makespan for
-        a pipeline, or what is left of it on shared cores; microbatches × (F + B) for
-        SPMD).
+        a pipeline; microbatches × (F + B) for SPMD).
       dp_tail_s: exposed data-parallel communication after the pipeline, seconds.
       optimizer_s: the optimizer update, seconds.
       bubble: idle fraction of the pipeline part (0 for SPMD).
@@ -228,6 +218,9 @@ class Prepared:
         data-parallel tail and the optimizer step.
       tails: (exposed data-parallel seconds, optimizer seconds) of the device where they
         sum to the most (:func:`~pipedsl.simulator.data_parallel.tails`), worked out once.
+      speedup: how many times as fast as priced a pipeline device computes while n of
+        them compute, at index n - 1, shape (pp,), where devices share a host's cores
+        (:func:`_speedup`); None where each has compute of its own.
     """
 
     shapes: Shapes
@@ -240,6 +233,7 @@ class Prepared:
     memory: Memory
     lower_bound_s: float
     tails: tuple[float, float]
+    speedup: tuple[float, ...] | None
 
     @property
     def plan(self) -> Plan:
@@ -264,24 +258,18 @@ class Prepared:
             bandwidth=bandwidth,
             activation_bytes=boundary_bytes,
             residual_bytes=self.residual,
+            speedup=self.speedup,
         )
 
     def finish(self) -> Estimate:
         """Simulate the pipeline (if any) and assemble the :class:`Estimate`."""
         if self.key is not None and self.pipelines is not None:
             timing = self.pipelines.timing(self.key, self.cost_model())
-            pipeline = self.pipeline_seconds(timing.makespan, timing.bubble_ratio)
-            return self.assemble(pipeline, timing.bubble_ratio, timing.simulation)
+            return self.assemble(timing.makespan, timing.bubble_ratio, timing.simulation)
         work, overhead = self.work, self.shapes.cluster.action_overhead_s
-        return self.assemble(self.plan.microbatches * (work[0].forward + work[0].fused_backward(overhead)), 0.0, None)
-
-    def pipeline_seconds(self, makespan: float, bubble: float) -> float:
-        """The pipeline part of a step whose simulated ``makespan`` (seconds) leaves its
-        devices idle a ``bubble`` fraction of it: all of it, unless the devices share cores
-        (module docstring)."""
-        cluster = self.shapes.cluster
-        share = cluster.idle_share_at(self.plan.tp)
-        return makespan * max(1.0 - share * bubble, cluster.core_share(self.plan.gpus))
+        # One pipeline device, always busy: the engine's speed-up at one busy device.
+        busy = 1.0 if self.speedup is None else self.speedup[0]
+        return self.assemble(self.plan.microbatches * (work[0].forward + work[0].fused_backward(overhead)) / busy, 0.0, None)
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle
@@ -319,14 +307,12 @@ def prepare(
     fits_first: bool = False,
     stage_layers: Sequence[int] | None = None,
     layout: Layout | None = None,
-    held: Sequence[int] | None = None,
 ) -> Prepared:
     """Work out ``plan``'s costs and memory without simulating (see :class:`Prepared`).
 
     ``pipelines`` caches evaluated schedules and simulations across calls. ``stage_layers`` gives
     each of the pp × vpp stages its layers (default: an even split). With ``layout``, an order made
-    later (a policy synthesised per plan): ``lower_bound_s`` only the tails, and no activations
-    unless ``held`` gives each device's most activation bytes kept at once (the order's bound).
+    later (a policy synthesised per plan): ``lower_bound_s`` only the tails, and no activations.
 
     Raises:
       PlanError: the plan does not divide the model or does not match its schedule.
@@ -348,13 +334,14 @@ def prepare(
     key, placement = _schedule_of(plan, pipelines, layout)
     device_params = _device_params(plan, placement, params)
     residual = stage_residual(shapes, layers)
-    if held is None:
-        held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
+    held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
     memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
-    work = stage_work(shapes, layers, params, slowdown=cluster.working_set_factor(sum(held) / len(held)))
+    work = stage_work(shapes, layers, params)
     tail = tails(shapes, work, placement, device_params)
+    speedup = _speedup(shapes)
+    fastest = 1.0 if speedup is None else max(speedup)
     return Prepared(
         shapes=shapes,
         key=key,
@@ -364,11 +351,24 @@ def prepare(
         residual=residual,
         device_params=device_params,
         memory=memory,
-        lower_bound_s=(0.0 if layout is not None else _lower_bound(plan, cluster, work, key, pipelines))
-        * cluster.core_share(plan.gpus)
+        lower_bound_s=(0.0 if layout is not None else _lower_bound(plan, cluster, work, key, pipelines)) / fastest
         + sum(tail),
         tails=tail,
+        speedup=speedup,
     )
+
+
+def _speedup(shapes: Shapes) -> tuple[float, ...] | None:
+    """Where the devices share a host's cores (``Cluster.host_cores``), how many times as
+    fast as priced a pipeline device (a ``dp × tp`` mesh of them) computes while n
+    pipeline devices compute at once, at index n - 1, shape (pp,): the cluster's
+    :meth:`~pipedsl.simulator.hardware.Cluster.speedup` at n meshes' devices, at most a
+    node's. The one place that prices shared cores; None where devices have their own."""
+    cluster, plan = shapes.cluster, shapes.plan
+    if cluster.host_cores is None:
+        return None
+    mesh = plan.dp * plan.tp
+    return tuple(cluster.speedup(min(mesh * n, cluster.gpus_per_node)) for n in range(1, plan.pp + 1))
 
 
 def _schedule_of(plan: Plan, pipelines: Pipelines | None, layout: Layout | None) -> tuple[ScheduleKey | None, tuple[int, ...]]:
@@ -436,15 +436,15 @@ def _backward_seconds(work: Sequence[Work], cluster: Cluster) -> tuple[_Seconds,
     splits the backward, shape (S,) each, as the executor runs them: ``B`` is one action,
     so one overhead; ``I`` computes what the input's cotangent needs, which the first
     stage (token ids in) has none of, so there ``I`` is one action's dispatch and ``W``
-    the fused backward's one program; elsewhere, beyond each action's overhead, the halves
-    cost ``Cluster.split_backward_cost`` times their share of the fused backward."""
-    overhead, cost = cluster.action_overhead_s, cluster.split_backward_cost
+    the fused backward's one program; elsewhere each half is its share of the work and
+    one action's overhead."""
+    overhead = cluster.action_overhead_s
     fused = tuple(w.fused_backward(overhead) for w in work)
 
     def halves(s: int, w: Work) -> tuple[float, float]:
         if s == 0:
             return overhead, fused[0]
-        return overhead + (w.input_grad - overhead) * cost, overhead + (w.weight_grad - overhead) * cost
+        return w.input_grad, w.weight_grad
 
     input_grad, weight_grad = zip(*(halves(s, w) for s, w in enumerate(work)), strict=True)
     return fused, input_grad, weight_grad

@@ -6,7 +6,8 @@ marked ``calibrate`` (used to fit the cluster's compute parameters) or ``validat
 reported). :func:`fit` picks ``matmul_efficiency``, ``matmul_half_flops`` and
 ``kernel_launch_s`` once per GPU type (:func:`gpu_type`; the presets of one chip share
 them) on the calibration rows alone, from a fixed grid (:data:`GRID`), minimising their
-mean absolute percentage error; nothing is fitted per run. Run ``python -m pipedsl.simulator.fit_published`` to refit, print the table and
+mean absolute percentage error (the calibration's fitter,
+:func:`~pipedsl.simulator.calibration.fitter.grid_search`); nothing is fitted per run. Run ``python -m pipedsl.simulator.fit_published`` to refit, print the table and
 write ``data/ACCURACY.md``; ``--check`` evaluates the presets as they are.
 """
 
@@ -14,20 +15,23 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
-import itertools
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipedsl.simulator.calibration.fitter import Step, grid_search
+from pipedsl.simulator.calibration.report import Measured, Report, Reproduced
 from pipedsl.simulator.collectives import group_of
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, Recompute
 
-__all__ = ["DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "gpu_type", "regimes", "accuracy_markdown", "main"]
+__all__ = [
+    "DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "fit_report", "gpu_type", "regimes",
+    "accuracy_markdown", "main",
+]  # fmt: skip
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 """The folder of published runs (``data/`` at the repository root)."""
@@ -155,14 +159,6 @@ def _mape(results: Sequence[Result]) -> float:
     return sum(abs(r.error) for r in results) / len(results) if results else 0.0
 
 
-def _source_mape(results: Sequence[Result]) -> float:
-    """The mean over sources of each source's mean absolute percentage error."""
-    by_source: dict[str, list[Result]] = {}
-    for r in results:
-        by_source.setdefault(r.run.source, []).append(r)
-    return sum(_mape(group) for group in by_source.values()) / len(by_source)
-
-
 def gpu_type(cluster: Cluster) -> str:
     """The chip a preset's GPU is (``A100`` for ``A100-SXM4-40GB``): presets of one chip
     share one fit of the compute model."""
@@ -181,26 +177,23 @@ def fit(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cl
     if not calibration:
         raise ValueError(f"no calibration runs for {', '.join(sorted(clusters))}")
     pipelines = Pipelines(keep_simulations=False)
-    seen: dict[tuple[float, ...], float] = {}
-
-    def error(point: tuple[float, ...]) -> float:
-        if point not in seen:
-            seen[point] = _source_mape(evaluate(calibration, _with(clusters, point), pipelines))
-        return seen[point]
-
-    efficiency, half, launch = GRID.values()
-    pair = min(itertools.product(efficiency, half), key=lambda p: error((*p, launch[0])))
-    point = min(((*pair, value) for value in launch), key=error)
-    return _with(clusters, point), error(point)
+    steps = [_step(run, pipelines) for run in calibration]
+    return grid_search(clusters, GRID, _BLOCKS, steps)
 
 
-def _with(clusters: dict[str, Cluster], point: tuple[float, ...]) -> dict[str, Cluster]:
-    return {name: _with_point(cluster, point) for name, cluster in clusters.items()}
+_BLOCKS = (("matmul_efficiency", "matmul_half_flops"), ("kernel_launch_s",))
+"""The grid's fields in the order :func:`fit` searches them: the efficiency curve first,
+at the smallest launch cost, then the launch cost."""
 
 
-def _with_point(cluster: Cluster, point: tuple[float, ...]) -> Cluster:
-    efficiency, half, launch = point
-    return dataclasses.replace(cluster, matmul_efficiency=efficiency, matmul_half_flops=half, kernel_launch_s=launch)
+def _step(run: Run, pipelines: Pipelines) -> Step:
+    """``run`` as a calibration step of the fitter: its measured seconds per iteration
+    against the estimate on a candidate cluster, grouped by its source."""
+
+    def priced(cluster: Cluster) -> float:
+        return estimate(run.model, cluster, run.plan, pipelines=pipelines, stage_layers=run.stage_layers).step_time_s
+
+    return Step(run.name, run.measured_s, priced, group=run.source, cluster=run.cluster)
 
 
 def regimes(run: Run, cluster: Cluster) -> tuple[str, ...]:
@@ -289,10 +282,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{kind} ({', '.join(fitted)}): matmul_efficiency = {c.matmul_efficiency:g}, "
                   f"matmul_half_flops = {c.matmul_half_flops:g}, kernel_launch_s = {c.kernel_launch_s:g} "
                   f"(calibration error {100 * error:.1f}%)")  # fmt: skip
-    text = accuracy_markdown(evaluate(runs, clusters), clusters)
+    results = evaluate(runs, clusters)
+    for kind in sorted({gpu_type(c) for c in clusters.values()}):
+        print(fit_report(results, clusters, kind, fitted=not args.check).text())
+    text = accuracy_markdown(results, clusters)
     args.out.write_text(text)
     print(text)
     return 0
+
+
+def fit_report(results: Sequence[Result], clusters: dict[str, Cluster], kind: str, *, fitted: bool) -> Report:
+    """The compute model of GPU type ``kind`` in the calibration's report form: its three
+    parameters and where they came from, and each of its ``calibrate`` rows of
+    ``results`` reproduced (the ``validate`` rows are in ``data/ACCURACY.md``)."""
+    rows = [r for r in results if r.run.role == "calibrate" and gpu_type(clusters[r.run.cluster]) == kind]
+    sources = sorted({r.run.source for r in rows})
+    told = (
+        f"grid search on {len(rows)} calibrate rows of {', '.join(sources)} (mean over sources of their mean abs. error)"
+        if fitted
+        else "the preset as it is (--check)"
+    )
+    c = next(cluster for cluster in clusters.values() if gpu_type(cluster) == kind)
+    parameters = (
+        Measured("matmul_efficiency", c.matmul_efficiency, "", told),
+        Measured("matmul_half_flops", c.matmul_half_flops, "FLOP", told),
+        Measured("kernel_launch_s", c.kernel_launch_s, "s", told),
+    )
+    steps = tuple(Reproduced(f"{r.run.name} ({r.run.source})", r.run.measured_s, r.predicted_s) for r in rows)
+    presets = ", ".join(sorted(n for n, cluster in clusters.items() if gpu_type(cluster) == kind))
+    return Report(f"{kind} ({presets}): compute model on published runs", "published runs", parameters, steps)
 
 
 if __name__ == "__main__":

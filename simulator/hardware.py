@@ -223,54 +223,23 @@ class Cluster:
       matmul_half_flops: FLOPs of a matrix multiplication that reaches half of
         ``matmul_efficiency``; 0 prices every product at ``matmul_efficiency``.
       kernel_launch_s: fixed seconds per kernel (launch and tail), on top of its work;
-        for forced CPU devices measured by ``pipedsl demo``.
+        for CPU devices measured by ``pipedsl calibrate``.
       action_overhead_s: fixed seconds per scheduled action (``F``, ``B``, ``I`` or ``W``
-        of one stage for one microbatch) on top of its kernels: the runtime's dispatch of
+        of one stage for one microbatch) on top of its kernels: the executor's dispatch of
         one stage program. 0 for a GPU cluster whose kernels are queued ahead; measured
-        for forced CPU devices (``pipedsl demo``), where Python dispatches every action.
-      shared_cores: CPU cores that the devices of one node share when they have no
-        compute of their own (forced CPU devices); 0 for GPUs. The compute rates are then
-        those of a device while every device of its node is busy, and the cores an idle
-        device leaves go to the busy ones (see :mod:`~pipedsl.simulator.estimate`).
-      idle_share: for devices that share cores (``shared_cores`` above 0), the fraction
-        of an idle device's time that the busy devices' work takes up on the cores it
-        leaves: 1 (the default) prices a pipeline at its devices' mean busy time, 0 at
-        its makespan (see :mod:`~pipedsl.simulator.estimate`). Measured by ``pipedsl
-        demo``; ignored where devices do not share cores.
-      tensor_idle_share: the ``idle_share`` of a pipeline whose stages are tensor
-        parallel, or None for the same as the rest: each collective inside a stage
-        program waits for every device of its group, and on shared cores the busy groups
-        contend for them, so they take up less of the idle devices' time (measured by
-        ``pipedsl demo``; see :meth:`idle_share_at`).
-      alone_efficiency: for devices that share cores, the fraction of its ideal speed-up
-        (a core to itself) that a device busy while the others idle reaches: a pipeline
-        takes at least ``cores / devices / alone_efficiency`` of its makespan
-        (:meth:`core_share`). 1 (the default) is the ideal; measured by ``pipedsl demo``
-        (on two cores, a four-stage pipeline's stage busy alone ran about 3.1 times as
-        fast as with every device busy, not 4); ignored where devices do not share cores.
-      split_backward_cost: what a backward split into ``I`` and ``W`` (zero-bubble
-        schedules) costs over the fused ``B`` it divides, beyond each action's overhead:
-        at least 1; 1 (the default) prices the two halves at the fused backward's work,
-        which is what they run. On forced CPU devices a mesh of two or more runs the two
-        programs slower than the one (a single device does not), by a fraction that
-        holds whatever the microbatch: ``pipedsl demo`` measures 1.16-1.33.
-      collective_sync_s: seconds that each collective inside a stage program (each
-        tensor-parallel one, and ZeRO 2/3's per layer and microbatch) waits on top of its
-        transfer, for each device of its group but one, when the devices share cores:
-        every device of the group must have reached it, and they take turns on the cores.
-        0 for GPUs; measured by ``pipedsl demo``.
-      collective_sync_per_token_s: seconds more per token of the microbatch that the
-        collective's group works on between collectives, for each device of the group but
-        one: the work each device must finish before the others can go on grows with the
-        tokens (:meth:`collective_sync`). 0 for GPUs; measured by ``pipedsl demo``.
-      working_set_bytes: the activation bytes kept per device at which its compute takes
-        twice as long (:meth:`working_set_factor`): forced CPU devices share the machine's
-        caches and memory bandwidth, and a step's cost per sequence grows with what it
-        keeps. 0 (the default) for none, as on GPUs; measured by ``pipedsl demo``.
+        by ``pipedsl calibrate`` for CPU devices, where Python dispatches every action.
       step_overhead_s: fixed seconds per training step on top of its actions and its
-        update: the runtime's own work to start a step, hand the batch out and gather the
-        results (Python drives every step of forced CPU devices). 0 for a GPU cluster;
-        measured by ``pipedsl demo``.
+        update: the executor's own work to start a step, hand the batch out and gather
+        the losses. 0 for the GPU presets (their published runs include no such cost);
+        measured by ``pipedsl calibrate`` (a step of four microbatches against one).
+      host_cores: CPU cores that the devices of one node share, for devices without
+        compute of their own (forced CPU devices); None for GPUs. The rates above are
+        then those of a device while every device of its node computes, and a device
+        that computes while fewer do gets more of the cores (:meth:`speedup`).
+      device_cores: the most of ``host_cores`` that one device's programs keep busy at
+        once (cores; a device's stream of kernels leaves gaps and not every kernel runs
+        on several threads). Measured by ``pipedsl calibrate``: a step on one device per
+        core while the others idle. Ignored where ``host_cores`` is None.
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.
@@ -293,15 +262,9 @@ class Cluster:
     matmul_half_flops: float = 0.0
     kernel_launch_s: float = 0.0
     action_overhead_s: float = 0.0
-    shared_cores: float = 0.0
-    idle_share: float = 1.0
-    tensor_idle_share: float | None = None
-    alone_efficiency: float = 1.0
-    split_backward_cost: float = 1.0
-    collective_sync_s: float = 0.0
-    collective_sync_per_token_s: float = 0.0
-    working_set_bytes: float = 0.0
     step_overhead_s: float = 0.0
+    host_cores: float | None = None
+    device_cores: float = 1.0
     memory_bytes: int
     reserved_bytes: int = 0
     hbm_bandwidth: float
@@ -326,14 +289,12 @@ class Cluster:
             _check_float(owner, name, getattr(self, name), high=1.0)
         for name in (
             "intra_node_latency", "inter_node_latency", "matmul_half_flops", "kernel_launch_s", "action_overhead_s",
-            "shared_cores", "collective_sync_s", "collective_sync_per_token_s", "working_set_bytes", "step_overhead_s",
+            "step_overhead_s",
         ):  # fmt: skip
             _check_within(owner, name, getattr(self, name), ">= 0", lambda v: v >= 0)
-        _check_within(owner, "idle_share", self.idle_share, "in [0, 1]", lambda v: 0 <= v <= 1)
-        if self.tensor_idle_share is not None:
-            _check_within(owner, "tensor_idle_share", self.tensor_idle_share, "in [0, 1]", lambda v: 0 <= v <= 1)
-        _check_within(owner, "alone_efficiency", self.alone_efficiency, "in (0, 1]", lambda v: 0 < v <= 1)
-        _check_within(owner, "split_backward_cost", self.split_backward_cost, ">= 1", lambda v: v >= 1)
+        if self.host_cores is not None:
+            _check_float(owner, "host_cores", self.host_cores)
+        _check_float(owner, "device_cores", self.device_cores)
         _check_int(owner, "memory_bytes", self.memory_bytes)
         _check_int(owner, "reserved_bytes", self.reserved_bytes, minimum=0)
         _check_int(owner, "gpus_per_node", self.gpus_per_node)
@@ -349,38 +310,16 @@ class Cluster:
         """Memory per GPU the model may use: ``memory_bytes - reserved_bytes``."""
         return self.memory_bytes - self.reserved_bytes
 
-    def idle_share_at(self, tp: int) -> float:
-        """The ``idle_share`` of a pipeline whose stages are ``tp``-way tensor parallel:
-        ``tensor_idle_share`` beyond 1 where it is given, else ``idle_share``."""
-        return self.tensor_idle_share if tp > 1 and self.tensor_idle_share is not None else self.idle_share
-
-    def core_share(self, gpus: int) -> float:
-        """The least fraction of its simulated makespan that a pipeline over ``gpus``
-        devices takes where they share ``shared_cores`` cores: ``cores / devices`` of one
-        node (a device busy alone speeds up at most by ``devices / cores``, a core to
-        itself), over the ``alone_efficiency`` of that speed-up it reaches; or 1 where
-        the devices do not share (see :mod:`~pipedsl.simulator.estimate`)."""
-        devices = min(gpus, self.gpus_per_node)
-        if self.shared_cores <= 0 or devices <= self.shared_cores:
+    def speedup(self, busy: int) -> float:
+        """How many times as fast as priced a device computes while ``busy`` devices of its
+        node compute at once (processor sharing of ``host_cores``): each busy device gets
+        ``min(device_cores, host_cores / busy)`` cores, and the priced rates are those it
+        gets while every device of the node computes. 1 for devices with compute of their
+        own (``host_cores`` None)."""
+        if self.host_cores is None:
             return 1.0
-        return min(self.shared_cores / devices / self.alone_efficiency, 1.0)
-
-    def working_set_factor(self, kept_bytes: float) -> float:
-        """How many times its priced seconds each stage's work (its layers, embedding and
-        head, kernels' launches included) takes on a device that keeps at most
-        ``kept_bytes`` of activations at once: ``1 + kept_bytes / working_set_bytes``, or
-        1 where ``working_set_bytes`` is 0 (:mod:`~pipedsl.simulator.estimate` takes
-        ``kept`` under the plan's schedule, the mean over its pipeline devices)."""
-        return 1.0 + kept_bytes / self.working_set_bytes if self.working_set_bytes > 0 else 1.0
-
-    def collective_sync(self, group: int, tokens: float) -> float:
-        """Seconds that one collective inside a stage program over ``group`` devices, each
-        working on ``tokens`` tokens of a microbatch, waits on shared cores beyond its
-        transfer: ``(group - 1) × (collective_sync_s + tokens × collective_sync_per_token_s)``
-        (0 for a group of one, or where nothing is shared)."""
-        if group < 2:
-            return 0.0
-        return (group - 1) * (self.collective_sync_s + tokens * self.collective_sync_per_token_s)
+        cores, most = self.host_cores, self.device_cores
+        return min(most, cores / max(busy, 1)) / min(most, cores / self.gpus_per_node)
 
     @property
     def matmul_flops(self) -> float:

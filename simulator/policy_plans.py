@@ -104,8 +104,7 @@ class LimitedPlan(Prepared):
         arrays, order, activations = _synthesis(self.plan.schedule, self.params, self.limit, costs, self.residual)
         makespan, bubble = step_timing(arrays, costs.resolve(self.pipelines.policy(self.key)), order=order)
         memory = device_memory(self.shapes, self.device_params, activations)
-        pipeline = self.pipeline_seconds(makespan, bubble)
-        return replace(self.assemble(pipeline, bubble, None), memory=memory, inflight_limit=self.limit)
+        return replace(self.assemble(makespan, bubble, None), memory=memory, inflight_limit=self.limit)
 
 
 def fitting_limit(base: Prepared) -> int:
@@ -161,15 +160,11 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
         held = _held_at_most(base, limit)
         memory = device_memory(base.shapes, base.device_params, held)
         if memory.fits:
-            # Where the cluster prices a working set, each limit's work is slowed by its own.
-            at = base
-            if cluster.working_set_bytes > 0:
-                at = prepare(model, cluster, plan, pipelines=pipelines, layout=default, held=held)
             found.append(
                 LimitedPlan(
-                    **{name: getattr(at, name) for name in _PREPARED_FIELDS},
+                    **{name: getattr(base, name) for name in _PREPARED_FIELDS},
                     memory=memory,
-                    lower_bound_s=_any_order_bound(at, default.split_backward, limit),
+                    lower_bound_s=_any_order_bound(base, default.split_backward, limit),
                     limit=limit,
                     params=params,
                 )
@@ -199,8 +194,9 @@ def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
     the stages before its first (their forwards), and then it needs both its own work and,
     holding at most ``limit`` pairs at once, M times the shortest time a microbatch holds
     its first stage (from that stage's F through every later F and backward to its W or B)
-    over ``limit``; the most over the devices, plus ``base``'s tails (its data-parallel
-    tail and optimizer step, seconds)."""
+    over ``limit``; the most over the devices, at the fastest the devices compute where
+    they share cores (``base.speedup``), plus ``base``'s tails (its data-parallel tail and
+    optimizer step, seconds)."""
     work, m = base.work, base.plan.microbatches
     # Per stage, once for every device: its forward, its backward (I when split) and all its work.
     forward = [w.forward for w in work]
@@ -212,13 +208,14 @@ def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
         busy = m * sum(whole[s] for s in own)
         held = sum(forward[first:]) + sum(back[first:]) + (work[first].weight_grad if split else 0.0)
         seconds.append(sum(forward[:first]) + max(busy, m * held / limit))
-    total = max(seconds) + sum(base.tails)
+    fastest = 1.0 if base.speedup is None else max(base.speedup)
+    total = max(seconds) / fastest + sum(base.tails)
     # The bound can be tight, and the same seconds summed in another order can land a
     # rounding step above the simulated time: keep it below by a hair.
     return total * (1.0 - 1e-9)
 
 
-_PREPARED_FIELDS = ("shapes", "key", "placement", "pipelines", "work", "residual", "device_params", "tails")
+_PREPARED_FIELDS = ("shapes", "key", "placement", "pipelines", "work", "residual", "device_params", "tails", "speedup")
 """What a :class:`LimitedPlan` keeps of the plan prepared at the default limit."""
 
 

@@ -54,14 +54,10 @@ def stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[flo
     return tuple(params)
 
 
-def stage_work(
-    shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...], *, slowdown: float = 1.0
-) -> tuple[Work, ...]:
+def stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...]) -> tuple[Work, ...]:
     """Each stage's work per microbatch: its layers, the embedding on the first stage and
-    the head on the last, all ``slowdown`` times their seconds (the working set's,
-    :meth:`~pipedsl.simulator.hardware.Cluster.working_set_factor`); the ZeRO traffic of
-    its parameters, and the dispatch overhead of each of its F, I and W actions
-    (``action_overhead_s``), shape (S,)."""
+    the head on the last; the ZeRO traffic of its parameters, and the dispatch overhead
+    of each of its F, I and W actions (``action_overhead_s``), shape (S,)."""
     layer = shapes.layer_work()
     overhead = Work(*(3 * (shapes.cluster.action_overhead_s,)))
     last = len(layers) - 1
@@ -77,25 +73,11 @@ def stage_work(
                 w = w + shapes.embedding_work()
             if s == last:
                 w = w + shapes.head_work()
-            if slowdown != 1.0:  # 1 wherever no working set is priced (every GPU): the search's common case
-                w = w * slowdown
-            found = w + zero_per_microbatch(shapes, p, w) + _zero_waits(shapes, n) + overhead
+            found = w + zero_per_microbatch(shapes, p, w) + overhead
             if 0 < s < last:
                 inner[(n, p)] = found
         work.append(found)
     return tuple(work)
-
-
-def _zero_waits(shapes: Shapes, layers: int) -> Work:
-    """What a stage of ``layers`` layers waits per microbatch at its ZeRO collectives on
-    shared cores: a data-parallel group's ``Cluster.collective_sync`` per layer for each
-    of them (stage 2 reduce-scatters each layer's gradients in ``W``; stage 3 also
-    gathers its weights for the forward and again for the backward)."""
-    plan, sync = shapes.plan, shapes.cluster.collective_sync(shapes.plan.dp, shapes.tokens)
-    if plan.zero < 2 or plan.dp == 1 or sync <= 0:
-        return Work()
-    per_layer = Work(0.0, 0.0, sync) if plan.zero == 2 else Work(sync, sync, sync)
-    return per_layer * layers
 
 
 def stage_residual(shapes: Shapes, layers: tuple[int, ...]) -> tuple[int, ...]:

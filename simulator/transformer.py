@@ -24,9 +24,7 @@ feed-forward width, a heads of width d = h/a, V vocabulary, t = tp):
   collectives) inside ``I`` and stores only the layer input (2·s·b·h/t); ``selective``
   reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t.
 - Tensor parallelism: 2 all-reduces of b·s·h values in the forward and 2 in the backward
-  per layer (:mod:`~pipedsl.simulator.collectives`), each ``Cluster.collective_sync``
-  more on devices that share cores (the wait until every device of the group reaches
-  it, longer the larger the group and the microbatch);
+  per layer (:mod:`~pipedsl.simulator.collectives`);
   sequence parallelism turns each into a reduce-scatter plus an all-gather. The plan's
   ``tp_overlap`` fraction of them is hidden behind the products (userbuffer overlap) and
   not priced.
@@ -148,16 +146,13 @@ class Shapes:
 
     def tp_all_reduce(self) -> float:
         """One tensor-parallel all-reduce of b·s·h values (with sequence parallelism a
-        reduce-scatter plus an all-gather), in seconds, each collective with the
-        cluster's wait of a collective of the tensor-parallel group on top
-        (:meth:`~pipedsl.simulator.hardware.Cluster.collective_sync`)."""
+        reduce-scatter plus an all-gather), in seconds."""
         if self.plan.tp == 1:
             return 0.0
         size = self.tokens * self.model.hidden * self.model.dtype_bytes
-        sync = self.cluster.collective_sync(self.plan.tp, self.tokens)
         if self.plan.sequence_parallel:
-            return 2 * (gather_seconds(size, self.tp_group, self.cluster) + sync)
-        return all_reduce_seconds(size, self.tp_group, self.cluster) + sync
+            return 2 * gather_seconds(size, self.tp_group, self.cluster)
+        return all_reduce_seconds(size, self.tp_group, self.cluster)
 
     def layer_activation_bytes(self, recompute: Recompute) -> float:
         """Bytes one layer keeps per microbatch for its backward (Korthikanti et al. 2022)."""

@@ -1,7 +1,14 @@
-"""Calibration on this machine: run schedules for real, fit the cost model, predict, compare.
+"""Calibration on this machine: a cluster file for it, and schedules run against their fit.
 
-``pipedsl calibrate`` (and the demo's last part) runs the demo transformer under each
-schedule on this machine's devices:
+``pipedsl calibrate`` measures the machine it runs on, CPU or GPU (:mod:`pipedsl.cli.machine`:
+the executor's training steps of the demo transformer, memory, bandwidth, collectives,
+dispatch, and on GPU the matrix products per dtype), fits a
+:class:`~pipedsl.simulator.Cluster` to it (:mod:`pipedsl.simulator.calibration.machine`),
+prints each parameter with the measurement behind it and how well the fit reproduces each
+calibration step, and writes the cluster as TOML for ``pipedsl search --cluster``.
+
+Given schedules, it also runs each for real on this machine's devices (the demo
+transformer), as the demo's last part does (:func:`measure`):
 
 1. two training steps compile the stages and settle caches;
 2. a few *recorded* training steps give measured timelines, which
@@ -14,7 +21,6 @@ schedule on this machine's devices:
    change in the machine's speed while they are timed reaches them all alike.
 
 The fitted cost models can be saved as TOML for ``pipedsl simulate --costs``.
-
 """
 
 from __future__ import annotations
@@ -34,15 +40,20 @@ from rich.table import Table
 from pipedsl import library
 from pipedsl.cli.common import add_command, add_param_option, check_output_folder, load_schedule, make_console
 from pipedsl.cli.planned import PlannedRun
-from pipedsl.cli.timed import STEP_ROUNDS
+from pipedsl.cli.timed import STEP_ROUNDS, round_times
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
 from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
+from pipedsl.simulator.calibration.report import Report
+from pipedsl.simulator.calibration.timelines import timeline_report
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
-__all__ = ["DEMO_MODEL", "Measurement", "demo_transformer", "Run", "measure", "backend_for", "results_table", "register"]
+__all__ = [
+    "DEMO_MODEL", "MACHINE_MICROBATCH", "Measurement", "demo_transformer", "demo_cut", "Run", "measure", "backend_for",
+    "results_table", "register",
+]  # fmt: skip
 
 DEMO_MODEL = Model(
     name="demo-cpu",
@@ -59,8 +70,11 @@ DEMO_MODEL = Model(
 """The transformer calibrated and run on this machine: the executor's built-in one at this
 shape (its layers split evenly over the schedule's stages)."""
 
+MACHINE_MICROBATCH = 4
+"""Sequences per device of the machine calibration's steps at the microbatch size: each
+action costs tens of microseconds of dispatch on CPU, which microbatches of a few
+sequences keep small against their work."""
 _RECORDED_STEPS = 3
-_DEFAULT_SCHEDULES = ("1f1b", "zb_h1", "interleaved_1f1b", "zbv")
 _DEFAULT_PARAMS = {"pp": 2, "microbatches": 8}
 
 
@@ -74,18 +88,29 @@ class Measurement:
       predicted_s: the simulated step time under ``costs``, plus the time a step spends
         outside its timeline, in seconds.
       measured_s: the median measured step time, in seconds.
+      times: every timed step's seconds, in order (their spread: :attr:`quartiles`).
       losses: the loss of every step run, in order.
       panels: the simulated timeline and the last recorded one, for plotting.
       plan: the ranked plan run (degrees, ZeRO stage), or None for a plain schedule.
+      report: the fit of ``costs`` to the recorded steps, each time with the actions
+        behind it and each recorded step against its simulation.
     """
 
     label: str
     costs: CostModel
     predicted_s: float
     measured_s: float
+    times: tuple[float, ...]
     losses: tuple[float, ...]
     panels: tuple[Panel, Panel]
     plan: PlannedRun | None = None
+    report: Report | None = None
+
+    @property
+    def quartiles(self) -> tuple[float, float]:
+        """(lower, upper) quartile of the timed steps' seconds: their spread from round to round."""
+        _, low, high = round_times(list(self.times))
+        return low, high
 
     @property
     def planned_s(self) -> float | None:
@@ -111,11 +136,7 @@ def demo_transformer(num_stages: int, *, what: str = "the schedule", layers: int
     :class:`~pipedsl.executor.models.BuiltinModel`)."""
     from pipedsl.executor.models import transformer
 
-    if num_stages < 1 or layers % num_stages:
-        raise PipedslError(
-            f"{what} has {num_stages} stages; the demo transformer's {layers} layers "
-            "split evenly only over a number of stages that divides them"
-        )
+    _check_splits(num_stages, what=what, layers=layers)
     return transformer(
         num_stages=num_stages,
         vocab=DEMO_MODEL.vocab,
@@ -126,9 +147,32 @@ def demo_transformer(num_stages: int, *, what: str = "the schedule", layers: int
     )
 
 
+def _check_splits(num_stages: int, *, what: str, layers: int = DEMO_MODEL.layers) -> None:
+    if num_stages < 1 or layers % num_stages:
+        raise PipedslError(
+            f"{what} has {num_stages} stages; the demo transformer's {layers} layers "
+            "split evenly only over a number of stages that divides them"
+        )
+
+
+def demo_cut(layers: int) -> Any:
+    """The demo transformer cut to ``layers`` layers, one stage: what the machine
+    calibration's training steps train."""
+    return demo_transformer(1, layers=layers)
+
+
 def _label(schedule: Schedule) -> str:
     params = ", ".join(f"{k}={v}" for k, v in schedule.params)
     return f"{schedule.name}({params})" if params else schedule.name
+
+
+def _platform(backend: Any) -> str:
+    """Where a run's steps ran: JAX's platform on the local backend, else Ray actors."""
+    if backend != "local":
+        return "ray"
+    import jax
+
+    return str(jax.devices()[0].platform)
 
 
 def _wait(state: Any, backend: Any) -> None:
@@ -212,9 +256,10 @@ class _Trial:
             # On Ray a send's copy to host, serialisation and actor call (measured as the
             # transfer) run in the sender's process beside its computation and slow it about
             # as much, so sends are modelled as blocking there.
-            costs = fit_costs(self.recorded, num_stages=run.schedule.num_stages).cost_model()
-            self.costs = costs.with_changes(overlap_sends=backend == "local")
+            fit = fit_costs(self.recorded, num_stages=run.schedule.num_stages)
+            self.costs = fit.cost_model().with_changes(overlap_sends=backend == "local")
             self.simulated = simulate(run.schedule, self.costs)
+            self.report = timeline_report(fit, run.schedule, self.recorded, self.costs, platform=_platform(backend))
         except BaseException:
             self.pipe.close()
             raise
@@ -244,7 +289,9 @@ class _Trial:
             costs=self.costs,
             predicted_s=self.simulated.makespan + self.outside_s,
             measured_s=statistics.median(self.times),
+            times=tuple(self.times),
             losses=tuple(self.losses),
+            report=self.report,
             panels=(
                 Panel(self.simulated.timeline, title=f"{label} simulated (calibrated)"),
                 Panel(self.recorded[-1], title=f"{label} recorded step"),
@@ -323,20 +370,27 @@ def results_table(measurements: Sequence[Measurement]) -> Table:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    if args.steps < 1 or args.microbatch_size < 1:
-        raise PipedslError("--steps and --microbatch-size must be at least 1")
+    if args.steps < 1 or args.microbatch_size < 1 or args.devices < 1:
+        raise PipedslError("--steps, --microbatch-size and --devices must be at least 1")
     if args.save_costs is not None:
         check_output_folder(args.save_costs, option="--save-costs")
+    out = Path(args.out)
+    if out.is_dir() or any(parent.exists() and not parent.is_dir() for parent in out.parents):
+        raise PipedslError(f"--out {args.out}: cannot write a cluster file there; give a file path in a folder")
     schedules = []
-    for spec in args.files or _DEFAULT_SCHEDULES:
+    for spec in args.files:
         # Two devices and eight microbatches unless told otherwise: this machine's size.
         declared = _parameters(spec)
         chosen = {k: v for k, v in _DEFAULT_PARAMS.items() if k in declared} | args.params
         schedule = load_schedule(spec, chosen, max_actions=args.max_actions)
         validate(schedule)
+        _check_splits(schedule.num_stages, what=_label(schedule))
         schedules.append(schedule)
-    request_devices(max(s.num_devices for s in schedules))
+    request_devices(max([args.devices, *(s.num_devices for s in schedules)]))
     console = make_console()
+    _machine(console, args)
+    if not schedules:
+        return 0
     if args.save_costs is not None:
         Path(args.save_costs).mkdir(parents=True, exist_ok=True)
     runs = [Run(schedule, args.microbatch_size) for schedule in schedules]
@@ -347,7 +401,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     with backend_for(args.backend, max(s.num_devices for s in schedules), console) as backend:
         measurements = measure(runs, backend=backend, steps=args.steps, prepared=prepared)
     for schedule, m in zip(schedules, measurements, strict=True):
-        console.print(f"  {m.summary()}\n    fitted: {m.costs.describe()}", highlight=False)
+        console.print(f"  {m.summary()}", highlight=False)
+        if m.report is not None:
+            console.print("\n".join(f"    {line}" for line in m.report.lines()), highlight=False)
         if args.save_costs is not None:
             path = Path(args.save_costs) / f"{schedule.name}.toml"
             path.write_text(f"# fitted by pipedsl calibrate on {m.label}\n{m.costs.to_toml()}")
@@ -355,6 +411,24 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.save_costs is not None:
         console.print(f"cost models written to {args.save_costs}/ (use with pipedsl simulate --costs)")
     return 0
+
+
+def _machine(console: Console, args: argparse.Namespace) -> None:
+    """Calibrate this machine's devices (at most ``--devices``) and write the cluster file."""
+    import jax
+
+    from pipedsl.cli.machine import calibrate_machine, calibration_steps, platform
+    from pipedsl.simulator.calibration.machine import cluster_toml
+
+    devices = min(args.devices, jax.device_count())
+    kind, what = platform()
+    console.print(f"Calibrating this machine: {devices} {kind} devices ({what}) ...", highlight=False)
+    with calibration_steps(devices, DEMO_MODEL, demo_cut, microbatch_size=args.microbatch_size) as steps:
+        calibration = calibrate_machine(steps, DEMO_MODEL, microbatch_size=args.microbatch_size, rounds=args.steps)
+    console.print(calibration.describe(), highlight=False)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(cluster_toml(calibration))
+    console.print(f"cluster written to {args.out} (pipedsl search --cluster {args.out})", highlight=False)
 
 
 def _parameters(spec: str) -> set[str]:
@@ -367,16 +441,19 @@ def _parameters(spec: str) -> set[str]:
 
 
 _DESCRIPTION = """\
-Run each schedule for real on this machine's devices (the demo transformer), fit the
-simulator's cost model to the measured timelines, then compare the simulator's
-predicted step time with the measured one.
+Measure this machine (CPU or GPU, the platform JAX runs on) and write it as a cluster
+file: the executor's training steps of the demo transformer at several shapes, memory,
+memory bandwidth, all-reduces, dispatch, and on GPU matrix products per dtype. Prints
+each parameter with the measurement behind it and how well the fitted model reproduces
+each calibration step. Use the file with `pipedsl search --cluster FILE`.
 
-For each schedule: two steps compile the stages; a few recorded steps give measured
-timelines, from which per-stage F, B, I and W times and a transfer time are fitted;
-the simulator predicts the step time from that fit. Then plain training steps measure
-it, a step of each schedule in turn, so that every schedule meets the same load. With
---save-costs DIR, each fitted cost model is written to DIR/NAME.toml, NAME being the
-schedule's name (its file stem), for `pipedsl simulate --costs`."""
+Given schedules, also run each for real on this machine's devices (the demo transformer):
+two steps compile the stages; a few recorded steps give measured timelines, from which
+per-stage F, B, I and W times and a transfer time are fitted; the simulator predicts the
+step time from that fit. Then plain training steps measure it, a step of each schedule
+in turn, so that every schedule meets the same load. With --save-costs DIR, each fitted
+cost model is written to DIR/NAME.toml, NAME being the schedule's name (its file stem),
+for `pipedsl simulate --costs`."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -385,19 +462,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers,
         "calibrate",
         _cmd_calibrate,
-        summary="fit the cost model to this machine and compare predicted with measured step times",
+        summary="measure this machine into a cluster file; run schedules against their fitted cost model",
         description=_DESCRIPTION,
         examples=(
-            "  pipedsl calibrate                                  # 1f1b, zb_h1, interleaved_1f1b, zbv at pp=2\n"
+            "  pipedsl calibrate --out cluster.toml && pipedsl search --model demo-small --cluster cluster.toml\n"
             "  pipedsl calibrate 1f1b zb_h1 -p microbatches=16 --backend ray\n"
             "  pipedsl calibrate gpipe --save-costs costs/ && pipedsl simulate gpipe -p pp=2 --costs costs/gpipe.toml"
         ),
     )
-    cal.add_argument("files", nargs="*", metavar="FILE", help="schedules (default: 1f1b zb_h1 interleaved_1f1b zbv)")
+    cal.add_argument("files", nargs="*", metavar="FILE", help="schedules to run against their fitted cost model")
+    cal.add_argument("--out", default="cluster.toml", help="where to write this machine's cluster (default cluster.toml)")
+    cal.add_argument("--devices", type=int, default=8, help="devices to calibrate (default 8; CPU devices are forced)")
     add_param_option(cal)
-    cal.add_argument("--microbatch-size", type=int, default=4, help="sequences per microbatch (default 4)")
     cal.add_argument(
-        "--steps", type=int, default=STEP_ROUNDS, help=f"measured training steps per schedule (default {STEP_ROUNDS})"
+        "--microbatch-size", type=int, default=MACHINE_MICROBATCH,
+        help=f"sequences per microbatch and per device (default {MACHINE_MICROBATCH})",
+    )  # fmt: skip
+    cal.add_argument(
+        "--steps", type=int, default=STEP_ROUNDS,
+        help=f"timed rounds of each calibration step, and measured training steps per schedule (default {STEP_ROUNDS})",
     )
     cal.add_argument("--backend", choices=("local", "ray"), default="local", help="executor backend (default local)")
     cal.add_argument("--save-costs", metavar="DIR", help="write each fitted cost model to DIR/NAME.toml")

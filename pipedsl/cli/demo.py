@@ -2,11 +2,11 @@
 
 1. *Library*: check every shipped schedule and print a summary table and one schedule's
    per-device order.
-2. *Plan*: describe this machine as a cluster of forced CPU devices (eight by default;
-   each device's compute rate, the fixed cost of a kernel and how the computation slows with the bytes the devices touch together,
-   measured with all of them busy, the collectives, the dispatch cost and the wait of a
-   tensor-parallel collective: :mod:`pipedsl.cli.machine`), search the SPMD, pipeline and hybrid plans of the demo transformer on it,
-   show the ranking and write it as CSV.
+2. *Plan*: calibrate this machine as a cluster of its devices (eight forced CPU devices
+   by default: the executor's training steps, memory, bandwidth, collectives, dispatch,
+   and on CPU how many cores one device keeps busy: :mod:`pipedsl.cli.machine`), search
+   the SPMD, pipeline and hybrid plans of the demo transformer on it, show the ranking and
+   write it as CSV.
 3. *Run*: take the best SPMD plan, the best hybrid plan (data or tensor parallel stages in
    a pipeline) and the best pure pipelines that the demo transformer splits into, and run
    each for real on the local backend (or Ray): every pipeline device a ``dp x tp`` mesh.
@@ -19,6 +19,10 @@
    the search's price from the calibration before. Prints both against the measured
    step time of every run, whether the predicted order is the measured one and how far
    the machine's speed moved, and draws the simulated and measured timelines side by side.
+   Each plan's step is timed in rounds, and their spread (the quartiles over the rounds)
+   is part of the table: where two plans' predictions differ by less than the spread of
+   their measurements, the demo says so instead of claiming an order, and it checks the
+   plan ranked first against the fastest measured within that spread.
 
 Everything lands in ``--out``: ``plans.csv``, ``runs.csv``, ``timelines.png``.
 """
@@ -38,7 +42,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipedsl.cli.calibrate import DEMO_MODEL, Measurement, Run, demo_transformer, measure
+from pipedsl.cli.calibrate import DEMO_MODEL, MACHINE_MICROBATCH, Measurement, Run, demo_cut, measure
 from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
 from pipedsl.cli.machine import MachineCalibration, calibrate_machine, calibration_steps, recalibrated
 from pipedsl.cli.planned import PlannedRun
@@ -59,14 +63,14 @@ from pipedsl.validate import validate
 
 __all__ = [
     "register", "DEMO_MODEL", "GLOBAL_BATCH", "demo_calibration_steps", "calibrated_search", "plans_to_run",
-    "runnable_plans", "pairs_agreeing",
+    "runnable_plans", "pairs_agreeing", "within_spread", "first_is_fastest",
 ]  # fmt: skip
 
 GLOBAL_BATCH = 32
 """Sequences per step of every plan the demo searches and runs."""
-# Each action costs tens of microseconds of dispatch on CPU, which the FLOP-based plan
-# estimate does not see; microbatches of a few sequences keep that overhead small.
-_MIN_RUN_MICROBATCH = 4
+# Each action costs tens of microseconds of dispatch on CPU; microbatches of a few
+# sequences per data rank keep that small against their work.
+_MIN_RUN_MICROBATCH = MACHINE_MICROBATCH
 
 
 # --- 1. the library -----------------------------------------------------------------
@@ -97,16 +101,10 @@ def _library(console: Console) -> None:
 # --- 2. this machine as a cluster, and the plan search -------------------------------
 
 
-def _cut(layers: int, stages: int) -> Any:
-    """The demo transformer cut to ``layers`` layers over ``stages`` stages: what the
-    calibration times."""
-    return demo_transformer(stages, layers=layers)
-
-
 def demo_calibration_steps(devices: int) -> TimedSteps:
     """The machine calibration's training steps of the demo transformer over ``devices``
     devices, compiled (close them when done)."""
-    return calibration_steps(devices, DEMO_MODEL, _cut, microbatch_size=_MIN_RUN_MICROBATCH)
+    return calibration_steps(devices, DEMO_MODEL, demo_cut, microbatch_size=_MIN_RUN_MICROBATCH)
 
 
 def _search(cluster: Any, *, prune: float | None = DEFAULT_PRUNE) -> Any:
@@ -144,9 +142,9 @@ def repriced(plans: list[PlannedRun], cluster: Any) -> list[float]:
 
 def _plans(console: Console, steps: TimedSteps, out: Path) -> tuple[MachineCalibration, Any]:
     console.rule("[bold]2. Plans for the demo transformer on this machine")
-    console.print(f"Calibrating this machine ({steps.devices} CPU devices, every one busy) ...", highlight=False)
+    console.print(f"Calibrating this machine ({steps.devices} devices) ...", highlight=False)
     calibration, frame = calibrated_search(steps)
-    console.print(f"this machine: {calibration.describe()}", highlight=False)
+    console.print(calibration.describe(), highlight=False)
     frame.to_csv(out / "plans.csv", index=False)
     summary = summarize(frame)
     best = ([summary.best_spmd] if summary.best_spmd is not None else []) + list(summary.best_by_schedule)
@@ -257,6 +255,12 @@ class RunResult:
         """The search's price over measured, minus one."""
         return self.searched_s / self.run.measured_s - 1.0
 
+    @property
+    def spread_s(self) -> float:
+        """The measured step's spread from round to round: its interquartile range, seconds."""
+        low, high = self.run.quartiles
+        return high - low
+
 
 def _runs(
     console: Console, frame: Any, calibration: MachineCalibration, steps: TimedSteps, *, top: int, rounds: int,
@@ -280,7 +284,8 @@ def _runs(
     )
     reports = measure(runs, backend=backend, steps=rounds, prepared=prepared, each_round=steps.timed_round)
     during = recalibrated(calibration, DEMO_MODEL, steps.take())
-    console.print(f"this machine during the runs: {during.describe()}", highlight=False)
+    console.print("The same calibration steps timed in turns with the runs, fitted again:", highlight=False)
+    console.print(during.describe(), highlight=False)
     results = [
         RunResult(run=m, predicted_s=price, searched_s=_searched(m))
         for m, price in zip(reports, repriced(plans, during.cluster), strict=True)
@@ -314,16 +319,21 @@ def _results_table(results: list[RunResult]) -> Table:
         title="Predicted (on this machine calibrated in turns with the runs) against measured step time",
         title_justify="left",
     )
-    columns = ("plan", "kind", "predicted (ms)", "measured (ms)", "error", "searched (ms)", "its error", "fitted to its run (ms)")
+    columns = (
+        "plan", "kind", "predicted (ms)", "measured (ms)", "spread (ms)", "error", "searched (ms)", "its error",
+        "fitted to its run (ms)",
+    )  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in ("plan", "kind") else "right")
     for r in results:
         m = r.run
+        low, high = m.quartiles
         table.add_row(
             m.label,
             m.plan.kind if m.plan is not None else "",
             _ms(r.predicted_s),
             _ms(m.measured_s),
+            f"{_ms(low)}-{_ms(high)}",
             f"{r.error:+.1%}",
             _ms(r.searched_s),
             f"{r.searched_error:+.1%}",
@@ -332,29 +342,64 @@ def _results_table(results: list[RunResult]) -> Table:
     return table
 
 
-def pairs_agreeing(predicted: list[float], measured: list[float]) -> tuple[int, int]:
-    """(pairs of runs that the prediction orders as measured, pairs)."""
+def pairs_agreeing(predicted: list[float], measured: list[float], spread: list[float]) -> tuple[int, int]:
+    """(pairs of runs that the prediction orders as measured, pairs it orders): a pair
+    whose predictions differ by less than the larger ``spread`` of its two measurements
+    (seconds) is not ordered by the prediction (:func:`within_spread`)."""
     pairs = [(i, j) for i in range(len(measured)) for j in range(i + 1, len(measured))]
-    same = sum((predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0 for i, j in pairs)
-    return same, len(pairs)
+    tied = set(within_spread(predicted, spread))
+    ordered = [pair for pair in pairs if pair not in tied]
+    same = sum((predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0 for i, j in ordered)
+    return same, len(ordered)
+
+
+def within_spread(predicted: list[float], spread: list[float]) -> list[tuple[int, int]]:
+    """The pairs of runs (i < j) whose predictions differ by less than the larger of their
+    measured spreads: the measurement cannot tell them apart, so no order is claimed."""
+    return [
+        (i, j)
+        for i in range(len(predicted))
+        for j in range(i + 1, len(predicted))
+        if abs(predicted[i] - predicted[j]) < max(spread[i], spread[j])
+    ]
+
+
+def first_is_fastest(results: list[RunResult]) -> tuple[RunResult, RunResult, bool]:
+    """(the run the search ranked first, the fastest measured, whether the first is the
+    fastest or within the measured spread of it: their interquartile ranges overlap)."""
+    first = min(results, key=lambda r: r.searched_s)
+    fastest = min(results, key=lambda r: r.run.measured_s)
+    return first, fastest, first is fastest or first.run.quartiles[0] <= fastest.run.quartiles[1]
 
 
 def _order_verdict(results: list[RunResult]) -> str:
-    """Whether ranking the runs by prediction gives the measured ranking, how many pairs
-    of runs it orders right (and the search's prices), how many predictions are within
-    20%, and the fastest run."""
+    """How many pairs of runs the prediction orders as measured (and the search's prices),
+    which pairs it cannot order within the measured spread, how many predictions are
+    within 20%, and whether the plan ranked first is the fastest measured."""
     measured = [r.run.measured_s for r in results]
-    same, pairs = pairs_agreeing([r.predicted_s for r in results], measured)
-    searched, _ = pairs_agreeing([r.searched_s for r in results], measured)
-    # Every pair ordered as measured: two runs predicted alike order nothing.
-    agrees = same == pairs
+    spread = [r.spread_s for r in results]
+    same, ordered = pairs_agreeing([r.predicted_s for r in results], measured, spread)
+    searched, searched_ordered = pairs_agreeing([r.searched_s for r in results], measured, spread)
+    tied = within_spread([r.predicted_s for r in results], spread)
     within = sum(abs(r.error) <= 0.2 for r in results)
-    fastest = min(results, key=lambda r: r.run.measured_s)
-    return (
-        f"The predicted order {'agrees' if agrees else 'does not agree'} with the measured order "
-        f"({same} of {pairs} pairs of runs ordered as measured; the search's prices: {searched} of {pairs}); "
-        f"{within} of {len(results)} predictions within 20% of measured. Fastest measured: {fastest.run.label}."
-    )
+    first, fastest, holds = first_is_fastest(results)
+    said = [
+        f"{same} of {ordered} pairs of runs that the prediction orders are ordered as measured "
+        f"(the search's prices: {searched} of {searched_ordered})."
+    ]
+    for i, j in tied:
+        a, b = results[i], results[j]
+        said.append(
+            f"{a.run.label} and {b.run.label}: predicted {_ms(a.predicted_s)} and {_ms(b.predicted_s)} ms, a "
+            f"difference within the measured spread ({_ms(max(a.spread_s, b.spread_s))} ms): no order claimed."
+        )
+    said.append(f"{within} of {len(results)} predictions within 20% of measured.")
+    verdict = "is the fastest measured" if first is fastest else (
+        f"is within the measured spread of the fastest, {fastest.run.label}" if holds
+        else f"is not the fastest measured: {fastest.run.label} is"
+    )  # fmt: skip
+    said.append(f"The plan ranked first, {first.run.label}, {verdict}.")
+    return " ".join(said)
 
 
 _DRIFT = 0.15
@@ -385,8 +430,8 @@ def _speed_verdict(before: MachineCalibration, during: MachineCalibration) -> st
 
 _RUN_COLUMNS = (
     "schedule", "kind", "dp", "tp", "pp", "vpp", "zero", "microbatches", "microbatch_size",
-    "predicted_s", "measured_s", "error", "searched_s", "searched_error", "fitted_s", "fitted_error",
-    "first_loss", "last_loss",
+    "predicted_s", "measured_s", "measured_q1_s", "measured_q3_s", "error", "searched_s", "searched_error", "fitted_s",
+    "fitted_error", "first_loss", "last_loss",
 )
 
 
@@ -402,7 +447,7 @@ def _write_runs(path: Path, results: list[RunResult]) -> None:
             assert p is not None  # every demo run comes from a ranked plan
             writer.writerow(
                 (p.schedule, p.kind, p.dp, p.tp, p.pp, p.vpp, p.zero, p.microbatches, p.microbatch_size,
-                 r.predicted_s, m.measured_s, r.error, r.searched_s, r.searched_error, m.predicted_s, m.error,
+                 r.predicted_s, m.measured_s, *m.quartiles, r.error, r.searched_s, r.searched_error, m.predicted_s, m.error,
                  m.losses[0], m.losses[-1])
             )  # fmt: skip
 

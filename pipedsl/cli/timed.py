@@ -1,4 +1,4 @@
-"""Timing the executor's training steps on this machine's forced CPU devices.
+"""Timing the executor's training steps on this machine's devices.
 
 What the machine calibration (:mod:`pipedsl.cli.machine`) times, before the search and
 again in turns with the demo's runs: a call's median wall seconds, its result blocked on,
@@ -19,14 +19,7 @@ from typing import Any
 from pipedsl.cli.common import load_schedule
 from pipedsl.cli.planned import SPMD_SCHEDULE
 
-__all__ = [
-    "PIPELINE_STEP_SCHEDULE", "STEP_ROUNDS", "Step", "TimedSteps", "backward_halves", "median_seconds",
-    "interleaved_medians", "training_step",
-]  # fmt: skip
-
-PIPELINE_STEP_SCHEDULE = "gpipe"
-"""The schedule of the calibration's pipeline steps: every stage's forward, then the
-backwards, of one microbatch."""
+__all__ = ["STEP_ROUNDS", "Step", "TimedSteps", "median_seconds", "interleaved_medians", "round_times", "training_step"]
 
 STEP_ROUNDS = 11
 """Timed rounds of a training step whose median is taken: the calibration's steps, and by
@@ -75,11 +68,22 @@ class _Rounds:
             self._times[key].append(time.perf_counter() - start)
 
     def take(self) -> dict[Any, float]:
+        return {key: statistics.median(times) for key, times in self.take_rounds().items()}
+
+    def take_rounds(self) -> dict[Any, list[float]]:
         if not all(self._times.values()):
             raise ValueError("no round of the steps has been timed since they were last taken")
-        medians = {key: statistics.median(times) for key, times in self._times.items()}
-        self._times = {key: [] for key in self._runs}
-        return medians
+        taken, self._times = self._times, {key: [] for key in self._runs}
+        return taken
+
+
+def round_times(times: list[float]) -> tuple[float, float, float]:
+    """(median, lower quartile, upper quartile) of one step's wall seconds over rounds:
+    the spread of a step from round to round (one round: its time, thrice)."""
+    if len(times) < 2:
+        return times[0], times[0], times[0]
+    low, _, high = statistics.quantiles(times, n=4, method="inclusive")
+    return statistics.median(times), low, high
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,55 +91,35 @@ class Step:
     """A training step that :class:`TimedSteps` times (see :func:`training_step`).
 
     Attributes:
-      model: the executor model, its stages the pipeline's (one stage: the SPMD plan).
-      sequences: sequences per data rank in each microbatch.
-      tensor: the tensor axis of each stage's mesh.
-      microbatches: microbatches per data rank.
+      model: the executor model, of one stage (the SPMD plan).
+      sequences: sequences per device in each microbatch.
+      microbatches: microbatches per device.
+      devices: the devices it runs on (the first so many; None: every device of the
+        :class:`TimedSteps`), the rest idle.
     """
 
     model: Any
     sequences: int
-    tensor: int = 1
     microbatches: int = 1
+    devices: int | None = None
 
 
-def _planned(
-    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
-) -> tuple[Any, Any, Any]:
-    """The executor's plan of ``model`` (one stage: the SPMD plan's schedule; more:
-    :data:`PIPELINE_STEP_SCHEDULE`) over every device at tp ``tensor`` (the data axis the
-    rest of each stage's devices) on the local backend, its parameters and a batch of
-    ``microbatches`` microbatches of ``microbatch_size`` sequences per data rank:
-    (pipeline, parameters, batch)."""
+def training_step(model: Any, devices: int, sequences: int, *, microbatches: int = 1) -> tuple[Callable[[], Any], Any]:
+    """The executor's SPMD plan of ``model`` (one stage) over the first ``devices``
+    devices on the local backend, ``microbatches`` of ``sequences`` sequences per device:
+    (a call that runs one Adam training step and returns the new parameters, the pipeline
+    to close). The calibration times the executor's own programs: a forward and a
+    backward jitted apart run at another speed than one program of both."""
     import jax
+    import optax
 
     from pipedsl.executor import Pipeline
 
     key = jax.random.PRNGKey(0)
     params = model.init_stages(key)
-    stages = model.num_stages
-    dp = devices // (tensor * stages)
-    name = SPMD_SCHEDULE if stages == 1 else PIPELINE_STEP_SCHEDULE
-    schedule = load_schedule(name, {"pp": stages, "microbatches": microbatches})
-    pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=schedule, backend="local", dp=dp, tp=tensor,
-        param_specs=model.param_specs(params) if tensor > 1 else None,
-    )  # fmt: skip
-    return pipe, params, model.batch(jax.random.fold_in(key, 1), dp * microbatch_size * microbatches)
-
-
-def training_step(
-    model: Any, devices: int, microbatch_size: int, *, tensor: int = 1, microbatches: int = 1
-) -> tuple[Callable[[], Any], Any]:
-    """The executor's plan of ``model`` (its stages a :data:`PIPELINE_STEP_SCHEDULE`
-    pipeline; one stage: the SPMD plan) over every device at tp ``tensor``, the data
-    axis the rest of each stage's devices, ``microbatches`` of ``microbatch_size``
-    sequences per data rank: (a call that runs one Adam training step and returns the new
-    parameters, the pipeline to close). The calibration times the executor's own programs: a forward and a backward
-    jitted apart run at another speed than one program of both."""
-    import optax
-
-    pipe, params, batch = _planned(model, devices, microbatch_size, tensor=tensor, microbatches=microbatches)
+    schedule = load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": microbatches})
+    pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend="local", dp=devices)
+    batch = model.batch(jax.random.fold_in(key, 1), devices * sequences * microbatches)
     optimizer = optax.adam(1e-3)
     held: list[Any] = [params, None]
 
@@ -146,79 +130,28 @@ def training_step(
     return step, pipe
 
 
-def backward_halves(model: Any, devices: int, microbatch_size: int) -> tuple[dict[str, Callable[[], Any]], Any]:
-    """The last stage's backward of ``model`` (an executor model of two stages or more)
-    as the executor's plan over ``devices`` devices compiles it (each stage's data axis
-    ``devices / stages``, one microbatch of ``microbatch_size`` sequences per data rank),
-    run on the residuals of one forward: (``{"fused": a call of B, "split": a call of I
-    then W}``, each adding to an accumulator of its own, which it returns; the pipeline to
-    close). What a zero-bubble schedule pays for running the backward as two programs."""
-    import jax
-
-    stages = model.num_stages
-    pipe, params, (inputs, targets) = _planned(model, devices, microbatch_size)
-    try:
-        values = tuple(jax.tree_util.tree_leaves(inputs))
-        for s, program in enumerate(pipe.compile(params, (inputs, targets))):
-            last = s == stages - 1
-            stage_params = tuple(map(jax.device_put, jax.tree_util.tree_leaves(params[s]), program.layout.params))
-            given = _placed(jax.tree_util.tree_leaves(targets), program.layout) if last else ()
-            values, residuals, _ = program.forward(
-                stage_params, _placed(values, program.layout), given, program.zero_loss() if last else None
-            )
-    except BaseException:
-        pipe.close()
-        raise
-    held = {"fused": program.zero_grads(), "split": program.zero_grads()}
-
-    def fused() -> Any:
-        _, held["fused"] = program.backward(residuals, (), held["fused"])
-        return held["fused"]
-
-    def split() -> Any:
-        _, handoff = program.backward_input(residuals, ())
-        held["split"] = program.backward_weight(handoff, held["split"])
-        return held["split"]
-
-    return {"fused": fused, "split": split}, pipe
-
-
-def _placed(leaves: Any, layout: Any) -> tuple[Any, ...]:
-    """``leaves`` on ``layout``'s mesh, split over its data axis."""
-    import jax
-
-    return tuple(jax.device_put(leaf, layout.batch(leaf.shape)) for leaf in leaves)
-
-
 class TimedSteps:
-    """:func:`training_step` s over ``devices`` devices, built and compiled once and then
-    timed in rounds (:meth:`timed_round`, a step of each in turn), so that the same steps
-    can be timed again later without compiling them again: the calibration times them,
-    and the demo times them again in turns with its runs. ``steps`` maps a key to the
-    :class:`Step` timed under it. ``backward`` (an executor model of two stages or more,
-    sequences per data rank) adds its last stage's backward, fused and split
-    (:func:`backward_halves`), timed apart by :meth:`backward_seconds`. Close it (or use
-    it as a context manager) to release the pipelines.
+    """:func:`training_step` s over ``devices`` devices (or a step's own, the rest idle),
+    built and compiled once and then timed in rounds (:meth:`timed_round`, a step of each
+    in turn), so that the same steps can be timed again later without compiling them
+    again: the calibration times them, and the demo times them again in turns with its
+    runs. ``steps`` maps a key to the :class:`Step` timed under it. Close it (or use it
+    as a context manager) to release the pipelines.
     """
 
-    def __init__(self, steps: dict[Any, Step], devices: int, *, backward: tuple[Any, int] | None = None) -> None:
+    def __init__(self, steps: dict[Any, Step], devices: int) -> None:
         import jax
 
         self.devices = devices
         runs: dict[Any, Callable[[], Any]] = {}
         self._pipes: list[Any] = []
-        self._halves: dict[str, Callable[[], Any]] = {}
         try:
             for key, step in steps.items():
                 runs[key], pipe = training_step(
-                    step.model, devices, step.sequences, tensor=step.tensor, microbatches=step.microbatches
+                    step.model, step.devices or devices, step.sequences, microbatches=step.microbatches
                 )
                 self._pipes.append(pipe)
                 jax.block_until_ready(runs[key]())  # compiles it, outside the timed rounds
-            if backward is not None:
-                model, sequences = backward
-                self._halves, pipe = backward_halves(model, devices, sequences)
-                self._pipes.append(pipe)
         except BaseException:
             self.close()
             raise
@@ -232,14 +165,6 @@ class TimedSteps:
         """The median seconds of each step over the rounds timed since the last take (at
         least one), which are then forgotten."""
         return self._rounds.take()
-
-    def backward_seconds(self, *, repeats: int) -> tuple[float, float] | None:
-        """Median seconds of the backward given at construction, fused and split (``I``
-        then ``W``), over ``repeats`` rounds in turns; None where none was given."""
-        if not self._halves:
-            return None
-        medians = interleaved_medians(self._halves, repeats=repeats)
-        return medians["fused"], medians["split"]
 
     def close(self) -> None:
         for pipe in self._pipes:

@@ -236,96 +236,69 @@ def test_pipeline_with_even_stages_has_1f1b_bubble() -> None:
     assert prepare(model, cluster, plan).lower_bound_s <= result.step_time_s
 
 
-def test_devices_that_share_cores_take_their_mean_busy_time() -> None:
-    # Eight devices on two cores: a pipeline's idle devices leave their cores to the busy
-    # ones, so the pipeline part is its mean busy time, never under 2/8 of the makespan.
+def test_a_device_gets_the_cores_the_idle_ones_leave_up_to_what_it_keeps_busy() -> None:
+    shared = dataclasses.replace(IDEAL, host_cores=2.0)
+    # Eight devices on two cores: priced with all eight busy (a quarter core each).
+    assert [shared.speedup(n) for n in (8, 4, 2, 1)] == [1.0, 2.0, 4.0, 4.0]
+    # A device that keeps at most three quarters of a core busy gets no more of one.
+    assert dataclasses.replace(shared, device_cores=0.75).speedup(2) == pytest.approx(3.0)
+    assert dataclasses.replace(shared, device_cores=1.5).speedup(1) == pytest.approx(6.0)
+    # A core per device, or devices with compute of their own: nothing to share.
+    assert dataclasses.replace(IDEAL, host_cores=8.0).speedup(1) == 1.0 and IDEAL.speedup(1) == 1.0
+    for bad in (0.0, -1.0, True):
+        with pytest.raises(DescriptionError, match="host_cores must be"):
+            dataclasses.replace(IDEAL, host_cores=bad)
+        with pytest.raises(DescriptionError, match="device_cores must be"):
+            dataclasses.replace(IDEAL, device_cores=bad)
+
+
+@pytest.mark.parametrize("spec", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv"])
+def test_processor_sharing_at_one_speed_is_the_plain_pass_and_conserves_work(spec: str) -> None:
+    schedule = library.load(spec, pp=4, microbatches=8)
+    forward = tuple(1.0 + 0.5 * (s % 3) for s in range(schedule.num_stages))  # uneven stages
+    costs = CostModel(forward=forward, backward=tuple(2 * f + 0.5 for f in forward), latency=0.25, overlap_sends=False)
+    devices = schedule.num_devices
+    plain = simulate(schedule, costs)
+    same = simulate(schedule, costs.with_changes(speedup=(1.0,) * devices))
+    assert same.makespan == pytest.approx(plain.makespan, rel=1e-12)
+    assert same.critical_path and same.busy == pytest.approx(plain.busy, rel=1e-12)
+    # Cores that do the same work whoever computes (speed-up devices / n): never faster
+    # than the work over every device, nor slower than the plain pass.
+    shared = simulate(schedule, costs.with_changes(speedup=tuple(devices / n for n in range(1, devices + 1))))
+    assert plain.busy / devices * (1 - 1e-12) <= shared.makespan <= plain.makespan * (1 + 1e-12)
+    with pytest.raises(PipedslError, match="speedup lists 2 values but the schedule has 4 devices"):
+        simulate(schedule, costs.with_changes(speedup=(2.0, 1.0)))
+
+
+def test_devices_that_share_cores_share_them_among_the_busy_ones() -> None:
+    # Processor sharing in the simulator: a one-microbatch pipeline of four stages of two
+    # devices has two devices busy at a time, each with a core, 4x their priced rate.
     model = dataclasses.replace(GPT, vocab=8, layers=8)
     alone = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
-    shared = dataclasses.replace(alone, shared_cores=2)
-    for plan in (Plan(pp=4, dp=2, global_batch=16, schedule="1f1b"), Plan(pp=8, global_batch=2, schedule="gpipe")):
+    shared = dataclasses.replace(alone, host_cores=2.0)
+    one = Plan(pp=4, dp=2, global_batch=2, schedule="gpipe")
+    assert estimate(model, shared, one).pipeline_time_s == pytest.approx(estimate(model, alone, one).pipeline_time_s / 4)
+    slower = dataclasses.replace(shared, device_cores=0.75)
+    assert estimate(model, slower, one).pipeline_time_s == pytest.approx(estimate(model, alone, one).pipeline_time_s / 3)
+    # With many microbatches the cores are busy most of the step: no faster than the
+    # devices' mean busy time (the cores do the same work), and faster than the makespan.
+    for plan in (Plan(pp=4, dp=2, global_batch=16, schedule="1f1b"), Plan(pp=4, dp=2, global_batch=16, schedule="zb_h1")):
         apart, together = estimate(model, alone, plan), estimate(model, shared, plan)
-        assert together.bubble == apart.bubble > 0
-        busy = max(1 - apart.bubble, 2 / 8)
-        assert together.pipeline_time_s == pytest.approx(apart.pipeline_time_s * busy)
+        assert apart.pipeline_time_s * (1 - apart.bubble) * (1 - 1e-9) <= together.pipeline_time_s < apart.pipeline_time_s
         assert prepare(model, shared, plan).lower_bound_s <= together.step_time_s * (1 + 1e-12)
-    # Without a bubble nothing changes; nor with a core per device.
+        assert any(a.name == "host_cores" and a.value == "2" for a in together.assumptions)
+        assert not any(a.name == "host_cores" for a in apart.assumptions)
+    # SPMD over every device keeps every one busy: as priced; over two devices, 4x.
     spmd = Plan(dp=8, global_batch=8)
     assert estimate(model, shared, spmd).step_time_s == estimate(model, alone, spmd).step_time_s
-    plan = Plan(pp=4, global_batch=8, schedule="1f1b")
-    roomy = dataclasses.replace(alone, shared_cores=8)
-    assert estimate(model, roomy, plan).step_time_s == estimate(model, alone, plan).step_time_s
-    with pytest.raises(DescriptionError, match="shared_cores must be a number >= 0"):
-        dataclasses.replace(IDEAL, shared_cores=-1)
-
-
-def test_busy_devices_take_up_only_the_idle_share_of_an_idle_devices_time() -> None:
-    # Of an idle device's time on shared cores, the busy devices' work takes up a share:
-    # the pipeline part is the makespan times 1 - share x bubble, never under 2/8 of it.
-    model = dataclasses.replace(GPT, vocab=8, layers=8)
-    alone = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
-    pipe = Plan(pp=4, dp=2, global_batch=16, schedule="1f1b")
-    apart = estimate(model, alone, pipe)
-    for share in (0.0, 0.4, 1.0):
-        shared = dataclasses.replace(alone, shared_cores=2, idle_share=share)
-        together = estimate(model, shared, pipe)
-        expected = max(1 - share * apart.bubble, 2 / 8)
-        assert together.pipeline_time_s == pytest.approx(apart.pipeline_time_s * expected)
-        assert prepare(model, shared, pipe).lower_bound_s <= together.step_time_s * (1 + 1e-12)
-        assert any(a.name == "idle_share" and a.value == f"{share:.3g}" for a in together.assumptions)
-    # Only a pipeline on shared cores says so: SPMD has no idle devices, a GPU no shared cores.
-    spmd = Plan(dp=8, global_batch=8)
-    assert not any(a.name == "idle_share" for a in estimate(model, shared, spmd).assumptions)
-    assert not any(a.name == "idle_share" for a in apart.assumptions)
-    for bad in (-0.1, 1.5, True):
-        with pytest.raises(DescriptionError, match="idle_share must be a number in \\[0, 1\\]"):
-            dataclasses.replace(IDEAL, idle_share=bad)
-        with pytest.raises(DescriptionError, match="tensor_idle_share must be a number in \\[0, 1\\]"):
-            dataclasses.replace(IDEAL, tensor_idle_share=bad)
-
-
-def test_tensor_parallel_stages_take_up_their_own_share_of_idle_time() -> None:
-    model = dataclasses.replace(GPT, vocab=8, layers=8)
-    shared = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30, shared_cores=2, idle_share=0.9)
-    tensor = Plan(pp=2, dp=2, tp=2, global_batch=2, schedule="gpipe")
-    data = Plan(pp=2, dp=4, global_batch=4, schedule="gpipe")
-    apart = dataclasses.replace(shared, tensor_idle_share=0.5)
-    # None: the same share as every pipeline; given: only the tensor-parallel plan moves.
-    assert shared.idle_share_at(2) == 0.9 and apart.idle_share_at(2) == 0.5 and apart.idle_share_at(1) == 0.9
-    assert estimate(model, apart, data).step_time_s == estimate(model, shared, data).step_time_s
-    slower = estimate(model, apart, tensor)
-    assert slower.step_time_s > estimate(model, shared, tensor).step_time_s
-    assert any(a.name == "idle_share" and a.value == "0.5" for a in slower.assumptions)
-
-
-def test_a_device_busy_alone_reaches_only_the_alone_efficiency_of_its_speed_up() -> None:
-    # A one-microbatch pipeline of four stages on eight devices and two cores: a quarter
-    # of its devices busy at a time, so it takes a quarter of its makespan at best, a
-    # core to each busy device; at an efficiency of 0.8 it takes 0.25 / 0.8 of it.
-    model = dataclasses.replace(GPT, vocab=8, layers=8)
-    alone = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
-    pipe = Plan(pp=4, dp=2, global_batch=2, schedule="gpipe")
-    apart = estimate(model, alone, pipe)
-    ideal = dataclasses.replace(alone, shared_cores=2)
-    assert estimate(model, ideal, pipe).pipeline_time_s == pytest.approx(apart.pipeline_time_s * 0.25)
-    slower = dataclasses.replace(ideal, alone_efficiency=0.8)
-    together = estimate(model, slower, pipe)
-    assert together.pipeline_time_s == pytest.approx(apart.pipeline_time_s * 0.25 / 0.8)
-    assert prepare(model, slower, pipe).lower_bound_s <= together.step_time_s * (1 + 1e-12)
-    assert any(a.name == "alone_efficiency" and a.value == "0.8" for a in together.assumptions)
-    assert not any(a.name == "alone_efficiency" for a in estimate(model, ideal, pipe).assumptions)
-    # A pipeline busy enough stays above the floor, and the floor never passes the makespan.
-    busy = Plan(pp=4, dp=2, global_batch=64, schedule="1f1b")
-    assert estimate(model, slower, busy).step_time_s == estimate(model, ideal, busy).step_time_s
-    assert dataclasses.replace(ideal, alone_efficiency=0.1).core_share(8) == 1.0
-    for bad in (0.0, 1.5, True):
-        with pytest.raises(DescriptionError, match="alone_efficiency must be a number in \\(0, 1\\]"):
-            dataclasses.replace(IDEAL, alone_efficiency=bad)
+    pair = Plan(dp=2, global_batch=8)
+    assert estimate(model, shared, pair).pipeline_time_s == pytest.approx(estimate(model, alone, pair).pipeline_time_s / 4)
 
 
 def test_a_split_backward_costs_its_halves_as_the_executor_divides_them() -> None:
     # The first stage takes token ids: its I has no input cotangent to compute, so it is
     # one action's dispatch and its W the fused backward. Elsewhere I and W cost their
-    # shares of the fused backward, times split_backward_cost beyond each dispatch.
+    # shares of the fused backward, each with its own dispatch.
     model = dataclasses.replace(GPT, vocab=8, layers=8)
     overhead = 1e-4
     base = dataclasses.replace(IDEAL, action_overhead_s=overhead)
@@ -337,93 +310,8 @@ def test_a_split_backward_costs_its_halves_as_the_executor_divides_them() -> Non
     assert costs.weight_grad[0] == pytest.approx(work[0].fused_backward(overhead))
     assert costs.input_grad[1:] == tuple(w.input_grad for w in work[1:])
     assert costs.weight_grad[1:] == tuple(w.weight_grad for w in work[1:])
-    dearer = dataclasses.replace(base, split_backward_cost=1.25)
-    split = prepare(model, dearer, zb).cost_model()
     for s in range(1, 4):
-        assert split.input_grad[s] - overhead == pytest.approx(1.25 * (costs.input_grad[s] - overhead))
-        assert split.weight_grad[s] - overhead == pytest.approx(1.25 * (costs.weight_grad[s] - overhead))
-    assert split.backward == costs.backward and split.forward == costs.forward
-    priced = estimate(model, dearer, zb)
-    assert priced.step_time_s > estimate(model, base, zb).step_time_s
-    assert prepare(model, dearer, zb).lower_bound_s <= priced.step_time_s * (1 + 1e-12)
-    assert any(a.name == "split_backward_cost" and a.value == "1.25" for a in priced.assumptions)
-    # A schedule that runs the fused backward costs the same.
-    fused = Plan(pp=4, dp=2, global_batch=16, schedule="1f1b")
-    assert estimate(model, dearer, fused).step_time_s == estimate(model, base, fused).step_time_s
-    for bad in (0.9, math.inf, True):
-        with pytest.raises(DescriptionError, match="split_backward_cost must be a number >= 1"):
-            dataclasses.replace(IDEAL, split_backward_cost=bad)
-
-
-def test_each_tensor_parallel_collective_waits_its_sync_on_shared_cores() -> None:
-    # Two all-reduces in each layer's forward and two in its backward, each sync more
-    # (with sequence parallelism each is a reduce-scatter and an all-gather: two syncs).
-    model = dataclasses.replace(GPT, vocab=8)
-    sync = 1e-3
-    waits = dataclasses.replace(IDEAL, collective_sync_s=sync)
-    for parallel, collectives in ((False, 4), (True, 8)):
-        # 3 microbatches
-        plan = Plan(tp=2, dp=4, microbatch_size=1, global_batch=12, tp_overlap=0.0, sequence_parallel=parallel)
-        gap = estimate(model, waits, plan).pipeline_time_s - estimate(model, IDEAL, plan).pipeline_time_s
-        assert gap == pytest.approx(3 * model.layers * collectives * sync)
-    # Without a tensor axis there is nothing to wait for, unless ZeRO 2/3 sums or gathers
-    # every layer in every microbatch: one sync per layer (stage 2), three (stage 3).
-    dp = Plan(dp=8, microbatch_size=1, global_batch=24)
-    assert estimate(model, waits, dp).step_time_s == estimate(model, IDEAL, dp).step_time_s
-    for zero, collectives in ((2, 1), (3, 3)):
-        sharded = dataclasses.replace(dp, zero=zero)
-        gap = estimate(model, waits, sharded).pipeline_time_s - estimate(model, IDEAL, sharded).pipeline_time_s
-        # The group of eight waits for seven others at each.
-        assert gap == pytest.approx(3 * model.layers * collectives * 7 * sync)
-
-
-def test_a_larger_group_and_a_larger_microbatch_wait_longer_at_each_collective() -> None:
-    # A group of n waits (n - 1) x (collective_sync_s + tokens x collective_sync_per_token_s):
-    # the tensor-parallel group at its collectives, the data-parallel group at ZeRO's.
-    model = dataclasses.replace(GPT, vocab=8)
-    waits = dataclasses.replace(IDEAL, collective_sync_s=1e-3, collective_sync_per_token_s=1e-6)
-    tokens = model.seq_len  # one sequence per microbatch
-    assert waits.collective_sync(1, tokens) == 0.0
-    assert [waits.collective_sync(n, 1000) for n in (2, 4)] == pytest.approx([2e-3, 6e-3])
-    for tp in (2, 4):
-        plan = Plan(
-            tp=tp, dp=8 // tp, microbatch_size=1, global_batch=3 * (8 // tp), tp_overlap=0.0, sequence_parallel=False
-        )
-        gap = estimate(model, waits, plan).pipeline_time_s - estimate(model, IDEAL, plan).pipeline_time_s
-        assert gap == pytest.approx(3 * model.layers * 4 * waits.collective_sync(tp, tokens))
-    sharded = Plan(dp=8, microbatch_size=1, global_batch=24, zero=2)
-    gap = estimate(model, waits, sharded).pipeline_time_s - estimate(model, IDEAL, sharded).pipeline_time_s
-    assert gap == pytest.approx(3 * model.layers * waits.collective_sync(8, tokens))
-    listed = {a.name: a.value for a in estimate(model, waits, plan).assumptions}
-    assert listed["tensor_collective_sync"] == f"{waits.collective_sync(4, tokens) * 1e3:.3g} ms"
-    assert "data_collective_sync" not in listed
-    zero = {a.name: a.value for a in estimate(model, waits, sharded).assumptions}
-    assert zero["data_collective_sync"] == f"{waits.collective_sync(8, tokens) * 1e3:.3g} ms"
-    with pytest.raises(DescriptionError, match="collective_sync_per_token_s must be a number >= 0"):
-        dataclasses.replace(IDEAL, collective_sync_per_token_s=-1.0)
-
-
-def test_a_device_computes_slower_the_more_activations_one_microbatch_keeps_on_it() -> None:
-    # Each stage's work takes 1 + kept / working_set_bytes times, kept the most activation
-    # bytes a pipeline device keeps at once (the mean over them); dispatch is not slowed.
-    model = dataclasses.replace(GPT, vocab=8)
-    slowed = dataclasses.replace(IDEAL, working_set_bytes=4e9, action_overhead_s=1e-3)
-    plain = dataclasses.replace(slowed, working_set_bytes=0.0)
-    assert plain.working_set_factor(1e9) == 1.0 and slowed.working_set_factor(1e9) == pytest.approx(1.25)
-    for plan in (Plan(dp=8, microbatch_size=2, global_batch=32), Plan(pp=4, global_batch=8, schedule="1f1b")):
-        fast, slow = prepare(model, plain, plan), prepare(model, slowed, plan)
-        # 1F1B's device d keeps pp - d microbatches at its peak; SPMD (pp = 1) one.
-        kept = sum((plan.pp - d) * r for d, r in enumerate(fast.residual)) / plan.pp
-        factor = slowed.working_set_factor(kept)
-        for a, b in zip(fast.work, slow.work, strict=True):
-            assert b.forward - 1e-3 == pytest.approx((a.forward - 1e-3) * factor)
-            assert b.backward - 2e-3 == pytest.approx((a.backward - 2e-3) * factor)
-    listed = {a.name: a.value for a in estimate(model, slowed, plan).assumptions}
-    assert listed["working_set_bytes"] == "4e+03 MB" and "working_set_bytes" not in {
-        a.name for a in estimate(model, plain, plan).assumptions
-    }
-    with pytest.raises(DescriptionError, match="working_set_bytes must be a number >= 0"):
-        dataclasses.replace(IDEAL, working_set_bytes=-1.0)
+        assert costs.input_grad[s] + costs.weight_grad[s] == pytest.approx(costs.backward[s] + overhead)
 
 
 @pytest.mark.parametrize(

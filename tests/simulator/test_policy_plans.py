@@ -112,28 +112,6 @@ def test_the_search_ranks_policy_plans_within_the_memory_budget_deterministicall
     assert any(p.inflight_limit > p.pp for p in policy)
 
 
-def test_each_limit_of_a_policy_plan_is_slowed_by_its_own_working_set() -> None:
-    # A limit lets a device keep more microbatches, and a cluster that prices a working
-    # set slows its work by what that limit's order may keep at once; its lower bound
-    # (with the data-parallel tail that slower work hides more of) stays under its step.
-    plain = _cluster(40.0)
-    slowed = dataclasses.replace(plain, working_set_bytes=1e9)
-    pipelines = Pipelines(keep_simulations=False)
-    for plan in (PLAN, dataclasses.replace(PLAN, dp=2, global_batch=64)):
-        fast = {p.limit: p for p in prepare_plan(MODEL, plain, plan, pipelines=pipelines) if isinstance(p, LimitedPlan)}
-        slow = {p.limit: p for p in prepare_plan(MODEL, slowed, plan, pipelines=pipelines) if isinstance(p, LimitedPlan)}
-        assert len(slow) >= 2 and slow.keys() == fast.keys()
-        factors = []
-        for limit, found in slow.items():
-            held = [limit * max(found.residual[s] for s in stages) for stages in ([0], [1], [2], [3])]
-            factor = slowed.working_set_factor(sum(held) / len(held))
-            forward = [w.forward for w in found.work]
-            assert forward == pytest.approx([w.forward * factor for w in fast[limit].work])
-            assert found.lower_bound_s <= found.finish().step_time_s
-            factors.append(factor)
-        assert factors == sorted(factors) and factors[0] < factors[-1]
-
-
 def test_a_planned_run_passes_the_limit_to_the_schedule() -> None:
     row = {"kind": "pipeline", "schedule": "zb_auto", "dp": 1, "tp": 1, "pp": 4, "vpp": 1, "microbatch_size": 2}
     planned = PlannedRun.from_row({**row, "microbatches": 16, "zero": 0, "inflight_limit": 6})
@@ -185,16 +163,20 @@ def test_a_shape_is_read_once_and_answers_each_question_as_computed_afresh() -> 
     assert pipelines.lower_bound_s(key, 2 * seconds) == chain_lower_bound(arrays, 2 * seconds)
 
 
-def test_a_limited_plan_on_devices_that_share_cores_takes_its_mean_busy_time() -> None:
-    # As every pipeline does (estimate's module docstring): its idle devices leave their
-    # cores to the busy ones, so the pipeline part is the makespan times the busy fraction.
+def test_a_limited_plan_on_devices_that_share_cores_shares_them_among_its_busy_devices() -> None:
+    # As every pipeline does (estimate's module docstring): one core for a node of eight,
+    # the plan's four devices priced at an eighth of a core each. Busy together they get
+    # a quarter each (twice as fast), one alone the whole core; the cores do the same
+    # work, so the pipeline part is no less than the devices' mean busy time at twice the
+    # rate, and the lower bound holds.
     alone = _cluster(6.0)
-    shared = dataclasses.replace(alone, shared_cores=1)
+    shared = dataclasses.replace(alone, host_cores=1.0)
     pipelines = Pipelines(keep_simulations=False)
     for apart, together in zip(
         prepare_plan(MODEL, alone, PLAN, pipelines=pipelines), prepare_plan(MODEL, shared, PLAN, pipelines=pipelines)
     ):
         assert isinstance(apart, LimitedPlan) and isinstance(together, LimitedPlan)
         a, t = apart.finish(), together.finish()
-        assert t.bubble == a.bubble > 0
-        assert t.pipeline_time_s == pytest.approx(a.pipeline_time_s * max(1 - a.bubble, 1 / 4))
+        assert a.bubble > 0
+        assert a.pipeline_time_s * (1 - a.bubble) / 2 * (1 - 1e-9) <= t.pipeline_time_s < a.pipeline_time_s / 2
+        assert together.lower_bound_s <= t.step_time_s

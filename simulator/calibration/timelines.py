@@ -1,4 +1,4 @@
-"""Fitting the cost model to measured timelines (what `pipedsl calibrate` runs on).
+"""Fitting the cost model to measured timelines (what ``pipedsl calibrate SCHEDULE`` runs on).
 
 A measured run (``pipedsl run --timeline``, or ``Pipeline.step(..., record=True)``)
 writes the same :class:`~pipedsl.timeline.Timeline` record the simulator produces. This
@@ -8,7 +8,9 @@ action kind on each stage, and the latency of a transfer.
 
 Each statistic is a median over microbatches and runs: the first microbatches of a
 step are slower (caches, allocator warm-up) and a shared machine adds outliers, which a
-median ignores and a mean does not.
+median ignores and a mean does not. :func:`timeline_report` states the fit in the
+calibration's one report form: each fitted time with the actions behind it, and each
+recorded step against its simulation under the fit.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipedsl.errors import PipedslError
+from pipedsl.ir import Schedule
+from pipedsl.simulator.calibration.report import Measured, Report, Reproduced
 from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.engine import simulate
 from pipedsl.timeline import EventKind, Timeline
 
-__all__ = ["CalibrationError", "Fit", "fit_costs"]
+__all__ = ["CalibrationError", "Fit", "fit_costs", "timeline_report"]
 
 
 
@@ -101,3 +106,27 @@ def fit_costs(timelines: Sequence[Timeline], *, num_stages: int) -> Fit:
         transfer=float(np.median(sends)) if sends.size else 0.0,
         samples=sum(len(tl) for tl in timelines),
     )
+
+
+def timeline_report(
+    fit: Fit, schedule: Schedule, timelines: Sequence[Timeline], cost_model: CostModel, *, platform: str
+) -> Report:
+    """``fit`` of ``timelines`` (recorded runs of ``schedule``) as a report: each stage's
+    fitted seconds per action kind with how many actions were measured, the transfer
+    time, and each recorded step's makespan against ``schedule`` simulated under
+    ``cost_model`` (the fit as it is used, for instance with blocking sends), on
+    ``platform`` (where the runs ran)."""
+    lines = []
+    for kind, seconds in ((EventKind.F, fit.forward), (EventKind.B, fit.backward), (EventKind.I, fit.input_grad),
+                          (EventKind.W, fit.weight_grad)):  # fmt: skip
+        if seconds is None:
+            continue
+        for stage, value in enumerate(seconds):
+            count = sum(int(np.count_nonzero(tl.mask(kind) & (tl.stage == stage))) for tl in timelines)
+            lines.append(Measured(f"{kind.value} stage {stage}", value, "s", f"median of {count} recorded actions"))
+    sends = sum(int(np.count_nonzero(tl.mask(EventKind.SEND))) for tl in timelines)
+    lines.append(Measured("transfer", fit.transfer, "s", f"median of {sends} recorded sends"))
+    simulated = simulate(schedule, cost_model).makespan
+    steps = tuple(Reproduced(f"recorded step {i + 1}", tl.makespan, simulated) for i, tl in enumerate(timelines))
+    title = f"{schedule.name}: cost model fitted to {len(timelines)} recorded steps"
+    return Report(title, platform, tuple(lines), steps)

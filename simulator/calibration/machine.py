@@ -1,0 +1,316 @@
+"""A measured machine as a :class:`~pipedsl.simulator.Cluster`: what ``pipedsl calibrate``
+measured there (:class:`MachineMeasurements`, seconds taken by the CLI, which alone runs
+JAX), fitted by the calibration's one fitter (:mod:`~pipedsl.simulator.calibration.fitter`)
+and reported with the measurement behind every number
+(:mod:`~pipedsl.simulator.calibration.report`).
+
+Every field of the cluster is measured by one step, or is a count the machine reports:
+
+- ``memory_bytes``: a GPU's own limit (its allocator's); on CPU the host's memory over
+  the devices;
+- ``hbm_bandwidth``: one elementwise update on every device at once;
+- ``intra_node_latency``, ``intra_node_bandwidth`` (and the same between nodes: one node
+  is measured): all-reduces over groups of 2 and of every device, of a small and a large
+  buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (:func:`fit_ring`);
+- ``action_overhead_s``: the executor's dispatch of one stage program, every device
+  dispatching at once;
+- ``peak_flops`` and ``matmul_half_flops`` on GPU: matrix products of two sizes in the
+  model's dtype, ``1/rate = 1/peak + half / (peak·F)`` through both (every dtype's rate
+  is reported); on CPU the rate the executor's training steps achieve, fitted with the
+  two fixed costs below (a product benchmark overstates it about tenfold there: the
+  backward's transposed products, attention's small ones and the elementwise work run
+  far below it);
+- ``kernel_launch_s`` and ``step_overhead_s``: fitted with the rate (on GPU alone) to the
+  executor's data-parallel training steps over every device (:func:`compute_shapes`):
+  what every kernel costs on top of its work, and what a step costs once (the step of
+  four microbatches tells it from what each microbatch costs);
+- ``host_cores``: the cores this process may run on, where the devices are CPU devices
+  (None on GPU), and ``device_cores``, the most of them one device keeps busy, fitted to
+  the same step on one device per core while the others idle (:func:`alone_devices`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipedsl.simulator.calibration.fitter import Fitted, Parameter, Step, least_squares
+from pipedsl.simulator.calibration.report import Measured, Report, reproduced
+from pipedsl.simulator.estimate import estimate
+from pipedsl.simulator.hardware import Cluster, Model
+from pipedsl.simulator.plan import Plan
+
+__all__ = [
+    "MachineMeasurements", "MachineCalibration", "fit_machine", "fit_ring", "fit_matmul",
+    "compute_shapes", "alone_devices", "step_plan", "priced_step", "cluster_toml",
+]  # fmt: skip
+
+MICROBATCHES = 4
+"""Microbatches of the compute step that tells a step's fixed cost from a microbatch's."""
+LARGE_BATCH = 2
+"""Sequences per device of the largest compute step, in microbatch sizes."""
+
+
+def compute_shapes(model: Model, microbatch_size: int) -> tuple[tuple[int, int, int], ...]:
+    """(layers, sequences per device, microbatches) of the compute steps: the model cut
+    to one layer and whole, at one sequence and at ``microbatch_size``, one microbatch;
+    the one-layer, one-sequence step with :data:`MICROBATCHES` of them; and the whole
+    model at :data:`LARGE_BATCH` times the microbatch (the plans run up to that)."""
+    corners = tuple((n, m, 1) for n in sorted({1, model.layers}) for m in sorted({1, microbatch_size}))
+    return (*corners, (1, 1, MICROBATCHES), (model.layers, LARGE_BATCH * microbatch_size, 1))
+
+
+def alone_devices(devices: int, cores: float | None) -> int:
+    """Devices of the step that measures how many cores one device keeps busy: one per
+    core, where whole cores are fewer than the devices; 0 where there is none to take."""
+    if cores is None or cores != int(cores) or not 1 <= cores < devices:
+        return 0
+    return int(cores)
+
+
+def step_plan(dp: int, microbatch_size: int, microbatches: int = 1) -> Plan:
+    """The plan a calibration step runs: the SPMD plan over ``dp`` devices,
+    ``microbatches`` of ``microbatch_size`` sequences per device, as the executor runs it
+    (plain attention, fp32 gradients, nothing overlapped)."""
+    return Plan(
+        dp=dp, microbatch_size=microbatch_size, global_batch=dp * microbatch_size * microbatches,
+        flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
+    )  # fmt: skip
+
+
+def priced_step(model: Model, cluster: Cluster, devices: int, microbatch_size: int, microbatches: int = 1) -> float:
+    """The simulator's seconds of a data-parallel training step over ``devices`` devices:
+    each microbatch's forward and backward, the gradients' all-reduce, the optimizer's
+    update and the executor's fixed cost of a step."""
+    return estimate(model, cluster, step_plan(devices, microbatch_size, microbatches)).step_time_s
+
+
+def fit_ring(times: dict[tuple[int, int], float]) -> tuple[float, float]:
+    """(α seconds, B bytes per second) of ``2(n-1)·α + 2(n-1)/n · S/B`` by least squares
+    of the relative error over the measured all-reduces (so that the small ones, which
+    set α, weigh as much as the large ones; both kept positive)."""
+    measured = np.array(list(times.values()))
+    rows = np.array([[2 * (n - 1), 2 * (n - 1) / n * s] for n, s in times]) / measured[:, None]
+    alpha, inverse = np.linalg.lstsq(rows, np.ones(len(measured)), rcond=None)[0]
+    return max(float(alpha), 1e-6), 1.0 / max(float(inverse), 1e-12)
+
+
+def fit_matmul(times: dict[int, float]) -> tuple[float, float]:
+    """(peak FLOP/s, half FLOPs) of square products timed at two sizes or more (``n`` to
+    seconds): ``1/rate = 1/peak + half / (peak · F)`` for a product of F = 2n³ FLOPs, by
+    least squares of the relative error; half at least 0."""
+    flops = np.array([2.0 * n**3 for n in times])
+    inverse_rate = np.array(list(times.values())) / flops
+    rows = np.column_stack([np.ones(len(flops)), 1.0 / flops]) / inverse_rate[:, None]
+    a, b = np.linalg.lstsq(rows, np.ones(len(flops)), rcond=None)[0]
+    if a <= 0:  # the larger product ran no faster: price every one at its rate
+        return float(flops.max() / (inverse_rate[flops.argmax()] * flops.max())), 0.0
+    return 1.0 / float(a), max(float(b) / float(a), 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MachineMeasurements:
+    """What ``pipedsl calibrate`` measured on a machine, in seconds unless said.
+
+    Attributes:
+      platform: ``cpu`` or ``gpu`` (JAX's platform of the devices).
+      device_kind: what the devices are (``cpu``, ``NVIDIA H200``).
+      devices: devices measured, all in one node.
+      host_cores: cores the devices share (CPU devices), None where each has its own.
+      memory_bytes: memory per device; ``memory_source`` says where it came from.
+      bandwidth: bytes per second of an elementwise update (read and write) per device,
+        every device at once.
+      all_reduce_s: seconds by (group size, bytes per device), every group at once.
+      dispatch_s: seconds per dispatched stage program, every device dispatching.
+      matmul_s: seconds of a square product by (dtype name, n); empty on CPU.
+      step_s: seconds of the data-parallel training step over every device by
+        (layers, sequences per device, microbatches) (:func:`compute_shapes`).
+      alone_s: seconds of the whole model's step at the microbatch size on
+        :func:`alone_devices` devices while the others idle; None where not taken.
+      microbatch_size: sequences per device of the compute steps that use it.
+      dtype: the model's dtype name, whose product rate sets ``peak_flops`` on GPU.
+      seconds: wall time of the measurements (0 for steps timed again later).
+    """
+
+    platform: str
+    device_kind: str
+    devices: int
+    host_cores: float | None
+    memory_bytes: int
+    memory_source: str
+    bandwidth: float
+    all_reduce_s: dict[tuple[int, int], float]
+    dispatch_s: float
+    step_s: dict[tuple[int, int, int], float]
+    microbatch_size: int
+    dtype: str
+    matmul_s: dict[tuple[str, int], float] = field(default_factory=dict)
+    alone_s: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def largest_step(self) -> tuple[int, int, int]:
+        """The shape (as ``step_s``'s keys) of the whole model's one-microbatch step at the
+        microbatch size: the work that sets the compute rate."""
+        return max(key for key in self.step_s if key[2] == 1 and key[1] == self.microbatch_size)
+
+
+@dataclass(frozen=True, slots=True)
+class MachineCalibration:
+    """A machine's ``cluster`` fitted to its ``measurements``, and the ``report`` of it."""
+
+    cluster: Cluster
+    measurements: MachineMeasurements
+    report: Report
+
+    @property
+    def step_s(self) -> dict[tuple[int, int, int], float]:
+        return self.measurements.step_s
+
+    @property
+    def largest_step(self) -> tuple[int, int, int]:
+        return self.measurements.largest_step
+
+    def describe(self) -> str:
+        return self.report.text()
+
+
+def _step_name(layers: int, sequences: int, microbatches: int, devices: int) -> str:
+    many = "s" if layers > 1 else ""
+    batches = f" x {microbatches} microbatches" if microbatches > 1 else ""
+    return f"train step: {layers} layer{many} x {sequences} seq/device{batches}, {devices} devices"
+
+
+def _compute_steps(model: Model, m: MachineMeasurements) -> list[Step]:
+    def priced_at(layers: int, sequences: int, microbatches: int) -> Step:
+        cut = dataclasses.replace(model, layers=layers)
+        return Step(
+            _step_name(layers, sequences, microbatches, m.devices),
+            m.step_s[(layers, sequences, microbatches)],
+            lambda c: priced_step(cut, c, m.devices, sequences, microbatches),
+        )
+
+    return [priced_at(*shape) for shape in m.step_s]
+
+
+def _base(m: MachineMeasurements, model: Model) -> tuple[Cluster, list[Measured]]:
+    """The cluster of the direct measurements (the fitted fields at a start), and their lines."""
+    reduces = {k: v for k, v in m.all_reduce_s.items() if k[0] > 1}
+    if reduces:
+        alpha, link = fit_ring(reduces)
+        told = ", ".join(f"{n} devices x {b / 1e6:.3g} MB {t * 1e3:.2f} ms" for (n, b), t in reduces.items())
+        link_source = f"ring fit to all-reduces ({told})"
+    else:
+        alpha, link = 0.0, m.bandwidth
+        link_source = "one device: no link to measure (the memory bandwidth, zero latency; no plan of one device sends)"
+    peak, half, rates = 1e9, 0.0, ""
+    if m.matmul_s:
+        sizes = {n: s for (dtype, n), s in m.matmul_s.items() if dtype == m.dtype}
+        peak, half = fit_matmul(sizes)
+        rates = "; ".join(
+            f"{dtype} {n}³ {2.0 * n**3 / s / 1e12:.3g} TFLOP/s" for (dtype, n), s in sorted(m.matmul_s.items())
+        )
+    cluster = Cluster(
+        name="this machine",
+        gpu=m.device_kind,
+        peak_flops=peak,
+        matmul_efficiency=1.0,
+        matmul_half_flops=half,
+        host_cores=m.host_cores,
+        memory_bytes=m.memory_bytes,
+        hbm_bandwidth=m.bandwidth,
+        gpus_per_node=m.devices,
+        intra_node_bandwidth=link,
+        intra_node_latency=alpha,
+        inter_node_bandwidth=link,
+        inter_node_latency=alpha,
+        action_overhead_s=m.dispatch_s,
+    )
+    lines = [
+        Measured("gpus_per_node", m.devices, "devices", f"{m.platform} devices JAX sees ({m.device_kind})"),
+        Measured("memory_bytes", m.memory_bytes, "B", m.memory_source),
+        Measured("hbm_bandwidth", m.bandwidth, "B/s", "an elementwise update of 4 MB per device, every device at once"),
+        Measured("intra_node_latency", alpha, "s", link_source),
+        Measured("intra_node_bandwidth", link, "B/s", link_source),
+        Measured(
+            "action_overhead_s", m.dispatch_s, "s", "dispatch of a tiny program, one thread per device, all at once"
+        ),
+    ]
+    if m.matmul_s:
+        told = f"products of the model's dtype ({m.dtype}) fitted to 1/rate = 1/peak + half/(peak·F); {rates}"
+        lines += [Measured("peak_flops", peak, "FLOP/s", told), Measured("matmul_half_flops", half, "FLOP", told)]
+    if m.host_cores is not None:
+        lines.append(Measured("host_cores", m.host_cores, "cores", "the cores this process may run on"))
+    return cluster, lines
+
+
+def fit_machine(model: Model, m: MachineMeasurements) -> MachineCalibration:
+    """The cluster of ``m`` (module docstring), ``model`` being what its training steps
+    trained (the simulator's description of the executor's model, at every layer count
+    the steps cut it to)."""
+    base, lines = _base(m, model)
+    steps = _compute_steps(model, m)
+    largest = m.largest_step
+    fitted = [
+        Parameter("kernel_launch_s", "s", 1e-9, 1.0, 1e-4, fixed_cost=True),
+        Parameter("step_overhead_s", "s", 1e-7, 10.0, 1e-3, fixed_cost=True),
+    ]
+    if not m.matmul_s:
+        # Start from the rate that prices the largest step alone, nothing else slowing it.
+        start = base.peak_flops * priced_step(
+            dataclasses.replace(model, layers=largest[0]), base, m.devices, largest[1]
+        )
+        fitted.insert(0, Parameter("peak_flops", "FLOP/s", 1e6, 1e16, start / m.step_s[largest]))
+    compute = least_squares(base, fitted, steps)
+    told = f"fitted to the {len(steps)} training steps below (least squares of log priced / measured)"
+    lines += [Measured(p.name, getattr(compute.cluster, p.name), p.unit, told) for p in fitted]
+    cluster, results = compute.cluster, list(reproduced(compute))
+    alone = alone_devices(m.devices, m.host_cores)
+    if m.alone_s is not None and alone and m.host_cores is not None:
+        shape = (model.layers, m.microbatch_size, 1)
+        step = Step(
+            _step_name(*shape, alone) + f" (the other {m.devices - alone} idle)",
+            m.alone_s,
+            lambda c: priced_step(model, c, alone, m.microbatch_size),
+        )
+        # From the all-busy share to a core each (what the step can tell), from between.
+        low, high = m.host_cores / m.devices, m.host_cores / alone
+        cores = least_squares(cluster, [Parameter("device_cores", "cores", low, high, (low * high) ** 0.5)], [step])
+        cluster = cores.cluster
+        lines.append(
+            Measured("device_cores", cluster.device_cores, "cores", f"fitted to the step on {alone} devices below")
+        )
+        results += list(reproduced(Fitted(cluster, cores.steps, tuple(s.priced(cluster) for s in cores.steps), ())))
+    said = "" if m.seconds <= 0 else f", measured in {m.seconds:.0f} s"
+    report = Report(
+        f"{m.devices} {m.platform} devices ({m.device_kind}){said}", m.platform, tuple(lines), tuple(results)
+    )
+    return MachineCalibration(cluster, m, report)
+
+
+def cluster_toml(calibration: MachineCalibration) -> str:
+    """The calibrated cluster as a ``[cluster]`` TOML file
+    (:func:`~pipedsl.simulator.load_cluster` reads it), each parameter with the
+    measurement behind it as a comment."""
+    sources = {p.name: p.source for p in calibration.report.parameters}
+    lines = [f"# {calibration.report.title}: calibrated by pipedsl calibrate", "[cluster]"]
+    for f in dataclasses.fields(calibration.cluster):
+        value = getattr(calibration.cluster, f.name)
+        if value is None:
+            continue
+        if f.name in sources:
+            lines.append(f"# {sources[f.name]}")
+        if isinstance(value, str):
+            lines.append(f"{f.name} = {_toml_string(value)}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            continue
+        else:
+            lines.append(f"{f.name} = {value!r}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
