@@ -101,8 +101,13 @@ class Worker:
         num_devices: int,
         num_microbatches: int,
         recv_timeout: float,
+        barrier: bool = True,
     ) -> None:
         self.index = program.device
+        # Whether an optimizer step waits for every device first: needed where a failed
+        # device leaves the others able to take another step (not in a jax.distributed
+        # world, which a failure ends).
+        self.barrier = barrier
         self.program = program
         self.model = model
         self.runtime = DeviceRuntime(program, stages, recv_timeout=recv_timeout)
@@ -151,6 +156,10 @@ class Worker:
         if states is not None:
             self.states = {s: states[s] for s in self.local if s in states}
             self._placed_states.clear()
+
+    def kept(self) -> dict[int, NamedSharding]:
+        """Where each parameter leaf a local stage uses is kept, by flat index."""
+        return dict(self._kept)
 
     def gather(self, *, params: bool, states: bool) -> tuple[dict[int, Any], dict[int, Any]]:
         """The owned parameter leaves and the local stages' optimizer states as numpy
@@ -202,8 +211,9 @@ class Worker:
         self.phase = "summing shared gradients"
         grads = yield from self._sum_shared(transport, stage_grads)
         if update is not None:
-            self.phase = "waiting for every device to finish its program"
-            yield from self._barrier(transport)
+            if self.barrier:
+                self.phase = "waiting for every device to finish its program"
+                yield from self._barrier(transport)
             self.applied = True
             self.phase = "applying the optimizer update"
             yield from self._update(transport, update, grads)

@@ -1,0 +1,123 @@
+"""The Ray backend's jax.distributed world on a four-node Ray cluster on this machine.
+
+One cluster per module (a head and three nodes, one CPU each, all on 127.0.0.1): every
+process of a world reserves one CPU, so four processes land on four nodes, and a stage
+mesh of dp = 2 over two processes spans two nodes. Each plan is checked against one-device
+``jax.value_and_grad`` (relative error below 1e-5, float32).
+"""
+
+from __future__ import annotations
+
+import os
+
+# The test starts the cluster itself, so it keeps it on loopback the way pipedsl keeps
+# the local instances it starts; Ray reads the variable when it is imported.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+import ray  # noqa: E402
+import ray.cloudpickle  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from helpers import (  # noqa: E402
+    HYBRID_ADAM,
+    LIBRARY,
+    assert_relative_close,
+    hybrid,
+    hybrid_problem,
+    hybrid_reference_adam,
+    hybrid_schedule,
+    library,
+    pipeline,
+)
+from helpers import setup as reference  # noqa: E402
+from pipedsl.executor import ExecutionError  # noqa: E402
+from pipedsl.executor.ray_backend import RayRunner, Resident  # noqa: E402
+from pipedsl.executor.ray_cluster import DeviceLost, RayConfig, connect, disconnect  # noqa: E402
+from pipedsl.executor.ray_transport import worker_exchanges  # noqa: E402
+from pipedsl.rendezvous import exchange_order  # noqa: E402
+from pipedsl.validate import peak_inflight  # noqa: E402
+
+pytestmark = [
+    pytest.mark.ray,
+    # The cluster's processes are started from this process, after JAX has started its
+    # threads; Ray execs right after forking, which is safe.
+    pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning"),
+]
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CONFIG = RayConfig(step_timeout=240, start_timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    head = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    for _ in range(3):
+        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    connect(cluster.address)
+    try:
+        yield cluster
+    finally:
+        disconnect()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _runner(pipe: object) -> RayRunner:
+    backend = pipe.backend  # type: ignore[attr-defined]
+    assert isinstance(backend, RayRunner)
+    return backend
+
+
+def _nodes_of(pipe: object) -> list[set[str]]:
+    return [{slot.node_id for slot in mesh} for mesh in pipe.placement()]  # type: ignore[attr-defined]
+
+
+def _check_transfers(pipe: object) -> None:
+    """Every transfer of the step was a collective made by the processes of both meshes:
+    no value reached a stage by another way (there is none left: a receive is answered
+    only by a collective)."""
+    runner = _runner(pipe)
+    per = len(runner.ranks(0))
+    installed = runner._installed
+    assert installed is not None
+    order = exchange_order(runner.program) + worker_exchanges(installed.model, runner.program.schedule.placement, update=False)
+    expected = [0] * runner.world.num_processes
+    for e in order:
+        for d in (e.src, e.dst):
+            for r in runner.ranks(d):
+                expected[r] += 1
+    assert runner.transfers == tuple(expected)
+    assert sum(runner.transfers) == 2 * per * len(order)
+
+
+def test_spmd_dp4_over_four_processes(cluster: Cluster) -> None:
+    schedule = hybrid_schedule("1f1b", 1, 1)
+    _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", 1, 4)
+    with hybrid("explicit", schedule, dp=4, tp=1, zero=0, backend=CONFIG) as pipe:
+        loss, grads = pipe.value_and_grad(params, batch)
+        assert len(_nodes_of(pipe)[0]) == 4
+    assert_relative_close(loss, ref_loss)
+    assert_relative_close(grads, ref_grads)
+
+
+def test_1f1b_dp2_pp2_meshes_across_nodes(cluster: Cluster) -> None:
+    schedule = hybrid_schedule("1f1b", 2, 1)
+    _, params, batch, ref_loss, ref_grads = hybrid_problem("marked", 2, 2)
+    with hybrid("marked", schedule, dp=2, tp=1, zero=0, backend=CONFIG) as pipe:
+        loss, grads = pipe.value_and_grad(params, batch)
+        assert [len(nodes) for nodes in _nodes_of(pipe)] == [2, 2]
+        _check_transfers(pipe)
+    assert_relative_close(loss, ref_loss)
+    assert_relative_close(grads, ref_grads)
