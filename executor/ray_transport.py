@@ -26,6 +26,7 @@ What each transfer carries (shapes, dtypes, specs) is known to both sides from t
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -45,6 +46,7 @@ __all__ = [
     "WorldTransport",
     "signatures",
     "worker_exchanges",
+    "Pieces",
     "addressable_pieces",
     "assemble",
     "PAIR",
@@ -301,20 +303,30 @@ class WorldTransport:
         return arrays if isinstance(key, Buffer) else arrays[0]
 
 
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """One array as one process holds it: its global shape and dtype and its distinct
+    shards by index (``(start, stop)`` per axis)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    shards: dict[tuple[tuple[int | None, int | None], ...], np.ndarray]
+
+
 def addressable_pieces(value: Any) -> Any:
     """``value`` (a pytree of arrays, possibly over several processes) as this process's
-    distinct shards: per leaf ``(shape, dtype, {index: numpy})``, for :func:`assemble`."""
+    :class:`Pieces`, leaf by leaf, for :func:`assemble`."""
 
-    def leaf(x: Any) -> Any:
+    def leaf(x: Any) -> Pieces:
         if not isinstance(x, jax.Array):
             arr = np.asarray(x)
-            return (arr.shape, arr.dtype, {(): arr})
-        pieces: dict[Any, np.ndarray] = {}
+            return Pieces(arr.shape, arr.dtype, {tuple((0, n) for n in arr.shape): arr})
+        shards: dict[Any, np.ndarray] = {}
         for shard in x.addressable_shards:
             index = tuple((s.start, s.stop) for s in shard.index)
-            if index not in pieces:
-                pieces[index] = np.asarray(shard.data)
-        return (tuple(x.shape), np.dtype(x.dtype), pieces)
+            if index not in shards:
+                shards[index] = np.asarray(shard.data)
+        return Pieces(tuple(x.shape), np.dtype(x.dtype), shards)
 
     return jax.tree_util.tree_map(leaf, value)
 
@@ -322,19 +334,11 @@ def addressable_pieces(value: Any) -> Any:
 def assemble(parts: Sequence[Any]) -> Any:
     """The whole arrays of several processes' :func:`addressable_pieces` of one value."""
 
-    def is_piece(x: Any) -> bool:
-        return isinstance(x, tuple) and len(x) == 3 and isinstance(x[2], dict)
-
-    def leaf(*pieces: Any) -> np.ndarray:
-        shape, dtype, _ = pieces[0]
-        out = np.empty(shape, dtype)
-        for _, _, found in pieces:
-            for index, block in found.items():
-                if index == ():
-                    out[...] = block
-                else:
-                    out[tuple(slice(a, b) for a, b in index)] = block
+    def leaf(*pieces: Pieces) -> np.ndarray:
+        out = np.empty(pieces[0].shape, pieces[0].dtype)
+        for piece in pieces:
+            for index, block in piece.shards.items():
+                out[tuple(slice(a, b) for a, b in index)] = block
         return out
 
-    return jax.tree_util.tree_map(leaf, *parts, is_leaf=is_piece)
-
+    return jax.tree_util.tree_map(leaf, *parts)

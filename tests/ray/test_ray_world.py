@@ -121,3 +121,51 @@ def test_1f1b_dp2_pp2_meshes_across_nodes(cluster: Cluster) -> None:
         _check_transfers(pipe)
     assert_relative_close(loss, ref_loss)
     assert_relative_close(grads, ref_grads)
+
+
+def test_zb_h1_dp2_tp2_pp2_tp_inside_a_process(cluster: Cluster) -> None:
+    schedule = hybrid_schedule("zb_h1", 2, 1)
+    _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", 2, 2)
+    config = RayConfig(devices_per_process=2, step_timeout=240, start_timeout=120)
+    with hybrid("explicit", schedule, dp=2, tp=2, zero=0, backend=config) as pipe:
+        loss, grads = pipe.value_and_grad(params, batch)
+        placement = pipe.placement()
+        _check_transfers(pipe)
+    # Each mesh row (the tp pair) is one process; the two rows are two processes on two nodes.
+    for mesh in placement:
+        rows = [mesh[0:2], mesh[2:4]]
+        assert all(len({slot.process_id for slot in row}) == 1 for row in rows)
+        assert rows[0][0].process_id != rows[1][0].process_id
+        assert rows[0][0].node_id != rows[1][0].node_id
+    assert_relative_close(loss, ref_loss)
+    assert_relative_close(grads, ref_grads)
+
+
+def test_interleaved_1f1b_pp4_one_process_per_device(cluster: Cluster) -> None:
+    schedule = hybrid_schedule("interleaved_1f1b", 4, 2)
+    _, params, batch, ref_loss, ref_grads = hybrid_problem("marked", schedule.num_stages, 1)
+    with hybrid("marked", schedule, dp=1, tp=1, zero=0, backend=CONFIG) as pipe:
+        loss, grads = pipe.value_and_grad(params, batch)
+        assert len({next(iter(nodes)) for nodes in _nodes_of(pipe)}) == 4
+        _check_transfers(pipe)
+    assert_relative_close(loss, ref_loss)
+    assert_relative_close(grads, ref_grads)
+
+
+def test_zbv_zero3_across_nodes_trains_as_optax_on_one_device(cluster: Cluster) -> None:
+    schedule = hybrid_schedule("zbv", 2, 1)
+    _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", schedule.num_stages, 2)
+    expected = hybrid_reference_adam("explicit", schedule.num_stages, 2, steps=2)
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=CONFIG) as pipe:
+        loss, grads = pipe.value_and_grad(params, batch)
+        assert_relative_close(loss, ref_loss)
+        assert_relative_close(grads, ref_grads)
+        state = None
+        held = params
+        for want_params, want_loss in expected:
+            held, state, loss = pipe.train_step(held, state, batch, optimizer=HYBRID_ADAM)
+            assert isinstance(held, Resident) and isinstance(state, Resident)
+            assert_relative_close(loss, want_loss)
+        assert_relative_close(pipe.gather(held), want_params)
+        gathered = pipe.gather(state)
+        assert len(gathered) == schedule.num_stages
