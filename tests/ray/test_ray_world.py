@@ -38,6 +38,7 @@ from helpers import (  # noqa: E402
     hybrid_schedule,
     library,
     pipeline,
+    zb_auto,
 )
 from helpers import setup as reference  # noqa: E402
 from pipedsl.executor import ExecutionError  # noqa: E402
@@ -169,3 +170,134 @@ def test_zbv_zero3_across_nodes_trains_as_optax_on_one_device(cluster: Cluster) 
         assert_relative_close(pipe.gather(held), want_params)
         gathered = pipe.gather(state)
         assert len(gathered) == schedule.num_stages
+
+
+@pytest.mark.parametrize("name", [*LIBRARY, "zb_auto"])
+def test_every_library_schedule_runs_on_processes(cluster: Cluster, name: str) -> None:
+    schedule = zb_auto(2) if name == "zb_auto" else library(name)
+    params, batch, ref_loss, ref_grads = reference("mlp", "explicit", schedule.num_stages)
+    with pipeline("mlp", "explicit", schedule, backend=CONFIG) as pipe:
+        result = pipe.step(params, batch)
+        _check_transfers(pipe)
+    assert_relative_close(result.loss, ref_loss)
+    assert_relative_close(result.grads, ref_grads)
+    assert result.peak_held == peak_inflight(schedule)
+
+
+def test_parameters_made_in_the_world(cluster: Cluster) -> None:
+    schedule = hybrid_schedule("1f1b", 2, 1)
+    m, _, batch, _, _ = hybrid_problem("explicit", 2, 2)
+    key = jax.random.PRNGKey(5)
+    made = m.init_stages(key)
+    ref_loss, ref_grads = jax.jit(
+        jax.value_and_grad(lambda p, x, t: m.loss(m.stages[1](p[1], m.stages[0](p[0], x)), t))
+    )(made, *batch)
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=CONFIG) as pipe:
+        held = pipe.init(m.init_stages, key, batch=batch)
+        assert isinstance(held, Resident)
+        result = pipe.step(held, batch)
+        assert_relative_close(pipe.gather(held), made)
+    assert_relative_close(result.loss, ref_loss)
+    assert_relative_close(result.grads, ref_grads)
+
+
+# -- faults ---------------------------------------------------------------------------
+
+FLAGS = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pipedsl-test-world-{os.getpid()}")
+
+
+def _hold(x: np.ndarray) -> np.ndarray:
+    # Says it is running, then holds the step while the flag is there.
+    open(os.path.join(FLAGS, "running"), "w").close()
+    while os.path.exists(os.path.join(FLAGS, "hold")):
+        time.sleep(0.01)
+    return x
+
+
+def _on_host(x: jax.Array) -> jax.Array:
+    return jax.pure_callback(_hold, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def _held_stage(p: jax.Array, x: jax.Array) -> jax.Array:
+    # The identity through the host on the way forward; built per call, as a custom_vjp
+    # object does not survive pickling by value.
+    hook = jax.custom_vjp(_on_host)
+    hook.defvjp(lambda x: (_on_host(x), None), lambda _, g: (g,))
+    return jax.numpy.tanh(hook(x) @ p)
+
+
+def _dense(p: jax.Array, x: jax.Array) -> jax.Array:
+    return jax.numpy.tanh(x @ p)
+
+
+def _mse(y: jax.Array, t: jax.Array) -> jax.Array:
+    return jax.numpy.mean((y - t) ** 2)
+
+
+def test_a_killed_process_ends_the_step_with_device_lost(cluster: Cluster) -> None:
+    from pipedsl.executor import Pipeline
+
+    os.makedirs(FLAGS, exist_ok=True)
+    open(os.path.join(FLAGS, "hold"), "w").close()
+    key = jax.random.PRNGKey(0)
+    params = [jax.random.normal(k, (8, 8)) / 8**0.5 for k in jax.random.split(key, 2)]
+    x = jax.random.normal(key, (8, 8))
+    batch = (x, jax.numpy.sin(x))
+    schedule = library("1f1b")
+    pipe = Pipeline([_dense, _held_stage], loss=_mse, schedule=schedule, backend=CONFIG)
+    runner = _runner(pipe)
+    pids = [node.pid for node in runner.world.nodes]
+    outcome: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            pipe.step(params, batch)
+        except BaseException as err:  # handed to the test thread
+            outcome.append(err)
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(FLAGS, "running")):
+            assert not outcome, outcome
+            assert time.monotonic() < deadline, "the step never started"
+            time.sleep(0.05)
+        killed = time.monotonic()
+        os.kill(pids[0], signal.SIGKILL)
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "no DeviceLost within 60 s"
+        assert time.monotonic() - killed < 60
+        (err,) = outcome
+        assert isinstance(err, DeviceLost)
+        assert err.node is not None and err.node.pid == pids[0] and err.stage == 0
+        assert f"pid {pids[0]}" in str(err) and "stage 0" in str(err)
+        for pid in pids:
+            _wait_gone(pid, within=30)
+        with pytest.raises(ExecutionError, match="torn down"):
+            pipe.step(params, batch)
+    finally:
+        for name in ("hold", "running"):
+            if os.path.exists(os.path.join(FLAGS, name)):
+                os.unlink(os.path.join(FLAGS, name))
+        pipe.close()
+    params2, batch2, ref_loss, ref_grads = reference("mlp", "explicit", 2)
+    with pipeline("mlp", "explicit", schedule, backend=CONFIG) as fresh:
+        result = fresh.step(params2, batch2)
+    assert_relative_close(result.loss, ref_loss)
+
+
+def _wait_gone(pid: int, *, within: float) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        try:  # a child of this process that exited waits to be reaped
+            if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                return
+        except ChildProcessError:
+            pass
+        assert time.monotonic() < deadline, f"process {pid} is still there"
+        time.sleep(0.05)
