@@ -202,7 +202,9 @@ class RayRunner:
         reports = self._run(inputs, targets, update=update, record=record, return_grads=optimizer is None)
         return self._result(reports, layout, trained=optimizer is not None, record=record)
 
-    def init(self, init: Callable[..., Any], args: tuple[Any, ...], example_params: Any, example: tuple[Any, Any]) -> Resident:
+    def init(
+        self, init: Callable[..., Any], args: tuple[Any, ...], example_params: Any, example: tuple[Any, Any]
+    ) -> Resident:
         """Make the parameters in the world as ``init(*args)`` (each process its own
         shards); ``example_params`` gives their shapes (a pytree of
         ``jax.ShapeDtypeStruct``) and ``example`` one microbatch's inputs and targets."""
@@ -268,7 +270,9 @@ class RayRunner:
         layout = self._installed
         assert layout is not None  # a handle exists only after a step
         params = value.kind == "params"
-        parts = self._call_all("gather", ((), {"params": params, "states": not params}), what=f"gathering the {value.kind}")
+        parts = self._call_all(
+            "gather", ((), {"params": params, "states": not params}), what=f"gathering the {value.kind}"
+        )
         n = self.program.schedule.num_devices
         if params:
             leaves: list[Any] = [None] * len(layout.model.param_avals)
@@ -314,7 +318,9 @@ class RayRunner:
         if handle.kind != kind:
             raise ExecutionError(f"a handle to {handle.kind} was passed where {kind} was expected")
         if handle.pipeline != self.key:
-            raise ExecutionError(f"these {kind} are held by another Ray pipeline; gather them there and pass the arrays")
+            raise ExecutionError(
+                f"these {kind} are held by another Ray pipeline; gather them there and pass the arrays"
+            )
         if handle.version != self._versions[kind]:
             raise ExecutionError(
                 f"this {kind} handle is out of date (version {handle.version}; the world holds version "
@@ -367,7 +373,10 @@ class RayRunner:
         meshes = [tuple(i for r in self.ranks(d) for i in self.world.devices[r]) for d in range(schedule.num_devices)]
         shipped = self.world.put(spec)
         args = [
-            ((shipped, self.program.devices[self.device_of(r)], meshes, self._order), {"recv_timeout": self._recv_timeout})
+            (
+                (shipped, self.program.devices[self.device_of(r)], meshes, self._order),
+                {"recv_timeout": self._recv_timeout},
+            )
             for r in range(self.world.num_processes)
         ]
         try:
@@ -385,13 +394,19 @@ class RayRunner:
         """Ship the parameters unless the world holds these very arrays already."""
         leaves = jax.tree_util.tree_leaves(params)
         sent = self._sent
-        if sent is not None and len(sent[1]) == len(leaves) and all(r() is x for r, x in zip(sent[1], leaves, strict=True)):
+        if (
+            sent is not None
+            and len(sent[1]) == len(leaves)
+            and all(r() is x for r, x in zip(sent[1], leaves, strict=True))
+        ):
             return
         host = jax.device_get(leaves)
         model = layout.model
         args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = []
         for r in range(self.world.num_processes):
-            uses = sorted({i for s in self.program.schedule.stages_on(self.device_of(r)) for i in model.stage_params[s]})
+            uses = sorted(
+                {i for s in self.program.schedule.stages_on(self.device_of(r)) for i in model.stage_params[s]}
+            )
             args.append((({i: host[i] for i in uses}, None), {}))
         self.world.call("load", args, what="sending the parameters", stage_of=self._stage_of)
         self._versions["params"] += 1

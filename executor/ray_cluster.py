@@ -205,7 +205,9 @@ class RayWorld:
                 **reservation.actor_options,
                 max_concurrency=_ACTOR_THREADS,
                 max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=r),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=r
+                ),
                 runtime_env=env,
             ).remote(r, n)
             for r in range(n)
@@ -267,7 +269,9 @@ class RayWorld:
 
         self._check_open()
         limit = self.config.step_timeout if timeout is None else timeout
-        pending = {getattr(self.actors[r], method).remote(*a[0], **a[1]): r for r, a in enumerate(args) if a is not None}
+        pending = {
+            getattr(self.actors[r], method).remote(*a[0], **a[1]): r for r, a in enumerate(args) if a is not None
+        }
         results: list[Any] = [None] * len(args)
         deadline = time.monotonic() + limit
         while pending:
@@ -338,7 +342,9 @@ class RayWorld:
             node=self.nodes[r],
         ) from err
 
-    def _timed_out(self, running: Sequence[int], what: str, limit: float, stage_of: Callable[[int], int | None]) -> None:
+    def _timed_out(
+        self, running: Sequence[int], what: str, limit: float, stage_of: Callable[[int], int | None]
+    ) -> None:
         doing = self._doing(running)
         where = "; ".join(self._describe(r, stage_of) + doing[r] for r in running)
         first = running[0]
@@ -362,7 +368,9 @@ class RayWorld:
         answers = {}
         for r, ref in asked.items():
             try:
-                answers[r] = f", {ray.get(ref, timeout=0)}" if ref in ready else f", not answering within {_ASK_GRACE:g} s"
+                answers[r] = (
+                    f", {ray.get(ref, timeout=0)}" if ref in ready else f", not answering within {_ASK_GRACE:g} s"
+                )
             except RayError as err:
                 answers[r] = f", not answering ({first_line(err)})"
         return answers

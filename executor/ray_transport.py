@@ -157,14 +157,18 @@ class Hops:
         out = []
         for y, (shape, _, spec) in zip(moved, signature, strict=True):
             pieces = [s.data for s in y.addressable_shards if s.device in mine]
-            arr = jax.make_array_from_single_device_arrays(_flat(shape), NamedSharding(target, _flat_spec(shape, spec)), pieces)
+            arr = jax.make_array_from_single_device_arrays(
+                _flat(shape), NamedSharding(target, _flat_spec(shape, spec)), pieces
+            )
             out.append(arr.reshape(()) if not shape else arr)
         return tuple(out)
 
     def _held(self, d: int) -> set[Any]:
         found = self._mine.get(d)
         if found is None:
-            found = self._mine[d] = {dev for dev in self.meshes[d].devices.flat if dev.process_index == jax.process_index()}
+            found = self._mine[d] = {
+                dev for dev in self.meshes[d].devices.flat if dev.process_index == jax.process_index()
+            }
         return found
 
     def _pair(self, src: int, dst: int) -> Mesh:
@@ -280,7 +284,9 @@ class WorldTransport:
             e = self._mine[self._at]
             self._at += 1
             if e.dst == self.device:
-                raise ExecutionError(f"device {self.device} never received {e.buffer} from device {e.src}", device=self.device)
+                raise ExecutionError(
+                    f"device {self.device} never received {e.buffer} from device {e.src}", device=self.device
+                )
             self._send(e)
 
     def abort(self, error: BaseException) -> None:
@@ -291,7 +297,8 @@ class WorldTransport:
         value = self._kept.pop((e.buffer, e.dst), None)
         if value is None:
             raise ExecutionError(
-                f"device {self.device} is to send {e.buffer} to device {e.dst} before it computed it", device=self.device
+                f"device {self.device} is to send {e.buffer} to device {e.dst} before it computed it",
+                device=self.device,
             )
         self._hops.move(e.src, e.dst, self._signature(e.buffer), tuple(jax.tree_util.tree_leaves(value)))
         self.moved += 1

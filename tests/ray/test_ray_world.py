@@ -22,7 +22,6 @@ from collections.abc import Iterator  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 import pytest  # noqa: E402
 import ray  # noqa: E402
 import ray.cloudpickle  # noqa: E402
@@ -93,7 +92,9 @@ def _check_transfers(pipe: object) -> None:
     per = len(runner.ranks(0))
     installed = runner._installed
     assert installed is not None
-    order = exchange_order(runner.program) + worker_exchanges(installed.model, runner.program.schedule.placement, update=False)
+    order = exchange_order(runner.program) + worker_exchanges(
+        installed.model, runner.program.schedule.placement, update=False
+    )
     expected = [0] * runner.world.num_processes
     for e in order:
         for d in (e.src, e.dst):
