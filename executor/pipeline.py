@@ -268,6 +268,29 @@ class Pipeline:
         cut = self._split_batch(batch)
         return self.backend.init(init, args, tree, (cut.example_inputs, cut.example_targets))
 
+    def save(self, path: str, *, step: int) -> str:
+        """On Ray: save the parameters and optimizer state where they are, each process
+        of the world writing its own shards (orbax), as ``path/step-<step>``; returns
+        that directory. Resume with :meth:`restore` on the same plan. (The local backend
+        saves with :func:`pipedsl.executor.checkpoint.save_checkpoint`.)"""
+        if not isinstance(self.backend, RayRunner):
+            raise ExecutionError("Pipeline.save writes a Ray world's shards; locally use pipedsl.executor.save_checkpoint")
+        return str(self.backend.save(path, step=step))
+
+    def restore(
+        self, path: str, *, like_params: Any, batch: tuple[Any, Any], optimizer: optax.GradientTransformation | None = None
+    ) -> tuple[Any, Any, int]:
+        """On Ray: read the latest step :meth:`save` wrote under ``path`` back into the
+        world (each process its own shards): (params handle, optimizer state handle, or
+        None without ``optimizer``, the step). ``like_params`` gives the parameters'
+        structure and shapes (arrays or ``jax.ShapeDtypeStruct``), ``batch`` one batch of
+        the steps' shapes. A checkpoint of another plan is refused, naming what differs."""
+        if not isinstance(self.backend, RayRunner):
+            raise ExecutionError("Pipeline.restore reads a Ray world's shards; locally use pipedsl.executor.load_checkpoint")
+        cut = self._split_batch(batch)
+        tree = self._param_tree(like_params)
+        return self.backend.restore(path, tree, (cut.example_inputs, cut.example_targets), optimizer=optimizer)
+
     def placement(self) -> tuple[tuple[DeviceSlot, ...], ...]:
         """Per pipeline device, its stage mesh's devices (``dp x tp``, row-major) as
         (node id, process id, device id): on Ray the Ray node, the process's rank in the

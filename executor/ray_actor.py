@@ -223,6 +223,50 @@ class WorldProcess:
         mine = {i: worker.leaves[i] for i in worker.owned} if params else {}
         return addressable_pieces(mine), (addressable_pieces(dict(worker.states)) if states else {})
 
+    def save(self, path: str, ranks: Sequence[int]) -> Failure | None:
+        """Write this device's parameter leaves and optimizer states to ``path`` with
+        orbax, together with the other processes of its mesh (``ranks``): each process
+        writes the shards it holds."""
+        import orbax.checkpoint as ocp
+
+        worker = self._installed()
+        tree: dict[str, Any] = {"params": {str(i): worker.leaves[i] for i in sorted(worker.leaves)}}
+        if worker.states:
+            tree["opt_state"] = {str(s): worker.states[s] for s in sorted(worker.states)}
+        try:
+            with ocp.StandardCheckpointer(multiprocessing_options=_together(ranks, self.device)) as checkpointer:
+                checkpointer.save(path, tree)
+                checkpointer.wait_until_finished()
+        except Exception as err:  # orbax and the file system raise many kinds
+            return Failure(f"device {self.device} could not save to {path}: {type(err).__name__}: {err}", None, self.device)
+        return None
+
+    def restore(self, path: str, ranks: Sequence[int], optimizer: optax.GradientTransformation | None) -> Failure | None:
+        """Read what :meth:`save` wrote to ``path`` back into place: every process reads
+        its own shards; the optimizer state only with ``optimizer`` (whose state it is)."""
+        import orbax.checkpoint as ocp
+
+        worker = self._installed()
+        kept = worker.kept()
+        target: dict[str, Any] = {
+            "params": {
+                str(i): jax.ShapeDtypeStruct(worker.model.param_avals[i].shape, worker.model.param_avals[i].dtype, sharding=kept[i])
+                for i in sorted(kept)
+            }
+        }
+        if optimizer is not None:
+            target["opt_state"] = {str(s): worker.abstract_state(optimizer, s) for s in worker.local}
+            self._optimizer = optimizer
+        try:
+            with ocp.StandardCheckpointer(multiprocessing_options=_together(ranks, self.device)) as checkpointer:
+                found = checkpointer.restore(path, target=target)
+        except Exception as err:  # orbax and the file system raise many kinds
+            return Failure(f"device {self.device} could not read {path}: {type(err).__name__}: {err}", None, self.device)
+        worker.load({int(i): v for i, v in found["params"].items()}, None)
+        if optimizer is not None:
+            worker.load(None, {int(s): v for s, v in found["opt_state"].items()})
+        return None
+
     def optimizer(self, optimizer: optax.GradientTransformation) -> None:
         """The optimizer of the following training steps."""
         self._optimizer = optimizer
@@ -295,6 +339,15 @@ class WorldProcess:
         if self.worker is None:
             raise ExecutionError(f"process {self.rank} runs no pipeline device yet")
         return self.worker
+
+
+def _together(ranks: Sequence[int], device: int) -> Any:
+    """orbax's options for the processes of one stage mesh saving or reading together."""
+    import orbax.checkpoint as ocp
+
+    return ocp.options.MultiprocessingOptions(
+        primary_host=min(ranks), active_processes=set(ranks), barrier_sync_key_prefix=f"pipedsl-device-{device}"
+    )
 
 
 def trace_model(spec: ModelSpec) -> StagedModel:

@@ -27,10 +27,13 @@ as numpy arrays.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -52,6 +55,7 @@ from pipedsl.rendezvous import exchange_order
 __all__ = ["Resident", "RayRunner", "world_shape"]
 
 _NEXT_PIPELINE_ID = itertools.count()
+_PLAN = "plan.json"  # in a checkpoint version: the plan that saved it, written last
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +291,80 @@ class RayRunner:
             mine = [parts[r][1][s] for r in self.ranks(placement[s])]
             states.append(assemble(mine))
         return tuple(states)
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def save(self, path: str | Path, *, step: int) -> Path:
+        """Save the parameters and optimizer state the world holds as ``path/step-<step>``:
+        one orbax checkpoint per pipeline device (``device-<d>``), written by the processes
+        of its mesh, each its own shards; then ``plan.json``, which records the plan and
+        marks the version complete. Returns the version's directory."""
+        self._check_open()
+        layout = self._installed
+        if layout is None:
+            raise ExecutionError("nothing to save yet: the world holds parameters after a step or Pipeline.init")
+        version = Path(path).absolute() / f"step-{step}"
+        if (version / _PLAN).exists():
+            raise ExecutionError(f"{version} already holds a saved step {step}; save under another step")
+        args = [
+            ((str(version / f"device-{self.device_of(r)}"), tuple(self.ranks(self.device_of(r)))), {})
+            for r in range(self.world.num_processes)
+        ]
+        self._raise_failures(self.world.call("save", args, what=f"saving step {step}", stage_of=self._stage_of))
+        record = json.dumps({"step": step, "plan": self._plan(layout)}, indent=1)
+        staged = version / (_PLAN + ".partial")
+        staged.write_text(record, encoding="utf-8")
+        os.replace(staged, version / _PLAN)
+        return version
+
+    def restore(
+        self, path: str | Path, like_params: Any, example: tuple[Any, Any], *, optimizer: optax.GradientTransformation | None
+    ) -> tuple[Resident, Resident | None, int]:
+        """Read the latest complete version under ``path`` back into the world: (params
+        handle, optimizer state handle or None without ``optimizer``, its step). Refuses a
+        checkpoint of another plan, saying what differs."""
+        self._check_open()
+        layout = self._layout(_avals(like_params), *example)
+        versions = sorted(
+            (int(v.name.split("-", 1)[1]), v) for v in Path(path).glob("step-*") if (v / _PLAN).exists() and v.name[5:].isdigit()
+        )
+        if not versions:
+            raise ExecutionError(f"{path}: no complete checkpoint (a step-<N> directory with {_PLAN})")
+        step, version = versions[-1]
+        saved = json.loads((version / _PLAN).read_text(encoding="utf-8"))["plan"]
+        mine = self._plan(layout)
+        differ = [k for k in mine if saved.get(k) != mine[k]]
+        if differ:
+            what = "; ".join(f"{k}: saved {saved.get(k)!r}, this pipeline {mine[k]!r}" for k in differ)
+            raise ExecutionError(
+                f"{version} was saved by another plan ({what}); resume it with the plan that saved it, or gather "
+                "the parameters there and pass them as arrays"
+            )
+        args = [
+            ((str(version / f"device-{self.device_of(r)}"), tuple(self.ranks(self.device_of(r))), optimizer), {})
+            for r in range(self.world.num_processes)
+        ]
+        self._raise_failures(self.world.call("restore", args, what=f"restoring step {step}", stage_of=self._stage_of))
+        self._sent = None
+        if optimizer is not None:
+            self._optimizer = optimizer
+        self._versions["params"] += 1
+        self._versions["opt_state"] += 1
+        return self._handle("params"), (self._handle("opt_state") if optimizer is not None else None), step
+
+    def _plan(self, layout: _Layout) -> dict[str, Any]:
+        """What a checkpoint must agree on to be read back in place."""
+        schedule = self.program.schedule
+        return {
+            "schedule": schedule.name,
+            "placement": list(schedule.placement),
+            "dp": self._mesh.dp,
+            "tp": self._mesh.tp,
+            "zero": self._mesh.zero,
+            "processes": self.world.num_processes,
+            "leaves": [[list(a.shape), str(a.dtype)] for a in layout.model.param_avals],
+            "specs": [str(spec) for spec in layout.spec.specs],
+        }
 
     def close(self) -> None:
         """End the world (its processes and their state)."""

@@ -319,6 +319,15 @@ class Worker:
                 if owner != me:
                     self.leaves[i] = yield Receive(("param", s, i), owner)
 
+    def abstract_state(self, optimizer: optax.GradientTransformation, stage: int) -> Any:
+        """The shapes, dtypes and shardings of local ``stage``'s optimizer state (a pytree
+        of ``jax.ShapeDtypeStruct``), for reading a saved state back in place."""
+        _, _, state_at = self._compiled_update(optimizer, stage)
+        model = self.model
+        owned = [model.param_avals[i] for i in model.owned(stage)]
+        shapes = jax.eval_shape(optimizer.init, jax.tree_util.tree_unflatten(model.owned_treedefs[stage], owned))
+        return jax.tree_util.tree_map(lambda v, at: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=at), shapes, state_at)
+
     def _compiled_update(self, optimizer: optax.GradientTransformation, stage: int) -> tuple[Callable, Callable, Any]:
         """(update, init, state shardings) of ``optimizer`` for ``stage``'s owned leaves:
         jitted so that the state is kept where the stage's layout says (ZeRO) and the

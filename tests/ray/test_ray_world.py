@@ -14,11 +14,14 @@ import os
 # the local instances it starts; Ray reads the variable when it is imported.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
+import re  # noqa: E402
 import signal  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -56,6 +59,7 @@ pytestmark = [
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+ROOT = Path(__file__).parents[2]
 CONFIG = RayConfig(step_timeout=240, start_timeout=120)
 
 
@@ -302,3 +306,40 @@ def _wait_gone(pid: int, *, within: float) -> None:
             pass
         assert time.monotonic() < deadline, f"process {pid} is still there"
         time.sleep(0.05)
+
+
+def test_cli_runs_a_searched_plan_whose_meshes_span_nodes(cluster: Cluster, tmp_path: Path) -> None:
+    # One row as `pipedsl search --csv` writes it: 1F1B, dp 2 over two processes per stage.
+    plans = tmp_path / "plans.csv"
+    columns = "rank,kind,schedule,dp,tp,pp,vpp,microbatches,microbatch_size,zero,step_time_s"
+    plans.write_text(f"{columns}\n1,hybrid,1f1b,2,1,2,1,2,1,0,0.01\n")
+    command = [sys.executable, "-m", "pipedsl", "run", "--plan", "1", "--plans", str(plans), "--steps", "2"]
+    command += ["--backend", "ray", "--address", cluster.address]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "plan 1 of" in done.stdout
+    losses = re.findall(r"^\s*\d+\s+([0-9.]+)\s+[0-9.]+ ms", done.stdout, re.MULTILINE)
+    assert len(losses) >= 2 and all(float(v) > 0 for v in losses), done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_checkpoint_per_shard_resumes_on_the_same_plan_and_refuses_another(cluster: Cluster, tmp_path: Path) -> None:
+    schedule = hybrid_schedule("1f1b", 2, 1)
+    _, params, batch, _, _ = hybrid_problem("explicit", 2, 2)
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=CONFIG) as pipe:
+        held, state, _ = pipe.train_step(params, None, batch, optimizer=HYBRID_ADAM)
+        version = pipe.save(str(tmp_path), step=1)
+        held, state, expected_loss = pipe.train_step(held, state, batch, optimizer=HYBRID_ADAM)
+        expected = pipe.gather(held)
+    # Every pipeline device's processes wrote their part.
+    assert sorted(p.name for p in Path(version).iterdir()) == ["device-0", "device-1", "plan.json"]
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=CONFIG) as again:
+        held, state, step = again.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
+        assert step == 1 and isinstance(state, Resident)
+        held, state, loss = again.train_step(held, state, batch, optimizer=HYBRID_ADAM)
+        assert_relative_close(loss, expected_loss)
+        assert_relative_close(again.gather(held), expected)
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=0, backend=CONFIG) as other:
+        with pytest.raises(ExecutionError, match=r"saved by another plan \(zero: saved 1, this pipeline 0\)"):
+            other.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
