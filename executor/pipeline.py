@@ -316,7 +316,7 @@ class Pipeline:
         """The compiled stage programs for these shapes on the local backend (built on
         the first step anyway; exposed for inspection and benchmarks)."""
         if not isinstance(self.backend, LocalBackend):
-            raise ExecutionError("compile() shows the local backend's programs; Ray actors compile their own")
+            raise ExecutionError("compile() shows the local backend's programs; the Ray world's processes compile their own")
         cut = self._split_batch(batch)
         return self.backend.compiled(self._param_tree(params), cut.example_inputs, cut.example_targets).programs
 

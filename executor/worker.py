@@ -20,7 +20,7 @@ of the leaves they own. :meth:`Worker.steps` runs a whole step on the device:
 Everything between devices goes through the backend's
 :class:`~pipedsl.executor.transport.Transport`. :meth:`Worker.steps` is the step as a
 generator that yields what it waits for (:class:`~pipedsl.executor.interpreter.Receive`,
-:class:`~pipedsl.executor.interpreter.Computed`): the Ray backend's actor answers each by
+:class:`~pipedsl.executor.interpreter.Computed`): a Ray backend process answers each by
 waiting (:func:`~pipedsl.executor.interpreter.drive`), the local backend runs every pipeline device's steps
 on one thread, switching devices where one waits.
 """
