@@ -25,6 +25,7 @@ it connects.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,14 @@ from jax.sharding import Mesh, PartitionSpec
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.interpreter import drive
 from pipedsl.executor.mesh import DATA, TENSOR, MeshConfig
-from pipedsl.executor.ray_transport import Hops, WorldTransport, addressable_pieces, signatures, worker_exchanges
+from pipedsl.executor.ray_transport import (
+    Hops,
+    Pieces,
+    WorldTransport,
+    addressable_pieces,
+    signatures,
+    worker_exchanges,
+)
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder
@@ -223,48 +231,46 @@ class WorldProcess:
         mine = {i: worker.leaves[i] for i in worker.owned} if params else {}
         return addressable_pieces(mine), (addressable_pieces(dict(worker.states)) if states else {})
 
-    def save(self, path: str, ranks: Sequence[int]) -> Failure | None:
-        """Write this device's parameter leaves and optimizer states to ``path`` with
-        orbax, together with the other processes of its mesh (``ranks``): each process
-        writes the shards it holds."""
-        import orbax.checkpoint as ocp
-
+    def save(self, path: str) -> Failure | None:
+        """Write the shards this process holds of its device's parameter leaves and
+        optimizer states to ``path/process-<rank>.pkl`` (whole, or not at all: written
+        aside, flushed, then renamed)."""
         worker = self._installed()
-        tree: dict[str, Any] = {"params": {str(i): worker.leaves[i] for i in sorted(worker.leaves)}}
-        if worker.states:
-            tree["opt_state"] = {str(s): worker.states[s] for s in sorted(worker.states)}
+        tree = {"params": dict(worker.leaves), "opt_state": dict(worker.states)}
+        target = os.path.join(path, f"process-{self.rank}.pkl")
         try:
-            with ocp.StandardCheckpointer(multiprocessing_options=_together(ranks, self.device)) as checkpointer:
-                checkpointer.save(path, tree)
-                checkpointer.wait_until_finished()
-        except Exception as err:  # orbax and the file system raise many kinds
-            return Failure(f"device {self.device} could not save to {path}: {type(err).__name__}: {err}", None, self.device)
+            os.makedirs(path, exist_ok=True)
+            staged = target + ".partial"
+            with open(staged, "wb") as file:
+                pickle.dump(addressable_pieces(tree), file, protocol=pickle.HIGHEST_PROTOCOL)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(staged, target)
+        except OSError as err:
+            return Failure(f"device {self.device} could not write {target}: {err.strerror or err}", None, self.device)
         return None
 
-    def restore(self, path: str, ranks: Sequence[int], optimizer: optax.GradientTransformation | None) -> Failure | None:
-        """Read what :meth:`save` wrote to ``path`` back into place: every process reads
-        its own shards; the optimizer state only with ``optimizer`` (whose state it is)."""
-        import orbax.checkpoint as ocp
-
+    def restore(self, path: str, optimizer: optax.GradientTransformation | None) -> Failure | None:
+        """Read back what :meth:`save` wrote for this process (the same plan puts the same
+        shards on the same process); the optimizer state only with ``optimizer``."""
         worker = self._installed()
-        kept = worker.kept()
-        target: dict[str, Any] = {
-            "params": {
-                str(i): jax.ShapeDtypeStruct(worker.model.param_avals[i].shape, worker.model.param_avals[i].dtype, sharding=kept[i])
-                for i in sorted(kept)
-            }
-        }
-        if optimizer is not None:
-            target["opt_state"] = {str(s): worker.abstract_state(optimizer, s) for s in worker.local}
-            self._optimizer = optimizer
+        source = os.path.join(path, f"process-{self.rank}.pkl")
         try:
-            with ocp.StandardCheckpointer(multiprocessing_options=_together(ranks, self.device)) as checkpointer:
-                found = checkpointer.restore(path, target=target)
-        except Exception as err:  # orbax and the file system raise many kinds
-            return Failure(f"device {self.device} could not read {path}: {type(err).__name__}: {err}", None, self.device)
-        worker.load({int(i): v for i, v in found["params"].items()}, None)
+            with open(source, "rb") as file:
+                saved = pickle.load(file)  # noqa: S301  # checkpoints are the user's own files
+        except OSError as err:
+            return Failure(f"device {self.device} could not read {source}: {err.strerror or err}", None, self.device)
+        kept = worker.kept()
+        worker.load({i: _placed(saved["params"][i], kept[i]) for i in kept}, None)
         if optimizer is not None:
-            worker.load(None, {int(s): v for s, v in found["opt_state"].items()})
+            self._optimizer = optimizer
+            states = {}
+            for s in worker.local:
+                at = worker.abstract_state(optimizer, s)
+                states[s] = jax.tree_util.tree_map(
+                    lambda piece, want: _placed(piece, want.sharding), saved["opt_state"][s], at
+                )
+            worker.load(None, states)
         return None
 
     def optimizer(self, optimizer: optax.GradientTransformation) -> None:
@@ -341,13 +347,19 @@ class WorldProcess:
         return self.worker
 
 
-def _together(ranks: Sequence[int], device: int) -> Any:
-    """orbax's options for the processes of one stage mesh saving or reading together."""
-    import orbax.checkpoint as ocp
+def _placed(piece: Pieces, sharding: Any) -> jax.Array:
+    """A saved array put back on ``sharding`` from the shards this process saved."""
+    shards = {_normal(k, piece.shape): v for k, v in piece.shards.items()}
+    arrays = [
+        jax.device_put(shards[_normal(tuple((sl.start, sl.stop) for sl in index), piece.shape)], device)
+        for device, index in sharding.addressable_devices_indices_map(piece.shape).items()
+    ]
+    return jax.make_array_from_single_device_arrays(piece.shape, sharding, arrays)
 
-    return ocp.options.MultiprocessingOptions(
-        primary_host=min(ranks), active_processes=set(ranks), barrier_sync_key_prefix=f"pipedsl-device-{device}"
-    )
+
+def _normal(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A shard's index as (start, stop) per axis, whole axes spelled out."""
+    return tuple((0 if a is None else a, n if b is None else b) for (a, b), n in zip(index, shape, strict=True))
 
 
 def trace_model(spec: ModelSpec) -> StagedModel:

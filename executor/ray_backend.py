@@ -296,9 +296,9 @@ class RayRunner:
 
     def save(self, path: str | Path, *, step: int) -> Path:
         """Save the parameters and optimizer state the world holds as ``path/step-<step>``:
-        one orbax checkpoint per pipeline device (``device-<d>``), written by the processes
-        of its mesh, each its own shards; then ``plan.json``, which records the plan and
-        marks the version complete. Returns the version's directory."""
+        per pipeline device a directory (``device-<d>``) where every process of its mesh
+        writes the shards it holds; then ``plan.json``, which records the plan and marks
+        the version complete. Returns the version's directory."""
         self._check_open()
         layout = self._installed
         if layout is None:
@@ -306,10 +306,7 @@ class RayRunner:
         version = Path(path).absolute() / f"step-{step}"
         if (version / _PLAN).exists():
             raise ExecutionError(f"{version} already holds a saved step {step}; save under another step")
-        args = [
-            ((str(version / f"device-{self.device_of(r)}"), tuple(self.ranks(self.device_of(r)))), {})
-            for r in range(self.world.num_processes)
-        ]
+        args = [((str(version / f"device-{self.device_of(r)}"),), {}) for r in range(self.world.num_processes)]
         self._raise_failures(self.world.call("save", args, what=f"saving step {step}", stage_of=self._stage_of))
         record = json.dumps({"step": step, "plan": self._plan(layout)}, indent=1)
         staged = version / (_PLAN + ".partial")
@@ -318,7 +315,12 @@ class RayRunner:
         return version
 
     def restore(
-        self, path: str | Path, like_params: Any, example: tuple[Any, Any], *, optimizer: optax.GradientTransformation | None
+        self,
+        path: str | Path,
+        like_params: Any,
+        example: tuple[Any, Any],
+        *,
+        optimizer: optax.GradientTransformation | None,
     ) -> tuple[Resident, Resident | None, int]:
         """Read the latest complete version under ``path`` back into the world: (params
         handle, optimizer state handle or None without ``optimizer``, its step). Refuses a
@@ -326,7 +328,9 @@ class RayRunner:
         self._check_open()
         layout = self._layout(_avals(like_params), *example)
         versions = sorted(
-            (int(v.name.split("-", 1)[1]), v) for v in Path(path).glob("step-*") if (v / _PLAN).exists() and v.name[5:].isdigit()
+            (int(v.name.split("-", 1)[1]), v)
+            for v in Path(path).glob("step-*")
+            if (v / _PLAN).exists() and v.name[5:].isdigit()
         )
         if not versions:
             raise ExecutionError(f"{path}: no complete checkpoint (a step-<N> directory with {_PLAN})")
@@ -341,8 +345,7 @@ class RayRunner:
                 "the parameters there and pass them as arrays"
             )
         args = [
-            ((str(version / f"device-{self.device_of(r)}"), tuple(self.ranks(self.device_of(r))), optimizer), {})
-            for r in range(self.world.num_processes)
+            ((str(version / f"device-{self.device_of(r)}"), optimizer), {}) for r in range(self.world.num_processes)
         ]
         self._raise_failures(self.world.call("restore", args, what=f"restoring step {step}", stage_of=self._stage_of))
         self._sent = None

@@ -316,6 +316,7 @@ def test_cli_runs_a_searched_plan_whose_meshes_span_nodes(cluster: Cluster, tmp_
     command = [sys.executable, "-m", "pipedsl", "run", "--plan", "1", "--plans", str(plans), "--steps", "2"]
     command += ["--backend", "ray", "--address", cluster.address]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the cluster is on loopback, so is its driver
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=False, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "plan 1 of" in done.stdout
