@@ -306,7 +306,9 @@ class RayRunner:
         version = Path(path).absolute() / f"step-{step}"
         if (version / _PLAN).exists():
             raise ExecutionError(f"{version} already holds a saved step {step}; save under another step")
-        args = [((str(version / f"device-{self.device_of(r)}"),), {}) for r in range(self.world.num_processes)]
+        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
+            ((str(version / f"device-{self.device_of(r)}"),), {}) for r in range(self.world.num_processes)
+        ]
         self._raise_failures(self.world.call("save", args, what=f"saving step {step}", stage_of=self._stage_of))
         record = json.dumps({"step": step, "plan": self._plan(layout)}, indent=1)
         staged = version / (_PLAN + ".partial")
@@ -344,7 +346,7 @@ class RayRunner:
                 f"{version} was saved by another plan ({what}); resume it with the plan that saved it, or gather "
                 "the parameters there and pass them as arrays"
             )
-        args = [
+        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
             ((str(version / f"device-{self.device_of(r)}"), optimizer), {}) for r in range(self.world.num_processes)
         ]
         self._raise_failures(self.world.call("restore", args, what=f"restoring step {step}", stage_of=self._stage_of))

@@ -214,11 +214,11 @@ class RayWorld:
         )
         timeout = config.start_timeout
         try:
-            address = ray.get(actors[0].coordinator.remote(owns_instance()), timeout=timeout)  # type: ignore[attr-defined]
-            where = ray.get([a.join.remote(address, timeout=timeout) for a in actors], timeout=timeout)  # type: ignore[attr-defined]
+            address = ray.get(actors[0].coordinator.remote(owns_instance()), timeout=timeout)
+            where = ray.get([a.join.remote(address, timeout=timeout) for a in actors], timeout=timeout)
         except BaseException as err:
             for actor in actors:
-                ray.kill(actor)  # type: ignore[arg-type]
+                ray.kill(actor)
             remove_placement_group(group)
             if not isinstance(err, Exception):
                 raise

@@ -108,8 +108,9 @@ def signatures(
                     floats = [a for a in model.input_avals[key.stage] if jnp.issubdtype(a.dtype, jnp.inexact)]
                     sig = batch(floats)
             else:
-                what, _, i = key  # type: ignore[misc]  # ("grad" | "param", stage, leaf)
-                sig = leaf(i, kept=what == "param")
+                assert isinstance(key, tuple)  # the worker's ("grad" | "param", stage, leaf)
+                what, _, i = key
+                sig = leaf(int(i), kept=what == "param")
             found[key] = sig
         return sig
 
@@ -134,6 +135,7 @@ class Hops:
         for the same transfer."""
         pair = self._pair(src, dst)
         key = (src, dst, signature)
+        moved: Any
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._program(pair, signature)
@@ -156,9 +158,9 @@ class Hops:
         mine = self._held(dst)
         out = []
         for y, (shape, _, spec) in zip(moved, signature, strict=True):
-            pieces = [s.data for s in y.addressable_shards if s.device in mine]
+            held = [s.data for s in y.addressable_shards if s.device in mine]
             arr = jax.make_array_from_single_device_arrays(
-                _flat(shape), NamedSharding(target, _flat_spec(shape, spec)), pieces
+                _flat(shape), NamedSharding(target, _flat_spec(shape, spec)), held
             )
             out.append(arr.reshape(()) if not shape else arr)
         return tuple(out)
