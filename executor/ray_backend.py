@@ -27,8 +27,6 @@ as numpy arrays.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -45,6 +43,7 @@ from pipedsl.executor.backend import StepResult
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.mesh import MeshConfig, leaf_specs
 from pipedsl.executor.ray_actor import Failure, ModelSpec, StepReport, trace_model
+from pipedsl.executor.ray_checkpoint import check_plan, finish_version, latest_version, new_version, plan_record
 from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig, RayWorld
 from pipedsl.executor.ray_transport import assemble
 from pipedsl.executor.stages import StagedModel
@@ -55,7 +54,6 @@ from pipedsl.rendezvous import exchange_order
 __all__ = ["Resident", "RayRunner", "world_shape"]
 
 _NEXT_PIPELINE_ID = itertools.count()
-_PLAN = "plan.json"  # in a checkpoint version: the plan that saved it, written last
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,25 +293,19 @@ class RayRunner:
     # -- checkpoints ------------------------------------------------------------------
 
     def save(self, path: str | Path, *, step: int) -> Path:
-        """Save the parameters and optimizer state the world holds as ``path/step-<step>``:
-        per pipeline device a directory (``device-<d>``) where every process of its mesh
-        writes the shards it holds; then ``plan.json``, which records the plan and marks
-        the version complete. Returns the version's directory."""
+        """Save the parameters and optimizer state the world holds as ``path/step-<step>``
+        (see :mod:`pipedsl.executor.ray_checkpoint`): every process writes the shards it
+        holds. Returns the version's directory."""
         self._check_open()
         layout = self._installed
         if layout is None:
             raise ExecutionError("nothing to save yet: the world holds parameters after a step or Pipeline.init")
-        version = Path(path).absolute() / f"step-{step}"
-        if (version / _PLAN).exists():
-            raise ExecutionError(f"{version} already holds a saved step {step}; save under another step")
+        version = new_version(path, step)
         args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
             ((str(version / f"device-{self.device_of(r)}"),), {}) for r in range(self.world.num_processes)
         ]
         self._raise_failures(self.world.call("save", args, what=f"saving step {step}", stage_of=self._stage_of))
-        record = json.dumps({"step": step, "plan": self._plan(layout)}, indent=1)
-        staged = version / (_PLAN + ".partial")
-        staged.write_text(record, encoding="utf-8")
-        os.replace(staged, version / _PLAN)
+        finish_version(version, step, self._plan(layout))
         return version
 
     def restore(
@@ -329,23 +321,8 @@ class RayRunner:
         checkpoint of another plan, saying what differs."""
         self._check_open()
         layout = self._layout(_avals(like_params), *example)
-        versions = sorted(
-            (int(v.name.split("-", 1)[1]), v)
-            for v in Path(path).glob("step-*")
-            if (v / _PLAN).exists() and v.name[5:].isdigit()
-        )
-        if not versions:
-            raise ExecutionError(f"{path}: no complete checkpoint (a step-<N> directory with {_PLAN})")
-        step, version = versions[-1]
-        saved = json.loads((version / _PLAN).read_text(encoding="utf-8"))["plan"]
-        mine = self._plan(layout)
-        differ = [k for k in mine if saved.get(k) != mine[k]]
-        if differ:
-            what = "; ".join(f"{k}: saved {saved.get(k)!r}, this pipeline {mine[k]!r}" for k in differ)
-            raise ExecutionError(
-                f"{version} was saved by another plan ({what}); resume it with the plan that saved it, or gather "
-                "the parameters there and pass them as arrays"
-            )
+        step, version = latest_version(path)
+        check_plan(version, self._plan(layout))
         args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
             ((str(version / f"device-{self.device_of(r)}"), optimizer), {}) for r in range(self.world.num_processes)
         ]
@@ -358,18 +335,13 @@ class RayRunner:
         return self._handle("params"), (self._handle("opt_state") if optimizer is not None else None), step
 
     def _plan(self, layout: _Layout) -> dict[str, Any]:
-        """What a checkpoint must agree on to be read back in place."""
-        schedule = self.program.schedule
-        return {
-            "schedule": schedule.name,
-            "placement": list(schedule.placement),
-            "dp": self._mesh.dp,
-            "tp": self._mesh.tp,
-            "zero": self._mesh.zero,
-            "processes": self.world.num_processes,
-            "leaves": [[list(a.shape), str(a.dtype)] for a in layout.model.param_avals],
-            "specs": [str(spec) for spec in layout.spec.specs],
-        }
+        return plan_record(
+            self.program.schedule,
+            self._mesh,
+            processes=self.world.num_processes,
+            leaves=layout.model.param_avals,
+            specs=layout.spec.specs,
+        )
 
     def close(self) -> None:
         """End the world (its processes and their state)."""
