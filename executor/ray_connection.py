@@ -45,6 +45,7 @@ from pipedsl.executor.errors import ExecutionError
 
 __all__ = ["connect", "disconnect", "owns_instance", "SLOT", "SLOTS"]
 
+_BACKEND_LOG_VAR = "RAY_BACKEND_LOG_LEVEL"
 SLOT = "pipedsl_device"
 """The custom resource of a local instance pipedsl starts; one per device actor."""
 SLOTS = 4096
@@ -111,6 +112,10 @@ def connect(
             where = "a local Ray instance"
         options["log_to_driver"] = verbose
         options["logging_level"] = logging.INFO if verbose else logging.ERROR
+        if not verbose:
+            # Ray's C++ side (its GCS client retrying an address, for one) logs warnings
+            # to this terminal; it reads its level when it starts. A level the user set stays.
+            os.environ.setdefault(_BACKEND_LOG_VAR, "error")
         _init_bounded(options, timeout, where)
         _Connection.started_here = address is None
         _Connection.users = 1
