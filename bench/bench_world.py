@@ -89,7 +89,10 @@ def bench_hops(repeat: int) -> None:
             there, back = (p.round_trips.remote(elements, repeat) for p in peers)
             times = ray.get(there)
             ray.get(back)
-            print(f"   {label:<7} {statistics.median(times) / 2 * 1e3:.2f} ms   (load average {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"   {label:<7} {statistics.median(times) / 2 * 1e3:.2f} ms   (load average {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
     finally:
         ray.shutdown()
 
@@ -119,7 +122,9 @@ def bench_steps(repeat: int, width: int) -> None:
     with Pipeline(tiny.stages, loss=tiny.loss, schedule=schedule, backend=config) as pipe:
         step = _median_step(pipe, tiny.init_stages(key), tiny.batch(key, 16), repeat)
     actions = schedule.num_actions
-    print("2. the executor's cost per action on Ray (2 processes, 1F1B, 16 microbatches, compute-free; every F and B of both stages)")
+    print(
+        "2. the executor's cost per action on Ray (2 processes, 1F1B, 16 microbatches, compute-free; every F and B of both stages)"
+    )
     print(f"   step {step * 1e3:.2f} ms over {actions} F and B actions: {step / actions * 1e6:.0f} us per action"
           f"   (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     model = mlp(num_stages=4, width=width, layers_per_stage=1)
