@@ -4,8 +4,9 @@
 ``stage_boundary`` markers) under a lowered schedule on a backend, every pipeline device a
 ``dp x tp`` mesh of JAX devices (``Pipeline(..., dp=, tp=, zero=, param_specs=)``; see
 :mod:`pipedsl.executor.mesh`); the ``local`` backend hosts one worker per pipeline device
-on threads of this process, the ``ray`` backend one Ray actor per pipeline device
-(``RayConfig``, ``RayDevices``); ``save_checkpoint`` and ``load_checkpoint`` keep
+on threads of this process, the ``ray`` backend one ``jax.distributed`` world of Ray
+processes whose stage meshes may span processes and nodes (``RayConfig``; see
+``docs/cluster.md``); ``save_checkpoint`` and ``load_checkpoint`` keep
 parameters and optimizer state across runs.
 
 JAX is imported on first use of ``Pipeline``, ``StepResult``, ``stage_boundary`` or the
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from pipedsl.executor.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
     from pipedsl.executor.pipeline import Pipeline, StepResult
     from pipedsl.executor.ray_backend import Resident
-    from pipedsl.executor.ray_cluster import DeviceLost, RayConfig, RayDevices
+    from pipedsl.executor.ray_cluster import DeviceLost, DeviceSlot, RayConfig
     from pipedsl.executor.split import stage_boundary
 
 __all__ = [
@@ -33,7 +34,7 @@ __all__ = [
     "StepResult",
     "stage_boundary",
     "RayConfig",
-    "RayDevices",
+    "DeviceSlot",
     "DeviceLost",
     "Resident",
     "Checkpoint",
@@ -46,7 +47,7 @@ _LAZY = {
     "StepResult": "pipedsl.executor.pipeline",
     "stage_boundary": "pipedsl.executor.split",
     "RayConfig": "pipedsl.executor.ray_cluster",
-    "RayDevices": "pipedsl.executor.ray_cluster",
+    "DeviceSlot": "pipedsl.executor.ray_cluster",
     "DeviceLost": "pipedsl.executor.ray_cluster",
     "Resident": "pipedsl.executor.ray_backend",
     "Checkpoint": "pipedsl.executor.checkpoint",

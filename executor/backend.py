@@ -1,8 +1,8 @@
 """What a backend provides to :class:`pipedsl.executor.pipeline.Pipeline`, and what a step returns.
 
 A backend owns the pipeline devices, one :class:`pipedsl.executor.worker.Worker` each
-(threads of this process for ``local``, Ray actors for ``ray``), and the state they
-keep between steps. The pipeline traces the model and splits the batch; the backend
+(threads of this process for ``local``; for ``ray`` the processes of a ``jax.distributed``
+world, several per device when its mesh spans them), and the state they keep between steps. The pipeline traces the model and splits the batch; the backend
 runs the step and hands back a :class:`StepResult`.
 """
 

@@ -34,7 +34,7 @@ from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.local import LocalBackend
 from pipedsl.executor.mesh import DATA, MeshConfig
 from pipedsl.executor.ray_backend import RayRunner
-from pipedsl.executor.ray_cluster import RayConfig, RayDevices
+from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.ir import Schedule
 from pipedsl.program import Program, lower
@@ -68,10 +68,9 @@ class Pipeline:
         whole mesh, gradients accumulated over microbatches (``1f1b`` keeps one
         microbatch's activations at a time, ``gpipe`` every microbatch's).
       backend: ``"local"`` (every pipeline device a mesh of JAX devices of this process),
-        ``"ray"`` (one Ray actor per pipeline device; a
-        :class:`~pipedsl.executor.ray_cluster.RayConfig` sets its options, a
-        :class:`~pipedsl.executor.ray_cluster.RayDevices` shares started actors; see
-        :mod:`pipedsl.executor.ray_backend`).
+        ``"ray"`` (one ``jax.distributed`` world of Ray processes, a stage mesh possibly
+        spanning several; a :class:`~pipedsl.executor.ray_cluster.RayConfig` sets its
+        options; see :mod:`pipedsl.executor.ray_backend`).
       remat: recompute each stage's forward during its backward instead of keeping its
         intermediates: one flag for all stages or one per stage.
       devices: for the local backend, the JAX devices of every pipeline device in order,
@@ -95,7 +94,7 @@ class Pipeline:
         *,
         loss: Callable[[Any, Any], Any],
         schedule: Schedule,
-        backend: str | RayConfig | RayDevices = "local",
+        backend: str | RayConfig = "local",
         remat: bool | Sequence[bool] = False,
         devices: Sequence[jax.Device] | None = None,
         recv_timeout: float = 300.0,
@@ -120,7 +119,7 @@ class Pipeline:
         *,
         loss: Callable[[Any, Any], Any],
         schedule: Schedule,
-        backend: str | RayConfig | RayDevices = "local",
+        backend: str | RayConfig = "local",
         remat: bool | Sequence[bool] = False,
         devices: Sequence[jax.Device] | None = None,
         recv_timeout: float = 300.0,
@@ -144,7 +143,7 @@ class Pipeline:
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
         schedule: Schedule,
-        backend: str | RayConfig | RayDevices,
+        backend: str | RayConfig,
         remat: bool | Sequence[bool],
         devices: Sequence[jax.Device] | None,
         recv_timeout: float,
@@ -162,8 +161,8 @@ class Pipeline:
             if len(flags) != schedule.num_stages:
                 raise ExecutionError(f"remat has {len(flags)} flags; the schedule has {schedule.num_stages} stages")
         self.backend: Backend
-        if backend == "ray" or isinstance(backend, (RayConfig, RayDevices)):
-            # Parameters live in the actors, so the runner takes over whole steps.
+        if backend == "ray" or isinstance(backend, RayConfig):
+            # Parameters live in the world, so the runner takes over whole steps.
             self.backend = RayRunner.start(
                 self.program,
                 backend,
@@ -175,8 +174,8 @@ class Pipeline:
                 mesh=mesh,
                 param_specs=param_specs,
             )
-            # A pipeline dropped without close() still releases its actors when collected
-            # (at exit, Ray's own shutdown stops them).
+            # A pipeline dropped without close() still ends its world when collected (at
+            # exit, Ray's own shutdown stops the processes).
             release = weakref.finalize(self, self.backend.close)
             release.atexit = False  # type: ignore[misc]  # a documented attribute typeshed lacks
         elif backend == "local":
@@ -251,14 +250,60 @@ class Pipeline:
         """``value`` (parameters, optimizer state, gradients) on the driver as numpy arrays
         in plain pytrees, however it is sharded.
 
-        On Ray, ``train_step`` returns handles to the state its actors hold
+        On Ray, ``train_step`` returns handles to the state its world holds
         (:class:`pipedsl.executor.ray_backend.Resident`); this fetches them.
         """
         return self.backend.gather(value)
 
+    def init(self, init: Callable[..., Any], *args: Any, batch: tuple[Any, Any]) -> Any:
+        """The parameters made as ``init(*args)`` (a function returning the parameters'
+        pytree, e.g. of a PRNG key) where they live: on Ray inside the world, jitted over
+        each stage mesh so that every process computes only its own shards (a
+        :class:`~pipedsl.executor.ray_backend.Resident` handle; ``batch`` is one batch
+        of the shapes the steps take, for the stages to be compiled first); on the local
+        backend the arrays. Pass the result to the steps as ``params``."""
+        if not isinstance(self.backend, RayRunner):
+            return jax.jit(init)(*args)
+        tree = self._param_tree(jax.eval_shape(init, *args))
+        cut = self._split_batch(batch)
+        return self.backend.init(init, args, tree, (cut.example_inputs, cut.example_targets))
+
+    def save(self, path: str, *, step: int) -> str:
+        """On Ray: save the parameters and optimizer state where they are, each process
+        of the world writing its own shards (orbax), as ``path/step-<step>``; returns
+        that directory. Resume with :meth:`restore` on the same plan. (The local backend
+        saves with :func:`pipedsl.executor.checkpoint.save_checkpoint`.)"""
+        if not isinstance(self.backend, RayRunner):
+            raise ExecutionError("Pipeline.save writes a Ray world's shards; locally use pipedsl.executor.save_checkpoint")
+        return str(self.backend.save(path, step=step))
+
+    def restore(
+        self, path: str, *, like_params: Any, batch: tuple[Any, Any], optimizer: optax.GradientTransformation | None = None
+    ) -> tuple[Any, Any, int]:
+        """On Ray: read the latest step :meth:`save` wrote under ``path`` back into the
+        world (each process its own shards): (params handle, optimizer state handle, or
+        None without ``optimizer``, the step). ``like_params`` gives the parameters'
+        structure and shapes (arrays or ``jax.ShapeDtypeStruct``), ``batch`` one batch of
+        the steps' shapes. A checkpoint of another plan is refused, naming what differs."""
+        if not isinstance(self.backend, RayRunner):
+            raise ExecutionError("Pipeline.restore reads a Ray world's shards; locally use pipedsl.executor.load_checkpoint")
+        cut = self._split_batch(batch)
+        tree = self._param_tree(like_params)
+        return self.backend.restore(path, tree, (cut.example_inputs, cut.example_targets), optimizer=optimizer)
+
+    def placement(self) -> tuple[tuple[DeviceSlot, ...], ...]:
+        """Per pipeline device, its stage mesh's devices (``dp x tp``, row-major) as
+        (node id, process id, device id): on Ray the Ray node, the process's rank in the
+        world and the global JAX device id; locally node ``"local"``, process 0."""
+        if isinstance(self.backend, RayRunner):
+            return self.backend.placement()
+        assert isinstance(self.backend, LocalBackend)
+        return tuple(
+            tuple(DeviceSlot("local", 0, dev.id) for dev in m.devices.flat) for m in self.backend.meshes
+        )
+
     def close(self) -> None:
-        """Release what the backend holds for this pipeline (on Ray: the actors' state,
-        and the actors themselves unless they were shared)."""
+        """Release what the backend holds for this pipeline (on Ray: its world)."""
         self.backend.close()
 
     def __enter__(self) -> Self:
@@ -271,7 +316,7 @@ class Pipeline:
         """The compiled stage programs for these shapes on the local backend (built on
         the first step anyway; exposed for inspection and benchmarks)."""
         if not isinstance(self.backend, LocalBackend):
-            raise ExecutionError("compile() shows the local backend's programs; Ray actors compile their own")
+            raise ExecutionError("compile() shows the local backend's programs; the Ray world's processes compile their own")
         cut = self._split_batch(batch)
         return self.backend.compiled(self._param_tree(params), cut.example_inputs, cut.example_targets).programs
 

@@ -1,30 +1,34 @@
-"""The Ray backend's device actor: a thin shell around one :class:`~pipedsl.executor.worker.Worker`.
+"""The Ray backend's process actor: one process of a pipeline's ``jax.distributed`` world.
 
-A :class:`DeviceActor` lives in its own Ray worker process (threaded: several method
-calls run at once) and owns a ``dp x tp`` mesh of that process's JAX devices (on CPU
-the actor's own forced host device count, set through its runtime environment; on GPU
-the ``dp x tp`` GPUs Ray gave it). For every pipeline that uses it, it holds one worker:
-the stages it owns, traced and compiled here from the model the driver shipped once
-(compiled stages are cached per model, so pipelines of one model reuse them), and the
-resident parameters and optimizer state.
+A :class:`WorldProcess` is a Ray actor in a process of its own, started with its JAX devices
+set before JAX starts (on CPU ``devices_per_process`` forced host devices through
+``XLA_FLAGS``; on GPU the GPUs Ray gave it). :meth:`WorldProcess.join` makes it one process of
+the world (gloo collectives on CPU), after which every process sees every JAX device of the
+world. Its devices belong to one pipeline device, whose stage mesh may span several
+processes (``dp`` across them, ``tp`` inside each): the process runs that device's program
+(:class:`~pipedsl.executor.worker.Worker`), SPMD with the other processes of the mesh, each
+computing its own shards; transfers between pipeline devices are compiled collectives
+(:mod:`pipedsl.executor.ray_transport`).
 
-One driver call, :meth:`DeviceActor.run_step`, runs a whole step on the device through
-the worker (program, shared-gradient sums, barrier, optimizer update, hand-out of
-shared parameters; see :mod:`pipedsl.executor.worker`), with a
-:class:`~pipedsl.executor.ray_transport.RayTransport` for everything between devices
-(the driver sees none of it), and turns the outcome into a :class:`StepReport` or a
-:class:`Failure`.
+The driver is not in the world. It ships the model once (:meth:`WorldProcess.install`: the
+process traces it and compiles its device's stages), then per step the batch's leaves to the
+processes of the first and last stages (:meth:`WorldProcess.run_step`), and gets back a
+:class:`StepReport`: the loss, and gradients only when asked (as this process's shards).
+Parameters and optimizer state are made and kept in the world: from the driver's arrays
+(each process places its shards), or by an init function run in the world
+(:meth:`WorldProcess.init_params`: each process computes only its own shards).
 
-``ray`` is imported inside the methods that need it: this module is also imported by
-the driver before it connects (see :mod:`pipedsl.executor.ray_cluster`).
+``ray`` is imported inside the methods that need it: the driver imports this module before
+it connects.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import socket
 import time
-from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,34 +37,36 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from pipedsl.executor.devices import xla_device_flag
-from pipedsl.executor.errors import ExecutionError, PeerFailed
+from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.interpreter import drive
-from pipedsl.executor.mesh import MeshConfig, build_meshes
-from pipedsl.executor.ray_links import Channel, Layout, Links, structs
-from pipedsl.executor.ray_transport import Mailbox, RayTransport, from_wire
+from pipedsl.executor.mesh import DATA, TENSOR, MeshConfig
+from pipedsl.executor.ray_transport import (
+    Hops,
+    Pieces,
+    WorldTransport,
+    addressable_pieces,
+    signatures,
+    worker_exchanges,
+)
 from pipedsl.executor.split import marked_model
-from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder
 from pipedsl.executor.worker import Update, Worker, compile_device
-from pipedsl.program import Buffer, DeviceProgram, Recv, Send
+from pipedsl.program import Buffer, DeviceProgram
+from pipedsl.rendezvous import Exchange
 from pipedsl.timeline import Event
 
-__all__ = ["ModelSpec", "RayUpdate", "StepReport", "Failure", "DeviceActor", "trace_model"]
-
-# Compiled models kept per actor (least recently used dropped beyond this many).
-_CACHE_SIZE = 16
+__all__ = ["ModelSpec", "StepReport", "Failure", "WorldProcess", "trace_model"]
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """Everything an actor needs to trace and compile its stages (shipped once).
+    """Everything a process needs to trace and compile its stages (shipped once).
 
     ``stages`` (explicit stage functions) or ``model_fn`` (marked) is set; ``params`` is
     the parameters' pytree of ``jax.ShapeDtypeStruct``; ``inputs``/``targets`` one
-    microbatch, likewise; ``mesh`` the SPMD shape of every device and ``specs`` every
-    flat parameter leaf's ``PartitionSpec``.
+    microbatch's share, likewise; ``mesh`` the SPMD shape of every pipeline device and
+    ``specs`` every flat parameter leaf's ``PartitionSpec``.
     """
 
     stages: tuple[Any, ...] | None
@@ -77,304 +83,283 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class RayUpdate:
-    """The optimizer step that follows a step's program.
-
-    ``optimizer`` is sent the first time an actor meets ``optimizer_id`` (then None);
-    ``init`` starts the optimizer state afresh.
-    """
-
-    optimizer_id: int
-    optimizer: optax.GradientTransformation | None
-    init: bool
-
-
-@dataclass(frozen=True, slots=True)
 class StepReport:
-    """One device's step, as the driver gets it back.
+    """One process's step, as the driver gets it back.
 
-    ``loss`` is the mean loss when the last stage is here (numpy scalar), else None;
-    ``grads`` maps every flat leaf this device owns to its summed gradient (numpy),
-    only when the driver asked for gradients.
+    ``loss`` is the mean loss where the last stage is (a numpy scalar), else None;
+    ``grads`` maps every flat leaf this device owns to this process's shards of its
+    summed gradient (:func:`~pipedsl.executor.ray_transport.addressable_pieces`), only
+    when the driver asked; ``moved`` counts the collective transfers this process made.
     """
 
     loss: np.ndarray | None
-    grads: Mapping[int, np.ndarray]
+    grads: Mapping[int, Any]
     peak_held: int
     leftover: tuple[Buffer, ...]
     events: tuple[Event, ...]
+    moved: int
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """A device's step failed: the message, the stage to blame (if one is), whether it
-    only gave up because another device failed, and whether it had already applied its
-    optimizer update (the resident state is then no longer consistent)."""
+    """A process's step failed: the message and the stage to blame (if one is)."""
 
     message: str
     stage: int | None
     device: int
-    peer: bool
-    updated: bool
 
 
-@dataclass(frozen=True, slots=True)
-class _TracedModel:
-    """A model traced on this actor and the stages compiled for its mesh so far."""
+class WorldProcess:
+    """Process ``rank`` of a world of ``num_processes`` (see the module docstring)."""
 
-    model: StagedModel
-    programs: dict[int, StageProgram]
+    def __init__(self, rank: int, num_processes: int) -> None:
+        self.rank = rank
+        self.num_processes = num_processes
+        self.worker: Worker | None = None
+        self.device = -1
+        self._hops: Hops | None = None
+        self._orders: dict[bool, tuple[Exchange, ...]] = {}
+        self._signature: Callable[[Any], Any] | None = None
+        self._optimizer: optax.GradientTransformation | None = None
+        self._spec: ModelSpec | None = None
+        self._meshes: tuple[Mesh, ...] = ()
 
+    # -- the world -------------------------------------------------------------------
 
-class DeviceActor:
-    """Pipeline device ``index`` (see the module docstring); created by
-    :class:`pipedsl.executor.ray_cluster.RayDevices`, one per device."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.links: Links | None = None
-        self.mailbox = Mailbox({})
-        self.peers: tuple[Any, ...] = ()
-        self.mesh: Mesh | None = None
-        self._hosted: dict[int, Worker] = {}
-        # Per hosted pipeline: its model id, the (key, receiver) of its program's sends and
-        # the (key, sender) of its receives, in program order.
-        self._models: dict[int, int] = {}
-        self._planned: dict[int, tuple[tuple[Buffer, int], ...]] = {}
-        self._expected: dict[int, tuple[tuple[Buffer, int], ...]] = {}
-        self._traced: OrderedDict[int, _TracedModel] = OrderedDict()
-        self._optimizers: dict[int, optax.GradientTransformation] = {}
-        self._stepping: Worker | None = None  # the worker of the step running now
-
-    # -- set-up ----------------------------------------------------------------------
-
-    def where(self) -> tuple[str, str, int, str]:
-        """(Ray node id, node IP address, process id, first JAX device) of this actor."""
+    def coordinator(self, loopback: bool) -> str:
+        """An address for the world's coordinator on this node: a free port on
+        127.0.0.1 (``loopback``: a local instance pipedsl started) or on the node's IP."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid(), str(jax.local_devices()[0])
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"{host}:{port}"
 
-    def clock(self) -> float:
-        """This process's wall clock, in seconds."""
-        return time.time()
-
-    def serve(self) -> str:
-        """Start this actor's transfer server on its node's address; return the address."""
+    def join(self, address: str, *, timeout: float) -> tuple[str, str, int, tuple[int, ...]]:
+        """Join the world at ``address``; (Ray node id, node IP, process id, the global
+        ids of this process's JAX devices)."""
         import ray
 
-        self.links = Links(ray.util.get_node_ip_address())
-        self.mailbox = Mailbox(self.links.learned)
-        return self.links.address
+        if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            address, num_processes=self.num_processes, process_id=self.rank, initialization_timeout=max(1, int(timeout))
+        )
+        ids = tuple(d.id for d in jax.local_devices())
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid(), ids
 
-    def connect(self, peers: Sequence[Any], addresses: Sequence[str]) -> None:
-        """The handles of every device's actor and their transfer servers' addresses, by device."""
-        assert self.links is not None  # served before the group connects
-        self.peers = tuple(peers)
-        self.links.meet(tuple(addresses))
+    # -- the pipeline -----------------------------------------------------------------
 
     def install(
         self,
-        key: int,
-        program: DeviceProgram,
-        model_id: int,
         spec: ModelSpec,
+        program: DeviceProgram,
+        meshes: Sequence[Sequence[int]],
+        order: Sequence[Exchange],
         *,
-        num_devices: int,
         recv_timeout: float,
     ) -> Failure | None:
-        """Host pipeline ``key`` (its device program; the pipeline runs on devices
-        ``0..num_devices-1``) with model ``model_id``: trace the model and compile this
-        device's stages for its mesh, unless an earlier install did. Keeps the
-        pipeline's resident state."""
+        """Run pipeline device ``program.device``, whose stage mesh is (with every other
+        device's) ``meshes[d]``: global JAX device ids, ``dp x tp`` in row-major order.
+        ``order`` is the program's exchange order (:func:`pipedsl.rendezvous.exchange_order`)."""
         try:
-            mesh = self._mesh(spec.mesh)
-            traced = self._compiled(model_id, spec, program.stages, mesh)
-            worker = Worker(
-                program,
-                traced.model,
-                traced.programs,
+            by_id = {d.id: d for d in jax.devices()}
+            config = spec.mesh
+            self._meshes = tuple(
+                Mesh(np.array([by_id[i] for i in ids]).reshape(config.dp, config.tp), (DATA, TENSOR)) for ids in meshes
+            )
+            mesh = self._meshes[program.device]
+            model = trace_model(spec)
+            programs = compile_device(
+                model,
+                program.stages,
+                mesh,
+                specs=spec.specs,
+                zero=config.zero,
+                num_microbatches=spec.num_microbatches,
+                remat=spec.remat,
                 placement=spec.placement,
-                num_devices=num_devices,
+            )
+            self.worker = Worker(
+                program,
+                model,
+                programs,
+                placement=spec.placement,
+                num_devices=len(meshes),
                 num_microbatches=spec.num_microbatches,
                 recv_timeout=recv_timeout,
+                barrier=False,
             )
         except ExecutionError as err:
-            return Failure(str(err), err.stage, self.index, peer=False, updated=False)
-        old = self._hosted.get(key)
-        if old is not None:
-            worker.leaves, worker.states = old.leaves, old.states
-        self._hosted[key] = worker
-        self._models[key] = model_id
-        self._planned[key] = tuple((i.buffer, i.peer) for i in program.instructions if isinstance(i, Send))
-        self._expected[key] = tuple((i.buffer, i.peer) for i in program.instructions if isinstance(i, Recv))
+            return Failure(str(err), err.stage, program.device)
+        self.device = program.device
+        self._spec = spec
+        self._hops = Hops(self._meshes)
+        self._signature = signatures(model, mesh, spec.specs, zero=config.zero)
+        after = {u: worker_exchanges(model, spec.placement, update=u) for u in (False, True)}
+        self._orders = {u: tuple(order) + after[u] for u in (False, True)}
         return None
 
-    def load(self, key: int, leaves: Mapping[int, Any] | None, states: Mapping[int, Any] | None) -> None:
-        """Replace pipeline ``key``'s parameter leaves (by flat index) and optimizer
-        states (by stage), each when given."""
-        self._hosted[key].load(leaves, states)
+    def load(self, leaves: Mapping[int, Any] | None, states: Mapping[int, Any] | None) -> None:
+        """Replace the parameter leaves (host arrays, by flat index) and the optimizer
+        states (by local stage), each when given; each process places its own shards."""
+        worker = self._installed()
+        worker.load(leaves, states)
 
-    def gather(self, key: int, *, params: bool, states: bool) -> tuple[dict[int, Any], dict[int, Any]]:
-        """Pipeline ``key``'s owned parameter leaves and its stages' optimizer states, as
-        numpy (each only when asked for)."""
-        return self._hosted[key].gather(params=params, states=states)
+    def init_params(self, init: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Make the parameter leaves this device's stages use as ``init(*args)`` (a pytree
+        with the parameters' structure), jitted over this device's mesh with each leaf's
+        sharding as its output's: each process computes only its own shards."""
+        worker = self._installed()
+        kept = worker.kept()
+        indices = sorted(kept)
 
-    def release(self, key: int) -> None:
-        """Forget pipeline ``key`` and its state."""
-        self._hosted.pop(key, None)
-        self._models.pop(key, None)
-        self._planned.pop(key, None)
-        self._expected.pop(key, None)
+        def pick(*a: Any) -> tuple[Any, ...]:
+            leaves = jax.tree_util.tree_leaves(init(*a))
+            return tuple(leaves[i] for i in indices)
 
-    # -- the links ---------------------------------------------------------------------
+        made = jax.jit(pick, out_shardings=tuple(kept[i] for i in indices))(*args)
+        worker.load(dict(zip(indices, made, strict=True)), None)
 
-    def deliver(
-        self, step: int, src: int, key: Hashable, value: Any, *, learn: tuple[Channel, Layout | None] | None = None
-    ) -> None:
-        """A value from device ``src`` for ``step`` (called by the sending peer); with
-        ``learn``, the layout of the later values of its channel, which come by transfer
-        (see :mod:`pipedsl.executor.ray_links`)."""
-        mesh = self.mesh
-        assert mesh is not None  # a pipeline is installed before any step
-        known = None if learn is None else (learn[0], None if learn[1] is None else structs(learn[1], mesh))
-        self.mailbox.put(step, src, key, from_wire(value, mesh), learn=known)
+    def gather(self, *, params: bool, states: bool) -> tuple[dict[int, Any], dict[int, Any]]:
+        """This process's shards of the owned parameter leaves and of the local stages'
+        optimizer states (each only when asked for)."""
+        worker = self._installed()
+        mine = {i: worker.leaves[i] for i in worker.owned} if params else {}
+        return addressable_pieces(mine), (addressable_pieces(dict(worker.states)) if states else {})
 
-    def abort(self, step: int, device: int | None, message: str) -> None:
-        """``step`` failed elsewhere (device ``device``, or the driver when None)."""
-        self.mailbox.fail(step, message)
+    def save(self, path: str) -> Failure | None:
+        """Write the shards this process holds of its device's parameter leaves and
+        optimizer states to ``path/process-<rank>.pkl`` (whole, or not at all: written
+        aside, flushed, then renamed)."""
+        worker = self._installed()
+        tree = {"params": dict(worker.leaves), "opt_state": dict(worker.states)}
+        target = os.path.join(path, f"process-{self.rank}.pkl")
+        try:
+            os.makedirs(path, exist_ok=True)
+            staged = target + ".partial"
+            with open(staged, "wb") as file:
+                pickle.dump(addressable_pieces(tree), file, protocol=pickle.HIGHEST_PROTOCOL)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(staged, target)
+        except OSError as err:
+            return Failure(f"device {self.device} could not write {target}: {err.strerror or err}", None, self.device)
+        return None
+
+    def restore(self, path: str, optimizer: optax.GradientTransformation | None) -> Failure | None:
+        """Read back what :meth:`save` wrote for this process (the same plan puts the same
+        shards on the same process); the optimizer state only with ``optimizer``."""
+        worker = self._installed()
+        source = os.path.join(path, f"process-{self.rank}.pkl")
+        try:
+            with open(source, "rb") as file:
+                saved = pickle.load(file)  # noqa: S301  # checkpoints are the user's own files
+        except OSError as err:
+            return Failure(f"device {self.device} could not read {source}: {err.strerror or err}", None, self.device)
+        kept = worker.kept()
+        worker.load({i: _placed(saved["params"][i], kept[i]) for i in kept}, None)
+        if optimizer is not None:
+            self._optimizer = optimizer
+            states = {}
+            for s in worker.local:
+                at = worker.abstract_state(optimizer, s)
+                states[s] = jax.tree_util.tree_map(
+                    lambda piece, want: _placed(piece, want.sharding), saved["opt_state"][s], at
+                )
+            worker.load(None, states)
+        return None
+
+    def optimizer(self, optimizer: optax.GradientTransformation) -> None:
+        """The optimizer of the following training steps."""
+        self._optimizer = optimizer
 
     # -- the step ----------------------------------------------------------------------
 
     def run_step(
         self,
-        key: int,
-        step: int,
         inputs: Sequence[Any],
         targets: Sequence[Any],
         *,
-        params: Mapping[int, Any] | None,
-        update: RayUpdate | None,
+        update: bool | None,
         origin: float | None,
         return_grads: bool,
     ) -> StepReport | Failure:
-        """Run pipeline ``key``'s step on this device (see the module docstring).
+        """Run this process's share of one step (see the module docstring).
 
         ``inputs``/``targets`` are the whole batch's leaves where the first/last stage
-        lives (else empty); ``params``, when given, replace the parameter leaves (by flat
-        index) before the step; ``origin`` is the step's start on this actor's wall clock
-        when the step is recorded, else None.
+        lives (else empty); ``update`` is None for no optimizer step, else whether to
+        start the optimizer state afresh; ``origin`` is the step's start on this
+        process's wall clock when the step is recorded, else None.
         """
-        worker = self._hosted[key]
-        transport = self._transport(key, step, recording=origin is not None, timeout=worker.runtime.recv_timeout)
-        self.mailbox.begin(step)
-        worker.applied = False
-        self._stepping = worker
+        worker = self._installed()
+        assert self._hops is not None and self._signature is not None  # set by install
+        start = time.perf_counter()
+        transport = WorldTransport(self.device, self._orders[update is not None], self._hops, self._signature)
         try:
-            if params is not None:
-                worker.load(params, None)
+            step = None
+            if update is not None:
+                assert self._optimizer is not None  # sent before the first training step
+                step = Update(self._optimizer, init=update)
             steps = worker.steps(
                 transport,
                 inputs,
                 targets,
-                update=self._update(update),
-                recorder=Recorder(self.index, origin, clock=time.time) if origin is not None else None,
+                update=step,
+                recorder=Recorder(self.device, origin, clock=time.time) if origin is not None else None,
                 keep_grads=return_grads,
             )
             result = drive(steps, transport, timeout=worker.runtime.recv_timeout)
-            failure = transport.finish()
-            if failure is not None:
-                raise failure
-            return StepReport(
-                loss=None if result.loss is None else np.asarray(result.loss),
-                grads=jax.device_get(dict(result.grads)),
-                peak_held=result.peak_held,
-                leftover=result.leftover,
-                events=result.events,
-            )
-        except ExecutionError as err:
-            # A send that failed in the background is what made the program stop.
-            cause = transport.finish(err)
-            assert cause is not None  # finish returns its argument when the sends were fine
-            transport.abort(cause)
-            peer = isinstance(cause, PeerFailed)
-            return Failure(str(cause), cause.stage, self.index, peer=peer, updated=worker.applied)
-        except Exception as err:  # not ours: still reported as this device's failure
             transport.finish()
-            transport.abort(err)
-            message = f"device {self.index} failed: {type(err).__name__}: {err}"
-            return Failure(message, None, self.index, peer=False, updated=worker.applied)
-        finally:
-            self._stepping = None
-
-    def _update(self, update: RayUpdate | None) -> Update | None:
-        """The step's update, its optimizer kept here when this is the first to bring it."""
-        if update is None:
-            return None
-        if update.optimizer is not None:
-            self._optimizers[update.optimizer_id] = update.optimizer
-        return Update(self._optimizers[update.optimizer_id], init=update.init)
+            grads = addressable_pieces(dict(result.grads)) if return_grads else {}
+            loss = None if result.loss is None else np.asarray(result.loss.addressable_data(0))
+        except ExecutionError as err:
+            return Failure(str(err), err.stage, self.device)
+        except Exception as err:  # not ours: still reported as this device's failure
+            return Failure(f"device {self.device} failed: {type(err).__name__}: {err}", None, self.device)
+        return StepReport(
+            loss=loss,
+            grads=grads,
+            peak_held=result.peak_held,
+            leftover=result.leftover,
+            events=result.events,
+            moved=transport.moved,
+            seconds=time.perf_counter() - start,
+        )
 
     def doing(self) -> str:
-        """What this device's step is doing, in words ("idle" between steps); answered
-        in another of the actor's threads while the step runs."""
-        worker = self._stepping
+        """What this process's step is doing, in words; answered in another of the
+        actor's threads while the step runs."""
+        worker = self.worker
         return "idle" if worker is None else worker.doing()
 
-    def _transport(self, key: int, step: int, *, recording: bool, timeout: float) -> RayTransport:
-        """Pipeline ``key``'s links for ``step``."""
-        assert self.links is not None and self.mesh is not None  # served and installed before a step
-        return RayTransport(
-            self.index,
-            step,
-            self.mailbox,
-            self.peers,
-            self.links,
-            mesh=self.mesh,
-            pipeline=(key, self._models[key]),
-            planned=self._planned[key],
-            expected=self._expected[key],
-            recording=recording,
-            timeout=timeout,
-        )
+    def layout(self) -> tuple[int, tuple[int, ...]]:
+        """(pipeline device, global ids of its mesh's devices that this process holds)."""
+        mesh = self._meshes[self.device]
+        return self.device, tuple(d.id for d in mesh.devices.flat if d.process_index == jax.process_index())
 
-    # -- compiling -------------------------------------------------------------------
+    def _installed(self) -> Worker:
+        if self.worker is None:
+            raise ExecutionError(f"process {self.rank} runs no pipeline device yet")
+        return self.worker
 
-    def _mesh(self, config: MeshConfig) -> Mesh:
-        """This actor's mesh of ``config.dp x config.tp`` JAX devices (made once)."""
-        if self.mesh is None or self.mesh.devices.shape != (config.dp, config.tp):
-            devices = jax.local_devices()
-            if len(devices) < config.size:
-                raise ExecutionError(
-                    f"device {self.index}'s actor has {len(devices)} JAX device(s) but dp={config.dp} x "
-                    f"tp={config.tp} needs {config.size}; start the device group with that many JAX "
-                    f"devices per actor (on CPU its XLA_FLAGS={xla_device_flag(config.size)})",
-                    device=self.index,
-                )
-            self.mesh = build_meshes(1, config, devices=devices[: config.size], what=f"device {self.index}")[0]
-        return self.mesh
 
-    def _compiled(self, model_id: int, spec: ModelSpec, stages: Sequence[int], mesh: Mesh) -> _TracedModel:
-        traced = self._traced.get(model_id)
-        if traced is None:
-            traced = _TracedModel(trace_model(spec), {})
-            self._traced[model_id] = traced
-            if len(self._traced) > _CACHE_SIZE:
-                self._traced.popitem(last=False)
-        self._traced.move_to_end(model_id)
-        missing = [s for s in stages if s not in traced.programs]
-        traced.programs.update(
-            compile_device(
-                traced.model,
-                missing,
-                mesh,
-                specs=spec.specs,
-                zero=spec.mesh.zero,
-                num_microbatches=spec.num_microbatches,
-                remat=spec.remat,
-                placement=spec.placement,
-            )
-        )
-        return traced
+def _placed(piece: Pieces, sharding: Any) -> jax.Array:
+    """A saved array put back on ``sharding`` from the shards this process saved."""
+    shards = {_normal(k, piece.shape): v for k, v in piece.shards.items()}
+    arrays = [
+        jax.device_put(shards[_normal(tuple((sl.start, sl.stop) for sl in index), piece.shape)], device)
+        for device, index in sharding.addressable_devices_indices_map(piece.shape).items()
+    ]
+    return jax.make_array_from_single_device_arrays(piece.shape, sharding, arrays)
+
+
+def _normal(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A shard's index as (start, stop) per axis, whole axes spelled out."""
+    return tuple((0 if a is None else a, n if b is None else b) for (a, b), n in zip(index, shape, strict=True))
 
 
 def trace_model(spec: ModelSpec) -> StagedModel:

@@ -45,6 +45,7 @@ from pipedsl.executor.errors import ExecutionError
 
 __all__ = ["connect", "disconnect", "owns_instance", "SLOT", "SLOTS"]
 
+_BACKEND_LOG_VAR = "RAY_BACKEND_LOG_LEVEL"
 SLOT = "pipedsl_device"
 """The custom resource of a local instance pipedsl starts; one per device actor."""
 SLOTS = 4096
@@ -75,13 +76,16 @@ def connect(
     num_cpus: int | None = None,
     timeout: float = 30.0,
     system_config: Mapping[str, Any] | None = None,
+    verbose: bool = False,
 ) -> None:
     """Connect this process to Ray, once; every call must be paired with :func:`disconnect`.
 
     Joins ``address`` (or ``RAY_ADDRESS``) when given, else starts a local instance on
     127.0.0.1 with ``num_cpus`` CPUs (default: the machine's) and Ray's
     ``system_config`` options. When this process is already connected (by pipedsl or by
-    the caller's own ``ray.init``), that connection is used as it is. Raises
+    the caller's own ``ray.init``), that connection is used as it is. Unless ``verbose``,
+    Ray's own log lines below errors and its processes' output stay out of this terminal
+    (they remain in Ray's session logs). Raises
     :class:`ExecutionError` when the cluster does not answer within ``timeout`` seconds.
     """
     with _Connection.lock:
@@ -106,6 +110,12 @@ def connect(
             if system_config:
                 options["_system_config"] = dict(system_config)
             where = "a local Ray instance"
+        options["log_to_driver"] = verbose
+        options["logging_level"] = logging.INFO if verbose else logging.ERROR
+        if not verbose:
+            # Ray's C++ side (its GCS client retrying an address, for one) logs warnings
+            # to this terminal; it reads its level when it starts. A level the user set stays.
+            os.environ.setdefault(_BACKEND_LOG_VAR, "error")
         _init_bounded(options, timeout, where)
         _Connection.started_here = address is None
         _Connection.users = 1

@@ -71,7 +71,7 @@ def reserve(
     if gpus:
         bundle["GPU"] = gpus
     if not bundle:
-        raise ExecutionError("a device must reserve some CPUs or GPUs on a joined cluster; raise cpus_per_device")
+        raise ExecutionError("a device must reserve some CPUs or GPUs on a joined cluster; raise cpus_per_process")
     name = f"pipedsl {label} ({num_devices} devices, process {os.getpid()}, group {next(_GROUP_NUMBERS)})"
     group = placement_group([dict(bundle) for _ in range(num_devices)], strategy=strategy, name=name)
     try:
@@ -81,7 +81,7 @@ def reserve(
                 raise ExecutionError(short + _holders(group))
             if not group.wait(timeout_seconds=max(0.0, timeout - _QUICK_WAIT)):
                 have = {k: v for k, v in ray.cluster_resources().items() if k in _SHOWN}
-                hint = "fewer devices or a smaller cpus_per_device"
+                hint = "fewer devices or a smaller cpus_per_process"
                 if strategy != "PACK":
                     hint += ", or strategy PACK"
                 raise ExecutionError(
@@ -107,13 +107,13 @@ def _shortfall(bundle: Mapping[str, float], count: int) -> str | None:
         if need > total.get(resource, 0.0) + 1e-9:
             return (
                 f"the cluster cannot hold {count} devices of {_fmt(bundle)} each: they need {need:g} {resource} "
-                f"and it has {total.get(resource, 0.0):g} in all; use fewer devices or a smaller cpus_per_device"
+                f"and it has {total.get(resource, 0.0):g} in all; use fewer devices or a smaller cpus_per_process"
             )
         return (
             f"the cluster is full: {count} devices of {_fmt(bundle)} each need {need:g} {resource}, "
             f"{free.get(resource, 0.0):g} of its {total.get(resource, 0.0):g} are free. "
-            "Close pipelines you no longer use (Pipeline.close(), or a `with` block), share one "
-            "RayDevices group between pipelines, or use a smaller cpus_per_device"
+            "Close pipelines you no longer use (Pipeline.close(), or a `with` block), or use a "
+            "smaller cpus_per_process"
         )
     return None
 

@@ -20,7 +20,7 @@ of the leaves they own. :meth:`Worker.steps` runs a whole step on the device:
 Everything between devices goes through the backend's
 :class:`~pipedsl.executor.transport.Transport`. :meth:`Worker.steps` is the step as a
 generator that yields what it waits for (:class:`~pipedsl.executor.interpreter.Receive`,
-:class:`~pipedsl.executor.interpreter.Computed`): the Ray backend's actor answers each by
+:class:`~pipedsl.executor.interpreter.Computed`): a Ray backend process answers each by
 waiting (:func:`~pipedsl.executor.interpreter.drive`), the local backend runs every pipeline device's steps
 on one thread, switching devices where one waits.
 """
@@ -101,8 +101,13 @@ class Worker:
         num_devices: int,
         num_microbatches: int,
         recv_timeout: float,
+        barrier: bool = True,
     ) -> None:
         self.index = program.device
+        # Whether an optimizer step waits for every device first: needed where a failed
+        # device leaves the others able to take another step (not in a jax.distributed
+        # world, which a failure ends).
+        self.barrier = barrier
         self.program = program
         self.model = model
         self.runtime = DeviceRuntime(program, stages, recv_timeout=recv_timeout)
@@ -151,6 +156,10 @@ class Worker:
         if states is not None:
             self.states = {s: states[s] for s in self.local if s in states}
             self._placed_states.clear()
+
+    def kept(self) -> dict[int, NamedSharding]:
+        """Where each parameter leaf a local stage uses is kept, by flat index."""
+        return dict(self._kept)
 
     def gather(self, *, params: bool, states: bool) -> tuple[dict[int, Any], dict[int, Any]]:
         """The owned parameter leaves and the local stages' optimizer states as numpy
@@ -202,8 +211,9 @@ class Worker:
         self.phase = "summing shared gradients"
         grads = yield from self._sum_shared(transport, stage_grads)
         if update is not None:
-            self.phase = "waiting for every device to finish its program"
-            yield from self._barrier(transport)
+            if self.barrier:
+                self.phase = "waiting for every device to finish its program"
+                yield from self._barrier(transport)
             self.applied = True
             self.phase = "applying the optimizer update"
             yield from self._update(transport, update, grads)
@@ -308,6 +318,15 @@ class Worker:
                 owner = placement[model.owner[i]]
                 if owner != me:
                     self.leaves[i] = yield Receive(("param", s, i), owner)
+
+    def abstract_state(self, optimizer: optax.GradientTransformation, stage: int) -> Any:
+        """The shapes, dtypes and shardings of local ``stage``'s optimizer state (a pytree
+        of ``jax.ShapeDtypeStruct``), for reading a saved state back in place."""
+        _, _, state_at = self._compiled_update(optimizer, stage)
+        model = self.model
+        owned = [model.param_avals[i] for i in model.owned(stage)]
+        shapes = jax.eval_shape(optimizer.init, jax.tree_util.tree_unflatten(model.owned_treedefs[stage], owned))
+        return jax.tree_util.tree_map(lambda v, at: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=at), shapes, state_at)
 
     def _compiled_update(self, optimizer: optax.GradientTransformation, stage: int) -> tuple[Callable, Callable, Any]:
         """(update, init, state shardings) of ``optimizer`` for ``stage``'s owned leaves:

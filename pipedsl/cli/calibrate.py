@@ -317,8 +317,8 @@ def measure(
     each run and then the next round, so that a change in the machine's speed while they
     are timed reaches every run alike rather than the runs timed during it.
     ``each_round()``, when given, is called after every round, in turn with the runs
-    (the demo times the machine calibration's steps there). ``backend`` is ``"local"``, ``"ray"`` or a started
-    :class:`~pipedsl.executor.ray_cluster.RayDevices`.
+    (the demo times the machine calibration's steps there). ``backend`` is ``"local"``, ``"ray"`` or a
+    :class:`~pipedsl.executor.ray_cluster.RayConfig`.
     """
     trials: list[_Trial] = []
     try:
@@ -339,17 +339,20 @@ def measure(
 
 @contextlib.contextmanager
 def backend_for(name: str, devices: int, console: Console) -> Iterator[Any]:
-    """What to pass as ``backend``: ``"local"``, or for ``"ray"`` one group of actors that
-    serves every run (Ray starts once; each run ships its own model), closed on exit."""
+    """What to pass as ``backend``: ``"local"``, or for ``"ray"`` a Ray connection held for
+    every run (Ray starts once; each run starts its own world of processes), released on exit."""
     if name != "ray":
         yield name
         return
-    from pipedsl.executor.ray_cluster import RayConfig, RayDevices
+    from pipedsl.executor.ray_cluster import RayConfig, connect, disconnect
 
-    with RayDevices.start(devices, RayConfig()) as group:
-        where = sorted({node.ip for node in group.nodes})
-        console.print(f"Ray: {devices} actors on {', '.join(where)}", highlight=False)
-        yield group
+    config = RayConfig()
+    connect(config.address, timeout=config.start_timeout)
+    try:
+        console.print(f"Ray: one world of processes per run, {devices} pipeline devices each", highlight=False)
+        yield config
+    finally:
+        disconnect()
 
 
 def results_table(measurements: Sequence[Measurement]) -> Table:

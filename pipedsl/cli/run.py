@@ -163,7 +163,7 @@ def _train(args: argparse.Namespace) -> int:
     batch = model.batch(jax.random.fold_in(key, 1), batch_size)
     pipe, params = _build_pipeline(args, schedule, model, key)
     optimizer = optax.adam(args.lr)
-    platform = jax.devices()[0].platform if args.backend == "local" else "Ray actor"
+    platform = jax.devices()[0].platform if args.backend == "local" else "Ray process"
     print(_run_line(args, schedule, platform, model.name, shape, batch_size))
     params, opt_state, first = keeping.restore(pipe, params, batch, optimizer, steps=args.steps)
     if args.resume:

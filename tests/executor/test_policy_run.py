@@ -1,6 +1,6 @@
 """A synthesised schedule runs like any other: ``zb_auto`` at pp = 2, synthesised against a
 cost model with communication, gives ``jax.value_and_grad``'s loss and gradients on the
-local backend (and on Ray actors: ``tests/ray/test_ray.py``)."""
+local backend (and on a Ray world of processes: ``tests/ray/test_ray_world.py``)."""
 
 from __future__ import annotations
 

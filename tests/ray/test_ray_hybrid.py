@@ -1,7 +1,7 @@
-"""Hybrid plans on the Ray backend: every actor a ``dp x tp`` mesh of its own CPU devices.
+"""Hybrid plans on the Ray backend's world, on a local instance: two CPU devices per process.
 
-The actors get their host devices from the XLA flag in their runtime environment; the
-checks are the local backend's (``tests/executor/test_hybrid.py``), on a representative
+The processes get their host devices from the XLA flag in their runtime environment, and a
+stage mesh of dp x tp = 4 spans two of them (tp inside each); the checks are the local backend's (``tests/executor/test_hybrid.py``), on a representative
 subset: a hybrid plan with tensor parallelism and one with ZeRO-3, each matching
 ``jax.value_and_grad`` on one device and an optax step on one device.
 """
@@ -51,7 +51,7 @@ def local_ray() -> Iterator[None]:
 def test_ray_hybrid_plan_matches_single_device(local_ray: None, dp: int, tp: int, pp: int, name: str, zero: int) -> None:
     schedule = hybrid_schedule(name, pp, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", schedule.num_stages, dp)
-    pipe = hybrid("explicit", schedule, dp=dp, tp=tp, zero=zero, backend=RayConfig(step_timeout=300))
+    pipe = hybrid("explicit", schedule, dp=dp, tp=tp, zero=zero, backend=RayConfig(devices_per_process=2, step_timeout=300))
     try:
         result = pipe.step(params, batch)
         assert abs(float(result.loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))

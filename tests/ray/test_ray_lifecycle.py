@@ -2,7 +2,7 @@
 
 Every test runs pipedsl in a subprocess, as a user's script or the CLI would: addresses
 where no cluster answers fail within ``start_timeout``; several pipelines live at once on
-the local instance pipedsl starts, and each releases its actors when closed, when its
+the local instance pipedsl starts, and each releases its processes when closed, when its
 ``with`` block ends, when it is collected, and when compiling times out; Ctrl-C during a
 run (also during Ray's start-up) prints one line and leaves no Ray process of ours alive.
 "Ours" is found by an environment variable that the subprocess and every process it (and
@@ -100,10 +100,10 @@ def test_silent_address_fails_within_start_timeout_and_the_process_exits(silent_
     script = f"""
         import time
         from pipedsl.executor import ExecutionError
-        from pipedsl.executor.ray_cluster import RayConfig, RayDevices
+        from pipedsl.executor.ray_cluster import RayConfig, RayWorld
         start = time.monotonic()
         try:
-            RayDevices.start(2, RayConfig(address="127.0.0.1:{silent_port}", start_timeout=3))
+            RayWorld.start(2, 1, RayConfig(address="127.0.0.1:{silent_port}", start_timeout=3), label="silent")
         except ExecutionError as err:
             print(round(time.monotonic() - start, 1), err)
     """
@@ -138,7 +138,7 @@ LIFECYCLE = """
         return jnp.tanh(x @ p)
 
     def slow_to_trace(p, x):
-        if os.getpid() != DRIVER:  # only in the actors, while they compile
+        if os.getpid() != DRIVER:  # only in the processes, while they compile
             time.sleep(20)
         return dense(p, x)
 
@@ -210,7 +210,7 @@ def test_pipelines_share_the_local_instance_and_release_their_actors() -> None:
     assert out["after_with"] == out["after_gc"] == out["after_close"] == ["REMOVED"]
     waited, message = out["timeout"]
     assert waited < timeout + 5
-    assert f"did not finish within {timeout} s (step_timeout)" in message and "actors have been shut down" in message
+    assert f"did not finish within {timeout} s (step_timeout)" in message and "world has been torn down" in message
     assert out["after_timeout"] == ["REMOVED"]
     # The last user gone, the local instance pipedsl started was shut down.
     assert _none_left(mark, within=10) == []
