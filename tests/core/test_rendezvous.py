@@ -98,7 +98,7 @@ def test_every_library_schedule_runs_under_rendezvous() -> None:
                 schedule = library(name, pp=pp, microbatches=m)
             except pipedsl.PipedslError:
                 continue  # a shape this schedule does not take
-            program = schedule.lower()
+            program = pipedsl.lower(schedule)
             order = exchange_order(program)
             sends = sum(isinstance(i, Send) for device in program.devices for i in device.instructions)
             assert len(order) == sends
@@ -108,7 +108,7 @@ def test_every_library_schedule_runs_under_rendezvous() -> None:
 @settings(max_examples=60, deadline=None)
 @given(valid_schedules())
 def test_any_valid_schedule_runs_under_rendezvous(schedule: pipedsl.ir.Schedule) -> None:
-    program = schedule.lower()
+    program = pipedsl.lower(schedule)
     assert rendezvous_deadlock(program) == ()
     assert _rendezvous(program, exchange_order(program)) == []
 
@@ -116,15 +116,15 @@ def test_any_valid_schedule_runs_under_rendezvous(schedule: pipedsl.ir.Schedule)
 def test_1f1b_in_program_order_would_deadlock_under_rendezvous() -> None:
     # Why the order exists: device 0 sends its second activation before it receives the
     # first gradient, device 1 sends that gradient before it receives the second activation.
-    program = library("1f1b", pp=2, microbatches=4).lower()
+    program = pipedsl.lower(library("1f1b", pp=2, microbatches=4))
     assert _play(program, list(_in_program_order(program)), at_send=True) == [0, 1]
     # GPipe's transfers meet in program order: all forwards' first, then all backwards'.
-    gpipe = library("gpipe", pp=2, microbatches=4).lower()
+    gpipe = pipedsl.lower(library("gpipe", pp=2, microbatches=4))
     assert _play(gpipe, list(_in_program_order(gpipe)), at_send=True) == []
 
 
 def test_a_receive_nothing_sends_first_is_reported() -> None:
-    program = library("1f1b", pp=2, microbatches=2).lower()
+    program = pipedsl.lower(library("1f1b", pp=2, microbatches=2))
     d0 = program.devices[0]
     receive = next(i for i in d0.instructions if isinstance(i, Recv))
     # Device 0 now waits for the gradient of microbatch 0 before it sends any activation.
