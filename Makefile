@@ -56,7 +56,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_simulate.py
 	$(PY) bench/bench_executor.py
 	$(PY) bench/bench_hybrid.py
-	$(PY) bench/bench_ray.py
+	$(PY) bench/bench_world.py
 	$(PY) bench/bench_search.py
 	$(PY) bench/bench_synthesis.py
 	$(MAKE) --no-print-directory results

@@ -4,10 +4,8 @@ Two actors on a local Ray instance (all on 127.0.0.1) bounce a float32 array of 
 256 KB and 4 MB back and forth; the table gives the median one-way hop (half a round
 trip) of each transport, in milliseconds:
 
-- ``direct``: actor A calls ``B.echo(x)`` and waits for the result, as the Ray backend
-  sends what does not go by transfer (a channel's first value, shared gradients and
-  parameters, recorded steps; an argument over Ray's inline limit, 100 KB by default,
-  goes through the object store);
+- ``direct``: actor A calls ``B.echo(x)`` and waits for the result (an argument over Ray's
+  inline limit, 100 KB by default, goes through the object store);
 - ``direct+inline``: the same on an instance started with
   ``_system_config={"max_direct_call_object_size": ...}`` above the largest payload, so
   every argument travels inside the call;
@@ -16,9 +14,11 @@ trip) of each transport, in milliseconds:
   length, so the driver's own two hops drop out;
 - ``jax``: ``jax.experimental.transfer``, a transfer server per actor; A offers the
   array with ``await_pull`` under an id both sides know (the programs are static, so a
-  receiver knows what comes next and no message announces it) and B pulls it, then back:
-  how the Ray backend moves activations and input gradients
-  (:mod:`pipedsl.executor.ray_links`).
+  receiver knows what comes next and no message announces it) and B pulls it, then back.
+
+These are the transports the Ray backend used before its processes formed one
+``jax.distributed`` world; ``bench/bench_world.py`` measures the collective that replaced them
+the same way (median one-way hop), for the comparison.
 
 Direct calls and JAX transfers run in the same actors, in turn, so load drifts hit both
 alike; the raised inline limit and the compiled graphs each get an instance of their own

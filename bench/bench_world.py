@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Any
 
+from timing import record
+
 SIZES = {"4 B": 1, "256 KB": 64 * 1024, "4 MB": 1024 * 1024}  # float32 elements
 
 
@@ -72,7 +74,8 @@ class HopPeer:
         return times[2:]  # the first round trips compile
 
 
-def bench_hops(repeat: int) -> None:
+def bench_hops(repeat: int) -> dict[str, float]:
+    """Measurement 1: the median one-way hop per size, in ms."""
     import ray
 
     from pipedsl.executor.devices import xla_device_flag
@@ -85,14 +88,17 @@ def bench_hops(repeat: int) -> None:
         address = ray.get(peers[0].coordinator.remote())
         ray.get([p.join.remote(address, r) for r, p in enumerate(peers)])
         print("1. one inter-process hop, collective path (median ms, one way)")
+        figures: dict[str, float] = {}
         for label, elements in SIZES.items():
             there, back = (p.round_trips.remote(elements, repeat) for p in peers)
             times = ray.get(there)
             ray.get(back)
+            figures[f"hop_{label.replace(' ', '').lower()}_ms"] = statistics.median(times) / 2 * 1e3
             print(
                 f"   {label:<7} {statistics.median(times) / 2 * 1e3:.2f} ms   (load average {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
+        return figures
     finally:
         ray.shutdown()
 
@@ -108,7 +114,8 @@ def _median_step(pipe: Any, params: Any, batch: Any, repeat: int) -> float:
     return statistics.median(times)
 
 
-def bench_steps(repeat: int, width: int) -> None:
+def bench_steps(repeat: int, width: int) -> dict[str, float]:
+    """Measurements 2 and 3: the cost per action in us and the 4-process step in ms."""
     import jax
 
     from pipedsl.executor import Pipeline, RayConfig
@@ -127,12 +134,14 @@ def bench_steps(repeat: int, width: int) -> None:
     )
     print(f"   step {step * 1e3:.2f} ms over {actions} F and B actions: {step / actions * 1e6:.0f} us per action"
           f"   (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    figures = {"per_action_us": step / actions * 1e6}
     model = mlp(num_stages=4, width=width, layers_per_stage=1)
     schedule = load(library_path("1f1b"), pp=4, microbatches=8)
     with Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=config) as pipe:
         step = _median_step(pipe, model.init_stages(key), model.batch(key, 8 * 8), repeat)
     print(f"3. a 4-process 1F1B step (pp 4, 8 microbatches of 8 rows, width {width}): {step * 1e3:.1f} ms"
           f"   (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    return figures | {"step_1f1b_pp4_ms": step * 1e3}
 
 
 def main() -> None:
@@ -147,10 +156,12 @@ def main() -> None:
     import ray
 
     print(f"ray {ray.__version__}, jax {jax.__version__}, {os.cpu_count()} cores", file=sys.stderr)
+    figures: dict[str, float] = {}
     if args.only != "steps":
-        bench_hops(args.repeat)
+        figures |= bench_hops(args.repeat)
     if args.only != "hops":
-        bench_steps(args.repeat, args.width)
+        figures |= bench_steps(args.repeat, args.width)
+    record("bench_world", figures)
 
 
 if __name__ == "__main__":

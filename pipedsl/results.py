@@ -53,9 +53,10 @@ _TITLES = {
     "bench_executor_schedules": "Step times on the local backend: GPipe, 1F1B, ZB-H1, and one jax.jit of the same loop",
     "bench_hybrid_plans": "The demo transformer on 8 CPU devices: the search's plans, predicted against measured",
     "bench_hybrid_overhead": "The demo transformer on 8 CPU devices: the executor's steps against one jax.jit",
-    "bench_ray_overhead": "The Ray backend's cost per step and per action, against the local backend's",
-    "bench_ray_schedules": "Step times on Ray against the local backend",
-    "bench_transports": "One hop between two Ray actors",
+    "bench_ray_overhead": "The earlier Ray backend (one actor per pipeline device): cost per step and per action",
+    "bench_ray_schedules": "The earlier Ray backend: step times against the local backend",
+    "bench_world": "The Ray world: one hop as a compiled collective, the cost per action, a 4-process 1F1B step",
+    "bench_transports": "One hop between two Ray actors by the earlier transports (transfer servers, actor calls)",
     "demo": "`make demo`: the calibrated search's plans run for real, predicted against measured",
     "test_suite": "`make test`: the whole suite",
 }
