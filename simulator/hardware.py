@@ -99,6 +99,9 @@ class Model:
       learned_positions: True for a learned position-embedding table (s×h), False for
         rotary or other parameter-free positions.
       tied_embeddings: True when the logit layer reuses the input embedding matrix.
+      dropout: True when the layer applies dropout after attention and after the
+        feed-forward block (GPT), whose masks (one byte per value) the backward keeps;
+        False for models trained without it (Llama).
     """
 
     name: str
@@ -114,6 +117,7 @@ class Model:
     biases: bool = True
     learned_positions: bool = True
     tied_embeddings: bool = True
+    dropout: bool = True
 
     def __post_init__(self) -> None:
         owner = f"model {self.name!r}"
@@ -123,7 +127,7 @@ class Model:
             _check_int(owner, name, getattr(self, name))
         if self.kv_heads is not None:
             _check_int(owner, "kv_heads", self.kv_heads)
-        for name in ("gated_ffn", "biases", "learned_positions", "tied_embeddings"):
+        for name in ("gated_ffn", "biases", "learned_positions", "tied_embeddings", "dropout"):
             _check_bool(owner, name, getattr(self, name))
         if self.hidden % self.heads:
             raise DescriptionError(
