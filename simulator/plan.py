@@ -1,8 +1,10 @@
 """A parallel plan, and the pipeline schedule it runs.
 
 A :class:`Plan` says how a model is trained on a cluster: data-parallel ``dp``,
-tensor-parallel ``tp`` and pipeline-parallel ``pp`` degrees, ``vpp`` stages per pipeline
-device, the microbatch size, the global batch, the ZeRO stage, the recomputation mode and,
+tensor-parallel ``tp``, context-parallel ``cp`` and pipeline-parallel ``pp`` degrees, ``vpp``
+stages per pipeline device, the microbatch size, the global batch, the sharding mode (ZeRO
+stage, when gradients are reduced, whether gathered weights are dropped after the forward),
+the recomputation mode and,
 for ``pp > 1``, the schedule: a library name (``1f1b``) or a ``.sched`` file, evaluated
 with the plan's ``pp``, ``microbatches`` and (when it takes one) ``vpp``
 (:mod:`pipedsl.simulator.pipelines` evaluates and times it).
@@ -16,7 +18,7 @@ from typing import Any
 
 from pipedsl.errors import PipedslError
 
-__all__ = ["Recompute", "PlanError", "Plan"]
+__all__ = ["Recompute", "ContextExchange", "PlanError", "Plan"]
 
 
 class Recompute(enum.Enum):
@@ -25,6 +27,16 @@ class Recompute(enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+
+
+class ContextExchange(enum.Enum):
+    """How context-parallel ranks exchange keys and values: a ``ring`` passes each rank's
+    chunk around while attention runs on the chunk it holds (the exchange hides behind
+    that compute); ``all_gather`` gathers every chunk first, then attends (Llama 3's
+    choice: simple, exposed, cheap when grouped-query attention keeps K and V small)."""
+
+    RING = "ring"
+    ALL_GATHER = "all_gather"
 
 
 class PlanError(PipedslError):
@@ -37,11 +49,25 @@ class Plan:
     """How to train: the parallel degrees, batch split, sharding and recomputation.
 
     Attributes:
-      dp, tp, pp: data-, tensor- and pipeline-parallel degrees; GPUs = dp·tp·pp.
+      dp, tp, pp: data-, tensor- and pipeline-parallel degrees; GPUs = dp·tp·cp·pp.
+      cp: context-parallel degree: each sequence's tokens split over ``cp`` ranks, which
+        exchange keys and values for attention (``cp_exchange``) and hold the same weights
+        (their gradients are reduced over dp·cp ranks, as Megatron-LM does).
+      cp_exchange: how the context-parallel ranks exchange keys and values
+        (a :class:`ContextExchange` or its name).
       vpp: model stages per pipeline device (virtual pipeline stages).
       microbatch_size: sequences per microbatch b.
       global_batch: sequences per step; must be a multiple of dp·b.
-      zero: ZeRO stage 0–3 (sharding over the dp ranks).
+      zero: ZeRO stage 0–3 (sharding over the dp·cp ranks): 1 the optimizer state, 2 also
+        the gradients, 3 also the weights.
+      reduce_once: for ZeRO 2 and 3, accumulate each microbatch's gradients locally (fp32,
+        unsharded) and reduce-scatter them once per step, as Megatron-LM's distributed
+        optimizer and Llama 3's FSDP do; False reduce-scatters every microbatch's
+        gradients (what shards their memory). ZeRO 0 and 1 always reduce once per step.
+      reshard_after_forward: for ZeRO 3, drop the gathered weights after each forward and
+        gather them again for the backward (FSDP's ``FULL_SHARD``); False keeps them
+        gathered until the backward (FSDP's ``SHARD_GRAD_OP``), and with ``reduce_once``
+        for the whole step: one gather per step.
       recompute: ``none``, ``selective`` or ``full`` (a :class:`Recompute` or its name).
       schedule: for pp > 1, a library schedule's name (``1f1b``) or a ``.sched`` path;
         None for an SPMD plan (pp = 1).
@@ -61,10 +87,13 @@ class Plan:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     vpp: int = 1
     microbatch_size: int = 1
     global_batch: int
     zero: int = 0
+    reduce_once: bool = False
+    reshard_after_forward: bool = True
     recompute: Recompute = Recompute.NONE
     schedule: str | None = None
     sequence_parallel: bool = True
@@ -72,9 +101,10 @@ class Plan:
     dp_overlap: float = 1.0
     tp_overlap: float = 0.0
     reduce_bytes: int = 4
+    cp_exchange: ContextExchange = ContextExchange.RING
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "vpp", "microbatch_size", "global_batch"):
+        for name in ("dp", "tp", "pp", "cp", "vpp", "microbatch_size", "global_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"plan: {name} must be a whole number >= 1, got {value!r}")
@@ -86,7 +116,13 @@ class Plan:
             except ValueError:
                 choices = ", ".join(r.value for r in Recompute)
                 raise PlanError(f"plan: recompute must be one of {choices}, got {self.recompute!r}") from None
-        for name in ("sequence_parallel", "flash_attention"):
+        if not isinstance(self.cp_exchange, ContextExchange):
+            try:
+                object.__setattr__(self, "cp_exchange", ContextExchange(self.cp_exchange))
+            except ValueError:
+                choices = ", ".join(c.value for c in ContextExchange)
+                raise PlanError(f"plan: cp_exchange must be one of {choices}, got {self.cp_exchange!r}") from None
+        for name in ("sequence_parallel", "flash_attention", "reduce_once", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"plan: {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("dp_overlap", "tp_overlap"):
@@ -112,7 +148,25 @@ class Plan:
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def shards(self) -> int:
+        """Ranks that hold the same weights and share their ZeRO shards: dp·cp."""
+        return self.dp * self.cp
+
+    @property
+    def reduces_once(self) -> bool:
+        """Whether gradients are reduced once per step (accumulated locally until then):
+        always for ZeRO 0 and 1, for 2 and 3 when ``reduce_once`` says so."""
+        return self.zero < 2 or self.reduce_once
+
+    @property
+    def sharding(self) -> str:
+        """The sharding mode in words users know: ``zero2 once``, ``zero3 keep``, ..."""
+        once = " once" if self.zero >= 2 and self.reduce_once else ""
+        keep = " keep" if self.zero == 3 and not self.reshard_after_forward else ""
+        return f"zero{self.zero}{once}{keep}"
 
     @property
     def microbatches(self) -> int:
@@ -124,9 +178,10 @@ class Plan:
         """A short description such as ``1f1b dp8 tp8 pp16 mb1 zero1 selective``."""
         kind = "spmd" if self.schedule is None else _schedule_label(self.schedule)
         vpp = f" vpp{self.vpp}" if self.vpp > 1 else ""
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (
-            f"{kind} dp{self.dp} tp{self.tp} pp{self.pp}{vpp} mb{self.microbatch_size} "
-            f"zero{self.zero} {self.recompute.value}"
+            f"{kind} dp{self.dp} tp{self.tp}{cp} pp{self.pp}{vpp} mb{self.microbatch_size} "
+            f"{self.sharding} {self.recompute.value}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -134,11 +189,15 @@ class Plan:
             "dp": self.dp,
             "tp": self.tp,
             "pp": self.pp,
+            "cp": self.cp,
+            "cp_exchange": self.cp_exchange.value,
             "vpp": self.vpp,
             "microbatch_size": self.microbatch_size,
             "global_batch": self.global_batch,
             "microbatches": self.microbatches,
             "zero": self.zero,
+            "reduce_once": self.reduce_once,
+            "reshard_after_forward": self.reshard_after_forward,
             "recompute": self.recompute.value,
             "schedule": self.schedule,
             "sequence_parallel": self.sequence_parallel,
