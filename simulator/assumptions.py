@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pipedsl.simulator.collectives import all_reduce_choice, group_of
 from pipedsl.simulator.data_parallel import dp_group
 from pipedsl.simulator.hardware import Cluster, Model
-from pipedsl.simulator.plan import Plan, Recompute
+from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 
 __all__ = ["Assumption", "assumptions"]
 
@@ -45,11 +45,15 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
         Assumption("tp_overlap", f"{plan.tp_overlap:g}", "fraction of tensor-parallel collectives hidden by matmuls"),
         Assumption("reduce_dtype", "fp32" if plan.reduce_bytes == 4 else "bf16",
                    f"gradients reduced at {plan.reduce_bytes} bytes per value"),
+        Assumption("sharding", plan.sharding, _sharding_meaning(plan)),
     ]  # fmt: skip
+    if plan.cp > 1:
+        found.append(Assumption("cp_exchange", plan.cp_exchange.value, _EXCHANGE[plan.cp_exchange]))
     size = model.num_params / (plan.tp * plan.pp) * plan.reduce_bytes
     for name, group, num_bytes in (
         ("tp_collectives", group_of(plan.tp, 1, cluster), model.seq_len * plan.microbatch_size * model.hidden * 2),
         ("dp_collectives", dp_group(plan, cluster), size),
+        ("cp_collectives", group_of(plan.cp, plan.tp, cluster), model.seq_len * plan.microbatch_size * model.kv_width),
     ):
         if group.ranks > 1:
             algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
@@ -105,3 +109,25 @@ _RECOMPUTE = {
     Recompute.SELECTIVE: "attention's core is recomputed in the backward",
     Recompute.FULL: "each layer's forward is rerun in the backward; only its input is stored",
 }
+
+
+_EXCHANGE = {
+    ContextExchange.RING: "keys and values pass around the context-parallel ring behind attention's compute",
+    ContextExchange.ALL_GATHER: "keys and values are all-gathered before attention runs, exposed",
+}
+
+
+def _sharding_meaning(plan: Plan) -> str:
+    """The sharding mode in words: what is sharded over the dp·cp ranks, and when
+    gradients are reduced and weights gathered."""
+    shared = ("nothing sharded", "optimizer state sharded", "optimizer state and gradients sharded",
+              "optimizer state, gradients and weights sharded")[plan.zero]  # fmt: skip
+    if plan.zero == 0:
+        return f"{shared}; gradients all-reduced once per step"
+    when = "once per step (accumulated whole until then)" if plan.reduces_once else "every microbatch"
+    text = f"{shared} over {plan.shards} ranks; gradients reduce-scattered {when}"
+    if plan.zero == 3:
+        text += "; weights gathered for each forward and again for each backward" if plan.reshard_after_forward else (
+            "; weights gathered once per step and kept" if plan.reduce_once else
+            "; weights gathered for each forward and kept for its backward")  # fmt: skip
+    return text

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pipedsl.simulator.collectives import group_of
 from pipedsl.simulator.estimate import estimate
+from pipedsl.simulator.flops import FlopCount, step_flops
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, Recompute
@@ -76,12 +77,16 @@ def _measured_seconds(row: dict[str, str], model: Model, plan: Plan) -> float:
 
     ``tflops_per_gpu`` uses Narayanan et al.'s equation (3), which counts the recomputed
     forward: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per iteration;
-    ``samples_per_gpu_per_s`` is global batch / (GPUs × rate).
+    ``palm_tflops_per_gpu`` PaLM's count, (6·N + 12·l·h·s) per token
+    (:mod:`~pipedsl.simulator.flops`); ``samples_per_gpu_per_s`` is global batch /
+    (GPUs × rate).
     """
     reported = float(row["reported"])
     metric = row["metric"]
     if metric == "iteration_time_s":
         return reported
+    if metric == "palm_tflops_per_gpu":
+        return step_flops(model, plan, FlopCount.PALM) / (plan.gpus * reported * 1e12)
     if metric == "tflops_per_gpu":
         b, s, l, h, v = plan.global_batch, model.seq_len, model.layers, model.hidden, model.vocab
         flops = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
@@ -91,10 +96,11 @@ def _measured_seconds(row: dict[str, str], model: Model, plan: Plan) -> float:
     raise ValueError(f"{row['run']}: unknown metric {metric!r}")
 
 
-def _flag(row: dict[str, str], column: str) -> bool:
-    """An optional true/false column of the model's shape; empty or absent means the GPT
-    default (true: biases and LayerNorm, learned positions, a tied embedding)."""
-    value = row.get(column) or "true"
+def _flag(row: dict[str, str], column: str, default: str = "true") -> bool:
+    """An optional true/false column; empty or absent means ``default`` (for the model's
+    shape the GPT default, true: biases and LayerNorm, learned positions, a tied
+    embedding, dropout; a plain feed-forward block, ``gated_ffn`` false)."""
+    value = row.get(column) or default
     if value not in ("true", "false"):
         raise ValueError(f"{row['run']}: {column} must be true or false, got {value!r}")
     return value == "true"
@@ -105,7 +111,8 @@ def _run(row: dict[str, str]) -> Run:
     model = Model(name=row["run"], layers=n["layers"], hidden=n["hidden"], ffn_hidden=n["ffn_hidden"],
                   heads=n["heads"], kv_heads=int(row.get("kv_heads") or n["heads"]), seq_len=n["seq_len"],
                   vocab=n["vocab"], biases=_flag(row, "biases"), learned_positions=_flag(row, "learned_positions"),
-                  tied_embeddings=_flag(row, "tied_embeddings"))  # fmt: skip
+                  tied_embeddings=_flag(row, "tied_embeddings"), gated_ffn=_flag(row, "gated_ffn", "false"),
+                  dropout=_flag(row, "dropout"))  # fmt: skip
     plan = Plan(
         dp=n["dp"],
         tp=n["tp"],
@@ -121,9 +128,13 @@ def _run(row: dict[str, str]) -> Run:
         schedule=row["schedule"] or None,
         reduce_bytes=int(row.get("reduce_bytes") or 4),
         zero=int(row.get("zero") or 0),
+        cp=int(row.get("cp") or 1),
+        cp_exchange=row.get("cp_exchange") or "ring",
+        reduce_once=_flag(row, "reduce_once", "false"),
+        reshard_after_forward=_flag(row, "reshard_after_forward"),
     )
     if plan.gpus != n["gpus"]:
-        raise ValueError(f"{row['run']}: dp × tp × pp = {plan.gpus}, but the row says {n['gpus']} GPUs")
+        raise ValueError(f"{row['run']}: dp × tp × cp × pp = {plan.gpus}, but the row says {n['gpus']} GPUs")
     if row["role"] not in ("calibrate", "validate"):
         raise ValueError(f"{row['run']}: role must be calibrate or validate, got {row['role']!r}")
     layers = tuple(int(x) for x in row["stage_layers"].split()) or None

@@ -13,7 +13,8 @@ d = h/a, kv the key/value width, V vocabulary, t = tp):
   With FlashAttention the core is one fused kernel that keeps the s×s scores on chip,
   so its roofline counts only the bytes of Q, K, V and the output (4·s·d per head). The backward runs each linear product twice
   (input gradient into ``I``, weight gradient into ``W``, same shape, same cost) and
-  attention's core twice, in ``I``. The logits ``T × h × V/t`` sit on the last stage.
+  attention's core in ``I``: twice its forward when the scores are stored,
+  :data:`FLASH_BACKWARD` times with FlashAttention, whose backward recomputes them. The logits ``T × h × V/t`` sit on the last stage.
 - Each product of F FLOPs runs at ``min(peak, intensity × HBM) × matmul_efficiency ×
   F / (F + matmul_half_flops)`` (see :class:`~pipedsl.simulator.hardware.Cluster`).
 - Elementwise work (norms, dropout, activations, softmax, the loss) is bound by memory
@@ -45,11 +46,14 @@ from pipedsl.simulator.context_parallel import exposed_exchange
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, Recompute
 
-__all__ = ["Work", "Shapes", "gemm_seconds", "ELEMENTWISE_KERNELS", "LOSS_BYTES"]
+__all__ = ["Work", "Shapes", "gemm_seconds", "ELEMENTWISE_KERNELS", "FLASH_BACKWARD", "LOSS_BYTES"]
 
 ELEMENTWISE_KERNELS = 6
 """Elementwise kernels of one layer's forward with FlashAttention: two norms, two fused
 bias-dropout-residual adds, the activation and the split of the fused QKV output."""
+FLASH_BACKWARD = 2.5
+"""FlashAttention's backward over its forward: five products of the forward's size (the
+recomputed scores QKᵀ, then dV, dP, dQ and dK) against the forward's two (Dao 2023)."""
 LOSS_BYTES = 4
 """Bytes per logit of the fp32 softmax the loss keeps for its backward."""
 
@@ -218,7 +222,8 @@ class Shapes:
         # I carries everything on the activation-gradient path: the input-gradient matmuls,
         # attention's core, the elementwise backward and the backward collectives.
         input_grad = (
-            linear + 2 * attention + 2 * elementwise + collectives + exchange_backward
+            linear + (FLASH_BACKWARD if plan.flash_attention else 2) * attention + 2 * elementwise
+            + collectives + exchange_backward
             + launch * (linear_kernels + 2 * attention_kernels + elementwise_kernels)
         )  # fmt: skip
         if plan.recompute is Recompute.FULL:
@@ -246,5 +251,5 @@ class Shapes:
         return self.tokens * (m.vocab * LOSS_BYTES + m.hidden * m.dtype_bytes) / t
 
     def embedding_activation_bytes(self) -> float:
-        """The embedding dropout's mask, one byte per value."""
-        return self.tokens * self.model.hidden / self.plan.tp
+        """The embedding dropout's mask, one byte per value (nothing without dropout)."""
+        return self.tokens * self.model.hidden / self.plan.tp if self.model.dropout else 0.0
