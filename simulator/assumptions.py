@@ -120,12 +120,15 @@ _EXCHANGE = {
 def _sharding_meaning(plan: Plan) -> str:
     """The sharding mode in words: what is sharded over the dp·cp ranks, and when
     gradients are reduced and weights gathered."""
-    shared = ("nothing sharded", "optimizer state sharded", "optimizer state and gradients sharded",
-              "optimizer state, gradients and weights sharded")[plan.zero]  # fmt: skip
+    parts = ["optimizer state"]
+    if plan.zero >= 2 and not plan.reduce_once:
+        parts.append("gradients")
+    if plan.zero == 3 and plan.reshard_after_forward:
+        parts.append("weights")
     if plan.zero == 0:
-        return f"{shared}; gradients all-reduced once per step"
-    when = "once per step (accumulated whole until then)" if plan.reduces_once else "every microbatch"
-    text = f"{shared} over {plan.shards} ranks; gradients reduce-scattered {when}"
+        return "nothing sharded; gradients all-reduced once per step"
+    when = "accumulated whole, reduce-scattered once per step" if plan.reduces_once else "reduce-scattered every microbatch"
+    text = f"{', '.join(parts)} sharded over {plan.shards} ranks; gradients {when}"
     if plan.zero == 3:
         text += "; weights gathered for each forward and again for each backward" if plan.reshard_after_forward else (
             "; weights gathered once per step and kept" if plan.reduce_once else

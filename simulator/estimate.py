@@ -340,7 +340,7 @@ def prepare(
     """Work out ``plan``'s costs and memory without simulating (see :class:`Prepared`).
 
     ``pipelines`` caches evaluated schedules and simulations across calls. ``stage_layers`` gives
-    each of the pp × vpp stages its layers (default: an even split). With ``layout``, an order made
+    each of the pp × vpp stages its layers (default: the plan's, else an even split). With ``layout``, an order made
     later (a policy synthesised per plan): ``lower_bound_s`` only the tails, and no activations
     unless ``held`` gives each device's most activation bytes kept at once (the order's bound).
 
@@ -352,7 +352,7 @@ def prepare(
     """
     check_divides(model, cluster, plan)
     shapes = Shapes(model, cluster, plan)
-    layers = split_layers(model, plan.pp * plan.vpp, stage_layers)
+    layers = split_layers(model, plan.pp * plan.vpp, plan.stage_layers if stage_layers is None else stage_layers)
     params = stage_params(model, plan, layers)
     # The fullest device holds at least the average share: a cheap test before the
     # schedule is evaluated.

@@ -23,7 +23,7 @@ import enum
 from pipedsl.simulator.hardware import Model
 from pipedsl.simulator.plan import Plan, Recompute
 
-__all__ = ["FlopCount", "DEFAULT_FLOP_COUNT", "step_flops"]
+__all__ = ["FlopCount", "DEFAULT_FLOP_COUNT", "flops_per_token", "step_flops"]
 
 
 class FlopCount(enum.Enum):
@@ -38,14 +38,18 @@ DEFAULT_FLOP_COUNT = FlopCount.SIX_N
 """The count an estimate's ``mfu`` uses unless told otherwise."""
 
 
+def flops_per_token(model: Model, count: FlopCount, *, recompute: Recompute = Recompute.NONE) -> float:
+    """Model FLOPs of training on one token under ``count`` (``recompute`` matters only
+    to ``megatron``'s)."""
+    if count is FlopCount.SIX_N:
+        return 6.0 * model.num_params
+    if count is FlopCount.PALM:
+        return 6.0 * model.num_params + 12.0 * model.layers * model.hidden * model.seq_len
+    passes = 4.0 if recompute is Recompute.FULL else 3.0
+    return passes * model.layers * model.layer_forward_flops_per_token + 3.0 * model.logit_forward_flops_per_token
+
+
 def step_flops(model: Model, plan: Plan, count: FlopCount = DEFAULT_FLOP_COUNT) -> float:
     """Model FLOPs of one training step of ``plan`` (``global_batch × seq_len`` tokens)
     under ``count``."""
-    tokens = plan.global_batch * model.seq_len
-    if count is FlopCount.SIX_N:
-        return 6.0 * model.num_params * tokens
-    if count is FlopCount.PALM:
-        return (6.0 * model.num_params + 12.0 * model.layers * model.hidden * model.seq_len) * tokens
-    passes = 4.0 if plan.recompute is Recompute.FULL else 3.0
-    layers = model.layers * model.layer_forward_flops_per_token
-    return (passes * layers + 3.0 * model.logit_forward_flops_per_token) * tokens
+    return flops_per_token(model, count, recompute=plan.recompute) * plan.global_batch * model.seq_len

@@ -82,6 +82,9 @@ class Plan:
         Megatron-LM does without that option.
       reduce_bytes: bytes per gradient value in data-parallel reductions: 4 (fp32, as
         Megatron-LM reduces) or 2 (bf16, as mixed-precision FSDP often does).
+      stage_layers: the layers of each of the pp × vpp stages, or None for an even split
+        (:func:`~pipedsl.simulator.stages.split_layers`); Llama 3 405B runs 126 layers on
+        16 × 8 stages whose first and last hold none (:func:`~pipedsl.simulator.stages.ends_split`).
     """
 
     dp: int = 1
@@ -102,6 +105,7 @@ class Plan:
     tp_overlap: float = 0.0
     reduce_bytes: int = 4
     cp_exchange: ContextExchange = ContextExchange.RING
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "vpp", "microbatch_size", "global_batch"):
@@ -137,6 +141,16 @@ class Plan:
                 f"plan: global batch {self.global_batch} is not a multiple of dp × microbatch size = "
                 f"{self.dp} × {self.microbatch_size} = {per_step}; every data-parallel rank needs whole microbatches"
             )
+        if self.stage_layers is not None:
+            layers = tuple(self.stage_layers)
+            if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in layers):
+                raise PlanError(f"plan: stage_layers must be whole numbers >= 0, got {list(layers)}")
+            if len(layers) != self.pp * self.vpp:
+                raise PlanError(
+                    f"plan: stage_layers gives {len(layers)} stages, but pp × vpp = {self.pp} × {self.vpp} = "
+                    f"{self.pp * self.vpp}"
+                )
+            object.__setattr__(self, "stage_layers", layers)
         if self.pp == 1 and self.schedule is not None:
             raise PlanError(
                 f"plan: pp = 1 is an SPMD plan and runs no pipeline schedule; drop schedule {self.schedule!r}"
@@ -205,6 +219,7 @@ class Plan:
             "dp_overlap": self.dp_overlap,
             "tp_overlap": self.tp_overlap,
             "reduce_bytes": self.reduce_bytes,
+            "stage_layers": None if self.stage_layers is None else list(self.stage_layers),
         }
 
 

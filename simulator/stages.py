@@ -15,7 +15,7 @@ from pipedsl.simulator.hardware import Model
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.transformer import Shapes, Work
 
-__all__ = ["split_layers", "stage_params", "stage_residual", "stage_work"]
+__all__ = ["split_layers", "ends_split", "stage_params", "stage_residual", "stage_work"]
 
 
 def split_layers(model: Model, stages: int, given: Sequence[int] | None) -> tuple[int, ...]:
@@ -35,6 +35,17 @@ def split_layers(model: Model, stages: int, given: Sequence[int] | None) -> tupl
             f"choose pp × vpp dividing {model.layers}"
         )
     return tuple(model.layers // stages for _ in range(stages))
+
+
+def ends_split(layers: int, stages: int) -> tuple[int, ...] | None:
+    """``layers`` over ``stages`` stages whose first holds only the embedding and whose
+    last only the final norm, logits and loss, the others an equal share, shape (S,); None
+    where the stages between do not split the layers evenly (or there are fewer than 3).
+    Llama 3 405B's 126 layers on 16 × 8 stages: ``(0, 1, 1, ..., 1, 0)``."""
+    inner = stages - 2
+    if inner < 1 or layers % inner:
+        return None
+    return (0, *(layers // inner for _ in range(inner)), 0)
 
 
 def stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[float, ...]:

@@ -7,6 +7,9 @@
         --schedule interleaved_1f1b [--json]
     pipedsl search --model gpt3-175b --cluster a100-80gb --gpus 1024 --global-batch 1536 \\
         [--top 20] [--csv plans.csv] [my_schedule.sched ...]
+    pipedsl estimate --model llama-405b --cluster h100-80gb --dp 64 --tp 8 --pp 16 --vpp 8 \\
+        --global-batch 2048 --zero 2 --reduce-once --stage-layers ends \\
+        --schedule interleaved_1f1b --mfu-flops palm
 
 ``--model`` and ``--cluster`` take a preset name or a TOML file (see
 :mod:`pipedsl.simulator.hardware`).
@@ -24,6 +27,7 @@ from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
+from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, flops_per_token
 from pipedsl.simulator.hardware import (
     Model,
     cluster_presets,
@@ -31,8 +35,9 @@ from pipedsl.simulator.hardware import (
     load_model,
     model_presets,
 )
-from pipedsl.simulator.plan import Plan, Recompute
+from pipedsl.simulator.plan import ContextExchange, Plan, PlanError, Recompute
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
+from pipedsl.simulator.stages import ends_split
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -94,6 +99,27 @@ def _check_model_size(model: Model) -> None:
             )
 
 
+def _stage_layers(text: str | None, model: Model, stages: int) -> tuple[int, ...] | None:
+    """``--stage-layers``: ``ends`` (first and last stage hold only the embedding and the
+    head), or each stage's layers separated by commas or spaces; None when not given."""
+    if text is None:
+        return None
+    if text.strip() == "ends":
+        layers = ends_split(model.layers, stages)
+        if layers is None:
+            raise PlanError(
+                f"--stage-layers ends: {model.name}'s {model.layers} layers do not split evenly over the "
+                f"{stages - 2} stages between the first and the last (pp × vpp = {stages})"
+            )
+        return layers
+    try:
+        return tuple(int(x) for x in text.replace(",", " ").split())
+    except ValueError:
+        raise PlanError(
+            f"--stage-layers: expected 'ends' or whole numbers separated by commas, got {text!r}"
+        ) from None
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     _check_model_size(model)
@@ -102,6 +128,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         dp=args.dp,
         tp=args.tp,
         pp=args.pp,
+        cp=args.cp,
+        cp_exchange=ContextExchange(args.cp_exchange),
         vpp=args.vpp,
         microbatch_size=args.microbatch_size,
         global_batch=args.global_batch,
@@ -111,12 +139,20 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         sequence_parallel=not args.no_sequence_parallel,
         flash_attention=not args.no_flash_attention,
         dp_overlap=args.dp_overlap,
+        tp_overlap=args.tp_overlap,
         reduce_bytes=args.reduce_bytes,
+        reduce_once=args.reduce_once,
+        reshard_after_forward=not args.keep_weights,
+        stage_layers=_stage_layers(args.stage_layers, model, args.pp * args.vpp),
     )
     result = estimate(model, cluster, plan)
+    count = FlopCount(args.mfu_flops)
     advice = [] if result.fits else fit_advice(model, cluster, plan)
     if args.json:
         data = result.to_json()
+        data["mfu_flops"] = count.value
+        data["mfu"] = result.mfu_by(count)
+        data["tflops_per_gpu"] = result.tflops_per_gpu(count)
         if not result.fits:
             data["excess_bytes"] = result.memory.excess
             data["fits_with"] = {a.change: a.memory.total for a in advice}
@@ -124,14 +160,22 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         console = make_console()
-        _print_estimate(result, console)
+        _print_estimate(result, console, count)
         if not result.fits:
             for line in misfit_text(result.memory, advice):
                 console.print(line, highlight=False)
     return 0 if result.fits else 1
 
 
-def _print_estimate(result: Estimate, console: Console) -> None:
+def _flops_words(count: FlopCount) -> str:
+    """How the MFU's FLOPs were counted, for the output."""
+    default = ", the default" if count is DEFAULT_FLOP_COUNT else ""
+    return {FlopCount.SIX_N: "6N", FlopCount.PALM: "PaLM's 6N + 12·L·h·s", FlopCount.MEGATRON: "Megatron's eq. 3"}[
+        count
+    ] + f" FLOPs{default}"
+
+
+def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> None:
     from rich.table import Table
 
     plan, memory = result.plan, result.memory
@@ -148,7 +192,8 @@ def _print_estimate(result: Estimate, console: Console) -> None:
     table.add_row("  optimizer", f"{result.optimizer_s:.3f} s")
     table.add_row("pipeline bubble", f"{100 * result.bubble:.1f} %")
     table.add_row("tokens per second", f"{result.tokens_per_s:,.0f}")
-    table.add_row("MFU", f"{100 * result.mfu:.1f} %")
+    table.add_row(f"MFU ({_flops_words(count)})", f"{100 * result.mfu_by(count):.1f} %")
+    table.add_row("  model TFLOP/s per GPU", f"{result.tflops_per_gpu(count):.0f}")
     table.add_row("memory per GPU", f"{memory.total / _GIB:.1f} GiB of {memory.usable / _GIB:.1f} GiB usable")
     table.add_row("  weights", f"{memory.weights / _GIB:.1f} GiB")
     table.add_row("  gradients", f"{memory.gradients / _GIB:.1f} GiB")
@@ -205,7 +250,17 @@ def _cmd_search(args: argparse.Namespace) -> int:
             progress=progress,
             jobs=args.jobs,
             reduce_bytes=args.reduce_bytes,
+            cp_sizes=args.cp,
+            stage_split=args.stage_layers,
+            tp_overlap=args.tp_overlap,
         )
+    count = FlopCount(args.mfu_flops)
+    if count is not DEFAULT_FLOP_COUNT and len(frame):
+        model = load_model(args.model)
+        six = flops_per_token(model, DEFAULT_FLOP_COUNT)
+        ratio = frame["recompute"].map(lambda r: flops_per_token(model, count, recompute=Recompute(r)) / six)
+        frame["mfu"] = frame["mfu"] * ratio
+    frame.attrs["mfu_flops"] = _flops_words(count)
     if args.csv is not None:
         try:
             frame.to_csv(args.csv, index=False)
@@ -220,6 +275,7 @@ _HEADERS = {
     "schedule": "schedule",
     "dp": "dp",
     "tp": "tp",
+    "cp": "cp",
     "pp": "pp",
     "vpp": "vpp",
     "microbatch_size": "mb",
@@ -245,6 +301,7 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
     )
     for line in attrs["explanation"].lines():
         console.print(f"  {line}", highlight=False)
+    console.print(f"  MFU counts {attrs.get('mfu_flops', _flops_words(DEFAULT_FLOP_COUNT))}", highlight=False)
     if not len(frame):
         return
     console.print(_best_plans_table(frame, top))
@@ -311,6 +368,9 @@ def _per_schedule_table(summary: Summary) -> Table:
 
 def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None:
     """How to run the best plan's layout for real (on the executor's built-in transformer)."""
+    if best.get("cp", 1) > 1:
+        console.print("the best plan is context parallel, which `pipedsl run` does not run", highlight=False)
+        return
     planned = PlannedRun.from_row(best)
     by_rank = f"pipedsl run --plan {planned.rank} --plans {csv}" if csv is not None and planned.rank is not None else None
     console.print(
@@ -332,6 +392,27 @@ def _add_reduce_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         default=4,
         help="bytes per gradient value in data-parallel reductions: 4 fp32 (default), 2 bf16",
     )
+    parser.add_argument(
+        "--tp-overlap",
+        type=_fraction,
+        default=0.0,
+        metavar="F",
+        help="fraction of tensor-parallel collectives hidden behind the matmuls (userbuffer overlap; default 0)",
+    )
+    parser.add_argument(
+        "--mfu-flops",
+        choices=[c.value for c in FlopCount],
+        default=DEFAULT_FLOP_COUNT.value,
+        help="how MFU counts model FLOPs: 6n (6N per token, the default), palm (6N + 12·L·h·s), "
+        "megatron (Narayanan et al.'s eq. 3)",
+    )
+
+
+def _cp_list(text: str) -> tuple[int, ...]:
+    sizes = []
+    for part in text.split(","):
+        sizes.append(positive_int(part.strip()))
+    return tuple(sizes)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -369,10 +450,34 @@ def _add_plan_options(plan: argparse._ArgumentGroup) -> None:
     plan.add_argument("--dp", type=positive_int, default=1, metavar="N", help="data-parallel degree (default 1)")
     plan.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor-parallel degree (default 1)")
     plan.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline-parallel degree (default 1)")
+    plan.add_argument("--cp", type=positive_int, default=1, metavar="N", help="context-parallel degree (default 1)")
+    plan.add_argument(
+        "--cp-exchange",
+        choices=[c.value for c in ContextExchange],
+        default=ContextExchange.RING.value,
+        help="how context-parallel ranks exchange keys and values (default ring)",
+    )
     plan.add_argument("--vpp", type=positive_int, default=1, metavar="N", help="stages per pipeline device (default 1)")
     plan.add_argument("--microbatch-size", type=positive_int, default=1, metavar="B", help="sequences per microbatch")
     plan.add_argument("--global-batch", type=positive_int, required=True, metavar="B", help="sequences per step")
     plan.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
+    plan.add_argument(
+        "--reduce-once",
+        action="store_true",
+        help="ZeRO 2/3: accumulate gradients whole and reduce-scatter them once per step (FSDP without "
+        "per-microbatch sync, Megatron's distributed optimizer), not every microbatch",
+    )
+    plan.add_argument(
+        "--keep-weights",
+        action="store_true",
+        help="ZeRO 3: keep the forward's gathered weights for the backward (FSDP reshard_after_forward=False)",
+    )
+    plan.add_argument(
+        "--stage-layers",
+        metavar="L",
+        help="layers of each of the pp x vpp stages, comma-separated (e.g. 0,9,9,...,0), or 'ends': the "
+        "first and last stage hold only the embedding and the head, the rest an equal share",
+    )
     plan.add_argument(
         "--recompute", choices=[r.value for r in Recompute], default="none", help="activation recomputation"
     )
@@ -433,4 +538,17 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         f"{PARALLEL_FROM} pipeline plans, else 1); the ranking is the same for any N",
     )
     _add_reduce_option(src)
+    src.add_argument(
+        "--cp",
+        type=_cp_list,
+        metavar="A,B",
+        help="context-parallel degrees to try (default: powers of two leaving each rank at least 4,096 tokens)",
+    )
+    src.add_argument(
+        "--stage-layers",
+        choices=("even", "ends"),
+        default="even",
+        help="how pipeline plans split the layers: even (default), or ends: where pp x vpp does not divide "
+        "them, first and last stage hold only the embedding and the head",
+    )
     src.add_argument("extra", nargs="*", metavar="FILE.sched", help="more schedules to try")
