@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pipedsl.simulator.collectives import all_reduce_choice, group_of
 from pipedsl.simulator.data_parallel import dp_group
+from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 
@@ -46,6 +47,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
         Assumption("reduce_dtype", "fp32" if plan.reduce_bytes == 4 else "bf16",
                    f"gradients reduced at {plan.reduce_bytes} bytes per value"),
         Assumption("sharding", plan.sharding, _sharding_meaning(plan)),
+        _framework_assumption(plan),
     ]  # fmt: skip
     if plan.cp > 1:
         found.append(Assumption("cp_exchange", plan.cp_exchange.value, _EXCHANGE[plan.cp_exchange]))
@@ -134,3 +136,13 @@ def _sharding_meaning(plan: Plan) -> str:
             "; weights gathered once per step and kept" if plan.reduce_once else
             "; weights gathered for each forward and kept for its backward")  # fmt: skip
     return text
+
+
+def _framework_assumption(plan: Plan) -> Assumption:
+    """The framework profile priced, with its fixed costs."""
+    profile = framework(plan.framework)
+    costs = (
+        f"{profile.microbatch_s * 1e3:g} ms per stage and microbatch, {profile.layer_s * 1e3:g} ms per layer and "
+        f"microbatch, {profile.action_s * 1e3:g} ms per action beyond the work"
+    )
+    return Assumption("framework", profile.name, f"{costs} ({profile.source})" if profile.source else costs)

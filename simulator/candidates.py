@@ -123,6 +123,7 @@ def candidate_plans(
     cp_sizes: Sequence[int] | None = None,
     stage_split: str = "even",
     tp_overlap: float = 0.0,
+    framework: str = "megatron",
     skipped: Counter[tuple[str, int]] | None = None,
 ) -> Iterator[Plan]:
     """Every plan the search tries (see the module docstring), SPMD plans first.
@@ -150,6 +151,7 @@ def candidate_plans(
         "dp_overlap": dp_overlap,
         "reduce_bytes": reduce_bytes,
         "tp_overlap": tp_overlap,
+        "framework": framework,
     }
     splits = _Splits(tuple(_tp_sizes(model, cluster, gpus)), _cp_sizes(model, cps, skip))
     space = _Space(splits.pairs(), tuple(modes), global_batch, max_microbatch_size, skip)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipedsl.errors import PipedslError
+from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, Framework
 
 __all__ = ["Recompute", "ContextExchange", "PlanError", "Plan"]
 
@@ -82,6 +83,9 @@ class Plan:
         Megatron-LM does without that option.
       reduce_bytes: bytes per gradient value in data-parallel reductions: 4 (fp32, as
         Megatron-LM reduces) or 2 (bf16, as mixed-precision FSDP often does).
+      framework: the framework that runs the plan, whose fixed costs are priced on top
+        (:mod:`~pipedsl.simulator.frameworks`: ``megatron``, ``deepspeed``, ``pipedsl``, or
+        a :class:`~pipedsl.simulator.frameworks.Framework` of one's own).
       stage_layers: the layers of each of the pp × vpp stages, or None for an even split
         (:func:`~pipedsl.simulator.stages.split_layers`); Llama 3 405B runs 126 layers on
         16 × 8 stages whose first and last hold none (:func:`~pipedsl.simulator.stages.ends_split`).
@@ -106,6 +110,7 @@ class Plan:
     reduce_bytes: int = 4
     cp_exchange: ContextExchange = ContextExchange.RING
     stage_layers: tuple[int, ...] | None = None
+    framework: str | Framework = DEFAULT_FRAMEWORK
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "vpp", "microbatch_size", "global_batch"):
@@ -141,6 +146,8 @@ class Plan:
                 f"plan: global batch {self.global_batch} is not a multiple of dp × microbatch size = "
                 f"{self.dp} × {self.microbatch_size} = {per_step}; every data-parallel rank needs whole microbatches"
             )
+        if not isinstance(self.framework, Framework) and self.framework not in FRAMEWORKS:
+            raise PlanError(f"plan: framework must be one of {', '.join(FRAMEWORKS)}, got {self.framework!r}")
         if self.stage_layers is not None:
             layers = tuple(self.stage_layers)
             if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in layers):
@@ -219,6 +226,7 @@ class Plan:
             "dp_overlap": self.dp_overlap,
             "tp_overlap": self.tp_overlap,
             "reduce_bytes": self.reduce_bytes,
+            "framework": self.framework if isinstance(self.framework, str) else self.framework.name,
             "stage_layers": None if self.stage_layers is None else list(self.stage_layers),
         }
 

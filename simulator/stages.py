@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipedsl.simulator.data_parallel import zero_per_microbatch
+from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Model
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.transformer import Shapes, Work
@@ -72,7 +73,8 @@ def stage_work(
     the head on the last, all ``slowdown`` times their seconds (the working set's,
     :meth:`~pipedsl.simulator.hardware.Cluster.working_set_factor`); the ZeRO traffic of
     its parameters, and the dispatch overhead of each of its F, I and W actions
-    (``action_overhead_s``), shape (S,)."""
+    (``action_overhead_s``) and the plan's framework's fixed costs
+    (:mod:`~pipedsl.simulator.frameworks`), shape (S,)."""
     layer = shapes.layer_work()
     overhead = Work(*(3 * (shapes.cluster.action_overhead_s,)))
     last = len(layers) - 1
@@ -91,10 +93,19 @@ def stage_work(
             if slowdown != 1.0:  # 1 wherever no working set is priced (every GPU): the search's common case
                 w = w * slowdown
             found = w + zero_per_microbatch(shapes, p, w) + _zero_waits(shapes, n) + overhead
+            found = found + _framework_work(shapes, n)
             if 0 < s < last:
                 inner[(n, p)] = found
         work.append(found)
     return tuple(work)
+
+
+def _framework_work(shapes: Shapes, layers: int) -> Work:
+    """The plan's framework's fixed costs per microbatch on a stage of ``layers`` layers:
+    its per-microbatch and per-layer seconds and one action's in the forward, one action's
+    in the backward (in ``I`` when split)."""
+    profile = framework(shapes.plan.framework)
+    return Work(profile.microbatch_s + layers * profile.layer_s + profile.action_s, profile.action_s, 0.0)
 
 
 def _zero_waits(shapes: Shapes, layers: int) -> Work:

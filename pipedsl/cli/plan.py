@@ -28,6 +28,7 @@ from pipedsl.errors import PipedslError
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, flops_per_token
+from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS
 from pipedsl.simulator.hardware import (
     Model,
     cluster_presets,
@@ -144,6 +145,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         reduce_once=args.reduce_once,
         reshard_after_forward=not args.keep_weights,
         stage_layers=_stage_layers(args.stage_layers, model, args.pp * args.vpp),
+        framework=args.framework,
     )
     result = estimate(model, cluster, plan)
     count = FlopCount(args.mfu_flops)
@@ -253,6 +255,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
             cp_sizes=args.cp,
             stage_split=args.stage_layers,
             tp_overlap=args.tp_overlap,
+            framework=args.framework,
         )
     count = FlopCount(args.mfu_flops)
     if count is not DEFAULT_FLOP_COUNT and len(frame):
@@ -398,6 +401,12 @@ def _add_reduce_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         default=0.0,
         metavar="F",
         help="fraction of tensor-parallel collectives hidden behind the matmuls (userbuffer overlap; default 0)",
+    )
+    parser.add_argument(
+        "--framework",
+        choices=tuple(FRAMEWORKS),
+        default=DEFAULT_FRAMEWORK,
+        help=f"the framework that runs the plan, whose fixed costs are priced (default {DEFAULT_FRAMEWORK})",
     )
     parser.add_argument(
         "--mfu-flops",

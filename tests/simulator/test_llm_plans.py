@@ -15,8 +15,9 @@ from pipedsl.cli.main import main
 from pipedsl.simulator.candidates import candidate_plans, default_cp_sizes
 from pipedsl.simulator.context_parallel import gathered_bytes
 from pipedsl.simulator.estimate import OPTIMIZER_BYTES, estimate
-from pipedsl.simulator.fit_published import evaluate, load_runs
+from pipedsl.simulator.fit_published import DATA, HELD_OUT, evaluate, fit_framework, load_runs
 from pipedsl.simulator.flops import FlopCount, step_flops
+from pipedsl.simulator.frameworks import FRAMEWORKS, Framework
 from pipedsl.simulator.hardware import Cluster, load_cluster, load_model
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.stages import ends_split
@@ -201,7 +202,37 @@ def test_cli_estimates_126_layers_on_16_stages_and_states_the_flop_count(capsys:
 
 
 def test_llama3_405b_8k_runs_within_five_percent() -> None:
-    runs = [r for r in load_runs() if r.source == "dubey2024-table4" and r.model.seq_len == 8192]
+    runs = [r for r in load_runs(DATA, HELD_OUT) if r.source == "dubey2024-table4" and r.model.seq_len == 8192]
     assert len(runs) == 2 and all(r.role == "validate" for r in runs)
     for result in evaluate(runs, {"h100-80gb": load_cluster("h100-80gb")}):
         assert abs(result.error) < 0.05, result.run.name
+
+
+# --- framework profiles ----------------------------------------------------------------------
+
+
+def test_the_deepspeed_profile_changes_deepspeed_rows_and_leaves_megatron_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = load_runs()
+    clusters = {name: load_cluster(name) for name in {r.cluster for r in runs}}
+    deepspeed = [r for r in runs if r.plan.framework == "deepspeed"]
+    megatron = [r for r in runs if r.plan.framework == "megatron"][::4]
+    assert deepspeed and megatron
+    before = evaluate(deepspeed + megatron, clusters)
+    # The same rows with DeepSpeed's profile at no cost at all.
+    monkeypatch.setitem(FRAMEWORKS, "deepspeed", Framework(name="deepspeed"))
+    bare = evaluate(deepspeed + megatron, clusters)
+    n = len(deepspeed)
+    assert all(a.predicted_s > b.predicted_s for a, b in zip(before[:n], bare[:n], strict=True))
+    assert [r.predicted_s for r in before[n:]] == [r.predicted_s for r in bare[n:]]
+    # Without it DeepSpeed's runs come out fast, the worst by over a fifth; with it every one
+    # is within 10% (nothing was fitted on the validate rows).
+    assert min(r.error for r in bare[:n]) < -0.2
+    assert max(abs(r.error) for r in before[:n]) < 0.1
+
+
+def test_fit_framework_finds_the_recorded_profile() -> None:
+    runs = load_runs()
+    clusters = {name: load_cluster(name) for name in {r.cluster for r in runs if r.plan.framework == "deepspeed"}}
+    profile, error = fit_framework(runs, clusters, "deepspeed")
+    assert profile.layer_s == FRAMEWORKS["deepspeed"].layer_s
+    assert error < 0.05
