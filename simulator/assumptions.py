@@ -13,6 +13,7 @@ from pipedsl.simulator.collectives import all_reduce_choice, group_of
 from pipedsl.simulator.data_parallel import dp_group
 from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
+from pipedsl.simulator.network import network_link, straggler_factor
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 
 __all__ = ["Assumption", "assumptions"]
@@ -59,9 +60,30 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
     ):
         if group.ranks > 1:
             algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
-            where = f"{group.per_node} per node over {group.nodes} nodes" if group.spans_nodes else "in one node"
+            where = (
+                f"{group.per_node} per node over {group.nodes} nodes ({network_link(group.nodes, cluster).tier.value})"
+                if group.spans_nodes
+                else "in one node"
+            )
             found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
+    found.append(_network_assumption(cluster, plan))
     return (*found, *_shared_machine(model, cluster, plan))
+
+
+def _network_assumption(cluster: Cluster, plan: Plan) -> Assumption:
+    """The network tiers and the stragglers priced (:mod:`~pipedsl.simulator.network`)."""
+    nodes = -(-plan.gpus // cluster.gpus_per_node)
+    tiers = (
+        f"leaf tier of {cluster.leaf_nodes} nodes, the spine {cluster.spine_latency_s * 1e6:g} us more per message "
+        f"at {cluster.spine_efficiency:g} of the bandwidth"
+        if cluster.leaf_nodes
+        else "one flat network between nodes"
+    )
+    wait = straggler_factor(nodes, cluster)
+    return Assumption(
+        "network", "tiers" if cluster.leaf_nodes else "flat",
+        f"{tiers}; stragglers (cv {cluster.straggler_cv:g}) make the step over {nodes} nodes {wait:.4g} times as long",
+    )  # fmt: skip
 
 
 def _shared_machine(model: Model, cluster: Cluster, plan: Plan) -> list[Assumption]:

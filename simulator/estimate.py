@@ -28,7 +28,8 @@ Assembly:
   optimizer step: :mod:`~pipedsl.simulator.data_parallel`.
 
 Step time = pipeline makespan (simulated) + the slowest device's exposed data-parallel
-tail and optimizer step. On devices that share a node's CPU cores
+tail and optimizer step (times the wait for the slowest node where the cluster prices
+stragglers, :func:`~pipedsl.simulator.network.straggler_factor`). On devices that share a node's CPU cores
 (``Cluster.shared_cores``, forced CPU devices) the rates were measured with every device
 busy, and an idle device's cores go to the busy ones, which take up a
 ``Cluster.idle_share`` of its time (1 when the cores change hands perfectly: the work is
@@ -62,6 +63,7 @@ from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, step_flops
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory
+from pipedsl.simulator.network import straggler_factor
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.stages import split_layers, stage_params, stage_residual, stage_work
@@ -305,7 +307,9 @@ class Prepared:
         shapes, work = self.shapes, self.work
         model, cluster, plan = shapes.model, shapes.cluster, shapes.plan
         tail, optimizer = self.tails
-        step = pipeline_time + tail + optimizer
+        # Every device waits for the slowest node at the step's synchronisation.
+        nodes = -(-plan.gpus // cluster.gpus_per_node)
+        step = (pipeline_time + tail + optimizer) * straggler_factor(nodes, cluster)
         tokens = plan.global_batch * model.seq_len
         return Estimate(
             model=model,

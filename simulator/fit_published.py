@@ -31,7 +31,7 @@ from pipedsl.simulator.memory import Memory
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, Recompute
 
-__all__ = ["DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "fit_framework", "HELD_OUT", "gpu_type", "regimes", "accuracy_markdown", "main"]
+__all__ = ["DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "fit_network", "fit_framework", "HELD_OUT", "NETWORK_GRID", "gpu_type", "regimes", "accuracy_markdown", "main"]
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 """The folder of published runs (``data/`` at the repository root)."""
@@ -42,6 +42,14 @@ GRID = {
     "kernel_launch_s": (0.0, 5e-6, 1e-5, 2e-5),
 }
 """The values :func:`fit` tries for each compute parameter."""
+
+NETWORK_GRID = {
+    "spine_latency_s": (0.0, 1e-5, 3e-5),
+    "spine_efficiency": (1.0, 0.8),
+    "straggler_cv": (0.0, 0.0025, 0.005, 0.01),
+}
+"""The values :func:`fit_network` tries for the network tiers and the stragglers
+(:mod:`~pipedsl.simulator.network`), after the compute model is fitted."""
 
 _COUNTS = ("layers", "hidden", "ffn_hidden", "heads", "seq_len", "vocab", "gpus", "dp", "tp", "pp", "vpp",
            "microbatch_size", "global_batch")  # fmt: skip
@@ -218,6 +226,25 @@ def fit(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cl
     return _with(clusters, point), error(point)
 
 
+def fit_network(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cluster], float]:
+    """The :data:`NETWORK_GRID` point with the lowest error on the Megatron-LM calibration
+    runs of ``clusters`` (one GPU type, compute model fitted), every preset with it, and
+    that error; the first such point of the grid (the smallest terms) when several tie."""
+    calibration = [
+        r for r in runs if r.role == "calibrate" and r.cluster in clusters and r.plan.framework == DEFAULT_FRAMEWORK
+    ]
+    pipelines = Pipelines(keep_simulations=False)
+    best: tuple[float, dict[str, Cluster]] | None = None
+    for point in itertools.product(*NETWORK_GRID.values()):
+        values = dict(zip(NETWORK_GRID, point, strict=True))
+        priced = {name: dataclasses.replace(c, **values) for name, c in clusters.items()}
+        error = _source_mape(evaluate(calibration, priced, pipelines))
+        if best is None or error < best[0] - 1e-12:
+            best = (error, priced)
+    assert best is not None
+    return best[1], best[0]
+
+
 def fit_framework(runs: Sequence[Run], clusters: dict[str, Cluster], name: str) -> tuple[Framework, float]:
     """Framework ``name``'s profile with the ``layer_s`` of :data:`~pipedsl.simulator.frameworks.LAYER_GRID`
     that has the lowest mean absolute percentage error on that framework's calibration
@@ -302,7 +329,9 @@ def accuracy_markdown(
     for name, cluster in sorted(clusters.items()):
         lines.append(
             f"- `{name}`: matmul_efficiency = {cluster.matmul_efficiency:g}, "
-            f"matmul_half_flops = {cluster.matmul_half_flops:g}, kernel_launch_s = {cluster.kernel_launch_s:g}"
+            f"matmul_half_flops = {cluster.matmul_half_flops:g}, kernel_launch_s = {cluster.kernel_launch_s:g}; "
+            f"network: leaf_nodes = {cluster.leaf_nodes}, spine_latency_s = {cluster.spine_latency_s:g}, "
+            f"spine_efficiency = {cluster.spine_efficiency:g}, straggler_cv = {cluster.straggler_cv:g}"
         )
     lines += ["", "Framework profiles priced (`simulator/frameworks.py`; a profile other than megatron's is fitted",
               "on its own framework's `calibrate` rows, which the compute fit leaves out):", ""]  # fmt: skip
@@ -345,11 +374,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.check:
         for kind in sorted({gpu_type(c) for c in clusters.values()}):
             fitted, error = fit(runs, {n: c for n, c in clusters.items() if gpu_type(c) == kind})
+            fitted, _ = fit_network(runs, fitted)
             clusters.update(fitted)
             c = next(iter(fitted.values()))
             print(f"{kind} ({', '.join(fitted)}): matmul_efficiency = {c.matmul_efficiency:g}, "
                   f"matmul_half_flops = {c.matmul_half_flops:g}, kernel_launch_s = {c.kernel_launch_s:g} "
-                  f"(calibration error {100 * error:.1f}%)")  # fmt: skip
+                  f"(calibration error {100 * error:.1f}%); spine_latency_s = {c.spine_latency_s:g}, "
+                  f"spine_efficiency = {c.spine_efficiency:g}, straggler_cv = {c.straggler_cv:g}")  # fmt: skip
         for name in sorted({str(r.plan.framework) for r in runs} - {DEFAULT_FRAMEWORK}):
             profile, error = fit_framework(runs, clusters, name)
             recorded = framework(name).layer_s

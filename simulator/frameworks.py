@@ -54,7 +54,7 @@ FRAMEWORKS = {
     "megatron": Framework(name="megatron", source="Megatron-LM and NeMo: the compute model was fitted on their runs"),
     "deepspeed": Framework(
         name="deepspeed",
-        layer_s=0.018,
+        layer_s=0.016,
         source="Megatron-DeepSpeed's pipeline engine: fitted on the calibrate rows of data/published_runs_deepspeed.csv",
     ),
     "pipedsl": Framework(name="pipedsl", source="pipedsl's executor: kernels queued ahead of the dispatch on GPUs"),

@@ -288,6 +288,15 @@ class Cluster:
       inter_node_bandwidth: bytes per second per direction of one network adapter.
       inter_node_efficiency: fraction of it achieved.
       inter_node_latency: seconds per message between nodes.
+      leaf_nodes: nodes under one leaf switch tier (a DGX SuperPOD's scalable unit); a
+        group spanning more crosses the spine (:mod:`~pipedsl.simulator.network`). 0: one
+        flat network.
+      spine_latency_s: seconds more per message for a group that crosses the spine.
+      spine_efficiency: the fraction of the adapters' achieved bandwidth a group that
+        crosses the spine gets (contention on the spine's links), in (0, 1].
+      straggler_cv: the coefficient of variation of one node's step time; a step waits for
+        the slowest of its nodes, ``1 + straggler_cv·sqrt(2·ln nodes)`` times the mean
+        (:func:`~pipedsl.simulator.network.straggler_factor`). 0: no stragglers.
     """
 
     name: str
@@ -317,9 +326,17 @@ class Cluster:
     inter_node_bandwidth: float
     inter_node_efficiency: float = 1.0
     inter_node_latency: float
+    leaf_nodes: int = 0
+    spine_latency_s: float = 0.0
+    spine_efficiency: float = 1.0
+    straggler_cv: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"cluster {self.name!r}"
+        _check_int(owner, "leaf_nodes", self.leaf_nodes, minimum=0)
+        _check_within(owner, "spine_latency_s", self.spine_latency_s, ">= 0", lambda v: v >= 0)
+        _check_within(owner, "straggler_cv", self.straggler_cv, ">= 0", lambda v: v >= 0)
+        _check_float(owner, "spine_efficiency", self.spine_efficiency, high=1.0)
         for name in ("name", "gpu"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -414,7 +431,7 @@ class Cluster:
 # --- reading descriptions -------------------------------------------------------------
 
 _INT_FIELDS = {"layers", "hidden", "ffn_hidden", "heads", "kv_heads", "seq_len", "vocab", "dtype_bytes",
-               "memory_bytes", "reserved_bytes", "gpus_per_node", "nics_per_node"}  # fmt: skip
+               "memory_bytes", "reserved_bytes", "gpus_per_node", "nics_per_node", "leaf_nodes"}  # fmt: skip
 
 
 def _coerce(table: str, key: str, value: Any, source: str) -> Any:

@@ -8,17 +8,20 @@ Hand counts use the Llama 3 8B preset (Dubey et al. 2024, Table 3): 32 layers, h
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from pipedsl.cli.main import main
 from pipedsl.simulator.candidates import candidate_plans, default_cp_sizes
+from pipedsl.simulator.collectives import Group, all_reduce_seconds
 from pipedsl.simulator.context_parallel import gathered_bytes
 from pipedsl.simulator.estimate import OPTIMIZER_BYTES, estimate
 from pipedsl.simulator.fit_published import DATA, HELD_OUT, evaluate, fit_framework, load_runs
 from pipedsl.simulator.flops import FlopCount, step_flops
 from pipedsl.simulator.frameworks import FRAMEWORKS, Framework
 from pipedsl.simulator.hardware import Cluster, load_cluster, load_model
+from pipedsl.simulator.network import Tier, network_link, straggler_factor
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.stages import ends_split
 from pipedsl.simulator.transformer import FLASH_BACKWARD, Shapes
@@ -236,3 +239,33 @@ def test_fit_framework_finds_the_recorded_profile() -> None:
     profile, error = fit_framework(runs, clusters, "deepspeed")
     assert profile.layer_s == FRAMEWORKS["deepspeed"].layer_s
     assert error < 0.05
+
+
+# --- network tiers and stragglers -----------------------------------------------------------
+
+
+def test_groups_beyond_a_leaf_cross_the_spine() -> None:
+    flat = load_cluster("a100-80gb")
+    tiered = dataclasses.replace(flat, spine_latency_s=1e-5, spine_efficiency=0.5)
+    assert network_link(20, tiered).tier is Tier.LEAF and network_link(21, tiered).tier is Tier.SPINE
+    assert network_link(21, tiered).latency == flat.inter_node_latency + 1e-5
+    assert network_link(21, tiered).bandwidth == flat.network_share / 2
+    # A gradient all-reduce over 32 nodes crosses the spine; over 16 it stays on the leaf tier.
+    big, small = Group(ranks=32, nodes=32, per_node=1), Group(ranks=16, nodes=16, per_node=1)
+    assert all_reduce_seconds(1e9, big, tiered) > all_reduce_seconds(1e9, big, flat)
+    assert all_reduce_seconds(1e9, small, tiered) == all_reduce_seconds(1e9, small, flat)
+    assert (
+        "spine"
+        in {a.name: a.meaning for a in estimate(LLAMA_8B, tiered, Plan(dp=256, global_batch=256)).assumptions}[
+            "dp_collectives"
+        ]
+    )
+
+
+def test_stragglers_slow_a_step_more_the_more_nodes_it_spans() -> None:
+    cluster = dataclasses.replace(load_cluster("h100-80gb"), straggler_cv=0.01)
+    assert straggler_factor(1, cluster) == 1.0
+    assert straggler_factor(1024, cluster) == pytest.approx(1 + 0.01 * math.sqrt(2 * math.log(1024)))
+    plan = Plan(dp=64, global_batch=64)
+    slow, plain = estimate(LLAMA_8B, cluster, plan), estimate(LLAMA_8B, load_cluster("h100-80gb"), plan)
+    assert slow.step_time_s == pytest.approx(plain.step_time_s * straggler_factor(8, cluster))
