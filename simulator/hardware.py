@@ -99,9 +99,7 @@ class Model:
       learned_positions: True for a learned position-embedding table (s×h), False for
         rotary or other parameter-free positions.
       tied_embeddings: True when the logit layer reuses the input embedding matrix.
-      dropout: True when the layer applies dropout after attention and after the
-        feed-forward block (GPT), whose masks (one byte per value) the backward keeps;
-        False for models trained without it (Llama).
+      dropout: whether attention and the feed-forward block end in dropout (GPT; not Llama).
     """
 
     name: str
@@ -197,10 +195,6 @@ class Model:
         """Forward FLOPs of the logit layer per token: 2·h·V."""
         return 2 * self.hidden * self.vocab
 
-    def model_flops_per_step(self, tokens: int) -> float:
-        """Model FLOPs of training on ``tokens`` tokens: 6·N·tokens (no recomputation counted)."""
-        return 6.0 * self.num_params * tokens
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cluster:
@@ -288,15 +282,7 @@ class Cluster:
       inter_node_bandwidth: bytes per second per direction of one network adapter.
       inter_node_efficiency: fraction of it achieved.
       inter_node_latency: seconds per message between nodes.
-      leaf_nodes: nodes under one leaf switch tier (a DGX SuperPOD's scalable unit); a
-        group spanning more crosses the spine (:mod:`~pipedsl.simulator.network`). 0: one
-        flat network.
-      spine_latency_s: seconds more per message for a group that crosses the spine.
-      spine_efficiency: the fraction of the adapters' achieved bandwidth a group that
-        crosses the spine gets (contention on the spine's links), in (0, 1].
-      straggler_cv: the coefficient of variation of one node's step time; a step waits for
-        the slowest of its nodes, ``1 + straggler_cv·sqrt(2·ln nodes)`` times the mean
-        (:func:`~pipedsl.simulator.network.straggler_factor`). 0: no stragglers.
+      leaf_nodes, spine_latency_s, spine_efficiency, straggler_cv: :mod:`~pipedsl.simulator.network`.
     """
 
     name: str
@@ -334,20 +320,18 @@ class Cluster:
     def __post_init__(self) -> None:
         owner = f"cluster {self.name!r}"
         _check_int(owner, "leaf_nodes", self.leaf_nodes, minimum=0)
-        _check_within(owner, "spine_latency_s", self.spine_latency_s, ">= 0", lambda v: v >= 0)
-        _check_within(owner, "straggler_cv", self.straggler_cv, ">= 0", lambda v: v >= 0)
-        _check_float(owner, "spine_efficiency", self.spine_efficiency, high=1.0)
         for name in ("name", "gpu"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise DescriptionError(f"{owner}: {name} must be a non-empty string, got {value!r}")
         for name in ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             _check_float(owner, name, getattr(self, name))
-        for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
+        for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency", "spine_efficiency"):
             _check_float(owner, name, getattr(self, name), high=1.0)
         for name in (
             "intra_node_latency", "inter_node_latency", "matmul_half_flops", "kernel_launch_s", "action_overhead_s",
             "shared_cores", "collective_sync_s", "collective_sync_per_token_s", "working_set_bytes", "step_overhead_s",
+            "spine_latency_s", "straggler_cv",
         ):  # fmt: skip
             _check_within(owner, name, getattr(self, name), ">= 0", lambda v: v >= 0)
         _check_within(owner, "idle_share", self.idle_share, "in [0, 1]", lambda v: 0 <= v <= 1)
@@ -402,11 +386,6 @@ class Cluster:
         if group < 2:
             return 0.0
         return (group - 1) * (self.collective_sync_s + tokens * self.collective_sync_per_token_s)
-
-    @property
-    def matmul_flops(self) -> float:
-        """FLOP/s that the largest matrix multiplications approach on one GPU."""
-        return self.peak_flops * self.matmul_efficiency
 
     @property
     def adapters_per_node(self) -> int:

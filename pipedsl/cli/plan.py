@@ -23,12 +23,19 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pipedsl.cli.common import add_command, check_output_file, make_console, positive_int
+from pipedsl.cli.llm_flags import (
+    add_common_options,
+    add_estimate_options,
+    add_search_options,
+    flops_words,
+    search_mfu,
+    stage_layers,
+)
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
-from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, flops_per_token
-from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS
+from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount
 from pipedsl.simulator.hardware import (
     Model,
     cluster_presets,
@@ -36,9 +43,8 @@ from pipedsl.simulator.hardware import (
     load_model,
     model_presets,
 )
-from pipedsl.simulator.plan import ContextExchange, Plan, PlanError, Recompute
+from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
-from pipedsl.simulator.stages import ends_split
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -100,27 +106,6 @@ def _check_model_size(model: Model) -> None:
             )
 
 
-def _stage_layers(text: str | None, model: Model, stages: int) -> tuple[int, ...] | None:
-    """``--stage-layers``: ``ends`` (first and last stage hold only the embedding and the
-    head), or each stage's layers separated by commas or spaces; None when not given."""
-    if text is None:
-        return None
-    if text.strip() == "ends":
-        layers = ends_split(model.layers, stages)
-        if layers is None:
-            raise PlanError(
-                f"--stage-layers ends: {model.name}'s {model.layers} layers do not split evenly over the "
-                f"{stages - 2} stages between the first and the last (pp × vpp = {stages})"
-            )
-        return layers
-    try:
-        return tuple(int(x) for x in text.replace(",", " ").split())
-    except ValueError:
-        raise PlanError(
-            f"--stage-layers: expected 'ends' or whole numbers separated by commas, got {text!r}"
-        ) from None
-
-
 def _cmd_estimate(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     _check_model_size(model)
@@ -144,7 +129,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         reduce_bytes=args.reduce_bytes,
         reduce_once=args.reduce_once,
         reshard_after_forward=not args.keep_weights,
-        stage_layers=_stage_layers(args.stage_layers, model, args.pp * args.vpp),
+        stage_layers=stage_layers(args.stage_layers, model, args.pp * args.vpp),
         framework=args.framework,
     )
     result = estimate(model, cluster, plan)
@@ -169,14 +154,6 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0 if result.fits else 1
 
 
-def _flops_words(count: FlopCount) -> str:
-    """How the MFU's FLOPs were counted, for the output."""
-    default = ", the default" if count is DEFAULT_FLOP_COUNT else ""
-    return {FlopCount.SIX_N: "6N", FlopCount.PALM: "PaLM's 6N + 12·L·h·s", FlopCount.MEGATRON: "Megatron's eq. 3"}[
-        count
-    ] + f" FLOPs{default}"
-
-
 def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> None:
     from rich.table import Table
 
@@ -194,7 +171,7 @@ def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> Non
     table.add_row("  optimizer", f"{result.optimizer_s:.3f} s")
     table.add_row("pipeline bubble", f"{100 * result.bubble:.1f} %")
     table.add_row("tokens per second", f"{result.tokens_per_s:,.0f}")
-    table.add_row(f"MFU ({_flops_words(count)})", f"{100 * result.mfu_by(count):.1f} %")
+    table.add_row(f"MFU ({flops_words(count)})", f"{100 * result.mfu_by(count):.1f} %")
     table.add_row("  model TFLOP/s per GPU", f"{result.tflops_per_gpu(count):.0f}")
     table.add_row("memory per GPU", f"{memory.total / _GIB:.1f} GiB of {memory.usable / _GIB:.1f} GiB usable")
     table.add_row("  weights", f"{memory.weights / _GIB:.1f} GiB")
@@ -257,13 +234,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
             tp_overlap=args.tp_overlap,
             framework=args.framework,
         )
-    count = FlopCount(args.mfu_flops)
-    if count is not DEFAULT_FLOP_COUNT and len(frame):
-        model = load_model(args.model)
-        six = flops_per_token(model, DEFAULT_FLOP_COUNT)
-        ratio = frame["recompute"].map(lambda r: flops_per_token(model, count, recompute=Recompute(r)) / six)
-        frame["mfu"] = frame["mfu"] * ratio
-    frame.attrs["mfu_flops"] = _flops_words(count)
+    search_mfu(frame, load_model(args.model), FlopCount(args.mfu_flops))
     if args.csv is not None:
         try:
             frame.to_csv(args.csv, index=False)
@@ -304,7 +275,7 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
     )
     for line in attrs["explanation"].lines():
         console.print(f"  {line}", highlight=False)
-    console.print(f"  MFU counts {attrs.get('mfu_flops', _flops_words(DEFAULT_FLOP_COUNT))}", highlight=False)
+    console.print(f"  MFU counts {attrs.get('mfu_flops', flops_words(DEFAULT_FLOP_COUNT))}", highlight=False)
     if not len(frame):
         return
     console.print(_best_plans_table(frame, top))
@@ -402,26 +373,6 @@ def _add_reduce_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         metavar="F",
         help="fraction of tensor-parallel collectives hidden behind the matmuls (userbuffer overlap; default 0)",
     )
-    parser.add_argument(
-        "--framework",
-        choices=tuple(FRAMEWORKS),
-        default=DEFAULT_FRAMEWORK,
-        help=f"the framework that runs the plan, whose fixed costs are priced (default {DEFAULT_FRAMEWORK})",
-    )
-    parser.add_argument(
-        "--mfu-flops",
-        choices=[c.value for c in FlopCount],
-        default=DEFAULT_FLOP_COUNT.value,
-        help="how MFU counts model FLOPs: 6n (6N per token, the default), palm (6N + 12·L·h·s), "
-        "megatron (Narayanan et al.'s eq. 3)",
-    )
-
-
-def _cp_list(text: str) -> tuple[int, ...]:
-    sizes = []
-    for part in text.split(","):
-        sizes.append(positive_int(part.strip()))
-    return tuple(sizes)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -459,34 +410,10 @@ def _add_plan_options(plan: argparse._ArgumentGroup) -> None:
     plan.add_argument("--dp", type=positive_int, default=1, metavar="N", help="data-parallel degree (default 1)")
     plan.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor-parallel degree (default 1)")
     plan.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline-parallel degree (default 1)")
-    plan.add_argument("--cp", type=positive_int, default=1, metavar="N", help="context-parallel degree (default 1)")
-    plan.add_argument(
-        "--cp-exchange",
-        choices=[c.value for c in ContextExchange],
-        default=ContextExchange.RING.value,
-        help="how context-parallel ranks exchange keys and values (default ring)",
-    )
     plan.add_argument("--vpp", type=positive_int, default=1, metavar="N", help="stages per pipeline device (default 1)")
     plan.add_argument("--microbatch-size", type=positive_int, default=1, metavar="B", help="sequences per microbatch")
     plan.add_argument("--global-batch", type=positive_int, required=True, metavar="B", help="sequences per step")
     plan.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
-    plan.add_argument(
-        "--reduce-once",
-        action="store_true",
-        help="ZeRO 2/3: accumulate gradients whole and reduce-scatter them once per step (FSDP without "
-        "per-microbatch sync, Megatron's distributed optimizer), not every microbatch",
-    )
-    plan.add_argument(
-        "--keep-weights",
-        action="store_true",
-        help="ZeRO 3: keep the forward's gathered weights for the backward (FSDP reshard_after_forward=False)",
-    )
-    plan.add_argument(
-        "--stage-layers",
-        metavar="L",
-        help="layers of each of the pp x vpp stages, comma-separated (e.g. 0,9,9,...,0), or 'ends': the "
-        "first and last stage hold only the embedding and the head, the rest an equal share",
-    )
     plan.add_argument(
         "--recompute", choices=[r.value for r in Recompute], default="none", help="activation recomputation"
     )
@@ -503,6 +430,8 @@ def _add_plan_options(plan: argparse._ArgumentGroup) -> None:
         help="fraction of the covering computation that hides data-parallel traffic (default 1)",
     )
     _add_reduce_option(plan)
+    add_estimate_options(plan)
+    add_common_options(plan)
 
 
 def _register_search(subparsers: argparse._SubParsersAction) -> None:
@@ -547,17 +476,6 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         f"{PARALLEL_FROM} pipeline plans, else 1); the ranking is the same for any N",
     )
     _add_reduce_option(src)
-    src.add_argument(
-        "--cp",
-        type=_cp_list,
-        metavar="A,B",
-        help="context-parallel degrees to try (default: powers of two leaving each rank at least 4,096 tokens)",
-    )
-    src.add_argument(
-        "--stage-layers",
-        choices=("even", "ends"),
-        default="even",
-        help="how pipeline plans split the layers: even (default), or ends: where pp x vpp does not divide "
-        "them, first and last stage hold only the embedding and the head",
-    )
+    add_search_options(src)
+    add_common_options(src)
     src.add_argument("extra", nargs="*", metavar="FILE.sched", help="more schedules to try")
