@@ -84,6 +84,8 @@ class Pipeline:
         ``param_specs`` says.
       zero: ZeRO stage over ``"data"``: 1 shards the optimizer state, 2 also the
         accumulated gradients, 3 also the parameters (XLA gathers them where used).
+      reduce_once: with ``zero = 2``, accumulate the gradients unreduced and reduce them
+        once per step (one reduce-scatter), as FSDP without per-microbatch sync does.
       param_specs: a pytree with the structure of the parameters (or a prefix of it)
         whose leaves are ``jax.sharding.PartitionSpec`` over the axis ``"tensor"`` (None:
         replicated); see :mod:`pipedsl.executor.models` for the built-in transformer's.
@@ -103,6 +105,7 @@ class Pipeline:
         tp: int = 1,
         zero: int = 0,
         param_specs: Any = None,
+        reduce_once: bool = False,
     ) -> None:
         stages = tuple(stages)
         if len(stages) != schedule.num_stages:
@@ -110,7 +113,7 @@ class Pipeline:
                 f"the model has {len(stages)} stages but schedule {schedule.name!r} has "
                 f"{schedule.num_stages}; give one stage function per schedule stage"
             )
-        mesh = MeshConfig(dp=dp, tp=tp, zero=zero)
+        mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once)
         self._setup(stages, None, loss, schedule, backend, remat, devices, recv_timeout, mesh, param_specs)
 
     @classmethod
@@ -128,13 +131,14 @@ class Pipeline:
         tp: int = 1,
         zero: int = 0,
         param_specs: Any = None,
+        reduce_once: bool = False,
     ) -> Pipeline:
         """A pipeline for ``model_fn(params, x) -> y`` split at its ``stage_boundary``
         markers (see :mod:`pipedsl.executor.split`); ``params`` is then the pytree
         ``model_fn`` takes (and ``param_specs`` mirrors it). Other arguments as for
         :class:`Pipeline`."""
         pipe = cls.__new__(cls)
-        mesh = MeshConfig(dp=dp, tp=tp, zero=zero)
+        mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once)
         pipe._setup(None, model_fn, loss, schedule, backend, remat, devices, recv_timeout, mesh, param_specs)
         return pipe
 

@@ -369,6 +369,7 @@ class DeviceActor:
                 mesh,
                 specs=spec.specs,
                 zero=spec.mesh.zero,
+                reduce_once=spec.mesh.reduce_once,
                 num_microbatches=spec.num_microbatches,
                 remat=spec.remat,
                 placement=spec.placement,
