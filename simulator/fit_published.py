@@ -29,7 +29,7 @@ from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, LAYER_GRID, Framewor
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster
 from pipedsl.simulator.memory import Memory
 from pipedsl.simulator.pipelines import Pipelines
-from pipedsl.simulator.plan import Plan, Recompute
+from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 
 __all__ = ["DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "fit_network", "fit_framework", "HELD_OUT", "NETWORK_GRID", "gpu_type", "regimes", "accuracy_markdown", "main"]
 
@@ -140,7 +140,7 @@ def _run(row: dict[str, str]) -> Run:
         reduce_bytes=int(row.get("reduce_bytes") or 4),
         zero=int(row.get("zero") or 0),
         cp=int(row.get("cp") or 1),
-        cp_exchange=row.get("cp_exchange") or "ring",
+        cp_exchange=ContextExchange(row.get("cp_exchange") or "ring"),
         reduce_once=_flag(row, "reduce_once", "false"),
         reshard_after_forward=_flag(row, "reshard_after_forward"),
         framework=row.get("framework") or "megatron",
@@ -235,9 +235,11 @@ def fit_network(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict
     ]
     pipelines = Pipelines(keep_simulations=False)
     best: tuple[float, dict[str, Cluster]] | None = None
-    for point in itertools.product(*NETWORK_GRID.values()):
-        values = dict(zip(NETWORK_GRID, point, strict=True))
-        priced = {name: dataclasses.replace(c, **values) for name, c in clusters.items()}
+    for latency, efficiency, cv in itertools.product(*NETWORK_GRID.values()):
+        priced = {
+            name: dataclasses.replace(c, spine_latency_s=latency, spine_efficiency=efficiency, straggler_cv=cv)
+            for name, c in clusters.items()
+        }
         error = _source_mape(evaluate(calibration, priced, pipelines))
         if best is None or error < best[0] - 1e-12:
             best = (error, priced)
