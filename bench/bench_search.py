@@ -15,6 +15,7 @@ in a fresh process and the ratio printed.
 
     python bench/bench_search.py [--model gpt3-175b] [--cluster a100-80gb] [--gpus 1024]
                                  [--global-batch 1536] [--no-prune] [--jobs N] [--baseline PYTHON] [--record]
+                                 [--stage-layers even|ends]
 """
 
 from __future__ import annotations
@@ -76,11 +77,20 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, help="processes that rank schedules at once (default: the search's)")
     parser.add_argument("--baseline", help="another checkout's python to run the same search with")
     parser.add_argument("--record", action="store_true", help=f"write the best 40 plans to {RECORDED.name}")
+    parser.add_argument(
+        "--stage-layers",
+        choices=("even", "ends"),
+        default="even",
+        help="ends: also split the layers with embedding-only first and head-only last stages (Llama 3 405B)",
+    )
     args = parser.parse_args()
     prune = None if args.no_prune else DEFAULT_PRUNE
 
     started, cpu = time.perf_counter(), _cpu_seconds()
-    frame = search(args.model, args.cluster, args.gpus, global_batch=args.global_batch, prune=prune, jobs=args.jobs)
+    frame = search(
+        args.model, args.cluster, args.gpus, global_batch=args.global_batch, prune=prune, jobs=args.jobs,
+        stage_split=args.stage_layers,
+    )  # fmt: skip
     seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
     attrs = frame.attrs
     print(f"{attrs['model']} on {attrs['gpus']} x {attrs['cluster']}, global batch {attrs['global_batch']}")

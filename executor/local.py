@@ -156,6 +156,7 @@ class LocalBackend:
                 self.meshes[d],
                 specs=specs,
                 zero=self.config.zero,
+                reduce_once=self.config.reduce_once,
                 num_microbatches=schedule.num_microbatches,
                 remat=self._remat,
                 placement=placement,

@@ -14,7 +14,11 @@ the compiled programs:
   (ZeRO 1); with ZeRO 2 and 3 sharded over ``"data"`` as every backward adds to them
   (:mod:`pipedsl.executor.shards`);
 - optimizer state: as the parameters, with ZeRO-1, 2 and 3 sharded over ``"data"``;
-- microbatches, activations and their gradients: axis 0 (the examples) over ``"data"``.
+- microbatches, activations and their gradients: axis 0 (the examples) over ``"data"``,
+  and with context parallelism axis 1 (the sequence) over ``"context"`` (size ``cp``):
+  each device of that axis holds a slice of every sequence, and XLA brings the keys and
+  values of the whole sequence to its causal attention, as it brings the tensor-parallel
+  collectives (the stage programs are manual over ``"data"`` only).
 
 Sharding a leaf over ``"data"`` takes its first axis that the model's spec leaves whole
 and whose size divides by ``dp``; a leaf with no such axis stays replicated over
@@ -34,33 +38,39 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pipedsl.executor.devices import xla_device_flag
 from pipedsl.executor.errors import ExecutionError
 
-__all__ = ["MeshConfig", "StageLayout", "build_meshes", "leaf_specs", "DATA", "TENSOR"]
+__all__ = ["MeshConfig", "StageLayout", "build_meshes", "leaf_specs", "DATA", "CONTEXT", "TENSOR"]
 
-DATA, TENSOR = "data", "tensor"
+DATA, CONTEXT, TENSOR = "data", "context", "tensor"
 ZERO_LEVELS = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeshConfig:
     """The SPMD shape of every pipeline device: ``dp`` x ``tp`` JAX devices, ZeRO stage
-    ``zero`` (0 to 3) over ``"data"``."""
+    ``zero`` (0 to 3) over ``"data"``; with ``reduce_once``, ZeRO 2 accumulates each
+    device's gradients unreduced and reduces them once per step (as ZeRO 0 and 1 do),
+    instead of reduce-scattering every backward's."""
 
     dp: int = 1
     tp: int = 1
     zero: int = 0
+    reduce_once: bool = False
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp"):
+        for name in ("dp", "tp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ExecutionError(f"{name} must be a positive integer, got {value!r}")
         if self.zero not in ZERO_LEVELS:
             raise ExecutionError(f"zero must be one of {', '.join(map(str, ZERO_LEVELS))}, got {self.zero!r}")
+        if not isinstance(self.reduce_once, bool) or (self.reduce_once and self.zero != 2):
+            raise ExecutionError(f"reduce_once applies to zero = 2 (true or false), got {self.reduce_once!r}")
 
     @property
     def size(self) -> int:
         """JAX devices per pipeline device."""
-        return self.dp * self.tp
+        return self.dp * self.cp * self.tp
 
 
 def build_meshes(
@@ -78,7 +88,8 @@ def build_meshes(
         if len(available) < needed:
             platform = available[0].platform
             raise ExecutionError(
-                f"{what} needs {needed} JAX devices (pp={num_devices} x dp={config.dp} x tp={config.tp}) "
+                f"{what} needs {needed} JAX devices (pp={num_devices} x dp={config.dp} x cp={config.cp} x "
+                f"tp={config.tp}) "
                 f"but JAX has {len(available)} {platform} device(s); on CPU set "
                 f"XLA_FLAGS={xla_device_flag(needed)} before jax is imported (the `pipedsl run` command "
                 "does this itself), or pass devices=[...] to map several pipeline devices onto one JAX device"
@@ -86,14 +97,15 @@ def build_meshes(
         devices = available[:needed]
     elif len(devices) != needed:
         raise ExecutionError(
-            f"{what} has {num_devices} pipeline devices of dp={config.dp} x tp={config.tp}: it needs "
+            f"{what} has {num_devices} pipeline devices of dp={config.dp} x cp={config.cp} x tp={config.tp}: it needs "
             f"{needed} JAX devices; {len(devices)} were given"
         )
     size = config.size
     if size > 1 and len(set(devices)) != len(devices):
-        raise ExecutionError("with dp or tp above 1, every JAX device given must be distinct")
+        raise ExecutionError("with dp, cp or tp above 1, every JAX device given must be distinct")
+    shape = (config.dp, config.cp, config.tp)
     return tuple(
-        Mesh(np.array(devices[d * size : (d + 1) * size], dtype=object).reshape(config.dp, config.tp), (DATA, TENSOR))
+        Mesh(np.array(devices[d * size : (d + 1) * size], dtype=object).reshape(shape), (DATA, CONTEXT, TENSOR))
         for d in range(num_devices)
     )
 
@@ -161,7 +173,8 @@ class StageLayout:
       params: per parameter leaf of the stage (in the stage's order), where it is kept.
       states: per parameter leaf, where its optimizer state is kept.
       unreduced: whether gradients accumulate unreduced, one partial sum per device of
-        ``"data"`` (``dp > 1`` and ZeRO 0 or 1), and are reduced once per step.
+        ``"data"`` (``dp > 1`` and ZeRO 0 or 1, or 2 with ``reduce_once``), and are
+        reduced once per step.
       gathers_params: whether the optimizer updates shards of parameters that are kept
         whole, which are then gathered (ZeRO 1 and 2 with some leaf split over ``"data"``).
       accumulators: per parameter leaf, where its accumulator is kept: ``[dp, *leaf]``
@@ -172,7 +185,14 @@ class StageLayout:
     __slots__ = ("mesh", "params", "states", "unreduced", "gathers_params", "accumulators", "replicated", "_batch")
 
     def __init__(
-        self, mesh: Mesh, specs: Sequence[PartitionSpec], avals: Sequence[Any], *, zero: int, leaves: Sequence[int]
+        self,
+        mesh: Mesh,
+        specs: Sequence[PartitionSpec],
+        avals: Sequence[Any],
+        *,
+        zero: int,
+        leaves: Sequence[int],
+        reduce_once: bool = False,
     ) -> None:
         dp, tp = mesh.shape[DATA], mesh.shape[TENSOR]
         base = []
@@ -188,13 +208,13 @@ class StageLayout:
         self.mesh = mesh
         self.params = place(3)
         self.states = place(1)
-        self.unreduced = dp > 1 and zero <= 1
+        self.unreduced = dp > 1 and (zero <= 1 or (zero == 2 and reduce_once))
         self.gathers_params = self.params != self.states
         self.accumulators = (
             tuple(NamedSharding(mesh, PartitionSpec(DATA, *b)) for b in base) if self.unreduced else place(2)
         )
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self._batch: dict[bool, NamedSharding] = {}
+        self._batch: dict[tuple[bool, bool], NamedSharding] = {}
 
     @property
     def grads(self) -> tuple[NamedSharding, ...]:
@@ -203,13 +223,17 @@ class StageLayout:
         return self.states
 
     def batch(self, shape: Sequence[int]) -> NamedSharding:
-        """A value of ``shape`` split over ``"data"`` along axis 0 (the examples); values
-        without such an axis (scalars, axes that do not divide) are replicated."""
+        """A value of ``shape`` split over ``"data"`` along axis 0 (the examples) and, with
+        context parallelism, over ``"context"`` along axis 1 (the sequence); values
+        without such axes (scalars, axes that do not divide) are replicated along them."""
+        cp = self.mesh.shape.get(CONTEXT, 1)
         split = bool(shape) and shape[0] % self.mesh.shape[DATA] == 0
-        sharding = self._batch.get(split)
+        context = cp > 1 and len(shape) > 1 and shape[1] % cp == 0
+        sharding = self._batch.get((split, context))
         if sharding is None:
-            sharding = NamedSharding(self.mesh, PartitionSpec(DATA) if split else PartitionSpec())
-            self._batch[split] = sharding
+            spec = PartitionSpec(DATA if split else None, CONTEXT) if context else PartitionSpec(DATA) if split else PartitionSpec()
+            sharding = NamedSharding(self.mesh, spec)
+            self._batch[(split, context)] = sharding
         return sharding
 
     def stacked(self) -> NamedSharding:

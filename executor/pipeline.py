@@ -83,6 +83,10 @@ class Pipeline:
         ``param_specs`` says.
       zero: ZeRO stage over ``"data"``: 1 shards the optimizer state, 2 also the
         accumulated gradients, 3 also the parameters (XLA gathers them where used).
+      reduce_once: with ``zero = 2``, accumulate the gradients unreduced and reduce them
+        once per step (one reduce-scatter), as FSDP without per-microbatch sync does.
+      cp: context-parallel devices per pipeline device (mesh axis ``"context"``): every
+        sequence (axis 1 of the inputs and activations) is split over them.
       param_specs: a pytree with the structure of the parameters (or a prefix of it)
         whose leaves are ``jax.sharding.PartitionSpec`` over the axis ``"tensor"`` (None:
         replicated); see :mod:`pipedsl.executor.models` for the built-in transformer's.
@@ -102,6 +106,8 @@ class Pipeline:
         tp: int = 1,
         zero: int = 0,
         param_specs: Any = None,
+        reduce_once: bool = False,
+        cp: int = 1,
     ) -> None:
         stages = tuple(stages)
         if len(stages) != schedule.num_stages:
@@ -109,7 +115,7 @@ class Pipeline:
                 f"the model has {len(stages)} stages but schedule {schedule.name!r} has "
                 f"{schedule.num_stages}; give one stage function per schedule stage"
             )
-        mesh = MeshConfig(dp=dp, tp=tp, zero=zero)
+        mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once, cp=cp)
         self._setup(stages, None, loss, schedule, backend, remat, devices, recv_timeout, mesh, param_specs)
 
     @classmethod
@@ -127,13 +133,15 @@ class Pipeline:
         tp: int = 1,
         zero: int = 0,
         param_specs: Any = None,
+        reduce_once: bool = False,
+        cp: int = 1,
     ) -> Pipeline:
         """A pipeline for ``model_fn(params, x) -> y`` split at its ``stage_boundary``
         markers (see :mod:`pipedsl.executor.split`); ``params`` is then the pytree
         ``model_fn`` takes (and ``param_specs`` mirrors it). Other arguments as for
         :class:`Pipeline`."""
         pipe = cls.__new__(cls)
-        mesh = MeshConfig(dp=dp, tp=tp, zero=zero)
+        mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once, cp=cp)
         pipe._setup(None, model_fn, loss, schedule, backend, remat, devices, recv_timeout, mesh, param_specs)
         return pipe
 

@@ -179,6 +179,7 @@ class WorldProcess:
                 mesh,
                 specs=spec.specs,
                 zero=config.zero,
+                reduce_once=config.reduce_once,
                 num_microbatches=spec.num_microbatches,
                 remat=spec.remat,
                 placement=spec.placement,

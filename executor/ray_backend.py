@@ -83,6 +83,11 @@ def world_shape(num_devices: int, mesh: MeshConfig, devices_per_process: int) ->
     """Processes per stage mesh for ``devices_per_process`` JAX devices each (module
     docstring); raises :class:`ExecutionError` for a layout that would split ``tp`` over
     processes or share a process between stage meshes."""
+    if mesh.cp > 1:
+        raise ExecutionError(
+            f"context parallelism (cp={mesh.cp}) runs on the local backend only; the Ray world's stage meshes "
+            "are dp x tp: use backend='local' or cp=1"
+        )
     k = devices_per_process
     if mesh.size % k or k % mesh.tp:
         raise ExecutionError(

@@ -392,13 +392,15 @@ def compile_device(
     num_microbatches: int,
     remat: Sequence[bool],
     placement: Sequence[int],
+    reduce_once: bool = False,
 ) -> dict[int, StageProgram]:
     """The compiled programs of ``stages`` (all on one pipeline device, whose mesh is
     ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``."""
     programs = {}
     for s in stages:
         idx = model.stage_params[s]
-        layout = StageLayout(mesh, [specs[i] for i in idx], [model.param_avals[i] for i in idx], zero=zero, leaves=idx)
+        avals = [model.param_avals[i] for i in idx]
+        layout = StageLayout(mesh, [specs[i] for i in idx], avals, zero=zero, leaves=idx, reduce_once=reduce_once)
         programs[s] = compile_stage(
             model, s, num_microbatches=num_microbatches, remat=remat[s], device=placement[s], layout=layout
         )

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 from pipedsl.simulator.collectives import all_reduce_choice, group_of
 from pipedsl.simulator.data_parallel import dp_group
+from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
-from pipedsl.simulator.plan import Plan, Recompute
+from pipedsl.simulator.network import network_link, straggler_factor
+from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 
 __all__ = ["Assumption", "assumptions"]
 
@@ -45,17 +47,43 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
         Assumption("tp_overlap", f"{plan.tp_overlap:g}", "fraction of tensor-parallel collectives hidden by matmuls"),
         Assumption("reduce_dtype", "fp32" if plan.reduce_bytes == 4 else "bf16",
                    f"gradients reduced at {plan.reduce_bytes} bytes per value"),
+        Assumption("sharding", plan.sharding, _sharding_meaning(plan)),
+        _framework_assumption(plan),
     ]  # fmt: skip
+    if plan.cp > 1:
+        found.append(Assumption("cp_exchange", plan.cp_exchange.value, _EXCHANGE[plan.cp_exchange]))
     size = model.num_params / (plan.tp * plan.pp) * plan.reduce_bytes
     for name, group, num_bytes in (
         ("tp_collectives", group_of(plan.tp, 1, cluster), model.seq_len * plan.microbatch_size * model.hidden * 2),
         ("dp_collectives", dp_group(plan, cluster), size),
+        ("cp_collectives", group_of(plan.cp, plan.tp, cluster), model.seq_len * plan.microbatch_size * model.kv_width),
     ):
         if group.ranks > 1:
             algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
-            where = f"{group.per_node} per node over {group.nodes} nodes" if group.spans_nodes else "in one node"
+            where = (
+                f"{group.per_node} per node over {group.nodes} nodes ({network_link(group.nodes, cluster).tier.value})"
+                if group.spans_nodes
+                else "in one node"
+            )
             found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
+    found.append(_network_assumption(cluster, plan))
     return (*found, *_shared_machine(cluster, plan))
+
+
+def _network_assumption(cluster: Cluster, plan: Plan) -> Assumption:
+    """The network tiers and the stragglers priced (:mod:`~pipedsl.simulator.network`)."""
+    nodes = -(-plan.gpus // cluster.gpus_per_node)
+    tiers = (
+        f"leaf tier of {cluster.leaf_nodes} nodes, the spine {cluster.spine_latency_s * 1e6:g} us more per message "
+        f"at {cluster.spine_efficiency:g} of the bandwidth"
+        if cluster.leaf_nodes
+        else "one flat network between nodes"
+    )
+    wait = straggler_factor(nodes, cluster)
+    return Assumption(
+        "network", "tiers" if cluster.leaf_nodes else "flat",
+        f"{tiers}; stragglers (cv {cluster.straggler_cv:g}) make the step over {nodes} nodes {wait:.4g} times as long",
+    )  # fmt: skip
 
 
 def _shared_machine(cluster: Cluster, plan: Plan) -> list[Assumption]:
@@ -77,3 +105,38 @@ _RECOMPUTE = {
     Recompute.SELECTIVE: "attention's core is recomputed in the backward",
     Recompute.FULL: "each layer's forward is rerun in the backward; only its input is stored",
 }
+
+
+_EXCHANGE = {
+    ContextExchange.RING: "keys and values pass around the context-parallel ring behind attention's compute",
+    ContextExchange.ALL_GATHER: "keys and values are all-gathered before attention runs, exposed",
+}
+
+
+def _sharding_meaning(plan: Plan) -> str:
+    """The sharding mode in words: what is sharded over the dp·cp ranks, and when
+    gradients are reduced and weights gathered."""
+    parts = ["optimizer state"]
+    if plan.zero >= 2 and not plan.reduce_once:
+        parts.append("gradients")
+    if plan.zero == 3 and plan.reshard_after_forward:
+        parts.append("weights")
+    if plan.zero == 0:
+        return "nothing sharded; gradients all-reduced once per step"
+    when = "accumulated whole, reduce-scattered once per step" if plan.reduces_once else "reduce-scattered every microbatch"
+    text = f"{', '.join(parts)} sharded over {plan.shards} ranks; gradients {when}"
+    if plan.zero == 3:
+        text += "; weights gathered for each forward and again for each backward" if plan.reshard_after_forward else (
+            "; weights gathered once per step and kept" if plan.reduce_once else
+            "; weights gathered for each forward and kept for its backward")  # fmt: skip
+    return text
+
+
+def _framework_assumption(plan: Plan) -> Assumption:
+    """The framework profile priced, with its fixed costs."""
+    profile = framework(plan.framework)
+    costs = (
+        f"{profile.microbatch_s * 1e3:g} ms per stage and microbatch, {profile.layer_s * 1e3:g} ms per layer and "
+        f"microbatch, {profile.action_s * 1e3:g} ms per action beyond the work"
+    )
+    return Assumption("framework", profile.name, f"{costs} ({profile.source})" if profile.source else costs)

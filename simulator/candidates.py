@@ -4,7 +4,12 @@ Enumeration, for ``gpus`` GPUs and a global batch B:
 
 - tensor-parallel degrees: powers of two up to the GPUs per node (tensor parallelism
   stays on NVLink) that divide the heads and the feed-forward width;
-- pipeline degrees: divisors of ``gpus`` from 2 up, with ``pp × vpp`` dividing the layers;
+- context-parallel degrees: ``cp_sizes``, by default :func:`default_cp_sizes` (powers of
+  two that leave each rank at least :data:`MIN_CP_TOKENS` tokens of a sequence: 1 alone
+  for GPT-3's 2,048, 1 and 2 at 8K, up to 32 at 131K);
+- pipeline degrees: divisors of ``gpus`` from 2 up, with ``pp × vpp`` dividing the layers
+  (with ``stage_split="ends"``, where it does not, the split whose first and last stage
+  hold only the embedding and the head, :func:`~pipedsl.simulator.stages.ends_split`);
 - virtual stages: ``vpp_sizes`` (2, 3, 4, 6, 8) for schedules with a ``vpp``
   parameter (vpp = 1 is 1F1B's or GPipe's plan); what the schedule places otherwise;
 - microbatch sizes: divisors of B/dp up to ``max_microbatch_size``;
@@ -25,8 +30,21 @@ from typing import Any
 from pipedsl import library
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
+from pipedsl.simulator.stages import ends_split
 
-__all__ = ["DEFAULT_TOKENS_PER_STEP", "SearchedSchedule", "candidate_plans", "default_global_batch", "searched_schedules"]
+__all__ = [
+    "DEFAULT_TOKENS_PER_STEP",
+    "MIN_CP_TOKENS",
+    "SearchedSchedule",
+    "candidate_plans",
+    "default_cp_sizes",
+    "default_global_batch",
+    "searched_schedules",
+]
+
+MIN_CP_TOKENS = 4096
+"""The fewest tokens of a sequence the default context-parallel degrees leave each rank:
+below it the key/value exchange outweighs the attention it spreads."""
 
 DEFAULT_TOKENS_PER_STEP = 2**22
 """Tokens per step when no global batch is given: 4 Mi tokens (GPT-3 used 3.1 M)."""
@@ -35,6 +53,16 @@ DEFAULT_TOKENS_PER_STEP = 2**22
 def default_global_batch(model: Model) -> int:
     """Sequences per step for about 4 Mi tokens: ``2**22 // seq_len`` (at least 1)."""
     return max(DEFAULT_TOKENS_PER_STEP // model.seq_len, 1)
+
+
+def default_cp_sizes(model: Model) -> tuple[int, ...]:
+    """Context-parallel degrees a search tries by default: 1, and each power of two ``c``
+    with ``seq_len / c >= MIN_CP_TOKENS`` that splits the sequence into 2·c chunks."""
+    sizes, c = [1], 2
+    while model.seq_len // c >= MIN_CP_TOKENS and model.seq_len % (2 * c) == 0:
+        sizes.append(c)
+        c *= 2
+    return tuple(sizes)
 
 
 def _divisors(n: int) -> list[int]:
@@ -92,6 +120,10 @@ def candidate_plans(
     flash_attention: bool = True,
     dp_overlap: float = 1.0,
     reduce_bytes: int = 4,
+    cp_sizes: Sequence[int] | None = None,
+    stage_split: str = "even",
+    tp_overlap: float = 0.0,
+    framework: str = "megatron",
     skipped: Counter[tuple[str, int]] | None = None,
 ) -> Iterator[Plan]:
     """Every plan the search tries (see the module docstring), SPMD plans first.
@@ -103,6 +135,11 @@ def candidate_plans(
     skip: Counter[tuple[str, int]] = Counter() if skipped is None else skipped
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise PlanError(f"search: gpus must be a whole number >= 1, got {gpus!r}")
+    if stage_split not in ("even", "ends"):
+        raise PlanError(f"search: stage_split must be even or ends, got {stage_split!r}")
+    cps = default_cp_sizes(model) if cp_sizes is None else tuple(cp_sizes)
+    if not cps or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cps):
+        raise PlanError(f"search: cp_sizes must be whole numbers >= 1, got {list(cps)}")
     modes = [Recompute(r) for r in recompute]
     if flash_attention:
         # FlashAttention never stores the scores selective recomputation would drop, so
@@ -113,11 +150,37 @@ def candidate_plans(
         "flash_attention": flash_attention,
         "dp_overlap": dp_overlap,
         "reduce_bytes": reduce_bytes,
+        "tp_overlap": tp_overlap,
+        "framework": framework,
     }
-    space = _Space(tuple(_tp_sizes(model, cluster, gpus)), tuple(modes), global_batch, max_microbatch_size, skip)
+    splits = _Splits(tuple(_tp_sizes(model, cluster, gpus)), _cp_sizes(model, cps, skip))
+    space = _Space(splits.pairs(), tuple(modes), global_batch, max_microbatch_size, skip)
     yield from _spmd_plans(space, gpus, spmd_zero, common)
     found = searched_schedules(schedules, extra_schedules)
-    yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common)
+    yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common, ends=stage_split == "ends")
+
+
+def _cp_sizes(model: Model, cps: Sequence[int], skip: Counter[tuple[str, int]]) -> tuple[int, ...]:
+    """The context-parallel degrees of ``cps`` that split the sequence into 2·cp chunks."""
+    kept = []
+    for c in dict.fromkeys(cps):
+        if c > 1 and model.seq_len % (2 * c):
+            skip[f"cp does not split the {model.seq_len}-token sequence into 2·cp chunks", c] += 1
+            continue
+        kept.append(c)
+    return tuple(kept)
+
+
+@dataclass(frozen=True, slots=True)
+class _Splits:
+    """Tensor- and context-parallel degrees to try."""
+
+    tps: tuple[int, ...]
+    cps: tuple[int, ...]
+
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """Every (tp, cp), tp × cp the GPUs of one model replica's stage."""
+        return tuple((t, c) for t in self.tps for c in self.cps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +189,7 @@ class _Space:
     recomputation modes to try, the batch and the largest microbatch, and the counter
     of combinations left out."""
 
-    tps: tuple[int, ...]
+    tps: tuple[tuple[int, int], ...]
     modes: tuple[Recompute, ...]
     global_batch: int
     max_microbatch_size: int
@@ -141,12 +204,14 @@ class _Space:
 
 
 def _spmd_plans(space: _Space, gpus: int, spmd_zero: Sequence[int], common: dict[str, Any]) -> Iterator[Plan]:
-    for tp in space.tps:
-        dp = gpus // tp
+    for tp, cp in space.tps:
+        if gpus % (tp * cp):
+            continue
+        dp = gpus // (tp * cp)
         for b in space.microbatch_sizes(dp):
             for zero in spmd_zero:
                 for mode in space.modes:
-                    yield Plan(dp=dp, tp=tp, pp=1, microbatch_size=b, zero=zero, recompute=mode, **common)
+                    yield Plan(dp=dp, tp=tp, cp=cp, pp=1, microbatch_size=b, zero=zero, recompute=mode, **common)
 
 
 def _pipeline_plans(
@@ -157,24 +222,29 @@ def _pipeline_plans(
     vpp_sizes: Sequence[int],
     pipeline_zero: Sequence[int],
     common: dict[str, Any],
+    *,
+    ends: bool,
 ) -> Iterator[Plan]:
     for pp in _divisors(gpus)[1:]:
         if pp > model.layers:
             space.skip[f"pp exceeds the {model.layers} layers", pp] += 1
             break
-        for tp in space.tps:
-            if gpus % (pp * tp):
+        for tp, cp in space.tps:
+            if gpus % (pp * tp * cp):
                 continue
-            dp = gpus // (pp * tp)
+            dp = gpus // (pp * tp * cp)
             for b in space.microbatch_sizes(dp):
                 for sched in found:
                     for vpp in vpp_sizes if sched.takes_vpp else (1,):
+                        layers = None
                         if model.layers % (pp * vpp):
-                            space.skip[f"{model.layers} layers do not split over pp × vpp", pp * vpp] += 1
-                            continue
+                            layers = ends_split(model.layers, pp * vpp) if ends else None
+                            if layers is None:
+                                space.skip[f"{model.layers} layers do not split over pp × vpp", pp * vpp] += 1
+                                continue
                         for zero in pipeline_zero:
                             for mode in space.modes:
                                 yield Plan(
-                                    dp=dp, tp=tp, pp=pp, vpp=vpp, microbatch_size=b, zero=zero,
-                                    recompute=mode, schedule=sched.spec, **common,
+                                    dp=dp, tp=tp, cp=cp, pp=pp, vpp=vpp, microbatch_size=b, zero=zero,
+                                    recompute=mode, schedule=sched.spec, stage_layers=layers, **common,
                                 )  # fmt: skip

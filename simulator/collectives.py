@@ -21,6 +21,9 @@ per-message latency of the slower link the algorithm crosses):
 - point-to-point: ``α + S / B`` on NVLink inside a node, at the GPU's adapter share
   between nodes.
 
+Between nodes, a group's bandwidth and latency are those of the network tier its span
+reaches (:mod:`~pipedsl.simulator.network`: the leaf switches, or the spine beyond them).
+
 :func:`all_reduce_seconds` takes the faster algorithm for the size, as NCCL's tuner
 does: the tree's logarithmic latency wins for small buffers over many nodes, the ring's
 pipelined intra-node part for large ones.
@@ -34,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from pipedsl.simulator.hardware import Cluster
+from pipedsl.simulator.network import network_link
 
 __all__ = [
     "Algorithm",
@@ -109,21 +113,22 @@ def _nvlink(cluster: Cluster) -> tuple[float, float]:
 
 
 def _ring_link(group: Group, cluster: Cluster) -> tuple[float, float]:
-    """(bytes per second, seconds per message) of a ring over ``group``."""
+    """(bytes per second, seconds per message) of a ring over ``group``: between nodes at
+    the tier its span reaches (:mod:`~pipedsl.simulator.network`)."""
     nv_bandwidth, nv_latency = _nvlink(cluster)
     if not group.spans_nodes:
         return nv_bandwidth, nv_latency
-    _, net_latency = cluster.link(inter_node=True)
-    return min(nv_bandwidth, group.per_node * cluster.network_share), net_latency
+    net = network_link(group.nodes, cluster)
+    return min(nv_bandwidth, group.per_node * net.bandwidth), net.latency
 
 
 def _hierarchical_seconds(num_bytes: float, group: Group, cluster: Cluster) -> float:
     k, nodes = group.per_node, group.nodes
     nv_bandwidth, nv_latency = _nvlink(cluster)
-    _, net_latency = cluster.link(inter_node=True)
+    net = network_link(nodes, cluster)
     inside = 2 * ring_gather_seconds(num_bytes, k, bandwidth=nv_bandwidth, latency=nv_latency)
-    across = 2 * math.ceil(math.log2(nodes)) * net_latency
-    across += 2 * (nodes - 1) / nodes * (num_bytes / k) / cluster.network_share
+    across = 2 * math.ceil(math.log2(nodes)) * net.latency
+    across += 2 * (nodes - 1) / nodes * (num_bytes / k) / net.bandwidth
     return inside + across
 
 

@@ -1,12 +1,19 @@
 """Data parallelism: gradient and weight traffic between data-parallel ranks by ZeRO
 stage, what of it the computation hides, and the optimizer step.
 
-Gradients are reduced at ``reduce_bytes`` per value (4, fp32, by default): ZeRO 0
+The ranks that hold the same weights are the dp·cp data- and context-parallel ranks of
+one tensor and pipeline rank (context-parallel ranks train the same weights on other
+tokens of the same sequences); their gradients are reduced, and ZeRO shards, over that
+group. Gradients are reduced at ``reduce_bytes`` per value (4, fp32, by default): ZeRO 0
 all-reduces them once per step, ZeRO 1 reduce-scatters them and all-gathers the updated
 16-bit weights, ZeRO 2 reduce-scatters every microbatch's gradients (that is what frees
 their memory) and all-gathers the weights once, ZeRO 3 also all-gathers the weights in
-every forward and backward. Collectives run over the data-parallel group as
-:mod:`~pipedsl.simulator.collectives` prices them. Overlap: ``dp_overlap`` is the
+every forward and again in every backward. The plan's sharding choices change that:
+with ``reduce_once`` ZeRO 2 and 3 accumulate the gradients locally and reduce-scatter
+them once per step, as ZeRO 1 does; without ``reshard_after_forward`` ZeRO 3 keeps the
+forward's gathered weights for the backward (one gather per microbatch), and with
+``reduce_once`` besides for the whole step (one gather per step, ZeRO 1's traffic).
+Collectives run over the group as :mod:`~pipedsl.simulator.collectives` prices them. Overlap: ``dp_overlap`` is the
 fraction of the covering computation that can hide this traffic. Once-per-step gradient
 reduction can hide only behind the last microbatch's backward (the gradients are final
 only then), the weight all-gather only behind the next step's first forward;
@@ -26,7 +33,7 @@ from pipedsl.simulator.hardware import Cluster
 from pipedsl.simulator.plan import Plan
 from pipedsl.simulator.transformer import Shapes, Work
 
-__all__ = ["dp_group", "tails", "zero_per_microbatch"]
+__all__ = ["dp_group", "gathers_per_step", "tails", "zero_per_microbatch"]
 
 _OPTIMIZER_TRAFFIC = 30
 """HBM bytes the Adam update moves per parameter: reads grad, master, m, v (16), writes
@@ -34,8 +41,16 @@ master, m, v (12) and the 16-bit weight (2)."""
 
 
 def dp_group(plan: Plan, cluster: Cluster) -> Group:
-    """The data-parallel group of one tensor and pipeline rank (stride tp)."""
-    return group_of(plan.dp, plan.tp, cluster)
+    """The dp·cp ranks that hold one tensor and pipeline rank's weights (stride tp: ranks
+    are tensor-parallel innermost, then context-, then data-parallel)."""
+    return group_of(plan.shards, plan.tp, cluster)
+
+
+def gathers_per_step(plan: Plan) -> bool:
+    """Whether the updated weights are all-gathered once per step (ZeRO 1 and 2, and ZeRO
+    3 that keeps its gathered weights for the whole step); ZeRO 3 otherwise gathers
+    them per microbatch, ZeRO 0 not at all."""
+    return plan.zero in (1, 2) or (plan.zero == 3 and plan.reduce_once and not plan.reshard_after_forward)
 
 
 def tails(
@@ -70,26 +85,29 @@ def _gather(shapes: Shapes, num_bytes: float) -> float:
 
 def zero_per_microbatch(shapes: Shapes, stage_params: float, work: Work) -> Work:
     """Exposed per-microbatch ZeRO traffic of one stage: stage 2 reduce-scatters each
-    microbatch's gradients (hidden behind ``W``), stage 3 also gathers the weights for
-    the forward and again for the backward."""
+    microbatch's gradients (hidden behind ``W``) unless it reduces once per step, stage 3
+    also gathers the weights for the forward and, when it reshards after the forward,
+    again for the backward (none of it per microbatch when it keeps them for the step)."""
     plan = shapes.plan
-    if plan.zero < 2 or plan.dp == 1:
+    if plan.zero < 2 or plan.shards == 1:
         return Work()
     hide = plan.dp_overlap
-    scatter = _gather(shapes, stage_params * plan.reduce_bytes)
-    weight_grad = max(0.0, scatter - hide * work.weight_grad)
-    if plan.zero == 2:
+    weight_grad = 0.0
+    if not plan.reduce_once:
+        scatter = _gather(shapes, stage_params * plan.reduce_bytes)
+        weight_grad = max(0.0, scatter - hide * work.weight_grad)
+    if plan.zero == 2 or gathers_per_step(plan):
         return Work(0.0, 0.0, weight_grad)
     gather = _gather(shapes, stage_params * shapes.model.dtype_bytes)
     forward = max(0.0, gather - hide * work.forward)
-    input_grad = max(0.0, gather - hide * work.input_grad)
+    input_grad = max(0.0, gather - hide * work.input_grad) if plan.reshard_after_forward else 0.0
     return Work(forward, input_grad, weight_grad)
 
 
 def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_forward: float) -> float:
     """Exposed once-per-step data-parallel seconds of one device (see the module docstring)."""
     plan = shapes.plan
-    if plan.dp == 1:
+    if plan.shards == 1:
         return 0.0
     hide = plan.dp_overlap
     weights = device_params * shapes.model.dtype_bytes
@@ -97,16 +115,14 @@ def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_f
     if plan.zero == 0:
         reduce = all_reduce_seconds(grads, dp_group(plan, shapes.cluster), shapes.cluster)
         return max(0.0, reduce - hide * last_backward)
-    gather = max(0.0, _gather(shapes, weights) - hide * first_forward)
-    if plan.zero == 1:
-        return max(0.0, _gather(shapes, grads) - hide * last_backward) + gather
-    if plan.zero == 2:
-        return gather
-    return 0.0
+    tail = max(0.0, _gather(shapes, weights) - hide * first_forward) if gathers_per_step(plan) else 0.0
+    if plan.reduces_once:
+        tail += max(0.0, _gather(shapes, grads) - hide * last_backward)
+    return tail
 
 
 def _optimizer_seconds(shapes: Shapes, device_params: float) -> float:
     """The update of a device's parameters, and the runtime's fixed cost of the step
     (``Cluster.step_overhead_s``) that ends with it."""
-    local = device_params / (shapes.plan.dp if shapes.plan.zero >= 1 else 1)
+    local = device_params / (shapes.plan.shards if shapes.plan.zero >= 1 else 1)
     return shapes.traffic_seconds(local * _OPTIMIZER_TRAFFIC) + shapes.cluster.step_overhead_s

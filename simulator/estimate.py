@@ -28,7 +28,8 @@ Assembly:
   optimizer step: :mod:`~pipedsl.simulator.data_parallel`.
 
 Step time = pipeline makespan (simulated) + the slowest device's exposed data-parallel
-tail and optimizer step. Devices that share a host's cores (``Cluster.host_cores``,
+tail and optimizer step (times the wait for the slowest node where the cluster prices
+stragglers, :func:`~pipedsl.simulator.network.straggler_factor`). Devices that share a host's cores (``Cluster.host_cores``,
 forced CPU devices) are priced at their rates with every device of the node busy, and
 the simulator shares the cores among the pipeline devices that compute at each moment
 (processor sharing: :meth:`Cluster.speedup`, worked out for the plan in one place,
@@ -50,8 +51,10 @@ from pipedsl.simulator.collectives import ring_all_reduce_seconds, ring_gather_s
 from pipedsl.simulator.costs import CostModel, Layout
 from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import Simulation
+from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, step_flops
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory
+from pipedsl.simulator.network import straggler_factor
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.stages import split_layers, stage_params, stage_residual, stage_work
@@ -120,6 +123,14 @@ class Estimate:
     def memory_bytes_per_gpu(self) -> int:
         return self.memory.total
 
+    def mfu_by(self, count: FlopCount) -> float:
+        """MFU with the model FLOPs counted by ``count`` (:mod:`~pipedsl.simulator.flops`)."""
+        return step_flops(self.model, self.plan, count) / (self.plan.gpus * self.cluster.peak_flops * self.step_time_s)
+
+    def tflops_per_gpu(self, count: FlopCount) -> float:
+        """Model TFLOP/s per GPU with the FLOPs counted by ``count``."""
+        return step_flops(self.model, self.plan, count) / (self.plan.gpus * self.step_time_s) / 1e12
+
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model.name,
@@ -149,10 +160,11 @@ class Estimate:
 def _pipeline_link_inter(a: int, b: int, plan: Plan, cluster: Cluster) -> bool:
     """Whether pipeline devices a and b talk between nodes for some replica.
 
-    Rank of (tensor rank r, data rank d, pipeline device p) is r + tp·(d + dp·p); the
-    send from p to q pairs equal (r, d), so the link is inter-node if any pair crosses.
+    Rank of (tensor rank r, context rank c, data rank d, pipeline device p) is
+    r + tp·(c + cp·(d + dp·p)); the send from p to q pairs equal (r, c, d), so the link is
+    inter-node if any pair crosses.
     """
-    block, node = plan.tp * plan.dp, cluster.gpus_per_node
+    block, node = plan.tp * plan.cp * plan.dp, cluster.gpus_per_node
     return any((a * block + j) // node != (b * block + j) // node for j in range(block))
 
 
@@ -181,13 +193,19 @@ def _transfer_costs(placement: tuple[int, ...], shapes: Shapes) -> tuple[float, 
 
 def check_divides(model: Model, cluster: Cluster, plan: Plan) -> None:
     """Raise :class:`PlanError` when ``plan`` does not divide ``model`` or ``cluster``:
-    heads, key/value heads or the feed-forward width by tp, or tp against the GPUs per
-    node (the layers by pp × vpp are checked when the stages are split)."""
+    heads, key/value heads or the feed-forward width by tp, the sequence by 2·cp, or tp
+    against the GPUs per node (the layers by pp × vpp are checked when the stages are
+    split)."""
     t = plan.tp
     if model.heads % t or (model.num_kv_heads % t and t % model.num_kv_heads):
         raise PlanError(f"tp = {t} does not divide {model.name}'s {model.heads} attention heads evenly")
     if model.ffn_hidden % t:
         raise PlanError(f"tp = {t} does not divide {model.name}'s feed-forward width {model.ffn_hidden}")
+    if model.seq_len % (2 * plan.cp) and plan.cp > 1:
+        raise PlanError(
+            f"cp = {plan.cp} does not split {model.name}'s sequence of {model.seq_len} tokens into 2·cp equal "
+            "chunks (each context-parallel rank takes two, one from each end, to balance causal attention)"
+        )
     node = cluster.gpus_per_node
     if node % t and t % node:
         raise PlanError(f"tp = {t} neither divides nor is a multiple of {node} GPUs per node")
@@ -277,7 +295,9 @@ class Prepared:
         shapes, work = self.shapes, self.work
         model, cluster, plan = shapes.model, shapes.cluster, shapes.plan
         tail, optimizer = self.tails
-        step = pipeline_time + tail + optimizer
+        # Every device waits for the slowest node at the step's synchronisation.
+        nodes = -(-plan.gpus // cluster.gpus_per_node)
+        step = (pipeline_time + tail + optimizer) * straggler_factor(nodes, cluster)
         tokens = plan.global_batch * model.seq_len
         return Estimate(
             model=model,
@@ -289,7 +309,7 @@ class Prepared:
             optimizer_s=optimizer,
             bubble=bubble,
             tokens_per_s=tokens / step,
-            mfu=model.model_flops_per_step(tokens) / (plan.gpus * cluster.peak_flops * step),
+            mfu=step_flops(model, plan, DEFAULT_FLOP_COUNT) / (plan.gpus * cluster.peak_flops * step),
             memory=self.memory,
             stage_forward_s=tuple(w.forward for w in work),
             stage_backward_s=tuple(w.fused_backward(cluster.action_overhead_s) for w in work),
@@ -311,7 +331,7 @@ def prepare(
     """Work out ``plan``'s costs and memory without simulating (see :class:`Prepared`).
 
     ``pipelines`` caches evaluated schedules and simulations across calls. ``stage_layers`` gives
-    each of the pp × vpp stages its layers (default: an even split). With ``layout``, an order made
+    each of the pp × vpp stages its layers (default: the plan's, else an even split). With ``layout``, an order made
     later (a policy synthesised per plan): ``lower_bound_s`` only the tails, and no activations.
 
     Raises:
@@ -322,7 +342,7 @@ def prepare(
     """
     check_divides(model, cluster, plan)
     shapes = Shapes(model, cluster, plan)
-    layers = split_layers(model, plan.pp * plan.vpp, stage_layers)
+    layers = split_layers(model, plan.pp * plan.vpp, plan.stage_layers if stage_layers is None else stage_layers)
     params = stage_params(model, plan, layers)
     # The fullest device holds at least the average share: a cheap test before the
     # schedule is evaluated.

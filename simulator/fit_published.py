@@ -5,7 +5,8 @@ runs with their exact configurations; ``data/README.md`` cites each source. Each
 marked ``calibrate`` (used to fit the cluster's compute parameters) or ``validate`` (only
 reported). :func:`fit` picks ``matmul_efficiency``, ``matmul_half_flops`` and
 ``kernel_launch_s`` once per GPU type (:func:`gpu_type`; the presets of one chip share
-them) on the calibration rows alone, from a fixed grid (:data:`GRID`), minimising their
+them) on the calibration rows of Megatron-LM runs alone (a row of another framework
+calibrates that framework's profile, :func:`fit_framework`), from a fixed grid (:data:`GRID`), minimising their
 mean absolute percentage error (the calibration's fitter,
 :func:`~pipedsl.simulator.calibration.fitter.grid_search`); nothing is fitted per run. Run ``python -m pipedsl.simulator.fit_published`` to refit, print the table and
 write ``data/ACCURACY.md``; ``--check`` evaluates the presets as they are.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,13 +26,16 @@ from pipedsl.simulator.calibration.fitter import Step, grid_search
 from pipedsl.simulator.calibration.report import Measured, Report, Reproduced
 from pipedsl.simulator.collectives import group_of
 from pipedsl.simulator.estimate import estimate
+from pipedsl.simulator.flops import FlopCount, step_flops
+from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, LAYER_GRID, Framework, framework
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster
+from pipedsl.simulator.memory import Memory
 from pipedsl.simulator.pipelines import Pipelines
-from pipedsl.simulator.plan import Plan, Recompute
+from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 
 __all__ = [
-    "DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "fit_report", "gpu_type", "regimes",
-    "accuracy_markdown", "main",
+    "DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "fit_report", "fit_network", "fit_framework",
+    "HELD_OUT", "NETWORK_GRID", "gpu_type", "regimes", "accuracy_markdown", "main",
 ]  # fmt: skip
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -42,6 +47,14 @@ GRID = {
     "kernel_launch_s": (0.0, 5e-6, 1e-5, 2e-5),
 }
 """The values :func:`fit` tries for each compute parameter."""
+
+NETWORK_GRID = {
+    "spine_latency_s": (0.0, 1e-5, 3e-5),
+    "spine_efficiency": (1.0, 0.8),
+    "straggler_cv": (0.0, 0.0025, 0.005, 0.01),
+}
+"""The values :func:`fit_network` tries for the network tiers and the stragglers
+(:mod:`~pipedsl.simulator.network`), after the compute model is fitted."""
 
 _COUNTS = ("layers", "hidden", "ffn_hidden", "heads", "seq_len", "vocab", "gpus", "dp", "tp", "pp", "vpp",
            "microbatch_size", "global_batch")  # fmt: skip
@@ -80,12 +93,16 @@ def _measured_seconds(row: dict[str, str], model: Model, plan: Plan) -> float:
 
     ``tflops_per_gpu`` uses Narayanan et al.'s equation (3), which counts the recomputed
     forward: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per iteration;
-    ``samples_per_gpu_per_s`` is global batch / (GPUs × rate).
+    ``palm_tflops_per_gpu`` PaLM's count, (6·N + 12·l·h·s) per token
+    (:mod:`~pipedsl.simulator.flops`); ``samples_per_gpu_per_s`` is global batch /
+    (GPUs × rate).
     """
     reported = float(row["reported"])
     metric = row["metric"]
     if metric == "iteration_time_s":
         return reported
+    if metric == "palm_tflops_per_gpu":
+        return step_flops(model, plan, FlopCount.PALM) / (plan.gpus * reported * 1e12)
     if metric == "tflops_per_gpu":
         b, s, l, h, v = plan.global_batch, model.seq_len, model.layers, model.hidden, model.vocab
         flops = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
@@ -95,10 +112,11 @@ def _measured_seconds(row: dict[str, str], model: Model, plan: Plan) -> float:
     raise ValueError(f"{row['run']}: unknown metric {metric!r}")
 
 
-def _flag(row: dict[str, str], column: str) -> bool:
-    """An optional true/false column of the model's shape; empty or absent means the GPT
-    default (true: biases and LayerNorm, learned positions, a tied embedding)."""
-    value = row.get(column) or "true"
+def _flag(row: dict[str, str], column: str, default: str = "true") -> bool:
+    """An optional true/false column; empty or absent means ``default`` (for the model's
+    shape the GPT default, true: biases and LayerNorm, learned positions, a tied
+    embedding, dropout; a plain feed-forward block, ``gated_ffn`` false)."""
+    value = row.get(column) or default
     if value not in ("true", "false"):
         raise ValueError(f"{row['run']}: {column} must be true or false, got {value!r}")
     return value == "true"
@@ -109,7 +127,8 @@ def _run(row: dict[str, str]) -> Run:
     model = Model(name=row["run"], layers=n["layers"], hidden=n["hidden"], ffn_hidden=n["ffn_hidden"],
                   heads=n["heads"], kv_heads=int(row.get("kv_heads") or n["heads"]), seq_len=n["seq_len"],
                   vocab=n["vocab"], biases=_flag(row, "biases"), learned_positions=_flag(row, "learned_positions"),
-                  tied_embeddings=_flag(row, "tied_embeddings"))  # fmt: skip
+                  tied_embeddings=_flag(row, "tied_embeddings"), gated_ffn=_flag(row, "gated_ffn", "false"),
+                  dropout=_flag(row, "dropout"))  # fmt: skip
     plan = Plan(
         dp=n["dp"],
         tp=n["tp"],
@@ -125,9 +144,14 @@ def _run(row: dict[str, str]) -> Run:
         schedule=row["schedule"] or None,
         reduce_bytes=int(row.get("reduce_bytes") or 4),
         zero=int(row.get("zero") or 0),
+        cp=int(row.get("cp") or 1),
+        cp_exchange=ContextExchange(row.get("cp_exchange") or "ring"),
+        reduce_once=_flag(row, "reduce_once", "false"),
+        reshard_after_forward=_flag(row, "reshard_after_forward"),
+        framework=row.get("framework") or "megatron",
     )
     if plan.gpus != n["gpus"]:
-        raise ValueError(f"{row['run']}: dp × tp × pp = {plan.gpus}, but the row says {n['gpus']} GPUs")
+        raise ValueError(f"{row['run']}: dp × tp × cp × pp = {plan.gpus}, but the row says {n['gpus']} GPUs")
     if row["role"] not in ("calibrate", "validate"):
         raise ValueError(f"{row['run']}: role must be calibrate or validate, got {row['role']!r}")
     layers = tuple(int(x) for x in row["stage_layers"].split()) or None
@@ -135,10 +159,16 @@ def _run(row: dict[str, str]) -> Run:
                _measured_seconds(row, model, plan))  # fmt: skip
 
 
-def load_runs(folder: Path = DATA) -> list[Run]:
-    """Every row of ``published_runs*.csv`` in ``folder``, in file order."""
+HELD_OUT = "llama3_*.csv"
+"""Published runs kept out of the tables and the fit altogether: Llama 3 405B's, a check of
+the estimator on a run nothing was fitted on, whose memory the estimator does not find
+fitting (``ACCURACY.md`` reports them apart; data/README.md says why)."""
+
+
+def load_runs(folder: Path = DATA, pattern: str = "published_runs*.csv") -> list[Run]:
+    """Every row of the files matching ``pattern`` in ``folder``, in file order."""
     runs: list[Run] = []
-    for path in sorted(folder.glob("published_runs*.csv")):
+    for path in sorted(folder.glob(pattern)):
         with path.open(newline="") as handle:
             runs.extend(_run(row) for row in csv.DictReader(handle))
     return runs
@@ -173,7 +203,10 @@ def fit(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cl
     types = {gpu_type(c) for c in clusters.values()}
     if len(types) != 1:
         raise ValueError(f"fit one GPU type at a time, got {', '.join(sorted(types))}")
-    calibration = [r for r in runs if r.role == "calibrate" and r.cluster in clusters]
+    # Runs of another framework calibrate that framework's profile (fit_framework), not the GPU.
+    calibration = [
+        r for r in runs if r.role == "calibrate" and r.cluster in clusters and r.plan.framework == DEFAULT_FRAMEWORK
+    ]
     if not calibration:
         raise ValueError(f"no calibration runs for {', '.join(sorted(clusters))}")
     pipelines = Pipelines(keep_simulations=False)
@@ -184,6 +217,37 @@ def fit(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cl
 _BLOCKS = (("matmul_efficiency", "matmul_half_flops"), ("kernel_launch_s",))
 """The grid's fields in the order :func:`fit` searches them: the efficiency curve first,
 at the smallest launch cost, then the launch cost."""
+
+
+def fit_network(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cluster], float]:
+    """The :data:`NETWORK_GRID` point with the lowest error on the Megatron-LM calibration
+    runs of ``clusters`` (one GPU type, compute model fitted), every preset with it, and
+    that error; the first such point of the grid (the smallest terms) when several tie."""
+    calibration = [
+        r for r in runs if r.role == "calibrate" and r.cluster in clusters and r.plan.framework == DEFAULT_FRAMEWORK
+    ]
+    pipelines = Pipelines(keep_simulations=False)
+    steps = [_step(run, pipelines) for run in calibration]
+    return grid_search(clusters, NETWORK_GRID, (tuple(NETWORK_GRID),), steps)
+
+
+def fit_framework(runs: Sequence[Run], clusters: dict[str, Cluster], name: str) -> tuple[Framework, float]:
+    """Framework ``name``'s profile with the ``layer_s`` of :data:`~pipedsl.simulator.frameworks.LAYER_GRID`
+    that has the lowest mean absolute percentage error on that framework's calibration
+    runs (on ``clusters`` as fitted), and that error."""
+    calibration = [r for r in runs if r.role == "calibrate" and r.plan.framework == name]
+    if not calibration:
+        raise ValueError(f"no calibration runs for framework {name}")
+    pipelines = Pipelines(keep_simulations=False)
+    profiles = [dataclasses.replace(framework(name), layer_s=v) for v in LAYER_GRID]
+
+    def error(profile: Framework) -> float:
+        priced = [dataclasses.replace(r, plan=dataclasses.replace(r.plan, framework=profile)) for r in calibration]
+        return _mape(evaluate(priced, clusters, pipelines))
+
+    errors = [error(p) for p in profiles]
+    best = min(range(len(profiles)), key=errors.__getitem__)
+    return profiles[best], errors[best]
 
 
 def _step(run: Run, pipelines: Pipelines) -> Step:
@@ -224,8 +288,11 @@ def _table(groups: dict[str, list[Result]]) -> list[str]:
     return lines
 
 
-def accuracy_markdown(results: Sequence[Result], clusters: dict[str, Cluster]) -> str:
-    """``data/ACCURACY.md``: error per source, per role, per regime, and per run."""
+def accuracy_markdown(
+    results: Sequence[Result], clusters: dict[str, Cluster], held_out: Sequence[tuple[Result, Memory]] = ()
+) -> str:
+    """``data/ACCURACY.md``: error per source, per role, per regime, and per run; then the
+    ``held_out`` runs (:data:`HELD_OUT`) with the memory the estimator gives them."""
     by_source: dict[str, list[Result]] = {}
     by_role: dict[str, list[Result]] = {}
     by_regime: dict[str, list[Result]] = {}
@@ -249,8 +316,15 @@ def accuracy_markdown(results: Sequence[Result], clusters: dict[str, Cluster]) -
     for name, cluster in sorted(clusters.items()):
         lines.append(
             f"- `{name}`: matmul_efficiency = {cluster.matmul_efficiency:g}, "
-            f"matmul_half_flops = {cluster.matmul_half_flops:g}, kernel_launch_s = {cluster.kernel_launch_s:g}"
+            f"matmul_half_flops = {cluster.matmul_half_flops:g}, kernel_launch_s = {cluster.kernel_launch_s:g}; "
+            f"network: leaf_nodes = {cluster.leaf_nodes}, spine_latency_s = {cluster.spine_latency_s:g}, "
+            f"spine_efficiency = {cluster.spine_efficiency:g}, straggler_cv = {cluster.straggler_cv:g}"
         )
+    lines += ["", "Framework profiles priced (`simulator/frameworks.py`; a profile other than megatron's is fitted",
+              "on its own framework's `calibrate` rows, which the compute fit leaves out):", ""]  # fmt: skip
+    for name in sorted({str(r.run.plan.framework) for r in results}):
+        f = framework(name)
+        lines.append(f"- `{name}`: microbatch_s = {f.microbatch_s:g}, layer_s = {f.layer_s:g}, action_s = {f.action_s:g}")
     lines += ["", "## By role", ""] + _table({**by_role, "all": list(results)})
     lines += ["", "## By source", ""] + _table(by_source)
     lines += ["", "## By GPU type", ""] + _table(by_gpu)
@@ -263,6 +337,16 @@ def accuracy_markdown(results: Sequence[Result], clusters: dict[str, Cluster]) -
             f"| {r.run.name} | {r.run.source} | {r.run.role} | {p.gpus} | {p.dp}·{p.tp}·{p.pp} | "
             f"{r.run.measured_s:.3f} | {r.predicted_s:.3f} | {100 * r.error:+.1f}% |"
         )
+    if held_out:
+        lines += ["", "## Held out: Llama 3 405B (Table 4; validation only, in no table above)", "",
+                  "| run | GPUs | dp·tp·cp·pp | measured s | predicted s | error | memory per GPU |",
+                  "|---|---:|---|---:|---:|---:|---|"]  # fmt: skip
+        for r, memory in held_out:
+            p = r.run.plan
+            lines.append(
+                f"| {r.run.name} | {p.gpus} | {p.dp}·{p.tp}·{p.cp}·{p.pp} | {r.run.measured_s:.3f} | "
+                f"{r.predicted_s:.3f} | {100 * r.error:+.1f}% | {memory.text()} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -277,15 +361,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.check:
         for kind in sorted({gpu_type(c) for c in clusters.values()}):
             fitted, error = fit(runs, {n: c for n, c in clusters.items() if gpu_type(c) == kind})
+            fitted, _ = fit_network(runs, fitted)
             clusters.update(fitted)
             c = next(iter(fitted.values()))
             print(f"{kind} ({', '.join(fitted)}): matmul_efficiency = {c.matmul_efficiency:g}, "
                   f"matmul_half_flops = {c.matmul_half_flops:g}, kernel_launch_s = {c.kernel_launch_s:g} "
-                  f"(calibration error {100 * error:.1f}%)")  # fmt: skip
+                  f"(calibration error {100 * error:.1f}%); spine_latency_s = {c.spine_latency_s:g}, "
+                  f"spine_efficiency = {c.spine_efficiency:g}, straggler_cv = {c.straggler_cv:g}")  # fmt: skip
+        for name in sorted({str(r.plan.framework) for r in runs} - {DEFAULT_FRAMEWORK}):
+            profile, error = fit_framework(runs, clusters, name)
+            recorded = framework(name).layer_s
+            note = "" if profile.layer_s == recorded else f"; frameworks.py records {recorded:g}: update it"
+            print(f"framework {name}: layer_s = {profile.layer_s:g} (calibration error {100 * error:.1f}%{note})")
+    held = load_runs(DATA, HELD_OUT)
+    held_clusters = {**clusters, **{n: load_cluster(n) for n in {r.cluster for r in held} - set(clusters)}}
+    held_out = [
+        (result, estimate(r.model, held_clusters[r.cluster], r.plan, stage_layers=r.stage_layers).memory)
+        for r, result in zip(held, evaluate(held, held_clusters), strict=True)
+    ]
     results = evaluate(runs, clusters)
     for kind in sorted({gpu_type(c) for c in clusters.values()}):
         print(fit_report(results, clusters, kind, fitted=not args.check).text())
-    text = accuracy_markdown(results, clusters)
+    text = accuracy_markdown(results, clusters, held_out)
     args.out.write_text(text)
     print(text)
     return 0

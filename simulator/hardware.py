@@ -99,6 +99,7 @@ class Model:
       learned_positions: True for a learned position-embedding table (s×h), False for
         rotary or other parameter-free positions.
       tied_embeddings: True when the logit layer reuses the input embedding matrix.
+      dropout: whether attention and the feed-forward block end in dropout (GPT; not Llama).
     """
 
     name: str
@@ -114,6 +115,7 @@ class Model:
     biases: bool = True
     learned_positions: bool = True
     tied_embeddings: bool = True
+    dropout: bool = True
 
     def __post_init__(self) -> None:
         owner = f"model {self.name!r}"
@@ -123,7 +125,7 @@ class Model:
             _check_int(owner, name, getattr(self, name))
         if self.kv_heads is not None:
             _check_int(owner, "kv_heads", self.kv_heads)
-        for name in ("gated_ffn", "biases", "learned_positions", "tied_embeddings"):
+        for name in ("gated_ffn", "biases", "learned_positions", "tied_embeddings", "dropout"):
             _check_bool(owner, name, getattr(self, name))
         if self.hidden % self.heads:
             raise DescriptionError(
@@ -193,10 +195,6 @@ class Model:
         """Forward FLOPs of the logit layer per token: 2·h·V."""
         return 2 * self.hidden * self.vocab
 
-    def model_flops_per_step(self, tokens: int) -> float:
-        """Model FLOPs of training on ``tokens`` tokens: 6·N·tokens (no recomputation counted)."""
-        return 6.0 * self.num_params * tokens
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cluster:
@@ -253,6 +251,7 @@ class Cluster:
       inter_node_bandwidth: bytes per second per direction of one network adapter.
       inter_node_efficiency: fraction of it achieved.
       inter_node_latency: seconds per message between nodes.
+      leaf_nodes, spine_latency_s, spine_efficiency, straggler_cv: :mod:`~pipedsl.simulator.network`.
     """
 
     name: str
@@ -276,20 +275,25 @@ class Cluster:
     inter_node_bandwidth: float
     inter_node_efficiency: float = 1.0
     inter_node_latency: float
+    leaf_nodes: int = 0
+    spine_latency_s: float = 0.0
+    spine_efficiency: float = 1.0
+    straggler_cv: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"cluster {self.name!r}"
+        _check_int(owner, "leaf_nodes", self.leaf_nodes, minimum=0)
         for name in ("name", "gpu"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise DescriptionError(f"{owner}: {name} must be a non-empty string, got {value!r}")
         for name in ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             _check_float(owner, name, getattr(self, name))
-        for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
+        for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency", "spine_efficiency"):
             _check_float(owner, name, getattr(self, name), high=1.0)
         for name in (
             "intra_node_latency", "inter_node_latency", "matmul_half_flops", "kernel_launch_s", "action_overhead_s",
-            "step_overhead_s",
+            "step_overhead_s", "spine_latency_s", "straggler_cv",
         ):  # fmt: skip
             _check_within(owner, name, getattr(self, name), ">= 0", lambda v: v >= 0)
         if self.host_cores is not None:
@@ -322,11 +326,6 @@ class Cluster:
         return min(most, cores / max(busy, 1)) / min(most, cores / self.gpus_per_node)
 
     @property
-    def matmul_flops(self) -> float:
-        """FLOP/s that the largest matrix multiplications approach on one GPU."""
-        return self.peak_flops * self.matmul_efficiency
-
-    @property
     def adapters_per_node(self) -> int:
         """Network adapters per node (one per GPU unless ``nics_per_node`` says otherwise)."""
         return self.gpus_per_node if self.nics_per_node is None else self.nics_per_node
@@ -349,7 +348,7 @@ class Cluster:
 # --- reading descriptions -------------------------------------------------------------
 
 _INT_FIELDS = {"layers", "hidden", "ffn_hidden", "heads", "kv_heads", "seq_len", "vocab", "dtype_bytes",
-               "memory_bytes", "reserved_bytes", "gpus_per_node", "nics_per_node"}  # fmt: skip
+               "memory_bytes", "reserved_bytes", "gpus_per_node", "nics_per_node", "leaf_nodes"}  # fmt: skip
 
 
 def _coerce(table: str, key: str, value: Any, source: str) -> Any:

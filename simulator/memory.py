@@ -3,10 +3,13 @@ activations, and the working memory that is not per microbatch.
 
 16-bit weights, fp32 gradients (:data:`GRAD_BYTES`) and 12 bytes of Adam state
 (:data:`OPTIMIZER_BYTES`: fp32 master, m, v) per parameter; ZeRO 1 shards the optimizer
-state over the data-parallel ranks, ZeRO 2 also the gradients, ZeRO 3 also the weights.
-Activations are the simulator's peak of residual bytes held per device under the
-schedule (computed by the caller), plus one layer's working set under full
-recomputation; ZeRO 3 adds two layers' gathered weights.
+state over the dp·cp ranks that hold the same weights, ZeRO 2 also the gradients, ZeRO 3
+also the weights. Gradients reduced once per step (``reduce_once``) are accumulated
+whole until then, so they are not sharded; weights ZeRO 3 keeps gathered after the
+forward (no ``reshard_after_forward``) are held whole. Activations are the simulator's
+peak of residual bytes held per device under the schedule (computed by the caller),
+plus one layer's working set under full recomputation; ZeRO 3 adds two layers' gathered
+weights, context parallelism one layer's gathered keys and values.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipedsl.simulator.context_parallel import gathered_bytes
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.transformer import Shapes
 
@@ -76,25 +80,31 @@ class DoesNotFit(PlanError):
 
 
 def static_memory(plan: Plan, device_params: float, dtype_bytes: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per GPU, sharded by ZeRO stage."""
-    dp = plan.dp
-    weights = device_params * dtype_bytes / (dp if plan.zero >= 3 else 1)
-    grads = device_params * GRAD_BYTES / (dp if plan.zero >= 2 else 1)
-    optimizer = device_params * OPTIMIZER_BYTES / (dp if plan.zero >= 1 else 1)
+    """(weights, gradients, optimizer state) bytes per GPU, sharded by the plan's mode."""
+    shards = plan.shards
+    weights = device_params * dtype_bytes / (shards if _shards_weights(plan) else 1)
+    grads = device_params * GRAD_BYTES / (shards if plan.zero >= 2 and not plan.reduce_once else 1)
+    optimizer = device_params * OPTIMIZER_BYTES / (shards if plan.zero >= 1 else 1)
     return weights, grads, optimizer
 
 
 def transient_bytes(shapes: Shapes) -> float:
     """Working memory that is not per microbatch: one layer's full activations while
     full recomputation rebuilds it; ZeRO 3's gathered weights of two layers (the one
-    running and the one prefetched)."""
+    running and the one prefetched) when it reshards after the forward; the layer's
+    gathered keys and values under context parallelism."""
     plan, model = shapes.plan, shapes.model
     extra = 0.0
     if plan.recompute is Recompute.FULL:
         extra += shapes.layer_activation_bytes(Recompute.NONE)
-    if plan.zero == 3:
+    if _shards_weights(plan):
         extra += 2 * model.layer_params * model.dtype_bytes / plan.tp
-    return extra
+    return extra + gathered_bytes(shapes)
+
+
+def _shards_weights(plan: Plan) -> bool:
+    """Whether the weights stay sharded between uses: ZeRO 3 that reshards after the forward."""
+    return plan.zero == 3 and plan.reshard_after_forward
 
 
 def device_memory(shapes: Shapes, device_params: Sequence[float], activations: Sequence[int]) -> Memory:

@@ -1,8 +1,10 @@
 """A parallel plan, and the pipeline schedule it runs.
 
 A :class:`Plan` says how a model is trained on a cluster: data-parallel ``dp``,
-tensor-parallel ``tp`` and pipeline-parallel ``pp`` degrees, ``vpp`` stages per pipeline
-device, the microbatch size, the global batch, the ZeRO stage, the recomputation mode and,
+tensor-parallel ``tp``, context-parallel ``cp`` and pipeline-parallel ``pp`` degrees, ``vpp``
+stages per pipeline device, the microbatch size, the global batch, the sharding mode (ZeRO
+stage, when gradients are reduced, whether gathered weights are dropped after the forward),
+the recomputation mode and,
 for ``pp > 1``, the schedule: a library name (``1f1b``) or a ``.sched`` file, evaluated
 with the plan's ``pp``, ``microbatches`` and (when it takes one) ``vpp``
 (:mod:`pipedsl.simulator.pipelines` evaluates and times it).
@@ -15,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipedsl.errors import PipedslError
+from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, Framework
 
-__all__ = ["Recompute", "PlanError", "Plan"]
+__all__ = ["Recompute", "ContextExchange", "PlanError", "Plan"]
 
 
 class Recompute(enum.Enum):
@@ -25,6 +28,16 @@ class Recompute(enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+
+
+class ContextExchange(enum.Enum):
+    """How context-parallel ranks exchange keys and values: a ``ring`` passes each rank's
+    chunk around while attention runs on the chunk it holds (the exchange hides behind
+    that compute); ``all_gather`` gathers every chunk first, then attends (Llama 3's
+    choice: simple, exposed, cheap when grouped-query attention keeps K and V small)."""
+
+    RING = "ring"
+    ALL_GATHER = "all_gather"
 
 
 class PlanError(PipedslError):
@@ -37,11 +50,25 @@ class Plan:
     """How to train: the parallel degrees, batch split, sharding and recomputation.
 
     Attributes:
-      dp, tp, pp: data-, tensor- and pipeline-parallel degrees; GPUs = dp·tp·pp.
+      dp, tp, pp: data-, tensor- and pipeline-parallel degrees; GPUs = dp·tp·cp·pp.
+      cp: context-parallel degree: each sequence's tokens split over ``cp`` ranks, which
+        exchange keys and values for attention (``cp_exchange``) and hold the same weights
+        (their gradients are reduced over dp·cp ranks, as Megatron-LM does).
+      cp_exchange: how the context-parallel ranks exchange keys and values
+        (a :class:`ContextExchange` or its name).
       vpp: model stages per pipeline device (virtual pipeline stages).
       microbatch_size: sequences per microbatch b.
       global_batch: sequences per step; must be a multiple of dp·b.
-      zero: ZeRO stage 0–3 (sharding over the dp ranks).
+      zero: ZeRO stage 0–3 (sharding over the dp·cp ranks): 1 the optimizer state, 2 also
+        the gradients, 3 also the weights.
+      reduce_once: for ZeRO 2 and 3, accumulate each microbatch's gradients locally (fp32,
+        unsharded) and reduce-scatter them once per step, as Megatron-LM's distributed
+        optimizer and Llama 3's FSDP do; False reduce-scatters every microbatch's
+        gradients (what shards their memory). ZeRO 0 and 1 always reduce once per step.
+      reshard_after_forward: for ZeRO 3, drop the gathered weights after each forward and
+        gather them again for the backward (FSDP's ``FULL_SHARD``); False keeps them
+        gathered until the backward (FSDP's ``SHARD_GRAD_OP``), and with ``reduce_once``
+        for the whole step: one gather per step.
       recompute: ``none``, ``selective`` or ``full`` (a :class:`Recompute` or its name).
       schedule: for pp > 1, a library schedule's name (``1f1b``) or a ``.sched`` path;
         None for an SPMD plan (pp = 1).
@@ -56,15 +83,24 @@ class Plan:
         Megatron-LM does without that option.
       reduce_bytes: bytes per gradient value in data-parallel reductions: 4 (fp32, as
         Megatron-LM reduces) or 2 (bf16, as mixed-precision FSDP often does).
+      framework: the framework that runs the plan, whose fixed costs are priced on top
+        (:mod:`~pipedsl.simulator.frameworks`: ``megatron``, ``deepspeed``, ``pipedsl``, or
+        a :class:`~pipedsl.simulator.frameworks.Framework` of one's own).
+      stage_layers: the layers of each of the pp × vpp stages, or None for an even split
+        (:func:`~pipedsl.simulator.stages.split_layers`); Llama 3 405B runs 126 layers on
+        16 × 8 stages whose first and last hold none (:func:`~pipedsl.simulator.stages.ends_split`).
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     vpp: int = 1
     microbatch_size: int = 1
     global_batch: int
     zero: int = 0
+    reduce_once: bool = False
+    reshard_after_forward: bool = True
     recompute: Recompute = Recompute.NONE
     schedule: str | None = None
     sequence_parallel: bool = True
@@ -72,9 +108,12 @@ class Plan:
     dp_overlap: float = 1.0
     tp_overlap: float = 0.0
     reduce_bytes: int = 4
+    cp_exchange: ContextExchange = ContextExchange.RING
+    stage_layers: tuple[int, ...] | None = None
+    framework: str | Framework = DEFAULT_FRAMEWORK
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "vpp", "microbatch_size", "global_batch"):
+        for name in ("dp", "tp", "pp", "cp", "vpp", "microbatch_size", "global_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"plan: {name} must be a whole number >= 1, got {value!r}")
@@ -86,7 +125,13 @@ class Plan:
             except ValueError:
                 choices = ", ".join(r.value for r in Recompute)
                 raise PlanError(f"plan: recompute must be one of {choices}, got {self.recompute!r}") from None
-        for name in ("sequence_parallel", "flash_attention"):
+        if not isinstance(self.cp_exchange, ContextExchange):
+            try:
+                object.__setattr__(self, "cp_exchange", ContextExchange(self.cp_exchange))
+            except ValueError:
+                choices = ", ".join(c.value for c in ContextExchange)
+                raise PlanError(f"plan: cp_exchange must be one of {choices}, got {self.cp_exchange!r}") from None
+        for name in ("sequence_parallel", "flash_attention", "reduce_once", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"plan: {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("dp_overlap", "tp_overlap"):
@@ -101,6 +146,18 @@ class Plan:
                 f"plan: global batch {self.global_batch} is not a multiple of dp × microbatch size = "
                 f"{self.dp} × {self.microbatch_size} = {per_step}; every data-parallel rank needs whole microbatches"
             )
+        if not isinstance(self.framework, Framework) and self.framework not in FRAMEWORKS:
+            raise PlanError(f"plan: framework must be one of {', '.join(FRAMEWORKS)}, got {self.framework!r}")
+        if self.stage_layers is not None:
+            layers = tuple(self.stage_layers)
+            if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in layers):
+                raise PlanError(f"plan: stage_layers must be whole numbers >= 0, got {list(layers)}")
+            if len(layers) != self.pp * self.vpp:
+                raise PlanError(
+                    f"plan: stage_layers gives {len(layers)} stages, but pp × vpp = {self.pp} × {self.vpp} = "
+                    f"{self.pp * self.vpp}"
+                )
+            object.__setattr__(self, "stage_layers", layers)
         if self.pp == 1 and self.schedule is not None:
             raise PlanError(
                 f"plan: pp = 1 is an SPMD plan and runs no pipeline schedule; drop schedule {self.schedule!r}"
@@ -112,7 +169,25 @@ class Plan:
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def shards(self) -> int:
+        """Ranks that hold the same weights and share their ZeRO shards: dp·cp."""
+        return self.dp * self.cp
+
+    @property
+    def reduces_once(self) -> bool:
+        """Whether gradients are reduced once per step (accumulated locally until then):
+        always for ZeRO 0 and 1, for 2 and 3 when ``reduce_once`` says so."""
+        return self.zero < 2 or self.reduce_once
+
+    @property
+    def sharding(self) -> str:
+        """The sharding mode in words users know: ``zero2 once``, ``zero3 keep``, ..."""
+        once = " once" if self.zero >= 2 and self.reduce_once else ""
+        keep = " keep" if self.zero == 3 and not self.reshard_after_forward else ""
+        return f"zero{self.zero}{once}{keep}"
 
     @property
     def microbatches(self) -> int:
@@ -124,9 +199,10 @@ class Plan:
         """A short description such as ``1f1b dp8 tp8 pp16 mb1 zero1 selective``."""
         kind = "spmd" if self.schedule is None else _schedule_label(self.schedule)
         vpp = f" vpp{self.vpp}" if self.vpp > 1 else ""
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (
-            f"{kind} dp{self.dp} tp{self.tp} pp{self.pp}{vpp} mb{self.microbatch_size} "
-            f"zero{self.zero} {self.recompute.value}"
+            f"{kind} dp{self.dp} tp{self.tp}{cp} pp{self.pp}{vpp} mb{self.microbatch_size} "
+            f"{self.sharding} {self.recompute.value}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -134,11 +210,15 @@ class Plan:
             "dp": self.dp,
             "tp": self.tp,
             "pp": self.pp,
+            "cp": self.cp,
+            "cp_exchange": self.cp_exchange.value,
             "vpp": self.vpp,
             "microbatch_size": self.microbatch_size,
             "global_batch": self.global_batch,
             "microbatches": self.microbatches,
             "zero": self.zero,
+            "reduce_once": self.reduce_once,
+            "reshard_after_forward": self.reshard_after_forward,
             "recompute": self.recompute.value,
             "schedule": self.schedule,
             "sequence_parallel": self.sequence_parallel,
@@ -146,6 +226,8 @@ class Plan:
             "dp_overlap": self.dp_overlap,
             "tp_overlap": self.tp_overlap,
             "reduce_bytes": self.reduce_bytes,
+            "framework": self.framework if isinstance(self.framework, str) else self.framework.name,
+            "stage_layers": None if self.stage_layers is None else list(self.stage_layers),
         }
 
 

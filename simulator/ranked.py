@@ -24,6 +24,7 @@ COLUMNS = (
     "schedule",
     "dp",
     "tp",
+    "cp",
     "pp",
     "vpp",
     "microbatch_size",
@@ -56,6 +57,7 @@ class RankedPlan:
     schedule: str
     dp: int
     tp: int
+    cp: int
     pp: int
     vpp: int
     microbatch_size: int
@@ -80,6 +82,7 @@ class RankedPlan:
             schedule="spmd" if plan.schedule is None else Path(plan.schedule).name.removesuffix(".sched"),
             dp=plan.dp,
             tp=plan.tp,
+            cp=plan.cp,
             pp=plan.pp,
             vpp=plan.vpp,
             microbatch_size=plan.microbatch_size,
@@ -155,8 +158,9 @@ def describe(row: dict[str, Any] | None) -> str:
     vpp = f" vpp={row['vpp']}" if row["vpp"] > 1 else ""
     pp = f" pp={row['pp']}{vpp}" if row["kind"] == "pipeline" else ""
     name = f"{row['schedule']} " if row["kind"] == "pipeline" else ""
+    cp = f" cp={row['cp']}" if row.get("cp", 1) > 1 else ""
     return (
-        f"({name}dp={row['dp']} tp={row['tp']}{pp} mb={row['microbatch_size']} zero={row['zero']} "
+        f"({name}dp={row['dp']} tp={row['tp']}{cp}{pp} mb={row['microbatch_size']} zero={row['zero']} "
         f"{row['recompute']}: {row['step_time_s']:.3f} s/step, MFU {100 * row['mfu']:.1f}%)"
     )
 

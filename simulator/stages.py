@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipedsl.simulator.data_parallel import zero_per_microbatch
+from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Model
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.transformer import Shapes, Work
 
-__all__ = ["split_layers", "stage_params", "stage_residual", "stage_work"]
+__all__ = ["split_layers", "ends_split", "stage_params", "stage_residual", "stage_work"]
 
 
 def split_layers(model: Model, stages: int, given: Sequence[int] | None) -> tuple[int, ...]:
@@ -35,6 +36,17 @@ def split_layers(model: Model, stages: int, given: Sequence[int] | None) -> tupl
             f"choose pp × vpp dividing {model.layers}"
         )
     return tuple(model.layers // stages for _ in range(stages))
+
+
+def ends_split(layers: int, stages: int) -> tuple[int, ...] | None:
+    """``layers`` over ``stages`` stages whose first holds only the embedding and whose
+    last only the final norm, logits and loss, the others an equal share, shape (S,); None
+    where the stages between do not split the layers evenly (or there are fewer than 3).
+    Llama 3 405B's 126 layers on 16 × 8 stages: ``(0, 1, 1, ..., 1, 0)``."""
+    inner = stages - 2
+    if inner < 1 or layers % inner:
+        return None
+    return (0, *(layers // inner for _ in range(inner)), 0)
 
 
 def stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[float, ...]:
@@ -57,7 +69,8 @@ def stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[flo
 def stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...]) -> tuple[Work, ...]:
     """Each stage's work per microbatch: its layers, the embedding on the first stage and
     the head on the last; the ZeRO traffic of its parameters, and the dispatch overhead
-    of each of its F, I and W actions (``action_overhead_s``), shape (S,)."""
+    of each of its F, I and W actions (``action_overhead_s``) and the plan's framework's
+    fixed costs (:mod:`~pipedsl.simulator.frameworks`), shape (S,)."""
     layer = shapes.layer_work()
     overhead = Work(*(3 * (shapes.cluster.action_overhead_s,)))
     last = len(layers) - 1
@@ -73,11 +86,19 @@ def stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...
                 w = w + shapes.embedding_work()
             if s == last:
                 w = w + shapes.head_work()
-            found = w + zero_per_microbatch(shapes, p, w) + overhead
+            found = w + zero_per_microbatch(shapes, p, w) + overhead + _framework_work(shapes, n)
             if 0 < s < last:
                 inner[(n, p)] = found
         work.append(found)
     return tuple(work)
+
+
+def _framework_work(shapes: Shapes, layers: int) -> Work:
+    """The plan's framework's fixed costs per microbatch on a stage of ``layers`` layers:
+    its per-microbatch and per-layer seconds and one action's in the forward, one action's
+    in the backward (in ``I`` when split)."""
+    profile = framework(shapes.plan.framework)
+    return Work(profile.microbatch_s + layers * profile.layer_s + profile.action_s, profile.action_s, 0.0)
 
 
 def stage_residual(shapes: Shapes, layers: tuple[int, ...]) -> tuple[int, ...]:

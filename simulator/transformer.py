@@ -1,22 +1,27 @@
 """One transformer layer's work on one GPU: its matrix shapes, FLOPs, memory traffic and
 kernels, priced by a size-dependent compute model.
 
-Per microbatch of ``b`` sequences of ``s`` tokens (T = b·s tokens; h hidden, f the
-feed-forward width, a heads of width d = h/a, V vocabulary, t = tp):
+Per microbatch of ``b`` sequences of ``s`` tokens (T = b·s/c tokens on each of the
+c = cp context-parallel ranks; h hidden, f the feed-forward width, a heads of width
+d = h/a, kv the key/value width, V vocabulary, t = tp):
 
 - Matrix multiplications, forward, per layer: QKV ``T × h × (h + 2·kv)/t``, the output
   projection ``T × h/t × h``, the feed-forward ``T × h × g·f/t`` (g = 2 when gated) and
-  ``T × f/t × h``; attention's core ``b·a/t`` products ``s × d × s`` and ``s × s × d``.
+  ``T × f/t × h``; attention's core ``b·a/t`` products ``s/c × d × s`` and ``s/c × s × d``
+  (each context-parallel rank's queries against every key; the exchange of keys and
+  values is :mod:`~pipedsl.simulator.context_parallel`'s).
   With FlashAttention the core is one fused kernel that keeps the s×s scores on chip,
   so its roofline counts only the bytes of Q, K, V and the output (4·s·d per head). The backward runs each linear product twice
   (input gradient into ``I``, weight gradient into ``W``, same shape, same cost) and
-  attention's core twice, in ``I``. The logits ``T × h × V/t`` sit on the last stage.
+  attention's core in ``I``: twice its forward when the scores are stored,
+  :data:`FLASH_BACKWARD` times with FlashAttention, whose backward recomputes them. The logits ``T × h × V/t`` sit on the last stage.
 - Each product of F FLOPs runs at ``min(peak, intensity × HBM) × matmul_efficiency ×
   F / (F + matmul_half_flops)`` (see :class:`~pipedsl.simulator.hardware.Cluster`).
 - Elementwise work (norms, dropout, activations, softmax, the loss) is bound by memory
-  bandwidth: each byte a layer stores for its backward (Korthikanti et al. 2022:
-  s·b·h·(34 + 5·a·s/h)/t with sequence parallelism) costs two bytes of HBM traffic in the
-  forward and four in the backward. FlashAttention never writes the a·s² scores.
+  bandwidth: each byte a layer stores for its backward costs two bytes of HBM traffic in
+  the forward and four in the backward. What a layer stores follows its shape
+  (:meth:`Shapes.layer_activation_bytes`; Korthikanti et al. 2022's s·b·h·(34 + 5·a·s/h)/t
+  for GPT with sequence parallelism). FlashAttention never writes the a·s² scores.
 - Every kernel costs ``kernel_launch_s`` more: per layer forward the products above and
   :data:`ELEMENTWISE_KERNELS` elementwise kernels (two more without FlashAttention:
   softmax and attention dropout); the backward twice the products, as many elementwise.
@@ -35,14 +40,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, group_of
+from pipedsl.simulator.context_parallel import exposed_exchange
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, Recompute
 
-__all__ = ["Work", "Shapes", "gemm_seconds", "ELEMENTWISE_KERNELS", "LOSS_BYTES"]
+__all__ = ["Work", "Shapes", "gemm_seconds", "ELEMENTWISE_KERNELS", "FLASH_BACKWARD", "LOSS_BYTES"]
 
 ELEMENTWISE_KERNELS = 6
 """Elementwise kernels of one layer's forward with FlashAttention: two norms, two fused
 bias-dropout-residual adds, the activation and the split of the fused QKV output."""
+FLASH_BACKWARD = 2.5
+"""FlashAttention's backward over its forward: five products of the forward's size (the
+recomputed scores QKᵀ, then dV, dP, dQ and dK) against the forward's two (Dao 2023)."""
 LOSS_BYTES = 4
 """Bytes per logit of the fp32 softmax the loss keeps for its backward."""
 
@@ -56,11 +65,12 @@ def gemm_seconds(m: float, k: float, n: float, cluster: Cluster, *, dtype_bytes:
     return _kernel_seconds(2.0 * m * k * n, dtype_bytes * (m * k + k * n + m * n), batch, cluster)
 
 
-def _fused_attention_seconds(s: int, d: int, heads: int, cluster: Cluster, *, dtype_bytes: int) -> float:
-    """Seconds of FlashAttention's forward over ``heads`` heads of ``s`` tokens and width
-    ``d``: 4·s²·d FLOPs per head, priced as one product whose HBM traffic is Q, K, V and
-    the output (4·s·d values per head), the scores never leaving the chip."""
-    return _kernel_seconds(4.0 * s * s * d, dtype_bytes * 4 * s * d, heads, cluster)
+def _fused_attention_seconds(q: int, k: int, d: int, heads: int, cluster: Cluster, *, dtype_bytes: int) -> float:
+    """Seconds of FlashAttention's forward over ``heads`` heads of ``q`` queries against
+    ``k`` keys of width ``d``: 4·q·k·d FLOPs per head, priced as one product whose HBM
+    traffic is Q, K, V and the output ((2q + 2k)·d values per head), the scores never
+    leaving the chip."""
+    return _kernel_seconds(4.0 * q * k * d, dtype_bytes * (2 * q + 2 * k) * d, heads, cluster)
 
 
 def _kernel_seconds(flops: float, num_bytes: float, count: int, cluster: Cluster) -> float:
@@ -108,13 +118,24 @@ class Shapes:
     plan: Plan
 
     @property
+    def local_seq(self) -> int:
+        """Tokens of each sequence on one context-parallel rank: s/cp."""
+        return self.model.seq_len // self.plan.cp
+
+    @property
     def tokens(self) -> int:
-        """Tokens per microbatch b·s."""
-        return self.plan.microbatch_size * self.model.seq_len
+        """Tokens per microbatch on one GPU: b·s/cp."""
+        return self.plan.microbatch_size * self.local_seq
 
     @property
     def tp_group(self) -> Group:
         return group_of(self.plan.tp, 1, self.cluster)
+
+    @property
+    def cp_group(self) -> Group:
+        """The context-parallel group of one tensor rank (ranks tensor-parallel innermost,
+        then context-parallel: stride tp)."""
+        return group_of(self.plan.cp, self.plan.tp, self.cluster)
 
     def traffic_seconds(self, num_bytes: float) -> float:
         return num_bytes / self.cluster.hbm_bandwidth
@@ -135,13 +156,13 @@ class Shapes:
         return seconds, 4
 
     def attention_seconds(self) -> tuple[float, int]:
-        """(seconds, kernels) of attention's core, forward: 4·b·s²·h/t FLOPs."""
+        """(seconds, kernels) of attention's core, forward: 4·b·(s/cp)·s·h/t FLOPs."""
         m, plan = self.model, self.plan
         heads = plan.microbatch_size * m.heads // plan.tp
-        width = m.hidden // m.heads
+        width, q, k = m.hidden // m.heads, self.local_seq, m.seq_len
         if plan.flash_attention:
-            return _fused_attention_seconds(m.seq_len, width, heads, self.cluster, dtype_bytes=m.dtype_bytes), 1
-        seconds = self._gemm(m.seq_len, width, m.seq_len, heads) + self._gemm(m.seq_len, m.seq_len, width, heads)
+            return _fused_attention_seconds(q, k, width, heads, self.cluster, dtype_bytes=m.dtype_bytes), 1
+        seconds = self._gemm(q, width, k, heads) + self._gemm(q, k, width, heads)
         return seconds, 2
 
     def tp_all_reduce(self) -> float:
@@ -155,16 +176,29 @@ class Shapes:
         return all_reduce_seconds(size, self.tp_group, self.cluster)
 
     def layer_activation_bytes(self, recompute: Recompute) -> float:
-        """Bytes one layer keeps per microbatch for its backward (Korthikanti et al. 2022)."""
+        """Bytes one layer keeps per microbatch for its backward, by its shape (16-bit
+        values, 1-byte dropout masks; Korthikanti et al. 2022's accounting, which for GPT
+        is s·b·h·(10 + 24/t + 5·a·s/(h·t))), per token of the microbatch on this GPU:
+
+        - outside the tensor-parallel split (split too with sequence parallelism): the
+          two norms' inputs 4h, the inputs of the QKV and first feed-forward products
+          2h + 2h, and with dropout its two masks 2·h·1;
+        - split over t: Q 2h, K and V 2·kv each, the output projection's input 2h, the
+          feed-forward's g·f outputs (g = 2 gated: gate and up) 2·g·f and the activation's
+          output 2f (for GPT's 4h GELU block: 8h + 8h);
+        - without FlashAttention or selective recomputation, the scores, softmax and
+          dropout 5·a·s/cp per query token (against all s keys).
+        """
         m, t = self.model, self.plan.tp
-        sbh = self.tokens * m.hidden
-        scores = 0.0 if self.plan.flash_attention else 5 * m.heads * m.seq_len / m.hidden
+        h, kv, f = m.hidden, m.kv_width, m.ffn_hidden
+        tokens = self.tokens
         if recompute is Recompute.FULL:
-            return 2 * sbh / (t if self.plan.sequence_parallel else 1)
-        if recompute is Recompute.SELECTIVE:
-            scores = 0.0
-        replicated = 10 / t if self.plan.sequence_parallel else 10
-        return sbh * (replicated + 24 / t + scores / t)
+            return 2 * tokens * h / (t if self.plan.sequence_parallel else 1)
+        replicated = 8 * h + (2 * h if m.dropout else 0)
+        split = 4 * h + 4 * kv + 2 * (2 if m.gated_ffn else 1) * f + 2 * f
+        scores = 0.0 if self.plan.flash_attention or recompute is Recompute.SELECTIVE else 5 * m.heads * m.seq_len
+        shared = t if self.plan.sequence_parallel else 1
+        return tokens * (replicated / shared + (split + scores) / t)
 
     def layer_work(self) -> Work:
         """One transformer layer for one microbatch on one GPU."""
@@ -175,14 +209,16 @@ class Shapes:
         elementwise_kernels = ELEMENTWISE_KERNELS + (0 if plan.flash_attention else 2)
         elementwise = self.traffic_seconds(2 * self.layer_activation_bytes(Recompute.NONE))
         collectives = 2 * self.tp_all_reduce() * (1.0 - plan.tp_overlap)
+        exchange_forward, exchange_backward = exposed_exchange(self, attention)
         forward = (
-            linear + attention + elementwise + collectives
+            linear + attention + elementwise + collectives + exchange_forward
             + launch * (linear_kernels + attention_kernels + elementwise_kernels)
         )  # fmt: skip
         # I carries everything on the activation-gradient path: the input-gradient matmuls,
         # attention's core, the elementwise backward and the backward collectives.
         input_grad = (
-            linear + 2 * attention + 2 * elementwise + collectives
+            linear + (FLASH_BACKWARD if plan.flash_attention else 2) * attention + 2 * elementwise
+            + collectives + exchange_backward
             + launch * (linear_kernels + 2 * attention_kernels + elementwise_kernels)
         )  # fmt: skip
         if plan.recompute is Recompute.FULL:
@@ -210,5 +246,5 @@ class Shapes:
         return self.tokens * (m.vocab * LOSS_BYTES + m.hidden * m.dtype_bytes) / t
 
     def embedding_activation_bytes(self) -> float:
-        """The embedding dropout's mask, one byte per value."""
-        return self.tokens * self.model.hidden / self.plan.tp
+        """The embedding dropout's mask, one byte per value (nothing without dropout)."""
+        return self.tokens * self.model.hidden / self.plan.tp if self.model.dropout else 0.0

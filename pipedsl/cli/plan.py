@@ -7,6 +7,9 @@
         --schedule interleaved_1f1b [--json]
     pipedsl search --model gpt3-175b --cluster a100-80gb --gpus 1024 --global-batch 1536 \\
         [--top 20] [--csv plans.csv] [my_schedule.sched ...]
+    pipedsl estimate --model llama-405b --cluster h100-80gb --dp 64 --tp 8 --pp 16 --vpp 8 \\
+        --global-batch 2048 --zero 2 --reduce-once --stage-layers ends \\
+        --schedule interleaved_1f1b --mfu-flops palm
 
 ``--model`` and ``--cluster`` take a preset name or a TOML file (see
 :mod:`pipedsl.simulator.hardware`).
@@ -20,10 +23,19 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pipedsl.cli.common import add_command, check_output_file, make_console, positive_int
+from pipedsl.cli.llm_flags import (
+    add_common_options,
+    add_estimate_options,
+    add_search_options,
+    flops_words,
+    search_mfu,
+    stage_layers,
+)
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
+from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount
 from pipedsl.simulator.hardware import (
     Model,
     cluster_presets,
@@ -31,7 +43,7 @@ from pipedsl.simulator.hardware import (
     load_model,
     model_presets,
 )
-from pipedsl.simulator.plan import Plan, Recompute
+from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
 
 if TYPE_CHECKING:
@@ -102,6 +114,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         dp=args.dp,
         tp=args.tp,
         pp=args.pp,
+        cp=args.cp,
+        cp_exchange=ContextExchange(args.cp_exchange),
         vpp=args.vpp,
         microbatch_size=args.microbatch_size,
         global_batch=args.global_batch,
@@ -111,12 +125,21 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         sequence_parallel=not args.no_sequence_parallel,
         flash_attention=not args.no_flash_attention,
         dp_overlap=args.dp_overlap,
+        tp_overlap=args.tp_overlap,
         reduce_bytes=args.reduce_bytes,
+        reduce_once=args.reduce_once,
+        reshard_after_forward=not args.keep_weights,
+        stage_layers=stage_layers(args.stage_layers, model, args.pp * args.vpp),
+        framework=args.framework,
     )
     result = estimate(model, cluster, plan)
+    count = FlopCount(args.mfu_flops)
     advice = [] if result.fits else fit_advice(model, cluster, plan)
     if args.json:
         data = result.to_json()
+        data["mfu_flops"] = count.value
+        data["mfu"] = result.mfu_by(count)
+        data["tflops_per_gpu"] = result.tflops_per_gpu(count)
         if not result.fits:
             data["excess_bytes"] = result.memory.excess
             data["fits_with"] = {a.change: a.memory.total for a in advice}
@@ -124,14 +147,14 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         console = make_console()
-        _print_estimate(result, console)
+        _print_estimate(result, console, count)
         if not result.fits:
             for line in misfit_text(result.memory, advice):
                 console.print(line, highlight=False)
     return 0 if result.fits else 1
 
 
-def _print_estimate(result: Estimate, console: Console) -> None:
+def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> None:
     from rich.table import Table
 
     plan, memory = result.plan, result.memory
@@ -148,7 +171,8 @@ def _print_estimate(result: Estimate, console: Console) -> None:
     table.add_row("  optimizer", f"{result.optimizer_s:.3f} s")
     table.add_row("pipeline bubble", f"{100 * result.bubble:.1f} %")
     table.add_row("tokens per second", f"{result.tokens_per_s:,.0f}")
-    table.add_row("MFU", f"{100 * result.mfu:.1f} %")
+    table.add_row(f"MFU ({flops_words(count)})", f"{100 * result.mfu_by(count):.1f} %")
+    table.add_row("  model TFLOP/s per GPU", f"{result.tflops_per_gpu(count):.0f}")
     table.add_row("memory per GPU", f"{memory.total / _GIB:.1f} GiB of {memory.usable / _GIB:.1f} GiB usable")
     table.add_row("  weights", f"{memory.weights / _GIB:.1f} GiB")
     table.add_row("  gradients", f"{memory.gradients / _GIB:.1f} GiB")
@@ -205,7 +229,12 @@ def _cmd_search(args: argparse.Namespace) -> int:
             progress=progress,
             jobs=args.jobs,
             reduce_bytes=args.reduce_bytes,
+            cp_sizes=args.cp,
+            stage_split=args.stage_layers,
+            tp_overlap=args.tp_overlap,
+            framework=args.framework,
         )
+    search_mfu(frame, load_model(args.model), FlopCount(args.mfu_flops))
     if args.csv is not None:
         try:
             frame.to_csv(args.csv, index=False)
@@ -220,6 +249,7 @@ _HEADERS = {
     "schedule": "schedule",
     "dp": "dp",
     "tp": "tp",
+    "cp": "cp",
     "pp": "pp",
     "vpp": "vpp",
     "microbatch_size": "mb",
@@ -245,6 +275,7 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
     )
     for line in attrs["explanation"].lines():
         console.print(f"  {line}", highlight=False)
+    console.print(f"  MFU counts {attrs.get('mfu_flops', flops_words(DEFAULT_FLOP_COUNT))}", highlight=False)
     if not len(frame):
         return
     console.print(_best_plans_table(frame, top))
@@ -311,6 +342,9 @@ def _per_schedule_table(summary: Summary) -> Table:
 
 def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None:
     """How to run the best plan's layout for real (on the executor's built-in transformer)."""
+    if best.get("cp", 1) > 1:
+        console.print("the best plan is context parallel, which `pipedsl run` does not run", highlight=False)
+        return
     planned = PlannedRun.from_row(best)
     by_rank = f"pipedsl run --plan {planned.rank} --plans {csv}" if csv is not None and planned.rank is not None else None
     console.print(
@@ -331,6 +365,13 @@ def _add_reduce_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         choices=(2, 4),
         default=4,
         help="bytes per gradient value in data-parallel reductions: 4 fp32 (default), 2 bf16",
+    )
+    parser.add_argument(
+        "--tp-overlap",
+        type=_fraction,
+        default=0.0,
+        metavar="F",
+        help="fraction of tensor-parallel collectives hidden behind the matmuls (userbuffer overlap; default 0)",
     )
 
 
@@ -389,6 +430,8 @@ def _add_plan_options(plan: argparse._ArgumentGroup) -> None:
         help="fraction of the covering computation that hides data-parallel traffic (default 1)",
     )
     _add_reduce_option(plan)
+    add_estimate_options(plan)
+    add_common_options(plan)
 
 
 def _register_search(subparsers: argparse._SubParsersAction) -> None:
@@ -433,4 +476,6 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         f"{PARALLEL_FROM} pipeline plans, else 1); the ranking is the same for any N",
     )
     _add_reduce_option(src)
+    add_search_options(src)
+    add_common_options(src)
     src.add_argument("extra", nargs="*", metavar="FILE.sched", help="more schedules to try")

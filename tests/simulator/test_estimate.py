@@ -139,11 +139,14 @@ def test_ring_collectives() -> None:
 # --- compute ------------------------------------------------------------------------------
 
 
-def _flops_per_sequence(model: Model, *, layer_passes: int) -> float:
-    """Matmul FLOPs per sequence: each layer's forward ``layer_passes`` times, logits 3 times."""
+def _flops_per_sequence(model: Model, *, layer_passes: int, flash: bool = True) -> float:
+    """Matmul FLOPs per sequence: each layer's forward ``layer_passes`` times, logits 3 times;
+    with FlashAttention its backward's recomputed scores add half a forward of attention's
+    core (4·s·h per token) more."""
     s = model.seq_len
     layers = layer_passes * model.layers * model.layer_forward_flops_per_token
-    return s * (layers + 3 * model.logit_forward_flops_per_token)
+    rescored = 0.5 * model.layers * 4 * s * model.hidden if flash else 0.0
+    return s * (layers + rescored + 3 * model.logit_forward_flops_per_token)
 
 
 @pytest.mark.parametrize(("recompute", "passes"), [("none", 3), ("selective", 3), ("full", 4)])

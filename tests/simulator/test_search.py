@@ -241,7 +241,8 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
 # implementation before the search moved to int-coded arrays; recorded again from the
 # array search when the cost model changed (collectives by adapter, size-dependent
 # matrix efficiency; FlashAttention priced as one kernel whose scores stay on chip),
-# which moves the step times and so the ranking.
+# which moves the step times and so the ranking; and when FlashAttention's backward was
+# priced as its five products, and when the A100 presets priced stragglers.
 RECORDED_TOP = Path(__file__).parent / "data" / "search_demo_small_top20.json"
 
 

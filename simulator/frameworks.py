@@ -1,0 +1,78 @@
+"""Framework profiles: what the training framework costs beyond the work it runs.
+
+The same plan runs at different speeds under different frameworks: a pipeline engine that
+interprets its schedule in Python, synchronises its sends or gathers tied weights per
+microbatch pays a fixed cost that the kernels do not show. A :class:`Framework` prices it
+with two numbers, on top of the estimate's work:
+
+- ``microbatch_s``: seconds each stage spends per microbatch (charged to its forward);
+- ``layer_s``: seconds per layer per microbatch (its forward, recomputation and backward
+  together, charged to the forward): a framework that drives every layer from Python
+  (DeepSpeed's pipeline module and its per-layer activation checkpointing) pays it;
+- ``action_s``: seconds per scheduled action (each ``F`` and each ``B``; a split backward
+  charges it to ``I``).
+
+Profiles (:data:`FRAMEWORKS`): ``megatron`` costs nothing more (the GPU presets' compute
+model was fitted on Megatron-LM runs, so their fixed costs are in it); ``deepspeed``'s
+``layer_s`` is fitted on the ``calibrate`` rows of DeepSpeed-pipeline runs in ``data/``
+(``python -m pipedsl.simulator.fit_published``, :data:`LAYER_GRID`), never on its
+``validate`` rows: a cost per stage and microbatch alone could not match both of its
+configurations (7 and 13 layers per stage), one per layer can;
+``pipedsl`` is this project's executor on GPUs, whose dispatch is queued ahead of the
+kernels (0 until measured on a GPU; on forced CPU devices the cluster's own
+``action_overhead_s`` prices it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipedsl.errors import PipedslError
+
+__all__ = ["Framework", "FRAMEWORKS", "LAYER_GRID", "DEFAULT_FRAMEWORK", "framework"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Framework:
+    """A framework's fixed costs (see the module docstring), in seconds."""
+
+    name: str
+    microbatch_s: float = 0.0
+    layer_s: float = 0.0
+    action_s: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("microbatch_s", "layer_s", "action_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise PipedslError(f"framework {self.name}: {name} must be a number >= 0, got {value!r}")
+
+
+FRAMEWORKS = {
+    "megatron": Framework(name="megatron", source="Megatron-LM and NeMo: the compute model was fitted on their runs"),
+    "deepspeed": Framework(
+        name="deepspeed",
+        layer_s=0.016,
+        source="Megatron-DeepSpeed's pipeline engine: fitted on the calibrate rows of data/published_runs_deepspeed.csv",
+    ),
+    "pipedsl": Framework(name="pipedsl", source="pipedsl's executor: kernels queued ahead of the dispatch on GPUs"),
+}
+"""The known profiles by name."""
+
+LAYER_GRID = tuple(round(0.002 * i, 3) for i in range(16))
+"""The values of ``layer_s`` (seconds) the fit tries: 0 to 30 ms."""
+
+DEFAULT_FRAMEWORK = "megatron"
+"""The profile a plan is priced with unless it names another."""
+
+
+def framework(name: str | Framework) -> Framework:
+    """The profile called ``name`` (a profile is itself); a clear error for an unknown one."""
+    if isinstance(name, Framework):
+        return name
+    found = FRAMEWORKS.get(name)
+    if found is None:
+        raise PipedslError(f"unknown framework {name!r}; known: {', '.join(FRAMEWORKS)}")
+    return found
