@@ -53,10 +53,9 @@ _STOP_S = 5.0
 
 _HEADER = struct.Struct("<Q")
 
-# Run by ``python -c``: this process's import path, then the worker loop. Ctrl-C reaches
-# the caller too, which stops its workers, so a worker exits quietly on it, also while it
-# is still importing (a search interrupted within a second of its start printed a
-# worker's traceback on a slow machine).
+# Run by ``python -c``: this process's import path, then the worker loop. A worker runs in
+# a process group of its own (``start``), so a terminal's Ctrl-C reaches only the caller,
+# which stops its workers; one sent to the worker itself still ends it quietly.
 _BOOT = (
     "import sys\n"
     "try:\n"
@@ -154,6 +153,9 @@ class _Worker:
                 [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(write)],
                 stdin=subprocess.PIPE,
                 pass_fds=(write,),
+                # Out of the caller's process group: a Ctrl-C that arrives while the
+                # interpreter is still starting would print its traceback.
+                process_group=0,
             )
         except BaseException:
             os.close(read)
