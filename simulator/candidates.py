@@ -26,7 +26,7 @@ from pipedsl import library
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 
-__all__ = ["DEFAULT_TOKENS_PER_STEP", "SearchedSchedule", "candidate_plans", "default_global_batch", "searched_schedules"]
+__all__ = ["DEFAULT_TOKENS_PER_STEP", "MAX_GLOBAL_BATCH", "MAX_GPUS", "SearchedSchedule", "candidate_plans", "default_global_batch", "searched_schedules"]
 
 DEFAULT_TOKENS_PER_STEP = 2**22
 """Tokens per step when no global batch is given: 4 Mi tokens (GPT-3 used 3.1 M)."""
@@ -37,8 +37,33 @@ def default_global_batch(model: Model) -> int:
     return max(DEFAULT_TOKENS_PER_STEP // model.seq_len, 1)
 
 
+MAX_GPUS = 2**20
+"""The most GPUs a search plans for (about a million, several times the largest clusters
+built): past it a ``gpus`` is a mistake, refused before any work."""
+
+MAX_GLOBAL_BATCH = 2**32
+"""The most sequences per step a search plans for; past it a batch is a mistake."""
+
+
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` (>= 1), ascending, from its prime factors: about sqrt(n)
+    steps for a prime ``n``, far fewer otherwise (never ``n`` steps)."""
+    factors: list[tuple[int, int]] = []
+    rest, p = n, 2
+    while p * p <= rest:
+        power = 0
+        while rest % p == 0:
+            rest //= p
+            power += 1
+        if power:
+            factors.append((p, power))
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        factors.append((rest, 1))
+    divisors = [1]
+    for prime, power in factors:
+        divisors = [d * prime**k for d in divisors for k in range(power + 1)]
+    return sorted(divisors)
 
 
 def _tp_sizes(model: Model, cluster: Cluster, gpus: int) -> list[int]:
@@ -103,6 +128,14 @@ def candidate_plans(
     skip: Counter[tuple[str, int]] = Counter() if skipped is None else skipped
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise PlanError(f"search: gpus must be a whole number >= 1, got {gpus!r}")
+    if gpus > MAX_GPUS:
+        raise PlanError(
+            f"search: gpus = {gpus:,} is past the {MAX_GPUS:,} GPUs a search plans for; check the number"
+        )
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise PlanError(
+            f"search: global_batch must be a whole number from 1 to {MAX_GLOBAL_BATCH:,}, got {global_batch!r}"
+        )
     modes = [Recompute(r) for r in recompute]
     if flash_attention:
         # FlashAttention never stores the scores selective recomputation would drop, so

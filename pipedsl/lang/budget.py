@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Mapping, Sequence
 
-from pipedsl.errors import ScheduleEvalError, SourcePos
+from pipedsl.errors import RequirementFailed, ScheduleEvalError, SourcePos
 from pipedsl.ir import Action, Kind
 from pipedsl.lang import ast
 from pipedsl.lang.arith import fail
@@ -98,7 +98,7 @@ def no_output(actions: Action | Columns) -> None:
     raise RuntimeError("internal error: an action was emitted outside a device body")
 
 
-def require_failed(node: ast.Require, values: Mapping[str, int]) -> ScheduleEvalError:
+def require_failed(node: ast.Require, values: Mapping[str, int]) -> RequirementFailed:
     """The error a failed ``require`` raises: its message and ``values`` (what the
     condition read), at the ``require``."""
     message = "requirement failed"
@@ -106,7 +106,13 @@ def require_failed(node: ast.Require, values: Mapping[str, int]) -> ScheduleEval
         message += f": {node.message}"
     if values:
         message += " (" + ", ".join(f"{name} = {value}" for name, value in values.items()) + ")"
-    return fail(message, node.pos)
+    return RequirementFailed(message, requirement=node.message or _condition_text(node), pos=node.pos)
+
+
+def _condition_text(node: ast.Require) -> str:
+    """The ``require``'s condition as written, from its source line."""
+    text = node.pos.line_text.strip()
+    return text.removeprefix("require").strip() or "its condition"
 
 
 def suggest(name: str, candidates: list[str]) -> str:

@@ -93,7 +93,7 @@ schedule t(pp = 2, m = 1) {
 }
 """
     err = _errors(text)
-    assert type(err) is ScheduleEvalError
+    assert isinstance(err, ScheduleEvalError)
     # `y` uses the failed `x` and `place` needs the failed `devices`: no echo of either.
     assert _where(err) == [
         (2, 3, "requirement failed: need m >= pp (m = 1, pp = 2)"),
