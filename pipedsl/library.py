@@ -107,8 +107,18 @@ def resolve(spec: str | os.PathLike[str]) -> Path:
         kind = suffix or "(no extension)"
         raise ConversionError(f"{path}: unknown kind of file {kind!r}; expected .sched, .csv or .json")
     if not path.is_file():
-        raise PipedslError(f"{path}: no such file")
+        raise PipedslError(f"{path}: {_not_a_file(path)}")
     return path
+
+
+def _not_a_file(path: Path) -> str:
+    """Why ``path``, which is not a regular file, cannot be read as a schedule."""
+    if path.is_dir():
+        return "is a directory, not a schedule file"
+    if path.exists():
+        # A FIFO, socket or device would block or never end: not read.
+        return "is not a regular file (a pipe, socket or device); give a schedule file"
+    return "no such file"
 
 
 def parsed(spec: str | os.PathLike[str]) -> Module:
