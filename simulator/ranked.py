@@ -134,19 +134,26 @@ class Summary:
             return f"No pipeline plan fits; the best SPMD plan is {describe(self.best_spmd)}."
         if self.best_spmd is None:
             return f"No SPMD plan fits; the best pipeline plan is {describe(best)}."
-        speedup = self.speedup
-        assert speedup is not None
-        if round(speedup, 2) == 1.0:
-            verdict = f"as fast as ({speedup:.3f}x)"
-        elif speedup > 1:
-            verdict = f"{speedup:.2f}x faster than"
-        else:
-            verdict = f"{1 / speedup:.2f}x slower than"
+        speed = relative_speed(best["step_time_s"], self.best_spmd["step_time_s"])
+        verdict = f"{speed} as" if speed == "as fast" else f"{speed} than"
         beat = sum(1 for row in self.best_by_schedule if row["step_time_s"] < self.best_spmd["step_time_s"])
         return (
             f"Best pipeline plan {describe(best)} is {verdict} the best SPMD plan "
             f"{describe(self.best_spmd)}; {beat} of {len(self.best_by_schedule)} schedules beat it."
         )
+
+
+def relative_speed(time_s: float, reference_s: float) -> str:
+    """How fast ``time_s`` is against ``reference_s`` in words, the one convention every
+    command prints: ``"1.06x faster"`` (the reference takes 1.06 times as long),
+    ``"1.06x slower"`` (this takes 1.06 times as long), ``"as fast"`` within 0.5%."""
+    if time_s <= 0 or reference_s <= 0:
+        return "-"
+    if round(time_s / reference_s, 2) == 1.0:
+        return "as fast"
+    if time_s < reference_s:
+        return f"{reference_s / time_s:.2f}x faster"
+    return f"{time_s / reference_s:.2f}x slower"
 
 
 def describe(row: dict[str, Any] | None) -> str:

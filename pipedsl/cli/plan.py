@@ -32,6 +32,7 @@ from pipedsl.simulator.hardware import (
     model_presets,
 )
 from pipedsl.simulator.plan import Plan, Recompute
+from pipedsl.simulator.ranked import relative_speed
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
 
 if TYPE_CHECKING:
@@ -296,7 +297,7 @@ def _per_schedule_table(summary: Summary) -> Table:
     for row in summary.best_by_schedule:
         vpp = f" vpp{row['vpp']}" if row["vpp"] > 1 else ""
         limit = f" inflight{row['inflight_limit']}" if row.get("inflight_limit") else ""
-        speedup = summary.speedup_of(row)
+        spmd = summary.best_spmd
         per.add_row(
             row["schedule"],
             f"dp{row['dp']} tp{row['tp']} pp{row['pp']}{vpp} mb{row['microbatch_size']} "
@@ -304,7 +305,7 @@ def _per_schedule_table(summary: Summary) -> Table:
             f"{row['step_time_s']:.3f}",
             f"{100 * row['mfu']:.1f}",
             f"{100 * row['bubble']:.1f}",
-            "-" if speedup is None else f"{speedup:.2f}x",
+            "-" if spmd is None else relative_speed(row["step_time_s"], spmd["step_time_s"]),
         )
     return per
 
