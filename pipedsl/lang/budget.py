@@ -110,9 +110,27 @@ def require_failed(node: ast.Require, values: Mapping[str, int]) -> RequirementF
 
 
 def _condition_text(node: ast.Require) -> str:
-    """The ``require``'s condition as written, from its source line."""
-    text = node.pos.line_text.strip()
-    return text.removeprefix("require").strip() or "its condition"
+    """The ``require``'s condition as written: its source line from the condition on (a
+    ``require`` without a message is one statement on its line, as the library writes it)."""
+    column = _first_column(node.cond, node.pos.line)
+    text = node.pos.line_text[column - 1 :].strip() if column is not None else ""
+    return text or f"the condition at line {node.pos.line}"
+
+
+def _first_column(expr: object, line: int) -> int | None:
+    """The leftmost column on ``line`` of ``expr`` and its parts (an operator's position
+    is its own, to the right of its left operand)."""
+    found: list[int] = []
+    pending = [expr]
+    while pending:
+        item = pending.pop()
+        pos = getattr(item, "pos", None)
+        if isinstance(pos, SourcePos) and pos.line == line:
+            found.append(pos.column)
+        for name in getattr(item, "__slots__", ()):
+            value = getattr(item, name, None)
+            pending.extend(value if isinstance(value, tuple) else (value,))
+    return min(found, default=None)
 
 
 def suggest(name: str, candidates: list[str]) -> str:
