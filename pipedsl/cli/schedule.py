@@ -52,6 +52,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"{plural(report.num_actions, 'action')}, "
             f"peak in-flight per device {peaks}" + ("" if policy is None else f" ({default_costs_note(policy)})")
         )
+        if policy is not None and policy.max_activation_bytes is not None:
+            # The default cost model gives activations no size, so a byte limit held here
+            # says nothing about the costs the policy will be synthesised against.
+            print(
+                f"{path}: note: its activation-byte limit is not tested here: the default cost model gives"
+                " activations 0 bytes; `pipedsl simulate --costs FILE` synthesises it against real sizes",
+                file=sys.stderr,
+            )
     return worst
 
 

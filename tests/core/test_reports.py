@@ -94,3 +94,20 @@ def test_convert_does_not_write_over_its_input(tmp_path: Path, capsys: pytest.Ca
     assert source.read_text() == text
     assert main(["convert", str(source), "--to", "sched", "-o", str(source), "--force"]) == 0
     assert source.read_text() != text and "device 0:" in source.read_text()
+
+
+def test_check_says_an_activation_byte_limit_is_not_tested_at_zero_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = tmp_path / "p.sched"
+    policy.write_text(
+        "schedule p(pp = 2, microbatches = 4) {\n  stages pp\n  devices pp\n  place s -> s\n"
+        "  policy on device d {\n    split backward; limit activations <= 1; prefer I > F > W\n  }\n}\n"
+    )
+    assert main(["check", str(policy)]) == 0
+    err = capsys.readouterr().err
+    assert "activation-byte limit is not tested here" in err
+    limited = tmp_path / "q.sched"
+    limited.write_text(policy.read_text().replace("limit activations <= 1", "limit inflight <= 2"))
+    assert main(["check", str(limited)]) == 0
+    assert "not tested" not in capsys.readouterr().err
