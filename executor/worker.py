@@ -407,8 +407,8 @@ def _check_state(state: Any, state_at: Any, stage: int) -> None:
     """Refuse an optimizer state for ``stage`` whose structure is not the one this
     optimizer's ``init`` gives the stage's parameters (``state_at``, its placement), naming
     ``opt_state`` rather than leaving it to ``device_put``'s tree-prefix error."""
-    given = jax.tree_util.tree_structure(state)
-    wanted = jax.tree_util.tree_structure(state_at)
+    given: Any = jax.tree_util.tree_structure(state)
+    wanted: Any = jax.tree_util.tree_structure(state_at)
     if given != wanted:
         raise ExecutionError(
             f"opt_state[{stage}] (the optimizer state of stage {stage}) is not what this optimizer's init gives"
