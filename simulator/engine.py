@@ -180,9 +180,9 @@ class Simulation:
 def simulate(program: Program | Schedule | Any, costs: CostModel | None = None) -> Simulation:
     """Simulate ``program`` (a schedule is validated and lowered first) under ``costs``
     (default: ``CostModel()``, F = 1 s, B = 2 s, free communication). A library name, a
-    path or a policy is made a schedule first (:func:`~pipedsl.simulator.synthesize.schedule_of`)."""
+    path or a policy is made a schedule first (:func:`~pipedsl.simulator.schedule_spec.schedule_of`)."""
     if not isinstance(program, Program):
-        from pipedsl.simulator.synthesize import schedule_of
+        from pipedsl.simulator.schedule_spec import schedule_of
 
         program = schedule_of(program, costs)
     if isinstance(program, Schedule):

@@ -35,13 +35,9 @@ in order. Deterministic: no randomness, no clocks.
 from __future__ import annotations
 
 import heapq
-import os
-import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
-from pipedsl import library
 from pipedsl.arrays import make_actions
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
@@ -49,7 +45,7 @@ from pipedsl.policy import Policy
 from pipedsl.simulator.costs import CostModel, StageCosts
 from pipedsl.simulator.synthesis_variants import Variant, variants
 
-__all__ = ["SynthesisError", "Variant", "schedule_of", "synthesize", "synthesized_order", "synthesized_steps", "variants"]
+__all__ = ["SynthesisError", "Variant", "synthesize", "synthesized_order", "synthesized_steps", "variants"]
 
 _INF = float("inf")
 _F, _BWD, _W = 0, 1, 2  # kind codes; _BWD is I when split, B otherwise
@@ -61,29 +57,6 @@ step wrong."""
 
 class SynthesisError(PipedslError):
     """The policy's limits leave no order that finishes (a deadlock under the limits)."""
-
-
-def schedule_of(spec: Any, costs: CostModel | None) -> Schedule:
-    """What the simulator's API takes as a schedule, made one: a Schedule as it is; a
-    library name or path loaded with its defaults; a policy synthesised against ``costs``,
-    or against the default ``CostModel()`` with a warning that says so (the order then
-    follows costs the caller did not give). Anything else is refused, naming it."""
-    if isinstance(spec, (str, os.PathLike)):
-        spec = library.load(spec)
-    if isinstance(spec, Policy):
-        if costs is None:
-            costs = CostModel()
-            warnings.warn(
-                f"{spec.name} is a policy, synthesised against the default cost model ({costs.describe()});"
-                " pass costs to synthesise it against yours",
-                stacklevel=3,
-            )
-        return synthesize(spec, costs)
-    if not isinstance(spec, Schedule):
-        raise PipedslError(
-            f"a schedule is a Schedule, a Policy, a library name such as '1f1b' or a .sched path; got {type(spec).__name__}"
-        )
-    return spec
 
 
 def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[Variant, ...] | None = None) -> Schedule:

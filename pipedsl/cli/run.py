@@ -181,19 +181,12 @@ def _train(args: argparse.Namespace) -> int:
     schedule, planned = _planned(args)
     if args.dp < 1 or args.tp < 1 or args.zero not in (0, 1, 2, 3):
         raise PipedslError("--dp and --tp must be at least 1 and --zero one of 0, 1, 2, 3")
-    settings = training_settings(
-        seed=args.seed, lr=args.lr, microbatches=schedule.num_microbatches, microbatch_size=args.microbatch_size, dp=args.dp
-    )
-    keeping = Checkpointing.from_args(args, settings)
-    saved = keeping.saved_step()
-    if saved is not None and saved >= args.steps:
-        print(
-            f"nothing left to do: {args.checkpoint} holds step {saved} and --steps is {args.steps};"
-            f" give --steps above {saved} to train on"
-        )
-        return EXIT_OK
     devices = schedule.num_devices * args.dp * args.tp
+    # Before anything imports JAX (reading a checkpoint does): the devices it is to make.
     request_devices(devices)
+    keeping = _checkpointing(args, schedule)
+    if keeping is None:
+        return EXIT_OK
     if planned is not None:
         print(f"plan {planned.rank} of {args.plans}: {planned.label()}")
 
@@ -240,6 +233,23 @@ def _train(args: argparse.Namespace) -> int:
     if args.timeline is not None:
         _write_timeline(pipe, params, batch, args.timeline)
     return EXIT_OK
+
+
+def _checkpointing(args: argparse.Namespace, schedule: Schedule) -> Checkpointing | None:
+    """The run's checkpoint options, checked against a checkpoint it resumes; None (and
+    why, printed) when that checkpoint is already at ``--steps``: nothing left to do."""
+    settings = training_settings(
+        seed=args.seed, lr=args.lr, microbatches=schedule.num_microbatches, microbatch_size=args.microbatch_size, dp=args.dp
+    )
+    keeping = Checkpointing.from_args(args, settings)
+    saved = keeping.saved_step()
+    if saved is not None and saved >= args.steps:
+        print(
+            f"nothing left to do: {args.checkpoint} holds step {saved} and --steps is {args.steps};"
+            f" give --steps above {saved} to train on"
+        )
+        return None
+    return keeping
 
 
 def _run_line(
