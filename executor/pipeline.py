@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -110,7 +110,7 @@ class Pipeline:
         param_specs: Any = None,
     ) -> None:
         schedule = _schedule_argument(schedule)
-        if not isinstance(stages, Sequence) or isinstance(stages, str):
+        if not isinstance(stages, Iterable) or isinstance(stages, str):
             raise ExecutionError(f"stages must be a list of stage functions, one per stage; got {type(stages).__name__}")
         stages = tuple(stages)
         if len(stages) != schedule.num_stages:

@@ -6,6 +6,7 @@ library schedule's refusal names the schedule and its rule."""
 from __future__ import annotations
 
 import pickle
+import re
 import time
 from pathlib import Path
 
@@ -108,3 +109,20 @@ def test_a_failed_require_is_its_own_kind_of_error() -> None:
     with pytest.raises(RequirementFailed) as caught:
         parse("schedule t(pp = 2) {\n  require pp > 3\n  stages 1 devices 1 place s -> 0 device 0: 0F0 0B0\n}")
     assert caught.value.requirement == "pp > 3"
+
+
+def test_one_ratio_convention_in_words() -> None:
+    from pipedsl.simulator.ranked import relative_speed
+
+    assert relative_speed(1.0, 1.06) == "1.06x faster"
+    assert relative_speed(1.06, 1.0) == "1.06x slower"
+    assert relative_speed(1.0, 1.004) == "as fast"
+
+
+def test_simulate_and_search_say_slower_in_words(capsys: pytest.CaptureFixture[str]) -> None:
+    # 1F1B takes 33 s, ZB-H1 27 s at the default costs: 1F1B is 33 / 27 = 1.22x slower.
+    assert main(["simulate", "1f1b", "zb_h1", "-p", "pp=4", "-p", "microbatches=8"]) == 0
+    out = capsys.readouterr().out
+    assert "1.22x slower" in out and "best" in out
+    # No ratio without its direction in words.
+    assert re.findall(r"\d+\.\d+x(?! faster| slower)", out) == []
