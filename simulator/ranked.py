@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipedsl.simulator.estimate import Estimate
 from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.speed import relative_speed
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -141,19 +142,6 @@ class Summary:
             f"Best pipeline plan {describe(best)} is {verdict} the best SPMD plan "
             f"{describe(self.best_spmd)}; {beat} of {len(self.best_by_schedule)} schedules beat it."
         )
-
-
-def relative_speed(time_s: float, reference_s: float) -> str:
-    """How fast ``time_s`` is against ``reference_s`` in words, the one convention every
-    command prints: ``"1.06x faster"`` (the reference takes 1.06 times as long),
-    ``"1.06x slower"`` (this takes 1.06 times as long), ``"as fast"`` within 0.5%."""
-    if time_s <= 0 or reference_s <= 0:
-        return "-"
-    if round(time_s / reference_s, 2) == 1.0:
-        return "as fast"
-    if time_s < reference_s:
-        return f"{reference_s / time_s:.2f}x faster"
-    return f"{time_s / reference_s:.2f}x slower"
 
 
 def describe(row: dict[str, Any] | None) -> str:

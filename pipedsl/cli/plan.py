@@ -32,8 +32,8 @@ from pipedsl.simulator.hardware import (
     model_presets,
 )
 from pipedsl.simulator.plan import Plan, Recompute
-from pipedsl.simulator.ranked import relative_speed
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
+from pipedsl.simulator.speed import relative_speed
 
 if TYPE_CHECKING:
     import pandas as pd

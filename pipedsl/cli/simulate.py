@@ -30,7 +30,7 @@ from pipedsl.cli.common import (
 from pipedsl.errors import ConversionError, PipedslError
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate
-from pipedsl.simulator.ranked import relative_speed
+from pipedsl.simulator.speed import relative_speed
 from pipedsl.timeline import Timeline
 
 if TYPE_CHECKING:

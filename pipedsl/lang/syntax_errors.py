@@ -197,11 +197,14 @@ def translate(parser: lark.Lark, err: UnexpectedInput, source: Source) -> Schedu
     return _error(f"unexpected end of the file{expected}", source.end())
 
 
-def collect(parser: lark.Lark, text: str, source: Source) -> list[ScheduleSyntaxError]:
-    """Every syntax error of ``text`` that recovery finds, in the order of the text."""
-    errors = _Recovery(parser, text, source).run()
+def collect(parser: lark.Lark, text: str, source: Source) -> tuple[list[ScheduleSyntaxError], lark.Tree | None]:
+    """Every syntax error of ``text`` that recovery finds, in the order of the text, and
+    the parse tree of the repaired text when the repairs let the parse finish (None
+    otherwise): what semantic checks can still read."""
+    recovery = _Recovery(parser, text, source)
+    errors = recovery.run()
     unique = {(e.pos.line, e.pos.column) if e.pos else (0, 0): e for e in reversed(errors)}
-    return [unique[key] for key in sorted(unique)]
+    return [unique[key] for key in sorted(unique)], recovery.tree
 
 
 class _Recovery:
@@ -217,6 +220,7 @@ class _Recovery:
         self.open_braces: list[Token] = []
         self.closed_braces: list[tuple[Token, Token]] = []
         self.last: Token | None = None
+        self.tree: lark.Tree | None = None
         # The last few tokens taken, each with the parser as it stood before it: what a
         # misspelt keyword is checked against.
         self.recent: list[tuple[Token, _Stacks]] = []
@@ -263,7 +267,9 @@ class _Recovery:
         state.value_stack[:] = start[1]
         try:
             for token in tokens:
-                state.feed_token(token, token.type == "$END")
+                result = state.feed_token(token, token.type == "$END")
+                if token.type == "$END":
+                    self.tree = result
         except UnexpectedToken:
             # The parser reduces what it can before it finds that it cannot shift, so
             # this state expects exactly what may follow what was read (`)` or `,`

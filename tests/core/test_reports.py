@@ -111,3 +111,25 @@ def test_check_says_an_activation_byte_limit_is_not_tested_at_zero_bytes(
     limited.write_text(policy.read_text().replace("limit activations <= 1", "limit inflight <= 2"))
     assert main(["check", str(limited)]) == 0
     assert "not tested" not in capsys.readouterr().err
+
+
+def test_semantic_errors_are_reported_after_a_recoverable_syntax_error() -> None:
+    text = """\
+schedule t(pp = 2, microbatches = 2) {
+  stages pp
+  devices pp
+  place s -> s
+  on device d {
+    x = (d + 1
+    for i in 0 .. microbatches { F(i) B(i) }
+    y = unknown_name + 1
+  }
+}
+"""
+    with pytest.raises(ScheduleSyntaxError) as caught:
+        pipedsl.parse(text, file="t.sched")
+    found = [(type(e).__name__, e.pos.line if e.pos else None, e.message) for e in caught.value.errors]
+    assert found == [
+        ("ScheduleSyntaxError", 7, "unexpected `for`; expected `)`"),
+        ("ScheduleEvalError", 8, "unknown name `unknown_name`"),
+    ]

@@ -112,7 +112,7 @@ def test_a_failed_require_is_its_own_kind_of_error() -> None:
 
 
 def test_one_ratio_convention_in_words() -> None:
-    from pipedsl.simulator.ranked import relative_speed
+    from pipedsl.simulator.speed import relative_speed
 
     assert relative_speed(1.0, 1.06) == "1.06x faster"
     assert relative_speed(1.06, 1.0) == "1.06x slower"
