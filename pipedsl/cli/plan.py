@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pipedsl.cli.common import add_command, check_output_file, make_console, positive_int
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
+from pipedsl.simulator.candidates import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
 from pipedsl.simulator.hardware import (
@@ -114,6 +115,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         dp_overlap=args.dp_overlap,
         reduce_bytes=args.reduce_bytes,
     )
+    if plan.gpus > MAX_GPUS or plan.global_batch > MAX_GLOBAL_BATCH:
+        raise PipedslError(
+            f"estimate: {plan.gpus:,} GPUs and a global batch of {plan.global_batch:,} sequences; the estimator"
+            f" plans for at most {MAX_GPUS:,} GPUs and {MAX_GLOBAL_BATCH:,} sequences: check the numbers"
+        )
     result = estimate(model, cluster, plan)
     advice = [] if result.fits else fit_advice(model, cluster, plan)
     if args.json:

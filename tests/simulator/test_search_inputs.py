@@ -126,3 +126,9 @@ def test_simulate_and_search_say_slower_in_words(capsys: pytest.CaptureFixture[s
     assert "1.22x slower" in out and "best" in out
     # No ratio without its direction in words.
     assert re.findall(r"\d+\.\d+x(?! faster| slower)", out) == []
+
+
+def test_estimate_refuses_a_plan_past_any_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    big = str(10**12)
+    code = main(["estimate", "--model", "llama-8b", "--cluster", "h100-80gb", "--dp", big, "--global-batch", big])
+    assert code == 2 and "the estimator plans for at most 1,048,576 GPUs" in capsys.readouterr().err
