@@ -105,7 +105,9 @@ def _their_order(zb: types.ModuleType, pp: int, m: int, fiw: tuple[float, ...], 
 
 
 GRID_FIW = ((1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (3, 2, 1), (1, 2, 2))
-GRID_COMM = (0.0, 0.5, 1.0)
+GRID_COMM = (0.0, 0.1, 0.2, 0.25, 0.5, 1.0)
+"""Communication per hop in units of F: none, small (a tenth to a quarter of F, where a
+scheduler must hide the hops inside the warm-up), half and as much as F."""
 
 
 def compare(repo: Path) -> list[dict[str, Any]]:

@@ -19,8 +19,10 @@ reused afterwards.
 
 from __future__ import annotations
 
+import math
+import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pipedsl import library
 from pipedsl.executor.backend import Backend, StepResult
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.local import LocalBackend
@@ -37,6 +40,7 @@ from pipedsl.executor.ray_backend import RayRunner
 from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.ir import Schedule
+from pipedsl.policy import Policy
 from pipedsl.program import Program, lower
 
 __all__ = ["Pipeline", "StepResult"]
@@ -63,7 +67,8 @@ class Pipeline:
         stage's output goes to ``loss``.
       loss: ``loss(y, targets) -> scalar``; it should average over the microbatch's
         examples (the pipeline averages over microbatches).
-      schedule: the schedule to run (validated and lowered here). A schedule with one
+      schedule: the schedule to run (validated and lowered here), or a library name or
+        ``.sched`` path, loaded with its default parameters. A schedule with one
         device (``pp = 1``, e.g. ``1f1b``) runs the SPMD baselines: one stage over the
         whole mesh, gradients accumulated over microbatches (``1f1b`` keeps one
         microbatch's activations at a time, ``gpipe`` every microbatch's).
@@ -97,7 +102,7 @@ class Pipeline:
         stages: Sequence[Callable[[Any, Any], Any]],
         *,
         loss: Callable[[Any, Any], Any],
-        schedule: Schedule,
+        schedule: Schedule | str | os.PathLike[str],
         backend: str | RayConfig = "local",
         remat: bool | Sequence[bool] = False,
         devices: Sequence[jax.Device] | None = None,
@@ -109,6 +114,9 @@ class Pipeline:
         reduce_once: bool = False,
         cp: int = 1,
     ) -> None:
+        schedule = _schedule_argument(schedule)
+        if not isinstance(stages, Iterable) or isinstance(stages, str):
+            raise ExecutionError(f"stages must be a list of stage functions, one per stage; got {type(stages).__name__}")
         stages = tuple(stages)
         if len(stages) != schedule.num_stages:
             raise ExecutionError(
@@ -124,7 +132,7 @@ class Pipeline:
         model_fn: Callable[[Any, Any], Any],
         *,
         loss: Callable[[Any, Any], Any],
-        schedule: Schedule,
+        schedule: Schedule | str | os.PathLike[str],
         backend: str | RayConfig = "local",
         remat: bool | Sequence[bool] = False,
         devices: Sequence[jax.Device] | None = None,
@@ -141,6 +149,7 @@ class Pipeline:
         ``model_fn`` takes (and ``param_specs`` mirrors it). Other arguments as for
         :class:`Pipeline`."""
         pipe = cls.__new__(cls)
+        schedule = _schedule_argument(schedule)
         mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once, cp=cp)
         pipe._setup(None, model_fn, loss, schedule, backend, remat, devices, recv_timeout, mesh, param_specs)
         return pipe
@@ -215,16 +224,30 @@ class Pipeline:
         batch: tuple[Any, Any],
         *,
         optimizer: optax.GradientTransformation,
+        check_finite: bool = False,
     ) -> tuple[Any, tuple[Any, ...], jax.Array]:
         """One optimizer step: (new params, new optimizer state, mean loss).
 
         ``opt_state`` is None on the first step (it is then initialised) and the state
         this method returned afterwards. Each stage's update runs on its own mesh over
         the leaves it owns, so ``optimizer`` must treat leaves independently (as sgd,
-        momentum, adam and adamw do); pass the same optimizer object every step.
+        momentum, adam and adamw do); pass the same optimizer object every step. With
+        ``check_finite``, a NaN or infinite loss raises ExecutionError (the step's update
+        has then been applied: keep the parameters that went in); it waits for the loss.
         """
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise ExecutionError(
+                f"train_step: optimizer must be an optax.GradientTransformation such as optax.adam(1e-3),"
+                f" got {type(optimizer).__name__}; value_and_grad gives the gradients without an update"
+            )
         result = self.step(params, batch, optimizer=optimizer, opt_state=opt_state)
-        assert result.opt_state is not None  # set by every optimizer step
+        if result.opt_state is None:
+            raise ExecutionError("train_step: the backend returned no optimizer state for an optimizer step")
+        if check_finite and not math.isfinite(float(result.loss)):
+            raise ExecutionError(
+                f"train_step: the loss is {float(result.loss)} (check_finite=True); the step's update is applied:"
+                " keep the parameters that went in, and look for the stage that overflowed (pipedsl run names it)"
+            )
         return result.params, result.opt_state, result.loss
 
     def step(
@@ -368,3 +391,23 @@ class Pipeline:
             return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct((share, *np.shape(leaf)[1:]), jnp.result_type(leaf)), tree)
 
         return _Batch(x_leaves, t_leaves, count, example(inputs), example(targets))
+
+
+def _schedule_argument(schedule: Any) -> Schedule:
+    """``schedule`` as :class:`Pipeline` takes it: a Schedule, or a library name or path
+    loaded with its defaults; a policy or anything else refused, naming the argument."""
+    if isinstance(schedule, (str, os.PathLike)):
+        schedule = library.load(schedule)
+    if isinstance(schedule, Policy):
+        # The executor never imports the simulator, whose cost model a policy's order needs.
+        raise ExecutionError(
+            f"schedule: {schedule.name} is a policy (limits and priorities, no order yet); its order follows a"
+            " cost model: pass pipedsl.simulator.synthesize.synthesize(policy, costs), as `pipedsl run` does"
+            " with the default costs"
+        )
+    if not isinstance(schedule, Schedule):
+        raise ExecutionError(
+            f"schedule must be a Schedule (pipedsl.load(...)), a library name such as '1f1b' or a .sched path;"
+            f" got {type(schedule).__name__}"
+        )
+    return schedule

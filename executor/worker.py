@@ -303,6 +303,7 @@ class Worker:
             if state is None:
                 state = init(params_s)
             elif s not in self._placed_states:
+                _check_state(state, state_at, s)
                 state = jax.device_put(state, state_at)
             grads_s = jax.tree_util.tree_unflatten(treedef, [grads[i] for i in owned])
             params_s, self.states[s] = apply(grads_s, state, params_s)
@@ -421,3 +422,23 @@ def _computed(value: Any, stage: int, device: int, what: str) -> None:
         jax.block_until_ready(value)
     except Exception as err:  # XLA reports a failed computation where its result is read
         raise stage_failure(stage, device, what, err) from err
+
+
+def _check_state(state: Any, state_at: Any, stage: int) -> None:
+    """Refuse an optimizer state for ``stage`` whose structure is not the one this
+    optimizer's ``init`` gives the stage's parameters (``state_at``, its placement), naming
+    ``opt_state`` rather than leaving it to ``device_put``'s tree-prefix error."""
+    given: Any = jax.tree_util.tree_structure(state)
+    wanted: Any = jax.tree_util.tree_structure(state_at)
+    if given != wanted:
+        raise ExecutionError(
+            f"opt_state[{stage}] (the optimizer state of stage {stage}) is not what this optimizer's init gives"
+            f" the stage's parameters: {given.num_leaves} leaves in {_shown(given)}, expected"
+            f" {wanted.num_leaves} in {_shown(wanted)}; pass the opt_state a previous train_step returned"
+            " with the same optimizer, or None to start afresh"
+        )
+
+
+def _shown(treedef: Any) -> str:
+    text = str(treedef)
+    return text if len(text) <= 160 else text[:157] + "..."

@@ -21,6 +21,7 @@ __all__ = [
     "PipedslError",
     "ScheduleSyntaxError",
     "ScheduleEvalError",
+    "RequirementFailed",
     "ScheduleInvalid",
     "ConversionError",
 ]
@@ -67,6 +68,11 @@ class PipedslError(Exception):
         self.omitted = 0
         super().__init__(self._render())
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuilt from its state rather than from ``args`` (the rendered text), so that an
+        # error raised in a search's worker process keeps its class, place and rule.
+        return (_restore, (type(self), str(self), dict(self.__dict__)))
+
     @property
     def errors(self) -> tuple[PipedslError, ...]:
         """This error and the others found with it, in the order of the input."""
@@ -94,18 +100,26 @@ class PipedslError(Exception):
         return "\n".join(parts)
 
 
-def several(errors: Sequence[PipedslError], *, limit: int = MAX_REPORTED) -> PipedslError:
+def _restore(cls: type[PipedslError], text: str, state: dict[str, object]) -> PipedslError:
+    error = cls.__new__(cls, text)
+    Exception.__init__(error, text)
+    error.__dict__.update(state)
+    return error
+
+
+def several(errors: Sequence[PipedslError], *, limit: int = MAX_REPORTED, found: int | None = None) -> PipedslError:
     """One error to raise for ``errors`` (at least one): the first, carrying the others.
 
-    At most ``limit`` are kept; the rest are counted in ``omitted``. Raising the first
-    keeps its class, so ``except ScheduleSyntaxError`` still catches a file with several
-    syntax errors.
+    At most ``limit`` are kept; the rest are counted in ``omitted``. ``found`` is how many
+    there were in all when the caller built only the first few (at least ``len(errors)``).
+    Raising the first keeps its class, so ``except ScheduleSyntaxError`` still catches a
+    file with several syntax errors.
     """
     if not errors:
         raise ValueError("several() needs at least one error")
     first = errors[0]
     first.others = tuple(errors[1:limit])
-    first.omitted = max(len(errors) - limit, 0)
+    first.omitted = max(max(found or 0, len(errors)) - limit, 0)
     first.args = (str(first),)
     return first
 
@@ -117,6 +131,17 @@ class ScheduleSyntaxError(PipedslError):
 class ScheduleEvalError(PipedslError):
     """The text parses but cannot be evaluated: unknown name, wrong arity, division by
     zero, a failed ``require``, a negative range, too many actions."""
+
+
+class RequirementFailed(ScheduleEvalError):
+    """A ``require`` of the schedule does not hold for the parameters given: the schedule
+    itself refuses them (the plan search drops such a plan; every other evaluation error
+    is a fault of the file). ``requirement`` is what the ``require`` demands: its own
+    message, or its condition's text when it has none."""
+
+    def __init__(self, message: str, *, requirement: str, pos: SourcePos | None = None) -> None:
+        self.requirement = requirement
+        super().__init__(message, pos=pos)
 
 
 class ScheduleInvalid(PipedslError):

@@ -107,8 +107,18 @@ def resolve(spec: str | os.PathLike[str]) -> Path:
         kind = suffix or "(no extension)"
         raise ConversionError(f"{path}: unknown kind of file {kind!r}; expected .sched, .csv or .json")
     if not path.is_file():
-        raise PipedslError(f"{path}: no such file")
+        raise PipedslError(f"{path}: {_not_a_file(path)}")
     return path
+
+
+def _not_a_file(path: Path) -> str:
+    """Why ``path``, which is not a regular file, cannot be read as a schedule."""
+    if path.is_dir():
+        return "is a directory, not a schedule file"
+    if path.exists():
+        # A FIFO, socket or device would block or never end: not read.
+        return "is not a regular file (a pipe, socket or device); give a schedule file"
+    return "no such file"
 
 
 def parsed(spec: str | os.PathLike[str]) -> Module:
@@ -150,10 +160,11 @@ def load(
     turns into an order against a cost model (the core cannot: it has no costs).
 
     A ``.sched`` file is evaluated under ``params`` (overrides of its defaults; ints, or
-    strings that spell one) and records its path as ``Schedule.source``. Every schedule
-    loaded from a file is named by the file's stem, the name it is loaded by (``1f1b``,
-    whatever its ``schedule`` line says), so tables, plots and saved cost files use the
-    name the command line takes. A ``.csv`` file
+    strings that spell one) and records its path as ``Schedule.source``. A library
+    schedule is named by the name it is loaded by (``1f1b``, whatever its ``schedule``
+    line says: a name may not start with a digit); any other file by the name its
+    ``schedule`` line gives (``schedule my_1f1b`` is ``my_1f1b``, whatever the file is
+    called), so tables, plots and saved cost files use the name the user chose. A ``.csv`` file
     (PyTorch's compute-only form) takes only ``microbatches``, the count PyTorch keeps
     outside the file; a ``.json`` file records everything and takes none.
 
@@ -165,7 +176,7 @@ def load(
     path = resolve(spec)
     suffix = path.suffix.lower()
     if suffix == _SUFFIX:
-        return evaluate(parsed(path), params=params, name=path.stem, source=str(path), max_actions=max_actions)
+        return evaluate(parsed(path), params=params, name=_name(path), source=str(path), max_actions=max_actions)
     # The CSV and JSON readers load only for such files: a .sched file never needs them.
     from pipedsl import interop
 
@@ -200,7 +211,7 @@ def load_arrays(
     :func:`load`."""
     path = resolve(spec)
     if path.suffix.lower() == _SUFFIX:
-        return evaluate_arrays(parsed(path), params=params, name=path.stem, source=str(path), max_actions=max_actions)
+        return evaluate_arrays(parsed(path), params=params, name=_name(path), source=str(path), max_actions=max_actions)
     loaded = load(path, max_actions=max_actions, **params)
     return loaded if isinstance(loaded, Policy) else ScheduleArrays.of(loaded)
 
@@ -227,6 +238,15 @@ def parse(
         raise PipedslError(f"parse takes the schedule's text as a str, not {type(text).__name__}")
     module = parse_source(text.removeprefix("\ufeff"), file=file)
     return evaluate(module, params=params, name=name, source=None, max_actions=max_actions)
+
+
+def _name(path: Path) -> str | None:
+    """A ``.sched`` file's schedule name: a library file's stem; None (the name its
+    ``schedule`` line gives) for any other."""
+    shipped = library_schedules().get(path.stem)
+    if shipped is not None and shipped.resolve() == path.resolve():
+        return path.stem
+    return None
 
 
 def _read(path: Path) -> str:

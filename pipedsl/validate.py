@@ -35,7 +35,7 @@ import numpy as np
 
 from pipedsl.analysis import peak_inflight
 from pipedsl.arrays import ActionArrays, B, F, I, ScheduleArrays, W, paused_collector
-from pipedsl.errors import PipedslError, ScheduleInvalid
+from pipedsl.errors import MAX_REPORTED, PipedslError, ScheduleInvalid, several
 from pipedsl.ir import Action, Kind, Schedule
 
 __all__ = ["Report", "Checked", "validate", "checked", "kept_check", "dependencies", "peak_inflight"]
@@ -131,8 +131,8 @@ def _action_fault(schedule: _Subject, actions: ActionArrays, row: int) -> Schedu
 
 
 def _check_actions(schedule: _Subject, actions: ActionArrays) -> np.ndarray | None:
-    """Ranges, ownership, duplicates: raise on the first action (in device order) that
-    breaks one. Returns how many actions there are of each (stage, microbatch, kind),
+    """Ranges, ownership, duplicates: raise on every action (in device order, the first
+    :data:`~pipedsl.errors.MAX_REPORTED`) that breaks one. Returns how many actions there are of each (stage, microbatch, kind),
     shape (S * M, 4), kinds in code order; None when there are too few actions for
     every pair to have its two or more (a table that size could dwarf the schedule)."""
     num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
@@ -156,7 +156,9 @@ def _check_actions(schedule: _Subject, actions: ActionArrays) -> np.ndarray | No
         k, s, m = kind[order], stage[order], mb[order]
         bad[order[1:][(k[1:] == k[:-1]) & (s[1:] == s[:-1]) & (m[1:] == m[:-1])]] = True
     if bad.any():
-        raise _action_fault(schedule, actions, int(np.argmax(bad)))
+        rows = np.flatnonzero(bad)
+        faults = [_action_fault(schedule, actions, int(r)) for r in rows[:MAX_REPORTED]]
+        raise several(faults, found=len(rows))
     return counts
 
 
@@ -176,29 +178,34 @@ def _pair_fault(schedule: _Subject, actions: ActionArrays, stage: int, mb: int, 
 
 
 def _check_complete(schedule: _Subject, actions: ActionArrays, counts: np.ndarray | None) -> np.ndarray:
-    """Every (stage, microbatch) has its F and one form of backward; raise on the first
-    pair (stage-major) that does not. ``counts`` is :func:`_check_actions`'s. Returns the
+    """Every (stage, microbatch) has its F and one form of backward; raise on every pair
+    (stage-major, the first :data:`~pipedsl.errors.MAX_REPORTED`) that does not. ``counts`` is :func:`_check_actions`'s. Returns the
     row of each (kind, stage, microbatch), flat index ``(kind * S + stage) * M +
     microbatch``, -1 where there is none."""
     num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
     kind, stage, mb = actions.kind, actions.stage, actions.microbatch
     if counts is None:
-        raise _sparse_pair_fault(schedule, actions)
+        raise _sparse_pair_faults(schedule, actions)
     f, b, i, w = (counts > 0).T
     # A pair with no action at all lacks its F too.
     broken = (b & (i | w)) | ~f | (~b & ~(i & w))
     if broken.any():
-        at_stage, at_mb = divmod(int(np.argmax(broken)), num_mb)
-        rows = np.flatnonzero((stage == at_stage) & (mb == at_mb)).tolist()
-        raise _pair_fault(schedule, actions, at_stage, at_mb, rows)
+        pairs = np.flatnonzero(broken)
+        faults = []
+        for pair in pairs[:MAX_REPORTED].tolist():
+            at_stage, at_mb = divmod(pair, num_mb)
+            rows = np.flatnonzero((stage == at_stage) & (mb == at_mb)).tolist()
+            faults.append(_pair_fault(schedule, actions, at_stage, at_mb, rows))
+        raise several(faults, found=len(pairs))
     index = np.full(4 * num_stages * num_mb, -1, dtype=np.int64)
     index[(kind.astype(np.int64) * num_stages + stage) * num_mb + mb] = np.arange(len(actions), dtype=np.int64)
     return index
 
 
-def _sparse_pair_fault(schedule: _Subject, actions: ActionArrays) -> ScheduleInvalid:
-    """The first pair (stage-major) that is broken or has no action, among more pairs
-    than the actions could fill, found from the pairs present alone."""
+def _sparse_pair_faults(schedule: _Subject, actions: ActionArrays) -> PipedslError:
+    """Every pair (stage-major, the first :data:`~pipedsl.errors.MAX_REPORTED`) that is
+    broken or has no action, among more pairs than the actions could fill, found from the
+    pairs present alone (the work follows the actions, not the pairs)."""
     num_mb = schedule.num_microbatches
     kind, stage, mb = actions.kind, actions.stage, actions.microbatch
     order = np.lexsort((mb, stage))
@@ -211,17 +218,24 @@ def _sparse_pair_fault(schedule: _Subject, actions: ActionArrays) -> ScheduleInv
     have[group, kind[order]] = True
     f, b, i, w = have.T
     broken = (b & (i | w)) | ~f | (~b & ~(i & w))
-    # Pairs present, in stage-major order; the first that is not the next expected one
-    # marks a pair with no action at all. With none, every pair is present and, one
-    # action short, some pair broken.
-    expected = np.arange(pairs, dtype=np.int64)
-    gap = (s[first] != expected // num_mb) | (m[first] != expected % num_mb)
-    missing = int(np.argmax(gap)) if gap.any() else pairs
-    faulty = int(np.argmax(broken)) if broken.any() else None
-    if faulty is not None and faulty < missing:
-        rows = order[group == faulty].tolist()
-        return _pair_fault(schedule, actions, int(s[first][faulty]), int(m[first][faulty]), rows)
-    return _pair_fault(schedule, actions, missing // num_mb, missing % num_mb, [])
+    present = (s[first] * num_mb + m[first]).tolist()
+    broken_at = set(np.flatnonzero(broken).tolist())
+    # Walk the pairs in stage-major order: a present pair that is broken, or a gap before
+    # the next present one (a pair with no action at all), until enough are found.
+    faults: list[ScheduleInvalid] = []
+    expected = 0
+    for k, code in enumerate([*present, schedule.num_stages * num_mb]):
+        while expected < code and len(faults) < MAX_REPORTED:
+            faults.append(_pair_fault(schedule, actions, expected // num_mb, expected % num_mb, []))
+            expected += 1
+        if len(faults) >= MAX_REPORTED:
+            break
+        expected = code + 1
+        if k in broken_at:
+            rows = order[group == k].tolist()
+            faults.append(_pair_fault(schedule, actions, code // num_mb, code % num_mb, rows))
+    total = len(broken_at) + schedule.num_stages * num_mb - pairs
+    return several(faults, found=total)
 
 
 def _links(schedule: _Subject, actions: ActionArrays, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -385,7 +399,9 @@ def _deadlock(schedule: _Subject, actions: ActionArrays, blocked_on: dict[int, i
 
 def checked(schedule: Schedule | ScheduleArrays) -> Checked:
     """Check every rule but the in-flight limit; raise :class:`ScheduleInvalid` naming the
-    first one broken. The result is kept on a Schedule, so a second call is free; a
+    first action that breaks one, carrying the others that break the same family of rules
+    (ranges, ownership and duplicates; completeness), up to
+    :data:`~pipedsl.errors.MAX_REPORTED` (ordering and deadlock are checked once those hold). The result is kept on a Schedule, so a second call is free; a
     :class:`~pipedsl.arrays.ScheduleArrays` is checked on its columns as they are, and an
     error names its action without a source position."""
     if isinstance(schedule, Schedule) and isinstance(schedule._checked, Checked):
@@ -419,10 +435,14 @@ def validate(schedule: Schedule, *, max_inflight: int | None = None) -> Report:
         raise PipedslError(f"max_inflight must be a whole number >= 0 (or None), got {max_inflight!r}")
     found = checked(schedule)
     if max_inflight is not None:
-        for device, peak in enumerate(found.peak_inflight):
-            if peak > max_inflight:
-                raise _fail(
-                    "max-inflight",
-                    f"device {device} holds {peak} microbatches in flight at its peak, above the limit of {max_inflight}",
-                )
+        over = [
+            _fail(
+                "max-inflight",
+                f"device {device} holds {peak} microbatches in flight at its peak, above the limit of {max_inflight}",
+            )
+            for device, peak in enumerate(found.peak_inflight)
+            if peak > max_inflight
+        ]
+        if over:
+            raise several(over)
     return Report(num_actions=len(found.actions), peak_inflight=found.peak_inflight)

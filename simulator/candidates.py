@@ -34,6 +34,8 @@ from pipedsl.simulator.stages import ends_split
 
 __all__ = [
     "DEFAULT_TOKENS_PER_STEP",
+    "MAX_GLOBAL_BATCH",
+    "MAX_GPUS",
     "MIN_CP_TOKENS",
     "SearchedSchedule",
     "candidate_plans",
@@ -65,8 +67,33 @@ def default_cp_sizes(model: Model) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+MAX_GPUS = 2**20
+"""The most GPUs a search plans for (about a million, several times the largest clusters
+built): past it a ``gpus`` is a mistake, refused before any work."""
+
+MAX_GLOBAL_BATCH = 2**32
+"""The most sequences per step a search plans for; past it a batch is a mistake."""
+
+
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` (>= 1), ascending, from its prime factors: about sqrt(n)
+    steps for a prime ``n``, far fewer otherwise (never ``n`` steps)."""
+    factors: list[tuple[int, int]] = []
+    rest, p = n, 2
+    while p * p <= rest:
+        power = 0
+        while rest % p == 0:
+            rest //= p
+            power += 1
+        if power:
+            factors.append((p, power))
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        factors.append((rest, 1))
+    divisors = [1]
+    for prime, power in factors:
+        divisors = [d * prime**k for d in divisors for k in range(power + 1)]
+    return sorted(divisors)
 
 
 def _tp_sizes(model: Model, cluster: Cluster, gpus: int) -> list[int]:
@@ -135,6 +162,14 @@ def candidate_plans(
     skip: Counter[tuple[str, int]] = Counter() if skipped is None else skipped
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise PlanError(f"search: gpus must be a whole number >= 1, got {gpus!r}")
+    if gpus > MAX_GPUS:
+        raise PlanError(
+            f"search: gpus = {gpus:,} is past the {MAX_GPUS:,} GPUs a search plans for; check the number"
+        )
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise PlanError(
+            f"search: global_batch must be a whole number from 1 to {MAX_GLOBAL_BATCH:,}, got {global_batch!r}"
+        )
     if stage_split not in ("even", "ends"):
         raise PlanError(f"search: stage_split must be even or ends, got {stage_split!r}")
     cps = default_cp_sizes(model) if cp_sizes is None else tuple(cp_sizes)

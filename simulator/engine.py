@@ -181,9 +181,14 @@ class Simulation:
         return [dict(zip(names, values)) for values in columns]
 
 
-def simulate(program: Program | Schedule, costs: CostModel | None = None) -> Simulation:
+def simulate(program: Program | Schedule | Any, costs: CostModel | None = None) -> Simulation:
     """Simulate ``program`` (a schedule is validated and lowered first) under ``costs``
-    (default: ``CostModel()``, F = 1 s, B = 2 s, free communication)."""
+    (default: ``CostModel()``, F = 1 s, B = 2 s, free communication). A library name, a
+    path or a policy is made a schedule first (:func:`~pipedsl.simulator.schedule_spec.schedule_of`)."""
+    if not isinstance(program, Program):
+        from pipedsl.simulator.schedule_spec import schedule_of
+
+        program = schedule_of(program, costs)
     if isinstance(program, Schedule):
         program = lower(program)
     costs = costs if costs is not None else CostModel()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipedsl.simulator.estimate import Estimate
 from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.speed import relative_speed
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -137,14 +138,8 @@ class Summary:
             return f"No pipeline plan fits; the best SPMD plan is {describe(self.best_spmd)}."
         if self.best_spmd is None:
             return f"No SPMD plan fits; the best pipeline plan is {describe(best)}."
-        speedup = self.speedup
-        assert speedup is not None
-        if round(speedup, 2) == 1.0:
-            verdict = f"as fast as ({speedup:.3f}x)"
-        elif speedup > 1:
-            verdict = f"{speedup:.2f}x faster than"
-        else:
-            verdict = f"{1 / speedup:.2f}x slower than"
+        speed = relative_speed(best["step_time_s"], self.best_spmd["step_time_s"])
+        verdict = f"{speed} as" if speed == "as fast" else f"{speed} than"
         beat = sum(1 for row in self.best_by_schedule if row["step_time_s"] < self.best_spmd["step_time_s"])
         return (
             f"Best pipeline plan {describe(best)} is {verdict} the best SPMD plan "

@@ -30,8 +30,11 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipedsl import library
 from pipedsl.arrays import paused_collector
-from pipedsl.errors import PipedslError, ScheduleEvalError, ScheduleInvalid
+from pipedsl.errors import PipedslError, RequirementFailed, ScheduleEvalError, ScheduleInvalid
+from pipedsl.ir import Schedule
+from pipedsl.validate import validate
 from pipedsl.simulator.candidates import candidate_plans, default_global_batch, searched_schedules
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared
 from pipedsl.simulator.explain import Explanation
@@ -321,28 +324,68 @@ def _cost(
 ) -> list[Prepared]:
     """Cost every plan without simulating, in the order given; count the dropped ones by reason."""
     prepared: list[Prepared] = []
+    shipped = library.library_schedules()
     for plan in plans:
         try:
             plan = _with_schedule_vpp(plan, pipelines)
             # Policy schedules come back once per in-flight limit that fits (policy_plans).
             prepared.extend(prepare_plan(model, cluster, plan, pipelines=pipelines))
         except PipedslError as err:
-            dropped[_reason(err)] += 1
+            if plan.schedule is not None and plan.schedule not in shipped and not _plan_refused(err):
+                raise _users_fault(plan, err) from None
+            dropped[_reason(err, plan)] += 1
         advance("costing", 1)
     return prepared
 
 
-def _reason(err: PipedslError) -> str:
-    """Why a plan was dropped, as counted in ``attrs["dropped"]``."""
+def _plan_refused(err: PipedslError) -> bool:
+    """Whether ``err`` refuses the plan rather than blames the schedule's file: the plan
+    does not fit or divide the model, or the schedule's own ``require`` refuses its
+    parameters (the first error found is a failed ``require``: what follows it may only
+    echo it). Anything else in a user's file (a division by zero, a missing backward) is
+    the file's fault, and the search stops on it."""
+    return isinstance(err, (PlanError, RequirementFailed))
+
+
+def _users_fault(plan: Plan, err: PipedslError) -> PipedslError:
+    """The error a user's schedule file raised for ``plan``, with its place in the file:
+    a validation rule broken by the int-coded actions (which keep no source positions)
+    is found again on the schedule's objects, which do."""
+    if isinstance(err, ScheduleInvalid) and err.pos is None and plan.schedule is not None:
+        params = {"pp": plan.pp, "microbatches": plan.microbatches}
+        if "vpp" in library.parameters(plan.schedule):
+            params["vpp"] = plan.vpp
+        try:
+            loaded = library.load(plan.schedule, **params)
+            if isinstance(loaded, Schedule):
+                validate(loaded)
+        except ScheduleInvalid as placed:
+            err = placed
+        except PipedslError:
+            pass
+    err.add_note(
+        f"{plan.schedule}: the search stopped at plan {plan.label} (pp={plan.pp}, microbatches={plan.microbatches});"
+        " a schedule that takes only some parameters says which with `require`"
+    )
+    return err
+
+
+def _reason(err: PipedslError, plan: Plan) -> str:
+    """Why a plan was dropped, as counted in ``attrs["dropped"]``: for a schedule's own
+    refusal, which schedule and which of its rules."""
+    label = "" if plan.schedule is None else _schedule_label(plan.schedule)
     if isinstance(err, DoesNotFit):
         return "does not fit in memory"
-    if isinstance(err, ScheduleEvalError):
-        return "rejected by the schedule (require)"
+    if isinstance(err, RequirementFailed):
+        line = "" if err.pos is None else f" (line {err.pos.line})"
+        return f"rejected by {label}'s require{line}: {err.requirement}"
     if isinstance(err, ScheduleInvalid):
-        return "invalid schedule"
+        return f"{label} breaks the rule {err.rule}"
+    if isinstance(err, ScheduleEvalError):
+        return f"{label} does not evaluate: {err.message.splitlines()[0]}"
     if isinstance(err, PlanError):
         return "does not divide the model"
-    return "schedule failed to load"
+    return f"{label} failed to load: {err.message.splitlines()[0]}"
 
 
 def _simulate(prepared: list[Prepared], prune: float | None, dropped: Counter[str]) -> list[Estimate]:

@@ -13,7 +13,7 @@ from pipedsl.policy import Policy
 
 __all__ = ["AHEAD", "Variant", "variants"]
 
-AHEAD = ("1f1b", "eager", "limits")
+AHEAD = ("1f1b", "eager", "timed", "limits")
 """The ahead counts a :class:`Variant` can name."""
 
 
@@ -24,7 +24,10 @@ class Variant:
     Attributes:
       ahead: forwards a device keeps ahead of its backwards when the policy states no
         warm-up: ``"1f1b"`` (S - s for a device whose first stage is s), ``"eager"``
-        (2(S - s) - 1) or ``"limits"`` (no count: the limits and priorities decide).
+        (2(S - s) - 1), ``"timed"`` (the forwards that fit before the first backward can
+        arrive under the costs: eager's count for B = 2F and free transfers, more for a
+        dearer backward or transfer) or ``"limits"`` (no count: the limits and priorities
+        decide).
       strict: with an ahead count, a backward runs only when the device is that many
         forwards ahead (or can run no more forwards): 1F1B's strict alternation, which keeps
         the devices in step; without it a ready backward may run earlier.
@@ -47,13 +50,19 @@ class Variant:
 
 #: The variants tried without stated warm-up counts. Chosen on the comparison grid of
 #: ``bench/bench_synthesis.py`` (depths 2-8, 1-4 microbatches per stage, unequal F/I/W,
-#: communication, memory limits pp .. 2pp): each is the fastest somewhere, and together
-#: they are never slower there than the zero-bubble paper's scheduler.
+#: communication from a tenth of F to F, memory limits pp .. 2pp): each is the fastest
+#: somewhere, and together they are never slower there than the zero-bubble paper's
+#: scheduler with the best of its settings. The last three came from small communication
+#: (a tenth to a quarter of F), where a ``W`` that waits for part of its cost, or a
+#: warm-up timed to the backward's return, hides the hops that the first four leave open.
 _DEFAULT_VARIANTS = (
     Variant("eager"),
     Variant("1f1b", strict=True, guard_w=1.0),
     Variant("limits"),
     Variant("1f1b"),
+    Variant("eager", guard_w=0.5),
+    Variant("timed", guard_w=0.25),
+    Variant("eager", guard_w=0.75),
 )
 
 

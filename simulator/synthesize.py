@@ -15,8 +15,9 @@ paper's scheduler tries its flags):
 - *ahead*: how many forwards a device keeps ahead of its backwards. Below that count a
   ready forward comes first (the device fills the pipe); at it no forward runs. The
   policy's ``warmup`` fixes it; else the synthesiser tries 1F1B's count (S - s on a device
-  whose first stage is s), eager 1F1B's (2(S - s) - 1) and none (the limits alone bound
-  the forwards, and the priority order decides);
+  whose first stage is s), eager 1F1B's (2(S - s) - 1), the count that fits before the
+  first backward can return under the costs, and none (the limits alone bound the
+  forwards, and the priority order decides);
 - *strict*: with a count, whether a backward waits until the device is that far ahead
   (1F1B's strict alternation);
 - *guard*: whether a ``W`` waits for an action above it known to arrive before the ``W``
@@ -201,7 +202,23 @@ class _Plan:
             return [S - f for f in self.first]
         if variant.ahead == "eager":
             return [2 * (S - f) - 1 for f in self.first]
+        if variant.ahead == "timed":
+            return [self._timed_ahead(f) for f in self.first]
         return None
+
+    def _timed_ahead(self, first: int) -> int:
+        """The forwards of stage ``first`` that fit, back to back from its first, before
+        that microbatch's backward can arrive there under the costs: its forward to the
+        last stage and its backward back, with every hop's transfer (at least one).
+        With free transfers and B = 2F this is eager 1F1B's 2(S - s) - 1; a dearer
+        backward or transfer leaves room for more."""
+        f_cost, bwd = self.cost[_F], self.cost[_BWD]
+        trip = sum(f_cost[t] for t in range(first, self.S))
+        trip += sum(self.x_f[t] for t in range(first, self.S - 1))
+        trip += sum(bwd[t] + self.x_b[t] for t in range(first + 1, self.S))
+        if f_cost[first] <= 0:
+            return self.M
+        return max(int(trip / f_cost[first] * (1 + _ROUNDING)), 1)
 
 
 Order = list[list[tuple[int, int, int]]]

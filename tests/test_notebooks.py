@@ -11,10 +11,19 @@ machine has installed: a fresh CI machine has none, and a developer's may point 
 another Python. The kernel starts without ``XLA_FLAGS`` (other test modules set it in
 this process), so a notebook that needs several CPU devices must ask for them itself,
 as a reader's fresh kernel would.
+
+Every stored output of a cell that computes the same thing on every machine (library
+listings, simulated makespans, estimates, search verdicts) must be what a fresh run
+prints: a change in the code that changes such an output fails here until `make
+notebooks` stores the new one. Cells whose output is measured on the machine (step
+times, measured timelines, floating-point noise across threads) carry the tag
+``measured`` in their metadata and are not compared; pictures are compared by their text
+form only.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -60,6 +69,7 @@ def _kernel_env() -> dict[str, str]:
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem)
 def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
+    stored = copy.deepcopy(nb)
     if not WRITE:
         _check_stored_outputs(path, nb)
     km = _kernel_manager(tmp_path)
@@ -82,6 +92,41 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     assert not blank, f"{path.name}: cells {blank} show a figure as text, not as a picture"
     if WRITE:
         nbformat.write(nb, path)
+    else:
+        stale = _stale_cells(stored, nb)
+        assert not stale, (
+            f"{path.name}: the stored outputs of cells {stale} differ from a fresh run; run `make notebooks`"
+            " to store the fresh ones (and read the prose around them)"
+        )
+
+
+MEASURED = "measured"
+"""The tag of a cell whose output is measured on the machine, not compared."""
+
+
+def _text_outputs(cell: nbformat.NotebookNode) -> list[str]:
+    """What a cell shows as text: its printed streams and the text form of its results."""
+    texts = []
+    for output in cell.get("outputs", ()):
+        if output.get("output_type") == "stream":
+            texts.append(str(output.get("text", "")))
+        elif "data" in output:
+            texts.append(str(output["data"].get("text/plain", "")))
+        elif output.get("output_type") == "error":
+            texts.append(f"{output.get('ename')}: {output.get('evalue')}")
+    return texts
+
+
+def _stale_cells(stored: nbformat.NotebookNode, fresh: nbformat.NotebookNode) -> list[str]:
+    """The ids of the code cells not tagged :data:`MEASURED` whose stored text outputs
+    are not the fresh run's."""
+    stale = []
+    for old, new in zip(stored.cells, fresh.cells, strict=True):
+        if old.cell_type != "code" or MEASURED in old.get("metadata", {}).get("tags", ()):
+            continue
+        if _text_outputs(old) != _text_outputs(new):
+            stale.append(old.get("id"))
+    return stale
 
 
 def _check_stored_outputs(path: Path, nb: nbformat.NotebookNode) -> None:
@@ -110,3 +155,16 @@ def test_the_tours_are_there() -> None:
     # An empty glob would parametrize nothing and pass silently.
     names = {p.name for p in NOTEBOOKS.glob("*.ipynb")}
     assert {"01_tour.ipynb", "02_planning.ipynb", "03_executing.ipynb"} <= names, sorted(names)
+
+
+def test_a_changed_output_of_a_deterministic_cell_is_stale() -> None:
+    nb = nbformat.read(NOTEBOOKS / "01_tour.ipynb", as_version=4)
+    fresh = copy.deepcopy(nb)
+    assert _stale_cells(nb, fresh) == []
+    listing = next(c for c in fresh.cells if c.cell_type == "code" and "library_schedules()" in c.source)
+    listing.outputs[0]["text"] = "1f1b, gpipe\n"
+    assert _stale_cells(nb, fresh) == [listing.id]
+    listing.metadata["tags"] = [MEASURED]
+    nb_tagged = copy.deepcopy(fresh)
+    nb_tagged.cells[fresh.cells.index(listing)].outputs[0]["text"] = "something else\n"
+    assert _stale_cells(nb_tagged, fresh) == []

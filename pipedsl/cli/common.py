@@ -221,6 +221,9 @@ def report_error(err: PipedslError, *, path: str | Path | None = None) -> int:
     if err.pos is None and path is not None and not text.startswith(f"{path}:"):
         text = f"{path}: {text}"
     print(text, file=sys.stderr)
+    # What the code that raised it knew of the context (the plan a search stopped at).
+    for note in getattr(err, "__notes__", ()):
+        print(note, file=sys.stderr)
     return EXIT_INVALID if isinstance(err, ScheduleInvalid) else EXIT_USAGE
 
 

@@ -33,6 +33,7 @@ from pipedsl.cli.llm_flags import (
 )
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
+from pipedsl.simulator.candidates import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount
@@ -45,6 +46,7 @@ from pipedsl.simulator.hardware import (
 )
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
+from pipedsl.simulator.speed import relative_speed
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -132,6 +134,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         stage_layers=stage_layers(args.stage_layers, model, args.pp * args.vpp),
         framework=args.framework,
     )
+    if plan.gpus > MAX_GPUS or plan.global_batch > MAX_GLOBAL_BATCH:
+        raise PipedslError(
+            f"estimate: {plan.gpus:,} GPUs and a global batch of {plan.global_batch:,} sequences; the estimator"
+            f" plans for at most {MAX_GPUS:,} GPUs and {MAX_GLOBAL_BATCH:,} sequences: check the numbers"
+        )
     result = estimate(model, cluster, plan)
     count = FlopCount(args.mfu_flops)
     advice = [] if result.fits else fit_advice(model, cluster, plan)
@@ -327,7 +334,7 @@ def _per_schedule_table(summary: Summary) -> Table:
     for row in summary.best_by_schedule:
         vpp = f" vpp{row['vpp']}" if row["vpp"] > 1 else ""
         limit = f" inflight{row['inflight_limit']}" if row.get("inflight_limit") else ""
-        speedup = summary.speedup_of(row)
+        spmd = summary.best_spmd
         per.add_row(
             row["schedule"],
             f"dp{row['dp']} tp{row['tp']} pp{row['pp']}{vpp} mb{row['microbatch_size']} "
@@ -335,7 +342,7 @@ def _per_schedule_table(summary: Summary) -> Table:
             f"{row['step_time_s']:.3f}",
             f"{100 * row['mfu']:.1f}",
             f"{100 * row['bubble']:.1f}",
-            "-" if speedup is None else f"{speedup:.2f}x",
+            "-" if spmd is None else relative_speed(row["step_time_s"], spmd["step_time_s"]),
         )
     return per
 

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipedsl.cli.checkpoints import Checkpointing, add_checkpoint_options
+from pipedsl.cli.checkpoints import Checkpointing, add_checkpoint_options, training_settings
 from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, plural
 from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
@@ -43,15 +43,37 @@ _INT64 = 2**63
 _COPIES_FOR_ADAM = 4
 
 
+_PLAN_SETS = {
+    "dp": "--dp",
+    "tp": "--tp",
+    "zero": "--zero",
+    "microbatch_size": "--microbatch-size",
+    "model": "--model",
+    "width": "--width",
+    "layers_per_stage": "--layers-per-stage",
+}
+"""What ``--plan`` sets (the plan's degrees and batch, and the demo transformer it runs),
+as the option that would set it otherwise."""
+
+_DEFAULTS: dict[str, int | str] = {
+    "dp": 1, "tp": 1, "zero": 0, "microbatch_size": 8, "model": "mlp", "width": 64, "layers_per_stage": 2,
+}  # fmt: skip
+"""The values of :data:`_PLAN_SETS`'s options when neither they nor ``--plan`` are given."""
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Refuse option values that cannot train, before any work."""
+    if args.plan is None:
+        for name, value in _DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
     for option, value in (
         ("--steps", args.steps),
         ("--microbatch-size", args.microbatch_size),
         ("--width", args.width),
         ("--layers-per-stage", args.layers_per_stage),
     ):
-        if value < 1:
+        if value is not None and value < 1:
             raise PipedslError(f"{option} must be at least 1, got {value}")
     if not -_INT64 <= args.seed < _INT64:
         raise PipedslError(f"--seed must be a 64-bit integer, from {-_INT64} to {_INT64 - 1}; got {args.seed}")
@@ -119,8 +141,23 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
     if args.plans is None:
         raise PipedslError("--plan RANK needs --plans FILE.csv, the ranking that pipedsl search --csv wrote")
     planned = read_plan(args.plans, args.plan)
-    args.dp, args.tp, args.zero, args.microbatch_size = planned.dp, planned.tp, planned.zero, planned.microbatch_size
-    args.model = "transformer"
+    sets: dict[str, int | str | None] = {
+        "dp": planned.dp, "tp": planned.tp, "zero": planned.zero, "microbatch_size": planned.microbatch_size,
+        "model": "transformer", "width": None, "layers_per_stage": None,
+    }  # fmt: skip
+    given = [name for name in _PLAN_SETS if getattr(args, name) is not None]
+    clash = [name for name in given if sets[name] is None or getattr(args, name) != sets[name]]
+    if clash:
+        said = ", ".join(
+            f"{_PLAN_SETS[n]} {getattr(args, n)} (the plan {'has ' + str(sets[n]) if sets[n] is not None else 'runs the demo transformer'})"
+            for n in clash
+        )
+        raise PipedslError(
+            f"--plan {args.plan} sets the degrees, the batch and the model; {said} would change the plan:"
+            " drop the option, or run the schedule with FILE and your own options"
+        )
+    for name, value in sets.items():
+        setattr(args, name, value)
     return planned.schedule_of(), planned
 
 
@@ -145,9 +182,12 @@ def _train(args: argparse.Namespace) -> int:
     schedule, planned = _planned(args)
     if args.dp < 1 or args.tp < 1 or args.zero not in (0, 1, 2, 3):
         raise PipedslError("--dp and --tp must be at least 1 and --zero one of 0, 1, 2, 3")
-    keeping = Checkpointing.from_args(args)
     devices = schedule.num_devices * args.dp * args.tp
+    # Before anything imports JAX (reading a checkpoint does): the devices it is to make.
     request_devices(devices)
+    keeping = _checkpointing(args, schedule)
+    if keeping is None:
+        return EXIT_OK
     if planned is not None:
         print(f"plan {planned.rank} of {args.plans}: {planned.label()}")
 
@@ -164,8 +204,8 @@ def _train(args: argparse.Namespace) -> int:
     pipe, params = _build_pipeline(args, schedule, model, key)
     optimizer = optax.adam(args.lr)
     platform = jax.devices()[0].platform if args.backend == "local" else "Ray process"
-    print(_run_line(args, schedule, platform, model.name, shape, batch_size))
-    params, opt_state, first = keeping.restore(pipe, params, batch, optimizer, steps=args.steps)
+    print(_run_line(args, schedule, platform, model.name, shape, batch_size, devices=devices))
+    params, opt_state, first = keeping.restore(pipe, params, batch, optimizer)
     if args.resume:
         print(f"resumed from {args.checkpoint} after step {first - 1}")
     print(f"{'step':>5}  {'loss':>12}  {'time':>10}")
@@ -196,14 +236,37 @@ def _train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_line(args: argparse.Namespace, schedule: Schedule, platform: str, model: str, shape: str, batch_size: int) -> str:
-    """The run's first line: schedule, devices and meshes, model, batch."""
+def _checkpointing(args: argparse.Namespace, schedule: Schedule) -> Checkpointing | None:
+    """The run's checkpoint options, checked against a checkpoint it resumes; None (and
+    why, printed) when that checkpoint is already at ``--steps``: nothing left to do."""
+    settings = training_settings(
+        seed=args.seed, lr=args.lr, microbatches=schedule.num_microbatches, microbatch_size=args.microbatch_size, dp=args.dp
+    )
+    keeping = Checkpointing.from_args(args, settings)
+    saved = keeping.saved_step()
+    if saved is not None and saved >= args.steps:
+        print(
+            f"nothing left to do: {args.checkpoint} holds step {saved} and --steps is {args.steps};"
+            f" give --steps above {saved} to train on"
+        )
+        return None
+    return keeping
+
+
+def _run_line(
+    args: argparse.Namespace, schedule: Schedule, platform: str, model: str, shape: str, batch_size: int, *, devices: int
+) -> str:
+    """The run's first line: schedule, the devices it uses in all and how they make its
+    pipeline devices' meshes, model, batch."""
     form = "marked function" if args.marked else "explicit stages"
-    meshes = f" of {args.dp} x {args.tp} (dp x tp, zero {args.zero})" if args.dp * args.tp > 1 else ""
+    meshes = ""
+    if args.dp * args.tp > 1:
+        pipeline = plural(schedule.num_devices, "pipeline device")
+        meshes = f" ({pipeline}, each a {args.dp} x {args.tp} mesh: dp x tp, zero {args.zero})"
     replicas = f" x {args.dp} replicas" if args.dp > 1 else ""
     return (
         f"run {_describe(schedule)}: {plural(schedule.num_stages, 'stage')} on"
-        f" {plural(schedule.num_devices, platform + ' device')}{meshes}; model {model} ({shape}, {form}); "
+        f" {plural(devices, platform + ' device')}{meshes}; model {model} ({shape}, {form}); "
         f"batch {batch_size} = {plural(schedule.num_microbatches, 'microbatch')} of {args.microbatch_size}{replicas}"
     )
 
@@ -295,12 +358,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.set_defaults(handler=_cmd_run)
     run.add_argument("file", metavar="FILE", nargs="?", help="a .sched, .csv or .json schedule (or give --plan)")
     add_param_option(run)
-    run.add_argument("--model", choices=("mlp", "transformer"), default="mlp", help="the built-in model (default mlp)")
+    run.add_argument("--model", choices=("mlp", "transformer"), help="the built-in model (default mlp)")
     run.add_argument("--marked", action="store_true", help="split one marked function instead of explicit stages")
     run.add_argument("--steps", type=int, default=5, metavar="N", help="training steps (default 5)")
-    run.add_argument("--microbatch-size", type=int, default=8, metavar="B", help="examples per microbatch (default 8)")
-    run.add_argument("--width", type=int, default=64, metavar="W", help="MLP width or transformer model dim (default 64)")
-    run.add_argument("--layers-per-stage", type=int, default=2, metavar="L", help="layers per stage (default 2)")
+    run.add_argument("--microbatch-size", type=int, metavar="B", help="examples per microbatch (default 8)")
+    run.add_argument("--width", type=int, metavar="W", help="MLP width or transformer model dim (default 64)")
+    run.add_argument("--layers-per-stage", type=int, metavar="L", help="layers per stage (default 2)")
     run.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     run.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
     run.add_argument("--remat", action="store_true", help="recompute each stage's forward in its backward")
@@ -315,9 +378,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="ADDR",
         help="with --backend ray, the Ray cluster to join (default: $RAY_ADDRESS, else a local instance on 127.0.0.1)",
     )
-    run.add_argument("--dp", type=int, default=1, metavar="D", help="data-parallel degree inside each pipeline device (default 1)")
-    run.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree inside each pipeline device (default 1)")
-    run.add_argument("--zero", type=int, default=0, metavar="Z", help="ZeRO stage over the data axis, 0-3 (default 0)")
+    run.add_argument("--dp", type=int, metavar="D", help="data-parallel degree inside each pipeline device (default 1)")
+    run.add_argument("--tp", type=int, metavar="T", help="tensor-parallel degree inside each pipeline device (default 1)")
+    run.add_argument("--zero", type=int, metavar="Z", help="ZeRO stage over the data axis, 0-3 (default 0)")
     run.add_argument("--plan", type=int, metavar="RANK", help="run the plan of this rank in --plans (schedule, degrees, microbatches)")
     run.add_argument("--plans", metavar="PLANS.csv", help="the ranking pipedsl search --csv (or demo) wrote")
     run.add_argument("--timeline", type=Path, metavar="OUT.json", help="save the measured timeline of one recorded step")

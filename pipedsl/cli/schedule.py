@@ -54,6 +54,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"{plural(report.num_actions, 'action')}, "
             f"peak in-flight per device {peaks}" + ("" if policy is None else f" ({default_costs_note(policy)})")
         )
+        if policy is not None and policy.max_activation_bytes is not None:
+            # The default cost model gives activations no size, so a byte limit held here
+            # says nothing about the costs the policy will be synthesised against.
+            print(
+                f"{path}: note: its activation-byte limit is not tested here: the default cost model gives"
+                " activations 0 bytes; `pipedsl simulate --costs FILE` synthesises it against real sizes",
+                file=sys.stderr,
+            )
     return worst
 
 
@@ -78,7 +86,19 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    try:
+        return Path(a).samefile(b)
+    except OSError:
+        return False
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
+    if args.output is not None and not args.force and _same_file(args.file, args.output):
+        raise PipedslError(
+            f"-o {args.output}: is the input file; converting writes the evaluated table over its source"
+            " (parameters, loops and comments lost): choose another output, or pass --force"
+        )
     schedule = load_schedule(args.file, args.params, max_actions=args.max_actions)
     validate(schedule)
     text = interop.export(schedule, args.to, lowered=args.lowered)
@@ -167,6 +187,7 @@ def _register_convert(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("file", metavar="FILE", help="a .sched, .csv or .json schedule")
     convert.add_argument("--to", required=True, choices=interop.FORMATS, help="the output format")
     convert.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    convert.add_argument("--force", action="store_true", help="write OUT even when it is the input file")
     convert.add_argument(
         "--lowered",
         action="store_true",

@@ -30,6 +30,7 @@ from pipedsl.cli.common import (
 from pipedsl.errors import ConversionError, PipedslError
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate
+from pipedsl.simulator.speed import relative_speed
 from pipedsl.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -238,7 +239,7 @@ def _print_comparison(sims: Sequence[tuple[str, Simulation]]) -> None:
             sim.schedule.name,
             " ".join(f"{k}={v}" for k, v in sim.schedule.params),
             _seconds_text(sim.makespan),
-            f"{sim.makespan / best:.3f}x" if best > 0 else "-",
+            "best" if rank == 1 else relative_speed(sim.makespan, best),
             f"{sim.bubble_ratio:.2%}",
             _inflight_text(sim),
         ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Mapping, Sequence
 
-from pipedsl.errors import ScheduleEvalError, SourcePos
+from pipedsl.errors import RequirementFailed, ScheduleEvalError, SourcePos
 from pipedsl.ir import Action, Kind
 from pipedsl.lang import ast
 from pipedsl.lang.arith import fail
@@ -98,7 +98,7 @@ def no_output(actions: Action | Columns) -> None:
     raise RuntimeError("internal error: an action was emitted outside a device body")
 
 
-def require_failed(node: ast.Require, values: Mapping[str, int]) -> ScheduleEvalError:
+def require_failed(node: ast.Require, values: Mapping[str, int]) -> RequirementFailed:
     """The error a failed ``require`` raises: its message and ``values`` (what the
     condition read), at the ``require``."""
     message = "requirement failed"
@@ -106,7 +106,31 @@ def require_failed(node: ast.Require, values: Mapping[str, int]) -> ScheduleEval
         message += f": {node.message}"
     if values:
         message += " (" + ", ".join(f"{name} = {value}" for name, value in values.items()) + ")"
-    return fail(message, node.pos)
+    return RequirementFailed(message, requirement=node.message or _condition_text(node), pos=node.pos)
+
+
+def _condition_text(node: ast.Require) -> str:
+    """The ``require``'s condition as written: its source line from the condition on (a
+    ``require`` without a message is one statement on its line, as the library writes it)."""
+    column = _first_column(node.cond, node.pos.line)
+    text = node.pos.line_text[column - 1 :].strip() if column is not None else ""
+    return text or f"the condition at line {node.pos.line}"
+
+
+def _first_column(expr: object, line: int) -> int | None:
+    """The leftmost column on ``line`` of ``expr`` and its parts (an operator's position
+    is its own, to the right of its left operand)."""
+    found: list[int] = []
+    pending = [expr]
+    while pending:
+        item = pending.pop()
+        pos = getattr(item, "pos", None)
+        if isinstance(pos, SourcePos) and pos.line == line:
+            found.append(pos.column)
+        for name in getattr(item, "__slots__", ()):
+            value = getattr(item, name, None)
+            pending.extend(value if isinstance(value, tuple) else (value,))
+    return min(found, default=None)
 
 
 def suggest(name: str, candidates: list[str]) -> str:

@@ -330,9 +330,9 @@ class _Evaluator:
             try:
                 body(frame)
             except ScheduleEvalError as err:
-                raise ScheduleEvalError(
-                    f"{err.message} (evaluating {item.var} = {device})", pos=err.pos
-                ) from None
+                err.message = f"{err.message} (evaluating {item.var} = {device})"
+                err.args = (str(err),)
+                raise
             outputs.append(out)
         run.append = run.extend = no_output
         self.outputs = outputs

@@ -318,8 +318,16 @@ def parse_source(text: str, *, file: str = "<string>") -> ast.Module:
         tree = _lark().parse(text)
     except UnexpectedInput as err:
         # Parse again, recovering after each error, to report all of them at once.
-        found = syntax_errors.collect(_lark(), text, source)
-        raise several(found or [syntax_errors.translate(_lark(), err, source)]) from None
+        found, repaired = syntax_errors.collect(_lark(), text, source)
+        errors: list[PipedslError] = [*(found or [syntax_errors.translate(_lark(), err, source)])]
+        # The syntax errors first, so that what is raised is still a ScheduleSyntaxError.
+        if repaired is not None:
+            errors += _semantic_errors(repaired, source, file, {e.pos.line for e in errors if e.pos})
+        raise several(errors) from None
+    return _module(tree, source, file)
+
+
+def _module(tree: lark.Tree, source: Source, file: str) -> ast.Module:
     try:
         functions, schedule = _Builder(source).transform(tree)
     except VisitError as err:
@@ -327,3 +335,22 @@ def parse_source(text: str, *, file: str = "<string>") -> ast.Module:
             raise err.orig_exc from None
         raise
     return ast.Module(functions, schedule, file)
+
+
+# Evaluating a repaired text at its defaults stops past this many actions: enough for the
+# checks of names and arity to reach every body, and bounded whatever the text says.
+_REPAIRED_MAX_ACTIONS = 100_000
+
+
+def _semantic_errors(tree: lark.Tree, source: Source, file: str, broken: set[int]) -> list[PipedslError]:
+    """The evaluation errors of a text repaired after its syntax errors, at its defaults
+    (an unknown name, a wrong arity, a division by zero), leaving out those on a line with
+    a syntax error: there the repair, not the user, wrote what is read."""
+    from pipedsl.lang.evaluate import evaluate
+
+    try:
+        evaluate(_module(tree, source, file), max_actions=_REPAIRED_MAX_ACTIONS)
+    except PipedslError as err:
+        kept = [e for e in err.errors if e.pos is not None and e.pos.line not in broken]
+        return sorted(kept, key=lambda e: (e.pos.line, e.pos.column) if e.pos else (0, 0))
+    return []

@@ -5,9 +5,11 @@ independent syntax error is reported at once.
 with lark's interactive LALR parser and, at each token the grammar refuses, records an
 error and repairs the input as a person would read it, in this order:
 
-* a name just before the refused token that is close to a keyword the grammar accepted
-  there (``stage pp``, ``fro i in ...``) is read as that keyword, and the error says
-  "did you mean `stages`?";
+* a name or keyword among the few tokens before the refused one that is close to a
+  keyword the grammar accepted there, and with which what follows fits (``stage pp``,
+  ``fro i in ...``, ``device 2`` for ``devices 2``, which reads as the start of a
+  ``device 2:`` row until the next line), is read as that keyword, and the error says
+  "did you mean `stages`?" at that word;
 * ``=`` where ``==`` would do (``if d = 0``) is read as ``==``, with "did you mean `==`?";
 * one missing token is inserted when the refused token then fits (``F(1 }`` gets its
   ``)``);
@@ -51,6 +53,12 @@ _TERMINAL_WORDS = {
 # Tokens to accept after skipping input before errors are reported again.
 _QUIET_AFTER_SKIP = 3
 _QUIET_AFTER_REPAIR = 1
+# Tokens before a refused one that may hold a misspelt keyword (``device 2`` then the
+# refused token: the keyword is two back).
+_KEYWORD_LOOKBACK = 3
+# How alike (difflib's ratio) a keyword that was taken and another must be for the
+# first to be read as a misspelling of the second: `device`/`devices` 0.92, `limit`/`split` 0.6.
+_TWIN_KEYWORD = 0.85
 # Closing tokens are tried first when one missing token is inserted.
 _CLOSERS = ("RPAR", "RSQB", "RBRACE")
 
@@ -189,11 +197,14 @@ def translate(parser: lark.Lark, err: UnexpectedInput, source: Source) -> Schedu
     return _error(f"unexpected end of the file{expected}", source.end())
 
 
-def collect(parser: lark.Lark, text: str, source: Source) -> list[ScheduleSyntaxError]:
-    """Every syntax error of ``text`` that recovery finds, in the order of the text."""
-    errors = _Recovery(parser, text, source).run()
+def collect(parser: lark.Lark, text: str, source: Source) -> tuple[list[ScheduleSyntaxError], lark.Tree | None]:
+    """Every syntax error of ``text`` that recovery finds, in the order of the text, and
+    the parse tree of the repaired text when the repairs let the parse finish (None
+    otherwise): what semantic checks can still read."""
+    recovery = _Recovery(parser, text, source)
+    errors = recovery.run()
     unique = {(e.pos.line, e.pos.column) if e.pos else (0, 0): e for e in reversed(errors)}
-    return [unique[key] for key in sorted(unique)]
+    return [unique[key] for key in sorted(unique)], recovery.tree
 
 
 class _Recovery:
@@ -209,9 +220,10 @@ class _Recovery:
         self.open_braces: list[Token] = []
         self.closed_braces: list[tuple[Token, Token]] = []
         self.last: Token | None = None
-        # The parser as it stood before the last token, when that token was a name:
-        # what a misspelt keyword is checked against.
-        self.before_name: tuple[Token, _Stacks] | None = None
+        self.tree: lark.Tree | None = None
+        # The last few tokens taken, each with the parser as it stood before it: what a
+        # misspelt keyword is checked against.
+        self.recent: list[tuple[Token, _Stacks]] = []
         self.by_text = {value: name for name, value in _fixed_strings(parser).items()}
         self.keywords = {value: name for value, name in self.by_text.items() if value.isalpha()}
 
@@ -255,7 +267,9 @@ class _Recovery:
         state.value_stack[:] = start[1]
         try:
             for token in tokens:
-                state.feed_token(token, token.type == "$END")
+                result = state.feed_token(token, token.type == "$END")
+                if token.type == "$END":
+                    self.tree = result
         except UnexpectedToken:
             # The parser reduces what it can before it finds that it cannot shift, so
             # this state expects exactly what may follow what was read (`)` or `,`
@@ -299,7 +313,7 @@ class _Recovery:
             self.quiet = max(self.quiet - 1, 0)
         else:
             self._repair(token, refused)
-        self.before_name = (token, now) if token.type == "NAME" else None
+        self.recent = [*self.recent[-(_KEYWORD_LOOKBACK - 1) :], (token, now)]
         self.last = token
 
     def _repair(self, token: Token, refused: _Stacks) -> None:
@@ -325,23 +339,37 @@ class _Recovery:
         return _fixed_strings(self.parser).get(name, "0" if name == "INT" else "_")
 
     def _misspelt_keyword(self, token: Token) -> bool:
-        """The name before ``token`` read as the keyword it is closest to, if one fits there."""
-        if self.before_name is None or self.before_name[0] is not self.last:
-            return False
-        name, before = self.before_name
-        if not difflib.get_close_matches(name.value, list(self.keywords), n=1, cutoff=0.6):
-            return False
-        accepted = _accepts(self.parser, before)
-        allowed = [value for value, term in self.keywords.items() if term in accepted]
-        close = difflib.get_close_matches(name.value, allowed, n=1, cutoff=0.6)
-        if not close:
-            return False
-        keyword = Token.new_borrow_pos(self.keywords[close[0]], close[0], name)
-        self._report(
-            _error(f"unexpected name `{name.value}`; did you mean `{close[0]}`?", self.source.token(name))
-        )
-        fits = any(self._fits(before, [keyword, v]) for v in self._variants(token))
-        return fits or self._fits(before, [keyword])
+        """A word shortly before ``token`` read as the keyword it is closest to, if one
+        fits there with what follows it: the nearest such word wins."""
+        for back in range(len(self.recent) - 1, -1, -1):
+            word, before = self.recent[back]
+            following = [t for t, _ in self.recent[back + 1 :]]
+            # A keyword the parser took right before the refused token is what that token
+            # is refused after (`device = 0`: `device` starts a row), not a misspelling.
+            if word.type != "NAME" and (word.value not in self.keywords or not following):
+                continue
+            if not difflib.get_close_matches(word.value, list(self.keywords), n=3, cutoff=0.6):
+                continue
+            accepted = _accepts(self.parser, before)
+            allowed = [value for value, term in self.keywords.items() if term in accepted and value != word.value]
+            # A keyword the parser took is suspect only next to a near twin (`device`, `devices`).
+            cutoff = 0.6 if word.type == "NAME" else _TWIN_KEYWORD
+            close = difflib.get_close_matches(word.value, allowed, n=1, cutoff=cutoff)
+            if not close:
+                continue
+            keyword = Token.new_borrow_pos(self.keywords[close[0]], close[0], word)
+            fits = any(self._fits(before, [keyword, *following, v]) for v in self._variants(token))
+            # Right after the word, the keyword alone may fit, the refused token skipped.
+            if not fits and not following:
+                fits = self._fits(before, [keyword])
+            # A keyword, or a word further back, is blamed only where the keyword makes the rest fit.
+            if fits or (not following and word.type == "NAME"):
+                what = "name" if word.type == "NAME" else "keyword"
+                self._report(
+                    _error(f"unexpected {what} `{word.value}`; did you mean `{close[0]}`?", self.source.token(word))
+                )
+                return fits
+        return False
 
     def _assignment_for_comparison(self, token: Token) -> bool:
         if token.value != "=" or "==" not in self.by_text:

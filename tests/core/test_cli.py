@@ -57,7 +57,7 @@ def test_check_prints_one_line_per_file(capsys: Capture, sched: Path, tmp_path: 
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines == [
-        f"{sched}: ok  1f1b(pp=4, microbatches=4): 4 stages, 4 devices, 4 microbatches, 32 actions, "
+        f"{sched}: ok  one_f_one_b(pp=4, microbatches=4): 4 stages, 4 devices, 4 microbatches, 32 actions, "
         "peak in-flight per device 4 3 2 1",
         f"{csv}: ok  torch: 2 stages, 2 devices, 4 microbatches, 16 actions, peak in-flight per device 2 1",
     ]
@@ -182,7 +182,7 @@ def test_show_grid(capsys: Capture, sched: Path) -> None:
     code, out, err = run(capsys, "show", sched, "-p", "pp=2", "-p", "microbatches=3")
     assert (code, err) == (0, "")
     assert out.splitlines() == [
-        "1f1b(pp=2, microbatches=3): 2 stages on 2 devices (placement 0 1), 3 microbatches",
+        "one_f_one_b(pp=2, microbatches=3): 2 stages on 2 devices (placement 0 1), 3 microbatches",
         "device 0: 0F0 0F1 0B0 0F2 0B1 0B2",
         "device 1: 1F0 1B0 1F1 1B1 1F2 1B2",
     ]

@@ -94,7 +94,7 @@ schedule t(pp = 2, m = 1) {
 }
 """
     err = _errors(text)
-    assert type(err) is ScheduleEvalError
+    assert isinstance(err, ScheduleEvalError)
     # `y` uses the failed `x` and `place` needs the failed `devices`: no echo of either.
     assert _where(err) == [
         (2, 3, "requirement failed: need m >= pp (m = 1, pp = 2)"),
@@ -122,7 +122,10 @@ def test_the_report_is_capped() -> None:
     assert str(err).endswith(f"... and 5 more\n{MAX_REPORTED + 5} errors")
     many_syntax = "schedule t {\n" + "\n".join("  x = = 1" for _ in range(50)) + "\n}\n"
     err = _errors(many_syntax)
-    assert len(err.errors) == MAX_REPORTED and err.omitted == 30
+    assert isinstance(err, ScheduleSyntaxError)
+    # 50 syntax errors, and the repaired text's one semantic error: no `stages`.
+    assert len(err.errors) == MAX_REPORTED and err.omitted == 31
+    assert str(err).endswith("51 errors")
 
 
 @pytest.mark.parametrize("limit", [float("nan"), -1, 2.5, True])

@@ -387,7 +387,7 @@ def test_eval_errors(marked: str, message: str) -> None:
     with pytest.raises(ScheduleEvalError) as info:
         parse(text, file="e.sched", max_actions=50)
     err = info.value
-    assert type(err) is ScheduleEvalError
+    assert isinstance(err, ScheduleEvalError)
     assert message in err.message
     assert (err.pos.file, err.pos.line, err.pos.column) == ("e.sched", line, column)
     assert str(err).startswith(f"e.sched:{line}:{column}: ")

@@ -10,12 +10,15 @@ import pipedsl
 from pipedsl.cli import main
 
 
-def test_a_schedule_loaded_from_a_file_is_named_by_the_file(tmp_path: Path) -> None:
+def test_a_library_schedule_is_named_as_loaded_and_a_users_file_by_its_schedule_line(tmp_path: Path) -> None:
     assert pipedsl.load("1f1b").name == "1f1b"  # the source says `schedule one_f_one_b`
-    mine = tmp_path / "my_plan.sched"
-    mine.write_text("schedule other { stages 1 devices 1 place s -> 0 device 0: 0F0 0B0 }")
-    assert pipedsl.load(mine).name == "my_plan"
-    assert pipedsl.parse(mine.read_text()).name == "other"  # text without a file keeps its own
+    assert pipedsl.load(pipedsl.library_path("1f1b")).name == "1f1b"
+    mine = tmp_path / "my1f1b.sched"
+    mine.write_text("schedule my_1f1b { stages 1 devices 1 place s -> 0 device 0: 0F0 0B0 }")
+    assert pipedsl.load(mine).name == "my_1f1b"
+    assert pipedsl.library.load_arrays(mine).name == "my_1f1b"
+    assert main(["check", str(mine)]) == 0
+    assert pipedsl.parse(mine.read_text()).name == "my_1f1b"  # text without a file: the same
 
 
 def test_repr_is_a_summary() -> None:

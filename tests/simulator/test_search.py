@@ -50,7 +50,7 @@ def test_drops_plans_that_do_not_fit(frame: pd.DataFrame) -> None:
     dropped = frame.attrs["dropped"]
     assert dropped["does not fit in memory"] > 0
     assert (frame["memory_bytes_per_gpu"] <= CLUSTER.usable_bytes).all()
-    assert dropped["rejected by the schedule (require)"] > 0  # 1F1B needs microbatches >= pp
+    assert dropped["rejected by 1f1b's require (line 12): 1F1B needs at least as many microbatches as stages"] > 0
     assert frame.attrs["considered"] == len(frame) + sum(dropped.values())
 
 

@@ -216,3 +216,40 @@ def test_the_synthesised_program_is_the_lowered_order(problem: tuple[Policy, Cos
         assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
     assert found.recv_from.tolist() == expected.recv_from.tolist()
     assert found.send_to.tolist() == expected.send_to.tolist()
+
+
+def test_a_timed_warm_up_is_eager_for_free_transfers_and_longer_for_dear_backwards() -> None:
+    policy = load("zb_auto", pp=4, microbatches=16, max_inflight=12)
+    assert isinstance(policy, Policy)
+    timed, eager = (Variant("timed"),), (Variant("eager"),)
+
+    def warm_up(costs: CostModel, tries: tuple[Variant, ...]) -> int:
+        order = synthesize(policy, costs, tries=tries).orders[0]
+        return next(k for k, action in enumerate(order) if action.kind is not Kind.F)
+
+    free = CostModel(forward=1, input_grad=1, weight_grad=1)
+    assert synthesize(policy, free, tries=timed).orders == synthesize(policy, free, tries=eager).orders
+    assert warm_up(free, eager) == 2 * 4 - 1
+    # I = 2F and a quarter of F per hop: the first backward returns to device 0 after
+    # 4 F + 3 I + 6 hops = 4 + 6 + 1.5 = 11.5 F, room for 11 forwards.
+    dear = CostModel(forward=1, input_grad=2, weight_grad=1, latency=0.25)
+    assert warm_up(dear, timed) == 11 > warm_up(dear, eager)
+
+
+def test_simulate_takes_names_and_policies_and_says_which_costs_a_policy_met() -> None:
+    import warnings
+
+    from pipedsl.errors import PipedslError
+
+    assert simulate("1f1b").makespan == simulate(load("1f1b")).makespan
+    with pytest.warns(UserWarning, match="zb_auto is a policy, synthesised against the default cost model"):
+        default = simulate("zb_auto")
+    costs = CostModel(forward=1, input_grad=1, weight_grad=1, latency=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        given = simulate(load("zb_auto"), costs)
+    policy = load("zb_auto")
+    assert isinstance(policy, Policy)
+    assert given.makespan == simulate(synthesize(policy, costs), costs).makespan != default.makespan
+    with pytest.raises(PipedslError, match="got int"):
+        simulate(3)

@@ -1,0 +1,135 @@
+"""Every option of ``pipedsl run`` takes effect or is refused with a reason, and the
+Python API takes what the command line takes, with errors of our own that name the
+argument: ``--plan`` against options that would change the plan, ``--checkpoint-every``
+without a checkpoint, ``--resume`` against other training settings or with nothing left
+to do, the header's device count; ``Pipeline``'s schedule argument, ``train_step``'s
+optimizer, a wrong ``opt_state`` and ``check_finite``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import pipedsl
+from pipedsl.cli import main
+from pipedsl.executor import ExecutionError, Pipeline
+from pipedsl.executor.models import mlp
+
+RUN = ["run", "1f1b", "-p", "pp=2", "-p", "microbatches=2", "--width", "8", "--layers-per-stage", "1"]
+
+PLANS = """\
+rank,kind,schedule,dp,tp,pp,vpp,microbatch_size,microbatches,zero,recompute,step_time_s,tokens_per_s,mfu,bubble,dp_tail_s,memory_bytes_per_gpu,inflight_limit
+1,pipeline,1f1b,2,1,2,1,1,2,0,none,1.0,1.0,0.5,0.1,0.0,1000,0
+"""
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_refuses_options_that_would_change_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plans = tmp_path / "plans.csv"
+    plans.write_text(PLANS)
+    for option, value, said in (
+        ("--dp", "4", "--dp 4 (the plan has 2)"),
+        ("--microbatch-size", "3", "--microbatch-size 3 (the plan has 1)"),
+        ("--width", "16", "--width 16 (the plan runs the demo transformer)"),
+        ("--model", "mlp", "--model mlp (the plan has transformer)"),
+    ):
+        code, out, err = _run(capsys, "run", "--plan", "1", "--plans", str(plans), option, value, "--steps", "1")
+        assert code == 2 and said in err and "would change the plan" in err, (option, err)
+        assert "step" not in out
+    # The plan's own value is no change.
+    code, out, err = _run(capsys, "run", "--plan", "1", "--plans", str(plans), "--dp", "2", "--steps", "1")
+    assert code == 0, err
+    assert "on 4 cpu devices (2 pipeline devices, each a 2 x 1 mesh" in out
+
+
+def test_the_header_counts_every_device_the_run_uses(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, *RUN, "--dp", "2", "--tp", "2", "--steps", "1")
+    assert code == 0, err
+    header = out.splitlines()[0]
+    assert "2 stages on 8 cpu devices (2 pipeline devices, each a 2 x 2 mesh: dp x tp, zero 0)" in header
+
+
+def test_checkpoint_every_needs_a_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, *RUN, "--checkpoint-every", "2")
+    assert code == 2 and "--checkpoint-every says how often to save to --checkpoint DIR" in err
+    assert "step" not in out
+
+
+def test_resume_refuses_other_training_settings_and_says_when_nothing_is_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    base = ["run", "1f1b", "-p", "pp=2", "--width", "8", "--layers-per-stage", "1", "--checkpoint", ckpt]
+    saved = {"microbatches": "2", "seed": "0", "lr": "0.002", "size": "8"}
+
+    def options(**change: str) -> list[str]:
+        given = {**saved, **change}
+        return ["-p", f"microbatches={given['microbatches']}", "--seed", given["seed"], "--lr", given["lr"],
+                "--microbatch-size", given["size"]]  # fmt: skip
+
+    code, out, err = _run(capsys, *base, *options(), "--steps", "2")
+    assert code == 0, err
+    for change, said in (
+        ({"microbatches": "4"}, "-p microbatches=2 (this run gives 4)"),
+        ({"seed": "3"}, "--seed 0 (this run gives 3)"),
+        ({"lr": "0.01"}, "--lr 0.002 (this run gives 0.01)"),
+        ({"size": "4"}, "--microbatch-size 8 (this run gives 4)"),
+    ):
+        code, out, err = _run(capsys, *base, *options(**change), "--steps", "4", "--resume")
+        assert code == 2 and said in err and "was trained with" in err, (change, err)
+        assert "step" not in out
+    code, out, err = _run(capsys, *base, *options(), "--steps", "1", "--resume")
+    assert code == 0 and "nothing left to do: " in out and "holds step 2 and --steps is 1" in out, err
+    code, out, err = _run(capsys, *base, *options(), "--steps", "3", "--resume")
+    assert code == 0 and "after step 2" in out, err
+
+
+def _stages(count: int = 2) -> tuple[list, list]:
+    model = mlp(num_stages=count, width=4, layers_per_stage=1)
+    return model.stages, model.init_stages(jax.random.PRNGKey(0))
+
+
+def _loss(y: jax.Array, t: jax.Array) -> jax.Array:
+    return jnp.mean((y - t) ** 2)
+
+
+def test_pipeline_takes_a_library_name_and_refuses_what_it_cannot_run() -> None:
+    stages, _ = _stages(4)
+    pipe = Pipeline(stages, loss=_loss, schedule="gpipe")  # its defaults: pp = 4
+    assert (pipe.schedule.name, pipe.schedule.num_stages) == ("gpipe", 4)
+    with pytest.raises(ExecutionError) as caught:
+        Pipeline(stages, loss=_loss, schedule=pipedsl.load("zb_auto"))
+    assert str(caught.value).startswith("schedule: zb_auto is a policy")
+    assert "pipedsl.simulator.synthesize.synthesize(policy, costs)" in str(caught.value)
+    with pytest.raises(ExecutionError, match="schedule must be a Schedule .* got int"):
+        Pipeline(stages, loss=_loss, schedule=3)  # type: ignore[arg-type]
+    with pytest.raises(pipedsl.PipedslError, match="no schedule 'gpip' in the library; did you mean 'gpipe'"):
+        Pipeline(stages, loss=_loss, schedule="gpip")
+
+
+def test_train_step_checks_its_optimizer_state_and_loss() -> None:
+    stages, params = _stages()
+    pipe = Pipeline(stages, loss=_loss, schedule=pipedsl.load("1f1b", pp=2, microbatches=2))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 4))
+    batch = (x, x)
+    with pytest.raises(ExecutionError, match="optimizer must be an optax.GradientTransformation .* got NoneType"):
+        pipe.train_step(params, None, batch, optimizer=None)  # type: ignore[arg-type]
+    adam = optax.adam(1e-3)
+    params, state, loss = pipe.train_step(params, None, batch, optimizer=adam)
+    wrong = tuple(optax.sgd(0.1, momentum=0.9).init(p) for p in params)
+    with pytest.raises(ExecutionError, match=r"opt_state\[0\] \(the optimizer state of stage 0\) is not what"):
+        pipe.train_step(params, wrong, batch, optimizer=adam)
+    nan_batch = (x * jnp.nan, x)
+    _, _, loss = pipe.train_step(params, state, nan_batch, optimizer=adam)
+    assert jnp.isnan(loss)  # without the check a NaN passes, as before
+    with pytest.raises(ExecutionError, match=r"the loss is nan \(check_finite=True\)"):
+        pipe.train_step(params, state, nan_batch, optimizer=adam, check_finite=True)
