@@ -34,7 +34,6 @@ from pipedsl import library
 from pipedsl.arrays import paused_collector
 from pipedsl.errors import PipedslError, RequirementFailed, ScheduleEvalError, ScheduleInvalid
 from pipedsl.ir import Schedule
-from pipedsl.validate import validate
 from pipedsl.simulator.candidates import candidate_plans, default_global_batch, searched_schedules
 from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared
 from pipedsl.simulator.explain import Explanation
@@ -44,6 +43,7 @@ from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.policy_plans import prepare_plan, takes_limit
 from pipedsl.simulator.ranked import COLUMNS, RankedPlan, Summary, describe, summarize
 from pipedsl.simulator.workers import Advance, available_cores, run_in_workers
+from pipedsl.validate import validate
 
 if TYPE_CHECKING:
     import pandas as pd
