@@ -40,6 +40,7 @@ from pipedsl.executor.mesh import MeshConfig, build_meshes
 from pipedsl.executor.ray_links import Channel, Layout, Links, structs
 from pipedsl.executor.ray_transport import Mailbox, RayTransport, from_wire
 from pipedsl.executor.split import marked_model
+from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder
@@ -71,7 +72,7 @@ class ModelSpec:
     targets: Any
     num_microbatches: int
     placement: tuple[int, ...]
-    remat: tuple[bool, ...]
+    remat: tuple[StageOptions, ...]
     mesh: MeshConfig
     specs: tuple[PartitionSpec, ...]
 

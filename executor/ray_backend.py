@@ -48,6 +48,7 @@ from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.mesh import MeshConfig, leaf_specs
 from pipedsl.executor.ray_actor import Failure, ModelSpec, RayUpdate, StepReport, trace_model
 from pipedsl.executor.ray_cluster import DeviceLost, RayConfig, RayDevices
+from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel
 from pipedsl.executor.timing import measured_timeline
 from pipedsl.program import Program
@@ -122,7 +123,7 @@ class RayRunner:
         stages: tuple[Callable[[Any, Any], Any], ...] | None,
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
-        remat: tuple[bool, ...],
+        remat: tuple[StageOptions, ...],
         recv_timeout: float,
         mesh: MeshConfig,
         param_specs: Any,

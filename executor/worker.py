@@ -41,6 +41,7 @@ from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.interpreter import Computed, DeviceRuntime, Receive, Steps
 from pipedsl.executor.mesh import StageLayout
 from pipedsl.executor.shards import DataShards
+from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stage_program import StageProgram, compile_stage
 from pipedsl.executor.stages import StagedModel
 from pipedsl.executor.timing import Recorder
@@ -176,7 +177,10 @@ class Worker:
         self.applied = False
         model = self.model
         timeout = self.runtime.recv_timeout
-        params = {s: tuple(self.leaves[i] for i in model.stage_params[s]) for s in self.local}
+        stages = self.runtime.stages
+        # The stages' programs take their parameters in their compute dtype: one bf16 copy
+        # of the master weights per step under bf16 (StageProgram.compute_params).
+        params = {s: stages[s].compute_params(tuple(self.leaves[i] for i in model.stage_params[s])) for s in self.local}
         self.phase = "program"
         result = yield from self.runtime.steps(
             transport,
@@ -371,17 +375,18 @@ def compile_device(
     specs: Sequence[PartitionSpec],
     zero: int,
     num_microbatches: int,
-    remat: Sequence[bool],
+    remat: Sequence[StageOptions],
     placement: Sequence[int],
 ) -> dict[int, StageProgram]:
     """The compiled programs of ``stages`` (all on one pipeline device, whose mesh is
-    ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``."""
+    ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``; ``remat``
+    every stage's :class:`~pipedsl.executor.stage_options.StageOptions`."""
     programs = {}
     for s in stages:
         idx = model.stage_params[s]
         layout = StageLayout(mesh, [specs[i] for i in idx], [model.param_avals[i] for i in idx], zero=zero, leaves=idx)
         programs[s] = compile_stage(
-            model, s, num_microbatches=num_microbatches, remat=remat[s], device=placement[s], layout=layout
+            model, s, num_microbatches=num_microbatches, options=remat[s], device=placement[s], layout=layout
         )
     return programs
 

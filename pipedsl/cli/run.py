@@ -245,7 +245,7 @@ def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, ke
     mesh = {"dp": args.dp, "tp": args.tp, "zero": args.zero}
     params = model.init_function(key) if args.marked else model.init_stages(key)
     specs = model.param_specs(params) if args.tp > 1 else None
-    options = {"schedule": schedule, "backend": backend, "remat": args.remat, "param_specs": specs, **mesh}
+    options = {"schedule": schedule, "backend": backend, "recompute": "full" if args.remat else "none", "param_specs": specs, **mesh}
     if args.marked:
         return Pipeline.from_function(model.model_fn, loss=model.loss, **options), params
     return Pipeline(model.stages, loss=model.loss, **options), params
