@@ -116,6 +116,7 @@ class StageProgram:
         "_param_avals",
         "_master_avals",
         "_cast",
+        "_squares",
         "_forward",
         "_backward",
         "_input",
@@ -155,6 +156,7 @@ class StageProgram:
         self.split = split
         self._param_avals = param_avals
         self._master_avals = master_avals
+        self._squares: Any = None
         # Residuals that are trace constants are baked into the backward, not stored.
         self._const_res = {i: slot[1] for i, slot in enumerate(res_slots) if slot[0] == _CONST}
         self._res_slots = tuple(slot for slot in res_slots if slot[0] != _CONST)
@@ -336,6 +338,17 @@ class StageProgram:
         the compute dtype (one bf16 copy per step under bf16, as Megatron-LM keeps one),
         the leaves themselves in fp32."""
         return params if self._cast is None else self._cast(*params)
+
+    def sum_of_squares(self, values: Sequence[Any]) -> jax.Array:
+        """The sum of the squares of every entry of ``values`` (gradient leaves on this
+        stage's mesh), an fp32 scalar replicated on the mesh: one device's part of a global norm."""
+        if self._squares is None:
+
+            def squares(*leaves: Any) -> Any:
+                return sum((jnp.sum(jnp.square(v.astype(jnp.float32))) for v in leaves), jnp.zeros((), jnp.float32))
+
+            self._squares = jax.jit(squares, out_shardings=self.layout.replicated)
+        return self._squares(*values)
 
     def zero_loss(self) -> jax.Array:
         """A zero running loss for the last stage's ``F``, replicated on its mesh."""

@@ -33,6 +33,7 @@ from functools import lru_cache
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -129,7 +130,7 @@ class Worker:
                 self._kept.setdefault(i, local[s].layout.params[k])
         self.owned = tuple(i for i in sorted(self._kept) if placement[model.owner[i]] == self.index)
         self._placed_states: set[int] = set()
-        self._optimizers: dict[int, tuple[optax.GradientTransformation, dict[int, tuple[Callable, Callable, Any]]]] = {}
+        self._optimizers: dict[int, _Compiled] = {}
         first, last = 0 in local, model.num_stages - 1 in local
         self._input_layout = local[0].layout if first else None
         self._target_layout = local[model.num_stages - 1].layout if last else None
@@ -148,7 +149,9 @@ class Worker:
                 if isinstance(value, jax.Array) and self._sources.get(i) is value:
                     continue  # loaded before (JAX arrays are immutable): nothing to move
                 self._sources[i] = value if isinstance(value, jax.Array) else None
-                self.leaves[i] = value if getattr(value, "sharding", None) == target else jax.device_put(value, target)
+                # A copy even where the caller's array is placed already: the optimizer
+                # update donates the resident leaves, never the caller's.
+                self.leaves[i] = jax.device_put(value, target, may_alias=False)
         if states is not None:
             self.states = {s: states[s] for s in self.local if s in states}
             self._placed_states.clear()
@@ -283,23 +286,34 @@ class Worker:
 
     def _update(self, transport: Transport, update: Update, grads: dict[int, Any]) -> Steps[None]:
         """Apply the optimizer to every local stage's owned leaves, then hand updated
-        shared leaves to the other devices that use them."""
+        shared leaves to the other devices that use them.
+
+        An optimizer that combines leaves through the global norm of the gradients
+        (``optax.clip_by_global_norm``) sees, besides a stage's own leaves, one scalar
+        leaf whose square is the sum of squares of every other gradient leaf of the model
+        (exchanged between the devices, :meth:`_rest_of_norm`), so that its norm is the
+        whole model's, as on one device; one that combines them otherwise is refused
+        (:func:`_coupling`)."""
         model, me, placement = self.model, self.index, self.placement
         self._sources.clear()  # the resident leaves are no longer the caller's arrays
         if update.init:
             self.states = {}
+        compiled = self._compiled_for(update.optimizer)
+        rest = (yield from self._rest_of_norm(transport, grads)) if compiled.coupled else {}
         for s in self.local:
             owned = model.owned(s)
-            apply, init, state_at = self._compiled_update(update.optimizer, s)
+            apply, init, state_at = self._compiled_update(compiled, s)
             treedef = model.owned_treedefs[s]
             params_s = jax.tree_util.tree_unflatten(treedef, [self.leaves[i] for i in owned])
             state = self.states.get(s)
             if state is None:
                 state = init(params_s)
             elif s not in self._placed_states:
-                state = jax.device_put(state, state_at)
+                # A copy: the update donates the state, and this one is the caller's.
+                state = jax.device_put(state, state_at, may_alias=False)
             grads_s = jax.tree_util.tree_unflatten(treedef, [grads[i] for i in owned])
-            params_s, self.states[s] = apply(grads_s, state, params_s)
+            args = (grads_s, rest[s]) if compiled.coupled else (grads_s,)
+            params_s, self.states[s] = apply(*args, state, params_s)
             self._placed_states.add(s)
             for i, leaf in zip(owned, jax.tree_util.tree_leaves(params_s), strict=True):
                 self.leaves[i] = leaf
@@ -313,17 +327,37 @@ class Worker:
                 if owner != me:
                     self.leaves[i] = yield Receive(("param", s, i), owner)
 
-    def _compiled_update(self, optimizer: optax.GradientTransformation, stage: int) -> tuple[Callable, Callable, Any]:
-        """(update, init, state shardings) of ``optimizer`` for ``stage``'s owned leaves:
-        jitted so that the state is kept where the stage's layout says (ZeRO) and the
-        parameters come back where they are kept."""
+    def _rest_of_norm(self, transport: Transport, grads: Mapping[int, Any]) -> Steps[dict[int, Any]]:
+        """Per local stage, the sum of squares of every gradient value of the model outside
+        the leaves it owns (an fp32 scalar on its mesh): each device sends the sum over its
+        own leaves to every other device through the transport."""
+        model = self.model
+        own = {s: self.runtime.stages[s].sum_of_squares([grads[i] for i in model.owned(s)]) for s in self.local}
+        mine = sum(own.values(), jnp.zeros((), jnp.float32))
+        others = [d for d in range(self.num_devices) if d != self.index]
+        for d in others:
+            transport.send(("sqnorm", self.index), mine, d, stage=None)
+        theirs = []
+        for d in others:
+            theirs.append((yield Receive(("sqnorm", d), d)))
+        return {s: sum([*theirs, *(own[t] for t in self.local if t != s)], jnp.zeros((), jnp.float32)) for s in self.local}
+
+    def _compiled_for(self, optimizer: optax.GradientTransformation) -> _Compiled:
         entry = self._optimizers.get(id(optimizer))
-        if entry is None or entry[0] is not optimizer:
-            entry = (optimizer, {})
+        if entry is None or entry.optimizer is not optimizer:
+            entry = _Compiled(optimizer, _coupling(optimizer), {})
             self._optimizers[id(optimizer)] = entry
-        compiled = entry[1].get(stage)
+        return entry
+
+    def _compiled_update(self, entry: _Compiled, stage: int) -> tuple[Callable, Callable, Any]:
+        """(update, init, state shardings) of the optimizer for ``stage``'s owned leaves:
+        jitted so that the state is kept where the stage's layout says (ZeRO), the
+        parameters come back where they are kept, and the state and parameters are
+        updated in place (donated: the resident ones are this worker's own copies)."""
+        compiled = entry.stages.get(stage)
         if compiled is not None:
             return compiled
+        optimizer, coupled = entry.optimizer, entry.coupled
         model = self.model
         layout = self.runtime.stages[stage].layout
         position = {i: k for k, i in enumerate(model.stage_params[stage])}
@@ -332,6 +366,10 @@ class Worker:
         params_at = jax.tree_util.tree_unflatten(treedef, [layout.params[position[i]] for i in owned])
         state_leaf_at = jax.tree_util.tree_unflatten(treedef, [layout.states[position[i]] for i in owned])
         avals = jax.tree_util.tree_unflatten(treedef, [model.param_avals[i] for i in owned])
+        if coupled:
+            # The optimizer's tree: the stage's leaves and the rest of the norm's leaf.
+            avals = (avals, jax.ShapeDtypeStruct((), jnp.float32))
+            state_leaf_at = (state_leaf_at, layout.replicated)
         state_at = optax.tree_utils.tree_map_params(
             optimizer,
             lambda _, at: at,
@@ -345,26 +383,85 @@ class Worker:
             updates, state = optimizer.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
-        # The gradients are the step's own accumulators, so they may be updated in place;
-        # the state and parameters belong to the caller (the local backend returns them).
-        update: Callable[[Any, Any, Any], tuple[Any, Any]]
+        def apply_coupled(grads: Any, rest: Any, state: Any, params: Any) -> tuple[Any, Any]:
+            aug = (grads, jnp.sqrt(rest)), state, (params, jnp.zeros((), jnp.float32))
+            updates, state = optimizer.update(*aug)
+            return optax.apply_updates(params, updates[0]), state
+
+        step, first_state = (apply_coupled, 2) if coupled else (apply, 1)
+        update: Callable[..., tuple[Any, Any]]
         if layout.gathers_params:
             # ZeRO 1 and 2: each device updates its shard, then one program gathers the
-            # new parameters, a bucket at a time (XLA would gather each leaf apart).
+            # new parameters, a bucket at a time (XLA would gather each leaf apart). The
+            # whole parameters cannot take the shards' place, so the gradients do.
             positions = [position[i] for i in owned]
             gather = jax.jit(DataShards(layout).whole(positions), out_shardings=tuple(jax.tree_util.tree_leaves(params_at)))
-            sharded = jax.jit(apply, donate_argnums=0, out_shardings=(state_leaf_at, state_at))
+            sharded_at = state_leaf_at[0] if coupled else state_leaf_at
+            sharded = jax.jit(step, donate_argnums=(0, first_state), out_shardings=(sharded_at, state_at))
 
-            def gathered(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-                new, state = sharded(grads, state, params)
+            def gathered(*args: Any) -> tuple[Any, Any]:
+                new, state = sharded(*args)
                 return jax.tree_util.tree_unflatten(treedef, gather(*jax.tree_util.tree_leaves(new))), state
 
             update = gathered
         else:
-            update = jax.jit(apply, donate_argnums=0, out_shardings=(params_at, state_at))
-        compiled = (update, jax.jit(optimizer.init, out_shardings=state_at), state_at)
-        entry[1][stage] = compiled
+            update = jax.jit(step, donate_argnums=(first_state, first_state + 1), out_shardings=(params_at, state_at))
+        init_params = (lambda p: optimizer.init((p, jnp.zeros((), jnp.float32)))) if coupled else optimizer.init
+        compiled = (update, jax.jit(init_params, out_shardings=state_at), state_at)
+        entry.stages[stage] = compiled
         return compiled
+
+
+@dataclass(slots=True)
+class _Compiled:
+    """An optimizer's compiled updates on one device: whether it couples leaves through
+    the global norm (:func:`_coupling`) and, per local stage, (update, init, state
+    shardings)."""
+
+    optimizer: optax.GradientTransformation
+    coupled: bool
+    stages: dict[int, tuple[Callable, Callable, Any]]
+
+
+def _coupling(optimizer: optax.GradientTransformation) -> bool:
+    """Whether ``optimizer`` combines its leaves, found by running it on a probe of two
+    leaves on the CPU at gradient scales from 1e-3 to 1e6 (whatever thresholds it clips at):
+    False when each leaf's update is what it is alone (sgd, adam, clipping each leaf: the
+    per-stage update is exact), True when the leaves meet only through the global norm
+    (``clip_by_global_norm``: exact with the rest of the norm as one more leaf). Refused
+    otherwise, as an update per stage could not give the one-device result. An optimizer
+    that cannot take the probe's tree (one written for a given structure) is applied
+    per stage as it is."""
+    a, b = np.array([3.0, -4.0], np.float32), np.array([12.0, 5.0, 1.0], np.float32)
+
+    def updates_of_a(tree: tuple[Any, ...]) -> list[np.ndarray]:
+        params = tuple(np.full_like(leaf, 0.5) for leaf in tree)
+        state = optimizer.init(params)
+        out = []
+        for scale in (1e-3, 1.0, 1e3, 1e6):
+            updates, state = optimizer.update(tuple(leaf * scale for leaf in tree), state, params)
+            out.append(np.asarray(updates[0]))
+        return out
+
+    def same(x: list[np.ndarray], y: list[np.ndarray]) -> bool:
+        return all(np.allclose(u, v, rtol=1e-5, atol=0.0) for u, v in zip(x, y, strict=True))
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        try:
+            together = updates_of_a((a, b))
+            alone = updates_of_a((a,))
+        except Exception:  # an optimizer for another tree structure: not ours to probe
+            return False
+        if same(together, alone):
+            return False
+        if same(together, updates_of_a((a, np.array(np.linalg.norm(b), np.float32)))):
+            return True
+    raise ExecutionError(
+        "the optimizer combines parameters in another way than through the global norm of the gradients: "
+        "the pipeline updates each stage's parameters where they live, so it could not give the one-device "
+        "result; use transforms that treat parameters independently (sgd, adam, adamw, ...), optionally after "
+        "optax.clip_by_global_norm"
+    )
 
 
 def compile_device(

@@ -174,8 +174,9 @@ def _train(args: argparse.Namespace) -> int:
             if interrupted():
                 raise KeyboardInterrupt
             # The parameters that entered the step, to find where a non-finite loss came
-            # from (on Ray only the latest handle is valid, so a copy is fetched).
-            before = params if args.allow_nonfinite or args.backend == "local" else pipe.gather(params)
+            # from
+            # (the update donates what a step returned, so a copy is fetched on any backend).
+            before = params if args.allow_nonfinite else pipe.gather(params)
             start = time.perf_counter()
             params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
             jax.block_until_ready((params, loss))

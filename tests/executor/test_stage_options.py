@@ -117,19 +117,19 @@ def test_sequence_parallel_splits_the_residual_stream_over_tensor() -> None:
     m = _model("transformer", False)
     params, batch, _, _ = _problem("transformer", False, "fp32")
 
-    def hlo(sp: bool) -> str:
+    def first_stage(sp: bool) -> Any:
         pipe = Pipeline(
             m.stages, loss=m.loss, schedule=hybrid_schedule("1f1b", PP, 1), tp=TP,
             param_specs=m.param_specs(params), sequence_parallel=sp,
         )  # fmt: skip
-        return pipe.compile(params, batch)[0].compiled_hlo()["F"]
+        return pipe.compile(params, batch)[0]
 
-    # Megatron's sequence parallelism: the row-parallel products' all-reduce becomes a
-    # reduce-scatter (into the sequence-split residual stream) and an all-gather.
-    assert "reduce-scatter" not in hlo(False)
-    with_sp = hlo(True)
-    assert "reduce-scatter" in with_sp or "all-to-all" in with_sp
-    assert "all-gather" in with_sp
+    plain, split = first_stage(False), first_stage(True)
+    # Each device keeps its 1/tp of the sequence of what the norms read (the residual
+    # stream), and the residual stream is gathered where a column-parallel product
+    # needs all of it (XLA on CPU writes the reduce-scatter as an all-reduce and a slice).
+    assert split.memory().kept < plain.memory().kept
+    assert split.compiled_hlo()["F"].count("all-gather(") > plain.compiled_hlo()["F"].count("all-gather(")
 
 
 def test_sequence_sharded_is_the_identity_outside_a_pipeline() -> None:
