@@ -174,8 +174,7 @@ def _train(args: argparse.Namespace) -> int:
             if interrupted():
                 raise KeyboardInterrupt
             # The parameters that entered the step, to find where a non-finite loss came
-            # from
-            # (the update donates what a step returned, so a copy is fetched on any backend).
+            # from (the update donates what a step returned, so a copy is fetched).
             before = params if args.allow_nonfinite else pipe.gather(params)
             start = time.perf_counter()
             params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
