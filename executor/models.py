@@ -86,6 +86,7 @@ class BuiltinModel:
       batch: ``(key, batch_size) -> (inputs, targets)``, synthetic.
       param_specs: ``params -> PartitionSpec pytree`` for either form's parameters (the
         ``param_specs`` of a tensor-parallel :class:`~pipedsl.executor.Pipeline`).
+      fused_attention: whether its attention is :func:`jax.nn.dot_product_attention`.
     """
 
     name: str
@@ -97,6 +98,7 @@ class BuiltinModel:
     init_function: Callable[[jax.Array], Params]
     batch: Callable[[jax.Array, int], Batch]
     param_specs: Callable[[Params], Any]
+    fused_attention: bool = False
 
 
 def reference_stages(model: BuiltinModel) -> Callable[[list[Params], Any], Any]:
@@ -356,6 +358,7 @@ def transformer(
         init_function=init_function,
         batch=batch,
         param_specs=transformer_specs,
+        fused_attention=fused_attention,
     )
 
 
@@ -543,6 +546,7 @@ def llama(
         init_function=init_function,
         batch=batch,
         param_specs=llama_specs,
+        fused_attention=fused_attention,
     )
 
 
