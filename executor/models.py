@@ -48,12 +48,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from pipedsl.executor.mesh import TENSOR
 from pipedsl.executor.split import stage_boundary
-from pipedsl.executor.stage_options import ATTENTION_CORE, sequence_sharded
+from pipedsl.executor.stage_options import selective, sequence_sharded
 
 __all__ = [
     "BuiltinModel",
@@ -230,19 +229,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, fused: bool) -> jax.A
 
     ``fused``: :func:`jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU in
     bf16, XLA's elsewhere), which keeps no ``s x s`` scores for the backward where cuDNN
-    runs it. Otherwise the scores and probabilities are computed and named
-    :data:`~pipedsl.executor.stage_options.ATTENTION_CORE`, which
-    ``recompute="selective"`` recomputes; the softmax runs in fp32.
+    runs it. Otherwise the scores and their softmax (in fp32) are computed as they are
+    written. Either way this is the core that ``recompute="selective"`` recomputes
+    (:func:`~pipedsl.executor.stage_options.selective`).
     """
-    if fused:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return selective(_fused_attention if fused else _plain_attention)(q, k, v)
+
+
+def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _plain_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     b, s, heads, d = q.shape
     groups = heads // k.shape[2]
     k, v = (jnp.repeat(t, groups, axis=2) if groups > 1 else t for t in (k, v))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
     causal = jnp.tril(jnp.ones((s, s), bool))
-    scores = checkpoint_name(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), ATTENTION_CORE)
-    probs = checkpoint_name(jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype), ATTENTION_CORE)
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 

@@ -74,8 +74,8 @@ class Pipeline:
         :class:`~pipedsl.executor.ray_cluster.RayDevices` shares started actors; see
         :mod:`pipedsl.executor.ray_backend`).
       recompute: what each stage's backward recomputes instead of keeping, as the
-        planner prices it: ``"none"``, ``"selective"`` (the attention core: values the
-        model names :data:`~pipedsl.executor.stage_options.ATTENTION_CORE`) or ``"full"``
+        planner prices it: ``"none"``, ``"selective"`` (the attention core: what the model
+        passes through :func:`~pipedsl.executor.stage_options.selective`) or ``"full"``
         (everything but the stage's inputs); one mode for all stages or one per stage.
       precision: ``"fp32"`` or ``"bf16"``: bf16 compute and activations, fp32 master
         weights, optimizer state and gradient accumulation (Megatron-LM's mixed precision).

@@ -7,10 +7,10 @@ built and applied when the stage is traced (:func:`pipedsl.executor.stage_progra
 - ``recompute``: which of the forward's intermediates the backward recomputes instead of
   keeping, with the planner's meaning (Korthikanti et al. 2022). ``"none"`` keeps them all;
   ``"full"`` keeps only the stage's inputs (one :func:`jax.checkpoint` around the stage);
-  ``"selective"`` recomputes the attention core only: the stage runs under
-  :func:`jax.checkpoint` with a policy that saves every value except those a model names
-  :data:`ATTENTION_CORE` (the attention scores and probabilities, the ``a·s²`` terms),
-  which it recomputes from the saved queries and keys.
+  ``"selective"`` recomputes the attention core only (the scores, softmax and weighted sum,
+  whose ``a·s²`` values dominate a layer's activations): the function a model passes
+  through :func:`selective` runs under :func:`jax.checkpoint`, so its backward recomputes it
+  from the queries, keys and values it keeps (Megatron-LM's ``checkpoint_core_attention``).
 - ``precision``: ``"fp32"``, or ``"bf16"`` as Megatron-LM and torchtitan train: the
   parameters are fp32 master weights (and the optimizer state fp32); each step the worker
   casts them once to a bf16 copy that every ``F`` and ``B`` of the step reads (kept by
@@ -24,16 +24,15 @@ built and applied when the stage is traced (:func:`pipedsl.executor.stage_progra
   the sequence over ``"tensor"`` (Korthikanti et al.), so XLA turns the tensor-parallel
   all-reduces into a reduce-scatter and an all-gather and each device keeps ``1/tp`` of them.
 
-A model cooperates through two names: :func:`jax.ad_checkpoint.checkpoint_name` with
-:data:`ATTENTION_CORE` on its attention scores and probabilities, and
-:func:`sequence_sharded` on its sequence-major activations. Outside a pipeline (a
-one-device reference) both are the identity, so the same model function is the reference.
+A model cooperates through two helpers: :func:`selective` around its attention core and
+:func:`sequence_sharded` on its sequence-major activations. Outside a pipeline (a one-device
+reference) both leave the computation as it is, so the same model function is the reference.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,12 +45,12 @@ from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.mesh import DATA, TENSOR
 
 __all__ = [
-    "ATTENTION_CORE",
     "PRECISIONS",
     "RECOMPUTE_MODES",
     "Precision",
     "RecomputeMode",
     "StageOptions",
+    "selective",
     "sequence_sharded",
     "tracing",
 ]
@@ -60,11 +59,6 @@ RecomputeMode = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
-
-ATTENTION_CORE = "pipedsl_attention_core"
-"""The :func:`~jax.ad_checkpoint.checkpoint_name` a model gives its attention scores and
-probabilities: what ``recompute="selective"`` recomputes."""
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageOptions:
@@ -83,13 +77,10 @@ class StageOptions:
             raise ExecutionError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
 
     def checkpoint(self, fn: Any) -> Any:
-        """``fn`` under the :func:`jax.checkpoint` this recompute mode asks for; ``fn``
-        itself when nothing is recomputed."""
-        if self.recompute == "full":
-            return jax.checkpoint(fn)
-        if self.recompute == "none":
-            return fn
-        return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_anything_except_these_names(ATTENTION_CORE))
+        """``fn`` (the whole stage) under :func:`jax.checkpoint` for ``"full"``; ``fn``
+        itself otherwise (``"selective"`` checkpoints what the model passes through
+        :func:`selective`)."""
+        return jax.checkpoint(fn) if self.recompute == "full" else fn
 
     def in_compute_dtype(self, values: Any) -> tuple[Any, ...]:
         """``values`` (arrays or ``jax.ShapeDtypeStruct``) in the stage's compute dtype
@@ -147,3 +138,13 @@ def sequence_sharded(x: jax.Array, *, axis: int = 1) -> jax.Array:
     # the constraint then names the mesh as that program sees it, "data" manual.
     where = mesh.abstract_mesh.update_axis_types({DATA: AxisType.Manual}) if mesh.shape.get(DATA, 1) > 1 else mesh
     return jax.lax.with_sharding_constraint(x, NamedSharding(where, spec))
+
+
+def selective(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a model's attention core) under :func:`jax.checkpoint` when traced in a
+    pipeline stage with ``recompute="selective"``, so its backward recomputes it; ``fn``
+    itself otherwise."""
+    current = _CURRENT.get()
+    if current is None or current.options.recompute != "selective":
+        return fn
+    return jax.checkpoint(fn)

@@ -148,3 +148,28 @@ def test_sequence_sharded_is_the_identity_outside_a_pipeline() -> None:
 def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ExecutionError, match=message):
         StageOptions(**options)
+
+
+def test_recompute_modes_keep_activation_bytes_in_the_order_the_planner_prices() -> None:
+    from pipedsl.simulator.hardware import Model, load_cluster
+    from pipedsl.simulator.plan import Plan
+    from pipedsl.simulator.transformer import Shapes
+
+    m = _model("transformer", False)
+    params, batch, _, _ = _problem("transformer", False, "fp32")
+    modes = ("none", "selective", "full")
+    kept = {}
+    for mode in modes:
+        pipe = Pipeline(m.stages, loss=m.loss, schedule=hybrid_schedule("1f1b", PP, 1), recompute=mode)  # type: ignore[arg-type]
+        kept[mode] = sum(program.memory().kept for program in pipe.compile(params, batch))
+    priced_model = Model(name="t", layers=PP, hidden=8, ffn_hidden=32, heads=2, seq_len=8, vocab=16, dtype_bytes=4)
+    cluster = load_cluster("h200")
+    priced = {
+        mode: Shapes(
+            priced_model, cluster,
+            Plan(pp=PP, microbatch_size=2, global_batch=8, schedule="1f1b", recompute=mode, flash_attention=False),
+        ).layer_activation_bytes(Plan(global_batch=8, recompute=mode).recompute)
+        for mode in modes
+    }  # fmt: skip
+    assert kept["none"] > kept["selective"] > kept["full"]
+    assert priced["none"] > priced["selective"] > priced["full"]
