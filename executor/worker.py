@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.interpreter import Computed, DeviceRuntime, Receive, Steps
 from pipedsl.executor.mesh import StageLayout
+from pipedsl.executor.optimizers import couples_through_global_norm
 from pipedsl.executor.shards import DataShards
 from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stage_program import StageProgram, compile_stage
@@ -293,7 +294,7 @@ class Worker:
         leaf whose square is the sum of squares of every other gradient leaf of the model
         (exchanged between the devices, :meth:`_rest_of_norm`), so that its norm is the
         whole model's, as on one device; one that combines them otherwise is refused
-        (:func:`_coupling`)."""
+        (:func:`~pipedsl.executor.optimizers.couples_through_global_norm`)."""
         model, me, placement = self.model, self.index, self.placement
         self._sources.clear()  # the resident leaves are no longer the caller's arrays
         if update.init:
@@ -345,7 +346,7 @@ class Worker:
     def _compiled_for(self, optimizer: optax.GradientTransformation) -> _Compiled:
         entry = self._optimizers.get(id(optimizer))
         if entry is None or entry.optimizer is not optimizer:
-            entry = _Compiled(optimizer, _coupling(optimizer), {})
+            entry = _Compiled(optimizer, couples_through_global_norm(optimizer), {})
             self._optimizers[id(optimizer)] = entry
         return entry
 
@@ -415,53 +416,12 @@ class Worker:
 @dataclass(slots=True)
 class _Compiled:
     """An optimizer's compiled updates on one device: whether it couples leaves through
-    the global norm (:func:`_coupling`) and, per local stage, (update, init, state
+    the global norm (:func:`~pipedsl.executor.optimizers.couples_through_global_norm`) and, per local stage, (update, init, state
     shardings)."""
 
     optimizer: optax.GradientTransformation
     coupled: bool
     stages: dict[int, tuple[Callable, Callable, Any]]
-
-
-def _coupling(optimizer: optax.GradientTransformation) -> bool:
-    """Whether ``optimizer`` combines its leaves, found by running it on a probe of two
-    leaves on the CPU at gradient scales from 1e-3 to 1e6 (whatever thresholds it clips at):
-    False when each leaf's update is what it is alone (sgd, adam, clipping each leaf: the
-    per-stage update is exact), True when the leaves meet only through the global norm
-    (``clip_by_global_norm``: exact with the rest of the norm as one more leaf). Refused
-    otherwise, as an update per stage could not give the one-device result. An optimizer
-    that cannot take the probe's tree (one written for a given structure) is applied
-    per stage as it is."""
-    a, b = np.array([3.0, -4.0], np.float32), np.array([12.0, 5.0, 1.0], np.float32)
-
-    def updates_of_a(tree: tuple[Any, ...]) -> list[np.ndarray]:
-        params = tuple(np.full_like(leaf, 0.5) for leaf in tree)
-        state = optimizer.init(params)
-        out = []
-        for scale in (1e-3, 1.0, 1e3, 1e6):
-            updates, state = optimizer.update(tuple(leaf * scale for leaf in tree), state, params)
-            out.append(np.asarray(updates[0]))
-        return out
-
-    def same(x: list[np.ndarray], y: list[np.ndarray]) -> bool:
-        return all(np.allclose(u, v, rtol=1e-5, atol=0.0) for u, v in zip(x, y, strict=True))
-
-    with jax.default_device(jax.devices("cpu")[0]):
-        try:
-            together = updates_of_a((a, b))
-            alone = updates_of_a((a,))
-        except Exception:  # an optimizer for another tree structure: not ours to probe
-            return False
-        if same(together, alone):
-            return False
-        if same(together, updates_of_a((a, np.array(np.linalg.norm(b), np.float32)))):
-            return True
-    raise ExecutionError(
-        "the optimizer combines parameters in another way than through the global norm of the gradients: "
-        "the pipeline updates each stage's parameters where they live, so it could not give the one-device "
-        "result; use transforms that treat parameters independently (sgd, adam, adamw, ...), optionally after "
-        "optax.clip_by_global_norm"
-    )
 
 
 def compile_device(

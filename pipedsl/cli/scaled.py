@@ -51,7 +51,7 @@ class Scaled:
 def _words(m: Model, layers: int) -> str:
     kv = f" / {m.num_kv_heads} kv" if m.num_kv_heads != m.heads else ""
     return (
-        f"{layers} layers, hidden {m.hidden}, ffn {m.ffn_hidden}, {m.heads} heads{kv}, seq {m.seq_len}, "
+        f"{layers} layer{'s' if layers != 1 else ''}, hidden {m.hidden}, ffn {m.ffn_hidden}, {m.heads} heads{kv}, seq {m.seq_len}, "
         f"vocab {m.vocab}"
     )
 
