@@ -66,7 +66,7 @@ def scaled_model(name: str | None, *, num_stages: int, tp: int, fused_attention:
     parallelism (see the module docstring)."""
     from pipedsl.executor.models import llama, transformer
 
-    priced = DEMO_MODEL if name in (None, DEMO_MODEL.name) else load_model(name)
+    priced = DEMO_MODEL if name is None or name == DEMO_MODEL.name else load_model(name)
     gpt = not priced.gated_ffn
     if priced is DEMO_MODEL:
         if priced.layers % num_stages:
