@@ -26,6 +26,7 @@ simulator's search: ``python bench/gpu_check.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -65,8 +66,20 @@ class Size:
     microbatch_size: int
 
 
-GPU_SIZE = Size(hidden=1024, ffn=2816, heads=16, kv_heads=4, seq=1024, vocab=8192, layers_per_stage=2, microbatches=4, microbatch_size=2)
-TOY_SIZE = Size(hidden=32, ffn=64, heads=4, kv_heads=2, seq=16, vocab=64, layers_per_stage=1, microbatches=2, microbatch_size=2)
+GPU_SIZE = Size(
+    hidden=1024,
+    ffn=2816,
+    heads=16,
+    kv_heads=4,
+    seq=1024,
+    vocab=8192,
+    layers_per_stage=2,
+    microbatches=4,
+    microbatch_size=2,
+)
+TOY_SIZE = Size(
+    hidden=32, ffn=64, heads=4, kv_heads=2, seq=16, vocab=64, layers_per_stage=1, microbatches=2, microbatch_size=2
+)
 
 
 @dataclass(slots=True)
@@ -98,7 +111,9 @@ def _reference(m: BuiltinModel, params: Any, batch: Any, precision: str) -> tupl
 def _relative(actual: Any, expected: Any) -> float:
     """L2 distance over all leaves, over the norm of ``expected``."""
     a = np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree_util.tree_leaves(jax.device_get(actual))])
-    e = np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree_util.tree_leaves(jax.device_get(expected))])
+    e = np.concatenate(
+        [np.ravel(np.asarray(v, np.float64)) for v in jax.tree_util.tree_leaves(jax.device_get(expected))]
+    )
     return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
 
 
@@ -132,7 +147,9 @@ class Checks:
         loss_err = abs(float(result.loss) - ref_loss) / abs(ref_loss)
         ok = err < tol and loss_err < tol
         self.results[name] = {"grad_rel_error": err, "loss_rel_error": loss_err, "tolerance": tol}
-        return Row(name, "ok" if ok else "FAIL", f"{err:.2e}", f"gradient L2 error (loss {loss_err:.1e}), tolerance {tol:g}")
+        return Row(
+            name, "ok" if ok else "FAIL", f"{err:.2e}", f"gradient L2 error (loss {loss_err:.1e}), tolerance {tol:g}"
+        )
 
     def fp32(self) -> Row:
         return self.against_reference("fp32", "fp32", self.fp32_tol)
@@ -176,7 +193,12 @@ class Checks:
 
         t_pipe, t_jit = timed(pipe_step), timed(jit_step)
         self.results["step_time"] = {"pipeline_s": t_pipe, "one_jit_s": t_jit, "ratio": t_pipe / t_jit}
-        return Row("step-time", "ok", f"{t_pipe / t_jit:.2f}x", f"pipeline {t_pipe * 1e3:.1f} ms, one jax.jit {t_jit * 1e3:.1f} ms")
+        return Row(
+            "step-time",
+            "ok",
+            f"{t_pipe / t_jit:.2f}x",
+            f"pipeline {t_pipe * 1e3:.1f} ms, one jax.jit {t_jit * 1e3:.1f} ms",
+        )
 
     def recompute(self, mode: str) -> Row:
         ref_loss, ref_grads = _reference(self.m, self.params, self.batch, "fp32")
@@ -184,7 +206,11 @@ class Checks:
         err = _relative(pipe.step(self.params, self.batch).grads, ref_grads)
         kept = [p.memory().kept for p in pipe.compile(self.params, self.batch)]
         predicted = self._planned_layer_bytes(mode) * self.size.layers_per_stage
-        self.results[f"recompute_{mode}"] = {"grad_rel_error": err, "kept_bytes": kept, "planned_layer_bytes": predicted}
+        self.results[f"recompute_{mode}"] = {
+            "grad_rel_error": err,
+            "kept_bytes": kept,
+            "planned_layer_bytes": predicted,
+        }
         ok = err < self.fp32_tol
         return Row(
             f"recompute-{mode}", "ok" if ok else "FAIL", f"{err:.2e}",
@@ -223,7 +249,9 @@ class Checks:
         self.results["fused_attention"] = {"grad_rel_error": err, "cudnn": cudnn, "precision": precision}
         ok = err < tol and (cudnn or not self.gpu)
         kernel = "cuDNN's fused kernel" if cudnn else "XLA's attention (no cuDNN kernel)"
-        return Row("fused-attention", "ok" if ok else "FAIL", f"{err:.2e}", f"{precision}, {kernel}, against plain attention")
+        return Row(
+            "fused-attention", "ok" if ok else "FAIL", f"{err:.2e}", f"{precision}, {kernel}, against plain attention"
+        )
 
     def peak_memory(self) -> Row:
         stats_before = self.device.memory_stats() or {}
@@ -243,7 +271,12 @@ class Checks:
         self.results["peak_memory"] = {"peak_bytes_in_use": peak, "analysed_bytes": analysed, "planned_bytes": planned,
                                        "before_bytes_in_use": stats_before.get("bytes_in_use")}  # fmt: skip
         if peak is None:
-            return Row("peak-memory", "ok", "n/a", f"no device memory stats here; analysed {analysed / 2**20:.1f} MiB, planner {planned / 2**20:.1f} MiB")
+            return Row(
+                "peak-memory",
+                "ok",
+                "n/a",
+                f"no device memory stats here; analysed {analysed / 2**20:.1f} MiB, planner {planned / 2**20:.1f} MiB",
+            )
         return Row(
             "peak-memory", "ok", f"{peak / 2**20:.0f} MiB",
             f"device peak; compiled analysis {analysed / 2**20:.0f} MiB, planner {planned / 2**20:.0f} MiB (weights, gradients, 1F1B's activations)",
@@ -270,7 +303,15 @@ class Checks:
         err = _relative(pipe.step(self.params, batch).grads, ref_grads)
         self.results["hybrid"] = {"dp": dp, "tp": tp, "pp": pp, "grad_rel_error": err}
         ok = err < self.fp32_tol
-        return Row("hybrid", "ok" if ok else "FAIL", f"{err:.2e}", f"dp={dp} tp={tp} pp={pp}, selective, sequence parallel")
+        return Row(
+            "hybrid", "ok" if ok else "FAIL", f"{err:.2e}", f"dp={dp} tp={tp} pp={pp}, selective, sequence parallel"
+        )
+
+
+def _matmul_precision(precision: str | None) -> Any:
+    """``jax.default_matmul_precision(precision)``, or nothing where this JAX lacks it."""
+    scope = getattr(jax, "default_matmul_precision", None)
+    return scope(precision) if scope is not None and precision is not None else contextlib.nullcontext()
 
 
 _FULL_PRECISION = {"fp32", "recompute-none", "recompute-selective", "recompute-full", "peak-memory", "hybrid"}
@@ -302,7 +343,10 @@ def main(argv: list[str] | None = None) -> int:
             ("fp32", checks.fp32),
             ("bf16", checks.bf16),
             ("step-time", checks.step_time),
-            *((f"recompute-{mode}", (lambda mode=mode: checks.recompute(mode))) for mode in ("none", "selective", "full")),
+            *(
+                (f"recompute-{mode}", (lambda mode=mode: checks.recompute(mode)))
+                for mode in ("none", "selective", "full")
+            ),
             ("fused-attention", checks.fused_attention),
             ("peak-memory", checks.peak_memory),
             ("hybrid", checks.hybrid),
@@ -318,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 # The fp32 checks' matrix products at full precision (no TF32 on GPUs), on both
                 # sides of each comparison; the bf16 ones (and the timed step) as they run.
-                with jax.default_matmul_precision("highest" if name in _FULL_PRECISION else None):
+                with _matmul_precision("highest" if name in _FULL_PRECISION else None):
                     row = check()
             except Exception as err:  # a failing check is reported and the next one runs
                 traceback.print_exc()

@@ -60,6 +60,7 @@ Precision = Literal["fp32", "bf16"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageOptions:
     """How one stage runs (module docstring)."""

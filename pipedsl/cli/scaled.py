@@ -94,8 +94,18 @@ def scaled_model(name: str | None, *, num_stages: int, tp: int, fused_attention:
     seq, vocab = min(priced.seq_len, MAX_SEQ), _multiple(min(priced.vocab, MAX_VOCAB), tp)
     layers = num_stages
     if gpt:
-        model = transformer(num_stages=num_stages, vocab=vocab, dim=hidden, heads=heads, seq=seq, fused_attention=fused_attention)
-        ran = Model(name="transformer", layers=layers, hidden=hidden, ffn_hidden=4 * hidden, heads=heads, seq_len=seq, vocab=vocab)
+        model = transformer(
+            num_stages=num_stages, vocab=vocab, dim=hidden, heads=heads, seq=seq, fused_attention=fused_attention
+        )
+        ran = Model(
+            name="transformer",
+            layers=layers,
+            hidden=hidden,
+            ffn_hidden=4 * hidden,
+            heads=heads,
+            seq_len=seq,
+            vocab=vocab,
+        )
     else:
         model = llama(
             num_stages=num_stages, hidden=hidden, ffn_hidden=ffn, heads=heads, kv_heads=kv_heads, seq_len=seq,

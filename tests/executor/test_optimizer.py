@@ -19,7 +19,9 @@ from pipedsl.executor.models import reference_stages
 STEPS = 3
 
 
-def _train_one_device(m: Any, params: Any, batch: Any, optimizer: optax.GradientTransformation) -> list[tuple[Any, float]]:
+def _train_one_device(
+    m: Any, params: Any, batch: Any, optimizer: optax.GradientTransformation
+) -> list[tuple[Any, float]]:
     fn = reference_stages(m)
     grad = jax.jit(jax.value_and_grad(lambda p, x, t: m.loss(fn(p, x), t)))
     state = optimizer.init(params)

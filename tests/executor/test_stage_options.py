@@ -23,7 +23,9 @@ DP, TP, PP = 2, 2, 2
 @cache
 def _model(kind: str, fused: bool) -> BuiltinModel:
     if kind == "llama":
-        return llama(num_stages=PP, hidden=16, ffn_hidden=32, heads=4, kv_heads=2, seq_len=8, vocab=16, fused_attention=fused)
+        return llama(
+            num_stages=PP, hidden=16, ffn_hidden=32, heads=4, kv_heads=2, seq_len=8, vocab=16, fused_attention=fused
+        )
     return transformer(num_stages=PP, vocab=16, dim=8, heads=2, seq=8, fused_attention=fused)
 
 
