@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_searched_llama_plan_runs_as_ranked(tmp_path: Path) -> None:
     frame = search(
-        "llama-8b", "h200", 8, global_batch=16, schedules=["1f1b"], recompute=["selective"], flash_attention=False,
+        "llama-8b", "h200", 8, global_batch=8, schedules=["1f1b"], recompute=["selective"], flash_attention=False,
         prune=None,
     )  # fmt: skip
     csv = tmp_path / "plans.csv"
