@@ -32,6 +32,13 @@ columns) or None to replicate. Any consistent choice gives the same results (XLA
 whatever collectives the layout needs); a good one keeps the collectives to one
 all-reduce per matrix pair. Do not name ``"data"``: data parallelism and ZeRO add it.
 
+The Llama model (:func:`llama`: RMSNorm, SwiGLU, rotary positions, grouped-query
+attention) takes its sizes under the simulator's model presets' names; :func:`llama_specs`
+is its layout. Both transformers call :func:`attention` (written out, or fused with
+``fused_attention``), whose core ``recompute="selective"`` recomputes, and pass their
+residual stream through :func:`~pipedsl.executor.stage_options.sequence_sharded` for
+sequence parallelism (:mod:`pipedsl.executor.stage_options`).
+
 Shapes: the MLP maps ``f32[batch, width]`` to ``f32[batch, width]`` under a mean squared
 error; the transformer maps token ids ``i32[batch, seq]`` to logits
 ``f32[batch, seq, vocab]`` under the mean cross-entropy of next-token targets
