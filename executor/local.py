@@ -40,6 +40,7 @@ from pipedsl.executor.errors import ExecutionError, PeerFailed
 from pipedsl.executor.interpreter import Steps, drive
 from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
 from pipedsl.executor.split import marked_model
+from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder, measured_timeline
@@ -83,7 +84,7 @@ class LocalBackend:
         stages: tuple[Callable[[Any, Any], Any], ...] | None,
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
-        remat: tuple[bool, ...],
+        remat: tuple[StageOptions, ...],
         mesh: MeshConfig,
         param_specs: Any,
         devices: Sequence[jax.Device] | None = None,

@@ -32,6 +32,13 @@ columns) or None to replicate. Any consistent choice gives the same results (XLA
 whatever collectives the layout needs); a good one keeps the collectives to one
 all-reduce per matrix pair. Do not name ``"data"``: data parallelism and ZeRO add it.
 
+The Llama model (:func:`llama`: RMSNorm, SwiGLU, rotary positions, grouped-query
+attention) takes its sizes under the simulator's model presets' names; :func:`llama_specs`
+is its layout. Both transformers call :func:`attention` (written out, or fused with
+``fused_attention``), whose core ``recompute="selective"`` recomputes, and pass their
+residual stream through :func:`~pipedsl.executor.stage_options.sequence_sharded` for
+sequence parallelism (:mod:`pipedsl.executor.stage_options`).
+
 Shapes: the MLP maps ``f32[batch, width]`` to ``f32[batch, width]`` under a mean squared
 error; the transformer maps token ids ``i32[batch, seq]`` to logits
 ``f32[batch, seq, vocab]`` under the mean cross-entropy of next-token targets
@@ -52,8 +59,19 @@ from jax.sharding import PartitionSpec
 
 from pipedsl.executor.mesh import TENSOR
 from pipedsl.executor.split import stage_boundary
+from pipedsl.executor.stage_options import selective, sequence_sharded
 
-__all__ = ["BuiltinModel", "mlp", "transformer", "transformer_specs", "MODELS", "reference_stages"]
+__all__ = [
+    "BuiltinModel",
+    "attention",
+    "llama",
+    "llama_specs",
+    "mlp",
+    "transformer",
+    "transformer_specs",
+    "MODELS",
+    "reference_stages",
+]
 
 Params = Any
 Batch = tuple[Any, Any]
@@ -64,7 +82,7 @@ class BuiltinModel:
     """A model in explicit and marked form, with synthetic data.
 
     Attributes:
-      name: ``"mlp"`` or ``"transformer"``.
+      name: ``"mlp"``, ``"transformer"`` or ``"llama"``.
       num_stages: how many stages both forms have.
       stages: the explicit stage functions.
       loss: ``loss(y, targets) -> scalar``, a mean over the examples.
@@ -74,6 +92,7 @@ class BuiltinModel:
       batch: ``(key, batch_size) -> (inputs, targets)``, synthetic.
       param_specs: ``params -> PartitionSpec pytree`` for either form's parameters (the
         ``param_specs`` of a tensor-parallel :class:`~pipedsl.executor.Pipeline`).
+      fused_attention: whether its attention is :func:`jax.nn.dot_product_attention`.
     """
 
     name: str
@@ -85,6 +104,7 @@ class BuiltinModel:
     init_function: Callable[[jax.Array], Params]
     batch: Callable[[jax.Array, int], Batch]
     param_specs: Callable[[Params], Any]
+    fused_attention: bool = False
 
 
 def reference_stages(model: BuiltinModel) -> Callable[[list[Params], Any], Any]:
@@ -168,9 +188,11 @@ def _replicated(params: Params) -> None:
 
 
 def _layer_norm(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+    # In fp32 whatever the compute dtype, as mixed-precision training keeps its norms.
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean((x32 - mean) ** 2, axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]).astype(x.dtype)
 
 
 def _init_ln(dim: int) -> dict[str, jax.Array]:
@@ -208,24 +230,50 @@ def _linear(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return _matmul(x, p["w"]) + p["b"]
 
 
-def _block(p: Params, h: jax.Array, *, heads: int) -> jax.Array:
-    """Pre-norm block: causal self-attention then an MLP, each with a residual; h: [b, s, d]."""
-    b, s, d = h.shape
-    x = _layer_norm(p["ln1"], h)
-    qkv = _linear(p["qkv"], x)
-    q, k, v = jnp.split(qkv.reshape(b, s, 3, heads, d // heads), 3, axis=2)
-    q, k, v = (t[:, :, 0].transpose(0, 2, 1, 3) for t in (q, k, v))  # [b, heads, s, d/heads]
-    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // heads)
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, fused: bool) -> jax.Array:
+    """Causal attention of ``q: [b, s, heads, d]`` over ``k, v: [b, s, kv_heads, d]``
+    (``heads`` a multiple of ``kv_heads``: grouped-query attention), ``[b, s, heads, d]``.
+
+    ``fused``: :func:`jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU in
+    bf16, XLA's elsewhere), which keeps no ``s x s`` scores for the backward where cuDNN
+    runs it. Otherwise the scores and their softmax (in fp32) are computed as they are
+    written. Either way this is the core that ``recompute="selective"`` recomputes
+    (:func:`~pipedsl.executor.stage_options.selective`).
+    """
+    return selective(_fused_attention if fused else _plain_attention)(q, k, v)
+
+
+def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _plain_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    b, s, heads, d = q.shape
+    groups = heads // k.shape[2]
+    k, v = (jnp.repeat(t, groups, axis=2) if groups > 1 else t for t in (k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
     causal = jnp.tril(jnp.ones((s, s), bool))
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-    att = jax.nn.softmax(scores, axis=-1) @ v
-    h = h + _linear(p["out"], att.transpose(0, 2, 1, 3).reshape(b, s, d))
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _block(p: Params, h: jax.Array, *, heads: int, fused: bool) -> jax.Array:
+    """Pre-norm block: causal self-attention then an MLP, each with a residual; h: [b, s, d]."""
+    b, s, d = h.shape
+    h = sequence_sharded(h)
+    x = _layer_norm(p["ln1"], h)
+    qkv = _linear(p["qkv"], x)
+    q, k, v = (t[:, :, 0] for t in jnp.split(qkv.reshape(b, s, 3, heads, d // heads), 3, axis=2))
+    att = attention(q, k, v, fused=fused)
+    h = sequence_sharded(h + _linear(p["out"], att.reshape(b, s, d)))
     x = _layer_norm(p["ln2"], h)
-    return h + _linear(p["down"], jax.nn.gelu(_linear(p["up"], x)))
+    return sequence_sharded(h + _linear(p["down"], jax.nn.gelu(_linear(p["up"], x))))
 
 
 def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    # In fp32 whatever the compute dtype, as Megatron-LM computes its loss.
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
@@ -239,14 +287,16 @@ def transformer(
     heads: int = 2,
     seq: int = 8,
     layers_per_stage: int = 1,
+    fused_attention: bool = False,
 ) -> BuiltinModel:
     """A decoder-only transformer of ``num_stages * layers_per_stage`` blocks.
 
     Explicit form: stage 0 embeds (token and learned position embeddings), the last
     stage ends with a layer norm and an untied output head. Marked form: sinusoidal
-    positions and an output head tied to the embedding.
+    positions and an output head tied to the embedding. ``fused_attention``: see
+    :func:`attention`.
     """
-    block = partial(_block, heads=heads)
+    block = partial(_block, heads=heads, fused=fused_attention)
 
     def embedded(params: Params, tokens: jax.Array) -> jax.Array:
         return params["embed"][tokens] + params["pos"][: tokens.shape[1]]
@@ -320,6 +370,7 @@ def transformer(
         init_function=init_function,
         batch=batch,
         param_specs=transformer_specs,
+        fused_attention=fused_attention,
     )
 
 
@@ -351,5 +402,187 @@ def transformer_specs(params: Params) -> Params:
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-MODELS: dict[str, Callable[..., BuiltinModel]] = {"mlp": mlp, "transformer": transformer}
+# -- Llama ---------------------------------------------------------------------------
+
+
+def _rms_norm(scale: jax.Array, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-5) * scale).astype(x.dtype)
+
+
+def _rotary(x: jax.Array, *, base: float = 500000.0) -> jax.Array:
+    """Rotary positions (Su et al.) of ``x: [b, s, heads, d]``, position ``i`` rotating
+    the pairs ``(x[..., j], x[..., j + d/2])`` by ``i * base**(-2j/d)``; computed from no
+    data, in fp32."""
+    s, d = x.shape[1], x.shape[-1]
+    freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angle = jnp.arange(s, dtype=jnp.float32)[:, None] * freq  # [s, d/2]
+    cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _init_llama_block(key: jax.Array, hidden: int, ffn: int, heads: int, kv_heads: int) -> Params:
+    head_dim = hidden // heads
+    k = jax.random.split(key, 7)
+
+    def w(key: jax.Array, fan_in: int, fan_out: int) -> jax.Array:
+        return jax.random.normal(key, (fan_in, fan_out), jnp.float32) / math.sqrt(fan_in)
+
+    return {
+        "attn_norm": jnp.ones((hidden,), jnp.float32),
+        "wq": w(k[0], hidden, heads * head_dim),
+        "wk": w(k[1], hidden, kv_heads * head_dim),
+        "wv": w(k[2], hidden, kv_heads * head_dim),
+        "wo": w(k[3], heads * head_dim, hidden),
+        "mlp_norm": jnp.ones((hidden,), jnp.float32),
+        "w_gate": w(k[4], hidden, ffn),
+        "w_up": w(k[5], hidden, ffn),
+        "w_down": w(k[6], ffn, hidden),
+    }
+
+
+def _llama_block(p: Params, h: jax.Array, *, heads: int, kv_heads: int, fused: bool) -> jax.Array:
+    """Llama's block on ``h: [b, s, hidden]``: RMSNorm, grouped-query attention with rotary
+    positions, RMSNorm, SwiGLU; no biases."""
+    b, s, hidden = h.shape
+    head_dim = hidden // heads
+    h = sequence_sharded(h)
+    x = _rms_norm(p["attn_norm"], h)
+    q = _rotary(_matmul(x, p["wq"]).reshape(b, s, heads, head_dim))
+    k = _rotary(_matmul(x, p["wk"]).reshape(b, s, kv_heads, head_dim))
+    v = _matmul(x, p["wv"]).reshape(b, s, kv_heads, head_dim)
+    att = attention(q, k, v, fused=fused).reshape(b, s, heads * head_dim)
+    h = sequence_sharded(h + _matmul(att, p["wo"]))
+    x = _rms_norm(p["mlp_norm"], h)
+    return sequence_sharded(h + _matmul(jax.nn.silu(_matmul(x, p["w_gate"])) * _matmul(x, p["w_up"]), p["w_down"]))
+
+
+# Over 60 lines: as transformer()'s, one model's pieces are closures over the same sizes.
+def llama(
+    *,
+    num_stages: int,
+    hidden: int = 32,
+    ffn_hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seq_len: int = 8,
+    vocab: int = 64,
+    layers_per_stage: int = 1,
+    fused_attention: bool = False,
+) -> BuiltinModel:
+    """A Llama-family decoder of ``num_stages * layers_per_stage`` blocks (RMSNorm,
+    SwiGLU, rotary positions, grouped-query attention with ``kv_heads`` key/value heads,
+    no biases, untied embeddings), its sizes named as the simulator's model presets name
+    them (``hidden``, ``ffn_hidden``, ``heads``, ``kv_heads``, ``seq_len``, ``vocab``).
+
+    Explicit form: stage 0 embeds, the last stage ends with an RMSNorm and the output
+    head. The marked form is the same model as one function. ``fused_attention``: see
+    :func:`attention`. ``heads`` must be a multiple of ``kv_heads``, ``hidden`` of
+    ``heads`` and the head width even.
+    """
+    if heads % kv_heads or hidden % heads or (hidden // heads) % 2:
+        raise ValueError(
+            f"llama: heads ({heads}) must be a multiple of kv_heads ({kv_heads}) and hidden ({hidden}) of heads, "
+            "with an even head width"
+        )
+    block = partial(_llama_block, heads=heads, kv_heads=kv_heads, fused=fused_attention)
+    layers = num_stages * layers_per_stage
+
+    def middle(params: Params, h: jax.Array) -> jax.Array:
+        for p in params["blocks"]:
+            h = block(p, h)
+        return h
+
+    def head(params: Params, h: jax.Array) -> jax.Array:
+        return _matmul(_rms_norm(params["final_norm"], h), params["head"])
+
+    def first(params: Params, tokens: jax.Array) -> jax.Array:
+        return middle(params, params["embed"][tokens])
+
+    def last(params: Params, h: jax.Array) -> jax.Array:
+        return head(params, middle(params, h))
+
+    def single(params: Params, tokens: jax.Array) -> jax.Array:
+        return head(params, middle(params, params["embed"][tokens]))
+
+    def ends(key: jax.Array) -> dict[str, jax.Array]:
+        k_embed, k_head = jax.random.split(key)
+        return {
+            "embed": jax.random.normal(k_embed, (vocab, hidden), jnp.float32) * 0.1,
+            "final_norm": jnp.ones((hidden,), jnp.float32),
+            "head": jax.random.normal(k_head, (hidden, vocab), jnp.float32) / math.sqrt(hidden),
+        }
+
+    def init_stages(key: jax.Array) -> list[Params]:
+        k_ends, k_blocks = jax.random.split(key)
+        keys = jax.random.split(k_blocks, layers).reshape(num_stages, layers_per_stage, -1)
+        stages: list[Params] = [
+            {"blocks": [_init_llama_block(k, hidden, ffn_hidden, heads, kv_heads) for k in stage_keys]}
+            for stage_keys in keys
+        ]
+        tables = ends(k_ends)
+        stages[0]["embed"] = tables["embed"]
+        stages[-1]["final_norm"] = tables["final_norm"]
+        stages[-1]["head"] = tables["head"]
+        return stages
+
+    def init_function(key: jax.Array) -> Params:
+        k_ends, k_blocks = jax.random.split(key)
+        keys = jax.random.split(k_blocks, layers)
+        return {**ends(k_ends), "blocks": [_init_llama_block(k, hidden, ffn_hidden, heads, kv_heads) for k in keys]}
+
+    def model_fn(params: Params, tokens: jax.Array) -> jax.Array:
+        h = params["embed"][tokens]
+        for i, p in enumerate(params["blocks"]):
+            if i and i % layers_per_stage == 0:
+                h = stage_boundary(h)
+            h = block(p, h)
+        return head(params, h)
+
+    def batch(key: jax.Array, size: int) -> Batch:
+        tokens = jax.random.randint(key, (size, seq_len + 1), 0, vocab, jnp.int32)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    if num_stages == 1:
+        stages: tuple[Callable[[Params, Any], Any], ...] = (single,)
+    else:
+        stages = (first,) + (middle,) * (num_stages - 2) + (last,)
+    return BuiltinModel(
+        name="llama",
+        num_stages=num_stages,
+        stages=stages,
+        loss=_cross_entropy,
+        init_stages=init_stages,
+        model_fn=model_fn,
+        init_function=init_function,
+        batch=batch,
+        param_specs=llama_specs,
+        fused_attention=fused_attention,
+    )
+
+
+# Megatron's layout by leaf name: column-split (the outputs of the projections into heads
+# and hidden units, and the head's vocabulary), row-split (back into the model width).
+_LLAMA_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "head")
+_LLAMA_ROW = ("wo", "w_down", "embed")
+
+
+def llama_specs(params: Params) -> Params:
+    """The tensor-parallel ``PartitionSpec`` of every leaf of :func:`llama`'s parameters
+    (either form). ``T`` must divide ``heads``, ``kv_heads``, ``ffn_hidden`` and ``vocab``."""
+
+    def spec(path: tuple[Any, ...], leaf: Any) -> PartitionSpec | None:
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        name = names[-1] if names else None
+        if name in _LLAMA_COLUMN:
+            return PartitionSpec(None, TENSOR)
+        if name in _LLAMA_ROW:
+            return PartitionSpec(TENSOR, None)
+        return None
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+MODELS: dict[str, Callable[..., BuiltinModel]] = {"mlp": mlp, "transformer": transformer, "llama": llama}
 """The built-in models by name, as ``pipedsl run --model`` knows them."""

@@ -38,6 +38,7 @@ from pipedsl.executor.local import LocalBackend
 from pipedsl.executor.mesh import DATA, MeshConfig
 from pipedsl.executor.ray_backend import RayRunner
 from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig
+from pipedsl.executor.stage_options import Precision, RecomputeMode, StageOptions
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.ir import Schedule
 from pipedsl.policy import Policy
@@ -76,8 +77,15 @@ class Pipeline:
         ``"ray"`` (one ``jax.distributed`` world of Ray processes, a stage mesh possibly
         spanning several; a :class:`~pipedsl.executor.ray_cluster.RayConfig` sets its
         options; see :mod:`pipedsl.executor.ray_backend`).
-      remat: recompute each stage's forward during its backward instead of keeping its
-        intermediates: one flag for all stages or one per stage.
+      recompute: what each stage's backward recomputes instead of keeping, as the
+        planner prices it: ``"none"``, ``"selective"`` (the attention core: what the model
+        passes through :func:`~pipedsl.executor.stage_options.selective`) or ``"full"``
+        (everything but the stage's inputs); one mode for all stages or one per stage.
+      precision: ``"fp32"`` or ``"bf16"``: bf16 compute and activations, fp32 master
+        weights, optimizer state and gradient accumulation (Megatron-LM's mixed precision).
+      sequence_parallel: with ``tp > 1``, split the activations the model passes through
+        :func:`~pipedsl.executor.stage_options.sequence_sharded` (norms, dropout) along
+        the sequence over ``"tensor"``.
       devices: for the local backend, the JAX devices of every pipeline device in order,
         ``dp x tp`` each (default: the first ones JAX reports).
       recv_timeout: seconds any device waits for another before giving up.
@@ -104,7 +112,9 @@ class Pipeline:
         loss: Callable[[Any, Any], Any],
         schedule: Schedule | str | os.PathLike[str],
         backend: str | RayConfig = "local",
-        remat: bool | Sequence[bool] = False,
+        recompute: RecomputeMode | Sequence[RecomputeMode] = "none",
+        precision: Precision = "fp32",
+        sequence_parallel: bool = False,
         devices: Sequence[jax.Device] | None = None,
         recv_timeout: float = 300.0,
         dp: int = 1,
@@ -124,7 +134,8 @@ class Pipeline:
                 f"{schedule.num_stages}; give one stage function per schedule stage"
             )
         mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once, cp=cp)
-        self._setup(stages, None, loss, schedule, backend, remat, devices, recv_timeout, mesh, param_specs)
+        options = _stage_options(schedule, recompute, precision, sequence_parallel)
+        self._setup(stages, None, loss, schedule, backend, options, devices, recv_timeout, mesh, param_specs)
 
     @classmethod
     def from_function(
@@ -134,7 +145,9 @@ class Pipeline:
         loss: Callable[[Any, Any], Any],
         schedule: Schedule | str | os.PathLike[str],
         backend: str | RayConfig = "local",
-        remat: bool | Sequence[bool] = False,
+        recompute: RecomputeMode | Sequence[RecomputeMode] = "none",
+        precision: Precision = "fp32",
+        sequence_parallel: bool = False,
         devices: Sequence[jax.Device] | None = None,
         recv_timeout: float = 300.0,
         dp: int = 1,
@@ -151,7 +164,8 @@ class Pipeline:
         pipe = cls.__new__(cls)
         schedule = _schedule_argument(schedule)
         mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once, cp=cp)
-        pipe._setup(None, model_fn, loss, schedule, backend, remat, devices, recv_timeout, mesh, param_specs)
+        options = _stage_options(schedule, recompute, precision, sequence_parallel)
+        pipe._setup(None, model_fn, loss, schedule, backend, options, devices, recv_timeout, mesh, param_specs)
         return pipe
 
     def _setup(
@@ -161,7 +175,7 @@ class Pipeline:
         loss: Callable[[Any, Any], Any],
         schedule: Schedule,
         backend: str | RayConfig,
-        remat: bool | Sequence[bool],
+        options: tuple[StageOptions, ...],
         devices: Sequence[jax.Device] | None,
         recv_timeout: float,
         mesh: MeshConfig,
@@ -171,12 +185,7 @@ class Pipeline:
         self.program: Program = lower(schedule)
         self.mesh = mesh
         self._stages = stages
-        if isinstance(remat, bool):
-            flags = (remat,) * schedule.num_stages
-        else:
-            flags = tuple(bool(r) for r in remat)
-            if len(flags) != schedule.num_stages:
-                raise ExecutionError(f"remat has {len(flags)} flags; the schedule has {schedule.num_stages} stages")
+        self.options = options
         self.backend: Backend
         if backend == "ray" or isinstance(backend, RayConfig):
             # Parameters live in the world, so the runner takes over whole steps.
@@ -186,7 +195,7 @@ class Pipeline:
                 stages=stages,
                 model_fn=model_fn,
                 loss=loss,
-                remat=flags,
+                remat=options,
                 recv_timeout=recv_timeout,
                 mesh=mesh,
                 param_specs=param_specs,
@@ -201,7 +210,7 @@ class Pipeline:
                 stages=stages,
                 model_fn=model_fn,
                 loss=loss,
-                remat=flags,
+                remat=options,
                 devices=devices,
                 recv_timeout=recv_timeout,
                 mesh=mesh,
@@ -411,3 +420,16 @@ def _schedule_argument(schedule: Any) -> Schedule:
             f" got {type(schedule).__name__}"
         )
     return schedule
+
+
+def _stage_options(
+    schedule: Schedule,
+    recompute: RecomputeMode | Sequence[RecomputeMode],
+    precision: Precision,
+    sequence_parallel: bool,
+) -> tuple[StageOptions, ...]:
+    """Every stage's :class:`StageOptions`, checked."""
+    modes = (recompute,) * schedule.num_stages if isinstance(recompute, str) else tuple(recompute)
+    if len(modes) != schedule.num_stages:
+        raise ExecutionError(f"recompute has {len(modes)} modes; the schedule has {schedule.num_stages} stages")
+    return tuple(StageOptions(recompute=m, precision=precision, sequence_parallel=sequence_parallel) for m in modes)

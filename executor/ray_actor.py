@@ -49,6 +49,7 @@ from pipedsl.executor.ray_transport import (
     worker_exchanges,
 )
 from pipedsl.executor.split import marked_model
+from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder
 from pipedsl.executor.worker import Update, Worker, compile_device
@@ -77,7 +78,7 @@ class ModelSpec:
     targets: Any
     num_microbatches: int
     placement: tuple[int, ...]
-    remat: tuple[bool, ...]
+    remat: tuple[StageOptions, ...]
     mesh: MeshConfig
     specs: tuple[PartitionSpec, ...]
 

@@ -46,6 +46,7 @@ from pipedsl.executor.ray_actor import Failure, ModelSpec, StepReport, trace_mod
 from pipedsl.executor.ray_checkpoint import check_plan, finish_version, latest_version, new_version, plan_record
 from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig, RayWorld
 from pipedsl.executor.ray_transport import assemble
+from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel
 from pipedsl.executor.timing import measured_timeline
 from pipedsl.program import Program
@@ -114,7 +115,7 @@ class RayRunner:
         stages: tuple[Callable[[Any, Any], Any], ...] | None,
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
-        remat: tuple[bool, ...],
+        remat: tuple[StageOptions, ...],
         recv_timeout: float,
         mesh: MeshConfig,
         param_specs: Any,

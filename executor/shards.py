@@ -90,7 +90,10 @@ class DataShards:
 
     def accumulate(self, acc: Sequence[Any], grads: Sequence[Any]) -> tuple[Any, ...]:
         """``acc`` plus this device's ``grads`` (inside a program, in the local view):
-        kept as they are where the accumulator is unreduced, else reduced into it."""
+        kept as they are where the accumulator is unreduced, else reduced into it. Gradients
+        of a bf16 computation are widened to the accumulator's dtype (fp32) first, so they
+        are summed and reduced in fp32."""
+        grads = tuple(g.astype(a.dtype) for a, g in zip(acc, grads, strict=True))
         if not self.split:
             return tuple(a + g for a, g in zip(acc, grads, strict=True))
         if self.layout.unreduced:

@@ -9,7 +9,9 @@ the interpreter calls.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
@@ -23,9 +25,10 @@ from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.jaxprs import aval_struct
 from pipedsl.executor.mesh import DATA, StageLayout
 from pipedsl.executor.shards import DataShards, stage_forms
+from pipedsl.executor.stage_options import StageOptions, tracing
 from pipedsl.executor.stages import StagedModel, describe_avals
 
-__all__ = ["StageProgram", "compile_stage"]
+__all__ = ["StageMemory", "StageProgram", "compile_stage"]
 
 Leaves = tuple[Any, ...]
 
@@ -111,6 +114,9 @@ class StageProgram:
         "_handoff_refs",
         "_pick_refs",
         "_param_avals",
+        "_master_avals",
+        "_cast",
+        "_squares",
         "_forward",
         "_backward",
         "_input",
@@ -120,6 +126,7 @@ class StageProgram:
         "_reduce",
         "layout",
         "_structs",
+        "_num_sent",
     )
 
     def __init__(
@@ -134,6 +141,7 @@ class StageProgram:
         computed: tuple[int, ...],
         split: BackwardSplit,
         param_avals: tuple[jax.ShapeDtypeStruct, ...],
+        master_avals: tuple[jax.ShapeDtypeStruct, ...],
         out_avals: tuple[Any, ...],
         ct_avals: tuple[Any, ...],
         layout: StageLayout,
@@ -147,6 +155,8 @@ class StageProgram:
         self.last = last
         self.split = split
         self._param_avals = param_avals
+        self._master_avals = master_avals
+        self._squares: Any = None
         # Residuals that are trace constants are baked into the backward, not stored.
         self._const_res = {i: slot[1] for i, slot in enumerate(res_slots) if slot[0] == _CONST}
         self._res_slots = tuple(slot for slot in res_slots if slot[0] != _CONST)
@@ -175,6 +185,8 @@ class StageProgram:
             shards=shards,
         )  # fmt: skip
         activations = 0 if last else num_y
+        # The computed outputs of F that are its activation (they come first).
+        self._num_sent = sum(1 for i in computed if i < activations)
         forms = stage_forms(
             shards,
             num_params=len(self._param_avals),
@@ -208,8 +220,15 @@ class StageProgram:
             shards.program(weight_fn, (forms.handoff, forms.refs, forms.acc), forms.acc),
             donate_argnums=2, out_shardings=acc_at,
         )  # fmt: skip
-        acc_shapes = tuple((shards.dp, *a.shape) if layout.unreduced else a.shape for a in self._param_avals)
-        dtypes = tuple(a.dtype for a in self._param_avals)
+        # Gradients accumulate in the master weights' dtype (fp32 under bf16 compute).
+        acc_shapes = tuple((shards.dp, *a.shape) if layout.unreduced else a.shape for a in self._master_avals)
+        dtypes = tuple(a.dtype for a in self._master_avals)
+        compute = tuple(a.dtype for a in self._param_avals)
+        self._cast = (
+            jax.jit(lambda *p: tuple(v.astype(d) for v, d in zip(p, compute, strict=True)), out_shardings=layout.params)
+            if compute != tuple(a.dtype for a in self._master_avals)
+            else None
+        )
         self._zeros = jax.jit(
             lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in zip(acc_shapes, dtypes, strict=True)),
             out_shardings=acc_at,
@@ -252,6 +271,42 @@ class StageProgram:
         mesh and one microbatch (``jit(...).lower(...).compile().as_text()``), and of the
         once-per-step reduction (``"reduce"``, empty when gradients accumulate reduced):
         where the collectives of tensor and data parallelism are, for inspection and tests."""
+        forward, backward, reduce = self._compiled()
+        return {
+            "F": forward.as_text() or "",
+            "B": backward.as_text() or "",
+            "reduce": "" if reduce is None else reduce.as_text() or "",
+        }
+
+    def memory(self) -> StageMemory:
+        """Bytes per JAX device of the stage's compiled ``F`` and ``B`` for one microbatch,
+        from XLA's memory analysis of the compiled programs."""
+        forward, backward, _ = self._compiled()
+        f, b = forward.memory_analysis(), backward.memory_analysis()
+        if f is None or b is None:
+            raise ExecutionError(f"XLA gives no memory analysis of stage {self.stage}'s programs on this platform")
+        params = sum(_bytes(a, s) for a, s in zip(self._master_avals, self.layout.params, strict=True))
+        return StageMemory(
+            kept=int(f.output_size_in_bytes) - self._activation_bytes(forward),
+            forward_temp=int(f.temp_size_in_bytes),
+            backward_temp=int(b.temp_size_in_bytes),
+            params=params,
+            backward_peak=int(b.argument_size_in_bytes + b.output_size_in_bytes + b.temp_size_in_bytes - b.alias_size_in_bytes),
+        )
+
+    def _activation_bytes(self, forward: Any) -> int:
+        """Bytes per device of what ``F`` sends on (its activation): the rest of its
+        output is what it keeps for the backward."""
+        if self.last:
+            return 4  # the running loss
+        infos = jax.tree_util.tree_leaves(forward.out_info)
+        shardings = jax.tree_util.tree_leaves(forward.output_shardings)
+        pairs = list(zip(infos, shardings, strict=True))[: self._num_sent]
+        return sum(_bytes(i, s) for i, s in pairs)
+
+    def _compiled(self) -> tuple[Any, Any, Any]:
+        """``F``, ``B`` and the reduction (None when gradients accumulate reduced),
+        lowered and compiled for one microbatch."""
         layout = self.layout
         x_avals, t_avals, ct_avals = self._structs
 
@@ -275,8 +330,25 @@ class StageProgram:
         ct = at(ct_avals, [layout.batch(a.shape) for a in ct_avals])
         acc = self.zero_grads()
         backward = self._backward.lower(residuals, ct, acc).compile()
-        reduce = "" if self._reduce is None else self._reduce.lower(acc).compile().as_text() or ""
-        return {"F": forward.as_text() or "", "B": backward.as_text() or "", "reduce": reduce}
+        reduce = None if self._reduce is None else self._reduce.lower(acc).compile()
+        return forward, backward, reduce
+
+    def compute_params(self, params: Leaves) -> Leaves:
+        """The stage's parameter leaves (the master weights) as its programs take them: in
+        the compute dtype (one bf16 copy per step under bf16, as Megatron-LM keeps one),
+        the leaves themselves in fp32."""
+        return params if self._cast is None else self._cast(*params)
+
+    def sum_of_squares(self, values: Sequence[Any]) -> jax.Array:
+        """The sum of the squares of every entry of ``values`` (gradient leaves on this
+        stage's mesh), an fp32 scalar replicated on the mesh: one device's part of a global norm."""
+        if self._squares is None:
+
+            def squares(*leaves: Any) -> Any:
+                return sum((jnp.sum(jnp.square(v.astype(jnp.float32))) for v in leaves), jnp.zeros((), jnp.float32))
+
+            self._squares = jax.jit(squares, out_shardings=self.layout.replicated)
+        return self._squares(*values)
 
     def zero_loss(self) -> jax.Array:
         """A zero running loss for the last stage's ``F``, replicated on its mesh."""
@@ -292,6 +364,34 @@ class StageProgram:
         return acc if self._reduce is None else self._reduce(acc)
 
 
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """Bytes per JAX device of one stage's compiled programs for one microbatch (XLA's
+    memory analysis).
+
+    Attributes:
+      kept: what ``F`` keeps for the backward (its outputs less the activation it sends
+        on): the activation memory of one in-flight microbatch, the quantity recompute
+        modes trade. Parameters and inputs the backward reads are kept by reference and
+        not counted.
+      forward_temp, backward_temp: XLA's scratch while ``F`` / ``B`` run.
+      params: the stage's parameters on one device.
+      backward_peak: ``B``'s arguments, outputs and scratch, less what it updates in place.
+    """
+
+    kept: int
+    forward_temp: int
+    backward_temp: int
+    params: int
+    backward_peak: int
+
+
+def _bytes(aval: Any, sharding: Any) -> int:
+    """Bytes of one device's share of a value of shape and dtype ``aval`` laid out by ``sharding``."""
+    shape = sharding.shard_shape(tuple(aval.shape)) if sharding is not None else tuple(aval.shape)
+    return int(math.prod(shape)) * jnp.dtype(aval.dtype).itemsize
+
+
 def _is_float(x: Any) -> bool:
     return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
 
@@ -301,7 +401,7 @@ def compile_stage(
     stage: int,
     *,
     num_microbatches: int,
-    remat: bool,
+    options: StageOptions,
     device: int,
     layout: StageLayout,
 ) -> StageProgram:
@@ -309,22 +409,25 @@ def compile_stage(
     the mesh and shardings of ``layout``.
 
     The last stage's loss is divided by ``num_microbatches`` (and by ``dp``, as each
-    device computes it on its share) so that the sum over microbatches is the mean. With ``remat``, the forward keeps only its inputs and the
-    backward recomputes the rest. ``device`` (the pipeline device) is only for messages.
+    device computes it on its share) so that the sum over microbatches is the mean.
+    ``options`` say what the backward recomputes, the precision and sequence parallelism
+    (:mod:`pipedsl.executor.stage_options`). ``device`` (the pipeline device) is only for messages.
     """
     first, last = stage == 0, stage == model.num_stages - 1
     dp = layout.mesh.shape[DATA]
-    p_avals = tuple(model.param_avals[i] for i in model.stage_params[stage])
+    master_avals = tuple(model.param_avals[i] for i in model.stage_params[stage])
+    p_avals = options.in_compute_dtype(master_avals)
     # The model's avals are one device's share of a microbatch (all of it when dp = 1).
-    x_avals = model.input_avals[stage]
+    x_avals = model.input_avals[stage] if first else options.in_compute_dtype(model.input_avals[stage])
     t_avals = model.target_avals if last else ()
     _check_splittable(x_avals, dp, stage)
     diff_x = tuple(not first and jnp.issubdtype(a.dtype, jnp.inexact) for a in x_avals)
     fwd, traced = _forward_fn(
-        model.functions[stage], diff_x, first=first, last=last, remat=remat, loss_scale=num_microbatches * dp
+        model.functions[stage], diff_x, first=first, last=last, options=options, loss_scale=num_microbatches * dp
     )
     try:
-        forward = jax.make_jaxpr(fwd)(p_avals, x_avals, t_avals)
+        with tracing(layout.mesh, options):
+            forward = jax.make_jaxpr(fwd)(p_avals, x_avals, t_avals)
     except ExecutionError:
         raise
     except Exception as err:  # a user stage may raise anything while it is traced
@@ -349,6 +452,7 @@ def compile_stage(
         computed=tuple(computed),
         split=split,
         param_avals=p_avals,
+        master_avals=master_avals,
         out_avals=tuple(v.aval for v in outvars),
         ct_avals=tuple(_whole(a, dp) for a, d in zip(x_avals, diff_x, strict=True) if d),
         layout=layout,
@@ -366,7 +470,7 @@ def _check_splittable(x_avals: Sequence[Any], dp: int, stage: int) -> None:
 
 
 def _forward_fn(
-    fn: Any, diff_x: tuple[bool, ...], *, first: bool, last: bool, remat: bool, loss_scale: int
+    fn: Any, diff_x: tuple[bool, ...], *, first: bool, last: bool, options: StageOptions, loss_scale: int
 ) -> tuple[Any, dict[str, Any]]:
     """The stage's forward as ``(params, inputs, targets) -> (yd, aux, pullback leaves)``
     for :func:`jax.make_jaxpr`, and the dict where tracing leaves the float mask of its
@@ -376,16 +480,17 @@ def _forward_fn(
     def fwd(p: Leaves, x: Leaves, t: Leaves) -> tuple[Leaves, Leaves, list[Any]]:
         def g(p: Leaves, xd: Leaves) -> tuple[Leaves, Leaves]:
             it = iter(xd)
-            xs = tuple(next(it) if d else v for v, d in zip(x, diff_x, strict=True))
+            xs = options.in_compute_dtype(tuple(next(it) if d else v for v, d in zip(x, diff_x, strict=True)))
             out = fn(tuple(p), xs, tuple(t))
             if last:
                 traced["mask"] = (True,)
-                return (out[0] / loss_scale,), ()
+                return (out[0].astype(jnp.float32) / loss_scale,), ()
+            out = options.in_compute_dtype(out)
             mask = tuple(_is_float(o) for o in out)
             traced["mask"] = mask
             return tuple(o for o, m in zip(out, mask) if m), tuple(o for o, m in zip(out, mask) if not m)
 
-        body = jax.checkpoint(g) if remat else g
+        body = options.checkpoint(g)
         xd = tuple(v for v, d in zip(x, diff_x, strict=True) if d)
         if first:
             yd, pullback, aux = jax.vjp(lambda p: body(p, ()), tuple(p), has_aux=True)

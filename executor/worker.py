@@ -33,6 +33,7 @@ from functools import lru_cache
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -40,7 +41,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.interpreter import Computed, DeviceRuntime, Receive, Steps
 from pipedsl.executor.mesh import StageLayout
+from pipedsl.executor.optimizers import couples_through_global_norm
 from pipedsl.executor.shards import DataShards
+from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stage_program import StageProgram, compile_stage
 from pipedsl.executor.stages import StagedModel
 from pipedsl.executor.timing import Recorder
@@ -133,7 +136,7 @@ class Worker:
                 self._kept.setdefault(i, local[s].layout.params[k])
         self.owned = tuple(i for i in sorted(self._kept) if placement[model.owner[i]] == self.index)
         self._placed_states: set[int] = set()
-        self._optimizers: dict[int, tuple[optax.GradientTransformation, dict[int, tuple[Callable, Callable, Any]]]] = {}
+        self._optimizers: dict[int, _Compiled] = {}
         first, last = 0 in local, model.num_stages - 1 in local
         self._input_layout = local[0].layout if first else None
         self._target_layout = local[model.num_stages - 1].layout if last else None
@@ -152,7 +155,9 @@ class Worker:
                 if isinstance(value, jax.Array) and self._sources.get(i) is value:
                     continue  # loaded before (JAX arrays are immutable): nothing to move
                 self._sources[i] = value if isinstance(value, jax.Array) else None
-                self.leaves[i] = value if getattr(value, "sharding", None) == target else jax.device_put(value, target)
+                # A copy even where the caller's array is placed already: the optimizer
+                # update donates the resident leaves, never the caller's.
+                self.leaves[i] = jax.device_put(value, target, may_alias=False)
         if states is not None:
             self.states = {s: states[s] for s in self.local if s in states}
             self._placed_states.clear()
@@ -185,7 +190,10 @@ class Worker:
         self.applied = False
         model = self.model
         timeout = self.runtime.recv_timeout
-        params = {s: tuple(self.leaves[i] for i in model.stage_params[s]) for s in self.local}
+        stages = self.runtime.stages
+        # The stages' programs take their parameters in their compute dtype: one bf16 copy
+        # of the master weights per step under bf16 (StageProgram.compute_params).
+        params = {s: stages[s].compute_params(tuple(self.leaves[i] for i in model.stage_params[s])) for s in self.local}
         self.phase = "program"
         result = yield from self.runtime.steps(
             transport,
@@ -289,14 +297,23 @@ class Worker:
 
     def _update(self, transport: Transport, update: Update, grads: dict[int, Any]) -> Steps[None]:
         """Apply the optimizer to every local stage's owned leaves, then hand updated
-        shared leaves to the other devices that use them."""
+        shared leaves to the other devices that use them.
+
+        An optimizer that combines leaves through the global norm of the gradients
+        (``optax.clip_by_global_norm``) sees, besides a stage's own leaves, one scalar
+        leaf whose square is the sum of squares of every other gradient leaf of the model
+        (exchanged between the devices, :meth:`_rest_of_norm`), so that its norm is the
+        whole model's, as on one device; one that combines them otherwise is refused
+        (:func:`~pipedsl.executor.optimizers.couples_through_global_norm`)."""
         model, me, placement = self.model, self.index, self.placement
         self._sources.clear()  # the resident leaves are no longer the caller's arrays
         if update.init:
             self.states = {}
+        compiled = self._compiled_for(update.optimizer)
+        rest = (yield from self._rest_of_norm(transport, grads)) if compiled.coupled else {}
         for s in self.local:
             owned = model.owned(s)
-            apply, init, state_at = self._compiled_update(update.optimizer, s)
+            apply, init, state_at = self._compiled_update(compiled, s)
             treedef = model.owned_treedefs[s]
             params_s = jax.tree_util.tree_unflatten(treedef, [self.leaves[i] for i in owned])
             state = self.states.get(s)
@@ -304,9 +321,11 @@ class Worker:
                 state = init(params_s)
             elif s not in self._placed_states:
                 _check_state(state, state_at, s)
-                state = jax.device_put(state, state_at)
+                # A copy: the update donates the state, and this one is the caller's.
+                state = jax.device_put(state, state_at, may_alias=False)
             grads_s = jax.tree_util.tree_unflatten(treedef, [grads[i] for i in owned])
-            params_s, self.states[s] = apply(grads_s, state, params_s)
+            args = (grads_s, rest[s]) if compiled.coupled else (grads_s,)
+            params_s, self.states[s] = apply(*args, state, params_s)
             self._placed_states.add(s)
             for i, leaf in zip(owned, jax.tree_util.tree_leaves(params_s), strict=True):
                 self.leaves[i] = leaf
@@ -323,23 +342,43 @@ class Worker:
     def abstract_state(self, optimizer: optax.GradientTransformation, stage: int) -> Any:
         """The shapes, dtypes and shardings of local ``stage``'s optimizer state (a pytree
         of ``jax.ShapeDtypeStruct``), for reading a saved state back in place."""
-        _, _, state_at = self._compiled_update(optimizer, stage)
+        _, _, state_at = self._compiled_update(self._compiled_for(optimizer), stage)
         model = self.model
         owned = [model.param_avals[i] for i in model.owned(stage)]
         shapes = jax.eval_shape(optimizer.init, jax.tree_util.tree_unflatten(model.owned_treedefs[stage], owned))
         return jax.tree_util.tree_map(lambda v, at: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=at), shapes, state_at)
 
-    def _compiled_update(self, optimizer: optax.GradientTransformation, stage: int) -> tuple[Callable, Callable, Any]:
-        """(update, init, state shardings) of ``optimizer`` for ``stage``'s owned leaves:
-        jitted so that the state is kept where the stage's layout says (ZeRO) and the
-        parameters come back where they are kept."""
+    def _rest_of_norm(self, transport: Transport, grads: Mapping[int, Any]) -> Steps[dict[int, Any]]:
+        """Per local stage, the sum of squares of every gradient value of the model outside
+        the leaves it owns (an fp32 scalar on its mesh): each device sends the sum over its
+        own leaves to every other device through the transport."""
+        model = self.model
+        own = {s: self.runtime.stages[s].sum_of_squares([grads[i] for i in model.owned(s)]) for s in self.local}
+        mine = sum(own.values(), jnp.zeros((), jnp.float32))
+        others = [d for d in range(self.num_devices) if d != self.index]
+        for d in others:
+            transport.send(("sqnorm", self.index), mine, d, stage=None)
+        theirs = []
+        for d in others:
+            theirs.append((yield Receive(("sqnorm", d), d)))
+        return {s: sum([*theirs, *(own[t] for t in self.local if t != s)], jnp.zeros((), jnp.float32)) for s in self.local}
+
+    def _compiled_for(self, optimizer: optax.GradientTransformation) -> _Compiled:
         entry = self._optimizers.get(id(optimizer))
-        if entry is None or entry[0] is not optimizer:
-            entry = (optimizer, {})
+        if entry is None or entry.optimizer is not optimizer:
+            entry = _Compiled(optimizer, couples_through_global_norm(optimizer), {})
             self._optimizers[id(optimizer)] = entry
-        compiled = entry[1].get(stage)
+        return entry
+
+    def _compiled_update(self, entry: _Compiled, stage: int) -> tuple[Callable, Callable, Any]:
+        """(update, init, state shardings) of the optimizer for ``stage``'s owned leaves:
+        jitted so that the state is kept where the stage's layout says (ZeRO), the
+        parameters come back where they are kept, and the state and parameters are
+        updated in place (donated: the resident ones are this worker's own copies)."""
+        compiled = entry.stages.get(stage)
         if compiled is not None:
             return compiled
+        optimizer, coupled = entry.optimizer, entry.coupled
         model = self.model
         layout = self.runtime.stages[stage].layout
         position = {i: k for k, i in enumerate(model.stage_params[stage])}
@@ -348,6 +387,10 @@ class Worker:
         params_at = jax.tree_util.tree_unflatten(treedef, [layout.params[position[i]] for i in owned])
         state_leaf_at = jax.tree_util.tree_unflatten(treedef, [layout.states[position[i]] for i in owned])
         avals = jax.tree_util.tree_unflatten(treedef, [model.param_avals[i] for i in owned])
+        if coupled:
+            # The optimizer's tree: the stage's leaves and the rest of the norm's leaf.
+            avals = (avals, jax.ShapeDtypeStruct((), jnp.float32))
+            state_leaf_at = (state_leaf_at, layout.replicated)
         state_at = optax.tree_utils.tree_map_params(
             optimizer,
             lambda _, at: at,
@@ -361,26 +404,44 @@ class Worker:
             updates, state = optimizer.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
-        # The gradients are the step's own accumulators, so they may be updated in place;
-        # the state and parameters belong to the caller (the local backend returns them).
-        update: Callable[[Any, Any, Any], tuple[Any, Any]]
+        def apply_coupled(grads: Any, rest: Any, state: Any, params: Any) -> tuple[Any, Any]:
+            aug = (grads, jnp.sqrt(rest)), state, (params, jnp.zeros((), jnp.float32))
+            updates, state = optimizer.update(*aug)
+            return optax.apply_updates(params, updates[0]), state
+
+        step, first_state = (apply_coupled, 2) if coupled else (apply, 1)
+        update: Callable[..., tuple[Any, Any]]
         if layout.gathers_params:
             # ZeRO 1 and 2: each device updates its shard, then one program gathers the
-            # new parameters, a bucket at a time (XLA would gather each leaf apart).
+            # new parameters, a bucket at a time (XLA would gather each leaf apart). The
+            # whole parameters cannot take the shards' place, so the gradients do.
             positions = [position[i] for i in owned]
             gather = jax.jit(DataShards(layout).whole(positions), out_shardings=tuple(jax.tree_util.tree_leaves(params_at)))
-            sharded = jax.jit(apply, donate_argnums=0, out_shardings=(state_leaf_at, state_at))
+            sharded_at = state_leaf_at[0] if coupled else state_leaf_at
+            sharded = jax.jit(step, donate_argnums=(0, first_state), out_shardings=(sharded_at, state_at))
 
-            def gathered(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-                new, state = sharded(grads, state, params)
+            def gathered(*args: Any) -> tuple[Any, Any]:
+                new, state = sharded(*args)
                 return jax.tree_util.tree_unflatten(treedef, gather(*jax.tree_util.tree_leaves(new))), state
 
             update = gathered
         else:
-            update = jax.jit(apply, donate_argnums=0, out_shardings=(params_at, state_at))
-        compiled = (update, jax.jit(optimizer.init, out_shardings=state_at), state_at)
-        entry[1][stage] = compiled
+            update = jax.jit(step, donate_argnums=(first_state, first_state + 1), out_shardings=(params_at, state_at))
+        init_params = (lambda p: optimizer.init((p, jnp.zeros((), jnp.float32)))) if coupled else optimizer.init
+        compiled = (update, jax.jit(init_params, out_shardings=state_at), state_at)
+        entry.stages[stage] = compiled
         return compiled
+
+
+@dataclass(slots=True)
+class _Compiled:
+    """An optimizer's compiled updates on one device: whether it couples leaves through
+    the global norm (:func:`~pipedsl.executor.optimizers.couples_through_global_norm`) and, per local stage, (update, init, state
+    shardings)."""
+
+    optimizer: optax.GradientTransformation
+    coupled: bool
+    stages: dict[int, tuple[Callable, Callable, Any]]
 
 
 def compile_device(
@@ -391,19 +452,20 @@ def compile_device(
     specs: Sequence[PartitionSpec],
     zero: int,
     num_microbatches: int,
-    remat: Sequence[bool],
+    remat: Sequence[StageOptions],
     placement: Sequence[int],
     reduce_once: bool = False,
 ) -> dict[int, StageProgram]:
     """The compiled programs of ``stages`` (all on one pipeline device, whose mesh is
-    ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``."""
+    ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``; ``remat``
+    every stage's :class:`~pipedsl.executor.stage_options.StageOptions`."""
     programs = {}
     for s in stages:
         idx = model.stage_params[s]
         avals = [model.param_avals[i] for i in idx]
         layout = StageLayout(mesh, [specs[i] for i in idx], avals, zero=zero, leaves=idx, reduce_once=reduce_once)
         programs[s] = compile_stage(
-            model, s, num_microbatches=num_microbatches, remat=remat[s], device=placement[s], layout=layout
+            model, s, num_microbatches=num_microbatches, options=remat[s], device=placement[s], layout=layout
         )
     return programs
 

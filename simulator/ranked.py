@@ -39,6 +39,10 @@ COLUMNS = (
     "dp_tail_s",
     "memory_bytes_per_gpu",
     "inflight_limit",
+    "model",
+    "sequence_parallel",
+    "flash_attention",
+    "reduce_bytes",
 )
 """The columns of :func:`search`'s DataFrame, in order."""
 
@@ -50,7 +54,9 @@ class RankedPlan:
     Seconds are per training step; ``memory_bytes_per_gpu`` is on the fullest GPU.
     ``inflight_limit`` is the ``max_inflight`` a policy schedule was synthesised with for
     this plan's memory (:mod:`pipedsl.simulator.policy_plans`); 0 for a schedule that
-    states its order.
+    states its order. ``model`` is the model's name; ``sequence_parallel``,
+    ``flash_attention`` and ``reduce_bytes`` are the plan's, so that a row says all that
+    ``pipedsl run --plan`` needs to run what was priced.
     """
 
     rank: int
@@ -72,6 +78,10 @@ class RankedPlan:
     dp_tail_s: float
     memory_bytes_per_gpu: int
     inflight_limit: int
+    model: str
+    sequence_parallel: bool
+    flash_attention: bool
+    reduce_bytes: int
     plan: Plan
 
     @classmethod
@@ -97,6 +107,10 @@ class RankedPlan:
             dp_tail_s=e.dp_tail_s,
             memory_bytes_per_gpu=e.memory.total,
             inflight_limit=e.inflight_limit or 0,
+            model=e.model.name,
+            sequence_parallel=plan.sequence_parallel,
+            flash_attention=plan.flash_attention,
+            reduce_bytes=plan.reduce_bytes,
             plan=plan,
         )
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import os
 import shlex
 import sys
 import time
@@ -457,6 +458,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise PipedslError("--devices must be at least 2, --top and --steps at least 1")
     check_output_folder(args.out, option="--out")
     request_devices(args.devices)
+    if args.backend == "ray" and "JAX_PLATFORMS" not in os.environ:
+        import jax
+
+        # The driver's own work (calibration, parameters) stays on the CPU: on a GPU node
+        # the actors need the GPUs' memory (a setting of this process, not their environment).
+        jax.config.update("jax_platforms", "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = make_console()

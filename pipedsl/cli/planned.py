@@ -49,6 +49,10 @@ class PlannedRun:
       rank: the plan's rank in its search, when known.
       inflight_limit: the ``max_inflight`` the search chose for a policy schedule; 0 for
         none (the schedule's own default).
+      model: the name of the model the search priced (a preset such as ``llama-8b``), when
+        the row says; None for rows of older searches (the demo transformer).
+      sequence_parallel, flash_attention: the plan's (True, as the planner assumes, when
+        the row does not say).
     """
 
     schedule: str
@@ -64,6 +68,9 @@ class PlannedRun:
     planned_s: float | None = None
     rank: int | None = None
     inflight_limit: int = 0
+    model: str | None = None
+    sequence_parallel: bool = True
+    flash_attention: bool = True
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], *, where: str = "plan") -> PlannedRun:
@@ -81,6 +88,7 @@ class PlannedRun:
         planned = row.get("step_time_s")
         rank = row.get("rank")
         limit = row.get("inflight_limit")
+        model = row.get("model")
         return cls(
             schedule=SPMD_SCHEDULE if spmd else str(row["schedule"]),
             kind=kind,
@@ -88,6 +96,9 @@ class PlannedRun:
             planned_s=None if planned is None or planned == "" else float(planned),
             rank=None if rank in (None, "") else _whole(rank, "rank", where),
             inflight_limit=0 if limit in (None, "") else _whole(limit, "inflight_limit", where),
+            model=None if model in (None, "") else str(model),
+            sequence_parallel=_flag(row.get("sequence_parallel"), "sequence_parallel", where),
+            flash_attention=_flag(row.get("flash_attention"), "flash_attention", where),
             **values,
         )
 
@@ -119,17 +130,27 @@ class PlannedRun:
         return schedule
 
     def label(self) -> str:
-        """``zbv dp=2 tp=1 pp=2 vpp=2 mb=4 zero=1`` or ``SPMD dp=8 tp=1 mb=4 zero=1``."""
+        """``zbv dp=2 tp=1 pp=2 vpp=2 mb=4 x8 zero=1 recompute=none`` or ``SPMD dp=8 tp=1
+        mb=4 x8 zero=1 recompute=full``, with ``sequence-parallel`` when ``tp > 1`` and
+        ``no-flash-attention`` when the plan has none."""
         name = "SPMD" if self.kind == "spmd" else self.schedule
         pp = "" if self.kind == "spmd" else f" pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp > 1 else "")
-        return f"{name} dp={self.dp} tp={self.tp}{pp} mb={self.microbatch_size} x{self.microbatches} zero={self.zero}"
+        options = " sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
+        options += "" if self.flash_attention else " no-flash-attention"
+        return (
+            f"{name} dp={self.dp} tp={self.tp}{pp} mb={self.microbatch_size} x{self.microbatches} zero={self.zero} "
+            f"recompute={self.recompute}{options}"
+        )
 
     def command(self) -> str:
-        """The ``pipedsl run`` command line that runs this plan on the built-in transformer."""
+        """The ``pipedsl run`` command line that runs this plan's layout on the built-in transformer."""
         params = " ".join(f"-p {k}={v}" for k, v in self.params().items())
+        options = f" --recompute {self.recompute}" if self.recompute != "none" else ""
+        options += " --sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
+        options += " --fused-attention" if self.flash_attention else ""
         return (
             f"pipedsl run {self.schedule} {params} --model transformer --dp {self.dp} --tp {self.tp} "
-            f"--zero {self.zero} --microbatch-size {self.microbatch_size}"
+            f"--zero {self.zero} --microbatch-size {self.microbatch_size}{options}"
         )
 
 
@@ -146,6 +167,16 @@ def read_plan(path: str | Path, rank: int) -> PlannedRun:
         if row_rank.strip() == str(rank):
             return PlannedRun.from_row(row, where=f"{where}, rank {rank}")
     raise PipedslError(f"{where}: no plan of rank {rank}; it ranks {len(rows)} plans (1 .. {len(rows)})")
+
+
+def _flag(value: Any, name: str, where: str) -> bool:
+    """A true/false column (``True``/``False`` as pandas writes them); true when absent."""
+    if value in (None, ""):
+        return True
+    text = str(value).strip().lower()
+    if text not in ("true", "false", "1", "0"):
+        raise PipedslError(f"{where}: {name} should be true or false, not {value!r}")
+    return text in ("true", "1")
 
 
 def _whole(value: Any, name: str, where: str) -> int:

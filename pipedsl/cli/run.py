@@ -52,7 +52,7 @@ _PLAN_SETS = {
     "width": "--width",
     "layers_per_stage": "--layers-per-stage",
 }
-"""What ``--plan`` sets (the plan's degrees and batch, and the demo transformer it runs),
+"""What ``--plan`` sets (the plan's degrees and batch, and the model it runs, scaled down),
 as the option that would set it otherwise."""
 
 _DEFAULTS: dict[str, int | str] = {
@@ -109,19 +109,36 @@ def _describe(schedule: Schedule) -> str:
     return f"{schedule.name}({params})" if params else schedule.name
 
 
-def _model(args: argparse.Namespace, schedule: Schedule, *, demo_shape: bool) -> tuple[Any, str]:
-    """The built-in model to train and its shape in words; a ranked plan runs the demo transformer."""
+def _model(args: argparse.Namespace, schedule: Schedule, planned: PlannedRun | None) -> tuple[Any, str]:
+    """The built-in model to train and its shape in words; a ranked plan runs its model
+    (scaled down to run here: :mod:`pipedsl.cli.scaled`), saying so."""
     from pipedsl.executor.models import MODELS
 
-    if demo_shape:
-        from pipedsl.cli.calibrate import demo_transformer
+    if planned is not None:
+        from pipedsl.cli.scaled import scaled_model
 
-        return demo_transformer(schedule.num_stages), "the demo transformer"
+        scaled = scaled_model(
+            planned.model, num_stages=schedule.num_stages, tp=planned.tp, fused_attention=planned.flash_attention
+        )
+        if scaled.note is not None:
+            print(scaled.note)
+        args.precision = scaled.precision
+        return scaled.model, scaled.shape
     layers = f"{args.layers_per_stage} layers per stage"
     if args.model == "mlp":
         model = MODELS["mlp"](num_stages=schedule.num_stages, width=args.width, layers_per_stage=args.layers_per_stage)
         return model, f"width {args.width}, {layers}"
-    model = MODELS["transformer"](num_stages=schedule.num_stages, dim=args.width, layers_per_stage=args.layers_per_stage)
+    if args.model == "llama":
+        heads = 2 * args.tp  # two query heads per key/value head, every split tp-way
+        model = MODELS["llama"](
+            num_stages=schedule.num_stages, hidden=args.width, ffn_hidden=4 * args.width, heads=heads,
+            kv_heads=args.tp, vocab=64, layers_per_stage=args.layers_per_stage, fused_attention=args.fused_attention,
+        )  # fmt: skip
+        return model, f"hidden {args.width}, {heads} heads / {args.tp} kv, {layers}"
+    model = MODELS["transformer"](
+        num_stages=schedule.num_stages, dim=args.width, layers_per_stage=args.layers_per_stage,
+        fused_attention=args.fused_attention,
+    )  # fmt: skip
     return model, f"dim {args.width}, {layers}"
 
 
@@ -143,13 +160,13 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
     planned = read_plan(args.plans, args.plan)
     sets: dict[str, int | str | None] = {
         "dp": planned.dp, "tp": planned.tp, "zero": planned.zero, "microbatch_size": planned.microbatch_size,
-        "model": "transformer", "width": None, "layers_per_stage": None,
+        "model": None, "width": None, "layers_per_stage": None,
     }  # fmt: skip
     given = [name for name in _PLAN_SETS if getattr(args, name) is not None]
     clash = [name for name in given if sets[name] is None or getattr(args, name) != sets[name]]
     if clash:
         said = ", ".join(
-            f"{_PLAN_SETS[n]} {getattr(args, n)} (the plan {'has ' + str(sets[n]) if sets[n] is not None else 'runs the demo transformer'})"
+            f"{_PLAN_SETS[n]} {getattr(args, n)} (the plan {'has ' + str(sets[n]) if sets[n] is not None else 'runs its own model, scaled down'})"
             for n in clash
         )
         raise PipedslError(
@@ -158,6 +175,9 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
         )
     for name, value in sets.items():
         setattr(args, name, value)
+    args.recompute, args.remat = planned.recompute, False
+    args.sequence_parallel = planned.sequence_parallel and planned.tp > 1
+    args.fused_attention = planned.flash_attention
     return planned.schedule_of(), planned
 
 
@@ -195,8 +215,19 @@ def _train(args: argparse.Namespace) -> int:
     import optax
 
     from pipedsl.cli.health import nonfinite_origin
+    from pipedsl.executor.devices import cpu_fallback_note
 
-    model, shape = _model(args, schedule, demo_shape=planned is not None)
+    if args.backend == "ray" and "JAX_PLATFORMS" not in os.environ:
+        # The driver only builds host arrays (parameters, the batch) for the actors: on a
+        # GPU node it must not take a GPU's memory from them (JAX would preallocate most
+        # of it). A setting of this process's JAX, not the environment the actors inherit.
+        jax.config.update("jax_platforms", "cpu")
+    elif args.backend == "local":
+        note = cpu_fallback_note(jax.devices()[0].platform)
+        if note is not None:
+            print(note, file=sys.stderr)
+
+    model, shape = _model(args, schedule, planned)
     key = jax.random.PRNGKey(args.seed)
     _check_fits(jax, model.init_stages, key, devices=devices, replicas=args.dp, what=f"model {model.name} ({shape})")
     batch_size = args.microbatch_size * schedule.num_microbatches * args.dp
@@ -205,6 +236,8 @@ def _train(args: argparse.Namespace) -> int:
     optimizer = optax.adam(args.lr)
     platform = jax.devices()[0].platform if args.backend == "local" else "Ray process"
     print(_run_line(args, schedule, platform, model.name, shape, batch_size, devices=devices))
+    if planned is not None:
+        print(_configuration(pipe, schedule, model))
     params, opt_state, first = keeping.restore(pipe, params, batch, optimizer)
     if args.resume:
         print(f"resumed from {args.checkpoint} after step {first - 1}")
@@ -215,8 +248,8 @@ def _train(args: argparse.Namespace) -> int:
             if interrupted():
                 raise KeyboardInterrupt
             # The parameters that entered the step, to find where a non-finite loss came
-            # from (on Ray only the latest handle is valid, so a copy is fetched).
-            before = params if args.allow_nonfinite or args.backend == "local" else pipe.gather(params)
+            # from (the update donates what a step returned, so a copy is fetched).
+            before = params if args.allow_nonfinite else pipe.gather(params)
             start = time.perf_counter()
             params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
             jax.block_until_ready((params, loss))
@@ -271,6 +304,20 @@ def _run_line(
     )
 
 
+def _configuration(pipe: Any, schedule: Schedule, model: Any) -> str:
+    """What the pipeline runs, read back from it: the plan's columns, as a search row
+    names them."""
+    options = pipe.options[0]
+    mesh = pipe.mesh
+    vpp = schedule.num_stages // schedule.num_devices
+    return (
+        f"configuration: schedule={schedule.name} dp={mesh.dp} tp={mesh.tp} pp={schedule.num_devices} vpp={vpp} "
+        f"microbatches={schedule.num_microbatches} zero={mesh.zero} recompute={options.recompute} "
+        f"sequence_parallel={str(options.sequence_parallel).lower()} "
+        f"flash_attention={str(model.fused_attention).lower()} precision={options.precision}"
+    )
+
+
 @contextmanager
 def _recorded_interrupts() -> Iterator[Callable[[], bool]]:
     """Within the block, Ctrl-C raises ``KeyboardInterrupt`` as usual and is also
@@ -309,7 +356,15 @@ def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, ke
     mesh = {"dp": args.dp, "tp": args.tp, "zero": args.zero}
     params = model.init_function(key) if args.marked else model.init_stages(key)
     specs = model.param_specs(params) if args.tp > 1 else None
-    options = {"schedule": schedule, "backend": backend, "remat": args.remat, "param_specs": specs, **mesh}
+    options = {
+        "schedule": schedule,
+        "backend": backend,
+        "recompute": "full" if args.remat else args.recompute,
+        "precision": args.precision,
+        "sequence_parallel": args.sequence_parallel,
+        "param_specs": specs,
+        **mesh,
+    }
     if args.marked:
         return Pipeline.from_function(model.model_fn, loss=model.loss, **options), params
     return Pipeline(model.stages, loss=model.loss, **options), params
@@ -358,7 +413,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.set_defaults(handler=_cmd_run)
     run.add_argument("file", metavar="FILE", nargs="?", help="a .sched, .csv or .json schedule (or give --plan)")
     add_param_option(run)
-    run.add_argument("--model", choices=("mlp", "transformer"), help="the built-in model (default mlp)")
+    run.add_argument("--model", choices=("mlp", "transformer", "llama"), help="the built-in model (default mlp)")
     run.add_argument("--marked", action="store_true", help="split one marked function instead of explicit stages")
     run.add_argument("--steps", type=int, default=5, metavar="N", help="training steps (default 5)")
     run.add_argument("--microbatch-size", type=int, metavar="B", help="examples per microbatch (default 8)")
@@ -366,7 +421,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--layers-per-stage", type=int, metavar="L", help="layers per stage (default 2)")
     run.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     run.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
-    run.add_argument("--remat", action="store_true", help="recompute each stage's forward in its backward")
+    run.add_argument("--remat", action="store_true", help="recompute each stage's forward in its backward (--recompute full)")
+    run.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        default="none",
+        help="what the backward recomputes: none, selective (the attention core) or full (default none)",
+    )
+    run.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: bf16 compute and activations, fp32 master weights and gradient accumulation (default fp32)",
+    )
+    run.add_argument(
+        "--sequence-parallel", action="store_true", help="with --tp, split norms' activations along the sequence"
+    )
+    run.add_argument(
+        "--fused-attention", action="store_true", help="jax.nn.dot_product_attention (cuDNN on GPUs) in the transformers"
+    )
     run.add_argument(
         "--backend",
         choices=("local", "ray"),

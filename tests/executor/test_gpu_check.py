@@ -1,0 +1,38 @@
+"""The CPU dry run of bench/gpu_check.sh: without a GPU it runs its checks at toy sizes on
+forced CPU devices, prints one table and writes one JSON line, and never imports Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_runs_its_checks_on_the_cpu(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PY"] = sys.executable
+    checks = "fp32,recompute-selective,hybrid,no-such-check"
+    bad = subprocess.run(
+        ["bash", "bench/gpu_check.sh", str(tmp_path), "--checks", checks], capture_output=True, text=True, cwd=ROOT,
+        env=env, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "unknown checks ['no-such-check']" in bad.stderr
+    out = subprocess.run(
+        ["bash", "bench/gpu_check.sh", str(tmp_path), "--checks", checks.rsplit(",", 1)[0]], capture_output=True,
+        text=True, cwd=ROOT, env=env, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    table = out.stdout[out.stdout.index("check ") :]
+    for name in ("fp32", "recompute-selective", "hybrid"):
+        assert any(line.split()[:2] == [name, "ok"] for line in table.splitlines() if line.strip())
+    (line,) = (tmp_path / "results.json").read_text().splitlines()
+    results = json.loads(line)
+    assert results["platform"] == "cpu" and results["devices"] == 8
+    assert results["checks"] == {"fp32": "ok", "recompute-selective": "ok", "hybrid": "ok"}
+    assert results["ray_imported"] is False
+    assert results["results"]["fp32"]["grad_rel_error"] < 1e-5
+    assert results["results"]["hybrid"] == {**results["results"]["hybrid"], "dp": 2, "tp": 2, "pp": 2}
