@@ -200,7 +200,8 @@ class RayWorld:
         group = reservation.group
         remote = ray.remote(WorldProcess)
         env = process_env(config, k, gpu=gpu, threads=_threads_per_process(config, n))
-        actors = tuple(
+        # Ray's stubs type an actor class's handles loosely: they are handles here.
+        actors: tuple[Any, ...] = tuple(
             remote.options(
                 **reservation.actor_options,
                 max_concurrency=_ACTOR_THREADS,

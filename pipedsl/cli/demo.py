@@ -483,16 +483,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _record(results: list[RunResult], seconds: float) -> None:
     """One line for this run in ``$PIPEDSL_RESULTS_DIR/demo.jsonl`` (``make demo`` sets it; unset, nothing)."""
     measured = [r.run.measured_s for r in results]
-    same, pairs = pairs_agreeing([r.predicted_s for r in results], measured)
-    searched, _ = pairs_agreeing([r.searched_s for r in results], measured)
-    plans = "; ".join(f"{r.run.label} {r.error:+.1%} (searched {r.searched_error:+.1%})" for r in results)
+    spread = [r.spread_s for r in results]
+    same, pairs = pairs_agreeing([r.predicted_s for r in results], measured, spread)
+    searched, searched_pairs = pairs_agreeing([r.searched_s for r in results], measured, spread)
+    plans = "; ".join(
+        f"{r.run.label} {r.error:+.1%} ±{r.spread_s / r.run.measured_s:.0%} (searched {r.searched_error:+.1%})"
+        for r in results
+    )
     within = sum(abs(r.error) <= 0.2 for r in results)
+    verdict = "no runs"
+    if results:
+        first, fastest, holds = first_is_fastest(results)
+        verdict = "yes" if first is fastest else ("within the spread" if holds else "no")
     figures: dict[str, Figure] = {
         "seconds": round(seconds),
         "plans": plans,
         "within_20_percent": f"{within} of {len(results)}",
         "pairs_in_order": f"{same} of {pairs}",
-        "searched_pairs_in_order": f"{searched} of {pairs}",
+        "searched_pairs_in_order": f"{searched} of {searched_pairs}",
+        "first_is_fastest": verdict,
     }
     append_result("demo", figures, command=shlex.join(["pipedsl", *sys.argv[1:]]))
 
