@@ -179,7 +179,9 @@ def overhead(args: argparse.Namespace) -> None:
         print(f"   {name:<28} {t * 1e3:8.1f} ms")
     ratio = times["spmd dp=8"] / times["one jax.jit, dp=8"]
     print(f"   executor dp=8 / one jax.jit dp=8: {ratio:.2f}x (target <= 1.3x)")
-    record("bench_hybrid_overhead", {**{f"{name}_ms": t * 1e3 for name, t in times.items()}, "executor_over_jit": ratio})
+    record(
+        "bench_hybrid_overhead", {**{f"{name}_ms": t * 1e3 for name, t in times.items()}, "executor_over_jit": ratio}
+    )
 
 
 if __name__ == "__main__":

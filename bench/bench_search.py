@@ -101,7 +101,9 @@ def main() -> None:
     print(f"  simulations        {attrs['simulations']:>7}")
     print(f"  processes          {attrs['processes']:>7}")
     print(f"  wall time          {seconds:7.1f} s  ({attrs['considered'] / seconds:,.0f} plans/s)")
-    print(f"  CPU time           {cpu:7.1f} s  ({attrs['considered'] / cpu:,.0f} plans per CPU second, workers included)")
+    print(
+        f"  CPU time           {cpu:7.1f} s  ({attrs['considered'] / cpu:,.0f} plans per CPU second, workers included)"
+    )
     print(summarize(frame).text())
     default = (args.model, args.cluster, args.gpus, args.global_batch) == ("gpt3-175b", "a100-80gb", 1024, 1536)
     if default and not args.no_prune and args.record:
@@ -109,7 +111,9 @@ def main() -> None:
         print(f"  best 40 plans      recorded in {RECORDED.name}")
     elif default and not args.no_prune:
         same = _top(frame) == json.loads(RECORDED.read_text())
-        print(f"  best 40 plans      {'the same as' if same else 'DIFFERENT from'} the recorded ranking ({RECORDED.name})")
+        print(
+            f"  best 40 plans      {'the same as' if same else 'DIFFERENT from'} the recorded ranking ({RECORDED.name})"
+        )
     if args.baseline:
         base = _baseline(args.baseline, args, prune)
         print(f"  baseline           {base['seconds']:7.1f} s  ({base['considered'] / base['seconds']:,.0f} plans/s)"

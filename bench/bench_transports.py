@@ -168,7 +168,11 @@ def _measure(rounds: int, *, phase: str) -> dict[str, dict[str, float]]:
                     results[label] = {"graph": float("nan")}
             else:
                 ray.get(a.direct.remote(elements, 3))
-                results[label] = {("direct" if phase == "plain" else "direct+inline"): _half_median(ray.get(a.direct.remote(elements, rounds)))}
+                results[label] = {
+                    ("direct" if phase == "plain" else "direct+inline"): _half_median(
+                        ray.get(a.direct.remote(elements, rounds))
+                    )
+                }
             if phase == "plain":
                 base = 1000 * (1 + list(SIZES).index(label)) * rounds
                 there = a.jax_round_trips.remote(elements, rounds, True, base)
@@ -190,14 +194,18 @@ def main() -> None:
     import jax
     import ray
 
-    print(f"ray {ray.__version__}, jax {jax.__version__}, {os.cpu_count()} cores: one-way hop between two actors, median ms")
+    print(
+        f"ray {ray.__version__}, jax {jax.__version__}, {os.cpu_count()} cores: one-way hop between two actors, median ms"
+    )
     figures: dict[str, float] = {}
     for phase in ("plain", "inline", "graph"):
         results = _measure(args.repeat, phase=phase)
         for label in SIZES:
             cells = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in results[label].items())
             print(f"   {label:<7} {cells}   (load average {os.getloadavg()[0]:.1f})", flush=True)
-            figures |= {f"{name}_{label.replace(' ', '')}_ms": seconds * 1e3 for name, seconds in results[label].items()}
+            figures |= {
+                f"{name}_{label.replace(' ', '')}_ms": seconds * 1e3 for name, seconds in results[label].items()
+            }
     record("bench_transports", figures)
 
 

@@ -68,8 +68,7 @@ def run_together(
             elif now - since > timeout and thread.is_alive():
                 d = runner.running
                 raise ExecutionError(
-                    f"device {d} is stalled: still {doing(d)} after {timeout:g} s without progress "
-                    "(recv_timeout)",
+                    f"device {d} is stalled: still {doing(d)} after {timeout:g} s without progress (recv_timeout)",
                     device=d,
                 )
     finally:

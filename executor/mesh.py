@@ -145,7 +145,9 @@ def _check_spec(spec: PartitionSpec, shape: tuple[int, ...], tp: int, leaf: int)
         names = name if isinstance(name, tuple) else (name,)
         for n in names:
             if n not in (None, TENSOR, DATA):
-                raise ExecutionError(f"parameter leaf {leaf}'s spec {spec} names axis {n!r}; the mesh has 'data' and 'tensor'")
+                raise ExecutionError(
+                    f"parameter leaf {leaf}'s spec {spec} names axis {n!r}; the mesh has 'data' and 'tensor'"
+                )
         if TENSOR in names and shape[axis] % tp:
             raise ExecutionError(
                 f"parameter leaf {leaf} of shape {shape} splits axis {axis} ({shape[axis]}) over tp={tp}, "
@@ -231,7 +233,13 @@ class StageLayout:
         context = cp > 1 and len(shape) > 1 and shape[1] % cp == 0
         sharding = self._batch.get((split, context))
         if sharding is None:
-            spec = PartitionSpec(DATA if split else None, CONTEXT) if context else PartitionSpec(DATA) if split else PartitionSpec()
+            spec = (
+                PartitionSpec(DATA if split else None, CONTEXT)
+                if context
+                else PartitionSpec(DATA)
+                if split
+                else PartitionSpec()
+            )
             sharding = NamedSharding(self.mesh, spec)
             self._batch[(split, context)] = sharding
         return sharding

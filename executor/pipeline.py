@@ -126,7 +126,9 @@ class Pipeline:
     ) -> None:
         schedule = _schedule_argument(schedule)
         if not isinstance(stages, Iterable) or isinstance(stages, str):
-            raise ExecutionError(f"stages must be a list of stage functions, one per stage; got {type(stages).__name__}")
+            raise ExecutionError(
+                f"stages must be a list of stage functions, one per stage; got {type(stages).__name__}"
+            )
         stages = tuple(stages)
         if len(stages) != schedule.num_stages:
             raise ExecutionError(
@@ -314,11 +316,18 @@ class Pipeline:
         that directory. Resume with :meth:`restore` on the same plan. (The local backend
         saves with :func:`pipedsl.executor.checkpoint.save_checkpoint`.)"""
         if not isinstance(self.backend, RayRunner):
-            raise ExecutionError("Pipeline.save writes a Ray world's shards; locally use pipedsl.executor.save_checkpoint")
+            raise ExecutionError(
+                "Pipeline.save writes a Ray world's shards; locally use pipedsl.executor.save_checkpoint"
+            )
         return str(self.backend.save(path, step=step))
 
     def restore(
-        self, path: str, *, like_params: Any, batch: tuple[Any, Any], optimizer: optax.GradientTransformation | None = None
+        self,
+        path: str,
+        *,
+        like_params: Any,
+        batch: tuple[Any, Any],
+        optimizer: optax.GradientTransformation | None = None,
     ) -> tuple[Any, Any, int]:
         """On Ray: read the latest step :meth:`save` wrote under ``path`` back into the
         world (each process its own shards): (params handle, optimizer state handle, or
@@ -326,7 +335,9 @@ class Pipeline:
         structure and shapes (arrays or ``jax.ShapeDtypeStruct``), ``batch`` one batch of
         the steps' shapes. A checkpoint of another plan is refused, naming what differs."""
         if not isinstance(self.backend, RayRunner):
-            raise ExecutionError("Pipeline.restore reads a Ray world's shards; locally use pipedsl.executor.load_checkpoint")
+            raise ExecutionError(
+                "Pipeline.restore reads a Ray world's shards; locally use pipedsl.executor.load_checkpoint"
+            )
         cut = self._split_batch(batch)
         tree = self._param_tree(like_params)
         return self.backend.restore(path, tree, (cut.example_inputs, cut.example_targets), optimizer=optimizer)
@@ -338,9 +349,7 @@ class Pipeline:
         if isinstance(self.backend, RayRunner):
             return self.backend.placement()
         assert isinstance(self.backend, LocalBackend)
-        return tuple(
-            tuple(DeviceSlot("local", 0, dev.id) for dev in m.devices.flat) for m in self.backend.meshes
-        )
+        return tuple(tuple(DeviceSlot("local", 0, dev.id) for dev in m.devices.flat) for m in self.backend.meshes)
 
     def close(self) -> None:
         """Release what the backend holds for this pipeline (on Ray: its world)."""
@@ -356,7 +365,9 @@ class Pipeline:
         """The compiled stage programs for these shapes on the local backend (built on
         the first step anyway; exposed for inspection and benchmarks)."""
         if not isinstance(self.backend, LocalBackend):
-            raise ExecutionError("compile() shows the local backend's programs; the Ray world's processes compile their own")
+            raise ExecutionError(
+                "compile() shows the local backend's programs; the Ray world's processes compile their own"
+            )
         cut = self._split_batch(batch)
         return self.backend.compiled(self._param_tree(params), cut.example_inputs, cut.example_targets).programs
 
@@ -397,7 +408,9 @@ class Pipeline:
         share = per // dp
 
         def example(tree: Any) -> Any:
-            return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct((share, *np.shape(leaf)[1:]), jnp.result_type(leaf)), tree)
+            return jax.tree_util.tree_map(
+                lambda leaf: jax.ShapeDtypeStruct((share, *np.shape(leaf)[1:]), jnp.result_type(leaf)), tree
+            )
 
         return _Batch(x_leaves, t_leaves, count, example(inputs), example(targets))
 

@@ -129,7 +129,10 @@ class DataShards:
         def gather(*values: Any) -> tuple[Any, ...]:
             return _gather_all(values, axes)
 
-        states, params = (tuple(layout.states[k].spec for k in positions), tuple(layout.params[k].spec for k in positions))
+        states, params = (
+            tuple(layout.states[k].spec for k in positions),
+            tuple(layout.params[k].spec for k in positions),
+        )
         return self._manual(gather, states, params)
 
     def _manual(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
@@ -247,7 +250,9 @@ def _reduced(value: Any, axis: int | None) -> Any:
     return jax.lax.psum_scatter(value, DATA, scatter_dimension=axis, tiled=True)
 
 
-def _reduce_all(values: tuple[Any, ...], axes: Sequence[int | None], bucketed: Sequence[bool], dp: int) -> tuple[Any, ...]:
+def _reduce_all(
+    values: tuple[Any, ...], axes: Sequence[int | None], bucketed: Sequence[bool], dp: int
+) -> tuple[Any, ...]:
     """Every leaf of ``values`` (one device's, in the local view) summed over ``"data"``
     as :func:`_reduced` sums it, with the ``bucketed`` leaves of one dtype that stay whole
     in one all-reduce and those split over ``"data"`` in one reduce-scatter, each of one

@@ -176,7 +176,9 @@ class StageProgram:
         self._pick_res = _picker(self._res_slots, **sizes)
         self._jit(forward, computed=computed, out_avals=out_avals, ct_avals=ct_avals, num_y=len(y_slots))
 
-    def _jit(self, forward: ClosedJaxpr, *, computed: tuple[int, ...], out_avals: Any, ct_avals: Any, num_y: int) -> None:
+    def _jit(
+        self, forward: ClosedJaxpr, *, computed: tuple[int, ...], out_avals: Any, ct_avals: Any, num_y: int
+    ) -> None:
         """Compile ``F``, ``B``, ``I``, ``W`` and the accumulators' programs for the mesh."""
         layout, split, last = self.layout, self.split, self.last
         shards = DataShards(layout)
@@ -201,7 +203,9 @@ class StageProgram:
             handoff_refs=self._handoff_refs,
         )
         # Activations leave split over "data"; residuals stay where XLA computed them.
-        values_at = tuple(layout.batch(_whole(out_avals[i], shards.dp).shape) if i < activations else None for i in computed)
+        values_at = tuple(
+            layout.batch(_whole(out_avals[i], shards.dp).shape) if i < activations else None for i in computed
+        )
         cts_at = tuple(layout.batch(a.shape) for a in ct_avals)
         acc_at = layout.accumulators
         self._forward = jax.jit(
@@ -215,7 +219,9 @@ class StageProgram:
         # Without equations, I only passes values on: nothing to compile unless each
         # device's share must be taken.
         input_program = shards.program(input_fn, (forms.stored, forms.cts), (forms.input_cts, forms.handoff))
-        self._input = jax.jit(input_program, out_shardings=(cts_at, None)) if split.input_eqns or shards.split else input_fn
+        self._input = (
+            jax.jit(input_program, out_shardings=(cts_at, None)) if split.input_eqns or shards.split else input_fn
+        )
         self._weight = jax.jit(
             shards.program(weight_fn, (forms.handoff, forms.refs, forms.acc), forms.acc),
             donate_argnums=2, out_shardings=acc_at,
@@ -234,11 +240,7 @@ class StageProgram:
             out_shardings=acc_at,
         )
         self._zero_loss = jax.jit(lambda: jnp.zeros((), jnp.float32), out_shardings=layout.replicated)
-        self._reduce = (
-            jax.jit(shards.reduce(), out_shardings=layout.grads)
-            if layout.unreduced
-            else None
-        )
+        self._reduce = jax.jit(shards.reduce(), out_shardings=layout.grads) if layout.unreduced else None
 
     def forward(self, params: Leaves, x: Leaves, targets: Leaves, loss: Any) -> tuple[Leaves, Leaves, Any]:
         """``F``: (activation, residuals, running loss) for one microbatch.
@@ -291,7 +293,9 @@ class StageProgram:
             forward_temp=int(f.temp_size_in_bytes),
             backward_temp=int(b.temp_size_in_bytes),
             params=params,
-            backward_peak=int(b.argument_size_in_bytes + b.output_size_in_bytes + b.temp_size_in_bytes - b.alias_size_in_bytes),
+            backward_peak=int(
+                b.argument_size_in_bytes + b.output_size_in_bytes + b.temp_size_in_bytes - b.alias_size_in_bytes
+            ),
         )
 
     def _activation_bytes(self, forward: Any) -> int:
@@ -311,7 +315,9 @@ class StageProgram:
         x_avals, t_avals, ct_avals = self._structs
 
         def at(avals: Sequence[Any], shardings: Sequence[Any]) -> tuple[jax.ShapeDtypeStruct, ...]:
-            return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings, strict=True))
+            return tuple(
+                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings, strict=True)
+            )
 
         p = at(self._param_avals, layout.params)
         x = at(x_avals, [layout.batch(a.shape) for a in x_avals])
@@ -456,7 +462,11 @@ def compile_stage(
         out_avals=tuple(v.aval for v in outvars),
         ct_avals=tuple(_whole(a, dp) for a, d in zip(x_avals, diff_x, strict=True) if d),
         layout=layout,
-        example=(tuple(_whole(a, dp) for a in x_avals), tuple(_whole(a, dp) for a in t_avals), tuple(_whole(c, dp) for c in ct_structs)),
+        example=(
+            tuple(_whole(a, dp) for a in x_avals),
+            tuple(_whole(a, dp) for a in t_avals),
+            tuple(_whole(c, dp) for c in ct_structs),
+        ),
     )
 
 

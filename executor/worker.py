@@ -346,7 +346,9 @@ class Worker:
         model = self.model
         owned = [model.param_avals[i] for i in model.owned(stage)]
         shapes = jax.eval_shape(optimizer.init, jax.tree_util.tree_unflatten(model.owned_treedefs[stage], owned))
-        return jax.tree_util.tree_map(lambda v, at: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=at), shapes, state_at)
+        return jax.tree_util.tree_map(
+            lambda v, at: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=at), shapes, state_at
+        )
 
     def _rest_of_norm(self, transport: Transport, grads: Mapping[int, Any]) -> Steps[dict[int, Any]]:
         """Per local stage, the sum of squares of every gradient value of the model outside
@@ -361,7 +363,9 @@ class Worker:
         theirs = []
         for d in others:
             theirs.append((yield Receive(("sqnorm", d), d)))
-        return {s: sum([*theirs, *(own[t] for t in self.local if t != s)], jnp.zeros((), jnp.float32)) for s in self.local}
+        return {
+            s: sum([*theirs, *(own[t] for t in self.local if t != s)], jnp.zeros((), jnp.float32)) for s in self.local
+        }
 
     def _compiled_for(self, optimizer: optax.GradientTransformation) -> _Compiled:
         entry = self._optimizers.get(id(optimizer))
@@ -416,7 +420,9 @@ class Worker:
             # new parameters, a bucket at a time (XLA would gather each leaf apart). The
             # whole parameters cannot take the shards' place, so the gradients do.
             positions = [position[i] for i in owned]
-            gather = jax.jit(DataShards(layout).whole(positions), out_shardings=tuple(jax.tree_util.tree_leaves(params_at)))
+            gather = jax.jit(
+                DataShards(layout).whole(positions), out_shardings=tuple(jax.tree_util.tree_leaves(params_at))
+            )
             sharded_at = state_leaf_at[0] if coupled else state_leaf_at
             sharded = jax.jit(step, donate_argnums=(0, first_state), out_shardings=(sharded_at, state_at))
 

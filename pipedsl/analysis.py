@@ -95,4 +95,3 @@ def chain_lower_bound(arrays: ActionArrays, seconds: np.ndarray) -> float:
             remaining = np.cumsum(duration[start:stop][::-1])[::-1]
             bound = max(bound, float((earliest[start:stop] + remaining).max()))
     return bound
-

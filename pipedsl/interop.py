@@ -274,10 +274,10 @@ def _json_object(text: str, label: str) -> dict[str, Any]:
         raise ConversionError(f"not valid JSON: {err.msg}", pos=pos) from None
     if not isinstance(data, dict):
         raise ConversionError(
-            f"{label}: expected a JSON object with \"format\": \"{JSON_FORMAT}\", got {type(data).__name__}"
+            f'{label}: expected a JSON object with "format": "{JSON_FORMAT}", got {type(data).__name__}'
         )
     if data.get("format") != JSON_FORMAT:
-        raise ConversionError(f"{label}: \"format\" is {data.get('format')!r}, expected {JSON_FORMAT!r}")
+        raise ConversionError(f'{label}: "format" is {data.get("format")!r}, expected {JSON_FORMAT!r}')
     if data.get("version") != JSON_VERSION:
         raise ConversionError(
             f"{label}: version {data.get('version')!r} is not supported; this pipedsl reads version {JSON_VERSION}"
@@ -296,7 +296,7 @@ def _json_orders(orders: list[Any], label: str) -> tuple[tuple[Action, ...], ...
             action = parse_action(cell) if isinstance(cell, str) else None
             if action is None:
                 raise ConversionError(
-                    f"{label}: orders[{device}][{index}] is {json.dumps(cell)}, not an action such as \"2F0\""
+                    f'{label}: orders[{device}][{index}] is {json.dumps(cell)}, not an action such as "2F0"'
                 )
             actions.append(action)
         result.append(tuple(actions))

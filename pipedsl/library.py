@@ -96,9 +96,7 @@ def resolve(spec: str | os.PathLike[str]) -> Path:
     Raises PipedslError for a path that does not exist or has a kind of file we cannot read.
     """
     if not isinstance(spec, (str, os.PathLike)):
-        raise PipedslError(
-            f"a schedule is named by a library name or a path, not {type(spec).__name__} {spec!r}"
-        )
+        raise PipedslError(f"a schedule is named by a library name or a path, not {type(spec).__name__} {spec!r}")
     path = Path(spec)
     suffix = path.suffix.lower()
     if not suffix and not path.exists():

@@ -156,10 +156,14 @@ class Policy:
         if s < 1 or d < 1 or m < 1:
             raise ScheduleInvalid(f"need at least one stage, device and microbatch; got {s}, {d}, {m}", rule="shape")
         if len(self.placement) != s or any(not 0 <= p < d for p in self.placement):
-            raise ScheduleInvalid(f"placement {self.placement} does not map {s} stages onto devices 0..{d - 1}", rule="shape")
+            raise ScheduleInvalid(
+                f"placement {self.placement} does not map {s} stages onto devices 0..{d - 1}", rule="shape"
+            )
         idle = sorted(set(range(d)) - set(self.placement))
         if idle:
-            raise ScheduleInvalid(f"device {idle[0]} owns no stage; place a stage on it or use fewer devices", rule="shape")
+            raise ScheduleInvalid(
+                f"device {idle[0]} owns no stage; place a stage on it or use fewer devices", rule="shape"
+            )
         for name in ("max_inflight", "max_activation_bytes", "warmup"):
             values = getattr(self, name)
             if values is not None and len(values) != d:

@@ -189,7 +189,11 @@ class Program:
     _arrays: ProgramArrays | None = field(repr=False)
 
     def __init__(
-        self, schedule: Schedule, devices: tuple[DeviceProgram, ...] | None = None, *, arrays: ProgramArrays | None = None
+        self,
+        schedule: Schedule,
+        devices: tuple[DeviceProgram, ...] | None = None,
+        *,
+        arrays: ProgramArrays | None = None,
     ) -> None:
         if devices is None and arrays is None:
             raise TypeError("Program needs its device programs or its arrays")

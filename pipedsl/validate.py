@@ -93,7 +93,9 @@ def _fail(rule: str, message: str, action: Action | None = None) -> ScheduleInva
 def _check_shape(schedule: _Subject) -> None:
     s, d = schedule.num_stages, schedule.num_devices
     if s < 1 or d < 1 or schedule.num_microbatches < 1:
-        raise _fail("shape", f"need at least one stage, device and microbatch; got {s}, {d}, {schedule.num_microbatches}")
+        raise _fail(
+            "shape", f"need at least one stage, device and microbatch; got {s}, {d}, {schedule.num_microbatches}"
+        )
     if len(schedule.placement) != s:
         raise _fail("shape", f"placement names {len(schedule.placement)} stages, the schedule has {s}")
     for stage, device in enumerate(schedule.placement):
@@ -105,8 +107,6 @@ def _check_shape(schedule: _Subject) -> None:
     idle = sorted(set(range(d)) - set(schedule.placement))
     if idle:
         raise _fail("shape", f"device {idle[0]} owns no stage; place a stage on it or use fewer devices")
-
-
 
 
 def _action_fault(schedule: _Subject, actions: ActionArrays, row: int) -> ScheduleInvalid:
@@ -258,6 +258,7 @@ def _links(schedule: _Subject, actions: ActionArrays, index: np.ndarray) -> tupl
     upstream[inner] = np.where(split >= 0, split, index[B * per_kind + after])
     return local, upstream
 
+
 def dependencies(action: Action, *, num_stages: int, split: set[tuple[int, int]]) -> tuple[_Key, ...]:
     """The keys of the actions ``action`` needs; ``split`` holds the (stage, microbatch)
     pairs whose backward is split into ``I`` and ``W``."""
@@ -302,7 +303,8 @@ def _execute(bounds: np.ndarray, stops: np.ndarray, needs: np.ndarray, owners: n
     # Per device, an iterator over its stops, resumed where the device last stopped: a
     # device is woken only once the row it waits for has run, so that stop is passed.
     rest = [
-        zip(needs[a:b].tolist(), owners[a:b].tolist(), stops[a:b].tolist()) for a, b in zip(cuts, cuts[1:], strict=False)
+        zip(needs[a:b].tolist(), owners[a:b].tolist(), stops[a:b].tolist())
+        for a, b in zip(cuts, cuts[1:], strict=False)
     ]
     ends = bounds.tolist()[1:]
     pointer = bounds.tolist()[:-1]
@@ -380,7 +382,9 @@ def _check_execution(schedule: _Subject, actions: ActionArrays, local: np.ndarra
     return run.order
 
 
-def _deadlock(schedule: _Subject, actions: ActionArrays, blocked_on: dict[int, int], pointer: list[int]) -> ScheduleInvalid:
+def _deadlock(
+    schedule: _Subject, actions: ActionArrays, blocked_on: dict[int, int], pointer: list[int]
+) -> ScheduleInvalid:
     # Every blocked device waits on exactly one other blocked device, so walking the
     # wait-for edges from any of them must enter a cycle.
     device = min(blocked_on)
@@ -388,7 +392,7 @@ def _deadlock(schedule: _Subject, actions: ActionArrays, blocked_on: dict[int, i
     while device not in visited:
         visited.append(device)
         device = int(actions.device[blocked_on[device]])
-    cycle = visited[visited.index(device):]
+    cycle = visited[visited.index(device) :]
     steps = []
     for d in cycle:
         at, want = actions.text(pointer[d]), blocked_on[d]

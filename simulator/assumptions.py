@@ -123,7 +123,11 @@ def _sharding_meaning(plan: Plan) -> str:
         parts.append("weights")
     if plan.zero == 0:
         return "nothing sharded; gradients all-reduced once per step"
-    when = "accumulated whole, reduce-scattered once per step" if plan.reduces_once else "reduce-scattered every microbatch"
+    when = (
+        "accumulated whole, reduce-scattered once per step"
+        if plan.reduces_once
+        else "reduce-scattered every microbatch"
+    )
     text = f"{', '.join(parts)} sharded over {plan.shards} ranks; gradients {when}"
     if plan.zero == 3:
         text += "; weights gathered for each forward and again for each backward" if plan.reshard_after_forward else (

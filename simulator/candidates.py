@@ -163,9 +163,7 @@ def candidate_plans(
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise PlanError(f"search: gpus must be a whole number >= 1, got {gpus!r}")
     if gpus > MAX_GPUS:
-        raise PlanError(
-            f"search: gpus = {gpus:,} is past the {MAX_GPUS:,} GPUs a search plans for; check the number"
-        )
+        raise PlanError(f"search: gpus = {gpus:,} is past the {MAX_GPUS:,} GPUs a search plans for; check the number")
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or not 1 <= global_batch <= MAX_GLOBAL_BATCH:
         raise PlanError(
             f"search: global_batch must be a whole number from 1 to {MAX_GLOBAL_BATCH:,}, got {global_batch!r}"

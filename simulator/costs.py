@@ -203,7 +203,9 @@ class CostModel:
                 raise CostError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speedup is not None:
             if not isinstance(self.speedup, list | tuple) or not self.speedup:
-                raise CostError(f"speedup must be a list of numbers > 0, one per count of busy devices, got {self.speedup!r}")
+                raise CostError(
+                    f"speedup must be a list of numbers > 0, one per count of busy devices, got {self.speedup!r}"
+                )
             speedup = tuple(_number("speedup", v, where=f"[{i}]") for i, v in enumerate(self.speedup))
             if min(speedup) <= 0:
                 raise CostError(f"speedup values must be > 0, got {list(speedup)}")
@@ -227,12 +229,12 @@ class CostModel:
     def from_toml(cls, path: str | Path) -> CostModel:
         """Read a TOML file whose top-level keys are this class's fields, for example::
 
-            forward = 1.0                 # seconds per F, every stage
-            backward = [2.0, 2.0, 2.0, 3.0]
-            latency = 20e-6               # seconds per transfer
-            bandwidth = 25e9              # bytes per second
-            activation_bytes = 16777216   # per stage boundary
-            residual_bytes = 268435456    # per microbatch per stage
+        forward = 1.0                 # seconds per F, every stage
+        backward = [2.0, 2.0, 2.0, 3.0]
+        latency = 20e-6               # seconds per transfer
+        bandwidth = 25e9              # bytes per second
+        activation_bytes = 16777216   # per stage boundary
+        residual_bytes = 268435456    # per microbatch per stage
         """
         path = Path(path)
         return cls.from_mapping(read_toml(path, what="cost", error=CostError), source=str(path))
@@ -247,7 +249,9 @@ class CostModel:
                 return "[" + ", ".join(value(x) for x in v) + "]"
             return repr(v)
 
-        return "".join(f"{f.name} = {value(getattr(self, f.name))}\n" for f in fields(self) if getattr(self, f.name) is not None)
+        return "".join(
+            f"{f.name} = {value(getattr(self, f.name))}\n" for f in fields(self) if getattr(self, f.name) is not None
+        )
 
     def with_changes(self, **changes: Any) -> CostModel:
         """A copy with the given fields replaced (and checked again)."""

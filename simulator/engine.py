@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["DeviceStats", "Simulation", "simulate", "step_timing"]
 
 
-
 @dataclass(frozen=True, slots=True)
 class DeviceStats:
     """What one device did during the simulated step.
@@ -238,9 +237,7 @@ def _kept_order(program: Program) -> np.ndarray | None:
     return found.order
 
 
-def step_timing(
-    arrays: ProgramArrays, costs: StageCosts, *, order: np.ndarray | None = None
-) -> tuple[float, float]:
+def step_timing(arrays: ProgramArrays, costs: StageCosts, *, order: np.ndarray | None = None) -> tuple[float, float]:
     """(makespan in seconds, bubble ratio) of a program's ``arrays`` under ``costs``
     (resolved for its schedule): the numbers :func:`simulate` reports, without building
     its timeline or critical path.
@@ -278,9 +275,7 @@ class _Run:
     overlap: bool
 
     @classmethod
-    def of(
-        cls, arrays: ProgramArrays, costs: StageCosts, *, num_stages: int, order: np.ndarray | None = None
-    ) -> _Run:
+    def of(cls, arrays: ProgramArrays, costs: StageCosts, *, num_stages: int, order: np.ndarray | None = None) -> _Run:
         """Settle every compute; ``order``, when given, is one its dependencies allow."""
         actions = arrays.actions
         kind, stage = actions.kind.astype(np.int64), actions.stage
@@ -305,9 +300,7 @@ class _Run:
             senders = np.flatnonzero(sends)
             return cls(start_array, end_array, arrival_array, senders, arrival_array[senders], costs.overlap_sends)
         if order is None:
-            start, arrival = _settle(
-                arrays, _shared(seconds, code), _shared(transfers, sent_code), costs.overlap_sends
-            )
+            start, arrival = _settle(arrays, _shared(seconds, code), _shared(transfers, sent_code), costs.overlap_sends)
             start_array, arrival_array = np.array(start, dtype=np.float64), np.array(arrival, dtype=np.float64)
         else:
             start_array, arrival_array = _settle_in_order(

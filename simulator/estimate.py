@@ -76,6 +76,7 @@ __all__ = [
     "OPTIMIZER_BYTES",
 ]
 
+
 @dataclass(frozen=True, slots=True)
 class Estimate:
     """What one plan costs per training step.
@@ -287,7 +288,9 @@ class Prepared:
         work, overhead = self.work, self.shapes.cluster.action_overhead_s
         # One pipeline device, always busy: the engine's speed-up at one busy device.
         busy = 1.0 if self.speedup is None else self.speedup[0]
-        return self.assemble(self.plan.microbatches * (work[0].forward + work[0].fused_backward(overhead)) / busy, 0.0, None)
+        return self.assemble(
+            self.plan.microbatches * (work[0].forward + work[0].fused_backward(overhead)) / busy, 0.0, None
+        )
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle
@@ -391,7 +394,9 @@ def _speedup(shapes: Shapes) -> tuple[float, ...] | None:
     return tuple(cluster.speedup(min(mesh * n, cluster.gpus_per_node)) for n in range(1, plan.pp + 1))
 
 
-def _schedule_of(plan: Plan, pipelines: Pipelines | None, layout: Layout | None) -> tuple[ScheduleKey | None, tuple[int, ...]]:
+def _schedule_of(
+    plan: Plan, pipelines: Pipelines | None, layout: Layout | None
+) -> tuple[ScheduleKey | None, tuple[int, ...]]:
     """The plan's schedule key and stage-to-device placement; (None, (0,)) for SPMD."""
     if plan.pp == 1 or pipelines is None:
         return None, (0,)

@@ -284,7 +284,9 @@ def _table(groups: dict[str, list[Result]]) -> list[str]:
     lines = ["| group | runs | mean abs. error | worst |", "|---|---:|---:|---:|"]
     for name, results in groups.items():
         worst = max(results, key=lambda r: abs(r.error))
-        lines.append(f"| {name} | {len(results)} | {100 * _mape(results):.1f}% | {100 * worst.error:+.1f}% ({worst.run.name}) |")
+        lines.append(
+            f"| {name} | {len(results)} | {100 * _mape(results):.1f}% | {100 * worst.error:+.1f}% ({worst.run.name}) |"
+        )
     return lines
 
 
@@ -324,7 +326,9 @@ def accuracy_markdown(
               "on its own framework's `calibrate` rows, which the compute fit leaves out):", ""]  # fmt: skip
     for name in sorted({str(r.run.plan.framework) for r in results}):
         f = framework(name)
-        lines.append(f"- `{name}`: microbatch_s = {f.microbatch_s:g}, layer_s = {f.layer_s:g}, action_s = {f.action_s:g}")
+        lines.append(
+            f"- `{name}`: microbatch_s = {f.microbatch_s:g}, layer_s = {f.layer_s:g}, action_s = {f.action_s:g}"
+        )
     lines += ["", "## By role", ""] + _table({**by_role, "all": list(results)})
     lines += ["", "## By source", ""] + _table(by_source)
     lines += ["", "## By GPU type", ""] + _table(by_gpu)

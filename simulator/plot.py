@@ -40,7 +40,12 @@ KIND_COLOURS: dict[EventKind, str] = {
     EventKind.I: "#e15759",
     EventKind.W: "#59a14f",
 }
-_LABELS = {EventKind.F: "F forward", EventKind.B: "B backward", EventKind.I: "I input grad", EventKind.W: "W weight grad"}
+_LABELS = {
+    EventKind.F: "F forward",
+    EventKind.B: "B backward",
+    EventKind.I: "I input grad",
+    EventKind.W: "W weight grad",
+}
 _DARK = {EventKind.F, EventKind.I, EventKind.W}
 _SEND_COLOUR = "#9c9c9c"
 # Above this many bars in a panel, microbatch labels would be unreadable and slow.
@@ -100,9 +105,7 @@ def _bars(tl: Timeline, sel: np.ndarray) -> list[tuple[float, float]]:
     return list(zip(tl.start[sel].tolist(), tl.durations[sel].tolist(), strict=True))
 
 
-def _draw_compute(
-    ax: Axes, tl: Timeline, chunk: np.ndarray, lightness: np.ndarray, *, seconds_per_inch: float
-) -> None:
+def _draw_compute(ax: Axes, tl: Timeline, chunk: np.ndarray, lightness: np.ndarray, *, seconds_per_inch: float) -> None:
     """One bar per compute event, coloured by kind and lightened by stage rank."""
     compute, duration, device = tl.compute_mask, tl.durations, tl.device
     # White edges separate neighbouring bars; on bars a few pixels wide they would
@@ -228,7 +231,9 @@ def plot_timelines(
     if any(p.critical for p in panels):
         handles.append(Patch(facecolor="none", edgecolor="black", linewidth=1.2, label="critical path"))
     if any(int(_chunks(p.timeline).max(initial=0)) > 0 for p in panels):
-        handles.append(Patch(color=_lighten(KIND_COLOURS[EventKind.F], _LATER_STAGE_TINT), label="lighter: later stage"))
+        handles.append(
+            Patch(color=_lighten(KIND_COLOURS[EventKind.F], _LATER_STAGE_TINT), label="lighter: later stage")
+        )
     top = sum(heights) + 0.9
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False, fontsize=8.5)
     header = 0.45

@@ -45,7 +45,15 @@ from pipedsl.simulator.memory import device_memory, static_memory, transient_byt
 from pipedsl.simulator.pipelines import Pipelines, states_policy, synthesized_arrays, synthesized_program
 from pipedsl.simulator.plan import Plan
 
-__all__ = ["LIMIT", "LimitedPlan", "takes_limit", "fitting_limit", "candidate_limits", "prepare_plan", "synthesized_program"]
+__all__ = [
+    "LIMIT",
+    "LimitedPlan",
+    "takes_limit",
+    "fitting_limit",
+    "candidate_limits",
+    "prepare_plan",
+    "synthesized_program",
+]
 
 LIMIT = "max_inflight"
 """The parameter a policy schedule takes for its per-device in-flight limit."""

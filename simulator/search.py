@@ -48,7 +48,19 @@ from pipedsl.validate import validate
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["search", "search_plans", "RankedPlan", "candidate_plans", "Summary", "summarize", "describe", "default_global_batch", "COLUMNS", "DEFAULT_PRUNE", "PARALLEL_FROM"]
+__all__ = [
+    "search",
+    "search_plans",
+    "RankedPlan",
+    "candidate_plans",
+    "Summary",
+    "summarize",
+    "describe",
+    "default_global_batch",
+    "COLUMNS",
+    "DEFAULT_PRUNE",
+    "PARALLEL_FROM",
+]
 
 Progress = Callable[[str, int, int], None]
 """Called with (phase, plans done, plans in all) as the search goes: phase ``"costing"``

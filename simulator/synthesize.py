@@ -83,7 +83,9 @@ def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[V
     return _skeleton(policy, tuple(orders))
 
 
-def synthesized_order(policy: Policy, costs: CostModel | None = None, tries: tuple[Variant, ...] | None = None) -> Order:
+def synthesized_order(
+    policy: Policy, costs: CostModel | None = None, tries: tuple[Variant, ...] | None = None
+) -> Order:
     """The order :func:`synthesize` finds, as per-device (kind code, stage, microbatch)
     triples (codes 0 F, 1 the backward, 2 W): the fastest variant's, the first of equally
     fast ones. Raises as :func:`synthesize`."""
@@ -93,7 +95,9 @@ def synthesized_order(policy: Policy, costs: CostModel | None = None, tries: tup
     return order
 
 
-def synthesized_steps(policy: Policy, costs: CostModel | None = None, tries: tuple[Variant, ...] | None = None) -> Steps:
+def synthesized_steps(
+    policy: Policy, costs: CostModel | None = None, tries: tuple[Variant, ...] | None = None
+) -> Steps:
     """:func:`synthesized_order`'s actions as (device, kind code, stage, microbatch), in the
     order its pass took them: each after every action it needs, so the order a timing
     pass can run the lowered program's computes in. Raises as :func:`synthesize`."""
@@ -326,7 +330,13 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
     limit_bytes = plan.max_bytes is not None
     max_bytes = plan.max_bytes if plan.max_bytes is not None else (0,) * D
     rules = _Rules.of(plan, variant)
-    cap, strict, picks, forced_picks, forced_ok = rules.cap, rules.strict, rules.picks, rules.forced_picks, rules.forced_ok
+    cap, strict, picks, forced_picks, forced_ok = (
+        rules.cap,
+        rules.strict,
+        rules.picks,
+        rules.forced_picks,
+        rules.forced_ok,
+    )
     guard_w, guard_b, guard_f = rules.guard_w, rules.guard_b, rules.guard_f
     state = _State(S, D, M)
     clock, nf, nb, arr_f, arr_b, wq = state.clock, state.nf, state.nb, state.arr_f, state.arr_b, state.wq
@@ -375,7 +385,9 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
         if not strict or ahead_now[d] >= cap[d] or f_limited or nf[first[d]] == M:
             for s in stages[d]:
                 mb = nb[s]
-                if mb < nf[s] and (not limit_bytes or not split or held[d] + reserved_bytes[d] + wres[s] - res[s] <= max_bytes[d]):
+                if mb < nf[s] and (
+                    not limit_bytes or not split or held[d] + reserved_bytes[d] + wres[s] - res[s] <= max_bytes[d]
+                ):
                     r = arr_b[s * M + mb]
                     if r <= t:
                         if b_s < 0:

@@ -87,8 +87,12 @@ def _device_names(num_devices: int) -> list[dict[str, Any]]:
         events.append(
             {"ph": "M", "name": "process_name", "pid": device, "tid": 0, "args": {"name": f"device {device}"}}
         )
-        events.append({"ph": "M", "name": "process_sort_index", "pid": device, "tid": 0, "args": {"sort_index": device}})
-        events.append({"ph": "M", "name": "thread_name", "pid": device, "tid": _COMPUTE_TID, "args": {"name": "compute"}})
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": device, "tid": 0, "args": {"sort_index": device}}
+        )
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": device, "tid": _COMPUTE_TID, "args": {"name": "compute"}}
+        )
     return events
 
 

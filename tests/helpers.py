@@ -26,7 +26,9 @@ from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.validate import dependencies
 
 
-def _schedule(name: str, pp: int, m: int, orders: list[list[Action]], placement: tuple[int, ...] | None = None) -> Schedule:
+def _schedule(
+    name: str, pp: int, m: int, orders: list[list[Action]], placement: tuple[int, ...] | None = None
+) -> Schedule:
     placement = placement if placement is not None else tuple(range(pp))
     return Schedule(
         name=name,
@@ -41,9 +43,7 @@ def _schedule(name: str, pp: int, m: int, orders: list[list[Action]], placement:
 
 def gpipe(pp: int, m: int) -> Schedule:
     """All forwards, then all backwards, in microbatch order."""
-    orders = [
-        [Action(Kind.F, d, i) for i in range(m)] + [Action(Kind.B, d, i) for i in range(m)] for d in range(pp)
-    ]
+    orders = [[Action(Kind.F, d, i) for i in range(m)] + [Action(Kind.B, d, i) for i in range(m)] for d in range(pp)]
     return _schedule("gpipe", pp, m, orders)
 
 
@@ -152,9 +152,7 @@ def shapes(draw: st.DrawFn, *, max_devices: int = 4) -> Shape:
     return num_devices, placement, num_mb, split
 
 
-def random_schedule(
-    num_devices: int, placement: tuple[int, ...], num_mb: int, orders: list[list[Action]]
-) -> Schedule:
+def random_schedule(num_devices: int, placement: tuple[int, ...], num_mb: int, orders: list[list[Action]]) -> Schedule:
     return Schedule(
         name="random",
         num_stages=len(placement),

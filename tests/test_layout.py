@@ -131,6 +131,8 @@ def test_a_circle_is_found_when_there_is_one() -> None:
 def test_an_import_inside_a_function_closes_a_circle(tmp_path: Path) -> None:
     # The shape ir.py once had: a method importing, when called, a module that imports it.
     ir, lowering = tmp_path / "ir.py", tmp_path / "lowering.py"
-    ir.write_text("class Schedule:\n    def lower(self):\n        from pkg.lowering import lower\n        return lower(self)\n")
+    ir.write_text(
+        "class Schedule:\n    def lower(self):\n        from pkg.lowering import lower\n        return lower(self)\n"
+    )
     lowering.write_text("from pkg.ir import Schedule\n\ndef lower(schedule: Schedule) -> None: ...\n")
     assert _cycle(_graph({"pkg.ir": ir, "pkg.lowering": lowering})) == ["pkg.ir", "pkg.lowering", "pkg.ir"]

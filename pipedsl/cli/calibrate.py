@@ -357,7 +357,9 @@ def backend_for(name: str, devices: int, console: Console) -> Iterator[Any]:
 
 def results_table(measurements: Sequence[Measurement]) -> Table:
     """Predicted against measured step time, one row per schedule."""
-    table = Table(title="Predicted (simulator, calibrated on this machine) against measured step time", title_justify="left")
+    table = Table(
+        title="Predicted (simulator, calibrated on this machine) against measured step time", title_justify="left"
+    )
     for column in ("schedule", "predicted (ms)", "measured (ms)", "error", "first loss", "last loss"):
         table.add_column(column, justify="left" if column == "schedule" else "right")
     for m in measurements:
@@ -474,7 +476,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     cal.add_argument("files", nargs="*", metavar="FILE", help="schedules to run against their fitted cost model")
-    cal.add_argument("--out", default="cluster.toml", help="where to write this machine's cluster (default cluster.toml)")
+    cal.add_argument(
+        "--out", default="cluster.toml", help="where to write this machine's cluster (default cluster.toml)"
+    )
     cal.add_argument("--devices", type=int, default=8, help="devices to calibrate (default 8; CPU devices are forced)")
     add_param_option(cal)
     cal.add_argument(
@@ -482,7 +486,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"sequences per microbatch and per device (default {MACHINE_MICROBATCH})",
     )  # fmt: skip
     cal.add_argument(
-        "--steps", type=int, default=STEP_ROUNDS,
+        "--steps",
+        type=int,
+        default=STEP_ROUNDS,
         help=f"timed rounds of each calibration step, and measured training steps per schedule (default {STEP_ROUNDS})",
     )
     cal.add_argument("--backend", choices=("local", "ray"), default="local", help="executor backend (default local)")

@@ -75,7 +75,9 @@ class Checkpointing:
             if args.resume:
                 raise PipedslError("--resume continues a checkpoint: give its directory with --checkpoint DIR")
             if args.checkpoint_every is not None:
-                raise PipedslError("--checkpoint-every says how often to save to --checkpoint DIR; give --checkpoint too")
+                raise PipedslError(
+                    "--checkpoint-every says how often to save to --checkpoint DIR; give --checkpoint too"
+                )
             return cls(None, every, False, settings)
         if directory.exists() and not directory.is_dir():
             raise PipedslError(f"--checkpoint {directory}: exists and is not a directory")

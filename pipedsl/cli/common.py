@@ -55,6 +55,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 """The shell's code for a command stopped by SIGINT (Ctrl-C)."""
 
+
 def plural(count: int, noun: str) -> str:
     """``count`` and ``noun``, plural unless ``count`` is one: "1 stage", "2 stages", "3 microbatches"."""
     if count == 1:

@@ -95,7 +95,9 @@ def _library(console: Console) -> None:
         )
     console.print(table)
     one = load_schedule(library_path("zb_h1"), {})
-    console.print(f"\n[bold]zb_h1[/bold] per-device order ({one.num_devices} devices, {one.num_microbatches} microbatches):")
+    console.print(
+        f"\n[bold]zb_h1[/bold] per-device order ({one.num_devices} devices, {one.num_microbatches} microbatches):"
+    )
     console.print(one.format_grid(), highlight=False)
 
 
@@ -127,6 +129,7 @@ def calibrated_search(steps: TimedSteps) -> tuple[MachineCalibration, Any]:
 def repriced(plans: list[PlannedRun], cluster: Any) -> list[float]:
     """The step time the search gives each of ``plans`` on ``cluster`` (every plan that
     fits is priced there, none pruned), in seconds."""
+
     def unpriced(plan: PlannedRun) -> PlannedRun:
         return dataclasses.replace(plan, planned_s=None, rank=None)
 
@@ -154,7 +157,20 @@ def _plans(console: Console, steps: TimedSteps, out: Path) -> tuple[MachineCalib
         title=f"The best SPMD plan and each schedule's best plan, of {len(frame)} that fit (all in {out / 'plans.csv'})",
         title_justify="left",
     )
-    for column in ("rank", "plan", "dp", "tp", "pp", "vpp", "mb", "zero", "recompute", "step (ms)", "bubble", "memory (MB)"):
+    for column in (
+        "rank",
+        "plan",
+        "dp",
+        "tp",
+        "pp",
+        "vpp",
+        "mb",
+        "zero",
+        "recompute",
+        "step (ms)",
+        "bubble",
+        "memory (MB)",
+    ):
         table.add_column(column, justify="left" if column in ("plan", "recompute") else "right")
     for row in best:
         table.add_row(
@@ -264,8 +280,15 @@ class RunResult:
 
 
 def _runs(
-    console: Console, frame: Any, calibration: MachineCalibration, steps: TimedSteps, *, top: int, rounds: int,
-    backend: str, out: Path,
+    console: Console,
+    frame: Any,
+    calibration: MachineCalibration,
+    steps: TimedSteps,
+    *,
+    top: int,
+    rounds: int,
+    backend: str,
+    out: Path,
 ) -> list[RunResult]:
     plans = plans_to_run(frame, steps.devices, top)
     console.rule(f"[bold]3. Running {len(plans)} ranked plans for real ({backend} backend, {steps.devices} devices)")
@@ -301,7 +324,9 @@ def _runs(
     console.print(_order_verdict(results), highlight=False)
     console.print(_speed_verdict(calibration, during), highlight=False)
     _write_runs(out / "runs.csv", results)
-    figure = plot_timelines([p for m in reports for p in m.panels], share_time=False, caption="simulated against measured")
+    figure = plot_timelines(
+        [p for m in reports for p in m.panels], share_time=False, caption="simulated against measured"
+    )
     save_figure(figure, out / "timelines.png")
     return results
 
@@ -421,7 +446,9 @@ def _speed_verdict(before: MachineCalibration, during: MachineCalibration) -> st
         f"in turns with the runs ({change:+.0%}): "
     )
     if abs(change) <= _DRIFT:
-        return said + f"the machine held its speed (within {_DRIFT:.0%}); the predictions are priced at the runs' speed."
+        return (
+            said + f"the machine held its speed (within {_DRIFT:.0%}); the predictions are priced at the runs' speed."
+        )
     return said + (
         f"the machine ran {'faster' if change < 0 else 'slower'} during the runs than before the search "
         "(devices that share cores run as fast as the rest of the machine lets them), so the search's prices "
@@ -430,9 +457,26 @@ def _speed_verdict(before: MachineCalibration, during: MachineCalibration) -> st
 
 
 _RUN_COLUMNS = (
-    "schedule", "kind", "dp", "tp", "pp", "vpp", "zero", "microbatches", "microbatch_size",
-    "predicted_s", "measured_s", "measured_q1_s", "measured_q3_s", "error", "searched_s", "searched_error", "fitted_s",
-    "fitted_error", "first_loss", "last_loss",
+    "schedule",
+    "kind",
+    "dp",
+    "tp",
+    "pp",
+    "vpp",
+    "zero",
+    "microbatches",
+    "microbatch_size",
+    "predicted_s",
+    "measured_s",
+    "measured_q1_s",
+    "measured_q3_s",
+    "error",
+    "searched_s",
+    "searched_error",
+    "fitted_s",
+    "fitted_error",
+    "first_loss",
+    "last_loss",
 )
 
 
@@ -472,7 +516,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     _library(console)
     with demo_calibration_steps(args.devices) as steps:
         calibration, frame = _plans(console, steps, out)
-        results = _runs(console, frame, calibration, steps, top=args.top, rounds=args.steps, backend=args.backend, out=out)
+        results = _runs(
+            console, frame, calibration, steps, top=args.top, rounds=args.steps, backend=args.backend, out=out
+        )
     console.rule()
     seconds = time.perf_counter() - started
     console.print(f"done in {seconds:.0f} s; outputs in {out}/: plans.csv, runs.csv, timelines.png")
@@ -517,7 +563,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         examples="  pipedsl demo --out out\n  pipedsl demo --backend ray --top 2 --steps 3",
     )
     demo.add_argument("--out", default="out", help="folder for plans.csv, runs.csv and timelines.png (default out)")
-    demo.add_argument("--devices", type=int, default=8, help="JAX devices to plan for and run on (default 8 CPU devices)")
+    demo.add_argument(
+        "--devices", type=int, default=8, help="JAX devices to plan for and run on (default 8 CPU devices)"
+    )
     demo.add_argument("--top", type=int, default=4, help="how many ranked plans to run for real (default 4)")
     demo.add_argument(
         "--steps", type=int, default=STEP_ROUNDS, help=f"measured training steps per plan (default {STEP_ROUNDS})"

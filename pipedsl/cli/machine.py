@@ -212,5 +212,7 @@ def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[A
     the demo times them in turns with its runs, so that its predictions rest on the
     machine's speed while they ran. The short measurements (memory, bandwidth,
     collectives, dispatch, products) are kept."""
-    again = dataclasses.replace(calibration.measurements, step_s=_compute(measured), alone_s=_alone(measured), seconds=0.0)
+    again = dataclasses.replace(
+        calibration.measurements, step_s=_compute(measured), alone_s=_alone(measured), seconds=0.0
+    )
     return fit_machine(model, again)

@@ -58,7 +58,6 @@ __all__ = ["register"]
 _GIB = 2**30
 
 
-
 def _add_hardware_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -353,7 +352,9 @@ def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None
         console.print("the best plan is context parallel, which `pipedsl run` does not run", highlight=False)
         return
     planned = PlannedRun.from_row(best)
-    by_rank = f"pipedsl run --plan {planned.rank} --plans {csv}" if csv is not None and planned.rank is not None else None
+    by_rank = (
+        f"pipedsl run --plan {planned.rank} --plans {csv}" if csv is not None and planned.rank is not None else None
+    )
     console.print(
         f"run the best plan ({planned.devices} devices) with the built-in transformer:\n  {planned.command()}"
         + (f"\n  or: {by_rank}" if by_rank else ""),

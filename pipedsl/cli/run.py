@@ -273,7 +273,11 @@ def _checkpointing(args: argparse.Namespace, schedule: Schedule) -> Checkpointin
     """The run's checkpoint options, checked against a checkpoint it resumes; None (and
     why, printed) when that checkpoint is already at ``--steps``: nothing left to do."""
     settings = training_settings(
-        seed=args.seed, lr=args.lr, microbatches=schedule.num_microbatches, microbatch_size=args.microbatch_size, dp=args.dp
+        seed=args.seed,
+        lr=args.lr,
+        microbatches=schedule.num_microbatches,
+        microbatch_size=args.microbatch_size,
+        dp=args.dp,
     )
     keeping = Checkpointing.from_args(args, settings)
     saved = keeping.saved_step()
@@ -287,7 +291,14 @@ def _checkpointing(args: argparse.Namespace, schedule: Schedule) -> Checkpointin
 
 
 def _run_line(
-    args: argparse.Namespace, schedule: Schedule, platform: str, model: str, shape: str, batch_size: int, *, devices: int
+    args: argparse.Namespace,
+    schedule: Schedule,
+    platform: str,
+    model: str,
+    shape: str,
+    batch_size: int,
+    *,
+    devices: int,
 ) -> str:
     """The run's first line: schedule, the devices it uses in all and how they make its
     pipeline devices' meshes, model, batch."""
@@ -324,7 +335,10 @@ def _recorded_interrupts() -> Iterator[Callable[[], bool]]:
     recorded: Python drops an exception raised where it cannot propagate (a finalizer, a
     callback run by a library), so the step loop asks the record before each step. Only
     in the main thread, and only while SIGINT has Python's default handler."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield lambda: False
         return
     seen: list[int] = []
@@ -421,7 +435,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--layers-per-stage", type=int, metavar="L", help="layers per stage (default 2)")
     run.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     run.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
-    run.add_argument("--remat", action="store_true", help="recompute each stage's forward in its backward (--recompute full)")
+    run.add_argument(
+        "--remat", action="store_true", help="recompute each stage's forward in its backward (--recompute full)"
+    )
     run.add_argument(
         "--recompute",
         choices=("none", "selective", "full"),
@@ -438,7 +454,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--sequence-parallel", action="store_true", help="with --tp, split norms' activations along the sequence"
     )
     run.add_argument(
-        "--fused-attention", action="store_true", help="jax.nn.dot_product_attention (cuDNN on GPUs) in the transformers"
+        "--fused-attention",
+        action="store_true",
+        help="jax.nn.dot_product_attention (cuDNN on GPUs) in the transformers",
     )
     run.add_argument(
         "--backend",
@@ -452,11 +470,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --backend ray, the Ray cluster to join (default: $RAY_ADDRESS, else a local instance on 127.0.0.1)",
     )
     run.add_argument("--dp", type=int, metavar="D", help="data-parallel degree inside each pipeline device (default 1)")
-    run.add_argument("--tp", type=int, metavar="T", help="tensor-parallel degree inside each pipeline device (default 1)")
+    run.add_argument(
+        "--tp", type=int, metavar="T", help="tensor-parallel degree inside each pipeline device (default 1)"
+    )
     run.add_argument("--zero", type=int, metavar="Z", help="ZeRO stage over the data axis, 0-3 (default 0)")
-    run.add_argument("--plan", type=int, metavar="RANK", help="run the plan of this rank in --plans (schedule, degrees, microbatches)")
+    run.add_argument(
+        "--plan",
+        type=int,
+        metavar="RANK",
+        help="run the plan of this rank in --plans (schedule, degrees, microbatches)",
+    )
     run.add_argument("--plans", metavar="PLANS.csv", help="the ranking pipedsl search --csv (or demo) wrote")
-    run.add_argument("--timeline", type=Path, metavar="OUT.json", help="save the measured timeline of one recorded step")
+    run.add_argument(
+        "--timeline", type=Path, metavar="OUT.json", help="save the measured timeline of one recorded step"
+    )
     add_checkpoint_options(run)
     run.add_argument(
         "--allow-nonfinite",

@@ -42,7 +42,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         try:
             loaded = library.load(path, max_actions=args.max_actions, **args.params)
             policy = loaded if isinstance(loaded, Policy) else None
-            schedule = loaded if isinstance(loaded, Schedule) else synthesize_policy(loaded, None, path=path, note=False)
+            schedule = (
+                loaded if isinstance(loaded, Schedule) else synthesize_policy(loaded, None, path=path, note=False)
+            )
             report = validate(schedule, max_inflight=args.max_inflight)
         except PipedslError as err:
             worst = max(worst, report_error(err, path=path))

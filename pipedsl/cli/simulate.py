@@ -109,7 +109,9 @@ def _check_magnitudes(costs: CostModel) -> None:
             )
     largest_bytes = max(_largest(getattr(costs, field)) for field in _BYTES_FIELDS)
     if largest_bytes > _MAX_BYTES:
-        raise PipedslError(f"a transfer or residual of {largest_bytes:g} bytes is more than the {_MAX_BYTES:g} accepted")
+        raise PipedslError(
+            f"a transfer or residual of {largest_bytes:g} bytes is more than the {_MAX_BYTES:g} accepted"
+        )
     transfer = costs.transfer_seconds(largest_bytes)
     if transfer > _MAX_SECONDS:
         raise PipedslError(
@@ -284,9 +286,7 @@ def _simulate_file(path: str, args: argparse.Namespace, costs: CostModel) -> Sim
     return simulate(load_schedule(path, args.params, max_actions=args.max_actions, costs=costs), costs)
 
 
-def _each_file(
-    paths: Sequence[str], work: Callable[[str], Any]
-) -> tuple[list[tuple[str, Any]], int]:
+def _each_file(paths: Sequence[str], work: Callable[[str], Any]) -> tuple[list[tuple[str, Any]], int]:
     """Run ``work`` on every path; report failures as they come. Returns the successes
     in order and the worst exit code."""
     done: list[tuple[str, Any]] = []
@@ -388,7 +388,6 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``simulate``, ``plot`` and ``trace`` to ``pipedsl``'s subcommands."""
     _register_simulate(subparsers)
@@ -407,7 +406,7 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
             "makespan, bubble ratio, critical path and per-device busy time, bubble and peak\n"
             "in-flight activations; several FILEs print a table ranked by makespan. --json prints\n"
             "the same as JSON: an object for one FILE, a list ranked by makespan for several,\n"
-            "each with a \"file\" key naming its input."
+            'each with a "file" key naming its input.'
         ),
         examples=(
             "  pipedsl simulate schedules/1f1b.sched -p pp=8 -p microbatches=32\n"
@@ -464,4 +463,3 @@ def _register_trace(subparsers: argparse._SubParsersAction) -> None:
     trace.add_argument("-o", "--output", required=True, metavar="OUT", help="the trace file to write (.json)")
     add_param_option(trace)
     _add_cost_options(trace)
-

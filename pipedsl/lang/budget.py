@@ -48,7 +48,16 @@ RAISE_THE_LIMIT = (
 class Run:
     """Mutable state of one evaluation, read by the compiled closures."""
 
-    __slots__ = ("append", "extend", "actions_left", "work_left", "sole_stage", "device", "device_stages", "max_actions")
+    __slots__ = (
+        "append",
+        "extend",
+        "actions_left",
+        "work_left",
+        "sole_stage",
+        "device",
+        "device_stages",
+        "max_actions",
+    )
 
     def __init__(self, max_actions: int) -> None:
         # Where a device body's actions go: one at a time, or a loop's as columns
@@ -85,8 +94,7 @@ class Run:
         else:
             held = "holds stages " + ", ".join(map(str, self.device_stages))
         return fail(
-            f"{call} leaves out the stage, but device {self.device} {held};"
-            f" write {kind.value}({microbatch}, stage)",
+            f"{call} leaves out the stage, but device {self.device} {held}; write {kind.value}({microbatch}, stage)",
             pos,
         )
 

@@ -127,8 +127,7 @@ class Compiler:
         if isinstance(node, ast.BoolOp):
             return self._bool_op(node, env)
         raise fail(
-            "a condition is needed here, such as `x > 0` or `a == b and c < d`;"
-            " numbers are not true or false",
+            "a condition is needed here, such as `x > 0` or `a == b and c < d`; numbers are not true or false",
             node.pos,
         )
 
@@ -354,8 +353,7 @@ class Compiler:
             if b <= a:
                 if b < a:
                     raise fail(
-                        f"negative range {a} .. {b}: the start is past the end"
-                        " (an empty range is written `a .. a`)",
+                        f"negative range {a} .. {b}: the start is past the end (an empty range is written `a .. a`)",
                         pos,
                     )
                 return
@@ -469,6 +467,3 @@ def _raiser(error: ScheduleEvalError) -> StmtFn:
         raise error
 
     return fail
-
-
-

@@ -253,8 +253,7 @@ class _Evaluator:
         stages, devices = self._place_check(item.pos)
         if len(item.devices) != stages:
             raise fail(
-                f"place lists {count(len(item.devices), 'device')}, one per stage, but there"
-                f" are {stages} stages",
+                f"place lists {count(len(item.devices), 'device')}, one per stage, but there are {stages} stages",
                 item.pos,
             )
         placement = []
@@ -345,9 +344,7 @@ class _Evaluator:
             raise fail("a schedule has a `policy` block or device orders, not both", item.pos)
         devices = self.declared["devices"][0]
         if not 0 <= item.device < devices:
-            raise fail(
-                f"row for device {item.device}, but the devices are 0 .. {devices - 1}", item.pos
-            )
+            raise fail(f"row for device {item.device}, but the devices are 0 .. {devices - 1}", item.pos)
         if item.device in self.rows:
             raise fail(f"device {item.device} has two rows", item.pos)
         self.run.actions_left -= len(item.cells)

@@ -32,9 +32,7 @@ __all__ = ["parse_source", "RESERVED_WORDS"]
 #: words (``stages``, ``devices``, ``microbatches``, ``device``) are not among them: they
 #: are keywords only where a schedule item starts, so a parameter may be called
 #: ``microbatches``.
-RESERVED_WORDS = frozenset(
-    {"schedule", "def", "for", "in", "if", "else", "require", "on", "place", "and", "or", "not"}
-)
+RESERVED_WORDS = frozenset({"schedule", "def", "for", "in", "if", "else", "require", "on", "place", "and", "or", "not"})
 
 _ACTION_KINDS = {kind.value: kind for kind in Kind}
 _CELL_RE = re.compile(r"([0-9]+)([FBIW])([0-9]+)")
@@ -136,9 +134,7 @@ class _Builder(Transformer_NonRecursive):
 
     def schedule(self, meta: Meta, children: list) -> ast.ScheduleDef:
         name, params, *items = children
-        return ast.ScheduleDef(
-            self._name(name), params or (), tuple(items), self._src.token(name)
-        )
+        return ast.ScheduleDef(self._name(name), params or (), tuple(items), self._src.token(name))
 
     def param_list(self, meta: Meta, children: list) -> tuple[ast.Param, ...]:
         return tuple(p for p in children if p is not None)
@@ -164,17 +160,14 @@ class _Builder(Transformer_NonRecursive):
 
     def table_row(self, meta: Meta, children: list) -> ast.TableRow:
         device, *cells = children
-        return ast.TableRow(
-            self._int(device), tuple(self._cell(c) for c in cells), self._src.meta(meta)
-        )
+        return ast.TableRow(self._int(device), tuple(self._cell(c) for c in cells), self._src.meta(meta))
 
     def _cell(self, token: Token) -> ast.Cell:
         pos = self._src.token(token)
         match = _CELL_RE.fullmatch(token.value)
         if match is None:
             raise _error(
-                f"`{token.value}` is not an action cell: write {{stage}}{{F|B|I|W}}{{microbatch}},"
-                " like 0F1 or 3W12",
+                f"`{token.value}` is not an action cell: write {{stage}}{{F|B|I|W}}{{microbatch}}, like 0F1 or 3W12",
                 pos,
             )
         stage, kind, microbatch = match.groups()
@@ -303,9 +296,7 @@ class _Builder(Transformer_NonRecursive):
 
     def call(self, meta: Meta, children: list) -> ast.Call:
         name, *args = children
-        return ast.Call(
-            self._name(name), tuple(a for a in args if a is not None), self._src.token(name)
-        )
+        return ast.Call(self._name(name), tuple(a for a in args if a is not None), self._src.token(name))
 
 
 def parse_source(text: str, *, file: str = "<string>") -> ast.Module:

@@ -30,7 +30,6 @@ from pipedsl.timeline import EventKind, Timeline
 __all__ = ["CalibrationError", "Fit", "fit_costs", "timeline_report"]
 
 
-
 class CalibrationError(PipedslError):
     """The measured timelines cannot support a fit (no events of a needed kind)."""
 
@@ -79,7 +78,9 @@ def _per_stage(timelines: Sequence[Timeline], kind: EventKind, num_stages: int) 
         return None
     missing = [s for s, d in enumerate(durations) if not d]
     if missing:
-        raise CalibrationError(f"no {kind.value} action was measured on stage {missing[0]}; record a run that covers every stage")
+        raise CalibrationError(
+            f"no {kind.value} action was measured on stage {missing[0]}; record a run that covers every stage"
+        )
     return tuple(float(np.median(d)) for d in durations)
 
 

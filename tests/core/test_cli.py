@@ -115,9 +115,7 @@ def test_check_reports_every_file_and_the_worst_code(capsys: Capture, sched: Pat
         (["--max-inflight", "x"], "invalid int value"),
     ],
 )
-def test_usage_and_evaluation_errors_exit_2(
-    capsys: Capture, sched: Path, argv: list[str], words: str
-) -> None:
+def test_usage_and_evaluation_errors_exit_2(capsys: Capture, sched: Path, argv: list[str], words: str) -> None:
     code, out, err = run(capsys, "check", sched, *argv)
     assert code == 2 and out == ""
     assert words in err

@@ -66,8 +66,12 @@ def test_every_syntax_error_is_reported_with_a_suggestion() -> None:
 def test_an_unclosed_brace_is_reported_at_the_brace(text: str, line: int, column: int) -> None:
     err = _errors(text)
     assert _where(err) == [
-        (line, column, f"this `{{` is never closed: the file ends at line {text.rstrip().count(chr(10)) + 1}"
-         " while its block is still open")
+        (
+            line,
+            column,
+            f"this `{{` is never closed: the file ends at line {text.rstrip().count(chr(10)) + 1}"
+            " while its block is still open",
+        )
     ]
 
 
@@ -108,8 +112,7 @@ def test_a_failed_require_shows_the_values_it_read() -> None:
     top = _errors("schedule t(pp = 3, vpp = 2) { k = pp * vpp  require k < 4 }")
     assert top.message == "requirement failed (k = 6, pp = 3, vpp = 2)"
     body = _errors(
-        "schedule t { stages 1 devices 1 place s -> 0 on device d {"
-        ' for i in 0 .. 3 { require i < 2, "small" F(i) } } }'
+        'schedule t { stages 1 devices 1 place s -> 0 on device d { for i in 0 .. 3 { require i < 2, "small" F(i) } } }'
     )
     assert body.message == "requirement failed: small (i = 2) (evaluating d = 0)"
 

@@ -29,9 +29,38 @@ _TOKEN = re.compile(r'"[^"\n]*"|#[^\n]*|[0-9]+[A-Za-z0-9_]*|[A-Za-z_][A-Za-z0-9_
 _ALPHABET = '(){}[],.:;=<>!+-*/%#"_ \n\t0123456789FBIWdsimpqxé€\x00'
 _NUMBERS = ["0", "1", "2", "3", "-1", "7", "64", "1000", "1000000", "99999999999", "10000000000000000000"]
 _WORDS = [
-    "schedule", "def", "for", "in", "if", "else", "require", "on", "device", "devices",
-    "stages", "microbatches", "place", "and", "or", "not", "min", "max", "F", "B", "I", "W",
-    "pp", "vpp", "d", "s", "i", "k", "x", "0F0", "1W2", "9X9",
+    "schedule",
+    "def",
+    "for",
+    "in",
+    "if",
+    "else",
+    "require",
+    "on",
+    "device",
+    "devices",
+    "stages",
+    "microbatches",
+    "place",
+    "and",
+    "or",
+    "not",
+    "min",
+    "max",
+    "F",
+    "B",
+    "I",
+    "W",
+    "pp",
+    "vpp",
+    "d",
+    "s",
+    "i",
+    "k",
+    "x",
+    "0F0",
+    "1W2",
+    "9X9",
 ]
 
 Mutation = Callable[[str, random.Random], str]
@@ -120,9 +149,19 @@ def truncate(text: str, rng: random.Random) -> str:
 
 
 MUTATIONS: list[Mutation] = [
-    delete_chars, insert_char, duplicate_span, delete_token, duplicate_token,
-    transplant_token, swap_tokens, replace_number, replace_number, replace_word,
-    delete_line, duplicate_line, truncate,
+    delete_chars,
+    insert_char,
+    duplicate_span,
+    delete_token,
+    duplicate_token,
+    transplant_token,
+    swap_tokens,
+    replace_number,
+    replace_number,
+    replace_word,
+    delete_line,
+    duplicate_line,
+    truncate,
 ]
 
 
@@ -165,10 +204,39 @@ def test_mutated_library_files_fail_only_with_our_errors(name: str) -> None:
 
 
 _PIECES = [
-    "schedule t", "(", ")", "{", "}", "pp = 2", ",", "stages 2", "devices 2", "place s -> s",
-    "place [0, 1]", "on device d", "device 0:", "device 1:", "0F0", "1B0", "for i in 0 .. 2",
-    "if d == 0", "else", "require pp > 1", '"message"', "F(i)", "B(i, 1)", "x = 1 / d",
-    "def f(k) = k % pp", "f(3)", "min(", "max(", "and", "not", "-", "#", "\n",
+    "schedule t",
+    "(",
+    ")",
+    "{",
+    "}",
+    "pp = 2",
+    ",",
+    "stages 2",
+    "devices 2",
+    "place s -> s",
+    "place [0, 1]",
+    "on device d",
+    "device 0:",
+    "device 1:",
+    "0F0",
+    "1B0",
+    "for i in 0 .. 2",
+    "if d == 0",
+    "else",
+    "require pp > 1",
+    '"message"',
+    "F(i)",
+    "B(i, 1)",
+    "x = 1 / d",
+    "def f(k) = k % pp",
+    "f(3)",
+    "min(",
+    "max(",
+    "and",
+    "not",
+    "-",
+    "#",
+    "\n",
 ]
 
 

@@ -146,17 +146,13 @@ def test_conditions(cond: str, expected: list[bool]) -> None:
 
 
 def test_else_if_chain_takes_the_first_true_arm() -> None:
-    text = wrap(
-        "if d == 5 { F(5) } else if d == 1 { F(1) } else if d >= 0 { F(2) } else { F(3) }"
-    )
+    text = wrap("if d == 5 { F(5) } else if d == 1 { F(1) } else if d >= 0 { F(2) } else { F(3) }")
     assert orders(text) == [["0F2"], ["1F1"]]
 
 
 def test_locals_update_from_nested_blocks_and_end_with_their_block() -> None:
     text = wrap(
-        "count = 0\n"
-        "    for i in 0 .. 3 { count = count + 1  if i == 1 { inner = 10  F(inner + count) } }\n"
-        "    F(count)"
+        "count = 0\n    for i in 0 .. 3 { count = count + 1  if i == 1 { inner = 10  F(inner + count) } }\n    F(count)"
     )
     assert orders(text)[0] == ["0F12", "0F3"]
 
@@ -298,7 +294,7 @@ SYNTAX_ERRORS = [
     pytest.param("schedule t { x = 3 ⁁$ }", "unexpected character '$'", id="bad-character"),
     pytest.param("schedule⁁", "unexpected end of the file; expected a name", id="end-of-file"),
     pytest.param("⁁", "unexpected end of the file; expected one of `def` or `schedule`", id="empty"),
-    pytest.param("schedule t { require 1 < 2, ⁁\"open }", "unterminated message", id="open-string"),
+    pytest.param('schedule t { require 1 < 2, ⁁"open }', "unterminated message", id="open-string"),
     pytest.param("schedule t { ⁁for = 1 }", "`for` is a reserved word", id="reserved-word"),
     pytest.param("schedule t { device 0: 0F0 ⁁0X1 }", "`0X1` is not an action cell", id="bad-cell"),
     pytest.param(wrap("⁁chunk(1)"), "`chunk(...)` cannot stand on its own", id="call-statement"),
@@ -330,50 +326,114 @@ def test_syntax_errors(marked: str, message: str) -> None:
 EVAL_ERRORS = [
     pytest.param(wrap("warmup = 1  F(⁁warmpu)"), "unknown name `warmpu`; did you mean `warmup`?", id="unknown-name"),
     pytest.param(wrap("F(⁁chunk(1))"), "unknown function `chunk`", id="unknown-function"),
-    pytest.param(wrap("F(⁁f(1, 2))", top="def f(x) = x"), "f takes 1 argument (x), but this call passes 2", id="function-arity"),
+    pytest.param(
+        wrap("F(⁁f(1, 2))", top="def f(x) = x"), "f takes 1 argument (x), but this call passes 2", id="function-arity"
+    ),
     pytest.param(wrap("⁁F(0, 1, 2)"), "F takes a microbatch and, optionally, a stage", id="action-arity"),
     pytest.param(wrap("⁁B()"), "this call passes 0", id="action-no-arguments"),
     pytest.param(wrap("x = ⁁min()"), "min() needs at least one argument", id="min-no-arguments"),
     pytest.param(wrap("x = 1 ⁁/ (d - d)"), "division by zero: 1 / 0 (evaluating d = 0)", id="division-by-zero"),
     pytest.param(wrap("x = d ⁁% 0"), "division by zero: 0 % 0", id="modulo-by-zero"),
-    pytest.param(wrap("F(0)", top="⁁require pp > 5, \"pp is too small\""), "requirement failed: pp is too small", id="require-top"),
-    pytest.param(wrap("⁁require d < 1, \"one device only\""), "requirement failed: one device only (evaluating d = 1)", id="require-body"),
+    pytest.param(
+        wrap("F(0)", top='⁁require pp > 5, "pp is too small"'), "requirement failed: pp is too small", id="require-top"
+    ),
+    pytest.param(
+        wrap('⁁require d < 1, "one device only"'),
+        "requirement failed: one device only (evaluating d = 1)",
+        id="require-body",
+    ),
     pytest.param(wrap("⁁require d < 1"), "requirement failed (evaluating d = 1)", id="require-no-message"),
     pytest.param(wrap("⁁for i in 3 .. 1 { }"), "negative range 3 .. 1", id="negative-range"),
-    pytest.param(wrap("⁁for i in 0 .. 1000000000000 { }"), "runaway expansion: this loop of 1000000000000 iterations", id="runaway-empty-loop"),
+    pytest.param(
+        wrap("⁁for i in 0 .. 1000000000000 { }"),
+        "runaway expansion: this loop of 1000000000000 iterations",
+        id="runaway-empty-loop",
+    ),
     pytest.param(wrap("for i in 0 .. 100 { ⁁F(i) }"), "more than max_actions=50", id="too-many-actions"),
-    pytest.param("schedule t { stages 2 devices 1 place s -> 0 on device d { ⁁F(0) } }", "F(0) leaves out the stage, but device 0 holds stages 0, 1", id="stage-omitted"),
-    pytest.param("schedule t { stages 1 devices 2 place s -> 0 on device d { ⁁W(0) } }", "W(0) leaves out the stage, but device 1 holds no stage", id="stage-omitted-empty-device"),
+    pytest.param(
+        "schedule t { stages 2 devices 1 place s -> 0 on device d { ⁁F(0) } }",
+        "F(0) leaves out the stage, but device 0 holds stages 0, 1",
+        id="stage-omitted",
+    ),
+    pytest.param(
+        "schedule t { stages 1 devices 2 place s -> 0 on device d { ⁁W(0) } }",
+        "W(0) leaves out the stage, but device 1 holds no stage",
+        id="stage-omitted-empty-device",
+    ),
     pytest.param(wrap("x = 1 ⁁< 2"), "this is a condition, but a number is needed", id="condition-as-number"),
     pytest.param(wrap("if ⁁3 { }"), "a condition is needed here", id="number-as-condition"),
-    pytest.param(wrap("for i in 0 .. 2 { ⁁i = 3 }"), "`i` is the loop variable and cannot be assigned", id="assign-loop-variable"),
+    pytest.param(
+        wrap("for i in 0 .. 2 { ⁁i = 3 }"), "`i` is the loop variable and cannot be assigned", id="assign-loop-variable"
+    ),
     pytest.param(wrap("⁁d = 3"), "`d` is the device variable", id="assign-device-variable"),
     pytest.param(wrap("⁁pp = 3"), "`pp` is a schedule-level name", id="assign-parameter-in-body"),
     pytest.param(wrap("F(0)", top="⁁pp = 3"), "`pp` is a parameter and cannot be rebound", id="rebind-parameter"),
     pytest.param(wrap("if d == 0 { y = 1 }  F(⁁y)"), "unknown name `y`", id="block-scoped-local"),
-    pytest.param(wrap("for i in 0 .. 2 { ⁁for i in 0 .. 2 { } }"), "`i` is already a local", id="shadowed-loop-variable"),
+    pytest.param(
+        wrap("for i in 0 .. 2 { ⁁for i in 0 .. 2 { } }"), "`i` is already a local", id="shadowed-loop-variable"
+    ),
     pytest.param(wrap("F(f(1))", top="def f(x) = ⁁f(x)"), "`f` calls itself: recursion is not allowed", id="recursion"),
-    pytest.param(wrap("F(0)", top="def f(x) = ⁁g(x)\n  def g(x) = x"), "`g` is not defined above this point", id="call-defined-below"),
+    pytest.param(
+        wrap("F(0)", top="def f(x) = ⁁g(x)\n  def g(x) = x"),
+        "`g` is not defined above this point",
+        id="call-defined-below",
+    ),
     pytest.param(wrap("F(⁁F)"), "`F` is an action", id="action-as-value"),
     pytest.param(wrap("x = ⁁F(1)"), "`F(...)` is an action", id="action-in-expression"),
     pytest.param(wrap("x = ⁁max"), "`max` is a function", id="function-as-value"),
     pytest.param(wrap("x = 3000000000 * 3000000000 ⁁* 3"), "integer overflow", id="overflow-multiply"),
     pytest.param(wrap("x = 1  for i in 0 .. 70 { ⁁x = x + x }"), "integer overflow", id="overflow-assign"),
     pytest.param("schedule t { x = 9223372036854775807 ⁁+ 1 }", "integer overflow", id="overflow-schedule-level"),
-    pytest.param("schedule t {\n  stages 3\n  ⁁stages 3\n}", "`stages` is declared twice (first at line 2)", id="declared-twice"),
+    pytest.param(
+        "schedule t {\n  stages 3\n  ⁁stages 3\n}", "`stages` is declared twice (first at line 2)", id="declared-twice"
+    ),
     pytest.param("schedule t { ⁁stages 0 }", "stages must be at least 1, got 0", id="no-stages"),
     pytest.param("schedule t { stages 2 ⁁devices -1 }", "devices must be at least 1, got -1", id="negative-devices"),
-    pytest.param("schedule t { stages 2 devices 2 place s -> s ⁁+ 1 on device d { } }", "place puts stage 1 on device 2, but the devices are 0 .. 1", id="place-out-of-range"),
-    pytest.param("schedule t { stages 2 devices 2 place [0, ⁁5] device 0: device 1: }", "place puts stage 1 on device 5", id="place-list-out-of-range"),
-    pytest.param("schedule t { stages 2 devices 2 ⁁place [0] device 0: device 1: }", "place lists 1 device, one per stage, but there are 2 stages", id="place-list-length"),
-    pytest.param("schedule t { stages 2 ⁁place s -> s devices 2 }", "declare `devices` before `place`", id="place-too-early"),
-    pytest.param("schedule t { stages 2 devices 2 ⁁on device d { } }", "declare `place` before the device orders", id="orders-before-place"),
-    pytest.param("schedule ⁁t { stages 2 devices 2 place s -> s }", "has neither an `on device` block nor table rows", id="no-orders"),
+    pytest.param(
+        "schedule t { stages 2 devices 2 place s -> s ⁁+ 1 on device d { } }",
+        "place puts stage 1 on device 2, but the devices are 0 .. 1",
+        id="place-out-of-range",
+    ),
+    pytest.param(
+        "schedule t { stages 2 devices 2 place [0, ⁁5] device 0: device 1: }",
+        "place puts stage 1 on device 5",
+        id="place-list-out-of-range",
+    ),
+    pytest.param(
+        "schedule t { stages 2 devices 2 ⁁place [0] device 0: device 1: }",
+        "place lists 1 device, one per stage, but there are 2 stages",
+        id="place-list-length",
+    ),
+    pytest.param(
+        "schedule t { stages 2 ⁁place s -> s devices 2 }", "declare `devices` before `place`", id="place-too-early"
+    ),
+    pytest.param(
+        "schedule t { stages 2 devices 2 ⁁on device d { } }",
+        "declare `place` before the device orders",
+        id="orders-before-place",
+    ),
+    pytest.param(
+        "schedule ⁁t { stages 2 devices 2 place s -> s }",
+        "has neither an `on device` block nor table rows",
+        id="no-orders",
+    ),
     pytest.param("schedule ⁁t { devices 2 }", "never declares `stages`", id="no-stages-declared"),
-    pytest.param("schedule t { stages 1 devices 2 place [0] ⁁device 0: 0F0 }", "the table has no row for device 1", id="missing-row"),
-    pytest.param("schedule t { stages 1 devices 1 place [0] device 0: ⁁device 0: }", "device 0 has two rows", id="duplicate-row"),
-    pytest.param("schedule t { stages 1 devices 1 place [0] ⁁device 3: }", "row for device 3, but the devices are 0 .. 0", id="row-out-of-range"),
-    pytest.param("schedule t { stages 1 devices 1 place [0] on device d { } ⁁device 0: }", "not both", id="table-and-body"),
+    pytest.param(
+        "schedule t { stages 1 devices 2 place [0] ⁁device 0: 0F0 }",
+        "the table has no row for device 1",
+        id="missing-row",
+    ),
+    pytest.param(
+        "schedule t { stages 1 devices 1 place [0] device 0: ⁁device 0: }", "device 0 has two rows", id="duplicate-row"
+    ),
+    pytest.param(
+        "schedule t { stages 1 devices 1 place [0] ⁁device 3: }",
+        "row for device 3, but the devices are 0 .. 0",
+        id="row-out-of-range",
+    ),
+    pytest.param(
+        "schedule t { stages 1 devices 1 place [0] on device d { } ⁁device 0: }", "not both", id="table-and-body"
+    ),
     pytest.param("schedule t(pp = 1, ⁁pp = 2) { }", "parameter `pp` is declared twice", id="duplicate-parameter"),
     pytest.param("⁁def f(x, x) = x schedule t { }", "f names its argument `x` twice", id="duplicate-argument"),
     pytest.param("schedule t { ⁁def min(x) = x }", "`min` is a builtin", id="redefine-builtin"),

@@ -74,7 +74,12 @@ def test_every_file_documents_itself_and_has_the_usual_defaults(name: str) -> No
         assert isinstance(loaded, Schedule)
         validate(loaded)
     defaults = dict(loaded.params)
-    usual = {"pp": 4, "microbatches": 8, "vpp": 2, "max_inflight": defaults.get("pp", 0) * (2 if name == "zbv_auto" else 1)}
+    usual = {
+        "pp": 4,
+        "microbatches": 8,
+        "vpp": 2,
+        "max_inflight": defaults.get("pp", 0) * (2 if name == "zbv_auto" else 1),
+    }
     assert {k: v for k, v in usual.items() if k in defaults} == defaults
 
 

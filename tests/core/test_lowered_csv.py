@@ -18,14 +18,17 @@ _COMM = re.compile(r"^(\d+)(SEND|RECV)_([FB])(\d+)$")
 
 def test_1f1b_on_two_devices() -> None:
     assert to_lowered_csv(load("1f1b", pp=2, microbatches=2)) == (
-        "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
-        "1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1\n"
+        "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1\n"
     )
 
 
 @pytest.mark.parametrize(
     ("name", "params"),
-    [("1f1b", {"pp": 4, "microbatches": 8}), ("zbv", {"pp": 2, "microbatches": 4}), ("interleaved_1f1b", {"pp": 2, "microbatches": 4})],
+    [
+        ("1f1b", {"pp": 4, "microbatches": 8}),
+        ("zbv", {"pp": 2, "microbatches": 4}),
+        ("interleaved_1f1b", {"pp": 2, "microbatches": 4}),
+    ],
 )
 def test_every_send_has_its_receive_and_computes_keep_their_order(name: str, params: dict[str, int]) -> None:
     schedule = load(name, **params)

@@ -24,7 +24,9 @@ def test_a_library_schedule_is_named_as_loaded_and_a_users_file_by_its_schedule_
 def test_repr_is_a_summary() -> None:
     schedule = pipedsl.load("1f1b", pp=8, microbatches=64)
     text = repr(schedule)
-    assert text.startswith("<Schedule 1f1b(pp=8, microbatches=64): 8 stages on 8 devices, 64 microbatches, 1024 actions")
+    assert text.startswith(
+        "<Schedule 1f1b(pp=8, microbatches=64): 8 stages on 8 devices, 64 microbatches, 1024 actions"
+    )
     assert len(text) < 200
     one = pipedsl.parse("schedule t { stages 1 devices 1 place s -> 0 device 0: 0F0 0B0 }")
     assert repr(one) == "<Schedule t(): 1 stage on 1 device, 1 microbatch, 2 actions>"
@@ -39,7 +41,9 @@ def test_counts_of_one_are_singular(capsys: object) -> None:
 
 
 def test_calibrate_help_is_plain_words() -> None:
-    done = subprocess.run([sys.executable, "-m", "pipedsl", "calibrate", "--help"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipedsl", "calibrate", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0
     assert "``" not in done.stdout and ":func:" not in done.stdout
     assert "--save-costs DIR" in done.stdout

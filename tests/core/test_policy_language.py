@@ -69,7 +69,12 @@ def test_defaults_and_parameters() -> None:
         ("split backward; I only in idle time", ScheduleEvalError, "only W can be kept", 6),
         ("limit inflight <= nope", ScheduleEvalError, "unknown name `nope`", 6),
         ("limit memory <= 3", ScheduleSyntaxError, "`inflight` or `activations`", 6),
-        ("limit inflight <= 3 warmup 2", ScheduleSyntaxError, "unexpected name `warmup`; expected one of `;` or `}`", 6),
+        (
+            "limit inflight <= 3 warmup 2",
+            ScheduleSyntaxError,
+            "unexpected name `warmup`; expected one of `;` or `}`",
+            6,
+        ),
         ("limit inflight <= pp / (d - 1)", ScheduleEvalError, "division by zero", 6),
     ],
 )
@@ -91,7 +96,10 @@ def test_a_policy_and_orders_do_not_mix() -> None:
 
 
 def test_words_of_the_policy_form_stay_free_as_names_elsewhere() -> None:
-    text = HEAD + "  on device d {\n    warmup = pp - d\n    split = 0\n    for i in 0 .. microbatches { F(i) B(i) }\n  }\n}\n"
+    text = (
+        HEAD
+        + "  on device d {\n    warmup = pp - d\n    split = 0\n    for i in 0 .. microbatches { F(i) B(i) }\n  }\n}\n"
+    )
     assert isinstance(parse(text), Schedule)
 
 
@@ -124,7 +132,10 @@ def test_check_show_and_convert_synthesise_against_the_default_costs(capsys: Cap
     assert "peak in-flight per device 2 2" in out and "default cost model (F=1 B=2F" in out
     code, out, err = run(capsys, "show", "zb_auto", "-p", "pp=2", "-p", "microbatches=2")
     assert code == 0 and "note:" in err
-    assert out.splitlines()[0] == "zb_auto(pp=2, microbatches=2, max_inflight=2): policy: split backward; in flight <= 2; prefer I > F > W"
+    assert (
+        out.splitlines()[0]
+        == "zb_auto(pp=2, microbatches=2, max_inflight=2): policy: split backward; in flight <= 2; prefer I > F > W"
+    )
     assert "device 1: 1F0 1I0 1F1 1I1 1W0 1W1" in out
     target = tmp_path / "zb.sched"
     code, _, _ = run(capsys, "convert", "zb_auto", "-p", "pp=2", "-p", "microbatches=2", "--to", "sched", "-o", target)

@@ -178,9 +178,7 @@ def _device_local_orders(
     for device in range(num_devices):
         mine = [a for a in all_actions(num_stages, num_mb, split) if placement[a.stage] == device]
         local = {
-            a: tuple(
-                n for n in needs(a, num_stages, split) + extra.get(a, ()) if placement[n.stage] == device
-            )
+            a: tuple(n for n in needs(a, num_stages, split) + extra.get(a, ()) if placement[n.stage] == device)
             for a in mine
         }
         order: list[Action] = []
@@ -363,7 +361,7 @@ def _walk_every_action(schedule: Schedule) -> str | None:
     while device not in visited:
         visited.append(device)
         device = owner[blocked_on[device]]
-    cycle = visited[visited.index(device):]
+    cycle = visited[visited.index(device) :]
     steps = [
         f"device {d} waits at {schedule.orders[d][pointer[d]]} for {blocked_on[d]} on device {owner[blocked_on[d]]}"
         for d in cycle

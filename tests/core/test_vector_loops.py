@@ -37,8 +37,7 @@ def _both(body: str, **kw: str) -> tuple[str, str]:
     assert 8 < MIN_ITERATIONS
     whole = _schedule(f"for i in lo .. hi {{ {body} }}", **kw)
     pieces = _schedule(
-        "for c in 0 .. (hi - lo + 7) / 8 { for j in 0 .. min(8, hi - lo - 8 * c) {"
-        f" i = lo + 8 * c + j  {body} }} }}",
+        f"for c in 0 .. (hi - lo + 7) / 8 {{ for j in 0 .. min(8, hi - lo - 8 * c) {{ i = lo + 8 * c + j  {body} }} }}",
         **kw,
     )
     return whole, pieces

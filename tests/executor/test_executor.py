@@ -36,7 +36,8 @@ from pipedsl.validate import peak_inflight
 # zb_h1 on four devices, the transformer explicit under zbv in the optimizer test and in
 # the hybrid grid), so the interpreter meets every model and form.
 @pytest.mark.parametrize(
-    ("name", "kind", "form"), [(n, "mlp", "explicit") for n in LIBRARY] + [(n, "transformer", "marked") for n in LIBRARY]
+    ("name", "kind", "form"),
+    [(n, "mlp", "explicit") for n in LIBRARY] + [(n, "transformer", "marked") for n in LIBRARY],
 )
 def test_library_schedule_matches_single_device(name: str, kind: str, form: str) -> None:
     schedule = library(name)

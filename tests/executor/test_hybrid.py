@@ -40,7 +40,9 @@ GRID = [
 
 
 @pytest.mark.parametrize(("dp", "tp", "pp", "name", "vpp", "zero", "form"), GRID)
-def test_hybrid_plan_matches_single_device(dp: int, tp: int, pp: int, name: str, vpp: int, zero: int, form: str) -> None:
+def test_hybrid_plan_matches_single_device(
+    dp: int, tp: int, pp: int, name: str, vpp: int, zero: int, form: str
+) -> None:
     schedule = hybrid_schedule(name, pp, vpp)
     _, params, batch, ref_loss, ref_grads = hybrid_problem(form, schedule.num_stages, dp)
     result = hybrid(form, schedule, dp=dp, tp=tp, zero=zero).step(params, batch)
@@ -50,7 +52,9 @@ def test_hybrid_plan_matches_single_device(dp: int, tp: int, pp: int, name: str,
     assert {len(g.sharding.device_set) for g in jax.tree_util.tree_leaves(result.grads)} == {dp * tp}
 
 
-@pytest.mark.parametrize(("dp", "tp", "pp", "name", "zero"), [(4, 2, 1, "gpipe", 1), (2, 1, 2, "zb_h1", 2), (2, 2, 2, "1f1b", 3)])
+@pytest.mark.parametrize(
+    ("dp", "tp", "pp", "name", "zero"), [(4, 2, 1, "gpipe", 1), (2, 1, 2, "zb_h1", 2), (2, 2, 2, "1f1b", 3)]
+)
 def test_optimizer_steps_match_optax_on_one_device(dp: int, tp: int, pp: int, name: str, zero: int) -> None:
     schedule = hybrid_schedule(name, pp, 1)
     _, params, batch, _, _ = hybrid_problem("explicit", schedule.num_stages, dp)
@@ -99,7 +103,10 @@ def test_gradient_reduction_and_tensor_collectives_are_inside_xla() -> None:
     assert not any(COLLECTIVE.search(text) for text in single.compiled_hlo().values())
 
 
-@pytest.mark.parametrize(("zero", "backward", "reduce"), [(0, set(), {"all-reduce"}), (1, set(), {"reduce-scatter"}), (2, {"reduce-scatter"}, set())])
+@pytest.mark.parametrize(
+    ("zero", "backward", "reduce"),
+    [(0, set(), {"all-reduce"}), (1, set(), {"reduce-scatter"}), (2, {"reduce-scatter"}, set())],
+)
 def test_gradients_are_reduced_once_per_step_up_to_zero_1(zero: int, backward: set[str], reduce: set[str]) -> None:
     # Data parallel only (tp = 1): ZeRO 0 and 1 keep each device's gradients unreduced
     # through every backward and reduce them once per step (all-reduce, reduce-scatter),
@@ -125,7 +132,9 @@ def test_zero_1_gathers_the_updated_parameters_in_one_collective() -> None:
     from pipedsl.executor.shards import DataShards
 
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "tensor"))
-    values = [np.arange(n, dtype=np.float32).reshape(shape) for n, shape in ((12, (4, 3)), (24, (3, 8)), (6, (6,)), (5, (5,)))]
+    values = [
+        np.arange(n, dtype=np.float32).reshape(shape) for n, shape in ((12, (4, 3)), (24, (3, 8)), (6, (6,)), (5, (5,)))
+    ]
     avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
     layout = StageLayout(mesh, [PartitionSpec()] * len(values), avals, zero=1, leaves=range(len(values)))
     assert layout.gathers_params
@@ -137,7 +146,9 @@ def test_zero_1_gathers_the_updated_parameters_in_one_collective() -> None:
         np.testing.assert_array_equal(np.asarray(got), want)
         assert got.sharding.is_equivalent_to(at, want.ndim)
     assert len(COLLECTIVE.findall(gather.lower(*shards).compile().as_text())) == 1
-    assert not StageLayout(mesh, [PartitionSpec()] * len(values), avals, zero=0, leaves=range(len(values))).gathers_params
+    assert not StageLayout(
+        mesh, [PartitionSpec()] * len(values), avals, zero=0, leaves=range(len(values))
+    ).gathers_params
 
 
 def test_microbatch_that_does_not_split_over_dp_is_refused() -> None:

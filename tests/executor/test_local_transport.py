@@ -97,5 +97,7 @@ def test_a_sharded_buffer_keeps_its_sharding_on_the_receivers_mesh() -> None:
 
 def test_a_receive_that_is_never_sent_names_the_value_and_the_sender() -> None:
     exchange = _exchange(_meshes())
-    with pytest.raises(ExecutionError, match=r"device 1 waited 0.1 s for the gradient of leaf 3 from stage 0 from device 0"):
+    with pytest.raises(
+        ExecutionError, match=r"device 1 waited 0.1 s for the gradient of leaf 3 from stage 0 from device 0"
+    ):
         exchange.endpoint(1).recv(("grad", 0, 3), 0, timeout=0.1)

@@ -22,7 +22,9 @@ def test_one_stage_transformer_is_its_stages_composed() -> None:
         "ln_f": stages[-1]["ln_f"],
         "head": stages[-1]["head"],
     }
-    assert jax.tree_util.tree_structure(merged) == jax.tree_util.tree_structure(whole.init_stages(jax.random.PRNGKey(1))[0])
+    assert jax.tree_util.tree_structure(merged) == jax.tree_util.tree_structure(
+        whole.init_stages(jax.random.PRNGKey(1))[0]
+    )
     tokens, _ = staged.batch(jax.random.PRNGKey(2), 5)
     composed = reference_stages(staged)(stages, tokens)
     np.testing.assert_allclose(whole.stages[0](merged, tokens), composed, rtol=1e-5, atol=1e-6)

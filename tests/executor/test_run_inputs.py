@@ -17,12 +17,22 @@ RUN = ["run", "1f1b", "-p", "pp=2", "-p", "microbatches=2", "--steps", "1"]
     [
         pytest.param([*RUN, "--width", "-5"], "--width must be at least 1, got -5", id="negative-width"),
         pytest.param([*RUN, "--layers-per-stage", "0"], "--layers-per-stage must be at least 1, got 0", id="no-layers"),
-        pytest.param([*RUN, "--layers-per-stage", "-1"], "--layers-per-stage must be at least 1, got -1", id="negative-layers"),
+        pytest.param(
+            [*RUN, "--layers-per-stage", "-1"], "--layers-per-stage must be at least 1, got -1", id="negative-layers"
+        ),
         pytest.param([*RUN, "--seed", str(2**64)], "--seed must be a 64-bit integer", id="huge-seed"),
         pytest.param([*RUN, "--lr", "nan"], "--lr must be a finite number above 0, got nan", id="nan-lr"),
-        pytest.param([*RUN, "--width", "100000"], "GB of parameters; training it with Adam needs at least", id="too-big"),
-        pytest.param(["calibrate", "--save-costs", "a_file"], "--save-costs a_file: is a file; give a folder", id="costs-into-a-file"),
-        pytest.param(["calibrate", "--save-costs", "a_file/sub"], "cannot be made: a_file is a file", id="costs-under-a-file"),
+        pytest.param(
+            [*RUN, "--width", "100000"], "GB of parameters; training it with Adam needs at least", id="too-big"
+        ),
+        pytest.param(
+            ["calibrate", "--save-costs", "a_file"],
+            "--save-costs a_file: is a file; give a folder",
+            id="costs-into-a-file",
+        ),
+        pytest.param(
+            ["calibrate", "--save-costs", "a_file/sub"], "cannot be made: a_file is a file", id="costs-under-a-file"
+        ),
         pytest.param(["demo", "--out", "a_file"], "--out a_file: is a file; give a folder", id="demo-into-a-file"),
     ],
 )

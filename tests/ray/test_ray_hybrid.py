@@ -48,10 +48,14 @@ def local_ray() -> Iterator[None]:
 
 
 @pytest.mark.parametrize(("dp", "tp", "pp", "name", "zero"), [(2, 2, 2, "1f1b", 0), (4, 1, 2, "zb_h1", 3)])
-def test_ray_hybrid_plan_matches_single_device(local_ray: None, dp: int, tp: int, pp: int, name: str, zero: int) -> None:
+def test_ray_hybrid_plan_matches_single_device(
+    local_ray: None, dp: int, tp: int, pp: int, name: str, zero: int
+) -> None:
     schedule = hybrid_schedule(name, pp, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", schedule.num_stages, dp)
-    pipe = hybrid("explicit", schedule, dp=dp, tp=tp, zero=zero, backend=RayConfig(devices_per_process=2, step_timeout=300))
+    pipe = hybrid(
+        "explicit", schedule, dp=dp, tp=tp, zero=zero, backend=RayConfig(devices_per_process=2, step_timeout=300)
+    )
     try:
         result = pipe.step(params, batch)
         assert abs(float(result.loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))

@@ -110,13 +110,20 @@ def test_silent_address_fails_within_start_timeout_and_the_process_exits(silent_
     mark = uuid.uuid4().hex
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=_env(mark), timeout=90, check=False
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        env=_env(mark),
+        timeout=90,
+        check=False,
     )
     total = time.monotonic() - start
     assert done.returncode == 0, done.stderr
     waited, message = done.stdout.split(" ", 1)
     assert 3 <= float(waited) < 6
-    assert f"cannot connect to the Ray cluster at 127.0.0.1:{silent_port}: no answer within 3 s (start_timeout)" in message
+    assert (
+        f"cannot connect to the Ray cluster at 127.0.0.1:{silent_port}: no answer within 3 s (start_timeout)" in message
+    )
     # Ray's connection attempt is abandoned: nothing keeps the process from exiting.
     assert total < 45
     assert _none_left(mark, within=5) == []
@@ -225,7 +232,13 @@ def _interrupt(mark: str, when: str) -> tuple[subprocess.Popen[str], str, str]:
     # In a session of its own, so that the signal goes to its whole process group, as a
     # terminal's Ctrl-C does, and to nothing else.
     run = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(mark), cwd=ROOT, start_new_session=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(mark),
+        cwd=ROOT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -243,7 +256,9 @@ def _interrupt(mark: str, when: str) -> tuple[subprocess.Popen[str], str, str]:
             out, err = run.communicate(timeout=60)
         except subprocess.TimeoutExpired as late:
             out, err = (_text(late.stdout)[-1500:], _text(late.stderr)[-3000:])
-            pytest.fail(f"the run did not exit within 60 s of its Ctrl-C; its signals then: {state}\nstdout: {out}\nstderr: {err}")
+            pytest.fail(
+                f"the run did not exit within 60 s of its Ctrl-C; its signals then: {state}\nstdout: {out}\nstderr: {err}"
+            )
     finally:
         if run.poll() is None:
             run.kill()

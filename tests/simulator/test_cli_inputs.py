@@ -35,20 +35,56 @@ def files(tmp_path: Path) -> Path:
 
 
 CASES = [
-    pytest.param(["simulate", "1f1b", "--costs", "latin1.toml"], "latin1.toml: not UTF-8 text (byte 11 is 0xff)", id="costs-not-utf8"),
+    pytest.param(
+        ["simulate", "1f1b", "--costs", "latin1.toml"],
+        "latin1.toml: not UTF-8 text (byte 11 is 0xff)",
+        id="costs-not-utf8",
+    ),
     pytest.param(["simulate", "1f1b", "--costs", "deep.toml"], "nested too deeply", id="costs-deep"),
-    pytest.param(["estimate", "--model", "latin1.toml", "--cluster", "h100-80gb", "--global-batch", "8"], "not UTF-8 text", id="model-not-utf8"),
-    pytest.param(["estimate", "--model", "gpt3-175b", "--cluster", "latin1.toml", "--global-batch", "8"], "not UTF-8 text", id="cluster-not-utf8"),
-    pytest.param(["search", "--model", "latin1.toml", "--cluster", "h100-80gb", "--gpus", "8"], "not UTF-8 text", id="search-model-not-utf8"),
-    pytest.param(["simulate", "1f1b", "--f", "1e308"], "forward = 1e+308 s is more than the 1e+09 s", id="huge-forward"),
+    pytest.param(
+        ["estimate", "--model", "latin1.toml", "--cluster", "h100-80gb", "--global-batch", "8"],
+        "not UTF-8 text",
+        id="model-not-utf8",
+    ),
+    pytest.param(
+        ["estimate", "--model", "gpt3-175b", "--cluster", "latin1.toml", "--global-batch", "8"],
+        "not UTF-8 text",
+        id="cluster-not-utf8",
+    ),
+    pytest.param(
+        ["search", "--model", "latin1.toml", "--cluster", "h100-80gb", "--gpus", "8"],
+        "not UTF-8 text",
+        id="search-model-not-utf8",
+    ),
+    pytest.param(
+        ["simulate", "1f1b", "--f", "1e308"], "forward = 1e+308 s is more than the 1e+09 s", id="huge-forward"
+    ),
     pytest.param(["simulate", "1f1b", "--f", "nan"], "forward must be a finite number >= 0, got nan", id="nan-forward"),
-    pytest.param(["simulate", "1f1b", "--comm", "inf"], "latency must be a finite number >= 0, got inf", id="inf-latency"),
+    pytest.param(
+        ["simulate", "1f1b", "--comm", "inf"], "latency must be a finite number >= 0, got inf", id="inf-latency"
+    ),
     pytest.param(["simulate", "1f1b", "--costs", "slow_link.toml"], "takes 1e+303 s", id="tiny-bandwidth"),
     pytest.param(["plot", "1f1b", "--costs", "huge.toml", "-o", "x.png"], "forward = 1e+308 s", id="plot-huge-forward"),
-    pytest.param(["estimate", "--model", "absurd.toml", "--cluster", "h100-80gb", "--global-batch", "8"], "layers = 1,000,000,000,000 is past the 1,000,000", id="absurd-layers"),
-    pytest.param(["search", "--model", "gpt3-175b", "--cluster", "h100-80gb", "--gpus", "8", "--csv", "missing/plans.csv"], "--csv missing/plans.csv: the folder missing does not exist", id="csv-no-folder"),
-    pytest.param(["search", "--model", "gpt3-175b", "--cluster", "h100-80gb", "--gpus", "8", "--csv", "."], "is a folder", id="csv-is-folder"),
-    pytest.param(["check", "1f1b", "--max-actions", "10"], "raise the limit (--max-actions N on the command line", id="max-actions"),
+    pytest.param(
+        ["estimate", "--model", "absurd.toml", "--cluster", "h100-80gb", "--global-batch", "8"],
+        "layers = 1,000,000,000,000 is past the 1,000,000",
+        id="absurd-layers",
+    ),
+    pytest.param(
+        ["search", "--model", "gpt3-175b", "--cluster", "h100-80gb", "--gpus", "8", "--csv", "missing/plans.csv"],
+        "--csv missing/plans.csv: the folder missing does not exist",
+        id="csv-no-folder",
+    ),
+    pytest.param(
+        ["search", "--model", "gpt3-175b", "--cluster", "h100-80gb", "--gpus", "8", "--csv", "."],
+        "is a folder",
+        id="csv-is-folder",
+    ),
+    pytest.param(
+        ["check", "1f1b", "--max-actions", "10"],
+        "raise the limit (--max-actions N on the command line",
+        id="max-actions",
+    ),
     pytest.param(["check", "1f1b", "--max-actions", "0"], "must be at least 1, got 0", id="max-actions-zero"),
 ]
 

@@ -280,14 +280,23 @@ def test_devices_that_share_cores_share_them_among_the_busy_ones() -> None:
     alone = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30)
     shared = dataclasses.replace(alone, host_cores=2.0)
     one = Plan(pp=4, dp=2, global_batch=2, schedule="gpipe")
-    assert estimate(model, shared, one).pipeline_time_s == pytest.approx(estimate(model, alone, one).pipeline_time_s / 4)
+    assert estimate(model, shared, one).pipeline_time_s == pytest.approx(
+        estimate(model, alone, one).pipeline_time_s / 4
+    )
     slower = dataclasses.replace(shared, device_cores=0.75)
-    assert estimate(model, slower, one).pipeline_time_s == pytest.approx(estimate(model, alone, one).pipeline_time_s / 3)
+    assert estimate(model, slower, one).pipeline_time_s == pytest.approx(
+        estimate(model, alone, one).pipeline_time_s / 3
+    )
     # With many microbatches the cores are busy most of the step: no faster than the
     # devices' mean busy time (the cores do the same work), and faster than the makespan.
-    for plan in (Plan(pp=4, dp=2, global_batch=16, schedule="1f1b"), Plan(pp=4, dp=2, global_batch=16, schedule="zb_h1")):
+    for plan in (
+        Plan(pp=4, dp=2, global_batch=16, schedule="1f1b"),
+        Plan(pp=4, dp=2, global_batch=16, schedule="zb_h1"),
+    ):
         apart, together = estimate(model, alone, plan), estimate(model, shared, plan)
-        assert apart.pipeline_time_s * (1 - apart.bubble) * (1 - 1e-9) <= together.pipeline_time_s < apart.pipeline_time_s
+        assert (
+            apart.pipeline_time_s * (1 - apart.bubble) * (1 - 1e-9) <= together.pipeline_time_s < apart.pipeline_time_s
+        )
         assert prepare(model, shared, plan).lower_bound_s <= together.step_time_s * (1 + 1e-12)
         assert any(a.name == "host_cores" and a.value == "2" for a in together.assumptions)
         assert not any(a.name == "host_cores" for a in apart.assumptions)
@@ -295,7 +304,9 @@ def test_devices_that_share_cores_share_them_among_the_busy_ones() -> None:
     spmd = Plan(dp=8, global_batch=8)
     assert estimate(model, shared, spmd).step_time_s == estimate(model, alone, spmd).step_time_s
     pair = Plan(dp=2, global_batch=8)
-    assert estimate(model, shared, pair).pipeline_time_s == pytest.approx(estimate(model, alone, pair).pipeline_time_s / 4)
+    assert estimate(model, shared, pair).pipeline_time_s == pytest.approx(
+        estimate(model, alone, pair).pipeline_time_s / 4
+    )
 
 
 def test_a_split_backward_costs_its_halves_as_the_executor_divides_them() -> None:

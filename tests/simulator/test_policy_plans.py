@@ -26,7 +26,9 @@ PLAN = Plan(dp=1, tp=1, pp=4, microbatch_size=2, global_batch=32, schedule="zb_a
 
 def _cluster(model_gib: float) -> Cluster:
     """A100s with ``model_gib`` GiB per GPU usable (1 GiB more, reserved)."""
-    return dataclasses.replace(load_cluster("a100-80gb"), memory_bytes=int((1 + model_gib) * 2**30), reserved_bytes=2**30)
+    return dataclasses.replace(
+        load_cluster("a100-80gb"), memory_bytes=int((1 + model_gib) * 2**30), reserved_bytes=2**30
+    )
 
 
 def test_only_policy_schedules_with_a_limit_parameter_take_one() -> None:
@@ -158,7 +160,9 @@ def test_a_shape_is_read_once_and_answers_each_question_as_computed_afresh() -> 
     residual = (5, 7, 7, 11)
     seconds = np.array([[1.0, 1.5, 1.5, 2.0], [2.0, 3.0, 3.0, 4.0], [1.0, 1.5, 1.5, 2.0], [1.0, 1.5, 1.5, 2.0]])
     for _ in range(2):
-        assert pipelines.peak_residual_bytes(key, residual) == tuple(int(p) for p in peak_held(arrays, residual, residual))
+        assert pipelines.peak_residual_bytes(key, residual) == tuple(
+            int(p) for p in peak_held(arrays, residual, residual)
+        )
         assert pipelines.lower_bound_s(key, seconds) == chain_lower_bound(arrays, seconds)
     assert pipelines.lower_bound_s(key, 2 * seconds) == chain_lower_bound(arrays, 2 * seconds)
 

@@ -68,7 +68,11 @@ def test_the_largest_cluster_takes_little_work() -> None:
     ("body", "kind", "where"),
     [
         ("    x = 1 / (d - d)\n    for i in 0 .. microbatches { F(i) B(i) }", ScheduleEvalError, ":6:"),
-        ("    for i in 0 .. microbatches { F(i) }\n    for i in 0 .. microbatches - 1 { B(i) }", ScheduleInvalid, ":6:"),
+        (
+            "    for i in 0 .. microbatches { F(i) }\n    for i in 0 .. microbatches - 1 { B(i) }",
+            ScheduleInvalid,
+            ":6:",
+        ),
     ],
     ids=["division-by-zero", "missing-backward"],
 )
@@ -86,7 +90,9 @@ def test_a_fault_in_the_users_file_stops_the_search(tmp_path: Path, body: str, k
 
 def test_the_cli_exits_non_zero_on_the_users_fault(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mine = _write(tmp_path, "mine", "    for i in 0 .. microbatches { F(i) }")
-    code = main(["search", "--model", "llama-8b", "--cluster", "h100-80gb", "--gpus", "64", "--schedules", "1f1b", str(mine)])
+    code = main(
+        ["search", "--model", "llama-8b", "--cluster", "h100-80gb", "--gpus", "64", "--schedules", "1f1b", str(mine)]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "[missing-action]" in err and f"{mine}:" in err and "the search stopped at plan" in err
@@ -94,7 +100,9 @@ def test_the_cli_exits_non_zero_on_the_users_fault(tmp_path: Path, capsys: pytes
 
 def test_a_require_drops_the_plan_and_names_the_rule(tmp_path: Path) -> None:
     mine = _write(tmp_path, "mine", "    for i in 0 .. microbatches { F(i) B(i) }")
-    text = mine.read_text().replace("  stages pp", '  require microbatches >= 2 * pp, "needs 2pp microbatches"\n  stages pp')
+    text = mine.read_text().replace(
+        "  stages pp", '  require microbatches >= 2 * pp, "needs 2pp microbatches"\n  stages pp'
+    )
     mine.write_text(text)
     frame = search(MODEL, CLUSTER, 64, global_batch=512, schedules=["1f1b"], extra_schedules=[mine])
     dropped = frame.attrs["dropped"]

@@ -184,7 +184,16 @@ def test_hand_1f1b_two_devices_with_latency() -> None:
     assert sim.bubble_ratio == 0.4
     # Critical path: d0 F0, act0, d1 F0 B0 F1 B1, grad1, d0 B1 (1+.5+1+2+1+2+.5+2 = 10).
     path = [(e.device, e.kind.value, e.microbatch) for e in sim.critical_events()]
-    assert path == [(0, "F", 0), (0, "send", 0), (1, "F", 0), (1, "B", 0), (1, "F", 1), (1, "B", 1), (1, "send", 1), (0, "B", 1)]
+    assert path == [
+        (0, "F", 0),
+        (0, "send", 0),
+        (1, "F", 0),
+        (1, "B", 0),
+        (1, "F", 1),
+        (1, "B", 1),
+        (1, "send", 1),
+        (0, "B", 1),
+    ]
 
 
 def test_hand_gpipe_uneven_stages_alpha_beta() -> None:

@@ -135,7 +135,12 @@ def _dependency_lower_bound(schedule: Schedule, costs: CostModel) -> float:
     """The longest chain of data dependencies, with transfers between devices, ignoring
     device order: no execution can be shorter."""
     resolved = costs.resolve(schedule)
-    seconds = {Kind.F: resolved.forward, Kind.B: resolved.backward, Kind.I: resolved.input_grad, Kind.W: resolved.weight_grad}
+    seconds = {
+        Kind.F: resolved.forward,
+        Kind.B: resolved.backward,
+        Kind.I: resolved.input_grad,
+        Kind.W: resolved.weight_grad,
+    }
     split = {(a.stage, a.microbatch) for _, a in schedule.actions() if a.kind is Kind.I}
     finish: dict[tuple[Kind, int, int], float] = {}
 
@@ -171,9 +176,12 @@ def test_timeline_invariants(case: tuple[Schedule, CostModel]) -> None:
     # Each device runs exactly its order, one compute at a time, each lasting its cost.
     for d in range(schedule.num_devices):
         rows = np.flatnonzero(compute & (tl.device == d))
-        actions = [(EventKind(k).value, s, m) for k, s, m in zip(
-            (tuple(EventKind)[i] for i in tl.kind[rows]), tl.stage[rows], tl.microbatch[rows], strict=True
-        )]
+        actions = [
+            (EventKind(k).value, s, m)
+            for k, s, m in zip(
+                (tuple(EventKind)[i] for i in tl.kind[rows]), tl.stage[rows], tl.microbatch[rows], strict=True
+            )
+        ]
         assert actions == [(a.kind.value, a.stage, a.microbatch) for a in schedule.orders[d]]
         starts, ends = tl.start[rows], tl.end[rows]
         assert np.all(ends[:-1] <= starts[1:])

@@ -37,7 +37,12 @@ def chain(pp: int, m: int, limit: int | tuple[int, ...] | None = None, **options
 def v_shape(pp: int, m: int, limit: int) -> Policy:
     placement = tuple(min(s, 2 * pp - 1 - s) for s in range(2 * pp))
     return Policy(
-        name="auto_v", num_stages=2 * pp, num_devices=pp, num_microbatches=m, placement=placement, max_inflight=(limit,) * pp
+        name="auto_v",
+        num_stages=2 * pp,
+        num_devices=pp,
+        num_microbatches=m,
+        placement=placement,
+        max_inflight=(limit,) * pp,
     )
 
 
@@ -133,7 +138,9 @@ def test_stated_warm_up_counts_are_kept() -> None:
             elif action.kind is Kind.I:
                 ahead -= 1
     with pytest.raises(ScheduleInvalid, match="needs 2"):
-        synthesize(Policy(name="v", num_stages=4, num_devices=2, num_microbatches=6, placement=(0, 1, 1, 0), warmup=(1, 2)))
+        synthesize(
+            Policy(name="v", num_stages=4, num_devices=2, num_microbatches=6, placement=(0, 1, 1, 0), warmup=(1, 2))
+        )
     with pytest.raises(ValueError, match="ahead must be one of"):
         Variant("sometimes")
 

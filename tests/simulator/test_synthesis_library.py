@@ -84,7 +84,9 @@ def test_a_limit_below_one_is_reported_at_its_line() -> None:
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_synthesised_orders_round_trip_through_csv_json_and_sched(name: str) -> None:
-    schedule = synthesize(policy(name, pp=3, microbatches=6), CostModel(forward=1, input_grad=2, weight_grad=1, latency=0.1))
+    schedule = synthesize(
+        policy(name, pp=3, microbatches=6), CostModel(forward=1, input_grad=2, weight_grad=1, latency=0.1)
+    )
     for back in (from_csv(to_csv(schedule)), from_json(to_json(schedule)), parse(to_sched_text(schedule))):
         assert isinstance(back, type(schedule))
         assert (back.orders, back.placement, back.num_microbatches) == (schedule.orders, schedule.placement, 6)
