@@ -223,8 +223,8 @@ def marked_model(
             jax.tree_util.tree_structure(tuple(0 for s in owner if s == k)) for k in range(num_stages)
         ),
         input_avals=tuple(
-            tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in cut.inputs[k])
-            for k in range(num_stages)  # type: ignore[attr-defined]
+            tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in cut.inputs[k])  # type: ignore[attr-defined]
+            for k in range(num_stages)
         ),
         target_avals=tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in t_vars),
     )
