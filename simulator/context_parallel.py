@@ -24,15 +24,27 @@ and values of the layer running are working memory (:func:`gathered_bytes`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from pipedsl.simulator.collectives import gather_seconds
-from pipedsl.simulator.plan import ContextExchange
-
-if TYPE_CHECKING:
-    from pipedsl.simulator.transformer import Shapes
+from pipedsl.simulator.collectives import Group, gather_seconds
+from pipedsl.simulator.hardware import Cluster, Model
+from pipedsl.simulator.plan import ContextExchange, Plan
 
 __all__ = ["gathered_bytes", "exchange_seconds", "exposed_exchange"]
+
+
+class Shapes(Protocol):
+    """What the pricing here reads of a plan's shapes
+    (:class:`pipedsl.simulator.transformer.Shapes`, which prices its layers with it)."""
+
+    @property
+    def model(self) -> Model: ...
+    @property
+    def cluster(self) -> Cluster: ...
+    @property
+    def plan(self) -> Plan: ...
+    @property
+    def cp_group(self) -> Group: ...
 
 
 def gathered_bytes(shapes: Shapes) -> float:

@@ -39,7 +39,7 @@ def test_plan_refuses_options_that_would_change_it(tmp_path: Path, capsys: pytes
     for option, value, said in (
         ("--dp", "4", "--dp 4 (the plan has 2)"),
         ("--microbatch-size", "3", "--microbatch-size 3 (the plan has 1)"),
-        ("--width", "16", "--width 16 (the plan runs the demo transformer)"),
+        ("--width", "16", "--width 16 (the plan runs its own model, scaled down)"),
         ("--model", "mlp", "--model mlp (the plan has transformer)"),
     ):
         code, out, err = _run(capsys, "run", "--plan", "1", "--plans", str(plans), option, value, "--steps", "1")
