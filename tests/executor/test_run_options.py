@@ -40,7 +40,7 @@ def test_plan_refuses_options_that_would_change_it(tmp_path: Path, capsys: pytes
         ("--dp", "4", "--dp 4 (the plan has 2)"),
         ("--microbatch-size", "3", "--microbatch-size 3 (the plan has 1)"),
         ("--width", "16", "--width 16 (the plan runs its own model, scaled down)"),
-        ("--model", "mlp", "--model mlp (the plan has transformer)"),
+        ("--model", "mlp", "--model mlp (the plan runs its own model, scaled down)"),
     ):
         code, out, err = _run(capsys, "run", "--plan", "1", "--plans", str(plans), option, value, "--steps", "1")
         assert code == 2 and said in err and "would change the plan" in err, (option, err)
