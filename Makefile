@@ -29,7 +29,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: lint typecheck
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The format check reads pyproject's [tool.ruff] settings (line length 120).
 lint: $(STAMP)
