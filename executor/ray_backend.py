@@ -42,6 +42,7 @@ import optax
 from pipedsl.executor.backend import StepResult
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.mesh import MeshConfig, leaf_specs
+from pipedsl.executor.optimizers import couples_through_global_norm
 from pipedsl.executor.ray_actor import Failure, ModelSpec, StepReport, trace_model
 from pipedsl.executor.ray_checkpoint import check_plan, finish_version, latest_version, new_version, plan_record
 from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig, RayWorld
@@ -200,6 +201,12 @@ class RayRunner:
         update = None
         if optimizer is not None:
             if optimizer is not self._optimizer:
+                if self.program.schedule.num_devices > 1 and couples_through_global_norm(optimizer):
+                    raise ExecutionError(
+                        "this optimizer combines every parameter's gradient through the global norm "
+                        "(optax.clip_by_global_norm); the Ray backend updates each pipeline device on its own, "
+                        "so it is refused there: use backend='local', or clip each leaf (optax.clip)"
+                    )
                 self._call_all("optimizer", ((optimizer,), {}), what="sending the optimizer")
                 self._optimizer = optimizer
             if isinstance(opt_state, Resident):
