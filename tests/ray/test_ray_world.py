@@ -1,36 +1,19 @@
-"""The Ray backend's jax.distributed world on a four-node Ray cluster on this machine.
-
-One cluster per module (a head and three nodes, one CPU each, all on 127.0.0.1): every
-process of a world reserves one CPU, so four processes land on four nodes, and a stage
-mesh of dp = 2 over two processes spans two nodes. Each plan is checked against one-device
-``jax.value_and_grad`` (relative error below 1e-5, float32).
+"""The Ray backend's jax.distributed world on a four-node Ray cluster on this machine
+(``tests/ray/conftest.py``): each plan is checked against one-device ``jax.value_and_grad``
+(relative error below 1e-5, float32), and every library schedule runs on processes.
 """
 
 from __future__ import annotations
 
-import os
+import sys
+from pathlib import Path
 
-# The test starts the cluster itself, so it keeps it on loopback the way pipedsl keeps
-# the local instances it starts; Ray reads the variable when it is imported.
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import pytest
+import ray
+import ray.cloudpickle
+from ray.cluster_utils import Cluster
 
-import re  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import ray  # noqa: E402
-import ray.cloudpickle  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from helpers import (  # noqa: E402
+from helpers import (
     HYBRID_ADAM,
     LIBRARY,
     assert_relative_close,
@@ -42,13 +25,12 @@ from helpers import (  # noqa: E402
     pipeline,
     zb_auto,
 )
-from helpers import setup as reference  # noqa: E402
-from pipedsl.executor import ExecutionError  # noqa: E402
-from pipedsl.executor.ray_backend import RayRunner, Resident  # noqa: E402
-from pipedsl.executor.ray_cluster import DeviceLost, RayConfig, connect, disconnect  # noqa: E402
-from pipedsl.executor.ray_transport import worker_exchanges  # noqa: E402
-from pipedsl.rendezvous import exchange_order  # noqa: E402
-from pipedsl.validate import peak_inflight  # noqa: E402
+from helpers import setup as reference
+from pipedsl.executor.ray_backend import RayRunner, Resident
+from pipedsl.executor.ray_cluster import RayConfig
+from pipedsl.executor.ray_transport import worker_exchanges
+from pipedsl.rendezvous import exchange_order
+from pipedsl.validate import peak_inflight
 
 pytestmark = [
     pytest.mark.ray,
@@ -61,21 +43,6 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 ROOT = Path(__file__).parents[2]
 CONFIG = RayConfig(step_timeout=240, start_timeout=120)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    head = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(3):
-        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    connect(cluster.address)
-    try:
-        yield cluster
-    finally:
-        disconnect()
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def _runner(pipe: object) -> RayRunner:
@@ -187,160 +154,3 @@ def test_every_library_schedule_runs_on_processes(cluster: Cluster, name: str) -
     assert_relative_close(result.loss, ref_loss)
     assert_relative_close(result.grads, ref_grads)
     assert result.peak_held == peak_inflight(schedule)
-
-
-def test_parameters_made_in_the_world(cluster: Cluster) -> None:
-    schedule = hybrid_schedule("1f1b", 2, 1)
-    m, _, batch, _, _ = hybrid_problem("explicit", 2, 2)
-    key = jax.random.PRNGKey(5)
-    made = m.init_stages(key)
-    ref_loss, ref_grads = jax.jit(
-        jax.value_and_grad(lambda p, x, t: m.loss(m.stages[1](p[1], m.stages[0](p[0], x)), t))
-    )(made, *batch)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=CONFIG) as pipe:
-        held = pipe.init(m.init_stages, key, batch=batch)
-        assert isinstance(held, Resident)
-        result = pipe.step(held, batch)
-        assert_relative_close(pipe.gather(held), made)
-    assert_relative_close(result.loss, ref_loss)
-    assert_relative_close(result.grads, ref_grads)
-
-
-# -- faults ---------------------------------------------------------------------------
-
-FLAGS = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pipedsl-test-world-{os.getpid()}")
-
-
-def _hold(x: np.ndarray) -> np.ndarray:
-    # Says it is running, then holds the step while the flag is there.
-    open(os.path.join(FLAGS, "running"), "w").close()
-    while os.path.exists(os.path.join(FLAGS, "hold")):
-        time.sleep(0.01)
-    return x
-
-
-def _on_host(x: jax.Array) -> jax.Array:
-    return jax.pure_callback(_hold, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-
-
-def _held_stage(p: jax.Array, x: jax.Array) -> jax.Array:
-    # The identity through the host on the way forward; built per call, as a custom_vjp
-    # object does not survive pickling by value.
-    hook = jax.custom_vjp(_on_host)
-    hook.defvjp(lambda x: (_on_host(x), None), lambda _, g: (g,))
-    return jax.numpy.tanh(hook(x) @ p)
-
-
-def _dense(p: jax.Array, x: jax.Array) -> jax.Array:
-    return jax.numpy.tanh(x @ p)
-
-
-def _mse(y: jax.Array, t: jax.Array) -> jax.Array:
-    return jax.numpy.mean((y - t) ** 2)
-
-
-def test_a_killed_process_ends_the_step_with_device_lost(cluster: Cluster) -> None:
-    from pipedsl.executor import Pipeline
-
-    os.makedirs(FLAGS, exist_ok=True)
-    open(os.path.join(FLAGS, "hold"), "w").close()
-    key = jax.random.PRNGKey(0)
-    params = [jax.random.normal(k, (8, 8)) / 8**0.5 for k in jax.random.split(key, 2)]
-    x = jax.random.normal(key, (8, 8))
-    batch = (x, jax.numpy.sin(x))
-    schedule = library("1f1b")
-    pipe = Pipeline([_dense, _held_stage], loss=_mse, schedule=schedule, backend=CONFIG)
-    runner = _runner(pipe)
-    pids = [node.pid for node in runner.world.nodes]
-    outcome: list[BaseException] = []
-
-    def step() -> None:
-        try:
-            pipe.step(params, batch)
-        except BaseException as err:  # handed to the test thread
-            outcome.append(err)
-
-    thread = threading.Thread(target=step, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 240
-        while not os.path.exists(os.path.join(FLAGS, "running")):
-            assert not outcome, outcome
-            assert time.monotonic() < deadline, "the step never started"
-            time.sleep(0.05)
-        killed = time.monotonic()
-        os.kill(pids[0], signal.SIGKILL)
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "no DeviceLost within 60 s"
-        assert time.monotonic() - killed < 60
-        (err,) = outcome
-        assert isinstance(err, DeviceLost)
-        assert err.node is not None and err.node.pid == pids[0] and err.stage == 0
-        assert f"pid {pids[0]}" in str(err) and "stage 0" in str(err)
-        for pid in pids:
-            _wait_gone(pid, within=30)
-        with pytest.raises(ExecutionError, match="torn down"):
-            pipe.step(params, batch)
-    finally:
-        for name in ("hold", "running"):
-            if os.path.exists(os.path.join(FLAGS, name)):
-                os.unlink(os.path.join(FLAGS, name))
-        pipe.close()
-    params2, batch2, ref_loss, ref_grads = reference("mlp", "explicit", 2)
-    with pipeline("mlp", "explicit", schedule, backend=CONFIG) as fresh:
-        result = fresh.step(params2, batch2)
-    assert_relative_close(result.loss, ref_loss)
-
-
-def _wait_gone(pid: int, *, within: float) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        try:  # a child of this process that exited waits to be reaped
-            if os.waitpid(pid, os.WNOHANG) != (0, 0):
-                return
-        except ChildProcessError:
-            pass
-        assert time.monotonic() < deadline, f"process {pid} is still there"
-        time.sleep(0.05)
-
-
-def test_cli_runs_a_searched_plan_whose_meshes_span_nodes(cluster: Cluster, tmp_path: Path) -> None:
-    # One row as `pipedsl search --csv` writes it: 1F1B, dp 2 over two processes per stage.
-    plans = tmp_path / "plans.csv"
-    columns = "rank,kind,schedule,dp,tp,pp,vpp,microbatches,microbatch_size,zero,step_time_s"
-    plans.write_text(f"{columns}\n1,hybrid,1f1b,2,1,2,1,2,1,0,0.01\n")
-    command = [sys.executable, "-m", "pipedsl", "run", "--plan", "1", "--plans", str(plans), "--steps", "2"]
-    command += ["--backend", "ray", "--address", cluster.address]
-    # This process's Ray settings (loopback, the cluster's authentication) go along.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=False, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert "plan 1 of" in done.stdout
-    losses = re.findall(r"^\s*\d+\s+([0-9.]+)\s+[0-9.]+ ms", done.stdout, re.MULTILINE)
-    assert len(losses) >= 2 and all(float(v) > 0 for v in losses), done.stdout
-    assert "Traceback" not in done.stderr
-
-
-def test_checkpoint_per_shard_resumes_on_the_same_plan_and_refuses_another(cluster: Cluster, tmp_path: Path) -> None:
-    schedule = hybrid_schedule("1f1b", 2, 1)
-    _, params, batch, _, _ = hybrid_problem("explicit", 2, 2)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=CONFIG) as pipe:
-        held, state, _ = pipe.train_step(params, None, batch, optimizer=HYBRID_ADAM)
-        version = pipe.save(str(tmp_path), step=1)
-        held, state, expected_loss = pipe.train_step(held, state, batch, optimizer=HYBRID_ADAM)
-        expected = pipe.gather(held)
-    # Every pipeline device's processes wrote their part.
-    assert sorted(p.name for p in Path(version).iterdir()) == ["device-0", "device-1", "plan.json"]
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=CONFIG) as again:
-        held, state, step = again.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
-        assert step == 1 and isinstance(state, Resident)
-        held, state, loss = again.train_step(held, state, batch, optimizer=HYBRID_ADAM)
-        assert_relative_close(loss, expected_loss)
-        assert_relative_close(again.gather(held), expected)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=0, backend=CONFIG) as other:
-        with pytest.raises(ExecutionError, match=r"saved by another plan \(zero: saved 1, this pipeline 0\)"):
-            other.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
