@@ -352,23 +352,15 @@ def transformer(
             h = block(p, h)
         return _matmul(_layer_norm(params["ln_f"], h), params["embed"].T)
 
-    def batch(key: jax.Array, size: int) -> Batch:
-        tokens = jax.random.randint(key, (size, seq + 1), 0, vocab, jnp.int32)
-        return tokens[:, :-1], tokens[:, 1:]
-
-    if num_stages == 1:
-        stages: tuple[Callable[[Params, Any], Any], ...] = (single,)
-    else:
-        stages = (first,) + (middle,) * (num_stages - 2) + (last,)
     return BuiltinModel(
         name="transformer",
         num_stages=num_stages,
-        stages=stages,
+        stages=_stage_functions(num_stages, single, first, middle, last),
         loss=_cross_entropy,
         init_stages=init_stages,
         model_fn=model_fn,
         init_function=init_function,
-        batch=batch,
+        batch=partial(_token_batch, seq_len=seq, vocab=vocab),
         param_specs=transformer_specs,
         fused_attention=fused_attention,
     )
@@ -540,23 +532,15 @@ def llama(
             h = block(p, h)
         return head(params, h)
 
-    def batch(key: jax.Array, size: int) -> Batch:
-        tokens = jax.random.randint(key, (size, seq_len + 1), 0, vocab, jnp.int32)
-        return tokens[:, :-1], tokens[:, 1:]
-
-    if num_stages == 1:
-        stages: tuple[Callable[[Params, Any], Any], ...] = (single,)
-    else:
-        stages = (first,) + (middle,) * (num_stages - 2) + (last,)
     return BuiltinModel(
         name="llama",
         num_stages=num_stages,
-        stages=stages,
+        stages=_stage_functions(num_stages, single, first, middle, last),
         loss=_cross_entropy,
         init_stages=init_stages,
         model_fn=model_fn,
         init_function=init_function,
-        batch=batch,
+        batch=partial(_token_batch, seq_len=seq_len, vocab=vocab),
         param_specs=llama_specs,
         fused_attention=fused_attention,
     )
@@ -586,3 +570,22 @@ def llama_specs(params: Params) -> Params:
 
 MODELS: dict[str, Callable[..., BuiltinModel]] = {"mlp": mlp, "transformer": transformer, "llama": llama}
 """The built-in models by name, as ``pipedsl run --model`` knows them."""
+
+
+def _token_batch(key: jax.Array, size: int, *, seq_len: int, vocab: int) -> Batch:
+    """``size`` random sequences of ``seq_len`` tokens and, as targets, each shifted by one."""
+    tokens = jax.random.randint(key, (size, seq_len + 1), 0, vocab, jnp.int32)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _stage_functions(
+    num_stages: int,
+    single: Callable[[Params, Any], Any],
+    first: Callable[[Params, Any], Any],
+    middle: Callable[[Params, Any], Any],
+    last: Callable[[Params, Any], Any],
+) -> tuple[Callable[[Params, Any], Any], ...]:
+    """A token model's stage functions: ``single`` alone, or the first, the middle ones and the last."""
+    if num_stages == 1:
+        return (single,)
+    return (first,) + (middle,) * (num_stages - 2) + (last,)
