@@ -450,7 +450,7 @@ def _llama_block(p: Params, h: jax.Array, *, heads: int, kv_heads: int, fused: b
     return sequence_sharded(h + _matmul(jax.nn.silu(_matmul(x, p["w_gate"])) * _matmul(x, p["w_up"]), p["w_down"]))
 
 
-# Over 60 lines: as transformer()'s, one model's pieces are closures over the same sizes.
+# As transformer()'s, one model's pieces are closures over the same sizes.
 def llama(
     *,
     num_stages: int,
