@@ -34,9 +34,23 @@ from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 
 __all__ = [
-    "DATA", "Run", "Result", "GRID", "load_runs", "evaluate", "fit", "fit_report", "fit_network", "fit_framework",
-    "HELD_OUT", "NETWORK_GRID", "gpu_type", "regimes", "accuracy_markdown", "main",
-]  # fmt: skip
+    "DATA",
+    "Run",
+    "Result",
+    "GRID",
+    "load_runs",
+    "evaluate",
+    "fit",
+    "fit_report",
+    "fit_network",
+    "fit_framework",
+    "HELD_OUT",
+    "NETWORK_GRID",
+    "gpu_type",
+    "regimes",
+    "accuracy_markdown",
+    "main",
+]
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 """The folder of published runs (``data/`` at the repository root)."""
@@ -56,8 +70,21 @@ NETWORK_GRID = {
 """The values :func:`fit_network` tries for the network tiers and the stragglers
 (:mod:`~pipedsl.simulator.network`), after the compute model is fitted."""
 
-_COUNTS = ("layers", "hidden", "ffn_hidden", "heads", "seq_len", "vocab", "gpus", "dp", "tp", "pp", "vpp",
-           "microbatch_size", "global_batch")  # fmt: skip
+_COUNTS = (
+    "layers",
+    "hidden",
+    "ffn_hidden",
+    "heads",
+    "seq_len",
+    "vocab",
+    "gpus",
+    "dp",
+    "tp",
+    "pp",
+    "vpp",
+    "microbatch_size",
+    "global_batch",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +151,21 @@ def _flag(row: dict[str, str], column: str, default: str = "true") -> bool:
 
 def _run(row: dict[str, str]) -> Run:
     n = {k: int(row[k]) for k in _COUNTS}
-    model = Model(name=row["run"], layers=n["layers"], hidden=n["hidden"], ffn_hidden=n["ffn_hidden"],
-                  heads=n["heads"], kv_heads=int(row.get("kv_heads") or n["heads"]), seq_len=n["seq_len"],
-                  vocab=n["vocab"], biases=_flag(row, "biases"), learned_positions=_flag(row, "learned_positions"),
-                  tied_embeddings=_flag(row, "tied_embeddings"), gated_ffn=_flag(row, "gated_ffn", "false"),
-                  dropout=_flag(row, "dropout"))  # fmt: skip
+    model = Model(
+        name=row["run"],
+        layers=n["layers"],
+        hidden=n["hidden"],
+        ffn_hidden=n["ffn_hidden"],
+        heads=n["heads"],
+        kv_heads=int(row.get("kv_heads") or n["heads"]),
+        seq_len=n["seq_len"],
+        vocab=n["vocab"],
+        biases=_flag(row, "biases"),
+        learned_positions=_flag(row, "learned_positions"),
+        tied_embeddings=_flag(row, "tied_embeddings"),
+        gated_ffn=_flag(row, "gated_ffn", "false"),
+        dropout=_flag(row, "dropout"),
+    )
     plan = Plan(
         dp=n["dp"],
         tp=n["tp"],
@@ -155,8 +192,9 @@ def _run(row: dict[str, str]) -> Run:
     if row["role"] not in ("calibrate", "validate"):
         raise ValueError(f"{row['run']}: role must be calibrate or validate, got {row['role']!r}")
     layers = tuple(int(x) for x in row["stage_layers"].split()) or None
-    return Run(row["run"], row["source"], row["role"], row["cluster"], model, plan, layers,
-               _measured_seconds(row, model, plan))  # fmt: skip
+    return Run(
+        row["run"], row["source"], row["role"], row["cluster"], model, plan, layers, _measured_seconds(row, model, plan)
+    )
 
 
 HELD_OUT = "llama3_*.csv"
@@ -179,8 +217,9 @@ def evaluate(runs: Iterable[Run], clusters: dict[str, Cluster], pipelines: Pipel
     pipelines = pipelines if pipelines is not None else Pipelines(keep_simulations=False)
     results = []
     for run in runs:
-        predicted = estimate(run.model, clusters[run.cluster], run.plan, pipelines=pipelines,
-                             stage_layers=run.stage_layers)  # fmt: skip
+        predicted = estimate(
+            run.model, clusters[run.cluster], run.plan, pipelines=pipelines, stage_layers=run.stage_layers
+        )
         results.append(Result(run, predicted.step_time_s, predicted.fits))
     return results
 
@@ -322,8 +361,12 @@ def accuracy_markdown(
             f"network: leaf_nodes = {cluster.leaf_nodes}, spine_latency_s = {cluster.spine_latency_s:g}, "
             f"spine_efficiency = {cluster.spine_efficiency:g}, straggler_cv = {cluster.straggler_cv:g}"
         )
-    lines += ["", "Framework profiles priced (`simulator/frameworks.py`; a profile other than megatron's is fitted",
-              "on its own framework's `calibrate` rows, which the compute fit leaves out):", ""]  # fmt: skip
+    lines += [
+        "",
+        "Framework profiles priced (`simulator/frameworks.py`; a profile other than megatron's is fitted",
+        "on its own framework's `calibrate` rows, which the compute fit leaves out):",
+        "",
+    ]
     for name in sorted({str(r.run.plan.framework) for r in results}):
         f = framework(name)
         lines.append(
@@ -333,8 +376,13 @@ def accuracy_markdown(
     lines += ["", "## By source", ""] + _table(by_source)
     lines += ["", "## By GPU type", ""] + _table(by_gpu)
     lines += ["", "## By regime", ""] + _table(by_regime)
-    lines += ["", "## Every run", "", "| run | source | role | GPUs | dp·tp·pp | measured s | predicted s | error |",
-              "|---|---|---|---:|---|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "| run | source | role | GPUs | dp·tp·pp | measured s | predicted s | error |",
+        "|---|---|---|---:|---|---:|---:|---:|",
+    ]
     for r in results:
         p = r.run.plan
         lines.append(
@@ -342,9 +390,13 @@ def accuracy_markdown(
             f"{r.run.measured_s:.3f} | {r.predicted_s:.3f} | {100 * r.error:+.1f}% |"
         )
     if held_out:
-        lines += ["", "## Held out: Llama 3 405B (Table 4; validation only, in no table above)", "",
-                  "| run | GPUs | dp·tp·cp·pp | measured s | predicted s | error | memory per GPU |",
-                  "|---|---:|---|---:|---:|---:|---|"]  # fmt: skip
+        lines += [
+            "",
+            "## Held out: Llama 3 405B (Table 4; validation only, in no table above)",
+            "",
+            "| run | GPUs | dp·tp·cp·pp | measured s | predicted s | error | memory per GPU |",
+            "|---|---:|---|---:|---:|---:|---|",
+        ]
         for r, memory in held_out:
             p = r.run.plan
             lines.append(
@@ -368,10 +420,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             fitted, _ = fit_network(runs, fitted)
             clusters.update(fitted)
             c = next(iter(fitted.values()))
-            print(f"{kind} ({', '.join(fitted)}): matmul_efficiency = {c.matmul_efficiency:g}, "
-                  f"matmul_half_flops = {c.matmul_half_flops:g}, kernel_launch_s = {c.kernel_launch_s:g} "
-                  f"(calibration error {100 * error:.1f}%); spine_latency_s = {c.spine_latency_s:g}, "
-                  f"spine_efficiency = {c.spine_efficiency:g}, straggler_cv = {c.straggler_cv:g}")  # fmt: skip
+            print(
+                f"{kind} ({', '.join(fitted)}): matmul_efficiency = {c.matmul_efficiency:g}, "
+                f"matmul_half_flops = {c.matmul_half_flops:g}, kernel_launch_s = {c.kernel_launch_s:g} "
+                f"(calibration error {100 * error:.1f}%); spine_latency_s = {c.spine_latency_s:g}, "
+                f"spine_efficiency = {c.spine_efficiency:g}, straggler_cv = {c.straggler_cv:g}"
+            )
         for name in sorted({str(r.plan.framework) for r in runs} - {DEFAULT_FRAMEWORK}):
             profile, error = fit_framework(runs, clusters, name)
             recorded = framework(name).layer_s
