@@ -53,7 +53,7 @@ from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, step_flops
 from pipedsl.simulator.hardware import Cluster, Model
-from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory
+from pipedsl.simulator.memory import GRAD_BYTES, DoesNotFit, Memory, device_memory, optimizer_bytes
 from pipedsl.simulator.network import straggler_factor
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
@@ -74,7 +74,7 @@ __all__ = [
     "ring_all_reduce_seconds",
     "ring_gather_seconds",
     "GRAD_BYTES",
-    "OPTIMIZER_BYTES",
+    "optimizer_bytes",
 ]
 
 

@@ -242,7 +242,8 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
 # array search when the cost model changed (collectives by adapter, size-dependent
 # matrix efficiency; FlashAttention priced as one kernel whose scores stay on chip),
 # which moves the step times and so the ranking; and when FlashAttention's backward was
-# priced as its five products, and when the A100 presets priced stragglers.
+# priced as its five products, when the A100 presets priced stragglers, and when an fp32
+# model's activations, weights and optimizer state were priced in fp32, as the executor keeps them.
 RECORDED_TOP = Path(__file__).parent / "data" / "search_demo_small_top20.json"
 
 
