@@ -35,7 +35,7 @@ from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import library_path, load
 from pipedsl.policy import Policy
 from pipedsl.simulator import CostModel, simulate
-from pipedsl.simulator.synthesize import synthesize, variants
+from pipedsl.synthesize import synthesize, variants
 
 _SCHEDULER = "megatron/core/pipeline_parallel/zerobubble/scheduler"
 

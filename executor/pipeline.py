@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from pipedsl.executor.stage_program import StageProgram
 from pipedsl.ir import Schedule
 from pipedsl.policy import Policy
 from pipedsl.program import Program, lower
+from pipedsl.stage_costs import UNIFORM, CostSource
+from pipedsl.synthesize import synthesize
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -72,7 +75,12 @@ class Pipeline:
         ``.sched`` path, loaded with its default parameters. A schedule with one
         device (``pp = 1``, e.g. ``1f1b``) runs the SPMD baselines: one stage over the
         whole mesh, gradients accumulated over microbatches (``1f1b`` keeps one
-        microbatch's activations at a time, ``gpipe`` every microbatch's).
+        microbatch's activations at a time, ``gpipe`` every microbatch's). A policy
+        (``zb_auto``, or a :class:`~pipedsl.policy.Policy`) is synthesised here
+        (:func:`pipedsl.synthesize.synthesize`) against ``costs``.
+      costs: for a policy schedule, the costs its order is synthesised against (the
+        simulator's ``CostModel``, or :class:`~pipedsl.stage_costs.StageCosts`); None: the
+        uniform default, with a warning that says so. Refused for a schedule with an order.
       backend: ``"local"`` (every pipeline device a mesh of JAX devices of this process),
         ``"ray"`` (one ``jax.distributed`` world of Ray processes, a stage mesh possibly
         spanning several; a :class:`~pipedsl.executor.ray_cluster.RayConfig` sets its
@@ -110,7 +118,8 @@ class Pipeline:
         stages: Sequence[Callable[[Any, Any], Any]],
         *,
         loss: Callable[[Any, Any], Any],
-        schedule: Schedule | str | os.PathLike[str],
+        schedule: Schedule | Policy | str | os.PathLike[str],
+        costs: CostSource | None = None,
         backend: str | RayConfig = "local",
         recompute: RecomputeMode | Sequence[RecomputeMode] = "none",
         precision: Precision = "fp32",
@@ -124,7 +133,7 @@ class Pipeline:
         reduce_once: bool = False,
         cp: int = 1,
     ) -> None:
-        schedule = _schedule_argument(schedule)
+        schedule = _schedule_argument(schedule, costs)
         if not isinstance(stages, Iterable) or isinstance(stages, str):
             raise ExecutionError(
                 f"stages must be a list of stage functions, one per stage; got {type(stages).__name__}"
@@ -145,7 +154,8 @@ class Pipeline:
         model_fn: Callable[[Any, Any], Any],
         *,
         loss: Callable[[Any, Any], Any],
-        schedule: Schedule | str | os.PathLike[str],
+        schedule: Schedule | Policy | str | os.PathLike[str],
+        costs: CostSource | None = None,
         backend: str | RayConfig = "local",
         recompute: RecomputeMode | Sequence[RecomputeMode] = "none",
         precision: Precision = "fp32",
@@ -164,7 +174,7 @@ class Pipeline:
         ``model_fn`` takes (and ``param_specs`` mirrors it). Other arguments as for
         :class:`Pipeline`."""
         pipe = cls.__new__(cls)
-        schedule = _schedule_argument(schedule)
+        schedule = _schedule_argument(schedule, costs)
         mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once, cp=cp)
         options = _stage_options(schedule, recompute, precision, sequence_parallel)
         pipe._setup(None, model_fn, loss, schedule, backend, options, devices, recv_timeout, mesh, param_specs)
@@ -415,22 +425,34 @@ class Pipeline:
         return _Batch(x_leaves, t_leaves, count, example(inputs), example(targets))
 
 
-def _schedule_argument(schedule: Any) -> Schedule:
+def _schedule_argument(schedule: Any, costs: CostSource | None) -> Schedule:
     """``schedule`` as :class:`Pipeline` takes it: a Schedule, or a library name or path
-    loaded with its defaults; a policy or anything else refused, naming the argument."""
+    loaded with its defaults; a policy synthesised against ``costs`` (the uniform default,
+    said in a warning, when None); anything else refused, naming the argument."""
     if isinstance(schedule, (str, os.PathLike)):
         schedule = library.load(schedule)
     if isinstance(schedule, Policy):
-        # The executor never imports the simulator, whose cost model a policy's order needs.
-        raise ExecutionError(
-            f"schedule: {schedule.name} is a policy (limits and priorities, no order yet); its order follows a"
-            " cost model: pass pipedsl.simulator.synthesize.synthesize(policy, costs), as `pipedsl run` does"
-            " with the default costs"
-        )
+        if costs is not None and not callable(getattr(costs, "resolve", None)):
+            raise ExecutionError(
+                f"costs must be a cost model (pipedsl.simulator.CostModel) or pipedsl.StageCosts;"
+                f" got {type(costs).__name__}"
+            )
+        if costs is None:
+            warnings.warn(
+                f"schedule: {schedule.name} is a policy, synthesised against the default uniform costs ({UNIFORM});"
+                " pass costs= (a pipedsl.simulator.CostModel) to synthesise it against yours",
+                stacklevel=3,
+            )
+        return synthesize(schedule, costs)
     if not isinstance(schedule, Schedule):
         raise ExecutionError(
-            f"schedule must be a Schedule (pipedsl.load(...)), a library name such as '1f1b' or a .sched path;"
-            f" got {type(schedule).__name__}"
+            f"schedule must be a Schedule (pipedsl.load(...)), a Policy, a library name such as '1f1b' or a"
+            f" .sched path; got {type(schedule).__name__}"
+        )
+    if costs is not None:
+        raise ExecutionError(
+            f"costs: schedule {schedule.name!r} has its order already; costs shape only a policy's order"
+            " (such as 'zb_auto'): leave costs out"
         )
     return schedule
 

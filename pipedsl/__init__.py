@@ -10,7 +10,8 @@ A :class:`Schedule` is plain data; :func:`validate` checks it and :func:`lower` 
 validates first) turns it into a :class:`Program`.
 
 A ``.sched`` file with a ``policy`` block loads as a :class:`Policy` (limits and
-priorities); ``pipedsl.simulator.synthesize.synthesize(policy, costs)`` gives its Schedule.
+priorities); :func:`synthesize` gives its Schedule against costs (the simulator's
+``CostModel``, :class:`StageCosts`, or by default uniform ones).
 
 The simulator is :mod:`pipedsl.simulator`; the executor is :mod:`pipedsl.executor`
 (imported on demand, since it brings in JAX).
@@ -28,6 +29,8 @@ from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import library_path, library_schedules, load, parse
 from pipedsl.policy import Policy
 from pipedsl.program import Program, lower
+from pipedsl.stage_costs import StageCosts
+from pipedsl.synthesize import synthesize
 from pipedsl.timeline import Timeline
 from pipedsl.validate import Report, validate
 
@@ -40,6 +43,7 @@ __all__ = [
     "Program",
     "Report",
     "Schedule",
+    "StageCosts",
     "ScheduleEvalError",
     "ScheduleInvalid",
     "ScheduleSyntaxError",
@@ -50,6 +54,7 @@ __all__ = [
     "load",
     "lower",
     "parse",
+    "synthesize",
     "validate",
 ]
 

@@ -154,8 +154,8 @@ def load(
     """Load a schedule by library name or path, choosing the reader by the file's extension.
 
     A ``.sched`` file with a ``policy`` block gives a :class:`~pipedsl.policy.Policy`
-    instead of a Schedule: limits and priorities that ``pipedsl.simulator.synthesize``
-    turns into an order against a cost model (the core cannot: it has no costs).
+    instead of a Schedule: limits and priorities that :func:`pipedsl.synthesize.synthesize`
+    turns into an order against costs (the simulator's cost model, or uniform ones).
 
     A ``.sched`` file is evaluated under ``params`` (overrides of its defaults; ints, or
     strings that spell one) and records its path as ``Schedule.source``. A library

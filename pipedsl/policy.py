@@ -5,9 +5,9 @@ of a :class:`~pipedsl.ir.Schedule`: the shape (stages, devices, microbatches, pl
 whether the backward is split into ``I`` and ``W``, per-device limits (peak in-flight
 microbatches, peak activation bytes), the priority order among ready actions, whether
 ``W`` only fills idle time, and optional warm-up counts. The list scheduler in
-:mod:`pipedsl.simulator.synthesize` turns it into an ordinary Schedule against a cost
-model; the core never synthesises (it does not see the simulator), but it checks here
-what it can know without costs.
+:mod:`pipedsl.synthesize` turns it into an ordinary Schedule against costs
+(:class:`~pipedsl.stage_costs.StageCosts`, which the simulator's cost model resolves to);
+it checks here what it can know without costs.
 
 Every stated item keeps its :class:`~pipedsl.errors.SourcePos`, so an unsatisfiable limit
 is reported where it was written.

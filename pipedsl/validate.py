@@ -15,8 +15,12 @@ Rules, each named in the :class:`~pipedsl.errors.ScheduleInvalid` it raises:
 - ``max-inflight`` — the peak in-flight count on each device is within a given limit.
 
 The checks run on the schedule's int-coded actions (:mod:`pipedsl.arrays`), vectorised
-where a rule allows; a broken rule is then reported on the first offending action in
-device order, with the action's own source position, as a walk over the objects would.
+where a rule allows; a broken rule is reported on the first offending action in device
+order, with the action's own source position, as a walk over the objects would, and every
+other violation is carried with it (``err.errors``, up to
+:data:`~pipedsl.errors.MAX_REPORTED`, then a count): those of ranges, ownership and
+duplicates together with those of completeness, or, once those hold, every misorder and
+every deadlock.
 What validation derives is kept as a :class:`Checked` for lowering and simulation.
 
 Dependencies: ``F(m, s)`` needs ``F(m, s-1)``; ``B``/``I`` of ``(m, s)`` need ``F(m, s)``
@@ -130,11 +134,21 @@ def _action_fault(schedule: _Subject, actions: ActionArrays, row: int) -> Schedu
     return _fail("duplicate-action", f"action {action} appears twice", action)
 
 
-def _check_actions(schedule: _Subject, actions: ActionArrays) -> np.ndarray | None:
-    """Ranges, ownership, duplicates: raise on every action (in device order, the first
-    :data:`~pipedsl.errors.MAX_REPORTED`) that breaks one. Returns how many actions there are of each (stage, microbatch, kind),
-    shape (S * M, 4), kinds in code order; None when there are too few actions for
-    every pair to have its two or more (a table that size could dwarf the schedule)."""
+@dataclass(frozen=True, slots=True, eq=False)
+class _Faults:
+    """The violations one family of rules found: the first
+    :data:`~pipedsl.errors.MAX_REPORTED`, and how many there are in all."""
+
+    faults: list[ScheduleInvalid]
+    found: int
+
+
+def _check_actions(schedule: _Subject, actions: ActionArrays) -> tuple[_Faults, np.ndarray | None, np.ndarray]:
+    """Ranges, ownership, duplicates: every action (in device order) that breaks one.
+    Returns those, how many actions there are of each (stage, microbatch, kind), shape
+    (S * M, 4), kinds in code order (None when there are too few actions for every pair
+    to have its two or more: a table that size could dwarf the schedule), and which
+    actions name a stage and microbatch in range (bool, shape (N,))."""
     num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
     kind, stage, mb = actions.kind, actions.stage, actions.microbatch
     bad_stage = (stage < 0) | (stage >= num_stages)
@@ -155,11 +169,9 @@ def _check_actions(schedule: _Subject, actions: ActionArrays) -> np.ndarray | No
         # A stable sort keeps equal actions in device order: every one after the first is a duplicate.
         k, s, m = kind[order], stage[order], mb[order]
         bad[order[1:][(k[1:] == k[:-1]) & (s[1:] == s[:-1]) & (m[1:] == m[:-1])]] = True
-    if bad.any():
-        rows = np.flatnonzero(bad)
-        faults = [_action_fault(schedule, actions, int(r)) for r in rows[:MAX_REPORTED]]
-        raise several(faults, found=len(rows))
-    return counts
+    rows = np.flatnonzero(bad)
+    faults = [_action_fault(schedule, actions, int(r)) for r in rows[:MAX_REPORTED]]
+    return _Faults(faults, len(rows)), counts, in_range
 
 
 def _pair_fault(schedule: _Subject, actions: ActionArrays, stage: int, mb: int, rows: list[int]) -> ScheduleInvalid:
@@ -177,38 +189,46 @@ def _pair_fault(schedule: _Subject, actions: ActionArrays, stage: int, mb: int, 
     return _fail("missing-action", f"{where} splits its backward but has no {lacking}", have)
 
 
-def _check_complete(schedule: _Subject, actions: ActionArrays, counts: np.ndarray | None) -> np.ndarray:
-    """Every (stage, microbatch) has its F and one form of backward; raise on every pair
-    (stage-major, the first :data:`~pipedsl.errors.MAX_REPORTED`) that does not. ``counts`` is :func:`_check_actions`'s. Returns the
-    row of each (kind, stage, microbatch), flat index ``(kind * S + stage) * M +
-    microbatch``, -1 where there is none."""
-    num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
-    kind, stage, mb = actions.kind, actions.stage, actions.microbatch
+def _check_complete(
+    schedule: _Subject, actions: ActionArrays, counts: np.ndarray | None, in_range: np.ndarray
+) -> _Faults:
+    """Every (stage, microbatch) has its F and one form of backward: every pair
+    (stage-major) that does not, among the actions in range (those out of range are
+    :func:`_check_actions`'s, as are ``counts`` and ``in_range``)."""
+    num_mb = schedule.num_microbatches
+    stage, mb = actions.stage, actions.microbatch
     if counts is None:
-        raise _sparse_pair_faults(schedule, actions)
+        return _sparse_pair_faults(schedule, actions, in_range)
     f, b, i, w = (counts > 0).T
     # A pair with no action at all lacks its F too.
     broken = (b & (i | w)) | ~f | (~b & ~(i & w))
-    if broken.any():
-        pairs = np.flatnonzero(broken)
-        faults = []
-        for pair in pairs[:MAX_REPORTED].tolist():
-            at_stage, at_mb = divmod(pair, num_mb)
-            rows = np.flatnonzero((stage == at_stage) & (mb == at_mb)).tolist()
-            faults.append(_pair_fault(schedule, actions, at_stage, at_mb, rows))
-        raise several(faults, found=len(pairs))
+    pairs = np.flatnonzero(broken)
+    faults = []
+    for pair in pairs[:MAX_REPORTED].tolist():
+        at_stage, at_mb = divmod(pair, num_mb)
+        rows = np.flatnonzero((stage == at_stage) & (mb == at_mb)).tolist()
+        faults.append(_pair_fault(schedule, actions, at_stage, at_mb, rows))
+    return _Faults(faults, len(pairs))
+
+
+def _index(schedule: _Subject, actions: ActionArrays) -> np.ndarray:
+    """The row of each (kind, stage, microbatch) of a complete schedule, flat index
+    ``(kind * S + stage) * M + microbatch``, -1 where there is none."""
+    num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
     index = np.full(4 * num_stages * num_mb, -1, dtype=np.int64)
-    index[(kind.astype(np.int64) * num_stages + stage) * num_mb + mb] = np.arange(len(actions), dtype=np.int64)
+    key = (actions.kind.astype(np.int64) * num_stages + actions.stage) * num_mb + actions.microbatch
+    index[key] = np.arange(len(actions), dtype=np.int64)
     return index
 
 
-def _sparse_pair_faults(schedule: _Subject, actions: ActionArrays) -> PipedslError:
+def _sparse_pair_faults(schedule: _Subject, actions: ActionArrays, in_range: np.ndarray) -> _Faults:
     """Every pair (stage-major, the first :data:`~pipedsl.errors.MAX_REPORTED`) that is
     broken or has no action, among more pairs than the actions could fill, found from the
     pairs present alone (the work follows the actions, not the pairs)."""
     num_mb = schedule.num_microbatches
     kind, stage, mb = actions.kind, actions.stage, actions.microbatch
     order = np.lexsort((mb, stage))
+    order = order[in_range[order]]
     s, m = stage[order], mb[order]
     first = np.ones(len(order), dtype=bool)
     first[1:] = (s[1:] != s[:-1]) | (m[1:] != m[:-1])
@@ -235,7 +255,7 @@ def _sparse_pair_faults(schedule: _Subject, actions: ActionArrays) -> PipedslErr
             rows = order[group == k].tolist()
             faults.append(_pair_fault(schedule, actions, code // num_mb, code % num_mb, rows))
     total = len(broken_at) + schedule.num_stages * num_mb - pairs
-    return several(faults, found=total)
+    return _Faults(faults, total)
 
 
 def _links(schedule: _Subject, actions: ActionArrays, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -347,8 +367,8 @@ def _stretches(began: list[int], ended: list[int]) -> np.ndarray:
 
 
 def _check_execution(schedule: _Subject, actions: ActionArrays, local: np.ndarray, upstream: np.ndarray) -> np.ndarray:
-    """Run the orders with unit steps; report a same-device misorder or a cross-device
-    cycle. Returns the rows in the order they ran (:attr:`_Execution.order`).
+    """Run the orders with unit steps; report every same-device misorder and every
+    cross-device cycle. Returns the rows in the order they ran (:attr:`_Execution.order`).
 
     A device runs until an action needs one not yet done; it then waits, and is woken
     when that one is done. What remains blocked at the end waits in a cycle.
@@ -359,7 +379,10 @@ def _check_execution(schedule: _Subject, actions: ActionArrays, local: np.ndarra
     loop visits only those; devices are woken in the order the actions they wait for
     were done, as a walk over every action would. A misordered action waits on its own
     device, which never gets there; the first device to wait so is the first misorder
-    a walk would meet, and it is reported before any cycle.
+    a walk would meet, and it is reported first, before any cycle (a run that blocks
+    before any misorder reports its cycle first). Every other misorder follows in device
+    order, and the cycles that the run meets once each misorder and each cycle found so
+    far is let through (:func:`_cycles`), up to :data:`~pipedsl.errors.MAX_REPORTED`.
     """
     rows = np.arange(len(actions), dtype=np.int64)
     device = actions.device
@@ -367,32 +390,87 @@ def _check_execution(schedule: _Subject, actions: ActionArrays, local: np.ndarra
     misordered = (local > rows) | (~cross & (upstream > rows))
     stops = np.flatnonzero(cross | misordered)
     needs = np.where(local > rows, local, upstream)[stops]
-    run = _execute(actions.bounds, stops, needs, device[np.maximum(needs, 0)])
-    # A device stays in ``blocked_on`` from the moment it waited for the last time.
-    for d, need in run.blocked_on.items():
-        if int(device[need]) == d:
-            action = actions.action(schedule, run.pointer[d])
-            raise _fail(
-                "dependency-order",
-                f"action {action} on device {d} comes before {actions.text(need)}, which it needs",
-                action,
-            )
-    if run.blocked_on:
-        raise _deadlock(schedule, actions, run.blocked_on, run.pointer)
-    return run.order
+    owners = device[np.maximum(needs, 0)]
+    run = _execute(actions.bounds, stops, needs, owners)
+    if not run.blocked_on:
+        return run.order
+    # The misorder a walk meets first, if it meets one before the devices block.
+    first = next((run.pointer[d] for d, need in run.blocked_on.items() if int(device[need]) == d), None)
+    wrong = np.flatnonzero(misordered)
+    if first is not None:
+        wrong = np.concatenate([[first], wrong[wrong != first]])
+    need_of = np.where(local > rows, local, upstream)
+    misorders = [_misorder(schedule, actions, int(r), int(need_of[r])) for r in wrong[:MAX_REPORTED].tolist()]
+    cycles, cycles_found = _cycles(schedule, actions, stops, needs, owners, released=wrong, room=MAX_REPORTED)
+    faults = misorders + cycles if first is not None else cycles + misorders
+    raise several(faults, found=len(wrong) + cycles_found)
+
+
+def _misorder(schedule: _Subject, actions: ActionArrays, row: int, need: int) -> ScheduleInvalid:
+    action = actions.action(schedule, row)
+    return _fail(
+        "dependency-order",
+        f"action {action} on device {int(actions.device[row])} comes before {actions.text(need)}, which it needs",
+        action,
+    )
+
+
+def _cycles(
+    schedule: _Subject,
+    actions: ActionArrays,
+    stops: np.ndarray,
+    needs: np.ndarray,
+    owners: np.ndarray,
+    *,
+    released: np.ndarray,
+    room: int,
+) -> tuple[list[ScheduleInvalid], int]:
+    """The deadlocks of the orders, at most ``room`` of them, and how many were found.
+
+    The run is repeated with the ``released`` stops let through (the misorders), and with
+    the waits of each cycle found let through too, so that a cycle further down the
+    orders is found as well; each run lets at least one more stop through, and the runs
+    stop once ``room`` cycles are found (the cycles of the last run are all counted)."""
+    faults: list[ScheduleInvalid] = []
+    found = 0
+    let_through = released
+    while len(faults) < room:
+        keep = ~np.isin(stops, let_through)
+        run = _execute(actions.bounds, stops[keep], needs[keep], owners[keep])
+        if not run.blocked_on:
+            break
+        waits = _wait_cycles(actions, run.blocked_on)
+        found += len(waits)
+        faults += [_deadlock(schedule, actions, cycle, run.blocked_on, run.pointer) for cycle in waits]
+        waiting = [run.pointer[d] for cycle in waits for d in cycle]
+        let_through = np.concatenate([let_through, np.asarray(waiting, dtype=np.int64)])
+    return faults[:room], found
+
+
+def _wait_cycles(actions: ActionArrays, blocked_on: dict[int, int]) -> list[list[int]]:
+    """Every cycle of the wait-for graph of the blocked devices, each as the devices in
+    the order a walk from the lowest device not yet seen meets them."""
+    # Every blocked device waits on exactly one other blocked device, so walking the
+    # wait-for edges from any of them must enter a cycle.
+    seen: set[int] = set()
+    cycles = []
+    for start in sorted(blocked_on):
+        if start in seen:
+            continue
+        visited: list[int] = []
+        device = start
+        while device not in visited and device not in seen:
+            visited.append(device)
+            device = int(actions.device[blocked_on[device]])
+        seen.update(visited)
+        if device in visited:
+            cycles.append(visited[visited.index(device) :])
+    return cycles
 
 
 def _deadlock(
-    schedule: _Subject, actions: ActionArrays, blocked_on: dict[int, int], pointer: list[int]
+    schedule: _Subject, actions: ActionArrays, cycle: list[int], blocked_on: dict[int, int], pointer: list[int]
 ) -> ScheduleInvalid:
-    # Every blocked device waits on exactly one other blocked device, so walking the
-    # wait-for edges from any of them must enter a cycle.
-    device = min(blocked_on)
-    visited: list[int] = []
-    while device not in visited:
-        visited.append(device)
-        device = int(actions.device[blocked_on[device]])
-    cycle = visited[visited.index(device) :]
     steps = []
     for d in cycle:
         at, want = actions.text(pointer[d]), blocked_on[d]
@@ -403,9 +481,10 @@ def _deadlock(
 
 def checked(schedule: Schedule | ScheduleArrays) -> Checked:
     """Check every rule but the in-flight limit; raise :class:`ScheduleInvalid` naming the
-    first action that breaks one, carrying the others that break the same family of rules
-    (ranges, ownership and duplicates; completeness), up to
-    :data:`~pipedsl.errors.MAX_REPORTED` (ordering and deadlock are checked once those hold). The result is kept on a Schedule, so a second call is free; a
+    first action that breaks one, carrying every other violation found (``err.errors``),
+    up to :data:`~pipedsl.errors.MAX_REPORTED` and then a count: those of ranges,
+    ownership and duplicates with those of completeness; once those hold, every misorder
+    and every deadlock (ordering needs each action once, where it belongs). The result is kept on a Schedule, so a second call is free; a
     :class:`~pipedsl.arrays.ScheduleArrays` is checked on its columns as they are, and an
     error names its action without a source position."""
     if isinstance(schedule, Schedule) and isinstance(schedule._checked, Checked):
@@ -413,9 +492,14 @@ def checked(schedule: Schedule | ScheduleArrays) -> Checked:
     _check_shape(schedule)
     with paused_collector():
         actions = schedule.actions if isinstance(schedule, ScheduleArrays) else ActionArrays.of(schedule)
-        counts = _check_actions(schedule, actions)
-        index = _check_complete(schedule, actions, counts)
-        del counts
+        wrong, counts, in_range = _check_actions(schedule, actions)
+        # Completeness is read off the actions in range whatever else is wrong with them;
+        # the order is checked only once every action is where it belongs, once each.
+        missing = _check_complete(schedule, actions, counts, in_range)
+        del counts, in_range
+        if wrong.found or missing.found:
+            raise several(wrong.faults + missing.faults, found=wrong.found + missing.found)
+        index = _index(schedule, actions)
         local, upstream = _links(schedule, actions, index)
         del index
         order = _check_execution(schedule, actions, local, upstream)
@@ -431,7 +515,10 @@ def kept_check(schedule: Schedule) -> Checked | None:
 
 
 def validate(schedule: Schedule, *, max_inflight: int | None = None) -> Report:
-    """Check every rule; raise :class:`ScheduleInvalid` naming the first one broken.
+    """Check every rule; raise :class:`ScheduleInvalid` naming the first violation, with
+    every other one found in ``err.errors`` (up to :data:`~pipedsl.errors.MAX_REPORTED`;
+    ``err.omitted`` counts those past it), as :func:`checked` describes; printed, it lists
+    each at its line with a caret.
 
     ``max_inflight`` must be a whole number >= 0 (PipedslError otherwise).
     """

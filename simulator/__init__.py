@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipedsl.simulator.calibration.timelines import CalibrationError, Fit, fit_costs
-    from pipedsl.simulator.costs import CostError, CostModel, StageCosts
+    from pipedsl.simulator.costs import CostError, CostModel
     from pipedsl.simulator.engine import DeviceStats, Simulation, simulate
     from pipedsl.simulator.estimate import Estimate, estimate, prepare
     from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # the cost model, not the plan search or the plotting.
 _HOMES = {
     "calibration.timelines": ("CalibrationError", "Fit", "fit_costs"),
-    "costs": ("CostError", "CostModel", "StageCosts"),
+    "costs": ("CostError", "CostModel"),
     "engine": ("DeviceStats", "Simulation", "simulate"),
     "estimate": ("Estimate", "estimate", "prepare"),
     "hardware": ("Cluster", "Model", "load_cluster", "load_model"),
@@ -73,7 +73,6 @@ sys.modules[__name__].__class__ = _Package
 __all__ = [
     "CostError",
     "CostModel",
-    "StageCosts",
     "DeviceStats",
     "Simulation",
     "simulate",

@@ -1,8 +1,10 @@
 """The cost model: how long each action and transfer takes, and what memory each holds.
 
 A :class:`CostModel` is written once by a person (on the command line, in a TOML file or
-in Python) and then :meth:`CostModel.resolve`\\ d against one schedule into
-:class:`StageCosts`, plain per-stage tuples that the simulator's inner loop indexes.
+in Python) and then :meth:`CostModel.resolve`\\ d against one schedule into the core's
+:class:`~pipedsl.stage_costs.StageCosts`, plain per-stage tuples that the simulator's
+inner loop and the policy synthesiser (:mod:`pipedsl.synthesize`) index: a cost model is
+the :class:`~pipedsl.stage_costs.CostSource` the synthesiser takes.
 
 Every number is either uniform (one value for every stage) or a tuple with one value per
 stage (per stage boundary for the bytes that cross boundaries), so uneven stages (a
@@ -27,26 +29,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.tomlfile import read_toml
+from pipedsl.stage_costs import Layout, StageCosts
 
-
-class Layout(Protocol):
-    """Where a schedule's stages sit (a :class:`~pipedsl.ir.Schedule` is one)."""
-
-    @property
-    def num_stages(self) -> int: ...
-
-    @property
-    def num_devices(self) -> int: ...
-
-    @property
-    def placement(self) -> tuple[int, ...]: ...
-
-
-__all__ = ["CostError", "CostModel", "Layout", "StageCosts"]
+__all__ = ["CostError", "CostModel"]
 
 PerStage = float | tuple[float, ...]
 """Seconds: one number for every stage, or a tuple with one number per stage."""
@@ -97,37 +86,6 @@ def _expand(field: str, value: PerStage | PerStageBytes, count: int, units: str)
             f"give one number for all, or exactly {count}"
         )
     return value
-
-
-@dataclass(frozen=True, slots=True)
-class StageCosts:
-    """A cost model resolved for one schedule with S stages: plain tuples, no defaults left.
-
-    Attributes:
-      forward, backward, input_grad, weight_grad: seconds per ``F``, ``B``, ``I``, ``W``
-        action, shape (S,).
-      activation_transfer: seconds to move stage s's output activation to stage s+1,
-        shape (S,); index S-1 is 0 (the last stage sends no activation).
-      gradient_transfer: seconds to move the gradient of stage s's input to stage s-1,
-        shape (S,); index 0 is 0 (the first stage sends no gradient).
-      residual_bytes: bytes ``F`` keeps on its device until ``B`` or ``I``, shape (S,).
-      weight_residual_bytes: bytes ``I`` keeps on its device until ``W``, shape (S,).
-      overlap_sends: whether a send runs beside the sender's computation (True) or keeps
-        the sender from computing until the transfer has arrived (False).
-      speedup: how many times as fast as priced a device computes while n devices
-        compute at once, at index n - 1, shape (D,); None: every device has its own compute.
-    """
-
-    forward: tuple[float, ...]
-    backward: tuple[float, ...]
-    input_grad: tuple[float, ...]
-    weight_grad: tuple[float, ...]
-    activation_transfer: tuple[float, ...]
-    gradient_transfer: tuple[float, ...]
-    residual_bytes: tuple[int, ...]
-    weight_residual_bytes: tuple[int, ...]
-    overlap_sends: bool
-    speedup: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,7 +20,8 @@ only then), the weight all-gather only behind the next step's first forward;
 per-microbatch ZeRO 2/3 traffic hides behind that microbatch's own forward or backward.
 The default ``dp_overlap = 1`` therefore gives partial overlap: full for one
 microbatch, a tail for many. The optimizer step reads and writes 30 bytes per local
-parameter at HBM bandwidth; it is priced with the cluster's fixed cost of a step
+parameter of a 16-bit model (28 of an fp32 one, whose weights are their own master) at HBM
+bandwidth; it is priced with the cluster's fixed cost of a step
 (``Cluster.step_overhead_s``, 0 on GPUs).
 """
 
@@ -35,9 +36,9 @@ from pipedsl.simulator.transformer import Shapes, Work
 
 __all__ = ["dp_group", "gathers_per_step", "tails", "zero_per_microbatch"]
 
-_OPTIMIZER_TRAFFIC = 30
-"""HBM bytes the Adam update moves per parameter: reads grad, master, m, v (16), writes
-master, m, v (12) and the 16-bit weight (2)."""
+_OPTIMIZER_TRAFFIC = 28
+"""HBM bytes the Adam update moves per fp32 parameter: reads grad, master, m, v (16),
+writes master, m, v (12); a narrower model also writes its weights' copy (dtype_bytes)."""
 
 
 def dp_group(plan: Plan, cluster: Cluster) -> Group:
@@ -125,4 +126,6 @@ def _optimizer_seconds(shapes: Shapes, device_params: float) -> float:
     """The update of a device's parameters, and the runtime's fixed cost of the step
     (``Cluster.step_overhead_s``) that ends with it."""
     local = device_params / (shapes.plan.shards if shapes.plan.zero >= 1 else 1)
-    return shapes.traffic_seconds(local * _OPTIMIZER_TRAFFIC) + shapes.cluster.step_overhead_s
+    dtype_bytes = shapes.model.dtype_bytes
+    traffic = _OPTIMIZER_TRAFFIC + (dtype_bytes if dtype_bytes < 4 else 0)
+    return shapes.traffic_seconds(local * traffic) + shapes.cluster.step_overhead_s

@@ -35,8 +35,9 @@ from pipedsl.arrays import F, paused_collector
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.program import NEVER_SENT, Program, ProgramArrays, lower
-from pipedsl.simulator.costs import CostModel, StageCosts
+from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.sharing import settle_shared
+from pipedsl.stage_costs import StageCosts
 from pipedsl.timeline import Event, EventKind, Timeline
 from pipedsl.validate import kept_check
 

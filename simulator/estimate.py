@@ -48,17 +48,18 @@ import numpy as np
 
 from pipedsl.simulator.assumptions import Assumption, assumptions
 from pipedsl.simulator.collectives import ring_all_reduce_seconds, ring_gather_seconds
-from pipedsl.simulator.costs import CostModel, Layout
+from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.data_parallel import tails
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, step_flops
 from pipedsl.simulator.hardware import Cluster, Model
-from pipedsl.simulator.memory import GRAD_BYTES, OPTIMIZER_BYTES, DoesNotFit, Memory, device_memory
+from pipedsl.simulator.memory import GRAD_BYTES, DoesNotFit, Memory, device_memory, optimizer_bytes
 from pipedsl.simulator.network import straggler_factor
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.stages import split_layers, stage_params, stage_residual, stage_work
 from pipedsl.simulator.transformer import Shapes, Work
+from pipedsl.stage_costs import Layout
 
 __all__ = [
     "Assumption",
@@ -73,7 +74,7 @@ __all__ = [
     "ring_all_reduce_seconds",
     "ring_gather_seconds",
     "GRAD_BYTES",
-    "OPTIMIZER_BYTES",
+    "optimizer_bytes",
 ]
 
 

@@ -1,8 +1,12 @@
 """Memory per GPU of a plan: weights, gradients and optimizer state sharded by ZeRO stage,
 activations, and the working memory that is not per microbatch.
 
-16-bit weights, fp32 gradients (:data:`GRAD_BYTES`) and 12 bytes of Adam state
-(:data:`OPTIMIZER_BYTES`: fp32 master, m, v) per parameter; ZeRO 1 shards the optimizer
+As the executor keeps them, per parameter: weights of the model's ``dtype_bytes``, fp32
+gradients (:data:`GRAD_BYTES`) and Adam's fp32 moments (:data:`ADAM_BYTES`); a 16-bit
+(bf16) model's weights are the step's 16-bit copy, and the optimizer state also holds
+their fp32 master copy (:data:`MASTER_BYTES`; :func:`optimizer_bytes`: 12 bytes, as
+Megatron-LM's mixed precision), while an fp32 model's weights are their own master
+(8 bytes of optimizer state). ZeRO 1 shards the optimizer
 state over the dp·cp ranks that hold the same weights, ZeRO 2 also the gradients, ZeRO 3
 also the weights. Gradients reduced once per step (``reduce_once``) are accumulated
 whole until then, so they are not sharded; weights ZeRO 3 keeps gathered after the
@@ -21,12 +25,24 @@ from pipedsl.simulator.context_parallel import gathered_bytes
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.transformer import Shapes
 
-__all__ = ["GRAD_BYTES", "OPTIMIZER_BYTES", "Memory", "DoesNotFit", "device_memory", "static_memory"]
+__all__ = [
+    "ADAM_BYTES",
+    "GRAD_BYTES",
+    "MASTER_BYTES",
+    "DoesNotFit",
+    "Memory",
+    "device_memory",
+    "optimizer_bytes",
+    "static_memory",
+]
 
 GRAD_BYTES = 4
 """Bytes per gradient value held: fp32, as accumulated over microbatches."""
-OPTIMIZER_BYTES = 12
-"""Bytes of Adam state per parameter: fp32 master weight, first and second moments."""
+ADAM_BYTES = 8
+"""Bytes of Adam's state per parameter: fp32 first and second moments."""
+MASTER_BYTES = 4
+"""Bytes per parameter of the fp32 master weights that mixed precision keeps beside
+16-bit ones."""
 _GIB = 2**30
 
 
@@ -79,12 +95,18 @@ class DoesNotFit(PlanError):
         super().__init__(f"{plan.label} needs {memory.text()}")
 
 
+def optimizer_bytes(dtype_bytes: int) -> int:
+    """Bytes of optimizer state per parameter of a model whose weights take ``dtype_bytes``:
+    Adam's moments, and the fp32 master weights when the weights are narrower than fp32."""
+    return ADAM_BYTES + (MASTER_BYTES if dtype_bytes < MASTER_BYTES else 0)
+
+
 def static_memory(plan: Plan, device_params: float, dtype_bytes: int) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per GPU, sharded by the plan's mode."""
     shards = plan.shards
     weights = device_params * dtype_bytes / (shards if _shards_weights(plan) else 1)
     grads = device_params * GRAD_BYTES / (shards if plan.zero >= 2 and not plan.reduce_once else 1)
-    optimizer = device_params * OPTIMIZER_BYTES / (shards if plan.zero >= 1 else 1)
+    optimizer = device_params * optimizer_bytes(dtype_bytes) / (shards if plan.zero >= 1 else 1)
     return weights, grads, optimizer
 
 

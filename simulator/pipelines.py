@@ -37,7 +37,7 @@ from pipedsl.program import Program, ProgramArrays, program_arrays
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate, step_timing
 from pipedsl.simulator.plan import Plan, PlanError
-from pipedsl.simulator.synthesize import synthesize, synthesized_steps
+from pipedsl.synthesize import synthesize, synthesized_steps
 from pipedsl.validate import Checked, checked
 
 __all__ = ["Pipelines", "ScheduleKey", "Timing", "load_pipeline", "synthesized_arrays", "synthesized_program"]
@@ -332,7 +332,7 @@ class Pipelines:
 
 
 def synthesized_program(policy: Policy, costs: CostModel | None = None) -> ProgramArrays:
-    """The order :func:`~pipedsl.simulator.synthesize.synthesize` finds, lowered straight to
+    """The order :func:`~pipedsl.synthesize.synthesize` finds, lowered straight to
     int arrays: the arrays ``lower(synthesize(policy, costs))`` has, without an object per
     action.
 

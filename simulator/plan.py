@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from pipedsl import library
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, Framework
 
-__all__ = ["Recompute", "ContextExchange", "PlanError", "Plan"]
+__all__ = ["Recompute", "ContextExchange", "PlanError", "Plan", "schedule_name"]
 
 
 class Recompute(enum.Enum):
@@ -197,7 +199,7 @@ class Plan:
     @property
     def label(self) -> str:
         """A short description such as ``1f1b dp8 tp8 pp16 mb1 zero1 selective``."""
-        kind = "spmd" if self.schedule is None else _schedule_label(self.schedule)
+        kind = "spmd" if self.schedule is None else schedule_name(self.schedule)
         vpp = f" vpp{self.vpp}" if self.vpp > 1 else ""
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (
@@ -231,6 +233,21 @@ class Plan:
         }
 
 
-def _schedule_label(spec: str) -> str:
-    name = spec.replace("\\", "/").rsplit("/", 1)[-1]
-    return name.removesuffix(".sched")
+def schedule_name(spec: str) -> str:
+    """What tables and labels call the schedule ``spec`` (a library name or a path), as
+    ``simulate`` does: a library schedule by its library name; any other ``.sched`` file by
+    the name its ``schedule`` line gives (``schedule my_1f1b`` is ``my_1f1b``, whatever the
+    file is called), followed by the file's name where that is a library schedule's name; a
+    CSV or JSON file, or a file that does not parse, by its file name without ``.sched``."""
+    file = spec.replace("\\", "/").rsplit("/", 1)[-1]
+    stem = file.removesuffix(".sched")
+    if file == stem:
+        return stem  # a library name, or a CSV or JSON file
+    shipped = library.library_schedules()
+    if stem in shipped and shipped[stem].resolve() == Path(spec).resolve():
+        return stem
+    try:
+        name = library.parsed(spec).schedule.name
+    except PipedslError:
+        return stem
+    return f"{name} ({file})" if name in shipped else name

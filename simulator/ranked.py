@@ -7,11 +7,10 @@ turns them into its DataFrame (a table is an output, not what modules hand each 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipedsl.simulator.estimate import Estimate
-from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.plan import Plan, schedule_name
 from pipedsl.simulator.speed import relative_speed
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ class RankedPlan:
         return cls(
             rank=rank,
             kind="spmd" if plan.pp == 1 else "pipeline",
-            schedule="spmd" if plan.schedule is None else Path(plan.schedule).name.removesuffix(".sched"),
+            schedule="spmd" if plan.schedule is None else schedule_name(plan.schedule),
             dp=plan.dp,
             tp=plan.tp,
             cp=plan.cp,

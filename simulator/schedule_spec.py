@@ -13,7 +13,7 @@ from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.policy import Policy
 from pipedsl.simulator.costs import CostModel
-from pipedsl.simulator.synthesize import synthesize
+from pipedsl.synthesize import synthesize
 
 __all__ = ["schedule_of"]
 

@@ -39,7 +39,7 @@ from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared
 from pipedsl.simulator.explain import Explanation
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines
-from pipedsl.simulator.plan import Plan, PlanError
+from pipedsl.simulator.plan import Plan, PlanError, schedule_name
 from pipedsl.simulator.policy_plans import prepare_plan, takes_limit
 from pipedsl.simulator.ranked import COLUMNS, RankedPlan, Summary, describe, summarize
 from pipedsl.simulator.workers import Advance, available_cores, run_in_workers
@@ -228,8 +228,8 @@ def _search(
             ranked=len(ranked),
             skipped=skipped,
             dropped=dropped,
-            schedules=[_schedule_label(s.spec) for s in searched_schedules(schedules, extra_schedules)],
-            ranked_schedules=sorted({_schedule_label(e.plan.schedule) for e in finished if e.plan.schedule}),
+            schedules=[schedule_name(s.spec) for s in searched_schedules(schedules, extra_schedules)],
+            ranked_schedules=sorted({schedule_name(e.plan.schedule) for e in finished if e.plan.schedule}),
         ),
     )
     return ranked, attrs
@@ -311,7 +311,7 @@ def _rank_parts(
 
 def _part_label(plans: list[Plan]) -> str:
     spec = plans[0].schedule
-    return "the SPMD plans" if spec is None else f"the plans of schedule {_schedule_label(spec)}"
+    return "the SPMD plans" if spec is None else f"the plans of schedule {schedule_name(spec)}"
 
 
 def _rank_part(model: Model, cluster: Cluster, plans: list[Plan], prune: float | None, *, advance: Advance) -> _Part:
@@ -325,10 +325,6 @@ def _rank_part(model: Model, cluster: Cluster, plans: list[Plan], prune: float |
         finished = _simulate(prepared, prune, dropped)
     advance("simulating", len(plans))
     return _Part(tuple(finished), dropped, pipelines.num_simulations)
-
-
-def _schedule_label(spec: str) -> str:
-    return Path(spec).name.removesuffix(".sched")
 
 
 def _cost(
@@ -385,7 +381,7 @@ def _users_fault(plan: Plan, err: PipedslError) -> PipedslError:
 def _reason(err: PipedslError, plan: Plan) -> str:
     """Why a plan was dropped, as counted in ``attrs["dropped"]``: for a schedule's own
     refusal, which schedule and which of its rules."""
-    label = "" if plan.schedule is None else _schedule_label(plan.schedule)
+    label = "" if plan.schedule is None else schedule_name(plan.schedule)
     if isinstance(err, DoesNotFit):
         return "does not fit in memory"
     if isinstance(err, RequirementFailed):

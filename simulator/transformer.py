@@ -21,13 +21,14 @@ d = h/a, kv the key/value width, V vocabulary, t = tp):
   bandwidth: each byte a layer stores for its backward costs two bytes of HBM traffic in
   the forward and four in the backward. What a layer stores follows its shape
   (:meth:`Shapes.layer_activation_bytes`; Korthikanti et al. 2022's s·b·h·(34 + 5·a·s/h)/t
-  for GPT with sequence parallelism). FlashAttention never writes the a·s² scores.
+  for GPT with sequence parallelism in 16 bits; values take the model's ``dtype_bytes``,
+  so an fp32 model, as the executor runs one, keeps about twice as many bytes). FlashAttention never writes the a·s² scores.
 - Every kernel costs ``kernel_launch_s`` more: per layer forward the products above and
   :data:`ELEMENTWISE_KERNELS` elementwise kernels (two more without FlashAttention:
   softmax and attention dropout); the backward twice the products, as many elementwise.
 - Recomputation: ``full`` reruns each layer's forward (compute and tensor-parallel
-  collectives) inside ``I`` and stores only the layer input (2·s·b·h/t); ``selective``
-  reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t.
+  collectives) inside ``I`` and stores only the layer input (2·s·b·h/t in 16 bits);
+  ``selective`` reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t.
 - Tensor parallelism: 2 all-reduces of b·s·h values in the forward and 2 in the backward
   per layer (:mod:`~pipedsl.simulator.collectives`);
   sequence parallelism turns each into a reduce-scatter plus an all-gather. The plan's
@@ -176,27 +177,30 @@ class Shapes:
         return all_reduce_seconds(size, self.tp_group, self.cluster)
 
     def layer_activation_bytes(self, recompute: Recompute) -> float:
-        """Bytes one layer keeps per microbatch for its backward, by its shape (16-bit
-        values, 1-byte dropout masks; Korthikanti et al. 2022's accounting, which for GPT
+        """Bytes one layer keeps per microbatch for its backward, by its shape (values of
+        the model's ``dtype_bytes`` e, as the executor keeps them: 2 in bf16, 4 in fp32;
+        1-byte dropout masks; Korthikanti et al. 2022's accounting, which for GPT in 16 bits
         is s·b·h·(10 + 24/t + 5·a·s/(h·t))), per token of the microbatch on this GPU:
 
         - outside the tensor-parallel split (split too with sequence parallelism): the
-          two norms' inputs 4h, the inputs of the QKV and first feed-forward products
-          2h + 2h, and with dropout its two masks 2·h·1;
-        - split over t: Q 2h, K and V 2·kv each, the output projection's input 2h, the
-          feed-forward's g·f outputs (g = 2 gated: gate and up) 2·g·f and the activation's
-          output 2f (for GPT's 4h GELU block: 8h + 8h);
-        - without FlashAttention or selective recomputation, the scores, softmax and
-          dropout 5·a·s/cp per query token (against all s keys).
+          two norms' inputs 2·e·h, the inputs of the QKV and first feed-forward products
+          e·h + e·h, and with dropout its two masks 2·h·1;
+        - split over t: Q e·h, K and V e·kv each, the output projection's input e·h, the
+          feed-forward's g·f outputs (g = 2 gated: gate and up) e·g·f and the activation's
+          output e·f (for GPT's 4h GELU block in 16 bits: 8h + 8h);
+        - without FlashAttention or selective recomputation, the scores and softmax 2·e·a·s
+          and the dropout mask a·s, per query token (against all s keys).
         """
         m, t = self.model, self.plan.tp
-        h, kv, f = m.hidden, m.kv_width, m.ffn_hidden
+        h, kv, f, e = m.hidden, m.kv_width, m.ffn_hidden, m.dtype_bytes
         tokens = self.tokens
         if recompute is Recompute.FULL:
-            return 2 * tokens * h / (t if self.plan.sequence_parallel else 1)
-        replicated = 8 * h + (2 * h if m.dropout else 0)
-        split = 4 * h + 4 * kv + 2 * (2 if m.gated_ffn else 1) * f + 2 * f
-        scores = 0.0 if self.plan.flash_attention or recompute is Recompute.SELECTIVE else 5 * m.heads * m.seq_len
+            return e * tokens * h / (t if self.plan.sequence_parallel else 1)
+        replicated = 4 * e * h + (2 * h if m.dropout else 0)
+        split = e * (2 * h + 2 * kv + (2 if m.gated_ffn else 1) * f + f)
+        scores = (
+            0.0 if self.plan.flash_attention or recompute is Recompute.SELECTIVE else (2 * e + 1) * m.heads * m.seq_len
+        )
         shared = t if self.plan.sequence_parallel else 1
         return tokens * (replicated / shared + (split + scores) / t)
 
@@ -205,7 +209,9 @@ class Shapes:
         m, plan, launch = self.model, self.plan, self.cluster.kernel_launch_s
         linear, linear_kernels = self.linear_seconds()
         attention, attention_kernels = self.attention_seconds()
-        score_bytes = 0.0 if plan.flash_attention else self.tokens * 5 * m.heads * m.seq_len / plan.tp
+        score_bytes = (
+            0.0 if plan.flash_attention else self.tokens * (2 * m.dtype_bytes + 1) * m.heads * m.seq_len / plan.tp
+        )
         elementwise_kernels = ELEMENTWISE_KERNELS + (0 if plan.flash_attention else 2)
         elementwise = self.traffic_seconds(2 * self.layer_activation_bytes(Recompute.NONE))
         collectives = 2 * self.tp_all_reduce() * (1.0 - plan.tp_overlap)

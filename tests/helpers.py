@@ -328,7 +328,7 @@ def zb_auto(max_inflight: int) -> Schedule:
     communication (W twice as long as F or I)."""
     from pipedsl.policy import Policy
     from pipedsl.simulator import CostModel
-    from pipedsl.simulator.synthesize import synthesize
+    from pipedsl.synthesize import synthesize
 
     policy = pipedsl.load("zb_auto", pp=2, microbatches=4, max_inflight=max_inflight)
     assert isinstance(policy, Policy)

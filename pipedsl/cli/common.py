@@ -150,7 +150,7 @@ def load_schedule(
 ) -> Schedule:
     """Load a library schedule or a .sched, .csv or .json file (:func:`pipedsl.library.load`), unvalidated.
 
-    A policy schedule is synthesised (:func:`pipedsl.simulator.synthesize.synthesize`)
+    A policy schedule is synthesised (:func:`pipedsl.synthesize.synthesize`)
     against ``costs``; without them, against the default ``CostModel()``, which a note on
     stderr says, since the order then follows costs the command was not given.
     """
@@ -164,7 +164,7 @@ def synthesize_policy(policy: Policy, costs: CostModel | None, *, path: str | Pa
     """``policy``'s order under ``costs``; when ``costs`` is None, under the default model,
     with a note on stderr saying so unless ``note`` is False (the caller says it)."""
     from pipedsl.simulator.costs import CostModel
-    from pipedsl.simulator.synthesize import synthesize
+    from pipedsl.synthesize import synthesize
 
     if costs is None:
         costs = CostModel()

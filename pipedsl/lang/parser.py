@@ -335,12 +335,20 @@ _REPAIRED_MAX_ACTIONS = 100_000
 
 def _semantic_errors(tree: lark.Tree, source: Source, file: str, broken: set[int]) -> list[PipedslError]:
     """The evaluation errors of a text repaired after its syntax errors, at its defaults
-    (an unknown name, a wrong arity, a division by zero), leaving out those on a line with
-    a syntax error: there the repair, not the user, wrote what is read."""
+    (an unknown name, a wrong arity, a division by zero), or, when it evaluates, the
+    violations of the validation rules of the schedule it builds (a misorder, a missing
+    action, a deadlock) or the checks of its policy; leaving out those on a line with a
+    syntax error: there the repair, not the user, wrote what is read."""
+    from pipedsl.ir import Schedule
     from pipedsl.lang.evaluate import evaluate
+    from pipedsl.validate import validate
 
     try:
-        evaluate(_module(tree, source, file), max_actions=_REPAIRED_MAX_ACTIONS)
+        built = evaluate(_module(tree, source, file), max_actions=_REPAIRED_MAX_ACTIONS)
+        if isinstance(built, Schedule):
+            validate(built)
+        else:
+            built.check()
     except PipedslError as err:
         kept = [e for e in err.errors if e.pos is not None and e.pos.line not in broken]
         return sorted(kept, key=lambda e: (e.pos.line, e.pos.column) if e.pos else (0, 0))

@@ -18,6 +18,7 @@ import pipedsl
 from pipedsl.cli import main
 from pipedsl.executor import ExecutionError, Pipeline
 from pipedsl.executor.models import mlp
+from pipedsl.simulator import CostModel
 
 RUN = ["run", "1f1b", "-p", "pp=2", "-p", "microbatches=2", "--width", "8", "--layers-per-stage", "1"]
 
@@ -106,12 +107,14 @@ def test_pipeline_takes_a_library_name_and_refuses_what_it_cannot_run() -> None:
     stages, _ = _stages(4)
     pipe = Pipeline(stages, loss=_loss, schedule="gpipe")  # its defaults: pp = 4
     assert (pipe.schedule.name, pipe.schedule.num_stages) == ("gpipe", 4)
-    with pytest.raises(ExecutionError) as caught:
-        Pipeline(stages, loss=_loss, schedule=pipedsl.load("zb_auto"))
-    assert str(caught.value).startswith("schedule: zb_auto is a policy")
-    assert "pipedsl.simulator.synthesize.synthesize(policy, costs)" in str(caught.value)
-    with pytest.raises(ExecutionError, match="schedule must be a Schedule .* got int"):
+    with pytest.raises(
+        ExecutionError, match=r"schedule must be a Schedule \(pipedsl.load\(...\)\), a Policy, .* got int"
+    ):
         Pipeline(stages, loss=_loss, schedule=3)  # type: ignore[arg-type]
+    with pytest.raises(ExecutionError, match="costs: schedule 'gpipe' has its order already"):
+        Pipeline(stages, loss=_loss, schedule="gpipe", costs=CostModel())
+    with pytest.raises(ExecutionError, match="costs must be a cost model .* got dict"):
+        Pipeline(stages, loss=_loss, schedule="zb_auto", costs={"forward": 1})  # type: ignore[arg-type]
     with pytest.raises(pipedsl.PipedslError, match="no schedule 'gpip' in the library; did you mean 'gpipe'"):
         Pipeline(stages, loss=_loss, schedule="gpip")
 

@@ -20,7 +20,6 @@ from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import simulate
 from pipedsl.simulator.estimate import (
     GRAD_BYTES,
-    OPTIMIZER_BYTES,
     DoesNotFit,
     estimate,
     prepare,
@@ -38,6 +37,7 @@ from pipedsl.simulator.hardware import (
 )
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
+from pipedsl.simulator.transformer import Shapes
 
 GPT = Model(name="gpt-tiny", layers=4, hidden=256, ffn_hidden=1024, heads=4, seq_len=128, vocab=1000)
 
@@ -191,12 +191,33 @@ def test_data_parallel_tail_is_the_gradient_all_reduce() -> None:
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_memory_by_zero_stage(zero: int) -> None:
-    n = GPT.num_params
-    memory = estimate(GPT, IDEAL, Plan(dp=4, global_batch=4, zero=zero)).memory
-    assert memory.weights == round(2 * n / (4 if zero >= 3 else 1))
+@pytest.mark.parametrize(("dtype_bytes", "optimizer"), [(2, 12), (4, 8)], ids=["bf16", "fp32"])
+def test_memory_by_zero_stage(zero: int, dtype_bytes: int, optimizer: int) -> None:
+    # As the executor keeps them: bf16 weights beside fp32 master weights and Adam moments
+    # (12 bytes), or fp32 weights that are their own master (Adam's moments, 8 bytes).
+    model = dataclasses.replace(GPT, dtype_bytes=dtype_bytes)
+    n = model.num_params
+    memory = estimate(model, IDEAL, Plan(dp=4, global_batch=4, zero=zero)).memory
+    assert memory.weights == round(dtype_bytes * n / (4 if zero >= 3 else 1))
     assert memory.gradients == round(GRAD_BYTES * n / (4 if zero >= 2 else 1))
-    assert memory.optimizer == round(OPTIMIZER_BYTES * n / (4 if zero >= 1 else 1))
+    assert memory.optimizer == round(optimizer * n / (4 if zero >= 1 else 1))
+
+
+@pytest.mark.parametrize("recompute", list(Recompute))
+def test_an_fp32_model_keeps_4_byte_activations(recompute: Recompute) -> None:
+    # The executor keeps fp32 activations for an fp32 model: every value doubles against
+    # 16 bits, the 1-byte dropout masks (two per token of h, one per score) do not.
+    # Scores stored (no FlashAttention), masks outside the tensor-parallel split.
+    plan = Plan(tp=2, global_batch=2, sequence_parallel=False, flash_attention=False)
+    half = Shapes(GPT, IDEAL, plan)
+    full = Shapes(dataclasses.replace(GPT, dtype_bytes=4), IDEAL, plan)
+    masks = 0.0
+    if recompute is not Recompute.FULL:
+        scores = 0 if recompute is Recompute.SELECTIVE else GPT.heads * GPT.seq_len / plan.tp
+        masks = half.tokens * (2 * GPT.hidden + scores)
+    values = half.layer_activation_bytes(recompute) - masks
+    assert values > 0
+    assert full.layer_activation_bytes(recompute) == pytest.approx(2 * values + masks)
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])

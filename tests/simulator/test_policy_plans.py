@@ -18,7 +18,7 @@ from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan
 from pipedsl.simulator.policy_plans import LimitedPlan, candidate_limits, fitting_limit, prepare_plan, takes_limit
 from pipedsl.simulator.search import search_plans
-from pipedsl.simulator.synthesize import synthesize
+from pipedsl.synthesize import synthesize
 
 MODEL = Model(name="gpt-small", layers=8, hidden=1024, ffn_hidden=4096, heads=16, seq_len=1024, vocab=32000)
 PLAN = Plan(dp=1, tp=1, pp=4, microbatch_size=2, global_batch=32, schedule="zb_auto")

@@ -93,9 +93,9 @@ def test_enumeration_respects_the_model() -> None:
 
 def test_extra_schedule_files(tmp_path: Path) -> None:
     mine = tmp_path / "mine.sched"
-    shutil.copy(library_path("1f1b"), mine)
+    shutil.copy(library_path("1f1b"), mine)  # it says `schedule one_f_one_b`
     result = search(MODEL, CLUSTER, 16, global_batch=64, schedules=["gpipe"], extra_schedules=[mine])
-    assert "mine" in set(result["schedule"])
+    assert "one_f_one_b" in set(result["schedule"])
     with pytest.raises(PlanError, match="sets pp and microbatches"):
         search(MODEL, CLUSTER, 16, global_batch=64, schedules=["table_example"])
 
@@ -139,7 +139,8 @@ def test_worker_processes_rank_the_same(frame: pd.DataFrame, tmp_path: Path) -> 
         patch.chdir(tmp_path)
         alone = search(MODEL, CLUSTER, 16, global_batch=64, schedules=("1f1b",), extra_schedules=["mine.sched"])
         both = search(MODEL, CLUSTER, 16, global_batch=64, schedules=("1f1b",), extra_schedules=["mine.sched"], jobs=2)
-    assert "mine" in set(alone["schedule"])
+    # The file says `schedule zb_h1`, a library schedule's name: the file's name tells them apart.
+    assert "zb_h1 (mine.sched)" in set(alone["schedule"])
     assert both.to_dict("records") == alone.to_dict("records")
 
 
@@ -236,13 +237,35 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert len(written) > 5
 
 
+def test_search_tables_name_a_users_schedule_by_its_schedule_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As simulate names it: `schedule my_1f1b` in my1f1b.sched is my_1f1b in the tables,
+    # the plan labels and the reasons a plan was dropped, never the file's name.
+    text = library_path("1f1b").read_text().replace("schedule one_f_one_b(", "schedule my_1f1b(")
+    mine = tmp_path / "my1f1b.sched"
+    mine.write_text(text.replace("  stages pp", '  require microbatches >= 2 * pp, "wants 2pp"\n  stages pp'))
+    argv = ["search", "--model", "demo-small", "--cluster", "a100-80gb", "--gpus", "8", "--global-batch", "64",
+            "--schedules", "gpipe", "--top", "60", "--jobs", "1", str(mine)]  # fmt: skip
+    assert _run(argv) == 0
+    printed = capsys.readouterr().out
+    rows = [line.split() for line in printed.splitlines()]
+    assert any(row[1:2] == ["my_1f1b"] for row in rows)  # a row of the best plans
+    assert any(row[:1] == ["my_1f1b"] for row in rows)  # its best plan
+    assert "rejected by my_1f1b's require (line 13): wants 2pp" in printed
+    assert "my1f1b" not in printed
+    frame = search("demo-small", "a100-80gb", 8, global_batch=64, schedules=["gpipe"], extra_schedules=[mine])
+    assert set(frame["schedule"]) == {"spmd", "gpipe", "my_1f1b"}
+
+
 # The best 20 plans of this search: (schedule, dp, tp, pp, vpp, microbatch size, zero,
 # recompute, step time in seconds). First recorded from the object-per-action
 # implementation before the search moved to int-coded arrays; recorded again from the
 # array search when the cost model changed (collectives by adapter, size-dependent
 # matrix efficiency; FlashAttention priced as one kernel whose scores stay on chip),
 # which moves the step times and so the ranking; and when FlashAttention's backward was
-# priced as its five products, and when the A100 presets priced stragglers.
+# priced as its five products, when the A100 presets priced stragglers, and when an fp32
+# model's activations, weights and optimizer state were priced in fp32, as the executor keeps them.
 RECORDED_TOP = Path(__file__).parent / "data" / "search_demo_small_top20.json"
 
 

@@ -10,6 +10,7 @@ from helpers import gpipe, one_f_one_b
 from pipedsl.errors import PipedslError
 from pipedsl.library import library_path, load
 from pipedsl.simulator import CostError, CostModel
+from pipedsl.stage_costs import UNIFORM, StageCosts
 
 
 def test_defaults_backward_twice_forward_and_halves() -> None:
@@ -20,6 +21,14 @@ def test_defaults_backward_twice_forward_and_halves() -> None:
     assert costs.activation_transfer == costs.gradient_transfer == (0.0, 0.0, 0.0)
     assert costs.residual_bytes == costs.weight_residual_bytes == (0, 0, 0)
     assert costs.overlap_sends
+
+
+def test_the_default_cost_model_is_the_cores_uniform_costs() -> None:
+    # The core synthesises a policy without costs under StageCosts.uniform; the simulator, the
+    # executor and the command line say "the default cost model" of the same order.
+    for schedule in (gpipe(3, 2), load(library_path("zbv"), pp=2, microbatches=4)):
+        assert CostModel().resolve(schedule) == StageCosts.uniform(schedule)
+    assert CostModel().describe() == UNIFORM
 
 
 def test_backward_defaults_to_its_halves_when_both_given() -> None:

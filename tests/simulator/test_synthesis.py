@@ -17,7 +17,7 @@ from pipedsl.policy import UNSATISFIABLE, Policy
 from pipedsl.program import lower
 from pipedsl.simulator import CostModel, simulate
 from pipedsl.simulator.policy_plans import synthesized_program
-from pipedsl.simulator.synthesize import SynthesisError, Variant, synthesize, variants
+from pipedsl.synthesize import SynthesisError, Variant, synthesize, variants
 from pipedsl.validate import validate
 
 

@@ -10,7 +10,7 @@ from pipedsl.interop import from_csv, from_json, to_csv, to_json, to_sched_text
 from pipedsl.library import library_path, load, parse
 from pipedsl.policy import UNSATISFIABLE, Policy
 from pipedsl.simulator import CostModel, simulate
-from pipedsl.simulator.synthesize import synthesize
+from pipedsl.synthesize import synthesize
 from pipedsl.validate import validate
 
 UNIFORM = CostModel(forward=1, input_grad=1, weight_grad=1)

@@ -1,11 +1,17 @@
-"""Synthesis: a :class:`~pipedsl.policy.Policy` and a cost model to a concrete Schedule.
+"""Synthesis: a :class:`~pipedsl.policy.Policy` and its costs to a concrete Schedule.
+
+The front end's last step for a policy file: the order the policy leaves open is found
+against costs (:class:`~pipedsl.stage_costs.StageCosts`, or any
+:class:`~pipedsl.stage_costs.CostSource` such as the simulator's ``CostModel``; by default
+the uniform costs of :meth:`~pipedsl.stage_costs.StageCosts.uniform`), and what comes out
+is validated, lowered, simulated and run like any other Schedule.
 
 A timed list scheduler. Every device keeps a clock; the device that can act earliest
 (ties: the higher device first, so that a backward's news travels before the device
 upstream decides) picks, among the actions whose inputs have arrived, the first kind in
 the policy's priority order that its limits allow. The chosen action's start and end
 follow the rules the simulator applies to the lowered program (start = max(device free,
-inputs arrived); a transfer between devices takes the cost model's time; a blocking send
+inputs arrived); a transfer between devices takes the costs' time; a blocking send
 keeps the sender until it arrives), so the makespan of each order tried is known exactly
 without simulating it, and the fastest is kept.
 
@@ -42,10 +48,17 @@ from pipedsl.arrays import make_actions
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.policy import Policy
-from pipedsl.simulator.costs import CostModel, StageCosts
-from pipedsl.simulator.synthesis_variants import Variant, variants
+from pipedsl.stage_costs import CostSource, StageCosts
 
-__all__ = ["SynthesisError", "Variant", "synthesize", "synthesized_order", "synthesized_steps", "variants"]
+__all__ = [
+    "AHEAD",
+    "SynthesisError",
+    "Variant",
+    "synthesize",
+    "synthesized_order",
+    "synthesized_steps",
+    "variants",
+]
 
 _INF = float("inf")
 _F, _BWD, _W = 0, 1, 2  # kind codes; _BWD is I when split, B otherwise
@@ -55,16 +68,88 @@ the actions per device times 2**-53), so that stopping a pass early is never a r
 step wrong."""
 
 
+# -- the choices a policy leaves open --------------------------------------------------
+
+AHEAD = ("1f1b", "eager", "timed", "limits")
+"""The ahead counts a :class:`Variant` can name."""
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One setting of the choices a policy leaves to the synthesiser.
+
+    Attributes:
+      ahead: forwards a device keeps ahead of its backwards when the policy states no
+        warm-up: ``"1f1b"`` (S - s for a device whose first stage is s), ``"eager"``
+        (2(S - s) - 1), ``"timed"`` (the forwards that fit before the first backward can
+        arrive under the costs: eager's count for B = 2F and free transfers, more for a
+        dearer backward or transfer) or ``"limits"`` (no count: the limits and priorities
+        decide).
+      strict: with an ahead count, a backward runs only when the device is that many
+        forwards ahead (or can run no more forwards): 1F1B's strict alternation, which keeps
+        the devices in step; without it a ready backward may run earlier.
+      guard_w: a ready ``W`` waits for a backward or admissible forward known to arrive
+        before the ``W`` would end, when the delay it would cause is more than
+        ``(1 - guard_w)`` × its cost (0: never waits; 1: waits rather than delay at all).
+        ``W only in idle time`` fixes it at 1.
+    """
+
+    ahead: str
+    strict: bool = False
+    guard_w: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.ahead not in AHEAD:
+            raise ValueError(f"ahead must be one of {', '.join(AHEAD)}, got {self.ahead!r}")
+        if not 0.0 <= self.guard_w <= 1.0:
+            raise ValueError(f"guard_w is a fraction in [0, 1], got {self.guard_w!r}")
+
+
+#: The variants tried without stated warm-up counts. Chosen on the comparison grid of
+#: ``bench/bench_synthesis.py`` (depths 2-8, 1-4 microbatches per stage, unequal F/I/W,
+#: communication from a tenth of F to F, memory limits pp .. 2pp): each is the fastest
+#: somewhere, and together they are never slower there than the zero-bubble paper's
+#: scheduler with the best of its settings. The last three came from small communication
+#: (a tenth to a quarter of F), where a ``W`` that waits for part of its cost, or a
+#: warm-up timed to the backward's return, hides the hops that the first four leave open.
+_DEFAULT_VARIANTS = (
+    Variant("eager"),
+    Variant("1f1b", strict=True, guard_w=1.0),
+    Variant("limits"),
+    Variant("1f1b"),
+    Variant("eager", guard_w=0.5),
+    Variant("timed", guard_w=0.25),
+    Variant("eager", guard_w=0.75),
+)
+
+
+def variants(policy: Policy) -> tuple[Variant, ...]:
+    """The variants :func:`synthesize` tries for ``policy``, in a fixed order (the first
+    of equally fast orders wins)."""
+    if policy.warmup is None:
+        return _DEFAULT_VARIANTS
+    # Stated warm-up counts fix the ahead count; "limits" here just means "as stated".
+    return (Variant("limits", strict=True, guard_w=1.0), Variant("limits"))
+
+
+# -- synthesis ----------------------------------------------------------------------
+
+
 class SynthesisError(PipedslError):
     """The policy's limits leave no order that finishes (a deadlock under the limits)."""
 
 
-def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[Variant, ...] | None = None) -> Schedule:
-    """The fastest order found for ``policy`` under ``costs`` (default ``CostModel()``).
+def synthesize(
+    policy: Policy, costs: CostSource | None = None, *, tries: tuple[Variant, ...] | None = None
+) -> Schedule:
+    """The fastest order found for ``policy`` under ``costs``.
 
     Args:
       policy: what to synthesise; checked first (:meth:`Policy.check`).
-      costs: the cost model the orders are timed against, including communication.
+      costs: what the orders are timed against, including communication: a
+        :class:`~pipedsl.stage_costs.CostSource` (the simulator's ``CostModel``, or
+        :class:`~pipedsl.stage_costs.StageCosts` for the policy's stages); None, the
+        uniform costs of :meth:`StageCosts.uniform` (:data:`~pipedsl.stage_costs.UNIFORM`).
       tries: the variants to try (default: :func:`variants`); the first fastest wins.
 
     Returns an unvalidated Schedule named and parameterised like the policy.
@@ -84,7 +169,7 @@ def synthesize(policy: Policy, costs: CostModel | None = None, *, tries: tuple[V
 
 
 def synthesized_order(
-    policy: Policy, costs: CostModel | None = None, tries: tuple[Variant, ...] | None = None
+    policy: Policy, costs: CostSource | None = None, tries: tuple[Variant, ...] | None = None
 ) -> Order:
     """The order :func:`synthesize` finds, as per-device (kind code, stage, microbatch)
     triples (codes 0 F, 1 the backward, 2 W): the fastest variant's, the first of equally
@@ -96,13 +181,14 @@ def synthesized_order(
 
 
 def synthesized_steps(
-    policy: Policy, costs: CostModel | None = None, tries: tuple[Variant, ...] | None = None
+    policy: Policy, costs: CostSource | None = None, tries: tuple[Variant, ...] | None = None
 ) -> Steps:
     """:func:`synthesized_order`'s actions as (device, kind code, stage, microbatch), in the
     order its pass took them: each after every action it needs, so the order a timing
     pass can run the lowered program's computes in. Raises as :func:`synthesize`."""
     policy.check()
-    stage_costs = (costs if costs is not None else CostModel()).resolve(_skeleton(policy, ()))
+    layout = _skeleton(policy, ())
+    stage_costs = StageCosts.uniform(layout) if costs is None else costs.resolve(layout)
     _check_bytes(policy, stage_costs)
     plan = _Plan(policy, stage_costs)
     best: tuple[float, Steps] | None = None
@@ -161,8 +247,8 @@ def _check_bytes(policy: Policy, costs: StageCosts) -> None:
             raise policy.unsatisfiable(
                 "activations",
                 f"device {device} may hold {limit} activation bytes, but one microbatch through its"
-                f" stages {', '.join(map(str, policy.stages_on(device)))} needs {need} under this cost"
-                " model: no order keeps this limit",
+                f" stages {', '.join(map(str, policy.stages_on(device)))} needs {need} under these costs:"
+                " no order keeps this limit",
             )
 
 
