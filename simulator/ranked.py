@@ -22,6 +22,7 @@ COLUMNS = (
     "rank",
     "kind",
     "schedule",
+    "source",
     "dp",
     "tp",
     "cp",
@@ -55,12 +56,15 @@ class RankedPlan:
     this plan's memory (:mod:`pipedsl.simulator.policy_plans`); 0 for a schedule that
     states its order. ``model`` is the model's name; ``sequence_parallel``,
     ``flash_attention`` and ``reduce_bytes`` are the plan's, so that a row says all that
-    ``pipedsl run --plan`` needs to run what was priced.
+    ``pipedsl run --plan`` needs to run what was priced. ``schedule`` is what tables call
+    the schedule (:func:`~pipedsl.simulator.plan.schedule_name`), ``source`` what it was
+    loaded from (a library name or the path as given; empty for SPMD).
     """
 
     rank: int
     kind: str
     schedule: str
+    source: str
     dp: int
     tp: int
     cp: int
@@ -90,6 +94,7 @@ class RankedPlan:
             rank=rank,
             kind="spmd" if plan.pp == 1 else "pipeline",
             schedule="spmd" if plan.schedule is None else schedule_name(plan.schedule),
+            source=plan.schedule or "",
             dp=plan.dp,
             tp=plan.tp,
             cp=plan.cp,

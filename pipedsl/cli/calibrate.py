@@ -66,9 +66,10 @@ DEMO_MODEL = Model(
     dtype_bytes=4,
     learned_positions=True,
     tied_embeddings=False,
+    dropout=False,
 )
 """The transformer calibrated and run on this machine: the executor's built-in one at this
-shape (its layers split evenly over the schedule's stages)."""
+shape (its layers split evenly over the schedule's stages; no dropout, as it has none)."""
 
 MACHINE_MICROBATCH = 4
 """Sequences per device of the machine calibration's steps at the microbatch size: each

@@ -90,7 +90,8 @@ class PlannedRun:
         limit = row.get("inflight_limit")
         model = row.get("model")
         return cls(
-            schedule=SPMD_SCHEDULE if spmd else str(row["schedule"]),
+            # A user's file is named in tables by its schedule line; it is loaded from its source.
+            schedule=SPMD_SCHEDULE if spmd else str(row.get("source") or row["schedule"]),
             kind=kind,
             recompute=str(row.get("recompute", "none")),
             planned_s=None if planned is None or planned == "" else float(planned),

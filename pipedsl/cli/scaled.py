@@ -105,6 +105,7 @@ def scaled_model(name: str | None, *, num_stages: int, tp: int, fused_attention:
             heads=heads,
             seq_len=seq,
             vocab=vocab,
+            dropout=False,
         )
     else:
         model = llama(
@@ -113,7 +114,7 @@ def scaled_model(name: str | None, *, num_stages: int, tp: int, fused_attention:
         )  # fmt: skip
         ran = Model(
             name="llama", layers=layers, hidden=hidden, ffn_hidden=ffn, heads=heads, kv_heads=kv_heads, seq_len=seq,
-            vocab=vocab, gated_ffn=True,
+            vocab=vocab, gated_ffn=True, dropout=False,
         )  # fmt: skip
     note = f"scaled down: {priced.name} ({_words(priced, priced.layers)}) runs as {ran.name} ({_words(ran, layers)})"
     return Scaled(model, _words(ran, layers), note, "fp32" if priced.dtype_bytes == 4 else "bf16")

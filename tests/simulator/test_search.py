@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 
 from pipedsl.cli import plan as plan_cli
+from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import ScheduleInvalid
 from pipedsl.library import library_path
 from pipedsl.simulator.estimate import estimate
@@ -256,6 +257,10 @@ def test_search_tables_name_a_users_schedule_by_its_schedule_line(
     assert "my1f1b" not in printed
     frame = search("demo-small", "a100-80gb", 8, global_batch=64, schedules=["gpipe"], extra_schedules=[mine])
     assert set(frame["schedule"]) == {"spmd", "gpipe", "my_1f1b"}
+    # What `pipedsl run --plan` loads is the file the plan was priced with, not its table name.
+    row = frame[frame["schedule"] == "my_1f1b"].iloc[0].to_dict()
+    assert row["source"] == str(mine)
+    assert PlannedRun.from_row(row).schedule_of().name == "my_1f1b"
 
 
 # The best 20 plans of this search: (schedule, dp, tp, pp, vpp, microbatch size, zero,
@@ -265,7 +270,8 @@ def test_search_tables_name_a_users_schedule_by_its_schedule_line(
 # matrix efficiency; FlashAttention priced as one kernel whose scores stay on chip),
 # which moves the step times and so the ranking; and when FlashAttention's backward was
 # priced as its five products, when the A100 presets priced stragglers, and when an fp32
-# model's activations, weights and optimizer state were priced in fp32, as the executor keeps them.
+# model's activations, weights and optimizer state were priced in fp32, as the executor keeps them,
+# and when the demo model lost the dropout the executor's transformer does not have.
 RECORDED_TOP = Path(__file__).parent / "data" / "search_demo_small_top20.json"
 
 
