@@ -51,7 +51,7 @@ from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel
 from pipedsl.executor.timing import measured_timeline
 from pipedsl.program import Program
-from pipedsl.rendezvous import exchange_order
+from pipedsl.rendezvous import exchange_groups
 
 __all__ = ["Resident", "RayRunner", "world_shape"]
 
@@ -132,7 +132,7 @@ class RayRunner:
         self._mesh = mesh
         self._specs = param_specs
         try:
-            self._order = exchange_order(program)
+            self._order = exchange_groups(program)
         except ValueError as err:
             raise ExecutionError(f"schedule {schedule.name!r} cannot run: {err}") from None
         k = config.devices_per_process or mesh.tp
