@@ -146,6 +146,31 @@ def signatures(
 Transfer = tuple[int, int, Signature, Sequence[Any] | None]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Leaf:
+    """One leaf of a transfer as :meth:`Hops.exchange` moves it: its global shape and
+    dtype, its sharding on the source's and on the destination's mesh, its sharding and
+    shape on the pair mesh, and how many of its blocks this process brings or receives."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    source: NamedSharding
+    target: NamedSharding
+    pair: NamedSharding
+    pair_shape: tuple[int, ...]
+    pieces: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The compiled collective of one shape of group, per transfer its leaves, and per
+    transfer this process receives the placeholders it brings (empty where it sends)."""
+
+    program: Callable[..., Any]
+    leaves: tuple[tuple[_Leaf, ...], ...]
+    placeholders: tuple[tuple[Any, ...], ...]
+
+
 class Hops:
     """The compiled point-to-point programs of one process between pipeline devices'
     ``meshes`` (see the module docstring): :meth:`exchange` makes several transfers
@@ -154,7 +179,7 @@ class Hops:
     def __init__(self, meshes: Sequence[Mesh]) -> None:
         self.meshes = tuple(meshes)
         self._pairs: dict[tuple[int, int], Mesh] = {}
-        self._programs: dict[Hashable, Callable[..., Any]] = {}
+        self._plans: dict[Hashable, _Plan] = {}
         # Per (pair, destination, signature), the pair-mesh arrays whose blocks on the
         # destination's devices are zeros: what a receiving process brings, made once.
         self._placeholders: dict[tuple[int, int, int, Signature], tuple[Any, ...]] = {}
@@ -171,41 +196,66 @@ class Hops:
         per transfer, the arrays on the destination's mesh where this process holds some
         of its devices, else None."""
         src0, dst0 = transfers[0][0], transfers[0][1]
-        a, b = min(src0, dst0), max(src0, dst0)
-        pair = self._pair(a, b)
-        shape_key = tuple((src, signature) for src, _, signature, _ in transfers)
-        program = self._programs.get((a, b, shape_key))
-        if program is None:
-            program = self._programs[(a, b, shape_key)] = self._program(pair, a, transfers)
+        key = (min(src0, dst0), max(src0, dst0), tuple((src, signature) for src, _, signature, _ in transfers))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(key[0], key[1], transfers)
         inputs: list[Any] = []
-        for src, dst, signature, value in transfers:
+        for (_, _, _, value), leaves, holders in zip(transfers, plan.leaves, plan.placeholders, strict=True):
             if value is None:
-                holders = self._placeholders.get((a, b, dst, signature))
-                if holders is None:
-                    holders = self._placeholders[(a, b, dst, signature)] = self._zeros(pair, dst, signature)
                 inputs.extend(holders)
                 continue
-            source = self.meshes[src]
-            for x, (shape, dtype, spec) in zip(value, signature, strict=True):
-                x = _conformed(x, NamedSharding(source, spec), shape, dtype)
-                inputs.append(_on_pair(pair, shape, spec, [s.data for s in x.addressable_shards]))
-        moved = iter(program(*inputs))
+            for x, leaf in zip(value, leaves, strict=True):
+                x = _conformed(x, leaf.source, leaf.shape, leaf.dtype)
+                pieces = [x.addressable_data(i) for i in range(leaf.pieces)]
+                inputs.append(jax.make_array_from_single_device_arrays(leaf.pair_shape, leaf.pair, pieces))
+        moved = plan.program(*inputs)
         out: list[tuple[Any, ...] | None] = []
-        for _, dst, signature, value in transfers:
-            leaves = [next(moved) for _ in signature]
+        at = 0
+        for (_, _, _, value), leaves in zip(transfers, plan.leaves, strict=True):
             if value is not None:
                 out.append(None)
+                at += len(leaves)
                 continue
-            target, mine = self.meshes[dst], self._held(dst)
             arrays = []
-            for y, (shape, _, spec) in zip(leaves, signature, strict=True):
-                held = [s.data for s in y.addressable_shards if s.device in mine]
-                arr = jax.make_array_from_single_device_arrays(
-                    _flat(shape), NamedSharding(target, _flat_spec(shape, spec)), held
-                )
-                arrays.append(arr.reshape(()) if not shape else arr)
+            for leaf in leaves:
+                y = moved[at]
+                at += 1
+                # This process's blocks of the pair array are its destination's devices'.
+                pieces = [y.addressable_data(i) for i in range(leaf.pieces)]
+                arr = jax.make_array_from_single_device_arrays(_flat(leaf.shape), leaf.target, pieces)
+                arrays.append(arr.reshape(()) if not leaf.shape else arr)
             out.append(tuple(arrays))
         return out
+
+    def _plan(self, a: int, b: int, transfers: Sequence[Transfer]) -> _Plan:
+        """What :meth:`exchange` needs for transfers shaped like ``transfers`` between
+        ``a`` and ``b`` (``a``'s mesh at ``pair = 0``): made once per shape."""
+        pair = self._pair(a, b)
+        leaves: list[tuple[_Leaf, ...]] = []
+        placeholders: list[tuple[Any, ...]] = []
+        for src, dst, signature, value in transfers:
+            here = src if value is not None else dst
+            count = len(self._held(here))
+            leaves.append(
+                tuple(
+                    _Leaf(
+                        shape=shape,
+                        dtype=dtype,
+                        source=NamedSharding(self.meshes[src], spec),
+                        target=NamedSharding(self.meshes[dst], _flat_spec(shape, spec)),
+                        pair=NamedSharding(pair, _pair_spec(shape, spec)),
+                        pair_shape=(2 * _flat(shape)[0], *_flat(shape)[1:]),
+                        pieces=count,
+                    )
+                    for shape, dtype, spec in signature
+                )
+            )
+            held = self._placeholders.get((a, b, dst, signature)) if value is None else ()
+            if held is None:
+                held = self._placeholders[(a, b, dst, signature)] = self._zeros(pair, dst, signature)
+            placeholders.append(held)
+        return _Plan(self._program(pair, a, transfers), tuple(leaves), tuple(placeholders))
 
     def _held(self, d: int) -> set[Any]:
         found = self._mine.get(d)
