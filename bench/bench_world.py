@@ -2,14 +2,21 @@
 
 Three measurements, on a local Ray instance started here (all on 127.0.0.1):
 
-1. one inter-process hop on the collective path: two processes of one world move a float32
-   array of 4 B, 256 KB and 4 MB back and forth with the backend's own compiled
-   point-to-point program (:class:`pipedsl.executor.ray_transport.Hops`); the median
-   one-way hop (half a round trip). ``bench/bench_transports.py`` measures the transfer
-   servers the backend used before (``jax``) the same way;
+1. one inter-process hop: two processes of one world move a float32 array of 4 B, 256 KB
+   and 4 MB back and forth, the median one-way hop (half a round trip), three ways in the
+   same two processes, in turn:
+
+   - ``collective``: the backend's own compiled point-to-point program
+     (:class:`pipedsl.executor.ray_transport.Hops`), everything it does per transfer;
+   - ``bare``: the floor under it, a jitted ``ppermute`` under ``shard_map`` of an array
+     made once (no placement, no reassembly), the least one gloo collective costs here;
+   - ``transfer``: ``jax.experimental.transfer`` servers, the primitive of the transfer
+     path the backend used before its processes formed one world (that path itself is
+     gone, so its 4-process step cannot be measured any more);
 2. the executor's own cost per action: 1F1B over 2 processes (one stage each), 16
    microbatches of a one-row, 4-wide, one-layer MLP (compute negligible): the median step
-   over its F and B actions (32), every fixed per-step cost included;
+   over its F and B actions (64), every fixed per-step cost included, next to the
+   collectives the step takes and what the bare floor of 1. puts under them;
 3. a 4-process 1F1B step (pp = 4, 8 microbatches) of a ``--width``-wide MLP, median.
 
     python bench/bench_world.py [--repeat 10] [--width 256]
@@ -47,6 +54,7 @@ class HopPeer:
         self.rank = rank
 
     def round_trips(self, elements: int, rounds: int) -> list[float]:
+        """Round trips of ``elements`` float32 values through the backend's hops, in s."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -73,9 +81,69 @@ class HopPeer:
             times.append(time.perf_counter() - start)
         return times[2:]  # the first round trips compile
 
+    def bare_round_trips(self, elements: int, rounds: int) -> list[float]:
+        """Round trips of two bare jitted ppermutes (there, then back) of an array made
+        once over both processes' devices, in s."""
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        devices = sorted(jax.devices(), key=lambda d: d.process_index)
+        mesh = Mesh(np.array(devices), ("pair",))
+        spec = PartitionSpec("pair")
+        mine = [jax.device_put(np.ones(elements, np.float32), d) for d in devices if d.process_index == self.rank]
+        x = jax.make_array_from_single_device_arrays((2 * elements,), NamedSharding(mesh, spec), mine)
+
+        def hop(perm: list[tuple[int, int]]) -> Any:
+            permute = jax.shard_map(
+                lambda v: jax.lax.ppermute(v, "pair", perm), mesh=mesh, in_specs=spec, out_specs=spec
+            )
+            return jax.jit(permute)
+
+        there, back = hop([(0, 1)]), hop([(1, 0)])
+        times = []
+        for _ in range(rounds + 2):
+            start = time.perf_counter()
+            x = back(there(x)).block_until_ready()
+            times.append(time.perf_counter() - start)
+        return times[2:]
+
+    def transfer_address(self) -> str:
+        """Start this process's ``jax.experimental.transfer`` server; its address."""
+        import jax
+        from jax.experimental import transfer
+
+        self.device = jax.local_devices()[0]
+        self.server = transfer.start_transfer_server(self.device.client, "127.0.0.1:0", ["127.0.0.1:0"])
+        return str(self.server.address())
+
+    def transfer_connect(self, address: str) -> None:
+        self.connection = self.server.connect(address)
+
+    def transfer_round_trips(self, elements: int, rounds: int, base: int) -> list[float]:
+        """Round trips through the transfer servers (rank 0 offers then pulls, rank 1
+        pulls then offers; ids ``base + 2i`` there and ``base + 2i + 1`` back), in s."""
+        import jax
+        import jax.numpy as jnp
+
+        x = jax.device_put(jnp.ones(elements, jnp.float32), self.device)
+        spec = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(self.device))
+        times = []
+        for i in range(rounds + 2):
+            there, back = base + 2 * i, base + 2 * i + 1
+            start = time.perf_counter()
+            if self.rank == 0:
+                self.server.await_pull(there, [x])
+                x = self.connection.pull(back, [spec])[0].block_until_ready()
+            else:
+                x = self.connection.pull(there, [spec])[0].block_until_ready()
+                self.server.await_pull(back, [x])
+            times.append(time.perf_counter() - start)
+        return times[2:]
+
 
 def bench_hops(repeat: int) -> dict[str, float]:
-    """Measurement 1: the median one-way hop per size, in ms."""
+    """Measurement 1: the median one-way hop per size and way, in ms."""
     import ray
 
     from pipedsl.executor.devices import xla_device_flag
@@ -87,23 +155,29 @@ def bench_hops(repeat: int) -> dict[str, float]:
         peers = [remote.remote(), remote.remote()]
         address = ray.get(peers[0].coordinator.remote())
         ray.get([p.join.remote(address, r) for r, p in enumerate(peers)])
-        print("1. one inter-process hop, collective path (median ms, one way)")
+        servers = ray.get([p.transfer_address.remote() for p in peers])
+        ray.get([peers[0].transfer_connect.remote(servers[1]), peers[1].transfer_connect.remote(servers[0])])
+        print("1. one inter-process hop (median ms, one way)")
         figures: dict[str, float] = {}
-        for label, elements in SIZES.items():
-            there, back = (p.round_trips.remote(elements, repeat) for p in peers)
-            times = ray.get(there)
-            ray.get(back)
-            figures[f"hop_{label.replace(' ', '').lower()}_ms"] = statistics.median(times) / 2 * 1e3
-            print(
-                f"   {label:<7} {statistics.median(times) / 2 * 1e3:.2f} ms   (load average {os.getloadavg()[0]:.1f})",
-                flush=True,
-            )
+        for k, (label, elements) in enumerate(SIZES.items()):
+            ways = {
+                "collective": [p.round_trips.remote(elements, repeat) for p in peers],
+                "bare": [p.bare_round_trips.remote(elements, repeat) for p in peers],
+                "transfer": [p.transfer_round_trips.remote(elements, repeat, 10_000 * (k + 1)) for p in peers],
+            }
+            cells = []
+            for way, refs in ways.items():
+                times = ray.get(refs)[0]
+                ms = statistics.median(times) / 2 * 1e3
+                figures[f"{way}_hop_{label.replace(' ', '').lower()}_ms"] = ms
+                cells.append(f"{way} {ms:.2f} ms")
+            print(f"   {label:<7} {', '.join(cells)}   (load average {os.getloadavg()[0]:.1f})", flush=True)
         return figures
     finally:
         ray.shutdown()
 
 
-def _median_step(pipe: Any, params: Any, batch: Any, repeat: int) -> float:
+def _step_times(pipe: Any, params: Any, batch: Any, repeat: int) -> list[float]:
     pipe.value_and_grad(params, batch)  # compiles
     times = []
     for _ in range(repeat):
@@ -111,34 +185,48 @@ def _median_step(pipe: Any, params: Any, batch: Any, repeat: int) -> float:
         loss, _ = pipe.value_and_grad(params, batch)
         float(loss)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
-def bench_steps(repeat: int, width: int) -> dict[str, float]:
-    """Measurements 2 and 3: the cost per action in us and the 4-process step in ms."""
+def bench_steps(repeat: int, width: int, bare_ms: float | None) -> dict[str, float]:
+    """Measurements 2 and 3: the cost per action in us and the 4-process step in ms;
+    ``bare_ms`` is measurement 1's bare 4 B collective, when it ran."""
     import jax
 
+    import pipedsl
     from pipedsl.executor import Pipeline, RayConfig
     from pipedsl.executor.models import mlp
     from pipedsl.library import library_path, load
+    from pipedsl.rendezvous import exchange_groups, exchange_order
 
     key = jax.random.PRNGKey(0)
     config = RayConfig(step_timeout=300, start_timeout=120)
     tiny = mlp(num_stages=2, width=4, layers_per_stage=1)
     schedule = load(library_path("1f1b"), pp=2, microbatches=16)
     with Pipeline(tiny.stages, loss=tiny.loss, schedule=schedule, backend=config) as pipe:
-        step = _median_step(pipe, tiny.init_stages(key), tiny.batch(key, 16), repeat)
+        times = _step_times(pipe, tiny.init_stages(key), tiny.batch(key, 16), repeat)
+    step, fastest = statistics.median(times), min(times)
     actions = schedule.num_actions
+    program = pipedsl.lower(schedule)
+    transfers, collectives = len(exchange_order(program)), len(exchange_groups(program))
     print(
         "2. the executor's cost per action on Ray (2 processes, 1F1B, 16 microbatches, compute-free; every F and B of both stages)"
     )
-    print(f"   step {step * 1e3:.2f} ms over {actions} F and B actions: {step / actions * 1e6:.0f} us per action"
+    print(f"   step {step * 1e3:.2f} ms (fastest {fastest * 1e3:.2f}) over {actions} F and B actions: "
+          f"{step / actions * 1e6:.0f} us per action (fastest {fastest / actions * 1e6:.0f})"
           f"   (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
-    figures = {"per_action_us": step / actions * 1e6}
+    figures = {"per_action_us": step / actions * 1e6, "per_action_fastest_us": fastest / actions * 1e6}
+    floor = (
+        f"; at the bare collective's {bare_ms * 1e3:.0f} us, {collectives * bare_ms * 1e3 / actions:.0f} us per action"
+        if bare_ms
+        else ""
+    )
+    print(f"   {transfers} transfers in {collectives} collectives per step{floor}", flush=True)
+    figures["collectives_per_step"] = collectives
     model = mlp(num_stages=4, width=width, layers_per_stage=1)
     schedule = load(library_path("1f1b"), pp=4, microbatches=8)
     with Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=config) as pipe:
-        step = _median_step(pipe, model.init_stages(key), model.batch(key, 8 * 8), repeat)
+        step = statistics.median(_step_times(pipe, model.init_stages(key), model.batch(key, 8 * 8), repeat))
     print(f"3. a 4-process 1F1B step (pp 4, 8 microbatches of 8 rows, width {width}): {step * 1e3:.1f} ms"
           f"   (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     return figures | {"step_1f1b_pp4_ms": step * 1e3}
@@ -160,7 +248,7 @@ def main() -> None:
     if args.only != "steps":
         figures |= bench_hops(args.repeat)
     if args.only != "hops":
-        figures |= bench_steps(args.repeat, args.width)
+        figures |= bench_steps(args.repeat, args.width, figures.get("bare_hop_4b_ms"))
     record("bench_world", figures)
 
 

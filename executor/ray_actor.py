@@ -46,7 +46,7 @@ from pipedsl.executor.ray_transport import (
     WorldTransport,
     addressable_pieces,
     signatures,
-    worker_exchanges,
+    worker_groups,
 )
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stage_options import StageOptions
@@ -90,7 +90,8 @@ class StepReport:
     ``loss`` is the mean loss where the last stage is (a numpy scalar), else None;
     ``grads`` maps every flat leaf this device owns to this process's shards of its
     summed gradient (:func:`~pipedsl.executor.ray_transport.addressable_pieces`), only
-    when the driver asked; ``moved`` counts the collective transfers this process made.
+    when the driver asked; ``moved`` counts the transfers this process took part in,
+    ``collectives`` the collectives that made them.
     """
 
     loss: np.ndarray | None
@@ -99,6 +100,7 @@ class StepReport:
     leftover: tuple[Buffer, ...]
     events: tuple[Event, ...]
     moved: int
+    collectives: int
     seconds: float
 
 
@@ -120,7 +122,7 @@ class WorldProcess:
         self.worker: Worker | None = None
         self.device = -1
         self._hops: Hops | None = None
-        self._orders: dict[bool, tuple[Exchange, ...]] = {}
+        self._groups: dict[bool, tuple[tuple[Exchange, ...], ...]] = {}
         self._signature: Callable[[Any], Any] | None = None
         self._optimizer: optax.GradientTransformation | None = None
         self._spec: ModelSpec | None = None
@@ -159,13 +161,14 @@ class WorldProcess:
         spec: ModelSpec,
         program: DeviceProgram,
         meshes: Sequence[Sequence[int]],
-        order: Sequence[Exchange],
+        groups: Sequence[Sequence[Exchange]],
         *,
         recv_timeout: float,
     ) -> Failure | None:
         """Run pipeline device ``program.device``, whose stage mesh is (with every other
         device's) ``meshes[d]``: global JAX device ids, ``dp x tp`` in row-major order.
-        ``order`` is the program's exchange order (:func:`pipedsl.rendezvous.exchange_order`)."""
+        ``groups`` is the program's exchange order in groups of one collective each
+        (:func:`pipedsl.rendezvous.exchange_groups`)."""
         try:
             by_id = {d.id: d for d in jax.devices()}
             config = spec.mesh
@@ -201,8 +204,8 @@ class WorldProcess:
         self._spec = spec
         self._hops = Hops(self._meshes)
         self._signature = signatures(model, mesh, spec.specs, zero=config.zero)
-        after = {u: worker_exchanges(model, spec.placement, update=u) for u in (False, True)}
-        self._orders = {u: tuple(order) + after[u] for u in (False, True)}
+        program_groups = tuple(tuple(g) for g in groups)
+        self._groups = {u: program_groups + worker_groups(model, spec.placement, update=u) for u in (False, True)}
         return None
 
     def load(self, leaves: Mapping[int, Any] | None, states: Mapping[int, Any] | None) -> None:
@@ -300,7 +303,7 @@ class WorldProcess:
         worker = self._installed()
         assert self._hops is not None and self._signature is not None  # set by install
         start = time.perf_counter()
-        transport = WorldTransport(self.device, self._orders[update is not None], self._hops, self._signature)
+        transport = WorldTransport(self.device, self._groups[update is not None], self._hops, self._signature)
         try:
             step = None
             if update is not None:
@@ -329,6 +332,7 @@ class WorldProcess:
             leftover=result.leftover,
             events=result.events,
             moved=transport.moved,
+            collectives=transport.collectives,
             seconds=time.perf_counter() - start,
         )
 

@@ -51,7 +51,7 @@ from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel
 from pipedsl.executor.timing import measured_timeline
 from pipedsl.program import Program
-from pipedsl.rendezvous import exchange_order
+from pipedsl.rendezvous import exchange_groups
 
 __all__ = ["Resident", "RayRunner", "world_shape"]
 
@@ -132,7 +132,7 @@ class RayRunner:
         self._mesh = mesh
         self._specs = param_specs
         try:
-            self._order = exchange_order(program)
+            self._order = exchange_groups(program)
         except ValueError as err:
             raise ExecutionError(f"schedule {schedule.name!r} cannot run: {err}") from None
         k = config.devices_per_process or mesh.tp
@@ -142,8 +142,10 @@ class RayRunner:
         self._versions = {"params": 0, "opt_state": 0}
         self._optimizer: optax.GradientTransformation | None = None
         self._sent: tuple[Any, tuple[weakref.ref[Any], ...]] | None = None
-        # Per process, the collective transfers it made in the last step.
+        # Per process, the transfers it took part in during the last step, and the
+        # collectives that made them (several transfers may go as one).
         self.transfers: tuple[int, ...] = ()
+        self.collectives: tuple[int, ...] = ()
         self._closed = False
 
     @classmethod
@@ -246,6 +248,7 @@ class RayRunner:
         reports = self.world.call("run_step", args, what=f"a step of {schedule.name!r}", stage_of=self._stage_of)
         self._raise_failures(reports)
         self.transfers = tuple(r.moved for r in reports)
+        self.collectives = tuple(r.collectives for r in reports)
         return reports
 
     def _result(self, reports: Sequence[StepReport], layout: _Layout, *, trained: bool, record: bool) -> StepResult:

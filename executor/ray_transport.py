@@ -15,9 +15,11 @@ GPUs NCCL device to device, on CPU gloo; nothing goes through Ray.
 A collective waits for both sides (a rendezvous), so each device makes its exchanges in
 the one order :func:`pipedsl.rendezvous.exchange_order` gives the program, followed by
 the worker's own transfers (summed gradients of shared parameters, updated shared
-parameters) in a fixed order (:func:`worker_exchanges`). A :class:`WorldTransport` keeps
-each sent value until the device reaches a receive (or the step's end) that comes after
-it in that order, and then makes, in order, the exchanges that come first.
+parameters) in a fixed order (:func:`worker_exchanges`). Consecutive exchanges between
+the same two devices that both have ready go as one collective, in both directions at
+once (:func:`pipedsl.rendezvous.exchange_groups`). A :class:`WorldTransport` keeps each
+sent value until the device reaches a receive (or the step's end) that comes after it in
+that order, and then makes, in order, the groups that come first.
 
 What each transfer carries (shapes, dtypes, specs) is known to both sides from the model
 (:func:`signatures`), so no value's first arrival has to announce its layout.
@@ -25,6 +27,7 @@ What each transfer carries (shapes, dtypes, specs) is known to both sides from t
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,9 +46,11 @@ from pipedsl.rendezvous import Exchange
 __all__ = [
     "Signature",
     "Hops",
+    "Transfer",
     "WorldTransport",
     "signatures",
     "worker_exchanges",
+    "worker_groups",
     "Pieces",
     "addressable_pieces",
     "assemble",
@@ -71,6 +76,25 @@ def worker_exchanges(model: StagedModel, placement: Sequence[int], *, update: bo
                 grads.append(Exchange(("grad", s, i), user, owner))  # type: ignore[arg-type]  # worker keys
                 params.append(Exchange(("param", s, i), owner, user))  # type: ignore[arg-type]
     return tuple(grads) + (tuple(params) if update else ())
+
+
+def worker_groups(model: StagedModel, placement: Sequence[int], *, update: bool) -> tuple[tuple[Exchange, ...], ...]:
+    """:func:`worker_exchanges` in groups of one collective each: the consecutive ones
+    between the same two devices, gradients and updated parameters apart (a device sends
+    an updated leaf only once it has received every gradient)."""
+    grads = worker_exchanges(model, placement, update=False)
+    params = worker_exchanges(model, placement, update=update)[len(grads) :]
+    return _runs(grads) + _runs(params)
+
+
+def _runs(exchanges: Sequence[Exchange]) -> tuple[tuple[Exchange, ...], ...]:
+    runs: list[list[Exchange]] = []
+    for e in exchanges:
+        if runs and {runs[-1][0].src, runs[-1][0].dst} == {e.src, e.dst}:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return tuple(tuple(run) for run in runs)
 
 
 def signatures(
@@ -117,53 +141,121 @@ def signatures(
     return signature
 
 
+# One transfer of a group as :meth:`Hops.exchange` takes it: (source device, destination
+# device, what it carries, the leaves where this process sends them, else None).
+Transfer = tuple[int, int, Signature, Sequence[Any] | None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Leaf:
+    """One leaf of a transfer as :meth:`Hops.exchange` moves it: its global shape and
+    dtype, its sharding on the source's and on the destination's mesh, its sharding and
+    shape on the pair mesh, and how many of its blocks this process brings or receives."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    source: NamedSharding
+    target: NamedSharding
+    pair: NamedSharding
+    pair_shape: tuple[int, ...]
+    pieces: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The compiled collective of one shape of group, per transfer its leaves, and per
+    transfer this process receives the placeholders it brings (empty where it sends)."""
+
+    program: Callable[..., Any]
+    leaves: tuple[tuple[_Leaf, ...], ...]
+    placeholders: tuple[tuple[Any, ...], ...]
+
+
 class Hops:
     """The compiled point-to-point programs of one process between pipeline devices'
-    ``meshes`` (see the module docstring); :meth:`move` is one transfer."""
+    ``meshes`` (see the module docstring): :meth:`exchange` makes several transfers
+    between two devices, in either direction, as one collective."""
 
     def __init__(self, meshes: Sequence[Mesh]) -> None:
         self.meshes = tuple(meshes)
         self._pairs: dict[tuple[int, int], Mesh] = {}
-        self._programs: dict[tuple[int, int, Signature], Callable[..., Any]] = {}
-        self._placeholders: dict[tuple[int, int, Signature], tuple[tuple[Any, ...], ...]] = {}
+        self._plans: dict[Hashable, _Plan] = {}
+        # Per (pair, destination, signature), the pair-mesh arrays whose blocks on the
+        # destination's devices are zeros: what a receiving process brings, made once.
+        self._placeholders: dict[tuple[int, int, int, Signature], tuple[Any, ...]] = {}
         self._mine: dict[int, set[Any]] = {}
 
     def move(self, src: int, dst: int, signature: Signature, value: Sequence[Any] | None) -> tuple[Any, ...] | None:
-        """Move the leaves ``value`` (on ``src``'s mesh; None where this process holds
-        none of ``src``'s devices) to ``dst``'s mesh: the arrays there where this process
-        holds some of ``dst``'s devices, else None. Every process of both meshes calls it
-        for the same transfer."""
-        pair = self._pair(src, dst)
-        key = (src, dst, signature)
-        moved: Any
-        program = self._programs.get(key)
-        if program is None:
-            program = self._programs[key] = self._program(pair, signature)
-        inputs = []
-        if value is not None:
-            source = self.meshes[src]
-            for x, (shape, dtype, spec) in zip(value, signature, strict=True):
-                x = _conformed(x, NamedSharding(source, spec), shape, dtype)
-                inputs.append(_on_pair(pair, shape, dtype, spec, [s.data for s in x.addressable_shards]))
-        else:
-            holders = self._placeholders.get(key)
-            if holders is None:
-                holders = self._placeholders[key] = self._zeros(dst, signature)
-            for (shape, dtype, spec), pieces in zip(signature, holders, strict=True):
-                inputs.append(_on_pair(pair, shape, dtype, spec, list(pieces)))
-        moved = program(*inputs)
-        if value is not None:
-            return None
-        target = self.meshes[dst]
-        mine = self._held(dst)
-        out = []
-        for y, (shape, _, spec) in zip(moved, signature, strict=True):
-            held = [s.data for s in y.addressable_shards if s.device in mine]
-            arr = jax.make_array_from_single_device_arrays(
-                _flat(shape), NamedSharding(target, _flat_spec(shape, spec)), held
+        """One transfer (:meth:`exchange` of one)."""
+        return self.exchange(((src, dst, signature, value),))[0]
+
+    def exchange(self, transfers: Sequence[Transfer]) -> list[tuple[Any, ...] | None]:
+        """Make ``transfers`` (all between the same two pipeline devices) as one compiled
+        collective: every process of both meshes calls it with the same transfers, in the
+        same order, bringing the leaves of those it sends (on the source's mesh). Returns,
+        per transfer, the arrays on the destination's mesh where this process holds some
+        of its devices, else None."""
+        src0, dst0 = transfers[0][0], transfers[0][1]
+        key = (min(src0, dst0), max(src0, dst0), tuple((src, signature) for src, _, signature, _ in transfers))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(key[0], key[1], transfers)
+        inputs: list[Any] = []
+        for (_, _, _, value), leaves, holders in zip(transfers, plan.leaves, plan.placeholders, strict=True):
+            if value is None:
+                inputs.extend(holders)
+                continue
+            for x, leaf in zip(value, leaves, strict=True):
+                x = _conformed(x, leaf.source, leaf.shape, leaf.dtype)
+                pieces = [x.addressable_data(i) for i in range(leaf.pieces)]
+                inputs.append(jax.make_array_from_single_device_arrays(leaf.pair_shape, leaf.pair, pieces))
+        moved = plan.program(*inputs)
+        out: list[tuple[Any, ...] | None] = []
+        at = 0
+        for (_, _, _, value), leaves in zip(transfers, plan.leaves, strict=True):
+            if value is not None:
+                out.append(None)
+                at += len(leaves)
+                continue
+            arrays = []
+            for leaf in leaves:
+                y = moved[at]
+                at += 1
+                # This process's blocks of the pair array are its destination's devices'.
+                pieces = [y.addressable_data(i) for i in range(leaf.pieces)]
+                arr = jax.make_array_from_single_device_arrays(_flat(leaf.shape), leaf.target, pieces)
+                arrays.append(arr.reshape(()) if not leaf.shape else arr)
+            out.append(tuple(arrays))
+        return out
+
+    def _plan(self, a: int, b: int, transfers: Sequence[Transfer]) -> _Plan:
+        """What :meth:`exchange` needs for transfers shaped like ``transfers`` between
+        ``a`` and ``b`` (``a``'s mesh at ``pair = 0``): made once per shape."""
+        pair = self._pair(a, b)
+        leaves: list[tuple[_Leaf, ...]] = []
+        placeholders: list[tuple[Any, ...]] = []
+        for src, dst, signature, value in transfers:
+            here = src if value is not None else dst
+            count = len(self._held(here))
+            leaves.append(
+                tuple(
+                    _Leaf(
+                        shape=shape,
+                        dtype=dtype,
+                        source=NamedSharding(self.meshes[src], spec),
+                        target=NamedSharding(self.meshes[dst], _flat_spec(shape, spec)),
+                        pair=NamedSharding(pair, _pair_spec(shape, spec)),
+                        pair_shape=(2 * _flat(shape)[0], *_flat(shape)[1:]),
+                        pieces=count,
+                    )
+                    for shape, dtype, spec in signature
+                )
             )
-            out.append(arr.reshape(()) if not shape else arr)
-        return tuple(out)
+            held = self._placeholders.get((a, b, dst, signature)) if value is None else ()
+            if held is None:
+                held = self._placeholders[(a, b, dst, signature)] = self._zeros(pair, dst, signature)
+            placeholders.append(held)
+        return _Plan(self._program(pair, a, transfers), tuple(leaves), tuple(placeholders))
 
     def _held(self, d: int) -> set[Any]:
         found = self._mine.get(d)
@@ -173,29 +265,36 @@ class Hops:
             }
         return found
 
-    def _pair(self, src: int, dst: int) -> Mesh:
-        pair = self._pairs.get((src, dst))
+    def _pair(self, a: int, b: int) -> Mesh:
+        pair = self._pairs.get((a, b))
         if pair is None:
-            a, b = self.meshes[src], self.meshes[dst]
-            pair = self._pairs[(src, dst)] = Mesh(np.stack([a.devices, b.devices]), (PAIR, DATA, TENSOR))
+            first, second = self.meshes[a], self.meshes[b]
+            pair = self._pairs[(a, b)] = Mesh(np.stack([first.devices, second.devices]), (PAIR, DATA, TENSOR))
         return pair
 
-    def _program(self, pair: Mesh, signature: Signature) -> Callable[..., Any]:
-        specs = tuple(_pair_spec(shape, spec) for shape, _, spec in signature)
+    def _program(self, pair: Mesh, a: int, transfers: Sequence[Transfer]) -> Callable[..., Any]:
+        """One jitted ppermute per leaf over the pair mesh (``a``'s mesh at ``pair = 0``),
+        each in its transfer's direction."""
+        specs, perms = [], []
+        for src, _, signature, _ in transfers:
+            for shape, _, spec in signature:
+                specs.append(_pair_spec(shape, spec))
+                perms.append([(0, 1)] if src == a else [(1, 0)])
 
         def hop(*leaves: Any) -> tuple[Any, ...]:
-            return tuple(jax.lax.ppermute(x, PAIR, [(0, 1)]) for x in leaves)
+            return tuple(jax.lax.ppermute(x, PAIR, perm) for x, perm in zip(leaves, perms, strict=True))
 
-        return jax.jit(jax.shard_map(hop, mesh=pair, in_specs=specs, out_specs=specs))
+        return jax.jit(jax.shard_map(hop, mesh=pair, in_specs=tuple(specs), out_specs=tuple(specs)))
 
-    def _zeros(self, dst: int, signature: Signature) -> tuple[tuple[Any, ...], ...]:
+    def _zeros(self, pair: Mesh, dst: int, signature: Signature) -> tuple[Any, ...]:
         target = self.meshes[dst]
         mine = self._held(dst)
         out = []
         for shape, dtype, spec in signature:
             sharding = NamedSharding(target, _flat_spec(shape, spec))
             block = sharding.shard_shape(_flat(shape))
-            out.append(tuple(jax.device_put(np.zeros(block, dtype), dev) for dev in target.devices.flat if dev in mine))
+            pieces = [jax.device_put(np.zeros(block, dtype), dev) for dev in target.devices.flat if dev in mine]
+            out.append(_on_pair(pair, shape, spec, pieces))
         return tuple(out)
 
 
@@ -216,7 +315,7 @@ def _pair_spec(shape: tuple[int, ...], spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec((PAIR, *names), *parts[1:])
 
 
-def _on_pair(pair: Mesh, shape: tuple[int, ...], dtype: Any, spec: PartitionSpec, pieces: list[Any]) -> Any:
+def _on_pair(pair: Mesh, shape: tuple[int, ...], spec: PartitionSpec, pieces: list[Any]) -> Any:
     flat = _flat(shape)
     return jax.make_array_from_single_device_arrays(
         (2 * flat[0], *flat[1:]), NamedSharding(pair, _pair_spec(shape, spec)), pieces
@@ -239,77 +338,89 @@ class WorldTransport:
     """Pipeline device ``device``'s end of the world's transfers for one step
     (implements :class:`~pipedsl.executor.transport.Transport`).
 
-    ``order`` is every exchange of the step in the one order all devices make them;
-    ``signature(key)`` what a key carries. A send keeps its value; a receive first makes,
-    in ``order``, every earlier exchange of this device (each a send it has made), then
-    its own; :meth:`finish` makes the rest. Each exchange is one :meth:`Hops.move`.
+    ``groups`` is every exchange of the step, cut into the groups made as one collective
+    each (:func:`pipedsl.rendezvous.exchange_groups`), in the one order all devices make
+    them; ``signature(key)`` what a key carries. A send keeps its value; a receive is
+    answered by the first value this device received and has not handed out yet, making
+    first, in order, this device's next groups until one brings a value; :meth:`finish`
+    makes the rest. Each group is one :meth:`Hops.exchange`.
     """
 
-    __slots__ = ("device", "_mine", "_at", "_kept", "_hops", "_signature", "moved")
+    __slots__ = ("device", "_mine", "_at", "_kept", "_arrived", "_hops", "_signature", "moved", "collectives")
 
     def __init__(
         self,
         device: int,
-        order: Sequence[Exchange],
+        groups: Sequence[Sequence[Exchange]],
         hops: Hops,
         signature: Callable[[Hashable], Signature],
     ) -> None:
         self.device = device
-        self._mine = tuple(e for e in order if device in (e.src, e.dst))
+        self._mine = tuple(g for g in groups if device in (g[0].src, g[0].dst))
         self._at = 0
         self._kept: dict[tuple[Hashable, int], Any] = {}
+        self._arrived: deque[tuple[Hashable, int, Any]] = deque()
         self._hops = hops
         self._signature = signature
         self.moved = 0  # exchanges made this step (sent or received)
+        self.collectives = 0  # the collectives they took
 
     def send(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
         self._kept[(key, dst)] = value
 
     def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
-        while self._at < len(self._mine):
-            e = self._mine[self._at]
+        arrived = self._arrived
+        while not arrived:
+            if self._at == len(self._mine):
+                raise ExecutionError(
+                    f"device {self.device} asked for {key} from device {src}, which the exchange order lacks",
+                    device=self.device,
+                )
+            self._make(self._mine[self._at])
             self._at += 1
-            if e.dst == self.device:
-                if e.buffer != key or e.src != src:
-                    raise ExecutionError(
-                        f"device {self.device} asked for {key} from device {src} where the exchange order has "
-                        f"{e.buffer} from device {e.src} next",
-                        device=self.device,
-                    )
-                return self._receive(key, src)
-            self._send(e)
-        raise ExecutionError(f"device {self.device} asked for {key} from device {src}, which the exchange order lacks")
+        got, came_from, value = arrived.popleft()
+        if got != key or came_from != src:
+            raise ExecutionError(
+                f"device {self.device} asked for {key} from device {src} where the exchange order has "
+                f"{got} from device {came_from} next",
+                device=self.device,
+            )
+        return value
 
     def finish(self) -> None:
-        """Make the exchanges left (all of them sends of this device)."""
+        """Make the groups left (all of them sends of this device)."""
         while self._at < len(self._mine):
-            e = self._mine[self._at]
+            self._make(self._mine[self._at])
             self._at += 1
-            if e.dst == self.device:
-                raise ExecutionError(
-                    f"device {self.device} never received {e.buffer} from device {e.src}", device=self.device
-                )
-            self._send(e)
+        if self._arrived:
+            got, came_from, _ = self._arrived[0]
+            raise ExecutionError(
+                f"device {self.device} never received {got} from device {came_from}", device=self.device
+            )
 
     def abort(self, error: BaseException) -> None:
         # A collective cannot be called off: the driver ends a failed step by ending the world.
         self._kept.clear()
 
-    def _send(self, e: Exchange) -> None:
-        value = self._kept.pop((e.buffer, e.dst), None)
-        if value is None:
-            raise ExecutionError(
-                f"device {self.device} is to send {e.buffer} to device {e.dst} before it computed it",
-                device=self.device,
-            )
-        self._hops.move(e.src, e.dst, self._signature(e.buffer), tuple(jax.tree_util.tree_leaves(value)))
-        self.moved += 1
-
-    def _receive(self, key: Hashable, src: int) -> Any:
-        arrays = self._hops.move(src, self.device, self._signature(key), None)
-        assert arrays is not None  # this process holds devices of the receiver's mesh
-        self.moved += 1
-        return arrays if isinstance(key, Buffer) else arrays[0]
+    def _make(self, group: Sequence[Exchange]) -> None:
+        transfers: list[Transfer] = []
+        for e in group:
+            value = None
+            if e.src == self.device:
+                kept = self._kept.pop((e.buffer, e.dst), None)
+                if kept is None:
+                    raise ExecutionError(
+                        f"device {self.device} is to send {e.buffer} to device {e.dst} before it computed it",
+                        device=self.device,
+                    )
+                value = tuple(jax.tree_util.tree_leaves(kept))
+            transfers.append((e.src, e.dst, self._signature(e.buffer), value))
+        for e, arrays in zip(group, self._hops.exchange(transfers), strict=True):
+            if e.dst == self.device:
+                assert arrays is not None  # this process holds devices of the receiver's mesh
+                self._arrived.append((e.buffer, e.src, arrays if isinstance(e.buffer, Buffer) else arrays[0]))
+        self.moved += len(group)
+        self.collectives += 1
 
 
 @dataclass(frozen=True, slots=True)

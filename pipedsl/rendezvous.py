@@ -17,6 +17,22 @@ later one, so the lowest exchange not yet made always has both partners ready fo
 program runs to its end. :func:`rendezvous_deadlock` says where a program's transfers cannot be
 so ordered (a receive that nothing sends before it, on every interleaving), at the line of the
 action that waits.
+
+That is exactly where the program deadlocks with buffered sends too (the order *is* a run with
+buffered sends), and a lowered program deadlocks with buffered sends only where its schedule
+fails validation's deadlock rule: so every schedule that validates runs under rendezvous, and
+:func:`rendezvous_deadlock` finds nothing that validation has not already reported at its line.
+
+:func:`exchange_groups` cuts the order into the exchanges made as one collective each: a run
+of consecutive exchanges between the same two devices, in either direction, where each of the
+two has computed every value it sends in the run before the point at which it makes the run
+(its first receive at or after the run's first exchange, or its program's end). A device then
+makes a whole group where it would have made the group's first exchange, and receives values
+of the group before its program asks for them. The argument above still holds: the lowest
+group not yet made involves two devices each of which reaches the point where it makes it,
+because everything either computes before that point needs only receives of earlier groups.
+In ``1f1b`` over two devices every group carries two microbatches' activations (or
+gradients), so a step takes half as many collectives.
 """
 
 from __future__ import annotations
@@ -25,7 +41,7 @@ from dataclasses import dataclass
 
 from pipedsl.program import Buffer, Compute, Program, Recv, Send
 
-__all__ = ["Exchange", "Stuck", "exchange_order", "rendezvous_deadlock"]
+__all__ = ["Exchange", "Stuck", "exchange_order", "exchange_groups", "rendezvous_deadlock"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +112,44 @@ def exchange_order(program: Program) -> tuple[Exchange, ...]:
     if stuck:
         raise ValueError("; ".join(_describe(s) for s in stuck))
     return tuple(order)
+
+
+def exchange_groups(program: Program) -> tuple[tuple[Exchange, ...], ...]:
+    """:func:`exchange_order` cut into groups, each made as one collective by the two
+    devices it is between (module docstring): the groups in order, each in order.
+    Raises ``ValueError`` where :func:`exchange_order` does."""
+    order = exchange_order(program)
+    devices = program.devices
+    sent_at: dict[tuple[Buffer, int, int], int] = {}
+    received_at: dict[tuple[Buffer, int, int], int] = {}
+    for d, device in enumerate(devices):
+        for at, instr in enumerate(device.instructions):
+            if isinstance(instr, Send):
+                sent_at[(instr.buffer, d, instr.peer)] = at
+            elif isinstance(instr, Recv):
+                received_at[(instr.buffer, instr.peer, d)] = at
+    # Per exchange, where its sender and its receiver would make it: each side's first
+    # receive at or after it in the order (its program's end when there is none).
+    point: list[tuple[int, int]] = [(0, 0)] * len(order)
+    next_receive = [len(device.instructions) for device in devices]
+    for i in range(len(order) - 1, -1, -1):
+        e = order[i]
+        next_receive[e.dst] = received_at[(e.buffer, e.src, e.dst)]
+        point[i] = (next_receive[e.src], next_receive[e.dst])
+    groups: list[tuple[Exchange, ...]] = []
+    i = 0
+    while i < len(order):
+        first = order[i]
+        makes_at = {first.src: point[i][0], first.dst: point[i][1]}
+        j = i + 1
+        while j < len(order):
+            e = order[j]
+            if e.src not in makes_at or e.dst not in makes_at or sent_at[(e.buffer, e.src, e.dst)] >= makes_at[e.src]:
+                break
+            j += 1
+        groups.append(order[i:j])
+        i = j
+    return tuple(groups)
 
 
 def rendezvous_deadlock(program: Program) -> tuple[Stuck, ...]:

@@ -24,6 +24,7 @@ from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.policy import Policy
 from pipedsl.program import lower
+from pipedsl.rendezvous import exchange_groups, exchange_order
 from pipedsl.validate import validate
 
 __all__ = ["register"]
@@ -56,6 +57,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"{plural(report.num_actions, 'action')}, "
             f"peak in-flight per device {peaks}" + ("" if policy is None else f" ({default_costs_note(policy)})")
         )
+        if args.verbose:
+            print(f"{path}: {_rendezvous_note(schedule)}")
         if policy is not None and policy.max_activation_bytes is not None:
             # The default cost model gives activations no size, so a byte limit held here
             # says nothing about the costs the policy will be synthesised against.
@@ -65,6 +68,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return worst
+
+
+def _rendezvous_note(schedule: Schedule) -> str:
+    """What the schedule's transfers do where each is a rendezvous (a collective both
+    devices call, as on Ray): a validated schedule always runs so
+    (:mod:`pipedsl.rendezvous`), in this many collectives."""
+    program = lower(schedule)
+    transfers, collectives = len(exchange_order(program)), len(exchange_groups(program))
+    return (
+        f"runs under rendezvous transfers too (as every valid schedule does): {plural(transfers, 'transfer')} "
+        f"in one exchange order, made as {plural(collectives, 'collective')}"
+    )
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -130,7 +145,9 @@ def _register_check(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Load each FILE, evaluate it with the given parameters and check every validation rule\n"
             "(completeness, placement, dependency order, deadlock, optional in-flight limit).\n"
-            "Prints one line per valid file; errors go to stderr with file:line:col."
+            "Prints one line per valid file; errors go to stderr with file:line:col. A schedule that\n"
+            "passes also runs where every transfer is a rendezvous (a collective both devices call,\n"
+            "as on Ray): --verbose says in how many collectives."
         ),
         examples=(
             "  pipedsl check schedules/*.sched\n"
@@ -145,6 +162,12 @@ def _register_check(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         metavar="N",
         help="fail if any device holds more than N microbatches' activations at once",
+    )
+    check.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print, per valid file, its transfers and the collectives they take under rendezvous",
     )
 
 

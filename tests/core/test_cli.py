@@ -85,6 +85,46 @@ def test_check_invalid_schedule_exits_1(capsys: Capture, tmp_path: Path) -> None
     assert lines[2].index("^") == lines[1].index("B(i)")
 
 
+def test_check_verbose_says_how_transfers_meet_under_rendezvous(capsys: Capture, sched: Path) -> None:
+    # 1F1B deadlocks where each transfer is a rendezvous made in program order; in the
+    # exchange order its 8 transfers meet, two microbatches' values per collective.
+    code, out, err = run(capsys, "check", sched, "-p", "pp=2", "-p", "microbatches=4", "--verbose")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[1] == (
+        f"{sched}: runs under rendezvous transfers too (as every valid schedule does): 8 transfers in one "
+        "exchange order, made as 4 collectives"
+    )
+    assert len(run(capsys, "check", sched, "-p", "pp=2", "-p", "microbatches=4")[1].splitlines()) == 1
+
+
+CROSS = """\
+# Device 1 takes microbatch 1 first; device 0 sends it only after microbatch 0's backward.
+schedule cross(microbatches = 2) {
+  stages 2
+  devices 2
+  place s -> s
+  on device d {
+    for i in 0 .. microbatches {
+      m = (i + d) % microbatches
+      F(m)  B(m)
+    }
+  }
+}
+"""
+
+
+def test_check_reports_a_schedule_that_cannot_run_under_rendezvous_at_its_line(capsys: Capture, tmp_path: Path) -> None:
+    # Rendezvous transfers cannot meet only where buffered ones cannot either: the
+    # validator's deadlock rule reports it, at the action that waits.
+    path = tmp_path / "cross.sched"
+    path.write_text(CROSS)
+    code, out, err = run(capsys, "check", path, "--verbose")
+    assert code == 1 and out == ""
+    line = CROSS.splitlines()[8]
+    assert err.splitlines()[0].startswith(f"{path}:9:{line.index('B(m)') + 1}: [deadlock] ")
+    assert "device 0 waits at 0B0 for 1B0 on device 1" in err
+
+
 def test_check_max_inflight(capsys: Capture, sched: Path) -> None:
     code, _, err = run(capsys, "check", sched, "--max-inflight", "3")
     assert code == 1

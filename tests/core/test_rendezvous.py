@@ -9,12 +9,13 @@ computed.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 
 import pipedsl
 from helpers import library, valid_schedules
 from pipedsl.program import DeviceProgram, Program, Recv, Send
-from pipedsl.rendezvous import Exchange, exchange_order, rendezvous_deadlock
+from pipedsl.rendezvous import Exchange, exchange_groups, exchange_order, rendezvous_deadlock
 
 # The library's fixed schedules (its policies are synthesised: random valid schedules stand for them).
 _SCHEDULES = ["gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev"]
@@ -139,3 +140,100 @@ def test_a_receive_nothing_sends_first_is_reported() -> None:
         assert f"device 0 waits forever to receive {receive.buffer}" in str(err)
     else:
         raise AssertionError("exchange_order accepted a program that cannot run")
+
+
+def _rendezvous_groups(program: Program, groups: tuple[tuple[Exchange, ...], ...]) -> list[int]:
+    """The devices left waiting when ``program`` runs with each of ``groups`` made as one
+    collective of its two devices: a device wants its next group at a receive whose value
+    has not come yet and at its program's end; a group is made when both want it, and
+    every value it sends must have been computed by then."""
+    devices = program.devices
+    queues = [[g for g in groups if d in (g[0].src, g[0].dst)] for d in range(len(devices))]
+    position = [0] * len(devices)
+    made = [0] * len(devices)
+    computed: set[tuple[object, int]] = set()
+    arrived: set[tuple[object, int, int]] = set()
+
+    def wants(d: int) -> tuple[Exchange, ...] | None:
+        instructions = devices[d].instructions
+        if made[d] >= len(queues[d]):
+            return None
+        if position[d] >= len(instructions):
+            return queues[d][made[d]]
+        instr = instructions[position[d]]
+        waiting = isinstance(instr, Recv) and (instr.buffer, instr.peer, d) not in arrived
+        return queues[d][made[d]] if waiting else None
+
+    progress = True
+    while progress:
+        progress = False
+        for d, device in enumerate(devices):
+            instructions = device.instructions
+            while position[d] < len(instructions):
+                instr = instructions[position[d]]
+                if isinstance(instr, Recv):
+                    if (instr.buffer, instr.peer, d) not in arrived:
+                        break
+                    arrived.discard((instr.buffer, instr.peer, d))
+                elif isinstance(instr, Send):
+                    computed.add((instr.buffer, d))
+                position[d] += 1
+                progress = True
+        for d in range(len(devices)):
+            group = wants(d)
+            if group is None:
+                continue
+            other = group[0].dst if d == group[0].src else group[0].src
+            if wants(other) != group:
+                continue
+            for e in group:
+                assert {e.src, e.dst} == {d, other}, f"{group} is not between two devices"
+                assert (e.buffer, e.src) in computed, f"{e} is made before it is computed"
+                arrived.add((e.buffer, e.src, e.dst))
+            made[d] += 1
+            made[other] += 1
+            progress = True
+    return [d for d in range(len(devices)) if position[d] < len(devices[d].instructions) or made[d] < len(queues[d])]
+
+
+def test_groups_cover_the_order_and_halve_1f1b_collectives() -> None:
+    program = pipedsl.lower(library("1f1b", pp=2, microbatches=16))
+    groups = exchange_groups(program)
+    assert tuple(e for g in groups for e in g) == exchange_order(program)
+    # A device keeps what it sends until its next receive: by then it has computed two
+    # microbatches' activations (or gradients), which go as one collective.
+    assert [len(g) for g in groups] == [2] * 16
+    assert all(len({(e.src, e.dst) for e in g}) == 1 for g in groups)
+    assert _rendezvous_groups(program, groups) == []
+
+
+def test_every_library_schedule_runs_in_groups() -> None:
+    for name in _SCHEDULES:
+        for pp, m in ((2, 4), (4, 8), (4, 5)):
+            try:
+                schedule = library(name, pp=pp, microbatches=m)
+            except pipedsl.PipedslError:
+                continue  # a shape this schedule does not take
+            program = pipedsl.lower(schedule)
+            groups = exchange_groups(program)
+            assert tuple(e for g in groups for e in g) == exchange_order(program)
+            assert _rendezvous_groups(program, groups) == [], (name, pp, m)
+
+
+@settings(max_examples=60, deadline=None)
+@given(valid_schedules())
+def test_any_valid_schedule_runs_in_groups(schedule: pipedsl.ir.Schedule) -> None:
+    program = pipedsl.lower(schedule)
+    groups = exchange_groups(program)
+    assert tuple(e for g in groups for e in g) == exchange_order(program)
+    assert _rendezvous_groups(program, groups) == []
+
+
+def test_a_group_never_waits_for_a_value_computed_after_it() -> None:
+    # Grouping a run regardless of when its values are computed would make a device send
+    # a value it computes only after a receive of the same group: the player catches it.
+    program = pipedsl.lower(library("1f1b", pp=2, microbatches=4))
+    order = exchange_order(program)
+    greedy = tuple(tuple(order[i : i + 4]) for i in range(0, len(order), 4))
+    with pytest.raises(AssertionError, match="made before it is computed"):
+        _rendezvous_groups(program, greedy)

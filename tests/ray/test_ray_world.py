@@ -28,8 +28,8 @@ from helpers import (
 from helpers import setup as reference
 from pipedsl.executor.ray_backend import RayRunner, Resident
 from pipedsl.executor.ray_cluster import RayConfig
-from pipedsl.executor.ray_transport import worker_exchanges
-from pipedsl.rendezvous import exchange_order
+from pipedsl.executor.ray_transport import worker_exchanges, worker_groups
+from pipedsl.rendezvous import exchange_groups, exchange_order
 from pipedsl.validate import peak_inflight
 
 pytestmark = [
@@ -73,6 +73,16 @@ def _check_transfers(pipe: object) -> None:
                 expected[r] += 1
     assert runner.transfers == tuple(expected)
     assert sum(runner.transfers) == 2 * per * len(order)
+    # Each group of exchanges was one collective of the processes of its two meshes.
+    groups = exchange_groups(runner.program) + worker_groups(
+        installed.model, runner.program.schedule.placement, update=False
+    )
+    made = [0] * runner.world.num_processes
+    for g in groups:
+        for d in (g[0].src, g[0].dst):
+            for r in runner.ranks(d):
+                made[r] += 1
+    assert runner.collectives == tuple(made)
 
 
 def test_spmd_dp4_over_four_processes(cluster: Cluster) -> None:
