@@ -60,7 +60,7 @@ class CompiledStages:
 
 
 # Compiled stages, shared by every pipeline of the same model (the same stage functions
-# or model_fn, loss, shapes, microbatch count, remat flags, meshes and shardings):
+# or model_fn, loss, shapes, microbatch count, stage options, meshes and shardings):
 # comparing schedules of one model compiles its stages once per mesh. Least recently
 # used entries are dropped beyond this many; a backend keeps its own (``_held``), so that
 # more pipelines than this, stepped in turns, never compile again.
@@ -84,7 +84,7 @@ class LocalBackend:
         stages: tuple[Callable[[Any, Any], Any], ...] | None,
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
-        remat: tuple[StageOptions, ...],
+        stage_options: tuple[StageOptions, ...],
         mesh: MeshConfig,
         param_specs: Any,
         devices: Sequence[jax.Device] | None = None,
@@ -99,7 +99,7 @@ class LocalBackend:
         self._stages = stages
         self._model_fn = model_fn
         self._loss = loss
-        self._remat = remat
+        self._options = stage_options
         self._specs = param_specs
         self._workers: tuple[Worker, ...] = ()
         self._compiled: CompiledStages | None = None
@@ -119,7 +119,7 @@ class LocalBackend:
             self._loss,
             schedule.placement,
             schedule.num_microbatches,
-            self._remat,
+            self._options,
             treedef,
             tuple((np.shape(v), str(jnp.result_type(v))) for v in leaves),
             jax.tree_util.tree_structure(batch),
@@ -159,7 +159,7 @@ class LocalBackend:
                 zero=self.config.zero,
                 reduce_once=self.config.reduce_once,
                 num_microbatches=schedule.num_microbatches,
-                remat=self._remat,
+                stage_options=self._options,
                 placement=placement,
             )
         found = CompiledStages(model, tuple(programs[s] for s in range(model.num_stages)))

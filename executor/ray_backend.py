@@ -103,7 +103,7 @@ def world_shape(num_devices: int, mesh: MeshConfig, devices_per_process: int) ->
 
 class RayRunner:
     """Runs ``program`` on a Ray world for a model given as explicit ``stages`` or a
-    marked ``model_fn`` (one of them), with ``loss``, per-stage ``remat`` flags, every
+    marked ``model_fn`` (one of them), with ``loss``, per-stage ``stage_options`` (recompute, precision, sequence parallelism), every
     pipeline device a ``mesh.dp x mesh.tp`` mesh with the parameters placed by
     ``param_specs`` (see :mod:`pipedsl.executor.mesh`). ``recv_timeout`` bounds every wait
     inside a process, in seconds."""
@@ -116,7 +116,7 @@ class RayRunner:
         stages: tuple[Callable[[Any, Any], Any], ...] | None,
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
-        remat: tuple[StageOptions, ...],
+        stage_options: tuple[StageOptions, ...],
         recv_timeout: float,
         mesh: MeshConfig,
         param_specs: Any,
@@ -127,7 +127,7 @@ class RayRunner:
         self._stages = stages
         self._model_fn = model_fn
         self._loss = loss
-        self._remat = remat
+        self._options = stage_options
         self._recv_timeout = recv_timeout
         self._mesh = mesh
         self._specs = param_specs
@@ -432,7 +432,7 @@ class RayRunner:
             targets=example_targets,
             num_microbatches=schedule.num_microbatches,
             placement=schedule.placement,
-            remat=self._remat,
+            stage_options=self._options,
             mesh=self._mesh,
             specs=specs,
         )

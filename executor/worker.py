@@ -458,12 +458,12 @@ def compile_device(
     specs: Sequence[PartitionSpec],
     zero: int,
     num_microbatches: int,
-    remat: Sequence[StageOptions],
+    stage_options: Sequence[StageOptions],
     placement: Sequence[int],
     reduce_once: bool = False,
 ) -> dict[int, StageProgram]:
     """The compiled programs of ``stages`` (all on one pipeline device, whose mesh is
-    ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``; ``remat``
+    ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``; ``stage_options``
     every stage's :class:`~pipedsl.executor.stage_options.StageOptions`."""
     programs = {}
     for s in stages:
@@ -471,7 +471,7 @@ def compile_device(
         avals = [model.param_avals[i] for i in idx]
         layout = StageLayout(mesh, [specs[i] for i in idx], avals, zero=zero, leaves=idx, reduce_once=reduce_once)
         programs[s] = compile_stage(
-            model, s, num_microbatches=num_microbatches, options=remat[s], device=placement[s], layout=layout
+            model, s, num_microbatches=num_microbatches, options=stage_options[s], device=placement[s], layout=layout
         )
     return programs
 

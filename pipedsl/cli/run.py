@@ -175,7 +175,7 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
         )
     for name, value in sets.items():
         setattr(args, name, value)
-    args.recompute, args.remat = planned.recompute, False
+    args.recompute = planned.recompute
     args.sequence_parallel = planned.sequence_parallel and planned.tp > 1
     args.fused_attention = planned.flash_attention
     return planned.schedule_of(), planned
@@ -373,7 +373,7 @@ def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, ke
     options = {
         "schedule": schedule,
         "backend": backend,
-        "recompute": "full" if args.remat else args.recompute,
+        "recompute": args.recompute,
         "precision": args.precision,
         "sequence_parallel": args.sequence_parallel,
         "param_specs": specs,
@@ -436,7 +436,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     run.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
     run.add_argument(
-        "--remat", action="store_true", help="recompute each stage's forward in its backward (--recompute full)"
+        "--remat",
+        dest="recompute",
+        action="store_const",
+        const="full",
+        help="recompute each stage's forward in its backward (the same as --recompute full)",
     )
     run.add_argument(
         "--recompute",

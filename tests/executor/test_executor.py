@@ -86,7 +86,7 @@ def test_tied_parameter_is_owned_by_first_user() -> None:
     assert_trees_close(grads["embed"], ref_grads["embed"])
 
 
-def test_remat_gives_the_same_gradients() -> None:
+def test_full_recompute_gives_the_same_gradients() -> None:
     schedule = library("zb_h1")
     params, batch, ref_loss, ref_grads = setup("transformer", "explicit", schedule.num_stages)
     result = pipeline("transformer", "explicit", schedule, recompute="full").step(params, batch)
