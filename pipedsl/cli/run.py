@@ -252,7 +252,6 @@ def _train(args: argparse.Namespace) -> int:
             before = params if args.allow_nonfinite else pipe.gather(params)
             start = time.perf_counter()
             params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
-            jax.block_until_ready((params, loss))
             elapsed = time.perf_counter() - start
             times.append(elapsed)
             note = "  (includes tracing and compilation)" if step == 1 else ""
@@ -440,6 +439,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         dest="recompute",
         action="store_const",
         const="full",
+        default="none",
         help="recompute each stage's forward in its backward (the same as --recompute full)",
     )
     run.add_argument(
