@@ -193,6 +193,7 @@ class Pipeline:
     ) -> None:
         self.schedule = schedule
         self.program: Program = lower(schedule)
+        self._last_batch: tuple[Any, _Batch] | None = None
         self.mesh = mesh
         self._stages = stages
         self.options = options
@@ -394,8 +395,19 @@ class Pipeline:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ExecutionError("the batch must be a pair (inputs, targets) of arrays or pytrees of arrays")
         inputs, targets = batch
-        x_leaves = jax.tree_util.tree_leaves(inputs)
-        t_leaves = jax.tree_util.tree_leaves(targets)
+        x_leaves, x_tree = jax.tree_util.tree_flatten(inputs)
+        t_leaves, t_tree = jax.tree_util.tree_flatten(targets)
+        # A batch of the shapes of the last one reuses its checks and its examples (the
+        # same objects, so that the driver sees at once that nothing is to be compiled).
+        signature = (x_tree, t_tree, *[(np.shape(v), _dtype(v)) for v in x_leaves + t_leaves])
+        last = self._last_batch
+        if last is not None and last[0] == signature:
+            return _Batch(x_leaves, t_leaves, last[1].count, last[1].example_inputs, last[1].example_targets)
+        cut = self._checked_batch(inputs, targets, x_leaves, t_leaves)
+        self._last_batch = (signature, cut)
+        return cut
+
+    def _checked_batch(self, inputs: Any, targets: Any, x_leaves: list[Any], t_leaves: list[Any]) -> _Batch:
         shapes = [np.shape(leaf) for leaf in x_leaves + t_leaves]
         if not shapes or any(len(s) == 0 for s in shapes):
             raise ExecutionError("every leaf of the batch needs a leading batch axis (axis 0)")
@@ -427,6 +439,12 @@ class Pipeline:
             )
 
         return _Batch(x_leaves, t_leaves, count, example(inputs), example(targets))
+
+
+def _dtype(leaf: Any) -> Any:
+    """``leaf``'s dtype, read cheaply where it has one (arrays), else as JAX would take it."""
+    dtype = getattr(leaf, "dtype", None)
+    return dtype if dtype is not None else jnp.result_type(leaf)
 
 
 def _schedule_argument(schedule: Any) -> Schedule:

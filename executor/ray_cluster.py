@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from pipedsl.executor.devices import with_device_count
-from pipedsl.executor.errors import ExecutionError
+from pipedsl.executor.errors import ExecutionError, first_line
 from pipedsl.executor.ray_actor import WorldProcess
 from pipedsl.executor.ray_connection import connect, disconnect, owns_instance
 from pipedsl.executor.ray_placement import reserve
@@ -137,12 +137,6 @@ class DeviceLost(ExecutionError):
     def __init__(self, message: str, *, stage: int | None, device: int | None, node: NodeInfo | None) -> None:
         self.node = node
         super().__init__(message, stage=stage, device=device)
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an error's message (Ray's carry whole remote tracebacks)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 class RayWorld:
