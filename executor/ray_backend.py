@@ -217,7 +217,9 @@ class RayRunner:
             d = self.device_of(r)
             options = {"update": update, "origin": origin, "return_grads": keep_grads}
             args.append(((host_inputs if d == first else [], host_targets if d == last else []), options))
-        reports = self.world.call("run_step", args, what=f"a step of {schedule.name!r}", stage_of=self._stage_of)
+        reports = self.world.call(
+            "run_step", args, what=f"a step of {schedule.name!r}", stage_of=self._stage_of, stop_at=_failed
+        )
         self._raise_failures(reports)
         self.transfers = tuple(r.moved for r in reports)
         out = []
@@ -307,7 +309,9 @@ class RayRunner:
     # -- helpers ----------------------------------------------------------------------
 
     def _call_all(self, method: str, arg: tuple[tuple[Any, ...], dict[str, Any]], *, what: str) -> list[Any]:
-        results = self.world.call(method, [arg] * self.world.num_processes, what=what, stage_of=self._stage_of)
+        results = self.world.call(
+            method, [arg] * self.world.num_processes, what=what, stage_of=self._stage_of, stop_at=_failed
+        )
         self._raise_failures(results)
         return results
 
@@ -391,3 +395,7 @@ class RayRunner:
             stage=blame.stage,
             device=blame.device,
         )
+
+
+def _failed(result: Any) -> bool:
+    return isinstance(result, Failure)

@@ -250,9 +250,12 @@ class RayWorld:
         what: str,
         stage_of: Callable[[int], int | None],
         timeout: float | None = None,
+        stop_at: Callable[[Any], bool] | None = None,
     ) -> list[Any]:
         """Run ``method`` on every process ``r`` with ``args[r]`` (positional, keyword;
-        None skips it) and return the results by rank.
+        None skips it) and return the results by rank. With ``stop_at``, the first result
+        for which it is true returns at once (the others are then None): a process that
+        failed may leave its partners waiting in a collective that never comes.
 
         Waits at most ``timeout`` seconds (default ``step_timeout``). A dead process or
         node, or one that does not answer in time, raises :class:`DeviceLost` after the
@@ -277,6 +280,8 @@ class RayWorld:
                 r = pending.pop(ref)
                 try:
                     results[r] = ray.get(ref, timeout=limit)
+                    if stop_at is not None and stop_at(results[r]):
+                        return results
                 except RayActorError as err:
                     self._lost(r, what, err, stage_of)
                 except RayError as err:
