@@ -198,10 +198,16 @@ def _refuse(x: np.ndarray) -> np.ndarray:
     raise ValueError(f"a row of {x.shape[-1]} values where this stage takes 3")
 
 
+def _checked(x: jax.Array) -> jax.Array:
+    return jax.pure_callback(_refuse, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
 def _refusing_stage(p: jax.Array, x: jax.Array) -> jax.Array:
-    # Fails where it runs, inside the world (tracing, on the driver, succeeds).
-    checked = jax.pure_callback(_refuse, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    return jax.numpy.tanh(checked @ p)
+    # Fails where it runs, inside the world (compiling succeeds); the identity's custom_vjp
+    # is built per call, as _held_stage's.
+    hook = jax.custom_vjp(_checked)
+    hook.defvjp(lambda x: (_checked(x), None), lambda _, g: (g,))
+    return jax.numpy.tanh(hook(x) @ p)
 
 
 def test_a_stage_that_raises_names_the_stage_and_ends_the_world(cluster: Cluster) -> None:
