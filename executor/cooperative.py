@@ -9,15 +9,16 @@ interpreter lock between them is a wake-up of the other thread, and a step's hos
 is made of many short calls into JAX that each release and take the lock (a pipeline of
 two CPU devices spent 1.2-1.5x the host time per action on threads, measured here).
 
-:func:`run_together` runs the steps on a thread of its own and watches it from the
-calling thread: a step that makes no progress for the receive timeout (a stage program
-that does not return, a wait inside JAX) is reported as stalled, naming the device and
-what it was doing, instead of hanging the caller. A receive whose value no device will
+:func:`run_together` runs the steps on a helper thread (kept between steps) and watches
+it from the calling thread: a step that makes no progress for the receive timeout (a
+stage program that does not return, a wait inside JAX) is reported as stalled, naming the
+device and what it was doing, instead of hanging the caller. A receive whose value no device will
 send is found at once (every device waits), not after a timeout.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
@@ -46,7 +47,8 @@ def run_together(
     doing: Callable[[int], str],
     progress: Callable[[], Any],
 ) -> Outcome:
-    """Run device d's ``steps[d]`` for every d on one helper thread (module docstring).
+    """Run device d's ``steps[d]`` for every d on one helper thread (module docstring),
+    kept between steps.
 
     ``exchange`` carries what the devices send each other; ``timeout`` (seconds) bounds
     each wait for a computation and the time the step may go without a device moving on
@@ -56,16 +58,14 @@ def run_together(
     step stalls; the helper thread is then left to end on its own.
     """
     runner = _Runner(steps, exchange, timeout)
-    thread = threading.Thread(target=runner.run, name="pipedsl-devices", daemon=True)
-    thread.start()
+    _helper().run(runner)
     try:
         seen, since = (runner.resumes, progress()), time.monotonic()
-        while thread.is_alive():
-            thread.join(_LOOK)
+        while not runner.done.wait(_LOOK):
             now, current = time.monotonic(), (runner.resumes, progress())
             if current != seen:
                 seen, since = current, now
-            elif now - since > timeout and thread.is_alive():
+            elif now - since > timeout and not runner.done.is_set():
                 d = runner.running
                 raise ExecutionError(
                     f"device {d} is stalled: still {doing(d)} after {timeout:g} s without progress (recv_timeout)",
@@ -76,6 +76,40 @@ def run_together(
     if runner.broken is not None:
         raise runner.broken
     return runner.results, runner.errors
+
+
+class _Helper:
+    """A thread that runs steps' loops one after another: starting a thread per step cost
+    about 0.1 ms of the step's host time (a round trip to the new thread), a hand-over to
+    a waiting one costs a queue put. A helper stuck in a stalled step is simply not idle:
+    the next step gets another one."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Runner] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="pipedsl-devices", daemon=True).start()
+
+    def run(self, runner: _Runner) -> None:
+        self._jobs.put(runner)
+
+    def _serve(self) -> None:
+        while True:
+            runner = self._jobs.get()
+            runner.run()
+            with _IDLE_LOCK:
+                _IDLE.append(self)  # before the caller hears, so that its next step finds it
+            runner.done.set()
+
+
+_IDLE: list[_Helper] = []
+_IDLE_LOCK = threading.Lock()
+
+
+def _helper() -> _Helper:
+    """An idle helper thread, or a new one."""
+    with _IDLE_LOCK:
+        if _IDLE:
+            return _IDLE.pop()
+    return _Helper()
 
 
 class _Runner:
@@ -91,6 +125,7 @@ class _Runner:
         self.resumes = 0
         self.stopped = False
         self.broken: BaseException | None = None  # what ended the loop itself, if anything
+        self.done = threading.Event()  # set once the loop has ended (by the helper thread)
 
     def run(self) -> None:
         try:
