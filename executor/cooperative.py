@@ -12,13 +12,12 @@ two CPU devices spent 1.2-1.5x the host time per action on threads, measured her
 :func:`run_together` runs the steps on a helper thread (kept between steps) and watches
 it from the calling thread: a step that makes no progress for the receive timeout (a
 stage program that does not return, a wait inside JAX) is reported as stalled, naming the
-device and what it was doing, instead of hanging the caller. A receive whose value no device will
-send is found at once (every device waits), not after a timeout.
+device and what it was doing, instead of hanging the caller. A receive whose value no
+device will send is found at once (every device waits), not after a timeout.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
@@ -28,7 +27,7 @@ from typing import Any
 
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.interpreter import Computed, Receive, Steps
-from pipedsl.executor.transport import Handoff, LocalExchange, describe_key, finished
+from pipedsl.executor.transport import Handoff, LocalExchange, describe_key, finished, helper
 
 __all__ = ["Outcome", "run_together"]
 
@@ -58,7 +57,10 @@ def run_together(
     step stalls; the helper thread is then left to end on its own.
     """
     runner = _Runner(steps, exchange, timeout)
-    _helper().run(runner)
+    # On a kept helper thread: starting a thread per step cost about 0.1 ms of its host time.
+    inbox = helper()
+    inbox.put(runner.run)
+    inbox.put(None)
     try:
         seen, since = (runner.resumes, progress()), time.monotonic()
         while not runner.done.wait(_LOOK):
@@ -78,40 +80,6 @@ def run_together(
     return runner.results, runner.errors
 
 
-class _Helper:
-    """A thread that runs steps' loops one after another: starting a thread per step cost
-    about 0.1 ms of the step's host time (a round trip to the new thread), a hand-over to
-    a waiting one costs a queue put. A helper stuck in a stalled step is simply not idle:
-    the next step gets another one."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Runner] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="pipedsl-devices", daemon=True).start()
-
-    def run(self, runner: _Runner) -> None:
-        self._jobs.put(runner)
-
-    def _serve(self) -> None:
-        while True:
-            runner = self._jobs.get()
-            runner.run()
-            with _IDLE_LOCK:
-                _IDLE.append(self)  # before the caller hears, so that its next step finds it
-            runner.done.set()
-
-
-_IDLE: list[_Helper] = []
-_IDLE_LOCK = threading.Lock()
-
-
-def _helper() -> _Helper:
-    """An idle helper thread, or a new one."""
-    with _IDLE_LOCK:
-        if _IDLE:
-            return _IDLE.pop()
-    return _Helper()
-
-
 class _Runner:
     """The helper thread's loop: resume each device whose request can be answered."""
 
@@ -125,13 +93,15 @@ class _Runner:
         self.resumes = 0
         self.stopped = False
         self.broken: BaseException | None = None  # what ended the loop itself, if anything
-        self.done = threading.Event()  # set once the loop has ended (by the helper thread)
+        self.done = threading.Event()  # set once the loop has ended
 
     def run(self) -> None:
         try:
             self._loop()
         except BaseException as err:  # raised in the calling thread by run_together
             self.broken = err
+        finally:
+            self.done.set()
 
     def _loop(self) -> None:
         # Devices whose request is answered, with the answer; devices waiting for a value
