@@ -1,6 +1,6 @@
 """Measure the executor on this machine's CPU devices.
 
-Four measurements, each printed as a small table:
+Five measurements, each printed as a small table:
 
 1. I/W split: (I + W) / B on a middle stage of 4 GELU layers 512 wide (docs/design.md's
    example), against the two separately jitted halves of one vjp that re-derive the
@@ -11,7 +11,11 @@ Four measurements, each printed as a small table:
    simulator predicts when given the per-action times measured on recorded steps (medians,
    :func:`pipedsl.simulator.calibration.timelines.fit_costs`), and the makespan and bubble of the
    median recorded step;
-4. the pipelined step against one ``jax.jit`` of the same microbatch loop on one device.
+4. the pipelined step against one ``jax.jit`` of the same microbatch loop on one device;
+5. the executor's own cost per action on both backends in one run: a step of compute-free
+   stages (2 stages, 1F1B, 16 microbatches of one row of a 4-wide one-layer MLP) over its
+   F and B actions, fixed per-step costs included; the local backend on two CPU devices of
+   this process, the Ray backend on two processes of a local instance (127.0.0.1 only).
 
 The benchmark model is an MLP of ``--width`` wide GELU layers, ``--layers`` per stage, with
 ``--microbatch``-row microbatches: each stage action takes milliseconds on CPU.
@@ -19,7 +23,7 @@ The benchmark model is an MLP of ``--width`` wide GELU layers, ``--layers`` per 
 of the halves with that of B; with more, XLA also runs B's weight matmuls beside its
 input-gradient chain on other cores, an overlap two separate programs cannot have.
 
-    python bench/bench_executor.py [--pp 2] [--microbatches 8] [--cores N] [--only split]
+    python bench/bench_executor.py [--pp 2] [--microbatches 8] [--cores N] [--only split|per-action]
 """
 
 from __future__ import annotations
@@ -206,6 +210,43 @@ def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microba
     record("bench_executor_schedules", {**figures, "one_jit_ms": base * 1e3, "pp": pp, "microbatches": microbatches})
 
 
+def bench_per_action(repeat: int) -> None:
+    import jax
+
+    from pipedsl.executor import Pipeline, RayConfig
+    from pipedsl.executor.models import mlp
+    from pipedsl.library import library_path, load
+
+    model = mlp(num_stages=2, width=4, layers_per_stage=1)
+    key = jax.random.PRNGKey(0)
+    params = model.init_stages(key)
+    schedule = load(library_path("1f1b"), pp=2, microbatches=16)
+    batch = model.batch(key, 16)
+    actions = schedule.num_actions
+    backends: dict[str, Any] = {"local": "local", "ray": RayConfig(step_timeout=300, start_timeout=120)}
+    pipes = {
+        name: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=b) for name, b in backends.items()
+    }
+    try:
+        # The two backends in turn, so that a change in the machine's load hits both.
+        times = interleaved_medians(
+            {name: partial(pipe.value_and_grad, params, batch) for name, pipe in pipes.items()}, repeat
+        )
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
+    load_now = os.getloadavg()[0]
+    print("\n5. the executor's own cost per action: 2 stages, 1F1B, 16 microbatches, compute-free stages")
+    figures: dict[str, float] = {}
+    for name, step in times.items():
+        print(
+            f"   {name:<6} step {step * 1e3:6.2f} ms over {actions} F and B actions: {step / actions * 1e6:5.0f} us per action"
+        )
+        figures[f"{name}_per_action_us"] = step / actions * 1e6
+    print(f"   (load average {load_now:.1f})")
+    record("bench_executor_per_action", figures)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, default=2, help="pipeline devices for measurements 3 and 4 (default 2)")
@@ -215,9 +256,11 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=128, help="rows per microbatch (default 128)")
     parser.add_argument("--repeat", type=int, default=20, help="timed repetitions per measurement (default 20)")
     parser.add_argument("--cores", type=int, help="pin the process to this many cores (Linux)")
-    parser.add_argument("--only", choices=("split", "overhead", "schedules"), help="run one measurement")
+    parser.add_argument("--only", choices=("split", "overhead", "schedules", "per-action"), help="run one measurement")
     args = parser.parse_args()
     _configure(max(args.pp, 2), args.cores)
+    # Loopback only, for the Ray instance of measurement 5 (read when ray is imported).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import jax
 
     print(
@@ -231,6 +274,8 @@ def main() -> None:
         bench_overhead(args.repeat * 5)
     if args.only in (None, "schedules"):
         bench_schedules(args.pp, args.microbatches, args.width, args.layers, args.microbatch, args.repeat)
+    if args.only in (None, "per-action"):
+        bench_per_action(args.repeat * 5)
 
 
 if __name__ == "__main__":

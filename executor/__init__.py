@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 from pipedsl.executor.errors import ExecutionError
 
 if TYPE_CHECKING:
+    from pipedsl.executor.backend import Resident
     from pipedsl.executor.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
     from pipedsl.executor.pipeline import Pipeline, StepResult
-    from pipedsl.executor.ray_backend import Resident
     from pipedsl.executor.ray_cluster import DeviceLost, DeviceSlot, RayConfig
     from pipedsl.executor.split import stage_boundary
 
@@ -49,7 +49,7 @@ _LAZY = {
     "RayConfig": "pipedsl.executor.ray_cluster",
     "DeviceSlot": "pipedsl.executor.ray_cluster",
     "DeviceLost": "pipedsl.executor.ray_cluster",
-    "Resident": "pipedsl.executor.ray_backend",
+    "Resident": "pipedsl.executor.backend",
     "Checkpoint": "pipedsl.executor.checkpoint",
     "save_checkpoint": "pipedsl.executor.checkpoint",
     "load_checkpoint": "pipedsl.executor.checkpoint",

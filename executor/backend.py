@@ -1,74 +1,131 @@
-"""What a backend provides to :class:`pipedsl.executor.pipeline.Pipeline`, and what a step returns.
+"""What a backend hosts for :class:`pipedsl.executor.driver.Driver`, and what a step returns.
 
 A backend owns the pipeline devices, one :class:`pipedsl.executor.worker.Worker` each
-(threads of this process for ``local``; for ``ray`` the processes of a ``jax.distributed``
-world, several per device when its mesh spans them), and the state they keep between steps. The pipeline traces the model and splits the batch; the backend
-runs the step and hands back a :class:`StepResult`.
+(in this process for ``local``; for ``ray`` in the processes of a ``jax.distributed``
+world, several per device when its mesh spans them), and the state they keep between
+steps: the compiled stages, the parameters and the optimizer state. The driver, written
+once for both, runs the step loop over it: it ships what the devices do not hold yet,
+asks for a step, and puts the devices' reports together into a :class:`StepResult`.
+
+Both backends return the same types: everything a step hands back to the caller (loss,
+gradients, timeline) is on the driver as numpy, and parameters and optimizer state stay
+where they live, as :class:`Resident` handles that ``Pipeline.gather`` fetches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import jax
+import numpy as np
 import optax
 
+from pipedsl.executor.stages import StagedModel
 from pipedsl.program import Buffer
-from pipedsl.timeline import Timeline
+from pipedsl.timeline import Event, Timeline
 
-__all__ = ["Backend", "StepResult"]
+__all__ = ["Backend", "DeviceReport", "Resident", "StepResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class Resident:
+    """Parameters (``kind="params"``) or optimizer state (``kind="opt_state"``) held by
+    the pipeline devices of pipeline ``pipeline``, as of ``version``. Pass it back to the
+    pipeline that returned it (nothing moves); ``pipeline.gather(handle)`` fetches the
+    values. The devices keep one copy, updated in place, so only the latest handle of
+    each kind is valid."""
+
+    kind: str
+    pipeline: int
+    version: int
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Everything one step produced.
+    """Everything one step produced, the same types on every backend.
 
     Attributes:
-      loss: the mean loss over microbatches (a scalar array on the last stage's mesh;
-        numpy on Ray).
-      grads: gradients with the structure of ``params`` (each leaf on the mesh of the
-        stage that owns it); None after an optimizer step, which consumes them.
-      params: the updated parameters after an optimizer step, else None.
-      opt_state: the optimizer state after an optimizer step (a tuple, one optax state
-        per stage, over the leaves that stage owns; on Ray a handle to it), else None.
+      loss: the mean loss over microbatches (a numpy float scalar).
+      grads: gradients with the structure of ``params``, numpy arrays of the whole
+        (unsharded) leaves; None after an optimizer step, which consumes them.
+      params: after an optimizer step, a :class:`Resident` handle to the updated
+        parameters, else None.
+      opt_state: after an optimizer step, a :class:`Resident` handle to the optimizer
+        state (gathered: a tuple of one optax state per stage, over the leaves that
+        stage owns), else None.
       timeline: the measured timeline when the step was recorded, else None.
       peak_held: per device, the most (stage, microbatch) pairs whose residuals it held
         at once (equals the schedule's peak in-flight count).
       leftover: per device, buffers still held after the step (always empty).
     """
 
-    loss: jax.Array
+    loss: np.ndarray
     grads: Any
-    params: Any
-    opt_state: Any
+    params: Resident | None
+    opt_state: Resident | None
     timeline: Timeline | None
     peak_held: tuple[int, ...]
     leftover: tuple[tuple[Buffer, ...], ...]
 
 
-class Backend(Protocol):
-    """The pipeline devices of one schedule, as the pipeline drives them."""
+@dataclass(frozen=True, slots=True)
+class DeviceReport:
+    """One pipeline device's step as the driver gets it.
 
-    def step(
-        self,
-        params: Any,
-        inputs: Sequence[Any],
-        targets: Sequence[Any],
-        example_inputs: Any,
-        example_targets: Any,
-        *,
-        optimizer: optax.GradientTransformation | None,
-        opt_state: Any,
-        record: bool,
-    ) -> StepResult:
-        """One step over the batch's leaves ``inputs``/``targets``, of which
-        ``example_inputs``/``example_targets`` give one microbatch's shapes."""
+    Attributes:
+      loss: the mean loss where the last stage is (a numpy scalar), else None.
+      grads: per flat parameter leaf the device owns, its summed gradient as a numpy
+        array of the whole leaf (empty unless asked for).
+      peak_held: the most (stage, microbatch) pairs whose residuals were held at once.
+      leftover: buffers still held after the device's last instruction.
+      events: the recorded events (empty unless recording), seconds since the step's start.
+    """
+
+    loss: np.ndarray | None
+    grads: Mapping[int, np.ndarray]
+    peak_held: int
+    leftover: tuple[Buffer, ...]
+    events: tuple[Event, ...]
+
+
+class Backend(Protocol):
+    """The pipeline devices of one schedule, as the driver runs them."""
+
+    def install(self, params: Any, example_inputs: Any, example_targets: Any) -> tuple[StagedModel, bool]:
+        """The model traced and its stages compiled on the devices for parameters of the
+        shapes ``params`` (a pytree of ``jax.ShapeDtypeStruct``) and one microbatch's
+        ``example_inputs``/``example_targets``; and whether the devices were built afresh
+        and hold no parameters or optimizer state."""
         ...
 
-    def gather(self, value: Any) -> Any:
-        """``value`` (parameters, optimizer state, gradients) on the driver as numpy."""
+    def load(self, leaves: Sequence[Any] | None, states: Sequence[Any] | None) -> None:
+        """Give the devices the parameters (every flat leaf, in order) and the optimizer
+        states (one per stage), each when not None; each device keeps its share."""
+        ...
+
+    def make(self, init: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Make the parameters on the devices as ``init(*args)``, each device its own leaves."""
+        ...
+
+    def run(
+        self,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        *,
+        optimizer: optax.GradientTransformation | None,
+        fresh_state: bool,
+        record: bool,
+        keep_grads: bool,
+    ) -> tuple[DeviceReport, ...]:
+        """One step over the batch's leaves, per pipeline device its report. With
+        ``optimizer`` the devices apply it (starting the optimizer state afresh with
+        ``fresh_state``); with ``record`` they time every action and transfer."""
+        ...
+
+    def fetch(self, *, params: bool) -> tuple[dict[int, np.ndarray], dict[int, Any]]:
+        """The owned parameter leaves by flat index (with ``params``), else the optimizer
+        states by stage, as numpy."""
         ...
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipedsl.errors import PipedslError
 
-__all__ = ["ExecutionError", "PeerFailed", "stage_failure"]
+__all__ = ["ExecutionError", "PeerFailed", "first_line", "stage_failure"]
 
 
 class ExecutionError(PipedslError):
@@ -28,6 +28,13 @@ class PeerFailed(ExecutionError):
 
     The backend reports the other device's error, not this one.
     """
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (Ray's carry whole remote tracebacks), or its
+    type's name when it has none."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _summary(err: BaseException) -> str:

@@ -162,7 +162,8 @@ class DeviceRuntime:
         ``params`` holds each local stage's parameter leaves (placed on its mesh);
         ``inputs[m]`` / ``targets[m]`` are microbatch m's input and target leaves, needed
         only where stage 0 / the last stage lives (pass ``()`` elsewhere). With a
-        ``recorder``, every action and transfer is waited for and recorded.
+        ``recorder``, every action and transfer is waited for and recorded (an action's wait
+        is yielded as a :class:`Computed`).
 
         On failure the error names the device, the stage and the action; the transport
         is told first, so that no other device keeps waiting for this one.
@@ -177,6 +178,10 @@ class DeviceRuntime:
                     state.put(op[1], (yield op[0]))
                 else:
                     op(state)
+                    timed = state.timed
+                    if timed is not None:  # recording: the action's outputs, waited for here
+                        state.timed = None
+                        timed[1]((yield Computed(timed[0])))
         except BaseException as err:
             transport.abort(err)
             raise
@@ -231,17 +236,35 @@ class DeviceRuntime:
 
         def run(state: _StepState) -> None:
             recorder = state.recorder
-            start = recorder.now() if recorder is not None else 0.0
             try:
-                outputs = call(state)
-                if recorder is not None:
-                    jax.block_until_ready((outputs, state.grads[stage], state.loss))
+                if recorder is None:
+                    call(state)
+                    return
+                start = recorder.now()
+                outputs = (call(state), state.grads[stage], state.loss)
             except ExecutionError:
                 raise
             except Exception as err:  # anything a compiled stage raises, named by where it ran
                 raise stage_failure(stage, device, what, err) from err
-            if recorder is not None:
-                recorder.compute(action, start, recorder.now())
+
+            def done(in_time: bool) -> None:
+                # Yielded (not waited for here), so that one thread running several
+                # devices goes on with the others meanwhile, as it does unrecorded.
+                end = recorder.now()
+                if not in_time:
+                    raise ExecutionError(
+                        f"device {device}: {action} did not finish within {state.runtime.recv_timeout:g} s "
+                        "(recv_timeout)",
+                        stage=stage,
+                        device=device,
+                    )
+                try:
+                    jax.block_until_ready(outputs)
+                except Exception as err:  # a failed computation is reported where it is read
+                    raise stage_failure(stage, device, what, err) from err
+                recorder.compute(action, start, end)
+
+            state.timed = (outputs, done)
 
         return run
 
@@ -377,7 +400,7 @@ class _StepState:
 
     __slots__ = (
         "runtime", "transport", "params", "inputs", "targets", "recorder",
-        "values", "grads", "loss", "counts", "live", "peak",
+        "values", "grads", "loss", "counts", "live", "peak", "timed",
     )  # fmt: skip
 
     def __init__(
@@ -401,6 +424,9 @@ class _StepState:
         self.counts = [0] * runtime._num_held
         self.live = 0
         self.peak = 0
+        # A recorded action's outputs and what to do once they are computed (or not in
+        # time): set by the action, taken by DeviceRuntime.steps, which yields the wait.
+        self.timed: tuple[Any, Callable[[bool], None]] | None = None
 
     def read(self, slot: int) -> Any:
         value = self.values[slot]

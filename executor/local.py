@@ -7,22 +7,18 @@ GPUs are found as they are) or of a list given explicitly. With ``dp = tp = 1`` 
 explicit list may name one JAX device several times: the pipeline then runs correctly
 but its devices share that device's compute.
 
-Each pipeline device is a :class:`~pipedsl.executor.worker.Worker`. JAX dispatches work
+Each pipeline device is a :class:`~pipedsl.executor.worker.Worker`, hosted in this
+process for :class:`~pipedsl.executor.driver.Driver`. JAX dispatches work
 asynchronously, so the workers' steps only queue work and the JAX devices execute it
 concurrently: one thread runs every device's step, switching where one waits for a value
-not sent yet (:mod:`pipedsl.executor.cooperative`). A recorded step waits for each
-action's result where it runs, so there each device runs on a thread of its own (the
-first on the calling thread) and blocks only on that or on a receive (with a timeout).
-Either way a failure on one device stops every other device at once, and the step
-raises the original error.
-
-Parameters and optimizer state live in the workers between steps; a step returns them
-as the arrays the workers hold, and passing those same arrays back moves nothing.
+not sent yet or for a computation (:mod:`pipedsl.executor.cooperative`). A recorded step
+runs the same way, each action waited for where the device yields it. A failure on one
+device stops every other device at once, and the step raises the original error.
+Parameters and optimizer state live in the workers between steps.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -34,17 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipedsl.executor.backend import StepResult
-from pipedsl.executor.cooperative import Outcome, run_together
+from pipedsl.executor.backend import DeviceReport
+from pipedsl.executor.cooperative import run_together
 from pipedsl.executor.errors import ExecutionError, PeerFailed
-from pipedsl.executor.interpreter import Steps, drive
+from pipedsl.executor.interpreter import Steps
 from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.stages import StagedModel, explicit_model
-from pipedsl.executor.timing import Recorder, measured_timeline
-from pipedsl.executor.transport import LocalExchange, resharder
+from pipedsl.executor.timing import Recorder
+from pipedsl.executor.transport import LocalExchange, finished, resharder
 from pipedsl.executor.worker import Update, Worker, WorkerStep, compile_device
 from pipedsl.program import Program
 
@@ -60,7 +56,7 @@ class CompiledStages:
 
 
 # Compiled stages, shared by every pipeline of the same model (the same stage functions
-# or model_fn, loss, shapes, microbatch count, remat flags, meshes and shardings):
+# or model_fn, loss, shapes, microbatch count, stage options, meshes and shardings):
 # comparing schedules of one model compiles its stages once per mesh. Least recently
 # used entries are dropped beyond this many; a backend keeps its own (``_held``), so that
 # more pipelines than this, stepped in turns, never compile again.
@@ -69,8 +65,8 @@ _COMPILED: OrderedDict[Any, CompiledStages] = OrderedDict()
 
 
 class LocalBackend:
-    """Runs a lowered :class:`Program` with one worker per pipeline device (see the
-    module docstring); implements :class:`pipedsl.executor.backend.Backend`.
+    """Hosts a lowered :class:`Program`'s pipeline devices, one worker each, in this
+    process (see the module docstring); implements :class:`pipedsl.executor.backend.Backend`.
 
     ``stages`` (explicit) or ``model_fn`` (marked) is the model; ``mesh`` the SPMD shape
     of every pipeline device; ``param_specs`` the parameters' ``PartitionSpec`` pytree
@@ -84,7 +80,7 @@ class LocalBackend:
         stages: tuple[Callable[[Any, Any], Any], ...] | None,
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
-        remat: tuple[StageOptions, ...],
+        stage_options: tuple[StageOptions, ...],
         mesh: MeshConfig,
         param_specs: Any,
         devices: Sequence[jax.Device] | None = None,
@@ -99,12 +95,12 @@ class LocalBackend:
         self._stages = stages
         self._model_fn = model_fn
         self._loss = loss
-        self._remat = remat
+        self._options = stage_options
         self._specs = param_specs
-        self._workers: tuple[Worker, ...] = ()
-        self._compiled: CompiledStages | None = None
+        self.workers: tuple[Worker, ...] = ()
+        self._compiled: CompiledStages | None = None  # what the workers run
         self._held: tuple[Any, CompiledStages] | None = None  # (cache key, stages) of the last step
-        self._returned: list[Any] | None = None  # the parameter leaves the last step returned
+        self._kept_shapes: Any = None  # the parameters' tree and shapes the workers hold
 
     # -- compiling -----------------------------------------------------------------
 
@@ -119,7 +115,7 @@ class LocalBackend:
             self._loss,
             schedule.placement,
             schedule.num_microbatches,
-            self._remat,
+            self._options,
             treedef,
             tuple((np.shape(v), str(jnp.result_type(v))) for v in leaves),
             jax.tree_util.tree_structure(batch),
@@ -159,7 +155,7 @@ class LocalBackend:
                 zero=self.config.zero,
                 reduce_once=self.config.reduce_once,
                 num_microbatches=schedule.num_microbatches,
-                remat=self._remat,
+                stage_options=self._options,
                 placement=placement,
             )
         found = CompiledStages(model, tuple(programs[s] for s in range(model.num_stages)))
@@ -169,116 +165,77 @@ class LocalBackend:
         self._held = (key, found)
         return found
 
-    def _workers_for(self, compiled: CompiledStages) -> tuple[Worker, ...]:
-        if compiled is not self._compiled:
-            schedule = self.program.schedule
-            programs = dict(enumerate(compiled.programs))
-            self._workers = tuple(
-                Worker(
-                    prog,
-                    compiled.model,
-                    programs,
-                    placement=schedule.placement,
-                    num_devices=schedule.num_devices,
-                    num_microbatches=schedule.num_microbatches,
-                    recv_timeout=self.recv_timeout,
-                )
-                for prog in self.program.devices
-            )
-            self._compiled = compiled
-            self._returned = None
-        return self._workers
-
-    # -- the step ------------------------------------------------------------------
-
-    def step(
-        self,
-        params: Any,
-        inputs: Sequence[Any],
-        targets: Sequence[Any],
-        example_inputs: Any,
-        example_targets: Any,
-        *,
-        optimizer: optax.GradientTransformation | None,
-        opt_state: Any,
-        record: bool,
-    ) -> StepResult:
+    def install(self, params: Any, example_inputs: Any, example_targets: Any) -> tuple[StagedModel, bool]:
+        """The stages compiled for these shapes and a worker per device on them; the
+        workers are rebuilt when the shapes change, keeping the parameters and optimizer
+        state of the ones they replace (their placement depends on the meshes and the
+        specs only), so they are fresh only on the first step or after a broken one."""
         compiled = self.compiled(params, example_inputs, example_targets)
-        workers = self._workers_for(compiled)
-        model = compiled.model
-        leaves = jax.tree_util.tree_leaves(params)
-        returned = self._returned
-        if (
-            returned is None
-            or len(returned) != len(leaves)
-            or any(a is not b for a, b in zip(leaves, returned, strict=True))
-        ):
-            for worker in workers:
-                worker.load(leaves_by_index(leaves), None)
-        update = None
-        if optimizer is not None:
-            self._load_states(workers, opt_state, model.num_stages)
-            update = Update(optimizer, init=opt_state is None)
-        runs = self._run(workers, inputs, targets, update=update, record=record)
+        if compiled is self._compiled:
+            return compiled.model, False
         schedule = self.program.schedule
-        common: dict[str, Any] = {
-            "loss": runs[schedule.placement[-1]].loss,
-            "timeline": None,
-            "peak_held": tuple(r.peak_held for r in runs),
-            "leftover": tuple(r.leftover for r in runs),
-        }
-        if record:
-            common["timeline"] = measured_timeline(
-                [r.events for r in runs], name=schedule.name, num_devices=schedule.num_devices
+        programs = dict(enumerate(compiled.programs))
+        before = self.workers
+        self.workers = tuple(
+            Worker(
+                prog,
+                compiled.model,
+                programs,
+                placement=schedule.placement,
+                num_devices=schedule.num_devices,
+                num_microbatches=schedule.num_microbatches,
+                recv_timeout=self.recv_timeout,
             )
-        if optimizer is None:
-            grads = [None] * len(leaves)
-            for run in runs:
-                for i, g in run.grads.items():
-                    grads[i] = g
-            return StepResult(
-                grads=jax.tree_util.tree_unflatten(model.param_treedef, grads), params=None, opt_state=None, **common
-            )
-        new_leaves = list(leaves)
-        for worker in workers:
-            for i in worker.owned:
-                new_leaves[i] = worker.leaves[i]
-        self._returned = new_leaves
-        placement = schedule.placement
-        states = tuple(workers[placement[s]].states[s] for s in range(model.num_stages))
-        new_params = jax.tree_util.tree_unflatten(model.param_treedef, new_leaves)
-        return StepResult(grads=None, params=new_params, opt_state=states, **common)
+            for prog in self.program.devices
+        )
+        self._compiled = compiled
+        kept = bool(before) and all(w.leaves for w in before) and self._kept_shapes == _leaf_shapes(params)
+        if kept:
+            for old, new in zip(before, self.workers, strict=True):
+                new.load(old.leaves, old.states if old.states else None)
+        self._kept_shapes = _leaf_shapes(params)
+        return compiled.model, not kept
 
-    def gather(self, value: Any) -> Any:
-        return jax.device_get(value)
+    def load(self, leaves: Sequence[Any] | None, states: Sequence[Any] | None) -> None:
+        for worker in self.workers:
+            worker.load(
+                None if leaves is None else dict(enumerate(leaves)),
+                None if states is None else {s: states[s] for s in worker.local},
+            )
+
+    def make(self, init: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        leaves = jax.tree_util.tree_leaves(jax.jit(init)(*args))
+        self.load(leaves, None)
+
+    def fetch(self, *, params: bool) -> tuple[dict[int, np.ndarray], dict[int, Any]]:
+        leaves: dict[int, Any] = {}
+        states: dict[int, Any] = {}
+        for worker in self.workers:
+            mine, theirs = worker.gather(params=params, states=not params)
+            leaves |= mine
+            states |= theirs
+        return leaves, states
 
     def close(self) -> None:
         """The workers' state is dropped with the backend; nothing else is held."""
-        self._workers = ()
+        self.workers = ()
         self._compiled = None
         self._held = None
 
-    def _load_states(self, workers: Sequence[Worker], opt_state: Any, num_stages: int) -> None:
-        if opt_state is None:
-            return
-        if not isinstance(opt_state, tuple) or len(opt_state) != num_stages:
-            raise ExecutionError(
-                f"opt_state must be the tuple of {num_stages} per-stage states a previous "
-                "train_step returned, or None to start"
-            )
-        for worker in workers:
-            if any(worker.states.get(s) is not opt_state[s] for s in worker.local):
-                worker.load(None, {s: opt_state[s] for s in worker.local})
+    # -- the step ------------------------------------------------------------------
 
-    def _run(
+    def run(
         self,
-        workers: Sequence[Worker],
         inputs: Sequence[Any],
         targets: Sequence[Any],
         *,
-        update: Update | None,
+        optimizer: optax.GradientTransformation | None,
+        fresh_state: bool,
         record: bool,
-    ) -> tuple[WorkerStep, ...]:
+        keep_grads: bool,
+    ) -> tuple[DeviceReport, ...]:
+        workers = self.workers
+        update = None if optimizer is None else Update(optimizer, init=fresh_state)
         schedule = self.program.schedule
         first, last = schedule.placement[0], schedule.placement[-1]
         exchange = LocalExchange(self._movers)
@@ -291,87 +248,54 @@ class LocalBackend:
                 targets if d == last else (),
                 update=update,
                 recorder=Recorder(d, origin) if record else None,
-                keep_grads=update is None,
+                keep_grads=keep_grads,
             )
 
+        for worker in workers:
+            worker.applied = False  # a device stopped before its step starts keeps the last step's
         try:
-            if record:
-                # Recording waits for every action where it runs: a thread per device
-                # keeps the devices' actions overlapping as they do unrecorded.
-                results, errors = self._on_threads(workers, steps, exchange)
-            else:
-                results, errors = run_together(
-                    [steps(d) for d in range(len(workers))],
-                    exchange,
-                    timeout=self.recv_timeout,
-                    doing=lambda d: workers[d].doing(),
-                    progress=lambda: tuple(w.runtime.at for w in workers),
-                )
+            results, errors = run_together(
+                [steps(d) for d in range(len(workers))],
+                exchange,
+                timeout=self.recv_timeout,
+                doing=lambda d: workers[d].doing(),
+                progress=lambda: tuple(w.runtime.at for w in workers),
+            )
         except BaseException:
-            # Stalled or interrupted: a thread may still hold the workers, so the next
-            # step gets new ones.
-            self._returned = None
-            self._compiled = None
+            # Stalled or interrupted: the helper thread may still hold the workers, so
+            # the next step gets new ones (and the driver's handles go out of date).
+            self._broken()
             raise
         failed = [err for err in errors if err is not None]
         if failed:
             if any(w.applied for w in workers):
                 # Some devices updated their state and others did not: start afresh.
-                self._returned = None
+                self._broken()
             # Devices that gave up because of another's failure only echo it.
             raise next((err for err in failed if not isinstance(err, PeerFailed)), failed[0])
-        return tuple(r for r in results if r is not None)
+        if update is not None and not finished([(w.leaves, w.states) for w in workers], self.recv_timeout):
+            # A step ends once its update is computed, as a Ray step does: the time of a
+            # train_step is the whole step's.
+            self._broken()
+            raise ExecutionError(f"the optimizer update did not finish within {self.recv_timeout:g} s (recv_timeout)")
+        return tuple(_report(r) for r in results)
 
-    def _on_threads(
-        self, workers: Sequence[Worker], steps: Callable[[int], Steps[WorkerStep]], exchange: LocalExchange
-    ) -> Outcome:
-        """Run device d's ``steps(d)`` on a thread of its own (device 0 on this one)."""
-        results: list[Any] = [None] * len(workers)
-        errors: list[BaseException | None] = [None] * len(workers)
-
-        def work(d: int) -> None:
-            try:
-                results[d] = drive(steps(d), exchange.endpoint(d), timeout=self.recv_timeout)
-            except BaseException as err:  # reported to the caller by _run
-                errors[d] = err
-                exchange.fail(d)
-
-        threads = [
-            threading.Thread(target=work, args=(d,), name=f"pipedsl-device-{d}", daemon=True)
-            for d in range(1, len(workers))
-        ]
-        for thread in threads:
-            thread.start()
-        work(0)
-        stalled = self._join(workers, threads, errors)
-        if stalled is not None:
-            raise stalled
-        return results, errors
-
-    def _join(
-        self,
-        workers: Sequence[Worker],
-        threads: Sequence[threading.Thread],
-        errors: Sequence[BaseException | None],
-    ) -> ExecutionError | None:
-        """Wait for the device threads (device d runs on ``threads[d - 1]``) at most
-        ``recv_timeout`` seconds after device 0 is done or failed: every device that
-        waits for another gives up within that time, so a thread still running then is
-        stalled. Return the error naming the first such device, else None."""
-        deadline = time.monotonic() + self.recv_timeout
-        for d, thread in enumerate(threads, start=1):
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                gave_up = next((err for err in errors if err is not None), None)
-                cause = f"; meanwhile: {gave_up}" if gave_up is not None else ""
-                return ExecutionError(
-                    f"device {d} is stalled: still {workers[d].doing()} {self.recv_timeout:g} s after the "
-                    f"other devices stopped (recv_timeout){cause}",
-                    device=d,
-                )
-        return None
+    def _broken(self) -> None:
+        self._compiled = None
+        self.workers = ()
 
 
-def leaves_by_index(leaves: Sequence[Any]) -> dict[int, Any]:
-    """``{i: leaves[i]}``: flat parameter leaves as a worker loads them."""
-    return dict(enumerate(leaves))
+def _report(step: WorkerStep) -> DeviceReport:
+    return DeviceReport(
+        loss=None if step.loss is None else np.asarray(step.loss),
+        # Leaf by leaf: jax.device_get costs several times more per small array (jaxlib 0.10).
+        grads={i: np.asarray(g) for i, g in step.grads.items()},
+        peak_held=step.peak_held,
+        leftover=step.leftover,
+        events=step.events,
+    )
+
+
+def _leaf_shapes(params: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    return treedef, tuple((tuple(v.shape), str(v.dtype)) for v in leaves)

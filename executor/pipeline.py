@@ -7,6 +7,13 @@
     pipe = Pipeline.from_function(model_fn, loss=loss_fn, schedule=sched)  # stage_boundary markers
     loss, grads = pipe.value_and_grad(params, (inputs, targets))
     params, opt_state, loss = pipe.train_step(params, opt_state, (inputs, targets), optimizer=opt)
+    params = pipe.gather(params)                                            # numpy, on the driver
+
+Both backends return the same types: the loss and gradients come back to the driver as
+numpy; parameters and optimizer state stay on the pipeline devices after an optimizer
+step (or :meth:`Pipeline.init`), as :class:`~pipedsl.executor.backend.Resident` handles to
+pass to the next step, and :meth:`Pipeline.gather` fetches them. One driver
+(:mod:`pipedsl.executor.driver`) runs the steps of either backend.
 
 The global batch is split along axis 0 into the schedule's microbatches. The loss and
 the gradients are the mean over microbatches, so with a loss that averages over its
@@ -33,7 +40,8 @@ import numpy as np
 import optax
 
 from pipedsl import library
-from pipedsl.executor.backend import Backend, StepResult
+from pipedsl.executor.backend import Backend, Resident, StepResult
+from pipedsl.executor.driver import Driver, shapes_of
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.local import LocalBackend
 from pipedsl.executor.mesh import DATA, MeshConfig
@@ -195,19 +203,19 @@ class Pipeline:
     ) -> None:
         self.schedule = schedule
         self.program: Program = lower(schedule)
+        self._last_batch: tuple[Any, _Batch] | None = None
         self.mesh = mesh
         self._stages = stages
         self.options = options
-        self.backend: Backend
+        self.backend: LocalBackend | RayRunner
         if backend == "ray" or isinstance(backend, RayConfig):
-            # Parameters live in the world, so the runner takes over whole steps.
             self.backend = RayRunner.start(
                 self.program,
                 backend,
                 stages=stages,
                 model_fn=model_fn,
                 loss=loss,
-                remat=options,
+                stage_options=options,
                 recv_timeout=recv_timeout,
                 mesh=mesh,
                 param_specs=param_specs,
@@ -222,7 +230,7 @@ class Pipeline:
                 stages=stages,
                 model_fn=model_fn,
                 loss=loss,
-                remat=options,
+                stage_options=options,
                 devices=devices,
                 recv_timeout=recv_timeout,
                 mesh=mesh,
@@ -230,11 +238,15 @@ class Pipeline:
             )
         else:
             raise ExecutionError(f"unknown backend {backend!r}; available: 'local', 'ray'")
+        hosts: Backend = self.backend
+        self.driver = Driver(self.program, hosts)
 
     # -- public steps -------------------------------------------------------------
 
-    def value_and_grad(self, params: Any, batch: tuple[Any, Any]) -> tuple[jax.Array, Any]:
-        """(mean loss, gradients) of one step over ``batch = (inputs, targets)``."""
+    def value_and_grad(self, params: Any, batch: tuple[Any, Any]) -> tuple[np.ndarray, Any]:
+        """(mean loss, gradients) of one step over ``batch = (inputs, targets)``, as numpy
+        (the gradients in the structure of ``params``). ``params`` are arrays or a
+        :class:`~pipedsl.executor.backend.Resident` handle this pipeline returned."""
         result = self.step(params, batch)
         return result.loss, result.grads
 
@@ -246,11 +258,15 @@ class Pipeline:
         *,
         optimizer: optax.GradientTransformation,
         check_finite: bool = False,
-    ) -> tuple[Any, tuple[Any, ...], jax.Array]:
-        """One optimizer step: (new params, new optimizer state, mean loss).
+    ) -> tuple[Resident, Resident, np.ndarray]:
+        """One optimizer step: (handle to the new params, handle to the new optimizer
+        state, mean loss as numpy).
 
-        ``opt_state`` is None on the first step (it is then initialised) and the state
-        this method returned afterwards. Each stage's update runs on its own mesh over
+        The parameters and optimizer state stay on the pipeline devices: pass the handles
+        back to the next step (nothing moves) and fetch the values with :meth:`gather`.
+        ``params`` may also be arrays (shipped once); ``opt_state`` is None on the first
+        step (it is then initialised), then the handle this method returned (or a
+        gathered state). Each stage's update runs on its own mesh over
         the leaves it owns, so ``optimizer`` must treat leaves independently (as sgd,
         momentum, adam and adamw do); pass the same optimizer object every step. With
         ``check_finite``, a NaN or infinite loss raises ExecutionError (the step's update
@@ -262,8 +278,8 @@ class Pipeline:
                 f" got {type(optimizer).__name__}; value_and_grad gives the gradients without an update"
             )
         result = self.step(params, batch, optimizer=optimizer, opt_state=opt_state)
-        if result.opt_state is None:
-            raise ExecutionError("train_step: the backend returned no optimizer state for an optimizer step")
+        if result.params is None or result.opt_state is None:
+            raise ExecutionError("train_step: the backend returned no state for an optimizer step")
         if check_finite and not math.isfinite(float(result.loss)):
             raise ExecutionError(
                 f"train_step: the loss is {float(result.loss)} (check_finite=True); the step's update is applied:"
@@ -287,7 +303,7 @@ class Pipeline:
         each action to finish).
         """
         cut = self._split_batch(batch)
-        return self.backend.step(
+        return self.driver.step(
             self._param_tree(params),
             cut.inputs,
             cut.targets,
@@ -299,26 +315,22 @@ class Pipeline:
         )
 
     def gather(self, value: Any) -> Any:
-        """``value`` (parameters, optimizer state, gradients) on the driver as numpy arrays
-        in plain pytrees, however it is sharded.
-
-        On Ray, ``train_step`` returns handles to the state its world holds
-        (:class:`pipedsl.executor.ray_backend.Resident`); this fetches them.
+        """``value`` on the driver as numpy arrays in plain pytrees, however it is
+        sharded: a :class:`~pipedsl.executor.backend.Resident` handle (the parameters in
+        the structure the model takes, the optimizer state as a tuple of per-stage
+        states) is fetched from the pipeline devices; arrays are copied to the host.
         """
-        return self.backend.gather(value)
+        return self.driver.gather(value)
 
-    def init(self, init: Callable[..., Any], *args: Any, batch: tuple[Any, Any]) -> Any:
+    def init(self, init: Callable[..., Any], *args: Any, batch: tuple[Any, Any]) -> Resident:
         """The parameters made as ``init(*args)`` (a function returning the parameters'
-        pytree, e.g. of a PRNG key) where they live: on Ray inside the world, jitted over
-        each stage mesh so that every process computes only its own shards (a
-        :class:`~pipedsl.executor.ray_backend.Resident` handle; ``batch`` is one batch
-        of the shapes the steps take, for the stages to be compiled first); on the local
-        backend the arrays. Pass the result to the steps as ``params``."""
-        if not isinstance(self.backend, RayRunner):
-            return jax.jit(init)(*args)
+        pytree, e.g. of a PRNG key) where they live, as a handle to pass to the steps:
+        jitted on the local backend, on Ray inside the world, jitted over each stage mesh
+        so that every process computes only its own shards. ``batch`` is one batch of the
+        shapes the steps take, for the stages to be compiled first."""
         tree = self._param_tree(jax.eval_shape(init, *args))
         cut = self._split_batch(batch)
-        return self.backend.init(init, args, tree, (cut.example_inputs, cut.example_targets))
+        return self.driver.init(init, args, tree, (cut.example_inputs, cut.example_targets))
 
     def save(self, path: str, *, step: int) -> str:
         """On Ray: save the parameters and optimizer state where they are, each process
@@ -338,7 +350,7 @@ class Pipeline:
         like_params: Any,
         batch: tuple[Any, Any],
         optimizer: optax.GradientTransformation | None = None,
-    ) -> tuple[Any, Any, int]:
+    ) -> tuple[Resident, Resident | None, int]:
         """On Ray: read the latest step :meth:`save` wrote under ``path`` back into the
         world (each process its own shards): (params handle, optimizer state handle, or
         None without ``optimizer``, the step). ``like_params`` gives the parameters'
@@ -349,8 +361,11 @@ class Pipeline:
                 "Pipeline.restore reads a Ray world's shards; locally use pipedsl.executor.load_checkpoint"
             )
         cut = self._split_batch(batch)
-        tree = self._param_tree(like_params)
-        return self.backend.restore(path, tree, (cut.example_inputs, cut.example_targets), optimizer=optimizer)
+        tree = self._param_tree(shapes_of(like_params))
+        example = (cut.example_inputs, cut.example_targets)
+        step = self.backend.restore(path, tree, example, optimizer=optimizer)
+        params, opt_state = self.driver.adopt(tree, example, states=optimizer is not None)
+        return params, opt_state, step
 
     def placement(self) -> tuple[tuple[DeviceSlot, ...], ...]:
         """Per pipeline device, its stage mesh's devices (``dp x tp``, row-major) as
@@ -390,8 +405,19 @@ class Pipeline:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ExecutionError("the batch must be a pair (inputs, targets) of arrays or pytrees of arrays")
         inputs, targets = batch
-        x_leaves = jax.tree_util.tree_leaves(inputs)
-        t_leaves = jax.tree_util.tree_leaves(targets)
+        x_leaves, x_tree = jax.tree_util.tree_flatten(inputs)
+        t_leaves, t_tree = jax.tree_util.tree_flatten(targets)
+        # A batch of the shapes of the last one reuses its checks and its examples (the
+        # same objects, so that the driver sees at once that nothing is to be compiled).
+        signature = (x_tree, t_tree, *[(np.shape(v), _dtype(v)) for v in x_leaves + t_leaves])
+        last = self._last_batch
+        if last is not None and last[0] == signature:
+            return _Batch(x_leaves, t_leaves, last[1].count, last[1].example_inputs, last[1].example_targets)
+        cut = self._checked_batch(inputs, targets, x_leaves, t_leaves)
+        self._last_batch = (signature, cut)
+        return cut
+
+    def _checked_batch(self, inputs: Any, targets: Any, x_leaves: list[Any], t_leaves: list[Any]) -> _Batch:
         shapes = [np.shape(leaf) for leaf in x_leaves + t_leaves]
         if not shapes or any(len(s) == 0 for s in shapes):
             raise ExecutionError("every leaf of the batch needs a leading batch axis (axis 0)")
@@ -423,6 +449,12 @@ class Pipeline:
             )
 
         return _Batch(x_leaves, t_leaves, count, example(inputs), example(targets))
+
+
+def _dtype(leaf: Any) -> Any:
+    """``leaf``'s dtype, read cheaply where it has one (arrays), else as JAX would take it."""
+    dtype = getattr(leaf, "dtype", None)
+    return dtype if dtype is not None else jnp.result_type(leaf)
 
 
 def _schedule_argument(schedule: Any, costs: CostSource | None) -> Schedule:

@@ -78,7 +78,7 @@ class ModelSpec:
     targets: Any
     num_microbatches: int
     placement: tuple[int, ...]
-    remat: tuple[StageOptions, ...]
+    stage_options: tuple[StageOptions, ...]
     mesh: MeshConfig
     specs: tuple[PartitionSpec, ...]
 
@@ -185,7 +185,7 @@ class WorldProcess:
                 zero=config.zero,
                 reduce_once=config.reduce_once,
                 num_microbatches=spec.num_microbatches,
-                remat=spec.remat,
+                stage_options=spec.stage_options,
                 placement=spec.placement,
             )
             self.worker = Worker(

@@ -13,60 +13,42 @@ process: the batch's leaves go to the processes of the first and last stages, an
 loss (and gradients, when asked) come back; values between stages are compiled
 collectives inside the world and never pass through the driver or Ray's object store.
 
-Parameters and optimizer state stay in the world. ``train_step`` returns :class:`Resident`
-handles in place of them: passing a handle back moves nothing, passing plain arrays ships
-them once (each process places its shards), :meth:`RayRunner.init` makes them in the world
-(``Pipeline.init``), and :meth:`RayRunner.gather` brings a handle's values to the driver
-as pytrees of numpy arrays. There is one resident copy, updated in place, so only the
-latest handle is valid. ``value_and_grad`` returns the loss and gradients on the driver,
-as numpy arrays.
+Parameters and optimizer state stay in the world, made there (``Pipeline.init``: each
+process computes its own shards), read from a checkpoint each process writes, or shipped
+once from the driver's arrays; :class:`~pipedsl.executor.driver.Driver` hands them out as
+handles, as it does on the local backend, and fetches them on request (each process its
+shards, put together here).
 
 ``ray`` itself is never imported here (see :mod:`pipedsl.executor.ray_cluster`).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipedsl.executor.backend import StepResult
+from pipedsl.executor.backend import DeviceReport
+from pipedsl.executor.driver import shapes_of
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.mesh import MeshConfig, leaf_specs
 from pipedsl.executor.optimizers import couples_through_global_norm
-from pipedsl.executor.ray_actor import Failure, ModelSpec, StepReport, trace_model
+from pipedsl.executor.ray_actor import Failure, ModelSpec, trace_model
 from pipedsl.executor.ray_checkpoint import check_plan, finish_version, latest_version, new_version, plan_record
 from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig, RayWorld
 from pipedsl.executor.ray_transport import assemble
 from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel
-from pipedsl.executor.timing import measured_timeline
 from pipedsl.program import Program
 from pipedsl.rendezvous import exchange_groups
 
-__all__ = ["Resident", "RayRunner", "world_shape"]
-
-_NEXT_PIPELINE_ID = itertools.count()
-
-
-@dataclass(frozen=True, slots=True)
-class Resident:
-    """Parameters (``kind="params"``) or optimizer state (``kind="opt_state"``) held by
-    the world of Ray pipeline ``pipeline``, as of ``version``. Pass it back to the
-    pipeline that returned it; ``pipeline.gather(handle)`` fetches the values."""
-
-    kind: str
-    pipeline: int
-    version: int
+__all__ = ["RayRunner", "world_shape"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +57,6 @@ class _Layout:
     params: Any  # the parameters' pytree of jax.ShapeDtypeStruct
     spec: ModelSpec
     key: Any
-
-
-def _avals(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v)), tree)
 
 
 def world_shape(num_devices: int, mesh: MeshConfig, devices_per_process: int) -> int:
@@ -102,11 +80,12 @@ def world_shape(num_devices: int, mesh: MeshConfig, devices_per_process: int) ->
 
 
 class RayRunner:
-    """Runs ``program`` on a Ray world for a model given as explicit ``stages`` or a
-    marked ``model_fn`` (one of them), with ``loss``, per-stage ``remat`` flags, every
-    pipeline device a ``mesh.dp x mesh.tp`` mesh with the parameters placed by
-    ``param_specs`` (see :mod:`pipedsl.executor.mesh`). ``recv_timeout`` bounds every wait
-    inside a process, in seconds."""
+    """Hosts ``program``'s pipeline devices in a Ray world, for a model given as explicit
+    ``stages`` or a marked ``model_fn`` (one of them), with ``loss``, per-stage
+    ``stage_options`` (recompute, precision, sequence parallelism), every pipeline device a
+    ``mesh.dp x mesh.tp`` mesh with the parameters placed by ``param_specs`` (see
+    :mod:`pipedsl.executor.mesh`); implements :class:`pipedsl.executor.backend.Backend`.
+    ``recv_timeout`` bounds every wait inside a process, in seconds."""
 
     def __init__(
         self,
@@ -116,18 +95,17 @@ class RayRunner:
         stages: tuple[Callable[[Any, Any], Any], ...] | None,
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
-        remat: tuple[StageOptions, ...],
+        stage_options: tuple[StageOptions, ...],
         recv_timeout: float,
         mesh: MeshConfig,
         param_specs: Any,
     ) -> None:
         schedule = program.schedule
         self.program = program
-        self.key = next(_NEXT_PIPELINE_ID)
         self._stages = stages
         self._model_fn = model_fn
         self._loss = loss
-        self._remat = remat
+        self._options = stage_options
         self._recv_timeout = recv_timeout
         self._mesh = mesh
         self._specs = param_specs
@@ -139,9 +117,7 @@ class RayRunner:
         self._per_mesh = world_shape(schedule.num_devices, mesh, k)
         self.world = RayWorld.start(schedule.num_devices * self._per_mesh, k, config, label=repr(schedule.name))
         self._installed: _Layout | None = None
-        self._versions = {"params": 0, "opt_state": 0}
         self._optimizer: optax.GradientTransformation | None = None
-        self._sent: tuple[Any, tuple[weakref.ref[Any], ...]] | None = None
         # Per process, the transfers it took part in during the last step, and the
         # collectives that made them (several transfers may go as one).
         self.transfers: tuple[int, ...] = ()
@@ -178,28 +154,50 @@ class RayRunner:
 
     # -- the step ----------------------------------------------------------------------
 
-    def step(
+    def install(self, params: Any, example_inputs: Any, example_targets: Any) -> tuple[StagedModel, bool]:
+        """The model traced for these shapes and installed in the world (once: a Ray
+        pipeline compiles one set of shapes); fresh the first time."""
+        self._check_open()
+        fresh = self._installed is None
+        return self._layout(params, example_inputs, example_targets).model, fresh
+
+    def load(self, leaves: Sequence[Any] | None, states: Sequence[Any] | None) -> None:
+        """Ship parameter leaves and optimizer states; each process places its shards."""
+        self._check_open()
+        layout = self._installed
+        assert layout is not None  # the driver installs first
+        schedule = self.program.schedule
+        host_leaves = None if leaves is None else jax.device_get(list(leaves))
+        host_states = None if states is None else jax.device_get(tuple(states))
+        model = layout.model
+        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = []
+        for r in range(self.world.num_processes):
+            stages = schedule.stages_on(self.device_of(r))
+            mine = None
+            if host_leaves is not None:
+                mine = {i: host_leaves[i] for i in sorted({i for s in stages for i in model.stage_params[s]})}
+            theirs = None if host_states is None else {s: host_states[s] for s in stages}
+            args.append(((mine, theirs), {}))
+        what = "sending the parameters" if leaves is not None else "sending the optimizer state"
+        self._raise_failures(self.world.call("load", args, what=what, stage_of=self._stage_of))
+
+    def make(self, init: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Make the parameters in the world as ``init(*args)`` (each process its own shards)."""
+        self._check_open()
+        self._call_all("init_params", ((init, tuple(args)), {}), what="making the parameters")
+
+    def run(
         self,
-        params: Any,
         inputs: Sequence[Any],
         targets: Sequence[Any],
-        example_inputs: Any,
-        example_targets: Any,
         *,
         optimizer: optax.GradientTransformation | None,
-        opt_state: Any,
+        fresh_state: bool,
         record: bool,
-    ) -> StepResult:
-        """One step (see :meth:`pipedsl.executor.pipeline.Pipeline.step`)."""
+        keep_grads: bool,
+    ) -> tuple[DeviceReport, ...]:
+        """One step: a ``run_step`` call per process (the module docstring)."""
         self._check_open()
-        if isinstance(params, Resident):
-            self._check(params, "params")
-            layout = self._installed
-            assert layout is not None  # a handle exists only once installed
-            self._check_shapes(layout, example_inputs, example_targets)
-        else:
-            layout = self._layout(_avals(params), example_inputs, example_targets)
-            self._load_params(params, layout)
         update = None
         if optimizer is not None:
             if optimizer is not self._optimizer:
@@ -211,31 +209,7 @@ class RayRunner:
                     )
                 self._call_all("optimizer", ((optimizer,), {}), what="sending the optimizer")
                 self._optimizer = optimizer
-            if isinstance(opt_state, Resident):
-                self._check(opt_state, "opt_state")
-            elif opt_state is not None:
-                self._load_states(opt_state, layout)
-            update = opt_state is None
-        reports = self._run(inputs, targets, update=update, record=record, return_grads=optimizer is None)
-        return self._result(reports, layout, trained=optimizer is not None, record=record)
-
-    def init(
-        self, init: Callable[..., Any], args: tuple[Any, ...], example_params: Any, example: tuple[Any, Any]
-    ) -> Resident:
-        """Make the parameters in the world as ``init(*args)`` (each process its own
-        shards); ``example_params`` gives their shapes (a pytree of
-        ``jax.ShapeDtypeStruct``) and ``example`` one microbatch's inputs and targets."""
-        self._check_open()
-        self._layout(example_params, *example)
-        self._call_all("init_params", ((init, tuple(args)), {}), what="making the parameters")
-        self._sent = None
-        self._versions["params"] += 1
-        self._versions["opt_state"] += 1
-        return self._handle("params")
-
-    def _run(
-        self, inputs: Sequence[Any], targets: Sequence[Any], *, update: bool | None, record: bool, return_grads: bool
-    ) -> list[StepReport]:
+            update = fresh_state
         schedule = self.program.schedule
         first, last = schedule.placement[0], schedule.placement[-1]
         origin = time.time() if record else None
@@ -243,68 +217,40 @@ class RayRunner:
         args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = []
         for r in range(self.world.num_processes):
             d = self.device_of(r)
-            options = {"update": update, "origin": origin, "return_grads": return_grads}
+            options = {"update": update, "origin": origin, "return_grads": keep_grads}
             args.append(((host_inputs if d == first else [], host_targets if d == last else []), options))
-        reports = self.world.call("run_step", args, what=f"a step of {schedule.name!r}", stage_of=self._stage_of)
+        reports = self.world.call(
+            "run_step", args, what=f"a step of {schedule.name!r}", stage_of=self._stage_of, stop_at=_failed
+        )
         self._raise_failures(reports)
         self.transfers = tuple(r.moved for r in reports)
         self.collectives = tuple(r.collectives for r in reports)
-        return reports
+        out = []
+        for d in range(schedule.num_devices):
+            mine = [reports[r] for r in self.ranks(d)]
+            lead = mine[0]
+            grads = {i: assemble([m.grads[i] for m in mine]) for i in lead.grads}
+            out.append(DeviceReport(lead.loss, grads, lead.peak_held, lead.leftover, lead.events))
+        return tuple(out)
 
-    def _result(self, reports: Sequence[StepReport], layout: _Layout, *, trained: bool, record: bool) -> StepResult:
-        schedule = self.program.schedule
-        n = schedule.num_devices
-        lead = [reports[self.ranks(d)[0]] for d in range(n)]
-        timeline = None
-        if record:
-            timeline = measured_timeline([r.events for r in lead], name=schedule.name, num_devices=n)
-        common: dict[str, Any] = {
-            "loss": lead[schedule.placement[-1]].loss,
-            "timeline": timeline,
-            "peak_held": tuple(r.peak_held for r in lead),
-            "leftover": tuple(r.leftover for r in lead),
-        }
-        if not trained:
-            leaves: list[Any] = [None] * len(layout.model.param_avals)
-            for d in range(n):
-                parts = [reports[r].grads for r in self.ranks(d)]
-                for i in parts[0]:
-                    leaves[i] = assemble([p[i] for p in parts])
-            grads = jax.tree_util.tree_unflatten(layout.model.param_treedef, leaves)
-            return StepResult(grads=grads, params=None, opt_state=None, **common)
-        self._sent = None
-        self._versions["params"] += 1
-        self._versions["opt_state"] += 1
-        return StepResult(grads=None, params=self._handle("params"), opt_state=self._handle("opt_state"), **common)
-
-    def gather(self, value: Any) -> Any:
-        """The values behind a :class:`Resident` handle as a pytree of numpy arrays (the
-        parameters in the structure the model takes; the optimizer state as a tuple of
-        per-stage states); anything else is fetched to the driver as it is."""
-        if not isinstance(value, Resident):
-            return jax.device_get(value)
+    def fetch(self, *, params: bool) -> tuple[dict[int, np.ndarray], dict[int, Any]]:
+        """The owned parameter leaves (with ``params``) or the optimizer states, put
+        together from every process's shards."""
         self._check_open()
-        self._check(value, value.kind)
-        layout = self._installed
-        assert layout is not None  # a handle exists only after a step
-        params = value.kind == "params"
         parts = self._call_all(
-            "gather", ((), {"params": params, "states": not params}), what=f"gathering the {value.kind}"
+            "gather",
+            ((), {"params": params, "states": not params}),
+            what="gathering the " + ("parameters" if params else "optimizer state"),
         )
-        n = self.program.schedule.num_devices
-        if params:
-            leaves: list[Any] = [None] * len(layout.model.param_avals)
-            for d in range(n):
-                mine = [parts[r][0] for r in self.ranks(d)]
-                for i in mine[0]:
-                    leaves[i] = assemble([m[i] for m in mine])
-            return jax.tree_util.tree_unflatten(layout.model.param_treedef, leaves)
-        placement = self.program.schedule.placement
-        states = []
-        for s in range(len(placement)):
-            mine = [parts[r][1][s] for r in self.ranks(placement[s])]
-            states.append(assemble(mine))
-        return tuple(states)
+        leaves: dict[int, np.ndarray] = {}
+        states: dict[int, Any] = {}
+        for d in range(self.program.schedule.num_devices):
+            mine = [parts[r] for r in self.ranks(d)]
+            for i in mine[0][0]:
+                leaves[i] = assemble([m[0][i] for m in mine])
+            for s in mine[0][1]:
+                states[s] = assemble([m[1][s] for m in mine])
+        return leaves, states
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -331,24 +277,21 @@ class RayRunner:
         example: tuple[Any, Any],
         *,
         optimizer: optax.GradientTransformation | None,
-    ) -> tuple[Resident, Resident | None, int]:
-        """Read the latest complete version under ``path`` back into the world: (params
-        handle, optimizer state handle or None without ``optimizer``, its step). Refuses a
-        checkpoint of another plan, saying what differs."""
+    ) -> int:
+        """Read the latest complete version under ``path`` back into the world (the
+        optimizer state only with ``optimizer``) and return its step. Refuses a checkpoint
+        of another plan, saying what differs."""
         self._check_open()
-        layout = self._layout(_avals(like_params), *example)
+        layout = self._layout(shapes_of(like_params), *example)
         step, version = latest_version(path)
         check_plan(version, self._plan(layout))
         args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
             ((str(version / f"device-{self.device_of(r)}"), optimizer), {}) for r in range(self.world.num_processes)
         ]
         self._raise_failures(self.world.call("restore", args, what=f"restoring step {step}", stage_of=self._stage_of))
-        self._sent = None
         if optimizer is not None:
             self._optimizer = optimizer
-        self._versions["params"] += 1
-        self._versions["opt_state"] += 1
-        return self._handle("params"), (self._handle("opt_state") if optimizer is not None else None), step
+        return step
 
     def _plan(self, layout: _Layout) -> dict[str, Any]:
         return plan_record(
@@ -369,7 +312,9 @@ class RayRunner:
     # -- helpers ----------------------------------------------------------------------
 
     def _call_all(self, method: str, arg: tuple[tuple[Any, ...], dict[str, Any]], *, what: str) -> list[Any]:
-        results = self.world.call(method, [arg] * self.world.num_processes, what=what, stage_of=self._stage_of)
+        results = self.world.call(
+            method, [arg] * self.world.num_processes, what=what, stage_of=self._stage_of, stop_at=_failed
+        )
         self._raise_failures(results)
         return results
 
@@ -382,23 +327,6 @@ class RayRunner:
                 "build a new Pipeline and restore the last checkpoint"
             )
 
-    def _handle(self, kind: str) -> Resident:
-        return Resident(kind, self.key, self._versions[kind])
-
-    def _check(self, handle: Resident, kind: str) -> None:
-        if handle.kind != kind:
-            raise ExecutionError(f"a handle to {handle.kind} was passed where {kind} was expected")
-        if handle.pipeline != self.key:
-            raise ExecutionError(
-                f"these {kind} are held by another Ray pipeline; gather them there and pass the arrays"
-            )
-        if handle.version != self._versions[kind]:
-            raise ExecutionError(
-                f"this {kind} handle is out of date (version {handle.version}; the world holds version "
-                f"{self._versions[kind]}): the Ray backend keeps one copy, updated in place; gather a "
-                "state when it is returned to keep it"
-            )
-
     def _key(self, params: Any, example_inputs: Any, example_targets: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(params)
         batch = (example_inputs, example_targets)
@@ -409,20 +337,16 @@ class RayRunner:
             tuple((tuple(s.shape), str(s.dtype)) for s in jax.tree_util.tree_leaves(batch)),
         )
 
-    def _check_shapes(self, layout: _Layout, example_inputs: Any, example_targets: Any) -> None:
-        if self._key(layout.params, example_inputs, example_targets) != layout.key:
-            raise ExecutionError(
-                "this batch's shapes differ from those the world's stages were compiled for; a Ray pipeline "
-                "runs one set of shapes (build another Pipeline for others)"
-            )
-
     def _layout(self, params: Any, example_inputs: Any, example_targets: Any) -> _Layout:
         """The model traced for these shapes and installed in the world (once: a Ray
         pipeline compiles one set of shapes)."""
         key = self._key(params, example_inputs, example_targets)
         if self._installed is not None:
             if self._installed.key != key:
-                self._check_shapes(self._installed, example_inputs, example_targets)
+                raise ExecutionError(
+                    "these parameters' or this batch's shapes differ from those the world's stages were compiled "
+                    "for; a Ray pipeline runs one set of shapes (build another Pipeline for others)"
+                )
             return self._installed
         schedule = self.program.schedule
         specs = leaf_specs(self._specs, params)
@@ -435,7 +359,7 @@ class RayRunner:
             targets=example_targets,
             num_microbatches=schedule.num_microbatches,
             placement=schedule.placement,
-            remat=self._remat,
+            stage_options=self._options,
             mesh=self._mesh,
             specs=specs,
         )
@@ -461,45 +385,6 @@ class RayRunner:
         self._installed = layout
         return layout
 
-    def _load_params(self, params: Any, layout: _Layout) -> None:
-        """Ship the parameters unless the world holds these very arrays already."""
-        leaves = jax.tree_util.tree_leaves(params)
-        sent = self._sent
-        if (
-            sent is not None
-            and len(sent[1]) == len(leaves)
-            and all(r() is x for r, x in zip(sent[1], leaves, strict=True))
-        ):
-            return
-        host = jax.device_get(leaves)
-        model = layout.model
-        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = []
-        for r in range(self.world.num_processes):
-            uses = sorted(
-                {i for s in self.program.schedule.stages_on(self.device_of(r)) for i in model.stage_params[s]}
-            )
-            args.append((({i: host[i] for i in uses}, None), {}))
-        self.world.call("load", args, what="sending the parameters", stage_of=self._stage_of)
-        self._versions["params"] += 1
-        if all(isinstance(x, jax.Array) for x in leaves):
-            self._sent = (layout, tuple(weakref.ref(x) for x in leaves))
-
-    def _load_states(self, opt_state: Any, layout: _Layout) -> None:
-        num_stages = layout.model.num_stages
-        if not isinstance(opt_state, tuple) or len(opt_state) != num_stages:
-            raise ExecutionError(
-                f"opt_state must be the tuple of {num_stages} per-stage states a previous "
-                "train_step returned (gathered or as a handle), or None to start"
-            )
-        host = jax.device_get(opt_state)
-        schedule = self.program.schedule
-        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
-            ((None, {s: host[s] for s in schedule.stages_on(self.device_of(r))}), {})
-            for r in range(self.world.num_processes)
-        ]
-        self.world.call("load", args, what="sending the optimizer state", stage_of=self._stage_of)
-        self._versions["opt_state"] += 1
-
     def _raise_failures(self, reports: Sequence[Any]) -> None:
         failures = [r for r in reports if isinstance(r, Failure)]
         if not failures:
@@ -513,3 +398,7 @@ class RayRunner:
             stage=blame.stage,
             device=blame.device,
         )
+
+
+def _failed(result: Any) -> bool:
+    return isinstance(result, Failure)

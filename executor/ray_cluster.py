@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from pipedsl.executor.devices import with_device_count
-from pipedsl.executor.errors import ExecutionError
+from pipedsl.executor.errors import ExecutionError, first_line
 from pipedsl.executor.ray_actor import WorldProcess
 from pipedsl.executor.ray_connection import connect, disconnect, owns_instance
 from pipedsl.executor.ray_placement import reserve
@@ -137,12 +137,6 @@ class DeviceLost(ExecutionError):
     def __init__(self, message: str, *, stage: int | None, device: int | None, node: NodeInfo | None) -> None:
         self.node = node
         super().__init__(message, stage=stage, device=device)
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an error's message (Ray's carry whole remote tracebacks)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 class RayWorld:
@@ -256,9 +250,12 @@ class RayWorld:
         what: str,
         stage_of: Callable[[int], int | None],
         timeout: float | None = None,
+        stop_at: Callable[[Any], bool] | None = None,
     ) -> list[Any]:
         """Run ``method`` on every process ``r`` with ``args[r]`` (positional, keyword;
-        None skips it) and return the results by rank.
+        None skips it) and return the results by rank. With ``stop_at``, the first result
+        for which it is true returns at once (the others are then None): a process that
+        failed may leave its partners waiting in a collective that never comes.
 
         Waits at most ``timeout`` seconds (default ``step_timeout``). A dead process or
         node, or one that does not answer in time, raises :class:`DeviceLost` after the
@@ -283,6 +280,8 @@ class RayWorld:
                 r = pending.pop(ref)
                 try:
                     results[r] = ray.get(ref, timeout=limit)
+                    if stop_at is not None and stop_at(results[r]):
+                        return results
                 except RayActorError as err:
                     self._lost(r, what, err, stage_of)
                 except RayError as err:

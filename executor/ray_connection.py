@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from pipedsl.executor.errors import ExecutionError
+from pipedsl.executor.errors import ExecutionError, first_line
 
 __all__ = ["connect", "disconnect", "owns_instance", "SLOT", "SLOTS"]
 
@@ -204,7 +204,7 @@ def _init_bounded(options: dict[str, Any], timeout: float, where: str) -> None:
         else:
             error = _join(options, timeout, where)
     if error is not None:
-        raise ExecutionError(f"cannot connect to {where}: {type(error).__name__}: {_first_line(error)}") from error
+        raise ExecutionError(f"cannot connect to {where}: {type(error).__name__}: {first_line(error)}") from error
     if not ray.is_initialized():
         raise ExecutionError(f"cannot connect to {where}: ray.init returned without a connection")
 
@@ -259,11 +259,6 @@ def _start_local(options: dict[str, Any]) -> BaseException | None:
     if interrupted:
         raise KeyboardInterrupt
     return None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _exit_on_sigterm() -> None:

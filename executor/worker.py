@@ -188,6 +188,10 @@ class Worker:
         batch's leaves where the first/last stage lives (else empty); with
         ``keep_grads`` (and no ``update``) the summed gradients are returned."""
         self.applied = False
+        if update is not None and not update.init:
+            # Before the program: a state that cannot be used is refused while no device
+            # has updated anything.
+            self._check_states(update.optimizer)
         model = self.model
         timeout = self.runtime.recv_timeout
         stages = self.runtime.stages
@@ -320,7 +324,6 @@ class Worker:
             if state is None:
                 state = init(params_s)
             elif s not in self._placed_states:
-                _check_state(state, state_at, s)
                 # A copy: the update donates the state, and this one is the caller's.
                 state = jax.device_put(state, state_at, may_alias=False)
             grads_s = jax.tree_util.tree_unflatten(treedef, [grads[i] for i in owned])
@@ -338,6 +341,14 @@ class Worker:
                 owner = placement[model.owner[i]]
                 if owner != me:
                     self.leaves[i] = yield Receive(("param", s, i), owner)
+
+    def _check_states(self, optimizer: optax.GradientTransformation) -> None:
+        """Refuse a loaded optimizer state whose structure this optimizer does not give."""
+        compiled = self._compiled_for(optimizer)
+        for s in self.local:
+            state = self.states.get(s)
+            if state is not None and s not in self._placed_states:
+                _check_state(state, self._compiled_update(compiled, s)[2], s)
 
     def abstract_state(self, optimizer: optax.GradientTransformation, stage: int) -> Any:
         """The shapes, dtypes and shardings of local ``stage``'s optimizer state (a pytree
@@ -458,12 +469,12 @@ def compile_device(
     specs: Sequence[PartitionSpec],
     zero: int,
     num_microbatches: int,
-    remat: Sequence[StageOptions],
+    stage_options: Sequence[StageOptions],
     placement: Sequence[int],
     reduce_once: bool = False,
 ) -> dict[int, StageProgram]:
     """The compiled programs of ``stages`` (all on one pipeline device, whose mesh is
-    ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``; ``remat``
+    ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``; ``stage_options``
     every stage's :class:`~pipedsl.executor.stage_options.StageOptions`."""
     programs = {}
     for s in stages:
@@ -471,7 +482,7 @@ def compile_device(
         avals = [model.param_avals[i] for i in idx]
         layout = StageLayout(mesh, [specs[i] for i in idx], avals, zero=zero, leaves=idx, reduce_once=reduce_once)
         programs[s] = compile_stage(
-            model, s, num_microbatches=num_microbatches, options=remat[s], device=placement[s], layout=layout
+            model, s, num_microbatches=num_microbatches, options=stage_options[s], device=placement[s], layout=layout
         )
     return programs
 

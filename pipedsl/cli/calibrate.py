@@ -176,15 +176,6 @@ def _platform(backend: Any) -> str:
     return str(jax.devices()[0].platform)
 
 
-def _wait(state: Any, backend: Any) -> None:
-    """Wait for a step's parameter updates: the local backend returns before they are
-    computed (JAX dispatches asynchronously); Ray's steps return when they are done."""
-    if backend == "local":
-        import jax
-
-        jax.block_until_ready(state)
-
-
 def _pipeline(schedule: Schedule, microbatch_size: int, backend: Any, plan: PlannedRun | None) -> tuple[Any, Any, Any]:
     """(pipeline, initial parameters, batch) of the demo transformer under ``schedule``."""
     import jax
@@ -204,7 +195,7 @@ def _pipeline(schedule: Schedule, microbatch_size: int, backend: Any, plan: Plan
 
 
 def _recorded_steps(
-    pipe: Any, state: Any, opt_state: Any, batch: Any, *, optimizer: Any, backend: Any, losses: list[float]
+    pipe: Any, state: Any, opt_state: Any, batch: Any, *, optimizer: Any, losses: list[float]
 ) -> tuple[Any, Any, list[Timeline], list[float]]:
     """Run :data:`_RECORDED_STEPS` recorded training steps: (state, optimizer state, their
     timelines, the seconds each step spent outside its timeline); appends their losses."""
@@ -215,7 +206,6 @@ def _recorded_steps(
         result = pipe.step(state, batch, optimizer=optimizer, opt_state=opt_state, record=True)
         state, opt_state = result.params, result.opt_state
         losses.append(float(result.loss))
-        _wait(state, backend)
         wall = time.perf_counter() - start
         assert result.timeline is not None  # asked for with record=True
         recorded.append(result.timeline)
@@ -251,7 +241,7 @@ class _Trial:
             for _ in range(2):
                 self._train()
             self.state, self.opt_state, self.recorded, outside = _recorded_steps(
-                self.pipe, self.state, self.opt_state, self.batch, optimizer=self.optimizer, backend=backend,
+                self.pipe, self.state, self.opt_state, self.batch, optimizer=self.optimizer,
                 losses=self.losses,
             )  # fmt: skip
             # On Ray a send's copy to host, serialisation and actor call (measured as the
@@ -277,7 +267,6 @@ class _Trial:
         """One plain training step, its wall time kept (seconds, updates included)."""
         start = time.perf_counter()
         self._train()
-        _wait(self.state, self.backend)
         self.times.append(time.perf_counter() - start)
 
     def result(self) -> Measurement:

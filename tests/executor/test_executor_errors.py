@@ -176,11 +176,10 @@ def test_stalled_stage_is_named_within_a_bounded_wait() -> None:
         stuck_when_it_failed = not returned.is_set()
     finally:
         release.set()
-        # The devices' thread ends once the stage wakes; it may not outlive the test (a
-        # thread inside XLA at interpreter exit aborts the process).
-        for thread in threading.enumerate():
-            if thread.name.startswith("pipedsl-device"):
-                thread.join(timeout=30.0)
+        # The devices' helper thread leaves XLA once the stage wakes; it may not be inside
+        # XLA when the tests end (a thread inside XLA at interpreter exit aborts the process).
+        returned.wait(timeout=30.0)
+        jax.effects_barrier()
     # The stalled device is named with what it was doing; the step fails about one
     # receive timeout after the last progress, while the stage is still stuck.
     assert info.value.device == 1

@@ -45,11 +45,13 @@ def test_hybrid_plan_matches_single_device(
 ) -> None:
     schedule = hybrid_schedule(name, pp, vpp)
     _, params, batch, ref_loss, ref_grads = hybrid_problem(form, schedule.num_stages, dp)
-    result = hybrid(form, schedule, dp=dp, tp=tp, zero=zero).step(params, batch)
+    pipe = hybrid(form, schedule, dp=dp, tp=tp, zero=zero)
+    result = pipe.step(params, batch)
     assert abs(float(result.loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))
     assert_relative_close(result.grads, ref_grads)
-    # Every parameter leaf's gradient lives on a whole stage mesh of dp x tp devices.
-    assert {len(g.sharding.device_set) for g in jax.tree_util.tree_leaves(result.grads)} == {dp * tp}
+    # Every parameter leaf is held on a whole stage mesh of dp x tp devices.
+    held = [leaf for worker in pipe.backend.workers for leaf in worker.leaves.values()]
+    assert {len(leaf.sharding.device_set) for leaf in held} == {dp * tp}
 
 
 @pytest.mark.parametrize(
@@ -66,13 +68,13 @@ def test_optimizer_steps_match_optax_on_one_device(dp: int, tp: int, pp: int, na
     # Adam turns the rounding noise of gradients that are zero in exact arithmetic (the
     # attention key bias) into parameter noise bounded by eps: parameters of size ~0.1
     # are compared to an absolute 1e-6, as for the pure pipelines.
-    assert_trees_close(jax.device_get(params), ref_params, atol=1e-6)
+    assert_trees_close(pipe.gather(params), ref_params, atol=1e-6)
     # The gathered state is plain host arrays of the unsharded shapes.
     gathered = pipe.gather(state)
     assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree_util.tree_leaves(gathered))
     if zero:
         # ZeRO shards the optimizer state of the largest leaf over "data".
-        big = max(jax.tree_util.tree_leaves(state[0]), key=lambda leaf: leaf.size)
+        big = max(jax.tree_util.tree_leaves(pipe.backend.workers[0].states[0]), key=lambda leaf: leaf.size)
         assert "data" in str(big.sharding.spec)
 
 

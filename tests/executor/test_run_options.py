@@ -11,12 +11,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import pipedsl
+from helpers import assert_trees_close
 from pipedsl.cli import main
-from pipedsl.executor import ExecutionError, Pipeline
+from pipedsl.executor import ExecutionError, Pipeline, Resident
 from pipedsl.executor.models import mlp
 from pipedsl.simulator import CostModel
 
@@ -127,12 +129,45 @@ def test_train_step_checks_its_optimizer_state_and_loss() -> None:
     with pytest.raises(ExecutionError, match="optimizer must be an optax.GradientTransformation .* got NoneType"):
         pipe.train_step(params, None, batch, optimizer=None)  # type: ignore[arg-type]
     adam = optax.adam(1e-3)
-    params, state, loss = pipe.train_step(params, None, batch, optimizer=adam)
     wrong = tuple(optax.sgd(0.1, momentum=0.9).init(p) for p in params)
+    params, state, loss = pipe.train_step(params, None, batch, optimizer=adam)
     with pytest.raises(ExecutionError, match=r"opt_state\[0\] \(the optimizer state of stage 0\) is not what"):
         pipe.train_step(params, wrong, batch, optimizer=adam)
+    # Refused before any device updated anything: the parameters' handle is still good.
     nan_batch = (x * jnp.nan, x)
-    _, _, loss = pipe.train_step(params, state, nan_batch, optimizer=adam)
-    assert jnp.isnan(loss)  # without the check a NaN passes, as before
+    params, state, loss = pipe.train_step(params, None, nan_batch, optimizer=adam)
+    assert np.isnan(loss)  # without the check a NaN passes, as before
     with pytest.raises(ExecutionError, match=r"the loss is nan \(check_finite=True\)"):
         pipe.train_step(params, state, nan_batch, optimizer=adam, check_finite=True)
+
+
+def test_state_stays_on_the_devices_as_handles_and_results_come_back_as_numpy() -> None:
+    stages, params = _stages()
+    pipe = Pipeline(stages, loss=_loss, schedule=pipedsl.load("1f1b", pp=2, microbatches=2))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 4))
+    batch = (x, x)
+    loss, grads = pipe.value_and_grad(params, batch)
+    assert isinstance(loss, np.ndarray) and loss.shape == ()
+    assert all(isinstance(g, np.ndarray) for g in jax.tree_util.tree_leaves(grads))
+    sgd = optax.sgd(0.1)
+    held, state, _ = pipe.train_step(params, None, batch, optimizer=sgd)
+    assert isinstance(held, Resident) and isinstance(state, Resident)
+    # A handle computes the same step as the values it stands for.
+    values = pipe.gather(held)
+    assert all(isinstance(v, np.ndarray) for v in jax.tree_util.tree_leaves(values))
+    np.testing.assert_allclose(pipe.value_and_grad(held, batch)[0], pipe.value_and_grad(values, batch)[0], rtol=1e-6)
+    expected = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    assert_trees_close(values, expected, atol=1e-6)
+    # Other arrays replace the one copy the devices hold: the handle is then out of date.
+    newer, state, _ = pipe.train_step(values, state, batch, optimizer=sgd)
+    with pytest.raises(ExecutionError, match="this params handle is out of date"):
+        pipe.train_step(held, state, batch, optimizer=sgd)
+    # A batch of other shapes recompiles the stages and keeps the state the devices hold.
+    before = pipe.gather(newer)
+    pipe.value_and_grad(newer, (jnp.concatenate([x, x]), jnp.concatenate([x, x])))
+    assert_trees_close(pipe.gather(newer), before)
+    other = Pipeline(stages, loss=_loss, schedule=pipedsl.load("1f1b", pp=2, microbatches=2))
+    with pytest.raises(ExecutionError, match="held by another pipeline"):
+        other.value_and_grad(newer, batch)
+    made = other.init(mlp(num_stages=2, width=4, layers_per_stage=1).init_stages, jax.random.PRNGKey(0), batch=batch)
+    assert_trees_close(other.gather(made), params)

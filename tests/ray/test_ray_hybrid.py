@@ -29,7 +29,7 @@ from helpers import (  # noqa: E402
     hybrid_reference_adam,
     hybrid_schedule,
 )
-from pipedsl.executor.ray_backend import Resident  # noqa: E402
+from pipedsl.executor.backend import Resident  # noqa: E402
 from pipedsl.executor.ray_cluster import RayConfig, connect, disconnect  # noqa: E402
 
 pytestmark = [

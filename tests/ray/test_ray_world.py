@@ -26,7 +26,8 @@ from helpers import (
     zb_auto,
 )
 from helpers import setup as reference
-from pipedsl.executor.ray_backend import RayRunner, Resident
+from pipedsl.executor.backend import Resident
+from pipedsl.executor.ray_backend import RayRunner
 from pipedsl.executor.ray_cluster import RayConfig
 from pipedsl.executor.ray_transport import worker_exchanges, worker_groups
 from pipedsl.rendezvous import exchange_groups, exchange_order

@@ -1,6 +1,7 @@
 """The Ray world's state and faults on a four-node Ray cluster on this machine
-(``tests/ray/conftest.py``): parameters made in the world, a killed process, the command
-line on a plan whose meshes span nodes, and checkpoints per shard.
+(``tests/ray/conftest.py``): parameters made in the world, a killed process, a recorded
+step, a stage that raises, the command line on a plan whose meshes span nodes, and
+checkpoints per shard.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from helpers import (
 )
 from helpers import setup as reference
 from pipedsl.executor import ExecutionError
-from pipedsl.executor.ray_backend import RayRunner, Resident
+from pipedsl.executor.backend import Resident
+from pipedsl.executor.ray_backend import RayRunner
 from pipedsl.executor.ray_cluster import DeviceLost, RayConfig
 
 pytestmark = [
@@ -170,6 +172,69 @@ def _wait_gone(pid: int, *, within: float) -> None:
             pass
         assert time.monotonic() < deadline, f"process {pid} is still there"
         time.sleep(0.05)
+
+
+def test_a_recorded_step_times_every_action_of_every_device(cluster: Cluster) -> None:
+    schedule = library("1f1b")
+    params, batch, ref_loss, _ = reference("mlp", "explicit", schedule.num_stages)
+    with pipeline("mlp", "explicit", schedule, backend=CONFIG) as pipe:
+        result = pipe.step(params, batch, record=True)
+        sends = [i for dev in pipe.program.devices for i in dev.instructions if type(i).__name__ == "Send"]
+    assert result.timeline is not None and result.timeline.origin == "measured"
+    frame = result.timeline.to_dataframe()
+    computes = frame[frame.kind != "send"]
+    assert len(computes) == schedule.num_actions
+    assert (frame.kind == "send").sum() == len(sends)
+    assert (frame.end >= frame.start).all() and (frame.start >= 0).all()
+    # Within a device, recorded actions do not overlap and keep the program's order.
+    for device, rows in computes.groupby("device"):
+        order = [f"{s}{k}{m}" for s, k, m in zip(rows.stage, rows.kind, rows.microbatch, strict=True)]
+        assert order == [str(a) for a in schedule.orders[device]]
+        assert (rows.start.to_numpy()[1:] >= rows.end.to_numpy()[:-1]).all()
+    assert_relative_close(result.loss, ref_loss)
+
+
+def _refuse(x: np.ndarray) -> np.ndarray:
+    raise ValueError(f"a row of {x.shape[-1]} values where this stage takes 3")
+
+
+def _checked(x: jax.Array) -> jax.Array:
+    return jax.pure_callback(_refuse, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def _refusing_stage(p: jax.Array, x: jax.Array) -> jax.Array:
+    # Fails where it runs, inside the world (compiling succeeds); the identity's custom_vjp
+    # is built per call, as _held_stage's.
+    hook = jax.custom_vjp(_checked)
+    hook.defvjp(lambda x: (_checked(x), None), lambda _, g: (g,))
+    return jax.numpy.tanh(hook(x) @ p)
+
+
+def test_a_stage_that_raises_names_the_stage_and_ends_the_world(cluster: Cluster) -> None:
+    from pipedsl.executor import Pipeline
+
+    key = jax.random.PRNGKey(0)
+    params = [jax.random.normal(k, (8, 8)) / 8**0.5 for k in jax.random.split(key, 2)]
+    x = jax.random.normal(key, (8, 8))
+    schedule = library("1f1b")
+    pipe = Pipeline([_dense, _refusing_stage], loss=_mse, schedule=schedule, backend=CONFIG)
+    pids = [node.pid for node in _runner(pipe).world.nodes]
+    try:
+        with pytest.raises(ExecutionError) as caught:
+            pipe.step(params, (x, jax.numpy.sin(x)))
+        err = caught.value
+        assert not isinstance(err, DeviceLost)  # the stage's own error, not a timeout
+        assert err.stage == 1 and "stage 1" in str(err)
+        assert "a row of 8 values where this stage takes 3" in str(err) and "torn down" in str(err)
+        for pid in pids:
+            _wait_gone(pid, within=30)
+        with pytest.raises(ExecutionError, match="torn down"):
+            pipe.step(params, (x, x))
+    finally:
+        pipe.close()
+    params2, batch2, ref_loss, _ = reference("mlp", "explicit", 2)
+    with pipeline("mlp", "explicit", schedule, backend=CONFIG) as fresh:
+        assert_relative_close(fresh.step(params2, batch2).loss, ref_loss)
 
 
 def test_cli_runs_a_searched_plan_whose_meshes_span_nodes(cluster: Cluster, tmp_path: Path) -> None:
