@@ -22,35 +22,26 @@ from ray.cluster_utils import Cluster
 
 from helpers import (
     HYBRID_ADAM,
+    RAY_CONFIG,
+    RAY_MARKS,
     assert_relative_close,
     hybrid,
     hybrid_problem,
     hybrid_schedule,
     library,
     pipeline,
+    ray_runner,
 )
 from helpers import setup as reference
 from pipedsl.executor import ExecutionError
-from pipedsl.executor.ray_backend import RayRunner, Resident
-from pipedsl.executor.ray_cluster import DeviceLost, RayConfig
+from pipedsl.executor.ray_backend import Resident
+from pipedsl.executor.ray_cluster import DeviceLost
 
-pytestmark = [
-    pytest.mark.ray,
-    # The cluster's processes are started from this process, after JAX has started its
-    # threads; Ray execs right after forking, which is safe.
-    pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning"),
-]
+pytestmark = RAY_MARKS
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 ROOT = Path(__file__).parents[2]
-CONFIG = RayConfig(step_timeout=240, start_timeout=120)
-
-
-def _runner(pipe: object) -> RayRunner:
-    backend = pipe.backend  # type: ignore[attr-defined]
-    assert isinstance(backend, RayRunner)
-    return backend
 
 
 def test_parameters_made_in_the_world(cluster: Cluster) -> None:
@@ -61,7 +52,7 @@ def test_parameters_made_in_the_world(cluster: Cluster) -> None:
     ref_loss, ref_grads = jax.jit(
         jax.value_and_grad(lambda p, x, t: m.loss(m.stages[1](p[1], m.stages[0](p[0], x)), t))
     )(made, *batch)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=CONFIG) as pipe:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=RAY_CONFIG) as pipe:
         held = pipe.init(m.init_stages, key, batch=batch)
         assert isinstance(held, Resident)
         result = pipe.step(held, batch)
@@ -113,9 +104,8 @@ def test_a_killed_process_ends_the_step_with_device_lost(cluster: Cluster) -> No
     x = jax.random.normal(key, (8, 8))
     batch = (x, jax.numpy.sin(x))
     schedule = library("1f1b")
-    pipe = Pipeline([_dense, _held_stage], loss=_mse, schedule=schedule, backend=CONFIG)
-    runner = _runner(pipe)
-    pids = [node.pid for node in runner.world.nodes]
+    pipe = Pipeline([_dense, _held_stage], loss=_mse, schedule=schedule, backend=RAY_CONFIG)
+    pids = [node.pid for node in ray_runner(pipe).world.nodes]
     outcome: list[BaseException] = []
 
     def step() -> None:
@@ -151,7 +141,7 @@ def test_a_killed_process_ends_the_step_with_device_lost(cluster: Cluster) -> No
                 os.unlink(os.path.join(FLAGS, name))
         pipe.close()
     params2, batch2, ref_loss, ref_grads = reference("mlp", "explicit", 2)
-    with pipeline("mlp", "explicit", schedule, backend=CONFIG) as fresh:
+    with pipeline("mlp", "explicit", schedule, backend=RAY_CONFIG) as fresh:
         result = fresh.step(params2, batch2)
     assert_relative_close(result.loss, ref_loss)
 
@@ -192,19 +182,19 @@ def test_cli_runs_a_searched_plan_whose_meshes_span_nodes(cluster: Cluster, tmp_
 def test_checkpoint_per_shard_resumes_on_the_same_plan_and_refuses_another(cluster: Cluster, tmp_path: Path) -> None:
     schedule = hybrid_schedule("1f1b", 2, 1)
     _, params, batch, _, _ = hybrid_problem("explicit", 2, 2)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=CONFIG) as pipe:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=RAY_CONFIG) as pipe:
         held, state, _ = pipe.train_step(params, None, batch, optimizer=HYBRID_ADAM)
         version = pipe.save(str(tmp_path), step=1)
         held, state, expected_loss = pipe.train_step(held, state, batch, optimizer=HYBRID_ADAM)
         expected = pipe.gather(held)
     # Every pipeline device's processes wrote their part.
     assert sorted(p.name for p in Path(version).iterdir()) == ["device-0", "device-1", "plan.json"]
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=CONFIG) as again:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=RAY_CONFIG) as again:
         held, state, step = again.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
         assert step == 1 and isinstance(state, Resident)
         held, state, loss = again.train_step(held, state, batch, optimizer=HYBRID_ADAM)
         assert_relative_close(loss, expected_loss)
         assert_relative_close(again.gather(held), expected)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=0, backend=CONFIG) as other:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=0, backend=RAY_CONFIG) as other:
         with pytest.raises(ExecutionError, match=r"saved by another plan \(zero: saved 1, this pipeline 0\)"):
             other.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
