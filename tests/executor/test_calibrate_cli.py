@@ -34,6 +34,7 @@ def _pipedsl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[st
     )
 
 
+@pytest.mark.slow
 def test_calibrate_writes_this_machines_cluster_and_runs_schedules_against_their_fit(tmp_path: Path) -> None:
     out, costs = tmp_path / "machine.toml", tmp_path / "costs"
     done = _pipedsl(

@@ -34,6 +34,7 @@ def test_building_the_parser_does_not_import_jax() -> None:
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.slow
 def test_run_trains_and_saves_a_measured_timeline(tmp_path: Path) -> None:
     timeline_path = tmp_path / "zb.json"
     schedule = str(pipedsl.library_path("zb_h1"))

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import fresh_process_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_its_checks_on_the_cpu(tmp_path: Path) -> None:
     env = fresh_process_env()
     env["PY"] = sys.executable

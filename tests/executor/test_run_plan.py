@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import fresh_process_env
 from pipedsl.simulator.search import search
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_a_searched_llama_plan_runs_as_ranked(tmp_path: Path) -> None:
     frame = search(
         "llama-8b", "h200", 8, global_batch=8, schedules=["1f1b"], recompute=["selective"], flash_attention=False,
