@@ -26,10 +26,12 @@ demo: $(STAMP)
 # Two workers: most of the suite's time is single-threaded (XLA's compiles, Python), so a
 # 2-core machine runs it in about three quarters of the time. A file's tests stay on one
 # worker, so that its module fixtures (a Ray cluster, compiled pipelines) are made once.
+# The workers take files in collection order (tests/conftest.py puts the slow ones first),
+# not in xdist's order of most tests first, which leaves a file of one long test for last.
 TEST_WORKERS ?= 2
 
 test: lint typecheck
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # The format check reads pyproject's [tool.ruff] settings (line length 120).
 lint: $(STAMP)

@@ -18,6 +18,13 @@ file before it starts the workers, so they inherit its folder and leave it to th
 controller to remove. This directory is on ``sys.path`` (pytest puts a conftest's folder
 there), so every tier imports ``helpers``.
 
+The modules of the Ray tier (marked ``ray``: they start clusters and worlds), then the
+other modules that hold a test marked ``slow``, are collected first, each module's tests
+together and in their order. Under ``make test`` (``--dist loadfile --no-loadscope-reorder``)
+the workers take whole modules in collection order, so the long ones start first and the
+many short ones even out the end; xdist's own order (most tests first) would leave a module
+of one long test for last.
+
 Tests of Ctrl-C take the ``ctrl_c`` fixture: SIGINT as a foreground job in a terminal gets
 it, whatever this run inherited (a shell starts a background job with SIGINT ignored, and
 every process it starts inherits that).
@@ -50,6 +57,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # Every program, however small or quick to compile: most of them are.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank: dict[object, int] = {}
+    for item in items:
+        mine = 0 if item.get_closest_marker("ray") else 1 if item.get_closest_marker("slow") else 2
+        rank[item.path] = min(mine, rank.get(item.path, 2))
+    items.sort(key=lambda item: rank[item.path])  # stable: each module stays in one piece, in order
 
 
 @pytest.fixture

@@ -11,17 +11,21 @@ schedules, and the executor's single-device references.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from typing import Any
 
 import jax
 import numpy as np
 import optax
+import pytest
 from hypothesis import strategies as st
 
 import pipedsl
 from pipedsl.executor import Pipeline
 from pipedsl.executor.models import BuiltinModel, mlp, reference_stages, transformer
+from pipedsl.executor.ray_backend import RayRunner
+from pipedsl.executor.ray_cluster import RayConfig
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.validate import dependencies
 
@@ -115,6 +119,54 @@ def v_shape(pp: int, m: int, *, split: bool) -> Schedule:
             order += [Action(Kind.I, s, mb), Action(Kind.W, s, mb)] if split else [Action(Kind.B, s, mb)]
     orders = tuple(tuple(a for a in order if placement[a.stage] == d) for d in range(pp))
     return Schedule("v", num_stages, pp, m, placement, orders)
+
+
+# --- fresh processes ----------------------------------------------------------------------
+
+
+# The entry of XLA_FLAGS that gives JAX its CPU devices (tests/conftest.py sets it).
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def fresh_process_env() -> dict[str, str]:
+    """This process's environment for a fresh ``pipedsl`` process that must give JAX its
+    devices itself: ``XLA_FLAGS`` less its host device count. The rest of the flags stay, so
+    the process compiles as this one does (tests/conftest.py: no LLVM optimisation of the
+    CPU code); what such a process checks it compares with results of its own or of other
+    processes started the same way."""
+    env = dict(os.environ)
+    kept = " ".join(f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT))
+    if kept:
+        env["XLA_FLAGS"] = kept
+    return env
+
+
+# --- the Ray world's test modules (tests/ray/conftest.py gives them their cluster) ------------
+
+
+RAY_MARKS = [
+    pytest.mark.ray,
+    # The cluster's processes are started from the test process, after JAX has started its
+    # threads; Ray execs right after forking, which is safe.
+    pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning"),
+]
+
+# A world's processes take XLA_FLAGS from their runtime environment (with their own device
+# count added), not from the test process: the compile options of tests/conftest.py go
+# there, so that they compile as the test process does.
+_COMPILE_FLAGS = fresh_process_env().get("XLA_FLAGS", "")
+RAY_CONFIG = RayConfig(
+    step_timeout=240,
+    start_timeout=120,
+    runtime_env={"env_vars": {"XLA_FLAGS": _COMPILE_FLAGS}} if _COMPILE_FLAGS else None,
+)
+
+
+def ray_runner(pipe: Any) -> RayRunner:
+    """The Ray backend of ``pipe``."""
+    backend = pipe.backend
+    assert isinstance(backend, RayRunner)
+    return backend
 
 
 # --- random valid schedules ------------------------------------------------------------

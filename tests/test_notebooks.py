@@ -66,6 +66,7 @@ def _kernel_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MPLBACKEND")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem)
 def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     nb = nbformat.read(path, as_version=4)

@@ -6,7 +6,6 @@ their predictions differ by more than the spread of their measurements."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import pipedsl
+from helpers import fresh_process_env
 from pipedsl.cli.calibrate import DEMO_MODEL, Measurement
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import Step, TimedSteps, interleaved_medians, round_times
@@ -26,14 +26,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pipedsl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    # A fresh process without XLA_FLAGS: the command must give JAX its devices itself; on
-    # CPU, whatever else the machine has (the GPU path is the same fit on other numbers).
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    # A fresh process without the device count: the command must give JAX its devices itself;
+    # on CPU, whatever else the machine has (the GPU path is the same fit on other numbers).
+    env = fresh_process_env() | {"JAX_PLATFORMS": "cpu"}
     return subprocess.run(
         [sys.executable, "-m", "pipedsl", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout
     )
 
 
+@pytest.mark.slow
 def test_calibrate_writes_this_machines_cluster_and_runs_schedules_against_their_fit(tmp_path: Path) -> None:
     out, costs = tmp_path / "machine.toml", tmp_path / "costs"
     done = _pipedsl(

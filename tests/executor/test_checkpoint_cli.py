@@ -9,7 +9,6 @@ and the stage. Two tests run ``pipedsl`` as a fresh process; the others call the
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from helpers import library
+from helpers import fresh_process_env, library
 from pipedsl.cli import main
 from pipedsl.cli.health import NonFiniteLoss, nonfinite_origin
 from pipedsl.executor import Pipeline
@@ -32,7 +31,7 @@ RUN = ["run", "1f1b", "-p", "pp=2", "-p", "microbatches=2", "--width", "8", "--l
 
 
 def _pipedsl(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = fresh_process_env()
     return subprocess.run(
         [sys.executable, "-m", "pipedsl", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import pipedsl
+from helpers import fresh_process_env
 from pipedsl.cli import main
 from pipedsl.cli.run import _recorded_interrupts
 from pipedsl.timeline import Timeline
@@ -20,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pipedsl(*args: str) -> subprocess.CompletedProcess[str]:
-    # A fresh process without XLA_FLAGS: the command must give JAX its devices itself.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # A fresh process without the device count: the command must give JAX its devices itself.
+    env = fresh_process_env()
     return subprocess.run(
         [sys.executable, "-m", "pipedsl", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
     )
@@ -33,6 +34,7 @@ def test_building_the_parser_does_not_import_jax() -> None:
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.slow
 def test_run_trains_and_saves_a_measured_timeline(tmp_path: Path) -> None:
     timeline_path = tmp_path / "zb.json"
     schedule = str(pipedsl.library_path("zb_h1"))

@@ -4,16 +4,20 @@ forced CPU devices, prints one table and writes one JSON line, and never imports
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from helpers import fresh_process_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_its_checks_on_the_cpu(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = fresh_process_env()
     env["PY"] = sys.executable
     checks = "fp32,recompute-selective,hybrid,no-such-check"
     bad = subprocess.run(

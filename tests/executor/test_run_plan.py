@@ -4,16 +4,19 @@ it runs, which matches the plan's row."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from helpers import fresh_process_env
 from pipedsl.simulator.search import search
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_a_searched_llama_plan_runs_as_ranked(tmp_path: Path) -> None:
     frame = search(
         "llama-8b", "h200", 8, global_batch=8, schedules=["1f1b"], recompute=["selective"], flash_attention=False,
@@ -24,8 +27,8 @@ def test_a_searched_llama_plan_runs_as_ranked(tmp_path: Path) -> None:
     rows = frame[(frame.tp == 2) & (frame.pp == 2) & (frame.kind == "pipeline")]
     row = rows.iloc[0]
     assert row.recompute == "selective" and bool(row.sequence_parallel) and not bool(row.flash_attention)
-    # A fresh process without XLA_FLAGS: the command gives JAX its devices itself.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # A fresh process without the device count: the command gives JAX its devices itself.
+    env = fresh_process_env()
     out = subprocess.run(
         [sys.executable, "-m", "pipedsl", "run", "--plan", str(row["rank"]), "--plans", str(csv), "--steps", "2"],
         capture_output=True, text=True, cwd=ROOT, timeout=600, env=env,

@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 
 from helpers import (  # noqa: E402
     HYBRID_ADAM,
+    RAY_CONFIG,
     assert_relative_close,
     assert_trees_close,
     hybrid,
@@ -53,9 +54,9 @@ def test_ray_hybrid_plan_matches_single_device(
 ) -> None:
     schedule = hybrid_schedule(name, pp, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", schedule.num_stages, dp)
-    pipe = hybrid(
-        "explicit", schedule, dp=dp, tp=tp, zero=zero, backend=RayConfig(devices_per_process=2, step_timeout=300)
-    )
+    # The processes compile with the suite's XLA options, as the world modules' do.
+    config = RayConfig(devices_per_process=2, step_timeout=300, runtime_env=RAY_CONFIG.runtime_env)
+    pipe = hybrid("explicit", schedule, dp=dp, tp=tp, zero=zero, backend=config)
     try:
         result = pipe.step(params, batch)
         assert abs(float(result.loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))

@@ -5,17 +5,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from pathlib import Path
 
 import pytest
-import ray
 import ray.cloudpickle
 from ray.cluster_utils import Cluster
 
 from helpers import (
     HYBRID_ADAM,
     LIBRARY,
+    RAY_CONFIG,
+    RAY_MARKS,
     assert_relative_close,
     hybrid,
     hybrid_problem,
@@ -23,33 +24,18 @@ from helpers import (
     hybrid_schedule,
     library,
     pipeline,
+    ray_runner,
     zb_auto,
 )
 from helpers import setup as reference
 from pipedsl.executor.backend import Resident
-from pipedsl.executor.ray_backend import RayRunner
-from pipedsl.executor.ray_cluster import RayConfig
 from pipedsl.executor.ray_transport import worker_exchanges, worker_groups
 from pipedsl.rendezvous import exchange_groups, exchange_order
 from pipedsl.validate import peak_inflight
 
-pytestmark = [
-    pytest.mark.ray,
-    # The cluster's processes are started from this process, after JAX has started its
-    # threads; Ray execs right after forking, which is safe.
-    pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning"),
-]
+pytestmark = RAY_MARKS
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-ROOT = Path(__file__).parents[2]
-CONFIG = RayConfig(step_timeout=240, start_timeout=120)
-
-
-def _runner(pipe: object) -> RayRunner:
-    backend = pipe.backend  # type: ignore[attr-defined]
-    assert isinstance(backend, RayRunner)
-    return backend
 
 
 def _nodes_of(pipe: object) -> list[set[str]]:
@@ -60,36 +46,36 @@ def _check_transfers(pipe: object) -> None:
     """Every transfer of the step was a collective made by the processes of both meshes:
     no value reached a stage by another way (there is none left: a receive is answered
     only by a collective)."""
-    runner = _runner(pipe)
-    per = len(runner.ranks(0))
-    installed = runner._installed
+    backend = ray_runner(pipe)
+    per = len(backend.ranks(0))
+    installed = backend._installed
     assert installed is not None
-    order = exchange_order(runner.program) + worker_exchanges(
-        installed.model, runner.program.schedule.placement, update=False
+    order = exchange_order(backend.program) + worker_exchanges(
+        installed.model, backend.program.schedule.placement, update=False
     )
-    expected = [0] * runner.world.num_processes
+    expected = [0] * backend.world.num_processes
     for e in order:
         for d in (e.src, e.dst):
-            for r in runner.ranks(d):
+            for r in backend.ranks(d):
                 expected[r] += 1
-    assert runner.transfers == tuple(expected)
-    assert sum(runner.transfers) == 2 * per * len(order)
+    assert backend.transfers == tuple(expected)
+    assert sum(backend.transfers) == 2 * per * len(order)
     # Each group of exchanges was one collective of the processes of its two meshes.
-    groups = exchange_groups(runner.program) + worker_groups(
-        installed.model, runner.program.schedule.placement, update=False
+    groups = exchange_groups(backend.program) + worker_groups(
+        installed.model, backend.program.schedule.placement, update=False
     )
-    made = [0] * runner.world.num_processes
+    made = [0] * backend.world.num_processes
     for g in groups:
         for d in (g[0].src, g[0].dst):
-            for r in runner.ranks(d):
+            for r in backend.ranks(d):
                 made[r] += 1
-    assert runner.collectives == tuple(made)
+    assert backend.collectives == tuple(made)
 
 
 def test_spmd_dp4_over_four_processes(cluster: Cluster) -> None:
     schedule = hybrid_schedule("1f1b", 1, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", 1, 4)
-    with hybrid("explicit", schedule, dp=4, tp=1, zero=0, backend=CONFIG) as pipe:
+    with hybrid("explicit", schedule, dp=4, tp=1, zero=0, backend=RAY_CONFIG) as pipe:
         loss, grads = pipe.value_and_grad(params, batch)
         assert len(_nodes_of(pipe)[0]) == 4
     assert_relative_close(loss, ref_loss)
@@ -99,7 +85,7 @@ def test_spmd_dp4_over_four_processes(cluster: Cluster) -> None:
 def test_1f1b_dp2_pp2_meshes_across_nodes(cluster: Cluster) -> None:
     schedule = hybrid_schedule("1f1b", 2, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("marked", 2, 2)
-    with hybrid("marked", schedule, dp=2, tp=1, zero=0, backend=CONFIG) as pipe:
+    with hybrid("marked", schedule, dp=2, tp=1, zero=0, backend=RAY_CONFIG) as pipe:
         loss, grads = pipe.value_and_grad(params, batch)
         assert [len(nodes) for nodes in _nodes_of(pipe)] == [2, 2]
         _check_transfers(pipe)
@@ -110,7 +96,7 @@ def test_1f1b_dp2_pp2_meshes_across_nodes(cluster: Cluster) -> None:
 def test_zb_h1_dp2_tp2_pp2_tp_inside_a_process(cluster: Cluster) -> None:
     schedule = hybrid_schedule("zb_h1", 2, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", 2, 2)
-    config = RayConfig(devices_per_process=2, step_timeout=240, start_timeout=120)
+    config = dataclasses.replace(RAY_CONFIG, devices_per_process=2)
     with hybrid("explicit", schedule, dp=2, tp=2, zero=0, backend=config) as pipe:
         loss, grads = pipe.value_and_grad(params, batch)
         placement = pipe.placement()
@@ -128,7 +114,7 @@ def test_zb_h1_dp2_tp2_pp2_tp_inside_a_process(cluster: Cluster) -> None:
 def test_interleaved_1f1b_pp4_one_process_per_device(cluster: Cluster) -> None:
     schedule = hybrid_schedule("interleaved_1f1b", 4, 2)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("marked", schedule.num_stages, 1)
-    with hybrid("marked", schedule, dp=1, tp=1, zero=0, backend=CONFIG) as pipe:
+    with hybrid("marked", schedule, dp=1, tp=1, zero=0, backend=RAY_CONFIG) as pipe:
         loss, grads = pipe.value_and_grad(params, batch)
         assert len({next(iter(nodes)) for nodes in _nodes_of(pipe)}) == 4
         _check_transfers(pipe)
@@ -140,7 +126,7 @@ def test_zbv_zero3_across_nodes_trains_as_optax_on_one_device(cluster: Cluster) 
     schedule = hybrid_schedule("zbv", 2, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", schedule.num_stages, 2)
     expected = hybrid_reference_adam("explicit", schedule.num_stages, 2, steps=2)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=CONFIG) as pipe:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=RAY_CONFIG) as pipe:
         loss, grads = pipe.value_and_grad(params, batch)
         assert_relative_close(loss, ref_loss)
         assert_relative_close(grads, ref_grads)
@@ -159,7 +145,7 @@ def test_zbv_zero3_across_nodes_trains_as_optax_on_one_device(cluster: Cluster) 
 def test_every_library_schedule_runs_on_processes(cluster: Cluster, name: str) -> None:
     schedule = zb_auto(2) if name == "zb_auto" else library(name)
     params, batch, ref_loss, ref_grads = reference("mlp", "explicit", schedule.num_stages)
-    with pipeline("mlp", "explicit", schedule, backend=CONFIG) as pipe:
+    with pipeline("mlp", "explicit", schedule, backend=RAY_CONFIG) as pipe:
         result = pipe.step(params, batch)
         _check_transfers(pipe)
     assert_relative_close(result.loss, ref_loss)

@@ -23,36 +23,26 @@ from ray.cluster_utils import Cluster
 
 from helpers import (
     HYBRID_ADAM,
+    RAY_CONFIG,
+    RAY_MARKS,
     assert_relative_close,
     hybrid,
     hybrid_problem,
     hybrid_schedule,
     library,
     pipeline,
+    ray_runner,
 )
 from helpers import setup as reference
 from pipedsl.executor import ExecutionError
 from pipedsl.executor.backend import Resident
-from pipedsl.executor.ray_backend import RayRunner
-from pipedsl.executor.ray_cluster import DeviceLost, RayConfig
+from pipedsl.executor.ray_cluster import DeviceLost
 
-pytestmark = [
-    pytest.mark.ray,
-    # The cluster's processes are started from this process, after JAX has started its
-    # threads; Ray execs right after forking, which is safe.
-    pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning"),
-]
+pytestmark = RAY_MARKS
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 ROOT = Path(__file__).parents[2]
-CONFIG = RayConfig(step_timeout=240, start_timeout=120)
-
-
-def _runner(pipe: object) -> RayRunner:
-    backend = pipe.backend  # type: ignore[attr-defined]
-    assert isinstance(backend, RayRunner)
-    return backend
 
 
 def test_parameters_made_in_the_world(cluster: Cluster) -> None:
@@ -63,7 +53,7 @@ def test_parameters_made_in_the_world(cluster: Cluster) -> None:
     ref_loss, ref_grads = jax.jit(
         jax.value_and_grad(lambda p, x, t: m.loss(m.stages[1](p[1], m.stages[0](p[0], x)), t))
     )(made, *batch)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=CONFIG) as pipe:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=RAY_CONFIG) as pipe:
         held = pipe.init(m.init_stages, key, batch=batch)
         assert isinstance(held, Resident)
         result = pipe.step(held, batch)
@@ -115,9 +105,8 @@ def test_a_killed_process_ends_the_step_with_device_lost(cluster: Cluster) -> No
     x = jax.random.normal(key, (8, 8))
     batch = (x, jax.numpy.sin(x))
     schedule = library("1f1b")
-    pipe = Pipeline([_dense, _held_stage], loss=_mse, schedule=schedule, backend=CONFIG)
-    runner = _runner(pipe)
-    pids = [node.pid for node in runner.world.nodes]
+    pipe = Pipeline([_dense, _held_stage], loss=_mse, schedule=schedule, backend=RAY_CONFIG)
+    pids = [node.pid for node in ray_runner(pipe).world.nodes]
     outcome: list[BaseException] = []
 
     def step() -> None:
@@ -153,7 +142,7 @@ def test_a_killed_process_ends_the_step_with_device_lost(cluster: Cluster) -> No
                 os.unlink(os.path.join(FLAGS, name))
         pipe.close()
     params2, batch2, ref_loss, ref_grads = reference("mlp", "explicit", 2)
-    with pipeline("mlp", "explicit", schedule, backend=CONFIG) as fresh:
+    with pipeline("mlp", "explicit", schedule, backend=RAY_CONFIG) as fresh:
         result = fresh.step(params2, batch2)
     assert_relative_close(result.loss, ref_loss)
 
@@ -177,7 +166,7 @@ def _wait_gone(pid: int, *, within: float) -> None:
 def test_a_recorded_step_times_every_action_of_every_device(cluster: Cluster) -> None:
     schedule = library("1f1b")
     params, batch, ref_loss, _ = reference("mlp", "explicit", schedule.num_stages)
-    with pipeline("mlp", "explicit", schedule, backend=CONFIG) as pipe:
+    with pipeline("mlp", "explicit", schedule, backend=RAY_CONFIG) as pipe:
         result = pipe.step(params, batch, record=True)
         sends = [i for dev in pipe.program.devices for i in dev.instructions if type(i).__name__ == "Send"]
     assert result.timeline is not None and result.timeline.origin == "measured"
@@ -217,8 +206,8 @@ def test_a_stage_that_raises_names_the_stage_and_ends_the_world(cluster: Cluster
     params = [jax.random.normal(k, (8, 8)) / 8**0.5 for k in jax.random.split(key, 2)]
     x = jax.random.normal(key, (8, 8))
     schedule = library("1f1b")
-    pipe = Pipeline([_dense, _refusing_stage], loss=_mse, schedule=schedule, backend=CONFIG)
-    pids = [node.pid for node in _runner(pipe).world.nodes]
+    pipe = Pipeline([_dense, _refusing_stage], loss=_mse, schedule=schedule, backend=RAY_CONFIG)
+    pids = [node.pid for node in ray_runner(pipe).world.nodes]
     try:
         with pytest.raises(ExecutionError) as caught:
             pipe.step(params, (x, jax.numpy.sin(x)))
@@ -233,7 +222,7 @@ def test_a_stage_that_raises_names_the_stage_and_ends_the_world(cluster: Cluster
     finally:
         pipe.close()
     params2, batch2, ref_loss, _ = reference("mlp", "explicit", 2)
-    with pipeline("mlp", "explicit", schedule, backend=CONFIG) as fresh:
+    with pipeline("mlp", "explicit", schedule, backend=RAY_CONFIG) as fresh:
         assert_relative_close(fresh.step(params2, batch2).loss, ref_loss)
 
 
@@ -257,19 +246,19 @@ def test_cli_runs_a_searched_plan_whose_meshes_span_nodes(cluster: Cluster, tmp_
 def test_checkpoint_per_shard_resumes_on_the_same_plan_and_refuses_another(cluster: Cluster, tmp_path: Path) -> None:
     schedule = hybrid_schedule("1f1b", 2, 1)
     _, params, batch, _, _ = hybrid_problem("explicit", 2, 2)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=CONFIG) as pipe:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=RAY_CONFIG) as pipe:
         held, state, _ = pipe.train_step(params, None, batch, optimizer=HYBRID_ADAM)
         version = pipe.save(str(tmp_path), step=1)
         held, state, expected_loss = pipe.train_step(held, state, batch, optimizer=HYBRID_ADAM)
         expected = pipe.gather(held)
     # Every pipeline device's processes wrote their part.
     assert sorted(p.name for p in Path(version).iterdir()) == ["device-0", "device-1", "plan.json"]
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=CONFIG) as again:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=RAY_CONFIG) as again:
         held, state, step = again.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
         assert step == 1 and isinstance(state, Resident)
         held, state, loss = again.train_step(held, state, batch, optimizer=HYBRID_ADAM)
         assert_relative_close(loss, expected_loss)
         assert_relative_close(again.gather(held), expected)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=0, backend=CONFIG) as other:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=0, backend=RAY_CONFIG) as other:
         with pytest.raises(ExecutionError, match=r"saved by another plan \(zero: saved 1, this pipeline 0\)"):
             other.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
