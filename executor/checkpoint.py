@@ -287,7 +287,8 @@ def load_checkpoint(path: str | Path, *, like_params: Any = None, like_opt_state
 
 def _read_current(path: Path, *, attempts: int = 3) -> Checkpoint:
     """The version ``LATEST`` names. A save in another process may make a newer one
-    current and remove this one while it is read; then the newer one is read instead."""
+    current and remove this one between reading ``LATEST`` and reading the version;
+    then the newer one is read instead."""
     attempt = 1
     while True:
         current = _read_pointer(path)
@@ -297,6 +298,10 @@ def _read_current(path: Path, *, attempts: int = 3) -> Checkpoint:
                 "(nothing was saved here, or the first save was interrupted)"
             )
         try:
+            if not (path / current).is_dir():
+                raise CheckpointError(
+                    f"{path / _LATEST}: names {current[:80]!r}, which is not a saved version in {path}"
+                )
             return _read_version(path / current)
         except (OSError, CheckpointError):
             if attempt == attempts or _read_pointer(path) == current:
@@ -305,14 +310,15 @@ def _read_current(path: Path, *, attempts: int = 3) -> Checkpoint:
 
 
 def _read_pointer(path: Path) -> str | None:
-    """The current version's name from ``LATEST``, or None when there is none."""
+    """The current version's name from ``LATEST`` (checked to be a version name, not
+    that the version is there: :func:`_read_current` does that), or None when there is none."""
     try:
         name = (path / _LATEST).read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         return None
     except UnicodeDecodeError:
         raise CheckpointError(f"{path / _LATEST}: not a version name (not text)") from None
-    if _VERSION_NAME.fullmatch(name) is None or not (path / name).is_dir():
+    if _VERSION_NAME.fullmatch(name) is None:
         raise CheckpointError(f"{path / _LATEST}: names {name[:80]!r}, which is not a saved version in {path}")
     return name
 
