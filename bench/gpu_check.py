@@ -317,11 +317,39 @@ def _matmul_precision(precision: str | None) -> Any:
 _FULL_PRECISION = {"fp32", "recompute-none", "recompute-selective", "recompute-full", "peak-memory", "hybrid"}
 
 
+CHECKS = (
+    "fp32",
+    "bf16",
+    "step-time",
+    "recompute-none",
+    "recompute-selective",
+    "recompute-full",
+    "fused-attention",
+    "peak-memory",
+    "hybrid",
+)
+"""The checks, in the order they run."""
+
+
+def _check(checks: Checks, name: str) -> Callable[[], Row]:
+    """The method of ``checks`` that runs the check ``name`` (one of :data:`CHECKS`)."""
+    if name.startswith("recompute-"):
+        mode = name.removeprefix("recompute-")
+        return lambda: checks.recompute(mode)
+    method: Callable[[], Row] = getattr(checks, name.replace("-", "_"))
+    return method
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/gpu_check/results.json", help="where to write the JSON line of results")
     parser.add_argument("--checks", default="", help="comma-separated names of the checks to run (default: all)")
     args = parser.parse_args(argv)
+    # Named before anything is built, so that a misspelt check is refused at once.
+    wanted = [c for c in args.checks.split(",") if c]
+    unknown = sorted(set(wanted) - set(CHECKS))
+    if unknown:
+        parser.error(f"unknown checks {unknown}; the checks are {', '.join(CHECKS)}")
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     devices = gpus or jax.devices()
     note = cpu_fallback_note(jax.devices()[0].platform)
@@ -339,25 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(Row("setup", "error", "-", f"{type(err).__name__}: {err}"[:200]))
         checks = None
     if checks is not None:
-        plan: list[tuple[str, Callable[[], Row]]] = [
-            ("fp32", checks.fp32),
-            ("bf16", checks.bf16),
-            ("step-time", checks.step_time),
-            *(
-                (f"recompute-{mode}", (lambda mode=mode: checks.recompute(mode)))
-                for mode in ("none", "selective", "full")
-            ),
-            ("fused-attention", checks.fused_attention),
-            ("peak-memory", checks.peak_memory),
-            ("hybrid", checks.hybrid),
-        ]
-        wanted = [c for c in args.checks.split(",") if c]
-        unknown = sorted(set(wanted) - {name for name, _ in plan})
-        if unknown:
-            parser.error(f"unknown checks {unknown}; the checks are {', '.join(name for name, _ in plan)}")
-        for name, check in plan:
+        for name in CHECKS:
             if wanted and name not in wanted:
                 continue
+            check = _check(checks, name)
             start = time.perf_counter()
             try:
                 # The fp32 checks' matrix products at full precision (no TF32 on GPUs), on both
