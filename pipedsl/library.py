@@ -101,6 +101,9 @@ def resolve(spec: str | os.PathLike[str]) -> Path:
     suffix = path.suffix.lower()
     if not suffix and not path.exists():
         return library_path(str(path))
+    # What the path is comes first: a folder or a FIFO is not "an unknown kind of file".
+    if path.exists() and not path.is_file():
+        raise PipedslError(f"{path}: {_not_a_file(path)}")
     if suffix not in _FORMATS:
         kind = suffix or "(no extension)"
         raise ConversionError(f"{path}: unknown kind of file {kind!r}; expected .sched, .csv or .json")

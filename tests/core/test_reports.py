@@ -76,6 +76,10 @@ def test_a_folder_or_a_pipe_is_named_for_what_it_is(tmp_path: Path) -> None:
     folder.mkdir()
     with pytest.raises(PipedslError, match="is a directory, not a schedule file"):
         pipedsl.load(folder)
+    # Whatever its name: a folder without a schedule's extension is a folder too.
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(PipedslError, match="is a directory, not a schedule file"):
+        pipedsl.load(tmp_path / "plain")
     pipe = tmp_path / "pipe.sched"
     os.mkfifo(pipe)
     # Refused without opening it: opening a FIFO with no writer would block.
