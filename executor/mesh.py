@@ -46,9 +46,9 @@ ZERO_LEVELS = (0, 1, 2, 3)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeshConfig:
-    """The SPMD shape of every pipeline device: ``dp`` x ``tp`` JAX devices, ZeRO stage
-    ``zero`` (0 to 3) over ``"data"``; with ``reduce_once``, ZeRO 2 accumulates each
-    device's gradients unreduced and reduces them once per step (as ZeRO 0 and 1 do),
+    """The SPMD shape of every pipeline device: ``dp`` x ``cp`` x ``tp`` JAX devices, ZeRO
+    stage ``zero`` (0 to 3) over ``"data"``; with ``reduce_once``, ZeRO 2 and 3 accumulate
+    each device's gradients unreduced and reduce them once per step (as ZeRO 0 and 1 do),
     instead of reduce-scattering every backward's."""
 
     dp: int = 1
@@ -64,8 +64,12 @@ class MeshConfig:
                 raise ExecutionError(f"{name} must be a positive integer, got {value!r}")
         if self.zero not in ZERO_LEVELS:
             raise ExecutionError(f"zero must be one of {', '.join(map(str, ZERO_LEVELS))}, got {self.zero!r}")
-        if not isinstance(self.reduce_once, bool) or (self.reduce_once and self.zero != 2):
-            raise ExecutionError(f"reduce_once applies to zero = 2 (true or false), got {self.reduce_once!r}")
+        if not isinstance(self.reduce_once, bool):
+            raise ExecutionError(f"reduce_once must be true or false, got {self.reduce_once!r}")
+        if self.reduce_once and self.zero < 2:
+            raise ExecutionError(
+                f"reduce_once applies to zero = 2 and 3 (ZeRO {self.zero} always reduces once per step), got zero = {self.zero}"
+            )
 
     @property
     def size(self) -> int:
@@ -175,7 +179,7 @@ class StageLayout:
       params: per parameter leaf of the stage (in the stage's order), where it is kept.
       states: per parameter leaf, where its optimizer state is kept.
       unreduced: whether gradients accumulate unreduced, one partial sum per device of
-        ``"data"`` (``dp > 1`` and ZeRO 0 or 1, or 2 with ``reduce_once``), and are
+        ``"data"`` (``dp > 1`` and ZeRO 0 or 1, or 2 and 3 with ``reduce_once``), and are
         reduced once per step.
       gathers_params: whether the optimizer updates shards of parameters that are kept
         whole, which are then gathered (ZeRO 1 and 2 with some leaf split over ``"data"``).
@@ -210,7 +214,7 @@ class StageLayout:
         self.mesh = mesh
         self.params = place(3)
         self.states = place(1)
-        self.unreduced = dp > 1 and (zero <= 1 or (zero == 2 and reduce_once))
+        self.unreduced = dp > 1 and (zero <= 1 or reduce_once)
         self.gathers_params = self.params != self.states
         self.accumulators = (
             tuple(NamedSharding(mesh, PartitionSpec(DATA, *b)) for b in base) if self.unreduced else place(2)

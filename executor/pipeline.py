@@ -112,8 +112,9 @@ class Pipeline:
         ``param_specs`` says.
       zero: ZeRO stage over ``"data"``: 1 shards the optimizer state, 2 also the
         accumulated gradients, 3 also the parameters (XLA gathers them where used).
-      reduce_once: with ``zero = 2``, accumulate the gradients unreduced and reduce them
-        once per step (one reduce-scatter), as FSDP without per-microbatch sync does.
+      reduce_once: with ``zero`` 2 or 3, accumulate the gradients unreduced and reduce
+        them once per step (one reduce-scatter), as FSDP without per-microbatch sync and
+        Megatron-LM's distributed optimizer do.
       cp: context-parallel devices per pipeline device (mesh axis ``"context"``): every
         sequence (axis 1 of the inputs and activations) is split over them.
       param_specs: a pytree with the structure of the parameters (or a prefix of it)

@@ -1,6 +1,6 @@
 """A plan that ``pipedsl search`` ranked, as something to run.
 
-A search row says how to train (``dp``, ``tp``, ``pp``, ``vpp``, microbatches and their
+A search row says how to train (``dp``, ``tp``, ``cp``, ``pp``, ``vpp``, microbatches and their
 size, ZeRO stage, recomputation) and which schedule the pipeline runs. :class:`PlannedRun`
 holds exactly that; :func:`read_plan` takes one from a ``plans.csv`` written by
 ``search --csv`` or ``demo``, :meth:`PlannedRun.schedule` loads the schedule it runs (an
@@ -42,6 +42,7 @@ class PlannedRun:
       schedule: the library name or ``.sched`` path the pipeline runs (``1f1b`` for SPMD).
       kind: ``"spmd"`` (``pp = 1``), ``"pipeline"`` (``dp = tp = 1``) or ``"hybrid"``.
       dp, tp, pp, vpp: data, tensor and pipeline degrees; stages per pipeline device.
+      cp: the context-parallel degree (1 for rows of searches before it was searched).
       microbatches, microbatch_size: per data-parallel replica and step; sequences each.
       zero: the ZeRO stage (0 to 3) over the data-parallel axis.
       recompute: ``"none"``, ``"selective"`` or ``"full"``.
@@ -71,6 +72,7 @@ class PlannedRun:
     model: str | None = None
     sequence_parallel: bool = True
     flash_attention: bool = True
+    cp: int = 1
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], *, where: str = "plan") -> PlannedRun:
@@ -83,8 +85,9 @@ class PlannedRun:
             raise PipedslError(f"{where}: dp, tp, pp, vpp and the microbatch count and size must be at least 1")
         if not 0 <= values["zero"] <= 3:
             raise PipedslError(f"{where}: zero must be 0 to 3, not {values['zero']}")
+        cp = 1 if row.get("cp") in (None, "") else _positive(row["cp"], "cp", where)
         spmd = str(row["kind"]) == "spmd"
-        kind = "spmd" if spmd else "pipeline" if values["dp"] == values["tp"] == 1 else "hybrid"
+        kind = "spmd" if spmd else "pipeline" if values["dp"] == values["tp"] == cp == 1 else "hybrid"
         planned = row.get("step_time_s")
         rank = row.get("rank")
         limit = row.get("inflight_limit")
@@ -100,13 +103,14 @@ class PlannedRun:
             model=None if model in (None, "") else str(model),
             sequence_parallel=_flag(row.get("sequence_parallel"), "sequence_parallel", where),
             flash_attention=_flag(row.get("flash_attention"), "flash_attention", where),
+            cp=cp,
             **values,
         )
 
     @property
     def devices(self) -> int:
-        """JAX devices the plan needs: ``pp x dp x tp``."""
-        return self.pp * self.dp * self.tp
+        """JAX devices the plan needs: ``pp x dp x cp x tp``."""
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def global_batch(self) -> int:
@@ -132,10 +136,11 @@ class PlannedRun:
 
     def label(self) -> str:
         """``zbv dp=2 tp=1 pp=2 vpp=2 mb=4 x8 zero=1 recompute=none`` or ``SPMD dp=8 tp=1
-        mb=4 x8 zero=1 recompute=full``, with ``sequence-parallel`` when ``tp > 1`` and
-        ``no-flash-attention`` when the plan has none."""
+        mb=4 x8 zero=1 recompute=full``, with ``cp=C`` when ``cp > 1``, ``sequence-parallel``
+        when ``tp > 1`` and ``no-flash-attention`` when the plan has none."""
         name = "SPMD" if self.kind == "spmd" else self.schedule
-        pp = "" if self.kind == "spmd" else f" pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp > 1 else "")
+        pp = f" cp={self.cp}" if self.cp > 1 else ""
+        pp += "" if self.kind == "spmd" else f" pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp > 1 else "")
         options = " sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
         options += "" if self.flash_attention else " no-flash-attention"
         return (
@@ -150,7 +155,8 @@ class PlannedRun:
         options += " --sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
         options += " --fused-attention" if self.flash_attention else ""
         return (
-            f"pipedsl run {self.schedule} {params} --model transformer --dp {self.dp} --tp {self.tp} "
+            f"pipedsl run {self.schedule} {params} --model transformer --dp {self.dp} --tp {self.tp}"
+            f"{f' --cp {self.cp}' if self.cp > 1 else ''} "
             f"--zero {self.zero} --microbatch-size {self.microbatch_size}{options}"
         )
 
@@ -178,6 +184,13 @@ def _flag(value: Any, name: str, where: str) -> bool:
     if text not in ("true", "false", "1", "0"):
         raise PipedslError(f"{where}: {name} should be true or false, not {value!r}")
     return text in ("true", "1")
+
+
+def _positive(value: Any, name: str, where: str) -> int:
+    number = _whole(value, name, where)
+    if number < 1:
+        raise PipedslError(f"{where}: {name} must be at least 1, not {number}")
+    return number
 
 
 def _whole(value: Any, name: str, where: str) -> int:

@@ -4,12 +4,14 @@
 model (:mod:`pipedsl.executor.models`) on a fixed synthetic batch under the schedule,
 printing the loss and the measured time of every step; ``--timeline out.json`` also
 records one more step and saves its measured timeline (draw it with ``pipedsl plot``).
-``--dp D --tp T --zero Z`` make every pipeline device a ``D x T`` mesh of JAX devices;
+``--dp D --tp T --zero Z`` make every pipeline device a ``D x T`` mesh of JAX devices
+(``--cp C`` adds a ``"context"`` axis that splits the transformers' sequences;
+``--reduce-once`` reduces ZeRO 2 and 3's gradients once per step);
 ``--plan RANK --plans plans.csv`` runs a plan that ``pipedsl search`` ranked (its schedule,
 degrees, microbatches and ZeRO stage) on the built-in transformer.
 
 JAX is imported only when the command runs, never when the parser is built, so
-``pipedsl check`` stays fast. On CPU the command gives JAX ``pp x dp x tp`` devices
+``pipedsl check`` stays fast. On CPU the command gives JAX ``pp x dp x cp x tp`` devices
 by setting ``XLA_FLAGS`` before the import.
 """
 
@@ -46,6 +48,7 @@ _COPIES_FOR_ADAM = 4
 _PLAN_SETS = {
     "dp": "--dp",
     "tp": "--tp",
+    "cp": "--cp",
     "zero": "--zero",
     "microbatch_size": "--microbatch-size",
     "model": "--model",
@@ -56,7 +59,7 @@ _PLAN_SETS = {
 as the option that would set it otherwise."""
 
 _DEFAULTS: dict[str, int | str] = {
-    "dp": 1, "tp": 1, "zero": 0, "microbatch_size": 8, "model": "mlp", "width": 64, "layers_per_stage": 2,
+    "dp": 1, "tp": 1, "cp": 1, "zero": 0, "microbatch_size": 8, "model": "mlp", "width": 64, "layers_per_stage": 2,
 }  # fmt: skip
 """The values of :data:`_PLAN_SETS`'s options when neither they nor ``--plan`` are given."""
 
@@ -159,7 +162,8 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
         raise PipedslError("--plan RANK needs --plans FILE.csv, the ranking that pipedsl search --csv wrote")
     planned = read_plan(args.plans, args.plan)
     sets: dict[str, int | str | None] = {
-        "dp": planned.dp, "tp": planned.tp, "zero": planned.zero, "microbatch_size": planned.microbatch_size,
+        "dp": planned.dp, "tp": planned.tp, "cp": planned.cp, "zero": planned.zero,
+        "microbatch_size": planned.microbatch_size,
         "model": None, "width": None, "layers_per_stage": None,
     }  # fmt: skip
     given = [name for name in _PLAN_SETS if getattr(args, name) is not None]
@@ -200,9 +204,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     schedule, planned = _planned(args)
-    if args.dp < 1 or args.tp < 1 or args.zero not in (0, 1, 2, 3):
-        raise PipedslError("--dp and --tp must be at least 1 and --zero one of 0, 1, 2, 3")
-    devices = schedule.num_devices * args.dp * args.tp
+    _check_mesh(args)
+    devices = schedule.num_devices * args.dp * args.cp * args.tp
     # Before anything imports JAX (reading a checkpoint does): the devices it is to make.
     request_devices(devices)
     keeping = _checkpointing(args, schedule)
@@ -232,6 +235,7 @@ def _train(args: argparse.Namespace) -> int:
     _check_fits(jax, model.init_stages, key, devices=devices, replicas=args.dp, what=f"model {model.name} ({shape})")
     batch_size = args.microbatch_size * schedule.num_microbatches * args.dp
     batch = model.batch(jax.random.fold_in(key, 1), batch_size)
+    _check_sequence(batch, args.cp)
     pipe, params = _build_pipeline(args, schedule, model, key)
     optimizer = optax.adam(args.lr)
     platform = jax.devices()[0].platform if args.backend == "local" else "Ray process"
@@ -266,6 +270,32 @@ def _train(args: argparse.Namespace) -> int:
     if args.timeline is not None:
         _write_timeline(pipe, params, batch, args.timeline)
     return EXIT_OK
+
+
+def _check_mesh(args: argparse.Namespace) -> None:
+    """Refuse degrees and sharding options that make no mesh, before any device is made."""
+    if args.dp < 1 or args.tp < 1 or args.cp < 1 or args.zero not in (0, 1, 2, 3):
+        raise PipedslError("--dp, --tp and --cp must be at least 1 and --zero one of 0, 1, 2, 3")
+    if args.reduce_once and args.zero < 2:
+        raise PipedslError(
+            f"--reduce-once applies to --zero 2 and 3 (ZeRO {args.zero} reduces the gradients once per step already)"
+        )
+    if args.cp > 1 and args.model == "mlp":
+        raise PipedslError("--cp splits every sequence over a context axis: give --model transformer or llama")
+    if args.cp > 1 and args.backend == "ray":
+        raise PipedslError(f"--cp {args.cp} runs on the local backend only: drop --backend ray, or give --cp 1")
+
+
+def _check_sequence(batch: Any, cp: int) -> None:
+    """Refuse a context-parallel degree that does not split the batch's sequences (the
+    executor would keep them whole on every context device instead)."""
+    import jax
+
+    tokens = jax.tree_util.tree_leaves(batch)[0]
+    if cp > 1 and tokens.shape[1] % cp:
+        raise PipedslError(
+            f"--cp {cp} must divide the model's sequence of {tokens.shape[1]} tokens: give a --cp that does"
+        )
 
 
 def _checkpointing(args: argparse.Namespace, schedule: Schedule) -> Checkpointing | None:
@@ -303,9 +333,15 @@ def _run_line(
     pipeline devices' meshes, model, batch."""
     form = "marked function" if args.marked else "explicit stages"
     meshes = ""
-    if args.dp * args.tp > 1:
+    if args.dp * args.cp * args.tp > 1:
         pipeline = plural(schedule.num_devices, "pipeline device")
-        meshes = f" ({pipeline}, each a {args.dp} x {args.tp} mesh: dp x tp, zero {args.zero})"
+        shape, axes = (
+            (f"{args.dp} x {args.tp}", "dp x tp")
+            if args.cp == 1
+            else (f"{args.dp} x {args.cp} x {args.tp}", "dp x cp x tp")
+        )
+        once = ", reduced once per step" if args.reduce_once else ""
+        meshes = f" ({pipeline}, each a {shape} mesh: {axes}, zero {args.zero}{once})"
     replicas = f" x {args.dp} replicas" if args.dp > 1 else ""
     return (
         f"run {_describe(schedule)}: {plural(schedule.num_stages, 'stage')} on"
@@ -321,8 +357,9 @@ def _configuration(pipe: Any, schedule: Schedule, model: Any) -> str:
     mesh = pipe.mesh
     vpp = schedule.num_stages // schedule.num_devices
     return (
-        f"configuration: schedule={schedule.name} dp={mesh.dp} tp={mesh.tp} pp={schedule.num_devices} vpp={vpp} "
-        f"microbatches={schedule.num_microbatches} zero={mesh.zero} recompute={options.recompute} "
+        f"configuration: schedule={schedule.name} dp={mesh.dp} tp={mesh.tp} cp={mesh.cp} pp={schedule.num_devices} "
+        f"vpp={vpp} microbatches={schedule.num_microbatches} zero={mesh.zero} "
+        f"reduce_once={str(mesh.reduce_once).lower()} recompute={options.recompute} "
         f"sequence_parallel={str(options.sequence_parallel).lower()} "
         f"flash_attention={str(model.fused_attention).lower()} precision={options.precision}"
     )
@@ -366,7 +403,7 @@ def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, ke
         backend = RayConfig(address=args.address)
     elif args.address is not None:
         raise PipedslError("--address names a Ray cluster; use it with --backend ray")
-    mesh = {"dp": args.dp, "tp": args.tp, "zero": args.zero}
+    mesh = {"dp": args.dp, "tp": args.tp, "cp": args.cp, "zero": args.zero, "reduce_once": args.reduce_once}
     params = model.init_function(key) if args.marked else model.init_stages(key)
     specs = model.param_specs(params) if args.tp > 1 else None
     options = {
@@ -417,6 +454,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "  pipedsl run schedules/zb_h1.sched -p pp=2 --model transformer --marked --timeline zb.json\n"
             "  pipedsl run schedules/1f1b.sched -p pp=2 --backend ray [--address HOST:PORT]\n"
             "  pipedsl run 1f1b -p pp=2 --model transformer --dp 2 --tp 2 --zero 1\n"
+            "  pipedsl run 1f1b -p pp=2 --model llama --cp 2 --tp 2                       # context parallel\n"
             "  pipedsl run 1f1b -p pp=1 -p microbatches=4 --model transformer --dp 8      # SPMD data parallel\n"
             "  pipedsl run --plan 1 --plans out/plans.csv                                   # a plan search ranked\n"
             "  pipedsl run 1f1b -p pp=2 --steps 100 --checkpoint ckpt --checkpoint-every 10 [--resume]"
@@ -477,7 +515,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--tp", type=int, metavar="T", help="tensor-parallel degree inside each pipeline device (default 1)"
     )
+    run.add_argument(
+        "--cp",
+        type=int,
+        metavar="C",
+        help="context-parallel degree inside each pipeline device: the transformers' sequences split over C (default 1)",
+    )
     run.add_argument("--zero", type=int, metavar="Z", help="ZeRO stage over the data axis, 0-3 (default 0)")
+    run.add_argument(
+        "--reduce-once",
+        action="store_true",
+        help="with --zero 2 or 3, accumulate the gradients unreduced and reduce them once per step",
+    )
     run.add_argument(
         "--plan",
         type=int,

@@ -61,6 +61,59 @@ def test_the_header_counts_every_device_the_run_uses(capsys: pytest.CaptureFixtu
     assert "2 stages on 8 cpu devices (2 pipeline devices, each a 2 x 2 mesh: dp x tp, zero 0)" in header
 
 
+def _losses(out: str) -> list[float]:
+    """The loss column of a run's step lines, as printed."""
+    return [float(line.split()[1]) for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+
+
+def test_context_parallel_and_reduce_once_train_as_without_them(capsys: pytest.CaptureFixture[str]) -> None:
+    llama = [*RUN[:6], "--model", "llama", "--tp", "2", "--steps", "2"]
+    code, plain, err = _run(capsys, *llama)
+    assert code == 0, err
+    code, split, err = _run(capsys, *llama, "--cp", "2")
+    assert code == 0, err
+    assert "2 stages on 8 cpu devices (2 pipeline devices, each a 1 x 2 x 2 mesh: dp x cp x tp, zero 0)" in split
+    assert len(_losses(plain)) == 2
+    # The same training to float32's rounding (printed to six decimals).
+    assert _losses(split) == pytest.approx(_losses(plain), rel=1e-5)
+    transformer = [*RUN[:6], "--model", "transformer", "--dp", "2", "--zero", "3", "--steps", "2"]
+    code, every, err = _run(capsys, *transformer)
+    assert code == 0, err
+    code, once, err = _run(capsys, *transformer, "--reduce-once")
+    assert code == 0, err
+    assert "each a 2 x 1 mesh: dp x tp, zero 3, reduced once per step)" in once
+    assert _losses(once) == pytest.approx(_losses(every), rel=1e-5)
+
+
+def test_plans_run_with_their_context_parallel_degree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plans = tmp_path / "plans.csv"
+    plans.write_text(PLANS.replace("inflight_limit\n", "inflight_limit,cp\n").replace(",1000,0\n", ",1000,0,2\n"))
+    code, out, err = _run(capsys, "run", "--plan", "1", "--plans", str(plans), "--steps", "1")
+    assert code == 0, err
+    assert "1f1b dp=2 tp=1 cp=2 pp=2" in out and "each a 2 x 2 x 1 mesh: dp x cp x tp" in out
+    assert "configuration: schedule=1f1b dp=2 tp=1 cp=2 pp=2" in out
+    code, out, err = _run(capsys, "run", "--plan", "1", "--plans", str(plans), "--cp", "4", "--steps", "1")
+    assert code == 2 and "--cp 4 (the plan has 2)" in err
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--zero", "1", "--dp", "2", "--reduce-once"], "--reduce-once applies to --zero 2 and 3"),
+        (["--cp", "2"], "--cp splits every sequence over a context axis: give --model transformer or llama"),
+        (["--cp", "3", "--model", "transformer"], "--cp 3 must divide the model's sequence of 8 tokens"),
+        (["--cp", "2", "--model", "transformer", "--backend", "ray"], "--cp 2 runs on the local backend only"),
+        (["--cp", "0", "--model", "transformer"], "--dp, --tp and --cp must be at least 1"),
+    ],
+)
+def test_mesh_options_that_cannot_run_are_refused(
+    options: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run(capsys, *RUN, *options, "--steps", "1")
+    assert code == 2 and said in err, err
+    assert "step" not in out
+
+
 def test_checkpoint_every_needs_a_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, *RUN, "--checkpoint-every", "2")
     assert code == 2 and "--checkpoint-every says how often to save to --checkpoint DIR" in err
