@@ -94,10 +94,18 @@ def _shared_machine(cluster: Cluster, plan: Plan) -> list[Assumption]:
     return [
         Assumption(
             "host_cores", f"{cluster.host_cores:g}",
-            f"the {cluster.gpus_per_node} devices of a node share these cores (at most {cluster.device_cores:.3g} "
-            f"each): a pipeline device computes up to {fastest:.3g} times as fast as priced while the others idle",
+            f"the {cluster.gpus_per_node} devices of a node share these cores ({_rates(cluster)}): a pipeline device "
+            f"computes up to {fastest:.3g} times as fast as priced while the others idle",
         )
     ]  # fmt: skip
+
+
+def _rates(cluster: Cluster) -> str:
+    """How the node's rate follows its busy devices, in words."""
+    if not cluster.busy_rates:
+        return "each busy device its share, at most one core"
+    told = ", ".join(f"{n} {r:.2g}" for n, r in enumerate(cluster.busy_rates, start=1))
+    return f"the node's rate at n busy devices over its rate at all: {told}"
 
 
 _RECOMPUTE = {

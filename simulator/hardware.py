@@ -234,10 +234,13 @@ class Cluster:
         compute of their own (forced CPU devices); None for GPUs. The rates above are
         then those of a device while every device of its node computes, and a device
         that computes while fewer do gets more of the cores (:meth:`speedup`).
-      device_cores: the most of ``host_cores`` that one device's programs keep busy at
-        once (cores; a device's stream of kernels leaves gaps and not every kernel runs
-        on several threads). Measured by ``pipedsl calibrate``: a step on one device per
-        core while the others idle. Ignored where ``host_cores`` is None.
+      busy_rates: where ``host_cores`` is set, the node's compute rate while n of its
+        devices compute, as a fraction of its rate while all of them do, at index n - 1:
+        one entry per device of the node (``gpus_per_node``), the last 1. A device's
+        stream of small kernels leaves gaps, so fewer busy devices use less of the cores
+        than their share. Measured by ``pipedsl calibrate`` (the same step on 1, 2, 4, ...
+        devices while the others idle); empty: each busy device gets its share of
+        ``host_cores``, at most one core.
       memory_bytes: memory of one GPU in bytes.
       reserved_bytes: bytes of it not available to the model: CUDA context, collective
         buffers, allocator fragmentation.
@@ -263,7 +266,7 @@ class Cluster:
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     host_cores: float | None = None
-    device_cores: float = 1.0
+    busy_rates: tuple[float, ...] = ()
     memory_bytes: int
     reserved_bytes: int = 0
     hbm_bandwidth: float
@@ -298,7 +301,7 @@ class Cluster:
             _check_within(owner, name, getattr(self, name), ">= 0", lambda v: v >= 0)
         if self.host_cores is not None:
             _check_float(owner, "host_cores", self.host_cores)
-        _check_float(owner, "device_cores", self.device_cores)
+        self._check_busy_rates(owner)
         _check_int(owner, "memory_bytes", self.memory_bytes)
         _check_int(owner, "reserved_bytes", self.reserved_bytes, minimum=0)
         _check_int(owner, "gpus_per_node", self.gpus_per_node)
@@ -309,6 +312,21 @@ class Cluster:
                 f"{owner}: reserved_bytes {self.reserved_bytes} leaves nothing of memory_bytes {self.memory_bytes}"
             )
 
+    def _check_busy_rates(self, owner: str) -> None:
+        if isinstance(self.busy_rates, str) or not isinstance(self.busy_rates, tuple | list):
+            raise DescriptionError(f"{owner}: busy_rates must be a list of numbers, got {self.busy_rates!r}")
+        # A TOML array arrives as a list: kept as a tuple, so that the cluster stays hashable.
+        object.__setattr__(self, "busy_rates", tuple(self.busy_rates))
+        if not self.busy_rates:
+            return
+        if len(self.busy_rates) != self.gpus_per_node:
+            raise DescriptionError(
+                f"{owner}: busy_rates has {len(self.busy_rates)} entries; it needs one per device of the node"
+                f" (gpus_per_node = {self.gpus_per_node})"
+            )
+        for n, rate in enumerate(self.busy_rates, start=1):
+            _check_float(owner, f"busy_rates (at {n} busy)", rate)
+
     @property
     def usable_bytes(self) -> int:
         """Memory per GPU the model may use: ``memory_bytes - reserved_bytes``."""
@@ -316,14 +334,17 @@ class Cluster:
 
     def speedup(self, busy: int) -> float:
         """How many times as fast as priced a device computes while ``busy`` devices of its
-        node compute at once (processor sharing of ``host_cores``): each busy device gets
-        ``min(device_cores, host_cores / busy)`` cores, and the priced rates are those it
-        gets while every device of the node computes. 1 for devices with compute of their
-        own (``host_cores`` None)."""
+        node compute at once: the busy devices share the node's rate at that count
+        (``busy_rates``; without it each gets its share of ``host_cores``, at most one
+        core), and the priced rates are those a device gets while every device of the node
+        computes. 1 for devices with compute of their own (``host_cores`` None)."""
         if self.host_cores is None:
             return 1.0
-        cores, most = self.host_cores, self.device_cores
-        return min(most, cores / max(busy, 1)) / min(most, cores / self.gpus_per_node)
+        every, busy = self.gpus_per_node, min(max(busy, 1), self.gpus_per_node)
+        if self.busy_rates:
+            return self.busy_rates[busy - 1] / busy / (self.busy_rates[-1] / every)
+        cores = self.host_cores
+        return min(1.0, cores / busy) / min(1.0, cores / every)
 
     @property
     def adapters_per_node(self) -> int:

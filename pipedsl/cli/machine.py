@@ -11,7 +11,8 @@ runs on (its default platform):
   rounds with the others (:class:`~pipedsl.cli.timed.TimedSteps`: a change in the
   machine's load while they run changes their ratios, which the fit rests on, less);
 - on CPU devices that share fewer cores than there are devices, the whole model's step
-  on one device per core while the others idle: how many cores one device keeps busy;
+  on 1, 2, 4, ... devices while the others idle: how much of the node's rate fewer busy
+  devices get;
 - the memory: a GPU's allocator limit (``bytes_limit``), else the host's memory over the
   devices;
 - the memory bandwidth (one elementwise update of 4 MB on every device at once), the
@@ -42,7 +43,7 @@ from pipedsl.simulator import Model
 from pipedsl.simulator.calibration.machine import (
     MachineCalibration,
     MachineMeasurements,
-    alone_devices,
+    busy_counts,
     compute_shapes,
     fit_machine,
 )
@@ -77,13 +78,13 @@ def calibration_steps(devices: int, model: Model, build: Callable[[int], Any], *
     """The training steps the calibration times for ``model`` (its simulator description)
     over ``devices`` devices, built and compiled: ``build(layers)`` gives the executor's
     model of one stage cut to ``layers`` layers. Keyed ``("compute", layers, sequences per
-    device, microbatches)``, and ``("alone", devices)`` for the step on one device per core."""
+    device, microbatches)``, and ``("busy", n)`` for the whole model's step on n devices
+    while the others idle (:func:`~pipedsl.simulator.calibration.machine.busy_counts`)."""
     steps: dict[tuple[Any, ...], Step] = {
         ("compute", n, m, k): Step(build(n), m, microbatches=k) for n, m, k in compute_shapes(model, microbatch_size)
     }
-    alone = alone_devices(devices, _host_cores(platform()[0]))
-    if alone:
-        steps[("alone", alone)] = Step(build(model.layers), microbatch_size, devices=alone)
+    for n in busy_counts(devices, _host_cores(platform()[0])):
+        steps[("busy", n)] = Step(build(model.layers), microbatch_size, devices=n)
     return TimedSteps(steps, devices)
 
 
@@ -189,7 +190,7 @@ def calibrate_machine(
         all_reduce_s={(n, s): _all_reduce_seconds(devices, n, s) for n in groups for s in (_SMALL, _LARGE)},
         dispatch_s=_dispatch_seconds(devices),
         step_s=_compute(measured),
-        alone_s=_alone(measured),
+        busy_s=_busy(measured),
         microbatch_size=microbatch_size,
         dtype=_DTYPES.get(model.dtype_bytes, "float32"),
         matmul_s=_matmul_seconds() if kind != "cpu" else {},
@@ -202,8 +203,8 @@ def _compute(measured: dict[Any, float]) -> dict[tuple[int, int, int], float]:
     return {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
 
 
-def _alone(measured: dict[Any, float]) -> float | None:
-    return next((seconds for key, seconds in measured.items() if key[0] == "alone"), None)
+def _busy(measured: dict[Any, float]) -> dict[int, float]:
+    return {key[1]: seconds for key, seconds in measured.items() if key[0] == "busy"}
 
 
 def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[Any, float]) -> MachineCalibration:
@@ -213,6 +214,6 @@ def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[A
     machine's speed while they ran. The short measurements (memory, bandwidth,
     collectives, dispatch, products) are kept."""
     again = dataclasses.replace(
-        calibration.measurements, step_s=_compute(measured), alone_s=_alone(measured), seconds=0.0
+        calibration.measurements, step_s=_compute(measured), busy_s=_busy(measured), seconds=0.0
     )
     return fit_machine(model, again)

@@ -25,13 +25,15 @@ Every field of the cluster is measured by one step, or is a count the machine re
   what every kernel costs on top of its work, and what a step costs once (the step of
   four microbatches tells it from what each microbatch costs);
 - ``host_cores``: the cores this process may run on, where the devices are CPU devices
-  (None on GPU), and ``device_cores``, the most of them one device keeps busy, fitted to
-  the same step on one device per core while the others idle (:func:`alone_devices`).
+  (None on GPU), and ``busy_rates``, how much of the node's rate fewer busy devices get:
+  the whole model's step on 1, 2, 4, ... devices while the others idle
+  (:func:`busy_counts`), each one's throughput over the same step's on every device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -45,7 +47,7 @@ from pipedsl.simulator.plan import Plan
 
 __all__ = [
     "MachineMeasurements", "MachineCalibration", "fit_machine", "fit_ring", "fit_matmul",
-    "compute_shapes", "alone_devices", "step_plan", "priced_step", "cluster_toml",
+    "compute_shapes", "busy_counts", "step_plan", "priced_step", "cluster_toml",
 ]  # fmt: skip
 
 MICROBATCHES = 4
@@ -63,12 +65,13 @@ def compute_shapes(model: Model, microbatch_size: int) -> tuple[tuple[int, int, 
     return (*corners, (1, 1, MICROBATCHES), (model.layers, LARGE_BATCH * microbatch_size, 1))
 
 
-def alone_devices(devices: int, cores: float | None) -> int:
-    """Devices of the step that measures how many cores one device keeps busy: one per
-    core, where whole cores are fewer than the devices; 0 where there is none to take."""
-    if cores is None or cores != int(cores) or not 1 <= cores < devices:
-        return 0
-    return int(cores)
+def busy_counts(devices: int, cores: float | None) -> tuple[int, ...]:
+    """The counts of busy devices at which the node's rate is measured, besides all
+    ``devices``: the powers of two below it, where the devices share fewer ``cores``
+    than they are; none where each device has compute of its own."""
+    if cores is None or cores >= devices:
+        return ()
+    return tuple(1 << k for k in range(devices.bit_length()) if 1 << k < devices)
 
 
 def step_plan(dp: int, microbatch_size: int, microbatches: int = 1) -> Plan:
@@ -128,8 +131,8 @@ class MachineMeasurements:
       matmul_s: seconds of a square product by (dtype name, n); empty on CPU.
       step_s: seconds of the data-parallel training step over every device by
         (layers, sequences per device, microbatches) (:func:`compute_shapes`).
-      alone_s: seconds of the whole model's step at the microbatch size on
-        :func:`alone_devices` devices while the others idle; None where not taken.
+      busy_s: seconds of the whole model's step at the microbatch size on n devices
+        while the others idle, by n (:func:`busy_counts`); empty where not taken.
       microbatch_size: sequences per device of the compute steps that use it.
       dtype: the model's dtype name, whose product rate sets ``peak_flops`` on GPU.
       seconds: wall time of the measurements (0 for steps timed again later).
@@ -148,7 +151,7 @@ class MachineMeasurements:
     microbatch_size: int
     dtype: str
     matmul_s: dict[tuple[str, int], float] = field(default_factory=dict)
-    alone_s: float | None = None
+    busy_s: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
@@ -268,22 +271,19 @@ def fit_machine(model: Model, m: MachineMeasurements) -> MachineCalibration:
     told = f"fitted to the {len(steps)} training steps below (least squares of log priced / measured)"
     lines += [Measured(p.name, getattr(compute.cluster, p.name), p.unit, told) for p in fitted]
     cluster, results = compute.cluster, list(reproduced(compute))
-    alone = alone_devices(m.devices, m.host_cores)
-    if m.alone_s is not None and alone and m.host_cores is not None:
-        shape = (model.layers, m.microbatch_size, 1)
-        step = Step(
-            _step_name(*shape, alone) + f" (the other {m.devices - alone} idle)",
-            m.alone_s,
-            lambda c: priced_step(model, c, alone, m.microbatch_size),
-        )
-        # From the all-busy share to a core each (what the step can tell), from between.
-        low, high = m.host_cores / m.devices, m.host_cores / alone
-        cores = least_squares(cluster, [Parameter("device_cores", "cores", low, high, (low * high) ** 0.5)], [step])
-        cluster = cores.cluster
-        lines.append(
-            Measured("device_cores", cluster.device_cores, "cores", f"fitted to the step on {alone} devices below")
-        )
-        results += list(reproduced(Fitted(cluster, cores.steps, tuple(s.priced(cluster) for s in cores.steps), ())))
+    if m.busy_s and m.host_cores is not None:
+        cluster, busy = _busy_rates(cluster, model, m)
+        lines += [
+            Measured(
+                f"busy_rates[{n - 1}]",
+                cluster.busy_rates[n - 1],
+                "",
+                f"the step below on {n} of the {m.devices} devices: its throughput over the same step's on all"
+                + ("; counts between, linear" if n == max(m.busy_s) else ""),
+            )
+            for n in sorted(m.busy_s)
+        ]
+        results += list(reproduced(Fitted(cluster, busy, tuple(s.priced(cluster) for s in busy), ())))
     said = "" if m.seconds <= 0 else f", measured in {m.seconds:.0f} s"
     report = Report(
         f"{m.devices} {m.platform} devices ({m.device_kind}){said}", m.platform, tuple(lines), tuple(results)
@@ -291,20 +291,51 @@ def fit_machine(model: Model, m: MachineMeasurements) -> MachineCalibration:
     return MachineCalibration(cluster, m, report)
 
 
+def _busy_rates(cluster: Cluster, model: Model, m: MachineMeasurements) -> tuple[Cluster, tuple[Step, ...]]:
+    """``cluster`` with ``busy_rates`` from ``m.busy_s``: at each count n measured, the
+    throughput of the largest step on n devices (n over its seconds) over that step's on
+    every device; between the counts, linear. Also those steps as calibration steps, to
+    report how the model reproduces them."""
+    layers, sequences, _ = m.largest_step
+    cut = dataclasses.replace(model, layers=layers)
+    every = m.step_s[m.largest_step]
+    measured = {n: n / seconds / (m.devices / every) for n, seconds in m.busy_s.items()} | {m.devices: 1.0}
+    known = sorted(measured)
+    rates = tuple(float(np.interp(n, known, [measured[k] for k in known])) for n in range(1, m.devices + 1))
+    steps = tuple(
+        Step(
+            _step_name(layers, sequences, 1, n) + f" (the other {m.devices - n} idle)",
+            m.busy_s[n],
+            functools.partial(_priced_on, cut, devices=n, sequences=sequences),
+        )
+        for n in sorted(m.busy_s)
+    )
+    return dataclasses.replace(cluster, busy_rates=rates), steps
+
+
+def _priced_on(model: Model, cluster: Cluster, *, devices: int, sequences: int) -> float:
+    return priced_step(model, cluster, devices, sequences)
+
+
 def cluster_toml(calibration: MachineCalibration) -> str:
     """The calibrated cluster as a ``[cluster]`` TOML file
     (:func:`~pipedsl.simulator.load_cluster` reads it), each parameter with the
     measurement behind it as a comment."""
-    sources = {p.name: p.source for p in calibration.report.parameters}
+    sources: dict[str, list[str]] = {}
+    for p in calibration.report.parameters:
+        # An entry of a list field (``busy_rates[0]``) comments the list.
+        sources.setdefault(p.name.split("[")[0], []).append(p.source if "[" not in p.name else f"{p.name}: {p.source}")
     lines = [f"# {calibration.report.title}: calibrated by pipedsl calibrate", "[cluster]"]
     for f in dataclasses.fields(calibration.cluster):
         value = getattr(calibration.cluster, f.name)
         if value is None:
             continue
-        if f.name in sources:
-            lines.append(f"# {sources[f.name]}")
+        lines += [f"# {source}" for source in sources.get(f.name, [])]
         if isinstance(value, str):
             lines.append(f"{f.name} = {_toml_string(value)}")
+        elif isinstance(value, tuple):
+            if value:
+                lines.append(f"{f.name} = [{', '.join(repr(v) for v in value)}]")
         elif isinstance(value, float) and not math.isfinite(value):
             continue
         else:

@@ -19,7 +19,7 @@ from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, load_cl
 from pipedsl.simulator.calibration.fitter import Parameter, Step, grid_search, least_squares
 from pipedsl.simulator.calibration.machine import (
     MachineMeasurements,
-    alone_devices,
+    busy_counts,
     cluster_toml,
     compute_shapes,
     fit_machine,
@@ -179,7 +179,7 @@ def test_grid_search_takes_each_block_in_turn_and_averages_each_group_first() ->
     assert grid_search({"a": _CPU}, grid, (("matmul_efficiency", "kernel_launch_s"),), steps)[0]["a"] == clusters["a"]
 
 
-def _cpu_measurements(truth: Cluster, model: Model, *, alone: bool = True) -> MachineMeasurements:
+def _cpu_measurements(truth: Cluster, model: Model, *, busy: bool = True) -> MachineMeasurements:
     """What pipedsl calibrate would measure on a CPU machine that ``truth`` describes."""
     steps = {
         s: priced_step(dataclasses.replace(model, layers=s[0]), truth, 8, s[1], s[2]) for s in compute_shapes(model, 4)
@@ -188,12 +188,14 @@ def _cpu_measurements(truth: Cluster, model: Model, *, alone: bool = True) -> Ma
         platform="cpu", device_kind="cpu", devices=8, host_cores=truth.host_cores, memory_bytes=truth.memory_bytes,
         memory_source="the host's memory over the 8 devices", bandwidth=truth.hbm_bandwidth, all_reduce_s=_REDUCES,
         dispatch_s=truth.action_overhead_s, step_s=steps, microbatch_size=4, dtype="float32",
-        alone_s=priced_step(model, truth, 2, 4) if alone else None, seconds=30.0,
+        busy_s={n: priced_step(model, truth, n, 4) for n in busy_counts(8, truth.host_cores)} if busy else {},
+        seconds=30.0,
     )  # fmt: skip
 
 
 _TRUTH = dataclasses.replace(
-    _CPU, peak_flops=3e9, kernel_launch_s=2e-4, step_overhead_s=5e-3, host_cores=2.0, device_cores=0.8,
+    _CPU, peak_flops=3e9, kernel_launch_s=2e-4, step_overhead_s=5e-3, host_cores=2.0,
+    busy_rates=(0.3, 0.45, 0.575, 0.7, 0.775, 0.85, 0.925, 1.0),
     hbm_bandwidth=2e9, intra_node_bandwidth=_LINK, intra_node_latency=_ALPHA, inter_node_bandwidth=_LINK,
     inter_node_latency=_ALPHA, action_overhead_s=1e-4,
 )  # fmt: skip
@@ -202,19 +204,34 @@ _TRUTH = dataclasses.replace(
 def test_a_cpu_machine_is_fitted_back_to_the_cluster_that_produced_its_measurements() -> None:
     model = dataclasses.replace(_TINY, layers=4)
     fitted = fit_machine(model, _cpu_measurements(_TRUTH, model)).cluster
-    for name in ("peak_flops", "kernel_launch_s", "step_overhead_s", "device_cores", "intra_node_latency",
+    for name in ("peak_flops", "kernel_launch_s", "step_overhead_s", "intra_node_latency",
                  "intra_node_bandwidth", "hbm_bandwidth", "action_overhead_s", "host_cores"):  # fmt: skip
         assert getattr(fitted, name) == pytest.approx(getattr(_TRUTH, name), rel=1e-3), name
-    # Without the step on one device per core, a device keeps a whole core busy at most.
-    assert fit_machine(model, _cpu_measurements(_TRUTH, model, alone=False)).cluster.device_cores == 1.0
-    assert (alone_devices(8, 2.0), alone_devices(8, 8.0), alone_devices(8, 1.5), alone_devices(8, None)) == (2, 0, 0, 0)
+    # The node's rate at n busy devices is the measured throughput over the all-busy one
+    # (n / seconds on n devices against 8 / seconds on 8), linear between the counts.
+    measured = _cpu_measurements(_TRUTH, model)
+    every = measured.step_s[measured.largest_step]
+    ratio = {n: n / s / (8 / every) for n, s in measured.busy_s.items()}
+    assert [fitted.busy_rates[n - 1] for n in (1, 2, 4, 8)] == pytest.approx([ratio[1], ratio[2], ratio[4], 1.0])
+    assert fitted.busy_rates[2] == pytest.approx((ratio[2] + ratio[4]) / 2)
+    assert fitted.busy_rates[5] == pytest.approx(ratio[4] + (1.0 - ratio[4]) / 2)
+    # Fewer busy devices reach less of the node's rate than all of them, as the truth has it.
+    assert list(fitted.busy_rates) == sorted(fitted.busy_rates)
+    # Without the steps on fewer devices, each busy device gets its share of the cores.
+    assert fit_machine(model, _cpu_measurements(_TRUTH, model, busy=False)).cluster.busy_rates == ()
+    assert (busy_counts(8, 2.0), busy_counts(8, 8.0), busy_counts(6, 1.5), busy_counts(8, None)) == (
+        (1, 2, 4),
+        (),
+        (1, 2, 4),
+        (),
+    )
 
 
 def test_the_report_gives_every_fitted_number_its_measurement_and_every_step_its_error() -> None:
     model = dataclasses.replace(_TINY, layers=4)
     calibration = fit_machine(model, _cpu_measurements(_TRUTH, model))
     report = calibration.report
-    named = {p.name for p in report.parameters}
+    named = {p.name.split("[")[0] for p in report.parameters}  # busy_rates[0] names busy_rates
     # Every field the calibration set is accounted for; the rest keep their defaults.
     changed = {f.name for f in dataclasses.fields(Cluster) if getattr(calibration.cluster, f.name) != f.default}
     assert (
@@ -222,12 +239,16 @@ def test_the_report_gives_every_fitted_number_its_measurement_and_every_step_its
         <= named
     )
     assert all(p.source for p in report.parameters)
-    assert len(report.steps) == len(compute_shapes(model, 4)) + 1 and report.worst < 1e-3
+    # The training steps on every device are reproduced; the steps on fewer devices show how
+    # far the measured rates, applied to the compute alone, are from them.
+    assert len(report.steps) == len(compute_shapes(model, 4)) + 3
+    assert max(abs(s.error) for s in report.steps[: len(compute_shapes(model, 4))]) < 1e-3 and report.worst < 0.1
     text = calibration.describe()
-    assert "platform: cpu" in text and "device_cores" in text and "2 devices (the other 6 idle)" in text
+    assert "platform: cpu" in text and "busy_rates[3]" in text and "4 devices (the other 4 idle)" in text
     assert re.search(r"peak_flops\s+3 GFLOP/s", text)
     # A step the model cannot reproduce shows its error.
-    off = dataclasses.replace(calibration.measurements, alone_s=calibration.measurements.alone_s * 10)
+    busy = calibration.measurements.busy_s
+    off = dataclasses.replace(calibration.measurements, busy_s={**busy, 2: busy[2] / 100})
     assert fit_machine(model, off).report.worst > 0.5
     assert quantity(2.5e-4, "s") == "250 µs" and quantity(2.0, "cores") == "2 cores"
 
@@ -238,7 +259,7 @@ def test_the_cluster_file_reads_back_as_the_calibrated_cluster(tmp_path: Path) -
     path = tmp_path / "cluster.toml"
     path.write_text(cluster_toml(calibration))
     assert load_cluster(path) == calibration.cluster
-    assert "# fitted to the step on 2 devices below" in path.read_text()
+    assert "# busy_rates[1]: the step below on 2 of the 8 devices: its throughput over" in path.read_text()
 
 
 def test_a_gpu_machine_takes_its_rate_from_products_and_shares_no_cores() -> None:

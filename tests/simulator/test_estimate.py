@@ -260,20 +260,26 @@ def test_pipeline_with_even_stages_has_1f1b_bubble() -> None:
     assert prepare(model, cluster, plan).lower_bound_s <= result.step_time_s
 
 
-def test_a_device_gets_the_cores_the_idle_ones_leave_up_to_what_it_keeps_busy() -> None:
+def test_busy_devices_share_the_rate_their_node_reaches_at_their_count() -> None:
     shared = dataclasses.replace(IDEAL, host_cores=2.0)
-    # Eight devices on two cores: priced with all eight busy (a quarter core each).
+    # Eight devices on two cores: priced with all eight busy (a quarter core each); without
+    # measured rates each busy device gets its share of the cores, at most one.
     assert [shared.speedup(n) for n in (8, 4, 2, 1)] == [1.0, 2.0, 4.0, 4.0]
-    # A device that keeps at most three quarters of a core busy gets no more of one.
-    assert dataclasses.replace(shared, device_cores=0.75).speedup(2) == pytest.approx(3.0)
-    assert dataclasses.replace(shared, device_cores=1.5).speedup(1) == pytest.approx(6.0)
+    # Measured rates: with 4 busy the node reaches 0.7 of its rate with all 8, so each of
+    # the 4 computes 0.7 * 8 / 4 = 1.4 times as fast as priced.
+    rates = (0.29, 0.43, 0.57, 0.7, 0.79, 0.87, 0.94, 1.0)
+    measured = dataclasses.replace(shared, busy_rates=rates)
+    assert measured.speedup(4) == pytest.approx(1.4) and measured.speedup(1) == pytest.approx(2.32)
+    assert measured.speedup(8) == 1.0 and measured.speedup(20) == 1.0
     # A core per device, or devices with compute of their own: nothing to share.
     assert dataclasses.replace(IDEAL, host_cores=8.0).speedup(1) == 1.0 and IDEAL.speedup(1) == 1.0
     for bad in (0.0, -1.0, True):
         with pytest.raises(DescriptionError, match="host_cores must be"):
             dataclasses.replace(IDEAL, host_cores=bad)
-        with pytest.raises(DescriptionError, match="device_cores must be"):
-            dataclasses.replace(IDEAL, device_cores=bad)
+        with pytest.raises(DescriptionError, match="busy_rates"):
+            dataclasses.replace(shared, busy_rates=(bad,) * IDEAL.gpus_per_node)
+    with pytest.raises(DescriptionError, match="busy_rates has 2 entries; it needs one per device of the node"):
+        dataclasses.replace(shared, busy_rates=(0.5, 1.0))
 
 
 @pytest.mark.parametrize("spec", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv"])
@@ -304,9 +310,12 @@ def test_devices_that_share_cores_share_them_among_the_busy_ones() -> None:
     assert estimate(model, shared, one).pipeline_time_s == pytest.approx(
         estimate(model, alone, one).pipeline_time_s / 4
     )
-    slower = dataclasses.replace(shared, device_cores=0.75)
+    # Where the node reaches 0.3 of its all-busy rate with two devices busy, each of them
+    # computes 0.3 * 8 / 2 = 1.2 times as fast as priced.
+    rates = tuple(min(1.0, 0.15 * n) if n < 8 else 1.0 for n in range(1, 9))
+    slower = dataclasses.replace(shared, busy_rates=rates)
     assert estimate(model, slower, one).pipeline_time_s == pytest.approx(
-        estimate(model, alone, one).pipeline_time_s / 3
+        estimate(model, alone, one).pipeline_time_s / 1.2
     )
     # With many microbatches the cores are busy most of the step: no faster than the
     # devices' mean busy time (the cores do the same work), and faster than the makespan.
