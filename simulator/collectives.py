@@ -21,6 +21,11 @@ per-message latency of the slower link the algorithm crosses):
 - point-to-point: ``α + S / B`` on NVLink inside a node, at the GPU's adapter share
   between nodes.
 
+Every collective over two ranks or more costs the cluster's ``collective_latency_s`` once
+more, whatever its algorithm: its launch and the rendezvous of its ranks (0 in the GPU
+presets; on devices that share a host's cores the rendezvous waits for each of them to be
+scheduled, which ``pipedsl calibrate`` measures).
+
 Between nodes, a group's bandwidth and latency are those of the network tier its span
 reaches (:mod:`~pipedsl.simulator.network`: the leaf switches, or the spine beyond them).
 
@@ -138,10 +143,11 @@ def all_reduce_choice(num_bytes: float, group: Group, cluster: Cluster) -> tuple
         return Algorithm.RING, 0.0
     bandwidth, latency = _ring_link(group, cluster)
     ring = ring_all_reduce_seconds(num_bytes, group.ranks, bandwidth=bandwidth, latency=latency)
+    fixed = cluster.collective_latency_s
     if not group.spans_nodes:
-        return Algorithm.RING, ring
+        return Algorithm.RING, fixed + ring
     tree = _hierarchical_seconds(num_bytes, group, cluster)
-    return (Algorithm.HIERARCHICAL, tree) if tree < ring else (Algorithm.RING, ring)
+    return (Algorithm.HIERARCHICAL, fixed + tree) if tree < ring else (Algorithm.RING, fixed + ring)
 
 
 def all_reduce_seconds(num_bytes: float, group: Group, cluster: Cluster) -> float:
@@ -151,8 +157,12 @@ def all_reduce_seconds(num_bytes: float, group: Group, cluster: Cluster) -> floa
 
 def gather_seconds(num_bytes: float, group: Group, cluster: Cluster) -> float:
     """Seconds of a ring all-gather or reduce-scatter of ``num_bytes`` (the unsharded size)."""
+    if group.ranks <= 1 or num_bytes <= 0:
+        return 0.0
     bandwidth, latency = _ring_link(group, cluster)
-    return ring_gather_seconds(num_bytes, group.ranks, bandwidth=bandwidth, latency=latency)
+    return cluster.collective_latency_s + ring_gather_seconds(
+        num_bytes, group.ranks, bandwidth=bandwidth, latency=latency
+    )
 
 
 def send_seconds(num_bytes: float, cluster: Cluster, *, inter_node: bool) -> float:

@@ -250,6 +250,12 @@ class Cluster:
       intra_node_bandwidth: bytes per second per GPU per direction inside a node (NVLink).
       intra_node_efficiency: fraction of it that collectives and sends achieve.
       intra_node_latency: seconds per message inside a node.
+      collective_latency_s: fixed seconds of one collective (all-reduce, all-gather,
+        reduce-scatter) whatever its size and group, on top of its messages: its launch
+        and the rendezvous of its devices, which on devices that share a host's cores
+        waits for each of them to be scheduled. 0 in the GPU presets (within their
+        fitted per-message latency); ``pipedsl calibrate`` fits it to tensor-parallel
+        training steps, whose collectives run while the devices compute.
       nics_per_node: network adapters per node; None means one per GPU.
       inter_node_bandwidth: bytes per second per direction of one network adapter.
       inter_node_efficiency: fraction of it achieved.
@@ -274,6 +280,7 @@ class Cluster:
     intra_node_bandwidth: float
     intra_node_efficiency: float = 1.0
     intra_node_latency: float
+    collective_latency_s: float = 0.0
     nics_per_node: int | None = None
     inter_node_bandwidth: float
     inter_node_efficiency: float = 1.0
@@ -296,7 +303,7 @@ class Cluster:
             _check_float(owner, name, getattr(self, name), high=1.0)
         for name in (
             "intra_node_latency", "inter_node_latency", "matmul_half_flops", "kernel_launch_s", "action_overhead_s",
-            "step_overhead_s", "spine_latency_s", "straggler_cv",
+            "step_overhead_s", "collective_latency_s", "spine_latency_s", "straggler_cv",
         ):  # fmt: skip
             _check_within(owner, name, getattr(self, name), ">= 0", lambda v: v >= 0)
         if self.host_cores is not None:

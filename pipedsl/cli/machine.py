@@ -13,6 +13,8 @@ runs on (its default platform):
 - on CPU devices that share fewer cores than there are devices, the whole model's step
   on 1, 2, 4, ... devices while the others idle: how much of the node's rate fewer busy
   devices get;
+- the whole model's step over every device 2- and 4-way tensor parallel: what a
+  collective costs while the devices compute;
 - the memory: a GPU's allocator limit (``bytes_limit``), else the host's memory over the
   devices;
 - the memory bandwidth (one elementwise update of 4 MB on every device at once), the
@@ -46,6 +48,7 @@ from pipedsl.simulator.calibration.machine import (
     busy_counts,
     compute_shapes,
     fit_machine,
+    tensor_degrees,
 )
 from pipedsl.simulator.workers import available_cores
 
@@ -78,13 +81,17 @@ def calibration_steps(devices: int, model: Model, build: Callable[[int], Any], *
     """The training steps the calibration times for ``model`` (its simulator description)
     over ``devices`` devices, built and compiled: ``build(layers)`` gives the executor's
     model of one stage cut to ``layers`` layers. Keyed ``("compute", layers, sequences per
-    device, microbatches)``, and ``("busy", n)`` for the whole model's step on n devices
-    while the others idle (:func:`~pipedsl.simulator.calibration.machine.busy_counts`)."""
+    device, microbatches)``, ``("busy", n)`` for the whole model's step on n devices
+    while the others idle (:func:`~pipedsl.simulator.calibration.machine.busy_counts`),
+    and ``("tensor", t)`` for it over every device t-way tensor parallel
+    (:func:`~pipedsl.simulator.calibration.machine.tensor_degrees`)."""
     steps: dict[tuple[Any, ...], Step] = {
         ("compute", n, m, k): Step(build(n), m, microbatches=k) for n, m, k in compute_shapes(model, microbatch_size)
     }
     for n in busy_counts(devices, _host_cores(platform()[0])):
         steps[("busy", n)] = Step(build(model.layers), microbatch_size, devices=n)
+    for t in tensor_degrees(model, devices):
+        steps[("tensor", t)] = Step(build(model.layers), microbatch_size, tp=t)
     return TimedSteps(steps, devices)
 
 
@@ -190,7 +197,8 @@ def calibrate_machine(
         all_reduce_s={(n, s): _all_reduce_seconds(devices, n, s) for n in groups for s in (_SMALL, _LARGE)},
         dispatch_s=_dispatch_seconds(devices),
         step_s=_compute(measured),
-        busy_s=_busy(measured),
+        busy_s=_keyed(measured, "busy"),
+        tensor_s=_keyed(measured, "tensor"),
         microbatch_size=microbatch_size,
         dtype=_DTYPES.get(model.dtype_bytes, "float32"),
         matmul_s=_matmul_seconds() if kind != "cpu" else {},
@@ -203,8 +211,9 @@ def _compute(measured: dict[Any, float]) -> dict[tuple[int, int, int], float]:
     return {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
 
 
-def _busy(measured: dict[Any, float]) -> dict[int, float]:
-    return {key[1]: seconds for key, seconds in measured.items() if key[0] == "busy"}
+def _keyed(measured: dict[Any, float], kind: str) -> dict[int, float]:
+    """The seconds of the steps keyed ``(kind, n)``, by n."""
+    return {key[1]: seconds for key, seconds in measured.items() if key[0] == kind}
 
 
 def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[Any, float]) -> MachineCalibration:
@@ -214,6 +223,10 @@ def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[A
     machine's speed while they ran. The short measurements (memory, bandwidth,
     collectives, dispatch, products) are kept."""
     again = dataclasses.replace(
-        calibration.measurements, step_s=_compute(measured), busy_s=_busy(measured), seconds=0.0
+        calibration.measurements,
+        step_s=_compute(measured),
+        busy_s=_keyed(measured, "busy"),
+        tensor_s=_keyed(measured, "tensor"),
+        seconds=0.0,
     )
     return fit_machine(model, again)

@@ -96,17 +96,24 @@ class Step:
       microbatches: microbatches per device.
       devices: the devices it runs on (the first so many; None: every device of the
         :class:`TimedSteps`), the rest idle.
+      tp: tensor-parallel degree (with sequence parallelism) inside data-parallel groups
+        of ``tp`` devices, each group's microbatch ``tp × sequences`` sequences.
     """
 
     model: Any
     sequences: int
     microbatches: int = 1
     devices: int | None = None
+    tp: int = 1
 
 
-def training_step(model: Any, devices: int, sequences: int, *, microbatches: int = 1) -> tuple[Callable[[], Any], Any]:
+def training_step(
+    model: Any, devices: int, sequences: int, *, microbatches: int = 1, tp: int = 1
+) -> tuple[Callable[[], Any], Any]:
     """The executor's SPMD plan of ``model`` (one stage) over the first ``devices``
-    devices on the local backend, ``microbatches`` of ``sequences`` sequences per device:
+    devices on the local backend, ``tp``-way tensor parallel (with sequence parallelism)
+    inside ``devices / tp`` data-parallel groups, ``microbatches`` of ``sequences``
+    sequences per device:
     (a call that runs one Adam training step and returns the new parameters, the pipeline
     to close). The calibration times the executor's own programs: a forward and a
     backward jitted apart run at another speed than one program of both."""
@@ -118,7 +125,10 @@ def training_step(model: Any, devices: int, sequences: int, *, microbatches: int
     key = jax.random.PRNGKey(0)
     params = model.init_stages(key)
     schedule = load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": microbatches})
-    pipe = Pipeline(model.stages, loss=model.loss, schedule=schedule, backend="local", dp=devices)
+    pipe = Pipeline(
+        model.stages, loss=model.loss, schedule=schedule, backend="local", dp=devices // tp, tp=tp,
+        sequence_parallel=tp > 1, param_specs=model.param_specs(params) if tp > 1 else None,
+    )  # fmt: skip
     batch = model.batch(jax.random.fold_in(key, 1), devices * sequences * microbatches)
     optimizer = optax.adam(1e-3)
     held: list[Any] = [params, None]
@@ -148,7 +158,7 @@ class TimedSteps:
         try:
             for key, step in steps.items():
                 runs[key], pipe = training_step(
-                    step.model, step.devices or devices, step.sequences, microbatches=step.microbatches
+                    step.model, step.devices or devices, step.sequences, microbatches=step.microbatches, tp=step.tp
                 )
                 self._pipes.append(pipe)
                 jax.block_until_ready(runs[key]())  # compiles it, outside the timed rounds

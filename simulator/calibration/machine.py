@@ -24,6 +24,10 @@ Every field of the cluster is measured by one step, or is a count the machine re
   executor's data-parallel training steps over every device (:func:`compute_shapes`):
   what every kernel costs on top of its work, and what a step costs once (the step of
   four microbatches tells it from what each microbatch costs);
+- ``collective_latency_s``: fitted with them to the whole model's tensor-parallel steps
+  over every device (:func:`tensor_degrees`), whose collectives run while the devices
+  compute: what one collective costs whatever its size (its launch and the rendezvous of
+  its devices; on shared cores far more than the idle all-reduces show);
 - ``host_cores``: the cores this process may run on, where the devices are CPU devices
   (None on GPU), and ``busy_rates``, how much of the node's rate fewer busy devices get:
   the whole model's step on 1, 2, 4, ... devices while the others idle
@@ -47,7 +51,7 @@ from pipedsl.simulator.plan import Plan
 
 __all__ = [
     "MachineMeasurements", "MachineCalibration", "fit_machine", "fit_ring", "fit_matmul",
-    "compute_shapes", "busy_counts", "step_plan", "priced_step", "cluster_toml",
+    "compute_shapes", "busy_counts", "tensor_degrees", "step_plan", "priced_step", "cluster_toml",
 ]  # fmt: skip
 
 MICROBATCHES = 4
@@ -74,21 +78,31 @@ def busy_counts(devices: int, cores: float | None) -> tuple[int, ...]:
     return tuple(1 << k for k in range(devices.bit_length()) if 1 << k < devices)
 
 
-def step_plan(dp: int, microbatch_size: int, microbatches: int = 1) -> Plan:
-    """The plan a calibration step runs: the SPMD plan over ``dp`` devices,
-    ``microbatches`` of ``microbatch_size`` sequences per device, as the executor runs it
-    (plain attention, fp32 gradients, nothing overlapped)."""
+def tensor_degrees(model: Model, devices: int) -> tuple[int, ...]:
+    """The tensor-parallel degrees of the calibration's tensor-parallel steps: 2 and 4,
+    where they divide the devices, the model's heads and its vocabulary."""
+    return tuple(t for t in (2, 4) if devices % t == 0 and model.heads % t == 0 and model.vocab % t == 0)
+
+
+def step_plan(devices: int, microbatch_size: int, microbatches: int = 1, *, tp: int = 1) -> Plan:
+    """The plan a calibration step runs: the SPMD plan over ``devices`` devices, ``tp``-way
+    tensor parallel (with sequence parallelism) inside ``devices / tp`` data-parallel
+    groups, ``microbatches`` of ``microbatch_size`` sequences per device (a group's
+    microbatch is ``tp`` times that, so every device has the same work at each ``tp``), as
+    the executor runs it (plain attention, fp32 gradients, nothing overlapped)."""
     return Plan(
-        dp=dp, microbatch_size=microbatch_size, global_batch=dp * microbatch_size * microbatches,
-        flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
+        dp=devices // tp, tp=tp, microbatch_size=tp * microbatch_size,
+        global_batch=devices * microbatch_size * microbatches, flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
     )  # fmt: skip
 
 
-def priced_step(model: Model, cluster: Cluster, devices: int, microbatch_size: int, microbatches: int = 1) -> float:
-    """The simulator's seconds of a data-parallel training step over ``devices`` devices:
-    each microbatch's forward and backward, the gradients' all-reduce, the optimizer's
-    update and the executor's fixed cost of a step."""
-    return estimate(model, cluster, step_plan(devices, microbatch_size, microbatches)).step_time_s
+def priced_step(
+    model: Model, cluster: Cluster, devices: int, microbatch_size: int, microbatches: int = 1, *, tp: int = 1
+) -> float:
+    """The simulator's seconds of a training step over ``devices`` devices
+    (:func:`step_plan`): each microbatch's forward and backward, the gradients'
+    all-reduce, the optimizer's update and the executor's fixed cost of a step."""
+    return estimate(model, cluster, step_plan(devices, microbatch_size, microbatches, tp=tp)).step_time_s
 
 
 def fit_ring(times: dict[tuple[int, int], float]) -> tuple[float, float]:
@@ -133,6 +147,9 @@ class MachineMeasurements:
         (layers, sequences per device, microbatches) (:func:`compute_shapes`).
       busy_s: seconds of the whole model's step at the microbatch size on n devices
         while the others idle, by n (:func:`busy_counts`); empty where not taken.
+      tensor_s: seconds of the whole model's step at the microbatch size per device on
+        every device, t-way tensor parallel, by t (:func:`tensor_degrees`); empty where
+        not taken.
       microbatch_size: sequences per device of the compute steps that use it.
       dtype: the model's dtype name, whose product rate sets ``peak_flops`` on GPU.
       seconds: wall time of the measurements (0 for steps timed again later).
@@ -152,6 +169,7 @@ class MachineMeasurements:
     dtype: str
     matmul_s: dict[tuple[str, int], float] = field(default_factory=dict)
     busy_s: dict[int, float] = field(default_factory=dict)
+    tensor_s: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
@@ -181,10 +199,11 @@ class MachineCalibration:
         return self.report.text()
 
 
-def _step_name(layers: int, sequences: int, microbatches: int, devices: int) -> str:
+def _step_name(layers: int, sequences: int, microbatches: int, devices: int, tp: int = 1) -> str:
     many = "s" if layers > 1 else ""
     batches = f" x {microbatches} microbatches" if microbatches > 1 else ""
-    return f"train step: {layers} layer{many} x {sequences} seq/device{batches}, {devices} devices"
+    tensor = f", tp={tp}" if tp > 1 else ""
+    return f"train step: {layers} layer{many} x {sequences} seq/device{batches}, {devices} devices{tensor}"
 
 
 def _compute_steps(model: Model, m: MachineMeasurements) -> list[Step]:
@@ -196,7 +215,21 @@ def _compute_steps(model: Model, m: MachineMeasurements) -> list[Step]:
             lambda c: priced_step(cut, c, m.devices, sequences, microbatches),
         )
 
-    return [priced_at(*shape) for shape in m.step_s]
+    layers, sequences, _ = m.largest_step
+    whole = dataclasses.replace(model, layers=layers)
+    tensor = [
+        Step(
+            _step_name(layers, sequences, 1, m.devices, tp),
+            seconds,
+            functools.partial(_priced_tensor, whole, devices=m.devices, sequences=sequences, tp=tp),
+        )
+        for tp, seconds in sorted(m.tensor_s.items())
+    ]
+    return [priced_at(*shape) for shape in m.step_s] + tensor
+
+
+def _priced_tensor(model: Model, cluster: Cluster, *, devices: int, sequences: int, tp: int) -> float:
+    return priced_step(model, cluster, devices, sequences, tp=tp)
 
 
 def _base(m: MachineMeasurements, model: Model) -> tuple[Cluster, list[Measured]]:
@@ -261,6 +294,8 @@ def fit_machine(model: Model, m: MachineMeasurements) -> MachineCalibration:
         Parameter("kernel_launch_s", "s", 1e-9, 1.0, 1e-4, fixed_cost=True),
         Parameter("step_overhead_s", "s", 1e-7, 10.0, 1e-3, fixed_cost=True),
     ]
+    if m.tensor_s:
+        fitted.append(Parameter("collective_latency_s", "s", 1e-8, 1.0, 1e-4, fixed_cost=True))
     if not m.matmul_s:
         # Start from the rate that prices the largest step alone, nothing else slowing it.
         start = base.peak_flops * priced_step(

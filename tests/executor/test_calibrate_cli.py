@@ -19,7 +19,7 @@ from pipedsl.cli.calibrate import DEMO_MODEL, Measurement
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import Step, TimedSteps, interleaved_medians, round_times
 from pipedsl.simulator import Cluster, CostModel, load_cluster, simulate
-from pipedsl.simulator.calibration.machine import compute_shapes
+from pipedsl.simulator.calibration.machine import compute_shapes, tensor_degrees
 from pipedsl.simulator.workers import available_cores
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +53,14 @@ def test_calibrate_writes_this_machines_cluster_and_runs_schedules_against_their
         "step_overhead_s",
         "hbm_bandwidth",
         "intra_node_latency",
+        "collective_latency_s",
         "host_cores",
     ):
         assert re.search(rf"^  {name} ", done.stdout, flags=re.MULTILINE), name
     reproduced = re.findall(r"train step: .* measured +([\d.]+) ms +model +([\d.]+) ms +([+-][\d.]+)%", done.stdout)
-    assert len(reproduced) == len(compute_shapes(DEMO_MODEL, 1))
+    # The data-parallel steps, then the 2-way tensor-parallel one (no busy steps: 2 devices, 2 cores or more).
+    assert len(reproduced) == len(compute_shapes(DEMO_MODEL, 1)) + len(tensor_degrees(DEMO_MODEL, 2))
+    assert "2 devices, tp=2" in done.stdout
     assert all(float(m) > 0 and float(p) > 0 for m, p, _ in reproduced)
     # Every schedule is compiled and calibrated before any is timed (their steps take turns),
     # trains (the loss goes down), and its saved cost model prices no more than predicted.
@@ -88,7 +91,11 @@ def test_the_calibration_times_its_steps_in_rounds_each_on_its_own_devices() -> 
     def build(layers: int) -> object:
         return transformer(num_stages=1, layers_per_stage=layers, vocab=16, dim=8, heads=2, seq=4)
 
-    steps = {"all": Step(build(1), 2, microbatches=2), "one": Step(build(1), 2, devices=1)}
+    steps = {
+        "all": Step(build(1), 2, microbatches=2),
+        "one": Step(build(1), 2, devices=1),
+        "tensor": Step(build(1), 2, tp=2),  # Megatron's sharding of the weights, sequence parallel
+    }
     with TimedSteps(steps, 2) as timed:
         with pytest.raises(ValueError, match="no round"):
             timed.take()

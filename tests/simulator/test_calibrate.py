@@ -26,6 +26,7 @@ from pipedsl.simulator.calibration.machine import (
     fit_matmul,
     fit_ring,
     priced_step,
+    tensor_degrees,
 )
 from pipedsl.simulator.calibration.report import quantity
 from pipedsl.simulator.calibration.timelines import CalibrationError, fit_costs, timeline_report
@@ -189,7 +190,7 @@ def _cpu_measurements(truth: Cluster, model: Model, *, busy: bool = True) -> Mac
         memory_source="the host's memory over the 8 devices", bandwidth=truth.hbm_bandwidth, all_reduce_s=_REDUCES,
         dispatch_s=truth.action_overhead_s, step_s=steps, microbatch_size=4, dtype="float32",
         busy_s={n: priced_step(model, truth, n, 4) for n in busy_counts(8, truth.host_cores)} if busy else {},
-        seconds=30.0,
+        tensor_s={t: priced_step(model, truth, 8, 4, tp=t) for t in tensor_degrees(model, 8)}, seconds=30.0,
     )  # fmt: skip
 
 
@@ -197,7 +198,7 @@ _TRUTH = dataclasses.replace(
     _CPU, peak_flops=3e9, kernel_launch_s=2e-4, step_overhead_s=5e-3, host_cores=2.0,
     busy_rates=(0.3, 0.45, 0.575, 0.7, 0.775, 0.85, 0.925, 1.0),
     hbm_bandwidth=2e9, intra_node_bandwidth=_LINK, intra_node_latency=_ALPHA, inter_node_bandwidth=_LINK,
-    inter_node_latency=_ALPHA, action_overhead_s=1e-4,
+    inter_node_latency=_ALPHA, action_overhead_s=1e-4, collective_latency_s=6e-4,
 )  # fmt: skip
 
 
@@ -205,8 +206,14 @@ def test_a_cpu_machine_is_fitted_back_to_the_cluster_that_produced_its_measureme
     model = dataclasses.replace(_TINY, layers=4)
     fitted = fit_machine(model, _cpu_measurements(_TRUTH, model)).cluster
     for name in ("peak_flops", "kernel_launch_s", "step_overhead_s", "intra_node_latency",
-                 "intra_node_bandwidth", "hbm_bandwidth", "action_overhead_s", "host_cores"):  # fmt: skip
+                 "intra_node_bandwidth", "hbm_bandwidth", "action_overhead_s", "host_cores",
+                 "collective_latency_s"):  # fmt: skip
         assert getattr(fitted, name) == pytest.approx(getattr(_TRUTH, name), rel=1e-3), name
+    # The collectives' fixed cost comes from the tensor-parallel steps: 2-way only, as the
+    # model has two heads; without them it is not fitted.
+    assert tensor_degrees(model, 8) == (2,) and tensor_degrees(dataclasses.replace(model, heads=4), 8) == (2, 4)
+    alone = dataclasses.replace(_cpu_measurements(_TRUTH, model), tensor_s={})
+    assert fit_machine(model, alone).cluster.collective_latency_s == 0.0
     # The node's rate at n busy devices is the measured throughput over the all-busy one
     # (n / seconds on n devices against 8 / seconds on 8), linear between the counts.
     measured = _cpu_measurements(_TRUTH, model)
@@ -241,8 +248,10 @@ def test_the_report_gives_every_fitted_number_its_measurement_and_every_step_its
     assert all(p.source for p in report.parameters)
     # The training steps on every device are reproduced; the steps on fewer devices show how
     # far the measured rates, applied to the compute alone, are from them.
-    assert len(report.steps) == len(compute_shapes(model, 4)) + 3
-    assert max(abs(s.error) for s in report.steps[: len(compute_shapes(model, 4))]) < 1e-3 and report.worst < 0.1
+    fitted = len(compute_shapes(model, 4)) + len(tensor_degrees(model, 8))
+    assert len(report.steps) == fitted + 3
+    assert max(abs(s.error) for s in report.steps[:fitted]) < 1e-3 and report.worst < 0.1
+    assert "8 devices, tp=2" in report.steps[fitted - 1].name
     text = calibration.describe()
     assert "platform: cpu" in text and "busy_rates[3]" in text and "4 devices (the other 4 idle)" in text
     assert re.search(r"peak_flops\s+3 GFLOP/s", text)

@@ -108,3 +108,21 @@ def test_cluster_checks_nics() -> None:
         dataclasses.replace(NET, nics_per_node=0)
     assert NET.adapters_per_node == 8 and FOUR_NICS.adapters_per_node == 4
     assert FOUR_NICS.network_share == pytest.approx(5e9)
+
+
+def test_every_collective_pays_its_fixed_cost_once_whatever_its_algorithm() -> None:
+    fixed = dataclasses.replace(NET, collective_latency_s=3e-4)
+    size = 1 << 20
+    inside, across = Group(ranks=4), Group(ranks=32, nodes=4, per_node=8)
+    for group in (inside, across, Group(ranks=2)):
+        assert gather_seconds(size, group, fixed) == pytest.approx(gather_seconds(size, group, NET) + 3e-4)
+    # Small over many nodes: the tree wins either way, and pays it once, not per message.
+    assert all_reduce_choice(4096, across, fixed) == (
+        Algorithm.HIERARCHICAL,
+        pytest.approx(all_reduce_seconds(4096, across, NET) + 3e-4),
+    )
+    assert all_reduce_seconds(size, inside, fixed) == pytest.approx(all_reduce_seconds(size, inside, NET) + 3e-4)
+    # One rank, or nothing to move: no collective runs; a send is not a collective.
+    assert all_reduce_seconds(size, Group(ranks=1), fixed) == gather_seconds(size, Group(ranks=1), fixed) == 0.0
+    assert gather_seconds(0, inside, fixed) == 0.0
+    assert send_seconds(size, fixed, inter_node=False) == send_seconds(size, NET, inter_node=False)
