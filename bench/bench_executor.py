@@ -1,6 +1,6 @@
 """Measure the executor on this machine's CPU devices.
 
-Five measurements, each printed as a small table:
+Six measurements, each printed as a small table:
 
 1. I/W split: (I + W) / B on a middle stage of 4 GELU layers 512 wide (docs/design.md's
    example), against the two separately jitted halves of one vjp that re-derive the
@@ -15,7 +15,14 @@ Five measurements, each printed as a small table:
 5. the executor's own cost per action on both backends in one run: a step of compute-free
    stages (2 stages, 1F1B, 16 microbatches of one row of a 4-wide one-layer MLP) over its
    F and B actions, fixed per-step costs included; the local backend on two CPU devices of
-   this process, the Ray backend on two processes of a local instance (127.0.0.1 only).
+   this process, the Ray backend on two processes of a local instance (127.0.0.1 only);
+6. a stage's forward and backward apart (as a pipeline runs them: ``jax.vjp``'s forward
+   returns its residuals, a second program takes them back) against one program of both
+   (as the SPMD step runs them), on the demo transformer's first stage of two (embedding
+   and two layers, 8 sequences of 64 tokens per device) over a data-parallel mesh of 4
+   devices (``--only apart``; 2 when run with the others), as the demo's ``dp=4 pp=2``
+   plans run it: the cost model prices both alike, so what apart costs more is what
+   pipelines come out fast by on CPU.
 
 The benchmark model is an MLP of ``--width`` wide GELU layers, ``--layers`` per stage, with
 ``--microbatch``-row microbatches: each stage action takes milliseconds on CPU.
@@ -23,7 +30,7 @@ The benchmark model is an MLP of ``--width`` wide GELU layers, ``--layers`` per 
 of the halves with that of B; with more, XLA also runs B's weight matmuls beside its
 input-gradient chain on other cores, an overlap two separate programs cannot have.
 
-    python bench/bench_executor.py [--pp 2] [--microbatches 8] [--cores N] [--only split|per-action]
+    python bench/bench_executor.py [--pp 2] [--microbatches 8] [--cores N] [--only split|per-action|apart]
 """
 
 from __future__ import annotations
@@ -110,6 +117,55 @@ def bench_split(width: int, layers: int, microbatch: int, repeat: int) -> None:
     iw = (t["I"] + t["W"]) / t["B"]
     record("bench_executor_split", {"B_ms": t["B"] * 1e3, "I_ms": t["I"] * 1e3, "W_ms": t["W"] * 1e3,
                                     "iw_over_b": iw, "vjp_halves_iw_over_b": naive})  # fmt: skip
+
+
+def bench_apart(repeat: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from pipedsl.cli.calibrate import demo_transformer
+
+    devices = min(4, len(jax.devices()))
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+    model = demo_transformer(2)
+    key = jax.random.PRNGKey(0)
+    params = jax.device_put(model.init_stages(key)[0], NamedSharding(mesh, PartitionSpec()))
+    tokens = jax.device_put(
+        model.batch(jax.random.fold_in(key, 1), 8 * devices)[0], NamedSharding(mesh, PartitionSpec("data"))
+    )
+    stage = model.stages[0]
+    forward = jax.jit(stage)
+    forward_apart = jax.jit(lambda p, x: jax.vjp(lambda q: stage(q, x), p))
+    out, pullback = forward_apart(params, tokens)
+    cotangent = jnp.ones_like(out)
+    backward_apart = jax.jit(lambda pb, c: pb(c))
+    both = jax.jit(lambda p, x, c: jax.vjp(lambda q: stage(q, x), p)[1](c))
+    t = interleaved_medians(
+        {
+            "forward": lambda: forward(params, tokens),
+            "F apart": lambda: forward_apart(params, tokens),
+            "B apart": lambda: backward_apart(pullback, cotangent),
+            "F+B one program": lambda: both(params, tokens, cotangent),
+        },
+        repeat,
+    )
+    kept = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(pullback))
+    apart = t["F apart"] + t["B apart"]
+    print(
+        f"\n6. forward and backward apart against one program: demo transformer, first of 2 stages, {devices} devices"
+    )
+    print(f"   forward alone {t['forward'] * 1e3:.2f} ms; forward keeping its residuals {t['F apart'] * 1e3:.2f} ms "
+          f"({kept / devices / 1e6:.1f} MB per device in {len(jax.tree_util.tree_leaves(pullback))} arrays, "
+          "parameters included)")  # fmt: skip
+    print(f"   apart: F {t['F apart'] * 1e3:.2f} + B {t['B apart'] * 1e3:.2f} = {apart * 1e3:.2f} ms; "
+          f"one program {t['F+B one program'] * 1e3:.2f} ms; apart / one = {apart / t['F+B one program']:.2f}")  # fmt: skip
+    record("bench_executor_apart", {
+        "forward_ms": t["forward"] * 1e3, "forward_apart_ms": t["F apart"] * 1e3,
+        "backward_apart_ms": t["B apart"] * 1e3, "one_program_ms": t["F+B one program"] * 1e3,
+        "devices": devices, "residual_mb_per_device": kept / devices / 1e6, "apart_over_one": apart / t["F+B one program"],
+    })  # fmt: skip
 
 
 def bench_overhead(repeat: int) -> None:
@@ -256,9 +312,11 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=128, help="rows per microbatch (default 128)")
     parser.add_argument("--repeat", type=int, default=20, help="timed repetitions per measurement (default 20)")
     parser.add_argument("--cores", type=int, help="pin the process to this many cores (Linux)")
-    parser.add_argument("--only", choices=("split", "overhead", "schedules", "per-action"), help="run one measurement")
+    parser.add_argument(
+        "--only", choices=("split", "overhead", "schedules", "per-action", "apart"), help="run one measurement"
+    )
     args = parser.parse_args()
-    _configure(max(args.pp, 2), args.cores)
+    _configure(max(args.pp, 4 if args.only == "apart" else 2), args.cores)
     # Loopback only, for the Ray instance of measurement 5 (read when ray is imported).
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import jax
@@ -276,6 +334,8 @@ def main() -> None:
         bench_schedules(args.pp, args.microbatches, args.width, args.layers, args.microbatch, args.repeat)
     if args.only in (None, "per-action"):
         bench_per_action(args.repeat * 5)
+    if args.only in (None, "apart"):
+        bench_apart(args.repeat)
 
 
 if __name__ == "__main__":
