@@ -13,8 +13,11 @@ Enumeration, for ``gpus`` GPUs and a global batch B:
 - virtual stages: ``vpp_sizes`` (2, 3, 4, 6, 8) for schedules with a ``vpp``
   parameter (vpp = 1 is 1F1B's or GPipe's plan); what the schedule places otherwise;
 - microbatch sizes: divisors of B/dp up to ``max_microbatch_size``;
-- ZeRO: 0–3 for SPMD; 0 and 1 for pipelines (ZeRO 2 and 3 communicate every microbatch,
-  which a pipeline of many microbatches multiplies);
+- ZeRO: 0–3 for SPMD, 2 and 3 also with their gradients reduced once per step
+  (``reduce_once``, Megatron's distributed optimizer and Llama 3's FSDP) where there is
+  more than one microbatch, and 3 also keeping the gathered weights for the backward
+  (``reshard_after_forward=False``); 0 and 1 for pipelines (ZeRO 2 and 3 communicate every
+  microbatch, which a pipeline of many microbatches multiplies);
 - recomputation: none, selective, full (selective is left out with FlashAttention,
   where it is the same plan as none).
 """
@@ -243,8 +246,21 @@ def _spmd_plans(space: _Space, gpus: int, spmd_zero: Sequence[int], common: dict
         dp = gpus // (tp * cp)
         for b in space.microbatch_sizes(dp):
             for zero in spmd_zero:
-                for mode in space.modes:
-                    yield Plan(dp=dp, tp=tp, cp=cp, pp=1, microbatch_size=b, zero=zero, recompute=mode, **common)
+                for once, reshard in _sharding_modes(zero, several=space.global_batch > dp * b):
+                    for mode in space.modes:
+                        yield Plan(
+                            dp=dp, tp=tp, cp=cp, pp=1, microbatch_size=b, zero=zero, reduce_once=once,
+                            reshard_after_forward=reshard, recompute=mode, **common,
+                        )  # fmt: skip
+
+
+def _sharding_modes(zero: int, *, several: bool) -> tuple[tuple[bool, bool], ...]:
+    """(reduce_once, reshard_after_forward) of the sharding modes of ZeRO ``zero``: its
+    own; for 2 and 3 reduced once per step where there are ``several`` microbatches (with
+    one, both modes reduce once); for 3 keeping the weights gathered for the backward."""
+    onces = (False, True) if zero >= 2 and several else (False,)
+    reshards = (True, False) if zero == 3 else (True,)
+    return tuple((once, reshard) for once in onces for reshard in reshards)
 
 
 def _pipeline_plans(

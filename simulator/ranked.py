@@ -6,6 +6,7 @@ turns them into its DataFrame (a table is an output, not what modules hand each 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ from pipedsl.simulator.speed import relative_speed
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["COLUMNS", "RankedPlan", "Summary", "describe", "summarize"]
+__all__ = ["COLUMNS", "RankedPlan", "Summary", "describe", "summarize", "zero_words"]
 
 COLUMNS = (
     "rank",
@@ -31,6 +32,8 @@ COLUMNS = (
     "microbatch_size",
     "microbatches",
     "zero",
+    "reduce_once",
+    "reshard_after_forward",
     "recompute",
     "step_time_s",
     "tokens_per_s",
@@ -58,7 +61,9 @@ class RankedPlan:
     ``flash_attention`` and ``reduce_bytes`` are the plan's, so that a row says all that
     ``pipedsl run --plan`` needs to run what was priced. ``schedule`` is what tables call
     the schedule (:func:`~pipedsl.simulator.plan.schedule_name`), ``source`` what it was
-    loaded from (a library name or the path as given; empty for SPMD).
+    loaded from (a library name or the path as given; empty for SPMD). ``reduce_once``
+    and ``reshard_after_forward`` complete ``zero``'s sharding mode
+    (:attr:`~pipedsl.simulator.plan.Plan.sharding`).
     """
 
     rank: int
@@ -73,6 +78,8 @@ class RankedPlan:
     microbatch_size: int
     microbatches: int
     zero: int
+    reduce_once: bool
+    reshard_after_forward: bool
     recompute: str
     step_time_s: float
     tokens_per_s: float
@@ -103,6 +110,8 @@ class RankedPlan:
             microbatch_size=plan.microbatch_size,
             microbatches=plan.microbatches,
             zero=plan.zero,
+            reduce_once=plan.reduce_once,
+            reshard_after_forward=plan.reshard_after_forward,
             recompute=plan.recompute.value,
             step_time_s=e.step_time_s,
             tokens_per_s=e.tokens_per_s,
@@ -173,9 +182,17 @@ def describe(row: dict[str, Any] | None) -> str:
     name = f"{row['schedule']} " if row["kind"] == "pipeline" else ""
     cp = f" cp={row['cp']}" if row.get("cp", 1) > 1 else ""
     return (
-        f"({name}dp={row['dp']} tp={row['tp']}{cp}{pp} mb={row['microbatch_size']} zero={row['zero']} "
+        f"({name}dp={row['dp']} tp={row['tp']}{cp}{pp} mb={row['microbatch_size']} zero={zero_words(row)} "
         f"{row['recompute']}: {row['step_time_s']:.3f} s/step, MFU {100 * row['mfu']:.1f}%)"
     )
+
+
+def zero_words(row: Mapping[str, Any]) -> str:
+    """A search row's ZeRO stage with its sharding mode: ``1``, ``2 once``, ``3 once keep``
+    (:attr:`~pipedsl.simulator.plan.Plan.sharding`)."""
+    once = " once" if row.get("reduce_once", False) else ""
+    keep = " keep" if not row.get("reshard_after_forward", True) else ""
+    return f"{row['zero']}{once}{keep}"
 
 
 def summarize(frame: pd.DataFrame) -> Summary:

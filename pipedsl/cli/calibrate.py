@@ -185,13 +185,14 @@ def _pipeline(schedule: Schedule, microbatch_size: int, backend: Any, plan: Plan
     model = demo_transformer(schedule.num_stages, what=_label(schedule))
     dp, tp, zero = (1, 1, 0) if plan is None else (plan.dp, plan.tp, plan.zero)
     sequence_parallel = plan is not None and plan.sequence_parallel and tp > 1
+    reduce_once = plan is not None and plan.reduce_once
     key = jax.random.PRNGKey(0)
     batch = model.batch(jax.random.fold_in(key, 1), microbatch_size * schedule.num_microbatches * dp)
     params = model.init_stages(key)
     specs = model.param_specs(params) if tp > 1 else None
     pipe = Pipeline(
         model.stages, loss=model.loss, schedule=schedule, backend=backend, dp=dp, tp=tp, zero=zero,
-        sequence_parallel=sequence_parallel, param_specs=specs,
+        reduce_once=reduce_once, sequence_parallel=sequence_parallel, param_specs=specs,
     )  # fmt: skip
     return pipe, params, batch
 

@@ -59,6 +59,7 @@ from pipedsl.simulator import (
     search,
     summarize,
 )
+from pipedsl.simulator.ranked import zero_words
 from pipedsl.simulator.search import DEFAULT_PRUNE
 from pipedsl.validate import validate
 
@@ -181,7 +182,7 @@ def _plans(console: Console, steps: TimedSteps, out: Path) -> tuple[MachineCalib
             str(row["pp"]),
             str(row["vpp"]),
             str(row["microbatch_size"]),
-            str(row["zero"]),
+            zero_words(row),
             row["recompute"],
             f"{row['step_time_s'] * 1e3:.1f}",
             f"{row['bubble']:.1%}",
@@ -196,14 +197,16 @@ def _plans(console: Console, steps: TimedSteps, out: Path) -> tuple[MachineCalib
 
 
 def _fits_demo_model(plan: PlannedRun) -> bool:
-    """Whether the demo transformer splits as ``plan`` needs: its layers evenly over the
-    stages, its heads, width and vocabulary over the tensor axis."""
+    """Whether the demo transformer splits as ``plan`` needs (its layers evenly over the
+    stages, its heads, width and vocabulary over the tensor axis) and the executor runs its
+    options (no recomputation, ZeRO 3 resharding after the forward)."""
     stages = plan.pp * plan.vpp
     return (
         DEMO_MODEL.layers % stages == 0
         and DEMO_MODEL.heads % plan.tp == 0
         and DEMO_MODEL.vocab % plan.tp == 0
         and plan.recompute == "none"
+        and not plan.keep_weights
         and plan.microbatch_size * plan.dp >= _MIN_RUN_MICROBATCH
     )
 

@@ -45,6 +45,7 @@ from pipedsl.simulator.hardware import (
     model_presets,
 )
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
+from pipedsl.simulator.ranked import zero_words
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
 from pipedsl.simulator.speed import relative_speed
 
@@ -305,7 +306,7 @@ def _best_plans_table(frame: pd.DataFrame, top: int) -> Table:
         table.add_column(_HEADERS[column], justify="left" if column in ("schedule", "recompute") else "right")
     for row in frame.head(top).itertuples(index=False):
         values = row._asdict()
-        table.add_row(*(_cell(column, values[column]) for column in columns))
+        table.add_row(*(zero_words(values) if c == "zero" else _cell(c, values[c]) for c in columns))
     return table
 
 
@@ -337,7 +338,7 @@ def _per_schedule_table(summary: Summary) -> Table:
         per.add_row(
             row["schedule"],
             f"dp{row['dp']} tp{row['tp']} pp{row['pp']}{vpp} mb{row['microbatch_size']} "
-            f"zero{row['zero']} {row['recompute']}{limit}",
+            f"zero{zero_words(row)} {row['recompute']}{limit}",
             f"{row['step_time_s']:.3f}",
             f"{100 * row['mfu']:.1f}",
             f"{100 * row['bubble']:.1f}",

@@ -45,6 +45,9 @@ class PlannedRun:
       cp: the context-parallel degree (1 for rows of searches before it was searched).
       microbatches, microbatch_size: per data-parallel replica and step; sequences each.
       zero: the ZeRO stage (0 to 3) over the data-parallel axis.
+      reduce_once: ZeRO 2 or 3 with the gradients accumulated unreduced and reduced once
+        per step; keep_weights: ZeRO 3 keeping the forward's gathered weights for the
+        backward (a priced mode the executor does not run). False for rows without them.
       recompute: ``"none"``, ``"selective"`` or ``"full"``.
       planned_s: the search's estimate of the step time in seconds, when known.
       rank: the plan's rank in its search, when known.
@@ -73,6 +76,8 @@ class PlannedRun:
     sequence_parallel: bool = True
     flash_attention: bool = True
     cp: int = 1
+    reduce_once: bool = False
+    keep_weights: bool = False
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], *, where: str = "plan") -> PlannedRun:
@@ -104,6 +109,8 @@ class PlannedRun:
             sequence_parallel=_flag(row.get("sequence_parallel"), "sequence_parallel", where),
             flash_attention=_flag(row.get("flash_attention"), "flash_attention", where),
             cp=cp,
+            reduce_once=_flag(row.get("reduce_once"), "reduce_once", where, absent=False),
+            keep_weights=not _flag(row.get("reshard_after_forward"), "reshard_after_forward", where),
             **values,
         )
 
@@ -136,22 +143,25 @@ class PlannedRun:
 
     def label(self) -> str:
         """``zbv dp=2 tp=1 pp=2 vpp=2 mb=4 x8 zero=1 recompute=none`` or ``SPMD dp=8 tp=1
-        mb=4 x8 zero=1 recompute=full``, with ``cp=C`` when ``cp > 1``, ``sequence-parallel``
-        when ``tp > 1`` and ``no-flash-attention`` when the plan has none."""
+        mb=4 x8 zero=1 recompute=full``, with ``cp=C`` when ``cp > 1``, ``once`` and ``keep``
+        after the ZeRO stage for its sharding mode, ``sequence-parallel`` when ``tp > 1`` and
+        ``no-flash-attention`` when the plan has none."""
         name = "SPMD" if self.kind == "spmd" else self.schedule
         pp = f" cp={self.cp}" if self.cp > 1 else ""
         pp += "" if self.kind == "spmd" else f" pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp > 1 else "")
         options = " sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
         options += "" if self.flash_attention else " no-flash-attention"
+        mode = (" once" if self.reduce_once else "") + (" keep" if self.keep_weights else "")
         return (
-            f"{name} dp={self.dp} tp={self.tp}{pp} mb={self.microbatch_size} x{self.microbatches} zero={self.zero} "
-            f"recompute={self.recompute}{options}"
+            f"{name} dp={self.dp} tp={self.tp}{pp} mb={self.microbatch_size} x{self.microbatches} "
+            f"zero={self.zero}{mode} recompute={self.recompute}{options}"
         )
 
     def command(self) -> str:
         """The ``pipedsl run`` command line that runs this plan's layout on the built-in transformer."""
         params = " ".join(f"-p {k}={v}" for k, v in self.params().items())
-        options = f" --recompute {self.recompute}" if self.recompute != "none" else ""
+        options = " --reduce-once" if self.reduce_once else ""
+        options += f" --recompute {self.recompute}" if self.recompute != "none" else ""
         options += " --sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
         options += " --fused-attention" if self.flash_attention else ""
         return (
@@ -176,10 +186,10 @@ def read_plan(path: str | Path, rank: int) -> PlannedRun:
     raise PipedslError(f"{where}: no plan of rank {rank}; it ranks {len(rows)} plans (1 .. {len(rows)})")
 
 
-def _flag(value: Any, name: str, where: str) -> bool:
-    """A true/false column (``True``/``False`` as pandas writes them); true when absent."""
+def _flag(value: Any, name: str, where: str, *, absent: bool = True) -> bool:
+    """A true/false column (``True``/``False`` as pandas writes them); ``absent`` when absent."""
     if value in (None, ""):
-        return True
+        return absent
     text = str(value).strip().lower()
     if text not in ("true", "false", "1", "0"):
         raise PipedslError(f"{where}: {name} should be true or false, not {value!r}")

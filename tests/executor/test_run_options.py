@@ -96,6 +96,24 @@ def test_plans_run_with_their_context_parallel_degree(tmp_path: Path, capsys: py
     assert code == 2 and "--cp 4 (the plan has 2)" in err
 
 
+def test_plans_run_with_their_sharding_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plans = tmp_path / "plans.csv"
+    header = "inflight_limit,reduce_once,reshard_after_forward\n"
+    once = PLANS.replace("inflight_limit\n", header).replace(",2,0,none,", ",2,2,none,")
+    plans.write_text(once.replace(",1000,0\n", ",1000,0,True,True\n"))
+    code, out, err = _run(capsys, "run", "--plan", "1", "--plans", str(plans), "--steps", "1")
+    assert code == 0, err
+    assert "1f1b dp=2 tp=1 pp=2 mb=1 x2 zero=2 once recompute=none" in out
+    assert "zero=2 reduce_once=true" in out
+    # A plan without it is not given it; ZeRO 3 keeping its gathered weights is priced, not run.
+    plans.write_text(once.replace(",1000,0\n", ",1000,0,False,True\n"))
+    code, out, err = _run(capsys, "run", "--plan", "1", "--plans", str(plans), "--reduce-once", "--steps", "1")
+    assert code == 2 and "--reduce-once would change the plan" in err
+    plans.write_text(once.replace(",2,2,none,", ",2,3,none,").replace(",1000,0\n", ",1000,0,False,False\n"))
+    code, out, err = _run(capsys, "run", "--plan", "1", "--plans", str(plans), "--steps", "1")
+    assert code == 2 and "zero=3 keep" in err and "which the executor does not do" in err and "step" not in out
+
+
 @pytest.mark.parametrize(
     ("options", "said"),
     [

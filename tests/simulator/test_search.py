@@ -23,9 +23,10 @@ from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import ScheduleInvalid
 from pipedsl.library import library_path
 from pipedsl.simulator.estimate import estimate
-from pipedsl.simulator.hardware import Model, load_cluster
+from pipedsl.simulator.hardware import Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
+from pipedsl.simulator.ranked import describe
 from pipedsl.simulator.search import COLUMNS, candidate_plans, search, search_plans, summarize
 
 MODEL = Model(name="gpt-small", layers=8, hidden=1024, ffn_hidden=4096, heads=16, seq_len=1024, vocab=32000)
@@ -264,14 +265,16 @@ def test_search_tables_name_a_users_schedule_by_its_schedule_line(
 
 
 # The best 20 plans of this search: (schedule, dp, tp, pp, vpp, microbatch size, zero,
-# recompute, step time in seconds). First recorded from the object-per-action
+# reduce once, reshard after forward, recompute, step time in seconds). First recorded from the object-per-action
 # implementation before the search moved to int-coded arrays; recorded again from the
 # array search when the cost model changed (collectives by adapter, size-dependent
 # matrix efficiency; FlashAttention priced as one kernel whose scores stay on chip),
 # which moves the step times and so the ranking; and when FlashAttention's backward was
 # priced as its five products, when the A100 presets priced stragglers, and when an fp32
 # model's activations, weights and optimizer state were priced in fp32, as the executor keeps them,
-# and when the demo model lost the dropout the executor's transformer does not have.
+# and when the demo model lost the dropout the executor's transformer does not have; and
+# when the search tried ZeRO 3 keeping its gathered weights (its rows join the ranking; the
+# others keep their order and prices).
 RECORDED_TOP = Path(__file__).parent / "data" / "search_demo_small_top20.json"
 
 
@@ -280,8 +283,12 @@ def test_ranking_matches_the_recorded_one() -> None:
     orders = ["gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev"]
     ranked = search_plans("demo-small", "a100-80gb", 16, global_batch=64, top=20, schedules=orders)
     found = [
-        [p.schedule, p.dp, p.tp, p.pp, p.vpp, p.microbatch_size, p.zero, p.recompute, p.step_time_s] for p in ranked
-    ]
+        [
+            p.schedule, p.dp, p.tp, p.pp, p.vpp, p.microbatch_size, p.zero, p.reduce_once, p.reshard_after_forward,
+            p.recompute, p.step_time_s,
+        ]
+        for p in ranked
+    ]  # fmt: skip
     assert found == json.loads(RECORDED_TOP.read_text())
 
 
@@ -324,3 +331,27 @@ def test_a_search_shape_that_breaks_a_rule_names_its_place_in_the_file(tmp_path:
     with pytest.raises(ScheduleInvalid) as again:
         pipelines.layout(key)
     assert again.value is caught.value
+
+
+def test_the_search_tries_every_sharding_mode_and_prices_each_as_estimate_does() -> None:
+    frame = search("demo-small", "a100-80gb", 8, global_batch=64, schedules=["1f1b"], prune=None)
+    spmd = frame[(frame.kind == "spmd") & (frame.tp == 1) & (frame.microbatch_size == 1)]
+    modes = {(z, o, r) for z, o, r in zip(spmd.zero, spmd.reduce_once, spmd.reshard_after_forward, strict=True)}
+    # Several microbatches: ZeRO 2 and 3 reduced every microbatch or once per step, 3 also
+    # keeping the weights it gathered for the backward; 0 and 1 reduce once already.
+    assert modes == {
+        (0, False, True), (1, False, True), (2, False, True), (2, True, True),
+        (3, False, True), (3, True, True), (3, False, False), (3, True, False),
+    }  # fmt: skip
+    pipelines = frame[frame.kind == "pipeline"]
+    assert not pipelines.reduce_once.any() and pipelines.reshard_after_forward.all()
+    # A row's price is the estimate of its plan, mode included; the mode is in its words.
+    for _, row in spmd[spmd.zero == 3].iterrows():
+        plan = Plan(
+            dp=8, microbatch_size=1, global_batch=64, zero=3, reduce_once=bool(row.reduce_once),
+            reshard_after_forward=bool(row.reshard_after_forward), recompute=row.recompute,
+        )  # fmt: skip
+        priced = estimate(load_model("demo-small"), load_cluster("a100-80gb"), plan)
+        assert row.step_time_s == pytest.approx(priced.step_time_s)
+    once = spmd[(spmd.zero == 2) & spmd.reduce_once].iloc[0].to_dict()
+    assert "zero=2 once " in describe(once) and PlannedRun.from_row(once).reduce_once
