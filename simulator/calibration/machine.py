@@ -221,15 +221,11 @@ def _compute_steps(model: Model, m: MachineMeasurements) -> list[Step]:
         Step(
             _step_name(layers, sequences, 1, m.devices, tp),
             seconds,
-            functools.partial(_priced_tensor, whole, devices=m.devices, sequences=sequences, tp=tp),
+            functools.partial(_priced_on, whole, devices=m.devices, sequences=sequences, tp=tp),
         )
         for tp, seconds in sorted(m.tensor_s.items())
     ]
     return [priced_at(*shape) for shape in m.step_s] + tensor
-
-
-def _priced_tensor(model: Model, cluster: Cluster, *, devices: int, sequences: int, tp: int) -> float:
-    return priced_step(model, cluster, devices, sequences, tp=tp)
 
 
 def _base(m: MachineMeasurements, model: Model) -> tuple[Cluster, list[Measured]]:
@@ -348,8 +344,8 @@ def _busy_rates(cluster: Cluster, model: Model, m: MachineMeasurements) -> tuple
     return dataclasses.replace(cluster, busy_rates=rates), steps
 
 
-def _priced_on(model: Model, cluster: Cluster, *, devices: int, sequences: int) -> float:
-    return priced_step(model, cluster, devices, sequences)
+def _priced_on(model: Model, cluster: Cluster, *, devices: int, sequences: int, tp: int = 1) -> float:
+    return priced_step(model, cluster, devices, sequences, tp=tp)
 
 
 def cluster_toml(calibration: MachineCalibration) -> str:
