@@ -25,7 +25,6 @@ it connects.
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,9 +39,9 @@ from jax.sharding import Mesh, PartitionSpec
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.interpreter import drive
 from pipedsl.executor.mesh import DATA, TENSOR, MeshConfig
+from pipedsl.executor.ray_checkpoint import read_shards, write_shards
 from pipedsl.executor.ray_transport import (
     Hops,
-    Pieces,
     WorldTransport,
     addressable_pieces,
     signatures,
@@ -237,46 +236,50 @@ class WorldProcess:
         return addressable_pieces(mine), (addressable_pieces(dict(worker.states)) if states else {})
 
     def save(self, path: str) -> Failure | None:
-        """Write the shards this process holds of its device's parameter leaves and
-        optimizer states to ``path/process-<rank>.pkl`` (whole, or not at all: written
-        aside, flushed, then renamed)."""
+        """Write this device's parameter leaves and optimizer states as the orbax checkpoint
+        ``path``, with the other processes of its mesh, each the shards it holds
+        (:func:`~pipedsl.executor.ray_checkpoint.write_shards`)."""
         worker = self._installed()
-        tree = {"params": dict(worker.leaves), "opt_state": dict(worker.states)}
-        target = os.path.join(path, f"process-{self.rank}.pkl")
+        tree = {
+            "params": {str(i): leaf for i, leaf in worker.leaves.items()},
+            "opt_state": {str(s): state for s, state in worker.states.items()},
+        }
         try:
-            os.makedirs(path, exist_ok=True)
-            staged = target + ".partial"
-            with open(staged, "wb") as file:
-                pickle.dump(addressable_pieces(tree), file, protocol=pickle.HIGHEST_PROTOCOL)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(staged, target)
-        except OSError as err:
-            return Failure(f"device {self.device} could not write {target}: {err.strerror or err}", None, self.device)
+            write_shards(path, tree, processes=self._mesh_processes(), name=f"pipedsl-device-{self.device}")
+        except Exception as err:  # orbax's and the file system's errors alike: reported, not raised
+            return Failure(
+                f"device {self.device} could not write {path}: {type(err).__name__}: {err}", None, self.device
+            )
         return None
 
     def restore(self, path: str, optimizer: optax.GradientTransformation | None) -> Failure | None:
-        """Read back what :meth:`save` wrote for this process (the same plan puts the same
-        shards on the same process); the optimizer state only with ``optimizer``."""
+        """Read back what :meth:`save` wrote for this device (the same plan puts the same
+        shards on the same processes); the optimizer state only with ``optimizer``."""
         worker = self._installed()
-        source = os.path.join(path, f"process-{self.rank}.pkl")
+        avals = worker.model.param_avals
+        target: dict[str, Any] = {
+            "params": {
+                str(i): jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=sharding)
+                for i, sharding in worker.kept().items()
+            }
+        }
+        if optimizer is not None:
+            target["opt_state"] = {str(s): worker.abstract_state(optimizer, s) for s in worker.local}
         try:
-            with open(source, "rb") as file:
-                saved = pickle.load(file)  # noqa: S301  # checkpoints are the user's own files
-        except OSError as err:
-            return Failure(f"device {self.device} could not read {source}: {err.strerror or err}", None, self.device)
-        kept = worker.kept()
-        worker.load({i: _placed(saved["params"][i], kept[i]) for i in kept}, None)
+            saved = read_shards(path, target, processes=self._mesh_processes(), name=f"pipedsl-device-{self.device}")
+        except Exception as err:  # orbax's and the file system's errors alike: reported, not raised
+            return Failure(
+                f"device {self.device} could not read {path}: {type(err).__name__}: {err}", None, self.device
+            )
+        worker.load({int(i): leaf for i, leaf in saved["params"].items()}, None)
         if optimizer is not None:
             self._optimizer = optimizer
-            states = {}
-            for s in worker.local:
-                at = worker.abstract_state(optimizer, s)
-                states[s] = jax.tree_util.tree_map(
-                    lambda piece, want: _placed(piece, want.sharding), saved["opt_state"][s], at
-                )
-            worker.load(None, states)
+            worker.load(None, {int(s): state for s, state in saved["opt_state"].items()})
         return None
+
+    def _mesh_processes(self) -> list[int]:
+        """The processes of this device's mesh, in increasing order."""
+        return sorted({d.process_index for d in self._meshes[self.device].devices.flat})
 
     def optimizer(self, optimizer: optax.GradientTransformation) -> None:
         """The optimizer of the following training steps."""
@@ -351,21 +354,6 @@ class WorldProcess:
         if self.worker is None:
             raise ExecutionError(f"process {self.rank} runs no pipeline device yet")
         return self.worker
-
-
-def _placed(piece: Pieces, sharding: Any) -> jax.Array:
-    """A saved array put back on ``sharding`` from the shards this process saved."""
-    shards = {_normal(k, piece.shape): v for k, v in piece.shards.items()}
-    arrays = [
-        jax.device_put(shards[_normal(tuple((sl.start, sl.stop) for sl in index), piece.shape)], device)
-        for device, index in sharding.addressable_devices_indices_map(piece.shape).items()
-    ]
-    return jax.make_array_from_single_device_arrays(piece.shape, sharding, arrays)
-
-
-def _normal(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """A shard's index as (start, stop) per axis, whole axes spelled out."""
-    return tuple((0 if a is None else a, n if b is None else b) for (a, b), n in zip(index, shape, strict=True))
 
 
 def trace_model(spec: ModelSpec) -> StagedModel:
