@@ -333,11 +333,12 @@ def _per_schedule_table(summary: Summary) -> Table:
         per.add_column(header, justify="left" if header in ("schedule", "plan") else "right")
     for row in summary.best_by_schedule:
         vpp = f" vpp{row['vpp']}" if row["vpp"] > 1 else ""
+        cp = f" cp{row['cp']}" if row.get("cp", 1) > 1 else ""
         limit = f" inflight{row['inflight_limit']}" if row.get("inflight_limit") else ""
         spmd = summary.best_spmd
         per.add_row(
             row["schedule"],
-            f"dp{row['dp']} tp{row['tp']} pp{row['pp']}{vpp} mb{row['microbatch_size']} "
+            f"dp{row['dp']} tp{row['tp']}{cp} pp{row['pp']}{vpp} mb{row['microbatch_size']} "
             f"zero{zero_words(row)} {row['recompute']}{limit}",
             f"{row['step_time_s']:.3f}",
             f"{100 * row['mfu']:.1f}",
@@ -349,10 +350,14 @@ def _per_schedule_table(summary: Summary) -> Table:
 
 def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None:
     """How to run the best plan's layout for real (on the executor's built-in transformer)."""
-    if best.get("cp", 1) > 1:
-        console.print("the best plan is context parallel, which `pipedsl run` does not run", highlight=False)
-        return
     planned = PlannedRun.from_row(best)
+    if planned.keep_weights:
+        console.print(
+            "the best plan keeps ZeRO 3's weights gathered from the forward for the backward,"
+            " which `pipedsl run` does not run",
+            highlight=False,
+        )
+        return
     by_rank = (
         f"pipedsl run --plan {planned.rank} --plans {csv}" if csv is not None and planned.rank is not None else None
     )

@@ -239,6 +239,17 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert len(written) > 5
 
 
+def test_cli_search_names_and_runs_a_context_parallel_best_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    # Only context-parallel plans: the best plan's degree is in each table and in the
+    # command that runs it (`pipedsl run --cp`).
+    argv = ["search", "--model", "llama-405b", "--cluster", "h100-80gb", "--gpus", "16384", "--global-batch", "2048",
+            "--stage-layers", "ends", "--schedules", "1f1b", "--cp", "2", "--top", "3", "--jobs", "1"]  # fmt: skip
+    assert _run(argv) == 0
+    printed = capsys.readouterr().out
+    assert any(line.split()[:4] == ["1f1b", "dp64", "tp8", "cp2"] for line in printed.splitlines())
+    assert "pipedsl run 1f1b " in printed and " --cp 2 " in printed
+
+
 def test_search_tables_name_a_users_schedule_by_its_schedule_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
