@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -35,6 +36,15 @@ from pipedsl.executor.cooperative import run_together
 from pipedsl.executor.errors import ExecutionError, PeerFailed
 from pipedsl.executor.interpreter import Steps
 from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
+from pipedsl.executor.sharded_checkpoint import (
+    check_plan,
+    finish_version,
+    latest_version,
+    new_version,
+    plan_record,
+    restore_device,
+    save_device,
+)
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stage_program import StageProgram
@@ -215,6 +225,50 @@ class LocalBackend:
             leaves |= mine
             states |= theirs
         return leaves, states
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def save(self, path: str | Path, *, step: int) -> Path:
+        """Save the devices' parameters and optimizer state as ``path/step-<step>``, one orbax
+        checkpoint per pipeline device (:mod:`pipedsl.executor.sharded_checkpoint`). Returns
+        the version's directory."""
+        if not self.workers or not all(w.leaves for w in self.workers):
+            raise ExecutionError("nothing to save yet: the devices hold parameters after a step or Pipeline.init")
+        version = new_version(path, step)
+        for worker in self.workers:
+            save_device(worker, str(version / f"device-{worker.index}"), processes=[jax.process_index()])
+        finish_version(version, step, self._plan())
+        return version
+
+    def restore(
+        self,
+        path: str | Path,
+        like_params: Any,
+        example: tuple[Any, Any],
+        *,
+        optimizer: optax.GradientTransformation | None,
+    ) -> int:
+        """Read the latest complete version under ``path`` back onto the devices (the
+        optimizer state only with ``optimizer``) and return its step. Refuses a checkpoint
+        of another plan, saying what differs."""
+        self.install(like_params, *example)
+        step, version = latest_version(path)
+        check_plan(version, self._plan())
+        for worker in self.workers:
+            restore_device(worker, str(version / f"device-{worker.index}"), optimizer, processes=[jax.process_index()])
+        return step
+
+    def _plan(self) -> dict[str, Any]:
+        assert self._compiled is not None  # installed before anything is saved or read
+        model = self._compiled.model
+        tree = jax.tree_util.tree_unflatten(model.param_treedef, list(model.param_avals))
+        return plan_record(
+            self.program.schedule,
+            self.config,
+            processes=1,
+            leaves=model.param_avals,
+            specs=leaf_specs(self._specs, tree),
+        )
 
     def close(self) -> None:
         """The workers' state is dropped with the backend; nothing else is held."""

@@ -334,14 +334,11 @@ class Pipeline:
         return self.driver.init(init, args, tree, (cut.example_inputs, cut.example_targets))
 
     def save(self, path: str, *, step: int) -> str:
-        """On Ray: save the parameters and optimizer state where they are, each process
-        of the world writing its own shards (orbax), as ``path/step-<step>``; returns
-        that directory. Resume with :meth:`restore` on the same plan. (The local backend
-        saves with :func:`pipedsl.executor.checkpoint.save_checkpoint`.)"""
-        if not isinstance(self.backend, RayRunner):
-            raise ExecutionError(
-                "Pipeline.save writes a Ray world's shards; locally use pipedsl.executor.save_checkpoint"
-            )
+        """Save the parameters and optimizer state where they are, as ``path/step-<step>``:
+        one orbax checkpoint per pipeline device, on Ray written by the processes of its mesh,
+        each its own shards (:mod:`pipedsl.executor.sharded_checkpoint`); returns that
+        directory. Resume with :meth:`restore` on the same plan. (To move to another plan,
+        gather the state and use :func:`pipedsl.executor.checkpoint.save_checkpoint`.)"""
         return str(self.backend.save(path, step=step))
 
     def restore(
@@ -352,15 +349,12 @@ class Pipeline:
         batch: tuple[Any, Any],
         optimizer: optax.GradientTransformation | None = None,
     ) -> tuple[Resident, Resident | None, int]:
-        """On Ray: read the latest step :meth:`save` wrote under ``path`` back into the
-        world (each process its own shards): (params handle, optimizer state handle, or
-        None without ``optimizer``, the step). ``like_params`` gives the parameters'
-        structure and shapes (arrays or ``jax.ShapeDtypeStruct``), ``batch`` one batch of
-        the steps' shapes. A checkpoint of another plan is refused, naming what differs."""
-        if not isinstance(self.backend, RayRunner):
-            raise ExecutionError(
-                "Pipeline.restore reads a Ray world's shards; locally use pipedsl.executor.load_checkpoint"
-            )
+        """Read the latest step :meth:`save` wrote under ``path`` back onto the pipeline
+        devices (on Ray, each process its own shards): (params handle, optimizer state
+        handle, or None without ``optimizer``, the step). ``like_params`` gives the
+        parameters' structure and shapes (arrays or ``jax.ShapeDtypeStruct``), ``batch`` one
+        batch of the steps' shapes. A checkpoint of another plan is refused, naming what
+        differs."""
         cut = self._split_batch(batch)
         tree = self._param_tree(shapes_of(like_params))
         example = (cut.example_inputs, cut.example_targets)

@@ -39,7 +39,6 @@ from jax.sharding import Mesh, PartitionSpec
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.interpreter import drive
 from pipedsl.executor.mesh import DATA, TENSOR, MeshConfig
-from pipedsl.executor.ray_checkpoint import read_shards, write_shards
 from pipedsl.executor.ray_transport import (
     Hops,
     WorldTransport,
@@ -47,6 +46,7 @@ from pipedsl.executor.ray_transport import (
     signatures,
     worker_groups,
 )
+from pipedsl.executor.sharded_checkpoint import restore_device, save_device
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel, explicit_model
@@ -238,43 +238,24 @@ class WorldProcess:
     def save(self, path: str) -> Failure | None:
         """Write this device's parameter leaves and optimizer states as the orbax checkpoint
         ``path``, with the other processes of its mesh, each the shards it holds
-        (:func:`~pipedsl.executor.ray_checkpoint.write_shards`)."""
+        (:func:`~pipedsl.executor.sharded_checkpoint.save_device`)."""
         worker = self._installed()
-        tree = {
-            "params": {str(i): leaf for i, leaf in worker.leaves.items()},
-            "opt_state": {str(s): state for s, state in worker.states.items()},
-        }
         try:
-            write_shards(path, tree, processes=self._mesh_processes(), name=f"pipedsl-device-{self.device}")
-        except Exception as err:  # orbax's and the file system's errors alike: reported, not raised
-            return Failure(
-                f"device {self.device} could not write {path}: {type(err).__name__}: {err}", None, self.device
-            )
+            save_device(worker, path, processes=self._mesh_processes())
+        except ExecutionError as err:
+            return Failure(str(err), None, self.device)
         return None
 
     def restore(self, path: str, optimizer: optax.GradientTransformation | None) -> Failure | None:
-        """Read back what :meth:`save` wrote for this device (the same plan puts the same
-        shards on the same processes); the optimizer state only with ``optimizer``."""
+        """Read back what :meth:`save` wrote for this device; the optimizer state only with
+        ``optimizer``."""
         worker = self._installed()
-        avals = worker.model.param_avals
-        target: dict[str, Any] = {
-            "params": {
-                str(i): jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=sharding)
-                for i, sharding in worker.kept().items()
-            }
-        }
-        if optimizer is not None:
-            target["opt_state"] = {str(s): worker.abstract_state(optimizer, s) for s in worker.local}
         try:
-            saved = read_shards(path, target, processes=self._mesh_processes(), name=f"pipedsl-device-{self.device}")
-        except Exception as err:  # orbax's and the file system's errors alike: reported, not raised
-            return Failure(
-                f"device {self.device} could not read {path}: {type(err).__name__}: {err}", None, self.device
-            )
-        worker.load({int(i): leaf for i, leaf in saved["params"].items()}, None)
+            restore_device(worker, path, optimizer, processes=self._mesh_processes())
+        except ExecutionError as err:
+            return Failure(str(err), None, self.device)
         if optimizer is not None:
             self._optimizer = optimizer
-            worker.load(None, {int(s): state for s, state in saved["opt_state"].items()})
         return None
 
     def _mesh_processes(self) -> list[int]:

@@ -40,9 +40,9 @@ from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.mesh import MeshConfig, leaf_specs
 from pipedsl.executor.optimizers import couples_through_global_norm
 from pipedsl.executor.ray_actor import Failure, ModelSpec, trace_model
-from pipedsl.executor.ray_checkpoint import check_plan, finish_version, latest_version, new_version, plan_record
 from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig, RayWorld
 from pipedsl.executor.ray_transport import assemble
+from pipedsl.executor.sharded_checkpoint import check_plan, finish_version, latest_version, new_version, plan_record
 from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel
 from pipedsl.program import Program
@@ -256,7 +256,7 @@ class RayRunner:
 
     def save(self, path: str | Path, *, step: int) -> Path:
         """Save the parameters and optimizer state the world holds as ``path/step-<step>``
-        (see :mod:`pipedsl.executor.ray_checkpoint`): every process writes the shards it
+        (see :mod:`pipedsl.executor.sharded_checkpoint`): every process writes the shards it
         holds. Returns the version's directory."""
         self._check_open()
         layout = self._installed

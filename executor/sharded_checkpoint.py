@@ -1,17 +1,18 @@
-"""A Ray world's checkpoint on disk: one orbax checkpoint per pipeline device, and the plan
-that wrote them.
+"""A pipeline's sharded checkpoint: one orbax checkpoint per pipeline device, and the plan that
+wrote them (``Pipeline.save`` and ``Pipeline.restore``, on either backend).
 
 ``path/step-<N>/`` is one saved version:
 
 - ``device-<d>/``: pipeline device ``d``'s parameter leaves (``params/<flat index>``) and its
-  stages' optimizer states (``opt_state/<stage>``), an orbax checkpoint
-  (:func:`write_shards`) written by the processes of ``d``'s mesh together, each the shards it
-  holds, while the other devices' processes write theirs; orbax writes it aside and renames
-  it when complete. Any orbax reader opens it (``orbax.checkpoint.PyTreeCheckpointer``);
+  stages' optimizer states (``opt_state/<stage>``), an orbax checkpoint (:func:`save_device`).
+  On Ray the processes of ``d``'s mesh write it together, each the shards it holds, while the
+  other devices' processes write theirs; locally the one process writes every device's. Orbax
+  writes it aside and renames it when complete. Any orbax reader opens it
+  (``orbax.checkpoint.PyTreeCheckpointer``);
 - ``plan.json``: the plan that saved it (:func:`plan_record`), written by the driver once
-  every process has written its files, so it also marks the version complete.
+  every device's checkpoint is written, so it also marks the version complete.
 
-:func:`read_shards` reads a device's checkpoint back onto its mesh, each process its own
+:func:`restore_device` reads a device's checkpoint back onto its mesh, each process its own
 shards; :func:`check_plan` first refuses a version of another plan, naming what differs.
 """
 
@@ -21,13 +22,17 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
+import optax
 
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.mesh import MeshConfig
 from pipedsl.ir import Schedule
+
+if TYPE_CHECKING:
+    from pipedsl.executor.worker import Worker
 
 __all__ = [
     "PLAN",
@@ -36,8 +41,8 @@ __all__ = [
     "finish_version",
     "latest_version",
     "check_plan",
-    "write_shards",
-    "read_shards",
+    "save_device",
+    "restore_device",
 ]
 
 PLAN = "plan.json"
@@ -100,41 +105,69 @@ def check_plan(version: Path, plan: Mapping[str, Any]) -> None:
         )
 
 
-def write_shards(directory: str, tree: Any, *, processes: Sequence[int], name: str) -> None:
-    """Write ``tree`` (a pytree of ``jax.Array`` on one pipeline device's mesh, with string
-    keys) as the orbax checkpoint ``directory``. Every one of ``processes``, the processes
-    of that mesh, calls this at once and writes the shards it holds; no other process
-    takes part (each device's processes write their own checkpoint at the same time).
-    ``name`` tells this group's barriers from the other devices'."""
-    checkpointer, ocp = _checkpointer(processes, name)
+def save_device(worker: Worker, directory: str, *, processes: Sequence[int]) -> None:
+    """Write ``worker``'s parameter leaves and optimizer states as the orbax checkpoint
+    ``directory``. Every one of ``processes``, the processes of the worker's mesh, calls
+    this at once and writes the shards it holds; no other process takes part."""
+    tree = {
+        "params": {str(i): leaf for i, leaf in worker.leaves.items()},
+        "opt_state": {str(s): state for s, state in worker.states.items()},
+    }
+    checkpointer, ocp = _checkpointer(processes, worker.index)
     try:
         checkpointer.save(directory, args=ocp.args.PyTreeSave(tree), force=True)
+    except Exception as err:  # orbax's and the file system's errors alike, named as ours
+        raise _failed(worker, "write", directory, err) from None
     finally:
         checkpointer.close()
 
 
-def read_shards(directory: str, target: Any, *, processes: Sequence[int], name: str) -> Any:
-    """The orbax checkpoint ``directory`` read onto ``target``'s shardings (a pytree of
-    ``jax.ShapeDtypeStruct`` with shardings, the structure :func:`write_shards` was given):
-    every one of ``processes`` calls this at once and reads its own shards."""
-    checkpointer, ocp = _checkpointer(processes, name)
+def restore_device(
+    worker: Worker, directory: str, optimizer: optax.GradientTransformation | None, *, processes: Sequence[int]
+) -> None:
+    """Load what :func:`save_device` wrote for ``worker`` back onto its mesh (the same plan
+    puts the same shards on the same processes), the optimizer states only with
+    ``optimizer``; every one of ``processes`` calls this at once and reads its own shards."""
+    avals = worker.model.param_avals
+    target: dict[str, Any] = {
+        "params": {
+            str(i): jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=sharding)
+            for i, sharding in worker.kept().items()
+        }
+    }
+    if optimizer is not None:
+        target["opt_state"] = {str(s): worker.abstract_state(optimizer, s) for s in worker.local}
+    checkpointer, ocp = _checkpointer(processes, worker.index)
     restore = jax.tree_util.tree_map(
         lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target
     )
     try:
-        return checkpointer.restore(directory, args=ocp.args.PyTreeRestore(target, restore_args=restore))
+        saved = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(target, restore_args=restore))
+    except Exception as err:  # orbax's and the file system's errors alike, named as ours
+        raise _failed(worker, "read", directory, err) from None
     finally:
         checkpointer.close()
+    worker.load({int(i): leaf for i, leaf in saved["params"].items()}, None)
+    if optimizer is not None:
+        worker.load(None, {int(s): state for s, state in saved["opt_state"].items()})
 
 
-def _checkpointer(processes: Sequence[int], name: str) -> tuple[Any, Any]:
-    """An orbax checkpointer of the group ``processes`` alone, and the orbax module
-    (imported here: the driver imports this module and never writes shards)."""
+def _failed(worker: Worker, doing: str, directory: str, err: Exception) -> ExecutionError:
+    return ExecutionError(
+        f"device {worker.index} could not {doing} {directory}: {type(err).__name__}: {err}", device=worker.index
+    )
+
+
+def _checkpointer(processes: Sequence[int], device: int) -> tuple[Any, Any]:
+    """An orbax checkpointer of the group ``processes`` (pipeline device ``device``'s) alone,
+    and the orbax module (imported here: a Ray driver imports this module and writes no
+    shards)."""
     import orbax.checkpoint as ocp
 
     first = min(processes)
+    # Named barriers: every device's group writes at once, each waiting for its own.
     options = ocp.options.MultiprocessingOptions(
-        primary_host=first, active_processes=set(processes), barrier_sync_key_prefix=name
+        primary_host=first, active_processes=set(processes), barrier_sync_key_prefix=f"pipedsl-device-{device}"
     )
     # The array handler writes each array's metadata from its own primary process, by
     # default process 0: a group without process 0 would write shards and no metadata.

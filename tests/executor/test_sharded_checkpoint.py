@@ -1,0 +1,59 @@
+"""Pipeline.save and Pipeline.restore on the local backend: one orbax checkpoint per
+pipeline device, read back onto the same plan's meshes, refused on another plan. (The Ray
+world's, each process writing its own shards, is tested in tests/ray/test_ray_world_state.py.)"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from helpers import HYBRID_ADAM, assert_relative_close, hybrid, hybrid_problem, hybrid_schedule
+from pipedsl.executor import ExecutionError
+from pipedsl.executor.backend import Resident
+
+
+def test_a_hybrid_plan_resumes_from_its_sharded_checkpoint_and_refuses_another_plan(tmp_path: Path) -> None:
+    schedule = hybrid_schedule("1f1b", 2, 1)
+    _, params, batch, _, _ = hybrid_problem("explicit", 2, 2)
+    with hybrid("explicit", schedule, dp=2, tp=2, zero=1) as pipe:
+        with pytest.raises(ExecutionError, match="nothing to save yet"):
+            pipe.save(str(tmp_path), step=0)
+        held, state, _ = pipe.train_step(params, None, batch, optimizer=HYBRID_ADAM)
+        version = pipe.save(str(tmp_path), step=1)
+        saved_params = jax.tree_util.tree_leaves(pipe.gather(held))
+        held, state, _ = pipe.train_step(held, state, batch, optimizer=HYBRID_ADAM)
+        pipe.save(str(tmp_path), step=2)
+        held, state, expected_loss = pipe.train_step(held, state, batch, optimizer=HYBRID_ADAM)
+        expected = pipe.gather(held)
+    assert sorted(p.name for p in Path(version).iterdir()) == ["device-0", "device-1", "plan.json"]
+    # Orbax alone reads a device's part back, as numpy on one device.
+    read = {}
+    for device in ("device-0", "device-1"):
+        reader = ocp.PyTreeCheckpointer()
+        tree = reader.metadata(Path(version) / device).item_metadata.tree
+        as_numpy = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        read |= reader.restore(Path(version) / device, args=ocp.args.PyTreeRestore(restore_args=as_numpy))["params"]
+    assert sorted(map(int, read)) == list(range(len(saved_params)))
+    for i, leaf in enumerate(saved_params):
+        np.testing.assert_array_equal(read[str(i)], leaf)
+    # The latest version, on the same plan: the run goes on as if never stopped.
+    with hybrid("explicit", schedule, dp=2, tp=2, zero=1) as again:
+        held, state, step = again.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
+        assert step == 2 and isinstance(state, Resident)
+        held, state, loss = again.train_step(held, state, batch, optimizer=HYBRID_ADAM)
+        assert_relative_close(loss, expected_loss)
+        assert_relative_close(again.gather(held), expected)
+        with pytest.raises(ExecutionError, match="already holds a saved step 2"):
+            again.save(str(tmp_path), step=2)
+    with hybrid("explicit", schedule, dp=2, tp=2, zero=0) as other:
+        with pytest.raises(ExecutionError, match=r"saved by another plan \(zero: saved 1, this pipeline 0\)"):
+            other.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
+    shutil.rmtree(tmp_path / "step-2" / "device-1")
+    with hybrid("explicit", schedule, dp=2, tp=2, zero=1) as broken:
+        with pytest.raises(ExecutionError, match=r"device 1 could not read .*step-2/device-1: FileNotFoundError"):
+            broken.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
