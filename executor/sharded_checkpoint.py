@@ -142,7 +142,9 @@ def restore_device(
         lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target
     )
     try:
-        saved = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(target, restore_args=restore))
+        # Without an optimizer only the parameters are read: part of what was saved.
+        args = ocp.args.PyTreeRestore(target, restore_args=restore, partial_restore=optimizer is None)
+        saved = checkpointer.restore(directory, args=args)
     except Exception as err:  # orbax's and the file system's errors alike, named as ours
         raise _failed(worker, "read", directory, err) from None
     finally:
@@ -153,8 +155,11 @@ def restore_device(
 
 
 def _failed(worker: Worker, doing: str, directory: str, err: Exception) -> ExecutionError:
+    # Orbax's messages can print whole trees: their first line says what went wrong.
+    lines = str(err).splitlines()
+    what = lines[0][:300] if lines else ""
     return ExecutionError(
-        f"device {worker.index} could not {doing} {directory}: {type(err).__name__}: {err}", device=worker.index
+        f"device {worker.index} could not {doing} {directory}: {type(err).__name__}: {what}", device=worker.index
     )
 
 

@@ -28,6 +28,7 @@ def test_a_hybrid_plan_resumes_from_its_sharded_checkpoint_and_refuses_another_p
         saved_params = jax.tree_util.tree_leaves(pipe.gather(held))
         held, state, _ = pipe.train_step(held, state, batch, optimizer=HYBRID_ADAM)
         pipe.save(str(tmp_path), step=2)
+        saved_step_2 = pipe.gather(held)
         held, state, expected_loss = pipe.train_step(held, state, batch, optimizer=HYBRID_ADAM)
         expected = pipe.gather(held)
     assert sorted(p.name for p in Path(version).iterdir()) == ["device-0", "device-1", "plan.json"]
@@ -50,6 +51,11 @@ def test_a_hybrid_plan_resumes_from_its_sharded_checkpoint_and_refuses_another_p
         assert_relative_close(again.gather(held), expected)
         with pytest.raises(ExecutionError, match="already holds a saved step 2"):
             again.save(str(tmp_path), step=2)
+    # The parameters alone, for a step with a fresh optimizer state.
+    with hybrid("explicit", schedule, dp=2, tp=2, zero=1) as fresh:
+        held, state, step = fresh.restore(str(tmp_path), like_params=params, batch=batch)
+        assert step == 2 and state is None
+        assert_relative_close(fresh.gather(held), saved_step_2)
     with hybrid("explicit", schedule, dp=2, tp=2, zero=0) as other:
         with pytest.raises(ExecutionError, match=r"saved by another plan \(zero: saved 1, this pipeline 0\)"):
             other.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
