@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
-import optax
 
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.mesh import MeshConfig
 from pipedsl.ir import Schedule
 
 if TYPE_CHECKING:
+    import optax
+
     from pipedsl.executor.worker import Worker
 
 __all__ = [
