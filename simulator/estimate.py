@@ -98,6 +98,8 @@ class Estimate:
       simulation: the pipeline simulation (None for SPMD).
       inflight_limit: the in-flight limit (``max_inflight``) a policy schedule was
         synthesised with when the search chose one for the plan's memory; None otherwise.
+      synthesis_costs: the cost model that policy schedule was synthesised against (the
+        plan's own); None otherwise.
     """
 
     model: Model
@@ -116,6 +118,7 @@ class Estimate:
     assumptions: tuple[Assumption, ...] = ()
     simulation: Simulation | None = field(default=None, repr=False)
     inflight_limit: int | None = None
+    synthesis_costs: CostModel | None = field(default=None, repr=False)
 
     @property
     def fits(self) -> bool:

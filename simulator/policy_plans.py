@@ -112,7 +112,8 @@ class LimitedPlan(Prepared):
         arrays, order, activations = _synthesis(self.plan.schedule, self.params, self.limit, costs, self.residual)
         makespan, bubble = step_timing(arrays, costs.resolve(self.pipelines.policy(self.key)), order=order)
         memory = device_memory(self.shapes, self.device_params, activations)
-        return replace(self.assemble(makespan, bubble, None), memory=memory, inflight_limit=self.limit)
+        estimate = self.assemble(makespan, bubble, None)
+        return replace(estimate, memory=memory, inflight_limit=self.limit, synthesis_costs=costs)
 
 
 def fitting_limit(base: Prepared) -> int:

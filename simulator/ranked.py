@@ -6,6 +6,7 @@ turns them into its DataFrame (a table is an output, not what modules hand each 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ COLUMNS = (
     "dp_tail_s",
     "memory_bytes_per_gpu",
     "inflight_limit",
+    "synthesis_costs",
     "model",
     "sequence_parallel",
     "flash_attention",
@@ -56,8 +58,11 @@ class RankedPlan:
 
     Seconds are per training step; ``memory_bytes_per_gpu`` is on the fullest GPU.
     ``inflight_limit`` is the ``max_inflight`` a policy schedule was synthesised with for
-    this plan's memory (:mod:`pipedsl.simulator.policy_plans`); 0 for a schedule that
-    states its order. ``model`` is the model's name; ``sequence_parallel``,
+    this plan's memory (:mod:`pipedsl.simulator.policy_plans`), ``synthesis_costs`` the
+    cost model it was synthesised against (:meth:`~pipedsl.simulator.costs.CostModel.to_json`
+    as JSON),
+    so that the order run is the order priced; 0 and empty for a schedule that states its
+    order. ``model`` is the model's name; ``sequence_parallel``,
     ``flash_attention`` and ``reduce_bytes`` are the plan's, so that a row says all that
     ``pipedsl run --plan`` needs to run what was priced. ``schedule`` is what tables call
     the schedule (:func:`~pipedsl.simulator.plan.schedule_name`), ``source`` what it was
@@ -88,6 +93,7 @@ class RankedPlan:
     dp_tail_s: float
     memory_bytes_per_gpu: int
     inflight_limit: int
+    synthesis_costs: str
     model: str
     sequence_parallel: bool
     flash_attention: bool
@@ -120,6 +126,7 @@ class RankedPlan:
             dp_tail_s=e.dp_tail_s,
             memory_bytes_per_gpu=e.memory.total,
             inflight_limit=e.inflight_limit or 0,
+            synthesis_costs="" if e.synthesis_costs is None else json.dumps(e.synthesis_costs.to_json()),
             model=e.model.name,
             sequence_parallel=plan.sequence_parallel,
             flash_attention=plan.flash_attention,

@@ -131,8 +131,9 @@ def repriced(plans: list[PlannedRun], cluster: Any) -> list[float]:
     """The step time the search gives each of ``plans`` on ``cluster`` (every plan that
     fits is priced there, none pruned), in seconds."""
 
+    # A plan is the same plan on another machine; its policy order is synthesised anew there.
     def unpriced(plan: PlannedRun) -> PlannedRun:
-        return dataclasses.replace(plan, planned_s=None, rank=None)
+        return dataclasses.replace(plan, planned_s=None, rank=None, synthesis_costs="")
 
     prices: dict[PlannedRun, float] = {}
     for _, row in _search(cluster, prune=None).iterrows():

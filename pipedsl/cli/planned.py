@@ -12,6 +12,7 @@ and :meth:`PlannedRun.command` is the ``pipedsl run`` line that runs it.
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from pipedsl import library
 from pipedsl.cli.common import load_schedule
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
+from pipedsl.simulator.costs import CostModel
 from pipedsl.validate import validate
 
 __all__ = ["PlannedRun", "read_plan", "SPMD_SCHEDULE"]
@@ -53,6 +55,10 @@ class PlannedRun:
       rank: the plan's rank in its search, when known.
       inflight_limit: the ``max_inflight`` the search chose for a policy schedule; 0 for
         none (the schedule's own default).
+      synthesis_costs: the cost model (:meth:`~pipedsl.simulator.costs.CostModel.to_json` as JSON)
+        the search synthesised a policy schedule against, so that the order run is the order
+        priced; empty for none (rows of schedules that state their order, or of older
+        searches: then the default cost model).
       model: the name of the model the search priced (a preset such as ``llama-8b``), when
         the row says; None for rows of older searches (the demo transformer).
       sequence_parallel, flash_attention: the plan's (True, as the planner assumes, when
@@ -78,6 +84,7 @@ class PlannedRun:
     cp: int = 1
     reduce_once: bool = False
     keep_weights: bool = False
+    synthesis_costs: str = ""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], *, where: str = "plan") -> PlannedRun:
@@ -97,6 +104,10 @@ class PlannedRun:
         rank = row.get("rank")
         limit = row.get("inflight_limit")
         model = row.get("model")
+        costs = row.get("synthesis_costs")
+        costs = "" if costs is None or (isinstance(costs, float) and math.isnan(costs)) else str(costs)
+        if costs:
+            _costs_of(costs, where)  # checked once, here
         return cls(
             # A user's file is named in tables by its schedule line; it is loaded from its source.
             schedule=SPMD_SCHEDULE if spmd else str(row.get("source") or row["schedule"]),
@@ -111,6 +122,7 @@ class PlannedRun:
             cp=cp,
             reduce_once=_flag(row.get("reduce_once"), "reduce_once", where, absent=False),
             keep_weights=not _flag(row.get("reshard_after_forward"), "reshard_after_forward", where),
+            synthesis_costs=costs,
             **values,
         )
 
@@ -136,8 +148,10 @@ class PlannedRun:
         return params
 
     def schedule_of(self) -> Schedule:
-        """The schedule this plan runs, evaluated and validated."""
-        schedule = load_schedule(self.schedule, self.params())
+        """The schedule this plan runs, evaluated and validated: a policy schedule
+        synthesised against the costs the search synthesised it against."""
+        costs = _costs_of(self.synthesis_costs, "plan") if self.synthesis_costs else None
+        schedule = load_schedule(self.schedule, self.params(), costs=costs)
         validate(schedule)
         return schedule
 
@@ -211,3 +225,14 @@ def _whole(value: Any, name: str, where: str) -> int:
     if not math.isfinite(number) or number != int(number):
         raise PipedslError(f"{where}: {name} should be a whole number, not {value!r}")
     return int(number)
+
+
+def _costs_of(text: str, where: str) -> CostModel:
+    """A row's ``synthesis_costs`` (JSON of :meth:`CostModel.to_json`), or our error naming ``where``."""
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise PipedslError(f"{where}: synthesis_costs is not JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise PipedslError(f"{where}: synthesis_costs is not a JSON object of cost fields")
+    return CostModel.from_mapping(data, source=f"{where}: synthesis_costs")

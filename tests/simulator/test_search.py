@@ -18,16 +18,19 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from pipedsl import library
 from pipedsl.cli import plan as plan_cli
-from pipedsl.cli.planned import PlannedRun
-from pipedsl.errors import ScheduleInvalid
+from pipedsl.cli.planned import PlannedRun, read_plan
+from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.library import library_path
+from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.hardware import Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.ranked import describe
 from pipedsl.simulator.search import COLUMNS, candidate_plans, search, search_plans, summarize
+from pipedsl.synthesize import synthesize
 
 MODEL = Model(name="gpt-small", layers=8, hidden=1024, ffn_hidden=4096, heads=16, seq_len=1024, vocab=32000)
 # A100 nodes with 4 GiB per GPU: tight enough that some plans do not fit.
@@ -248,6 +251,27 @@ def test_cli_search_names_and_runs_a_context_parallel_best_plan(capsys: pytest.C
     printed = capsys.readouterr().out
     assert any(line.split()[:4] == ["1f1b", "dp64", "tp8", "cp2"] for line in printed.splitlines())
     assert "pipedsl run 1f1b " in printed and " --cp 2 " in printed
+
+
+def test_a_policy_row_runs_the_order_the_search_priced(tmp_path: Path) -> None:
+    # zbv_auto is synthesised against each plan's own costs; on this search most of its
+    # orders differ from the default cost model's. The row carries those costs, through the
+    # CSV too, so that `pipedsl run --plan` runs the order that was priced.
+    frame = search("demo-small", "a100-80gb", 8, global_batch=64, schedules=["zbv_auto"], jobs=1)
+    frame.to_csv(tmp_path / "plans.csv", index=False)
+    rows = frame[frame["schedule"] == "zbv_auto"].to_dict("records")
+    differing = 0
+    for row in rows:
+        priced = CostModel.from_mapping(json.loads(row["synthesis_costs"]))
+        assert json.dumps(priced.to_json()) == row["synthesis_costs"]  # read back exactly
+        planned = read_plan(tmp_path / "plans.csv", int(row["rank"]))
+        policy = library.load(planned.schedule, **planned.params())
+        assert planned.schedule_of().orders == synthesize(policy, priced).orders
+        differing += synthesize(policy, CostModel()).orders != synthesize(policy, priced).orders
+    assert differing >= len(rows) // 2
+    broken = dict(rows[0], synthesis_costs="{not json")
+    with pytest.raises(PipedslError, match="synthesis_costs is not JSON"):
+        PlannedRun.from_row(broken)
 
 
 def test_search_tables_name_a_users_schedule_by_its_schedule_line(
