@@ -38,6 +38,7 @@ from pipedsl.executor.interpreter import Steps
 from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
 from pipedsl.executor.sharded_checkpoint import (
     check_plan,
+    device_part,
     finish_version,
     latest_version,
     new_version,
@@ -236,7 +237,7 @@ class LocalBackend:
             raise ExecutionError("nothing to save yet: the devices hold parameters after a step or Pipeline.init")
         version = new_version(path, step)
         for worker in self.workers:
-            save_device(worker, str(version / f"device-{worker.index}"), processes=[jax.process_index()])
+            save_device(worker, device_part(version, worker.index), processes=[jax.process_index()])
         finish_version(version, step, self._plan())
         return version
 
@@ -255,7 +256,7 @@ class LocalBackend:
         step, version = latest_version(path)
         check_plan(version, self._plan())
         for worker in self.workers:
-            restore_device(worker, str(version / f"device-{worker.index}"), optimizer, processes=[jax.process_index()])
+            restore_device(worker, device_part(version, worker.index), optimizer, processes=[jax.process_index()])
         return step
 
     def _plan(self) -> dict[str, Any]:

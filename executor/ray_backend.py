@@ -42,7 +42,14 @@ from pipedsl.executor.optimizers import couples_through_global_norm
 from pipedsl.executor.ray_actor import Failure, ModelSpec, trace_model
 from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig, RayWorld
 from pipedsl.executor.ray_transport import assemble
-from pipedsl.executor.sharded_checkpoint import check_plan, finish_version, latest_version, new_version, plan_record
+from pipedsl.executor.sharded_checkpoint import (
+    check_plan,
+    device_part,
+    finish_version,
+    latest_version,
+    new_version,
+    plan_record,
+)
 from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel
 from pipedsl.program import Program
@@ -264,7 +271,7 @@ class RayRunner:
             raise ExecutionError("nothing to save yet: the world holds parameters after a step or Pipeline.init")
         version = new_version(path, step)
         args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
-            ((str(version / f"device-{self.device_of(r)}"),), {}) for r in range(self.world.num_processes)
+            ((device_part(version, self.device_of(r)),), {}) for r in range(self.world.num_processes)
         ]
         self._raise_failures(self.world.call("save", args, what=f"saving step {step}", stage_of=self._stage_of))
         finish_version(version, step, self._plan(layout))
@@ -286,7 +293,7 @@ class RayRunner:
         step, version = latest_version(path)
         check_plan(version, self._plan(layout))
         args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
-            ((str(version / f"device-{self.device_of(r)}"), optimizer), {}) for r in range(self.world.num_processes)
+            ((device_part(version, self.device_of(r)), optimizer), {}) for r in range(self.world.num_processes)
         ]
         self._raise_failures(self.world.call("restore", args, what=f"restoring step {step}", stage_of=self._stage_of))
         if optimizer is not None:

@@ -42,6 +42,7 @@ __all__ = [
     "finish_version",
     "latest_version",
     "check_plan",
+    "device_part",
     "save_device",
     "restore_device",
 ]
@@ -104,6 +105,11 @@ def check_plan(version: Path, plan: Mapping[str, Any]) -> None:
             f"{version} was saved by another plan ({what}); resume it with the plan that saved it, or gather "
             "the parameters there and pass them as arrays"
         )
+
+
+def device_part(version: Path, device: int) -> str:
+    """The directory of pipeline device ``device``'s orbax checkpoint in ``version``."""
+    return str(version / f"device-{device}")
 
 
 def save_device(worker: Worker, directory: str, *, processes: Sequence[int]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -385,3 +386,21 @@ def zb_auto(max_inflight: int) -> Schedule:
     policy = pipedsl.load("zb_auto", pp=2, microbatches=4, max_inflight=max_inflight)
     assert isinstance(policy, Policy)
     return synthesize(policy, CostModel(forward=1, input_grad=1, weight_grad=2, latency=0.1))
+
+
+def assert_saved_params(version: str, gathered: Any) -> None:
+    """Orbax alone, outside any pipeline, reads every device's part of the sharded checkpoint
+    ``version`` (``Pipeline.save``) as numpy, and its parameter leaves (by flat index, over
+    every device) are the ``gathered`` parameters'."""
+    import orbax.checkpoint as ocp
+
+    read: dict[str, Any] = {}
+    for part in sorted(Path(version).glob("device-*")):
+        reader = ocp.PyTreeCheckpointer()
+        tree = reader.metadata(part).item_metadata.tree
+        as_numpy = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        read |= reader.restore(part, args=ocp.args.PyTreeRestore(restore_args=as_numpy))["params"]
+    leaves = jax.tree_util.tree_leaves(gathered)
+    assert sorted(map(int, read)) == list(range(len(leaves)))
+    for i, leaf in enumerate(leaves):
+        np.testing.assert_array_equal(read[str(i)], leaf)
