@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -126,6 +127,24 @@ class Backend(Protocol):
     def fetch(self, *, params: bool) -> tuple[dict[int, np.ndarray], dict[int, Any]]:
         """The owned parameter leaves by flat index (with ``params``), else the optimizer
         states by stage, as numpy."""
+        ...
+
+    def save(self, path: str | Path, *, step: int) -> Path:
+        """Save the parameters and optimizer state where they are as ``path/step-<step>``
+        (:mod:`pipedsl.executor.sharded_checkpoint`); the version's directory."""
+        ...
+
+    def restore(
+        self,
+        path: str | Path,
+        like_params: Any,
+        example: tuple[Any, Any],
+        *,
+        optimizer: optax.GradientTransformation | None,
+    ) -> int:
+        """Read the latest complete version under ``path`` back onto the devices (the
+        optimizer state only with ``optimizer``), for parameters of the shapes
+        ``like_params`` and one microbatch's ``example``; its step."""
         ...
 
     def close(self) -> None:

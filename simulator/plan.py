@@ -21,7 +21,7 @@ from pipedsl import library
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, Framework
 
-__all__ = ["Recompute", "ContextExchange", "PlanError", "Plan", "schedule_name"]
+__all__ = ["Recompute", "ContextExchange", "PlanError", "Plan", "schedule_name", "sharding_words"]
 
 
 class Recompute(enum.Enum):
@@ -187,9 +187,9 @@ class Plan:
     @property
     def sharding(self) -> str:
         """The sharding mode in words users know: ``zero2 once``, ``zero3 keep``, ..."""
-        once = " once" if self.zero >= 2 and self.reduce_once else ""
-        keep = " keep" if self.zero == 3 and not self.reshard_after_forward else ""
-        return f"zero{self.zero}{once}{keep}"
+        return "zero" + sharding_words(
+            self.zero, reduce_once=self.reduce_once, reshard_after_forward=self.reshard_after_forward
+        )
 
     @property
     def microbatches(self) -> int:
@@ -251,3 +251,12 @@ def schedule_name(spec: str) -> str:
     except PipedslError:
         return stem
     return f"{name} ({file})" if name in shipped else name
+
+
+def sharding_words(zero: int, *, reduce_once: bool, reshard_after_forward: bool) -> str:
+    """ZeRO stage ``zero`` with its sharding mode in words: ``1``, ``2 once``, ``3 once keep``
+    (``once``: gradients reduced once per step, for ZeRO 2 and 3; ``keep``: ZeRO 3 keeping the
+    forward's gathered weights for the backward)."""
+    once = " once" if zero >= 2 and reduce_once else ""
+    keep = " keep" if zero == 3 and not reshard_after_forward else ""
+    return f"{zero}{once}{keep}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipedsl.simulator.estimate import Estimate
-from pipedsl.simulator.plan import Plan, schedule_name
+from pipedsl.simulator.plan import Plan, schedule_name, sharding_words
 from pipedsl.simulator.speed import relative_speed
 
 if TYPE_CHECKING:
@@ -60,9 +60,8 @@ class RankedPlan:
     ``inflight_limit`` is the ``max_inflight`` a policy schedule was synthesised with for
     this plan's memory (:mod:`pipedsl.simulator.policy_plans`), ``synthesis_costs`` the
     cost model it was synthesised against (:meth:`~pipedsl.simulator.costs.CostModel.to_json`
-    as JSON),
-    so that the order run is the order priced; 0 and empty for a schedule that states its
-    order. ``model`` is the model's name; ``sequence_parallel``,
+    as JSON), so that the order run is the order priced; 0 and empty for a schedule that
+    states its order. ``model`` is the model's name; ``sequence_parallel``,
     ``flash_attention`` and ``reduce_bytes`` are the plan's, so that a row says all that
     ``pipedsl run --plan`` needs to run what was priced. ``schedule`` is what tables call
     the schedule (:func:`~pipedsl.simulator.plan.schedule_name`), ``source`` what it was
@@ -197,9 +196,11 @@ def describe(row: dict[str, Any] | None) -> str:
 def zero_words(row: Mapping[str, Any]) -> str:
     """A search row's ZeRO stage with its sharding mode: ``1``, ``2 once``, ``3 once keep``
     (:attr:`~pipedsl.simulator.plan.Plan.sharding`)."""
-    once = " once" if row.get("reduce_once", False) else ""
-    keep = " keep" if not row.get("reshard_after_forward", True) else ""
-    return f"{row['zero']}{once}{keep}"
+    return sharding_words(
+        row["zero"],
+        reduce_once=row.get("reduce_once", False),
+        reshard_after_forward=row.get("reshard_after_forward", True),
+    )
 
 
 def summarize(frame: pd.DataFrame) -> Summary:

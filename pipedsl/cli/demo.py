@@ -133,7 +133,7 @@ def repriced(plans: list[PlannedRun], cluster: Any) -> list[float]:
 
     # A plan is the same plan on another machine; its policy order is synthesised anew there.
     def unpriced(plan: PlannedRun) -> PlannedRun:
-        return dataclasses.replace(plan, planned_s=None, rank=None, synthesis_costs="")
+        return dataclasses.replace(plan, planned_s=None, rank=None, synthesis_costs=None)
 
     prices: dict[PlannedRun, float] = {}
     for _, row in _search(cluster, prune=None).iterrows():
@@ -207,7 +207,7 @@ def _fits_demo_model(plan: PlannedRun) -> bool:
         and DEMO_MODEL.heads % plan.tp == 0
         and DEMO_MODEL.vocab % plan.tp == 0
         and plan.recompute == "none"
-        and not plan.keep_weights
+        and plan.not_run is None
         and plan.microbatch_size * plan.dp >= _MIN_RUN_MICROBATCH
     )
 

@@ -351,12 +351,8 @@ def _per_schedule_table(summary: Summary) -> Table:
 def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None:
     """How to run the best plan's layout for real (on the executor's built-in transformer)."""
     planned = PlannedRun.from_row(best)
-    if planned.keep_weights:
-        console.print(
-            "the best plan keeps ZeRO 3's weights gathered from the forward for the backward,"
-            " which `pipedsl run` does not run",
-            highlight=False,
-        )
+    if planned.not_run is not None:
+        console.print(f"the best plan {planned.not_run}; `pipedsl run` does not run it", highlight=False)
         return
     by_rank = (
         f"pipedsl run --plan {planned.rank} --plans {csv}" if csv is not None and planned.rank is not None else None

@@ -24,6 +24,7 @@ from pipedsl.cli.common import load_schedule
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.plan import sharding_words
 from pipedsl.validate import validate
 
 __all__ = ["PlannedRun", "read_plan", "SPMD_SCHEDULE"]
@@ -55,10 +56,10 @@ class PlannedRun:
       rank: the plan's rank in its search, when known.
       inflight_limit: the ``max_inflight`` the search chose for a policy schedule; 0 for
         none (the schedule's own default).
-      synthesis_costs: the cost model (:meth:`~pipedsl.simulator.costs.CostModel.to_json` as JSON)
-        the search synthesised a policy schedule against, so that the order run is the order
-        priced; empty for none (rows of schedules that state their order, or of older
-        searches: then the default cost model).
+      synthesis_costs: the cost model the search synthesised a policy schedule against (a
+        row's ``synthesis_costs`` column), so that the order run is the order priced; None for
+        none (rows of schedules that state their order, or of older searches: then the
+        default cost model).
       model: the name of the model the search priced (a preset such as ``llama-8b``), when
         the row says; None for rows of older searches (the demo transformer).
       sequence_parallel, flash_attention: the plan's (True, as the planner assumes, when
@@ -84,7 +85,7 @@ class PlannedRun:
     cp: int = 1
     reduce_once: bool = False
     keep_weights: bool = False
-    synthesis_costs: str = ""
+    synthesis_costs: CostModel | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], *, where: str = "plan") -> PlannedRun:
@@ -105,9 +106,7 @@ class PlannedRun:
         limit = row.get("inflight_limit")
         model = row.get("model")
         costs = row.get("synthesis_costs")
-        costs = "" if costs is None or (isinstance(costs, float) and math.isnan(costs)) else str(costs)
-        if costs:
-            _costs_of(costs, where)  # checked once, here
+        empty = costs in (None, "") or (isinstance(costs, float) and math.isnan(costs))
         return cls(
             # A user's file is named in tables by its schedule line; it is loaded from its source.
             schedule=SPMD_SCHEDULE if spmd else str(row.get("source") or row["schedule"]),
@@ -122,7 +121,7 @@ class PlannedRun:
             cp=cp,
             reduce_once=_flag(row.get("reduce_once"), "reduce_once", where, absent=False),
             keep_weights=not _flag(row.get("reshard_after_forward"), "reshard_after_forward", where),
-            synthesis_costs=costs,
+            synthesis_costs=None if empty else _costs_of(str(costs), where),
             **values,
         )
 
@@ -150,8 +149,7 @@ class PlannedRun:
     def schedule_of(self) -> Schedule:
         """The schedule this plan runs, evaluated and validated: a policy schedule
         synthesised against the costs the search synthesised it against."""
-        costs = _costs_of(self.synthesis_costs, "plan") if self.synthesis_costs else None
-        schedule = load_schedule(self.schedule, self.params(), costs=costs)
+        schedule = load_schedule(self.schedule, self.params(), costs=self.synthesis_costs)
         validate(schedule)
         return schedule
 
@@ -165,11 +163,21 @@ class PlannedRun:
         pp += "" if self.kind == "spmd" else f" pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp > 1 else "")
         options = " sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
         options += "" if self.flash_attention else " no-flash-attention"
-        mode = (" once" if self.reduce_once else "") + (" keep" if self.keep_weights else "")
+        zero = sharding_words(self.zero, reduce_once=self.reduce_once, reshard_after_forward=not self.keep_weights)
         return (
             f"{name} dp={self.dp} tp={self.tp}{pp} mb={self.microbatch_size} x{self.microbatches} "
-            f"zero={self.zero}{mode} recompute={self.recompute}{options}"
+            f"zero={zero} recompute={self.recompute}{options}"
         )
+
+    @property
+    def not_run(self) -> str | None:
+        """Why the executor does not run this plan as it was priced, or None when it does."""
+        if self.keep_weights:
+            return (
+                "keeps ZeRO 3's weights gathered from the forward for the backward (reshard_after_forward"
+                " = false), which the executor does not do: it gathers them again in the backward"
+            )
+        return None
 
     def command(self) -> str:
         """The ``pipedsl run`` command line that runs this plan's layout on the built-in transformer."""

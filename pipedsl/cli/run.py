@@ -179,12 +179,8 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
         )
     for name, value in sets.items():
         setattr(args, name, value)
-    if planned.keep_weights:
-        raise PipedslError(
-            f"--plan {args.plan} ({planned.label()}) keeps ZeRO 3's weights gathered from the forward for the backward"
-            " (reshard_after_forward = false), which the executor does not do: it gathers them again in the backward."
-            " Run a plan without 'keep'"
-        )
+    if planned.not_run is not None:
+        raise PipedslError(f"--plan {args.plan} ({planned.label()}) {planned.not_run}. Run a plan without 'keep'")
     if args.reduce_once and not planned.reduce_once:
         raise PipedslError(
             f"--plan {args.plan} reduces its gradients as it was priced; --reduce-once would change the plan: drop it"
