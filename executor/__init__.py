@@ -6,8 +6,10 @@
 :mod:`pipedsl.executor.mesh`); the ``local`` backend hosts one worker per pipeline device
 on threads of this process, the ``ray`` backend one ``jax.distributed`` world of Ray
 processes whose stage meshes may span processes and nodes (``RayConfig``; see
-``docs/cluster.md``); ``save_checkpoint`` and ``load_checkpoint`` keep
-parameters and optimizer state across runs.
+``docs/cluster.md``). ``Pipeline.save`` and ``Pipeline.restore`` keep parameters and
+optimizer state across runs where they live, one orbax checkpoint per pipeline device, read
+back by any plan of the model; ``save_checkpoint`` and ``load_checkpoint`` keep them whole,
+through the driver.
 
 JAX is imported on first use of ``Pipeline``, ``StepResult``, ``stage_boundary`` or the
 other names above, not with this package, so that ``pipedsl``'s command line (which imports

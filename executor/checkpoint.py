@@ -63,9 +63,6 @@ _LOCK = ".lock"
 _VERSION_NAME = re.compile(r"step-(\d+)-[0-9a-f]{16}")
 _STAGING_PREFIX = ".staging-"
 _POINTER_PREFIX = ".LATEST-"
-SETTINGS = "settings.json"
-"""A file the caller may keep beside the versions (``pipedsl run`` records the settings
-that change the training there); saving and tidying leave it alone."""
 LOCK_TIMEOUT_S = 60.0
 """Seconds a save or load waits for another process's save in the same directory."""
 
@@ -147,7 +144,7 @@ def _prepare_directory(path: Path) -> None:
 
 def _is_ours(name: str) -> bool:
     return (
-        name in (_LATEST, _LOCK, SETTINGS)
+        name in (_LATEST, _LOCK)
         or name.startswith((_STAGING_PREFIX, _POINTER_PREFIX))
         or _VERSION_NAME.fullmatch(name) is not None
     )

@@ -37,7 +37,6 @@ from pipedsl.executor.errors import ExecutionError, PeerFailed
 from pipedsl.executor.interpreter import Steps
 from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
 from pipedsl.executor.sharded_checkpoint import (
-    check_plan,
     device_part,
     finish_version,
     latest_version,
@@ -45,6 +44,7 @@ from pipedsl.executor.sharded_checkpoint import (
     plan_record,
     restore_device,
     save_device,
+    saved_placement,
 )
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stage_options import StageOptions
@@ -250,13 +250,13 @@ class LocalBackend:
         optimizer: optax.GradientTransformation | None,
     ) -> int:
         """Read the latest complete version under ``path`` back onto the devices (the
-        optimizer state only with ``optimizer``) and return its step. Refuses a checkpoint
-        of another plan, saying what differs."""
+        optimizer state only with ``optimizer``) and return its step. Any plan of the same
+        model reads it; another model's is refused, saying what differs."""
         self.install(like_params, *example)
         step, version = latest_version(path)
-        check_plan(version, self._plan())
+        placement = saved_placement(version, self._plan())
         for worker in self.workers:
-            restore_device(worker, device_part(version, worker.index), optimizer, processes=[jax.process_index()])
+            restore_device(worker, version, optimizer, processes=[jax.process_index()], placement=placement)
         return step
 
     def _plan(self) -> dict[str, Any]:
@@ -264,11 +264,7 @@ class LocalBackend:
         model = self._compiled.model
         tree = jax.tree_util.tree_unflatten(model.param_treedef, list(model.param_avals))
         return plan_record(
-            self.program.schedule,
-            self.config,
-            processes=1,
-            leaves=model.param_avals,
-            specs=leaf_specs(self._specs, tree),
+            self.program.schedule, self.config, processes=1, model=model, specs=leaf_specs(self._specs, tree)
         )
 
     def close(self) -> None:

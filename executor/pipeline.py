@@ -337,8 +337,7 @@ class Pipeline:
         """Save the parameters and optimizer state where they are, as ``path/step-<step>``:
         one orbax checkpoint per pipeline device, on Ray written by the processes of its mesh,
         each its own shards (:mod:`pipedsl.executor.sharded_checkpoint`); returns that
-        directory. Resume with :meth:`restore` on the same plan. (To move to another plan,
-        gather the state and use :func:`pipedsl.executor.checkpoint.save_checkpoint`.)"""
+        directory. Resume with :meth:`restore`, on this plan or another of the same model."""
         return str(self.backend.save(path, step=step))
 
     def restore(
@@ -353,8 +352,10 @@ class Pipeline:
         devices (on Ray, each process its own shards): (params handle, optimizer state
         handle, or None without ``optimizer``, the step). ``like_params`` gives the
         parameters' structure and shapes (arrays or ``jax.ShapeDtypeStruct``), ``batch`` one
-        batch of the steps' shapes. A checkpoint of another plan is refused, naming what
-        differs."""
+        batch of the steps' shapes. The plan that saved it may differ from this one
+        (schedule, placement, mesh, ZeRO stage, processes): each array is read into this
+        plan's sharding. A checkpoint of another model, or optimizer state of another
+        optimizer, is refused, naming what differs."""
         cut = self._split_batch(batch)
         tree = self._param_tree(shapes_of(like_params))
         example = (cut.example_inputs, cut.example_targets)

@@ -29,6 +29,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -246,12 +247,15 @@ class WorldProcess:
             return Failure(str(err), None, self.device)
         return None
 
-    def restore(self, path: str, optimizer: optax.GradientTransformation | None) -> Failure | None:
-        """Read back what :meth:`save` wrote for this device; the optimizer state only with
-        ``optimizer``."""
+    def restore(
+        self, version: str, placement: Sequence[int], optimizer: optax.GradientTransformation | None
+    ) -> Failure | None:
+        """Read this device's state back from the saved ``version`` (saved with ``placement``,
+        :func:`~pipedsl.executor.sharded_checkpoint.restore_device`); the optimizer state only
+        with ``optimizer``."""
         worker = self._installed()
         try:
-            restore_device(worker, path, optimizer, processes=self._mesh_processes())
+            restore_device(worker, Path(version), optimizer, processes=self._mesh_processes(), placement=placement)
         except ExecutionError as err:
             return Failure(str(err), None, self.device)
         if optimizer is not None:

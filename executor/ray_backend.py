@@ -43,12 +43,12 @@ from pipedsl.executor.ray_actor import Failure, ModelSpec, trace_model
 from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig, RayWorld
 from pipedsl.executor.ray_transport import assemble
 from pipedsl.executor.sharded_checkpoint import (
-    check_plan,
     device_part,
     finish_version,
     latest_version,
     new_version,
     plan_record,
+    saved_placement,
 )
 from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel
@@ -286,15 +286,15 @@ class RayRunner:
         optimizer: optax.GradientTransformation | None,
     ) -> int:
         """Read the latest complete version under ``path`` back into the world (the
-        optimizer state only with ``optimizer``) and return its step. Refuses a checkpoint
-        of another plan, saying what differs."""
+        optimizer state only with ``optimizer``) and return its step. Any plan of the same
+        model reads it; another model's is refused, saying what differs."""
         self._check_open()
         layout = self._layout(shapes_of(like_params), *example)
         step, version = latest_version(path)
-        check_plan(version, self._plan(layout))
+        placement = saved_placement(version, self._plan(layout))
         args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
-            ((device_part(version, self.device_of(r)), optimizer), {}) for r in range(self.world.num_processes)
-        ]
+            ((str(version), placement, optimizer), {})
+        ] * self.world.num_processes
         self._raise_failures(self.world.call("restore", args, what=f"restoring step {step}", stage_of=self._stage_of))
         if optimizer is not None:
             self._optimizer = optimizer
@@ -305,7 +305,7 @@ class RayRunner:
             self.program.schedule,
             self._mesh,
             processes=self.world.num_processes,
-            leaves=layout.model.param_avals,
+            model=layout.model,
             specs=layout.spec.specs,
         )
 

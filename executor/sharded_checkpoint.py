@@ -12,14 +12,19 @@ wrote them (``Pipeline.save`` and ``Pipeline.restore``, on either backend).
 - ``plan.json``: the plan that saved it (:func:`plan_record`), written by the driver once
   every device's checkpoint is written, so it also marks the version complete.
 
-:func:`restore_device` reads a device's checkpoint back onto its mesh, each process its own
-shards; :func:`check_plan` first refuses a version of another plan, naming what differs.
+A version is read back by any plan of the same model: :func:`saved_placement` refuses one
+of another model (naming the first parameter that differs) and says where each stage was
+saved; :func:`restore_device` reads each leaf and optimizer state a device keeps from the
+saved device that held it, straight into this plan's shardings (orbax reshards on read), each
+process its own shards. So a checkpoint of 4 Ray processes resumes on one process, with
+another ``dp``, ``tp``, ZeRO stage, schedule or placement, and back.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +38,7 @@ from pipedsl.ir import Schedule
 if TYPE_CHECKING:
     import optax
 
+    from pipedsl.executor.stages import StagedModel
     from pipedsl.executor.worker import Worker
 
 __all__ = [
@@ -40,8 +46,10 @@ __all__ = [
     "plan_record",
     "new_version",
     "finish_version",
+    "complete_versions",
     "latest_version",
-    "check_plan",
+    "remove_older",
+    "saved_placement",
     "device_part",
     "save_device",
     "restore_device",
@@ -51,10 +59,14 @@ PLAN = "plan.json"
 
 
 def plan_record(
-    schedule: Schedule, mesh: MeshConfig, *, processes: int, leaves: Sequence[Any], specs: Sequence[Any]
+    schedule: Schedule, mesh: MeshConfig, *, processes: int, model: StagedModel, specs: Sequence[Any]
 ) -> dict[str, Any]:
-    """What a version must agree on to be read back in place: the schedule, its placement,
-    the mesh, the process count, and every parameter leaf's shape, dtype and spec."""
+    """The plan and model that write a version: the schedule, its placement, the mesh, the
+    process count, every parameter leaf's place in the parameters' pytree with its dtype
+    and shape, the stage that owns it, and its spec (``specs``, in leaf order). A version is
+    read back by any plan of the same model (:func:`saved_placement`)."""
+    params = jax.tree_util.tree_unflatten(model.param_treedef, list(model.param_avals))
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     return {
         "schedule": schedule.name,
         "placement": list(schedule.placement),
@@ -62,7 +74,8 @@ def plan_record(
         "tp": mesh.tp,
         "zero": mesh.zero,
         "processes": processes,
-        "leaves": [[list(a.shape), str(a.dtype)] for a in leaves],
+        "leaves": [[jax.tree_util.keystr(path), _shown(a)] for path, a in leaves],
+        "owners": list(model.owner),
         "specs": [str(spec) for spec in specs],
     }
 
@@ -82,29 +95,65 @@ def finish_version(version: Path, step: int, plan: Mapping[str, Any]) -> None:
     os.replace(staged, version / PLAN)
 
 
+def complete_versions(path: str | Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete version under ``path``, by increasing step."""
+    return sorted((step, v) for step, v in _versions(path) if (v / PLAN).exists())
+
+
 def latest_version(path: str | Path) -> tuple[int, Path]:
     """(step, directory) of the latest complete version under ``path``."""
-    versions = sorted(
-        (int(v.name[5:]), v) for v in Path(path).glob("step-*") if v.name[5:].isdigit() and (v / PLAN).exists()
-    )
+    versions = complete_versions(path)
     if not versions:
         raise ExecutionError(f"{path}: no complete checkpoint (a step-<N> directory with {PLAN})")
     return versions[-1]
 
 
-def check_plan(version: Path, plan: Mapping[str, Any]) -> None:
-    """Refuse ``version`` unless it was saved by ``plan``, naming what differs."""
+def remove_older(path: str | Path, step: int) -> None:
+    """Remove the versions under ``path`` of steps before ``step``, complete or left
+    incomplete by a save that was stopped (call it once ``step``'s version is complete)."""
+    for older, version in _versions(path):
+        if older < step:
+            shutil.rmtree(version)
+
+
+def _versions(path: str | Path) -> list[tuple[int, Path]]:
+    return [(int(v.name[5:]), v) for v in Path(path).glob("step-*") if v.name[5:].isdigit() and v.is_dir()]
+
+
+def saved_placement(version: Path, plan: Mapping[str, Any]) -> tuple[int, ...]:
+    """The placement (stage to pipeline device) ``version`` was saved with, where
+    :func:`restore_device` finds each leaf and state; refuses ``version`` unless it holds
+    the model of ``plan`` (:func:`plan_record`): the same parameter leaves, owned by the
+    same stages. The rest of the plan (schedule, placement, mesh, ZeRO stage, processes)
+    may differ: orbax reads each array into the sharding asked for, whoever wrote it."""
     try:
         saved = json.loads((version / PLAN).read_text(encoding="utf-8"))["plan"]
+        placement = tuple(int(d) for d in saved["placement"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ExecutionError(f"{version / PLAN}: not a plan record ({err})") from None
-    differ = [k for k in plan if saved.get(k) != plan[k]]
-    if differ:
-        what = "; ".join(f"{k}: saved {saved.get(k)!r}, this pipeline {plan[k]!r}" for k in differ)
+    # The parameters, else their owners: where the leaves differ, so do what owns them.
+    differ = next((k for k in ("leaves", "owners") if saved.get(k) != plan[k]), None)
+    if differ is not None:
+        what = _difference(differ, saved.get(differ), plan[differ])
         raise ExecutionError(
-            f"{version} was saved by another plan ({what}); resume it with the plan that saved it, or gather "
-            "the parameters there and pass them as arrays"
+            f"{version} holds another model's parameters ({what}); resume it with the model that saved it"
         )
+    return placement
+
+
+def _difference(key: str, saved: Any, here: Any) -> str:
+    """One line of what differs under ``key``: for the parameters, the first leaf that does."""
+    if key == "leaves" and isinstance(saved, list):
+        if len(saved) != len(here):
+            return f"parameters: {len(saved)} arrays saved, {len(here)} in this pipeline"
+        (path, a), (path_here, b) = next((s, h) for s, h in zip(saved, here, strict=True) if s != h)
+        if path != path_here:
+            return f"parameters: params{path} saved where this pipeline has params{path_here}"
+        return f"parameters: params{path} is {a} there and {b} here"
+    if key == "owners" and isinstance(saved, list) and len(saved) == len(here):
+        i = next(i for i, (s, h) in enumerate(zip(saved, here, strict=True)) if s != h)
+        return f"parameter leaf {i} is owned by stage {saved[i]} there and stage {here[i]} here"
+    return f"{key}: saved {saved!r}, this pipeline {here!r}"
 
 
 def device_part(version: Path, device: int) -> str:
@@ -130,35 +179,79 @@ def save_device(worker: Worker, directory: str, *, processes: Sequence[int]) -> 
 
 
 def restore_device(
-    worker: Worker, directory: str, optimizer: optax.GradientTransformation | None, *, processes: Sequence[int]
+    worker: Worker,
+    version: Path,
+    optimizer: optax.GradientTransformation | None,
+    *,
+    processes: Sequence[int],
+    placement: Sequence[int],
 ) -> None:
-    """Load what :func:`save_device` wrote for ``worker`` back onto its mesh (the same plan
-    puts the same shards on the same processes), the optimizer states only with
-    ``optimizer``; every one of ``processes`` calls this at once and reads its own shards."""
-    avals = worker.model.param_avals
-    target: dict[str, Any] = {
-        "params": {
-            str(i): jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=sharding)
-            for i, sharding in worker.kept().items()
-        }
-    }
+    """Load ``worker``'s parameter leaves, and with ``optimizer`` its stages' optimizer
+    states, from ``version``, saved by a plan with ``placement`` (:func:`saved_placement`):
+    each leaf from the checkpoint of the device that held the stage owning it, each state
+    from its stage's, read straight into this worker's shardings. Every one of
+    ``processes`` (the worker's mesh's) calls this at once and reads its own shards."""
+    avals, owner = worker.model.param_avals, worker.model.owner
+    # Per saved device, what this worker reads from its checkpoint.
+    wanted: dict[int, dict[str, dict[str, Any]]] = {}
+    for i, sharding in worker.kept().items():
+        part = wanted.setdefault(placement[owner[i]], {"params": {}})
+        part["params"][str(i)] = jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=sharding)
     if optimizer is not None:
-        target["opt_state"] = {str(s): worker.abstract_state(optimizer, s) for s in worker.local}
+        for s in worker.local:
+            part = wanted.setdefault(placement[s], {"params": {}})
+            part.setdefault("opt_state", {})[str(s)] = worker.abstract_state(optimizer, s)
+    leaves: dict[int, Any] = {}
+    states: dict[int, Any] = {}
     checkpointer, ocp = _checkpointer(processes, worker.index)
-    restore = jax.tree_util.tree_map(
-        lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target
-    )
     try:
-        # Without an optimizer only the parameters are read: part of what was saved.
-        args = ocp.args.PyTreeRestore(target, restore_args=restore, partial_restore=optimizer is None)
-        saved = checkpointer.restore(directory, args=args)
-    except Exception as err:  # orbax's and the file system's errors alike, named as ours
-        raise _failed(worker, "read", directory, err) from None
+        for device, target in sorted(wanted.items()):
+            directory = device_part(version, device)
+            try:
+                if "opt_state" in target:
+                    _check_states(checkpointer.metadata(directory).item_metadata, target["opt_state"], directory)
+                restore = jax.tree_util.tree_map(
+                    lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target
+                )
+                # Part of what a device saved: the leaves and states this worker keeps.
+                args = ocp.args.PyTreeRestore(target, restore_args=restore, partial_restore=True)
+                saved = checkpointer.restore(directory, args=args)
+            except ExecutionError as err:
+                raise ExecutionError(str(err), stage=err.stage, device=worker.index) from None
+            except Exception as err:  # orbax's and the file system's errors alike, named as ours
+                raise _failed(worker, "read", directory, err) from None
+            leaves |= {int(i): leaf for i, leaf in saved["params"].items()}
+            states |= {int(s): state for s, state in saved.get("opt_state", {}).items()}
     finally:
         checkpointer.close()
-    worker.load({int(i): leaf for i, leaf in saved["params"].items()}, None)
-    if optimizer is not None:
-        worker.load(None, {int(s): state for s, state in saved["opt_state"].items()})
+    worker.load(leaves, states if optimizer is not None else None)
+
+
+def _check_states(saved: Mapping[str, Any] | None, states: Mapping[str, Any], directory: str) -> None:
+    """Refuse optimizer states saved (``saved``: orbax's metadata of the checkpoint) by
+    another optimizer than the one whose ``states`` are wanted, by stage, naming the stage
+    and both states' arrays: orbax would only say that two trees differ. Without metadata
+    (a checkpoint missing or broken) the restore itself says what is wrong."""
+    if saved is None or "opt_state" not in saved:
+        return
+    for stage, state in states.items():
+        there = [_shown(a) for a in jax.tree_util.tree_leaves(saved["opt_state"].get(stage))]
+        here = [_shown(a) for a in jax.tree_util.tree_leaves(state)]
+        if there != here:
+            raise ExecutionError(
+                f"{directory}: the optimizer state of stage {stage} was saved by another optimizer "
+                f"({_listed(there)} there, {_listed(here)} for this one); resume with the optimizer that saved it",
+                stage=int(stage),
+            )
+
+
+def _listed(arrays: Sequence[str]) -> str:
+    return f"{len(arrays)} arrays: " + ", ".join(arrays[:4]) + (", ..." if len(arrays) > 4 else "")
+
+
+def _shown(a: Any) -> str:
+    """An array's (or shape's) dtype and shape, as ``float32[8,8]``."""
+    return f"{a.dtype}[{','.join(map(str, a.shape))}]"
 
 
 def _failed(worker: Worker, doing: str, directory: str, err: Exception) -> ExecutionError:

@@ -1,17 +1,22 @@
 """``pipedsl run --checkpoint DIR [--checkpoint-every N] [--resume]``: save and resume training.
 
 With ``--checkpoint DIR`` the run saves its parameters and optimizer state to ``DIR``
-every ``N`` steps and after its last step (:mod:`pipedsl.executor.checkpoint`: a kill at
-any moment leaves the previous save whole). ``--resume`` loads ``DIR`` and continues
-with the step after the saved one, up to ``--steps``; the same command run again after a
-crash therefore picks up where the crash left off, and the batch (a function of
-``--seed``) is the same, so the losses are those an uninterrupted run prints.
+every ``N`` steps and after its last step, as a sharded checkpoint
+(:meth:`~pipedsl.executor.Pipeline.save`, :mod:`pipedsl.executor.sharded_checkpoint`):
+each pipeline device's state is written where it is, on Ray by the processes that hold
+its shards, and nothing passes through the driver. A save is complete once its
+``plan.json`` is written; the run then removes the saves before it, so ``DIR`` holds the
+latest complete one (and a kill at any moment leaves it whole). ``--resume`` reads it
+back (:meth:`~pipedsl.executor.Pipeline.restore`) and continues with the step after the
+saved one, up to ``--steps``; the same command run again after a crash therefore picks
+up where the crash left off, and the batch (a function of ``--seed``) is the same, so
+the losses are those an uninterrupted run prints.
 
-The saved parameters must match the model the options build (structure, shapes,
-dtypes), and the saved optimizer state the layout this pipeline's optimizer gives it;
-that layout is learnt from one step of the pipeline from the fresh parameters (whose
-compilation the resumed steps then reuse). Without ``--resume``, a directory that holds
-a checkpoint is refused rather than overwritten.
+A checkpoint is resumed by any plan (schedule, placement, mesh, backend) of the model the
+options build (every parameter's place, shape and dtype): each array is read into this
+run's sharding. The optimizer state must be this run's optimizer's. Anything else is
+refused, naming the first difference. Without ``--resume``, a directory that holds a checkpoint is refused
+rather than overwritten.
 
 The first save also records, in ``DIR/settings.json``, the settings that change the
 training but not the saved arrays' shapes: the seed (the parameters' start and the
@@ -81,9 +86,16 @@ class Checkpointing:
             return cls(None, every, False, settings)
         if directory.exists() and not directory.is_dir():
             raise PipedslError(f"--checkpoint {directory}: exists and is not a directory")
-        if args.resume and not (directory / "LATEST").exists():
+        if (directory / "LATEST").exists():
+            raise PipedslError(
+                f"--checkpoint {directory}: holds a whole checkpoint of pipedsl.executor.checkpoint.save_checkpoint, "
+                "which pipedsl run does not write or resume (it saves sharded checkpoints): read it in Python with "
+                "load_checkpoint, or choose another directory"
+            )
+        saved = _latest_step(directory)
+        if args.resume and saved is None:
             raise PipedslError(f"--resume: {directory} holds no checkpoint yet; run without --resume to start one")
-        if not args.resume and (directory / "LATEST").exists():
+        if not args.resume and saved is not None:
             raise PipedslError(
                 f"--checkpoint {directory}: holds a checkpoint already; pass --resume to continue it, "
                 "or choose another directory"
@@ -96,34 +108,31 @@ class Checkpointing:
         """With ``--resume``, the step the checkpoint holds (read from it); else None."""
         if not self.resume:
             return None
-        from pipedsl.executor.checkpoint import load_checkpoint
-
         assert self.directory is not None  # from_args requires it with resume
-        return load_checkpoint(self.directory).step
+        return _latest_step(self.directory)
 
     def restore(self, pipe: Any, params: Any, batch: Any, optimizer: Any) -> tuple[Any, Any, int]:
         """(parameters, optimizer state, first step to run): the fresh ``params``, None and 1
-        without ``--resume``; else the checkpoint's, checked against this pipeline (the
-        caller has seen that steps are left, :meth:`saved_step`)."""
+        without ``--resume``; else handles to the checkpoint's, read onto ``pipe``'s devices
+        and checked against its plan, model and ``optimizer`` (the caller has seen that
+        steps are left, :meth:`saved_step`)."""
         if not self.resume:
             return params, None, 1
-        from pipedsl.executor.checkpoint import load_checkpoint
-
         assert self.directory is not None  # from_args requires it with resume
-        saved = load_checkpoint(self.directory, like_params=params)
-        if saved.opt_state is None:
-            raise PipedslError(f"--resume: {self.directory} holds no optimizer state; it was not saved by pipedsl run")
-        _, probe_state, _ = pipe.train_step(params, None, batch, optimizer=optimizer)
-        saved = load_checkpoint(self.directory, like_params=params, like_opt_state=pipe.gather(probe_state))
-        return saved.params, saved.opt_state, saved.step + 1
+        params, opt_state, step = pipe.restore(
+            str(self.directory), like_params=params, batch=batch, optimizer=optimizer
+        )
+        return params, opt_state, step + 1
 
-    def after_step(self, pipe: Any, step: int, params: Any, opt_state: Any, *, last: bool) -> bool:
-        """Save after ``step`` when it is due; returns whether it saved."""
+    def after_step(self, pipe: Any, step: int, *, last: bool) -> bool:
+        """Save after ``step`` when it is due, then remove the saves before it; returns
+        whether it saved."""
         if self.directory is None or (step % self.every and not last):
             return False
-        from pipedsl.executor.checkpoint import save_checkpoint
+        from pipedsl.executor.sharded_checkpoint import remove_older
 
-        save_checkpoint(self.directory, pipe.gather(params), pipe.gather(opt_state), step=step)
+        pipe.save(str(self.directory), step=step)
+        remove_older(self.directory, step)
         _record_settings(self.directory, self.settings)
         return True
 
@@ -146,10 +155,16 @@ def training_settings(
     return {"seed": seed, "lr": lr, "microbatches": microbatches, "microbatch_size": microbatch_size, "dp": dp}
 
 
-def _settings_file(directory: Path) -> Path:
-    from pipedsl.executor.checkpoint import SETTINGS
+def _latest_step(directory: Path) -> int | None:
+    """The step of the latest complete checkpoint in ``directory``; None when it holds none."""
+    from pipedsl.executor.sharded_checkpoint import complete_versions
 
-    return directory / SETTINGS
+    versions = complete_versions(directory)
+    return versions[-1][0] if versions else None
+
+
+def _settings_file(directory: Path) -> Path:
+    return directory / "settings.json"
 
 
 def _record_settings(directory: Path, settings: dict[str, int | float]) -> None:

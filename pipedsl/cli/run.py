@@ -269,7 +269,7 @@ def _train(args: argparse.Namespace) -> int:
             print(f"{step:>5}  {float(loss):>12.6f}  {elapsed * 1e3:>7.1f} ms{note}")
             if not args.allow_nonfinite and not math.isfinite(float(loss)):
                 raise nonfinite_origin(pipe, model, before, batch, step=step, marked=args.marked)
-            keeping.after_step(pipe, step, params, opt_state, last=step == args.steps)
+            keeping.after_step(pipe, step, last=step == args.steps)
     if len(times) > 1:
         print(f"median step time (steps {first + 1}-{args.steps}): {statistics.median(times[1:]) * 1e3:.1f} ms")
     if args.checkpoint is not None:

@@ -52,7 +52,8 @@ def test_a_resumed_run_prints_the_losses_of_an_uninterrupted_one(tmp_path: Path)
     assert whole.returncode == 0, whole.stderr
     first = _pipedsl(*RUN, "--steps", "2", "--checkpoint", str(tmp_path / "part"))
     assert first.returncode == 0, first.stderr
-    rest = _pipedsl(*RUN, "--steps", "4", "--checkpoint", str(tmp_path / "part"), "--resume")
+    # Resumed on another plan of the model: tensor parallel over two devices per stage.
+    rest = _pipedsl(*RUN, "--steps", "4", "--checkpoint", str(tmp_path / "part"), "--resume", "--tp", "2")
     assert rest.returncode == 0, rest.stderr
     assert "resumed from" in rest.stdout and "after step 2" in rest.stdout
     expected = _table(whole.stdout)
@@ -83,8 +84,11 @@ def test_resume_refuses_another_model_and_checks_its_options(
             ["--steps", "4", "--checkpoint", ckpt, "--resume", "--width", "16"],
             r"params[0][0]['b'] is float32[8] there and float32[16] here",
         ),
-        (["--steps", "4", "--checkpoint", ckpt, "--resume", "--marked"], "another model or optimizer"),
-        (["--steps", "4", "--checkpoint", ckpt, "--resume", "--layers-per-stage", "2"], "another model or optimizer"),
+        (["--steps", "4", "--checkpoint", ckpt, "--resume", "--marked"], "holds another model's parameters"),
+        (
+            ["--steps", "4", "--checkpoint", ckpt, "--resume", "--layers-per-stage", "2"],
+            "parameters: 4 arrays saved, 8 in this pipeline",
+        ),
         (["--steps", "4", "--checkpoint", ckpt], "holds a checkpoint already; pass --resume"),
         (["--steps", "4", "--checkpoint", str(tmp_path / "new"), "--resume"], "holds no checkpoint yet"),
         (["--steps", "4", "--resume"], "give its directory with --checkpoint DIR"),
@@ -101,11 +105,27 @@ def test_resume_refuses_another_model_and_checks_its_options(
 def test_resume_refuses_another_optimizer_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = mlp(num_stages=2, width=8, layers_per_stage=1)
     params = model.init_stages(jax.random.PRNGKey(0))
-    # The parameters fit, the optimizer state (SGD with momentum, one per stage) does not.
-    state = tuple(optax.sgd(0.1, momentum=0.9).init(p) for p in params)
-    save_checkpoint(tmp_path / "ckpt", jax.device_get(params), jax.device_get(state), step=1)
+    # The plan and parameters fit, the optimizer state (SGD with momentum) does not.
+    with Pipeline(model.stages, loss=model.loss, schedule=library("1f1b", microbatches=2)) as pipe:
+        pipe.train_step(params, None, model.batch(jax.random.PRNGKey(1), 8), optimizer=optax.sgd(0.1, momentum=0.9))
+        pipe.save(str(tmp_path / "ckpt"), step=1)
     code, out, err = _run(capsys, "--steps", "2", "--checkpoint", str(tmp_path / "ckpt"), "--resume")
-    assert code == 2 and "another model or optimizer: its opt_state has" in err, err
+    assert code == 2 and "the optimizer state of stage 0 was saved by another optimizer (2 arrays:" in err, err
+
+
+def test_a_run_keeps_its_latest_save_and_refuses_a_whole_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    code, out, err = _run(capsys, "--steps", "3", "--checkpoint", str(ckpt))
+    assert code == 0, err
+    assert sorted(p.name for p in ckpt.iterdir()) == ["settings.json", "step-3"]
+    assert sorted(p.name for p in (ckpt / "step-3").iterdir()) == ["device-0", "device-1", "plan.json"]
+    model = mlp(num_stages=2, width=8, layers_per_stage=1)
+    params = model.init_stages(jax.random.PRNGKey(0))
+    save_checkpoint(tmp_path / "whole", jax.device_get(params), None, step=1)
+    code, out, err = _run(capsys, "--steps", "2", "--checkpoint", str(tmp_path / "whole"), "--resume")
+    assert code == 2 and "holds a whole checkpoint of pipedsl.executor.checkpoint.save_checkpoint" in err, err
 
 
 @pytest.mark.parametrize("lr", ["nan", "inf", "0", "-1"])

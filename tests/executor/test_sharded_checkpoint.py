@@ -1,6 +1,7 @@
 """Pipeline.save and Pipeline.restore on the local backend: one orbax checkpoint per
-pipeline device, read back onto the same plan's meshes, refused on another plan. (The Ray
-world's, each process writing its own shards, is tested in tests/ray/test_ray_world_state.py.)"""
+pipeline device, read back onto the same plan's meshes or another plan's, refused for
+another model. (The Ray world's, each process writing its own shards, is tested in
+tests/ray/test_ray_world_state.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pipedsl.executor import ExecutionError
 from pipedsl.executor.backend import Resident
 
 
-def test_a_hybrid_plan_resumes_from_its_sharded_checkpoint_and_refuses_another_plan(tmp_path: Path) -> None:
+def test_a_hybrid_plan_resumes_from_its_sharded_checkpoint_on_any_plan_of_its_model(tmp_path: Path) -> None:
     schedule = hybrid_schedule("1f1b", 2, 1)
     _, params, batch, _, _ = hybrid_problem("explicit", 2, 2)
     with hybrid("explicit", schedule, dp=2, tp=2, zero=1) as pipe:
@@ -45,9 +46,18 @@ def test_a_hybrid_plan_resumes_from_its_sharded_checkpoint_and_refuses_another_p
         held, state, step = fresh.restore(str(tmp_path), like_params=params, batch=batch)
         assert step == 2 and state is None
         assert_relative_close(fresh.gather(held), saved_step_2)
-    with hybrid("explicit", schedule, dp=2, tp=2, zero=0) as other:
-        with pytest.raises(ExecutionError, match=r"saved by another plan \(zero: saved 1, this pipeline 0\)"):
-            other.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
+    # Another schedule, placement and mesh: both stages on one device of two data-parallel
+    # ranks, without ZeRO, reading from both saved devices.
+    with hybrid("explicit", hybrid_schedule("interleaved_1f1b", 1, 2), dp=2, tp=1, zero=0) as other:
+        held, state, step = other.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
+        assert step == 2
+        held, state, loss = other.train_step(held, state, batch, optimizer=HYBRID_ADAM)
+        assert_relative_close(loss, expected_loss)
+        assert_relative_close(other.gather(held), expected)
+    _, marked_params, *_ = hybrid_problem("marked", 2, 2)
+    with hybrid("marked", schedule, dp=2, tp=2, zero=1) as other_model:
+        with pytest.raises(ExecutionError, match=r"step-2 holds another model's parameters \(parameters: "):
+            other_model.restore(str(tmp_path), like_params=marked_params, batch=batch, optimizer=HYBRID_ADAM)
     shutil.rmtree(tmp_path / "step-2" / "device-1")
     with hybrid("explicit", schedule, dp=2, tp=2, zero=1) as broken:
         with pytest.raises(ExecutionError, match=r"device 1 could not read .*step-2/device-1: FileNotFoundError"):
