@@ -11,23 +11,32 @@ Three measurements, on a local Ray instance started here (all on 127.0.0.1):
    - ``bare``: the floor under it, a jitted ``ppermute`` under ``shard_map`` of an array
      made once (no placement, no reassembly), the least one gloo collective costs here;
    - ``transfer``: ``jax.experimental.transfer`` servers, the primitive of the transfer
-     path the backend used before its processes formed one world (that path itself is
-     gone, so its 4-process step cannot be measured any more);
+     path the backend used before its processes formed one world;
 2. the executor's own cost per action: 1F1B over 2 processes (one stage each), 16
    microbatches of a one-row, 4-wide, one-layer MLP (compute negligible): the median step
    over its F and B actions (64), every fixed per-step cost included, next to the
    collectives the step takes and what the bare floor of 1. puts under them;
-3. a 4-process 1F1B step (pp = 4, 8 microbatches) of a ``--width``-wide MLP, median.
+3. a 4-process 1F1B step (pp = 4, 8 microbatches of 8 rows) of a ``--width``-wide MLP,
+   median, run in a fresh process by this checkout's interpreter and, with ``--baseline
+   PYTHON``, by another checkout's in turn, with the ratio. The transfer path itself is
+   gone from this checkout; the last one that has it is the commit before 8918358
+   (``git worktree add ../transfer-path 8918358^``, ``make .venv/.installed`` there, then
+   ``--baseline ../transfer-path/.venv/bin/python``): the same pipeline on the same
+   machine in the same run, one actor per pipeline device moving values through transfer
+   servers, against this checkout's world of processes moving them by collectives.
 
-    python bench/bench_world.py [--repeat 10] [--width 256]
+    python bench/bench_world.py [--repeat 10] [--width 256] [--only hops|steps] [--baseline PYTHON]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -188,9 +197,9 @@ def _step_times(pipe: Any, params: Any, batch: Any, repeat: int) -> list[float]:
     return times
 
 
-def bench_steps(repeat: int, width: int, bare_ms: float | None) -> dict[str, float]:
-    """Measurements 2 and 3: the cost per action in us and the 4-process step in ms;
-    ``bare_ms`` is measurement 1's bare 4 B collective, when it ran."""
+def bench_steps(repeat: int, bare_ms: float | None) -> dict[str, float]:
+    """Measurement 2: the cost per action in us; ``bare_ms`` is measurement 1's bare 4 B
+    collective, when it ran."""
     import jax
 
     import pipedsl
@@ -223,20 +232,59 @@ def bench_steps(repeat: int, width: int, bare_ms: float | None) -> dict[str, flo
     )
     print(f"   {transfers} transfers in {collectives} collectives per step{floor}", flush=True)
     figures["collectives_per_step"] = collectives
-    model = mlp(num_stages=4, width=width, layers_per_stage=1)
-    schedule = load(library_path("1f1b"), pp=4, microbatches=8)
-    with Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=config) as pipe:
-        step = statistics.median(_step_times(pipe, model.init_stages(key), model.batch(key, 8 * 8), repeat))
-    print(f"3. a 4-process 1F1B step (pp 4, 8 microbatches of 8 rows, width {width}): {step * 1e3:.1f} ms"
+    return figures
+
+
+# Measurement 3 as any checkout runs it: only API both the transfer path and the world have.
+_STEP_1F1B_PP4 = """
+import json, os, statistics, sys, time
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import jax
+from pipedsl.executor import Pipeline, RayConfig
+from pipedsl.executor.models import mlp
+from pipedsl.library import library_path, load
+width, repeat = int(sys.argv[1]), int(sys.argv[2])
+key = jax.random.PRNGKey(0)
+model = mlp(num_stages=4, width=width, layers_per_stage=1)
+schedule = load(library_path("1f1b"), pp=4, microbatches=8)
+params, batch = model.init_stages(key), model.batch(key, 8 * 8)
+with Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=RayConfig(step_timeout=300, start_timeout=120)) as pipe:
+    pipe.value_and_grad(params, batch)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        loss, _ = pipe.value_and_grad(params, batch)
+        float(loss)
+        times.append(time.perf_counter() - start)
+print(json.dumps({"step_s": statistics.median(times)}))
+"""
+
+
+def bench_step_pp4(repeat: int, width: int, baseline: str | None) -> dict[str, float]:
+    """Measurement 3, by this checkout's interpreter and ``baseline``'s (when given), each
+    in a fresh process (from a neutral folder: ``-c`` puts the working folder first on the
+    import path)."""
+    steps = {}
+    for name, python in (("step_1f1b_pp4_ms", sys.executable), ("baseline_step_1f1b_pp4_ms", baseline)):
+        if python is not None:
+            argv = [python, "-c", _STEP_1F1B_PP4, str(width), str(repeat)]
+            done = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=tempfile.gettempdir())
+            steps[name] = json.loads(done.stdout.splitlines()[-1])["step_s"] * 1e3
+    print(f"3. a 4-process 1F1B step (pp 4, 8 microbatches of 8 rows, width {width}): {steps['step_1f1b_pp4_ms']:.1f} ms"
           f"   (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
-    return figures | {"step_1f1b_pp4_ms": step * 1e3}
+    if baseline is not None:
+        ratio = steps["baseline_step_1f1b_pp4_ms"] / steps["step_1f1b_pp4_ms"]
+        print(f"   {baseline}: {steps['baseline_step_1f1b_pp4_ms']:.1f} ms ({ratio:.2f}x this checkout's)", flush=True)
+        steps["baseline_ratio"] = ratio
+    return steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=10, help="timed repetitions per measurement (default 10)")
     parser.add_argument("--width", type=int, default=256, help="layer width of measurement 3 (default 256)")
-    parser.add_argument("--only", choices=("hops", "steps"), help="run one measurement")
+    parser.add_argument("--only", choices=("hops", "steps"), help="run measurement 1 only, or 2 and 3")
+    parser.add_argument("--baseline", metavar="PYTHON", help="another checkout's python to run measurement 3 with too")
     args = parser.parse_args()
     # Loopback throughout (see pipedsl.executor.ray_connection); read when ray is imported.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -248,7 +296,8 @@ def main() -> None:
     if args.only != "steps":
         figures |= bench_hops(args.repeat)
     if args.only != "hops":
-        figures |= bench_steps(args.repeat, args.width, figures.get("bare_hop_4b_ms"))
+        figures |= bench_steps(args.repeat, figures.get("bare_hop_4b_ms"))
+        figures |= bench_step_pp4(args.repeat, args.width, args.baseline)
     record("bench_world", figures)
 
 
