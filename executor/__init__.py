@@ -8,8 +8,7 @@ on threads of this process, the ``ray`` backend one ``jax.distributed`` world of
 processes whose stage meshes may span processes and nodes (``RayConfig``; see
 ``docs/cluster.md``). ``Pipeline.save`` and ``Pipeline.restore`` keep parameters and
 optimizer state across runs where they live, one orbax checkpoint per pipeline device, read
-back by any plan of the model; ``save_checkpoint`` and ``load_checkpoint`` keep them whole,
-through the driver.
+back by any plan of the model (:mod:`pipedsl.executor.sharded_checkpoint`).
 
 JAX is imported on first use of ``Pipeline``, ``StepResult``, ``stage_boundary`` or the
 other names above, not with this package, so that ``pipedsl``'s command line (which imports
@@ -25,7 +24,6 @@ from pipedsl.executor.errors import ExecutionError
 
 if TYPE_CHECKING:
     from pipedsl.executor.backend import Resident
-    from pipedsl.executor.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
     from pipedsl.executor.pipeline import Pipeline, StepResult
     from pipedsl.executor.ray_cluster import DeviceLost, DeviceSlot, RayConfig
     from pipedsl.executor.split import stage_boundary
@@ -39,9 +37,6 @@ __all__ = [
     "DeviceSlot",
     "DeviceLost",
     "Resident",
-    "Checkpoint",
-    "save_checkpoint",
-    "load_checkpoint",
 ]
 
 _LAZY = {
@@ -52,9 +47,6 @@ _LAZY = {
     "DeviceSlot": "pipedsl.executor.ray_cluster",
     "DeviceLost": "pipedsl.executor.ray_cluster",
     "Resident": "pipedsl.executor.backend",
-    "Checkpoint": "pipedsl.executor.checkpoint",
-    "save_checkpoint": "pipedsl.executor.checkpoint",
-    "load_checkpoint": "pipedsl.executor.checkpoint",
 }
 
 

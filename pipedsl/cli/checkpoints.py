@@ -86,12 +86,6 @@ class Checkpointing:
             return cls(None, every, False, settings)
         if directory.exists() and not directory.is_dir():
             raise PipedslError(f"--checkpoint {directory}: exists and is not a directory")
-        if (directory / "LATEST").exists():
-            raise PipedslError(
-                f"--checkpoint {directory}: holds a whole checkpoint of pipedsl.executor.checkpoint.save_checkpoint, "
-                "which pipedsl run does not write or resume (it saves sharded checkpoints): read it in Python with "
-                "load_checkpoint, or choose another directory"
-            )
         saved = _latest_step(directory)
         if args.resume and saved is None:
             raise PipedslError(f"--resume: {directory} holds no checkpoint yet; run without --resume to start one")
