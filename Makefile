@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_simulate.py
 	$(PY) bench/bench_executor.py
 	$(PY) bench/bench_hybrid.py
+	$(PY) bench/bench_host_sharing.py
 	$(PY) bench/bench_world.py
 	$(PY) bench/bench_search.py
 	$(PY) bench/bench_synthesis.py
