@@ -157,7 +157,7 @@ class Worker:
                 self._sources[i] = value if isinstance(value, jax.Array) else None
                 # A copy even where the caller's array is placed already: the optimizer
                 # update donates the resident leaves, never the caller's.
-                self.leaves[i] = jax.device_put(value, target, may_alias=False)
+                self.leaves[i] = _copied(value, target)
         if states is not None:
             self.states = {s: states[s] for s in self.local if s in states}
             self._placed_states.clear()
@@ -485,6 +485,19 @@ def compile_device(
             model, s, num_microbatches=num_microbatches, options=stage_options[s], device=placement[s], layout=layout
         )
     return programs
+
+
+def _copied(value: Any, target: NamedSharding) -> jax.Array:
+    """``value`` on ``target`` in buffers of its own. ``device_put(..., may_alias=False)``
+    still shares the caller's buffer with the replica on the caller's own device when
+    ``target`` replicates over several devices (jax 0.10), and a donation would then delete
+    the caller's array: such a placement is copied once more."""
+    placed = jax.device_put(value, target, may_alias=False)
+    if isinstance(value, jax.Array):
+        theirs = {shard.data.unsafe_buffer_pointer() for shard in value.addressable_shards}
+        if any(shard.data.unsafe_buffer_pointer() in theirs for shard in placed.addressable_shards):
+            placed = jnp.copy(placed)
+    return placed
 
 
 @lru_cache(maxsize=64)

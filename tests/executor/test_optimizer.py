@@ -83,11 +83,13 @@ def test_an_optimizer_that_mixes_leaves_otherwise_is_refused() -> None:
         pipe.train_step(params, None, batch, optimizer=mean_scale())
 
 
-def test_the_update_donates_the_resident_state_and_never_the_callers() -> None:
+@pytest.mark.parametrize("dp", [1, 2])
+def test_the_update_donates_the_resident_state_and_never_the_callers(dp: int) -> None:
     m = model("mlp", 2)
     params = m.init_stages(jax.random.PRNGKey(0))
     batch = m.batch(jax.random.PRNGKey(1), 8)
-    pipe = Pipeline(m.stages, loss=m.loss, schedule=library("1f1b"))
+    # With dp 2 the first stage's mesh replicates the parameters over the caller's device too.
+    pipe = Pipeline(m.stages, loss=m.loss, schedule=library("1f1b"), dp=dp)
     optimizer = optax.adam(1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a donation XLA could not use warns
