@@ -35,6 +35,7 @@ lists is encoded into the same arrays when the simulator asks for them.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -63,6 +64,7 @@ __all__ = [
     "lower",
     "program_arrays",
     "compute_io",
+    "dispatch_order",
 ]
 
 
@@ -173,6 +175,45 @@ class ProgramArrays:
     actions: ActionArrays
     recv_from: np.ndarray
     send_to: np.ndarray
+
+
+def dispatch_order(arrays: ProgramArrays) -> np.ndarray:
+    """The computes' rows in the order one host thread dispatches them when a receive waits
+    only until its value is sent, never until it is computed: the local backend's devices
+    taking turns on one thread (``executor/cooperative.py``) where sends are asynchronous
+    copies (meshes of several devices). Device 0 runs its program up to a receive of a value
+    not sent yet, then the next device that can go on does, first come first served: at
+    first devices 0, 1, ... in turn, then each device woken by a send, in the order sent,
+    once the device that sent it stops. A device waiting for a value never sent stops for
+    good. Shape (rows,), int64."""
+    actions = arrays.actions
+    bounds = actions.bounds.tolist()
+    recv_from = arrays.recv_from.tolist()
+    count = len(recv_from)
+    pointer = bounds[:-1]
+    sent = [False] * count
+    parked: dict[int, int] = {}  # the row a stopped device waits for -> that device
+    ready = deque(range(len(pointer)))
+    order: list[int] = []
+    while ready:
+        d = ready.popleft()
+        woken: list[int] = []
+        while pointer[d] < bounds[d + 1]:
+            row = pointer[d]
+            source = recv_from[row]
+            if source == NEVER_SENT:
+                break
+            if source >= 0 and not sent[source]:
+                parked[source] = d
+                break
+            order.append(row)
+            sent[row] = True
+            pointer[d] = row + 1
+            waiting = parked.pop(row, None)
+            if waiting is not None:
+                woken.append(waiting)
+        ready.extend(woken)
+    return np.array(order, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True, init=False, eq=False)

@@ -53,6 +53,9 @@ class StageCosts:
         the sender from computing until the transfer has arrived (False).
       speedup: how many times as fast as priced a device computes while n devices
         compute at once, at index n - 1, shape (D,); None: every device has its own compute.
+      serial: with ``speedup``, whether the computes run one at a time in the order one
+        host thread dispatches them (:func:`pipedsl.program.dispatch_order`) instead of
+        sharing the compute.
     """
 
     forward: tuple[float, ...]
@@ -65,6 +68,7 @@ class StageCosts:
     weight_residual_bytes: tuple[int, ...]
     overlap_sends: bool
     speedup: tuple[float, ...] | None = None
+    serial: bool = False
 
     @classmethod
     def uniform(cls, layout: Layout) -> StageCosts:

@@ -123,6 +123,12 @@ class CostModel:
         n - 1, one value per device count from 1 to the schedule's devices (processor
         sharing; :meth:`~pipedsl.simulator.hardware.Cluster.speedup` gives them for a
         cluster); None (the default) when every device has compute of its own.
+      serial: with ``speedup``, whether the devices' computes run one at a time, in the
+        order one host thread dispatches them (:func:`pipedsl.program.dispatch_order`),
+        each at ``speedup[0]``: XLA's CPU client runs a program that spans several devices
+        only after the one dispatched before it (``bench/bench_host_sharing.py``), so
+        pipeline devices that are meshes of several CPU devices take turns. False (the
+        default): processor sharing.
     """
 
     forward: PerStage = 1.0
@@ -138,6 +144,7 @@ class CostModel:
     overlap_sends: bool = True
     per_device: bool = False
     speedup: tuple[float, ...] | None = None
+    serial: bool = False
 
     def __post_init__(self) -> None:
         for name in ("forward", "activation_bytes", "residual_bytes"):
@@ -156,7 +163,7 @@ class CostModel:
             if bandwidth == 0:
                 raise CostError("bandwidth must be > 0 bytes per second; leave it out to make bytes cost no time")
             object.__setattr__(self, "bandwidth", bandwidth)
-        for name in ("overlap_sends", "per_device"):
+        for name in ("overlap_sends", "per_device", "serial"):
             if not isinstance(getattr(self, name), bool):
                 raise CostError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speedup is not None:
@@ -168,6 +175,8 @@ class CostModel:
             if min(speedup) <= 0:
                 raise CostError(f"speedup values must be > 0, got {list(speedup)}")
             object.__setattr__(self, "speedup", speedup)
+        if self.serial and self.speedup is None:
+            raise CostError("serial says how devices that share compute take turns: give their speedup too")
 
     # -- reading ---------------------------------------------------------------------
 
@@ -268,6 +277,7 @@ class CostModel:
             weight_residual_bytes=tuple(round(b) for b in wres),
             overlap_sends=self.overlap_sends,
             speedup=self._speedup_for(schedule.num_devices),
+            serial=self.serial,
         )
 
     def _speedup_for(self, devices: int) -> tuple[float, ...] | None:

@@ -59,9 +59,13 @@ def tails(
     work: Sequence[Work],
     placement: tuple[int, ...],
     device_params: Sequence[float],
+    *,
+    serial: bool = False,
 ) -> tuple[float, float]:
     """(exposed data-parallel seconds, optimizer seconds) of the device where they sum
-    to the most."""
+    to the most; with ``serial`` (pipeline devices that take turns on a host's cores, see
+    :func:`~pipedsl.simulator.estimate.prepare`), of all the devices together: their
+    reductions and updates run one after another."""
     # Per device, its stages' backward and forward seconds, summed in stage order.
     last_backward, first_forward = [0.0] * shapes.plan.pp, [0.0] * shapes.plan.pp
     for w, d in zip(work, placement, strict=True):
@@ -69,7 +73,7 @@ def tails(
         first_forward[d] += w.forward
     # Devices of like stages hold like parameters: each distinct device is priced once.
     priced: dict[tuple[float, float, float], tuple[float, float]] = {}
-    best = (0.0, 0.0)
+    best = total = (0.0, 0.0)
     for d in range(shapes.plan.pp):
         device = (device_params[d], last_backward[d], first_forward[d])
         found = priced.get(device)
@@ -77,7 +81,8 @@ def tails(
             found = priced[device] = (_dp_tail(shapes, *device), _optimizer_seconds(shapes, device[0]))
         if found[0] + found[1] > sum(best):
             best = found
-    return best
+        total = (total[0] + found[0], total[1] + found[1])
+    return total if serial else best
 
 
 def _gather(shapes: Shapes, num_bytes: float) -> float:

@@ -12,7 +12,8 @@ value not sent yet parks until the sender gets there. The pass is linear in the 
 of computes and deterministic.
 
 Devices that share compute (the cost model's ``speedup``: forced CPU devices on one
-host's cores) are simulated by processor sharing (:mod:`~pipedsl.simulator.sharing`).
+host's cores) are simulated by processor sharing, or taking turns in the order their
+programs are dispatched where the cost model says ``serial`` (:mod:`~pipedsl.simulator.sharing`).
 
 Memory does not depend on time: it follows each device's order
 (:func:`pipedsl.analysis.peak_held`). The residual of a (stage, microbatch) is live from
@@ -34,9 +35,9 @@ from pipedsl.analysis import peak_held
 from pipedsl.arrays import F, paused_collector
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
-from pipedsl.program import NEVER_SENT, Program, ProgramArrays, lower
+from pipedsl.program import NEVER_SENT, Program, ProgramArrays, dispatch_order, lower
 from pipedsl.simulator.costs import CostModel
-from pipedsl.simulator.sharing import settle_shared
+from pipedsl.simulator.sharing import settle_serial, settle_shared
 from pipedsl.stage_costs import StageCosts
 from pipedsl.timeline import Event, EventKind, Timeline
 from pipedsl.validate import kept_check
@@ -292,9 +293,19 @@ class _Run:
         gradients = len(costs.activation_transfer)
         sent_code = np.where(sends, np.where(kind == F, 0, gradients) + stage, len(transfers) - 1)
         if costs.speedup is not None:
-            *shared, stuck = settle_shared(
-                arrays, _shared(seconds, code), _shared(transfers, sent_code), costs.overlap_sends, costs.speedup
-            )
+            if costs.serial:
+                *shared, stuck = settle_serial(
+                    arrays,
+                    _shared(seconds, code),
+                    _shared(transfers, sent_code),
+                    costs.overlap_sends,
+                    costs.speedup[0],
+                    dispatch_order(arrays).tolist(),
+                )
+            else:
+                *shared, stuck = settle_shared(
+                    arrays, _shared(seconds, code), _shared(transfers, sent_code), costs.overlap_sends, costs.speedup
+                )
             if stuck is not None:
                 raise _cannot_finish(arrays, *stuck)
             start_array, end_array, arrival_array = (np.array(v, dtype=np.float64) for v in shared)

@@ -32,8 +32,10 @@ tail and optimizer step (times the wait for the slowest node where the cluster p
 stragglers, :func:`~pipedsl.simulator.network.straggler_factor`). Devices that share a host's cores (``Cluster.host_cores``,
 forced CPU devices) are priced at their rates with every device of the node busy, and
 the simulator shares the cores among the pipeline devices that compute at each moment
-(processor sharing: :meth:`Cluster.speedup`, worked out for the plan in one place,
-:func:`_speedup`); an SPMD plan is one pipeline device that is always busy.
+(processor sharing: :meth:`Cluster.speedup`), or, where the pipeline devices are meshes of
+several of them, runs their programs one at a time in the order they are dispatched, as
+XLA's CPU client does (worked out for the plan in one place, :func:`_sharing`); an SPMD
+plan is one pipeline device that is always busy.
 MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """
@@ -243,7 +245,9 @@ class Prepared:
         sum to the most (:func:`~pipedsl.simulator.data_parallel.tails`), worked out once.
       speedup: how many times as fast as priced a pipeline device computes while n of
         them compute, at index n - 1, shape (pp,), where devices share a host's cores
-        (:func:`_speedup`); None where each has compute of its own.
+        (:func:`_sharing`); None where each has compute of its own.
+      serial: whether, sharing a host's cores, the pipeline devices take turns rather
+        than share them (:func:`_sharing`).
     """
 
     shapes: Shapes
@@ -257,6 +261,7 @@ class Prepared:
     lower_bound_s: float
     tails: tuple[float, float]
     speedup: tuple[float, ...] | None
+    serial: bool
 
     @property
     def plan(self) -> Plan:
@@ -282,6 +287,7 @@ class Prepared:
             activation_bytes=boundary_bytes,
             residual_bytes=self.residual,
             speedup=self.speedup,
+            serial=self.serial,
         )
 
     def finish(self) -> Estimate:
@@ -366,8 +372,8 @@ def prepare(
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
     work = stage_work(shapes, layers, params)
-    tail = tails(shapes, work, placement, device_params)
-    speedup = _speedup(shapes)
+    speedup, serial = _sharing(shapes)
+    tail = tails(shapes, work, placement, device_params, serial=serial)
     fastest = 1.0 if speedup is None else max(speedup)
     return Prepared(
         shapes=shapes,
@@ -382,20 +388,25 @@ def prepare(
         + sum(tail),
         tails=tail,
         speedup=speedup,
+        serial=serial,
     )
 
 
-def _speedup(shapes: Shapes) -> tuple[float, ...] | None:
-    """Where the devices share a host's cores (``Cluster.host_cores``), how many times as
-    fast as priced a pipeline device (a ``dp × tp`` mesh of them) computes while n
-    pipeline devices compute at once, at index n - 1, shape (pp,): the cluster's
+def _sharing(shapes: Shapes) -> tuple[tuple[float, ...] | None, bool]:
+    """Where the devices share a host's cores (``Cluster.host_cores``): how many times as
+    fast as priced a pipeline device (a ``dp × cp × tp`` mesh of them) computes while n
+    pipeline devices compute at once, at index n - 1, shape (pp,) (the cluster's
     :meth:`~pipedsl.simulator.hardware.Cluster.speedup` at n meshes' devices, at most a
-    node's. The one place that prices shared cores; None where devices have their own."""
+    node's), and whether the pipeline devices take turns instead: meshes of several
+    devices, whose programs XLA's CPU client runs one at a time (``serial`` in
+    :class:`~pipedsl.simulator.costs.CostModel`). The one place that prices shared cores;
+    (None, False) where devices have their own."""
     cluster, plan = shapes.cluster, shapes.plan
     if cluster.host_cores is None:
-        return None
-    mesh = plan.dp * plan.tp
-    return tuple(cluster.speedup(min(mesh * n, cluster.gpus_per_node)) for n in range(1, plan.pp + 1))
+        return None, False
+    mesh = plan.dp * plan.cp * plan.tp
+    speedup = tuple(cluster.speedup(min(mesh * n, cluster.gpus_per_node)) for n in range(1, plan.pp + 1))
+    return speedup, mesh > 1
 
 
 def _schedule_of(

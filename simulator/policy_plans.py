@@ -224,7 +224,9 @@ def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
     return total * (1.0 - 1e-9)
 
 
-_PREPARED_FIELDS = ("shapes", "key", "placement", "pipelines", "work", "residual", "device_params", "tails", "speedup")
+_PREPARED_FIELDS = (
+    "shapes", "key", "placement", "pipelines", "work", "residual", "device_params", "tails", "speedup", "serial",
+)  # fmt: skip
 """What a :class:`LimitedPlan` keeps of the plan prepared at the default limit."""
 
 

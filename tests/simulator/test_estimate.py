@@ -15,7 +15,7 @@ import pytest
 from pipedsl import library
 from pipedsl.errors import PipedslError, ScheduleEvalError
 from pipedsl.library import library_schedules
-from pipedsl.program import lower
+from pipedsl.program import dispatch_order, lower
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import simulate
 from pipedsl.simulator.estimate import (
@@ -298,6 +298,51 @@ def test_processor_sharing_at_one_speed_is_the_plain_pass_and_conserves_work(spe
     assert plain.busy / devices * (1 - 1e-12) <= shared.makespan <= plain.makespan * (1 + 1e-12)
     with pytest.raises(PipedslError, match="speedup lists 2 values but the schedule has 4 devices"):
         simulate(schedule, costs.with_changes(speedup=(2.0, 1.0)))
+
+
+@pytest.mark.parametrize("spec", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv"])
+def test_devices_that_take_turns_run_one_compute_at_a_time_in_dispatch_order(spec: str) -> None:
+    schedule = library.load(spec, pp=4, microbatches=8)
+    forward = tuple(1.0 + 0.5 * (s % 3) for s in range(schedule.num_stages))
+    costs = CostModel(forward=forward, latency=0.25, speedup=(2.0,) + (1.0,) * (schedule.num_devices - 1))
+    turns = simulate(schedule, costs.with_changes(serial=True))
+    computes = sorted((e for e in turns.timeline.events() if e.kind.is_compute), key=lambda e: e.start)
+    # One at a time, at speedup[0], never overlapping: the busy time is the makespan's
+    # but for the waits on transfers.
+    for before, after in zip(computes, computes[1:]):
+        assert after.start >= before.end - 1e-12
+    assert sum(e.end - e.start for e in computes) == pytest.approx(turns.busy, rel=1e-12)
+    assert turns.busy == pytest.approx(simulate(schedule, costs.with_changes(speedup=None)).busy / 2, rel=1e-12)
+    # In the order one host thread dispatches the devices' programs.
+    arrays = lower(schedule).arrays
+    actions = arrays.actions
+    expected = [
+        (int(actions.device[r]), int(actions.stage[r]), int(actions.microbatch[r])) for r in dispatch_order(arrays)
+    ]
+    assert [(e.device, e.stage, e.microbatch) for e in computes] == expected
+    with pytest.raises(PipedslError, match="serial says how devices that share compute take turns"):
+        CostModel(serial=True)
+
+
+def test_pipeline_devices_of_several_cpu_devices_take_turns() -> None:
+    # Meshes of two CPU devices on a host of two cores: each compute runs alone, at the
+    # rate of one mesh busy, the data-parallel reductions and updates of both devices in turn.
+    model = dataclasses.replace(GPT, vocab=8, layers=8)
+    shared = dataclasses.replace(IDEAL, intra_node_bandwidth=1e30, host_cores=2.0)
+    plan = Plan(pp=2, dp=2, global_batch=8, schedule="1f1b")
+    prepared = prepare(model, shared, plan)
+    assert prepared.serial and not prepare(model, shared, dataclasses.replace(plan, dp=1)).serial
+    assert not prepare(model, dataclasses.replace(shared, host_cores=None), plan).serial
+    costs = prepared.cost_model()
+    assert costs.serial and costs.speedup is not None
+    schedule = library.load("1f1b", pp=2, microbatches=plan.microbatches)
+    resolved = costs.resolve(schedule)
+    busy = plan.microbatches * (sum(resolved.forward) + sum(resolved.backward)) / costs.speedup[0]
+    # With free transfers, back to back; the estimate waits for its transfers besides.
+    assert simulate(schedule, costs.with_changes(latency=0.0, bandwidth=None)).makespan == pytest.approx(
+        busy, rel=1e-12
+    )
+    assert estimate(model, shared, plan).pipeline_time_s >= busy * (1 - 1e-12)
 
 
 def test_devices_that_share_cores_share_them_among_the_busy_ones() -> None:

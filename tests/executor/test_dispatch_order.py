@@ -1,0 +1,47 @@
+"""The local backend dispatches the stage programs in :func:`pipedsl.program.dispatch_order`
+where every pipeline device is a mesh of several JAX devices (sends are asynchronous copies,
+so no receive waits for a computation): the order the simulator runs such devices' programs
+in, one at a time, as XLA's CPU client does (``bench/bench_host_sharing.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import pytest
+
+import pipedsl
+from helpers import HYBRID_ADAM, hybrid, hybrid_problem, hybrid_schedule
+from pipedsl.arrays import B, F, I, W
+from pipedsl.executor.stage_program import StageProgram
+from pipedsl.program import dispatch_order
+
+_KINDS = {"forward": F, "backward": B, "backward_input": I, "backward_weight": W}
+
+
+@pytest.mark.parametrize(("name", "pp", "vpp"), [("1f1b", 2, 1), ("zb_h1", 2, 1), ("interleaved_1f1b", 2, 2)])
+def test_the_local_backend_dispatches_in_dispatch_order(
+    name: str, pp: int, vpp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    schedule = hybrid_schedule(name, pp, vpp)
+    dispatched: list[tuple[int, int]] = []
+
+    def logged(method: str) -> Any:
+        original = getattr(StageProgram, method)
+
+        def call(self: StageProgram, *args: Any) -> Any:
+            dispatched.append((_KINDS[method], self.stage))
+            return original(self, *args)
+
+        return call
+
+    for method in _KINDS:
+        monkeypatch.setattr(StageProgram, method, logged(method))
+    _, params, batch, _, _ = hybrid_problem("explicit", schedule.num_stages, 2)
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=0) as pipe:
+        pipe.train_step(params, None, batch, optimizer=HYBRID_ADAM)  # compiles
+        dispatched.clear()
+        jax.block_until_ready(pipe.train_step(params, None, batch, optimizer=HYBRID_ADAM))
+    arrays = pipedsl.lower(schedule).arrays
+    expected = [(int(arrays.actions.kind[r]), int(arrays.actions.stage[r])) for r in dispatch_order(arrays)]
+    assert dispatched == expected
