@@ -14,8 +14,9 @@ Three measurements, on a local Ray instance started here (all on 127.0.0.1):
      path the backend used before its processes formed one world;
 2. the executor's own cost per action: 1F1B over 2 processes (one stage each), 16
    microbatches of a one-row, 4-wide, one-layer MLP (compute negligible): the median step
-   over its F and B actions (64), every fixed per-step cost included, next to the
-   collectives the step takes and what the bare floor of 1. puts under them;
+   over its F and B actions (64), every fixed per-step cost included (in a fresh process,
+   as 3.), next to the collectives the step takes and what the bare floor of 1. puts
+   under them;
 3. a 4-process 1F1B step (pp = 4, 8 microbatches of 8 rows) of a ``--width``-wide MLP,
    median, run in a fresh process by this checkout's interpreter and, with ``--baseline
    PYTHON``, by another checkout's in turn, with the ratio. The transfer path itself is
@@ -186,35 +187,51 @@ def bench_hops(repeat: int) -> dict[str, float]:
         ray.shutdown()
 
 
-def _step_times(pipe: Any, params: Any, batch: Any, repeat: int) -> list[float]:
-    pipe.value_and_grad(params, batch)  # compiles
+# One Ray step timed as any checkout runs it, in a fresh process: only API both the
+# transfer path and the world have. Arguments: width, repeat, pp, microbatches, rows.
+_STEP = """
+import json, os, statistics, sys, time
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import jax
+from pipedsl.executor import Pipeline, RayConfig
+from pipedsl.executor.models import mlp
+from pipedsl.library import library_path, load
+width, repeat, pp, microbatches, rows = map(int, sys.argv[1:6])
+key = jax.random.PRNGKey(0)
+model = mlp(num_stages=pp, width=width, layers_per_stage=1)
+schedule = load(library_path("1f1b"), pp=pp, microbatches=microbatches)
+params, batch = model.init_stages(key), model.batch(key, rows)
+with Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=RayConfig(step_timeout=300, start_timeout=120)) as pipe:
+    pipe.value_and_grad(params, batch)
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         loss, _ = pipe.value_and_grad(params, batch)
         float(loss)
         times.append(time.perf_counter() - start)
-    return times
+print(json.dumps({"step_s": statistics.median(times), "fastest_s": min(times)}))
+"""
+
+
+def _step(python: str, *, width: int, repeat: int, pp: int, microbatches: int, rows: int) -> dict[str, float]:
+    """{"step_s": median, "fastest_s": fastest} seconds of a 1F1B step over ``pp`` Ray
+    processes, run by ``python`` in a fresh process (from a neutral folder: ``-c`` puts the
+    working folder first on the import path)."""
+    argv = [python, "-c", _STEP, *map(str, (width, repeat, pp, microbatches, rows))]
+    done = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=tempfile.gettempdir())
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def bench_steps(repeat: int, bare_ms: float | None) -> dict[str, float]:
     """Measurement 2: the cost per action in us; ``bare_ms`` is measurement 1's bare 4 B
     collective, when it ran."""
-    import jax
-
     import pipedsl
-    from pipedsl.executor import Pipeline, RayConfig
-    from pipedsl.executor.models import mlp
     from pipedsl.library import library_path, load
     from pipedsl.rendezvous import exchange_groups, exchange_order
 
-    key = jax.random.PRNGKey(0)
-    config = RayConfig(step_timeout=300, start_timeout=120)
-    tiny = mlp(num_stages=2, width=4, layers_per_stage=1)
     schedule = load(library_path("1f1b"), pp=2, microbatches=16)
-    with Pipeline(tiny.stages, loss=tiny.loss, schedule=schedule, backend=config) as pipe:
-        times = _step_times(pipe, tiny.init_stages(key), tiny.batch(key, 16), repeat)
-    step, fastest = statistics.median(times), min(times)
+    timed = _step(sys.executable, width=4, repeat=repeat, pp=2, microbatches=16, rows=16)
+    step, fastest = timed["step_s"], timed["fastest_s"]
     actions = schedule.num_actions
     program = pipedsl.lower(schedule)
     transfers, collectives = len(exchange_order(program)), len(exchange_groups(program))
@@ -235,41 +252,13 @@ def bench_steps(repeat: int, bare_ms: float | None) -> dict[str, float]:
     return figures
 
 
-# Measurement 3 as any checkout runs it: only API both the transfer path and the world have.
-_STEP_1F1B_PP4 = """
-import json, os, statistics, sys, time
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-import jax
-from pipedsl.executor import Pipeline, RayConfig
-from pipedsl.executor.models import mlp
-from pipedsl.library import library_path, load
-width, repeat = int(sys.argv[1]), int(sys.argv[2])
-key = jax.random.PRNGKey(0)
-model = mlp(num_stages=4, width=width, layers_per_stage=1)
-schedule = load(library_path("1f1b"), pp=4, microbatches=8)
-params, batch = model.init_stages(key), model.batch(key, 8 * 8)
-with Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=RayConfig(step_timeout=300, start_timeout=120)) as pipe:
-    pipe.value_and_grad(params, batch)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        loss, _ = pipe.value_and_grad(params, batch)
-        float(loss)
-        times.append(time.perf_counter() - start)
-print(json.dumps({"step_s": statistics.median(times)}))
-"""
-
-
 def bench_step_pp4(repeat: int, width: int, baseline: str | None) -> dict[str, float]:
     """Measurement 3, by this checkout's interpreter and ``baseline``'s (when given), each
-    in a fresh process (from a neutral folder: ``-c`` puts the working folder first on the
-    import path)."""
+    in a fresh process."""
     steps = {}
     for name, python in (("step_1f1b_pp4_ms", sys.executable), ("baseline_step_1f1b_pp4_ms", baseline)):
         if python is not None:
-            argv = [python, "-c", _STEP_1F1B_PP4, str(width), str(repeat)]
-            done = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=tempfile.gettempdir())
-            steps[name] = json.loads(done.stdout.splitlines()[-1])["step_s"] * 1e3
+            steps[name] = _step(python, width=width, repeat=repeat, pp=4, microbatches=8, rows=8 * 8)["step_s"] * 1e3
     print(f"3. a 4-process 1F1B step (pp 4, 8 microbatches of 8 rows, width {width}): {steps['step_1f1b_pp4_ms']:.1f} ms"
           f"   (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     if baseline is not None:

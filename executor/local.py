@@ -39,12 +39,11 @@ from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
 from pipedsl.executor.sharded_checkpoint import (
     device_part,
     finish_version,
-    latest_version,
+    latest_readable,
     new_version,
     plan_record,
     restore_device,
     save_device,
-    saved_placement,
 )
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stage_options import StageOptions
@@ -253,8 +252,7 @@ class LocalBackend:
         optimizer state only with ``optimizer``) and return its step. Any plan of the same
         model reads it; another model's is refused, saying what differs."""
         self.install(like_params, *example)
-        step, version = latest_version(path)
-        placement = saved_placement(version, self._plan())
+        step, version, placement = latest_readable(path, self._plan())
         for worker in self.workers:
             restore_device(worker, version, optimizer, processes=[jax.process_index()], placement=placement)
         return step

@@ -45,10 +45,9 @@ from pipedsl.executor.ray_transport import assemble
 from pipedsl.executor.sharded_checkpoint import (
     device_part,
     finish_version,
-    latest_version,
+    latest_readable,
     new_version,
     plan_record,
-    saved_placement,
 )
 from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel
@@ -290,8 +289,7 @@ class RayRunner:
         model reads it; another model's is refused, saying what differs."""
         self._check_open()
         layout = self._layout(shapes_of(like_params), *example)
-        step, version = latest_version(path)
-        placement = saved_placement(version, self._plan(layout))
+        step, version, placement = latest_readable(path, self._plan(layout))
         args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [
             ((str(version), placement, optimizer), {})
         ] * self.world.num_processes

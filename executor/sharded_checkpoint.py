@@ -12,7 +12,7 @@ wrote them (``Pipeline.save`` and ``Pipeline.restore``, on either backend).
 - ``plan.json``: the plan that saved it (:func:`plan_record`), written by the driver once
   every device's checkpoint is written, so it also marks the version complete.
 
-A version is read back by any plan of the same model: :func:`saved_placement` refuses one
+A version is read back by any plan of the same model: :func:`latest_readable` refuses one
 of another model (naming the first parameter that differs) and says where each stage was
 saved; :func:`restore_device` reads each leaf and optimizer state a device keeps from the
 saved device that held it, straight into this plan's shardings (orbax reshards on read), each
@@ -47,9 +47,8 @@ __all__ = [
     "new_version",
     "finish_version",
     "complete_versions",
-    "latest_version",
+    "latest_readable",
     "remove_older",
-    "saved_placement",
     "device_part",
     "save_device",
     "restore_device",
@@ -64,7 +63,7 @@ def plan_record(
     """The plan and model that write a version: the schedule, its placement, the mesh, the
     process count, every parameter leaf's place in the parameters' pytree with its dtype
     and shape, the stage that owns it, and its spec (``specs``, in leaf order). A version is
-    read back by any plan of the same model (:func:`saved_placement`)."""
+    read back by any plan of the same model (:func:`latest_readable`)."""
     params = jax.tree_util.tree_unflatten(model.param_treedef, list(model.param_avals))
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     return {
@@ -100,14 +99,6 @@ def complete_versions(path: str | Path) -> list[tuple[int, Path]]:
     return sorted((step, v) for step, v in _versions(path) if (v / PLAN).exists())
 
 
-def latest_version(path: str | Path) -> tuple[int, Path]:
-    """(step, directory) of the latest complete version under ``path``."""
-    versions = complete_versions(path)
-    if not versions:
-        raise ExecutionError(f"{path}: no complete checkpoint (a step-<N> directory with {PLAN})")
-    return versions[-1]
-
-
 def remove_older(path: str | Path, step: int) -> None:
     """Remove the versions under ``path`` of steps before ``step``, complete or left
     incomplete by a save that was stopped (call it once ``step``'s version is complete)."""
@@ -120,12 +111,17 @@ def _versions(path: str | Path) -> list[tuple[int, Path]]:
     return [(int(v.name[5:]), v) for v in Path(path).glob("step-*") if v.name[5:].isdigit() and v.is_dir()]
 
 
-def saved_placement(version: Path, plan: Mapping[str, Any]) -> tuple[int, ...]:
-    """The placement (stage to pipeline device) ``version`` was saved with, where
-    :func:`restore_device` finds each leaf and state; refuses ``version`` unless it holds
+def latest_readable(path: str | Path, plan: Mapping[str, Any]) -> tuple[int, Path, tuple[int, ...]]:
+    """(step, directory, placement) of the latest complete version under ``path``, the
+    placement (stage to pipeline device) being the one it was saved with, where
+    :func:`restore_device` finds each leaf and state. Refuses the version unless it holds
     the model of ``plan`` (:func:`plan_record`): the same parameter leaves, owned by the
     same stages. The rest of the plan (schedule, placement, mesh, ZeRO stage, processes)
     may differ: orbax reads each array into the sharding asked for, whoever wrote it."""
+    versions = complete_versions(path)
+    if not versions:
+        raise ExecutionError(f"{path}: no complete checkpoint (a step-<N> directory with {PLAN})")
+    step, version = versions[-1]
     try:
         saved = json.loads((version / PLAN).read_text(encoding="utf-8"))["plan"]
         placement = tuple(int(d) for d in saved["placement"])
@@ -138,7 +134,7 @@ def saved_placement(version: Path, plan: Mapping[str, Any]) -> tuple[int, ...]:
         raise ExecutionError(
             f"{version} holds another model's parameters ({what}); resume it with the model that saved it"
         )
-    return placement
+    return step, version, placement
 
 
 def _difference(key: str, saved: Any, here: Any) -> str:
@@ -187,7 +183,7 @@ def restore_device(
     placement: Sequence[int],
 ) -> None:
     """Load ``worker``'s parameter leaves, and with ``optimizer`` its stages' optimizer
-    states, from ``version``, saved by a plan with ``placement`` (:func:`saved_placement`):
+    states, from ``version``, saved by a plan with ``placement`` (:func:`latest_readable`):
     each leaf from the checkpoint of the device that held the stage owning it, each state
     from its stage's, read straight into this worker's shardings. Every one of
     ``processes`` (the worker's mesh's) calls this at once and reads its own shards."""
