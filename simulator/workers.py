@@ -95,8 +95,11 @@ def run_in_workers(
     """
     results: list[Any] = [None] * len(calls)
     messages: queue.Queue[tuple[int, tuple[Any, ...]]] = queue.Queue()
-    workers = [_Worker.start(w, messages) for w in range(min(jobs, len(calls)))]
+    workers: list[_Worker] = []
     try:
+        # Started inside the try: a Ctrl-C between two starts still stops the first.
+        for w in range(min(jobs, len(calls))):
+            workers.append(_Worker.start(w, messages))
         pending = iter(range(len(calls)))
         for worker in workers:
             worker.give(next(pending, None), fn, calls)
@@ -162,8 +165,14 @@ class _Worker:
             raise
         finally:
             os.close(write)
-        worker = cls(index, process, os.fdopen(read, "rb"))
-        threading.Thread(target=worker._read, args=(messages,), daemon=True).start()
+        try:
+            worker = cls(index, process, os.fdopen(read, "rb"))
+            threading.Thread(target=worker._read, args=(messages,), daemon=True).start()
+        except BaseException:
+            # Interrupted before the caller holds it: nobody else would stop it.
+            process.kill()
+            process.wait()
+            raise
         return worker
 
     def give(self, call: int | None, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> None:
