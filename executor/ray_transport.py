@@ -10,7 +10,9 @@ mesh is one ``[2n, ...]`` array with spec ``P(("pair", e0), ...)`` on the pair m
 that every device's block *is* its shard, and the sender's processes bring their shards
 while the receiver's bring placeholders (zeros, made once). The permutation moves each
 device's shard to the device at the same ``(data, tensor)`` place of the other mesh: on
-GPUs NCCL device to device, on CPU gloo; nothing goes through Ray.
+GPUs NCCL device to device, on CPU gloo; nothing goes through Ray. Within one collective,
+the leaves going the same way with the same dtype travel packed in one buffer, moved by
+one permutation (each is a library call of its own).
 
 A collective waits for both sides (a rendezvous), so each device makes its exchanges in
 the one order :func:`pipedsl.rendezvous.exchange_order` gives the program, followed by
@@ -273,16 +275,33 @@ class Hops:
         return pair
 
     def _program(self, pair: Mesh, a: int, transfers: Sequence[Transfer]) -> Callable[..., Any]:
-        """One jitted ppermute per leaf over the pair mesh (``a``'s mesh at ``pair = 0``),
-        each in its transfer's direction."""
-        specs, perms = [], []
+        """The jitted collective over the pair mesh (``a``'s mesh at ``pair = 0``): the
+        leaves going one way with one dtype packed into one buffer, moved by one
+        ppermute, and unpacked (each ppermute is a gloo or NCCL call of its own: on CPU,
+        two small ones cost about twice one)."""
+        specs: list[PartitionSpec] = []
+        groups: dict[tuple[bool, np.dtype[Any]], list[int]] = {}
         for src, _, signature, _ in transfers:
-            for shape, _, spec in signature:
+            for shape, dtype, spec in signature:
+                groups.setdefault((src == a, np.dtype(dtype)), []).append(len(specs))
                 specs.append(_pair_spec(shape, spec))
-                perms.append([(0, 1)] if src == a else [(1, 0)])
 
         def hop(*leaves: Any) -> tuple[Any, ...]:
-            return tuple(jax.lax.ppermute(x, PAIR, perm) for x, perm in zip(leaves, perms, strict=True))
+            out: list[Any] = [None] * len(leaves)
+            for (forward, _), members in groups.items():
+                perm = [(0, 1)] if forward else [(1, 0)]
+                if len(members) == 1:
+                    out[members[0]] = jax.lax.ppermute(leaves[members[0]], PAIR, perm)
+                    continue
+                # Each device's blocks, flattened end to end: the same cut on both sides.
+                packed = jnp.concatenate([leaves[i].reshape(-1) for i in members])
+                moved = jax.lax.ppermute(packed, PAIR, perm)
+                at = 0
+                for i in members:
+                    size = leaves[i].size
+                    out[i] = moved[at : at + size].reshape(leaves[i].shape)
+                    at += size
+            return tuple(out)
 
         return jax.jit(jax.shard_map(hop, mesh=pair, in_specs=tuple(specs), out_specs=tuple(specs)))
 
