@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -10,6 +11,7 @@ from collections import Counter
 import pytest
 
 from pipedsl.errors import PipedslError
+from pipedsl.simulator import workers
 from pipedsl.simulator.plan import PlanError
 from pipedsl.simulator.workers import Advance, available_cores, run_in_workers
 
@@ -109,6 +111,23 @@ def test_an_error_that_cannot_travel_comes_back_as_its_text() -> None:
 def test_a_worker_that_dies_is_an_error_not_a_hang() -> None:
     with pytest.raises(PipedslError, match=r"exited with code 3 while ranking call 1"):
         run_in_workers(_exit, [(n,) for n in range(3)], jobs=2, advance=lambda *_: None, names=_names(3))
+
+
+def test_a_ctrl_c_while_the_workers_start_stops_those_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[subprocess.Popen[bytes]] = []
+    start = subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        # The Ctrl-C lands as the second worker is started, the first one running.
+        if started:
+            raise KeyboardInterrupt
+        started.append(start(*args, **kwargs))  # type: ignore[call-overload]
+        return started[-1]
+
+    monkeypatch.setattr(workers.subprocess, "Popen", popen)
+    with pytest.raises(KeyboardInterrupt):
+        run_in_workers(_square, [(n,) for n in range(4)], jobs=2, advance=lambda *_: None, names=_names(4))
+    assert len(started) == 1 and started[0].poll() is not None
 
 
 def test_what_a_call_prints_does_not_reach_the_answers(capfd: pytest.CaptureFixture[str]) -> None:
