@@ -277,8 +277,8 @@ class Hops:
     def _program(self, pair: Mesh, a: int, transfers: Sequence[Transfer]) -> Callable[..., Any]:
         """The jitted collective over the pair mesh (``a``'s mesh at ``pair = 0``): the
         leaves going one way with one dtype packed into one buffer, moved by one
-        ppermute, and unpacked (each ppermute is a gloo or NCCL call of its own: on CPU,
-        two small ones cost about twice one)."""
+        ppermute, and unpacked (each ppermute is a gloo or NCCL call of its own, with its
+        own fixed cost)."""
         specs: list[PartitionSpec] = []
         groups: dict[tuple[bool, np.dtype[Any]], list[int]] = {}
         for src, _, signature, _ in transfers:
