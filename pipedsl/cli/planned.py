@@ -175,7 +175,8 @@ class PlannedRun:
         if self.keep_weights:
             return (
                 "keeps ZeRO 3's weights gathered from the forward for the backward (reshard_after_forward"
-                " = false), which the executor does not do: it gathers them again in the backward"
+                " = false, 'keep' in its label), which the executor does not do: it gathers them again in the"
+                " backward"
             )
         return None
 

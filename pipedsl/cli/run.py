@@ -180,7 +180,7 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
     for name, value in sets.items():
         setattr(args, name, value)
     if planned.not_run is not None:
-        raise PipedslError(f"--plan {args.plan} ({planned.label()}) {planned.not_run}. Run a plan without 'keep'")
+        raise PipedslError(f"--plan {args.plan} ({planned.label()}) {planned.not_run}. Run another plan of the ranking")
     if args.reduce_once and not planned.reduce_once:
         raise PipedslError(
             f"--plan {args.plan} reduces its gradients as it was priced; --reduce-once would change the plan: drop it"
