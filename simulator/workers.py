@@ -18,10 +18,12 @@ killed at once; so are they on Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -29,7 +31,8 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 from typing import IO, Any, TypeVar
 
 from pipedsl.errors import PipedslError
@@ -151,27 +154,29 @@ class _Worker:
         # Answers come on a pipe of their own: nothing the interpreter or a library
         # prints on standard output as it starts can be taken for one.
         read, write = os.pipe()
+        worker: _Worker | None = None
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(write)],
-                stdin=subprocess.PIPE,
-                pass_fds=(write,),
-                # Out of the caller's process group: a Ctrl-C that arrives while the
-                # interpreter is still starting would print its traceback.
-                process_group=0,
-            )
+            with _interrupt_held():
+                try:
+                    process = subprocess.Popen(
+                        [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(write)],
+                        stdin=subprocess.PIPE,
+                        pass_fds=(write,),
+                        # Out of the caller's process group: a Ctrl-C that arrives while the
+                        # interpreter is still starting would print its traceback.
+                        process_group=0,
+                    )
+                except BaseException:
+                    os.close(read)
+                    raise
+                finally:
+                    os.close(write)
+                worker = cls(index, process, os.fdopen(read, "rb"))
+                threading.Thread(target=worker._read, args=(messages,), daemon=True).start()
         except BaseException:
-            os.close(read)
-            raise
-        finally:
-            os.close(write)
-        try:
-            worker = cls(index, process, os.fdopen(read, "rb"))
-            threading.Thread(target=worker._read, args=(messages,), daemon=True).start()
-        except BaseException:
-            # Interrupted before the caller holds it: nobody else would stop it.
-            process.kill()
-            process.wait()
+            # A Ctrl-C held while it started: the caller never holds it, so it is stopped here.
+            if worker is not None:
+                worker.kill()
             raise
         return worker
 
@@ -205,6 +210,30 @@ class _Worker:
         """Stop the worker now, whatever it is doing."""
         self.process.kill()
         self.process.wait()
+
+
+@contextlib.contextmanager
+def _interrupt_held() -> Iterator[None]:
+    """A Ctrl-C that arrives inside the block takes effect as it ends. ``Popen`` interrupted
+    after its fork would raise without returning the process it started, which would then
+    run on with nobody to stop it. Only the main thread receives signals, so elsewhere
+    this holds nothing."""
+    previous = signal.getsignal(signal.SIGINT)
+    # None: a handler set outside Python, which could not be put back.
+    if previous is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[FrameType | None] = []
+    signal.signal(signal.SIGINT, lambda _signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 def _write(stream: IO[bytes], message: object) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -128,6 +129,28 @@ def test_a_ctrl_c_while_the_workers_start_stops_those_started(monkeypatch: pytes
     with pytest.raises(KeyboardInterrupt):
         run_in_workers(_square, [(n,) for n in range(4)], jobs=2, advance=lambda *_: None, names=_names(4))
     assert len(started) == 1 and started[0].poll() is not None
+
+
+@pytest.mark.usefixtures("ctrl_c")
+def test_a_ctrl_c_inside_a_workers_start_stops_that_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[subprocess.Popen[bytes]] = []
+    start = subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        # The Ctrl-C lands after the fork, before Popen has returned the process it started.
+        started.append(start(*args, **kwargs))  # type: ignore[call-overload]
+        signal.raise_signal(signal.SIGINT)
+        return started[-1]
+
+    monkeypatch.setattr(workers.subprocess, "Popen", popen)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_in_workers(_square, [(n,) for n in range(4)], jobs=2, advance=lambda *_: None, names=_names(4))
+        assert len(started) == 1 and started[0].poll() is not None
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
 
 
 def test_what_a_call_prints_does_not_reach_the_answers(capfd: pytest.CaptureFixture[str]) -> None:
