@@ -11,17 +11,18 @@ that every device's block *is* its shard, and the sender's processes bring their
 while the receiver's bring placeholders (zeros, made once). The permutation moves each
 device's shard to the device at the same ``(data, tensor)`` place of the other mesh: on
 GPUs NCCL device to device, on CPU gloo; nothing goes through Ray. Within one collective,
-the leaves going the same way with the same dtype travel packed in one buffer, moved by
-one permutation (each is a library call of its own).
+the leaves of one dtype travel packed in one buffer per device, moved by one permutation
+(each is a library call of its own): one way, or both at once where the collective
+carries values each way.
 
 A collective waits for both sides (a rendezvous), so each device makes its exchanges in
 the one order :func:`pipedsl.rendezvous.exchange_order` gives the program, followed by
 the worker's own transfers (summed gradients of shared parameters, updated shared
 parameters) in a fixed order (:func:`worker_exchanges`). Consecutive exchanges between
 the same two devices that both have ready go as one collective, in both directions at
-once (:func:`pipedsl.rendezvous.exchange_groups`). A :class:`WorldTransport` keeps each
-sent value until the device reaches a receive (or the step's end) that comes after it in
-that order, and then makes, in order, the groups that come first.
+once (:func:`pipedsl.rendezvous.exchange_groups`). A :class:`WorldTransport` makes a
+group as soon as the device has computed every value it sends in it, and a group in which
+it only receives when it needs the value (or at the step's end), always in that order.
 
 What each transfer carries (shapes, dtypes, specs) is known to both sides from the model
 (:func:`signatures`), so no value's first arrival has to announce its layout.
@@ -275,32 +276,36 @@ class Hops:
         return pair
 
     def _program(self, pair: Mesh, a: int, transfers: Sequence[Transfer]) -> Callable[..., Any]:
-        """The jitted collective over the pair mesh (``a``'s mesh at ``pair = 0``): the
-        leaves going one way with one dtype packed into one buffer, moved by one
-        ppermute, and unpacked (each ppermute is a gloo or NCCL call of its own, with its
-        own fixed cost)."""
+        """The jitted collective over the pair mesh (``a``'s mesh at ``pair = 0``): per
+        dtype, the leaves packed into one buffer per device and moved by one ppermute
+        (each is a gloo or NCCL call of its own, with its own fixed cost). Where leaves
+        of one dtype go both ways, each device brings the buffer of the way it sends (the
+        longer way's length) and one two-way permutation swaps them."""
         specs: list[PartitionSpec] = []
-        groups: dict[tuple[bool, np.dtype[Any]], list[int]] = {}
+        groups: dict[np.dtype[Any], tuple[list[int], list[int]]] = {}
         for src, _, signature, _ in transfers:
             for shape, dtype, spec in signature:
-                groups.setdefault((src == a, np.dtype(dtype)), []).append(len(specs))
+                groups.setdefault(np.dtype(dtype), ([], []))[0 if src == a else 1].append(len(specs))
                 specs.append(_pair_spec(shape, spec))
 
         def hop(*leaves: Any) -> tuple[Any, ...]:
             out: list[Any] = [None] * len(leaves)
-            for (forward, _), members in groups.items():
-                perm = [(0, 1)] if forward else [(1, 0)]
-                if len(members) == 1:
-                    out[members[0]] = jax.lax.ppermute(leaves[members[0]], PAIR, perm)
-                    continue
+            for ways in groups.values():
                 # Each device's blocks, flattened end to end: the same cut on both sides.
-                packed = jnp.concatenate([leaves[i].reshape(-1) for i in members])
-                moved = jax.lax.ppermute(packed, PAIR, perm)
-                at = 0
-                for i in members:
-                    size = leaves[i].size
-                    out[i] = moved[at : at + size].reshape(leaves[i].shape)
-                    at += size
+                packed = [jnp.concatenate([leaves[i].reshape(-1) for i in members]) for members in ways if members]
+                if len(packed) == 1:
+                    moved = jax.lax.ppermute(packed[0], PAIR, [(0, 1)] if ways[0] else [(1, 0)])
+                else:
+                    size = max(p.size for p in packed)
+                    forward, backward = (jnp.pad(p, (0, size - p.size)) for p in packed)
+                    mine = jnp.where(jax.lax.axis_index(PAIR) == 0, forward, backward)
+                    moved = jax.lax.ppermute(mine, PAIR, [(0, 1), (1, 0)])
+                for members in ways:
+                    at = 0
+                    for i in members:
+                        size = leaves[i].size
+                        out[i] = moved[at : at + size].reshape(leaves[i].shape)
+                        at += size
             return tuple(out)
 
         return jax.jit(jax.shard_map(hop, mesh=pair, in_specs=tuple(specs), out_specs=tuple(specs)))
@@ -359,13 +364,16 @@ class WorldTransport:
 
     ``groups`` is every exchange of the step, cut into the groups made as one collective
     each (:func:`pipedsl.rendezvous.exchange_groups`), in the one order all devices make
-    them; ``signature(key)`` what a key carries. A send keeps its value; a receive is
-    answered by the first value this device received and has not handed out yet, making
-    first, in order, this device's next groups until one brings a value; :meth:`finish`
-    makes the rest. Each group is one :meth:`Hops.exchange`.
+    them; ``signature(key)`` what a key carries. A send keeps its value and makes, in
+    order, this device's next groups while it has every value it sends in them (at least
+    one); a receive is answered by the first value this device received and has not handed
+    out yet, making first, in order, this device's next groups until one brings a value
+    (and after it those it is then ready to send in); :meth:`finish` makes the rest. Each group is one :meth:`Hops.exchange`.
     """
 
-    __slots__ = ("device", "_mine", "_at", "_kept", "_arrived", "_hops", "_signature", "moved", "collectives")
+    __slots__ = (
+        "device", "_mine", "_sends", "_at", "_kept", "_arrived", "_hops", "_signature", "moved", "collectives",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -376,6 +384,8 @@ class WorldTransport:
     ) -> None:
         self.device = device
         self._mine = tuple(g for g in groups if device in (g[0].src, g[0].dst))
+        # Per group, what this device sends in it: the group is made once they are all kept.
+        self._sends = tuple(tuple((e.buffer, e.dst) for e in g if e.src == device) for g in self._mine)
         self._at = 0
         self._kept: dict[tuple[Hashable, int], Any] = {}
         self._arrived: deque[tuple[Hashable, int, Any]] = deque()
@@ -386,6 +396,7 @@ class WorldTransport:
 
     def send(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
         self._kept[(key, dst)] = value
+        self._make_ready()
 
     def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
         arrived = self._arrived
@@ -404,6 +415,8 @@ class WorldTransport:
                 f"{got} from device {came_from} next",
                 device=self.device,
             )
+        # The groups that were waiting behind this one for it to be made go now.
+        self._make_ready()
         return value
 
     def finish(self) -> None:
@@ -420,6 +433,17 @@ class WorldTransport:
     def abort(self, error: BaseException) -> None:
         # A collective cannot be called off: the driver ends a failed step by ending the world.
         self._kept.clear()
+
+    def _make_ready(self) -> None:
+        """Make, in order, the next groups in which this device sends and has every value
+        it sends: a value goes as soon as it is computed (see
+        :func:`pipedsl.rendezvous.exchange_groups`)."""
+        while self._at < len(self._mine):
+            sends = self._sends[self._at]
+            if not sends or any(key not in self._kept for key in sends):
+                return
+            self._make(self._mine[self._at])
+            self._at += 1
 
     def _make(self, group: Sequence[Exchange]) -> None:
         transfers: list[Transfer] = []

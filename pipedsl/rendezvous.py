@@ -9,12 +9,11 @@ gradient before it receives the second activation, and each waits for the other.
 
 :func:`exchange_order` orders every transfer of a program once, for every device alike: it runs
 the program with buffered sends, one instruction at a time in a fixed round robin over the
-devices, and numbers each transfer when its receive is taken. A device then keeps each value
-it sends until its partner needs it: before a receive it makes the exchanges numbered before
-that receive in which it is the sender, and at the end of its program the rest. Every device
-meets its exchanges in one global order and nothing it computes before an exchange waits for a
-later one, so the lowest exchange not yet made always has both partners ready for it: the
-program runs to its end. :func:`rendezvous_deadlock` says where a program's transfers cannot be
+devices, and numbers each transfer when its receive is taken. Every device makes its
+exchanges in that one order: as the sender once it has computed the value, as the receiver
+at its receive at the latest. Nothing a device computes before an exchange waits for a later
+one, so the lowest exchange not yet made always has both partners ready for it: the program
+runs to its end. :func:`rendezvous_deadlock` says where a program's transfers cannot be
 so ordered (a receive that nothing sends before it, on every interleaving), at the line of the
 action that waits.
 
@@ -23,16 +22,22 @@ buffered sends), and a lowered program deadlocks with buffered sends only where 
 fails validation's deadlock rule: so every schedule that validates runs under rendezvous, and
 :func:`rendezvous_deadlock` finds nothing that validation has not already reported at its line.
 
-:func:`exchange_groups` cuts the order into the exchanges made as one collective each: a run
-of consecutive exchanges between the same two devices, in either direction, where each of the
-two has computed every value it sends in the run before the point at which it makes the run
-(its first receive at or after the run's first exchange, or its program's end). A device then
-makes a whole group where it would have made the group's first exchange, and receives values
-of the group before its program asks for them. The argument above still holds: the lowest
-group not yet made involves two devices each of which reaches the point where it makes it,
-because everything either computes before that point needs only receives of earlier groups.
-In ``1f1b`` over two devices every group carries two microbatches' activations (or
-gradients), so a step takes half as many collectives.
+:func:`exchange_groups` cuts the order into the exchanges made as one collective each, and says
+when each device makes them: a device makes its next group as soon as it has computed every
+value it sends in it (right after the last such send), or, when it sends nothing in it, at its
+receive of the group's first value (or its program's end). So a value goes as soon as it is
+computed and the receiver is ready for it, as a buffered send would let it: a device that kept
+its values until its next receive would hold back everything it computes in between, and the
+devices of a pipeline would take turns instead of computing at once. A group is a run of
+consecutive exchanges between the same two devices, in either direction, whose values each
+sender has computed by the point at which it makes the group (the sender of the first exchange
+right after sending it, the receiver at its receive of it). The argument above still holds: the
+lowest group not yet made involves two devices each of which reaches the point where it makes
+it, because everything either computes before that point needs only receives of earlier groups,
+and a device makes its groups in order, so it never waits on a later one first. In ``1f1b`` over
+two devices each group but the first and the last carries one microbatch's activation one way
+and an earlier microbatch's gradient the other (as Megatron-LM's send-forward-receive-backward
+does), and both devices compute between two collectives.
 """
 
 from __future__ import annotations
@@ -119,28 +124,23 @@ def exchange_groups(program: Program) -> tuple[tuple[Exchange, ...], ...]:
     devices it is between (module docstring): the groups in order, each in order.
     Raises ``ValueError`` where :func:`exchange_order` does."""
     order = exchange_order(program)
-    devices = program.devices
     sent_at: dict[tuple[Buffer, int, int], int] = {}
     received_at: dict[tuple[Buffer, int, int], int] = {}
-    for d, device in enumerate(devices):
+    for d, device in enumerate(program.devices):
         for at, instr in enumerate(device.instructions):
             if isinstance(instr, Send):
                 sent_at[(instr.buffer, d, instr.peer)] = at
             elif isinstance(instr, Recv):
                 received_at[(instr.buffer, instr.peer, d)] = at
-    # Per exchange, where its sender and its receiver would make it: each side's first
-    # receive at or after it in the order (its program's end when there is none).
-    point: list[tuple[int, int]] = [(0, 0)] * len(order)
-    next_receive = [len(device.instructions) for device in devices]
-    for i in range(len(order) - 1, -1, -1):
-        e = order[i]
-        next_receive[e.dst] = received_at[(e.buffer, e.src, e.dst)]
-        point[i] = (next_receive[e.src], next_receive[e.dst])
     groups: list[tuple[Exchange, ...]] = []
     i = 0
     while i < len(order):
         first = order[i]
-        makes_at = {first.src: point[i][0], first.dst: point[i][1]}
+        key = (first.buffer, first.src, first.dst)
+        # Where each side makes the group: the sender right after sending the first
+        # value, the receiver at its receive of it (or earlier, once its own values of
+        # the group are all sent: never later).
+        makes_at = {first.src: sent_at[key] + 1, first.dst: received_at[key]}
         j = i + 1
         while j < len(order):
             e = order[j]

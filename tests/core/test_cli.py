@@ -87,12 +87,13 @@ def test_check_invalid_schedule_exits_1(capsys: Capture, tmp_path: Path) -> None
 
 def test_check_verbose_says_how_transfers_meet_under_rendezvous(capsys: Capture, sched: Path) -> None:
     # 1F1B deadlocks where each transfer is a rendezvous made in program order; in the
-    # exchange order its 8 transfers meet, two microbatches' values per collective.
+    # exchange order its 8 transfers meet, an activation and a gradient per collective
+    # but the first and the last.
     code, out, err = run(capsys, "check", sched, "-p", "pp=2", "-p", "microbatches=4", "--verbose")
     assert (code, err) == (0, "")
     assert out.splitlines()[1] == (
         f"{sched}: runs under rendezvous transfers too (as every valid schedule does): 8 transfers in one "
-        "exchange order, made as 4 collectives"
+        "exchange order, made as 5 collectives"
     )
     assert len(run(capsys, "check", sched, "-p", "pp=2", "-p", "microbatches=4")[1].splitlines()) == 1
 

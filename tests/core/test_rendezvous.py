@@ -144,9 +144,10 @@ def test_a_receive_nothing_sends_first_is_reported() -> None:
 
 def _rendezvous_groups(program: Program, groups: tuple[tuple[Exchange, ...], ...]) -> list[int]:
     """The devices left waiting when ``program`` runs with each of ``groups`` made as one
-    collective of its two devices: a device wants its next group at a receive whose value
-    has not come yet and at its program's end; a group is made when both want it, and
-    every value it sends must have been computed by then."""
+    collective of its two devices, as the Ray transport makes them: a device wants its next
+    group as soon as it has computed every value it sends in it (at least one), at a receive
+    whose value has not come yet, and at its program's end, and waits there; a group is made
+    when both want it, and every value it sends must have been computed by then."""
     devices = program.devices
     queues = [[g for g in groups if d in (g[0].src, g[0].dst)] for d in range(len(devices))]
     position = [0] * len(devices)
@@ -158,22 +159,23 @@ def _rendezvous_groups(program: Program, groups: tuple[tuple[Exchange, ...], ...
         instructions = devices[d].instructions
         if made[d] >= len(queues[d]):
             return None
+        group = queues[d][made[d]]
         if position[d] >= len(instructions):
-            return queues[d][made[d]]
+            return group
         instr = instructions[position[d]]
-        waiting = isinstance(instr, Recv) and (instr.buffer, instr.peer, d) not in arrived
-        return queues[d][made[d]] if waiting else None
+        if isinstance(instr, Recv) and (instr.buffer, instr.peer, d) not in arrived:
+            return group
+        sends = [(e.buffer, d) for e in group if e.src == d]
+        return group if sends and all(s in computed for s in sends) else None
 
     progress = True
     while progress:
         progress = False
         for d, device in enumerate(devices):
             instructions = device.instructions
-            while position[d] < len(instructions):
+            while position[d] < len(instructions) and wants(d) is None:
                 instr = instructions[position[d]]
                 if isinstance(instr, Recv):
-                    if (instr.buffer, instr.peer, d) not in arrived:
-                        break
                     arrived.discard((instr.buffer, instr.peer, d))
                 elif isinstance(instr, Send):
                     computed.add((instr.buffer, d))
@@ -196,15 +198,23 @@ def _rendezvous_groups(program: Program, groups: tuple[tuple[Exchange, ...], ...
     return [d for d in range(len(devices)) if position[d] < len(devices[d].instructions) or made[d] < len(queues[d])]
 
 
-def test_groups_cover_the_order_and_halve_1f1b_collectives() -> None:
+def test_1f1b_sends_one_way_and_receives_the_other_in_each_collective() -> None:
     program = pipedsl.lower(library("1f1b", pp=2, microbatches=16))
     groups = exchange_groups(program)
     assert tuple(e for g in groups for e in g) == exchange_order(program)
-    # A device keeps what it sends until its next receive: by then it has computed two
-    # microbatches' activations (or gradients), which go as one collective.
-    assert [len(g) for g in groups] == [2] * 16
-    assert all(len({(e.src, e.dst) for e in g}) == 1 for g in groups)
+    # Each collective but the first and the last carries one activation forward and one
+    # gradient back, so that both devices compute between two collectives.
+    assert [len(g) for g in groups] == [1] + [2] * 15 + [1]
+    assert all({(e.src, e.dst) for e in g} == {(0, 1), (1, 0)} for g in groups[1:-1])
     assert _rendezvous_groups(program, groups) == []
+
+
+def test_a_value_goes_as_soon_as_it_is_computed() -> None:
+    # GPipe's forwards: each activation its own collective, made right after its forward,
+    # so that the second device computes while the first goes on to its next forward.
+    program = pipedsl.lower(library("gpipe", pp=2, microbatches=4))
+    groups = exchange_groups(program)
+    assert [len(g) for g in groups] == [1] * 8
 
 
 def test_every_library_schedule_runs_in_groups() -> None:
