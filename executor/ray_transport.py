@@ -368,7 +368,8 @@ class WorldTransport:
     order, this device's next groups while it has every value it sends in them (at least
     one); a receive is answered by the first value this device received and has not handed
     out yet, making first, in order, this device's next groups until one brings a value
-    (and after it those it is then ready to send in); :meth:`finish` makes the rest. Each group is one :meth:`Hops.exchange`.
+    (and after it those it is then ready to send in); :meth:`finish` makes the rest. Each
+    group is one :meth:`Hops.exchange`.
     """
 
     __slots__ = (
@@ -406,8 +407,7 @@ class WorldTransport:
                     f"device {self.device} asked for {key} from device {src}, which the exchange order lacks",
                     device=self.device,
                 )
-            self._make(self._mine[self._at])
-            self._at += 1
+            self._make_next()
         got, came_from, value = arrived.popleft()
         if got != key or came_from != src:
             raise ExecutionError(
@@ -422,8 +422,7 @@ class WorldTransport:
     def finish(self) -> None:
         """Make the groups left (all of them sends of this device)."""
         while self._at < len(self._mine):
-            self._make(self._mine[self._at])
-            self._at += 1
+            self._make_next()
         if self._arrived:
             got, came_from, _ = self._arrived[0]
             raise ExecutionError(
@@ -442,10 +441,12 @@ class WorldTransport:
             sends = self._sends[self._at]
             if not sends or any(key not in self._kept for key in sends):
                 return
-            self._make(self._mine[self._at])
-            self._at += 1
+            self._make_next()
 
-    def _make(self, group: Sequence[Exchange]) -> None:
+    def _make_next(self) -> None:
+        """Make this device's next group of exchanges, in the order all devices make them."""
+        group = self._mine[self._at]
+        self._at += 1
         transfers: list[Transfer] = []
         for e in group:
             value = None
