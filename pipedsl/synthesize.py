@@ -30,6 +30,11 @@ paper's scheduler tries its flags):
   would end (``W only in idle time`` always guards). A ``W`` that frees the room a ready
   forward needs runs first, guard or not.
 
+The variants are tried in order and the first of the fastest kept. A pass that cannot beat
+the best so far stops early, and once an order takes no longer than every order must (a
+device starts when microbatch 0 first reaches it, then runs its actions one at a time),
+the variants left are not tried: they could at most tie it.
+
 Limits: a forward is admitted only if the device's in-flight count and activation bytes
 stay within the policy's limits, counting for a microbatch entering a device every stage of
 that device it will still pass through (so a V placement cannot fill a device with first
@@ -202,6 +207,9 @@ def synthesized_steps(
             continue
         if found is not None and (best is None or found[0] < best[0]):
             best = found
+            # No order finishes before the plan's bound: the variants left can at most tie.
+            if best[0] <= plan.bound * (1.0 + _ROUNDING):
+                break
     if best is None:
         assert failure is not None
         raise failure
@@ -283,6 +291,20 @@ class _Plan:
         self.max_bytes = policy.max_activation_bytes
         codes = {Kind.F: _F, Kind.I: _BWD, Kind.B: _BWD, Kind.W: _W}
         self.codes = tuple(codes[k] for k in policy.priority or ())
+        self.bound = self._bound()
+
+    def _bound(self) -> float:
+        """Seconds every order takes at least: a device starts no earlier than microbatch
+        0 reaches its first stage (every forward and transfer before it), and then runs
+        each of its actions, one at a time; the most over the devices."""
+        f_cost, bwd, w_cost = self.cost
+        reach = [0.0] * self.S
+        for s in range(1, self.S):
+            reach[s] = reach[s - 1] + f_cost[s - 1] + self.x_f[s - 1]
+        per_microbatch = [f_cost[s] + bwd[s] + (w_cost[s] if self.split else 0.0) for s in range(self.S)]
+        return max(
+            reach[self.first[d]] + self.M * sum(per_microbatch[s] for s in self.stages[d]) for d in range(self.D)
+        )
 
     def ahead(self, variant: Variant) -> list[int] | None:
         if self.policy.warmup is not None:
