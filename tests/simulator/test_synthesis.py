@@ -243,10 +243,10 @@ def test_a_pass_that_reaches_the_time_every_order_needs_ends_the_synthesis(monke
         return one_pass(plan, variant, **options)
 
     monkeypatch.setattr(module, "_run", counted)
+    policy = chain(4, 16, 6, split_backward=True)
     costs = CostModel(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=0.25)
-    schedule = synthesize(chain(4, 16, 6, split_backward=True), costs)
-    assert simulate(schedule, costs).makespan == pytest.approx(3 * (1.0 + 0.25) + 16 * 3.0)
-    assert passes == [variants(chain(4, 16, 6, split_backward=True))[0]]
+    assert simulate(synthesize(policy, costs), costs).makespan == pytest.approx(3 * (1.0 + 0.25) + 16 * 3.0)
+    assert passes == [variants(policy)[0]]
 
 
 def test_a_timed_warm_up_is_eager_for_free_transfers_and_longer_for_dear_backwards() -> None:
