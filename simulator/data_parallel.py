@@ -21,8 +21,8 @@ per-microbatch ZeRO 2/3 traffic hides behind that microbatch's own forward or ba
 The default ``dp_overlap = 1`` therefore gives partial overlap: full for one
 microbatch, a tail for many. The optimizer step reads and writes 30 bytes per local
 parameter of a 16-bit model (28 of an fp32 one, whose weights are their own master) at HBM
-bandwidth; it is priced with the cluster's fixed cost of a step
-(``Cluster.step_overhead_s``, 0 on GPUs).
+bandwidth; the cluster's fixed cost of a step (``Cluster.step_overhead_s``, 0 on GPUs)
+comes with it, once per step however many pipeline devices update.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def tails(
     """(exposed data-parallel seconds, optimizer seconds) of the device where they sum
     to the most; with ``serial`` (pipeline devices that take turns on a host's cores, see
     :func:`~pipedsl.simulator.estimate.prepare`), of all the devices together: their
-    reductions and updates run one after another."""
+    reductions and updates run one after another. The optimizer seconds include the
+    executor's fixed cost of a step (``Cluster.step_overhead_s``), once per step."""
     # Per device, its stages' backward and forward seconds, summed in stage order.
     last_backward, first_forward = [0.0] * shapes.plan.pp, [0.0] * shapes.plan.pp
     for w, d in zip(work, placement, strict=True):
@@ -82,7 +83,8 @@ def tails(
         if found[0] + found[1] > sum(best):
             best = found
         total = (total[0] + found[0], total[1] + found[1])
-    return total if serial else best
+    reduced, updated = total if serial else best
+    return reduced, updated + shapes.cluster.step_overhead_s
 
 
 def _gather(shapes: Shapes, num_bytes: float) -> float:
@@ -128,9 +130,8 @@ def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_f
 
 
 def _optimizer_seconds(shapes: Shapes, device_params: float) -> float:
-    """The update of a device's parameters, and the runtime's fixed cost of the step
-    (``Cluster.step_overhead_s``) that ends with it."""
+    """The update of a device's parameters."""
     local = device_params / (shapes.plan.shards if shapes.plan.zero >= 1 else 1)
     dtype_bytes = shapes.model.dtype_bytes
     traffic = _OPTIMIZER_TRAFFIC + (dtype_bytes if dtype_bytes < 4 else 0)
-    return shapes.traffic_seconds(local * traffic) + shapes.cluster.step_overhead_s
+    return shapes.traffic_seconds(local * traffic)

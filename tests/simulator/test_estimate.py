@@ -345,6 +345,18 @@ def test_pipeline_devices_of_several_cpu_devices_take_turns() -> None:
     assert estimate(model, shared, plan).pipeline_time_s >= busy * (1 - 1e-12)
 
 
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_the_executors_fixed_cost_of_a_step_is_paid_once_per_step(pp: int) -> None:
+    # Pipeline devices that take turns update one after another, but the executor starts
+    # a step, hands out its batch and gathers its losses once, however many there are.
+    model = dataclasses.replace(GPT, vocab=8, layers=8)
+    shared = dataclasses.replace(IDEAL, host_cores=2.0)
+    plan = Plan(pp=pp, dp=2, global_batch=8, schedule="1f1b" if pp > 1 else None)
+    assert pp == 1 or prepare(model, shared, plan).serial
+    fixed = dataclasses.replace(shared, step_overhead_s=0.25)
+    assert estimate(model, fixed, plan).step_time_s - estimate(model, shared, plan).step_time_s == pytest.approx(0.25)
+
+
 def test_devices_that_share_cores_share_them_among_the_busy_ones() -> None:
     # Processor sharing in the simulator: a one-microbatch pipeline of four stages of two
     # devices has two devices busy at a time, each with a core, 4x their priced rate.
