@@ -291,20 +291,21 @@ class _Plan:
         self.max_bytes = policy.max_activation_bytes
         codes = {Kind.F: _F, Kind.I: _BWD, Kind.B: _BWD, Kind.W: _W}
         self.codes = tuple(codes[k] for k in policy.priority or ())
+        # Per device, the seconds of all its actions.
+        f_cost, bwd, w_cost = self.cost
+        per_microbatch = [f_cost[s] + bwd[s] + (w_cost[s] if self.split else 0.0) for s in range(S)]
+        self.work = tuple(self.M * sum(per_microbatch[s] for s in self.stages[d]) for d in range(D))
         self.bound = self._bound()
 
     def _bound(self) -> float:
         """Seconds every order takes at least: a device starts no earlier than microbatch
         0 reaches its first stage (every forward and transfer before it), and then runs
         each of its actions, one at a time; the most over the devices."""
-        f_cost, bwd, w_cost = self.cost
+        f_cost = self.cost[_F]
         reach = [0.0] * self.S
         for s in range(1, self.S):
             reach[s] = reach[s - 1] + f_cost[s - 1] + self.x_f[s - 1]
-        per_microbatch = [f_cost[s] + bwd[s] + (w_cost[s] if self.split else 0.0) for s in range(self.S)]
-        return max(
-            reach[self.first[d]] + self.M * sum(per_microbatch[s] for s in self.stages[d]) for d in range(self.D)
-        )
+        return max(reach[self.first[d]] + self.work[d] for d in range(self.D))
 
     def ahead(self, variant: Variant) -> list[int] | None:
         if self.policy.warmup is not None:
@@ -455,7 +456,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
     total = S * M * (3 if split else 2)
     pop, push, pushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
     # Per device, the seconds of work it has still to run, and the bound a pass must stay under.
-    work = [M * sum(cost_f[s] + cost_b[s] + (cost_w[s] if split else 0.0) for s in stages[d]) for d in range(D)]
+    work = list(plan.work)
     stop = beat * (1.0 + _ROUNDING)
 
     # A device's next entry goes in with the next one taken out (heappushpop): when it is
