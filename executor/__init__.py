@@ -5,8 +5,8 @@
 ``dp x tp`` mesh of JAX devices (``Pipeline(..., dp=, tp=, zero=, param_specs=)``; see
 :mod:`pipedsl.executor.mesh`); the ``local`` backend hosts one worker per pipeline device
 on threads of this process, the ``ray`` backend one ``jax.distributed`` world of Ray
-processes whose stage meshes may span processes and nodes (``RayConfig``; see
-``docs/cluster.md``). ``Pipeline.save`` and ``Pipeline.restore`` keep parameters and
+processes whose stage meshes may span processes and nodes (``RayConfig``; a started
+``RayWorld`` runs several pipelines one after another; see ``docs/cluster.md``). ``Pipeline.save`` and ``Pipeline.restore`` keep parameters and
 optimizer state across runs where they live, one orbax checkpoint per pipeline device, read
 back by any plan of the model (:mod:`pipedsl.executor.sharded_checkpoint`).
 
@@ -25,7 +25,7 @@ from pipedsl.executor.errors import ExecutionError
 if TYPE_CHECKING:
     from pipedsl.executor.backend import Resident
     from pipedsl.executor.pipeline import Pipeline, StepResult
-    from pipedsl.executor.ray_cluster import DeviceLost, DeviceSlot, RayConfig
+    from pipedsl.executor.ray_cluster import DeviceLost, DeviceSlot, RayConfig, RayWorld
     from pipedsl.executor.split import stage_boundary
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "StepResult",
     "stage_boundary",
     "RayConfig",
+    "RayWorld",
     "DeviceSlot",
     "DeviceLost",
     "Resident",
@@ -44,6 +45,7 @@ _LAZY = {
     "StepResult": "pipedsl.executor.pipeline",
     "stage_boundary": "pipedsl.executor.split",
     "RayConfig": "pipedsl.executor.ray_cluster",
+    "RayWorld": "pipedsl.executor.ray_cluster",
     "DeviceSlot": "pipedsl.executor.ray_cluster",
     "DeviceLost": "pipedsl.executor.ray_cluster",
     "Resident": "pipedsl.executor.backend",

@@ -46,7 +46,7 @@ from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.local import LocalBackend
 from pipedsl.executor.mesh import DATA, MeshConfig
 from pipedsl.executor.ray_backend import RayRunner
-from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig
+from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig, RayWorld
 from pipedsl.executor.stage_options import Precision, RecomputeMode, StageOptions
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.ir import Schedule
@@ -92,7 +92,9 @@ class Pipeline:
       backend: ``"local"`` (every pipeline device a mesh of JAX devices of this process),
         ``"ray"`` (one ``jax.distributed`` world of Ray processes, a stage mesh possibly
         spanning several; a :class:`~pipedsl.executor.ray_cluster.RayConfig` sets its
-        options; see :mod:`pipedsl.executor.ray_backend`).
+        options; see :mod:`pipedsl.executor.ray_backend`), or a started
+        :class:`~pipedsl.executor.ray_cluster.RayWorld` to run on (and leave running when
+        this pipeline closes).
       recompute: what each stage's backward recomputes instead of keeping, as the
         planner prices it: ``"none"``, ``"selective"`` (the attention core: what the model
         passes through :func:`~pipedsl.executor.stage_options.selective`) or ``"full"``
@@ -129,7 +131,7 @@ class Pipeline:
         loss: Callable[[Any, Any], Any],
         schedule: Schedule | Policy | str | os.PathLike[str],
         costs: CostSource | None = None,
-        backend: str | RayConfig = "local",
+        backend: str | RayConfig | RayWorld = "local",
         recompute: RecomputeMode | Sequence[RecomputeMode] = "none",
         precision: Precision = "fp32",
         sequence_parallel: bool = False,
@@ -165,7 +167,7 @@ class Pipeline:
         loss: Callable[[Any, Any], Any],
         schedule: Schedule | Policy | str | os.PathLike[str],
         costs: CostSource | None = None,
-        backend: str | RayConfig = "local",
+        backend: str | RayConfig | RayWorld = "local",
         recompute: RecomputeMode | Sequence[RecomputeMode] = "none",
         precision: Precision = "fp32",
         sequence_parallel: bool = False,
@@ -195,7 +197,7 @@ class Pipeline:
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
         schedule: Schedule,
-        backend: str | RayConfig,
+        backend: str | RayConfig | RayWorld,
         options: tuple[StageOptions, ...],
         devices: Sequence[jax.Device] | None,
         recv_timeout: float,
@@ -209,7 +211,7 @@ class Pipeline:
         self._stages = stages
         self.options = options
         self.backend: LocalBackend | RayRunner
-        if backend == "ray" or isinstance(backend, RayConfig):
+        if backend == "ray" or isinstance(backend, (RayConfig, RayWorld)):
             self.backend = RayRunner.start(
                 self.program,
                 backend,
@@ -221,8 +223,8 @@ class Pipeline:
                 mesh=mesh,
                 param_specs=param_specs,
             )
-            # A pipeline dropped without close() still ends its world when collected (at
-            # exit, Ray's own shutdown stops the processes).
+            # A pipeline dropped without close() still ends (or leaves) its world when
+            # collected (at exit, Ray's own shutdown stops the processes).
             release = weakref.finalize(self, self.backend.close)
             release.atexit = False  # type: ignore[misc]  # a documented attribute typeshed lacks
         elif backend == "local":
@@ -238,7 +240,9 @@ class Pipeline:
                 param_specs=param_specs,
             )
         else:
-            raise ExecutionError(f"unknown backend {backend!r}; available: 'local', 'ray'")
+            raise ExecutionError(
+                f"unknown backend {backend!r}; available: 'local', 'ray' (or a RayConfig, or a started RayWorld)"
+            )
         hosts: Backend = self.backend
         self.driver = Driver(self.program, hosts)
 

@@ -17,6 +17,7 @@ processes of the first and last stages (:meth:`WorldProcess.run_step`), and gets
 Parameters and optimizer state are made and kept in the world: from the driver's arrays
 (each process places its shards), or by an init function run in the world
 (:meth:`WorldProcess.init_params`: each process computes only its own shards).
+:meth:`WorldProcess.release` forgets the pipeline, so that the world can run another.
 
 ``ray`` is imported inside the methods that need it: the driver imports this module before
 it connects.
@@ -119,6 +120,11 @@ class WorldProcess:
     def __init__(self, rank: int, num_processes: int) -> None:
         self.rank = rank
         self.num_processes = num_processes
+        self.release()
+
+    def release(self) -> None:
+        """Forget the installed pipeline (its programs, parameters and optimizer state): the
+        world can run another one."""
         self.worker: Worker | None = None
         self.device = -1
         self._hops: Hops | None = None

@@ -91,12 +91,14 @@ class RayRunner:
     ``stage_options`` (recompute, precision, sequence parallelism), every pipeline device a
     ``mesh.dp x mesh.tp`` mesh with the parameters placed by ``param_specs`` (see
     :mod:`pipedsl.executor.mesh`); implements :class:`pipedsl.executor.backend.Backend`.
-    ``recv_timeout`` bounds every wait inside a process, in seconds."""
+    ``recv_timeout`` bounds every wait inside a process, in seconds. ``backend`` is the
+    :class:`RayConfig` of a world it starts for itself (and ends when it closes), or a
+    started :class:`RayWorld` it runs on until it closes."""
 
     def __init__(
         self,
         program: Program,
-        config: RayConfig,
+        backend: RayConfig | RayWorld,
         *,
         stages: tuple[Callable[[Any, Any], Any], ...] | None,
         model_fn: Callable[[Any, Any], Any] | None,
@@ -119,9 +121,18 @@ class RayRunner:
             self._order = exchange_groups(program)
         except ValueError as err:
             raise ExecutionError(f"schedule {schedule.name!r} cannot run: {err}") from None
-        k = config.devices_per_process or mesh.tp
-        self._per_mesh = world_shape(schedule.num_devices, mesh, k)
-        self.world = RayWorld.start(schedule.num_devices * self._per_mesh, k, config, label=repr(schedule.name))
+        self._owns_world = isinstance(backend, RayConfig)
+        if isinstance(backend, RayConfig):
+            k = backend.devices_per_process or mesh.tp
+            self._per_mesh = world_shape(schedule.num_devices, mesh, k)
+            self.world = RayWorld.start(
+                schedule.num_devices * self._per_mesh, devices_per_process=k, config=backend, label=repr(schedule.name)
+            )
+        else:
+            self._per_mesh = world_shape(schedule.num_devices, mesh, backend.devices_per_process)
+            what = f"this plan ({schedule.num_devices} pipeline devices, each a {mesh.dp} x {mesh.tp} mesh)"
+            backend.attach(self, needs=schedule.num_devices * self._per_mesh, what=what)
+            self.world = backend
         self._installed: _Layout | None = None
         self._optimizer: optax.GradientTransformation | None = None
         # Per process, the transfers it took part in during the last step, and the
@@ -131,9 +142,9 @@ class RayRunner:
         self._closed = False
 
     @classmethod
-    def start(cls, program: Program, backend: str | RayConfig, **options: Any) -> RayRunner:
-        """A runner on ``backend``: ``"ray"`` or a :class:`RayConfig`."""
-        return cls(program, backend if isinstance(backend, RayConfig) else RayConfig(), **options)
+    def start(cls, program: Program, backend: str | RayConfig | RayWorld, **options: Any) -> RayRunner:
+        """A runner on ``backend``: ``"ray"``, a :class:`RayConfig` or a started :class:`RayWorld`."""
+        return cls(program, RayConfig() if isinstance(backend, str) else backend, **options)
 
     # -- where things are ----------------------------------------------------------------
 
@@ -308,11 +319,15 @@ class RayRunner:
         )
 
     def close(self) -> None:
-        """End the world (its processes and their state)."""
+        """End the world (its processes and their state), or, on a world it was given, have
+        the processes forget this pipeline."""
         if self._closed:
             return
         self._closed = True
-        self.world.close()
+        if self._owns_world:
+            self.world.close()
+        else:
+            self.world.detach(self)
 
     # -- helpers ----------------------------------------------------------------------
 

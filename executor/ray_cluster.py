@@ -18,6 +18,14 @@ handed it by the driver; all join at once. The driver is not in the world.
 :class:`DeviceLost` naming its node, process and stage, and the world is torn down: a
 collective whose partner is gone never returns, so no process of the world can take another
 step. A new pipeline starts a new world.
+
+A pipeline normally starts its own world and ends it when it closes. A world started with
+:meth:`RayWorld.start` may instead be handed to pipelines as their ``backend``, one after
+another: each installs its programs in the world's processes and, when it closes, has them
+forget its programs, parameters and state, while the processes and their ``jax.distributed``
+world stay up for the next (a sweep over plans pays for starting the processes once). A
+pipeline takes a world whose processes and devices its plan fits exactly; the world runs one
+pipeline at a time, and a failure that tears it down ends it for every later pipeline too.
 """
 
 from __future__ import annotations
@@ -95,9 +103,8 @@ class RayConfig:
                 raise ExecutionError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
         if self.cpus_per_process < 0:
             raise ExecutionError(f"cpus_per_process must be >= 0, got {self.cpus_per_process!r}")
-        k = self.devices_per_process
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise ExecutionError(f"devices_per_process must be a positive integer, got {k!r}")
+        if self.devices_per_process is not None:
+            _check_count("devices_per_process", self.devices_per_process)
         f = self.gpu_memory_fraction
         if f is not None and not 0 < f <= 1:
             raise ExecutionError(f"gpu_memory_fraction must be in (0, 1], got {f!r}")
@@ -142,7 +149,8 @@ class DeviceLost(ExecutionError):
 class RayWorld:
     """``num_processes`` Ray actor processes, ``devices_per_process`` JAX devices each, in
     one ``jax.distributed`` world (see the module docstring). Start with :meth:`start`;
-    :meth:`close` (or leaving a ``with`` block) kills them and frees their resources.
+    :meth:`close` (or leaving a ``with`` block) kills them and frees their resources. Pass it
+    as a pipeline's ``backend`` to run several pipelines on it one after another.
 
     Attributes:
       config: the options it was started with.
@@ -168,11 +176,23 @@ class RayWorld:
         self.platform = platform
         self._group = group
         self._closed = False
+        self._user: object | None = None
 
     @classmethod
-    def start(cls, num_processes: int, devices_per_process: int, config: RayConfig, *, label: str) -> RayWorld:
+    def start(
+        cls,
+        num_processes: int,
+        *,
+        devices_per_process: int = 1,
+        config: RayConfig | None = None,
+        label: str = "pipedsl",
+    ) -> RayWorld:
         """Connect (see :func:`connect`), reserve one bundle per process, start the
-        processes and form the world. ``label`` names the placement group."""
+        processes and form the world (``config``: default :class:`RayConfig`). ``label``
+        names the placement group."""
+        config = RayConfig() if config is None else config
+        _check_count("num_processes", num_processes)
+        _check_count("devices_per_process", devices_per_process)
         connect(config.address, num_cpus=_local_cpus(config), timeout=config.start_timeout, verbose=config.verbose)
         try:
             return cls._start(num_processes, devices_per_process, config, label)
@@ -231,6 +251,40 @@ class RayWorld:
     @property
     def num_processes(self) -> int:
         return len(self.actors)
+
+    @property
+    def devices_per_process(self) -> int:
+        """JAX devices of each process."""
+        return len(self.devices[0])
+
+    def attach(self, user: object, *, needs: int, what: str) -> None:
+        """Let ``user`` (a pipeline's runner, whose plan ``what`` takes ``needs`` processes of
+        :attr:`devices_per_process` devices) run on this world until it leaves
+        (:meth:`detach`); refused while another is attached."""
+        if self._closed:
+            raise ExecutionError(
+                "this Ray world is closed (a process was lost, a pipeline on it failed, or close() was called); "
+                "start another"
+            )
+        if self._user is not None:
+            raise ExecutionError("this Ray world runs another pipeline; close that pipeline first")
+        if needs != self.num_processes:
+            raise ExecutionError(
+                f"{what} takes {needs} processes of devices_per_process={self.devices_per_process}; this Ray world "
+                f"has {self.num_processes}: start a world of {needs} processes for it"
+            )
+        self._user = user
+
+    def detach(self, user: object) -> None:
+        """``user`` is done: its processes forget its programs, parameters and state (when
+        the world is still up), and the world can take another pipeline."""
+        if self._user is not user:
+            return
+        try:
+            if not self._closed:
+                self.call("release", [((), {})] * self.num_processes, what="releasing a pipeline", stage_of=_no_stage)
+        finally:
+            self._user = None
 
     @property
     def closed(self) -> bool:
@@ -381,6 +435,15 @@ class RayWorld:
 # from the heaps rather than from a mapping of their own (a process's buffers are freed and
 # made again every step; given back, they were faulted in and zeroed anew each time).
 _ALLOCATOR = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
+
+
+def _no_stage(rank: int) -> None:
+    return None
+
+
+def _check_count(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ExecutionError(f"{name} must be a positive integer, got {value!r}")
 
 
 def process_env(config: RayConfig, devices: int, *, gpu: bool, threads: int) -> dict[str, Any]:

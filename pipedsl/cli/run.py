@@ -511,7 +511,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--backend",
         choices=("local", "ray"),
         default="local",
-        help="where devices run: local (JAX devices of this process) or ray (one Ray actor per device); default local",
+        help="where devices run: local (JAX devices of this process) or ray (a jax.distributed world of Ray "
+        "processes, see docs/cluster.md); default local",
     )
     run.add_argument(
         "--address",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 
 import pipedsl
 from pipedsl.errors import PipedslError
-from pipedsl.executor import ExecutionError, Pipeline, stage_boundary
+from pipedsl.executor import ExecutionError, Pipeline, RayConfig, RayWorld, stage_boundary
 from pipedsl.executor.cooperative import run_together
 from pipedsl.executor.interpreter import DeviceRuntime, Steps, drive
 from pipedsl.executor.transport import LocalExchange, resharder
@@ -230,6 +231,22 @@ def test_parameters_must_be_floating_point() -> None:
 def test_unknown_backend() -> None:
     with pytest.raises(ExecutionError, match="unknown backend 'mpi'"):
         Pipeline([dense] * 2, loss=mse, schedule=one_f_one_b(), backend="mpi")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: RayConfig(devices_per_process=0), "devices_per_process must be a positive integer, got 0"),
+        (lambda: RayWorld.start(0), "num_processes must be a positive integer, got 0"),
+        (
+            lambda: RayWorld.start(2, devices_per_process=True),
+            "devices_per_process must be a positive integer, got True",
+        ),
+    ],
+)
+def test_ray_options_are_checked_before_anything_starts(make: Callable[[], object], message: str) -> None:
+    with pytest.raises(ExecutionError, match=message):
+        make()
 
 
 def test_invalid_schedule_is_rejected_before_anything_else() -> None:

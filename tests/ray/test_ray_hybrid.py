@@ -1,4 +1,5 @@
-"""Hybrid plans on the Ray backend's world, on a local instance: two CPU devices per process.
+"""Hybrid plans on the Ray backend's world, on a local instance: two CPU devices per process,
+one world for the plans in turn.
 
 The processes get their host devices from the XLA flag in their runtime environment, and a
 stage mesh of dp x tp = 4 spans two of them (tp inside each); the checks are the local backend's (``tests/executor/test_hybrid.py``), on a representative
@@ -31,7 +32,7 @@ from helpers import (  # noqa: E402
     hybrid_schedule,
 )
 from pipedsl.executor.backend import Resident  # noqa: E402
-from pipedsl.executor.ray_cluster import RayConfig, connect, disconnect  # noqa: E402
+from pipedsl.executor.ray_cluster import RayConfig, RayWorld  # noqa: E402
 
 pytestmark = [
     pytest.mark.ray,
@@ -40,23 +41,21 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    connect(None, num_cpus=4)
-    try:
-        yield
-    finally:
-        disconnect()
+def world() -> Iterator[RayWorld]:
+    """Four processes of two devices on a local instance pipedsl starts, for the plans in turn;
+    they compile with the suite's XLA options, as the world modules' processes do."""
+    config = RayConfig(step_timeout=300, runtime_env=RAY_CONFIG.runtime_env)
+    with RayWorld.start(4, devices_per_process=2, config=config, label="hybrid") as started:
+        yield started
 
 
 @pytest.mark.parametrize(("dp", "tp", "pp", "name", "zero"), [(2, 2, 2, "1f1b", 0), (4, 1, 2, "zb_h1", 3)])
 def test_ray_hybrid_plan_matches_single_device(
-    local_ray: None, dp: int, tp: int, pp: int, name: str, zero: int
+    world: RayWorld, dp: int, tp: int, pp: int, name: str, zero: int
 ) -> None:
     schedule = hybrid_schedule(name, pp, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", schedule.num_stages, dp)
-    # The processes compile with the suite's XLA options, as the world modules' do.
-    config = RayConfig(devices_per_process=2, step_timeout=300, runtime_env=RAY_CONFIG.runtime_env)
-    pipe = hybrid("explicit", schedule, dp=dp, tp=tp, zero=zero, backend=config)
+    pipe = hybrid("explicit", schedule, dp=dp, tp=tp, zero=zero, backend=world)
     try:
         result = pipe.step(params, batch)
         assert abs(float(result.loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))

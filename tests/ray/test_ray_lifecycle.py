@@ -103,7 +103,7 @@ def test_silent_address_fails_within_start_timeout_and_the_process_exits(silent_
         from pipedsl.executor.ray_cluster import RayConfig, RayWorld
         start = time.monotonic()
         try:
-            RayWorld.start(2, 1, RayConfig(address="127.0.0.1:{silent_port}", start_timeout=3), label="silent")
+            RayWorld.start(2, config=RayConfig(address="127.0.0.1:{silent_port}", start_timeout=3), label="silent")
         except ExecutionError as err:
             print(round(time.monotonic() - start, 1), err)
     """

@@ -1,21 +1,20 @@
 """The Ray backend's jax.distributed world on a four-node Ray cluster on this machine
 (``tests/ray/conftest.py``): each plan is checked against one-device ``jax.value_and_grad``
-(relative error below 1e-5, float32), and every library schedule runs on processes.
+(relative error below 1e-5, float32), and every library schedule runs on processes. The
+tests of one world shape share one world (``tests/ray/conftest.py``), each pipeline in turn.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
+from collections.abc import Callable
 
 import pytest
 import ray.cloudpickle
-from ray.cluster_utils import Cluster
 
 from helpers import (
     HYBRID_ADAM,
     LIBRARY,
-    RAY_CONFIG,
     RAY_MARKS,
     assert_relative_close,
     hybrid,
@@ -28,12 +27,16 @@ from helpers import (
     zb_auto,
 )
 from helpers import setup as reference
+from pipedsl.executor import ExecutionError
 from pipedsl.executor.backend import Resident
+from pipedsl.executor.ray_cluster import RayWorld
 from pipedsl.executor.ray_transport import worker_exchanges, worker_groups
 from pipedsl.rendezvous import exchange_groups, exchange_order
 from pipedsl.validate import peak_inflight
 
 pytestmark = RAY_MARKS
+
+Worlds = Callable[[int, int], RayWorld]
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -72,20 +75,20 @@ def _check_transfers(pipe: object) -> None:
     assert backend.collectives == tuple(made)
 
 
-def test_spmd_dp4_over_four_processes(cluster: Cluster) -> None:
+def test_spmd_dp4_over_four_processes(worlds: Worlds) -> None:
     schedule = hybrid_schedule("1f1b", 1, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", 1, 4)
-    with hybrid("explicit", schedule, dp=4, tp=1, zero=0, backend=RAY_CONFIG) as pipe:
+    with hybrid("explicit", schedule, dp=4, tp=1, zero=0, backend=worlds(4, 1)) as pipe:
         loss, grads = pipe.value_and_grad(params, batch)
         assert len(_nodes_of(pipe)[0]) == 4
     assert_relative_close(loss, ref_loss)
     assert_relative_close(grads, ref_grads)
 
 
-def test_1f1b_dp2_pp2_meshes_across_nodes(cluster: Cluster) -> None:
+def test_1f1b_dp2_pp2_meshes_across_nodes(worlds: Worlds) -> None:
     schedule = hybrid_schedule("1f1b", 2, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("marked", 2, 2)
-    with hybrid("marked", schedule, dp=2, tp=1, zero=0, backend=RAY_CONFIG) as pipe:
+    with hybrid("marked", schedule, dp=2, tp=1, zero=0, backend=worlds(4, 1)) as pipe:
         loss, grads = pipe.value_and_grad(params, batch)
         assert [len(nodes) for nodes in _nodes_of(pipe)] == [2, 2]
         _check_transfers(pipe)
@@ -93,28 +96,10 @@ def test_1f1b_dp2_pp2_meshes_across_nodes(cluster: Cluster) -> None:
     assert_relative_close(grads, ref_grads)
 
 
-def test_zb_h1_dp2_tp2_pp2_tp_inside_a_process(cluster: Cluster) -> None:
-    schedule = hybrid_schedule("zb_h1", 2, 1)
-    _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", 2, 2)
-    config = dataclasses.replace(RAY_CONFIG, devices_per_process=2)
-    with hybrid("explicit", schedule, dp=2, tp=2, zero=0, backend=config) as pipe:
-        loss, grads = pipe.value_and_grad(params, batch)
-        placement = pipe.placement()
-        _check_transfers(pipe)
-    # Each mesh row (the tp pair) is one process; the two rows are two processes on two nodes.
-    for mesh in placement:
-        rows = [mesh[0:2], mesh[2:4]]
-        assert all(len({slot.process_id for slot in row}) == 1 for row in rows)
-        assert rows[0][0].process_id != rows[1][0].process_id
-        assert rows[0][0].node_id != rows[1][0].node_id
-    assert_relative_close(loss, ref_loss)
-    assert_relative_close(grads, ref_grads)
-
-
-def test_interleaved_1f1b_pp4_one_process_per_device(cluster: Cluster) -> None:
+def test_interleaved_1f1b_pp4_one_process_per_device(worlds: Worlds) -> None:
     schedule = hybrid_schedule("interleaved_1f1b", 4, 2)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("marked", schedule.num_stages, 1)
-    with hybrid("marked", schedule, dp=1, tp=1, zero=0, backend=RAY_CONFIG) as pipe:
+    with hybrid("marked", schedule, dp=1, tp=1, zero=0, backend=worlds(4, 1)) as pipe:
         loss, grads = pipe.value_and_grad(params, batch)
         assert len({next(iter(nodes)) for nodes in _nodes_of(pipe)}) == 4
         _check_transfers(pipe)
@@ -122,11 +107,11 @@ def test_interleaved_1f1b_pp4_one_process_per_device(cluster: Cluster) -> None:
     assert_relative_close(grads, ref_grads)
 
 
-def test_zbv_zero3_across_nodes_trains_as_optax_on_one_device(cluster: Cluster) -> None:
+def test_zbv_zero3_across_nodes_trains_as_optax_on_one_device(worlds: Worlds) -> None:
     schedule = hybrid_schedule("zbv", 2, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", schedule.num_stages, 2)
     expected = hybrid_reference_adam("explicit", schedule.num_stages, 2, steps=2)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=RAY_CONFIG) as pipe:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=worlds(4, 1)) as pipe:
         loss, grads = pipe.value_and_grad(params, batch)
         assert_relative_close(loss, ref_loss)
         assert_relative_close(grads, ref_grads)
@@ -141,13 +126,56 @@ def test_zbv_zero3_across_nodes_trains_as_optax_on_one_device(cluster: Cluster) 
         assert len(gathered) == schedule.num_stages
 
 
+def test_zb_h1_dp2_tp2_pp2_tp_inside_a_process(worlds: Worlds) -> None:
+    schedule = hybrid_schedule("zb_h1", 2, 1)
+    _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", 2, 2)
+    with hybrid("explicit", schedule, dp=2, tp=2, zero=0, backend=worlds(4, 2)) as pipe:
+        loss, grads = pipe.value_and_grad(params, batch)
+        placement = pipe.placement()
+        _check_transfers(pipe)
+    # Each mesh row (the tp pair) is one process; the two rows are two processes on two nodes.
+    for mesh in placement:
+        rows = [mesh[0:2], mesh[2:4]]
+        assert all(len({slot.process_id for slot in row}) == 1 for row in rows)
+        assert rows[0][0].process_id != rows[1][0].process_id
+        assert rows[0][0].node_id != rows[1][0].node_id
+    assert_relative_close(loss, ref_loss)
+    assert_relative_close(grads, ref_grads)
+
+
 @pytest.mark.parametrize("name", [*LIBRARY, "zb_auto"])
-def test_every_library_schedule_runs_on_processes(cluster: Cluster, name: str) -> None:
+def test_every_library_schedule_runs_on_processes(worlds: Worlds, name: str) -> None:
     schedule = zb_auto(2) if name == "zb_auto" else library(name)
     params, batch, ref_loss, ref_grads = reference("mlp", "explicit", schedule.num_stages)
-    with pipeline("mlp", "explicit", schedule, backend=RAY_CONFIG) as pipe:
+    with pipeline("mlp", "explicit", schedule, backend=worlds(2, 1)) as pipe:
         result = pipe.step(params, batch)
         _check_transfers(pipe)
     assert_relative_close(result.loss, ref_loss)
     assert_relative_close(result.grads, ref_grads)
     assert result.peak_held == peak_inflight(schedule)
+
+
+def test_a_world_runs_pipelines_one_after_another(worlds: Worlds) -> None:
+    world = worlds(2, 1)
+    processes = [node.pid for node in world.nodes]
+    schedule = library("1f1b")
+    params, batch, ref_loss, ref_grads = reference("mlp", "explicit", schedule.num_stages)
+    with pipeline("mlp", "explicit", schedule, backend=world) as first:
+        first.step(params, batch)
+        # One pipeline at a time.
+        with pytest.raises(ExecutionError, match="this Ray world runs another pipeline"):
+            pipeline("mlp", "explicit", schedule, backend=world)
+    # Its processes forgot the pipeline that closed.
+    assert world.call("doing", [((), {})] * 2, what="asking", stage_of=lambda r: None) == ["idle", "idle"]
+    # A plan takes a world it fits exactly: dp = 2 on two pipeline devices is four processes.
+    with pytest.raises(ExecutionError, match="takes 4 processes of devices_per_process=1; this Ray world has 2"):
+        pipeline("mlp", "explicit", schedule, backend=world, dp=2)
+    with pipeline("mlp", "explicit", library("zb_h1"), backend=world) as second:
+        result = second.step(params, batch)
+    assert_relative_close(result.loss, ref_loss)
+    assert_relative_close(result.grads, ref_grads)
+    # The same processes ran both, and stay up until the world is closed.
+    assert not world.closed and [node.pid for node in world.nodes] == processes
+    world.close()
+    with pytest.raises(ExecutionError, match="this Ray world is closed"):
+        pipeline("mlp", "explicit", schedule, backend=world)

@@ -1,7 +1,7 @@
 """The Ray world's state and faults on a four-node Ray cluster on this machine
-(``tests/ray/conftest.py``): parameters made in the world, a killed process, a recorded
-step, a stage that raises, the command line on a plan whose meshes span nodes, and
-checkpoints per shard.
+(``tests/ray/conftest.py``): a killed process, a recorded step, a stage that raises, the
+command line on a plan whose meshes span nodes (each in a world its pipeline starts), then
+parameters made in the world and checkpoints per shard (pipelines on one world, in turn).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -38,30 +39,13 @@ from helpers import (
 from helpers import setup as reference
 from pipedsl.executor import ExecutionError
 from pipedsl.executor.backend import Resident
-from pipedsl.executor.ray_cluster import DeviceLost
+from pipedsl.executor.ray_cluster import DeviceLost, RayWorld
 
 pytestmark = RAY_MARKS
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 ROOT = Path(__file__).parents[2]
-
-
-def test_parameters_made_in_the_world(cluster: Cluster) -> None:
-    schedule = hybrid_schedule("1f1b", 2, 1)
-    m, _, batch, _, _ = hybrid_problem("explicit", 2, 2)
-    key = jax.random.PRNGKey(5)
-    made = m.init_stages(key)
-    ref_loss, ref_grads = jax.jit(
-        jax.value_and_grad(lambda p, x, t: m.loss(m.stages[1](p[1], m.stages[0](p[0], x)), t))
-    )(made, *batch)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=RAY_CONFIG) as pipe:
-        held = pipe.init(m.init_stages, key, batch=batch)
-        assert isinstance(held, Resident)
-        result = pipe.step(held, batch)
-        assert_relative_close(pipe.gather(held), made)
-    assert_relative_close(result.loss, ref_loss)
-    assert_relative_close(result.grads, ref_grads)
 
 
 # -- faults ---------------------------------------------------------------------------
@@ -245,10 +229,35 @@ def test_cli_runs_a_searched_plan_whose_meshes_span_nodes(cluster: Cluster, tmp_
     assert "Traceback" not in done.stderr
 
 
-def test_checkpoint_per_shard_resumes_on_the_same_plan_and_on_another(cluster: Cluster, tmp_path: Path) -> None:
+# -- state, on one world (it holds the cluster's four CPUs: these tests come last) -------
+
+
+def test_parameters_made_in_the_world(worlds: Callable[[int, int], RayWorld]) -> None:
+    schedule = hybrid_schedule("1f1b", 2, 1)
+    m, _, batch, _, _ = hybrid_problem("explicit", 2, 2)
+    key = jax.random.PRNGKey(5)
+    made = m.init_stages(key)
+    ref_loss, ref_grads = jax.jit(
+        jax.value_and_grad(lambda p, x, t: m.loss(m.stages[1](p[1], m.stages[0](p[0], x)), t))
+    )(made, *batch)
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=3, backend=worlds(4, 1)) as pipe:
+        held = pipe.init(m.init_stages, key, batch=batch)
+        assert isinstance(held, Resident)
+        result = pipe.step(held, batch)
+        assert_relative_close(pipe.gather(held), made)
+    assert_relative_close(result.loss, ref_loss)
+    assert_relative_close(result.grads, ref_grads)
+
+
+def test_checkpoint_per_shard_resumes_on_the_same_plan_and_on_another(
+    worlds: Callable[[int, int], RayWorld], tmp_path: Path
+) -> None:
     schedule = hybrid_schedule("1f1b", 2, 1)
     _, params, batch, _, _ = hybrid_problem("explicit", 2, 2)
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=RAY_CONFIG) as pipe:
+    # The plan's two pipelines run on the world the test before used, each after the last one
+    # closed and its processes forgot its state.
+    world = worlds(4, 1)
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=world) as pipe:
         held, state, _ = pipe.train_step(params, None, batch, optimizer=HYBRID_ADAM)
         version = pipe.save(str(tmp_path), step=1)
         saved_params = pipe.gather(held)
@@ -264,7 +273,7 @@ def test_checkpoint_per_shard_resumes_on_the_same_plan_and_on_another(cluster: C
     broken = tmp_path.parent / f"{tmp_path.name}-broken"
     shutil.copytree(tmp_path / "step-2", broken / "step-2")
     shutil.rmtree(broken / "step-2" / "device-1")
-    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=RAY_CONFIG) as again:
+    with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=world) as again:
         held, state, step = again.restore(str(tmp_path), like_params=params, batch=batch, optimizer=HYBRID_ADAM)
         assert step == 2 and isinstance(state, Resident)
         held, state, loss = again.train_step(held, state, batch, optimizer=HYBRID_ADAM)
