@@ -280,11 +280,16 @@ class RayWorld:
         the world is still up), and the world can take another pipeline."""
         if self._user is not user:
             return
+        self._user = None
+        if self._closed:
+            return
         try:
-            if not self._closed:
-                self.call("release", [((), {})] * self.num_processes, what="releasing a pipeline", stage_of=_no_stage)
-        finally:
-            self._user = None
+            self.call("release", [((), {})] * self.num_processes, what="releasing a pipeline", stage_of=_no_stage)
+        except ExecutionError:
+            # A process lost or stuck while forgetting: call() has torn the world down, and
+            # the next pipeline given it is told so; closing this one stays quiet, as
+            # closing a pipeline's own world does.
+            pass
 
     @property
     def closed(self) -> bool:

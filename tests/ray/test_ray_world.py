@@ -6,6 +6,8 @@ tests of one world shape share one world (``tests/ray/conftest.py``), each pipel
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -174,8 +176,13 @@ def test_a_world_runs_pipelines_one_after_another(worlds: Worlds) -> None:
         result = second.step(params, batch)
     assert_relative_close(result.loss, ref_loss)
     assert_relative_close(result.grads, ref_grads)
-    # The same processes ran both, and stay up until the world is closed.
+    # The same processes ran both, and stay up.
     assert not world.closed and [node.pid for node in world.nodes] == processes
-    world.close()
+    # A process lost while a pipeline runs on the world tears the world down: closing that
+    # pipeline stays quiet, and the world refuses the next one.
+    with pipeline("mlp", "explicit", schedule, backend=world) as third:
+        third.step(params, batch)
+        os.kill(world.nodes[1].pid, signal.SIGKILL)
+    assert world.closed
     with pytest.raises(ExecutionError, match="this Ray world is closed"):
         pipeline("mlp", "explicit", schedule, backend=world)
