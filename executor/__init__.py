@@ -6,9 +6,10 @@
 :mod:`pipedsl.executor.mesh`); the ``local`` backend hosts one worker per pipeline device
 on threads of this process, the ``ray`` backend one ``jax.distributed`` world of Ray
 processes whose stage meshes may span processes and nodes (``RayConfig``; a started
-``RayWorld`` runs several pipelines one after another; see ``docs/cluster.md``). ``Pipeline.save`` and ``Pipeline.restore`` keep parameters and
-optimizer state across runs where they live, one orbax checkpoint per pipeline device, read
-back by any plan of the model (:mod:`pipedsl.executor.sharded_checkpoint`).
+``RayWorld`` runs several pipelines one after another; see ``docs/cluster.md``).
+``Pipeline.save`` and ``Pipeline.restore`` keep parameters and optimizer state across runs
+where they live, one orbax checkpoint per pipeline device, read back by any plan of the
+model (:mod:`pipedsl.executor.sharded_checkpoint`).
 
 JAX is imported on first use of ``Pipeline``, ``StepResult``, ``stage_boundary`` or the
 other names above, not with this package, so that ``pipedsl``'s command line (which imports

@@ -17,7 +17,7 @@ handed it by the driver; all join at once. The driver is not in the world.
 (or whose node goes away) or that does not answer within ``step_timeout`` ends the call with
 :class:`DeviceLost` naming its node, process and stage, and the world is torn down: a
 collective whose partner is gone never returns, so no process of the world can take another
-step. A new pipeline starts a new world.
+step. A pipeline after it needs a new world.
 
 A pipeline normally starts its own world and ends it when it closes. A world started with
 :meth:`RayWorld.start` may instead be handed to pipelines as their ``backend``, one after

@@ -2,9 +2,10 @@
 one world for the plans in turn.
 
 The processes get their host devices from the XLA flag in their runtime environment, and a
-stage mesh of dp x tp = 4 spans two of them (tp inside each); the checks are the local backend's (``tests/executor/test_hybrid.py``), on a representative
-subset: a hybrid plan with tensor parallelism and one with ZeRO-3, each matching
-``jax.value_and_grad`` on one device and an optax step on one device.
+stage mesh of dp x tp = 4 spans two of them (tp inside each); the checks are the local
+backend's (``tests/executor/test_hybrid.py``), on a representative subset: a hybrid plan
+with tensor parallelism and one with ZeRO-3, each matching ``jax.value_and_grad`` on one
+device and an optax step on one device.
 """
 
 from __future__ import annotations
