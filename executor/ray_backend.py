@@ -327,7 +327,7 @@ class RayRunner:
         if self._owns_world:
             self.world.close()
         else:
-            self.world.detach(self)
+            self.world.detach(self, stage_of=self._stage_of)
 
     # -- helpers ----------------------------------------------------------------------
 

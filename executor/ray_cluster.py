@@ -275,16 +275,17 @@ class RayWorld:
             )
         self._user = user
 
-    def detach(self, user: object) -> None:
+    def detach(self, user: object, *, stage_of: Callable[[int], int | None]) -> None:
         """``user`` is done: its processes forget its programs, parameters and state (when
-        the world is still up), and the world can take another pipeline."""
+        the world is still up; ``stage_of`` as for :meth:`call`), and the world can take
+        another pipeline."""
         if self._user is not user:
             return
         self._user = None
         if self._closed:
             return
         try:
-            self.call("release", [((), {})] * self.num_processes, what="releasing a pipeline", stage_of=_no_stage)
+            self.call("release", [((), {})] * self.num_processes, what="releasing a pipeline", stage_of=stage_of)
         except ExecutionError:
             # A process lost or stuck while forgetting: call() has torn the world down, and
             # the next pipeline given it is told so; closing this one stays quiet, as
@@ -440,10 +441,6 @@ class RayWorld:
 # from the heaps rather than from a mapping of their own (a process's buffers are freed and
 # made again every step; given back, they were faulted in and zeroed anew each time).
 _ALLOCATOR = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
-
-
-def _no_stage(rank: int) -> None:
-    return None
 
 
 def _check_count(name: str, value: object) -> None:
