@@ -122,16 +122,14 @@ class RayRunner:
         except ValueError as err:
             raise ExecutionError(f"schedule {schedule.name!r} cannot run: {err}") from None
         self._owns_world = isinstance(backend, RayConfig)
+        k = (backend.devices_per_process or mesh.tp) if isinstance(backend, RayConfig) else backend.devices_per_process
+        self._per_mesh = world_shape(schedule.num_devices, mesh, k)
+        needs = schedule.num_devices * self._per_mesh
         if isinstance(backend, RayConfig):
-            k = backend.devices_per_process or mesh.tp
-            self._per_mesh = world_shape(schedule.num_devices, mesh, k)
-            self.world = RayWorld.start(
-                schedule.num_devices * self._per_mesh, devices_per_process=k, config=backend, label=repr(schedule.name)
-            )
+            self.world = RayWorld.start(needs, devices_per_process=k, config=backend, label=repr(schedule.name))
         else:
-            self._per_mesh = world_shape(schedule.num_devices, mesh, backend.devices_per_process)
             what = f"this plan ({schedule.num_devices} pipeline devices, each a {mesh.dp} x {mesh.tp} mesh)"
-            backend.attach(self, needs=schedule.num_devices * self._per_mesh, what=what)
+            backend.attach(self, needs=needs, what=what)
             self.world = backend
         self._installed: _Layout | None = None
         self._optimizer: optax.GradientTransformation | None = None
