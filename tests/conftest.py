@@ -6,8 +6,12 @@ executor tests use. A flag the caller already set wins.
 
 The tests compile hundreds of small stage programs and run each a few times, so XLA's
 compile time is most of their time: ``--xla_backend_optimization_level=0`` skips LLVM's
-optimisations of the CPU code, which about halves the hybrid grid's time. Every result is
-compared with a reference computed in the same process, under the same flags.
+optimisations of the CPU code, which about halves the hybrid grid's time, and
+``--xla_cpu_use_fusion_emitters=false`` emits the fused loops the older way, without the
+MLIR pipeline XLA builds for every compile, which halves it again (``tests/executor/test_hybrid.py``
+97 s against 50 s, one after the other on this 2-core machine). XLA aborts on a flag it does
+not know, so that one goes in only when a short process of this JAX takes it. Every result
+is compared with a reference computed in the same process, under the same flags.
 
 Many tests compile the same programs again (one model split the same way under every
 schedule; the subprocesses of the command-line tests; every Ray actor), so the session
@@ -35,6 +39,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -49,6 +55,19 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_backend_optimization_level=0"
+
+
+def _xla_takes(flag: str) -> bool:
+    """Whether this JAX's XLA starts with ``flag`` in ``XLA_FLAGS`` (it aborts on one it
+    does not know)."""
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120, check=False).returncode == 0
+
+
+_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _xla_takes(_EMITTERS):
+    os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_EMITTERS}"
 
 _CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
