@@ -59,10 +59,13 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 def _xla_takes(flag: str) -> bool:
     """Whether this JAX's XLA starts with ``flag`` in ``XLA_FLAGS`` (it aborts on one it
-    does not know)."""
+    does not know); a probe that does not start within two minutes counts as no."""
     env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
     probe = [sys.executable, "-c", "import jax; jax.devices()"]
-    return subprocess.run(probe, env=env, capture_output=True, timeout=120, check=False).returncode == 0
+    try:
+        return subprocess.run(probe, env=env, capture_output=True, timeout=120, check=False).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 _EMITTERS = "--xla_cpu_use_fusion_emitters=false"
