@@ -46,15 +46,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from pipedsl.executor.devices import request_devices
+
 DEVICES = 8
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
-    )
-
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_backend_optimization_level=0"
+# The same as `pipedsl run` asks for its CPU devices (the caller's count wins).
+request_devices(DEVICES)
 
 
 def _xla_takes(flag: str) -> bool:
@@ -68,9 +65,16 @@ def _xla_takes(flag: str) -> bool:
         return False
 
 
-_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _xla_takes(_EMITTERS):
-    os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_EMITTERS}"
+def _default_flag(flag: str, *, probe: bool = False) -> None:
+    """Add ``flag`` to ``XLA_FLAGS`` unless the caller set it; with ``probe``, only where
+    this XLA takes it (:func:`_xla_takes`)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag.split("=")[0] not in flags and (not probe or _xla_takes(flag)):
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+_default_flag("--xla_backend_optimization_level=0")
+_default_flag("--xla_cpu_use_fusion_emitters=false", probe=True)
 
 _CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
