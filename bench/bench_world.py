@@ -12,11 +12,14 @@ Three measurements, on a local Ray instance started here (all on 127.0.0.1):
      made once (no placement, no reassembly), the least one gloo collective costs here;
    - ``transfer``: ``jax.experimental.transfer`` servers, the primitive of the transfer
      path the backend used before its processes formed one world;
+
+   and a call of no work from the driver to both processes at once, waited for: the
+   least Ray adds to every step (the driver's one call per process);
 2. the executor's own cost per action: 1F1B over 2 processes (one stage each), 16
    microbatches of a one-row, 4-wide, one-layer MLP (compute negligible): the median step
    over its F and B actions (64), every fixed per-step cost included (in a fresh process,
-   as 3.), next to the collectives the step takes and what the bare floor of 1. puts
-   under them;
+   as 3.), next to the collectives the step takes and what Ray and gloo alone put under
+   it (1.'s call of no work and a bare hop per collective);
 3. a 4-process 1F1B step (pp = 4, 8 microbatches of 8 rows) of a ``--width``-wide MLP,
    median, run in a fresh process by this checkout's interpreter and, with ``--baseline
    PYTHON``, by another checkout's in turn, with the ratio. The transfer path itself is
@@ -62,6 +65,9 @@ class HopPeer:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(address, num_processes=2, process_id=rank)
         self.rank = rank
+
+    def nothing(self) -> None:
+        """A call of no work."""
 
     def round_trips(self, elements: int, rounds: int) -> list[float]:
         """Round trips of ``elements`` float32 values through the backend's hops, in s."""
@@ -182,6 +188,13 @@ def bench_hops(repeat: int) -> dict[str, float]:
                 figures[f"{way}_hop_{label.replace(' ', '').lower()}_ms"] = ms
                 cells.append(f"{way} {ms:.2f} ms")
             print(f"   {label:<7} {', '.join(cells)}   (load average {os.getloadavg()[0]:.1f})", flush=True)
+        calls = []
+        for _ in range(20 * repeat + 2):
+            start = time.perf_counter()
+            ray.get([p.nothing.remote() for p in peers])
+            calls.append(time.perf_counter() - start)
+        figures["ray_call_ms"] = statistics.median(calls[2:]) * 1e3
+        print(f"   a call of no work to both processes, waited for: {figures['ray_call_ms']:.2f} ms", flush=True)
         return figures
     finally:
         ray.shutdown()
@@ -222,9 +235,9 @@ def _step(python: str, *, width: int, repeat: int, pp: int, microbatches: int, r
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def bench_steps(repeat: int, bare_ms: float | None) -> dict[str, float]:
-    """Measurement 2: the cost per action in us; ``bare_ms`` is measurement 1's bare 4 B
-    collective, when it ran."""
+def bench_steps(repeat: int, bare_ms: float | None, call_ms: float | None) -> dict[str, float]:
+    """Measurement 2: the cost per action in us; ``bare_ms`` and ``call_ms`` are
+    measurement 1's bare 4 B collective and call of no work, when it ran."""
     import pipedsl
     from pipedsl.library import library_path, load
     from pipedsl.rendezvous import exchange_groups, exchange_order
@@ -242,11 +255,13 @@ def bench_steps(repeat: int, bare_ms: float | None) -> dict[str, float]:
           f"{step / actions * 1e6:.0f} us per action (fastest {fastest / actions * 1e6:.0f})"
           f"   (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     figures = {"per_action_us": step / actions * 1e6, "per_action_fastest_us": fastest / actions * 1e6}
-    floor = (
-        f"; at the bare collective's {bare_ms * 1e3:.0f} us, {collectives * bare_ms * 1e3 / actions:.0f} us per action"
-        if bare_ms
-        else ""
-    )
+    floor = ""
+    if bare_ms and call_ms:
+        figures["floor_per_action_us"] = (collectives * bare_ms + call_ms) * 1e3 / actions
+        floor = (
+            f"; under them, Ray and gloo alone (the call of no work, {call_ms:.2f} ms, and {collectives} bare "
+            f"collectives, {bare_ms * 1e3:.0f} us each): {figures['floor_per_action_us']:.0f} us per action"
+        )
     print(f"   {transfers} transfers in {collectives} collectives per step{floor}", flush=True)
     figures["collectives_per_step"] = collectives
     return figures
@@ -285,7 +300,7 @@ def main() -> None:
     if args.only != "steps":
         figures |= bench_hops(args.repeat)
     if args.only != "hops":
-        figures |= bench_steps(args.repeat, figures.get("bare_hop_4b_ms"))
+        figures |= bench_steps(args.repeat, figures.get("bare_hop_4b_ms"), figures.get("ray_call_ms"))
         figures |= bench_step_pp4(args.repeat, args.width, args.baseline)
     record("bench_world", figures)
 
