@@ -19,10 +19,12 @@ Three measurements, on a local Ray instance started here (all on 127.0.0.1):
    microbatches of a one-row, 4-wide, one-layer MLP (compute negligible): the median step
    over its F and B actions (64), every fixed per-step cost included (in a fresh process,
    as 3.), next to the collectives the step takes and what Ray and gloo alone put under
-   it (1.'s call of no work and a bare hop per collective);
+   it (1.'s call of no work and a bare hop per collective); then the same with the
+   processes left unbound (``bind_cores=False``, :mod:`pipedsl.executor.cores`);
 3. a 4-process 1F1B step (pp = 4, 8 microbatches of 8 rows) of a ``--width``-wide MLP,
-   median, run in a fresh process by this checkout's interpreter and, with ``--baseline
-   PYTHON``, by another checkout's in turn, with the ratio. The transfer path itself is
+   median, run in a fresh process by this checkout's interpreter (its processes bound to
+   cores, then unbound) and, with ``--baseline PYTHON``, by another checkout's in turn,
+   with the ratio. The transfer path itself is
    gone from this checkout; the last one that has it is the commit before 8918358
    (``git worktree add ../transfer-path 8918358^``, ``make .venv/.installed`` there, then
    ``--baseline ../transfer-path/.venv/bin/python``): the same pipeline on the same
@@ -210,11 +212,12 @@ from pipedsl.executor import Pipeline, RayConfig
 from pipedsl.executor.models import mlp
 from pipedsl.library import library_path, load
 width, repeat, pp, microbatches, rows = map(int, sys.argv[1:6])
+options = {"bind_cores": False} if sys.argv[6:] == ["unbound"] else {}
 key = jax.random.PRNGKey(0)
 model = mlp(num_stages=pp, width=width, layers_per_stage=1)
 schedule = load(library_path("1f1b"), pp=pp, microbatches=microbatches)
 params, batch = model.init_stages(key), model.batch(key, rows)
-with Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=RayConfig(step_timeout=300, start_timeout=120)) as pipe:
+with Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=RayConfig(step_timeout=300, start_timeout=120, **options)) as pipe:
     pipe.value_and_grad(params, batch)
     times = []
     for _ in range(repeat):
@@ -226,11 +229,13 @@ print(json.dumps({"step_s": statistics.median(times), "fastest_s": min(times)}))
 """
 
 
-def _step(python: str, *, width: int, repeat: int, pp: int, microbatches: int, rows: int) -> dict[str, float]:
+def _step(
+    python: str, *, width: int, repeat: int, pp: int, microbatches: int, rows: int, unbound: bool = False
+) -> dict[str, float]:
     """{"step_s": median, "fastest_s": fastest} seconds of a 1F1B step over ``pp`` Ray
     processes, run by ``python`` in a fresh process (from a neutral folder: ``-c`` puts the
-    working folder first on the import path)."""
-    argv = [python, "-c", _STEP, *map(str, (width, repeat, pp, microbatches, rows))]
+    working folder first on the import path); ``unbound``: with ``bind_cores=False``."""
+    argv = [python, "-c", _STEP, *map(str, (width, repeat, pp, microbatches, rows)), *(["unbound"] if unbound else [])]
     done = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=tempfile.gettempdir())
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -264,6 +269,10 @@ def bench_steps(repeat: int, bare_ms: float | None, call_ms: float | None) -> di
         )
     print(f"   {transfers} transfers in {collectives} collectives per step{floor}", flush=True)
     figures["collectives_per_step"] = collectives
+    unbound = _step(sys.executable, width=4, repeat=repeat, pp=2, microbatches=16, rows=16, unbound=True)["step_s"]
+    figures["per_action_unbound_us"] = unbound / actions * 1e6
+    print(f"   the processes left unbound (bind_cores=False): {unbound / actions * 1e6:.0f} us per action, "
+          f"{unbound / step:.2f}x the bound ones'   (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     return figures
 
 
@@ -276,6 +285,13 @@ def bench_step_pp4(repeat: int, width: int, baseline: str | None) -> dict[str, f
             steps[name] = _step(python, width=width, repeat=repeat, pp=4, microbatches=8, rows=8 * 8)["step_s"] * 1e3
     print(f"3. a 4-process 1F1B step (pp 4, 8 microbatches of 8 rows, width {width}): {steps['step_1f1b_pp4_ms']:.1f} ms"
           f"   (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    unbound = _step(sys.executable, width=width, repeat=repeat, pp=4, microbatches=8, rows=8 * 8, unbound=True)
+    steps["step_1f1b_pp4_unbound_ms"] = unbound["step_s"] * 1e3
+    print(
+        f"   the processes left unbound (bind_cores=False): {steps['step_1f1b_pp4_unbound_ms']:.1f} ms, "
+        f"{steps['step_1f1b_pp4_unbound_ms'] / steps['step_1f1b_pp4_ms']:.2f}x the bound ones'",
+        flush=True,
+    )
     if baseline is not None:
         ratio = steps["baseline_step_1f1b_pp4_ms"] / steps["step_1f1b_pp4_ms"]
         print(f"   {baseline}: {steps['baseline_step_1f1b_pp4_ms']:.1f} ms ({ratio:.2f}x this checkout's)", flush=True)

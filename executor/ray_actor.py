@@ -38,6 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
+from pipedsl.executor.cores import claim_cores
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.interpreter import drive
 from pipedsl.executor.mesh import DATA, TENSOR, MeshConfig
@@ -115,11 +116,14 @@ class Failure:
 
 
 class WorldProcess:
-    """Process ``rank`` of a world of ``num_processes`` (see the module docstring)."""
+    """Process ``rank`` of a world of ``num_processes`` (see the module docstring), bound
+    to ``cores`` CPU cores (:func:`~pipedsl.executor.cores.claim_cores`; 0: not bound)
+    before JAX starts its threads."""
 
-    def __init__(self, rank: int, num_processes: int) -> None:
+    def __init__(self, rank: int, num_processes: int, *, cores: int) -> None:
         self.rank = rank
         self.num_processes = num_processes
+        self.cores = claim_cores(cores) if cores else ()
         self.release()
 
     def release(self) -> None:
@@ -147,9 +151,9 @@ class WorldProcess:
             port = s.getsockname()[1]
         return f"{host}:{port}"
 
-    def join(self, address: str, *, timeout: float) -> tuple[str, str, int, tuple[int, ...]]:
-        """Join the world at ``address``; (Ray node id, node IP, process id, the global
-        ids of this process's JAX devices)."""
+    def join(self, address: str, *, timeout: float) -> tuple[str, str, int, tuple[int, ...], tuple[int, ...]]:
+        """Join the world at ``address``; (Ray node id, node IP, process id, the cores it
+        is bound to, the global ids of this process's JAX devices)."""
         import ray
 
         if os.environ.get("JAX_PLATFORMS", "") == "cpu":
@@ -158,7 +162,7 @@ class WorldProcess:
             address, num_processes=self.num_processes, process_id=self.rank, initialization_timeout=max(1, int(timeout))
         )
         ids = tuple(d.id for d in jax.local_devices())
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid(), ids
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid(), self.cores, ids
 
     # -- the pipeline -----------------------------------------------------------------
 

@@ -81,6 +81,11 @@ class RayConfig:
       gpu_memory_fraction: on GPU, the fraction of each GPU's memory that pool takes
         (``XLA_PYTHON_CLIENT_MEM_FRACTION``, JAX's default 0.75); None keeps the default.
       verbose: let Ray's own log lines and the processes' output reach this terminal.
+      bind_cores: bind each process, all its threads, to cores of its node shared out
+        among the node's pipedsl processes (as many as its XLA compute threads: its share
+        of a local instance's cores, or ``cpus_per_process``; see
+        :mod:`pipedsl.executor.cores`). None: on CPU only (the collectives' host threads
+        are the step's path there); on GPUs the operating system places them unless True.
     """
 
     address: str | None = None
@@ -94,6 +99,7 @@ class RayConfig:
     gpu_preallocate: bool | None = None
     gpu_memory_fraction: float | None = None
     verbose: bool = False
+    bind_cores: bool | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -112,13 +118,14 @@ class RayConfig:
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
-    """Where one process runs: Ray node id, node IP address, OS process id, and its
-    rank in the world."""
+    """Where one process runs: Ray node id, node IP address, OS process id, its rank in
+    the world, and the CPU cores it is bound to (empty: wherever the system puts it)."""
 
     node_id: str
     ip: str
     pid: int
     rank: int
+    cores: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         return f"process {self.rank} (pid {self.pid}) on node {self.node_id[:12]} at {self.ip}"
@@ -213,7 +220,9 @@ class RayWorld:
         )  # fmt: skip
         group = reservation.group
         remote = ray.remote(WorldProcess)
-        env = process_env(config, k, gpu=gpu, threads=_threads_per_process(config, n))
+        threads = _threads_per_process(config, n)
+        env = process_env(config, k, gpu=gpu, threads=threads)
+        bind = config.bind_cores if config.bind_cores is not None else not gpu
         # Ray's stubs type an actor class's handles loosely: they are handles here.
         actors: tuple[Any, ...] = tuple(
             remote.options(
@@ -224,7 +233,7 @@ class RayWorld:
                     placement_group=group, placement_group_bundle_index=r
                 ),
                 runtime_env=env,
-            ).remote(r, n)
+            ).remote(r, n, cores=threads if bind else 0)
             for r in range(n)
         )
         timeout = config.start_timeout
@@ -241,7 +250,7 @@ class RayWorld:
                 f"the {n} processes of the world did not start and join within {timeout:g} s (start_timeout): "
                 f"{first_line(err)}"
             ) from err
-        nodes = tuple(NodeInfo(node_id, ip, pid, r) for r, (node_id, ip, pid, _) in enumerate(where))
+        nodes = tuple(NodeInfo(node_id, ip, pid, r, cores) for r, (node_id, ip, pid, cores, _) in enumerate(where))
         devices = tuple(ids for *_, ids in where)
         for r, ids in enumerate(devices):
             if len(ids) != k:

@@ -6,6 +6,7 @@ tests of one world shape share one world (``tests/ray/conftest.py``), each pipel
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -31,6 +32,7 @@ from helpers import (
 from helpers import setup as reference
 from pipedsl.executor import ExecutionError
 from pipedsl.executor.backend import Resident
+from pipedsl.executor.cores import registry
 from pipedsl.executor.ray_cluster import RayWorld
 from pipedsl.executor.ray_transport import worker_exchanges, worker_groups
 from pipedsl.rendezvous import exchange_groups, exchange_order
@@ -80,9 +82,16 @@ def _check_transfers(pipe: object) -> None:
 def test_spmd_dp4_over_four_processes(worlds: Worlds) -> None:
     schedule = hybrid_schedule("1f1b", 1, 1)
     _, params, batch, ref_loss, ref_grads = hybrid_problem("explicit", 1, 4)
-    with hybrid("explicit", schedule, dp=4, tp=1, zero=0, backend=worlds(4, 1)) as pipe:
+    world = worlds(4, 1)
+    with hybrid("explicit", schedule, dp=4, tp=1, zero=0, backend=world) as pipe:
         loss, grads = pipe.value_and_grad(params, batch)
         assert len(_nodes_of(pipe)[0]) == 4
+    # On CPU each process is bound to the one core it reserves (cpus_per_process), one of
+    # those this machine has; claimed in the registry for as long as it lives.
+    claims = json.loads(registry().read_text())
+    for node in world.nodes:
+        assert len(node.cores) == 1 and set(node.cores) <= os.sched_getaffinity(0)
+        assert claims[str(node.pid)] == list(node.cores)
     assert_relative_close(loss, ref_loss)
     assert_relative_close(grads, ref_grads)
 
