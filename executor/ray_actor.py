@@ -53,6 +53,7 @@ from pipedsl.executor.sharded_checkpoint import restore_device, save_device
 from pipedsl.executor.split import marked_model
 from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stages import StagedModel, explicit_model
+from pipedsl.executor.step_channel import StepServer
 from pipedsl.executor.timing import Recorder
 from pipedsl.executor.worker import Update, Worker, compile_device
 from pipedsl.program import Buffer, DeviceProgram
@@ -124,6 +125,7 @@ class WorldProcess:
         self.rank = rank
         self.num_processes = num_processes
         self.cores = claim_cores(cores) if cores else ()
+        self._steps: StepServer | None = None
         self.release()
 
     def release(self) -> None:
@@ -143,13 +145,25 @@ class WorldProcess:
     def coordinator(self, loopback: bool) -> str:
         """An address for the world's coordinator on this node: a free port on
         127.0.0.1 (``loopback``: a local instance pipedsl started) or on the node's IP."""
-        import ray
-
-        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        host = _host(loopback)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
         return f"{host}:{port}"
+
+    def serve_steps(self, key: bytes, loopback: bool) -> tuple[str, int]:
+        """Serve the driver's step calls on a connection of their own, admitted with
+        ``key`` (:mod:`pipedsl.executor.step_channel`); its address, on 127.0.0.1
+        (``loopback``) or on the node's IP."""
+        self._steps = StepServer(_host(loopback), key, handle=self._step_request, failed=self._step_failed)
+        return self._steps.address
+
+    def _step_request(self, request: tuple[tuple[Any, ...], dict[str, Any]]) -> StepReport | Failure:
+        args, kwargs = request
+        return self.run_step(*args, **kwargs)
+
+    def _step_failed(self, err: BaseException) -> Failure:
+        return Failure(f"device {self.device} failed: {type(err).__name__}: {err}", None, self.device)
 
     def join(self, address: str, *, timeout: float) -> tuple[str, str, int, tuple[int, ...], tuple[int, ...]]:
         """Join the world at ``address``; (Ray node id, node IP, process id, the cores it
@@ -349,6 +363,14 @@ class WorldProcess:
         if self.worker is None:
             raise ExecutionError(f"process {self.rank} runs no pipeline device yet")
         return self.worker
+
+
+def _host(loopback: bool) -> str:
+    """This node's address for the world's sockets: 127.0.0.1 on a local instance pipedsl
+    started (``loopback``), else the node's IP."""
+    import ray
+
+    return "127.0.0.1" if loopback else ray.util.get_node_ip_address()
 
 
 def trace_model(spec: ModelSpec) -> StagedModel:

@@ -9,9 +9,10 @@ and ``tp`` inside each. The driver traces the model once (every error about the 
 raised before anything runs), ships it once (the processes trace it and compile their own
 stages), and works out the order of every transfer
 (:func:`pipedsl.rendezvous.exchange_order`). A step is then one ``run_step`` call per
-process: the batch's leaves go to the processes of the first and last stages, and the
-loss (and gradients, when asked) come back; values between stages are compiled
-collectives inside the world and never pass through the driver or Ray's object store.
+process, made on the driver's own connection to it (:meth:`RayWorld.step`): the batch's
+leaves go to the processes of the first and last stages, and the loss (and gradients, when
+asked) come back; values between stages are compiled collectives inside the world and never
+pass through the driver or Ray's object store.
 
 Parameters and optimizer state stay in the world, made there (``Pipeline.init``: each
 process computes its own shards), read from a checkpoint each process writes, or shipped
@@ -234,9 +235,7 @@ class RayRunner:
             d = self.device_of(r)
             options = {"update": update, "origin": origin, "return_grads": keep_grads}
             args.append(((host_inputs if d == first else [], host_targets if d == last else []), options))
-        reports = self.world.call(
-            "run_step", args, what=f"a step of {schedule.name!r}", stage_of=self._stage_of, stop_at=_failed
-        )
+        reports = self.world.step(args, what=f"a step of {schedule.name!r}", stage_of=self._stage_of, stop_at=_failed)
         self._raise_failures(reports)
         self.transfers = tuple(r.moved for r in reports)
         self.collectives = tuple(r.collectives for r in reports)

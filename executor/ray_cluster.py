@@ -11,9 +11,13 @@ On CPU each process gets that many forced host devices, set in its environment b
 starts; on GPU that many GPUs through Ray's ``num_gpus`` (Ray sets ``CUDA_VISIBLE_DEVICES``),
 with JAX's memory options from :class:`RayConfig`. The first process picks the coordinator's
 address (127.0.0.1 on a local instance pipedsl started, else its node's IP) and the others are
-handed it by the driver; all join at once. The driver is not in the world.
+handed it by the driver; all join at once. The driver is not in the world. Each process is
+bound to cores of its node (:mod:`pipedsl.executor.cores`; on CPU unless
+``bind_cores=False``), and serves the driver's step calls on a connection of its own
+(:mod:`pipedsl.executor.step_channel`).
 
-:meth:`RayWorld.call` runs one method on every process with a time bound. A process that dies
+:meth:`RayWorld.call` runs one method on every process with a time bound, as Ray tasks;
+:meth:`RayWorld.step` runs a step the same way on those connections. A process that dies
 (or whose node goes away) or that does not answer within ``step_timeout`` ends the call with
 :class:`DeviceLost` naming its node, process and stage, and the world is torn down: a
 collective whose partner is gone never returns, so no process of the world can take another
@@ -31,6 +35,7 @@ pipeline at a time, and a failure that tears it down ends it for every later pip
 from __future__ import annotations
 
 import os
+import select
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +46,7 @@ from pipedsl.executor.errors import ExecutionError, first_line
 from pipedsl.executor.ray_actor import WorldProcess
 from pipedsl.executor.ray_connection import connect, disconnect, owns_instance
 from pipedsl.executor.ray_placement import reserve
+from pipedsl.executor.step_channel import StepClient
 
 __all__ = ["RayConfig", "NodeInfo", "DeviceSlot", "DeviceLost", "RayWorld", "connect", "disconnect", "STRATEGIES"]
 
@@ -175,6 +181,7 @@ class RayWorld:
         nodes: tuple[NodeInfo, ...],
         devices: tuple[tuple[int, ...], ...],
         platform: str,
+        steps: tuple[StepClient, ...],
     ) -> None:
         self.config = config
         self.actors = actors
@@ -182,6 +189,7 @@ class RayWorld:
         self.devices = devices
         self.platform = platform
         self._group = group
+        self._steps = steps
         self._closed = False
         self._user: object | None = None
 
@@ -237,10 +245,17 @@ class RayWorld:
             for r in range(n)
         )
         timeout = config.start_timeout
+        steps: list[StepClient] = []
         try:
-            address = ray.get(actors[0].coordinator.remote(owns_instance()), timeout=timeout)
+            loopback = owns_instance()
+            address = ray.get(actors[0].coordinator.remote(loopback), timeout=timeout)
             where = ray.get([a.join.remote(address, timeout=timeout) for a in actors], timeout=timeout)
+            key = os.urandom(32)
+            served = ray.get([a.serve_steps.remote(key, loopback) for a in actors], timeout=timeout)
+            steps.extend(StepClient(at, key, timeout=timeout) for at in served)
         except BaseException as err:
+            for channel in steps:
+                channel.close()
             for actor in actors:
                 ray.kill(actor)
             remove_placement_group(group)
@@ -255,7 +270,7 @@ class RayWorld:
         for r, ids in enumerate(devices):
             if len(ids) != k:
                 raise ExecutionError(f"process {r} has {len(ids)} JAX devices where {k} were asked for")
-        return cls(config, actors, group, nodes, devices, "gpu" if gpu else "cpu")
+        return cls(config, actors, group, nodes, devices, "gpu" if gpu else "cpu", tuple(steps))
 
     @property
     def num_processes(self) -> int:
@@ -362,11 +377,51 @@ class RayWorld:
                     ) from err
         return results
 
+    def step(
+        self,
+        args: Sequence[tuple[tuple[Any, ...], dict[str, Any]] | None],
+        *,
+        what: str,
+        stage_of: Callable[[int], int | None],
+        stop_at: Callable[[Any], bool] | None = None,
+    ) -> list[Any]:
+        """:meth:`call` of ``run_step``, made on the driver's own connections to the
+        processes (:mod:`pipedsl.executor.step_channel`) rather than as Ray tasks: the same
+        arguments, results, ``stop_at``, ``step_timeout`` and errors (a process whose
+        connection closes is lost)."""
+        self._check_open()
+        limit = self.config.step_timeout
+        deadline = time.monotonic() + limit
+        pending: dict[StepClient, int] = {}
+        for r, a in enumerate(args):
+            if a is not None:
+                try:
+                    self._steps[r].send(a)
+                except OSError as err:
+                    self._lost(r, what, err, stage_of)
+                pending[self._steps[r]] = r
+        results: list[Any] = [None] * len(args)
+        while pending:
+            ready, _, _ = select.select(list(pending), [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._timed_out(sorted(pending.values()), what, limit, stage_of)
+            for channel in ready:
+                r = pending.pop(channel)
+                try:
+                    results[r] = channel.receive(timeout=max(0.0, deadline - time.monotonic()))
+                except (OSError, EOFError) as err:
+                    self._lost(r, what, err, stage_of)
+                if stop_at is not None and stop_at(results[r]):
+                    return results
+        return results
+
     def close(self) -> None:
         """Kill the processes, free their placement group, release the connection."""
         if self._closed:
             return
         self._closed = True
+        for channel in self._steps:
+            channel.close()
         import ray
         from ray.util.placement_group import remove_placement_group
 
