@@ -117,14 +117,11 @@ class Failure:
 
 
 class WorldProcess:
-    """Process ``rank`` of a world of ``num_processes`` (see the module docstring), bound
-    to ``cores`` CPU cores (:func:`~pipedsl.executor.cores.claim_cores`; 0: not bound)
-    before JAX starts its threads."""
+    """Process ``rank`` of a world of ``num_processes`` (see the module docstring)."""
 
-    def __init__(self, rank: int, num_processes: int, *, cores: int) -> None:
+    def __init__(self, rank: int, num_processes: int) -> None:
         self.rank = rank
         self.num_processes = num_processes
-        self.cores = claim_cores(cores) if cores else ()
         self._steps: StepServer | None = None
         self.release()
 
@@ -165,9 +162,9 @@ class WorldProcess:
     def _step_failed(self, err: BaseException) -> Failure:
         return Failure(f"device {self.device} failed: {type(err).__name__}: {err}", None, self.device)
 
-    def join(self, address: str, *, timeout: float) -> tuple[str, str, int, tuple[int, ...], tuple[int, ...]]:
-        """Join the world at ``address``; (Ray node id, node IP, process id, the cores it
-        is bound to, the global ids of this process's JAX devices)."""
+    def join(self, address: str, *, timeout: float) -> tuple[str, str, int, tuple[int, ...]]:
+        """Join the world at ``address``; (Ray node id, node IP, process id, the global
+        ids of this process's JAX devices)."""
         import ray
 
         if os.environ.get("JAX_PLATFORMS", "") == "cpu":
@@ -176,7 +173,12 @@ class WorldProcess:
             address, num_processes=self.num_processes, process_id=self.rank, initialization_timeout=max(1, int(timeout))
         )
         ids = tuple(d.id for d in jax.local_devices())
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid(), self.cores, ids
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid(), ids
+
+    def bind(self, cores: int) -> tuple[int, ...]:
+        """Bind this process, every thread it has and will start, to ``cores`` cores of
+        its node (:func:`~pipedsl.executor.cores.claim_cores`); which ones."""
+        return claim_cores(cores)
 
     # -- the pipeline -----------------------------------------------------------------
 

@@ -241,7 +241,7 @@ class RayWorld:
                     placement_group=group, placement_group_bundle_index=r
                 ),
                 runtime_env=env,
-            ).remote(r, n, cores=threads if bind else 0)
+            ).remote(r, n)
             for r in range(n)
         )
         timeout = config.start_timeout
@@ -250,6 +250,10 @@ class RayWorld:
             loopback = owns_instance()
             address = ray.get(actors[0].coordinator.remote(loopback), timeout=timeout)
             where = ray.get([a.join.remote(address, timeout=timeout) for a in actors], timeout=timeout)
+            # One at a time in rank order, so that a node's processes take its cores in that
+            # order: where they must share cores, consecutive ranks (neighbouring stages,
+            # or a mesh's data-parallel rows) are on different ones.
+            cores = [ray.get(a.bind.remote(threads), timeout=timeout) if bind else () for a in actors]
             key = os.urandom(32)
             served = ray.get([a.serve_steps.remote(key, loopback) for a in actors], timeout=timeout)
             steps.extend(StepClient(at, key, timeout=timeout) for at in served)
@@ -265,7 +269,7 @@ class RayWorld:
                 f"the {n} processes of the world did not start and join within {timeout:g} s (start_timeout): "
                 f"{first_line(err)}"
             ) from err
-        nodes = tuple(NodeInfo(node_id, ip, pid, r, cores) for r, (node_id, ip, pid, cores, _) in enumerate(where))
+        nodes = tuple(NodeInfo(node_id, ip, pid, r, cores[r]) for r, (node_id, ip, pid, _) in enumerate(where))
         devices = tuple(ids for *_, ids in where)
         for r, ids in enumerate(devices):
             if len(ids) != k:
