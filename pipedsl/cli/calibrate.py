@@ -247,9 +247,8 @@ class _Trial:
                 self.pipe, self.state, self.opt_state, self.batch, optimizer=self.optimizer,
                 losses=self.losses,
             )  # fmt: skip
-            # On Ray a send's copy to host, serialisation and actor call (measured as the
-            # transfer) run in the sender's process beside its computation and slow it about
-            # as much, so sends are modelled as blocking there.
+            # On Ray a send is a collective that holds the sender until its receiver takes
+            # part (a rendezvous), so sends are modelled as blocking there.
             fit = fit_costs(self.recorded, num_stages=run.schedule.num_stages)
             self.costs = fit.cost_model().with_changes(overlap_sends=backend == "local")
             self.simulated = simulate(run.schedule, self.costs)
