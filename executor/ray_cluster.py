@@ -392,31 +392,37 @@ class RayWorld:
         """:meth:`call` of ``run_step``, made on the driver's own connections to the
         processes (:mod:`pipedsl.executor.step_channel`) rather than as Ray tasks: the same
         arguments, results, ``stop_at``, ``step_timeout`` and errors (a process whose
-        connection closes is lost)."""
+        connection closes is lost). A step that returns at ``stop_at``, or is interrupted,
+        leaves reports unread: the world is then torn down, as its processes may still be
+        waiting in the step's collectives."""
         self._check_open()
         limit = self.config.step_timeout
         deadline = time.monotonic() + limit
         pending: dict[StepClient, int] = {}
-        for r, a in enumerate(args):
-            if a is not None:
-                try:
-                    self._steps[r].send(a)
-                except OSError as err:
-                    self._lost(r, what, err, stage_of)
-                pending[self._steps[r]] = r
         results: list[Any] = [None] * len(args)
-        while pending:
-            ready, _, _ = select.select(list(pending), [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                self._timed_out(sorted(pending.values()), what, limit, stage_of)
-            for channel in ready:
-                r = pending.pop(channel)
-                try:
-                    results[r] = channel.receive(timeout=max(0.0, deadline - time.monotonic()))
-                except (OSError, EOFError) as err:
-                    self._lost(r, what, err, stage_of)
-                if stop_at is not None and stop_at(results[r]):
-                    return results
+        try:
+            for r, a in enumerate(args):
+                if a is not None:
+                    try:
+                        self._steps[r].send(a)
+                    except OSError as err:
+                        self._lost(r, what, err, stage_of)
+                    pending[self._steps[r]] = r
+            while pending:
+                ready, _, _ = select.select(list(pending), [], [], max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    self._timed_out(sorted(pending.values()), what, limit, stage_of)
+                for channel in ready:
+                    r = pending.pop(channel)
+                    try:
+                        results[r] = channel.receive(timeout=max(0.0, deadline - time.monotonic()))
+                    except (OSError, EOFError) as err:
+                        self._lost(r, what, err, stage_of)
+                    if stop_at is not None and stop_at(results[r]):
+                        return results
+        finally:
+            if pending:
+                self.close()
         return results
 
     def close(self) -> None:

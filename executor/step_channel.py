@@ -9,10 +9,10 @@ thread of its own, and the driver connects to it: a step's call and its report t
 one pickle each way. Everything else (installing, parameters, checkpoints, asking a process
 what it is doing) stays a Ray call, and Ray still starts, places and ends the processes.
 
-A connection is admitted only with the world's key (32 random bytes the driver hands the
-processes through Ray): the process sends a random challenge and expects its HMAC-SHA256
-under the key before it reads a request. Frames are an 8-byte little-endian length and a
-pickle.
+Both ends prove they hold the world's key (32 random bytes the driver hands the processes
+through Ray) before either reads a pickle from the other: the process sends a random
+challenge, the driver answers with its HMAC-SHA256 under the key and a challenge of its own,
+and the process answers that. Frames are an 8-byte little-endian length and a pickle.
 """
 
 from __future__ import annotations
@@ -66,11 +66,14 @@ class StepServer:
         try:
             challenge = os.urandom(_CHALLENGE)
             conn.sendall(challenge)
-            admitted = hmac.compare_digest(_read_exact(conn, _CHALLENGE), _digest(self._key, challenge))
+            answer = _read_exact(conn, 2 * _CHALLENGE)
+            if not hmac.compare_digest(answer[:_CHALLENGE], _digest(self._key, challenge)):
+                return False
+            conn.sendall(_digest(self._key, answer[_CHALLENGE:]))
         except (OSError, EOFError):
             return False
         conn.settimeout(None)
-        return admitted
+        return True
 
     def _answer(self, conn: socket.socket) -> None:
         while True:
@@ -89,14 +92,18 @@ class StepServer:
 
 
 class StepClient:
-    """The driver's end of one process's connection: connects to ``address`` within
-    ``timeout`` seconds and answers the challenge with ``key``."""
+    """The driver's end of one process's connection: connects to ``address`` and proves
+    it holds ``key`` both ways (the module docstring), within ``timeout`` seconds each;
+    raises ConnectionError where the process does not prove it."""
 
     def __init__(self, address: Sequence[Any], key: bytes, *, timeout: float) -> None:
         self._sock = socket.create_connection((str(address[0]), int(address[1])), timeout=timeout)
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock.sendall(_digest(key, _read_exact(self._sock, _CHALLENGE)))
+            challenge = os.urandom(_CHALLENGE)
+            self._sock.sendall(_digest(key, _read_exact(self._sock, _CHALLENGE)) + challenge)
+            if not hmac.compare_digest(_read_exact(self._sock, _CHALLENGE), _digest(key, challenge)):
+                raise ConnectionError(f"the process at {address[0]}:{address[1]} does not hold the world's key")
         except BaseException:
             self._sock.close()
             raise

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -50,17 +52,31 @@ def test_a_failing_request_is_answered_with_the_failure() -> None:
         client.close()
 
 
-def test_a_connection_without_the_key_is_never_read() -> None:
+def test_each_end_must_hold_the_key() -> None:
     calls: list[object] = []
     server = _server(lambda request: calls.append(request))
-    intruder = StepClient(server.address, b"x" * 32, timeout=10)
+    # A peer without the key is dropped before anything it sends is read.
+    with pytest.raises((EOFError, ConnectionError)):
+        StepClient(server.address, b"x" * 32, timeout=10)
+    # A server that cannot answer the driver's challenge is refused by the driver's end.
+    impostor = socket.create_server(("127.0.0.1", 0))
+
+    def pretend() -> None:
+        conn, _ = impostor.accept()
+        with conn:
+            conn.sendall(os.urandom(32))
+            conn.recv(64)
+            conn.sendall(os.urandom(32))
+            conn.recv(1)
+
+    thread = threading.Thread(target=pretend, daemon=True)
+    thread.start()
     try:
-        intruder.send(((), {}))
-        with pytest.raises(EOFError):
-            intruder.receive(timeout=10)
+        with pytest.raises(ConnectionError, match="does not hold the world's key"):
+            StepClient(impostor.getsockname()[:2], KEY, timeout=10)
     finally:
-        intruder.close()
-    assert calls == []
+        thread.join(timeout=10)
+        impostor.close()
     # The server admits the next connection that has the key.
     client = StepClient(server.address, KEY, timeout=10)
     try:
