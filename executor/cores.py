@@ -3,9 +3,9 @@
 A process of a Ray world spends its step handing work between its own threads (the
 thread that runs the step, the collectives' network thread, XLA's compute pool) and
 waiting in collectives for its peers. Left to the operating system, these threads move
-between cores and wake each other across them; bound to cores of their own, they hand
-work over on the cores they share a cache on (``bench/bench_world.py`` times steps both
-ways in one run).
+between cores and wake each other across them; bound, a process's threads stay on its own
+cores and hand work over there (``bench/bench_world.py`` times steps bound and unbound in
+one run).
 
 :func:`claim_cores` binds the calling process, every thread it has and every thread they
 start, to the cores it claims: the ``count`` cores, adjacent in the order the process may

@@ -3,7 +3,7 @@
 A step is one call per process and one report back (:mod:`pipedsl.executor.ray_backend`).
 As Ray actor tasks the two cost far more than the step's own messages need (submission,
 scheduling onto the actor's thread, serialising each array apart; ``bench/bench_world.py``
-times a call of no work, and a step's both ways). So when a world starts, each process opens a TCP socket (on
+times a Ray call of no work). So when a world starts, each process opens a TCP socket (on
 127.0.0.1 for a local instance pipedsl started, else on its node's address) served by a
 thread of its own, and the driver connects to it: a step's call and its report then go as
 one pickle each way. Everything else (installing, parameters, checkpoints, asking a process
