@@ -145,7 +145,7 @@ def _read(sock: socket.socket) -> Any:
     return pickle.loads(_read_exact(sock, size))
 
 
-def _read_exact(sock: socket.socket, size: int) -> bytes:
+def _read_exact(sock: socket.socket, size: int) -> bytearray:
     buffer = bytearray(size)
     view = memoryview(buffer)
     got = 0
@@ -154,4 +154,4 @@ def _read_exact(sock: socket.socket, size: int) -> bytes:
         if n == 0:
             raise EOFError("the connection was closed")
         got += n
-    return bytes(buffer)
+    return buffer
