@@ -6,6 +6,7 @@ tests of one world shape share one world (``tests/ray/conftest.py``), each pipel
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -88,7 +89,9 @@ def test_spmd_dp4_over_four_processes(worlds: Worlds) -> None:
         assert len(_nodes_of(pipe)[0]) == 4
     # On CPU each process is bound to the one core it reserves (cpus_per_process), one of
     # those this machine has; claimed in the registry for as long as it lives.
-    claims = json.loads(registry().read_text())
+    with open(registry(), encoding="utf-8") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)  # another test worker's world may be claiming meanwhile
+        claims = json.loads(handle.read())
     for node in world.nodes:
         assert len(node.cores) == 1 and set(node.cores) <= os.sched_getaffinity(0)
         assert claims[str(node.pid)] == list(node.cores)
