@@ -12,7 +12,7 @@ what it is doing) stays a Ray call, and Ray still starts, places and ends the pr
 Both ends prove they hold the world's key (32 random bytes the driver hands the processes
 through Ray) before either reads a pickle from the other: the process sends a random
 challenge, the driver answers with its HMAC-SHA256 under the key and a challenge of its own,
-and the process answers that. Frames are an 8-byte little-endian length and a pickle.
+and the process answers that. Messages are :mod:`pipedsl.frames`.
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import pickle
 import socket
-import struct
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any
+
+from pipedsl import frames
 
 __all__ = ["StepServer", "StepClient"]
 
-_HEADER = struct.Struct("<Q")
 _CHALLENGE = 32  # bytes
 _ADMIT_S = 10.0
 """Seconds a connecting peer gets to answer the challenge."""
@@ -56,35 +55,37 @@ class StepServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            with conn:
+            with conn, conn.makefile("rb") as incoming:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self._admit(conn):
-                    self._answer(conn)
+                if self._admit(conn, incoming):
+                    self._answer(conn, incoming)
 
-    def _admit(self, conn: socket.socket) -> bool:
+    def _admit(self, conn: socket.socket, incoming: IO[bytes]) -> bool:
         conn.settimeout(_ADMIT_S)
         try:
             challenge = os.urandom(_CHALLENGE)
             conn.sendall(challenge)
-            answer = _read_exact(conn, 2 * _CHALLENGE)
-            if not hmac.compare_digest(answer[:_CHALLENGE], _digest(self._key, challenge)):
+            answer = incoming.read(2 * _CHALLENGE)
+            if len(answer) < 2 * _CHALLENGE or not hmac.compare_digest(
+                answer[:_CHALLENGE], _digest(self._key, challenge)
+            ):
                 return False
             conn.sendall(_digest(self._key, answer[_CHALLENGE:]))
-        except (OSError, EOFError):
+        except OSError:
             return False
         conn.settimeout(None)
         return True
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _answer(self, conn: socket.socket, incoming: IO[bytes]) -> None:
         while True:
             try:
-                request = _read(conn)
+                request = frames.read(incoming)
             except (OSError, EOFError):
                 return  # the driver has gone
             try:
-                data = _frame(self._handle(request))
+                data = frames.encode(self._handle(request))
             except Exception as err:  # reported to the driver, whatever it was
-                data = _frame(self._failed(err))
+                data = frames.encode(self._failed(err))
             try:
                 conn.sendall(data)
             except OSError:
@@ -97,61 +98,50 @@ class StepClient:
     raises ConnectionError where the process does not prove it."""
 
     def __init__(self, address: Sequence[Any], key: bytes, *, timeout: float) -> None:
+        where = f"{address[0]}:{address[1]}"
         self._sock = socket.create_connection((str(address[0]), int(address[1])), timeout=timeout)
+        self._incoming = self._sock.makefile("rb")
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            challenge = os.urandom(_CHALLENGE)
-            self._sock.sendall(_digest(key, _read_exact(self._sock, _CHALLENGE)) + challenge)
-            if not hmac.compare_digest(_read_exact(self._sock, _CHALLENGE), _digest(key, challenge)):
-                raise ConnectionError(f"the process at {address[0]}:{address[1]} does not hold the world's key")
+            challenge = self._incoming.read(_CHALLENGE)
+            if len(challenge) < _CHALLENGE:
+                raise ConnectionError(f"the process at {where} closed the connection")
+            mine = os.urandom(_CHALLENGE)
+            self._sock.sendall(_digest(key, challenge) + mine)
+            answer = self._incoming.read(_CHALLENGE)
+            if len(answer) < _CHALLENGE:
+                raise ConnectionError(f"the process at {where} refused the world's key")
+            if not hmac.compare_digest(answer, _digest(key, mine)):
+                raise ConnectionError(f"the process at {where} does not hold the world's key")
         except BaseException:
-            self._sock.close()
+            self.close()
             raise
         self._sock.settimeout(None)
 
     def fileno(self) -> int:
-        """The socket's descriptor, for ``select``."""
+        """The socket's descriptor, for ``select``: with one request out at a time, nothing
+        of an answer waits in this end's buffer while ``select`` looks at the socket."""
         return self._sock.fileno()
 
     def send(self, request: Any) -> None:
-        self._sock.sendall(_frame(request))
+        self._sock.sendall(frames.encode(request))
 
     def receive(self, *, timeout: float) -> Any:
-        """The next answer, read within ``timeout`` seconds (the process has started
-        sending it when ``select`` says so). Raises EOFError where the process has gone."""
+        """The answer to the request sent, read within ``timeout`` seconds (the process has
+        started sending it when ``select`` says so). Raises EOFError where the process has
+        gone."""
         self._sock.settimeout(max(timeout, 1e-3))
         try:
-            return _read(self._sock)
+            return frames.read(self._incoming)
         except ConnectionError as err:
             raise EOFError(f"the connection was broken ({err})") from err
         finally:
             self._sock.settimeout(None)
 
     def close(self) -> None:
+        self._incoming.close()
         self._sock.close()
 
 
 def _digest(key: bytes, challenge: bytes) -> bytes:
     return hmac.new(key, challenge, hashlib.sha256).digest()
-
-
-def _frame(value: Any) -> bytes:
-    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)) + data
-
-
-def _read(sock: socket.socket) -> Any:
-    (size,) = _HEADER.unpack(_read_exact(sock, _HEADER.size))
-    return pickle.loads(_read_exact(sock, size))
-
-
-def _read_exact(sock: socket.socket, size: int) -> bytearray:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise EOFError("the connection was closed")
-        got += n
-    return buffer

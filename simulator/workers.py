@@ -8,10 +8,10 @@ search would have made them itself: the ranking is the same, byte for byte.
 A worker is a fresh interpreter (``sys.executable``) started with this process's import
 path; it imports only what a call needs (never the caller's ``__main__``, unlike
 :mod:`multiprocessing`'s spawn, so a script that searches without an
-``if __name__ == "__main__"`` guard works). Calls travel as pickles on the worker's
-standard input and answers on a pipe of their own, each behind its length. A worker
-reports progress while it works, at most every :data:`_REPORT_S` seconds, and exits when
-its input closes. A worker that dies, or a call that raises, ends the whole run with an
+``if __name__ == "__main__"`` guard works). Calls travel as frames (:mod:`pipedsl.frames`)
+on the worker's standard input and answers on a pipe of their own. A worker reports
+progress while it works, at most every :data:`_REPORT_S` seconds, and exits when its input
+closes. A worker that dies, or a call that raises, ends the whole run with an
 error (the call's own exception where it can be pickled), and the other workers are
 killed at once; so are they on Ctrl-C.
 """
@@ -24,7 +24,6 @@ import os
 import pickle
 import queue
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -35,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import IO, Any, TypeVar
 
+from pipedsl import frames
 from pipedsl.errors import PipedslError
 
 __all__ = ["Advance", "available_cores", "run_in_workers"]
@@ -53,8 +53,6 @@ gone: each worker's reader reports its exit."""
 
 _STOP_S = 5.0
 """Seconds a worker whose input has closed gets to exit before it is killed."""
-
-_HEADER = struct.Struct("<Q")
 
 # Run by ``python -c``: this process's import path, then the worker loop. A worker runs in
 # a process group of its own (``start``), so a terminal's Ctrl-C reaches only the caller,
@@ -194,7 +192,7 @@ class _Worker:
 
     def _read(self, messages: queue.Queue[tuple[int, tuple[Any, ...]]]) -> None:
         with self.answers:
-            while (message := _read(self.answers)) is not None:
+            for message in frames.messages(self.answers):
                 messages.put((self.index, message))
         messages.put((self.index, ("exit", self.process.wait())))
 
@@ -237,21 +235,8 @@ def _interrupt_held() -> Iterator[None]:
 
 
 def _write(stream: IO[bytes], message: object) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
+    stream.write(frames.encode(message))
     stream.flush()
-
-
-def _read(stream: IO[bytes]) -> Any | None:
-    """The next message on ``stream``; None at its end (the other side has gone)."""
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        return None
-    (size,) = _HEADER.unpack(header)
-    data = stream.read(size)
-    if len(data) < size:
-        return None
-    return pickle.loads(data)
 
 
 def serve(answers: int) -> None:
@@ -260,8 +245,7 @@ def serve(answers: int) -> None:
     error, as the caller's standard output is for its own results."""
     out = os.fdopen(answers, "wb")
     os.dup2(2, 1)
-    while (message := _read(sys.stdin.buffer)) is not None:
-        fn, call = message
+    for fn, call in frames.messages(sys.stdin.buffer):
         reporter = _Reporter(out)
         try:
             result = fn(*call, advance=reporter.advance)
