@@ -201,11 +201,13 @@ def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
     """Seconds any order of ``base``'s plan within in-flight ``limit`` takes at least,
     with free transfers: per device, none of its work starts before microbatch 0 has passed
     the stages before its first (their forwards), and then it needs both its own work and,
-    holding at most ``limit`` pairs at once, M times the shortest time a microbatch holds
-    its first stage (from that stage's F through every later F and backward to its W or B)
-    over ``limit``; the most over the devices, at the fastest the devices compute where
-    they share cores (``base.speedup``), plus ``base``'s tails (its data-parallel tail and
-    optimizer step, seconds)."""
+    holding at most ``limit`` (stage, microbatch) pairs at once, M times the shortest time
+    a microbatch holds its pairs over ``limit``. A microbatch admitted at the device's first
+    stage holds a pair for each of the device's stages (the synthesiser reserves them all
+    as it admits it) from that first F through every later F and the backwards down to
+    the stage's own, to its W (or B) ending. The most over the devices, at the fastest the
+    devices compute where they share cores (``base.speedup``), plus ``base``'s tails (its
+    data-parallel tail and optimizer step, seconds)."""
     work, m = base.work, base.plan.microbatches
     # Per stage, once for every device: its forward, its backward (I when split) and all its work.
     forward = [w.forward for w in work]
@@ -215,7 +217,8 @@ def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
     for own in _stages_by_device(base):
         first = own[0]
         busy = m * sum(whole[s] for s in own)
-        held = sum(forward[first:]) + sum(back[first:]) + (work[first].weight_grad if split else 0.0)
+        ahead = sum(forward[first:])
+        held = sum(ahead + sum(back[s:]) + (work[s].weight_grad if split else 0.0) for s in own)
         seconds.append(sum(forward[:first]) + max(busy, m * held / limit))
     fastest = 1.0 if base.speedup is None else max(base.speedup)
     total = max(seconds) / fastest + sum(base.tails)

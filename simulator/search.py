@@ -22,6 +22,7 @@ its own schedule's best), in worker processes for a large search
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -98,6 +99,7 @@ def search(
     schedules: Sequence[str] | None = None,
     extra_schedules: Sequence[str | Path] = (),
     top: int | None = None,
+    per_schedule: int | None = None,
     prune: float | None = DEFAULT_PRUNE,
     progress: Progress | None = None,
     jobs: int | None = None,
@@ -112,13 +114,20 @@ def search(
     (they cannot come within that factor). Every row is exact, and so is every
     schedule's best. ``prune=None`` simulates every plan that fits.
 
+    With ``per_schedule`` K, each schedule goes on past its best only until its K best
+    are certain (no lower bound left below its K-th best step time), and only those K
+    are ranked, as are only the K best SPMD plans: the best K rows overall are then
+    the same as without it, at a fraction of the simulations. ``top`` implies it.
+
     Args:
       model, cluster: descriptions, preset names or TOML paths.
       gpus: GPUs to use, all of them.
       global_batch: sequences per step; default :func:`default_global_batch`.
       schedules: library names or ``.sched`` paths to try; default the whole library.
       extra_schedules: more ``.sched`` files to try besides.
-      top: keep only the best ``top`` rows.
+      top: keep only the best ``top`` rows (and rank no more than they need).
+      per_schedule: rank only each schedule's best this many plans (and as many SPMD
+        plans); None, every plan within ``prune``.
       prune: the factor above (default :data:`DEFAULT_PRUNE`), or None.
       progress: called with (phase, plans done, plans in all), phase ``"costing"`` and
         ``"simulating"`` (a schedule's plans count as simulated once it is ranked).
@@ -140,7 +149,7 @@ def search(
 
     ranked, attrs = _search(
         model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
-        prune=prune, progress=progress, jobs=jobs, **space,
+        keep=_keep(top, per_schedule), prune=prune, progress=progress, jobs=jobs, **space,
     )  # fmt: skip
     frame = pd.DataFrame([p.row() for p in ranked], columns=list(COLUMNS))
     if not ranked:
@@ -160,6 +169,7 @@ def search_plans(
     schedules: Sequence[str] | None = None,
     extra_schedules: Sequence[str | Path] = (),
     top: int | None = None,
+    per_schedule: int | None = None,
     prune: float | None = DEFAULT_PRUNE,
     progress: Progress | None = None,
     jobs: int | None = None,
@@ -169,9 +179,19 @@ def search_plans(
     (the same arguments; ``top`` keeps the best ``top``)."""
     ranked, _ = _search(
         model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
-        prune=prune, progress=progress, jobs=jobs, **space,
+        keep=_keep(top, per_schedule), prune=prune, progress=progress, jobs=jobs, **space,
     )  # fmt: skip
     return ranked if top is None else ranked[:top]
+
+
+def _keep(top: int | None, per_schedule: int | None) -> int | None:
+    """The plans each part of the search ranks for :func:`search`'s ``top`` and
+    ``per_schedule``: the best ``top`` overall are among each part's best ``top``."""
+    for name, value in (("top", top), ("per_schedule", per_schedule)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise PlanError(f"search: {name} must be a whole number >= 1 (or None for every plan), got {value!r}")
+    given = [v for v in (top, per_schedule) if v is not None]
+    return min(given) if given else None
 
 
 def _search(
@@ -182,6 +202,7 @@ def _search(
     global_batch: int | None,
     schedules: Sequence[str] | None,
     extra_schedules: Sequence[str | Path],
+    keep: int | None,
     prune: float | None,
     progress: Progress | None,
     jobs: int | None,
@@ -208,7 +229,7 @@ def _search(
     done = _Tally(len(plans), progress)
     split = _parts(plans)
     processes = _processes(jobs, split)
-    parts = _rank_parts(model, cluster, split, prune, processes=processes, advance=done.advance)
+    parts = _rank_parts(model, cluster, split, keep, prune, processes=processes, advance=done.advance)
     # A stable sort: plans of equal step time keep the order they were finished in.
     finished = sorted(chain.from_iterable(part.finished for part in parts), key=lambda e: e.step_time_s)
     dropped: Counter[str] = sum((part.dropped for part in parts), Counter())
@@ -289,18 +310,25 @@ def _processes(jobs: int | None, parts: list[list[Plan]]) -> int:
 
 
 def _rank_parts(
-    model: Model, cluster: Cluster, parts: list[list[Plan]], prune: float | None, *, processes: int, advance: Advance
+    model: Model,
+    cluster: Cluster,
+    parts: list[list[Plan]],
+    keep: int | None,
+    prune: float | None,
+    *,
+    processes: int,
+    advance: Advance,
 ) -> list[_Part]:
     """Every part ranked (:func:`_rank_part`), in this process (``processes`` 1) or in
     that many worker processes; the same parts whichever, in the order given."""
     if processes == 1:
-        return [_rank_part(model, cluster, part, prune, advance=advance) for part in parts]
+        return [_rank_part(model, cluster, part, keep, prune, advance=advance) for part in parts]
     # The longest first, so that no worker is left with one at the end: a policy schedule
     # with an in-flight limit is synthesised for each of its plans that is finished.
     longest = sorted(range(len(parts)), key=lambda i: (takes_limit(parts[i][0].schedule), len(parts[i])), reverse=True)
     ranked = run_in_workers(
         _rank_part,
-        [(model, cluster, parts[i], prune) for i in longest],
+        [(model, cluster, parts[i], keep, prune) for i in longest],
         jobs=processes,
         advance=advance,
         names=[_part_label(parts[i]) for i in longest],
@@ -314,15 +342,17 @@ def _part_label(plans: list[Plan]) -> str:
     return "the SPMD plans" if spec is None else f"the plans of schedule {schedule_name(spec)}"
 
 
-def _rank_part(model: Model, cluster: Cluster, plans: list[Plan], prune: float | None, *, advance: Advance) -> _Part:
+def _rank_part(
+    model: Model, cluster: Cluster, plans: list[Plan], keep: int | None, prune: float | None, *, advance: Advance
+) -> _Part:
     """One part's plans (all SPMD, or all one schedule's) costed, then finished as far as
-    ``prune`` asks (:func:`_simulate`)."""
+    ``keep`` and ``prune`` ask (:func:`_simulate`)."""
     # Every shape's lowered arrays are kept for the simulations; schedule objects, few at once.
     pipelines = Pipelines(keep_simulations=False, max_schedules=32)
     dropped: Counter[str] = Counter()
     with paused_collector():
         prepared = _cost(model, cluster, plans, pipelines, dropped, advance)
-        finished = _simulate(prepared, prune, dropped)
+        finished = _simulate(prepared, keep, prune, dropped)
     advance("simulating", len(plans))
     return _Part(tuple(finished), dropped, pipelines.num_simulations)
 
@@ -396,24 +426,28 @@ def _reason(err: PipedslError, plan: Plan) -> str:
     return f"{label} failed to load: {err.message.splitlines()[0]}"
 
 
-def _simulate(prepared: list[Prepared], prune: float | None, dropped: Counter[str]) -> list[Estimate]:
+def _simulate(prepared: list[Prepared], keep: int | None, prune: float | None, dropped: Counter[str]) -> list[Estimate]:
     """Finish the prepared plans. SPMD plans cost nothing more and are all finished.
     Pipeline plans go schedule by schedule: best-first by lower bound until that
     schedule's best step time is settled (no lower bound left below it), then the rest
     within ``prune`` times it, grouped by evaluated schedule so that each is lowered
-    once. So every schedule's best plan is exact, however far behind the others."""
-    results = [p.finish() for p in prepared if p.key is None]
+    once; with ``keep``, the rest only best-first until the schedule's ``keep`` best are
+    settled. So every schedule's best plan is exact, however far behind the others.
+    With ``keep`` each schedule (and the SPMD plans) gives only its ``keep`` best."""
+    spmd = [p.finish() for p in prepared if p.key is None]
+    results = _best_kept(spmd, keep, dropped, "the SPMD plans'")
     by_schedule: dict[str, list[Prepared]] = {}
     for p in prepared:
         if p.key is not None:
             by_schedule.setdefault(p.key.spec, []).append(p)
     for plans in by_schedule.values():
         order = sorted(plans, key=lambda p: p.lower_bound_s)
+        finished: list[Estimate] = []
         best = float("inf")
         settled = 0
         while settled < len(order) and order[settled].lower_bound_s <= best:
-            results.append(order[settled].finish())
-            best = min(best, results[-1].step_time_s)
+            finished.append(order[settled].finish())
+            best = min(best, finished[-1].step_time_s)
             settled += 1
         rest = order[settled:]
         if prune is not None:
@@ -421,7 +455,48 @@ def _simulate(prepared: list[Prepared], prune: float | None, dropped: Counter[st
             if len(kept) < len(rest):
                 dropped[f"over {prune:g}x its schedule's best step time (lower bound)"] += len(rest) - len(kept)
             rest = kept
-        rest.sort(key=lambda p: _group(p.plan))
-        for item in rest:
-            results.append(item.finish())
+        if keep is None:
+            rest.sort(key=lambda p: _group(p.plan))
+            done = [(p, p.finish()) for p in rest]
+        else:
+            done = _settle_best(rest, [e.step_time_s for e in finished], keep, dropped)
+            # In the order the whole ranking finishes them: equal step times keep it in
+            # the final (stable) sort.
+            done.sort(key=lambda pair: _group(pair[0].plan))
+        finished.extend(estimate for _, estimate in done)
+        results.extend(_best_kept(finished, keep, dropped, "its schedule's"))
     return results
+
+
+def _settle_best(
+    rest: list[Prepared], times: list[float], keep: int, dropped: Counter[str]
+) -> list[tuple[Prepared, Estimate]]:
+    """The plans of ``rest`` (by increasing lower bound) that may be among their
+    schedule's ``keep`` best, finished, given the step ``times`` of its plans finished
+    before: best-first until the ``keep``-th best time is below every lower bound left
+    (a plan whose bound is above it is slower than ``keep`` others)."""
+    # The keep best times so far, negated: a max-heap whose top is the keep-th best.
+    kth = [-t for t in heapq.nsmallest(keep, times)]
+    heapq.heapify(kth)
+    done: list[tuple[Prepared, Estimate]] = []
+    for item in rest:
+        if len(kth) == keep and item.lower_bound_s > -kth[0]:
+            dropped[f"not among its schedule's best {keep}"] += len(rest) - len(done)
+            break
+        estimate = item.finish()
+        done.append((item, estimate))
+        if len(kth) < keep:
+            heapq.heappush(kth, -estimate.step_time_s)
+        elif estimate.step_time_s < -kth[0]:
+            heapq.heapreplace(kth, -estimate.step_time_s)
+    return done
+
+
+def _best_kept(finished: list[Estimate], keep: int | None, dropped: Counter[str], whose: str) -> list[Estimate]:
+    """The ``keep`` fastest of ``finished`` (all with ``keep`` None), in the order given;
+    the rest counted in ``dropped`` as not among ``whose`` best."""
+    if keep is None or len(finished) <= keep:
+        return finished
+    fastest = sorted(range(len(finished)), key=lambda i: finished[i].step_time_s)[:keep]
+    dropped[f"not among {whose} best {keep}"] += len(finished) - keep
+    return [finished[i] for i in sorted(fastest)]

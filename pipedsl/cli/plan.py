@@ -232,6 +232,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
             global_batch=args.global_batch,
             schedules=schedules,
             extra_schedules=args.extra,
+            # What is printed needs only each schedule's best --top; a CSV has every plan.
+            per_schedule=args.top if args.csv is None else None,
             prune=None if args.no_prune else args.prune,
             progress=progress,
             jobs=args.jobs,
@@ -466,8 +468,16 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument(
         "--global-batch", type=positive_int, metavar="B", help="sequences per step (default: about 4 Mi tokens)"
     )
-    src.add_argument("--top", type=positive_int, default=15, metavar="K", help="show the best K plans (default 15)")
-    src.add_argument("--csv", metavar="OUT", help="write every ranked plan to this CSV file")
+    src.add_argument(
+        "--top",
+        type=positive_int,
+        default=15,
+        metavar="K",
+        help="show the best K plans (default 15); without --csv only each schedule's best K are ranked",
+    )
+    src.add_argument(
+        "--csv", metavar="OUT", help="write every ranked plan to this CSV file (every plan within --prune is ranked)"
+    )
     src.add_argument("--schedules", metavar="A,B", help="try only these library schedules (comma-separated)")
     src.add_argument(
         "--prune",

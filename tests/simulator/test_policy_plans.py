@@ -88,6 +88,29 @@ def test_the_lower_bound_holds_at_every_limit(schedule: str, vpp: int, gib: floa
     assert bounds == sorted(bounds, reverse=True)
 
 
+@pytest.mark.parametrize("schedule, vpp", [("zb_auto", 1), ("zbv_auto", 2)])
+def test_the_lower_bound_holds_for_every_plan_and_limit_of_a_search(schedule: str, vpp: int) -> None:
+    # Unfused attention makes memory tight, so that small limits (where a microbatch that
+    # a V placement admits holds both its stages' places) are among those tried.
+    plans = [
+        dataclasses.replace(PLAN, schedule=schedule, vpp=vpp, pp=pp, microbatch_size=b, flash_attention=False)
+        for pp in (2, 4)
+        for b in (1, 2, 4)
+    ]
+    checked = 0
+    for gib in (3.0, 6.0, 12.0):
+        pipelines = Pipelines(keep_simulations=False)
+        for plan in plans:
+            try:
+                found = prepare_plan(MODEL, _cluster(gib), plan, pipelines=pipelines)
+            except DoesNotFit:
+                continue
+            for p in found:
+                assert p.lower_bound_s <= p.finish().step_time_s
+                checked += 1
+    assert checked >= 20
+
+
 def test_no_limit_fits_raises_does_not_fit() -> None:
     with pytest.raises(DoesNotFit):
         prepare_plan(MODEL, _cluster(1.2), PLAN, pipelines=Pipelines(keep_simulations=False))

@@ -86,6 +86,37 @@ def test_pruning_keeps_the_top_exact(frame: pd.DataFrame) -> None:
     assert pruned.groupby("schedule")["step_time_s"].min().to_dict() == pytest.approx(best_of.to_dict())
 
 
+@pytest.mark.parametrize("keep", [1, 3])
+def test_each_schedules_best_few_are_the_full_rankings(keep: int) -> None:
+    # The policy schedules too: their in-flight limits are ranked as plans of their own.
+    schedules = (*SCHEDULES, "zb_auto", "zbv_auto")
+    full = search(MODEL, CLUSTER, 16, global_batch=64, schedules=schedules)
+    kept = search(MODEL, CLUSTER, 16, global_batch=64, schedules=schedules, per_schedule=keep)
+    key = ["schedule", "dp", "tp", "pp", "vpp", "microbatch_size", "zero", "recompute", "inflight_limit", "step_time_s"]
+    for schedule, rows in full.groupby("schedule", sort=False):
+        mine = kept[kept["schedule"] == schedule]
+        assert mine[key].values.tolist() == rows[key].head(keep).values.tolist()
+    assert kept.attrs["simulations"] < full.attrs["simulations"]
+    assert kept.attrs["dropped"][f"not among its schedule's best {keep}"] > 0
+    # Rows that tie keep the full ranking's order, so the best rows overall are its best rows.
+    assert kept[key].head(keep).values.tolist() == full[key].head(keep).values.tolist()
+
+
+def test_top_ranks_no_more_than_the_top_needs() -> None:
+    full = search(MODEL, CLUSTER, 16, global_batch=64, schedules=SCHEDULES)
+    top = search(MODEL, CLUSTER, 16, global_batch=64, schedules=SCHEDULES, top=5)
+    assert top.drop(columns="rank").values.tolist() == full.drop(columns="rank").head(5).values.tolist()
+    assert top.attrs["simulations"] < full.attrs["simulations"]
+    plans = search_plans(MODEL, CLUSTER, 16, global_batch=64, schedules=SCHEDULES, top=5)
+    assert [p.step_time_s for p in plans] == list(top["step_time_s"])
+
+
+@pytest.mark.parametrize("name, value", [("per_schedule", 0), ("top", -1), ("per_schedule", 2.5), ("top", True)])
+def test_top_and_per_schedule_must_be_whole_numbers(name: str, value: object) -> None:
+    with pytest.raises(PlanError, match=f"search: {name} must be a whole number >= 1"):
+        search(MODEL, CLUSTER, 16, global_batch=64, schedules=["1f1b"], **{name: value})
+
+
 def test_enumeration_respects_the_model() -> None:
     plans = list(candidate_plans(MODEL, CLUSTER, 16, global_batch=64, schedules=["interleaved_1f1b"]))
     assert all(p.gpus == 16 for p in plans)
