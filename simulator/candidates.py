@@ -263,6 +263,17 @@ def _sharding_modes(zero: int, *, several: bool) -> tuple[tuple[bool, bool], ...
     return tuple((once, reshard) for once in onces for reshard in reshards)
 
 
+def _no_split(model: Model, *, ends_would: bool) -> str:
+    """Why a pp × vpp was left out: the layers do not split evenly over its stages, and
+    whether they would with the embedding and the head on stages of their own."""
+    if ends_would:
+        return (
+            f"{model.layers} layers split over pp × vpp only with the embedding and the head on stages of their"
+            " own (stage_split='ends', --stage-layers ends)"
+        )
+    return f"{model.layers} layers do not split over pp × vpp"
+
+
 def _pipeline_plans(
     space: _Space,
     model: Model,
@@ -287,9 +298,9 @@ def _pipeline_plans(
                     for vpp in vpp_sizes if sched.takes_vpp else (1,):
                         layers = None
                         if model.layers % (pp * vpp):
-                            layers = ends_split(model.layers, pp * vpp) if ends else None
-                            if layers is None:
-                                space.skip[f"{model.layers} layers do not split over pp × vpp", pp * vpp] += 1
+                            layers = ends_split(model.layers, pp * vpp)
+                            if layers is None or not ends:
+                                space.skip[_no_split(model, ends_would=layers is not None), pp * vpp] += 1
                                 continue
                         for zero in pipeline_zero:
                             for mode in space.modes:

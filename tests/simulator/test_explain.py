@@ -35,7 +35,9 @@ def test_empty_search_names_the_rules() -> None:
     assert isinstance(explanation, Explanation)
     rules = {rule: values for rule, values, _ in explanation.skipped}
     assert rules["global batch 64 is not a multiple of dp"] == (3, 6, 12)
-    assert set(rules["8 layers do not split over pp × vpp"]) == {3, 6}
+    # With the embedding and the head on stages of their own, 8 layers split over 3 and 6.
+    ends = "8 layers split over pp × vpp only with the embedding and the head on stages of their own"
+    assert set(rules[f"{ends} (stage_split='ends', --stage-layers ends)"]) == {3, 6}
     assert rules["pp exceeds the 8 layers"] == (12,)
     assert explanation.schedules_without_plan == ("1f1b",)
     assert "nothing fits" in explanation.lines()[-1]
@@ -46,7 +48,7 @@ def test_cli_search_with_no_plan_exits_1(capsys: pytest.CaptureFixture[str]) -> 
     assert _run(argv) == 1
     out = capsys.readouterr().out
     assert "global batch 512 is not a multiple of dp (3, 6, 12)" in out
-    assert "32 layers do not split over pp × vpp" in out
+    assert "32 layers do not split over pp × vpp (12)" in out  # 12 - 2 stages do not split them either
 
 
 def test_search_counts_dropped_plans_in_the_explanation() -> None:
