@@ -5,9 +5,9 @@ processes that ranked them (``--jobs``; by default the search's own choice), the
 and CPU time (the worker processes' included) and plans per second, and the best
 pipeline plan against the best SPMD plan. With ``--no-prune`` every plan that fits is
 simulated (the ranking of the top is the same). With ``--top K``, the same search then
-ranks only what its best K plans need, each schedule's best K (what ``pipedsl search``
-does unless it writes a CSV), in the same run: its time, the ratio, and that its best K
-rows are the full ranking's.
+ranks only its best K plans and each schedule's best (what ``pipedsl search`` does
+unless it writes a CSV), in the same run: its time, the ratio, and that its best K rows
+are the full ranking's.
 
 The best 40 plans are checked against ``search_gpt3_175b_top40.json`` beside this file,
 the ranking recorded (``--record``) for the default arguments when the cost model last
@@ -139,7 +139,7 @@ def _top_only(args: argparse.Namespace, prune: float | None, full: pd.DataFrame,
     started, cpu = time.perf_counter(), _cpu_seconds()
     frame = search(
         args.model, args.cluster, args.gpus, global_batch=args.global_batch, prune=prune, jobs=args.jobs,
-        per_schedule=args.top, stage_split=args.stage_layers,
+        shortlist=args.top, stage_split=args.stage_layers,
     )  # fmt: skip
     seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
     same = frame[TOP_COLUMNS].head(args.top).equals(full[TOP_COLUMNS].head(args.top))

@@ -16,8 +16,9 @@ that differ only in what the pipeline does not see (ZeRO 0 or 1) share one simul
 
 The plans tried are :func:`~pipedsl.simulator.candidates.candidate_plans`. The SPMD
 plans and each schedule's plans are ranked apart (a pipeline plan is pruned only against
-its own schedule's best), in worker processes for a large search
-(:mod:`~pipedsl.simulator.workers`), with the same ranking either way.
+its own schedule's best; on a shortlist, also against the best found before it), in
+worker processes for a large search (:mod:`~pipedsl.simulator.workers`), with the same
+ranking either way.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def search(
     schedules: Sequence[str] | None = None,
     extra_schedules: Sequence[str | Path] = (),
     top: int | None = None,
-    per_schedule: int | None = None,
+    shortlist: int | None = None,
     prune: float | None = DEFAULT_PRUNE,
     progress: Progress | None = None,
     jobs: int | None = None,
@@ -114,10 +115,12 @@ def search(
     (they cannot come within that factor). Every row is exact, and so is every
     schedule's best. ``prune=None`` simulates every plan that fits.
 
-    With ``per_schedule`` K, each schedule goes on past its best only until its K best
-    are certain (no lower bound left below its K-th best step time), and only those K
-    are ranked, as are only the K best SPMD plans: the best K rows overall are then
-    the same as without it, at a fraction of the simulations. ``top`` implies it.
+    With ``shortlist`` K, only the best K plans overall and each schedule's best (and the
+    best SPMD plan) are ranked: the same rows, in the same order, as the whole ranking
+    has there, at a fraction of the simulations. Past its best, a schedule's plans are
+    then finished only while their lower bound is below both its own K-th best step time
+    and the K-th best of the schedules ranked before it (the policy schedules with an
+    in-flight limit, whose plans cost a synthesis each, come last). ``top`` implies it.
 
     Args:
       model, cluster: descriptions, preset names or TOML paths.
@@ -126,8 +129,8 @@ def search(
       schedules: library names or ``.sched`` paths to try; default the whole library.
       extra_schedules: more ``.sched`` files to try besides.
       top: keep only the best ``top`` rows (and rank no more than they need).
-      per_schedule: rank only each schedule's best this many plans (and as many SPMD
-        plans); None, every plan within ``prune``.
+      shortlist: rank only the best this many plans and each schedule's best; None,
+        every plan within ``prune``.
       prune: the factor above (default :data:`DEFAULT_PRUNE`), or None.
       progress: called with (phase, plans done, plans in all), phase ``"costing"`` and
         ``"simulating"`` (a schedule's plans count as simulated once it is ranked).
@@ -139,7 +142,8 @@ def search(
 
     Returns a DataFrame with :data:`COLUMNS`, best first. ``attrs`` holds ``considered``
     (plans tried), ``dropped`` (a dict from reason to count), ``simulations`` (distinct
-    pipeline simulations run), ``seconds`` (wall time), ``processes`` (that ranked the
+    pipeline simulations run; with a shortlist, also how soon the schedules ranked
+    before one came in), ``seconds`` (wall time), ``processes`` (that ranked the
     plans, this one included when 1), ``model``, ``cluster``,
     ``gpus``, ``global_batch`` and ``explanation`` (an
     :class:`~pipedsl.simulator.explain.Explanation` of what removed plans and why). :func:`search_plans` gives the same ranking as frozen
@@ -149,7 +153,7 @@ def search(
 
     ranked, attrs = _search(
         model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
-        keep=_keep(top, per_schedule), prune=prune, progress=progress, jobs=jobs, **space,
+        keep=_keep(top, shortlist), prune=prune, progress=progress, jobs=jobs, **space,
     )  # fmt: skip
     frame = pd.DataFrame([p.row() for p in ranked], columns=list(COLUMNS))
     if not ranked:
@@ -169,7 +173,7 @@ def search_plans(
     schedules: Sequence[str] | None = None,
     extra_schedules: Sequence[str | Path] = (),
     top: int | None = None,
-    per_schedule: int | None = None,
+    shortlist: int | None = None,
     prune: float | None = DEFAULT_PRUNE,
     progress: Progress | None = None,
     jobs: int | None = None,
@@ -179,18 +183,18 @@ def search_plans(
     (the same arguments; ``top`` keeps the best ``top``)."""
     ranked, _ = _search(
         model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
-        keep=_keep(top, per_schedule), prune=prune, progress=progress, jobs=jobs, **space,
+        keep=_keep(top, shortlist), prune=prune, progress=progress, jobs=jobs, **space,
     )  # fmt: skip
     return ranked if top is None else ranked[:top]
 
 
-def _keep(top: int | None, per_schedule: int | None) -> int | None:
-    """The plans each part of the search ranks for :func:`search`'s ``top`` and
-    ``per_schedule``: the best ``top`` overall are among each part's best ``top``."""
-    for name, value in (("top", top), ("per_schedule", per_schedule)):
+def _keep(top: int | None, shortlist: int | None) -> int | None:
+    """The shortlist :func:`search` ranks for its ``top`` and ``shortlist``: the best
+    ``top`` rows are on a shortlist of ``top``."""
+    for name, value in (("top", top), ("shortlist", shortlist)):
         if value is not None and (type(value) is not int or value < 1):
             raise PlanError(f"search: {name} must be a whole number >= 1 (or None for every plan), got {value!r}")
-    given = [v for v in (top, per_schedule) if v is not None]
+    given = [v for v in (top, shortlist) if v is not None]
     return min(given) if given else None
 
 
@@ -233,6 +237,8 @@ def _search(
     # A stable sort: plans of equal step time keep the order they were finished in.
     finished = sorted(chain.from_iterable(part.finished for part in parts), key=lambda e: e.step_time_s)
     dropped: Counter[str] = sum((part.dropped for part in parts), Counter())
+    if keep is not None:
+        finished = _shortlisted(finished, keep, dropped)
     ranked = tuple(RankedPlan.of(rank, e) for rank, e in enumerate(finished, start=1))
     attrs = dict(
         considered=len(plans),
@@ -320,21 +326,48 @@ def _rank_parts(
     advance: Advance,
 ) -> list[_Part]:
     """Every part ranked (:func:`_rank_part`), in this process (``processes`` 1) or in
-    that many worker processes; the same parts whichever, in the order given."""
+    that many worker processes; the same parts whichever, in the order given. With a
+    shortlist of ``keep``, each part is given the ``keep``-th best step time of the parts
+    ranked before it was started (:func:`_beyond`)."""
+    limited = [takes_limit(part[0].schedule) for part in parts]
+    if keep is not None:
+        # The policy schedules with an in-flight limit after the others, the longest
+        # first: what those have found by then spares them most of their syntheses. Two
+        # of the smallest others are left per other worker, to run alongside them.
+        others = sorted((i for i in range(len(parts)) if not limited[i]), key=lambda i: -len(parts[i]))
+        cut = max(len(others) - 2 * (processes - 1), 0)
+        limits = sorted((i for i in range(len(parts)) if limited[i]), key=lambda i: -len(parts[i]))
+        order = others[:cut] + limits + others[cut:]
+    else:
+        # The longest first, so that no worker is left with one at the end: a policy
+        # schedule with an in-flight limit is synthesised for each plan it finishes.
+        order = sorted(range(len(parts)), key=lambda i: (limited[i], len(parts[i])), reverse=True)
+    calls = [(model, cluster, parts[i], keep, prune) for i in order]
     if processes == 1:
-        return [_rank_part(model, cluster, part, keep, prune, advance=advance) for part in parts]
-    # The longest first, so that no worker is left with one at the end: a policy schedule
-    # with an in-flight limit is synthesised for each of its plans that is finished.
-    longest = sorted(range(len(parts)), key=lambda i: (takes_limit(parts[i][0].schedule), len(parts[i])), reverse=True)
-    ranked = run_in_workers(
-        _rank_part,
-        [(model, cluster, parts[i], keep, prune) for i in longest],
-        jobs=processes,
-        advance=advance,
-        names=[_part_label(parts[i]) for i in longest],
-    )
-    by_part = dict(zip(longest, ranked, strict=True))
+        ranked: list[_Part] = []
+        for call in calls:
+            ranked.append(_rank_part(*call, _beyond(ranked, keep), advance=advance))
+    else:
+        ranked = run_in_workers(
+            _rank_part,
+            calls,
+            jobs=processes,
+            advance=advance,
+            names=[_part_label(parts[i]) for i in order],
+            then=lambda done: (_beyond([part for part in done if part is not None], keep),),
+        )
+    by_part = dict(zip(order, ranked, strict=True))
     return [by_part[i] for i in range(len(parts))]
+
+
+def _beyond(done: Sequence[_Part], keep: int | None) -> float:
+    """The ``keep``-th best step time of the plans the ``done`` parts finished (seconds;
+    infinite with fewer, or without a shortlist): a plan with a greater lower bound is
+    not on the shortlist unless it is its schedule's best."""
+    if keep is None:
+        return float("inf")
+    best = heapq.nsmallest(keep, (e.step_time_s for part in done for e in part.finished))
+    return best[-1] if len(best) == keep else float("inf")
 
 
 def _part_label(plans: list[Plan]) -> str:
@@ -343,16 +376,23 @@ def _part_label(plans: list[Plan]) -> str:
 
 
 def _rank_part(
-    model: Model, cluster: Cluster, plans: list[Plan], keep: int | None, prune: float | None, *, advance: Advance
+    model: Model,
+    cluster: Cluster,
+    plans: list[Plan],
+    keep: int | None,
+    prune: float | None,
+    beyond: float,
+    *,
+    advance: Advance,
 ) -> _Part:
     """One part's plans (all SPMD, or all one schedule's) costed, then finished as far as
-    ``keep`` and ``prune`` ask (:func:`_simulate`)."""
+    ``keep``, ``prune`` and ``beyond`` ask (:func:`_simulate`)."""
     # Every shape's lowered arrays are kept for the simulations; schedule objects, few at once.
     pipelines = Pipelines(keep_simulations=False, max_schedules=32)
     dropped: Counter[str] = Counter()
     with paused_collector():
         prepared = _cost(model, cluster, plans, pipelines, dropped, advance)
-        finished = _simulate(prepared, keep, prune, dropped)
+        finished = _simulate(prepared, keep, prune, beyond, dropped)
     advance("simulating", len(plans))
     return _Part(tuple(finished), dropped, pipelines.num_simulations)
 
@@ -426,16 +466,18 @@ def _reason(err: PipedslError, plan: Plan) -> str:
     return f"{label} failed to load: {err.message.splitlines()[0]}"
 
 
-def _simulate(prepared: list[Prepared], keep: int | None, prune: float | None, dropped: Counter[str]) -> list[Estimate]:
+def _simulate(
+    prepared: list[Prepared], keep: int | None, prune: float | None, beyond: float, dropped: Counter[str]
+) -> list[Estimate]:
     """Finish the prepared plans. SPMD plans cost nothing more and are all finished.
     Pipeline plans go schedule by schedule: best-first by lower bound until that
     schedule's best step time is settled (no lower bound left below it), then the rest
     within ``prune`` times it, grouped by evaluated schedule so that each is lowered
-    once; with ``keep``, the rest only best-first until the schedule's ``keep`` best are
-    settled. So every schedule's best plan is exact, however far behind the others.
-    With ``keep`` each schedule (and the SPMD plans) gives only its ``keep`` best."""
-    spmd = [p.finish() for p in prepared if p.key is None]
-    results = _best_kept(spmd, keep, dropped, "the SPMD plans'")
+    once; with a shortlist of ``keep``, the rest only best-first while their bound is
+    below both the schedule's ``keep``-th best step time and ``beyond`` (seconds, the
+    ``keep``-th best elsewhere). So every schedule's best plan is exact, however far
+    behind the others."""
+    results = [p.finish() for p in prepared if p.key is None]
     by_schedule: dict[str, list[Prepared]] = {}
     for p in prepared:
         if p.key is not None:
@@ -459,29 +501,35 @@ def _simulate(prepared: list[Prepared], keep: int | None, prune: float | None, d
             rest.sort(key=lambda p: _group(p.plan))
             done = [(p, p.finish()) for p in rest]
         else:
-            done = _settle_best(rest, [e.step_time_s for e in finished], keep, dropped)
+            done = _settle_best(rest, [e.step_time_s for e in finished], keep, beyond, dropped)
             # In the order the whole ranking finishes them: equal step times keep it in
             # the final (stable) sort.
             done.sort(key=lambda pair: _group(pair[0].plan))
-        finished.extend(estimate for _, estimate in done)
-        results.extend(_best_kept(finished, keep, dropped, "its schedule's"))
+        results.extend(finished)
+        results.extend(estimate for _, estimate in done)
     return results
 
 
+def _not_listed(keep: int) -> str:
+    """The reason counted for a plan off a shortlist of ``keep``."""
+    return f"not among the best {keep} nor its schedule's best"
+
+
 def _settle_best(
-    rest: list[Prepared], times: list[float], keep: int, dropped: Counter[str]
+    rest: list[Prepared], times: list[float], keep: int, beyond: float, dropped: Counter[str]
 ) -> list[tuple[Prepared, Estimate]]:
-    """The plans of ``rest`` (by increasing lower bound) that may be among their
-    schedule's ``keep`` best, finished, given the step ``times`` of its plans finished
-    before: best-first until the ``keep``-th best time is below every lower bound left
-    (a plan whose bound is above it is slower than ``keep`` others)."""
+    """The plans of ``rest`` (by increasing lower bound) that may be on a shortlist of
+    ``keep``, finished, given the step ``times`` of their schedule's plans finished
+    before: best-first while their bound is below ``beyond`` (seconds) and the schedule's
+    ``keep``-th best time (a plan whose bound is above either is slower than ``keep``
+    others, and the schedule's best is already among ``times``)."""
     # The keep best times so far, negated: a max-heap whose top is the keep-th best.
     kth = [-t for t in heapq.nsmallest(keep, times)]
     heapq.heapify(kth)
     done: list[tuple[Prepared, Estimate]] = []
     for item in rest:
-        if len(kth) == keep and item.lower_bound_s > -kth[0]:
-            dropped[f"not among its schedule's best {keep}"] += len(rest) - len(done)
+        if item.lower_bound_s > beyond or (len(kth) == keep and item.lower_bound_s > -kth[0]):
+            dropped[_not_listed(keep)] += len(rest) - len(done)
             break
         estimate = item.finish()
         done.append((item, estimate))
@@ -492,11 +540,16 @@ def _settle_best(
     return done
 
 
-def _best_kept(finished: list[Estimate], keep: int | None, dropped: Counter[str], whose: str) -> list[Estimate]:
-    """The ``keep`` fastest of ``finished`` (all with ``keep`` None), in the order given;
-    the rest counted in ``dropped`` as not among ``whose`` best."""
-    if keep is None or len(finished) <= keep:
-        return finished
-    fastest = sorted(range(len(finished)), key=lambda i: finished[i].step_time_s)[:keep]
-    dropped[f"not among {whose} best {keep}"] += len(finished) - keep
-    return [finished[i] for i in sorted(fastest)]
+def _shortlisted(ranked: list[Estimate], keep: int, dropped: Counter[str]) -> list[Estimate]:
+    """The best ``keep`` of ``ranked`` (best first) and the best of each schedule (and
+    of the SPMD plans), in the order given; the rest counted in ``dropped``."""
+    seen: set[str | None] = set()
+    listed = []
+    for rank, estimate in enumerate(ranked):
+        schedule = estimate.plan.schedule
+        if rank < keep or schedule not in seen:
+            listed.append(estimate)
+        seen.add(schedule)
+    if len(listed) < len(ranked):
+        dropped[_not_listed(keep)] += len(ranked) - len(listed)
+    return listed

@@ -82,14 +82,17 @@ def run_in_workers(
     jobs: int,
     advance: Advance,
     names: Sequence[str],
+    then: Callable[[Sequence[R | None]], tuple[Any, ...]] | None = None,
 ) -> list[R]:
-    """``fn(*call, advance=...)`` for every call, in ``jobs`` worker processes; the results
-    in the order of ``calls``.
+    """``fn(*call, *then(results), advance=...)`` for every call, in ``jobs`` worker
+    processes; the results in the order of ``calls``.
 
     ``fn`` is a module-level function (it is pickled by name) that reports progress
     through its ``advance`` keyword; those reports reach ``advance`` here, on the
     calling thread. Calls are handed out in the order given, each to the next free
-    worker, so put the longest first. ``names[i]`` says what call i is in an error.
+    worker, so put the longest first. ``then``, when given, adds arguments to a call as
+    it is handed out, from the results in by then (None for calls not answered yet).
+    ``names[i]`` says what call i is in an error.
 
     Raises the exception a call raised (the first to arrive), or PipedslError when a
     worker exits before it answers.
@@ -102,8 +105,14 @@ def run_in_workers(
         for w in range(min(jobs, len(calls))):
             workers.append(_Worker.start(w, messages))
         pending = iter(range(len(calls)))
+
+        def given(call: int | None) -> tuple[int, tuple[Any, ...]] | None:
+            if call is None:
+                return None
+            return call, calls[call] + (() if then is None else then(results))
+
         for worker in workers:
-            worker.give(next(pending, None), fn, calls)
+            worker.give(given(next(pending, None)), fn)
         outstanding = len(calls)
         while outstanding:
             try:
@@ -119,7 +128,7 @@ def run_in_workers(
                 assert worker.call is not None  # an answer comes only to a call
                 results[worker.call] = message[1]
                 outstanding -= 1
-                worker.give(next(pending, None), fn, calls)
+                worker.give(given(next(pending, None)), fn)
             elif kind == "error":
                 raise message[1]
             elif worker.call is not None:  # it exited with a call unanswered
@@ -178,15 +187,16 @@ class _Worker:
             raise
         return worker
 
-    def give(self, call: int | None, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> None:
-        """Hand call number ``call`` to the worker; None closes its input (no more calls)."""
-        self.call = call
+    def give(self, call: tuple[int, tuple[Any, ...]] | None, fn: Callable[..., Any]) -> None:
+        """Hand the worker a call, (its number, its arguments); None closes its input (no
+        more calls)."""
+        self.call = None if call is None else call[0]
         assert self.process.stdin is not None
         try:
             if call is None:
                 self.process.stdin.close()
             else:
-                _write(self.process.stdin, (fn, calls[call]))
+                _write(self.process.stdin, (fn, call[1]))
         except BrokenPipeError:
             pass  # it has exited: its reader reports how, naming this call
 

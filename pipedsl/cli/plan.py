@@ -232,8 +232,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
             global_batch=args.global_batch,
             schedules=schedules,
             extra_schedules=args.extra,
-            # What is printed needs only each schedule's best --top; a CSV has every plan.
-            per_schedule=args.top if args.csv is None else None,
+            # What is printed needs only the best --top and each schedule's best; a CSV has
+            # every plan.
+            shortlist=args.top if args.csv is None else None,
             prune=None if args.no_prune else args.prune,
             progress=progress,
             jobs=args.jobs,
@@ -473,7 +474,7 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=15,
         metavar="K",
-        help="show the best K plans (default 15); without --csv only each schedule's best K are ranked",
+        help="show the best K plans (default 15); without --csv only they and each schedule's best are ranked",
     )
     src.add_argument(
         "--csv", metavar="OUT", help="write every ranked plan to this CSV file (every plan within --prune is ranked)"

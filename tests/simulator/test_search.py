@@ -86,20 +86,27 @@ def test_pruning_keeps_the_top_exact(frame: pd.DataFrame) -> None:
     assert pruned.groupby("schedule")["step_time_s"].min().to_dict() == pytest.approx(best_of.to_dict())
 
 
-@pytest.mark.parametrize("keep", [1, 3])
-def test_each_schedules_best_few_are_the_full_rankings(keep: int) -> None:
-    # The policy schedules too: their in-flight limits are ranked as plans of their own.
+@pytest.mark.parametrize("keep", [1, 3, 8])
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_shortlist_is_the_full_rankings_best_and_each_schedules_best(keep: int, jobs: int) -> None:
+    # The policy schedules too: their in-flight limits are ranked as plans of their own,
+    # and they are ranked last, bounded by what the others found.
     schedules = (*SCHEDULES, "zb_auto", "zbv_auto")
-    full = search(MODEL, CLUSTER, 16, global_batch=64, schedules=schedules)
-    kept = search(MODEL, CLUSTER, 16, global_batch=64, schedules=schedules, per_schedule=keep)
+    full = search(MODEL, CLUSTER, 16, global_batch=64, schedules=schedules, jobs=1)
+    listed = search(MODEL, CLUSTER, 16, global_batch=64, schedules=schedules, shortlist=keep, jobs=jobs)
     key = ["schedule", "dp", "tp", "pp", "vpp", "microbatch_size", "zero", "recompute", "inflight_limit", "step_time_s"]
-    for schedule, rows in full.groupby("schedule", sort=False):
-        mine = kept[kept["schedule"] == schedule]
-        assert mine[key].values.tolist() == rows[key].head(keep).values.tolist()
-    assert kept.attrs["simulations"] < full.attrs["simulations"]
-    assert kept.attrs["dropped"][f"not among its schedule's best {keep}"] > 0
-    # Rows that tie keep the full ranking's order, so the best rows overall are its best rows.
-    assert kept[key].head(keep).values.tolist() == full[key].head(keep).values.tolist()
+    # Rows that tie keep the full ranking's order.
+    best = full[key].head(keep)
+    each = full[key].drop_duplicates("schedule")
+    wanted = full[key][full.index.isin(best.index.union(each.index))]
+    assert listed[key].values.tolist() == wanted.values.tolist()
+    assert listed.attrs["simulations"] < full.attrs["simulations"]
+    # Every plan the full ranking ranks is on the shortlist or counted off it, whichever
+    # schedules came in first.
+    dropped = dict(listed.attrs["dropped"])
+    off = dropped.pop(f"not among the best {keep} nor its schedule's best")
+    assert dropped == full.attrs["dropped"]
+    assert off + len(listed) == len(full)
 
 
 def test_top_ranks_no_more_than_the_top_needs() -> None:
@@ -111,8 +118,8 @@ def test_top_ranks_no_more_than_the_top_needs() -> None:
     assert [p.step_time_s for p in plans] == list(top["step_time_s"])
 
 
-@pytest.mark.parametrize("name, value", [("per_schedule", 0), ("top", -1), ("per_schedule", 2.5), ("top", True)])
-def test_top_and_per_schedule_must_be_whole_numbers(name: str, value: object) -> None:
+@pytest.mark.parametrize("name, value", [("shortlist", 0), ("top", -1), ("shortlist", 2.5), ("top", True)])
+def test_top_and_shortlist_must_be_whole_numbers(name: str, value: object) -> None:
     with pytest.raises(PlanError, match=f"search: {name} must be a whole number >= 1"):
         search(MODEL, CLUSTER, 16, global_batch=64, schedules=["1f1b"], **{name: value})
 

@@ -78,6 +78,23 @@ def test_results_come_back_in_the_order_of_the_calls() -> None:
     assert done == {"squared": sum(range(7))}
 
 
+def _add(n: int, more: int, *, advance: Advance) -> int:
+    return n + more
+
+
+def test_then_adds_arguments_from_the_results_in_when_a_call_is_handed_out() -> None:
+    # One worker: each call is handed out once the one before it has answered.
+    found = run_in_workers(
+        _add,
+        [(1,), (2,), (3,)],
+        jobs=1,
+        advance=lambda *_: None,
+        names=_names(3),
+        then=lambda done: (sum(r for r in done if r is not None),),
+    )
+    assert found == [1, 2 + 1, 3 + 1 + 3]
+
+
 def test_more_jobs_than_calls_start_only_what_is_needed() -> None:
     found = run_in_workers(_square, [(4,)], jobs=8, advance=lambda *_: None, names=_names(1))
     assert found[0][0] == 16
