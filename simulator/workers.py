@@ -3,7 +3,9 @@
 The search ranks each pipeline schedule's plans apart from every other schedule's
 (its pruning compares a plan only with its own schedule's best), so the schedules can be
 ranked at once in separate processes and the results put together in the order the
-search would have made them itself: the ranking is the same, byte for byte.
+search would have made them itself: the ranking is the same, byte for byte. (A search
+for a shortlist also hands each schedule the best step times found before it, which
+changes how much is simulated, not what is ranked.)
 
 A worker is a fresh interpreter (``sys.executable``) started with this process's import
 path; it imports only what a call needs (never the caller's ``__main__``, unlike
