@@ -90,12 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     prune = None if args.no_prune else DEFAULT_PRUNE
 
-    started, cpu = time.perf_counter(), _cpu_seconds()
-    frame = search(
-        args.model, args.cluster, args.gpus, global_batch=args.global_batch, prune=prune, jobs=args.jobs,
-        stage_split=args.stage_layers,
-    )  # fmt: skip
-    seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
+    frame, seconds, cpu = _timed_search(args, prune, shortlist=None)
     attrs = frame.attrs
     print(f"{attrs['model']} on {attrs['gpus']} x {attrs['cluster']}, global batch {attrs['global_batch']}")
     print(f"  plans considered   {attrs['considered']:>7}")
@@ -133,15 +128,22 @@ def main() -> None:
     record("bench_search", figures)
 
 
-def _top_only(args: argparse.Namespace, prune: float | None, full: pd.DataFrame, full_s: float) -> dict[str, float]:
-    """The search again, ranking only what its best ``args.top`` rows need: its wall and
-    CPU seconds, against the full ranking's ``full_s``, and whether its rows are ``full``'s."""
+def _timed_search(
+    args: argparse.Namespace, prune: float | None, *, shortlist: int | None
+) -> tuple[pd.DataFrame, float, float]:
+    """The search the arguments ask for, its wall and CPU seconds (workers included)."""
     started, cpu = time.perf_counter(), _cpu_seconds()
     frame = search(
         args.model, args.cluster, args.gpus, global_batch=args.global_batch, prune=prune, jobs=args.jobs,
-        shortlist=args.top, stage_split=args.stage_layers,
+        shortlist=shortlist, stage_split=args.stage_layers,
     )  # fmt: skip
-    seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
+    return frame, time.perf_counter() - started, _cpu_seconds() - cpu
+
+
+def _top_only(args: argparse.Namespace, prune: float | None, full: pd.DataFrame, full_s: float) -> dict[str, float]:
+    """The search again, ranking only what its best ``args.top`` rows need: its wall and
+    CPU seconds, against the full ranking's ``full_s``, and whether its rows are ``full``'s."""
+    frame, seconds, cpu = _timed_search(args, prune, shortlist=args.top)
     same = frame[TOP_COLUMNS].head(args.top).equals(full[TOP_COLUMNS].head(args.top))
     print(f"  best {args.top} only        {seconds:7.1f} s wall, {cpu:.1f} s of CPU: {full_s / seconds:.2f}x faster;"
           f" {len(frame)} ranked, {frame.attrs['simulations']} simulations; its best {args.top} rows"
