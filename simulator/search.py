@@ -330,18 +330,18 @@ def _rank_parts(
     shortlist of ``keep``, each part is given the ``keep``-th best step time of the parts
     ranked before it was started (:func:`_beyond`)."""
     limited = [takes_limit(part[0].schedule) for part in parts]
-    if keep is not None:
-        # The policy schedules with an in-flight limit after the others, the longest
-        # first: what those have found by then spares them most of their syntheses. Two
-        # of the smallest others are left per other worker, to run alongside them.
-        others = sorted((i for i in range(len(parts)) if not limited[i]), key=lambda i: -len(parts[i]))
-        cut = max(len(others) - 2 * (processes - 1), 0)
-        limits = sorted((i for i in range(len(parts)) if limited[i]), key=lambda i: -len(parts[i]))
-        order = others[:cut] + limits + others[cut:]
+    # The longest first, so that no worker is left with one at the end; a policy schedule
+    # with an in-flight limit is synthesised for each plan it finishes.
+    others = sorted((i for i in range(len(parts)) if not limited[i]), key=lambda i: -len(parts[i]))
+    limits = sorted((i for i in range(len(parts)) if limited[i]), key=lambda i: -_synthesis_size(parts[i]))
+    if keep is None:
+        order = limits + others
     else:
-        # The longest first, so that no worker is left with one at the end: a policy
-        # schedule with an in-flight limit is synthesised for each plan it finishes.
-        order = sorted(range(len(parts)), key=lambda i: (limited[i], len(parts[i])), reverse=True)
+        # The policy schedules with an in-flight limit after the others: what those have
+        # found by then spares them most of their syntheses. Two of the smallest others
+        # are left per other worker, to run alongside them.
+        cut = max(len(others) - 2 * (processes - 1), 0)
+        order = others[:cut] + limits + others[cut:]
     calls = [(model, cluster, parts[i], keep, prune) for i in order]
     if processes == 1:
         ranked: list[_Part] = []
@@ -358,6 +358,21 @@ def _rank_parts(
         )
     by_part = dict(zip(order, ranked, strict=True))
     return [by_part[i] for i in range(len(parts))]
+
+
+def _synthesis_size(plans: list[Plan]) -> int:
+    """How much synthesis a policy schedule's plans ask for, roughly: the actions of their
+    orders (stages × microbatches, summed), a device's stages read from the policy's
+    placement at its default parameters (one where those do not evaluate). A V placement
+    (two stages per device) synthesises twice the actions of one stage per device."""
+    spec = plans[0].schedule
+    assert spec is not None
+    try:
+        policy = library.load(spec)
+        per_device = max(policy.num_stages // policy.num_devices, 1)
+    except PipedslError:
+        per_device = 1
+    return per_device * sum(plan.pp * plan.microbatches for plan in plans)
 
 
 def _beyond(done: Sequence[_Part], keep: int | None) -> float:
