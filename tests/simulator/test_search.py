@@ -251,6 +251,24 @@ def test_a_large_search_uses_a_process_per_core_by_default(monkeypatch: pytest.M
     assert search_module._processes(8, small) == 2
 
 
+def test_policy_schedules_go_out_by_the_actions_they_synthesise(tmp_path: Path) -> None:
+    # The search module, not the function of the same name that pipedsl.simulator exports.
+    search_module = importlib.import_module("pipedsl.simulator.search")
+
+    def size(schedule: str) -> int:
+        # 8 and 16 microbatches of one sequence per data-parallel rank.
+        plans = [Plan(dp=2, tp=1, pp=4, microbatch_size=1, global_batch=2 * m, schedule=schedule) for m in (8, 16)]
+        return search_module._synthesis_size(plans)
+
+    # zbv_auto holds two stages per device, zb_auto one: twice the actions for the same plans.
+    assert size("zbv_auto") == 2 * size("zb_auto") == 2 * (4 * 8 + 4 * 16)
+    # A policy whose defaults its own `require` refuses counts one stage per device.
+    refused = tmp_path / "refused.sched"
+    spec = library.resolve("zbv_auto").read_text().replace("pp >= 1,", "pp >= 5,")
+    refused.write_text(spec)
+    assert size(str(refused)) == size("zb_auto")
+
+
 @pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
 def test_jobs_must_be_a_whole_number(jobs: object) -> None:
     with pytest.raises(PlanError, match="jobs must be a whole number"):
