@@ -343,10 +343,14 @@ def _rank_parts(
         cut = max(len(others) - 2 * (processes - 1), 0)
         order = others[:cut] + limits + others[cut:]
     calls = [(model, cluster, parts[i], keep, prune) for i in order]
+
+    def beyond(done: Sequence[_Part | None]) -> tuple[float]:
+        return (_beyond([part for part in done if part is not None], keep),)
+
     if processes == 1:
         ranked: list[_Part] = []
         for call in calls:
-            ranked.append(_rank_part(*call, _beyond(ranked, keep), advance=advance))
+            ranked.append(_rank_part(*call, *beyond(ranked), advance=advance))
     else:
         ranked = run_in_workers(
             _rank_part,
@@ -354,7 +358,7 @@ def _rank_parts(
             jobs=processes,
             advance=advance,
             names=[_part_label(parts[i]) for i in order],
-            then=lambda done: (_beyond([part for part in done if part is not None], keep),),
+            then=beyond,
         )
     by_part = dict(zip(order, ranked, strict=True))
     return [by_part[i] for i in range(len(parts))]
