@@ -13,7 +13,10 @@ the policy's priority order that its limits allow. The chosen action's start and
 follow the rules the simulator applies to the lowered program (start = max(device free,
 inputs arrived); a transfer between devices takes the costs' time; a blocking send
 keeps the sender until it arrives), so the makespan of each order tried is known exactly
-without simulating it, and the fastest is kept.
+without simulating it, and the fastest is kept. A device may choose later than it could
+start (a guarded ``W`` waits to see what arrives first); what it then chooses still
+starts when the device was free and its input there, as in the simulator, whose
+program runs no waits.
 
 Choices the policy leaves open are tried as a few :class:`Variant`\\ s (as the zero-bubble
 paper's scheduler tries its flags):
@@ -420,7 +423,10 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
     taken; None once the pass provably cannot finish in under ``beat`` seconds.
 
     That proof: a device's remaining actions start no earlier than it is next free and do
-    not overlap, so the makespan is at least its clock plus its remaining work. The pass
+    not overlap, so the makespan is at least its clock plus its remaining work. The clock
+    is the simulator's (an action starts when the device is free and its input has arrived,
+    not when the device chose it), so the makespan is the one the simulator reports for the
+    order, and ties between passes are ties there too. The pass
     stops when that exceeds ``beat`` by more than the rounding of the running sums
     (:data:`_ROUNDING`), so a pass that stops would have lost to ``beat`` (strictly
     slower), and :func:`synthesize` keeps the same order as with every pass finished.
@@ -531,11 +537,18 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
 
         notify = -1
         arrival = 0.0
+        # The simulator's clock: an action starts once the device is free and its input has
+        # arrived, which may be before ``t``, the time the device chose it (after a guard's
+        # wait that ended in the W it held, or a forward it held back with it).
+        start = clock[d]
         if kind == _F:
             s = f_s
             m = nf[s]
             nf[s] = m + 1
-            end = t + cost_f[s]
+            r = arr_f[s * M + m]
+            if r > start:
+                start = r
+            end = start + cost_f[s]
             work[d] -= cost_f[s]
             if entry[s]:
                 reserved[d] += later[s]
@@ -557,7 +570,10 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             s = b_s
             m = nb[s]
             nb[s] = m + 1
-            end = t + cost_b[s]
+            r = arr_b[s * M + m]
+            if r > start:
+                start = r
+            end = start + cost_b[s]
             work[d] -= cost_b[s]
             ahead_now[d] -= 1
             if split:
@@ -573,7 +589,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             free = end + after_b[s]
         else:
             s, m = wq[d].popleft()
-            end = t + cost_w[s]
+            end = start + cost_w[s]
             live[d] -= 1
             held[d] -= wres[s]
             free = end
