@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck bench results notebooks clean
+.PHONY: install demo test test-random lint typecheck bench results notebooks clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,14 @@ TEST_WORKERS ?= 2
 
 test: lint typecheck
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+
+# The synthesiser's property tests with hypothesis drawing anew each run, ten times as many
+# examples as `make test`'s fixed draw (tests/conftest.py's `random` profile): for whoever
+# changes pipedsl/synthesize.py. A failure prints the @reproduce_failure line that replays it.
+RANDOM_TESTS ?= tests/simulator/test_synthesis.py
+
+test-random: $(STAMP)
+	HYPOTHESIS_PROFILE=random $(PY) -m pytest -q $(RANDOM_TESTS)
 
 # The format check reads pyproject's [tool.ruff] settings (line length 120).
 lint: $(STAMP)

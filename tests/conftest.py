@@ -29,6 +29,13 @@ the workers take whole modules in collection order, so the long ones start first
 many short ones even out the end; xdist's own order (most tests first) would leave a module
 of one long test for last.
 
+Hypothesis draws the same examples in every run and every clone (the ``ci`` profile, the
+default), so a property test's verdict never depends on the draw, and it writes no example
+database into the clone. ``HYPOTHESIS_PROFILE=random`` (``make test-random``) draws anew in
+each run and ten times as many examples where a test leaves the count to the profile (the
+synthesiser's property tests do); a failure prints the ``@reproduce_failure`` line that
+replays it.
+
 Tests of Ctrl-C take the ``ctrl_c`` fixture: SIGINT as a foreground job in a terminal gets
 it, whatever this run inherited (a shell starts a background job with SIGINT ignored, and
 every process it starts inherits that).
@@ -45,6 +52,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from pipedsl.executor.devices import request_devices
 
@@ -72,6 +80,10 @@ def _default_flag(flag: str, *, probe: bool = False) -> None:
     if flag.split("=")[0] not in flags and (not probe or _xla_takes(flag)):
         os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
 
+
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100)
+settings.register_profile("random", derandomize=False, database=None, deadline=None, max_examples=1000, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 _default_flag("--xla_backend_optimization_level=0")
 _default_flag("--xla_cpu_use_fusion_emitters=false", probe=True)

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from helpers import one_f_one_b
@@ -198,7 +198,6 @@ KEPT_A_LATER_TIE = problem(
 """The synthesiser kept the later of two orders of 25.75 s."""
 
 
-@settings(max_examples=60, deadline=None)
 @given(problems())
 def test_synthesis_validates_keeps_its_limits_and_beats_1f1b(problem: tuple[Policy, CostModel, Schedule]) -> None:
     policy, costs, baseline = problem
@@ -223,7 +222,6 @@ def spans_and_kept(policy: Policy, costs: CostModel) -> tuple[list[float], int]:
     return spans, alone.index(synthesize(policy, costs))
 
 
-@settings(max_examples=40, deadline=None)
 @given(problems())
 @example(KEPT_ANOTHER)
 @example(KEPT_A_LATER_TIE)
@@ -248,7 +246,6 @@ def test_the_order_kept_is_the_first_of_the_fastest_where_it_once_was_not(
     assert spans.index(min(spans)) == kept
 
 
-@settings(max_examples=30, deadline=None)
 @given(problems(), st.booleans())
 def test_the_synthesised_program_is_the_lowered_order(problem: tuple[Policy, CostModel, Schedule], v: bool) -> None:
     # What the search times (int arrays straight from the pass) is what lowering the
