@@ -13,6 +13,8 @@ against each action's dependency chain) shows it cannot come within ``prune`` ti
 schedule's best. Each (schedule, pp, vpp, microbatches) is evaluated once and lowered at
 most once while it is needed (:class:`~pipedsl.simulator.plan.Pipelines`), and plans
 that differ only in what the pipeline does not see (ZeRO 0 or 1) share one simulation.
+What the shapes cost is counted from the plans before any is evaluated, and a search past
+:mod:`~pipedsl.simulator.search_work`'s bound is refused with a PlanError saying so.
 
 The plans tried are :func:`~pipedsl.simulator.candidates.candidate_plans`. The SPMD
 plans and each schedule's plans are ranked apart (a pipeline plan is pruned only against
@@ -44,6 +46,7 @@ from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, PlanError, schedule_name
 from pipedsl.simulator.policy_plans import prepare_plan, takes_limit
 from pipedsl.simulator.ranked import COLUMNS, RankedPlan, Summary, describe, summarize
+from pipedsl.simulator.search_work import SearchWork, stages_per_device
 from pipedsl.simulator.workers import Advance, available_cores, run_in_workers
 from pipedsl.validate import validate
 
@@ -148,6 +151,10 @@ def search(
     ``gpus``, ``global_batch`` and ``explanation`` (an
     :class:`~pipedsl.simulator.explain.Explanation` of what removed plans and why). :func:`search_plans` gives the same ranking as frozen
     :class:`RankedPlan` records.
+
+    Raises PlanError before any work when the plans' schedules come to more (stage,
+    microbatch) pairs than :mod:`~pipedsl.simulator.search_work` bounds (a very large
+    global batch over few replicas), and when memory runs out under a tighter cap.
     """
     import pandas as pd
 
@@ -230,10 +237,19 @@ def _search(
             skipped=skipped, **space,
         )
     )  # fmt: skip
+    work = SearchWork.of(plans)
+    work.check(what=f"the plans of {model.name} on {gpus:,} GPUs at a global batch of {batch:,}")
     done = _Tally(len(plans), progress)
     split = _parts(plans)
     processes = _processes(jobs, split)
-    parts = _rank_parts(model, cluster, split, keep, prune, processes=processes, advance=done.advance)
+    try:
+        parts = _rank_parts(model, cluster, split, keep, prune, processes=processes, advance=done.advance)
+    except MemoryError:
+        # Within the bound a search holds about 1.5 GB a process: a cap below that.
+        raise PlanError(
+            f"search: out of memory ranking {len(plans):,} plans of {work.total:,} (stage, microbatch) pairs;"
+            " a smaller global batch, or fewer schedules, needs less"
+        ) from None
     # A stable sort: plans of equal step time keep the order they were finished in.
     finished = sorted(chain.from_iterable(part.finished for part in parts), key=lambda e: e.step_time_s)
     dropped: Counter[str] = sum((part.dropped for part in parts), Counter())
@@ -371,12 +387,7 @@ def _synthesis_size(plans: list[Plan]) -> int:
     (two stages per device) synthesises twice the actions of one stage per device."""
     spec = plans[0].schedule
     assert spec is not None
-    try:
-        policy = library.load(spec)
-        per_device = max(policy.num_stages // policy.num_devices, 1)
-    except PipedslError:
-        per_device = 1
-    return per_device * sum(plan.pp * plan.microbatches for plan in plans)
+    return stages_per_device(spec) * sum(plan.pp * plan.microbatches for plan in plans)
 
 
 def _beyond(done: Sequence[_Part], keep: int | None) -> float:

@@ -16,11 +16,18 @@ progress while it works, at most every :data:`_REPORT_S` seconds, and exits when
 closes. A worker that dies, or a call that raises, ends the whole run with an
 error (the call's own exception where it can be pickled), and the other workers are
 killed at once; so are they on Ctrl-C.
+
+A worker dies with the process that started it, however that one ends (SIGKILL, the
+out-of-memory killer, a crash), in the middle of a call too: on Linux the kernel kills it
+as its parent exits (``prctl(PR_SET_PDEATHSIG)``), and everywhere a thread of its own
+waits on a *lifeline*, a pipe on which the parent never writes and which reaches its end
+only when every holder of the writing end, the parent alone, has gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import pickle
@@ -56,6 +63,12 @@ gone: each worker's reader reports its exit."""
 _STOP_S = 5.0
 """Seconds a worker whose input has closed gets to exit before it is killed."""
 
+_ORPHANED = 1
+"""A worker's exit code when it finds its parent gone (nobody is left to read it)."""
+
+_PR_SET_PDEATHSIG = 1
+"""Linux's ``prctl`` option: the signal this process gets when its parent exits."""
+
 # Run by ``python -c``: this process's import path, then the worker loop. A worker runs in
 # a process group of its own (``start``), so a terminal's Ctrl-C reaches only the caller,
 # which stops its workers; one sent to the worker itself still ends it quietly.
@@ -63,7 +76,7 @@ _BOOT = (
     "import sys\n"
     "try:\n"
     "    import json; sys.path[:] = json.loads(sys.argv[1])\n"
-    "    from pipedsl.simulator.workers import serve; serve(int(sys.argv[2]))\n"
+    "    from pipedsl.simulator.workers import serve; serve(int(sys.argv[2]), lifeline=int(sys.argv[3]))\n"
     "except KeyboardInterrupt:\n"
     "    pass\n"
 )
@@ -152,10 +165,11 @@ class _Worker:
     """One worker process, the call it is running, and the thread that reads its
     messages onto the caller's queue (tagged with the worker's index)."""
 
-    def __init__(self, index: int, process: subprocess.Popen[bytes], answers: IO[bytes]) -> None:
+    def __init__(self, index: int, process: subprocess.Popen[bytes], answers: IO[bytes], lifeline: int) -> None:
         self.index = index
         self.process = process
         self.answers = answers
+        self.lifeline = lifeline
         self.call: int | None = None
 
     @classmethod
@@ -163,27 +177,32 @@ class _Worker:
         # Answers come on a pipe of their own: nothing the interpreter or a library
         # prints on standard output as it starts can be taken for one.
         read, write = os.pipe()
+        # The lifeline's writing end stays here, never written: os.pipe's ends are not
+        # inherited, so no other process started meanwhile holds it open.
+        alive, lifeline = os.pipe()
         worker: _Worker | None = None
         try:
-            with _interrupt_held():
+            with _signals_held():
                 try:
                     process = subprocess.Popen(
-                        [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(write)],
+                        [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(write), str(alive)],
                         stdin=subprocess.PIPE,
-                        pass_fds=(write,),
+                        pass_fds=(write, alive),
                         # Out of the caller's process group: a Ctrl-C that arrives while the
                         # interpreter is still starting would print its traceback.
                         process_group=0,
                     )
                 except BaseException:
                     os.close(read)
+                    os.close(lifeline)
                     raise
                 finally:
                     os.close(write)
-                worker = cls(index, process, os.fdopen(read, "rb"))
+                    os.close(alive)
+                worker = cls(index, process, os.fdopen(read, "rb"), lifeline)
                 threading.Thread(target=worker._read, args=(messages,), daemon=True).start()
         except BaseException:
-            # A Ctrl-C held while it started: the caller never holds it, so it is stopped here.
+            # A signal held while it started: the caller never holds it, so it is stopped here.
             if worker is not None:
                 worker.kill()
             raise
@@ -215,35 +234,55 @@ class _Worker:
             self.process.wait(timeout=_STOP_S)
         except subprocess.TimeoutExpired:
             self.kill()
+        else:
+            self._cut_lifeline()
 
     def kill(self) -> None:
         """Stop the worker now, whatever it is doing."""
         self.process.kill()
         self.process.wait()
+        self._cut_lifeline()
+
+    def _cut_lifeline(self) -> None:
+        """Close the lifeline's writing end, once the worker has exited (a second call,
+        from a kill after a stop, finds it closed)."""
+        if self.lifeline >= 0:
+            os.close(self.lifeline)
+            self.lifeline = -1
+
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
+"""The signals a caller may take as an exception (Ctrl-C; TERM in ``pipedsl search``),
+held while a worker starts."""
 
 
 @contextlib.contextmanager
-def _interrupt_held() -> Iterator[None]:
-    """A Ctrl-C that arrives inside the block takes effect as it ends. ``Popen`` interrupted
-    after its fork would raise without returning the process it started, which would then
-    run on with nobody to stop it. Only the main thread receives signals, so elsewhere
-    this holds nothing."""
-    previous = signal.getsignal(signal.SIGINT)
+def _signals_held() -> Iterator[None]:
+    """A Ctrl-C or TERM that arrives inside the block takes effect as it ends, each as
+    its handler outside the block would have taken it. ``Popen`` interrupted after its
+    fork would raise without returning the process it started, which would then run on
+    with nobody to stop it. Only the main thread receives signals, so elsewhere this holds
+    nothing."""
+    previous = {signum: signal.getsignal(signum) for signum in _HELD}
     # None: a handler set outside Python, which could not be put back.
-    if previous is None or threading.current_thread() is not threading.main_thread():
+    if None in previous.values() or threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught: list[FrameType | None] = []
-    signal.signal(signal.SIGINT, lambda _signum, frame: caught.append(frame))
+    caught: list[tuple[int, FrameType | None]] = []
+    for signum in _HELD:
+        signal.signal(signum, lambda got, frame: caught.append((got, frame)))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            if callable(previous):
-                previous(signal.SIGINT, caught[0])
-            elif previous == signal.SIG_DFL:
-                signal.raise_signal(signal.SIGINT)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        # The first signal caught, as its handler takes it: that one ends the block's caller.
+        for got, frame in caught[:1]:
+            taken = previous[signal.Signals(got)]
+            if callable(taken):
+                taken(got, frame)
+            elif taken == signal.SIG_DFL:
+                signal.raise_signal(got)
 
 
 def _write(stream: IO[bytes], message: object) -> None:
@@ -251,22 +290,47 @@ def _write(stream: IO[bytes], message: object) -> None:
     stream.flush()
 
 
-def serve(answers: int) -> None:
+def serve(answers: int, *, lifeline: int) -> None:
     """The worker's loop: run each call that arrives on standard input and answer on file
-    descriptor ``answers``, until the input closes. What a call prints goes to standard
-    error, as the caller's standard output is for its own results."""
+    descriptor ``answers``, until the input closes; exit at once, whatever it is doing,
+    when the pipe ``lifeline`` (a file descriptor) reaches its end. What a call prints
+    goes to standard error, as the caller's standard output is for its own results."""
+    _die_with_parent(lifeline)
     out = os.fdopen(answers, "wb")
     os.dup2(2, 1)
-    for fn, call in frames.messages(sys.stdin.buffer):
-        reporter = _Reporter(out)
-        try:
-            result = fn(*call, advance=reporter.advance)
-        except Exception as err:  # noqa: BLE001 - every failure goes back to the caller
-            reporter.flush()
-            _write(out, ("error", _portable(err)))
-        else:
-            reporter.flush()
-            _write(out, ("done", result))
+    try:
+        for fn, call in frames.messages(sys.stdin.buffer):
+            reporter = _Reporter(out)
+            try:
+                result = fn(*call, advance=reporter.advance)
+            except Exception as err:  # noqa: BLE001 - every failure goes back to the caller
+                reporter.flush()
+                _write(out, ("error", _portable(err)))
+            else:
+                reporter.flush()
+                _write(out, ("done", result))
+    except BrokenPipeError:
+        # The parent went between the lifeline's end and this write: as there.
+        os._exit(_ORPHANED)
+
+
+def _die_with_parent(lifeline: int) -> None:
+    """Exit as soon as the parent has gone. A parent that died before this ran has already
+    closed the lifeline, so its end is found at once."""
+    if sys.platform.startswith("linux"):
+        # SIGKILL, as nothing of a worker's is worth saving. The kernel sends it when the
+        # thread that started the worker exits: that thread waits in run_in_workers until
+        # every worker has exited.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    threading.Thread(target=_exit_at_end, args=(lifeline,), daemon=True).start()
+
+
+def _exit_at_end(lifeline: int) -> None:
+    """Wait for the end of the pipe ``lifeline``, on which nothing is ever written, then
+    exit without a word: the parent has gone, and with it whoever wanted the answers."""
+    os.read(lifeline, 1)
+    os._exit(_ORPHANED)
 
 
 class _Reporter:

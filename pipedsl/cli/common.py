@@ -6,17 +6,20 @@ parsed arguments to an exit code.
 
 Exit codes: 0 success; 1 a schedule breaks a validation rule
 (:class:`~pipedsl.errors.ScheduleInvalid`); 2 a usage error, a syntax or evaluation
-error, an unreadable input or any other :class:`~pipedsl.errors.PipedslError`. Errors go
-to stderr as ``file:line:col: message`` with the source line and a caret, never as a
-traceback.
+error, an unreadable input or any other :class:`~pipedsl.errors.PipedslError`; 130
+stopped by Ctrl-C; 143 stopped by TERM (``search``, which stops its worker processes
+first). Errors go to stderr as ``file:line:col: message`` with the source line and a
+caret, never as a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +38,9 @@ __all__ = [
     "EXIT_INVALID",
     "EXIT_USAGE",
     "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
+    "Terminated",
+    "terminate_raises",
     "add_param_option",
     "parse_params",
     "load_schedule",
@@ -54,6 +60,29 @@ EXIT_INVALID = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 """The shell's code for a command stopped by SIGINT (Ctrl-C)."""
+EXIT_TERMINATED = 143
+"""The shell's code for a command stopped by SIGTERM (128 + 15)."""
+
+
+class Terminated(BaseException):
+    """A SIGTERM taken on the main thread (:func:`terminate_raises`). Not an Exception, as
+    KeyboardInterrupt is not: no ``except Exception`` on the way out swallows it."""
+
+
+def _raise_terminated(_signum: int, _frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def terminate_raises() -> Iterator[None]:
+    """Inside the block a SIGTERM raises :class:`Terminated`, so that what the command
+    started is stopped on the way out (a search's worker processes) as on Ctrl-C, and the
+    command ends with one line rather than silently in the middle of its work."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def plural(count: int, noun: str) -> str:

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pipedsl.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, report_error
+from pipedsl.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, Terminated, report_error
 from pipedsl.errors import PipedslError
 
 __all__ = ["build_parser", "main"]
@@ -31,7 +31,8 @@ examples:
   pipedsl show schedules/1f1b.sched -p pp=4 --lowered
   pipedsl convert schedules/zb_h1.sched --to csv -o zb_h1.csv
 
-exit codes: 0 success, 1 invalid schedule, 2 usage, syntax or input error"""
+exit codes: 0 success, 1 invalid schedule, 2 usage, syntax or input error,
+  130 interrupted (Ctrl-C), 143 terminated (TERM)"""
 
 
 #: The command modules in the order of ``pipedsl --help``, each with the commands its
@@ -101,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         # a driver that is gone.
         print(f"pipedsl {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        # The same way out as a Ctrl-C, for a command that takes TERM (search).
+        print(f"pipedsl {args.command}: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except BrokenPipeError:
         # The reader went away (``pipedsl show ... | head``); that is not our error. Point
         # stdout at /dev/null so that the flush at exit does not raise again.

@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
-from pipedsl.cli.common import add_command, check_output_file, make_console, positive_int
+from pipedsl.cli.common import add_command, check_output_file, make_console, positive_int, terminate_raises
 from pipedsl.cli.llm_flags import (
     add_common_options,
     add_estimate_options,
@@ -210,17 +211,25 @@ def _cmd_search(args: argparse.Namespace) -> int:
     _check_model_size(load_model(args.model))
     schedules = None if args.schedules is None else [s.strip() for s in args.schedules.split(",") if s.strip()]
     err = make_console(stderr=True)
-    with Progress(
-        TextColumn("{task.description:<11}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
+    with (
+        terminate_raises(),
+        Progress(
+            TextColumn("{task.description:<11}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+        ) as bar,
+    ):
         tasks: dict[str, TaskID] = {}
+        # A bar is drawn only on a terminal; elsewhere (a log, a pipe) a line now and then.
+        lines = _ProgressLines()
 
         def progress(phase: str, done: int, total: int) -> None:
+            if not err.is_terminal:
+                lines.report(phase, done, total)
+                return
             if phase not in tasks:
                 tasks[phase] = bar.add_task(phase, total=total)
             bar.update(tasks[phase], completed=done, total=total)
@@ -252,6 +261,26 @@ def _cmd_search(args: argparse.Namespace) -> int:
             raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
     _print_search(frame, make_console(), top=args.top, csv=args.csv)
     return 0 if len(frame) else 1
+
+
+_LINE_EVERY_S = 10.0
+"""Seconds between two progress lines of a search whose standard error is not a terminal."""
+
+
+class _ProgressLines:
+    """A search's progress as plain lines on standard error, for a log or a pipe: the
+    first report at once, then at most one every :data:`_LINE_EVERY_S` seconds."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.last: float | None = None
+
+    def report(self, phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if self.last is not None and now - self.last < _LINE_EVERY_S and done < total:
+            return
+        self.last = now
+        print(f"pipedsl search: {phase} {done:,} of {total:,} plans ({now - self.started:.0f} s)", file=sys.stderr)
 
 
 _HEADERS = {

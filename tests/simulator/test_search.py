@@ -8,15 +8,17 @@ import dataclasses
 import importlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
-import time
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from processes import Lines, alive
 
 from pipedsl import library
 from pipedsl.cli import plan as plan_cli
@@ -30,6 +32,7 @@ from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.ranked import describe
 from pipedsl.simulator.search import COLUMNS, candidate_plans, search, search_plans, summarize
+from pipedsl.simulator.search_work import MAX_PAIRS, MAX_PAIRS_PER_SCHEDULE, SearchWork, stages_per_device
 from pipedsl.synthesize import synthesize
 
 MODEL = Model(name="gpt-small", layers=8, hidden=1024, ffn_hidden=4096, heads=16, seq_len=1024, vocab=32000)
@@ -187,53 +190,98 @@ def test_worker_processes_rank_the_same(frame: pd.DataFrame, tmp_path: Path) -> 
     assert both.to_dict("records") == alone.to_dict("records")
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                # The parent's id is the field after the state, past the parenthesised name.
-                fields = (entry / "stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
+# `pipedsl search` with each worker process paused the moment it starts, before its
+# interpreter has even imported pipedsl, and its pid printed: the search is then waiting
+# on its workers in the middle of the ranking, however fast the machine.
+_PAUSED_WORKERS = (
+    "import os, signal, subprocess, sys\n"
+    "start = subprocess.Popen\n"
+    "def paused(*args, **kwargs):\n"
+    "    process = start(*args, **kwargs)\n"
+    "    os.kill(process.pid, signal.SIGSTOP)\n"
+    "    print('worker', process.pid, file=sys.stderr, flush=True)\n"
+    "    return process\n"
+    "subprocess.Popen = paused\n"
+    "from pipedsl.cli.main import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+_SEARCH = ["search", "--model", "gpt3-175b", "--cluster", "a100-80gb", "--gpus", "1024", "--global-batch", "1536",
+           "--jobs", "2"]  # fmt: skip
+
+
+def _stopped_by(signum: int, *, group: bool) -> tuple[int, str, list[int]]:
+    """A search stopped by ``signum`` while its two workers are paused (sent to its whole
+    process group, as a terminal's Ctrl-C is, or to it alone, as ``kill`` sends TERM):
+    its exit code, its standard error, and its workers' pids."""
+    # In a session of its own, so that it has a process group of its own.
+    run = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED_WORKERS, *_SEARCH], stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    lines = Lines(run.stderr)  # type: ignore[arg-type]
+    try:
+        workers = [int(line.split()[1]) for line in lines.starting("worker ", 2)]
+        assert len(workers) == 2, lines.read
+        if group:
+            os.killpg(run.pid, signum)
+        else:
+            os.kill(run.pid, signum)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        run.wait(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    return run.returncode, lines.text(), workers
 
 
 @pytest.mark.usefixtures("ctrl_c")
 def test_ctrl_c_stops_the_search_and_its_workers() -> None:
-    command = [sys.executable, "-m", "pipedsl", "search", "--model", "gpt3-175b", "--cluster", "a100-80gb",
-               "--gpus", "1024", "--global-batch", "1536", "--jobs", "2"]  # fmt: skip
-    # In a session of its own, so that the signal goes to its whole process group, as a
-    # terminal's Ctrl-C does.
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    workers: set[int] = set()
-    try:
-        # Each worker is paused the moment it appears, before its interpreter has even
-        # imported pipedsl, so it cannot answer: the search is then waiting on its workers
-        # in the middle of the ranking, however fast the machine.
-        deadline = time.monotonic() + 60
-        while len(workers) < 2 and run.poll() is None and time.monotonic() < deadline:
-            for pid in set(_children(run.pid)) - workers:
-                os.kill(pid, signal.SIGSTOP)
-                workers.add(pid)
-            time.sleep(0.01)
-        assert len(workers) == 2, "the search started no worker processes"
-        assert run.poll() is None, "the search finished before its workers could be paused"
-        os.killpg(run.pid, signal.SIGINT)
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        _, err = run.communicate(timeout=30)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
-    assert run.returncode == 130, err
+    code, err, workers = _stopped_by(signal.SIGINT, group=True)
+    assert code == 130, err
     assert err.strip().splitlines()[-1] == "pipedsl search: interrupted" and "Traceback" not in err, err
-    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    assert not [pid for pid in workers if alive(pid)]
+
+
+def test_term_stops_the_search_and_its_workers_with_one_line() -> None:
+    code, err, workers = _stopped_by(signal.SIGTERM, group=False)
+    assert code == 143, err
+    assert err.strip().splitlines()[-1] == "pipedsl search: terminated" and "Traceback" not in err, err
+    assert not [pid for pid in workers if alive(pid)]
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+
+def test_a_search_past_the_bound_is_refused_at_once_and_small() -> None:
+    # GPT-3 on 1,024 GPUs at a batch of a million sequences: schedules of 547 M (stage,
+    # microbatch) pairs, which once took minutes and 16 GB.
+    command = [sys.executable, "-m", "pipedsl", "search", "--model", "gpt3-175b", "--cluster", "a100-80gb",
+               "--gpus", "1024", "--global-batch", "1000000", "--top", "3"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=10, preexec_fn=_limit_memory)
+    assert done.returncode == 2, done.stderr
+    assert "547,125,000 (stage, microbatch) pairs" in done.stderr and "a smaller global" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    # Kibibytes on Linux: the largest child this process has waited for.
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 2 * 2**20
+
+
+def test_the_bound_counts_pairs_before_any_work() -> None:
+    plans = list(candidate_plans(load_model("gpt3-175b"), load_cluster("a100-80gb"), 1024, global_batch=1536))
+    work = SearchWork.of(plans)
+    # Each distinct shape once: pp × stages per device × microbatches.
+    shapes = {
+        (p.schedule, p.pp, p.vpp, p.microbatches): p.pp * max(p.vpp, stages_per_device(p.schedule)) * p.microbatches
+        for p in plans
+        if p.schedule is not None
+    }
+    assert work.total == sum(shapes.values()) < MAX_PAIRS
+    work.check(what="GPT-3 at its own batch")
+    with pytest.raises(PlanError, match=r"interleaved_1f1b's plans alone 8,388,609\); a search evaluates at most"):
+        SearchWork(Counter({"interleaved_1f1b": MAX_PAIRS_PER_SCHEDULE + 1})).check(what="these plans")
 
 
 def test_a_large_search_uses_a_process_per_core_by_default(monkeypatch: pytest.MonkeyPatch) -> None:

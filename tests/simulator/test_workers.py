@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import subprocess
+import sys
 import threading
-import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
+from processes import Lines, alive, wait_gone
 
 from pipedsl.errors import PipedslError
 from pipedsl.simulator import workers
@@ -28,11 +32,25 @@ def _reject(n: int, *, advance: Advance) -> int:
     return n
 
 
-def _raise_or_sleep(n: int, *, advance: Advance) -> int:
-    if n == 0:
-        time.sleep(0.5)
-        raise PlanError("the first call fails")
-    time.sleep(60)
+def _raise_once_other_runs(n: int, fifo: str, *, advance: Advance) -> int:
+    """Call 1 says through ``fifo`` that it is running (its pid), then never returns; call
+    0 waits for that, then fails with the other's pid in its message."""
+    if n == 1:
+        with open(fifo, "w") as other:
+            other.write(str(os.getpid()))
+        threading.Event().wait()
+    # Opened for reading and writing, a FIFO does not wait for a writer to open it.
+    fd = os.open(fifo, os.O_RDWR)
+    ready, _, _ = select.select([fd], [], [], 60)
+    if not ready:
+        raise PlanError("the other call never started")
+    raise PlanError(f"the first call fails while {os.read(fd, 32).decode()} runs")
+
+
+def _busy(n: int, *, advance: Advance) -> int:
+    """Says it runs, on standard error, then never returns."""
+    print("busy", os.getpid(), file=sys.stderr, flush=True)
+    threading.Event().wait()
     return n
 
 
@@ -107,11 +125,41 @@ def test_a_call_that_raises_raises_its_own_error_here() -> None:
     assert not getattr(caught.value, "__notes__", None)
 
 
-def test_an_error_stops_the_other_workers_at_once() -> None:
-    started = time.monotonic()
-    with pytest.raises(PlanError, match="the first call fails"):
-        run_in_workers(_raise_or_sleep, [(0,), (1,)], jobs=2, advance=lambda *_: None, names=_names(2))
-    assert time.monotonic() - started < 30
+def test_an_error_stops_the_other_workers_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "running"
+    os.mkfifo(fifo)
+    calls = [(0, str(fifo)), (1, str(fifo))]
+    with pytest.raises(PlanError, match="the first call fails while") as caught:
+        run_in_workers(_raise_once_other_runs, calls, jobs=2, advance=lambda *_: None, names=_names(2))
+    # The other call never returns: the run came back because its worker was stopped.
+    assert not alive(int(str(caught.value).split()[-2]))
+
+
+# Runs two calls of _busy in workers, in a process the test then kills.
+_PARENT = (
+    "import importlib, json, sys\n"
+    "sys.path[:] = json.loads(sys.argv[1])\n"
+    "from pipedsl.simulator.workers import run_in_workers\n"
+    "busy = importlib.import_module(sys.argv[2])._busy\n"
+    "run_in_workers(busy, [(0,), (1,)], jobs=2, advance=lambda *_: None, names=['call 0', 'call 1'])\n"
+)
+
+
+def test_workers_die_with_a_parent_killed_in_the_middle_of_their_calls() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, json.dumps(sys.path), _busy.__module__],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = Lines(parent.stderr)  # type: ignore[arg-type]
+    try:
+        busy = [int(line.split()[1]) for line in lines.starting("busy ", 2)]
+        assert len(busy) == 2, lines.read
+    finally:
+        parent.kill()
+        parent.wait()
+    assert wait_gone(busy, timeout_s=5) == []
+    assert "Traceback" not in lines.text()
 
 
 def test_any_other_error_carries_the_workers_traceback() -> None:
