@@ -58,6 +58,7 @@ _TITLES = {
     "bench_ray_schedules": "The earlier Ray backend: step times against the local backend",
     "bench_world": "The Ray world: one hop as a compiled collective, the cost per action, a 4-process 1F1B step",
     "bench_transports": "One hop between two Ray actors by the earlier transports (transfer servers, actor calls)",
+    "accel_check": "`bench/accel_check.sh` on one accelerator: the executor against `jax.value_and_grad` and one `jax.jit`",
     "demo": "`make demo`: the calibrated search's plans run for real, predicted against measured",
     "test_suite": "`make test`: the whole suite",
 }

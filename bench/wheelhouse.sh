@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# A wheelhouse for a machine that has JAX but no package index (an accelerator machine's
+# image): pipedsl's own wheel and the pure-Python packages it needs beyond what such an image
+# has (JAX, NumPy, optax, pandas, matplotlib), built on a connected machine into DIR (default
+# .whl, which git ignores): lark (the schedule language, the check needs it) and rich with
+# markdown-it-py, mdurl and pygments (the CLI's tables), at the versions this checkout's venv
+# runs. Carry DIR over and install it there without an index, keeping the machine's JAX:
+#
+#     python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
+#     export PYTHONPATH=$PYTHONPATH:/tmp/site
+#
+# Build it from the checkout the machine will run: the check imports pipedsl from the wheel.
+# See docs/accelerators.md ("Offline install").
+#
+#     bash bench/wheelhouse.sh [DIR]
+#     PY=python3 bash bench/wheelhouse.sh .whl-tpu   # versions from another interpreter
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+DIR=${1:-.whl}
+PACKAGES=(lark rich markdown-it-py mdurl pygments)
+
+# The versions the venv's tests ran with, not whatever the index has today.
+pins=$("$PY" -c 'import importlib.metadata as m, sys; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
+    "${PACKAGES[@]}")
+mkdir -p "$DIR"
+rm -f "$DIR"/pipedsl-*.whl
+"$PY" -m pip wheel --quiet --no-deps --wheel-dir "$DIR" .
+# shellcheck disable=SC2086  # one argument per pin
+"$PY" -m pip download --quiet --no-deps --only-binary=:all: --dest "$DIR" $pins
+ls -1 "$DIR"
