@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from pipedsl.executor.errors import ExecutionError
+from pipedsl.executor.event_loops import draining
 from pipedsl.executor.mesh import MeshConfig
 from pipedsl.ir import Schedule
 
@@ -165,9 +166,10 @@ def save_device(worker: Worker, directory: str, *, processes: Sequence[int]) -> 
         "params": {str(i): leaf for i, leaf in worker.leaves.items()},
         "opt_state": {str(s): state for s, state in worker.states.items()},
     }
-    checkpointer, ocp = _checkpointer(processes, worker.index)
+    checkpointer, _, ocp = _checkpointer(processes, worker.index)
     try:
-        checkpointer.save(directory, args=ocp.args.PyTreeSave(tree), force=True)
+        with draining():
+            checkpointer.save(directory, args=ocp.args.PyTreeSave(tree), force=True)
     except Exception as err:  # orbax's and the file system's errors alike, named as ours
         raise _failed(worker, "write", directory, err) from None
     finally:
@@ -199,19 +201,21 @@ def restore_device(
             part.setdefault("opt_state", {})[str(s)] = worker.abstract_state(optimizer, s)
     leaves: dict[int, Any] = {}
     states: dict[int, Any] = {}
-    checkpointer, ocp = _checkpointer(processes, worker.index)
+    checkpointer, handler, ocp = _checkpointer(processes, worker.index)
     try:
         for device, target in sorted(wanted.items()):
             directory = device_part(version, device)
             try:
                 if "opt_state" in target:
-                    _check_states(checkpointer.metadata(directory).item_metadata, target["opt_state"], directory)
+                    _check_states(_tree_metadata(handler, directory), target["opt_state"], directory)
                 restore = jax.tree_util.tree_map(
                     lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target
                 )
                 # Part of what a device saved: the leaves and states this worker keeps.
                 args = ocp.args.PyTreeRestore(target, restore_args=restore, partial_restore=True)
-                saved = checkpointer.restore(directory, args=args)
+                with draining():
+                    # Orbax reads only from an absolute path, whatever the directory given to the run.
+                    saved = checkpointer.restore(Path(directory).absolute(), args=args)
             except ExecutionError as err:
                 raise ExecutionError(str(err), stage=err.stage, device=worker.index) from None
             except Exception as err:  # orbax's and the file system's errors alike, named as ours
@@ -221,6 +225,17 @@ def restore_device(
     finally:
         checkpointer.close()
     worker.load(leaves, states if optimizer is not None else None)
+
+
+def _tree_metadata(handler: Any, directory: str) -> Any:
+    """Orbax's metadata of the tree saved in ``directory``; None where it cannot be read
+    (a checkpoint missing or damaged: the restore then says what is wrong, in one line, where
+    the checkpointer's own metadata call would log a warning beside it)."""
+    try:
+        with draining():
+            return handler.metadata(Path(directory).absolute())
+    except (FileNotFoundError, NotImplementedError, ValueError, TypeError):
+        return None
 
 
 def _check_states(saved: Mapping[str, Any] | None, states: Mapping[str, Any], directory: str) -> None:
@@ -259,9 +274,9 @@ def _failed(worker: Worker, doing: str, directory: str, err: Exception) -> Execu
     )
 
 
-def _checkpointer(processes: Sequence[int], device: int) -> tuple[Any, Any]:
+def _checkpointer(processes: Sequence[int], device: int) -> tuple[Any, Any, Any]:
     """An orbax checkpointer of the group ``processes`` (pipeline device ``device``'s) alone,
-    and the orbax module (imported here: a Ray driver imports this module and writes no
+    its tree handler, and the orbax module (imported here: a Ray driver imports this module and writes no
     shards)."""
     import orbax.checkpoint as ocp
 
@@ -275,4 +290,4 @@ def _checkpointer(processes: Sequence[int], device: int) -> tuple[Any, Any]:
     arrays = ocp.type_handlers.ArrayHandler(primary_host=first)
     registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
     handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=options, type_handler_registry=registry)
-    return ocp.Checkpointer(handler, multiprocessing_options=options), ocp
+    return ocp.Checkpointer(handler, multiprocessing_options=options), handler, ocp

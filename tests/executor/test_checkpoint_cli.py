@@ -112,6 +112,31 @@ def test_resume_refuses_another_optimizer_state(tmp_path: Path, capsys: pytest.C
     assert code == 2 and "the optimizer state of stage 0 was saved by another optimizer (2 arrays:" in err, err
 
 
+def test_a_damaged_checkpoint_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Every array's data overwritten: orbax fails on one while tensorstore still reads the others.
+    code, out, err = _run(capsys, "--steps", "1", "--width", "64", "--checkpoint", str(tmp_path / "ckpt"))
+    assert code == 0, err
+    damaged = [f for f in (tmp_path / "ckpt").rglob("*") if f.is_file() and f.parent.name == "d"]
+    assert len(damaged) >= 4
+    for data in damaged:
+        data.write_bytes(b"\x00not an array chunk\xff" * 3)
+    # A fresh process: tensorstore prints from its own threads, past the reach of capsys.
+    resumed = _pipedsl(*RUN, "--steps", "2", "--width", "64", "--checkpoint", str(tmp_path / "ckpt"), "--resume")
+    assert resumed.returncode == 2
+    assert len(resumed.stderr.splitlines()) == 1, resumed.stderr
+    assert "device 0 could not read" in resumed.stderr
+
+
+def test_a_checkpoint_given_by_a_relative_path_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(capsys, "--steps", "1", "--checkpoint", "ckpt")
+    assert code == 0, err
+    code, out, err = _run(capsys, "--steps", "2", "--checkpoint", "ckpt", "--resume")
+    assert code == 0 and sorted(_table(out)) == [2], err
+
+
 def test_a_run_keeps_its_latest_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = tmp_path / "ckpt"
     code, out, err = _run(capsys, "--steps", "3", "--checkpoint", str(ckpt))
