@@ -1,8 +1,10 @@
 """Timeline pictures: one panel per run, one row per device, one colour per action kind.
 
 Simulated and measured timelines are drawn alike, so a measured run can sit beside the
-simulation of the same schedule. Panels share their time axis by default, so the
-shorter step is visibly shorter. Each device row shows its computes as bars labelled
+simulation of the same schedule. Panels of one origin (all simulated, or all measured)
+share their time axis by default, so the shorter step is visibly shorter; a measured step
+beside a simulated one is drawn on its own time, since the cost model's seconds are not
+the machine's (a 2.5 ms step on a 15 s axis would show no bars). Each device row shows its computes as bars labelled
 with their microbatch (where the label fits) and, in a thin lane beneath, the transfers
 it sent as grey bars. The critical path of a simulation can be outlined.
 
@@ -196,14 +198,16 @@ def _style_axes(ax: Axes, tl: Timeline, *, title: str) -> None:
 
 
 def plot_timelines(
-    panels: Sequence[Panel], *, share_time: bool = True, caption: str = "", width: float = 13.0
+    panels: Sequence[Panel], *, share_time: bool | None = None, caption: str = "", width: float = 13.0
 ) -> Figure:
     """A figure with one panel per timeline, stacked top to bottom.
 
     Args:
       panels: what to draw, in order.
       share_time: give every panel the same time axis (compare makespans at a glance);
-        False scales each panel to its own makespan (for runs of different units).
+        False scales each panel to its own makespan (for runs of different units); None,
+        the default, shares it when every timeline has the same origin (simulated or
+        measured) and gives each its own otherwise.
       caption: a line under the legend, such as the cost model's description.
       width: figure width in inches; heights follow from the number of devices.
     """
@@ -212,6 +216,8 @@ def plot_timelines(
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
+    if share_time is None:
+        share_time = len({p.timeline.origin for p in panels}) == 1
     heights = [0.32 * p.timeline.num_devices + 0.55 for p in panels]
     fig = Figure(figsize=(width, sum(heights) + 0.9))
     axes = fig.subplots(len(panels), 1, gridspec_kw={"height_ratios": heights}, sharex=share_time, squeeze=False)

@@ -371,7 +371,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         return worst
     panels = [p for _, (p, _) in made]
     caption = f"simulated with costs {costs.describe()}" if any(sim for _, (_, sim) in made) else ""
-    figure = plot_timelines(panels, share_time=not args.own_time, caption=caption)
+    figure = plot_timelines(panels, share_time=False if args.own_time else None, caption=caption)
     save_figure(figure, args.output)
     print(f"wrote {args.output} ({len(panels)} panel{'s' if len(panels) != 1 else ''})")
     return EXIT_OK
@@ -430,12 +430,13 @@ def _register_plot(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Simulate each FILE and draw its timeline: one row per device, one colour per action\n"
             "kind, microbatch numbers on the bars, transfers as grey bars beneath. A FILE may also\n"
-            "be a timeline saved as JSON (a measured run), drawn beside the simulated ones.\n"
+            "be a timeline saved as JSON (a measured run), drawn beside the simulated ones, each\n"
+            "panel then on its own time (the cost model's seconds are not the machine's).\n"
             "The picture format follows -o's suffix: .png, .svg or .pdf."
         ),
         examples=(
             "  pipedsl plot schedules/1f1b.sched schedules/zb_h1.sched -p pp=4 -p microbatches=8 -o cmp.png\n"
-            "  pipedsl plot schedules/1f1b.sched measured.json --own-time -o overlay.svg"
+            "  pipedsl plot schedules/1f1b.sched measured.json -p pp=2 -p microbatches=4 -o overlay.svg"
         ),
     )
     plot.add_argument("files", nargs="+", metavar="FILE", help="a schedule, or a saved timeline .json")
@@ -443,7 +444,11 @@ def _register_plot(subparsers: argparse._SubParsersAction) -> None:
     add_param_option(plot)
     _add_cost_options(plot)
     plot.add_argument("--critical", action="store_true", help="outline the critical path of simulated panels")
-    plot.add_argument("--own-time", action="store_true", help="scale each panel to its own makespan")
+    plot.add_argument(
+        "--own-time",
+        action="store_true",
+        help="scale each panel to its own makespan (the default where measured and simulated timelines are mixed)",
+    )
 
 
 def _register_trace(subparsers: argparse._SubParsersAction) -> None:

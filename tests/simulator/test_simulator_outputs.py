@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -20,6 +21,9 @@ from pipedsl.simulator import CostModel, simulate
 from pipedsl.simulator.plot import Panel, plot_timelines, save_figure
 from pipedsl.simulator.trace import chrome_trace, write_trace
 from pipedsl.timeline import Timeline
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 LIB = library_path()
 
@@ -116,8 +120,9 @@ def test_write_trace(tmp_path: Path) -> None:
         write_trace(simulate(one_f_one_b(2, 2)).timeline, tmp_path / "missing" / "trace.json")
 
 
-def _measured(sim_timeline: Timeline) -> Timeline:
-    """A stand-in for an executor's record: the same events, 10% slower, marked measured."""
+def _measured(sim_timeline: Timeline, *, scale: float = 1.1) -> Timeline:
+    """A stand-in for an executor's record: the same events, ``scale`` times as long
+    (10% slower by default), marked measured."""
     return Timeline(
         name=sim_timeline.name,
         num_devices=sim_timeline.num_devices,
@@ -126,8 +131,8 @@ def _measured(sim_timeline: Timeline) -> Timeline:
         kind=sim_timeline.kind,
         stage=sim_timeline.stage,
         microbatch=sim_timeline.microbatch,
-        start=sim_timeline.start * 1.1,
-        end=sim_timeline.end * 1.1,
+        start=sim_timeline.start * scale,
+        end=sim_timeline.end * scale,
         peer=sim_timeline.peer,
         buffer=sim_timeline.buffer,
     )
@@ -146,6 +151,29 @@ def test_plot_writes_pictures(tmp_path: Path, suffix: str) -> None:
     if suffix == ".svg":
         text = path.read_text()
         assert "1f1b split" in text and "[measured]" in text
+
+
+def _bars_fill(figure: Figure) -> list[float]:
+    """Per panel, how far along its time axis its bars reach (1.0: to the axis's end)."""
+    reach = []
+    for ax in figure.axes:
+        ends = [float(np.max(path.vertices[:, 0])) for c in ax.collections for path in c.get_paths()]
+        low, high = ax.get_xlim()
+        reach.append((max(ends, default=0.0) - low) / (high - low))
+    return reach
+
+
+def test_a_measured_step_beside_a_simulated_one_is_drawn_on_its_own_time() -> None:
+    # The tour's overlay: a 15-unit simulated step beside a measured one of a few milliseconds.
+    sim = simulate(one_f_one_b(2, 4)).timeline
+    measured = _measured(sim, scale=2.5e-3 / sim.makespan)
+    mixed = plot_timelines([Panel(timeline=sim), Panel(timeline=measured)])
+    assert all(reach > 0.9 for reach in _bars_fill(mixed)), _bars_fill(mixed)
+    # One origin shares the axis: the slower run fills it, the faster one does not.
+    slow = _measured(sim, scale=2.0)
+    same = _bars_fill(plot_timelines([Panel(timeline=measured), Panel(timeline=slow)]))
+    assert same[0] < 0.01 and same[1] > 0.9
+    assert all(r > 0.9 for r in _bars_fill(plot_timelines([Panel(timeline=sim)] * 2, share_time=False)))
 
 
 def test_plot_rejects_nothing_and_unknown_formats(tmp_path: Path) -> None:
