@@ -43,6 +43,7 @@ from pipedsl import library
 from pipedsl.executor.backend import Backend, Resident, StepResult
 from pipedsl.executor.driver import Driver, shapes_of
 from pipedsl.executor.errors import ExecutionError
+from pipedsl.executor.functions import check_functions
 from pipedsl.executor.local import LocalBackend
 from pipedsl.executor.mesh import DATA, MeshConfig
 from pipedsl.executor.ray_backend import RayRunner
@@ -204,6 +205,7 @@ class Pipeline:
         mesh: MeshConfig,
         param_specs: Any,
     ) -> None:
+        check_functions(loss=loss, stages=stages, model_fn=model_fn)
         self.schedule = schedule
         self.program: Program = lower(schedule)
         self._last_batch: tuple[Any, _Batch] | None = None

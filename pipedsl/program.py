@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pipedsl.arguments import schedule_argument
 from pipedsl.arrays import ActionArrays, B, F, I, W, paused_collector
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind
@@ -322,6 +323,7 @@ def _consumer_stage(buffer: Buffer) -> int:
 
 def lower(schedule: Schedule) -> Program:
     """Validate ``schedule``, then lower it to per-device programs (see module docstring)."""
+    schedule = schedule_argument(schedule, function="lower")
     found = checked(schedule)
     return Program(schedule, arrays=program_arrays(found.actions, found.upstream, schedule.placement))
 

@@ -52,6 +52,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
+from pipedsl.arguments import costs_argument, policy_argument
 from pipedsl.arrays import make_actions
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
@@ -166,7 +167,10 @@ def synthesize(
       ScheduleInvalid: a limit no order can keep (rule ``unsatisfiable-policy``), at the
         limit's source position.
       SynthesisError: every variant deadlocks under the limits.
+      PipedslError: ``policy`` is not a Policy, or ``costs`` not a cost source.
     """
+    policy = policy_argument(policy, function="synthesize")
+    costs = costs_argument(costs, function="synthesize")
     kinds = (Kind.F, Kind.I if policy.split_backward else Kind.B, Kind.W)
     orders = []
     for order in synthesized_order(policy, costs, tries):

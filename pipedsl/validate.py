@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipedsl.analysis import peak_inflight
+from pipedsl.arguments import schedule_argument
 from pipedsl.arrays import ActionArrays, B, F, I, ScheduleArrays, W, paused_collector
 from pipedsl.errors import MAX_REPORTED, PipedslError, ScheduleInvalid, several
 from pipedsl.ir import Action, Kind, Schedule
@@ -522,8 +523,9 @@ def validate(schedule: Schedule, *, max_inflight: int | None = None) -> Report:
 
     ``max_inflight`` must be a whole number >= 0 (PipedslError otherwise).
     """
+    schedule = schedule_argument(schedule, function="validate")
     if max_inflight is not None and (type(max_inflight) is not int or max_inflight < 0):
-        raise PipedslError(f"max_inflight must be a whole number >= 0 (or None), got {max_inflight!r}")
+        raise PipedslError(f"validate: max_inflight must be a whole number >= 0, or left out, got {max_inflight!r}")
     found = checked(schedule)
     if max_inflight is not None:
         over = [

@@ -185,7 +185,11 @@ class Simulation:
 def simulate(program: Program | Schedule | Any, costs: CostModel | None = None) -> Simulation:
     """Simulate ``program`` (a schedule is validated and lowered first) under ``costs``
     (default: ``CostModel()``, F = 1 s, B = 2 s, free communication). A library name, a
-    path or a policy is made a schedule first (:func:`~pipedsl.simulator.schedule_spec.schedule_of`)."""
+    path or a policy is made a schedule first (:func:`~pipedsl.simulator.schedule_spec.schedule_of`).
+    Costs of another type are refused (PipedslError)."""
+    if costs is not None and not isinstance(costs, CostModel):
+        given = type(costs).__name__
+        raise PipedslError(f"simulate: costs must be a CostModel, or left out for the default one, got {given}")
     if not isinstance(program, Program):
         from pipedsl.simulator.schedule_spec import schedule_of
 

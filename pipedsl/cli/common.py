@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from pipedsl import library
 from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Schedule
+from pipedsl.lang.numbers import parse_integer
 from pipedsl.policy import Policy
 
 if TYPE_CHECKING:
@@ -95,6 +96,8 @@ def plural(count: int, noun: str) -> str:
 def parse_params(items: Sequence[str]) -> dict[str, int]:
     """Read ``NAME=VALUE`` pairs with integer values into a dict, in the given order.
 
+    Values are read as the language reads a number (:func:`~pipedsl.lang.numbers.parse_integer`).
+
     Raises:
       ValueError: an item without ``=``, a name that is not an identifier, a value that
         is not an integer, or a name given twice.
@@ -105,10 +108,12 @@ def parse_params(items: Sequence[str]) -> dict[str, int]:
         name, value = name.strip(), value.strip()
         if not sep or not name.isidentifier():
             raise ValueError(f"parameter {item!r} should be NAME=VALUE, for example pp=4")
-        try:
-            number = int(value)
-        except ValueError:
-            raise ValueError(f"parameter {name} needs an integer value, got {value!r}") from None
+        number = parse_integer(value)
+        if number is None:
+            raise ValueError(
+                f"parameter {name} needs an integer value, got {value!r} (digits 0-9, with a minus sign "
+                "for a negative number, as a schedule writes one)"
+            )
         if name in params:
             raise ValueError(f"parameter {name} is given twice")
         params[name] = number

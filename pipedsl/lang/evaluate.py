@@ -38,6 +38,7 @@ from pipedsl.lang.budget import (
     suggest,
 )
 from pipedsl.lang.compile import ACTIONS, BUILTINS, Compiler
+from pipedsl.lang.numbers import integer_value
 from pipedsl.lang.orders import ActionCodes, ActionList, DeviceOutput, collected, most_microbatch
 from pipedsl.lang.policy import PolicySpec, compile_policy
 from pipedsl.lang.scope import Bindings, Env, Function, Local, names_used
@@ -52,17 +53,10 @@ MAX_ACTIONS = 4_000_000
 
 
 def _coerce_param(name: str, value: object, pos: SourcePos) -> int:
-    """An override as an int: ints, and strings that spell one (as a command line gives)."""
-    number: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    elif isinstance(value, str):
-        text = value.strip()
-        digits = text.lstrip("+-")
-        # Length first: Python's int() refuses very long digit strings with its own error.
-        if digits.isascii() and digits.isdigit() and len(digits) <= 19 and len(text) - len(digits) <= 1:
-            number = int(text)
-    if number is None or not INT_MIN <= number <= INT_MAX:
+    """An override as an int: integers (numpy's too), and text that spells one as the
+    language does (as a command line gives)."""
+    number = integer_value(value)
+    if number is None:
         raise fail(f"parameter `{name}` must be a 64-bit integer, got {value!r}", pos)
     return number
 

@@ -464,6 +464,10 @@ def test_eval_errors(marked: str, message: str) -> None:
         ({"pp": "two"}, "parameter `pp` must be a 64-bit integer, got 'two'"),
         ({"pp": 2**70}, "must be a 64-bit integer, got 1180591620717411303424"),
         ({"pp": "9" * 5000}, "must be a 64-bit integer"),
+        # Text is read as the language reads a number, which no file may write these ways.
+        ({"pp": "\u0664"}, "parameter `pp` must be a 64-bit integer, got '\u0664'"),
+        ({"pp": "1_0"}, "parameter `pp` must be a 64-bit integer, got '1_0'"),
+        ({"pp": "+2"}, "parameter `pp` must be a 64-bit integer, got '+2'"),
     ],
 )
 def test_parameter_errors(params: dict[str, object], message: str) -> None:
@@ -471,6 +475,13 @@ def test_parameter_errors(params: dict[str, object], message: str) -> None:
         parse(wrap("F(0) B(0)"), file="e.sched", **params)  # type: ignore[arg-type]
     assert message in info.value.message
     assert info.value.pos is not None and info.value.pos.line == 1
+
+
+def test_parameters_take_integers_of_any_type_and_text_the_language_reads() -> None:
+    import numpy as np
+
+    for value in (np.int64(3), np.int32(3), "3", " 3 "):
+        assert parse(wrap("F(0) B(0)"), pp=value).num_stages == 3  # type: ignore[arg-type, union-attr]
 
 
 def test_deep_nesting_is_handled() -> None:

@@ -26,8 +26,11 @@ from helpers import (
     shapes,
     valid_schedules,
 )
-from pipedsl.errors import ScheduleInvalid, SourcePos
+from pipedsl.errors import PipedslError, ScheduleInvalid, SourcePos
 from pipedsl.ir import Action, Kind, Schedule
+from pipedsl.library import load
+from pipedsl.program import lower
+from pipedsl.synthesize import synthesize
 from pipedsl.validate import peak_inflight, validate
 
 # --- helpers -------------------------------------------------------------------------
@@ -385,3 +388,21 @@ def test_order_and_deadlock_errors_match_a_walk_over_every_action(
         validate(schedule)
     else:
         assert rule_of(schedule).message == expected
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda: validate(None), "validate: schedule must be a Schedule (from pipedsl.load or parse), got NoneType"),
+        (lambda: validate("1f1b"), "validate: schedule is a loaded Schedule, not the name '1f1b'; load it first"),
+        (lambda: lower(load("zb_auto")), "lower: schedule zb_auto is a policy, not an order; synthesise its order"),
+        (lambda: lower(42), "lower: schedule must be a Schedule"),
+        (lambda: synthesize(None), "synthesize: policy must be a Policy"),
+        (lambda: synthesize(load("1f1b")), "synthesize: policy 1f1b is an order already"),
+        (lambda: synthesize(load("zb_auto"), "uniform"), "synthesize: costs must be a cost model"),
+    ],
+)
+def test_the_api_names_an_argument_it_cannot_take(call: Callable[[], object], words: str) -> None:
+    with pytest.raises(PipedslError) as info:
+        call()
+    assert words in str(info.value)

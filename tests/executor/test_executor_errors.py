@@ -216,6 +216,15 @@ def test_marker_inside_a_loop_is_rejected() -> None:
         pipe.step(jnp.eye(WIDTH), batch())
 
 
+def test_functions_that_cannot_be_called_are_named_before_tracing() -> None:
+    with pytest.raises(ExecutionError, match="Pipeline: loss must be a function"):
+        Pipeline([dense] * 2, loss=None, schedule=one_f_one_b())  # type: ignore[arg-type]
+    with pytest.raises(ExecutionError, match=r"Pipeline: stages\[1\] must be a function"):
+        Pipeline([dense, "dense"], loss=mse, schedule=one_f_one_b())  # type: ignore[list-item]
+    with pytest.raises(ExecutionError, match="Pipeline: model_fn must be a function"):
+        Pipeline.from_function(None, loss=mse, schedule=one_f_one_b())  # type: ignore[arg-type]
+
+
 def test_loss_must_be_a_scalar() -> None:
     pipe = Pipeline([dense] * 2, loss=lambda y, t: (y - t) ** 2, schedule=one_f_one_b())
     with pytest.raises(ExecutionError, match="must be a floating-point scalar"):

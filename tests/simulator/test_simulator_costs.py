@@ -174,3 +174,10 @@ def test_describe_and_json() -> None:
     assert data["backward"] is None
     assert data["overlap_sends"] is False
     assert CostModel.from_mapping(data) == costs
+
+
+def test_simulate_names_costs_that_are_not_a_cost_model() -> None:
+    from pipedsl.simulator import simulate
+
+    with pytest.raises(PipedslError, match="simulate: costs must be a CostModel, .* got str"):
+        simulate(one_f_one_b(2, 2), "uniform")  # type: ignore[arg-type]
