@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EXIT_OK",
     "EXIT_INVALID",
+    "EXIT_NOTHING_FITS",
     "EXIT_USAGE",
     "EXIT_INTERRUPTED",
     "EXIT_TERMINATED",
@@ -58,6 +59,9 @@ __all__ = [
 
 EXIT_OK = 0
 EXIT_INVALID = 1
+"""A schedule that breaks a validation rule."""
+EXIT_NOTHING_FITS = 1
+"""``estimate`` or ``search``: no plan fits the cluster's memory (a verdict, like an invalid schedule)."""
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 """The shell's code for a command stopped by SIGINT (Ctrl-C)."""

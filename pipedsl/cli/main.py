@@ -31,7 +31,8 @@ examples:
   pipedsl show schedules/1f1b.sched -p pp=4 --lowered
   pipedsl convert schedules/zb_h1.sched --to csv -o zb_h1.csv
 
-exit codes: 0 success, 1 invalid schedule, 2 usage, syntax or input error,
+exit codes: 0 success, 1 invalid schedule or no plan fits (estimate, search),
+  2 usage, syntax or input error,
   130 interrupted (Ctrl-C), 143 terminated (TERM)"""
 
 

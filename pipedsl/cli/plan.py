@@ -19,11 +19,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from pipedsl.cli.common import add_command, check_output_file, make_console, positive_int, terminate_raises
+from pipedsl.cli.common import (
+    EXIT_NOTHING_FITS,
+    EXIT_OK,
+    add_command,
+    check_output_file,
+    make_console,
+    positive_int,
+    terminate_raises,
+)
 from pipedsl.cli.llm_flags import (
     add_common_options,
     add_estimate_options,
@@ -159,7 +168,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         if not result.fits:
             for line in misfit_text(result.memory, advice):
                 console.print(line, highlight=False)
-    return 0 if result.fits else 1
+    return EXIT_OK if result.fits else EXIT_NOTHING_FITS
 
 
 def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> None:
@@ -260,7 +269,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
         except OSError as error:
             raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
     _print_search(frame, make_console(), top=args.top, csv=args.csv)
-    return 0 if len(frame) else 1
+    return EXIT_OK if len(frame) else EXIT_NOTHING_FITS
 
 
 _LINE_EVERY_S = 10.0
@@ -302,6 +311,17 @@ _HEADERS = {
     "inflight_limit": "limit",
 }
 """The columns of the printed table of best plans, and their headers."""
+
+
+def _prune_factor(text: str) -> float:
+    """``--prune``'s factor: a finite number >= 1 (``--no-prune`` simulates every plan)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a factor >= 1, got {text!r}") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be a factor >= 1 (--no-prune simulates every plan), got {text}")
+    return value
 
 
 def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None) -> None:
@@ -511,7 +531,7 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--schedules", metavar="A,B", help="try only these library schedules (comma-separated)")
     src.add_argument(
         "--prune",
-        type=float,
+        type=_prune_factor,
         default=DEFAULT_PRUNE,
         metavar="F",
         help="skip pipeline plans whose lower bound exceeds F x their schedule's best step time "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -290,3 +291,16 @@ def test_python_dash_m(sched: Path) -> None:
     )
     assert done.returncode == 2 and done.stdout == ""
     assert "requirement failed" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_readme_and_help_list_every_exit_code(capsys: Capture) -> None:
+    from pipedsl.cli import common
+
+    codes = {value for name, value in vars(common).items() if name.startswith("EXIT_")}
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    listed = readme[readme.index("Exit codes:") :].split("\n\n")[0]
+    assert main(["--help"]) == 0
+    helped = capsys.readouterr().out
+    for code in codes:
+        assert re.search(rf"\b{code} ", listed), (code, listed)
+        assert re.search(rf"\b{code} ", helped), (code, helped)

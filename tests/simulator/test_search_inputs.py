@@ -140,3 +140,13 @@ def test_estimate_refuses_a_plan_past_any_cluster(capsys: pytest.CaptureFixture[
     big = str(10**12)
     code = main(["estimate", "--model", "llama-8b", "--cluster", "h100-80gb", "--dp", big, "--global-batch", big])
     assert code == 2 and "the estimator plans for at most 1,048,576 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prune", ["0.5", "nan", "x"])
+def test_a_prune_factor_below_one_is_a_usage_error_in_the_cli_words(
+    prune: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["search", "--model", "gpt3-175b", "--cluster", "a100-80gb", "--gpus", "64", "--global-batch", "64"]
+    assert main([*args, "--prune", prune]) == 2
+    err = capsys.readouterr().err
+    assert "argument --prune" in err and "factor >= 1" in err and "None" not in err
