@@ -136,6 +136,14 @@ class ScheduleArrays:
     params: tuple[tuple[str, int], ...] = ()
     source: str | None = None
 
+    @property
+    def num_actions(self) -> int:
+        return len(self.actions)
+
+    def stages_on(self, device: int) -> tuple[int, ...]:
+        """The stages device ``device`` owns, in increasing order."""
+        return tuple(s for s, d in enumerate(self.placement) if d == device)
+
     @classmethod
     def of(cls, schedule: Schedule) -> ScheduleArrays:
         """``schedule``'s columns (for one read from a CSV or JSON file)."""

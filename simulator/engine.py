@@ -26,21 +26,22 @@ together: the weight residual reuses the residual's storage.
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipedsl.analysis import peak_held
-from pipedsl.arrays import F, paused_collector
+from pipedsl.arrays import F, ScheduleArrays, paused_collector
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
-from pipedsl.program import NEVER_SENT, Program, ProgramArrays, dispatch_order, lower
+from pipedsl.program import NEVER_SENT, Program, ProgramArrays, dispatch_order, lower, program_arrays
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.sharing import settle_serial, settle_shared
 from pipedsl.stage_costs import StageCosts
 from pipedsl.timeline import Event, EventKind, Timeline
-from pipedsl.validate import kept_check
+from pipedsl.validate import checked, kept_check
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -97,7 +98,8 @@ class Simulation:
     """The result of simulating one program under one cost model.
 
     Attributes:
-      schedule: the simulated schedule (its name and parameters label the result).
+      schedule: the simulated schedule (its name and parameters label the result), as
+        objects or as the int columns it was simulated from.
       costs: the cost model used.
       timeline: every compute and transfer with its start and end, in seconds; computes
         first (device by device, each in program order), then transfers likewise.
@@ -111,7 +113,7 @@ class Simulation:
     """
 
     # The schedule, timeline and path can be huge; the repr shows the summary only.
-    schedule: Schedule = field(repr=False)
+    schedule: Schedule | ScheduleArrays = field(repr=False)
     costs: CostModel
     timeline: Timeline = field(repr=False)
     makespan: float
@@ -182,26 +184,37 @@ class Simulation:
         return [dict(zip(names, values)) for values in columns]
 
 
-def simulate(program: Program | Schedule | Any, costs: CostModel | None = None) -> Simulation:
+def simulate(program: Program | Schedule | ScheduleArrays | Any, costs: CostModel | None = None) -> Simulation:
     """Simulate ``program`` (a schedule is validated and lowered first) under ``costs``
     (default: ``CostModel()``, F = 1 s, B = 2 s, free communication). A library name, a
     path or a policy is made a schedule first (:func:`~pipedsl.simulator.schedule_spec.schedule_of`).
-    Costs of another type are refused (PipedslError)."""
+    A :class:`~pipedsl.arrays.ScheduleArrays` is validated and lowered on its columns,
+    without an object per action or per instruction. Costs of another type are refused
+    (PipedslError)."""
     if costs is not None and not isinstance(costs, CostModel):
         given = type(costs).__name__
         raise PipedslError(f"simulate: costs must be a CostModel, or left out for the default one, got {given}")
+    if isinstance(program, ScheduleArrays):
+        found = checked(program)
+        lowered = program_arrays(found.actions, found.upstream, program.placement)
+        return _simulated(program, lowered, costs, order=found.order)
     if not isinstance(program, Program):
         from pipedsl.simulator.schedule_spec import schedule_of
 
         program = schedule_of(program, costs)
     if isinstance(program, Schedule):
         program = lower(program)
+    return _simulated(program.schedule, program.arrays, costs, order=_kept_order(program))
+
+
+def _simulated(
+    schedule: Schedule | ScheduleArrays, arrays: ProgramArrays, costs: CostModel | None, *, order: np.ndarray | None
+) -> Simulation:
+    """The simulation of ``schedule``'s lowered ``arrays`` (``order``: as for :func:`step_timing`)."""
     costs = costs if costs is not None else CostModel()
-    schedule = program.schedule
     stage_costs = costs.resolve(schedule)
     with paused_collector():
-        arrays = program.arrays
-        run = _Run.of(arrays, stage_costs, num_stages=schedule.num_stages, order=_kept_order(program))
+        run = _Run.of(arrays, stage_costs, num_stages=schedule.num_stages, order=order)
         timeline = _timeline(schedule.name, arrays, run)
         critical = _critical_path(arrays, run)
         ones = np.ones(schedule.num_stages, dtype=np.int64)
@@ -320,7 +333,11 @@ class _Run:
             start_array, arrival_array = np.array(start, dtype=np.float64), np.array(arrival, dtype=np.float64)
         else:
             start_array, arrival_array = _settle_in_order(
-                arrays, order, _shared(seconds, code[order]), _shared(transfers, sent_code[order]), costs.overlap_sends
+                arrays,
+                order,
+                duration[order],
+                np.array(transfers, dtype=np.float64)[sent_code[order]],
+                costs.overlap_sends,
             )
         senders = np.flatnonzero(sends)
         # The same float additions as the pass's, so ends and arrivals match bit for bit.
@@ -356,15 +373,18 @@ def _shared(table: list[float], codes: np.ndarray) -> list[float]:
 
 
 def _settle_in_order(
-    arrays: ProgramArrays, order: np.ndarray, duration: list[float], sent: list[float], overlap: bool
+    arrays: ProgramArrays, order: np.ndarray, duration: np.ndarray, sent: np.ndarray, overlap: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_settle` over the rows in ``order``, one their dependencies allow: each
     compute's input was sent before it comes, so nothing waits and no device parks.
-    ``duration`` and ``sent`` are given in that order. Returns (start, arrival) per row,
-    arrival being ``end + sent`` for every row.
+    ``duration`` and ``sent`` (seconds, float64) are given in that order. Returns (start,
+    arrival) per row, arrival being ``end + sent`` for every row.
 
     The loop walks its inputs in order and appends its outputs, so it reads memory
-    in sequence; it reads the arrival of a value sent shortly before.
+    in sequence; it reads the arrival of a value sent shortly before. Its inputs are read
+    through memoryviews and its outputs kept in typed arrays: each number is a Python
+    object only while the loop holds it (lists of a million held several hundred MB at
+    once, of objects and pointers, for the same speed).
     """
     count = len(order)
     # Where each row comes in the order, counted from 1: slot 0 of ``arrival`` is what
@@ -372,13 +392,15 @@ def _settle_in_order(
     position = np.empty(count, dtype=np.int64)
     position[order] = np.arange(1, count + 1, dtype=np.int64)
     source = arrays.recv_from[order]
-    reads = np.where(source < 0, 0, position[np.maximum(source, 0)]).tolist()
-    starts: list[float] = []
-    arrival = [-math.inf]
+    reads = np.where(source < 0, 0, position[np.maximum(source, 0)])
+    del position, source
+    devices = arrays.actions.device[order]
+    starts = array("d")
+    arrival = array("d", (-math.inf,))
     begin, send = starts.append, arrival.append
     clocks = [0.0] * arrays.actions.num_devices
     blocking = not overlap
-    for d, read, seconds, transfer in zip(arrays.actions.device[order].tolist(), reads, duration, sent):
+    for d, read, seconds, transfer in zip(devices.data, reads.data, duration.data, sent.data):
         t = clocks[d]
         arrived = arrival[read]
         if arrived > t:
@@ -389,8 +411,8 @@ def _settle_in_order(
         send(done)
         clocks[d] = done if blocking else t
     start, arrived_at = np.empty(count, dtype=np.float64), np.empty(count, dtype=np.float64)
-    start[order] = starts
-    arrived_at[order] = np.array(arrival, dtype=np.float64)[1:]
+    start[order] = np.frombuffer(starts, dtype=np.float64)
+    arrived_at[order] = np.frombuffer(arrival, dtype=np.float64)[1:]
     return start, arrived_at
 
 

@@ -39,6 +39,7 @@ from rich.table import Table
 
 from pipedsl import library
 from pipedsl.cli.common import add_command, add_param_option, check_output_folder, load_schedule, make_console
+from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import STEP_ROUNDS, round_times
 from pipedsl.errors import PipedslError
@@ -210,6 +211,7 @@ def _recorded_steps(
         state, opt_state = result.params, result.opt_state
         losses.append(float(result.loss))
         wall = time.perf_counter() - start
+        take_interrupt()
         assert result.timeline is not None  # asked for with record=True
         recorded.append(result.timeline)
         outside.append(max(wall - result.timeline.makespan, 0.0))
@@ -264,6 +266,7 @@ class _Trial:
             self.state, self.opt_state, self.batch, optimizer=self.optimizer
         )
         self.losses.append(float(loss))
+        take_interrupt()  # the loss read, the step is over
 
     def timed_step(self) -> None:
         """One plain training step, its wall time kept (seconds, updates included)."""

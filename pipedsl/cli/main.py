@@ -8,12 +8,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
 from collections.abc import Sequence
 
 from pipedsl.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, Terminated, report_error
+from pipedsl.cli.interrupts import Interrupted, end_process, held_interrupts, take_interrupt
 from pipedsl.errors import PipedslError
 
 __all__ = ["build_parser", "main"]
@@ -48,6 +50,10 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "demo": ("demo",),
 }
 
+#: The commands that run JAX: a Ctrl-C there is taken at their safe points, never while
+#: an XLA call is in flight (:mod:`pipedsl.cli.interrupts`).
+HELD_INTERRUPTS = frozenset({"run", "calibrate", "demo"})
+
 
 def _modules_for(argv: Sequence[str]) -> tuple[str, ...]:
     """The command modules a parser for ``argv`` needs: the one that owns the command
@@ -81,27 +87,54 @@ def _exit_code(exit: SystemExit) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line on ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    """Run the command line on ``argv`` (default ``sys.argv[1:]``); return the exit code.
+
+    Run as the program (``argv`` None), a command of :data:`HELD_INTERRUPTS` stopped by
+    Ctrl-C ends the process once it has said so, without the interpreter's teardown
+    (:func:`~pipedsl.cli.interrupts.end_process`); called with ``argv``, it returns 130.
+    """
+    own = argv is None
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(_modules_for(argv))
+    command = argv[0] if argv else ""
+    # Held from the start: the command's modules take a while to import.
+    held = (
+        held_interrupts(line=f"pipedsl {command}: interrupted", code=EXIT_INTERRUPTED)
+        if command in HELD_INTERRUPTS
+        else contextlib.nullcontext()
+    )
+    with held:
+        try:
+            parser = build_parser(_modules_for(argv))
+        except KeyboardInterrupt:
+            print("pipedsl: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exit:
+            # argparse exits on --help and on usage errors; callers in-process want a code.
+            return _exit_code(exit)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        return _run(args, own=own)
+
+
+def _run(args: argparse.Namespace, *, own: bool) -> int:
+    """The command's handler on ``args``, its errors mapped to exit codes."""
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit:
-        # argparse exits on --help and on usage errors; callers in-process want a code.
-        return _exit_code(exit)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    try:
-        return args.handler(args)
+        code: int = args.handler(args)
+        take_interrupt()  # a Ctrl-C during the command's last part, after its last safe point
+        return code
     except PipedslError as err:
         return report_error(err, path=getattr(args, "file", None))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         # One line, not a traceback. What the command started stops with this process:
         # the search's worker processes are stopped on the way out, a local Ray instance
-        # pipedsl started is shut down at exit, and a joined cluster stops the actors of
-        # a driver that is gone.
+        # pipedsl started is shut down at exit (its processes die with this one), and a
+        # joined cluster stops the actors of a driver that is gone.
         print(f"pipedsl {args.command}: interrupted", file=sys.stderr)
+        if own and isinstance(err, Interrupted):
+            end_process(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     except Terminated:
         # The same way out as a Ctrl-C, for a command that takes TERM (search).

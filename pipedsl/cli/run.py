@@ -10,6 +10,10 @@ records one more step and saves its measured timeline (draw it with ``pipedsl pl
 ``--plan RANK --plans plans.csv`` runs a plan that ``pipedsl search`` ranked (its schedule,
 degrees, microbatches and ZeRO stage) on the built-in transformer.
 
+Ctrl-C is taken between steps, where no XLA call is in flight (:mod:`pipedsl.cli.interrupts`):
+one during the first step, which compiles the stages, ends the run once that step is done;
+a second one ends it at once.
+
 JAX is imported only when the command runs, never when the parser is built, so
 ``pipedsl check`` stays fast. On CPU the command gives JAX ``pp x dp x cp x tp`` devices
 by setting ``XLA_FLAGS`` before the import.
@@ -20,18 +24,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pipedsl.cli.checkpoints import Checkpointing, add_checkpoint_options, training_settings
 from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, plural
+from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
@@ -254,22 +255,22 @@ def _train(args: argparse.Namespace) -> int:
         print(f"resumed from {args.checkpoint} after step {first - 1}")
     print(f"{'step':>5}  {'loss':>12}  {'time':>10}")
     times: list[float] = []
-    with _recorded_interrupts() as interrupted:
-        for step in range(first, args.steps + 1):
-            if interrupted():
-                raise KeyboardInterrupt
-            # The parameters that entered the step, to find where a non-finite loss came
-            # from (the update donates what a step returned, so a copy is fetched).
-            before = params if args.allow_nonfinite else pipe.gather(params)
-            start = time.perf_counter()
-            params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
-            elapsed = time.perf_counter() - start
-            times.append(elapsed)
-            note = "  (includes tracing and compilation)" if step == 1 else ""
-            print(f"{step:>5}  {float(loss):>12.6f}  {elapsed * 1e3:>7.1f} ms{note}")
-            if not args.allow_nonfinite and not math.isfinite(float(loss)):
-                raise nonfinite_origin(pipe, model, before, batch, step=step, marked=args.marked)
-            keeping.after_step(pipe, step, last=step == args.steps)
+    for step in range(first, args.steps + 1):
+        # A safe point: the last step's results have all been read (its loss, printed).
+        take_interrupt()
+        # The parameters that entered the step, to find where a non-finite loss came
+        # from (the update donates what a step returned, so a copy is fetched).
+        before = params if args.allow_nonfinite else pipe.gather(params)
+        start = time.perf_counter()
+        params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
+        elapsed = time.perf_counter() - start
+        times.append(elapsed)
+        note = "  (includes tracing and compilation)" if step == 1 else ""
+        print(f"{step:>5}  {float(loss):>12.6f}  {elapsed * 1e3:>7.1f} ms{note}")
+        if not args.allow_nonfinite and not math.isfinite(float(loss)):
+            raise nonfinite_origin(pipe, model, before, batch, step=step, marked=args.marked)
+        keeping.after_step(pipe, step, last=step == args.steps)
+    take_interrupt()
     if len(times) > 1:
         print(f"median step time (steps {first + 1}-{args.steps}): {statistics.median(times[1:]) * 1e3:.1f} ms")
     if args.checkpoint is not None:
@@ -370,31 +371,6 @@ def _configuration(pipe: Any, schedule: Schedule, model: Any) -> str:
         f"sequence_parallel={str(options.sequence_parallel).lower()} "
         f"flash_attention={str(model.fused_attention).lower()} precision={options.precision}"
     )
-
-
-@contextmanager
-def _recorded_interrupts() -> Iterator[Callable[[], bool]]:
-    """Within the block, Ctrl-C raises ``KeyboardInterrupt`` as usual and is also
-    recorded: Python drops an exception raised where it cannot propagate (a finalizer, a
-    callback run by a library), so the step loop asks the record before each step. Only
-    in the main thread, and only while SIGINT has Python's default handler."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield lambda: False
-        return
-    seen: list[int] = []
-
-    def record(signum: int, frame: Any) -> None:
-        seen.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, record)
-    try:
-        yield lambda: bool(seen)
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, key: Any) -> tuple[Any, Any]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipedsl.cli.common import load_schedule
+from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import SPMD_SCHEDULE
 
 __all__ = ["STEP_ROUNDS", "Step", "TimedSteps", "median_seconds", "interleaved_medians", "round_times", "training_step"]
@@ -45,6 +46,7 @@ def interleaved_medians(runs: dict[Any, Callable[[], Any]], *, repeats: int) -> 
 
     for run in runs.values():
         jax.block_until_ready(run())
+        take_interrupt()
     rounds = _Rounds(runs)
     for _ in range(repeats):
         rounds.timed_round()
@@ -66,6 +68,7 @@ class _Rounds:
             start = time.perf_counter()
             jax.block_until_ready(run())
             self._times[key].append(time.perf_counter() - start)
+            take_interrupt()
 
     def take(self) -> dict[Any, float]:
         return {key: statistics.median(times) for key, times in self.take_rounds().items()}
@@ -162,6 +165,7 @@ class TimedSteps:
                 )
                 self._pipes.append(pipe)
                 jax.block_until_ready(runs[key]())  # compiles it, outside the timed rounds
+                take_interrupt()
         except BaseException:
             self.close()
             raise

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -110,13 +109,13 @@ def test_stage_that_fails_while_running_stops_every_device_at_once() -> None:
         return dense(p, x)
 
     # Device 0 waits for gradients that device 1 will never send; it must learn of the
-    # failure at once, not after its (long) receive timeout.
+    # failure at once (it then only echoes it). Had it gone on waiting, its own error (a
+    # receive nobody answers, or a stall after the receive timeout) would come first and be
+    # the step's: the error raised says which happened, and the timeout only bounds a hang.
     pipe = Pipeline([dense, flaky], loss=mse, schedule=one_f_one_b(), recv_timeout=120.0)
     pipe.compile(params(), batch())
-    start = time.perf_counter()
     with pytest.raises(ExecutionError, match=r"stage 1 \(device 1\) failed while running 1F0.*bad data on the host"):
         pipe.step(params(), batch())
-    assert time.perf_counter() - start < 30.0
 
 
 def test_receive_times_out_instead_of_hanging() -> None:
@@ -145,12 +144,11 @@ def test_a_receive_no_device_will_answer_is_found_at_once() -> None:
 
     targets = [(jnp.zeros((2, WIDTH)),)] * 4
     device_1 = runtime.steps(exchange.endpoint(1), {1: (jnp.eye(WIDTH),)}, (), targets)
-    start = time.perf_counter()
+    # Every device waits (device 0 has ended), so the step ends with that error, not with a
+    # stall after its timeout (which would raise instead): the timeout only bounds a hang.
     results, errors = run_together(
         [silent(), device_1], exchange, timeout=60.0, doing=lambda d: "", progress=lambda: None
     )
-    # Every device waits (device 0 has ended), so the step ends without its timeout.
-    assert time.perf_counter() - start < 10.0
     assert errors[0] is None and isinstance(errors[1], ExecutionError)
     assert "device 1 waits for act(0,0) from device 0, which never sends it" in str(errors[1])
 
@@ -159,9 +157,12 @@ def test_stalled_stage_is_named_within_a_bounded_wait() -> None:
     # The stage stays stuck until the test releases it, after the step has failed: so the
     # failure came while the stage was still running, whatever the machine's speed. The
     # release's own timeout only bounds a wrong program, which would wait for the stage.
-    release, returned = threading.Event(), threading.Event()
+    # The receive timeout is the stall's definition: long enough that no device that is
+    # working (however slow this machine is) goes that long without progress.
+    entered, release, returned = threading.Event(), threading.Event(), threading.Event()
 
     def hold(x: Any) -> None:
+        entered.set()
         release.wait(timeout=120.0)
         returned.set()
 
@@ -169,12 +170,12 @@ def test_stalled_stage_is_named_within_a_bounded_wait() -> None:
         jax.debug.callback(hold, x)
         return dense(p, x)
 
-    pipe = Pipeline([dense, stuck], loss=mse, schedule=one_f_one_b(microbatches=2), recv_timeout=0.5)
+    pipe = Pipeline([dense, stuck], loss=mse, schedule=one_f_one_b(microbatches=2), recv_timeout=5.0)
     pipe.compile(params(), batch(4))
     try:
         with pytest.raises(ExecutionError) as info:
             pipe.value_and_grad(params(), batch(4))
-        stuck_when_it_failed = not returned.is_set()
+        stuck_when_it_failed = entered.is_set() and not returned.is_set()
     finally:
         release.set()
         # The devices' helper thread leaves XLA once the stage wakes; it may not be inside

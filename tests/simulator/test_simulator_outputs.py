@@ -15,7 +15,7 @@ from helpers import gpipe, interleaved, one_f_one_b, one_f_one_b_split, v_shape
 from pipedsl.cli import main
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
-from pipedsl.library import library_path, load
+from pipedsl.library import library_path, load, load_arrays
 from pipedsl.program import Compute, DeviceProgram, Program, Recv, lower
 from pipedsl.simulator import CostModel, simulate
 from pipedsl.simulator.plot import Panel, plot_timelines, save_figure
@@ -26,6 +26,22 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 LIB = library_path()
+
+
+@pytest.mark.parametrize(
+    ("name", "params"), [("interleaved_1f1b", {"pp": 4, "vpp": 2, "microbatches": 8}), ("zb_h1", {"pp": 4})]
+)
+@pytest.mark.parametrize("overlap_sends", [True, False])
+def test_a_schedule_simulated_from_its_columns_is_simulated_as_from_its_objects(
+    name: str, params: dict[str, int], overlap_sends: bool
+) -> None:
+    costs = CostModel(forward=1.0, latency=0.25, overlap_sends=overlap_sends, residual_bytes=100)
+    from_objects = simulate(load(library_path(name), **params), costs)
+    from_columns = simulate(load_arrays(library_path(name), **params), costs)
+    assert from_columns.to_json() == from_objects.to_json()
+    for column in ("device", "kind", "stage", "microbatch", "start", "end", "peer"):
+        assert np.array_equal(getattr(from_columns.timeline, column), getattr(from_objects.timeline, column))
+    assert from_columns.critical_path == from_objects.critical_path
 
 
 def test_json_summary_is_stable_and_complete() -> None:
