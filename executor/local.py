@@ -34,6 +34,7 @@ import optax
 from pipedsl.executor.backend import DeviceReport
 from pipedsl.executor.cooperative import run_together
 from pipedsl.executor.errors import ExecutionError, PeerFailed
+from pipedsl.executor.fused import FusedStep, shared_devices
 from pipedsl.executor.interpreter import Steps
 from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
 from pipedsl.executor.sharded_checkpoint import (
@@ -50,7 +51,7 @@ from pipedsl.executor.stage_options import StageOptions
 from pipedsl.executor.stage_program import StageProgram
 from pipedsl.executor.stages import StagedModel, explicit_model
 from pipedsl.executor.timing import Recorder
-from pipedsl.executor.transport import LocalExchange, finished, resharder
+from pipedsl.executor.transport import LocalExchange, resharder
 from pipedsl.executor.worker import Update, Worker, WorkerStep, compile_device
 from pipedsl.program import Program
 
@@ -81,6 +82,8 @@ class LocalBackend:
     ``stages`` (explicit) or ``model_fn`` (marked) is the model; ``mesh`` the SPMD shape
     of every pipeline device; ``param_specs`` the parameters' ``PartitionSpec`` pytree
     (None: replicated). ``recv_timeout`` bounds every wait for another device, in seconds.
+    With ``fuse``, where every pipeline device's mesh is the same JAX devices, an unrecorded
+    step runs as one program (:mod:`pipedsl.executor.fused`).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class LocalBackend:
         param_specs: Any,
         devices: Sequence[jax.Device] | None = None,
         recv_timeout: float = 300.0,
+        fuse: bool = True,
     ) -> None:
         schedule = program.schedule
         self.program = program
@@ -111,6 +115,9 @@ class LocalBackend:
         self._compiled: CompiledStages | None = None  # what the workers run
         self._held: tuple[Any, CompiledStages] | None = None  # (cache key, stages) of the last step
         self._kept_shapes: Any = None  # the parameters' tree and shapes the workers hold
+        # The whole step as one program where every pipeline device shares its JAX devices.
+        self.fuse = fuse and shared_devices(self.meshes)
+        self._fused: FusedStep | None = None
 
     # -- compiling -----------------------------------------------------------------
 
@@ -199,6 +206,8 @@ class LocalBackend:
             for prog in self.program.devices
         )
         self._compiled = compiled
+        first, last = schedule.placement[0], schedule.placement[-1]
+        self._fused = FusedStep(self.workers, first=first, last=last) if self.fuse else None
         kept = bool(before) and all(w.leaves for w in before) and self._kept_shapes == _leaf_shapes(params)
         if kept:
             for old, new in zip(before, self.workers, strict=True):
@@ -269,6 +278,7 @@ class LocalBackend:
         """The workers' state is dropped with the backend; nothing else is held."""
         self.workers = ()
         self._compiled = None
+        self._fused = None
         self._held = None
 
     # -- the step ------------------------------------------------------------------
@@ -285,6 +295,16 @@ class LocalBackend:
     ) -> tuple[DeviceReport, ...]:
         workers = self.workers
         update = None if optimizer is None else Update(optimizer, init=fresh_state)
+        if self._fused is not None and not record:
+            for worker in workers:
+                worker.applied = False
+            try:
+                fused = self._fused.run(inputs, targets, update=update, keep_grads=keep_grads)
+            except BaseException:
+                if not self._fused.intact():
+                    self._broken()
+                raise
+            return tuple(_report(r) for r in fused)
         schedule = self.program.schedule
         first, last = schedule.placement[0], schedule.placement[-1]
         exchange = LocalExchange(self._movers)
@@ -322,21 +342,19 @@ class LocalBackend:
                 self._broken()
             # Devices that gave up because of another's failure only echo it.
             raise next((err for err in failed if not isinstance(err, PeerFailed)), failed[0])
-        if update is not None and not finished([(w.leaves, w.states) for w in workers], self.recv_timeout):
-            # A step ends once its update is computed, as a Ray step does: the time of a
-            # train_step is the whole step's.
-            self._broken()
-            raise ExecutionError(f"the optimizer update did not finish within {self.recv_timeout:g} s (recv_timeout)")
         return tuple(_report(r) for r in results)
 
     def _broken(self) -> None:
         self._compiled = None
+        self._fused = None
         self.workers = ()
 
 
 def _report(step: WorkerStep) -> DeviceReport:
     return DeviceReport(
-        loss=None if step.loss is None else np.asarray(step.loss),
+        # The loss stays a device array, read when the caller reads it: a step is
+        # dispatched end to end without waiting for the devices.
+        loss=step.loss,
         # Leaf by leaf: jax.device_get costs several times more per small array (jaxlib 0.10).
         grads={i: np.asarray(g) for i, g in step.grads.items()},
         peak_held=step.peak_held,

@@ -41,6 +41,7 @@ import optax
 
 from pipedsl import library
 from pipedsl.executor.backend import Backend, Resident, StepResult
+from pipedsl.executor.compilation_cache import enable_compilation_cache
 from pipedsl.executor.driver import Driver, shapes_of
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.functions import check_functions
@@ -123,6 +124,10 @@ class Pipeline:
       param_specs: a pytree with the structure of the parameters (or a prefix of it)
         whose leaves are ``jax.sharding.PartitionSpec`` over the axis ``"tensor"`` (None:
         replicated); see :mod:`pipedsl.executor.models` for the built-in transformer's.
+      fuse: on the local backend, where every pipeline device runs on the same JAX devices
+        (stages sharing one chip), run each unrecorded step as one program of the whole
+        schedule (:mod:`pipedsl.executor.fused`); False dispatches every action apart, as on
+        separate devices.
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class Pipeline:
         param_specs: Any = None,
         reduce_once: bool = False,
         cp: int = 1,
+        fuse: bool = True,
     ) -> None:
         schedule = _schedule_argument(schedule, costs)
         if not isinstance(stages, Iterable) or isinstance(stages, str):
@@ -158,7 +164,7 @@ class Pipeline:
             )
         mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once, cp=cp)
         options = _stage_options(schedule, recompute, precision, sequence_parallel)
-        self._setup(stages, None, loss, schedule, backend, options, devices, recv_timeout, mesh, param_specs)
+        self._setup(stages, None, loss, schedule, backend, options, devices, recv_timeout, mesh, param_specs, fuse)
 
     @classmethod
     def from_function(
@@ -180,6 +186,7 @@ class Pipeline:
         param_specs: Any = None,
         reduce_once: bool = False,
         cp: int = 1,
+        fuse: bool = True,
     ) -> Pipeline:
         """A pipeline for ``model_fn(params, x) -> y`` split at its ``stage_boundary``
         markers (see :mod:`pipedsl.executor.split`); ``params`` is then the pytree
@@ -189,7 +196,7 @@ class Pipeline:
         schedule = _schedule_argument(schedule, costs)
         mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once, cp=cp)
         options = _stage_options(schedule, recompute, precision, sequence_parallel)
-        pipe._setup(None, model_fn, loss, schedule, backend, options, devices, recv_timeout, mesh, param_specs)
+        pipe._setup(None, model_fn, loss, schedule, backend, options, devices, recv_timeout, mesh, param_specs, fuse)
         return pipe
 
     def _setup(
@@ -204,8 +211,10 @@ class Pipeline:
         recv_timeout: float,
         mesh: MeshConfig,
         param_specs: Any,
+        fuse: bool,
     ) -> None:
         check_functions(loss=loss, stages=stages, model_fn=model_fn)
+        enable_compilation_cache()
         self.schedule = schedule
         self.program: Program = lower(schedule)
         self._last_batch: tuple[Any, _Batch] | None = None
@@ -240,6 +249,7 @@ class Pipeline:
                 recv_timeout=recv_timeout,
                 mesh=mesh,
                 param_specs=param_specs,
+                fuse=fuse,
             )
         else:
             raise ExecutionError(

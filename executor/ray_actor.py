@@ -38,6 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
+from pipedsl.executor.compilation_cache import enable_compilation_cache
 from pipedsl.executor.cores import claim_cores
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.interpreter import drive
@@ -169,6 +170,7 @@ class WorldProcess:
 
         if os.environ.get("JAX_PLATFORMS", "") == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        enable_compilation_cache()
         jax.distributed.initialize(
             address, num_processes=self.num_processes, process_id=self.rank, initialization_timeout=max(1, int(timeout))
         )

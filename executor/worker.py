@@ -38,8 +38,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pipedsl.executor.errors import ExecutionError, stage_failure
-from pipedsl.executor.interpreter import Computed, DeviceRuntime, Receive, Steps
+from pipedsl.executor.errors import ExecutionError
+from pipedsl.executor.interpreter import DeviceRuntime, Receive, Steps
 from pipedsl.executor.mesh import StageLayout
 from pipedsl.executor.optimizers import couples_through_global_norm
 from pipedsl.executor.shards import DataShards
@@ -193,7 +193,6 @@ class Worker:
             # has updated anything.
             self._check_states(update.optimizer)
         model = self.model
-        timeout = self.runtime.recv_timeout
         stages = self.runtime.stages
         # The stages' programs take their parameters in their compute dtype: one bf16 copy
         # of the master weights per step under bf16 (StageProgram.compute_params).
@@ -207,19 +206,9 @@ class Worker:
             recorder=recorder,
         )
         # Reduced once per step where they accumulated unreduced (ZeRO 0 and 1, dp > 1).
+        # Nothing is waited for: the reductions, sums and the update are queued behind the
+        # program's computations, and a failure among them is raised where a result is read.
         stage_grads = {s: self.runtime.stages[s].reduce_grads(g) for s, g in result.grads.items()}
-        self.phase = "waiting for its stages' gradients and loss"
-        if not (yield Computed((stage_grads, result.loss))):
-            raise ExecutionError(
-                f"device {self.index}'s gradients and loss were not computed within {timeout:g} s of its "
-                "program's end (a stalled stage here or on a device it depends on); raise recv_timeout "
-                "if stages really take that long",
-                device=self.index,
-            )
-        for s, g in stage_grads.items():
-            _computed(g, s, self.index, "accumulating its gradients")
-        if result.loss is not None:
-            _computed(result.loss, model.num_stages - 1, self.index, "computing the loss")
         self.phase = "summing shared gradients"
         grads = yield from self._sum_shared(transport, stage_grads)
         if update is not None:
@@ -259,7 +248,8 @@ class Worker:
             return []
         count = self.count
         devices = layout.mesh.devices
-        if devices.size == 1 and devices.flat[0].platform == "cpu":
+        traced = isinstance(leaves[0], jax.core.Tracer)  # inside one program of the whole step
+        if devices.size == 1 and devices.flat[0].platform == "cpu" and not traced:
             host = [np.asarray(leaf) for leaf in leaves]
             # Iterating a [count, rows, ...] view yields the microbatches' views.
             return list(zip(*(list(h.reshape((count, h.shape[0] // count, *h.shape[1:]))) for h in host), strict=True))
@@ -311,25 +301,17 @@ class Worker:
         (:func:`~pipedsl.executor.optimizers.couples_through_global_norm`)."""
         model, me, placement = self.model, self.index, self.placement
         self._sources.clear()  # the resident leaves are no longer the caller's arrays
-        if update.init:
-            self.states = {}
+        self.place_states(update.optimizer, fresh=update.init)
         compiled = self._compiled_for(update.optimizer)
         rest = (yield from self._rest_of_norm(transport, grads)) if compiled.coupled else {}
         for s in self.local:
             owned = model.owned(s)
-            apply, init, state_at = self._compiled_update(compiled, s)
+            apply = self._compiled_update(compiled, s)[0]
             treedef = model.owned_treedefs[s]
             params_s = jax.tree_util.tree_unflatten(treedef, [self.leaves[i] for i in owned])
-            state = self.states.get(s)
-            if state is None:
-                state = init(params_s)
-            elif s not in self._placed_states:
-                # A copy: the update donates the state, and this one is the caller's.
-                state = jax.device_put(state, state_at, may_alias=False)
             grads_s = jax.tree_util.tree_unflatten(treedef, [grads[i] for i in owned])
             args = (grads_s, rest[s]) if compiled.coupled else (grads_s,)
-            params_s, self.states[s] = apply(*args, state, params_s)
-            self._placed_states.add(s)
+            params_s, self.states[s] = apply(*args, self.states[s], params_s)
             for i, leaf in zip(owned, jax.tree_util.tree_leaves(params_s), strict=True):
                 self.leaves[i] = leaf
         for s in range(model.num_stages):
@@ -341,6 +323,30 @@ class Worker:
                 owner = placement[model.owner[i]]
                 if owner != me:
                     self.leaves[i] = yield Receive(("param", s, i), owner)
+
+    def place_states(self, optimizer: optax.GradientTransformation, *, fresh: bool) -> None:
+        """Make every local stage's optimizer state resident where its layout keeps it:
+        made by the optimizer's ``init`` where there is none (all of them with ``fresh``),
+        copied into buffers of this worker's own where it was loaded (the update donates
+        the state, and a loaded one is the caller's)."""
+        if fresh:
+            self.states = {}
+            self._placed_states.clear()
+        else:
+            self._check_states(optimizer)
+        compiled = self._compiled_for(optimizer)
+        for s in self.local:
+            if s in self._placed_states:
+                continue
+            _, init, state_at = self._compiled_update(compiled, s)
+            state = self.states.get(s)
+            if state is None:
+                owned = self.model.owned(s)
+                params_s = jax.tree_util.tree_unflatten(self.model.owned_treedefs[s], [self.leaves[i] for i in owned])
+                self.states[s] = init(params_s)
+            else:
+                self.states[s] = jax.device_put(state, state_at, may_alias=False)
+            self._placed_states.add(s)
 
     def _check_states(self, optimizer: optax.GradientTransformation) -> None:
         """Refuse a loaded optimizer state whose structure this optimizer does not give."""
@@ -505,15 +511,6 @@ def _unstack(count: int, sharding: NamedSharding) -> Callable[[Any], tuple[Any, 
     """A jitted cut of a ``[count, ...]`` stack into its ``count`` entries, each placed
     with ``sharding``: one dispatch per leaf instead of one per microbatch."""
     return jax.jit(lambda x: tuple(x[m] for m in range(count)), out_shardings=(sharding,) * count)
-
-
-def _computed(value: Any, stage: int, device: int, what: str) -> None:
-    """Wait for ``value``; an error of the computation that produced it is raised as
-    stage ``stage``'s failure."""
-    try:
-        jax.block_until_ready(value)
-    except Exception as err:  # XLA reports a failed computation where its result is read
-        raise stage_failure(stage, device, what, err) from err
 
 
 def _check_state(state: Any, state_at: Any, stage: int) -> None:

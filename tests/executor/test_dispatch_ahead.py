@@ -1,0 +1,128 @@
+"""A step the host never waits on: no device-to-host copy, dispatch runs ahead of the devices,
+and the whole step as one program (where the pipeline devices share their JAX devices)
+computes what the step dispatched action by action computes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pipedsl
+from helpers import ADAM, assert_trees_close, library, model, pipeline, reference_training, setup
+from pipedsl.executor import Pipeline
+from pipedsl.executor.compilation_cache import CACHE_ENV, cache_folder
+
+WIDTH = 256
+
+
+def _heavy(p: jax.Array, x: jax.Array) -> jax.Array:
+    # Enough matrix work per action that a step takes far longer than its dispatch.
+    for _ in range(24):
+        x = jnp.tanh(x @ p)
+    return x
+
+
+def _mse(y: jax.Array, t: jax.Array) -> jax.Array:
+    return jnp.mean((y - t) ** 2)
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["one-program", "action-by-action"])
+def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_finish(fuse: bool) -> None:
+    device = jax.devices()[0]
+    pipe = Pipeline(
+        [_heavy, _heavy],
+        loss=_mse,
+        schedule=pipedsl.load("1f1b", pp=2, microbatches=4),
+        devices=[device, device],
+        fuse=fuse,
+    )
+    params = [jnp.eye(WIDTH) * 0.5, jnp.eye(WIDTH) * 0.5]
+    # Host arrays: the batch goes in (host to device), nothing comes out.
+    x = np.ones((256, WIDTH), np.float32)
+    batch = (x, x * 0.5)
+    optimizer = optax.sgd(1e-3)
+    params, state, loss = pipe.train_step(params, None, batch, optimizer=optimizer)  # compiles
+    jax.block_until_ready(loss)
+    with jax.transfer_guard_device_to_host("disallow"):
+        for _ in range(10):
+            params, state, loss = pipe.train_step(params, state, batch, optimizer=optimizer)
+        # Each step is tens of milliseconds of matrix work and its dispatch a fraction of a
+        # millisecond: had any call waited for the devices, the last step would be done.
+        assert not loss.is_ready()
+    assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_one_program_computes_what_the_actions_apart_compute(name: str) -> None:
+    schedule = library(name)
+    params, batch, ref_loss, ref_grads = setup("transformer", "explicit", schedule.num_stages)
+    shared = [jax.devices()[0]] * schedule.num_devices
+    fused = pipeline("transformer", "explicit", schedule, devices=shared)
+    apart = pipeline("transformer", "explicit", schedule, devices=shared, fuse=False)
+    one, each = fused.step(params, batch), apart.step(params, batch)
+    np.testing.assert_allclose(float(one.loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(one.grads, ref_grads)
+    assert_trees_close(one.grads, each.grads)
+    # What the devices report besides values is read while the program is traced.
+    assert one.peak_held == each.peak_held and one.leftover == each.leftover
+
+
+def test_one_program_trains_a_tied_model_as_one_device_does() -> None:
+    # The marked transformer's embedding is read by the first and the last stage: its
+    # gradient is summed on its owner and the updated leaf handed to the other user.
+    schedule = library("zbv")
+    params, batch, _, _ = setup("transformer", "marked", schedule.num_stages)
+    pipe = pipeline("transformer", "marked", schedule, devices=[jax.devices()[0]] * schedule.num_devices)
+    assert pipe.backend.fuse
+    held, state = params, None
+    for ref_params, ref_loss in reference_training("marked", schedule.num_stages, steps=3):
+        held, state, loss = pipe.train_step(held, state, batch, optimizer=ADAM)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(pipe.gather(held), ref_params, atol=5e-6)
+    # A gathered optimizer state goes back in, as on the path dispatched action by action.
+    held, state, loss = pipe.train_step(held, pipe.gather(state), batch, optimizer=ADAM)
+    assert np.isfinite(float(loss))
+
+
+def test_one_program_clips_by_the_whole_models_norm() -> None:
+    schedule = library("1f1b")
+    m = model("mlp", schedule.num_stages)
+    params, batch, _, _ = setup("mlp", "explicit", schedule.num_stages)
+    clipped = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0))
+    shared = [jax.devices()[0]] * schedule.num_devices
+
+    def trained(fuse: bool) -> Any:
+        pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, devices=shared, fuse=fuse)
+        held, _, _ = pipe.train_step(params, None, batch, optimizer=clipped)
+        return pipe.gather(held)
+
+    assert_trees_close(trained(True), trained(False))
+
+
+def test_separate_devices_run_action_by_action() -> None:
+    schedule = library("1f1b")
+    assert not pipeline("mlp", "explicit", schedule).backend.fuse
+
+
+def test_the_compilation_cache_folder_follows_its_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    assert cache_folder() == tmp_path / "cache"
+    for off in ("off", "0", "none", ""):
+        monkeypatch.setenv(CACHE_ENV, off)
+        assert cache_folder() is None
+    monkeypatch.delenv(CACHE_ENV)
+    # Unset, the folder JAX was given wins (the test session gives one), else the user's cache.
+    given = jax.config.jax_compilation_cache_dir
+    if given:
+        assert cache_folder() == type(tmp_path)(given)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert cache_folder() == tmp_path / "xdg" / "pipedsl" / "jax"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", given)
