@@ -136,6 +136,19 @@ def disconnect() -> None:
             _Connection.started_here = False
 
 
+def shutdown_started() -> None:
+    """Shut down the local instance pipedsl started, whatever still holds it, for a process
+    that ends without the interpreter's teardown (whose exit would shut it down)."""
+    with _Connection.lock:
+        if not _Connection.started_here:
+            return
+        import ray
+
+        ray.shutdown()
+        _Connection.started_here = False
+        _Connection.users = 0
+
+
 def _probe(address: str) -> None:
     """Raise at once when nothing accepts TCP connections at ``address``'s host and port
     (``auto`` and other forms without a port are left to Ray, under the time bound)."""

@@ -134,6 +134,11 @@ def _run(args: argparse.Namespace, *, own: bool) -> int:
         # joined cluster stops the actors of a driver that is gone.
         print(f"pipedsl {args.command}: interrupted", file=sys.stderr)
         if own and isinstance(err, Interrupted):
+            if "ray" in sys.modules:
+                # Its exit handler would do it, and the process ends without them.
+                from pipedsl.executor.ray_connection import shutdown_started
+
+                shutdown_started()
             end_process(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     except Terminated:
