@@ -48,6 +48,7 @@ _TITLES = {
     "bench_simulate": "The whole `pipedsl simulate --json` of interleaved 1F1B, pp=64, vpp=2",
     "bench_synthesis": "Synthesise zb_auto, pp=8, 32 microbatches (4 variants, 768 actions)",
     "bench_search": "Plan search: GPT-3 175B on 1,024 A100s",
+    "bench_against_jit": "The pipelined train_step against one jax.jit of the same step on one device (an 8-layer Llama, five plans)",
     "bench_executor_split": "The I/W split: (I + W) / B on a stage of 4 GELU layers 512 wide",
     "bench_executor_overhead": "The local backend's cost per step and per action (a model of negligible compute)",
     "bench_executor_per_action": "The executor's own cost per action on both backends (2 stages, 1F1B, 16 microbatches)",
