@@ -394,6 +394,7 @@ class Checks:
 
         def pipe_step() -> Any:
             held[0], held[1], loss = pipe.train_step(held[0], held[1], self.batch, optimizer=optimizer)
+            pipe.block_until_ready()  # a step returns once it is queued; its time runs to its update's end
             return held[0], loss
 
         # One program for the copy and the optimizer state, not one per leaf and operation.

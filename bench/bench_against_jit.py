@@ -108,8 +108,9 @@ def _model(size: Size, plan: Plan) -> Any:
     )  # fmt: skip
 
 
-def _loop(step: Callable[[], Any], steps: int) -> float:
-    """Seconds per step of ``steps`` calls waited for once at the end."""
+def _loop(step: Callable[[], Any], steps: int, *, done: Callable[[], None] | None = None) -> float:
+    """Seconds per step of ``steps`` calls waited for once at the end (on their last result,
+    then on ``done``: a pipeline's last update)."""
     import jax
 
     start = time.perf_counter()
@@ -117,6 +118,8 @@ def _loop(step: Callable[[], Any], steps: int) -> float:
     for _ in range(steps):
         out = step()
     jax.block_until_ready(out)
+    if done is not None:
+        done()
     return (time.perf_counter() - start) / steps
 
 
@@ -239,7 +242,7 @@ def _per_action(device: Any, steps: int, rounds: int, *, fuse: bool) -> float:
         return loss
 
     _first(step)
-    per_step = statistics.median(_loop(step, steps) for _ in range(rounds))
+    per_step = statistics.median(_loop(step, steps, done=pipe.block_until_ready) for _ in range(rounds))
     pipe.close()
     return per_step / schedule.num_actions
 
@@ -326,7 +329,7 @@ def main() -> None:
     for name in plans:
         pipe, step = _pipeline_step(size, PLANS[name], device, optimizer, fuse=not args.apart)
         first = _first(step)
-        per = statistics.median(_loop(step, args.steps) for _ in range(args.rounds))
+        per = statistics.median(_loop(step, args.steps, done=pipe.block_until_ready) for _ in range(args.rounds))
         host = statistics.median(_host_time(step) for _ in range(3))
         pipe.close()
         accum, whole = per / jit_times["accumulating jit"], per / jit_times["whole jit"]

@@ -274,6 +274,11 @@ class LocalBackend:
             self.program.schedule, self.config, processes=1, model=model, specs=leaf_specs(self._specs, tree)
         )
 
+    def wait(self) -> None:
+        """Return once every parameter and optimizer state the workers hold is computed
+        (the steps dispatched so far are done), raising a failed computation's error."""
+        jax.block_until_ready([(w.leaves, w.states) for w in self.workers])
+
     def close(self) -> None:
         """The workers' state is dropped with the backend; nothing else is held."""
         self.workers = ()

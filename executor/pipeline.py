@@ -331,6 +331,14 @@ class Pipeline:
             record=record,
         )
 
+    def block_until_ready(self) -> None:
+        """Wait until the steps dispatched so far are done, their updates included: a
+        local step returns as soon as it is queued (the host never waits inside one), so
+        time a step, or a loop of them, up to this call. A Ray step returns once the last
+        stage's process has its loss."""
+        if isinstance(self.backend, LocalBackend):
+            self.backend.wait()
+
     def gather(self, value: Any) -> Any:
         """``value`` on the driver as numpy arrays in plain pytrees, however it is
         sharded: a :class:`~pipedsl.executor.backend.Resident` handle (the parameters in

@@ -266,6 +266,7 @@ class _Trial:
             self.state, self.opt_state, self.batch, optimizer=self.optimizer
         )
         self.losses.append(float(loss))
+        self.pipe.block_until_ready()  # the update too: a step returns once it is queued
         take_interrupt()  # the loss read, the step is over
 
     def timed_step(self) -> None:

@@ -263,11 +263,13 @@ def _train(args: argparse.Namespace) -> int:
         before = params if args.allow_nonfinite else pipe.gather(params)
         start = time.perf_counter()
         params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
+        # The step returns once it is dispatched; its time runs until its loss is computed.
+        value = float(loss)
         elapsed = time.perf_counter() - start
         times.append(elapsed)
         note = "  (includes tracing and compilation)" if step == 1 else ""
-        print(f"{step:>5}  {float(loss):>12.6f}  {elapsed * 1e3:>7.1f} ms{note}")
-        if not args.allow_nonfinite and not math.isfinite(float(loss)):
+        print(f"{step:>5}  {value:>12.6f}  {elapsed * 1e3:>7.1f} ms{note}")
+        if not args.allow_nonfinite and not math.isfinite(value):
             raise nonfinite_origin(pipe, model, before, batch, step=step, marked=args.marked)
         keeping.after_step(pipe, step, last=step == args.steps)
     take_interrupt()

@@ -138,6 +138,7 @@ def training_step(
 
     def step() -> Any:
         held[0], held[1], _ = pipe.train_step(held[0], held[1], batch, optimizer=optimizer)
+        pipe.block_until_ready()  # the step returns once it is queued; its time runs to its update's end
         return held[0]
 
     return step, pipe

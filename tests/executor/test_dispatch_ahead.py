@@ -54,6 +54,8 @@ def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_fini
         # Each step is tens of milliseconds of matrix work and its dispatch a fraction of a
         # millisecond: had any call waited for the devices, the last step would be done.
         assert not loss.is_ready()
+    pipe.block_until_ready()  # every update done: what the devices hold is computed
+    assert all(leaf.is_ready() for w in pipe.backend.workers for leaf in jax.tree_util.tree_leaves(w.leaves))
     assert np.isfinite(float(loss))
 
 
