@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A wheelhouse for a machine that has JAX but no package index (an accelerator machine's
 # image): pipedsl's own wheel and the pure-Python packages it needs beyond what such an image
-# has (JAX, NumPy, optax, pandas, matplotlib), built on a connected machine into DIR (default
-# .whl, which git ignores): lark (the schedule language, the check needs it) and rich with
-# markdown-it-py, mdurl and pygments (the CLI's tables), at the versions this checkout's venv
-# runs. Carry DIR over and install it there without an index, keeping the machine's JAX:
+# has (JAX with its plugin, NumPy, SciPy), built on a connected machine into DIR (default
+# .whl, which git ignores): lark (the schedule language), optax with absl-py (the optimizers),
+# and rich with markdown-it-py, mdurl and pygments (the CLI's tables), at the versions this
+# checkout's venv runs. Carry DIR over and install it there without an index, keeping the machine's JAX:
 #
 #     python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
 #     export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -18,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DIR=${1:-.whl}
-PACKAGES=(lark rich markdown-it-py mdurl pygments)
+PACKAGES=(lark optax absl-py rich markdown-it-py mdurl pygments)
 
 # The versions the venv's tests ran with, not whatever the index has today.
 pins=$("$PY" -c 'import importlib.metadata as m, sys; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pipedsl.executor.errors import ExecutionError
+from pipedsl.executor.errors import ExecutionError, NonFiniteStep
 
 if TYPE_CHECKING:
     from pipedsl.executor.backend import Resident
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ExecutionError",
+    "NonFiniteStep",
     "Pipeline",
     "StepResult",
     "stage_boundary",

@@ -118,10 +118,12 @@ class Backend(Protocol):
         fresh_state: bool,
         record: bool,
         keep_grads: bool,
+        skip_nonfinite: bool = False,
     ) -> tuple[DeviceReport, ...]:
         """One step over the batch's leaves, per pipeline device its report. With
         ``optimizer`` the devices apply it (starting the optimizer state afresh with
-        ``fresh_state``); with ``record`` they time every action and transfer."""
+        ``fresh_state``; with ``skip_nonfinite`` not where the loss or a gradient is not
+        finite); with ``record`` they time every action and transfer."""
         ...
 
     def fetch(self, *, params: bool) -> tuple[dict[int, np.ndarray], dict[int, Any]]:

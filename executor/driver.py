@@ -70,6 +70,7 @@ class Driver:
         optimizer: optax.GradientTransformation | None,
         opt_state: Any,
         record: bool,
+        skip_nonfinite: bool = False,
     ) -> StepResult:
         """One step (see :meth:`pipedsl.executor.pipeline.Pipeline.step`)."""
         held = isinstance(params, Resident)
@@ -100,6 +101,7 @@ class Driver:
             fresh_state=opt_state is None,
             record=record,
             keep_grads=optimizer is None,
+            skip_nonfinite=skip_nonfinite,
         )
         return self._result(reports, model, trained=optimizer is not None, record=record)
 

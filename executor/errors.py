@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipedsl.errors import PipedslError
 
-__all__ = ["ExecutionError", "PeerFailed", "first_line", "stage_failure"]
+__all__ = ["ExecutionError", "NonFiniteStep", "PeerFailed", "first_line", "stage_failure"]
 
 
 class ExecutionError(PipedslError):
@@ -20,6 +20,19 @@ class ExecutionError(PipedslError):
     def __init__(self, message: str, *, stage: int | None = None, device: int | None = None) -> None:
         self.stage = stage
         self.device = device
+        super().__init__(message)
+
+
+class NonFiniteStep(ExecutionError):
+    """A training step whose loss is not finite (``train_step(check_finite=True)``).
+
+    ``params`` and ``opt_state`` are the handles the step would have returned: on the local
+    backend the step's update was skipped, so they hold the values that went in.
+    """
+
+    def __init__(self, message: str, *, params: object, opt_state: object) -> None:
+        self.params = params
+        self.opt_state = opt_state
         super().__init__(message)
 
 

@@ -108,13 +108,14 @@ class _Traced:
 
 class FusedStep:
     """The whole step of ``workers`` (pipeline devices sharing their JAX devices) as one
-    jitted program per kind of step (training with an optimizer, or gradients only),
+    jitted program per kind of step (training with an optimizer, with or without skipping
+    a non-finite update, or gradients only),
     traced on its first use. ``first``/``last`` are the devices of the first and last stage."""
 
     def __init__(self, workers: Sequence[Worker], *, first: int, last: int) -> None:
         self.workers = tuple(workers)
         self.first, self.last = first, last
-        self._programs: dict[tuple[int | None, bool], tuple[Callable[..., Any], list[_Traced]]] = {}
+        self._programs: dict[tuple[tuple[int, bool] | None, bool], tuple[Callable[..., Any], list[_Traced]]] = {}
 
     def run(
         self, inputs: Sequence[Any], targets: Sequence[Any], *, update: Update | None, keep_grads: bool
@@ -126,7 +127,7 @@ class FusedStep:
         if update is not None:
             for worker in workers:
                 worker.place_states(update.optimizer, fresh=update.init)
-        key = (None if update is None else id(update.optimizer), keep_grads)
+        key = (None if update is None else (id(update.optimizer), update.skip_nonfinite), keep_grads)
         found = self._programs.get(key)
         if found is None:
             found = self._programs[key] = self._program(update, keep_grads)
@@ -158,7 +159,7 @@ class FusedStep:
         """The jitted step and where its trace leaves what it reports besides values."""
         workers, first, last = self.workers, self.first, self.last
         traced: list[_Traced] = []
-        steady = None if update is None else Update(update.optimizer, init=False)
+        steady = None if update is None else Update(update.optimizer, init=False, skip_nonfinite=update.skip_nonfinite)
 
         def step(leaves: Any, states: Any, inputs: Any, targets: Any) -> Any:
             kept = [(w.leaves, w.states) for w in workers]

@@ -297,9 +297,10 @@ class LocalBackend:
         fresh_state: bool,
         record: bool,
         keep_grads: bool,
+        skip_nonfinite: bool = False,
     ) -> tuple[DeviceReport, ...]:
         workers = self.workers
-        update = None if optimizer is None else Update(optimizer, init=fresh_state)
+        update = None if optimizer is None else Update(optimizer, init=fresh_state, skip_nonfinite=skip_nonfinite)
         if self._fused is not None and not record:
             for worker in workers:
                 worker.applied = False

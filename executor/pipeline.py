@@ -43,7 +43,7 @@ from pipedsl import library
 from pipedsl.executor.backend import Backend, Resident, StepResult
 from pipedsl.executor.compilation_cache import enable_compilation_cache
 from pipedsl.executor.driver import Driver, shapes_of
-from pipedsl.executor.errors import ExecutionError
+from pipedsl.executor.errors import ExecutionError, NonFiniteStep
 from pipedsl.executor.functions import check_functions
 from pipedsl.executor.local import LocalBackend
 from pipedsl.executor.mesh import DATA, MeshConfig
@@ -275,9 +275,10 @@ class Pipeline:
         *,
         optimizer: optax.GradientTransformation,
         check_finite: bool = False,
-    ) -> tuple[Resident, Resident, np.ndarray]:
+        skip_nonfinite: bool = False,
+    ) -> tuple[Resident, Resident, Any]:
         """One optimizer step: (handle to the new params, handle to the new optimizer
-        state, mean loss as numpy).
+        state, mean loss: a scalar array, on the local backend not waited for).
 
         The parameters and optimizer state stay on the pipeline devices: pass the handles
         back to the next step (nothing moves) and fetch the values with :meth:`gather`.
@@ -285,22 +286,48 @@ class Pipeline:
         step (it is then initialised), then the handle this method returned (or a
         gathered state). Each stage's update runs on its own mesh over
         the leaves it owns, so ``optimizer`` must treat leaves independently (as sgd,
-        momentum, adam and adamw do); pass the same optimizer object every step. With
-        ``check_finite``, a NaN or infinite loss raises ExecutionError (the step's update
-        has then been applied: keep the parameters that went in); it waits for the loss.
+        momentum, adam and adamw do); pass the same optimizer object every step.
+
+        With ``skip_nonfinite`` (local backend), where the loss or any gradient is not
+        finite the devices keep their parameters and optimizer state, decided on the
+        devices without reading anything on the host: the handles returned then hold the
+        values that went in. With ``check_finite``, a NaN or infinite loss raises
+        ExecutionError; it waits for the loss, and on the local backend it skips that
+        step's update as ``skip_nonfinite`` does (on Ray the update is applied: keep the
+        parameters that went in).
         """
         if not isinstance(optimizer, optax.GradientTransformation):
             raise ExecutionError(
                 f"train_step: optimizer must be an optax.GradientTransformation such as optax.adam(1e-3),"
                 f" got {type(optimizer).__name__}; value_and_grad gives the gradients without an update"
             )
-        result = self.step(params, batch, optimizer=optimizer, opt_state=opt_state)
+        local = isinstance(self.backend, LocalBackend)
+        skip = skip_nonfinite or (check_finite and local)
+        cut = self._split_batch(batch)
+        result = self.driver.step(
+            self._param_tree(params),
+            cut.inputs,
+            cut.targets,
+            cut.example_inputs,
+            cut.example_targets,
+            optimizer=optimizer,
+            opt_state=opt_state,
+            record=False,
+            skip_nonfinite=skip,
+        )
         if result.params is None or result.opt_state is None:
             raise ExecutionError("train_step: the backend returned no state for an optimizer step")
         if check_finite and not math.isfinite(float(result.loss)):
-            raise ExecutionError(
-                f"train_step: the loss is {float(result.loss)} (check_finite=True); the step's update is applied:"
-                " keep the parameters that went in, and look for the stage that overflowed (pipedsl run names it)"
+            kept = (
+                "the step's update was skipped: the error's params and opt_state handles hold what went in"
+                if local
+                else "the step's update is applied: keep the parameters that went in"
+            )
+            raise NonFiniteStep(
+                f"train_step: the loss is {float(result.loss)} (check_finite=True); {kept}; look for the"
+                " stage that overflowed (pipedsl run names it)",
+                params=result.params,
+                opt_state=result.opt_state,
             )
         return result.params, result.opt_state, result.loss
 

@@ -211,9 +211,15 @@ class RayRunner:
         fresh_state: bool,
         record: bool,
         keep_grads: bool,
+        skip_nonfinite: bool = False,
     ) -> tuple[DeviceReport, ...]:
         """One step: a ``run_step`` call per process (the module docstring)."""
         self._check_open()
+        if skip_nonfinite:
+            raise ExecutionError(
+                "skip_nonfinite: the Ray backend updates each pipeline device on its own and cannot skip a "
+                "non-finite step's update on every device; gather the parameters before the step to keep them"
+            )
         update = None
         if optimizer is not None:
             if optimizer is not self._optimizer:

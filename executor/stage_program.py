@@ -117,6 +117,7 @@ class StageProgram:
         "_master_avals",
         "_cast",
         "_squares",
+        "_finite",
         "_forward",
         "_backward",
         "_input",
@@ -157,6 +158,7 @@ class StageProgram:
         self._param_avals = param_avals
         self._master_avals = master_avals
         self._squares: Any = None
+        self._finite: Any = None
         # Residuals that are trace constants are baked into the backward, not stored.
         self._const_res = {i: slot[1] for i, slot in enumerate(res_slots) if slot[0] == _CONST}
         self._res_slots = tuple(slot for slot in res_slots if slot[0] != _CONST)
@@ -355,6 +357,17 @@ class StageProgram:
 
             self._squares = jax.jit(squares, out_shardings=self.layout.replicated)
         return self._squares(*values)
+
+    def all_finite(self, values: Sequence[Any]) -> jax.Array:
+        """Whether every entry of ``values`` (arrays on this stage's mesh) is finite: a bool
+        scalar replicated on the mesh."""
+        if self._finite is None:
+
+            def finite(*leaves: Any) -> Any:
+                return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in leaves] or [jnp.bool_(True)]))
+
+            self._finite = jax.jit(finite, out_shardings=self.layout.replicated)
+        return self._finite(*values)
 
     def zero_loss(self) -> jax.Array:
         """A zero running loss for the last stage's ``F``, replicated on its mesh."""

@@ -27,6 +27,7 @@ on one thread, switching devices where one waits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -59,10 +60,13 @@ Leaves = tuple[Any, ...]
 @dataclass(frozen=True, slots=True)
 class Update:
     """The optimizer step that follows a step's program; ``init`` starts the optimizer
-    state afresh (else the resident state is used)."""
+    state afresh (else the resident state is used); with ``skip_nonfinite`` every device
+    keeps its parameters and optimizer state where the loss or any gradient of the step is
+    not finite (decided on the devices, nothing read on the host)."""
 
     optimizer: optax.GradientTransformation
     init: bool
+    skip_nonfinite: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,12 +216,16 @@ class Worker:
         self.phase = "summing shared gradients"
         grads = yield from self._sum_shared(transport, stage_grads)
         if update is not None:
+            finite = None
+            if update.skip_nonfinite:
+                self.phase = "telling the other devices whether its gradients and loss are finite"
+                finite = yield from self._all_finite(transport, grads, result.loss)
             if self.barrier:
                 self.phase = "waiting for every device to finish its program"
                 yield from self._barrier(transport)
             self.applied = True
             self.phase = "applying the optimizer update"
-            yield from self._update(transport, update, grads)
+            yield from self._update(transport, update, grads, finite)
         self.phase = "idle"
         return WorkerStep(
             loss=result.loss,
@@ -289,7 +297,22 @@ class Worker:
         for d in others:
             yield Receive(("done", d), d)
 
-    def _update(self, transport: Transport, update: Update, grads: dict[int, Any]) -> Steps[None]:
+    def _all_finite(self, transport: Transport, grads: Mapping[int, Any], loss: Any) -> Steps[Any]:
+        """Whether the loss and every gradient of the model are finite (a bool scalar on this
+        device's mesh): each device tells every other one about its own."""
+        model = self.model
+        flags = [self.runtime.stages[s].all_finite([grads[i] for i in model.owned(s)]) for s in self.local]
+        if loss is not None:
+            flags.append(jnp.isfinite(loss))
+        mine = functools.reduce(jnp.logical_and, flags)
+        others = [d for d in range(self.num_devices) if d != self.index]
+        for d in others:
+            transport.send(("finite", self.index), mine, d, stage=None)
+        for d in others:
+            mine = jnp.logical_and(mine, (yield Receive(("finite", d), d)))
+        return mine
+
+    def _update(self, transport: Transport, update: Update, grads: dict[int, Any], finite: Any = None) -> Steps[None]:
         """Apply the optimizer to every local stage's owned leaves, then hand updated
         shared leaves to the other devices that use them.
 
@@ -298,7 +321,9 @@ class Worker:
         leaf whose square is the sum of squares of every other gradient leaf of the model
         (exchanged between the devices, :meth:`_rest_of_norm`), so that its norm is the
         whole model's, as on one device; one that combines them otherwise is refused
-        (:func:`~pipedsl.executor.optimizers.couples_through_global_norm`)."""
+        (:func:`~pipedsl.executor.optimizers.couples_through_global_norm`). ``finite``
+        (a bool scalar, or None to update unconditionally) keeps the parameters and state
+        as they were where it is false, inside the same programs."""
         model, me, placement = self.model, self.index, self.placement
         self._sources.clear()  # the resident leaves are no longer the caller's arrays
         self.place_states(update.optimizer, fresh=update.init)
@@ -311,7 +336,7 @@ class Worker:
             params_s = jax.tree_util.tree_unflatten(treedef, [self.leaves[i] for i in owned])
             grads_s = jax.tree_util.tree_unflatten(treedef, [grads[i] for i in owned])
             args = (grads_s, rest[s]) if compiled.coupled else (grads_s,)
-            params_s, self.states[s] = apply(*args, self.states[s], params_s)
+            params_s, self.states[s] = apply(finite, *args, self.states[s], params_s)
             for i, leaf in zip(owned, jax.tree_util.tree_leaves(params_s), strict=True):
                 self.leaves[i] = leaf
         for s in range(model.num_stages):
@@ -421,16 +446,17 @@ class Worker:
             is_leaf=lambda x: isinstance(x, NamedSharding),
         )
 
-        def apply(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-            updates, state = optimizer.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
+        def apply(finite: Any, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+            updates, new_state = optimizer.update(grads, state, params)
+            return _kept(finite, optax.apply_updates(params, updates), params), _kept(finite, new_state, state)
 
-        def apply_coupled(grads: Any, rest: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        def apply_coupled(finite: Any, grads: Any, rest: Any, state: Any, params: Any) -> tuple[Any, Any]:
             aug = (grads, jnp.sqrt(rest)), state, (params, jnp.zeros((), jnp.float32))
-            updates, state = optimizer.update(*aug)
-            return optax.apply_updates(params, updates[0]), state
+            updates, new_state = optimizer.update(*aug)
+            return _kept(finite, optax.apply_updates(params, updates[0]), params), _kept(finite, new_state, state)
 
-        step, first_state = (apply_coupled, 2) if coupled else (apply, 1)
+        # Arguments: (finite, grads[, rest], state, params).
+        step, first_state = (apply_coupled, 3) if coupled else (apply, 2)
         update: Callable[..., tuple[Any, Any]]
         if layout.gathers_params:
             # ZeRO 1 and 2: each device updates its shard, then one program gathers the
@@ -441,7 +467,7 @@ class Worker:
                 DataShards(layout).whole(positions), out_shardings=tuple(jax.tree_util.tree_leaves(params_at))
             )
             sharded_at = state_leaf_at[0] if coupled else state_leaf_at
-            sharded = jax.jit(step, donate_argnums=(0, first_state), out_shardings=(sharded_at, state_at))
+            sharded = jax.jit(step, donate_argnums=(1, first_state), out_shardings=(sharded_at, state_at))
 
             def gathered(*args: Any) -> tuple[Any, Any]:
                 new, state = sharded(*args)
@@ -511,6 +537,13 @@ def _unstack(count: int, sharding: NamedSharding) -> Callable[[Any], tuple[Any, 
     """A jitted cut of a ``[count, ...]`` stack into its ``count`` entries, each placed
     with ``sharding``: one dispatch per leaf instead of one per microbatch."""
     return jax.jit(lambda x: tuple(x[m] for m in range(count)), out_shardings=(sharding,) * count)
+
+
+def _kept(finite: Any, new: Any, old: Any) -> Any:
+    """``new``, or where ``finite`` (a bool scalar) is false ``old``; ``new`` when it is None."""
+    if finite is None:
+        return new
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
 def _check_state(state: Any, state_at: Any, stage: int) -> None:

@@ -255,14 +255,19 @@ def _train(args: argparse.Namespace) -> int:
         print(f"resumed from {args.checkpoint} after step {first - 1}")
     print(f"{'step':>5}  {'loss':>12}  {'time':>10}")
     times: list[float] = []
+    skips = args.backend == "local"  # where a step's update can be skipped on the devices
     for step in range(first, args.steps + 1):
         # A safe point: the last step's results have all been read (its loss, printed).
         take_interrupt()
-        # The parameters that entered the step, to find where a non-finite loss came
-        # from (the update donates what a step returned, so a copy is fetched).
-        before = params if args.allow_nonfinite else pipe.gather(params)
+        # To find where a non-finite loss came from, the parameters that entered the step:
+        # on the local backend its devices skip a non-finite step's update, so they still
+        # hold them; a Ray world applies it (the update donates what a step returned), so a
+        # copy is fetched first.
+        before = params if args.allow_nonfinite or skips else pipe.gather(params)
         start = time.perf_counter()
-        params, opt_state, loss = pipe.train_step(params, opt_state, batch, optimizer=optimizer)
+        params, opt_state, loss = pipe.train_step(
+            params, opt_state, batch, optimizer=optimizer, skip_nonfinite=skips and not args.allow_nonfinite
+        )
         # The step returns once it is dispatched; its time runs until its loss is computed.
         value = float(loss)
         elapsed = time.perf_counter() - start
@@ -270,7 +275,8 @@ def _train(args: argparse.Namespace) -> int:
         note = "  (includes tracing and compilation)" if step == 1 else ""
         print(f"{step:>5}  {value:>12.6f}  {elapsed * 1e3:>7.1f} ms{note}")
         if not args.allow_nonfinite and not math.isfinite(value):
-            raise nonfinite_origin(pipe, model, before, batch, step=step, marked=args.marked)
+            entered = pipe.gather(params) if skips else before
+            raise nonfinite_origin(pipe, model, entered, batch, step=step, marked=args.marked)
         keeping.after_step(pipe, step, last=step == args.steps)
     take_interrupt()
     if len(times) > 1:

@@ -14,7 +14,7 @@ import pytest
 
 import pipedsl
 from helpers import ADAM, assert_trees_close, library, model, pipeline, reference_training, setup
-from pipedsl.executor import Pipeline
+from pipedsl.executor import NonFiniteStep, Pipeline
 from pipedsl.executor.compilation_cache import CACHE_ENV, cache_folder
 
 WIDTH = 256
@@ -128,3 +128,30 @@ def test_the_compilation_cache_folder_follows_its_variable(monkeypatch: pytest.M
         assert cache_folder() == tmp_path / "xdg" / "pipedsl" / "jax"
     finally:
         jax.config.update("jax_compilation_cache_dir", given)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-program", "devices-of-their-own"])
+def test_a_non_finite_step_keeps_the_parameters_on_the_devices(shared: bool) -> None:
+    schedule = library("1f1b")
+    m = model("mlp", schedule.num_stages)
+    params, (x, t), _, _ = setup("mlp", "explicit", schedule.num_stages)
+    devices = [jax.devices()[0]] * schedule.num_devices if shared else None
+    pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, devices=devices)
+    held, state, _ = pipe.train_step(params, None, (x, t), optimizer=ADAM)
+    before, state_before = pipe.gather(held), pipe.gather(state)
+    nan_batch = (x * jnp.nan, t)
+    held, state, loss = pipe.train_step(held, state, nan_batch, optimizer=ADAM, skip_nonfinite=True)
+    assert np.isnan(float(loss))
+    assert_trees_close(pipe.gather(held), before, atol=0.0)
+    assert_trees_close(pipe.gather(state), state_before, atol=0.0)
+    with pytest.raises(
+        NonFiniteStep, match=r"the loss is nan \(check_finite=True\); the step's update was skipped"
+    ) as info:
+        pipe.train_step(held, state, nan_batch, optimizer=ADAM, check_finite=True)
+    assert_trees_close(pipe.gather(info.value.params), before, atol=0.0)
+    # A finite step after it updates as usual.
+    held, _, loss = pipe.train_step(
+        info.value.params, info.value.opt_state, (x, t), optimizer=ADAM, skip_nonfinite=True
+    )
+    assert np.isfinite(float(loss))
+    assert not np.allclose(jax.tree_util.tree_leaves(pipe.gather(held))[0], jax.tree_util.tree_leaves(before)[0])
