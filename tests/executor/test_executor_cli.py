@@ -68,6 +68,7 @@ def test_run_in_process(capsys: pytest.CaptureFixture[str]) -> None:
     assert len([line for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]) == 2
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_ctrl_c_is_held_until_a_safe_point() -> None:
     with held_interrupts(line="interrupted", code=130):
         # The handler runs before raise_signal returns: a KeyboardInterrupt would come here.
