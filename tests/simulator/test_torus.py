@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from pipedsl.cli.main import main
 from pipedsl.simulator.collectives import Algorithm, all_reduce_choice, gather_seconds, plan_group
 from pipedsl.simulator.estimate import check_divides, estimate
 from pipedsl.simulator.hardware import DescriptionError, load_cluster, load_model
@@ -116,3 +117,18 @@ def test_estimate_prints_torus_assumptions() -> None:
 def test_slices_need_a_torus() -> None:
     with pytest.raises(DescriptionError, match="needs a torus"):
         dataclasses.replace(load_cluster("h100-80gb"), slices=2)
+
+
+def test_cli_search_over_slices_speaks_of_chips(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["search", "--model", "llama-8b", "--cluster", "tpu-v5e", "--slices", "2", "--devices", "64",
+            "--global-batch", "64", "--schedules", "1f1b", "--top", "3", "--jobs", "1"]  # fmt: skip
+    assert main(argv) == 0
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps long sentences
+    assert "on 64 chips of tpu-v5e" in printed and "GiB/chip" in printed and "GPU" not in printed
+    assert "network = torus: 4x8 torus per slice" in printed and "2 slices joined by DCN" in printed
+
+
+def test_cli_slices_need_a_tpu_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["search", "--model", "llama-8b", "--cluster", "h100-80gb", "--slices", "2", "--gpus", "64"]
+    assert main(argv) != 0
+    assert "--slices 2 needs a TPU cluster" in capsys.readouterr().err
