@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipedsl.simulator.collectives import all_reduce_choice, group_of
+from pipedsl.simulator.collectives import all_reduce_choice, plan_group
 from pipedsl.simulator.data_parallel import dp_group
 from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.network import network_link, straggler_factor
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
+from pipedsl.simulator.torus import TorusGroup, slice_shape
 
 __all__ = ["Assumption", "assumptions"]
 
@@ -54,19 +55,22 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
         found.append(Assumption("cp_exchange", plan.cp_exchange.value, _EXCHANGE[plan.cp_exchange]))
     size = model.num_params / (plan.tp * plan.pp) * plan.reduce_bytes
     for name, group, num_bytes in (
-        ("tp_collectives", group_of(plan.tp, 1, cluster), model.seq_len * plan.microbatch_size * model.hidden * 2),
+        ("tp_collectives", plan_group(plan, ("tensor",), cluster), model.seq_len * plan.microbatch_size * model.hidden * 2),
         ("dp_collectives", dp_group(plan, cluster), size),
-        ("cp_collectives", group_of(plan.cp, plan.tp, cluster), model.seq_len * plan.microbatch_size * model.kv_width),
-    ):
+        ("cp_collectives", plan_group(plan, ("context",), cluster), model.seq_len * plan.microbatch_size * model.kv_width),
+    ):  # fmt: skip
         if group.ranks > 1:
             algorithm, _ = all_reduce_choice(num_bytes, group, cluster)
+            if isinstance(group, TorusGroup):
+                found.append(Assumption(name, algorithm.value, group.describe()))
+                continue
             where = (
                 f"{group.per_node} per node over {group.nodes} nodes ({network_link(group.nodes, cluster).tier.value})"
                 if group.spans_nodes
                 else "in one node"
             )
             found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
-    found.append(_network_assumption(cluster, plan))
+    found.append(_torus_assumption(cluster, plan) if cluster.torus else _network_assumption(cluster, plan))
     return (*found, *_shared_machine(cluster, plan))
 
 
@@ -84,6 +88,23 @@ def _network_assumption(cluster: Cluster, plan: Plan) -> Assumption:
         "network", "tiers" if cluster.leaf_nodes else "flat",
         f"{tiers}; stragglers (cv {cluster.straggler_cv:g}) make the step over {nodes} nodes {wait:.4g} times as long",
     )  # fmt: skip
+
+
+def _torus_assumption(cluster: Cluster, plan: Plan) -> Assumption:
+    """The torus and DCN figures priced (:mod:`~pipedsl.simulator.torus`)."""
+    shape = slice_shape(plan.gpus // cluster.slices, cluster)
+    wraps = ", ".join(f"{n} {'wraps' if n % cluster.torus_wrap == 0 else 'no wraparound'}" for n in shape)
+    link = cluster.intra_node_bandwidth * cluster.intra_node_efficiency
+    text = (
+        f"{'x'.join(map(str, shape))} torus per slice ({wraps}); ICI {link / 1e9:g} GB/s per link per direction "
+        f"achieved, {cluster.intra_node_latency * 1e6:g} us per hop"
+    )
+    if cluster.slices > 1:
+        text += (
+            f"; {cluster.slices} slices joined by DCN at {cluster.network_share / 1e9:g} GB/s per chip, "
+            f"{cluster.inter_node_latency * 1e6:g} us per message"
+        )
+    return Assumption("network", "torus", text)
 
 
 def _shared_machine(cluster: Cluster, plan: Plan) -> list[Assumption]:

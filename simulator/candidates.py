@@ -34,6 +34,7 @@ from pipedsl import library
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.stages import ends_split
+from pipedsl.simulator.torus import slice_shape
 
 __all__ = [
     "DEFAULT_TOKENS_PER_STEP",
@@ -100,9 +101,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_sizes(model: Model, cluster: Cluster, gpus: int) -> list[int]:
+    # Tensor parallelism stays on the fastest links: a node's NVLink, or one axis of a torus
+    # slice, whose ICI reaches beyond a host.
+    bound = max(slice_shape(gpus // cluster.slices, cluster)) if cluster.torus else cluster.gpus_per_node
     sizes = []
     t = 1
-    while t <= min(cluster.gpus_per_node, gpus):
+    while t <= min(bound, gpus):
         if gpus % t == 0 and model.heads % t == 0 and model.ffn_hidden % t == 0:
             sizes.append(t)
         t *= 2

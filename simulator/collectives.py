@@ -32,6 +32,10 @@ reaches (:mod:`~pipedsl.simulator.network`: the leaf switches, or the spine beyo
 :func:`all_reduce_seconds` takes the faster algorithm for the size, as NCCL's tuner
 does: the tree's logarithmic latency wins for small buffers over many nodes, the ring's
 pipelined intra-node part for large ones.
+
+On a TPU cluster (``Cluster.torus``) a plan's groups are :class:`~pipedsl.simulator.torus.TorusGroup` s
+(:func:`plan_group`), priced as rings per torus axis and DCN between slices
+(:mod:`~pipedsl.simulator.torus`).
 """
 
 from __future__ import annotations
@@ -43,11 +47,14 @@ from dataclasses import dataclass
 
 from pipedsl.simulator.hardware import Cluster
 from pipedsl.simulator.network import network_link
+from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.torus import MESH_AXES, TorusGroup, torus_all_reduce_seconds, torus_gather_seconds, torus_group
 
 __all__ = [
     "Algorithm",
     "Group",
     "group_of",
+    "plan_group",
     "ring_all_reduce_seconds",
     "ring_gather_seconds",
     "all_reduce_seconds",
@@ -62,6 +69,7 @@ class Algorithm(enum.Enum):
 
     RING = "ring"
     HIERARCHICAL = "hierarchical"
+    TORUS = "torus"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,18 @@ def group_of(ranks: int, stride: int, cluster: Cluster) -> Group:
     """The group of ``ranks`` GPUs whose global ranks are ``0, stride, 2·stride, …``
     (ranks numbered node by node), as tensor-, data- and pipeline-parallel groups are."""
     return _group_of(ranks, stride, cluster.gpus_per_node)
+
+
+def plan_group(plan: Plan, axes: tuple[str, ...], cluster: Cluster) -> Group | TorusGroup:
+    """The group of one device's peers along the plan's mesh ``axes`` (consecutive names
+    from ``pipeline``, ``data``, ``context``, ``tensor``): on a torus as the mesh lays out
+    (:func:`~pipedsl.simulator.torus.torus_group`), else by rank (:func:`group_of`, ranks
+    tensor-parallel innermost)."""
+    if cluster.torus:
+        return torus_group(plan, axes, cluster)
+    sizes = dict(zip(MESH_AXES, (plan.pp, plan.dp, plan.cp, plan.tp), strict=True))
+    inner = MESH_AXES[MESH_AXES.index(axes[-1]) + 1 :]
+    return group_of(math.prod(sizes[a] for a in axes), math.prod(sizes[a] for a in inner), cluster)
 
 
 # A plan search asks for the same few groups tens of thousands of times.
@@ -137,8 +157,10 @@ def _hierarchical_seconds(num_bytes: float, group: Group, cluster: Cluster) -> f
     return inside + across
 
 
-def all_reduce_choice(num_bytes: float, group: Group, cluster: Cluster) -> tuple[Algorithm, float]:
+def all_reduce_choice(num_bytes: float, group: Group | TorusGroup, cluster: Cluster) -> tuple[Algorithm, float]:
     """(algorithm, seconds) of the faster all-reduce of ``num_bytes`` over ``group``."""
+    if isinstance(group, TorusGroup):
+        return Algorithm.TORUS, torus_all_reduce_seconds(num_bytes, group, cluster)
     if group.ranks <= 1 or num_bytes <= 0:
         return Algorithm.RING, 0.0
     bandwidth, latency = _ring_link(group, cluster)
@@ -150,13 +172,15 @@ def all_reduce_choice(num_bytes: float, group: Group, cluster: Cluster) -> tuple
     return (Algorithm.HIERARCHICAL, fixed + tree) if tree < ring else (Algorithm.RING, fixed + ring)
 
 
-def all_reduce_seconds(num_bytes: float, group: Group, cluster: Cluster) -> float:
+def all_reduce_seconds(num_bytes: float, group: Group | TorusGroup, cluster: Cluster) -> float:
     """Seconds of an all-reduce of ``num_bytes`` over ``group`` (see the module docstring)."""
     return all_reduce_choice(num_bytes, group, cluster)[1]
 
 
-def gather_seconds(num_bytes: float, group: Group, cluster: Cluster) -> float:
+def gather_seconds(num_bytes: float, group: Group | TorusGroup, cluster: Cluster) -> float:
     """Seconds of a ring all-gather or reduce-scatter of ``num_bytes`` (the unsharded size)."""
+    if isinstance(group, TorusGroup):
+        return torus_gather_seconds(num_bytes, group, cluster)
     if group.ranks <= 1 or num_bytes <= 0:
         return 0.0
     bandwidth, latency = _ring_link(group, cluster)

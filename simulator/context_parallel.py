@@ -29,6 +29,7 @@ from typing import Protocol
 from pipedsl.simulator.collectives import Group, gather_seconds
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import ContextExchange, Plan
+from pipedsl.simulator.torus import TorusGroup
 
 __all__ = ["gathered_bytes", "exchange_seconds", "exposed_exchange"]
 
@@ -44,7 +45,7 @@ class Shapes(Protocol):
     @property
     def plan(self) -> Plan: ...
     @property
-    def cp_group(self) -> Group: ...
+    def cp_group(self) -> Group | TorusGroup: ...
 
 
 def gathered_bytes(shapes: Shapes) -> float:

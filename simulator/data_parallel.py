@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, group_of
+from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, plan_group
 from pipedsl.simulator.hardware import Cluster
 from pipedsl.simulator.plan import Plan
+from pipedsl.simulator.torus import TorusGroup
 from pipedsl.simulator.transformer import Shapes, Work
 
 __all__ = ["dp_group", "gathers_per_step", "tails", "zero_per_microbatch"]
@@ -41,10 +42,10 @@ _OPTIMIZER_TRAFFIC = 28
 writes master, m, v (12); a narrower model also writes its weights' copy (dtype_bytes)."""
 
 
-def dp_group(plan: Plan, cluster: Cluster) -> Group:
+def dp_group(plan: Plan, cluster: Cluster) -> Group | TorusGroup:
     """The dp·cp ranks that hold one tensor and pipeline rank's weights (stride tp: ranks
     are tensor-parallel innermost, then context-, then data-parallel)."""
-    return group_of(plan.shards, plan.tp, cluster)
+    return plan_group(plan, ("data", "context"), cluster)
 
 
 def gathers_per_step(plan: Plan) -> bool:

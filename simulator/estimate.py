@@ -60,6 +60,7 @@ from pipedsl.simulator.network import straggler_factor
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.stages import split_layers, stage_params, stage_residual, stage_work
+from pipedsl.simulator.torus import crosses_slices, dcn_split, slice_shape
 from pipedsl.simulator.transformer import Shapes, Work
 from pipedsl.stage_costs import Layout
 
@@ -169,8 +170,11 @@ def _pipeline_link_inter(a: int, b: int, plan: Plan, cluster: Cluster) -> bool:
 
     Rank of (tensor rank r, context rank c, data rank d, pipeline device p) is
     r + tp·(c + cp·(d + dp·p)); the send from p to q pairs equal (r, c, d), so the link is
-    inter-node if any pair crosses.
+    inter-node if any pair crosses. On a torus the link is DCN where a and b sit in
+    different slices, one ICI link otherwise.
     """
+    if cluster.torus:
+        return crosses_slices(a, b, plan, cluster)
     block, node = plan.tp * plan.cp * plan.dp, cluster.gpus_per_node
     return any((a * block + j) // node != (b * block + j) // node for j in range(block))
 
@@ -200,9 +204,9 @@ def _transfer_costs(placement: tuple[int, ...], shapes: Shapes) -> tuple[float, 
 
 def check_divides(model: Model, cluster: Cluster, plan: Plan) -> None:
     """Raise :class:`PlanError` when ``plan`` does not divide ``model`` or ``cluster``:
-    heads, key/value heads or the feed-forward width by tp, the sequence by 2·cp, or tp
-    against the GPUs per node (the layers by pp × vpp are checked when the stages are
-    split)."""
+    heads, key/value heads or the feed-forward width by tp, the sequence by 2·cp, tp
+    against the GPUs per node, or on a torus the plan against its slices (the layers by
+    pp × vpp are checked when the stages are split)."""
     t = plan.tp
     if model.heads % t or (model.num_kv_heads % t and t % model.num_kv_heads):
         raise PlanError(f"tp = {t} does not divide {model.name}'s {model.heads} attention heads evenly")
@@ -213,9 +217,21 @@ def check_divides(model: Model, cluster: Cluster, plan: Plan) -> None:
             f"cp = {plan.cp} does not split {model.name}'s sequence of {model.seq_len} tokens into 2·cp equal "
             "chunks (each context-parallel rank takes two, one from each end, to balance causal attention)"
         )
+    if cluster.torus:
+        _check_slices(cluster, plan)
+        return
     node = cluster.gpus_per_node
     if node % t and t % node:
         raise PlanError(f"tp = {t} neither divides nor is a multiple of {node} GPUs per node")
+
+
+def _check_slices(cluster: Cluster, plan: Plan) -> None:
+    """On a torus: the chips split evenly over the slices, each slice a shape the torus
+    offers, and the pipeline and data parallelism span the slices."""
+    if plan.gpus % cluster.slices:
+        raise PlanError(f"{plan.gpus} chips do not split evenly over {cluster.slices} slices")
+    slice_shape(plan.gpus // cluster.slices, cluster)
+    dcn_split(plan, cluster)
 
 
 def _check_schedule(plan: Plan, schedule: Layout) -> None:

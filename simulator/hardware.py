@@ -199,7 +199,8 @@ class Model:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cluster:
     """A cluster of identical GPUs in nodes, with a fast link inside a node and network
-    adapters between nodes.
+    adapters between nodes; or of TPU chips in a torus (``torus`` set), in one slice or in
+    several joined by the data-center network.
 
     Bandwidths are per direction, as data sheets give them: per GPU inside a node, per
     adapter between nodes; the efficiency fields say which fraction of them collectives
@@ -261,6 +262,15 @@ class Cluster:
       inter_node_efficiency: fraction of it achieved.
       inter_node_latency: seconds per message between nodes.
       leaf_nodes, spine_latency_s, spine_efficiency, straggler_cv: :mod:`~pipedsl.simulator.network`.
+      torus: for a TPU cluster, the longest slice it offers, chips per torus axis (v5e
+        ``[16, 16]``, v5p ``[16, 16, 24]``); empty for GPUs. Its chips are then joined by ICI
+        links along each axis: ``intra_node_*`` describe one link (bytes per second per
+        direction, seconds per hop), ``gpus_per_node`` is the chips per host and the
+        ``inter_node_*`` and ``nics_per_node`` fields a host's DCN adapters
+        (:mod:`~pipedsl.simulator.torus`).
+      torus_wrap: a torus axis has wraparound links where its length is a multiple of this
+        (16 for v5e: a whole pod axis; 4 for v5p: whole 4 x 4 x 4 cubes).
+      slices: slices of the torus joined by DCN (``pipedsl search --slices``); 1 but for a torus.
     """
 
     name: str
@@ -289,6 +299,9 @@ class Cluster:
     spine_latency_s: float = 0.0
     spine_efficiency: float = 1.0
     straggler_cv: float = 0.0
+    torus: tuple[int, ...] = ()
+    torus_wrap: int = 1
+    slices: int = 1
 
     def __post_init__(self) -> None:
         owner = f"cluster {self.name!r}"
@@ -314,10 +327,32 @@ class Cluster:
         _check_int(owner, "gpus_per_node", self.gpus_per_node)
         if self.nics_per_node is not None:
             _check_int(owner, "nics_per_node", self.nics_per_node)
+        self._check_torus(owner)
         if self.reserved_bytes >= self.memory_bytes:
             raise DescriptionError(
                 f"{owner}: reserved_bytes {self.reserved_bytes} leaves nothing of memory_bytes {self.memory_bytes}"
             )
+
+    def _check_torus(self, owner: str) -> None:
+        if isinstance(self.torus, str) or not isinstance(self.torus, tuple | list):
+            raise DescriptionError(f"{owner}: torus must be a list of chips per axis, got {self.torus!r}")
+        # A TOML array arrives as a list: kept as a tuple, so that the cluster stays hashable.
+        object.__setattr__(self, "torus", tuple(self.torus))
+        if self.torus and len(self.torus) not in (2, 3):
+            raise DescriptionError(f"{owner}: torus needs 2 or 3 axes (a 2D or 3D torus), got {list(self.torus)}")
+        for n in self.torus:
+            _check_int(owner, "each torus axis", n)
+        _check_int(owner, "torus_wrap", self.torus_wrap)
+        _check_int(owner, "slices", self.slices)
+        if self.slices > 1 and not self.torus:
+            raise DescriptionError(
+                f"{owner}: slices = {self.slices} needs a torus; slices joined by DCN are a TPU cluster's"
+            )
+
+    @property
+    def devices_word(self) -> str:
+        """What its devices are called in output: ``chips`` for a torus, else ``GPUs``."""
+        return "chips" if self.torus else "GPUs"
 
     def _check_busy_rates(self, owner: str) -> None:
         if isinstance(self.busy_rates, str) or not isinstance(self.busy_rates, tuple | list):
@@ -376,7 +411,8 @@ class Cluster:
 # --- reading descriptions -------------------------------------------------------------
 
 _INT_FIELDS = {"layers", "hidden", "ffn_hidden", "heads", "kv_heads", "seq_len", "vocab", "dtype_bytes",
-               "memory_bytes", "reserved_bytes", "gpus_per_node", "nics_per_node", "leaf_nodes"}  # fmt: skip
+               "memory_bytes", "reserved_bytes", "gpus_per_node", "nics_per_node", "leaf_nodes",
+               "torus_wrap", "slices"}  # fmt: skip
 
 
 def _coerce(table: str, key: str, value: Any, source: str) -> Any:

@@ -148,7 +148,8 @@ def search(
     pipeline simulations run; with a shortlist, also how soon the schedules ranked
     before one came in), ``seconds`` (wall time), ``processes`` (that ranked the
     plans, this one included when 1), ``model``, ``cluster``,
-    ``gpus``, ``global_batch`` and ``explanation`` (an
+    ``gpus``, ``devices_word`` (``GPUs`` or ``chips``), ``assumptions`` (the best plan's, as
+    (name, value, meaning) triples), ``global_batch`` and ``explanation`` (an
     :class:`~pipedsl.simulator.explain.Explanation` of what removed plans and why). :func:`search_plans` gives the same ranking as frozen
     :class:`RankedPlan` records.
 
@@ -265,6 +266,8 @@ def _search(
         model=model.name,
         cluster=cluster.name,
         gpus=gpus,
+        devices_word=cluster.devices_word,
+        assumptions=[(a.name, a.value, a.meaning) for a in finished[0].assumptions] if finished else [],
         global_batch=batch,
         explanation=Explanation.of(
             considered=len(plans),

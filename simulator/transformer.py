@@ -40,10 +40,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, group_of
+from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, plan_group
 from pipedsl.simulator.context_parallel import exposed_exchange
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, Recompute
+from pipedsl.simulator.torus import TorusGroup
 
 __all__ = ["Work", "Shapes", "gemm_seconds", "ELEMENTWISE_KERNELS", "FLASH_BACKWARD", "LOSS_BYTES"]
 
@@ -129,14 +130,14 @@ class Shapes:
         return self.plan.microbatch_size * self.local_seq
 
     @property
-    def tp_group(self) -> Group:
-        return group_of(self.plan.tp, 1, self.cluster)
+    def tp_group(self) -> Group | TorusGroup:
+        return plan_group(self.plan, ("tensor",), self.cluster)
 
     @property
-    def cp_group(self) -> Group:
+    def cp_group(self) -> Group | TorusGroup:
         """The context-parallel group of one tensor rank (ranks tensor-parallel innermost,
         then context-parallel: stride tp)."""
-        return group_of(self.plan.cp, self.plan.tp, self.cluster)
+        return plan_group(self.plan, ("context",), self.cluster)
 
     def traffic_seconds(self, num_bytes: float) -> float:
         return num_bytes / self.cluster.hbm_bandwidth

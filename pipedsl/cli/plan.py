@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -48,6 +49,7 @@ from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount
 from pipedsl.simulator.hardware import (
+    Cluster,
     Model,
     cluster_presets,
     load_cluster,
@@ -218,6 +220,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if args.csv is not None:
         check_output_file(args.csv, option="--csv")
     _check_model_size(load_model(args.model))
+    cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=args.gpus)
     schedules = None if args.schedules is None else [s.strip() for s in args.schedules.split(",") if s.strip()]
     err = make_console(stderr=True)
     with (
@@ -245,7 +248,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
         frame = search(
             args.model,
-            args.cluster,
+            cluster,
             args.gpus,
             global_batch=args.global_batch,
             schedules=schedules,
@@ -270,6 +273,20 @@ def _cmd_search(args: argparse.Namespace) -> int:
             raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
     _print_search(frame, make_console(), top=args.top, csv=args.csv)
     return EXIT_OK if len(frame) else EXIT_NOTHING_FITS
+
+
+def _sliced(cluster: Cluster, *, slices: int, devices: int) -> Cluster:
+    """``cluster`` as ``slices`` slices joined by DCN (``--slices``): a TPU cluster's only."""
+    if slices == 1:
+        return cluster
+    if not cluster.torus:
+        raise PipedslError(
+            f"search: --slices {slices} needs a TPU cluster (one with a torus, such as tpu-v5e); "
+            f"{cluster.name} has GPUs in nodes"
+        )
+    if devices % slices:
+        raise PipedslError(f"search: {devices} chips do not split evenly over --slices {slices}")
+    return dataclasses.replace(cluster, slices=slices)
 
 
 _LINE_EVERY_S = 10.0
@@ -327,7 +344,7 @@ def _prune_factor(text: str) -> float:
 def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None) -> None:
     attrs = frame.attrs
     console.print(
-        f"[bold]{attrs['model']}[/] on {attrs['gpus']} GPUs of {attrs['cluster']}, global batch "
+        f"[bold]{attrs['model']}[/] on {attrs['gpus']} {attrs['devices_word']} of {attrs['cluster']}, global batch "
         f"{attrs['global_batch']}: {attrs['considered']} plans, {len(frame)} ranked, "
         f"{attrs['simulations']} pipeline simulations in {attrs['seconds']:.1f} s"
         + (f" ({attrs['processes']} processes)" if attrs["processes"] > 1 else "")
@@ -342,6 +359,9 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
     if summary.best_by_schedule:
         console.print(_per_schedule_table(summary))
     console.print(summary.text())
+    console.print("[bold]the best plan assumes[/]")
+    for name, value, meaning in attrs["assumptions"]:
+        console.print(f"  {name} = {value}: {meaning}", highlight=False)
     if csv is not None:
         console.print(f"all {len(frame)} ranked plans written to {csv}")
     _print_run_command(frame.iloc[0].to_dict(), console, csv=csv)
@@ -355,7 +375,8 @@ def _best_plans_table(frame: pd.DataFrame, top: int) -> Table:
     table = Table(title=f"best {min(top, len(frame))} plans", box=box.SIMPLE_HEAD)
     columns = [c for c in COLUMNS if c in _HEADERS]
     for column in columns:
-        table.add_column(_HEADERS[column], justify="left" if column in ("schedule", "recompute") else "right")
+        header = _HEADERS[column].replace("GPU", frame.attrs["devices_word"].removesuffix("s"))
+        table.add_column(header, justify="left" if column in ("schedule", "recompute") else "right")
     for row in frame.head(top).itertuples(index=False):
         values = row._asdict()
         table.add_row(*(zero_words(values) if c == "zero" else _cell(c, values[c]) for c in columns))
@@ -501,7 +522,7 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         subparsers,
         "search",
         _cmd_search,
-        summary="rank SPMD and pipeline plans of a model on N GPUs by step time",
+        summary="rank SPMD and pipeline plans of a model on N GPUs or TPU chips by step time",
         description=(
             "Enumerate SPMD plans (data x tensor parallel, ZeRO 0-3, recomputation) and pipeline\n"
             "plans over the schedule library and any extra .sched files; drop plans that do not\n"
@@ -510,11 +531,22 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         ),
         examples=(
             "  pipedsl search --model gpt3-175b --cluster a100-80gb --gpus 1024 --global-batch 1536\n"
-            "  pipedsl search --model llama-70b --cluster h100-80gb --gpus 256 --csv plans.csv my.sched"
+            "  pipedsl search --model llama-70b --cluster h100-80gb --gpus 256 --csv plans.csv my.sched\n"
+            "  pipedsl search --model llama-70b --cluster tpu-v5e --slices 4 --devices 1024"
         ),
     )
     _add_hardware_options(src)
-    src.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="GPUs to use, all of them")
+    src.add_argument(
+        "--gpus", "--devices", dest="gpus", type=positive_int, required=True, metavar="N",
+        help="GPUs (or TPU chips) to use, all of them",
+    )  # fmt: skip
+    src.add_argument(
+        "--slices",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="on a TPU cluster, N slices of gpus/N chips each, joined by the data-center network (default 1)",
+    )
     src.add_argument(
         "--global-batch", type=positive_int, metavar="B", help="sequences per step (default: about 4 Mi tokens)"
     )

@@ -86,7 +86,8 @@ def test_presets_all_load() -> None:
     for name in cluster_presets():
         cluster = load_cluster(name)
         assert cluster.name == name
-        assert cluster.gpus_per_node in (8, 16)  # DGX A100/H100/H200 nodes; DGX-2
+        # DGX A100/H100/H200 nodes, DGX-2; TPU hosts of 4 (v5p) or 8 (v5e) chips.
+        assert cluster.gpus_per_node in ((4, 8) if cluster.torus else (8, 16))
         assert cluster.adapters_per_node <= cluster.gpus_per_node
 
 
