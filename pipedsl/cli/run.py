@@ -108,6 +108,26 @@ def _check_fits(jax: Any, init: Any, key: Any, *, devices: int, replicas: int, w
         )
 
 
+def _check_tensor_layout(jax: Any, model: Any, key: Any, *, tp: int, marked: bool) -> None:
+    """Refuse ``tp > 1`` for a model whose parameter specs split nothing over the tensor
+    axis: every tensor-parallel device would hold and compute a whole copy of it, which
+    costs ``tp`` times the devices for no speed or memory gained.
+
+    The specs are read from the parameters' shapes (``jax.eval_shape``, which allocates nothing).
+    """
+    if tp == 1:
+        return
+    from jax.sharding import PartitionSpec
+
+    shapes = jax.eval_shape(model.init_function if marked else model.init_stages, key)
+    specs = jax.tree_util.tree_leaves(model.param_specs(shapes), is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
+    if not any(isinstance(spec, PartitionSpec) and any(axis is not None for axis in spec) for spec in specs):
+        raise PipedslError(
+            f"--tp {tp}: model {model.name} gives no tensor-parallel layout of its parameters, so every one of"
+            f" the {tp} tensor-parallel devices would hold a whole copy; give --model transformer or llama, or --tp 1"
+        )
+
+
 def _describe(schedule: Schedule) -> str:
     params = ", ".join(f"{k}={v}" for k, v in schedule.params)
     return f"{schedule.name}({params})" if params else schedule.name
@@ -241,6 +261,7 @@ def _train(args: argparse.Namespace) -> int:
     model, shape = _model(args, schedule, planned)
     key = jax.random.PRNGKey(args.seed)
     _check_fits(jax, model.init_stages, key, devices=devices, replicas=args.dp, what=f"model {model.name} ({shape})")
+    _check_tensor_layout(jax, model, key, tp=args.tp, marked=args.marked)
     batch_size = args.microbatch_size * schedule.num_microbatches * args.dp
     batch = model.batch(jax.random.fold_in(key, 1), batch_size)
     _check_sequence(batch, args.cp)

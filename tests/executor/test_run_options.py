@@ -55,10 +55,21 @@ def test_plan_refuses_options_that_would_change_it(tmp_path: Path, capsys: pytes
 
 
 def test_the_header_counts_every_device_the_run_uses(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(capsys, *RUN, "--dp", "2", "--tp", "2", "--steps", "1")
+    code, out, err = _run(capsys, *RUN, "--model", "transformer", "--dp", "2", "--tp", "2", "--steps", "1")
     assert code == 0, err
     header = out.splitlines()[0]
     assert "2 stages on 8 cpu devices (2 pipeline devices, each a 2 x 2 mesh: dp x tp, zero 0)" in header
+
+
+def test_tensor_parallel_is_refused_for_a_model_it_would_only_copy(capsys: pytest.CaptureFixture[str]) -> None:
+    # The MLP's specs split nothing over the tensor axis: each of the 3 devices would hold it whole.
+    for marked in ((), ("--marked",)):
+        code, out, err = _run(capsys, *RUN, "--tp", "3", *marked)
+        assert code == 2 and "step" not in out
+        assert err.strip() == (
+            "1f1b: --tp 3: model mlp gives no tensor-parallel layout of its parameters, so every one of the 3"
+            " tensor-parallel devices would hold a whole copy; give --model transformer or llama, or --tp 1"
+        )
 
 
 def _losses(out: str) -> list[float]:
