@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.cli.checkpoints import Checkpointing, add_checkpoint_options, training_settings
-from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, plural
+from pipedsl.cli.common import EXIT_OK, add_param_option, check_output_file, load_schedule, plural
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
@@ -93,6 +93,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PipedslError(f"--seed must be a 64-bit integer, from {-_INT64} to {_INT64 - 1}; got {args.seed}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise PipedslError(f"--lr must be a finite number above 0, got {args.lr}")
+    if args.timeline is not None:
+        check_output_file(args.timeline, option="--timeline")
 
 
 def _check_model_options(args: argparse.Namespace) -> None:

@@ -102,7 +102,7 @@ def test_resume_refuses_another_model_and_checks_its_options(
         assert code == 2 and message in err and "Traceback" not in err, (args, err)
     (tmp_path / "file").write_text("x")
     code, out, err = _run(capsys, "--checkpoint", str(tmp_path / "file"))
-    assert code == 2 and "is not a directory" in err
+    assert code == 2 and "is a file; give a folder" in err
 
 
 def test_resume_refuses_another_optimizer_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
