@@ -38,7 +38,14 @@ from rich.console import Console
 from rich.table import Table
 
 from pipedsl import library
-from pipedsl.cli.common import add_command, add_param_option, check_output_folder, load_schedule, make_console
+from pipedsl.cli.common import (
+    add_command,
+    add_param_option,
+    check_output_file,
+    check_output_folder,
+    load_schedule,
+    make_console,
+)
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import STEP_ROUNDS, round_times
@@ -375,9 +382,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise PipedslError("--steps, --microbatch-size and --devices must be at least 1")
     if args.save_costs is not None:
         check_output_folder(args.save_costs, option="--save-costs")
-    out = Path(args.out)
-    if out.is_dir() or any(parent.exists() and not parent.is_dir() for parent in out.parents):
-        raise PipedslError(f"--out {args.out}: cannot write a cluster file there; give a file path in a folder")
+    check_output_file(args.out, option="--out", makes_folder=True)
     schedules = []
     for spec in args.files:
         # Two devices and eight microbatches unless told otherwise: this machine's size.

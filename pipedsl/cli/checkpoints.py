@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipedsl.cli.common import check_output_folder
 from pipedsl.errors import PipedslError
 
 __all__ = ["Checkpointing", "add_checkpoint_options", "training_settings"]
@@ -84,8 +85,7 @@ class Checkpointing:
                     "--checkpoint-every says how often to save to --checkpoint DIR; give --checkpoint too"
                 )
             return cls(None, every, False, settings)
-        if directory.exists() and not directory.is_dir():
-            raise PipedslError(f"--checkpoint {directory}: exists and is not a directory")
+        check_output_folder(directory, option="--checkpoint")
         saved = _latest_step(directory)
         if args.resume and saved is None:
             raise PipedslError(f"--resume: {directory} holds no checkpoint yet; run without --resume to start one")

@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -225,29 +226,43 @@ def _nearest_existing(path: Path) -> Path:
     return Path(".")
 
 
-def check_output_file(path: str | Path, *, option: str) -> None:
+def _writable(folder: Path) -> bool:
+    """Whether a file can be made in ``folder``, tried with a nameless temporary file
+    (removed at once): permission bits say nothing of a read-only mount or of ``/proc``,
+    and nothing at all to root."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def check_output_file(path: str | Path, *, option: str, makes_folder: bool = False) -> None:
     """Refuse, before any work, an output file that cannot be written: a folder, or a
-    place whose folder is missing or read-only. The file itself is not created."""
+    place whose folder is missing (unless ``makes_folder``: the command makes it, so it
+    must be creatable) or read-only. Nothing is left behind."""
     target = Path(path)
     if target.is_dir():
         raise PipedslError(f"{option} {target}: is a folder; give a file name")
     folder = target.parent
-    if not folder.is_dir():
-        raise PipedslError(f"{option} {target}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise PipedslError(f"{option} {target}: cannot write there (permission denied)")
+    existing = _nearest_existing(folder) if makes_folder else folder
+    if not existing.is_dir():
+        what = f"the folder {folder} does not exist" if existing == folder else f"{existing} is a file"
+        raise PipedslError(f"{option} {target}: {what}")
+    if not _writable(existing) or (target.exists() and not os.access(target, os.W_OK)):
+        raise PipedslError(f"{option} {target}: cannot write in {existing}")
 
 
 def check_output_folder(path: str | Path, *, option: str) -> None:
     """Refuse, before any work, an output folder that cannot be made or written: a file
-    of that name, a file in its way, or a read-only place. Nothing is created."""
+    of that name, a file in its way, or a read-only place. Nothing is left behind."""
     target = Path(path)
     existing = _nearest_existing(target)
     if not existing.is_dir():
         what = "is a file" if existing == target else f"cannot be made: {existing} is a file"
         raise PipedslError(f"{option} {target}: {what}; give a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PipedslError(f"{option} {target}: cannot write in {existing} (permission denied)")
+    if not _writable(existing):
+        raise PipedslError(f"{option} {target}: cannot write in {existing}")
 
 
 def report_error(err: PipedslError, *, path: str | Path | None = None) -> int:

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from pipedsl.cli.common import (
     add_command,
     check_output_file,
     make_console,
+    plural,
     positive_int,
     terminate_raises,
 )
@@ -430,9 +432,22 @@ def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None
     by_rank = (
         f"pipedsl run --plan {planned.rank} --plans {csv}" if csv is not None and planned.rank is not None else None
     )
+    what = (
+        "the best plan, SPMD (pp = 1: data and tensor parallel, no pipeline),"
+        if planned.kind == "spmd"
+        else "the best plan"
+    )
+    # A device per core at most: past that, the CPU devices `run` would make share cores and the step
+    # measures the machine's contention, not the plan.
+    cores = os.cpu_count() or 1
+    where = (
+        f"needs {planned.devices:,} devices, more than this machine's {plural(cores, 'CPU core')}: run it on a"
+        " cluster of that size (docs/cluster.md, --backend ray); its layout with the built-in transformer is"
+        if planned.devices > cores
+        else f"runs here on {plural(planned.devices, 'device')} with the built-in transformer"
+    )
     console.print(
-        f"run the best plan ({planned.devices} devices) with the built-in transformer:\n  {planned.command()}"
-        + (f"\n  or: {by_rank}" if by_rank else ""),
+        f"{what} {where}:\n  {planned.command()}" + (f"\n  or: {by_rank}" if by_rank else ""),
         highlight=False,
         soft_wrap=True,
     )

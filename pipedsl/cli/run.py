@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.cli.checkpoints import Checkpointing, add_checkpoint_options, training_settings
-from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, plural
+from pipedsl.cli.common import EXIT_OK, add_param_option, check_output_file, load_schedule, plural
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
@@ -66,11 +66,21 @@ _DEFAULTS: dict[str, int | str] = {
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Refuse option values that cannot train, before any work."""
+    """Refuse option values that cannot train, and combinations of options that mean
+    nothing, before any work."""
+    if args.remat and args.recompute not in (None, "full"):
+        raise PipedslError(f"--remat is --recompute full, which --recompute {args.recompute} contradicts: give one")
+    if args.remat:
+        args.recompute = "full"
+    if args.address is not None and args.backend != "ray":
+        raise PipedslError("--address names a Ray cluster; use it with --backend ray")
     if args.plan is None:
         for name, value in _DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
+        args.recompute = args.recompute or "none"
+        args.precision = args.precision or "fp32"
+        _check_model_options(args)
     for option, value in (
         ("--steps", args.steps),
         ("--microbatch-size", args.microbatch_size),
@@ -83,6 +93,23 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PipedslError(f"--seed must be a 64-bit integer, from {-_INT64} to {_INT64 - 1}; got {args.seed}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise PipedslError(f"--lr must be a finite number above 0, got {args.lr}")
+    if args.timeline is not None:
+        check_output_file(args.timeline, option="--timeline")
+
+
+def _check_model_options(args: argparse.Namespace) -> None:
+    """Refuse options that change nothing of the model or the mesh ``args`` ask for."""
+    if args.model == "mlp":
+        for option, given in (
+            ("--fused-attention", args.fused_attention),
+            ("--recompute selective", args.recompute == "selective"),
+        ):
+            if given:
+                raise PipedslError(
+                    f"{option} acts on attention, which the mlp model has none of: give --model transformer or llama"
+                )
+    if args.sequence_parallel and args.tp == 1:
+        raise PipedslError("--sequence-parallel splits what tensor parallelism leaves whole: give it with --tp above 1")
 
 
 def _check_fits(jax: Any, init: Any, key: Any, *, devices: int, replicas: int, what: str) -> None:
@@ -105,6 +132,26 @@ def _check_fits(jax: Any, init: Any, key: Any, *, devices: int, replicas: int, w
             f"{what} has {param_bytes / 1e9:.1f} GB of parameters; training it with Adam needs at least"
             f" {needed / 1e9:.1f} GB (parameters, gradients and two moments), more than the"
             f" {available / 1e9:.1f} GB of {where}; use a smaller --width or --layers-per-stage"
+        )
+
+
+def _check_tensor_layout(jax: Any, model: Any, key: Any, *, tp: int, marked: bool) -> None:
+    """Refuse ``tp > 1`` for a model whose parameter specs split nothing over the tensor
+    axis: every tensor-parallel device would hold and compute a whole copy of it, which
+    costs ``tp`` times the devices for no speed or memory gained.
+
+    The specs are read from the parameters' shapes (``jax.eval_shape``, which allocates nothing).
+    """
+    if tp == 1:
+        return
+    from jax.sharding import PartitionSpec
+
+    shapes = jax.eval_shape(model.init_function if marked else model.init_stages, key)
+    specs = jax.tree_util.tree_leaves(model.param_specs(shapes), is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
+    if not any(isinstance(spec, PartitionSpec) and any(axis is not None for axis in spec) for spec in specs):
+        raise PipedslError(
+            f"--tp {tp}: model {model.name} gives no tensor-parallel layout of its parameters, so every one of"
+            f" the {tp} tensor-parallel devices would hold a whole copy; give --model transformer or llama, or --tp 1"
         )
 
 
@@ -182,6 +229,19 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
         setattr(args, name, value)
     if planned.not_run is not None:
         raise PipedslError(f"--plan {args.plan} ({planned.label()}) {planned.not_run}. Run another plan of the ranking")
+    changes: list[str] = []
+    if args.recompute is not None and args.recompute != planned.recompute:
+        changes.append(f"--recompute {args.recompute} (the plan recomputes {planned.recompute})")
+    if args.sequence_parallel and not (planned.sequence_parallel and planned.tp > 1):
+        changes.append("--sequence-parallel (the plan runs without it)")
+    if args.fused_attention and not planned.flash_attention:
+        changes.append("--fused-attention (the plan runs without it)")
+    if args.precision is not None:
+        changes.append("--precision (the plan runs in its model's own)")
+    if changes:
+        raise PipedslError(
+            f"--plan {args.plan} sets how the model computes; {', '.join(changes)} would change the plan: drop it"
+        )
     if args.reduce_once and not planned.reduce_once:
         raise PipedslError(
             f"--plan {args.plan} reduces its gradients as it was priced; --reduce-once would change the plan: drop it"
@@ -241,6 +301,7 @@ def _train(args: argparse.Namespace) -> int:
     model, shape = _model(args, schedule, planned)
     key = jax.random.PRNGKey(args.seed)
     _check_fits(jax, model.init_stages, key, devices=devices, replicas=args.dp, what=f"model {model.name} ({shape})")
+    _check_tensor_layout(jax, model, key, tp=args.tp, marked=args.marked)
     batch_size = args.microbatch_size * schedule.num_microbatches * args.dp
     batch = model.batch(jax.random.fold_in(key, 1), batch_size)
     _check_sequence(batch, args.cp)
@@ -392,8 +453,6 @@ def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, ke
         from pipedsl.executor.ray_cluster import RayConfig
 
         backend = RayConfig(address=args.address)
-    elif args.address is not None:
-        raise PipedslError("--address names a Ray cluster; use it with --backend ray")
     mesh = {"dp": args.dp, "tp": args.tp, "cp": args.cp, "zero": args.zero, "reduce_once": args.reduce_once}
     params = model.init_function(key) if args.marked else model.init_stages(key)
     specs = model.param_specs(params) if args.tp > 1 else None
@@ -465,22 +524,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
     run.add_argument(
         "--remat",
-        dest="recompute",
-        action="store_const",
-        const="full",
-        default="none",
+        action="store_true",
         help="recompute each stage's forward in its backward (the same as --recompute full)",
     )
     run.add_argument(
         "--recompute",
         choices=("none", "selective", "full"),
-        default="none",
         help="what the backward recomputes: none, selective (the attention core) or full (default none)",
     )
     run.add_argument(
         "--precision",
         choices=("fp32", "bf16"),
-        default="fp32",
         help="bf16: bf16 compute and activations, fp32 master weights and gradient accumulation (default fp32)",
     )
     run.add_argument(

@@ -14,6 +14,7 @@ from pipedsl.cli.common import (
     EXIT_OK,
     add_command,
     add_param_option,
+    check_output_file,
     default_costs_note,
     load_schedule,
     plural,
@@ -111,6 +112,8 @@ def _same_file(a: str | Path, b: str | Path) -> bool:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    if args.output is not None:
+        check_output_file(args.output, option="-o")
     if args.output is not None and not args.force and _same_file(args.file, args.output):
         raise PipedslError(
             f"-o {args.output}: is the input file; converting writes the evaluated table over its source"

@@ -23,6 +23,7 @@ from pipedsl.cli.common import (
     EXIT_OK,
     add_command,
     add_param_option,
+    check_output_file,
     load_schedule,
     make_console,
     plural,
@@ -368,6 +369,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
+    check_output_file(args.output, option="-o")
     from pipedsl.simulator.plot import Panel, plot_timelines, save_figure
 
     costs = cost_model_from_args(args)
@@ -392,6 +394,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
+    check_output_file(args.output, option="-o")
     from pipedsl.simulator.trace import write_trace
 
     timeline = _timeline_file(args.file)

@@ -55,10 +55,59 @@ def test_plan_refuses_options_that_would_change_it(tmp_path: Path, capsys: pytes
 
 
 def test_the_header_counts_every_device_the_run_uses(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(capsys, *RUN, "--dp", "2", "--tp", "2", "--steps", "1")
+    code, out, err = _run(capsys, *RUN, "--model", "transformer", "--dp", "2", "--tp", "2", "--steps", "1")
     assert code == 0, err
     header = out.splitlines()[0]
     assert "2 stages on 8 cpu devices (2 pipeline devices, each a 2 x 2 mesh: dp x tp, zero 0)" in header
+
+
+def test_tensor_parallel_is_refused_for_a_model_it_would_only_copy(capsys: pytest.CaptureFixture[str]) -> None:
+    # The MLP's specs split nothing over the tensor axis: each of the 3 devices would hold it whole.
+    for marked in ((), ("--marked",)):
+        code, out, err = _run(capsys, *RUN, "--tp", "3", *marked)
+        assert code == 2 and "step" not in out
+        assert err.strip() == (
+            "1f1b: --tp 3: model mlp gives no tensor-parallel layout of its parameters, so every one of the 3"
+            " tensor-parallel devices would hold a whole copy; give --model transformer or llama, or --tp 1"
+        )
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (("--remat", "--recompute", "none"), "--remat is --recompute full, which --recompute none contradicts"),
+        (("--recompute", "selective", "--remat"), "--remat is --recompute full, which --recompute selective"),
+        (("--address", "127.0.0.1:1"), "--address names a Ray cluster; use it with --backend ray"),
+        (("--fused-attention",), "--fused-attention acts on attention, which the mlp model has none of"),
+        (("--recompute", "selective"), "--recompute selective acts on attention, which the mlp model has none of"),
+        (("--model", "transformer", "--sequence-parallel"), "--sequence-parallel splits what tensor parallelism"),
+    ],
+)
+def test_options_that_mean_nothing_together_are_refused_before_any_work(
+    capsys: pytest.CaptureFixture[str], options: tuple[str, ...], said: str
+) -> None:
+    code, out, err = _run(capsys, *RUN, *options)
+    assert code == 2 and out == ""
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_refuses_how_to_compute_that_it_was_not_priced_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plans = tmp_path / "plans.csv"
+    plans.write_text(PLANS)
+    plan = ["run", "--plan", "1", "--plans", str(plans), "--steps", "1"]
+    for options, said in (
+        (("--remat",), "--recompute full (the plan recomputes none)"),
+        (("--sequence-parallel",), "--sequence-parallel (the plan runs without it)"),
+        (("--precision", "bf16"), "--precision (the plan runs in its model's own)"),
+    ):
+        code, out, err = _run(capsys, *plan, *options)
+        assert code == 2 and out == "", options
+        assert said in err and "would change the plan" in err, err
+    # The plan's own recompute is no change.
+    code, out, err = _run(capsys, *plan, "--recompute", "none")
+    assert code == 0, err
 
 
 def _losses(out: str) -> list[float]:

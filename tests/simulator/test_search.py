@@ -494,3 +494,22 @@ def test_the_search_tries_every_sharding_mode_and_prices_each_as_estimate_does()
         assert row.step_time_s == pytest.approx(priced.step_time_s)
     once = spmd[(spmd.zero == 2) & spmd.reduce_once].iloc[0].to_dict()
     assert "zero=2 once " in describe(once) and PlannedRun.from_row(once).reduce_once
+
+
+def test_the_best_plans_command_says_what_it_is_and_whether_it_runs_here(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipedsl.cli import main
+
+    # A machine of 4 cores, whatever this one has.
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    search = ["search", "--cluster", "h100-80gb", "--top", "1", "--jobs", "1"]
+    assert main([*search, "--model", "llama-8b", "--gpus", "1024", "--global-batch", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "the best plan, SPMD (pp = 1: data and tensor parallel, no pipeline), needs 1,024 devices, more than this"
+        " machine's 4 CPU cores: run it on a cluster of that size" in out
+    )
+    assert main([*search, "--model", "demo-small", "--gpus", "2", "--global-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "runs here on 2 devices with the built-in transformer:\n  pipedsl run " in out
