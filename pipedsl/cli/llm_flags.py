@@ -83,9 +83,10 @@ def add_search_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stage-layers",
         choices=("even", "ends"),
-        default="even",
-        help="how pipeline plans split the layers: even (default), or ends: where pp x vpp does not divide "
-        "them, first and last stage hold only the embedding and the head",
+        default="ends",
+        help="how pipeline plans split the layers where pp x vpp does not divide them: ends (default), first "
+        "and last stage hold only the embedding and the head (as Llama 3 405B's 126 layers ran); even leaves "
+        "such plans out",
     )
 
 

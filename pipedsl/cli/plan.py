@@ -273,7 +273,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
             frame.to_csv(args.csv, index=False)
         except OSError as error:
             raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
-    _print_search(frame, make_console(), top=args.top, csv=args.csv)
+    _print_search(frame, make_console(), top=args.top, csv=args.csv, layers=load_model(args.model).layers)
     return EXIT_OK if len(frame) else EXIT_NOTHING_FITS
 
 
@@ -343,7 +343,7 @@ def _prune_factor(text: str) -> float:
     return value
 
 
-def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None) -> None:
+def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None, layers: int) -> None:
     attrs = frame.attrs
     console.print(
         f"[bold]{attrs['model']}[/] on {attrs['gpus']} {attrs['devices_word']} of {attrs['cluster']}, global batch "
@@ -357,6 +357,13 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
     if not len(frame):
         return
     console.print(_best_plans_table(frame, top))
+    uneven = sorted({int(s) for s in frame["pp"] * frame["vpp"] if layers % int(s)})
+    if uneven:
+        console.print(
+            f"  where pp × vpp ({', '.join(map(str, uneven))}) does not divide the {layers} layers, the first and"
+            " the last stage hold only the embedding and the head (--stage-layers even leaves such plans out)",
+            highlight=False,
+        )
     summary = summarize(frame)
     if summary.best_by_schedule:
         console.print(_per_schedule_table(summary))
