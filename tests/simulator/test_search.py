@@ -349,12 +349,17 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_cli_search_names_and_runs_a_context_parallel_best_plan(capsys: pytest.CaptureFixture[str]) -> None:
     # Only context-parallel plans: the best plan's degree is in each table and in the
     # command that runs it (`pipedsl run --cp`).
+    # Llama 3 405B's 126 layers split over pp 16 only with the embedding and the head on
+    # stages of their own: the search tries that split unasked and says so.
     argv = ["search", "--model", "llama-405b", "--cluster", "h100-80gb", "--gpus", "16384", "--global-batch", "2048",
-            "--stage-layers", "ends", "--schedules", "1f1b", "--cp", "2", "--top", "3", "--jobs", "1"]  # fmt: skip
+            "--schedules", "1f1b", "--cp", "2", "--top", "3", "--jobs", "1"]  # fmt: skip
     assert _run(argv) == 0
     printed = capsys.readouterr().out
     assert any(line.split()[:4] == ["1f1b", "dp64", "tp8", "cp2"] for line in printed.splitlines())
     assert "pipedsl run 1f1b " in printed and " --cp 2 " in printed
+    assert "does not divide the 126 layers, the first and the last stage hold only" in " ".join(printed.split())
+    assert _run([*argv, "--stage-layers", "even"]) == 0  # SPMD plans only: none of 1F1B splits them evenly
+    assert "no feasible plan for schedule(s): 1f1b" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_policy_row_runs_the_order_the_search_priced(tmp_path: Path) -> None:
