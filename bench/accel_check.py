@@ -68,7 +68,7 @@ from pipedsl.executor.models import BuiltinModel, llama, reference_stages  # noq
 from pipedsl.results import Figure, append_result  # noqa: E402
 
 if TYPE_CHECKING:
-    from pipedsl.executor.stage_program import StageMemory
+    from pipedsl.executor.stages.stage_program import StageMemory
 
 ACCELERATORS = ("gpu", "tpu")
 """The JAX platforms that run the checks at :data:`ACCELERATOR_SIZE`; any other runs the toy one."""

@@ -18,7 +18,7 @@ the jits and what it takes beyond them is the executor's own cost. Per plan it p
   pp=2, 16 microbatches) over its F and B actions;
 - with ``--apart``, every action is dispatched as a program of its own (``fuse=False``), as
   on pipeline devices of their own, instead of the whole step as one program
-  (:mod:`pipedsl.executor.fused`), which is how stages that share a chip run by default;
+  (:mod:`pipedsl.executor.local.fused`), which is how stages that share a chip run by default;
 - with ``--cache``, the first step of the first plan in a new process, twice: with an empty
   persistent compilation cache, then with the one the first filled (both before this
   process opens the device, which one process at a time may hold on a TPU).

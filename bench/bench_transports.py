@@ -189,7 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=30, help="round trips per measurement (default 30)")
     args = parser.parse_args()
-    # Loopback throughout (see pipedsl.executor.ray_connection); read when ray is imported.
+    # Loopback throughout (see pipedsl.executor.ray.connection); read when ray is imported.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import jax
     import ray

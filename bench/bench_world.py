@@ -7,7 +7,7 @@ Three measurements, on a local Ray instance started here (all on 127.0.0.1):
    same two processes, in turn:
 
    - ``collective``: the backend's own compiled point-to-point program
-     (:class:`pipedsl.executor.ray_transport.Hops`), everything it does per transfer;
+     (:class:`pipedsl.executor.ray.transport.Hops`), everything it does per transfer;
    - ``bare``: the floor under it, a jitted ``ppermute`` under ``shard_map`` of an array
      made once (no placement, no reassembly), the least one gloo collective costs here;
    - ``transfer``: ``jax.experimental.transfer`` servers, the primitive of the transfer
@@ -20,7 +20,7 @@ Three measurements, on a local Ray instance started here (all on 127.0.0.1):
    over its F and B actions (64), every fixed per-step cost included (in a fresh process,
    as 3.), next to the collectives the step takes and what Ray and gloo alone put under
    it (1.'s call of no work and a bare hop per collective); then the same with the
-   processes left unbound (``bind_cores=False``, :mod:`pipedsl.executor.cores`);
+   processes left unbound (``bind_cores=False``, :mod:`pipedsl.executor.ray.cores`);
 3. a 4-process 1F1B step (pp = 4, 8 microbatches of 8 rows) of a ``--width``-wide MLP,
    median, run in a fresh process by this checkout's interpreter (its processes bound to
    cores, then unbound) and, with ``--baseline PYTHON``, by another checkout's in turn,
@@ -78,8 +78,8 @@ class HopPeer:
         import numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        from pipedsl.executor.mesh import DATA, TENSOR
-        from pipedsl.executor.ray_transport import Hops
+        from pipedsl.executor.ray.transport import Hops
+        from pipedsl.executor.stages.mesh import DATA, TENSOR
 
         devices = sorted(jax.devices(), key=lambda d: d.process_index)
         meshes = [Mesh(np.array([d]).reshape(1, 1), (DATA, TENSOR)) for d in devices]
@@ -306,7 +306,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("hops", "steps"), help="run measurement 1 only, or 2 and 3")
     parser.add_argument("--baseline", metavar="PYTHON", help="another checkout's python to run measurement 3 with too")
     args = parser.parse_args()
-    # Loopback throughout (see pipedsl.executor.ray_connection); read when ray is imported.
+    # Loopback throughout (see pipedsl.executor.ray.connection); read when ray is imported.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import jax
     import ray

@@ -3,7 +3,7 @@
 ``Pipeline`` runs a model (explicit stage functions, or one function split at
 ``stage_boundary`` markers) under a lowered schedule on a backend, every pipeline device a
 ``dp x tp`` mesh of JAX devices (``Pipeline(..., dp=, tp=, zero=, param_specs=)``; see
-:mod:`pipedsl.executor.mesh`); the ``local`` backend hosts one worker per pipeline device
+:mod:`pipedsl.executor.stages.mesh`); the ``local`` backend hosts one worker per pipeline device
 on threads of this process, the ``ray`` backend one ``jax.distributed`` world of Ray
 processes whose stage meshes may span processes and nodes (``RayConfig``; a started
 ``RayWorld`` runs several pipelines one after another; see ``docs/cluster.md``).
@@ -26,8 +26,8 @@ from pipedsl.executor.errors import ExecutionError, NonFiniteStep
 if TYPE_CHECKING:
     from pipedsl.executor.backend import Resident
     from pipedsl.executor.pipeline import Pipeline, StepResult
-    from pipedsl.executor.ray_cluster import DeviceLost, DeviceSlot, RayConfig, RayWorld
-    from pipedsl.executor.split import stage_boundary
+    from pipedsl.executor.ray.cluster import DeviceLost, DeviceSlot, RayConfig, RayWorld
+    from pipedsl.executor.stages.split import stage_boundary
 
 __all__ = [
     "ExecutionError",
@@ -45,11 +45,11 @@ __all__ = [
 _LAZY = {
     "Pipeline": "pipedsl.executor.pipeline",
     "StepResult": "pipedsl.executor.pipeline",
-    "stage_boundary": "pipedsl.executor.split",
-    "RayConfig": "pipedsl.executor.ray_cluster",
-    "RayWorld": "pipedsl.executor.ray_cluster",
-    "DeviceSlot": "pipedsl.executor.ray_cluster",
-    "DeviceLost": "pipedsl.executor.ray_cluster",
+    "stage_boundary": "pipedsl.executor.stages.split",
+    "RayConfig": "pipedsl.executor.ray.cluster",
+    "RayWorld": "pipedsl.executor.ray.cluster",
+    "DeviceSlot": "pipedsl.executor.ray.cluster",
+    "DeviceLost": "pipedsl.executor.ray.cluster",
     "Resident": "pipedsl.executor.backend",
 }
 

@@ -1,6 +1,6 @@
 """What a backend hosts for :class:`pipedsl.executor.driver.Driver`, and what a step returns.
 
-A backend owns the pipeline devices, one :class:`pipedsl.executor.worker.Worker` each
+A backend owns the pipeline devices, one :class:`pipedsl.executor.runtime.worker.Worker` each
 (in this process for ``local``; for ``ray`` in the processes of a ``jax.distributed``
 world, several per device when its mesh spans them), and the state they keep between
 steps: the compiled stages, the parameters and the optimizer state. The driver, written
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import optax
 
-from pipedsl.executor.stages import StagedModel
+from pipedsl.executor.stages.model import StagedModel
 from pipedsl.program import Buffer
 from pipedsl.timeline import Event, Timeline
 

@@ -28,8 +28,8 @@ import optax
 
 from pipedsl.executor.backend import Backend, DeviceReport, Resident, StepResult
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.stages import StagedModel
-from pipedsl.executor.timing import measured_timeline
+from pipedsl.executor.runtime.timing import measured_timeline
+from pipedsl.executor.stages.model import StagedModel
 from pipedsl.program import Program
 
 __all__ = ["Driver", "shapes_of"]

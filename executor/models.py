@@ -36,8 +36,8 @@ The Llama model (:func:`llama`: RMSNorm, SwiGLU, rotary positions, grouped-query
 attention) takes its sizes under the simulator's model presets' names; :func:`llama_specs`
 is its layout. Both transformers call :func:`attention` (written out, or fused with
 ``fused_attention``), whose core ``recompute="selective"`` recomputes, and pass their
-residual stream through :func:`~pipedsl.executor.stage_options.sequence_sharded` for
-sequence parallelism (:mod:`pipedsl.executor.stage_options`).
+residual stream through :func:`~pipedsl.executor.stages.stage_options.sequence_sharded` for
+sequence parallelism (:mod:`pipedsl.executor.stages.stage_options`).
 
 Shapes: the MLP maps ``f32[batch, width]`` to ``f32[batch, width]`` under a mean squared
 error; the transformer maps token ids ``i32[batch, seq]`` to logits
@@ -57,9 +57,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from pipedsl.executor.mesh import TENSOR
-from pipedsl.executor.split import stage_boundary
-from pipedsl.executor.stage_options import selective, sequence_sharded
+from pipedsl.executor.stages.mesh import TENSOR
+from pipedsl.executor.stages.split import stage_boundary
+from pipedsl.executor.stages.stage_options import selective, sequence_sharded
 
 __all__ = [
     "BuiltinModel",
@@ -238,7 +238,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, fused: bool) -> jax.A
     bf16, XLA's elsewhere), which keeps no ``s x s`` scores for the backward where cuDNN
     runs it. Otherwise the scores and their softmax (in fp32) are computed as they are
     written. Either way this is the core that ``recompute="selective"`` recomputes
-    (:func:`~pipedsl.executor.stage_options.selective`).
+    (:func:`~pipedsl.executor.stages.stage_options.selective`).
     """
     return selective(_fused_attention if fused else _plain_attention)(q, k, v)
 

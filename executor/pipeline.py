@@ -45,12 +45,12 @@ from pipedsl.executor.compilation_cache import enable_compilation_cache
 from pipedsl.executor.driver import Driver, shapes_of
 from pipedsl.executor.errors import ExecutionError, NonFiniteStep
 from pipedsl.executor.functions import check_functions
-from pipedsl.executor.local import LocalBackend
-from pipedsl.executor.mesh import DATA, MeshConfig
-from pipedsl.executor.ray_backend import RayRunner
-from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig, RayWorld
-from pipedsl.executor.stage_options import Precision, RecomputeMode, StageOptions
-from pipedsl.executor.stage_program import StageProgram
+from pipedsl.executor.local.backend import LocalBackend
+from pipedsl.executor.ray.backend import RayRunner
+from pipedsl.executor.ray.cluster import DeviceSlot, RayConfig, RayWorld
+from pipedsl.executor.stages.mesh import DATA, MeshConfig
+from pipedsl.executor.stages.stage_options import Precision, RecomputeMode, StageOptions
+from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.ir import Schedule
 from pipedsl.policy import Policy
 from pipedsl.program import Program, lower
@@ -93,18 +93,18 @@ class Pipeline:
         uniform default, with a warning that says so. Refused for a schedule with an order.
       backend: ``"local"`` (every pipeline device a mesh of JAX devices of this process),
         ``"ray"`` (one ``jax.distributed`` world of Ray processes, a stage mesh possibly
-        spanning several; a :class:`~pipedsl.executor.ray_cluster.RayConfig` sets its
-        options; see :mod:`pipedsl.executor.ray_backend`), or a started
-        :class:`~pipedsl.executor.ray_cluster.RayWorld` to run on (and leave running when
+        spanning several; a :class:`~pipedsl.executor.ray.cluster.RayConfig` sets its
+        options; see :mod:`pipedsl.executor.ray.backend`), or a started
+        :class:`~pipedsl.executor.ray.cluster.RayWorld` to run on (and leave running when
         this pipeline closes).
       recompute: what each stage's backward recomputes instead of keeping, as the
         planner prices it: ``"none"``, ``"selective"`` (the attention core: what the model
-        passes through :func:`~pipedsl.executor.stage_options.selective`) or ``"full"``
+        passes through :func:`~pipedsl.executor.stages.stage_options.selective`) or ``"full"``
         (everything but the stage's inputs); one mode for all stages or one per stage.
       precision: ``"fp32"`` or ``"bf16"``: bf16 compute and activations, fp32 master
         weights, optimizer state and gradient accumulation (Megatron-LM's mixed precision).
       sequence_parallel: with ``tp > 1``, split the activations the model passes through
-        :func:`~pipedsl.executor.stage_options.sequence_sharded` (norms, dropout) along
+        :func:`~pipedsl.executor.stages.stage_options.sequence_sharded` (norms, dropout) along
         the sequence over ``"tensor"``.
       devices: for the local backend, the JAX devices of every pipeline device in order,
         ``dp x tp`` each (default: the first ones JAX reports).
@@ -126,7 +126,7 @@ class Pipeline:
         replicated); see :mod:`pipedsl.executor.models` for the built-in transformer's.
       fuse: on the local backend, where every pipeline device runs on the same JAX devices
         (stages sharing one chip), run each unrecorded step as one program of the whole
-        schedule (:mod:`pipedsl.executor.fused`); False dispatches every action apart, as on
+        schedule (:mod:`pipedsl.executor.local.fused`); False dispatches every action apart, as on
         separate devices.
     """
 
@@ -189,7 +189,7 @@ class Pipeline:
         fuse: bool = True,
     ) -> Pipeline:
         """A pipeline for ``model_fn(params, x) -> y`` split at its ``stage_boundary``
-        markers (see :mod:`pipedsl.executor.split`); ``params`` is then the pytree
+        markers (see :mod:`pipedsl.executor.stages.split`); ``params`` is then the pytree
         ``model_fn`` takes (and ``param_specs`` mirrors it). Other arguments as for
         :class:`Pipeline`."""
         pipe = cls.__new__(cls)
@@ -487,7 +487,7 @@ class Pipeline:
             )
 
         # The stages are traced at what one device of "data" computes on: its share of
-        # a microbatch (see pipedsl.executor.shards).
+        # a microbatch (see pipedsl.executor.stages.shards).
         share = per // dp
 
         def example(tree: Any) -> Any:

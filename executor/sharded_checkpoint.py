@@ -33,14 +33,14 @@ import jax
 
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.event_loops import draining
-from pipedsl.executor.mesh import MeshConfig
+from pipedsl.executor.stages.mesh import MeshConfig
 from pipedsl.ir import Schedule
 
 if TYPE_CHECKING:
     import optax
 
-    from pipedsl.executor.stages import StagedModel
-    from pipedsl.executor.worker import Worker
+    from pipedsl.executor.runtime.worker import Worker
+    from pipedsl.executor.stages.model import StagedModel
 
 __all__ = [
     "PLAN",

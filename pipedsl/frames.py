@@ -2,7 +2,7 @@
 
 A frame is the pickle's length (8 bytes, little-endian) and the pickle. The plan search's
 worker processes (:mod:`pipedsl.simulator.workers`, over pipes) and the Ray backend's step
-connections (:mod:`pipedsl.executor.step_channel`, over sockets) speak it. Unpickling runs
+connections (:mod:`pipedsl.executor.ray.step_channel`, over sockets) speak it. Unpickling runs
 code: read frames only from a peer that is trusted (a child process, or one that has
 proved it holds a shared key).
 """

@@ -181,7 +181,7 @@ class ProgramArrays:
 def dispatch_order(arrays: ProgramArrays) -> np.ndarray:
     """The computes' rows in the order one host thread dispatches them when a receive waits
     only until its value is sent, never until it is computed: the local backend's devices
-    taking turns on one thread (``executor/cooperative.py``) where sends are asynchronous
+    taking turns on one thread (``executor/local/cooperative.py``) where sends are asynchronous
     copies (meshes of several devices). Device 0 runs its program up to a receive of a value
     not sent yet, then the next device that can go on does, first come first served: at
     first devices 0, 1, ... in turn, then each device woken by a send, in the order sent,

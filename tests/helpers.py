@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 import pipedsl
 from pipedsl.executor import Pipeline
 from pipedsl.executor.models import BuiltinModel, mlp, reference_stages, transformer
-from pipedsl.executor.ray_backend import RayRunner
-from pipedsl.executor.ray_cluster import RayConfig
+from pipedsl.executor.ray.backend import RayRunner
+from pipedsl.executor.ray.cluster import RayConfig
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.validate import dependencies
 

@@ -321,7 +321,7 @@ def measure(
     are timed reaches every run alike rather than the runs timed during it.
     ``each_round()``, when given, is called after every round, in turn with the runs
     (the demo times the machine calibration's steps there). ``backend`` is ``"local"``, ``"ray"`` or a
-    :class:`~pipedsl.executor.ray_cluster.RayConfig`.
+    :class:`~pipedsl.executor.ray.cluster.RayConfig`.
     """
     trials: list[_Trial] = []
     try:
@@ -347,7 +347,7 @@ def backend_for(name: str, devices: int, console: Console) -> Iterator[Any]:
     if name != "ray":
         yield name
         return
-    from pipedsl.executor.ray_cluster import RayConfig, connect, disconnect
+    from pipedsl.executor.ray.cluster import RayConfig, connect, disconnect
 
     config = RayConfig()
     connect(config.address, timeout=config.start_timeout)

@@ -136,7 +136,7 @@ def _run(args: argparse.Namespace, *, own: bool) -> int:
         if own and isinstance(err, Interrupted):
             if "ray" in sys.modules:
                 # Its exit handler would do it, and the process ends without them.
-                from pipedsl.executor.ray_connection import shutdown_started
+                from pipedsl.executor.ray.connection import shutdown_started
 
                 shutdown_started()
             end_process(EXIT_INTERRUPTED)

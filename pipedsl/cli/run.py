@@ -450,7 +450,7 @@ def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, ke
     # On Ray, the actors (and a local instance pipedsl started) stop when the process exits.
     backend: Any = args.backend
     if args.backend == "ray":
-        from pipedsl.executor.ray_cluster import RayConfig
+        from pipedsl.executor.ray.cluster import RayConfig
 
         backend = RayConfig(address=args.address)
     mesh = {"dp": args.dp, "tp": args.tp, "cp": args.cp, "zero": args.zero, "reduce_once": args.reduce_once}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipedsl.executor.cores import _choose, claim_cores
+from pipedsl.executor.ray.cores import _choose, claim_cores
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no process binding on this system")
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no
 _CLAIM = """
 import json, os, sys, threading
 from pathlib import Path
-from pipedsl.executor.cores import claim_cores
+from pipedsl.executor.ray.cores import claim_cores
 cores = claim_cores(int(sys.argv[2]), path=Path(sys.argv[1]))
 seen = []
 thread = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))

@@ -13,7 +13,7 @@ import pytest
 import pipedsl
 from helpers import HYBRID_ADAM, hybrid, hybrid_problem, hybrid_schedule
 from pipedsl.arrays import B, F, I, W
-from pipedsl.executor.stage_program import StageProgram
+from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.program import dispatch_order
 
 _KINDS = {"forward": F, "backward": B, "backward_input": I, "backward_weight": W}

@@ -25,7 +25,7 @@ from helpers import (
     setup,
 )
 from pipedsl.executor import Pipeline, stage_boundary
-from pipedsl.executor.split import marked_model
+from pipedsl.executor.stages.split import marked_model
 from pipedsl.program import BufferKind, lower
 from pipedsl.timeline import EventKind
 from pipedsl.validate import peak_inflight
@@ -158,10 +158,10 @@ def test_a_pipeline_keeps_its_compiled_stages_however_many_others_are_compiled(m
     # compile again, even when more of them are alive than the shared cache holds.
     from collections import OrderedDict
 
-    import pipedsl.executor.local
+    import pipedsl.executor.local.backend
 
-    monkeypatch.setattr(pipedsl.executor.local, "_COMPILED", OrderedDict())
-    monkeypatch.setattr(pipedsl.executor.local, "_CACHE_SIZE", 1)
+    monkeypatch.setattr(pipedsl.executor.local.backend, "_COMPILED", OrderedDict())
+    monkeypatch.setattr(pipedsl.executor.local.backend, "_CACHE_SIZE", 1)
     schedule = library("1f1b")
     params, batch, _, _ = setup("mlp", "explicit", schedule.num_stages)
     bigger = tuple(jnp.concatenate([x, x]) for x in batch)

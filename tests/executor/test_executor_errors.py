@@ -13,9 +13,9 @@ import pytest
 import pipedsl
 from pipedsl.errors import PipedslError
 from pipedsl.executor import ExecutionError, Pipeline, RayConfig, RayWorld, stage_boundary
-from pipedsl.executor.cooperative import run_together
-from pipedsl.executor.interpreter import DeviceRuntime, Steps, drive
-from pipedsl.executor.transport import LocalExchange, resharder
+from pipedsl.executor.local.cooperative import run_together
+from pipedsl.executor.local.exchange import LocalExchange, resharder
+from pipedsl.executor.runtime.interpreter import DeviceRuntime, Steps, drive
 from pipedsl.ir import Schedule
 
 WIDTH = 4

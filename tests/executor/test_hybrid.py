@@ -130,8 +130,8 @@ def test_zero_1_gathers_the_updated_parameters_in_one_collective() -> None:
     # exactly the array it was (leaves split along their first, second or no axis).
     from jax.sharding import Mesh, PartitionSpec
 
-    from pipedsl.executor.mesh import StageLayout
-    from pipedsl.executor.shards import DataShards
+    from pipedsl.executor.stages.mesh import StageLayout
+    from pipedsl.executor.stages.shards import DataShards
 
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "tensor"))
     values = [

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor import ExecutionError
-from pipedsl.executor.transport import Handoff, LocalExchange, resharder
+from pipedsl.executor.local.exchange import Handoff, LocalExchange, resharder
 from pipedsl.program import Buffer, BufferKind
 
 ACT = Buffer(BufferKind.ACTIVATION, 0, 0)

@@ -14,7 +14,7 @@ import pytest
 from helpers import assert_trees_close, hybrid_schedule
 from pipedsl.executor import ExecutionError, Pipeline
 from pipedsl.executor.models import BuiltinModel, llama, reference_stages, transformer
-from pipedsl.executor.stage_options import StageOptions, sequence_sharded
+from pipedsl.executor.stages.stage_options import StageOptions, sequence_sharded
 
 MICROBATCHES = 4
 DP, TP, PP = 2, 2, 2

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from pipedsl.executor.step_channel import StepClient, StepServer
+from pipedsl.executor.ray.step_channel import StepClient, StepServer
 
 KEY = b"k" * 32
 

@@ -24,7 +24,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from helpers import RAY_CONFIG  # noqa: E402
-from pipedsl.executor.ray_cluster import RayWorld, connect, disconnect  # noqa: E402
+from pipedsl.executor.ray.cluster import RayWorld, connect, disconnect  # noqa: E402
 
 
 @pytest.fixture(scope="module")

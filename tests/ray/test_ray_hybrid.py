@@ -33,7 +33,7 @@ from helpers import (  # noqa: E402
     hybrid_schedule,
 )
 from pipedsl.executor.backend import Resident  # noqa: E402
-from pipedsl.executor.ray_cluster import RayConfig, RayWorld  # noqa: E402
+from pipedsl.executor.ray.cluster import RayConfig, RayWorld  # noqa: E402
 
 pytestmark = [
     pytest.mark.ray,

@@ -100,7 +100,7 @@ def test_silent_address_fails_within_start_timeout_and_the_process_exits(silent_
     script = f"""
         import time
         from pipedsl.executor import ExecutionError
-        from pipedsl.executor.ray_cluster import RayConfig, RayWorld
+        from pipedsl.executor.ray.cluster import RayConfig, RayWorld
         start = time.monotonic()
         try:
             RayWorld.start(2, config=RayConfig(address="127.0.0.1:{silent_port}", start_timeout=3), label="silent")
@@ -136,7 +136,7 @@ LIFECYCLE = """
     import jax
     import jax.numpy as jnp
     from pipedsl.executor import ExecutionError, Pipeline, RayConfig
-    from pipedsl.executor.ray_cluster import connect, disconnect
+    from pipedsl.executor.ray.cluster import connect, disconnect
     from pipedsl.library import library_path, load
 
     DRIVER = os.getpid()

@@ -33,9 +33,9 @@ from helpers import (
 from helpers import setup as reference
 from pipedsl.executor import ExecutionError
 from pipedsl.executor.backend import Resident
-from pipedsl.executor.cores import registry
-from pipedsl.executor.ray_cluster import RayWorld
-from pipedsl.executor.ray_transport import worker_exchanges, worker_groups
+from pipedsl.executor.ray.cluster import RayWorld
+from pipedsl.executor.ray.cores import registry
+from pipedsl.executor.ray.transport import worker_exchanges, worker_groups
 from pipedsl.rendezvous import exchange_groups, exchange_order
 from pipedsl.validate import peak_inflight
 

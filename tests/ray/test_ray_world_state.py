@@ -39,7 +39,7 @@ from helpers import (
 from helpers import setup as reference
 from pipedsl.executor import ExecutionError
 from pipedsl.executor.backend import Resident
-from pipedsl.executor.ray_cluster import DeviceLost, RayWorld
+from pipedsl.executor.ray.cluster import DeviceLost, RayWorld
 
 pytestmark = RAY_MARKS
 

@@ -38,8 +38,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Primitive, Var, jaxprs
 from jax.interpreters import ad, batching, mlir
 
 from pipedsl.executor.errors import ExecutionError, stage_failure
-from pipedsl.executor.jaxprs import evaluate, inline_calls, read
-from pipedsl.executor.stages import LeafFn, StagedModel, check_float_params, check_loss, describe_avals
+from pipedsl.executor.stages.jaxprs import evaluate, inline_calls, read
+from pipedsl.executor.stages.model import LeafFn, StagedModel, check_float_params, check_loss, describe_avals
 
 __all__ = ["stage_boundary", "stage_boundary_p", "marked_model"]
 

@@ -6,9 +6,9 @@ set before JAX starts (on CPU ``devices_per_process`` forced host devices throug
 the world (gloo collectives on CPU), after which every process sees every JAX device of the
 world. Its devices belong to one pipeline device, whose stage mesh may span several
 processes (``dp`` across them, ``tp`` inside each): the process runs that device's program
-(:class:`~pipedsl.executor.worker.Worker`), SPMD with the other processes of the mesh, each
+(:class:`~pipedsl.executor.runtime.worker.Worker`), SPMD with the other processes of the mesh, each
 computing its own shards; transfers between pipeline devices are compiled collectives
-(:mod:`pipedsl.executor.ray_transport`).
+(:mod:`pipedsl.executor.ray.transport`).
 
 The driver is not in the world. It ships the model once (:meth:`WorldProcess.install`: the
 process traces it and compiles its device's stages), then per step the batch's leaves to the
@@ -39,24 +39,24 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from pipedsl.executor.compilation_cache import enable_compilation_cache
-from pipedsl.executor.cores import claim_cores
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.interpreter import drive
-from pipedsl.executor.mesh import DATA, TENSOR, MeshConfig
-from pipedsl.executor.ray_transport import (
+from pipedsl.executor.ray.cores import claim_cores
+from pipedsl.executor.ray.step_channel import StepServer
+from pipedsl.executor.ray.transport import (
     Hops,
     WorldTransport,
     addressable_pieces,
     signatures,
     worker_groups,
 )
+from pipedsl.executor.runtime.interpreter import drive
+from pipedsl.executor.runtime.timing import Recorder
+from pipedsl.executor.runtime.worker import Update, Worker, compile_device
 from pipedsl.executor.sharded_checkpoint import restore_device, save_device
-from pipedsl.executor.split import marked_model
-from pipedsl.executor.stage_options import StageOptions
-from pipedsl.executor.stages import StagedModel, explicit_model
-from pipedsl.executor.step_channel import StepServer
-from pipedsl.executor.timing import Recorder
-from pipedsl.executor.worker import Update, Worker, compile_device
+from pipedsl.executor.stages.mesh import DATA, TENSOR, MeshConfig
+from pipedsl.executor.stages.model import StagedModel, explicit_model
+from pipedsl.executor.stages.split import marked_model
+from pipedsl.executor.stages.stage_options import StageOptions
 from pipedsl.program import Buffer, DeviceProgram
 from pipedsl.rendezvous import Exchange
 from pipedsl.timeline import Event
@@ -93,7 +93,7 @@ class StepReport:
 
     ``loss`` is the mean loss where the last stage is (a numpy scalar), else None;
     ``grads`` maps every flat leaf this device owns to this process's shards of its
-    summed gradient (:func:`~pipedsl.executor.ray_transport.addressable_pieces`), only
+    summed gradient (:func:`~pipedsl.executor.ray.transport.addressable_pieces`), only
     when the driver asked; ``moved`` counts the transfers this process took part in,
     ``collectives`` the collectives that made them.
     """
@@ -151,7 +151,7 @@ class WorldProcess:
 
     def serve_steps(self, key: bytes, loopback: bool) -> tuple[str, int]:
         """Serve the driver's step calls on a connection of their own, admitted with
-        ``key`` (:mod:`pipedsl.executor.step_channel`); its address, on 127.0.0.1
+        ``key`` (:mod:`pipedsl.executor.ray.step_channel`); its address, on 127.0.0.1
         (``loopback``) or on the node's IP."""
         self._steps = StepServer(_host(loopback), key, handle=self._step_request, failed=self._step_failed)
         return self._steps.address
@@ -179,7 +179,7 @@ class WorldProcess:
 
     def bind(self, cores: int) -> tuple[int, ...]:
         """Bind this process, every thread it has and will start, to ``cores`` cores of
-        its node (:func:`~pipedsl.executor.cores.claim_cores`); which ones."""
+        its node (:func:`~pipedsl.executor.ray.cores.claim_cores`); which ones."""
         return claim_cores(cores)
 
     # -- the pipeline -----------------------------------------------------------------

@@ -1,10 +1,10 @@
 """A pipeline's processes on Ray: one ``jax.distributed`` world, started, placed and supervised.
 
-Connecting is :mod:`pipedsl.executor.ray_connection`'s (:func:`connect` and :func:`disconnect`
+Connecting is :mod:`pipedsl.executor.ray.connection`'s (:func:`connect` and :func:`disconnect`
 are re-exported here): it joins a cluster or starts a local instance on 127.0.0.1, and bounds
 every wait by ``start_timeout``.
 
-:class:`RayWorld` is one Ray actor process (:class:`~pipedsl.executor.ray_actor.WorldProcess`)
+:class:`RayWorld` is one Ray actor process (:class:`~pipedsl.executor.ray.actor.WorldProcess`)
 per slot of ``devices_per_process`` JAX devices, reserved as one placement group with a bundle
 per process (``PACK`` by default; ``SPREAD``/``STRICT_SPREAD`` put processes on different nodes).
 On CPU each process gets that many forced host devices, set in its environment before JAX
@@ -12,9 +12,9 @@ starts; on GPU that many GPUs through Ray's ``num_gpus`` (Ray sets ``CUDA_VISIBL
 with JAX's memory options from :class:`RayConfig`. The first process picks the coordinator's
 address (127.0.0.1 on a local instance pipedsl started, else its node's IP) and the others are
 handed it by the driver; all join at once. The driver is not in the world. Each process is
-bound to cores of its node (:mod:`pipedsl.executor.cores`; on CPU unless
+bound to cores of its node (:mod:`pipedsl.executor.ray.cores`; on CPU unless
 ``bind_cores=False``), and serves the driver's step calls on a connection of its own
-(:mod:`pipedsl.executor.step_channel`).
+(:mod:`pipedsl.executor.ray.step_channel`).
 
 :meth:`RayWorld.call` runs one method on every process with a time bound, as Ray tasks;
 :meth:`RayWorld.step` runs a step the same way on those connections. A process that dies
@@ -43,10 +43,10 @@ from typing import Any, Self
 
 from pipedsl.executor.devices import with_device_count
 from pipedsl.executor.errors import ExecutionError, first_line
-from pipedsl.executor.ray_actor import WorldProcess
-from pipedsl.executor.ray_connection import connect, disconnect, owns_instance
-from pipedsl.executor.ray_placement import reserve
-from pipedsl.executor.step_channel import StepClient
+from pipedsl.executor.ray.actor import WorldProcess
+from pipedsl.executor.ray.connection import connect, disconnect, owns_instance
+from pipedsl.executor.ray.placement import reserve
+from pipedsl.executor.ray.step_channel import StepClient
 
 __all__ = ["RayConfig", "NodeInfo", "DeviceSlot", "DeviceLost", "RayWorld", "connect", "disconnect", "STRATEGIES"]
 
@@ -90,7 +90,7 @@ class RayConfig:
       bind_cores: bind each process, all its threads, to cores of its node shared out
         among the node's pipedsl processes (as many as its XLA compute threads: its share
         of a local instance's cores, or ``cpus_per_process``; see
-        :mod:`pipedsl.executor.cores`). None: on CPU only (the collectives' host threads
+        :mod:`pipedsl.executor.ray.cores`). None: on CPU only (the collectives' host threads
         are the step's path there); on GPUs the operating system places them unless True.
     """
 
@@ -390,7 +390,7 @@ class RayWorld:
         stop_at: Callable[[Any], bool] | None = None,
     ) -> list[Any]:
         """:meth:`call` of ``run_step``, made on the driver's own connections to the
-        processes (:mod:`pipedsl.executor.step_channel`) rather than as Ray tasks: the same
+        processes (:mod:`pipedsl.executor.ray.step_channel`) rather than as Ray tasks: the same
         arguments, results, ``stop_at``, ``step_timeout`` and errors (a process whose
         connection closes is lost). A step that returns at ``stop_at``, or is interrupted,
         leaves reports unread: the world is then torn down, as its processes may still be

@@ -1,15 +1,15 @@
 """The device side of a step, written once for every backend.
 
 A :class:`Worker` is one pipeline device of one pipeline: its lowered program, the
-compiled stages it owns (SPMD programs on its stage mesh, see :mod:`pipedsl.executor.mesh`)
+compiled stages it owns (SPMD programs on its stage mesh, see :mod:`pipedsl.executor.stages.mesh`)
 and its resident state: the parameter leaves its stages use and the optimizer state
 of the leaves they own. :meth:`Worker.steps` runs a whole step on the device:
 
 1. cut the batch's leaves (where the first / last stage lives) into microbatches, each
    split over the mesh's ``"data"`` axis;
-2. run the program (:class:`pipedsl.executor.interpreter.DeviceRuntime`), accumulating
+2. run the program (:class:`pipedsl.executor.runtime.interpreter.DeviceRuntime`), accumulating
    every local stage's gradients over its microbatches, then reduce them over ``"data"``
-   once where they accumulated unreduced (:mod:`pipedsl.executor.shards`);
+   once where they accumulated unreduced (:mod:`pipedsl.executor.stages.shards`);
 3. sum the gradients of shared parameters on their owner (contributions added in stage
    order), sending those of leaves owned elsewhere;
 4. when training: a barrier with every other device, so that an optimizer step is all
@@ -18,10 +18,10 @@ of the leaves they own. :meth:`Worker.steps` runs a whole step on the device:
    to the other devices that use them.
 
 Everything between devices goes through the backend's
-:class:`~pipedsl.executor.transport.Transport`. :meth:`Worker.steps` is the step as a
-generator that yields what it waits for (:class:`~pipedsl.executor.interpreter.Receive`,
-:class:`~pipedsl.executor.interpreter.Computed`): a Ray backend process answers each by
-waiting (:func:`~pipedsl.executor.interpreter.drive`), the local backend runs every pipeline device's steps
+:class:`~pipedsl.executor.runtime.transport.Transport`. :meth:`Worker.steps` is the step as a
+generator that yields what it waits for (:class:`~pipedsl.executor.runtime.interpreter.Receive`,
+:class:`~pipedsl.executor.runtime.interpreter.Computed`): a Ray backend process answers each by
+waiting (:func:`~pipedsl.executor.runtime.interpreter.drive`), the local backend runs every pipeline device's steps
 on one thread, switching devices where one waits.
 """
 
@@ -40,15 +40,15 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.interpreter import DeviceRuntime, Receive, Steps
-from pipedsl.executor.mesh import StageLayout
-from pipedsl.executor.optimizers import couples_through_global_norm
-from pipedsl.executor.shards import DataShards
-from pipedsl.executor.stage_options import StageOptions
-from pipedsl.executor.stage_program import StageProgram, compile_stage
-from pipedsl.executor.stages import StagedModel
-from pipedsl.executor.timing import Recorder
-from pipedsl.executor.transport import Transport
+from pipedsl.executor.runtime.interpreter import DeviceRuntime, Receive, Steps
+from pipedsl.executor.runtime.optimizers import couples_through_global_norm
+from pipedsl.executor.runtime.timing import Recorder
+from pipedsl.executor.runtime.transport import Transport
+from pipedsl.executor.stages.mesh import StageLayout
+from pipedsl.executor.stages.model import StagedModel
+from pipedsl.executor.stages.shards import DataShards
+from pipedsl.executor.stages.stage_options import StageOptions
+from pipedsl.executor.stages.stage_program import StageProgram, compile_stage
 from pipedsl.program import Buffer, DeviceProgram
 from pipedsl.timeline import Event
 
@@ -249,7 +249,7 @@ class Worker:
 
         On a mesh of one CPU device they are host arrays (views), which the stage program
         that reads them copies in as it is dispatched, as received activations are
-        (:mod:`pipedsl.executor.transport`): placing the batch and cutting it with one
+        (:mod:`pipedsl.executor.local.exchange`): placing the batch and cutting it with one
         jitted program cost about 5 us of host time per microbatch and leaf, besides
         the placement itself (64 microbatches of a 4-wide row, jaxlib 0.10)."""
         if not leaves or layout is None:
@@ -321,7 +321,7 @@ class Worker:
         leaf whose square is the sum of squares of every other gradient leaf of the model
         (exchanged between the devices, :meth:`_rest_of_norm`), so that its norm is the
         whole model's, as on one device; one that combines them otherwise is refused
-        (:func:`~pipedsl.executor.optimizers.couples_through_global_norm`). ``finite``
+        (:func:`~pipedsl.executor.runtime.optimizers.couples_through_global_norm`). ``finite``
         (a bool scalar, or None to update unconditionally) keeps the parameters and state
         as they were where it is false, inside the same programs."""
         model, me, placement = self.model, self.index, self.placement
@@ -485,7 +485,7 @@ class Worker:
 @dataclass(slots=True)
 class _Compiled:
     """An optimizer's compiled updates on one device: whether it couples leaves through
-    the global norm (:func:`~pipedsl.executor.optimizers.couples_through_global_norm`) and, per local stage, (update, init, state
+    the global norm (:func:`~pipedsl.executor.runtime.optimizers.couples_through_global_norm`) and, per local stage, (update, init, state
     shardings)."""
 
     optimizer: optax.GradientTransformation
@@ -507,7 +507,7 @@ def compile_device(
 ) -> dict[int, StageProgram]:
     """The compiled programs of ``stages`` (all on one pipeline device, whose mesh is
     ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``; ``stage_options``
-    every stage's :class:`~pipedsl.executor.stage_options.StageOptions`."""
+    every stage's :class:`~pipedsl.executor.stages.stage_options.StageOptions`."""
     programs = {}
     for s in stages:
         idx = model.stage_params[s]

@@ -1,7 +1,7 @@
 """Working with jaxprs: evaluate a subset of equations, inline calls, trace dependencies.
 
-Stage splitting (:mod:`pipedsl.executor.split`) and the input/weight split of the
-backward (:mod:`pipedsl.executor.backward`) both cut one traced program into pieces and
+Stage splitting (:mod:`pipedsl.executor.stages.split`) and the input/weight split of the
+backward (:mod:`pipedsl.executor.stages.backward`) both cut one traced program into pieces and
 run each piece on its own. A piece here is just a list of equations of the original
 jaxpr plus the variables it reads and writes; :func:`evaluate` binds those equations'
 primitives again, so a piece is an ordinary Python function that ``jax.jit``, ``jax.vjp``

@@ -10,7 +10,7 @@ dispatch costs about 120 us plus 4 us per argument or result buffer, and a stage
 passes a hundred buffers (parameters, residuals, accumulators), so dispatching actions
 one by one cost more host time than the chip spent computing them.
 
-The program is the workers' own step (:meth:`pipedsl.executor.worker.Worker.steps`), run
+The program is the workers' own step (:meth:`pipedsl.executor.runtime.worker.Worker.steps`), run
 on tracers: :func:`run_traced` drives every device's step on this thread in the order
 the cooperative runner would, each receive answered by the value its sender handed
 over (values that stay on one device move nowhere), so the program holds exactly the
@@ -29,9 +29,9 @@ from typing import Any
 import jax
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.interpreter import Receive, Steps
-from pipedsl.executor.transport import describe_key
-from pipedsl.executor.worker import Update, Worker, WorkerStep
+from pipedsl.executor.runtime.interpreter import Receive, Steps
+from pipedsl.executor.runtime.transport import describe_key
+from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep
 from pipedsl.program import Buffer
 
 __all__ = ["FusedStep", "run_traced", "shared_devices"]
@@ -44,7 +44,7 @@ def shared_devices(meshes: Sequence[Any]) -> bool:
 
 
 class _Post:
-    """A device's :class:`~pipedsl.executor.transport.Transport` while the step is traced:
+    """A device's :class:`~pipedsl.executor.runtime.transport.Transport` while the step is traced:
     a send hands the value over as it is (every device is on the same JAX devices)."""
 
     __slots__ = ("_mail",)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from pipedsl.executor.mesh import DATA, TENSOR, StageLayout
+from pipedsl.executor.stages.mesh import DATA, TENSOR, StageLayout
 
 __all__ = ["Form", "BATCH", "STACKED", "WHOLE", "DataShards", "StageForms", "stage_forms"]
 

@@ -2,7 +2,7 @@
 
 The local backend's devices are JAX devices of one process, and JAX dispatches work
 asynchronously: a device's program only queues computations and copies. So one thread
-can run every device's step (:meth:`pipedsl.executor.worker.Worker.steps`), switching to
+can run every device's step (:meth:`pipedsl.executor.runtime.worker.Worker.steps`), switching to
 another device where one has to wait (a receive whose value is not sent yet), and the
 JAX devices still compute at once. Threads per device cost more: each hand-off of the
 interpreter lock between them is a wake-up of the other thread, and a step's host work
@@ -26,8 +26,10 @@ from functools import partial
 from typing import Any
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.interpreter import Computed, Receive, Steps
-from pipedsl.executor.transport import Handoff, LocalExchange, describe_key, finished, helper
+from pipedsl.executor.local.exchange import Handoff, LocalExchange
+from pipedsl.executor.runtime.interpreter import Computed, Receive, Steps
+from pipedsl.executor.runtime.transport import describe_key
+from pipedsl.executor.runtime.waits import finished, helper
 
 __all__ = ["Outcome", "run_together"]
 

@@ -1,13 +1,10 @@
-"""Moving values between pipeline devices.
+"""The local backend's transport: mailboxes between pipeline devices of one process.
 
-A :class:`~pipedsl.executor.worker.Worker` sees one small interface per device,
-:class:`Transport`: hand a value to another device under a key (a buffer of the lowered
-program, or the worker's own keys for gradient sums and parameter hand-outs), wait for
-one from another device (always with a timeout), and tell every peer that this device
-failed so that none of them waits in vain. A backend supplies the implementation; this
-module holds the one for the local backend, where every pipeline device is a mesh of
-JAX devices of the same process and a transfer is a copy to the receiver's mesh that
-keeps each array's sharding (spec), and the errors every backend's receives share.
+Every pipeline device of the local backend is a mesh of JAX devices of this process, and a
+transfer is a copy to the receiver's mesh that keeps each array's sharding (spec)
+(:func:`resharder`); values that stay on the same devices move nowhere. The devices of a
+step share one :class:`LocalExchange` of mailboxes, each device's end of it a
+:class:`LocalTransport` (a :class:`~pipedsl.executor.runtime.transport.Transport`).
 
 Between two CPU devices of one process a program buffer that is already computed when
 it is received goes through host memory instead: the receiver takes the sender's arrays
@@ -17,62 +14,26 @@ microseconds or more of host time whatever the size (jaxlib 0.10, a 64-byte arra
 280 µs here), a jitted call's host arguments about ten. A value still being computed is
 waited for (:class:`Handoff`), never copied: a stage program compiles once for host
 arguments and once more for device arrays, so a buffer that came one way in one step and
-the other way in the next compiled every program that reads it twice.
+the other way in the next compiled every program that reads it twice. Accelerators never
+take this path.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pipedsl.executor.errors import ExecutionError, PeerFailed
+from pipedsl.executor.runtime.transport import never_sent, stopped_waiting
+from pipedsl.executor.runtime.waits import finished
 from pipedsl.program import Buffer
 
-__all__ = [
-    "Transport",
-    "LocalExchange",
-    "LocalTransport",
-    "resharder",
-    "describe_key",
-    "never_sent",
-    "stopped_waiting",
-    "finished",
-    "watch",
-    "helper",
-    "Inbox",
-]
-
-
-class Transport(Protocol):
-    """One device's end of the links between pipeline devices."""
-
-    def send(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
-        """Hand ``value`` (a pytree of arrays, computed by ``stage`` or by none) to device
-        ``dst`` as ``key``.
-
-        Returns at once unless ``wait``; then only once the value has arrived (used when
-        timing, so that the transfer's end can be recorded).
-        """
-        ...
-
-    def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
-        """Wait at most ``timeout`` seconds for ``key`` from device ``src``.
-
-        Raises :class:`ExecutionError` on timeout and :class:`PeerFailed` as soon as any
-        device has reported a failure.
-        """
-        ...
-
-    def abort(self, error: BaseException) -> None:
-        """Report that this device failed with ``error``; wakes every waiting peer."""
-        ...
+__all__ = ["LocalExchange", "LocalTransport", "Handoff", "resharder"]
 
 
 def resharder(mesh: Mesh) -> Callable[..., Any]:
@@ -184,100 +145,8 @@ class Handoff:
         return self.treedef.unflatten(self.put(tuple(self.leaves)))
 
 
-def finished(value: Any, timeout: float) -> bool:
-    """Whether every array of ``value`` is computed (or failed) within ``timeout``
-    seconds: the wait happens on a helper thread, as JAX's own wait has no bound. Arrays
-    computed already need no wait (XLA's CPU client runs small programs as they are
-    dispatched: a step's last gradients often are)."""
-    try:
-        if all(x.is_ready() for x in jax.tree_util.tree_leaves(value) if hasattr(x, "is_ready")):
-            return True
-    except Exception:  # noqa: S110  # a deleted array: the helper's wait reports it as failed
-        pass
-    return watch(value).wait(timeout)
-
-
-def watch(value: Any) -> threading.Event:
-    """An event set once every array of ``value`` is computed (or failed), by a helper
-    thread: a waiter that must also notice other things (a failure elsewhere, its own
-    deadline) waits on the event in slices instead of polling the arrays, which would
-    take CPU from the computation it waits for."""
-    done = threading.Event()
-    inbox = helper()
-    inbox.put(partial(_wait, value, done))
-    inbox.put(None)
-    return done
-
-
-Inbox = queue.SimpleQueue[Callable[[], None] | None]
-"""A lent helper thread's work: the calls it is to make, in order; None gives it back."""
-
-
-def helper() -> Inbox:
-    """A helper thread, lent until None is put in its inbox: it makes the calls put there
-    in order, then goes back to the idle helpers. Helpers are kept between uses: a thread
-    started per use cost 0.1 to 1 ms of the step (more on a loaded machine), and every
-    device waits or sends several times per step (a Ray step of a tiny model took 0.5-1.3
-    ms less of its 10-16 ms once each actor's sender was a kept helper). A helper whose
-    call never returns is never given back; the next use gets another."""
-    with _IDLE_LOCK:
-        inbox = _IDLE.pop() if _IDLE else None
-    if inbox is None:
-        inbox = queue.SimpleQueue()
-        threading.Thread(target=_serve, args=(inbox,), name="pipedsl-helper", daemon=True).start()
-    return inbox
-
-
-_IDLE_LOCK = threading.Lock()
-_IDLE: list[Inbox] = []
-
-
-def _serve(inbox: Inbox) -> None:
-    while True:
-        while (call := inbox.get()) is not None:
-            call()
-            del call  # keeps no value alive while idle
-        with _IDLE_LOCK:
-            _IDLE.append(inbox)
-
-
-def _wait(value: Any, done: threading.Event) -> None:
-    try:
-        jax.block_until_ready(value)
-    except Exception:  # noqa: S110  # the caller's own wait reports it, blamed on its stage
-        pass
-    finally:
-        done.set()
-
-
 def _put(leaves: tuple[Any, ...], *, goals: tuple[NamedSharding, ...]) -> Any:
     return jax.device_put(list(leaves), list(goals))
-
-
-def describe_key(key: Hashable) -> str:
-    """A transport key in words: a program buffer as the lowered program writes it, the
-    worker's own keys for what they carry."""
-    if isinstance(key, tuple) and key and key[0] == "grad":
-        return f"the gradient of leaf {key[2]} from stage {key[1]}"
-    if isinstance(key, tuple) and key and key[0] == "param":
-        return f"the updated leaf {key[2]}"
-    if isinstance(key, tuple) and key and key[0] == "done":
-        return "the end of its program"
-    return str(key)
-
-
-def never_sent(me: int, key: Hashable, src: int, timeout: float) -> ExecutionError:
-    """The error of a receive that waited its whole timeout."""
-    return ExecutionError(
-        f"device {me} waited {timeout:g} s for {describe_key(key)} from device {src}, which never sent "
-        "it; raise recv_timeout if stages really take that long",
-        device=me,
-    )
-
-
-def stopped_waiting(me: int, key: Hashable, src: int, why: str) -> PeerFailed:
-    """The error of a receive ended by a failure elsewhere (``why``)."""
-    return PeerFailed(f"device {me} stopped waiting for {describe_key(key)} from device {src}: {why}", device=me)
 
 
 class LocalExchange:
@@ -303,7 +172,7 @@ class LocalExchange:
         self._failed: int | None = None  # the first device that reported a failure
 
     def endpoint(self, device: int) -> LocalTransport:
-        """Device ``device``'s :class:`Transport`."""
+        """Device ``device``'s :class:`~pipedsl.executor.runtime.transport.Transport`."""
         return LocalTransport(self, device)
 
     def poll(self, slot: tuple[Hashable, int]) -> Any:
@@ -352,7 +221,7 @@ class LocalExchange:
 
 
 class LocalTransport:
-    """Device ``device``'s end of a :class:`LocalExchange` (implements :class:`Transport`)."""
+    """Device ``device``'s end of a :class:`LocalExchange` (implements :class:`~pipedsl.executor.runtime.transport.Transport`)."""
 
     __slots__ = ("_exchange", "_device")
 

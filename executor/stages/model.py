@@ -4,11 +4,11 @@ A :class:`StagedModel` is the common form of both ways to give a model:
 
 - explicit stages, ``f_s(params_s, x) -> y`` plus ``loss(y, targets) -> scalar``
   (:func:`explicit_model`, here);
-- one function with ``stage_boundary`` markers (:func:`pipedsl.executor.split.marked_model`).
+- one function with ``stage_boundary`` markers (:func:`pipedsl.executor.stages.split.marked_model`).
 
 Either way each stage becomes a function of flat leaves ``(params, x, targets) -> outputs``
 (tuples of arrays; ``targets`` is empty except on the last stage, whose single output is
-the microbatch loss). :func:`pipedsl.executor.stage_program.compile_stage` turns one stage into its compiled
+the microbatch loss). :func:`pipedsl.executor.stages.stage_program.compile_stage` turns one stage into its compiled
 programs.
 
 What moves between stages: an activation is the tuple of all of a stage's outputs; a

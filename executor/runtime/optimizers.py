@@ -1,6 +1,6 @@
 """Which optimizers a pipeline can apply stage by stage, and how.
 
-Every stage's parameters are updated where they live (:mod:`pipedsl.executor.worker`). That
+Every stage's parameters are updated where they live (:mod:`pipedsl.executor.runtime.worker`). That
 is the one-device update when the optimizer treats each leaf on its own (sgd, adam, adamw,
 per-leaf clipping), and also when its leaves meet only through the global norm of the
 gradients (``optax.clip_by_global_norm``), given the rest of the model's norm as one more

@@ -27,7 +27,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
 
-from pipedsl.executor.jaxprs import (
+from pipedsl.executor.stages.jaxprs import (
     CALL_PRIMITIVES,
     REMAT_PRIMITIVES,
     defined_by,

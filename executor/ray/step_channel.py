@@ -1,6 +1,6 @@
 """The driver's own connection to each process of a Ray world, for a step's call and report.
 
-A step is one call per process and one report back (:mod:`pipedsl.executor.ray_backend`).
+A step is one call per process and one report back (:mod:`pipedsl.executor.ray.backend`).
 As Ray actor tasks the two cost far more than the step's own messages need (submission,
 scheduling onto the actor's thread, serialising each array apart; ``bench/bench_world.py``
 times a Ray call of no work). So when a world starts, each process opens a TCP socket (on

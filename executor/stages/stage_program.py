@@ -1,9 +1,9 @@
 """One stage's compiled programs: ``F``, ``B`` and the ``I``/``W`` halves, on its mesh.
 
-:func:`compile_stage` traces stage ``s`` of a :class:`~pipedsl.executor.stages.StagedModel`
+:func:`compile_stage` traces stage ``s`` of a :class:`~pipedsl.executor.stages.model.StagedModel`
 into a forward that keeps the residuals its backward needs and a backward split into the
-input half and the weight half (:mod:`pipedsl.executor.backward`), and jits each for the
-stage's mesh (:class:`~pipedsl.executor.mesh.StageLayout`). A :class:`StageProgram` is what
+input half and the weight half (:mod:`pipedsl.executor.stages.backward`), and jits each for the
+stage's mesh (:class:`~pipedsl.executor.stages.mesh.StageLayout`). A :class:`StageProgram` is what
 the interpreter calls.
 """
 
@@ -20,13 +20,13 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Literal, Var, jaxpr_as_fun
 from jax.tree_util import PyTreeDef
 
-from pipedsl.executor.backward import BackwardSplit, split_backward
 from pipedsl.executor.errors import ExecutionError, stage_failure
-from pipedsl.executor.jaxprs import aval_struct
-from pipedsl.executor.mesh import DATA, StageLayout
-from pipedsl.executor.shards import DataShards, stage_forms
-from pipedsl.executor.stage_options import StageOptions, tracing
-from pipedsl.executor.stages import StagedModel, describe_avals
+from pipedsl.executor.stages.backward import BackwardSplit, split_backward
+from pipedsl.executor.stages.jaxprs import aval_struct
+from pipedsl.executor.stages.mesh import DATA, StageLayout
+from pipedsl.executor.stages.model import StagedModel, describe_avals
+from pipedsl.executor.stages.shards import DataShards, stage_forms
+from pipedsl.executor.stages.stage_options import StageOptions, tracing
 
 __all__ = ["StageMemory", "StageProgram", "compile_stage"]
 
@@ -97,7 +97,7 @@ class StageProgram:
     where ``layout.accumulators`` keeps them and the loss replicated, so the collectives
     that tensor and data parallelism need are XLA's, inside the programs. With ``dp > 1``
     each program runs on every device's share of the microbatch
-    (:mod:`pipedsl.executor.shards`); :meth:`reduce_grads` then reduces what ZeRO 0 and 1
+    (:mod:`pipedsl.executor.stages.shards`); :meth:`reduce_grads` then reduces what ZeRO 0 and 1
     accumulate unreduced, once per step.
     """
 
@@ -430,7 +430,7 @@ def compile_stage(
     The last stage's loss is divided by ``num_microbatches`` (and by ``dp``, as each
     device computes it on its share) so that the sum over microbatches is the mean.
     ``options`` say what the backward recomputes, the precision and sequence parallelism
-    (:mod:`pipedsl.executor.stage_options`). ``device`` (the pipeline device) is only for messages.
+    (:mod:`pipedsl.executor.stages.stage_options`). ``device`` (the pipeline device) is only for messages.
     """
     first, last = stage == 0, stage == model.num_stages - 1
     dp = layout.mesh.shape[DATA]

@@ -12,7 +12,7 @@ the compiled programs:
 - accumulated gradients: with ZeRO 0 and 1 each device's own partial sum, unreduced,
   reduced once per step to the parameters' layout (ZeRO 0) or sharded over ``"data"``
   (ZeRO 1); with ZeRO 2 and 3 sharded over ``"data"`` as every backward adds to them
-  (:mod:`pipedsl.executor.shards`);
+  (:mod:`pipedsl.executor.stages.shards`);
 - optimizer state: as the parameters, with ZeRO-1, 2 and 3 sharded over ``"data"``;
 - microbatches, activations and their gradients: axis 0 (the examples) over ``"data"``,
   and with context parallelism axis 1 (the sequence) over ``"context"`` (size ``cp``):

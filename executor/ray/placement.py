@@ -1,7 +1,7 @@
 """Reserving a Ray device group's resources: one placement group bundle per device.
 
 :func:`reserve` asks for the bundles and waits for them. On a local instance pipedsl
-started, a bundle is one device slot (:data:`~pipedsl.executor.ray_connection.SLOT`), which
+started, a bundle is one device slot (:data:`~pipedsl.executor.ray.connection.SLOT`), which
 never runs out; on a joined cluster it is the CPUs and GPUs each device reserves. When
 the group is not placed within a moment, the cluster's free resources are compared with
 the request: if they are short, the reservation fails at once (waiting would not help:
@@ -10,7 +10,7 @@ resources (pipedsl names its own after the pipeline and the process that made th
 what is held outside any group. Otherwise (a strategy that the free resources cannot
 satisfy yet, a node still joining) it waits up to the start timeout.
 
-``ray`` is imported inside the functions (see :mod:`pipedsl.executor.ray_connection`).
+``ray`` is imported inside the functions (see :mod:`pipedsl.executor.ray.connection`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.ray_connection import SLOT, owns_instance
+from pipedsl.executor.ray.connection import SLOT, owns_instance
 
 __all__ = ["Reservation", "reserve"]
 

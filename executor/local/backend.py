@@ -1,17 +1,17 @@
 """The local backend: every pipeline device is a mesh of JAX devices of this process.
 
-Pipeline device d runs on a ``dp x tp`` mesh (:mod:`pipedsl.executor.mesh`) of the
+Pipeline device d runs on a ``dp x tp`` mesh (:mod:`pipedsl.executor.stages.mesh`) of the
 first ``pp x dp x tp`` devices JAX reports (CPU devices come from
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set before JAX is imported;
 GPUs are found as they are) or of a list given explicitly. With ``dp = tp = 1`` an
 explicit list may name one JAX device several times: the pipeline then runs correctly
 but its devices share that device's compute.
 
-Each pipeline device is a :class:`~pipedsl.executor.worker.Worker`, hosted in this
+Each pipeline device is a :class:`~pipedsl.executor.runtime.worker.Worker`, hosted in this
 process for :class:`~pipedsl.executor.driver.Driver`. JAX dispatches work
 asynchronously, so the workers' steps only queue work and the JAX devices execute it
 concurrently: one thread runs every device's step, switching where one waits for a value
-not sent yet or for a computation (:mod:`pipedsl.executor.cooperative`). A recorded step
+not sent yet or for a computation (:mod:`pipedsl.executor.local.cooperative`). A recorded step
 runs the same way, each action waited for where the device yields it. A failure on one
 device stops every other device at once, and the step raises the original error.
 Parameters and optimizer state live in the workers between steps.
@@ -32,11 +32,13 @@ import numpy as np
 import optax
 
 from pipedsl.executor.backend import DeviceReport
-from pipedsl.executor.cooperative import run_together
 from pipedsl.executor.errors import ExecutionError, PeerFailed
-from pipedsl.executor.fused import FusedStep, shared_devices
-from pipedsl.executor.interpreter import Steps
-from pipedsl.executor.mesh import MeshConfig, build_meshes, leaf_specs
+from pipedsl.executor.local.cooperative import run_together
+from pipedsl.executor.local.exchange import LocalExchange, resharder
+from pipedsl.executor.local.fused import FusedStep, shared_devices
+from pipedsl.executor.runtime.interpreter import Steps
+from pipedsl.executor.runtime.timing import Recorder
+from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, compile_device
 from pipedsl.executor.sharded_checkpoint import (
     device_part,
     finish_version,
@@ -46,13 +48,11 @@ from pipedsl.executor.sharded_checkpoint import (
     restore_device,
     save_device,
 )
-from pipedsl.executor.split import marked_model
-from pipedsl.executor.stage_options import StageOptions
-from pipedsl.executor.stage_program import StageProgram
-from pipedsl.executor.stages import StagedModel, explicit_model
-from pipedsl.executor.timing import Recorder
-from pipedsl.executor.transport import LocalExchange, resharder
-from pipedsl.executor.worker import Update, Worker, WorkerStep, compile_device
+from pipedsl.executor.stages.mesh import MeshConfig, build_meshes, leaf_specs
+from pipedsl.executor.stages.model import StagedModel, explicit_model
+from pipedsl.executor.stages.split import marked_model
+from pipedsl.executor.stages.stage_options import StageOptions
+from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.program import Program
 
 __all__ = ["LocalBackend", "CompiledStages"]
@@ -83,7 +83,7 @@ class LocalBackend:
     of every pipeline device; ``param_specs`` the parameters' ``PartitionSpec`` pytree
     (None: replicated). ``recv_timeout`` bounds every wait for another device, in seconds.
     With ``fuse``, where every pipeline device's mesh is the same JAX devices, an unrecorded
-    step runs as one program (:mod:`pipedsl.executor.fused`).
+    step runs as one program (:mod:`pipedsl.executor.local.fused`).
     """
 
     def __init__(

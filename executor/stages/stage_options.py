@@ -2,7 +2,7 @@
 model sees of them while its stages are traced.
 
 A :class:`StageOptions` is fixed per stage when a :class:`~pipedsl.executor.Pipeline` is
-built and applied when the stage is traced (:func:`pipedsl.executor.stage_program.compile_stage`):
+built and applied when the stage is traced (:func:`pipedsl.executor.stages.stage_program.compile_stage`):
 
 - ``recompute``: which of the forward's intermediates the backward recomputes instead of
   keeping, with the planner's meaning (Korthikanti et al. 2022). ``"none"`` keeps them all;
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.mesh import DATA, TENSOR
+from pipedsl.executor.stages.mesh import DATA, TENSOR
 
 __all__ = [
     "PRECISIONS",
@@ -135,7 +135,7 @@ def sequence_sharded(x: jax.Array, *, axis: int = 1) -> jax.Array:
     if tp == 1 or x.ndim <= axis or x.shape[axis] % tp:
         return x
     spec = PartitionSpec(*([None] * axis), TENSOR)
-    # With dp > 1 the stage runs under shard_map over "data" (pipedsl.executor.shards):
+    # With dp > 1 the stage runs under shard_map over "data" (pipedsl.executor.stages.shards):
     # the constraint then names the mesh as that program sees it, "data" manual.
     where = mesh.abstract_mesh.update_axis_types({DATA: AxisType.Manual}) if mesh.shape.get(DATA, 1) > 1 else mesh
     return jax.lax.with_sharding_constraint(x, NamedSharding(where, spec))

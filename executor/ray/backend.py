@@ -1,8 +1,8 @@
 """The Ray backend's driver side: one pipeline run by one ``jax.distributed`` world.
 
 :class:`RayRunner` is what :class:`~pipedsl.executor.pipeline.Pipeline` delegates to with
-``backend="ray"`` (or a :class:`~pipedsl.executor.ray_cluster.RayConfig`). It starts a
-:class:`~pipedsl.executor.ray_cluster.RayWorld` of ``num_devices * dp * tp /
+``backend="ray"`` (or a :class:`~pipedsl.executor.ray.cluster.RayConfig`). It starts a
+:class:`~pipedsl.executor.ray.cluster.RayWorld` of ``num_devices * dp * tp /
 devices_per_process`` processes: pipeline device ``d``'s stage mesh is the devices of
 processes ``d * P .. (d + 1) * P - 1`` (``P`` processes per mesh), ``dp`` rows across them
 and ``tp`` inside each. The driver traces the model once (every error about the model is
@@ -20,7 +20,7 @@ once from the driver's arrays; :class:`~pipedsl.executor.driver.Driver` hands th
 handles, as it does on the local backend, and fetches them on request (each process its
 shards, put together here).
 
-``ray`` itself is never imported here (see :mod:`pipedsl.executor.ray_cluster`).
+``ray`` itself is never imported here (see :mod:`pipedsl.executor.ray.cluster`).
 """
 
 from __future__ import annotations
@@ -38,11 +38,10 @@ import optax
 from pipedsl.executor.backend import DeviceReport
 from pipedsl.executor.driver import shapes_of
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.mesh import MeshConfig, leaf_specs
-from pipedsl.executor.optimizers import couples_through_global_norm
-from pipedsl.executor.ray_actor import Failure, ModelSpec, trace_model
-from pipedsl.executor.ray_cluster import DeviceSlot, RayConfig, RayWorld
-from pipedsl.executor.ray_transport import assemble
+from pipedsl.executor.ray.actor import Failure, ModelSpec, trace_model
+from pipedsl.executor.ray.cluster import DeviceSlot, RayConfig, RayWorld
+from pipedsl.executor.ray.transport import assemble
+from pipedsl.executor.runtime.optimizers import couples_through_global_norm
 from pipedsl.executor.sharded_checkpoint import (
     device_part,
     finish_version,
@@ -50,8 +49,9 @@ from pipedsl.executor.sharded_checkpoint import (
     new_version,
     plan_record,
 )
-from pipedsl.executor.stage_options import StageOptions
-from pipedsl.executor.stages import StagedModel
+from pipedsl.executor.stages.mesh import MeshConfig, leaf_specs
+from pipedsl.executor.stages.model import StagedModel
+from pipedsl.executor.stages.stage_options import StageOptions
 from pipedsl.program import Program
 from pipedsl.rendezvous import exchange_groups
 
@@ -91,7 +91,7 @@ class RayRunner:
     ``stages`` or a marked ``model_fn`` (one of them), with ``loss``, per-stage
     ``stage_options`` (recompute, precision, sequence parallelism), every pipeline device a
     ``mesh.dp x mesh.tp`` mesh with the parameters placed by ``param_specs`` (see
-    :mod:`pipedsl.executor.mesh`); implements :class:`pipedsl.executor.backend.Backend`.
+    :mod:`pipedsl.executor.stages.mesh`); implements :class:`pipedsl.executor.backend.Backend`.
     ``recv_timeout`` bounds every wait inside a process, in seconds. ``backend`` is the
     :class:`RayConfig` of a world it starts for itself (and ends when it closes), or a
     started :class:`RayWorld` it runs on until it closes."""

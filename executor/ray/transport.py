@@ -1,7 +1,7 @@
 """The Ray backend's transport: every transfer a compiled collective between two stage meshes.
 
 The processes of a pipeline form one ``jax.distributed`` world
-(:mod:`pipedsl.executor.ray_cluster`), and every pipeline device's mesh is a set of the
+(:mod:`pipedsl.executor.ray.cluster`), and every pipeline device's mesh is a set of the
 world's JAX devices. A value goes from pipeline device ``a`` to ``b`` as one jitted
 ``jax.lax.ppermute`` under ``jax.shard_map`` (:class:`Hops`) over the *pair mesh*: axes
 ``("pair", "data", "tensor")``, ``a``'s mesh at ``pair = 0`` and ``b``'s at ``pair = 1``.
@@ -41,8 +41,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.mesh import DATA, TENSOR, StageLayout
-from pipedsl.executor.stages import StagedModel
+from pipedsl.executor.stages.mesh import DATA, TENSOR, StageLayout
+from pipedsl.executor.stages.model import StagedModel
 from pipedsl.program import Buffer, BufferKind
 from pipedsl.rendezvous import Exchange
 
@@ -67,7 +67,7 @@ Signature = tuple[tuple[tuple[int, ...], Any, PartitionSpec], ...]
 
 
 def worker_exchanges(model: StagedModel, placement: Sequence[int], *, update: bool) -> tuple[Exchange, ...]:
-    """The worker's transfers after the program (:mod:`pipedsl.executor.worker`), in the
+    """The worker's transfers after the program (:mod:`pipedsl.executor.runtime.worker`), in the
     order every device makes them: the gradient of every shared leaf to its owner, then,
     with an optimizer ``update``, the updated leaf back to each device that uses it. All
     of them are sent before any is received, so any fixed order is deadlock-free."""
@@ -106,7 +106,7 @@ def signatures(
     """What each transfer key carries, for meshes shaped like ``mesh`` (every pipeline
     device's mesh has the same ``dp x tp`` shape): activations and input gradients as the
     stage programs place them (axis 0 over ``"data"``, see
-    :class:`~pipedsl.executor.mesh.StageLayout.batch`), shared gradients and parameters
+    :class:`~pipedsl.executor.stages.mesh.StageLayout.batch`), shared gradients and parameters
     as the stages keep them."""
     dp = mesh.shape[DATA]
     found: dict[Hashable, Signature] = {}
@@ -360,7 +360,7 @@ def _conformed(x: Any, sharding: NamedSharding, shape: tuple[int, ...], dtype: A
 
 class WorldTransport:
     """Pipeline device ``device``'s end of the world's transfers for one step
-    (implements :class:`~pipedsl.executor.transport.Transport`).
+    (implements :class:`~pipedsl.executor.runtime.transport.Transport`).
 
     ``groups`` is every exchange of the step, cut into the groups made as one collective
     each (:func:`pipedsl.rendezvous.exchange_groups`), in the one order all devices make

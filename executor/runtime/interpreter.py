@@ -2,13 +2,13 @@
 
 A :class:`DeviceRuntime` runs a :class:`pipedsl.program.DeviceProgram` for one step:
 it owns the device's buffers by name (:class:`pipedsl.program.Buffer`), dispatches each
-``Compute`` to the stage's compiled program (:class:`pipedsl.executor.stages.StageProgram`),
-hands each ``Send`` to a :class:`pipedsl.executor.transport.Transport` and asks for each
+``Compute`` to the stage's compiled program (:class:`pipedsl.executor.stages.model.StageProgram`),
+hands each ``Send`` to a :class:`pipedsl.executor.runtime.transport.Transport` and asks for each
 ``Recv`` by yielding a :class:`Receive` (so that one thread may run the programs of
 several devices, switching where one has to wait: see :func:`drive`), drops each
 buffer at its ``Free`` (its last use), and accumulates every local stage's parameter
 gradients over the microbatches. It knows nothing of how devices are connected: the
-:class:`pipedsl.executor.worker.Worker` of either backend runs it.
+:class:`pipedsl.executor.runtime.worker.Worker` of either backend runs it.
 
 The runtime also keeps the numbers tests and users check: the most (stage,
 microbatch) pairs whose residuals were held at once, and any buffer still held at the
@@ -24,9 +24,10 @@ from typing import Any, TypeVar
 import jax
 
 from pipedsl.executor.errors import ExecutionError, stage_failure
-from pipedsl.executor.stage_program import StageProgram
-from pipedsl.executor.timing import Recorder
-from pipedsl.executor.transport import Transport, finished
+from pipedsl.executor.runtime.timing import Recorder
+from pipedsl.executor.runtime.transport import Transport
+from pipedsl.executor.runtime.waits import finished
+from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.ir import Kind
 from pipedsl.program import Buffer, BufferKind, Compute, DeviceProgram, Instruction, Recv, Send
 from pipedsl.timeline import Event
