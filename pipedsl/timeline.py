@@ -89,10 +89,12 @@ class Timeline:
       name: what ran (the schedule's name).
       num_devices: number of pipeline devices.
       origin: ``"simulated"`` or ``"measured"``.
-      device, kind, stage, microbatch, peer: int arrays (``kind`` packs an
-        :class:`EventKind` as its :attr:`~EventKind.code`; ``peer`` is the receiving
-        device of a transfer and means nothing on a compute's row: read peers with
-        :meth:`peer_at` or :meth:`peers`, which give None there).
+      device, kind, stage, microbatch, peer: int arrays (``kind`` int8, packing an
+        :class:`EventKind` as its :attr:`~EventKind.code`; the others int64, or int32 in
+        a simulated timeline, two million rows of which are common: widen before
+        multiplying them; ``peer`` is the receiving device of a transfer and means
+        nothing on a compute's row: read peers with :meth:`peer_at` or :meth:`peers`,
+        which give None there).
       start, end: float64 arrays, seconds from the step's start.
       buffer: per event ``""`` for computes, else the moved buffer's kind.
     """
@@ -143,9 +145,13 @@ class Timeline:
         buffer: tuple[str, ...],
     ) -> Timeline:
         """Build from columns; ``kind`` holds :attr:`EventKind.code` values and ``peer`` is
-        read on transfer rows only (anything may stand on a compute's row)."""
+        read on transfer rows only (anything may stand on a compute's row). A signed int
+        ``peer`` keeps its width; one of another type is made int64."""
         kind = np.asarray(kind, dtype=np.int8)
-        peer = np.where(kind == EventKind.SEND.code, np.asarray(peer, dtype=np.int64), _NO_PEER)
+        peer = np.asarray(peer)
+        if peer.dtype.kind != "i":
+            peer = peer.astype(np.int64)
+        peer = np.where(kind == EventKind.SEND.code, peer, _NO_PEER)
         return cls(name, num_devices, origin, device, kind, stage, microbatch, start, end, peer, buffer)
 
     def __len__(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from array import array
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -197,7 +198,10 @@ def simulate(program: Program | Schedule | ScheduleArrays | Any, costs: CostMode
     if isinstance(program, ScheduleArrays):
         found = checked(program)
         lowered = program_arrays(found.actions, found.upstream, program.placement)
-        return _simulated(program, lowered, costs, order=found.order)
+        order = found.order
+        # Lowered, the validation's links are spent: a million actions' are 16 MB.
+        del found
+        return _simulated(program, lowered, costs, order=order)
     if not isinstance(program, Program):
         from pipedsl.simulator.schedule_spec import schedule_of
 
@@ -213,16 +217,20 @@ def _simulated(
     """The simulation of ``schedule``'s lowered ``arrays`` (``order``: as for :func:`step_timing`)."""
     costs = costs if costs is not None else CostModel()
     stage_costs = costs.resolve(schedule)
+    num_devices = arrays.actions.num_devices
     with paused_collector():
         run = _Run.of(arrays, stage_costs, num_stages=schedule.num_stages, order=order)
-        timeline = _timeline(schedule.name, arrays, run)
         critical = _critical_path(arrays, run)
         ones = np.ones(schedule.num_stages, dtype=np.int64)
         inflight = peak_held(arrays.actions, ones, ones)
         held = peak_held(arrays.actions, stage_costs.residual_bytes, stage_costs.weight_residual_bytes)
+        # Summed from the pass's columns, in the timeline's row order (the same sums),
+        # before the timeline exists: the largest columns are then never held twice.
+        device = arrays.actions.device
+        busy = np.bincount(device, weights=run.end - run.start, minlength=num_devices)
+        transfer = np.bincount(device[run.senders], weights=run.arrived - run.end[run.senders], minlength=num_devices)
+        timeline = _timeline(schedule.name, arrays, run)
     makespan = timeline.makespan
-    busy = timeline.busy()
-    transfer = timeline.transfer_time()
     devices = tuple(
         DeviceStats(
             device=d,
@@ -234,14 +242,15 @@ def _simulated(
             peak_inflight=int(inflight[d]),
             peak_activation_bytes=int(held[d]),
         )
-        for d in range(arrays.actions.num_devices)
+        for d in range(num_devices)
     )
     return Simulation(
         schedule=schedule,
         costs=costs,
         timeline=timeline,
         makespan=makespan,
-        bubble_ratio=timeline.bubble_ratio(),
+        # Timeline.bubble_ratio's formula, over the busy times summed above.
+        bubble_ratio=float(1.0 - busy.sum() / (num_devices * makespan)) if makespan > 0 else 0.0,
         devices=devices,
         critical_path=critical,
     )
@@ -488,28 +497,42 @@ def _cannot_finish(arrays: ProgramArrays, device: int, row: int) -> PipedslError
     )
 
 
-# What a transfer carries: an F's activation, else a gradient.
-_BUFFERS = np.array(["act", "grad"], dtype=object)
+# What a transfer carries, by whether its sender is a backward: an F's activation, else
+# a gradient.
+_BUFFERS = ("act", "grad")
 
 
 def _timeline(name: str, arrays: ProgramArrays, run: _Run) -> Timeline:
-    """Computes first (device by device, each in program order), then transfers likewise."""
+    """Computes first (device by device, each in program order), then transfers likewise.
+
+    Devices, stages, microbatches and peers are int32 columns, filled in place: a
+    million-action program's timeline has two million rows, and int64 columns built by
+    concatenation held about twice its size at once.
+    """
     actions, senders = arrays.actions, run.senders
     n_comp, n_xfer = len(actions), len(senders)
-    kind = actions.kind[senders]
+    total = n_comp + n_xfer
+
+    def joined(computes: np.ndarray | int, transfers: np.ndarray | int, dtype: type) -> np.ndarray:
+        column: np.ndarray = np.empty(total, dtype=dtype)
+        column[:n_comp] = computes
+        column[n_comp:] = transfers
+        return column
+
+    backward = (actions.kind[senders] != F).tolist()
     return Timeline.from_columns(
         name=name,
         num_devices=actions.num_devices,
         origin="simulated",
-        device=np.concatenate([actions.device, actions.device[senders]]),
-        kind=np.concatenate([actions.kind, np.full(n_xfer, EventKind.SEND.code, np.int8)]),
-        stage=np.concatenate([actions.stage, actions.stage[senders]]),
-        microbatch=np.concatenate([actions.microbatch, actions.microbatch[senders]]),
-        start=np.concatenate([run.start, run.end[senders]]),
-        end=np.concatenate([run.end, run.arrived]),
-        peer=np.concatenate([np.zeros(n_comp, np.int64), arrays.send_to[senders]]),
-        # Two shared strings, not one new string per transfer (picked by numpy, in C).
-        buffer=("",) * n_comp + tuple(_BUFFERS[(kind != F).astype(np.int8)].tolist()),
+        device=joined(actions.device, actions.device[senders], np.int32),
+        kind=joined(actions.kind, EventKind.SEND.code, np.int8),
+        stage=joined(actions.stage, actions.stage[senders], np.int32),
+        microbatch=joined(actions.microbatch, actions.microbatch[senders], np.int32),
+        start=joined(run.start, run.end[senders], np.float64),
+        end=joined(run.end, run.arrived, np.float64),
+        peer=joined(0, arrays.send_to[senders], np.int32),
+        # Two shared strings, not one new string per transfer, and no part tuples joined.
+        buffer=tuple(chain(repeat("", n_comp), map(_BUFFERS.__getitem__, backward))),
     )
 
 

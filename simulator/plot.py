@@ -75,9 +75,11 @@ class Panel:
 def _chunks(tl: Timeline) -> np.ndarray:
     """Per event, the rank of its stage among the stages its device runs (0 for the
     device's first stage, 1 for its second, ...), shape (events,)."""
-    key = tl.device * (int(tl.stage.max(initial=0)) + 1) + tl.stage
+    # Widened: a simulated timeline's int32 columns would overflow in the product.
+    device, stages = tl.device.astype(np.int64), int(tl.stage.max(initial=0)) + 1
+    key = device * stages + tl.stage
     held = np.unique(key)  # sorted by device, then stage
-    first_of_device = np.searchsorted(held, tl.device * (int(tl.stage.max(initial=0)) + 1))
+    first_of_device = np.searchsorted(held, device * stages)
     return np.searchsorted(held, key) - first_of_device
 
 

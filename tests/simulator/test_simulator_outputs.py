@@ -91,6 +91,28 @@ def test_timeline_round_trips_through_json(tmp_path: Path) -> None:
     assert loaded.bubble_ratio() == sim.bubble_ratio
 
 
+@pytest.mark.parametrize(
+    "costs",
+    [
+        CostModel(forward=(1.0, 1.5, 0.5, 2.0, 1.0, 1.0, 0.75, 1.25), latency=0.3, bandwidth=1e3, activation_bytes=70),
+        CostModel(forward=0.7, latency=0.2, overlap_sends=False),
+        CostModel(forward=1.0, latency=0.1, speedup=(1.0, 1.6, 2.1, 2.5)),
+        CostModel(forward=1.0, latency=0.1, speedup=(1.0, 1.0, 1.0, 1.0), serial=True),
+    ],
+)
+def test_a_simulations_times_are_its_timelines_to_the_last_bit(costs: CostModel) -> None:
+    # The simulation sums busy and transfer times from its own pass, not from the
+    # timeline: both must give the same floats.
+    sim = simulate(load_arrays(library_path("interleaved_1f1b"), pp=4, vpp=2, microbatches=8), costs)
+    timeline = sim.timeline
+    assert [d.busy for d in sim.devices] == timeline.busy().tolist()
+    assert [d.transfer for d in sim.devices] == timeline.transfer_time().tolist()
+    assert any(d.transfer > 0 for d in sim.devices)
+    assert sim.makespan == timeline.makespan and sim.bubble_ratio == timeline.bubble_ratio()
+    assert [e.peer for e in timeline.events()] == timeline.peers()
+    assert {e.buffer for e in timeline.events()} == {None, "act", "grad"}
+
+
 def test_simulate_accepts_a_schedule_or_a_program() -> None:
     schedule = one_f_one_b(3, 5)
     assert simulate(schedule).to_json() == simulate(lower(schedule)).to_json()
