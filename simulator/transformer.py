@@ -40,8 +40,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipedsl.simulator.activations import compiled_layer_bytes
 from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, plan_group
 from pipedsl.simulator.context_parallel import exposed_exchange
+from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, Recompute
 from pipedsl.simulator.torus import TorusGroup
@@ -178,7 +180,20 @@ class Shapes:
         return all_reduce_seconds(size, self.tp_group, self.cluster)
 
     def layer_activation_bytes(self, recompute: Recompute) -> float:
-        """Bytes one layer keeps per microbatch for its backward, by its shape (values of
+        """Bytes one layer keeps per microbatch for its backward: under this project's
+        executor (the ``pipedsl`` framework) what its compiled stage programs keep
+        (:func:`~pipedsl.simulator.activations.compiled_layer_bytes`), under Megatron-LM and
+        DeepSpeed :meth:`megatron_activation_bytes`."""
+        plan = self.plan
+        if framework(plan.framework).name == "pipedsl":
+            return compiled_layer_bytes(
+                self.model, tokens=self.tokens, recompute=recompute, tp=plan.tp,
+                sequence_parallel=plan.sequence_parallel, flash_attention=plan.flash_attention,
+            )  # fmt: skip
+        return self.megatron_activation_bytes(recompute)
+
+    def megatron_activation_bytes(self, recompute: Recompute) -> float:
+        """Bytes one layer keeps per microbatch for its backward in Megatron-LM, by its shape (values of
         the model's ``dtype_bytes`` e, as the executor keeps them: 2 in bf16, 4 in fp32;
         1-byte dropout masks; Korthikanti et al. 2022's accounting, which for GPT in 16 bits
         is s·b·h·(10 + 24/t + 5·a·s/(h·t))), per token of the microbatch on this GPU:
@@ -214,7 +229,8 @@ class Shapes:
             0.0 if plan.flash_attention else self.tokens * (2 * m.dtype_bytes + 1) * m.heads * m.seq_len / plan.tp
         )
         elementwise_kernels = ELEMENTWISE_KERNELS + (0 if plan.flash_attention else 2)
-        elementwise = self.traffic_seconds(2 * self.layer_activation_bytes(Recompute.NONE))
+        # The compute model was fitted on Megatron-LM's runs, so its traffic is Megatron's.
+        elementwise = self.traffic_seconds(2 * self.megatron_activation_bytes(Recompute.NONE))
         collectives = 2 * self.tp_all_reduce() * (1.0 - plan.tp_overlap)
         exchange_forward, exchange_backward = exposed_exchange(self, attention)
         forward = (
