@@ -22,7 +22,8 @@ d = h/a, kv the key/value width, V vocabulary, t = tp):
   the forward and four in the backward. What a layer stores follows its shape
   (:meth:`Shapes.layer_activation_bytes`; Korthikanti et al. 2022's s·b·h·(34 + 5·a·s/h)/t
   for GPT with sequence parallelism in 16 bits; values take the model's ``dtype_bytes``,
-  so an fp32 model, as the executor runs one, keeps about twice as many bytes). FlashAttention never writes the a·s² scores.
+  so an fp32 model keeps about twice as many bytes; under the ``pipedsl`` framework
+  what the executor compiles, :mod:`~pipedsl.simulator.activations`). FlashAttention never writes the a·s² scores.
 - Every kernel costs ``kernel_launch_s`` more: per layer forward the products above and
   :data:`ELEMENTWISE_KERNELS` elementwise kernels (two more without FlashAttention:
   softmax and attention dropout); the backward twice the products, as many elementwise.
