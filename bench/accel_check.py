@@ -11,7 +11,7 @@ printed and the next check runs):
   step, median seconds of a few steps each, and their ratio;
 - ``recompute-<mode>``: gradients under each recompute mode against the reference, and the
   activation bytes the compiled forward keeps per microbatch (XLA's memory analysis)
-  against the planner's Korthikanti count for the same shapes;
+  against the planner's count of what the compiled stage keeps, for the same shapes;
 - ``fused-attention``: ``jax.nn.dot_product_attention`` against the written-out attention
   (bf16 on an accelerator), and on a GPU whether cuDNN's kernel is in the compiled program;
 - ``peak-memory``: the device's peak bytes in use over a step against the compiled stage
@@ -434,9 +434,9 @@ class Checks:
         )  # fmt: skip
 
     def _planned_layer_bytes(self, mode: str) -> float:
-        """The planner's activation bytes of one layer of these shapes per microbatch
-        (Korthikanti et al.'s count of 16-bit values, :mod:`pipedsl.simulator.transformer`),
-        doubled: these runs keep fp32 values. Without FlashAttention, as these checks run."""
+        """The planner's activation bytes of one layer of these shapes per microbatch, as the
+        executor's compiled fp32 stage keeps them (the ``pipedsl`` framework's count,
+        :mod:`pipedsl.simulator.activations`). Without FlashAttention, as these checks run."""
         from pipedsl.simulator.hardware import Model, load_cluster
         from pipedsl.simulator.plan import Plan
         from pipedsl.simulator.transformer import Shapes
@@ -444,14 +444,14 @@ class Checks:
         z = self.size
         model = Model(
             name="accel-check", layers=2 * z.layers_per_stage, hidden=z.hidden, ffn_hidden=z.ffn, heads=z.heads,
-            kv_heads=z.kv_heads, seq_len=z.seq, vocab=z.vocab, dtype_bytes=2, gated_ffn=True, biases=False,
-            learned_positions=False, tied_embeddings=False,
+            kv_heads=z.kv_heads, seq_len=z.seq, vocab=z.vocab, dtype_bytes=4, gated_ffn=True, biases=False,
+            learned_positions=False, tied_embeddings=False, dropout=False,
         )  # fmt: skip
         plan = Plan(
             pp=2, microbatch_size=z.microbatch_size, global_batch=z.microbatches * z.microbatch_size, schedule="1f1b",
-            recompute=mode, flash_attention=False, sequence_parallel=False,
+            recompute=mode, flash_attention=False, sequence_parallel=False, framework="pipedsl",
         )  # fmt: skip
-        return 2 * Shapes(model, load_cluster("h200"), plan).layer_activation_bytes(plan.recompute)
+        return Shapes(model, load_cluster("h200"), plan).layer_activation_bytes(plan.recompute)
 
     def fused_attention(self) -> Row:
         precision = self.step_precision

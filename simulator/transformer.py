@@ -22,7 +22,8 @@ d = h/a, kv the key/value width, V vocabulary, t = tp):
   the forward and four in the backward. What a layer stores follows its shape
   (:meth:`Shapes.layer_activation_bytes`; Korthikanti et al. 2022's s·b·h·(34 + 5·a·s/h)/t
   for GPT with sequence parallelism in 16 bits; values take the model's ``dtype_bytes``,
-  so an fp32 model, as the executor runs one, keeps about twice as many bytes). FlashAttention never writes the a·s² scores.
+  so an fp32 model keeps about twice as many bytes; under the ``pipedsl`` framework
+  what the executor compiles, :mod:`~pipedsl.simulator.activations`). FlashAttention never writes the a·s² scores.
 - Every kernel costs ``kernel_launch_s`` more: per layer forward the products above and
   :data:`ELEMENTWISE_KERNELS` elementwise kernels (two more without FlashAttention:
   softmax and attention dropout); the backward twice the products, as many elementwise.
@@ -40,8 +41,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipedsl.simulator.activations import compiled_layer_bytes
 from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, plan_group
 from pipedsl.simulator.context_parallel import exposed_exchange
+from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, Recompute
 from pipedsl.simulator.torus import TorusGroup
@@ -178,7 +181,20 @@ class Shapes:
         return all_reduce_seconds(size, self.tp_group, self.cluster)
 
     def layer_activation_bytes(self, recompute: Recompute) -> float:
-        """Bytes one layer keeps per microbatch for its backward, by its shape (values of
+        """Bytes one layer keeps per microbatch for its backward: under this project's
+        executor (the ``pipedsl`` framework) what its compiled stage programs keep
+        (:func:`~pipedsl.simulator.activations.compiled_layer_bytes`), under Megatron-LM and
+        DeepSpeed :meth:`megatron_activation_bytes`."""
+        plan = self.plan
+        if framework(plan.framework).name == "pipedsl":
+            return compiled_layer_bytes(
+                self.model, tokens=self.tokens, recompute=recompute, tp=plan.tp,
+                sequence_parallel=plan.sequence_parallel, flash_attention=plan.flash_attention,
+            )  # fmt: skip
+        return self.megatron_activation_bytes(recompute)
+
+    def megatron_activation_bytes(self, recompute: Recompute) -> float:
+        """Bytes one layer keeps per microbatch for its backward in Megatron-LM, by its shape (values of
         the model's ``dtype_bytes`` e, as the executor keeps them: 2 in bf16, 4 in fp32;
         1-byte dropout masks; Korthikanti et al. 2022's accounting, which for GPT in 16 bits
         is s·b·h·(10 + 24/t + 5·a·s/(h·t))), per token of the microbatch on this GPU:
@@ -214,7 +230,8 @@ class Shapes:
             0.0 if plan.flash_attention else self.tokens * (2 * m.dtype_bytes + 1) * m.heads * m.seq_len / plan.tp
         )
         elementwise_kernels = ELEMENTWISE_KERNELS + (0 if plan.flash_attention else 2)
-        elementwise = self.traffic_seconds(2 * self.layer_activation_bytes(Recompute.NONE))
+        # The compute model was fitted on Megatron-LM's runs, so its traffic is Megatron's.
+        elementwise = self.traffic_seconds(2 * self.megatron_activation_bytes(Recompute.NONE))
         collectives = 2 * self.tp_all_reduce() * (1.0 - plan.tp_overlap)
         exchange_forward, exchange_backward = exposed_exchange(self, attention)
         forward = (

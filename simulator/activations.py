@@ -1,0 +1,87 @@
+"""What one layer of this project's executor keeps for its backward, per microbatch, as
+its stage programs are compiled: the residuals JAX's autodiff saves for the built-in
+blocks (:func:`pipedsl.executor.models.transformer`'s GPT block and
+:func:`pipedsl.executor.models.llama`'s), which XLA's compiled forward writes out.
+
+Per token of the microbatch on one device (e the compute dtype's bytes: 4 in fp32, 2 in
+bf16, whose runs keep fp32 master weights apart; h hidden, f the feed-forward width, kv
+the key/value width, a heads, s the sequence), in bytes:
+
+- the two norms, which compute in fp32 whatever the compute dtype: each keeps three fp32
+  values per hidden unit (LayerNorm: its centred input, the square's factor and the
+  normalised output; RMSNorm: its input, the square's factor and the normalised output)
+  and two per token (the reciprocal root and its factor): 2·(12·h + 8);
+- each projection's input, once per matrix that reads it (autodiff saves the same value
+  for every product): the normalised input e·h per query, key and value matrix (one
+  fused QKV matrix in GPT, three in Llama) and per feed-forward input matrix (gate and up
+  when gated), the attention's output e·h for the output projection, and the
+  feed-forward's activation e·f for the down projection;
+- the feed-forward's activation: 5·e·f (GELU's tanh form its input and four
+  intermediates; SwiGLU the gate's and the up projection's outputs and SiLU's three);
+- attention's inputs: Q, K and V, e·(h + 2·kv) where the core takes them as they are
+  (FlashAttention, or under selective recomputation its inputs are all it keeps), e·3·h
+  where the written-out core repeats each key/value head for its query heads;
+- without FlashAttention or selective recomputation, per query token, head and key: the
+  causal mask's byte, the masked scores e, the fp32 exponentials 4 and the probabilities
+  e (1 + 2·e + 4), and two fp32 values per query token and head (the softmax's sums);
+  FlashAttention keeps one fp32 value per token and head instead (its log-sum-exp);
+- with dropout (which the built-in blocks do not have), one byte per value of each mask,
+  as Korthikanti et al. 2022 count them: 2·h, and a·s of the attention's.
+
+Full recomputation keeps only what enters the checkpointed region: e·h per token. The
+executor checkpoints the whole stage, so it keeps that once per stage (by reference, the
+stage's input) rather than once per layer as Megatron-LM does; the count is per layer, as
+the planner's memory multiplies it by the layers of a stage.
+
+Split over the t tensor-parallel ranks: everything past the column-parallel products (the
+attention's inputs and core, its output, the feed-forward); the norms and the projections'
+normalised inputs are whole on every rank, or split t ways under sequence parallelism.
+Rotary positions keep two tables of s × d/2 per rotated projection, independent of the
+batch and left out.
+"""
+
+from __future__ import annotations
+
+from pipedsl.simulator.hardware import Model
+from pipedsl.simulator.plan import Recompute
+
+__all__ = ["NORM_BYTES", "SOFTMAX_BYTES", "compiled_layer_bytes"]
+
+NORM_BYTES = 4
+"""Bytes per value the norms keep: they compute in fp32 whatever the compute dtype."""
+SOFTMAX_BYTES = 4
+"""Bytes per value of the fp32 softmax's exponentials and per-row statistics."""
+
+
+def compiled_layer_bytes(
+    model: Model,
+    *,
+    tokens: int,
+    recompute: Recompute,
+    tp: int,
+    sequence_parallel: bool,
+    flash_attention: bool,
+) -> float:
+    """Bytes one built-in block keeps per microbatch of ``tokens`` tokens on one device
+    for its backward, as the executor compiles it (module docstring), with ``tp`` tensor
+    ranks and ``recompute``, in the model's ``dtype_bytes`` as its compute dtype."""
+    h, f, kv, e, a = model.hidden, model.ffn_hidden, model.kv_width, model.dtype_bytes, model.heads
+    shared = tp if sequence_parallel else 1
+    if recompute is Recompute.FULL:
+        return e * tokens * h / shared
+    llama_block = model.gated_ffn and not model.biases
+    qkv_reads = 3 if llama_block else 1
+    ffn_reads = 2 if model.gated_ffn else 1
+    norms = 2 * (3 * NORM_BYTES * h + 2 * NORM_BYTES)
+    masks = 2 * h if model.dropout else 0
+    replicated = norms + e * h * (qkv_reads + ffn_reads) + masks
+    core_inputs = h + 2 * kv if flash_attention or recompute is Recompute.SELECTIVE else 3 * h
+    split = e * (core_inputs + h + f + 5 * f)
+    if flash_attention:
+        scores = SOFTMAX_BYTES * a
+    elif recompute is Recompute.SELECTIVE:
+        scores = 0
+    else:
+        per_key = 1 + 2 * e + SOFTMAX_BYTES + (1 if model.dropout else 0)
+        scores = a * model.seq_len * per_key + 2 * SOFTMAX_BYTES * a
+    return tokens * (replicated / shared + (split + scores) / tp)
