@@ -108,14 +108,16 @@ class _Traced:
 
 class FusedStep:
     """The whole step of ``workers`` (pipeline devices sharing their JAX devices) as one
-    jitted program per kind of step (training with an optimizer, with or without skipping
-    a non-finite update, or gradients only),
-    traced on its first use. ``first``/``last`` are the devices of the first and last stage."""
+    jitted program per kind of step (an optimizer's, skipping a non-finite update or not,
+    or gradients only), traced on its first use. ``first``/``last`` are the devices of the
+    first and last stage."""
 
     def __init__(self, workers: Sequence[Worker], *, first: int, last: int) -> None:
         self.workers = tuple(workers)
         self.first, self.last = first, last
-        self._programs: dict[tuple[tuple[int, bool] | None, bool], tuple[Callable[..., Any], list[_Traced]]] = {}
+        # By (optimizer's id, skip_nonfinite) and keep_grads: (the optimizer, so that an id
+        # reused by another object is not taken for it, the program, what its trace reported).
+        self._programs: dict[Any, tuple[Any, Callable[..., Any], list[_Traced]]] = {}
 
     def run(
         self, inputs: Sequence[Any], targets: Sequence[Any], *, update: Update | None, keep_grads: bool
@@ -127,11 +129,12 @@ class FusedStep:
         if update is not None:
             for worker in workers:
                 worker.place_states(update.optimizer, fresh=update.init)
-        key = (None if update is None else (id(update.optimizer), update.skip_nonfinite), keep_grads)
+        optimizer = None if update is None else update.optimizer
+        key = (None if update is None else (id(optimizer), update.skip_nonfinite), keep_grads)
         found = self._programs.get(key)
-        if found is None:
-            found = self._programs[key] = self._program(update, keep_grads)
-        program, traced = found
+        if found is None or found[0] is not optimizer:
+            found = self._programs[key] = (optimizer, *self._program(update, keep_grads))
+        _, program, traced = found
         leaves = tuple(tuple(w.leaves[i] for i in sorted(w.leaves)) for w in workers)
         states = tuple(tuple(w.states[s] for s in w.local) for w in workers) if update is not None else ()
         new_leaves, new_states, losses, grads = program(leaves, states, tuple(inputs), tuple(targets))
