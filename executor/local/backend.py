@@ -5,13 +5,16 @@ first ``pp x dp x tp`` devices JAX reports (CPU devices come from
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set before JAX is imported;
 GPUs are found as they are) or of a list given explicitly. With ``dp = tp = 1`` an
 explicit list may name one JAX device several times: the pipeline then runs correctly
-but its devices share that device's compute.
+but its devices share that device's compute, and an unrecorded step runs as one program
+of the whole schedule (:mod:`pipedsl.executor.local.fused`), as nothing in it waits for
+another device.
 
 Each pipeline device is a :class:`~pipedsl.executor.runtime.worker.Worker`, hosted in this
 process for :class:`~pipedsl.executor.driver.Driver`. JAX dispatches work
 asynchronously, so the workers' steps only queue work and the JAX devices execute it
 concurrently: one thread runs every device's step, switching where one waits for a value
-not sent yet or for a computation (:mod:`pipedsl.executor.local.cooperative`). A recorded step
+not sent yet (:mod:`pipedsl.executor.local.cooperative`), and returns once the step is
+dispatched, its results device arrays that nothing has waited for. A recorded step
 runs the same way, each action waited for where the device yields it. A failure on one
 device stops every other device at once, and the step raises the original error.
 Parameters and optimizer state live in the workers between steps.
