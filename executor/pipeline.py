@@ -124,10 +124,10 @@ class Pipeline:
       param_specs: a pytree with the structure of the parameters (or a prefix of it)
         whose leaves are ``jax.sharding.PartitionSpec`` over the axis ``"tensor"`` (None:
         replicated); see :mod:`pipedsl.executor.models` for the built-in transformer's.
-      fuse: on the local backend, where every pipeline device runs on the same JAX devices
-        (stages sharing one chip), run each unrecorded step as one program of the whole
-        schedule (:mod:`pipedsl.executor.local.fused`); False dispatches every action apart, as on
-        separate devices.
+      fuse: on the local backend, where two or more pipeline devices all run on the same
+        JAX devices (stages sharing one chip), run each unrecorded step as one program of the
+        whole schedule (:mod:`pipedsl.executor.local.fused`); False dispatches every action
+        apart, as on separate devices.
     """
 
     def __init__(

@@ -85,8 +85,8 @@ class LocalBackend:
     ``stages`` (explicit) or ``model_fn`` (marked) is the model; ``mesh`` the SPMD shape
     of every pipeline device; ``param_specs`` the parameters' ``PartitionSpec`` pytree
     (None: replicated). ``recv_timeout`` bounds every wait for another device, in seconds.
-    With ``fuse``, where every pipeline device's mesh is the same JAX devices, an unrecorded
-    step runs as one program (:mod:`pipedsl.executor.local.fused`).
+    With ``fuse``, where two or more pipeline devices all have the same JAX devices as their
+    mesh, an unrecorded step runs as one program (:mod:`pipedsl.executor.local.fused`).
     """
 
     def __init__(
@@ -118,8 +118,10 @@ class LocalBackend:
         self._compiled: CompiledStages | None = None  # what the workers run
         self._held: tuple[Any, CompiledStages] | None = None  # (cache key, stages) of the last step
         self._kept_shapes: Any = None  # the parameters' tree and shapes the workers hold
-        # The whole step as one program where every pipeline device shares its JAX devices.
-        self.fuse = fuse and shared_devices(self.meshes)
+        # The whole step as one program where pipeline devices share their JAX devices. One
+        # pipeline device (pp = 1, the SPMD plans) dispatches its actions as they come, as
+        # the cost model prices it and the machine calibration times it.
+        self.fuse = fuse and len(self.meshes) > 1 and shared_devices(self.meshes)
         self._fused: FusedStep | None = None
 
     # -- compiling -----------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""One program for the whole step, where every pipeline device runs on the same JAX devices.
+"""One program for the whole step, where the pipeline devices run on the same JAX devices.
 
-When the pipeline devices of a local backend share their JAX devices (one TPU chip, one
+When two or more pipeline devices of a local backend share their JAX devices (one TPU chip, one
 GPU or one CPU device holding every stage), no action ever waits for another device: the
 schedule's order only serialises work on the same hardware. The step is then traced once
 into a single jitted program that runs every device's whole step, the optimizer update

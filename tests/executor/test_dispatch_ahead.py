@@ -106,9 +106,12 @@ def test_one_program_clips_by_the_whole_models_norm() -> None:
     assert_trees_close(trained(True), trained(False))
 
 
-def test_separate_devices_run_action_by_action() -> None:
+def test_separate_devices_and_one_pipeline_device_run_action_by_action() -> None:
     schedule = library("1f1b")
     assert not pipeline("mlp", "explicit", schedule).backend.fuse
+    # pp = 1 (an SPMD plan): dispatched as the cost model prices it and the calibration times it.
+    spmd = library("1f1b", pp=1)
+    assert not pipeline("mlp", "explicit", spmd, devices=[jax.devices()[0]]).backend.fuse
 
 
 def test_the_compilation_cache_folder_follows_its_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
