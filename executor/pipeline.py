@@ -303,18 +303,7 @@ class Pipeline:
             )
         local = isinstance(self.backend, LocalBackend)
         skip = skip_nonfinite or (check_finite and local)
-        cut = self._split_batch(batch)
-        result = self.driver.step(
-            self._param_tree(params),
-            cut.inputs,
-            cut.targets,
-            cut.example_inputs,
-            cut.example_targets,
-            optimizer=optimizer,
-            opt_state=opt_state,
-            record=False,
-            skip_nonfinite=skip,
-        )
+        result = self.step(params, batch, optimizer=optimizer, opt_state=opt_state, skip_nonfinite=skip)
         if result.params is None or result.opt_state is None:
             raise ExecutionError("train_step: the backend returned no state for an optimizer step")
         if check_finite and not math.isfinite(float(result.loss)):
@@ -339,12 +328,14 @@ class Pipeline:
         optimizer: optax.GradientTransformation | None = None,
         opt_state: tuple[Any, ...] | None = None,
         record: bool = False,
+        skip_nonfinite: bool = False,
     ) -> StepResult:
         """Run one step and return everything it produced (see :class:`StepResult`).
 
-        With ``optimizer`` the gradients are applied; with ``record`` every action and
-        transfer is timed into ``StepResult.timeline`` (slower: each device waits for
-        each action to finish).
+        With ``optimizer`` the gradients are applied (not where the loss or a gradient is
+        not finite, with ``skip_nonfinite``: see :meth:`train_step`); with ``record`` every
+        action and transfer is timed into ``StepResult.timeline`` (slower: each device
+        waits for each action to finish).
         """
         cut = self._split_batch(batch)
         return self.driver.step(
@@ -356,6 +347,7 @@ class Pipeline:
             optimizer=optimizer,
             opt_state=opt_state,
             record=record,
+            skip_nonfinite=skip_nonfinite,
         )
 
     def block_until_ready(self) -> None:
