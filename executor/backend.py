@@ -7,9 +7,10 @@ steps: the compiled stages, the parameters and the optimizer state. The driver, 
 once for both, runs the step loop over it: it ships what the devices do not hold yet,
 asks for a step, and puts the devices' reports together into a :class:`StepResult`.
 
-Both backends return the same types: everything a step hands back to the caller (loss,
-gradients, timeline) is on the driver as numpy, and parameters and optimizer state stay
-where they live, as :class:`Resident` handles that ``Pipeline.gather`` fetches.
+Both backends return the same types: the loss is a scalar array (on the local backend a
+device array nothing has waited for, on Ray a numpy value shipped back), the gradients and
+timeline are on the driver as numpy, and parameters and optimizer state stay where they
+live, as :class:`Resident` handles that ``Pipeline.gather`` fetches.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class StepResult:
     """Everything one step produced, the same types on every backend.
 
     Attributes:
-      loss: the mean loss over microbatches (a numpy float scalar).
+      loss: the mean loss over microbatches, a scalar array (local backend: a device array,
+        not waited for; Ray: numpy).
       grads: gradients with the structure of ``params``, numpy arrays of the whole
         (unsharded) leaves; None after an optimizer step, which consumes them.
       params: after an optimizer step, a :class:`Resident` handle to the updated
@@ -61,7 +63,7 @@ class StepResult:
       leftover: per device, buffers still held after the step (always empty).
     """
 
-    loss: np.ndarray
+    loss: Any
     grads: Any
     params: Resident | None
     opt_state: Resident | None
@@ -75,7 +77,8 @@ class DeviceReport:
     """One pipeline device's step as the driver gets it.
 
     Attributes:
-      loss: the mean loss where the last stage is (a numpy scalar), else None.
+      loss: the mean loss where the last stage is (a scalar array, as in
+        :class:`StepResult`), else None.
       grads: per flat parameter leaf the device owns, its summed gradient as a numpy
         array of the whole leaf (empty unless asked for).
       peak_held: the most (stage, microbatch) pairs whose residuals were held at once.
@@ -83,7 +86,7 @@ class DeviceReport:
       events: the recorded events (empty unless recording), seconds since the step's start.
     """
 
-    loss: np.ndarray | None
+    loss: Any
     grads: Mapping[int, np.ndarray]
     peak_held: int
     leftover: tuple[Buffer, ...]

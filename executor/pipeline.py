@@ -9,7 +9,8 @@
     params, opt_state, loss = pipe.train_step(params, opt_state, (inputs, targets), optimizer=opt)
     params = pipe.gather(params)                                            # numpy, on the driver
 
-Both backends return the same types: the loss and gradients come back to the driver as
+Both backends return the same types: the loss is a scalar array (on the local backend not
+waited for: a step returns once it is dispatched), the gradients come back to the driver as
 numpy; parameters and optimizer state stay on the pipeline devices after an optimizer
 step (or :meth:`Pipeline.init`), as :class:`~pipedsl.executor.backend.Resident` handles to
 pass to the next step, and :meth:`Pipeline.gather` fetches them. One driver
@@ -260,9 +261,9 @@ class Pipeline:
 
     # -- public steps -------------------------------------------------------------
 
-    def value_and_grad(self, params: Any, batch: tuple[Any, Any]) -> tuple[np.ndarray, Any]:
-        """(mean loss, gradients) of one step over ``batch = (inputs, targets)``, as numpy
-        (the gradients in the structure of ``params``). ``params`` are arrays or a
+    def value_and_grad(self, params: Any, batch: tuple[Any, Any]) -> tuple[Any, Any]:
+        """(mean loss, a scalar array as :meth:`train_step` returns it; gradients as numpy,
+        in the structure of ``params``) of one step over ``batch = (inputs, targets)``. ``params`` are arrays or a
         :class:`~pipedsl.executor.backend.Resident` handle this pipeline returned."""
         result = self.step(params, batch)
         return result.loss, result.grads
