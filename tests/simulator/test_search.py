@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from processes import Lines, alive
+from processes import Lines, alive, wait_gone
 
 from pipedsl import library
 from pipedsl.cli import plan as plan_cli
@@ -261,12 +261,25 @@ def test_a_search_past_the_bound_is_refused_at_once_and_small() -> None:
     # microbatch) pairs, which once took minutes and 16 GB.
     command = [sys.executable, "-m", "pipedsl", "search", "--model", "gpt3-175b", "--cluster", "a100-80gb",
                "--gpus", "1024", "--global-batch", "1000000", "--top", "3"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=10, preexec_fn=_limit_memory)
-    assert done.returncode == 2, done.stderr
-    assert "547,125,000 (stage, microbatch) pairs" in done.stderr and "a smaller global" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr
-    # Kibibytes on Linux: the largest child this process has waited for.
-    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 2 * 2**20
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_limit_memory)
+    try:
+        assert wait_gone([run.pid], timeout_s=10) == [], "the search still runs after 10 s"
+        # This child's own peak (kibibytes on Linux), not that of every child the test's
+        # process has waited for, which another test's may set.
+        _, status, usage = os.wait4(run.pid, 0)
+        run.returncode = os.waitstatus_to_exitcode(status)
+    finally:
+        if run.returncode is None:
+            run.kill()
+            run.wait()
+    assert run.stdout is not None and run.stderr is not None
+    err = run.stderr.read()
+    run.stdout.close()
+    run.stderr.close()
+    assert run.returncode == 2, err
+    assert "547,125,000 (stage, microbatch) pairs" in err and "a smaller global" in err, err
+    assert "Traceback" not in err
+    assert usage.ru_maxrss < 2 * 2**20
 
 
 def test_the_bound_counts_pairs_before_any_work() -> None:
