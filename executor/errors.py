@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipedsl.errors import PipedslError
 
-__all__ = ["ExecutionError", "NonFiniteStep", "PeerFailed", "first_line", "stage_failure"]
+__all__ = ["ExecutionError", "NonFiniteStep", "PeerFailed", "first_line", "stage_failure", "summary"]
 
 
 class ExecutionError(PipedslError):
@@ -50,7 +50,7 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _summary(err: BaseException) -> str:
+def summary(err: BaseException) -> str:
     """The error's type and first line, and its last line when there are more (where a
     runtime error wrapping a Python traceback keeps the original exception)."""
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
@@ -64,7 +64,7 @@ def stage_failure(stage: int, device: int, what: str, err: BaseException) -> Exe
     """An :class:`ExecutionError` for ``err``, raised while stage ``stage`` on device
     ``device`` was doing ``what`` (for example ``"tracing its forward"``)."""
     return ExecutionError(
-        f"stage {stage} (device {device}) failed while {what}: {_summary(err)}",
+        f"stage {stage} (device {device}) failed while {what}: {summary(err)}",
         stage=stage,
         device=device,
     )

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from pipedsl.executor.backend import DeviceReport
-from pipedsl.executor.errors import ExecutionError, PeerFailed
+from pipedsl.executor.errors import ExecutionError, PeerFailed, summary
 from pipedsl.executor.local.cooperative import run_together
 from pipedsl.executor.local.exchange import LocalExchange, resharder
 from pipedsl.executor.local.fused import FusedStep, shared_devices
@@ -311,11 +311,25 @@ class LocalBackend:
                 worker.applied = False
             try:
                 fused = self._fused.run(inputs, targets, update=update, keep_grads=keep_grads)
+            except ExecutionError:
+                raise  # raised while tracing: it names its stage and action already
+            except Exception as error:
+                if not self._fused.intact():
+                    self._broken()
+                    raise ExecutionError(
+                        "the step's one program (every action of every device, fused because the pipeline devices "
+                        f"share their JAX devices) failed while running: {summary(error)}; its donated parameters "
+                        "and optimizer state are gone. Pipeline(..., fuse=False) runs the actions apart and names "
+                        "the one that fails"
+                    ) from error
+                # Nothing was consumed: the same step dispatched action by action (below) fails at
+                # the failing action, which its error names.
             except BaseException:
                 if not self._fused.intact():
                     self._broken()
                 raise
-            return tuple(_report(r) for r in fused)
+            else:
+                return tuple(_report(r) for r in fused)
         schedule = self.program.schedule
         first, last = schedule.placement[0], schedule.placement[-1]
         exchange = LocalExchange(self._movers)

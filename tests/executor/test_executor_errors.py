@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import pipedsl
@@ -116,6 +117,38 @@ def test_stage_that_fails_while_running_stops_every_device_at_once() -> None:
     pipe.compile(params(), batch())
     with pytest.raises(ExecutionError, match=r"stage 1 \(device 1\) failed while running 1F0.*bad data on the host"):
         pipe.step(params(), batch())
+
+
+def _failing_callback_stage() -> Callable[[jax.Array, jax.Array], jax.Array]:
+    def fail(x: Any) -> None:
+        raise ValueError("bad data on the host")
+
+    def flaky(p: jax.Array, x: jax.Array) -> jax.Array:
+        jax.debug.callback(fail, x)
+        return dense(p, x)
+
+    return flaky
+
+
+def test_a_failure_inside_the_one_program_of_shared_devices_is_named_by_the_actions_apart() -> None:
+    # Stages sharing a JAX device run as one program, which XLA reports as a whole. A step
+    # without an update donates nothing, so the same step dispatched action by action
+    # names the action that fails.
+    shared = [jax.devices()[0]] * 2
+    pipe = Pipeline([dense, _failing_callback_stage()], loss=mse, schedule=one_f_one_b(), devices=shared)
+    assert pipe.backend.fuse
+    with pytest.raises(ExecutionError, match=r"stage 1 \(device 1\) failed while running 1F0.*bad data on the host"):
+        pipe.step(params(), batch())
+
+
+def test_a_failure_inside_the_one_program_of_an_update_says_what_was_lost_and_how_to_find_it() -> None:
+    shared = [jax.devices()[0]] * 2
+    pipe = Pipeline([dense, _failing_callback_stage()], loss=mse, schedule=one_f_one_b(), devices=shared)
+    with pytest.raises(ExecutionError) as info:
+        pipe.train_step(params(), None, batch(), optimizer=optax.sgd(0.1))
+    message = str(info.value)
+    assert "one program" in message and "bad data on the host" in message
+    assert "donated parameters and optimizer state are gone" in message and "fuse=False" in message
 
 
 def test_receive_times_out_instead_of_hanging() -> None:
