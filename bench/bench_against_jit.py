@@ -16,9 +16,10 @@ the jits and what it takes beyond them is the executor's own cost. Per plan it p
 - the first step's wall time (tracing and compiling) against the jits';
 - the executor's own cost per action: a step of near-empty stages (``h * w``, 1F1B,
   pp=2, 16 microbatches) over its F and B actions;
-- with ``--apart``, every action is dispatched as a program of its own (``fuse=False``), as
-  on pipeline devices of their own, instead of the whole step as one program
-  (:mod:`pipedsl.executor.local.fused`), which is how stages that share a chip run by default;
+- ``--fuse`` says how the plans' steps run (:mod:`pipedsl.executor.local.fused`): ``loop``
+  (the default: one program that loops over the microbatches, each through every stage),
+  ``unrolled`` (one program of every action) or ``off`` (every action dispatched as a
+  program of its own, as on pipeline devices of their own);
 - with ``--cache``, the first step of the first plan in a new process, twice: with an empty
   persistent compilation cache, then with the one the first filled (both before this
   process opens the device, which one process at a time may hold on a TPU).
@@ -28,7 +29,7 @@ KV heads, 512 tokens, vocabulary 8192, 8 layers, 8 sequences a step in 8 microba
 on CPU a toy of the same shape (``--size real`` forces the large one). The results are
 appended to ``bench/results/bench_against_jit.jsonl`` with the platform and device kind.
 
-    python bench/bench_against_jit.py [--plans 1f1b-pp4,gpipe-pp4,...] [--steps 10] [--rounds 5] [--cache] [--apart]
+    python bench/bench_against_jit.py [--plans 1f1b-pp4,gpipe-pp4,...] [--steps 10] [--rounds 5] [--cache] [--fuse loop|unrolled|off]
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def _jits(size: Size, device: Any, optimizer: Any) -> dict[str, tuple[Callable[[
     return out
 
 
-def _pipeline_step(size: Size, plan: Plan, device: Any, optimizer: Any, *, fuse: bool) -> tuple[Any, Callable[[], Any]]:
+def _pipeline_step(size: Size, plan: Plan, device: Any, optimizer: Any, *, fuse: str) -> tuple[Any, Callable[[], Any]]:
     """A plan's pipeline (every pipeline device on ``device``) and its step."""
     import jax
 
@@ -215,7 +216,7 @@ def _pipeline_step(size: Size, plan: Plan, device: Any, optimizer: Any, *, fuse:
     return pipe, step
 
 
-def _per_action(device: Any, steps: int, rounds: int, *, fuse: bool) -> float:
+def _per_action(device: Any, steps: int, rounds: int, *, fuse: str) -> float:
     """Seconds of executor cost per F or B action: near-empty stages, 1F1B, pp=2, 16 microbatches."""
     import jax
     import jax.numpy as jnp
@@ -258,10 +259,10 @@ def _host_time(step: Callable[[], Any]) -> float:
     return took
 
 
-def _second_process(plan: str, size: str, cache: str, *, fuse: bool) -> float:
+def _second_process(plan: str, size: str, cache: str, *, fuse: str) -> float:
     """The first step's wall seconds of ``plan`` in a new process using the cache folder ``cache``."""
     env = dict(os.environ, PIPEDSL_COMPILATION_CACHE=cache)
-    command = [sys.executable, __file__, "--first-step-of", plan, "--size", size, *([] if fuse else ["--apart"])]
+    command = [sys.executable, __file__, "--first-step-of", plan, "--size", size, "--fuse", fuse]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=True)
     return float(json.loads(done.stdout.strip().splitlines()[-1])["first_step_s"])
 
@@ -274,9 +275,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed loops per figure (default 5)")
     parser.add_argument("--cache", action="store_true", help="time a second process's first step on the cache")
     parser.add_argument(
-        "--apart",
-        action="store_true",
-        help="dispatch every action apart (fuse=False), as on separate devices, instead of one program per step",
+        "--fuse",
+        choices=("loop", "unrolled", "off"),
+        default="loop",
+        help="how the plans' steps run: one program looping over the microbatches (default), one program of "
+        "every action, or every action apart",
     )
     parser.add_argument("--no-record", action="store_true", help="print only, append nothing to bench/results")
     parser.add_argument("--first-step-of", help=argparse.SUPPRESS)
@@ -290,7 +293,7 @@ def main() -> None:
     cache = None
     if args.cache:
         with tempfile.TemporaryDirectory() as folder:
-            cache = tuple(_second_process(plans[0], args.size, folder, fuse=not args.apart) for _ in range(2))
+            cache = tuple(_second_process(plans[0], args.size, folder, fuse=args.fuse) for _ in range(2))
 
     import jax
     import optax
@@ -301,7 +304,7 @@ def main() -> None:
     size_name = "real" if size is REAL else "toy"
     optimizer = optax.adam(1e-4)
     if args.first_step_of:
-        pipe, step = _pipeline_step(size, PLANS[args.first_step_of], device, optimizer, fuse=not args.apart)
+        pipe, step = _pipeline_step(size, PLANS[args.first_step_of], device, optimizer, fuse=args.fuse)
         print(json.dumps({"first_step_s": _first(step)}))
         return
     kind = getattr(device, "device_kind", device.platform)
@@ -312,7 +315,7 @@ def main() -> None:
         "platform": device.platform,
         "device_kind": str(kind),
         "size": size_name,
-        "dispatch": "apart" if args.apart else "fused",
+        "dispatch": args.fuse,
     }
     jit_times: dict[str, float] = {}
     print(f"\n{'step':<22} {'first step':>11} {'per step':>10} {'host':>9} {'/ accum.':>9} {'/ whole':>8}")
@@ -327,7 +330,7 @@ def main() -> None:
         print(f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms")
         sys.stdout.flush()
     for name in plans:
-        pipe, step = _pipeline_step(size, PLANS[name], device, optimizer, fuse=not args.apart)
+        pipe, step = _pipeline_step(size, PLANS[name], device, optimizer, fuse=args.fuse)
         first = _first(step)
         per = statistics.median(_loop(step, args.steps, done=pipe.block_until_ready) for _ in range(args.rounds))
         host = statistics.median(_host_time(step) for _ in range(3))
@@ -343,7 +346,7 @@ def main() -> None:
         }
         print(f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms {accum:8.2f}x {whole:7.2f}x")
         sys.stdout.flush()
-    per_action = _per_action(device, args.steps * 4, args.rounds, fuse=not args.apart)
+    per_action = _per_action(device, args.steps * 4, args.rounds, fuse=args.fuse)
     figures["per_action_us"] = per_action * 1e6
     print(f"\nexecutor cost per action (h * w stages, 1f1b pp=2, 16 microbatches): {per_action * 1e6:.0f} us")
     if cache is not None:

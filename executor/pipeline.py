@@ -47,6 +47,7 @@ from pipedsl.executor.driver import Driver, shapes_of
 from pipedsl.executor.errors import ExecutionError, NonFiniteStep
 from pipedsl.executor.functions import check_functions
 from pipedsl.executor.local.backend import LocalBackend
+from pipedsl.executor.local.fused import FUSE_MODES, Fuse
 from pipedsl.executor.ray.backend import RayRunner
 from pipedsl.executor.ray.cluster import DeviceSlot, RayConfig, RayWorld
 from pipedsl.executor.stages.mesh import DATA, MeshConfig
@@ -126,8 +127,13 @@ class Pipeline:
         whose leaves are ``jax.sharding.PartitionSpec`` over the axis ``"tensor"`` (None:
         replicated); see :mod:`pipedsl.executor.models` for the built-in transformer's.
       fuse: on the local backend, where two or more pipeline devices all run on the same
-        JAX devices (stages sharing one chip), run each unrecorded step as one program of the
-        whole schedule (:mod:`pipedsl.executor.local.fused`); False dispatches every action
+        JAX devices (stages sharing one chip), how each unrecorded step runs
+        (:mod:`pipedsl.executor.local.fused`): ``"loop"`` (the default), one program that
+        loops over the microbatches, each through every stage (it compiles about as long
+        as one ``jax.jit`` of the step that accumulates the microbatches, and keeps one
+        microbatch's activations at a time); ``"unrolled"``, one program of every action of
+        the schedule (it compiles several times longer, and lets XLA overlap the
+        microbatches as their data dependencies allow); ``"off"``, every action dispatched
         apart, as on separate devices.
     """
 
@@ -150,7 +156,7 @@ class Pipeline:
         param_specs: Any = None,
         reduce_once: bool = False,
         cp: int = 1,
-        fuse: bool = True,
+        fuse: Fuse = "loop",
     ) -> None:
         schedule = _schedule_argument(schedule, costs)
         if not isinstance(stages, Iterable) or isinstance(stages, str):
@@ -187,7 +193,7 @@ class Pipeline:
         param_specs: Any = None,
         reduce_once: bool = False,
         cp: int = 1,
-        fuse: bool = True,
+        fuse: Fuse = "loop",
     ) -> Pipeline:
         """A pipeline for ``model_fn(params, x) -> y`` split at its ``stage_boundary``
         markers (see :mod:`pipedsl.executor.stages.split`); ``params`` is then the pytree
@@ -212,9 +218,11 @@ class Pipeline:
         recv_timeout: float,
         mesh: MeshConfig,
         param_specs: Any,
-        fuse: bool,
+        fuse: Fuse,
     ) -> None:
         check_functions(loss=loss, stages=stages, model_fn=model_fn)
+        if not isinstance(fuse, str) or fuse not in FUSE_MODES:
+            raise ExecutionError(f"fuse must be one of {', '.join(map(repr, FUSE_MODES))}, got {fuse!r}")
         enable_compilation_cache()
         self.schedule = schedule
         self.program: Program = lower(schedule)

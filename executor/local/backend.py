@@ -38,7 +38,7 @@ from pipedsl.executor.backend import DeviceReport
 from pipedsl.executor.errors import ExecutionError, PeerFailed, summary
 from pipedsl.executor.local.cooperative import run_together
 from pipedsl.executor.local.exchange import LocalExchange, resharder
-from pipedsl.executor.local.fused import FusedStep, shared_devices
+from pipedsl.executor.local.fused import Fuse, FusedStep, shared_devices
 from pipedsl.executor.runtime.interpreter import Steps
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, compile_device
@@ -85,8 +85,9 @@ class LocalBackend:
     ``stages`` (explicit) or ``model_fn`` (marked) is the model; ``mesh`` the SPMD shape
     of every pipeline device; ``param_specs`` the parameters' ``PartitionSpec`` pytree
     (None: replicated). ``recv_timeout`` bounds every wait for another device, in seconds.
-    With ``fuse``, where two or more pipeline devices all have the same JAX devices as their
-    mesh, an unrecorded step runs as one program (:mod:`pipedsl.executor.local.fused`).
+    Where two or more pipeline devices all have the same JAX devices as their mesh, an
+    unrecorded step runs as ``fuse`` says (:data:`~pipedsl.executor.local.fused.Fuse`):
+    one program, or each action apart; :attr:`fuse` is ``"off"`` where the devices differ.
     """
 
     def __init__(
@@ -101,7 +102,7 @@ class LocalBackend:
         param_specs: Any,
         devices: Sequence[jax.Device] | None = None,
         recv_timeout: float = 300.0,
-        fuse: bool = True,
+        fuse: Fuse = "loop",
     ) -> None:
         schedule = program.schedule
         self.program = program
@@ -121,7 +122,8 @@ class LocalBackend:
         # The whole step as one program where pipeline devices share their JAX devices. One
         # pipeline device (pp = 1, the SPMD plans) dispatches its actions as they come, as
         # the cost model prices it and the machine calibration times it.
-        self.fuse = fuse and len(self.meshes) > 1 and shared_devices(self.meshes)
+        shared = len(self.meshes) > 1 and shared_devices(self.meshes)
+        self.fuse: Fuse = fuse if shared else "off"
         self._fused: FusedStep | None = None
 
     # -- compiling -----------------------------------------------------------------
@@ -212,7 +214,11 @@ class LocalBackend:
         )
         self._compiled = compiled
         first, last = schedule.placement[0], schedule.placement[-1]
-        self._fused = FusedStep(self.workers, first=first, last=last) if self.fuse else None
+        self._fused = (
+            None
+            if self.fuse == "off"
+            else FusedStep(self.workers, schedule=self.program.schedule, first=first, last=last, mode=self.fuse)
+        )
         kept = bool(before) and all(w.leaves for w in before) and self._kept_shapes == _leaf_shapes(params)
         if kept:
             for old, new in zip(before, self.workers, strict=True):
@@ -317,10 +323,10 @@ class LocalBackend:
                 if not self._fused.intact():
                     self._broken()
                     raise ExecutionError(
-                        "the step's one program (every action of every device, fused because the pipeline devices "
-                        f"share their JAX devices) failed while running: {summary(error)}; its donated parameters "
-                        "and optimizer state are gone. Pipeline(..., fuse=False) runs the actions apart and names "
-                        "the one that fails"
+                        "the step's one program (every device's work, fused because the pipeline devices share "
+                        f"their JAX devices) failed while running: {summary(error)}; its donated parameters and "
+                        "optimizer state are gone. Pipeline(..., fuse='off') runs the actions apart and names the "
+                        "one that fails"
                     ) from error
                 # Nothing was consumed: the same step dispatched action by action (below) fails at
                 # the failing action, which its error names.

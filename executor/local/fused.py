@@ -10,13 +10,27 @@ dispatch costs about 120 us plus 4 us per argument or result buffer, and a stage
 passes a hundred buffers (parameters, residuals, accumulators), so dispatching actions
 one by one cost more host time than the chip spent computing them.
 
-The program is the workers' own step (:meth:`pipedsl.executor.runtime.worker.Worker.steps`), run
-on tracers: :func:`run_traced` drives every device's step on this thread in the order
-the cooperative runner would, each receive answered by the value its sender handed
-over (values that stay on one device move nowhere), so the program holds exactly the
-schedule's computations in the schedule's order, and XLA is free to schedule them as
-data dependencies allow. What the devices report that is not a value (peak residuals
-held, leftover buffers) is read while tracing.
+The program is built from the workers' own step code
+(:meth:`pipedsl.executor.runtime.worker.Worker.steps`) run on tracers: :func:`run_traced` drives
+every device's step on this thread in the order the cooperative runner would, each receive
+answered by the value its sender handed over (values that stay on one device move
+nowhere). Two programs, as ``fuse`` says (:data:`Fuse`):
+
+- ``"loop"``: every device's program for one microbatch (:func:`one_microbatch`: the same
+  compiled stage programs, which take one microbatch) inside a ``lax.scan`` over the
+  microbatches, the gradients and the loss summed in its carry; then each device's gradient
+  sums and update (:meth:`~pipedsl.executor.runtime.worker.Worker.finish`). Each stage's
+  forward and backward are in the program once, so it compiles about as long as one
+  ``jax.jit`` that accumulates the same microbatches, and one microbatch's activations are
+  kept at a time. On shared devices the schedule's order buys nothing (the same hardware
+  runs every stage's work); the schedule still says which stages each device holds and
+  which backwards are split.
+- ``"unrolled"``: every device's whole step, every action of the schedule in its order,
+  which XLA schedules as data dependencies allow (overlapping microbatches), at the price
+  of a program with a copy of a stage's computation per action.
+
+What the devices report that is not a value (peak residuals held, leftover buffers) is
+read while tracing.
 """
 
 from __future__ import annotations
@@ -24,17 +38,26 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.runtime.interpreter import Receive, Steps
+from pipedsl.executor.runtime.interpreter import DeviceRuntime, DeviceStep, Receive, Steps
 from pipedsl.executor.runtime.transport import describe_key
 from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep
-from pipedsl.program import Buffer
+from pipedsl.ir import Action, Kind, Schedule
+from pipedsl.program import Buffer, lower
 
-__all__ = ["FusedStep", "run_traced", "shared_devices"]
+__all__ = ["FUSE_MODES", "Fuse", "FusedStep", "one_microbatch", "run_traced", "shared_devices"]
+
+Fuse = Literal["loop", "unrolled", "off"]
+"""How a step of pipeline devices sharing their JAX devices runs: ``"loop"``, one program
+that loops over the microbatches, each through every stage; ``"unrolled"``, one program of
+every action of the schedule; ``"off"``, every action dispatched as a program of its own."""
+
+FUSE_MODES: tuple[Fuse, ...] = ("loop", "unrolled", "off")
 
 
 def shared_devices(meshes: Sequence[Any]) -> bool:
@@ -97,6 +120,29 @@ def run_traced(steps: Sequence[Steps[Any]], mail: dict[tuple[Hashable, int], Any
     return results
 
 
+def one_microbatch(schedule: Schedule) -> Schedule:
+    """``schedule`` with one microbatch: every device runs its stages' forwards in stage
+    order, then their backwards in reverse (as a split backward where ``schedule`` splits
+    that stage's), which is each device's share of one global order of the actions, so
+    no device waits for one that waits for it."""
+    split = {a.stage for order in schedule.orders for a in order if a.kind is Kind.I}
+    orders = []
+    for d in range(schedule.num_devices):
+        mine = [s for s in range(schedule.num_stages) if schedule.placement[s] == d]
+        backward = [
+            Action(kind, s, 0) for s in reversed(mine) for kind in ((Kind.I, Kind.W) if s in split else (Kind.B,))
+        ]
+        orders.append((*(Action(Kind.F, s, 0) for s in mine), *backward))
+    return Schedule(
+        name=f"{schedule.name}, one microbatch",
+        num_stages=schedule.num_stages,
+        num_devices=schedule.num_devices,
+        num_microbatches=1,
+        placement=schedule.placement,
+        orders=tuple(orders),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class _Traced:
     """What a traced step reports besides values, per device: (peak residual pairs held,
@@ -112,9 +158,21 @@ class FusedStep:
     or gradients only), traced on its first use. ``first``/``last`` are the devices of the
     first and last stage."""
 
-    def __init__(self, workers: Sequence[Worker], *, first: int, last: int) -> None:
+    def __init__(
+        self, workers: Sequence[Worker], *, schedule: Schedule, first: int, last: int, mode: Literal["loop", "unrolled"]
+    ) -> None:
         self.workers = tuple(workers)
         self.first, self.last = first, last
+        self._last_stage = schedule.num_stages - 1
+        # A loop: every device's program for one microbatch, which the loop runs once per
+        # microbatch (the stages' compiled programs are the same: they take one microbatch).
+        self._single: tuple[DeviceRuntime, ...] | None = None
+        if mode == "loop":
+            single = lower(one_microbatch(schedule))
+            self._single = tuple(
+                DeviceRuntime(single.devices[d], w.runtime.stages, recv_timeout=w.runtime.recv_timeout)
+                for d, w in enumerate(self.workers)
+            )
         # By (optimizer's id, skip_nonfinite) and keep_grads: (the optimizer, so that an id
         # reused by another object is not taken for it, the program, what its trace reported).
         self._programs: dict[Any, tuple[Any, Callable[..., Any], list[_Traced]]] = {}
@@ -160,7 +218,7 @@ class FusedStep:
 
     def _program(self, update: Update | None, keep_grads: bool) -> tuple[Callable[..., Any], list[_Traced]]:
         """The jitted step and where its trace leaves what it reports besides values."""
-        workers, first, last = self.workers, self.first, self.last
+        workers = self.workers
         traced: list[_Traced] = []
         steady = None if update is None else Update(update.optimizer, init=False, skip_nonfinite=update.skip_nonfinite)
 
@@ -171,21 +229,10 @@ class FusedStep:
                     w.leaves = dict(zip(sorted(w.leaves), leaves[d], strict=True))
                     if steady is not None:
                         w.states = dict(zip(w.local, states[d], strict=True))
-                mail: dict[tuple[Hashable, int], Any] = {}
-                post = _Post(mail)
-                results: list[WorkerStep] = run_traced(
-                    [
-                        w.steps(
-                            post,
-                            inputs if d == first else (),
-                            targets if d == last else (),
-                            update=steady,
-                            recorder=None,
-                            keep_grads=keep_grads,
-                        )
-                        for d, w in enumerate(workers)
-                    ],
-                    mail,
+                results = (
+                    self._unrolled(inputs, targets, steady, keep_grads)
+                    if self._single is None
+                    else self._looped(self._single, inputs, targets, steady, keep_grads)
                 )
                 traced[:] = [_Traced(tuple(r.peak_held for r in results), tuple(r.leftover for r in results))]
                 new_leaves: Any = ()
@@ -200,3 +247,76 @@ class FusedStep:
 
         donate = (0, 1) if update is not None else ()
         return jax.jit(step, donate_argnums=donate), traced
+
+    def _unrolled(self, inputs: Any, targets: Any, update: Update | None, keep_grads: bool) -> list[WorkerStep]:
+        """Every device's whole step traced as it is dispatched apart: every action once."""
+        first, last = self.first, self.last
+        mail: dict[tuple[Hashable, int], Any] = {}
+        post = _Post(mail)
+        steps = [
+            w.steps(
+                post,
+                inputs if d == first else (),
+                targets if d == last else (),
+                update=update,
+                recorder=None,
+                keep_grads=keep_grads,
+            )
+            for d, w in enumerate(self.workers)
+        ]
+        return run_traced(steps, mail)
+
+    def _looped(
+        self,
+        single: Sequence[DeviceRuntime],
+        inputs: Any,
+        targets: Any,
+        update: Update | None,
+        keep_grads: bool,
+    ) -> list[WorkerStep]:
+        """Every device's step as a loop over the microbatches, each through every device's
+        program for one microbatch (its gradients and loss summed in the loop's carry),
+        then the devices' gradient sums and update after it."""
+        workers, first, last = self.workers, self.first, self.last
+        for w in workers:
+            w.start(update)
+        params = [w.compute_params() for w in workers]
+        xs = (workers[first].stacked(inputs, ())[0], workers[last].stacked((), targets)[1])
+        zero = tuple({s: rt.stages[s].zero_grads() for s in rt.stages} for rt in single)
+        kept: list[DeviceStep] = []
+
+        def one(carry: Any, batch: Any) -> Any:
+            grads, loss = carry
+            x, t = batch
+            mail: dict[tuple[Hashable, int], Any] = {}
+            post = _Post(mail)
+            results = run_traced(
+                [
+                    rt.steps(post, params[d], [x] if d == first else [], [t] if d == last else [], recorder=None)
+                    for d, rt in enumerate(single)
+                ],
+                mail,
+            )
+            kept[:] = results
+            summed = tuple(
+                {s: jax.tree_util.tree_map(jnp.add, grads[d][s], r.grads[s]) for s in grads[d]}
+                for d, r in enumerate(results)
+            )
+            return (summed, loss + results[last].loss), None
+
+        (grads, loss), _ = jax.lax.scan(one, (zero, single[last].stages[self._last_stage].zero_loss()), xs)
+        mail: dict[tuple[Hashable, int], Any] = {}
+        post = _Post(mail)
+        ends = [
+            DeviceStep(
+                grads=grads[d],
+                loss=loss if d == last else None,
+                peak_held=r.peak_held,
+                leftover=r.leftover,
+                events=(),
+            )
+            for d, r in enumerate(kept)
+        ]
+        return run_traced(
+            [w.finish(post, ends[d], update=update, keep_grads=keep_grads) for d, w in enumerate(workers)], mail
+        )

@@ -40,7 +40,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.runtime.interpreter import DeviceRuntime, Receive, Steps
+from pipedsl.executor.runtime.interpreter import DeviceRuntime, DeviceStep, Receive, Steps
 from pipedsl.executor.runtime.optimizers import couples_through_global_norm
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.transport import Transport
@@ -191,24 +191,36 @@ class Worker:
         """One step (see the module docstring). ``inputs``/``targets`` are the whole
         batch's leaves where the first/last stage lives (else empty); with
         ``keep_grads`` (and no ``update``) the summed gradients are returned."""
-        self.applied = False
-        if update is not None and not update.init:
-            # Before the program: a state that cannot be used is refused while no device
-            # has updated anything.
-            self._check_states(update.optimizer)
-        model = self.model
-        stages = self.runtime.stages
-        # The stages' programs take their parameters in their compute dtype: one bf16 copy
-        # of the master weights per step under bf16 (StageProgram.compute_params).
-        params = {s: stages[s].compute_params(tuple(self.leaves[i] for i in model.stage_params[s])) for s in self.local}
+        self.start(update)
         self.phase = "program"
         result = yield from self.runtime.steps(
             transport,
-            params,
+            self.compute_params(),
             self.microbatches(inputs, self._input_layout),
             self.microbatches(targets, self._target_layout),
             recorder=recorder,
         )
+        return (yield from self.finish(transport, result, update=update, keep_grads=keep_grads))
+
+    def start(self, update: Update | None) -> None:
+        """Before a step's program: a resident optimizer state that ``update`` cannot use
+        is refused while no device has updated anything."""
+        self.applied = False
+        if update is not None and not update.init:
+            self._check_states(update.optimizer)
+
+    def compute_params(self) -> dict[int, Leaves]:
+        """Per local stage, its parameter leaves in the compute dtype its programs take: one
+        bf16 copy of the master weights per step under bf16 (StageProgram.compute_params)."""
+        stages, model = self.runtime.stages, self.model
+        return {s: stages[s].compute_params(tuple(self.leaves[i] for i in model.stage_params[s])) for s in self.local}
+
+    def finish(
+        self, transport: Transport, result: DeviceStep, *, update: Update | None, keep_grads: bool
+    ) -> Steps[WorkerStep]:
+        """The rest of a step after its program produced ``result``: the gradient
+        reductions and sums, and with ``update`` the optimizer step (module docstring,
+        3 and 4)."""
         # Reduced once per step where they accumulated unreduced (ZeRO 0 and 1, dp > 1).
         # Nothing is waited for: the reductions, sums and the update are queued behind the
         # program's computations, and a failure among them is raised where a result is read.
@@ -268,6 +280,22 @@ class Worker:
             stacked = jax.device_put(leaf.reshape((count, *per)), layout.stacked())
             parts.append(_unstack(count, layout.batch(per))(stacked))
         return [tuple(part[m] for part in parts) for m in range(count)]
+
+    def stacked(self, inputs: Sequence[Any], targets: Sequence[Any]) -> tuple[Leaves, Leaves]:
+        """The batch's input and target leaves (where the first / last stage lives, else
+        empty) as ``[microbatches, examples, ...]`` stacks, axis 1 split over ``"data"``:
+        what a loop over the microbatches inside one program slices."""
+
+        def stack(leaves: Sequence[Any], layout: StageLayout | None) -> Leaves:
+            if not leaves or layout is None:
+                return ()
+            count = self.count
+            return tuple(
+                jax.device_put(leaf.reshape((count, leaf.shape[0] // count, *leaf.shape[1:])), layout.stacked())
+                for leaf in leaves
+            )
+
+        return stack(inputs, self._input_layout), stack(targets, self._target_layout)
 
     def _sum_shared(self, transport: Transport, stage_grads: Mapping[int, Leaves]) -> Steps[dict[int, Any]]:
         """Per flat leaf this device owns, the sum of every using stage's gradient."""

@@ -14,8 +14,9 @@ import pytest
 
 import pipedsl
 from helpers import ADAM, assert_trees_close, library, model, pipeline, reference_training, setup
-from pipedsl.executor import NonFiniteStep, Pipeline
+from pipedsl.executor import ExecutionError, NonFiniteStep, Pipeline
 from pipedsl.executor.compilation_cache import CACHE_ENV, cache_folder
+from pipedsl.executor.local.fused import Fuse
 
 WIDTH = 256
 
@@ -31,8 +32,8 @@ def _mse(y: jax.Array, t: jax.Array) -> jax.Array:
     return jnp.mean((y - t) ** 2)
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["one-program", "action-by-action"])
-def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_finish(fuse: bool) -> None:
+@pytest.mark.parametrize("fuse", ["loop", "unrolled", "off"])
+def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_finish(fuse: Fuse) -> None:
     device = jax.devices()[0]
     pipe = Pipeline(
         [_heavy, _heavy],
@@ -59,19 +60,26 @@ def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_fini
     assert np.isfinite(float(loss))
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b"])
-def test_one_program_computes_what_the_actions_apart_compute(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "fuse"),
+    [("1f1b", "loop"), ("zb_h1", "loop"), ("interleaved_1f1b", "loop"), ("zb_h1", "unrolled")],
+)
+def test_one_program_computes_what_the_actions_apart_compute(name: str, fuse: Fuse) -> None:
     schedule = library(name)
     params, batch, ref_loss, ref_grads = setup("transformer", "explicit", schedule.num_stages)
     shared = [jax.devices()[0]] * schedule.num_devices
-    fused = pipeline("transformer", "explicit", schedule, devices=shared)
-    apart = pipeline("transformer", "explicit", schedule, devices=shared, fuse=False)
+    fused = pipeline("transformer", "explicit", schedule, devices=shared, fuse=fuse)
+    apart = pipeline("transformer", "explicit", schedule, devices=shared, fuse="off")
+    assert fused.backend.fuse == fuse
     one, each = fused.step(params, batch), apart.step(params, batch)
     np.testing.assert_allclose(float(one.loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(one.grads, ref_grads)
     assert_trees_close(one.grads, each.grads)
-    # What the devices report besides values is read while the program is traced.
-    assert one.peak_held == each.peak_held and one.leftover == each.leftover
+    # What the devices report besides values is read while the program is traced: the
+    # loop holds one microbatch's residuals of each local stage at a time, the unrolled
+    # program what the schedule holds.
+    held = tuple(len(d.stages) for d in fused.program.devices) if fuse == "loop" else each.peak_held
+    assert one.peak_held == held and one.leftover == each.leftover == ((),) * schedule.num_devices
 
 
 def test_one_program_trains_a_tied_model_as_one_device_does() -> None:
@@ -80,7 +88,7 @@ def test_one_program_trains_a_tied_model_as_one_device_does() -> None:
     schedule = library("zbv")
     params, batch, _, _ = setup("transformer", "marked", schedule.num_stages)
     pipe = pipeline("transformer", "marked", schedule, devices=[jax.devices()[0]] * schedule.num_devices)
-    assert pipe.backend.fuse
+    assert pipe.backend.fuse == "loop"
     held, state = params, None
     for ref_params, ref_loss in reference_training("marked", schedule.num_stages, steps=3):
         held, state, loss = pipe.train_step(held, state, batch, optimizer=ADAM)
@@ -98,20 +106,28 @@ def test_one_program_clips_by_the_whole_models_norm() -> None:
     clipped = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0))
     shared = [jax.devices()[0]] * schedule.num_devices
 
-    def trained(fuse: bool) -> Any:
+    def trained(fuse: Fuse) -> Any:
         pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, devices=shared, fuse=fuse)
         held, _, _ = pipe.train_step(params, None, batch, optimizer=clipped)
         return pipe.gather(held)
 
-    assert_trees_close(trained(True), trained(False))
+    apart = trained("off")
+    assert_trees_close(trained("loop"), apart)
+    assert_trees_close(trained("unrolled"), apart)
 
 
 def test_separate_devices_and_one_pipeline_device_run_action_by_action() -> None:
     schedule = library("1f1b")
-    assert not pipeline("mlp", "explicit", schedule).backend.fuse
+    assert pipeline("mlp", "explicit", schedule).backend.fuse == "off"
     # pp = 1 (an SPMD plan): dispatched as the cost model prices it and the calibration times it.
     spmd = library("1f1b", pp=1)
-    assert not pipeline("mlp", "explicit", spmd, devices=[jax.devices()[0]]).backend.fuse
+    assert pipeline("mlp", "explicit", spmd, devices=[jax.devices()[0]]).backend.fuse == "off"
+
+
+@pytest.mark.parametrize("bad", [True, "on", None])
+def test_a_fuse_mode_it_does_not_know_is_refused(bad: Any) -> None:
+    with pytest.raises(ExecutionError, match=r"fuse must be one of 'loop', 'unrolled', 'off', got"):
+        pipeline("mlp", "explicit", library("1f1b"), fuse=bad)
 
 
 def test_the_compilation_cache_folder_follows_its_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
