@@ -10,6 +10,7 @@ probe, and refuses any other coupling.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import jax
@@ -21,6 +22,13 @@ from pipedsl.executor.errors import ExecutionError
 __all__ = ["couples_through_global_norm"]
 
 
+# Optimizers probed, by id: (the optimizer, so that an id reused by another object is not
+# taken for it, the answer). Every device of a pipeline asks about the same optimizer, and
+# a probe runs a dozen small programs.
+_PROBED: OrderedDict[int, tuple[optax.GradientTransformation, bool]] = OrderedDict()
+_PROBED_SIZE = 16
+
+
 def couples_through_global_norm(optimizer: optax.GradientTransformation) -> bool:
     """Whether ``optimizer`` combines its leaves, found by running it on a probe of two
     leaves on the CPU at gradient scales from 1e-3 to 1e6 (whatever thresholds it clips at):
@@ -29,7 +37,19 @@ def couples_through_global_norm(optimizer: optax.GradientTransformation) -> bool
     (``clip_by_global_norm``: exact with the rest of the norm as one more leaf). Refused
     otherwise, as an update per stage could not give the one-device result. An optimizer
     that cannot take the probe's tree (one written for a given structure) is applied
-    per stage as it is."""
+    per stage as it is. Probed once per optimizer object."""
+    found = _PROBED.get(id(optimizer))
+    if found is not None and found[0] is optimizer:
+        _PROBED.move_to_end(id(optimizer))
+        return found[1]
+    coupled = _probe(optimizer)
+    _PROBED[id(optimizer)] = (optimizer, coupled)
+    if len(_PROBED) > _PROBED_SIZE:
+        _PROBED.popitem(last=False)
+    return coupled
+
+
+def _probe(optimizer: optax.GradientTransformation) -> bool:
     a, b = np.array([3.0, -4.0], np.float32), np.array([12.0, 5.0, 1.0], np.float32)
 
     def updates_of_a(tree: tuple[Any, ...]) -> list[np.ndarray]:
