@@ -275,10 +275,8 @@ class Worker:
             return list(zip(*(list(h.reshape((count, h.shape[0] // count, *h.shape[1:]))) for h in host), strict=True))
         parts = []
         for leaf in leaves:
-            shape = np.shape(leaf)
-            per = (shape[0] // count, *shape[1:])
-            stacked = jax.device_put(leaf.reshape((count, *per)), layout.stacked())
-            parts.append(_unstack(count, layout.batch(per))(stacked))
+            stacked = _stacked(leaf, count, layout)
+            parts.append(_unstack(count, layout.batch(stacked.shape[1:]))(stacked))
         return [tuple(part[m] for part in parts) for m in range(count)]
 
     def stacked(self, inputs: Sequence[Any], targets: Sequence[Any]) -> tuple[Leaves, Leaves]:
@@ -287,13 +285,7 @@ class Worker:
         what a loop over the microbatches inside one program slices."""
 
         def stack(leaves: Sequence[Any], layout: StageLayout | None) -> Leaves:
-            if not leaves or layout is None:
-                return ()
-            count = self.count
-            return tuple(
-                jax.device_put(leaf.reshape((count, leaf.shape[0] // count, *leaf.shape[1:])), layout.stacked())
-                for leaf in leaves
-            )
+            return () if layout is None else tuple(_stacked(leaf, self.count, layout) for leaf in leaves)
 
         return stack(inputs, self._input_layout), stack(targets, self._target_layout)
 
@@ -561,6 +553,12 @@ def _copied(value: Any, target: NamedSharding) -> jax.Array:
 
 
 @lru_cache(maxsize=64)
+def _stacked(leaf: Any, count: int, layout: StageLayout) -> Any:
+    """A batch leaf ``[count * rows, ...]`` as ``[count, rows, ...]``, axis 1 split over
+    ``"data"`` (placed so, or constrained so inside a traced program)."""
+    return jax.device_put(leaf.reshape((count, leaf.shape[0] // count, *leaf.shape[1:])), layout.stacked())
+
+
 def _unstack(count: int, sharding: NamedSharding) -> Callable[[Any], tuple[Any, ...]]:
     """A jitted cut of a ``[count, ...]`` stack into its ``count`` entries, each placed
     with ``sharding``: one dispatch per leaf instead of one per microbatch."""
