@@ -310,32 +310,62 @@ class LocalBackend:
         keep_grads: bool,
         skip_nonfinite: bool = False,
     ) -> tuple[DeviceReport, ...]:
-        workers = self.workers
         update = None if optimizer is None else Update(optimizer, init=fresh_state, skip_nonfinite=skip_nonfinite)
         if self._fused is not None and not record:
-            for worker in workers:
-                worker.applied = False
-            try:
-                fused = self._fused.run(inputs, targets, update=update, keep_grads=keep_grads)
-            except ExecutionError:
-                raise  # raised while tracing: it names its stage and action already
-            except Exception as error:
-                if not self._fused.intact():
-                    self._broken()
-                    raise ExecutionError(
-                        "the step's one program (every device's work, fused because the pipeline devices share "
-                        f"their JAX devices) failed while running: {summary(error)}; its donated parameters and "
-                        "optimizer state are gone. Pipeline(..., fuse='off') runs the actions apart and names the "
-                        "one that fails"
-                    ) from error
-                # Nothing was consumed: the same step dispatched action by action (below) fails at
-                # the failing action, which its error names.
-            except BaseException:
-                if not self._fused.intact():
-                    self._broken()
-                raise
-            else:
-                return tuple(_report(r) for r in fused)
+            return self._run_fused(self._fused, inputs, targets, update=update, keep_grads=keep_grads)
+        return self._run_apart(inputs, targets, update=update, record=record, keep_grads=keep_grads)
+
+    def _run_fused(
+        self,
+        fused: FusedStep,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        *,
+        update: Update | None,
+        keep_grads: bool,
+    ) -> tuple[DeviceReport, ...]:
+        """The step as one program. XLA reports a failure inside it as the program's: a step
+        that donated nothing is dispatched again action by action, whose error names the
+        failing stage and action."""
+        for worker in self.workers:
+            worker.applied = False
+        try:
+            return tuple(_report(r) for r in fused.run(inputs, targets, update=update, keep_grads=keep_grads))
+        except ExecutionError:
+            raise  # raised while a stage was traced: it names its stage already
+        except Exception as error:
+            failed = (
+                "the step's one program (every device's work, one program as the pipeline devices share their JAX "
+                f"devices) failed: {summary(error)}"
+            )
+            if update is None:
+                self._run_apart(inputs, targets, update=None, record=False, keep_grads=keep_grads)
+                raise ExecutionError(
+                    f"{failed}; dispatched action by action, as Pipeline(..., fuse='off') runs it, the same step ran"
+                ) from error
+            intact = fused.intact()
+            if not intact:
+                self._broken()
+            lost = "" if intact else "; its donated parameters and optimizer state are gone"
+            raise ExecutionError(
+                f"{failed}{lost}. Pipeline(..., fuse='off') runs the actions apart and names the one that fails"
+            ) from error
+        except BaseException:
+            if not fused.intact():
+                self._broken()
+            raise
+
+    def _run_apart(
+        self,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        *,
+        update: Update | None,
+        record: bool,
+        keep_grads: bool,
+    ) -> tuple[DeviceReport, ...]:
+        """The step with every action dispatched as a program of its own."""
+        workers = self.workers
         schedule = self.program.schedule
         first, last = schedule.placement[0], schedule.placement[-1]
         exchange = LocalExchange(self._movers)

@@ -552,13 +552,13 @@ def _copied(value: Any, target: NamedSharding) -> jax.Array:
     return placed
 
 
-@lru_cache(maxsize=64)
 def _stacked(leaf: Any, count: int, layout: StageLayout) -> Any:
     """A batch leaf ``[count * rows, ...]`` as ``[count, rows, ...]``, axis 1 split over
     ``"data"`` (placed so, or constrained so inside a traced program)."""
     return jax.device_put(leaf.reshape((count, leaf.shape[0] // count, *leaf.shape[1:])), layout.stacked())
 
 
+@lru_cache(maxsize=64)
 def _unstack(count: int, sharding: NamedSharding) -> Callable[[Any], tuple[Any, ...]]:
     """A jitted cut of a ``[count, ...]`` stack into its ``count`` entries, each placed
     with ``sharding``: one dispatch per leaf instead of one per microbatch."""

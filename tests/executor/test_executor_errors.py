@@ -16,6 +16,7 @@ from pipedsl.errors import PipedslError
 from pipedsl.executor import ExecutionError, Pipeline, RayConfig, RayWorld, stage_boundary
 from pipedsl.executor.local.cooperative import run_together
 from pipedsl.executor.local.exchange import LocalExchange, resharder
+from pipedsl.executor.local.fused import FusedStep
 from pipedsl.executor.runtime.interpreter import DeviceRuntime, Steps, drive
 from pipedsl.ir import Schedule
 
@@ -138,6 +139,20 @@ def test_a_failure_inside_the_one_program_of_shared_devices_is_named_by_the_acti
     pipe = Pipeline([dense, _failing_callback_stage()], loss=mse, schedule=one_f_one_b(), devices=shared)
     assert pipe.backend.fuse == "loop"
     with pytest.raises(ExecutionError, match=r"stage 1 \(device 1\) failed while running 1F0.*bad data on the host"):
+        pipe.step(params(), batch())
+
+
+def test_a_one_program_failure_the_actions_apart_do_not_repeat_is_still_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Whatever made the one program fail (here injected), a step that then runs action by
+    # action must not pass for a good one.
+    shared = [jax.devices()[0]] * 2
+    pipe = Pipeline([dense, dense], loss=mse, schedule=one_f_one_b(), devices=shared)
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("out of memory while running the program")
+
+    monkeypatch.setattr(FusedStep, "run", fail)
+    with pytest.raises(ExecutionError, match=r"one program .*out of memory.*action by action.*the same step ran"):
         pipe.step(params(), batch())
 
 
