@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.runtime.interpreter import DeviceRuntime, DeviceStep, Receive, Steps
 from pipedsl.executor.runtime.transport import describe_key
-from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep
+from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, place_states_together
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.program import Buffer, lower
 
@@ -185,8 +185,7 @@ class FusedStep:
         report returned; nothing is waited for."""
         workers = self.workers
         if update is not None:
-            for worker in workers:
-                worker.place_states(update.optimizer, fresh=update.init)
+            place_states_together(workers, update.optimizer, fresh=update.init)
         optimizer = None if update is None else update.optimizer
         key = (None if update is None else (id(optimizer), update.skip_nonfinite), keep_grads)
         found = self._programs.get(key)

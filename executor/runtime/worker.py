@@ -52,7 +52,7 @@ from pipedsl.executor.stages.stage_program import StageProgram, compile_stage
 from pipedsl.program import Buffer, DeviceProgram
 from pipedsl.timeline import Event
 
-__all__ = ["Update", "WorkerStep", "Worker", "compile_device"]
+__all__ = ["Update", "WorkerStep", "Worker", "compile_device", "place_states_together"]
 
 Leaves = tuple[Any, ...]
 
@@ -374,12 +374,22 @@ class Worker:
         made by the optimizer's ``init`` where there is none (all of them with ``fresh``),
         copied into buffers of this worker's own where it was loaded (the update donates
         the state, and a loaded one is the caller's)."""
+        for s, init, params_s in self._states_to_make(optimizer, fresh=fresh):
+            self.states[s] = init(params_s)
+            self._placed_states.add(s)
+
+    def _states_to_make(
+        self, optimizer: optax.GradientTransformation, *, fresh: bool
+    ) -> list[tuple[int, Callable[[Any], Any], Any]]:
+        """:meth:`place_states` but for the states ``init`` makes: those are returned as
+        (stage, the jitted ``init``, the stage's owned parameters), to be made."""
         if fresh:
             self.states = {}
             self._placed_states.clear()
         else:
             self._check_states(optimizer)
         compiled = self._compiled_for(optimizer)
+        to_make = []
         for s in self.local:
             if s in self._placed_states:
                 continue
@@ -388,10 +398,11 @@ class Worker:
             if state is None:
                 owned = self.model.owned(s)
                 params_s = jax.tree_util.tree_unflatten(self.model.owned_treedefs[s], [self.leaves[i] for i in owned])
-                self.states[s] = init(params_s)
-            else:
-                self.states[s] = jax.device_put(state, state_at, may_alias=False)
+                to_make.append((s, init, params_s))
+                continue
+            self.states[s] = jax.device_put(state, state_at, may_alias=False)
             self._placed_states.add(s)
+        return to_make
 
     def _check_states(self, optimizer: optax.GradientTransformation) -> None:
         """Refuse a loaded optimizer state whose structure this optimizer does not give."""
@@ -511,6 +522,24 @@ class _Compiled:
     optimizer: optax.GradientTransformation
     coupled: bool
     stages: dict[int, tuple[Callable, Callable, Any]]
+
+
+def place_states_together(workers: Sequence[Worker], optimizer: optax.GradientTransformation, *, fresh: bool) -> None:
+    """:meth:`Worker.place_states` of every worker, the states ``init`` makes made by one
+    program: one compile for the whole pipeline rather than one per stage shape (where the
+    step itself is one program, they are most of what its first call compiles besides)."""
+    to_make = [
+        (w, s, init, params_s) for w in workers for s, init, params_s in w._states_to_make(optimizer, fresh=fresh)
+    ]
+    if not to_make:
+        return
+    inits = [init for _, _, init, _ in to_make]
+    made = jax.jit(lambda *params: tuple(init(p) for init, p in zip(inits, params, strict=True)))(
+        *(params_s for _, _, _, params_s in to_make)
+    )
+    for (w, s, _, _), state in zip(to_make, made, strict=True):
+        w.states[s] = state
+        w._placed_states.add(s)
 
 
 def compile_device(
