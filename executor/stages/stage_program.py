@@ -10,6 +10,7 @@ the interpreter calls.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -441,26 +442,22 @@ def compile_stage(
     t_avals = model.target_avals if last else ()
     _check_splittable(x_avals, dp, stage)
     diff_x = tuple(not first and jnp.issubdtype(a.dtype, jnp.inexact) for a in x_avals)
-    fwd, traced = _forward_fn(
-        model.functions[stage], diff_x, first=first, last=last, options=options, loss_scale=num_microbatches * dp
-    )
-    try:
-        with tracing(layout.mesh, options):
-            forward = jax.make_jaxpr(fwd)(p_avals, x_avals, t_avals)
-    except ExecutionError:
-        raise
-    except Exception as err:  # a user stage may raise anything while it is traced
-        raise stage_failure(stage, device, f"tracing its forward on inputs {describe_avals(x_avals)}", err) from err
-    mask: tuple[bool, ...] = traced["mask"]
+    key = (
+        model.functions[stage], diff_x, first, last, options, num_microbatches * dp, layout.mesh,
+        p_avals, x_avals, t_avals,
+    )  # fmt: skip
+    found = _TRACES.get(key)
+    if found is None:
+        found = _trace(key, stage=stage, device=device)
+        _TRACES[key] = found
+        if len(_TRACES) > _TRACES_SIZE:
+            _TRACES.popitem(last=False)
+    else:
+        _TRACES.move_to_end(key)
+    forward, mask, split = found
     y_slots, res_slots, computed = _output_slots(forward, mask, last=last)
     outvars = forward.jaxpr.outvars
-    res_structs = [aval_struct(v.aval) for v in outvars[len(mask) :]]
     ct_structs = [aval_struct(v.aval) for v in outvars[: sum(mask)]] if not last else []
-    try:
-        backward = _backward_jaxpr(traced["pullback"], res_structs, ct_structs, loss=outvars[0].aval if last else None)
-    except Exception as err:  # differentiation rules of user code may raise
-        raise stage_failure(stage, device, "tracing its backward", err) from err
-    split = split_backward(backward, num_param_cts=len(p_avals))
     return StageProgram(
         stage=stage,
         first=first,
@@ -481,6 +478,37 @@ def compile_stage(
             tuple(_whole(c, dp) for c in ct_structs),
         ),
     )
+
+
+# Traced stages, by what their trace depends on: (the stage's function, which inputs are
+# differentiated, first, last, options, loss scale, mesh, parameter, input and target
+# avals). Stages of one function on the same shapes (a transformer's middle stages) are
+# traced once; least recently used entries are dropped beyond this many.
+_TRACES: OrderedDict[tuple[Any, ...], tuple[ClosedJaxpr, tuple[bool, ...], BackwardSplit]] = OrderedDict()
+_TRACES_SIZE = 64
+
+
+def _trace(key: tuple[Any, ...], *, stage: int, device: int) -> tuple[ClosedJaxpr, tuple[bool, ...], BackwardSplit]:
+    """Stage ``stage``'s forward jaxpr, the float mask of its outputs and its backward
+    split in halves, traced as ``key`` (of :data:`_TRACES`) says."""
+    fn, diff_x, first, last, options, loss_scale, mesh, p_avals, x_avals, t_avals = key
+    fwd, traced = _forward_fn(fn, diff_x, first=first, last=last, options=options, loss_scale=loss_scale)
+    try:
+        with tracing(mesh, options):
+            forward = jax.make_jaxpr(fwd)(p_avals, x_avals, t_avals)
+    except ExecutionError:
+        raise
+    except Exception as err:  # a user stage may raise anything while it is traced
+        raise stage_failure(stage, device, f"tracing its forward on inputs {describe_avals(x_avals)}", err) from err
+    mask: tuple[bool, ...] = traced["mask"]
+    outvars = forward.jaxpr.outvars
+    res_structs = [aval_struct(v.aval) for v in outvars[len(mask) :]]
+    ct_structs = [aval_struct(v.aval) for v in outvars[: sum(mask)]] if not last else []
+    try:
+        backward = _backward_jaxpr(traced["pullback"], res_structs, ct_structs, loss=outvars[0].aval if last else None)
+    except Exception as err:  # differentiation rules of user code may raise
+        raise stage_failure(stage, device, "tracing its backward", err) from err
+    return forward, mask, split_backward(backward, num_param_cts=len(p_avals))
 
 
 def _check_splittable(x_avals: Sequence[Any], dp: int, stage: int) -> None:
