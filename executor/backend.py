@@ -8,7 +8,9 @@ once for both, runs the step loop over it: it ships what the devices do not hold
 asks for a step, and puts the devices' reports together into a :class:`StepResult`.
 
 Both backends return the same types: the loss is a scalar array (on the local backend a
-device array nothing has waited for, on Ray a numpy value shipped back), the gradients and
+device array nothing has waited for; on Ray, a training step's is a
+:class:`~pipedsl.executor.ray.remote_loss.RemoteLoss` kept by the last stage's process until
+it is read, and a step that returns gradients ships it back as numpy), the gradients and
 timeline are on the driver as numpy, and parameters and optimizer state stay where they
 live, as :class:`Resident` handles that ``Pipeline.gather`` fetches.
 """
@@ -49,7 +51,8 @@ class StepResult:
 
     Attributes:
       loss: the mean loss over microbatches, a scalar array (local backend: a device array,
-        not waited for; Ray: numpy).
+        not waited for; Ray: a training step's kept by its process until it is read, a
+        :class:`~pipedsl.executor.ray.remote_loss.RemoteLoss`, else numpy).
       grads: gradients with the structure of ``params``, numpy arrays of the whole
         (unsharded) leaves; None after an optimizer step, which consumes them.
       params: after an optimizer step, a :class:`Resident` handle to the updated
@@ -150,6 +153,11 @@ class Backend(Protocol):
         """Read the latest complete version under ``path`` back onto the devices (the
         optimizer state only with ``optimizer``), for parameters of the shapes
         ``like_params`` and one microbatch's ``example``; its step."""
+        ...
+
+    def wait(self) -> None:
+        """Return once the devices have computed every step dispatched so far, updates
+        included, raising a failed computation's error."""
         ...
 
     def close(self) -> None:

@@ -287,7 +287,9 @@ class Pipeline:
         skip_nonfinite: bool = False,
     ) -> tuple[Resident, Resident, Any]:
         """One optimizer step: (handle to the new params, handle to the new optimizer
-        state, mean loss: a scalar array, on the local backend not waited for).
+        state, mean loss: a scalar array, not waited for: on the local backend a device
+        array, on Ray a :class:`~pipedsl.executor.ray.remote_loss.RemoteLoss` that the last
+        stage's process keeps until it is read).
 
         The parameters and optimizer state stay on the pipeline devices: pass the handles
         back to the next step (nothing moves) and fetch the values with :meth:`gather`.
@@ -361,11 +363,10 @@ class Pipeline:
 
     def block_until_ready(self) -> None:
         """Wait until the steps dispatched so far are done, their updates included: a
-        local step returns as soon as it is queued (the host never waits inside one), so
-        time a step, or a loop of them, up to this call. A Ray step returns once the last
-        stage's process has its loss."""
-        if isinstance(self.backend, LocalBackend):
-            self.backend.wait()
+        training step returns as soon as it is dispatched (on the local backend, once it is
+        queued; on Ray, once every process of the world has dispatched its share), so time a
+        step, or a loop of them, up to this call."""
+        self.backend.wait()
 
     def gather(self, value: Any) -> Any:
         """``value`` on the driver as numpy arrays in plain pytrees, however it is

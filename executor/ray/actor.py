@@ -13,7 +13,11 @@ computing its own shards; transfers between pipeline devices are compiled collec
 The driver is not in the world. It ships the model once (:meth:`WorldProcess.install`: the
 process traces it and compiles its device's stages), then per step the batch's leaves to the
 processes of the first and last stages (:meth:`WorldProcess.run_step`), and gets back a
-:class:`StepReport`: the loss, and gradients only when asked (as this process's shards).
+:class:`StepReport` once the process has dispatched its share of the step: gradients only
+when asked (as this process's shards), and the loss either in the report or kept where it
+was computed, under the step's number, until the driver reads it
+(:meth:`WorldProcess.loss`) or lets it go: a training step then copies nothing to the
+host and returns without waiting for its computations.
 Parameters and optimizer state are made and kept in the world: from the driver's arrays
 (each process places its shards), or by an init function run in the world
 (:meth:`WorldProcess.init_params`: each process computes only its own shards).
@@ -31,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -39,7 +43,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from pipedsl.executor.compilation_cache import enable_compilation_cache
-from pipedsl.executor.errors import ExecutionError
+from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.ray.cores import claim_cores
 from pipedsl.executor.ray.step_channel import StepServer
 from pipedsl.executor.ray.transport import (
@@ -91,7 +95,8 @@ class ModelSpec:
 class StepReport:
     """One process's step, as the driver gets it back.
 
-    ``loss`` is the mean loss where the last stage is (a numpy scalar), else None;
+    ``loss`` is the mean loss where the last stage is and the driver asked for it in the
+    report (a numpy scalar), else None;
     ``grads`` maps every flat leaf this device owns to this process's shards of its
     summed gradient (:func:`~pipedsl.executor.ray.transport.addressable_pieces`), only
     when the driver asked; ``moved`` counts the transfers this process took part in,
@@ -137,6 +142,8 @@ class WorldProcess:
         self._optimizer: optax.GradientTransformation | None = None
         self._spec: ModelSpec | None = None
         self._meshes: tuple[Mesh, ...] = ()
+        # The losses of steps the driver has not read yet, by step number (device arrays).
+        self._losses: dict[int, Any] = {}
 
     # -- the world -------------------------------------------------------------------
 
@@ -156,9 +163,11 @@ class WorldProcess:
         self._steps = StepServer(_host(loopback), key, handle=self._step_request, failed=self._step_failed)
         return self._steps.address
 
-    def _step_request(self, request: tuple[tuple[Any, ...], dict[str, Any]]) -> StepReport | Failure:
-        args, kwargs = request
-        return self.run_step(*args, **kwargs)
+    def _step_request(self, request: tuple[str, tuple[Any, ...], dict[str, Any]]) -> Any:
+        method, args, kwargs = request
+        if method not in _STEP_METHODS:
+            return Failure(f"process {self.rank} has no step call {method!r}", None, self.device)
+        return getattr(self, method)(*args, **kwargs)
 
     def _step_failed(self, err: BaseException) -> Failure:
         return Failure(f"device {self.device} failed: {type(err).__name__}: {err}", None, self.device)
@@ -308,17 +317,25 @@ class WorldProcess:
         update: bool | None,
         origin: float | None,
         return_grads: bool,
+        loss: Literal["report", "keep", "drop"] = "report",
+        number: int = 0,
+        forget: Sequence[int] = (),
     ) -> StepReport | Failure:
         """Run this process's share of one step (see the module docstring).
 
         ``inputs``/``targets`` are the whole batch's leaves where the first/last stage
         lives (else empty); ``update`` is None for no optimizer step, else whether to
         start the optimizer state afresh; ``origin`` is the step's start on this
-        process's wall clock when the step is recorded, else None.
+        process's wall clock when the step is recorded, else None. Where the last stage
+        is, ``loss`` says what becomes of the loss: copied into the report, kept as step
+        ``number``'s for :meth:`loss` to read (nothing is waited for or copied to the host),
+        or dropped; ``forget`` are kept losses the driver no longer wants.
         """
         worker = self._installed()
         assert self._hops is not None and self._signature is not None  # set by install
         start = time.perf_counter()
+        for old in forget:
+            self._losses.pop(old, None)
         transport = WorldTransport(self.device, self._groups[update is not None], self._hops, self._signature)
         try:
             step = None
@@ -336,13 +353,17 @@ class WorldProcess:
             result = drive(steps, transport, timeout=worker.runtime.recv_timeout)
             transport.finish()
             grads = addressable_pieces(dict(result.grads)) if return_grads else {}
-            loss = None if result.loss is None else np.asarray(result.loss.addressable_data(0))
+            value = None
+            if result.loss is not None and loss == "report":
+                value = np.asarray(result.loss.addressable_data(0))
+            elif result.loss is not None and loss == "keep":
+                self._losses[number] = result.loss
         except ExecutionError as err:
             return Failure(str(err), err.stage, self.device)
         except Exception as err:  # not ours: still reported as this device's failure
             return Failure(f"device {self.device} failed: {type(err).__name__}: {err}", None, self.device)
         return StepReport(
-            loss=loss,
+            loss=value,
             grads=grads,
             peak_held=result.peak_held,
             leftover=result.leftover,
@@ -351,6 +372,34 @@ class WorldProcess:
             collectives=transport.collectives,
             seconds=time.perf_counter() - start,
         )
+
+    def loss(self, step: int) -> np.ndarray | Failure:
+        """Step ``step``'s kept loss as a numpy scalar, waited for and then forgotten; a
+        computation that failed is reported as the last stage's failure."""
+        kept = self._losses.pop(step, None)
+        if kept is None:
+            return Failure(f"device {self.device} keeps no loss of step {step}", None, self.device)
+        last = len(self._installed().placement) - 1
+        try:
+            return np.asarray(kept.addressable_data(0))
+        except Exception as err:  # a failed computation is reported where its result is read
+            failure = stage_failure(last, self.device, "computing the loss", err)
+            return Failure(str(failure), last, self.device)
+
+    def loss_ready(self, step: int) -> bool:
+        """Whether step ``step``'s kept loss is computed (or has failed); nothing waits."""
+        kept = self._losses.get(step)
+        return kept is None or kept.is_ready()
+
+    def wait(self) -> Failure | None:
+        """Return once everything this process dispatched is computed: its parameters,
+        optimizer state and kept losses; a failed computation is reported as its device's."""
+        worker = self._installed()
+        try:
+            jax.block_until_ready((worker.leaves, worker.states, self._losses))
+        except Exception as err:  # a failed computation is reported where its result is read
+            return Failure(f"device {self.device} failed: {type(err).__name__}: {err}", None, self.device)
+        return None
 
     def doing(self) -> str:
         """What this process's step is doing, in words; answered in another of the
@@ -367,6 +416,10 @@ class WorldProcess:
         if self.worker is None:
             raise ExecutionError(f"process {self.rank} runs no pipeline device yet")
         return self.worker
+
+
+# What the driver may call on a process's step connection (the rest are Ray calls).
+_STEP_METHODS = frozenset({"run_step", "loss", "loss_ready", "wait"})
 
 
 def _host(loopback: bool) -> str:

@@ -10,9 +10,12 @@ raised before anything runs), ships it once (the processes trace it and compile 
 stages), and works out the order of every transfer
 (:func:`pipedsl.rendezvous.exchange_order`). A step is then one ``run_step`` call per
 process, made on the driver's own connection to it (:meth:`RayWorld.step`): the batch's
-leaves go to the processes of the first and last stages, and the loss (and gradients, when
-asked) come back; values between stages are compiled collectives inside the world and never
-pass through the driver or Ray's object store.
+leaves go to the processes of the first and last stages, and each process answers once it
+has dispatched its share; values between stages are compiled collectives inside the world and
+never pass through the driver or Ray's object store. Gradients, when asked, come back in the
+answers (so such a step waits for them, and its loss comes with them); a training step's loss
+stays on the last stage's process until it is read (:mod:`pipedsl.executor.ray.remote_loss`),
+so the step returns without waiting for its computations and copies nothing to the host.
 
 Parameters and optimizer state stay in the world, made there (``Pipeline.init``: each
 process computes its own shards), read from a checkpoint each process writes, or shipped
@@ -40,6 +43,7 @@ from pipedsl.executor.driver import shapes_of
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.ray.actor import Failure, ModelSpec, trace_model
 from pipedsl.executor.ray.cluster import DeviceSlot, RayConfig, RayWorld
+from pipedsl.executor.ray.remote_loss import RemoteLoss
 from pipedsl.executor.ray.transport import assemble
 from pipedsl.executor.runtime.optimizers import couples_through_global_norm
 from pipedsl.executor.sharded_checkpoint import (
@@ -139,6 +143,9 @@ class RayRunner:
         self.transfers: tuple[int, ...] = ()
         self.collectives: tuple[int, ...] = ()
         self._closed = False
+        self._steps_run = 0
+        # Kept losses nobody will read, for their process to forget with the next step.
+        self._unread: list[int] = []
 
     @classmethod
     def start(cls, program: Program, backend: str | RayConfig | RayWorld, **options: Any) -> RayRunner:
@@ -236,10 +243,21 @@ class RayRunner:
         first, last = schedule.placement[0], schedule.placement[-1]
         origin = time.time() if record else None
         host_inputs, host_targets = jax.device_get(list(inputs)), jax.device_get(list(targets))
+        # A step that ships gradients back, or is recorded, waits for its computations
+        # anyway: its loss comes in the report. A training step's is kept where it is.
+        kept = not keep_grads and not record
+        step = self._steps_run
+        self._steps_run += 1
+        reporter = self.ranks(last)[0]
+        unread, self._unread = self._unread, []
         args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = []
         for r in range(self.world.num_processes):
             d = self.device_of(r)
-            options = {"update": update, "origin": origin, "return_grads": keep_grads}
+            options: dict[str, Any] = {"update": update, "origin": origin, "return_grads": keep_grads}
+            if r == reporter:
+                options |= {"loss": "keep" if kept else "report", "number": step, "forget": unread}
+            else:
+                options["loss"] = "drop"
             args.append(((host_inputs if d == first else [], host_targets if d == last else []), options))
         reports = self.world.step(args, what=f"a step of {schedule.name!r}", stage_of=self._stage_of, stop_at=_failed)
         self._raise_failures(reports)
@@ -250,8 +268,48 @@ class RayRunner:
             mine = [reports[r] for r in self.ranks(d)]
             lead = mine[0]
             grads = {i: assemble([m.grads[i] for m in mine]) for i in lead.grads}
-            out.append(DeviceReport(lead.loss, grads, lead.peak_held, lead.leftover, lead.events))
+            loss: Any = lead.loss
+            if d == last and kept:
+                loss = RemoteLoss(self, step)
+            out.append(DeviceReport(loss, grads, lead.peak_held, lead.leftover, lead.events))
         return tuple(out)
+
+    def fetch_loss(self, step: int) -> np.ndarray:
+        """Step ``step``'s kept loss (:class:`~pipedsl.executor.ray.remote_loss.RemoteLoss`),
+        waited for on its process and copied here."""
+        self._check_open()
+        reporter = self.ranks(self.program.schedule.placement[-1])[0]
+        answer = self._ask(reporter, "loss", step, what=f"reading the loss of step {step}")
+        assert isinstance(answer, np.ndarray)  # or a Failure, raised by _ask
+        return answer
+
+    def loss_ready(self, step: int) -> bool:
+        """Whether step ``step``'s kept loss is computed; waits for nothing."""
+        self._check_open()
+        reporter = self.ranks(self.program.schedule.placement[-1])[0]
+        return bool(self._ask(reporter, "loss_ready", step, what=f"asking after the loss of step {step}"))
+
+    def forget_loss(self, step: int) -> None:
+        """Step ``step``'s kept loss will not be read: its process drops it with the next step."""
+        self._unread.append(step)
+
+    def wait(self) -> None:
+        """Return once every process has computed what it was given (the steps dispatched
+        so far, their updates included), raising a failed computation's error."""
+        self._check_open()
+        none: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [((), {})] * self.world.num_processes
+        answers = self.world.step(
+            none, what="waiting for the steps dispatched", stage_of=self._stage_of, stop_at=_failed, method="wait"
+        )
+        self._raise_failures(answers)
+
+    def _ask(self, rank: int, method: str, step: int, *, what: str) -> Any:
+        """``method(step)`` on process ``rank``'s step connection, after the calls made there before."""
+        args: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * self.world.num_processes
+        args[rank] = ((step,), {})
+        answer = self.world.step(args, what=what, stage_of=self._stage_of, method=method)[rank]
+        self._raise_failures([answer])
+        return answer
 
     def fetch(self, *, params: bool) -> tuple[dict[int, np.ndarray], dict[int, Any]]:
         """The owned parameter leaves (with ``params``) or the optimizer states, put

@@ -388,12 +388,15 @@ class RayWorld:
         what: str,
         stage_of: Callable[[int], int | None],
         stop_at: Callable[[Any], bool] | None = None,
+        method: str = "run_step",
     ) -> list[Any]:
-        """:meth:`call` of ``run_step``, made on the driver's own connections to the
-        processes (:mod:`pipedsl.executor.ray.step_channel`) rather than as Ray tasks: the same
-        arguments, results, ``stop_at``, ``step_timeout`` and errors (a process whose
-        connection closes is lost). A step that returns at ``stop_at``, or is interrupted,
-        leaves reports unread: the world is then torn down, as its processes may still be
+        """:meth:`call` of ``method`` (``run_step``, or another call a step's connection
+        serves: reading a kept loss, waiting for what was dispatched), made on the driver's
+        own connections to the processes (:mod:`pipedsl.executor.ray.step_channel`) rather
+        than as Ray tasks: the same arguments, results, ``stop_at``, ``step_timeout`` and
+        errors (a process whose connection closes is lost). A process answers its calls in
+        the order they were made. A call that returns at ``stop_at``, or is interrupted,
+        leaves answers unread: the world is then torn down, as its processes may still be
         waiting in the step's collectives."""
         self._check_open()
         limit = self.config.step_timeout
@@ -404,7 +407,7 @@ class RayWorld:
             for r, a in enumerate(args):
                 if a is not None:
                     try:
-                        self._steps[r].send(a)
+                        self._steps[r].send((method, *a))
                     except OSError as err:
                         self._lost(r, what, err, stage_of)
                     pending[self._steps[r]] = r

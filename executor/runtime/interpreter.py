@@ -101,9 +101,10 @@ class DeviceStep:
 
 
 # A compiled instruction: a function of the step's state, or a receive (the request it
-# yields, answered with the value for the slot it names).
+# yields, answered with the value for the slot it names, and the residual pair that slot
+# holds, if any).
 _Run = Callable[["_StepState"], None]
-_Op = _Run | tuple[Receive, int]
+_Op = _Run | tuple[Receive, int, int | None]
 
 
 class DeviceRuntime:
@@ -176,7 +177,8 @@ class DeviceRuntime:
             for at, op in enumerate(self._ops):
                 self.at = at
                 if isinstance(op, tuple):
-                    state.put(op[1], (yield op[0]))
+                    request, slot, counted = op
+                    state.hold(slot, (yield request), counted)
                 else:
                     op(state)
                     timed = state.timed
@@ -217,7 +219,7 @@ class DeviceRuntime:
             return self._compute(instr, slots)
         slot = slots[instr.buffer]
         if isinstance(instr, Recv):
-            return (Receive(instr.buffer, instr.peer), slot)
+            return (Receive(instr.buffer, instr.peer), slot, self._held[slot])
         if isinstance(instr, Send):
             return _send(instr.buffer, slot, instr.peer)
         return _free(slot, self._held[slot])
@@ -383,8 +385,10 @@ def _send(buffer: Buffer, slot: int, peer: int) -> _Run:
 
 def _free(slot: int, counted: int | None) -> _Run:
     def run(state: _StepState) -> None:
-        state.read(slot)  # freeing a buffer that is not held is the program's error
-        state.values[slot] = _EMPTY
+        values = state.values
+        if values[slot] is _EMPTY:  # freeing a buffer that is not held is the program's error
+            raise state.runtime._missing(slot)
+        values[slot] = _EMPTY
         if counted is not None:
             state.release(counted)
 
@@ -434,9 +438,6 @@ class _StepState:
         if value is _EMPTY:
             raise self.runtime._missing(slot)
         return value
-
-    def put(self, slot: int, value: Any) -> None:
-        self.hold(slot, value, self.runtime._held[slot])
 
     def hold(self, slot: int, value: Any, counted: int | None) -> None:
         """Write ``slot``; ``counted`` is the residual pair it holds, if any."""

@@ -1,22 +1,39 @@
 """A step the host never waits on: no device-to-host copy, dispatch runs ahead of the devices,
 and the whole step as one program (where the pipeline devices share their JAX devices)
-computes what the step dispatched action by action computes."""
+computes what the step dispatched action by action computes; on Ray, a training step's loss
+stays in the world until it is read."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-import pytest
+# The Ray test starts a local instance: on loopback, as pipedsl keeps the instances it
+# starts (Ray reads the variable when it is imported).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-import pipedsl
-from helpers import ADAM, assert_trees_close, library, model, pipeline, reference_training, setup
-from pipedsl.executor import ExecutionError, NonFiniteStep, Pipeline
-from pipedsl.executor.compilation_cache import CACHE_ENV, cache_folder
-from pipedsl.executor.local.fused import Fuse
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import pipedsl  # noqa: E402
+from helpers import (  # noqa: E402
+    ADAM,
+    RAY_CONFIG,
+    assert_trees_close,
+    library,
+    model,
+    pipeline,
+    reference_training,
+    setup,
+)
+from pipedsl.executor import ExecutionError, NonFiniteStep, Pipeline  # noqa: E402
+from pipedsl.executor.compilation_cache import CACHE_ENV, cache_folder  # noqa: E402
+from pipedsl.executor.local.fused import Fuse  # noqa: E402
+from pipedsl.executor.ray.remote_loss import RemoteLoss  # noqa: E402
 
 WIDTH = 256
 
@@ -58,6 +75,36 @@ def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_fini
     pipe.block_until_ready()  # every update done: what the devices hold is computed
     assert all(leaf.is_ready() for w in pipe.backend.workers for leaf in jax.tree_util.tree_leaves(w.leaves))
     assert np.isfinite(float(loss))
+
+
+@pytest.mark.ray
+@pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
+def test_ray_train_steps_keep_their_losses_in_the_world_until_read() -> None:
+    schedule = library("1f1b")
+    m = model("mlp", schedule.num_stages)
+    params, batch, _, _ = setup("mlp", "explicit", schedule.num_stages)
+    optimizer = optax.sgd(1e-2)
+    local = Pipeline(m.stages, loss=m.loss, schedule=schedule)
+    expected = []
+    held, state = params, None
+    for _ in range(10):
+        held, state, loss = local.train_step(held, state, batch, optimizer=optimizer)
+        expected.append(float(loss))
+    with Pipeline(m.stages, loss=m.loss, schedule=schedule, backend=RAY_CONFIG) as pipe:
+        held, state, losses = params, None, []
+        for _ in range(10):
+            held, state, loss = pipe.train_step(held, state, batch, optimizer=optimizer)
+            losses.append(loss)
+        # Each step returned once the world had dispatched it: no loss came to the host.
+        assert all(isinstance(x, RemoteLoss) and not x.fetched for x in losses)
+        pipe.block_until_ready()
+        assert all(x.is_ready() for x in losses)
+        # Read in any order, each is its own step's, as on the local backend.
+        for x, want in reversed(list(zip(losses, expected, strict=True))):
+            np.testing.assert_allclose(float(x), want, rtol=1e-5)
+        assert all(x.fetched for x in losses)
+        # A step whose gradients come back ships its loss with them.
+        assert isinstance(pipe.step(held, batch).loss, np.ndarray)
 
 
 @pytest.mark.parametrize(
