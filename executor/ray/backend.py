@@ -29,6 +29,7 @@ shards, put together here).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,8 @@ class RayRunner:
         self._steps_run = 0
         # Kept losses nobody will read, for their process to forget with the next step.
         self._unread: list[int] = []
+        # Kept losses the caller may still read, fetched when the pipeline closes.
+        self._held_losses: weakref.WeakValueDictionary[int, RemoteLoss] = weakref.WeakValueDictionary()
 
     @classmethod
     def start(cls, program: Program, backend: str | RayConfig | RayWorld, **options: Any) -> RayRunner:
@@ -270,7 +273,7 @@ class RayRunner:
             grads = {i: assemble([m.grads[i] for m in mine]) for i in lead.grads}
             loss: Any = lead.loss
             if d == last and kept:
-                loss = RemoteLoss(self, step)
+                loss = self._held_losses[step] = RemoteLoss(self, step)
             out.append(DeviceReport(loss, grads, lead.peak_held, lead.leftover, lead.events))
         return tuple(out)
 
@@ -384,6 +387,8 @@ class RayRunner:
         the processes forget this pipeline."""
         if self._closed:
             return
+        for loss in list(self._held_losses.values()):
+            loss.settle()
         self._closed = True
         if self._owns_world:
             self.world.close()

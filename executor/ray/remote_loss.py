@@ -7,7 +7,9 @@ the driver, as a scalar array does: ``float(loss)``, ``np.asarray(loss)``, ``los
 and ``jax.block_until_ready(loss)`` fetch it (once; a process answers its calls in the order
 they were made, so the read waits for that step, not for later ones), ``loss.is_ready()``
 asks without waiting. A computation of the step that failed is raised where the loss is
-read, named by stage. A loss dropped unread is forgotten by its process with the next step.
+read, named by stage. A loss dropped unread is forgotten by its process with the next step;
+one still held when its pipeline closes is fetched then (:meth:`RemoteLoss.settle`), so
+that it can be read after.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class LossSource(Protocol):
 class RemoteLoss:
     """Step ``step``'s mean loss over microbatches, kept where it was computed (module docstring)."""
 
-    __slots__ = ("_source", "step", "_value", "__weakref__")
+    __slots__ = ("_source", "step", "_value", "_error", "__weakref__")
 
     shape: tuple[int, ...] = ()
     ndim = 0
@@ -48,13 +50,25 @@ class RemoteLoss:
         self._source = source
         self.step = step
         self._value: np.ndarray | None = None
+        self._error: BaseException | None = None
         weakref.finalize(self, _forget, weakref.ref(source), step)
 
     def value(self) -> np.ndarray:
         """The loss as a numpy scalar, fetched once (waiting for its step)."""
+        if self._error is not None:
+            raise self._error
         if self._value is None:
             self._value = self._source.fetch_loss(self.step)
         return self._value
+
+    def settle(self) -> None:
+        """Fetch the value now (its source is about to close), keeping a failure to raise
+        where the loss is read."""
+        if self._value is None and self._error is None:
+            try:
+                self._value = self._source.fetch_loss(self.step)
+            except Exception as err:  # the step's own error, raised when the loss is read
+                self._error = err
 
     @property
     def fetched(self) -> bool:
@@ -67,7 +81,7 @@ class RemoteLoss:
 
     def is_ready(self) -> bool:
         """Whether the loss is computed (fetched or not); waits for nothing."""
-        return self._value is not None or self._source.loss_ready(self.step)
+        return self._value is not None or self._error is not None or self._source.loss_ready(self.step)
 
     def block_until_ready(self) -> RemoteLoss:
         """Wait until the loss is computed, fetching it (as ``jax.block_until_ready`` does)."""
