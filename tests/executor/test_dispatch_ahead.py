@@ -14,7 +14,7 @@ import pytest
 
 import pipedsl
 from helpers import ADAM, assert_trees_close, library, model, pipeline, reference_training, setup
-from pipedsl.executor import NonFiniteStep, Pipeline
+from pipedsl.executor import NonFiniteStep, Pipeline, RunOptions
 from pipedsl.executor.compilation_cache import CACHE_ENV, cache_folder
 
 WIDTH = 256
@@ -39,7 +39,7 @@ def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_fini
         loss=_mse,
         schedule=pipedsl.load("1f1b", pp=2, microbatches=4),
         devices=[device, device],
-        fuse=fuse,
+        options=RunOptions(fuse=fuse),
     )
     params = [jnp.eye(WIDTH) * 0.5, jnp.eye(WIDTH) * 0.5]
     # Host arrays: the batch goes in (host to device), nothing comes out.
@@ -65,7 +65,7 @@ def test_one_program_computes_what_the_actions_apart_compute(name: str) -> None:
     params, batch, ref_loss, ref_grads = setup("transformer", "explicit", schedule.num_stages)
     shared = [jax.devices()[0]] * schedule.num_devices
     fused = pipeline("transformer", "explicit", schedule, devices=shared)
-    apart = pipeline("transformer", "explicit", schedule, devices=shared, fuse=False)
+    apart = pipeline("transformer", "explicit", schedule, devices=shared, options=RunOptions(fuse=False))
     one, each = fused.step(params, batch), apart.step(params, batch)
     np.testing.assert_allclose(float(one.loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(one.grads, ref_grads)
@@ -99,7 +99,7 @@ def test_one_program_clips_by_the_whole_models_norm() -> None:
     shared = [jax.devices()[0]] * schedule.num_devices
 
     def trained(fuse: bool) -> Any:
-        pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, devices=shared, fuse=fuse)
+        pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, devices=shared, options=RunOptions(fuse=fuse))
         held, _, _ = pipe.train_step(params, None, batch, optimizer=clipped)
         return pipe.gather(held)
 
