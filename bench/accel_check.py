@@ -63,18 +63,16 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import pipedsl  # noqa: E402
-from pipedsl.executor import Pipeline  # noqa: E402
+from pipedsl.executor import Pipeline, RunOptions  # noqa: E402
 from pipedsl.executor.models import BuiltinModel, llama, reference_stages  # noqa: E402
 from pipedsl.results import Figure, append_result  # noqa: E402
+from pipedsl.run_options import Precision, RecomputeMode  # noqa: E402
 
 if TYPE_CHECKING:
     from pipedsl.executor.stages.stage_program import StageMemory
 
 ACCELERATORS = ("gpu", "tpu")
 """The JAX platforms that run the checks at :data:`ACCELERATOR_SIZE`; any other runs the toy one."""
-
-Precision = Literal["fp32", "bf16"]
-Recompute = Literal["none", "selective", "full"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +125,7 @@ class Variant:
     """One pipeline of the checks: the same model, schedule and device, these options."""
 
     precision: Precision
-    recompute: Recompute = "none"
+    recompute: RecomputeMode = "none"
     fused: bool = False
 
 
@@ -249,7 +247,7 @@ class Checks:
             m = _model(self.size, fused=True) if v.fused else self.m
             self._pipelines[v] = Pipeline(
                 m.stages, loss=m.loss, schedule=self.schedule, devices=[self.device, self.device],
-                precision=v.precision, recompute=v.recompute,
+                options=RunOptions(precision=v.precision, recompute=v.recompute),
             )  # fmt: skip
         return self._pipelines[v]
 
@@ -416,7 +414,7 @@ class Checks:
             f"{self.step_precision}, pipeline {t_pipe * 1e3:.1f} ms, one jax.jit {t_jit * 1e3:.1f} ms",
         )
 
-    def recompute(self, mode: Recompute) -> Row:
+    def recompute(self, mode: RecomputeMode) -> Row:
         v = Variant("fp32", mode)
         _, ref_grads = self.reference("fp32")
         err = _relative(self.gradients(v)[1], ref_grads)
@@ -516,8 +514,9 @@ class Checks:
         with jax.default_device(self.device):
             batch = m.batch(jax.random.PRNGKey(3), size)
         pipe = Pipeline(
-            m.stages, loss=m.loss, schedule=schedule, dp=dp, tp=tp, param_specs=m.param_specs(self.params),
-            devices=self.devices[: pp * dp * tp], recompute="selective", sequence_parallel=tp > 1,
+            m.stages, loss=m.loss, schedule=schedule, param_specs=m.param_specs(self.params),
+            devices=self.devices[: pp * dp * tp],
+            options=RunOptions(dp=dp, tp=tp, recompute="selective", sequence_parallel=tp > 1),
         )  # fmt: skip
         with _scope("fp32"):
             _, ref_grads = _reference_program(m, self.params, batch, "fp32")(self.params, *batch)

@@ -189,7 +189,7 @@ def _pipeline_step(size: Size, plan: Plan, device: Any, optimizer: Any, *, fuse:
     """A plan's pipeline (every pipeline device on ``device``) and its step."""
     import jax
 
-    from pipedsl.executor import Pipeline
+    from pipedsl.executor import Pipeline, RunOptions
     from pipedsl.library import library_path, load
 
     params = {"pp": plan.pp, "microbatches": size.microbatches} | ({"vpp": plan.vpp} if plan.vpp > 1 else {})
@@ -203,9 +203,8 @@ def _pipeline_step(size: Size, plan: Plan, device: Any, optimizer: Any, *, fuse:
         m.stages,
         loss=m.loss,
         schedule=schedule,
-        precision="bf16",
+        options=RunOptions(precision="bf16", fuse=fuse),
         devices=[device] * schedule.num_devices,
-        fuse=fuse,
     )
     held: list[Any] = [init, None]
 
@@ -222,7 +221,7 @@ def _per_action(device: Any, steps: int, rounds: int, *, fuse: str) -> float:
     import jax.numpy as jnp
     import optax
 
-    from pipedsl.executor import Pipeline
+    from pipedsl.executor import Pipeline, RunOptions
     from pipedsl.library import library_path, load
 
     def scale(w: Any, h: Any) -> Any:
@@ -232,7 +231,7 @@ def _per_action(device: Any, steps: int, rounds: int, *, fuse: str) -> float:
         return jnp.mean((y - t) ** 2)
 
     schedule = load(library_path("1f1b"), pp=2, microbatches=16)
-    pipe = Pipeline([scale, scale], loss=mse, schedule=schedule, devices=[device] * 2, fuse=fuse)
+    pipe = Pipeline([scale, scale], loss=mse, schedule=schedule, devices=[device] * 2, options=RunOptions(fuse=fuse))
     with jax.default_device(device):
         held: list[Any] = [[jnp.ones((4,)), jnp.ones((4,))], None]
         batch = (jnp.ones((16, 4)), jnp.zeros((16, 4)))

@@ -53,7 +53,7 @@ def _train(plan: Any) -> Any:
     import jax
     import optax
 
-    from pipedsl.cli.calibrate import demo_transformer
+    from pipedsl.cli.calibrate import DEMO_MODEL, demo_transformer
     from pipedsl.executor import Pipeline
 
     schedule = plan.schedule_of()
@@ -63,7 +63,7 @@ def _train(plan: Any) -> Any:
     params = model.init_stages(key)
     specs = model.param_specs(params) if plan.tp > 1 else None
     pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=schedule, dp=plan.dp, tp=plan.tp, zero=plan.zero, param_specs=specs
+        model.stages, loss=model.loss, schedule=schedule, options=plan.run_options(DEMO_MODEL), param_specs=specs
     )
     optimizer = optax.adam(3e-3)
     state: list[Any] = [params, None]
@@ -129,7 +129,7 @@ def overhead(args: argparse.Namespace) -> None:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from pipedsl.executor import Pipeline
+    from pipedsl.executor import Pipeline, RunOptions
     from pipedsl.executor.models import transformer
     from pipedsl.library import library_path, load
 
@@ -143,7 +143,10 @@ def overhead(args: argparse.Namespace) -> None:
     one_f = load(library_path("1f1b"), pp=2, microbatches=m)
 
     def plan(model: Any, schedule: Any, params: Any, **mesh: int) -> Pipeline:
-        return Pipeline(model.stages, loss=model.loss, schedule=schedule, param_specs=model.param_specs(params), **mesh)
+        return Pipeline(
+            model.stages, loss=model.loss, schedule=schedule, options=RunOptions(**mesh),
+            param_specs=model.param_specs(params),
+        )  # fmt: skip
 
     plans = {
         "spmd dp=8": (plan(one, gpipe, p1, dp=8), p1),

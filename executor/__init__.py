@@ -1,8 +1,9 @@
 """Running schedules: JAX stage programs interpreted per device (MPMD).
 
 ``Pipeline`` runs a model (explicit stage functions, or one function split at
-``stage_boundary`` markers) under a lowered schedule on a backend, every pipeline device a
-``dp x tp`` mesh of JAX devices (``Pipeline(..., dp=, tp=, zero=, param_specs=)``; see
+``stage_boundary`` markers) under a lowered schedule on a backend, as its ``RunOptions``
+say (:mod:`pipedsl.run_options`), every pipeline device a ``dp x tp`` mesh of JAX devices
+(``Pipeline(..., options=RunOptions(dp=, tp=, zero=), param_specs=)``; see
 :mod:`pipedsl.executor.stages.mesh`); the ``local`` backend hosts one worker per pipeline device
 on threads of this process, the ``ray`` backend one ``jax.distributed`` world of Ray
 processes whose stage meshes may span processes and nodes (``RayConfig``; a started
@@ -22,6 +23,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from pipedsl.executor.errors import ExecutionError, NonFiniteStep
+from pipedsl.run_options import RunOptions
 
 if TYPE_CHECKING:
     from pipedsl.executor.backend import Resident
@@ -33,6 +35,7 @@ __all__ = [
     "ExecutionError",
     "NonFiniteStep",
     "Pipeline",
+    "RunOptions",
     "StepResult",
     "stage_boundary",
     "RayConfig",

@@ -375,7 +375,7 @@ _ROW = ("out", "down")
 def transformer_specs(params: Params) -> Params:
     """The tensor-parallel ``PartitionSpec`` of every leaf of the transformer's
     parameters, in either form (``init_stages`` or ``init_function``), for
-    ``Pipeline(..., tp=T, param_specs=transformer_specs(params))``.
+    ``Pipeline(..., options=RunOptions(tp=T), param_specs=transformer_specs(params))``.
 
     ``T`` must divide the vocabulary and ``3 * dim``, ``4 * dim`` and ``dim``.
     """

@@ -5,6 +5,7 @@
     sched = pipedsl.load("schedules/1f1b.sched", pp=4, microbatches=8)
     pipe = Pipeline([f0, f1, f2, f3], loss=loss_fn, schedule=sched)      # explicit stages
     pipe = Pipeline.from_function(model_fn, loss=loss_fn, schedule=sched)  # stage_boundary markers
+    pipe = Pipeline(stages, loss=loss_fn, schedule=sched, options=RunOptions(dp=2, zero=1))  # 2 x 1 meshes
     loss, grads = pipe.value_and_grad(params, (inputs, targets))
     params, opt_state, loss = pipe.train_step(params, opt_state, (inputs, targets), optimizer=opt)
     params = pipe.gather(params)                                            # numpy, on the driver
@@ -47,15 +48,14 @@ from pipedsl.executor.driver import Driver, shapes_of
 from pipedsl.executor.errors import ExecutionError, NonFiniteStep
 from pipedsl.executor.functions import check_functions
 from pipedsl.executor.local.backend import LocalBackend
-from pipedsl.executor.local.fused import FUSE_MODES, Fuse
 from pipedsl.executor.ray.backend import RayRunner
 from pipedsl.executor.ray.cluster import DeviceSlot, RayConfig, RayWorld
-from pipedsl.executor.stages.mesh import DATA, MeshConfig
-from pipedsl.executor.stages.stage_options import Precision, RecomputeMode, StageOptions
+from pipedsl.executor.stages.mesh import DATA
 from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.ir import Schedule
 from pipedsl.policy import Policy
 from pipedsl.program import Program, lower
+from pipedsl.run_options import RunOptions
 from pipedsl.stage_costs import UNIFORM, CostSource
 from pipedsl.synthesize import synthesize
 
@@ -90,51 +90,33 @@ class Pipeline:
         microbatch's activations at a time, ``gpipe`` every microbatch's). A policy
         (``zb_auto``, or a :class:`~pipedsl.policy.Policy`) is synthesised here
         (:func:`pipedsl.synthesize.synthesize`) against ``costs``.
-      costs: for a policy schedule, the costs its order is synthesised against (the
-        simulator's ``CostModel``, or :class:`~pipedsl.stage_costs.StageCosts`); None: the
-        uniform default, with a warning that says so. Refused for a schedule with an order.
+      options: how it runs (:class:`~pipedsl.run_options.RunOptions`, checked when made):
+        every pipeline device a ``dp x cp x tp`` mesh with ZeRO stage ``zero``, each stage's
+        ``recompute`` mode (what the model passes through
+        :func:`~pipedsl.executor.stages.stage_options.selective` is the ``"selective"`` part),
+        ``precision``, ``sequence_parallel`` (what the model passes through
+        :func:`~pipedsl.executor.stages.stage_options.sequence_sharded`), ``fuse`` and
+        ``recv_timeout``; the defaults run one JAX device per pipeline device in fp32.
+        ``dp`` splits every microbatch (its size must divide by ``dp``) over the mesh axis
+        ``"data"``, and XLA reduces the gradients inside the stage programs.
       backend: ``"local"`` (every pipeline device a mesh of JAX devices of this process),
         ``"ray"`` (one ``jax.distributed`` world of Ray processes, a stage mesh possibly
         spanning several; a :class:`~pipedsl.executor.ray.cluster.RayConfig` sets its
         options; see :mod:`pipedsl.executor.ray.backend`), or a started
         :class:`~pipedsl.executor.ray.cluster.RayWorld` to run on (and leave running when
         this pipeline closes).
-      recompute: what each stage's backward recomputes instead of keeping, as the
-        planner prices it: ``"none"``, ``"selective"`` (the attention core: what the model
-        passes through :func:`~pipedsl.executor.stages.stage_options.selective`) or ``"full"``
-        (everything but the stage's inputs); one mode for all stages or one per stage.
-      precision: ``"fp32"`` or ``"bf16"``: bf16 compute and activations, fp32 master
-        weights, optimizer state and gradient accumulation (Megatron-LM's mixed precision).
-      sequence_parallel: with ``tp > 1``, split the activations the model passes through
-        :func:`~pipedsl.executor.stages.stage_options.sequence_sharded` (norms, dropout) along
-        the sequence over ``"tensor"``.
       devices: for the local backend, the JAX devices of every pipeline device in order,
-        ``dp x tp`` each (default: the first ones JAX reports).
-      recv_timeout: seconds any device waits for another before giving up.
-      dp: data-parallel devices per pipeline device: each microbatch is split over the
-        mesh axis ``"data"`` (its size must divide by ``dp``) and XLA reduces the
-        gradients inside the stage programs.
-      tp: tensor-parallel devices per pipeline device (mesh axis ``"tensor"``), used as
-        ``param_specs`` says.
-      zero: ZeRO stage over ``"data"``: 1 shards the optimizer state, 2 also the
-        accumulated gradients, 3 also the parameters (XLA gathers them where used).
-      reduce_once: with ``zero`` 2 or 3, accumulate the gradients unreduced and reduce
-        them once per step (one reduce-scatter), as FSDP without per-microbatch sync and
-        Megatron-LM's distributed optimizer do.
-      cp: context-parallel devices per pipeline device (mesh axis ``"context"``): every
-        sequence (axis 1 of the inputs and activations) is split over them.
+        ``dp x cp x tp`` each (default: the first ones JAX reports).
       param_specs: a pytree with the structure of the parameters (or a prefix of it)
         whose leaves are ``jax.sharding.PartitionSpec`` over the axis ``"tensor"`` (None:
         replicated); see :mod:`pipedsl.executor.models` for the built-in transformer's.
-      fuse: on the local backend, where two or more pipeline devices all run on the same
-        JAX devices (stages sharing one chip), how each unrecorded step runs
-        (:mod:`pipedsl.executor.local.fused`): ``"loop"`` (the default), one program that
-        loops over the microbatches, each through every stage (it compiles about as long
-        as one ``jax.jit`` of the step that accumulates the microbatches, and keeps one
-        microbatch's activations at a time); ``"unrolled"``, one program of every action of
-        the schedule (it compiles several times longer, and lets XLA overlap the
-        microbatches as their data dependencies allow); ``"off"``, every action dispatched
-        apart, as on separate devices.
+      costs: for a policy schedule, the costs its order is synthesised against (the
+        simulator's ``CostModel``, or :class:`~pipedsl.stage_costs.StageCosts`); None: the
+        uniform default, with a warning that says so. Refused for a schedule with an order.
+
+    Attributes:
+      schedule: the schedule it runs (a policy's synthesised order); program: it lowered.
+      options: the :class:`~pipedsl.run_options.RunOptions` it runs with.
     """
 
     def __init__(
@@ -143,20 +125,11 @@ class Pipeline:
         *,
         loss: Callable[[Any, Any], Any],
         schedule: Schedule | Policy | str | os.PathLike[str],
-        costs: CostSource | None = None,
+        options: RunOptions = RunOptions(),
         backend: str | RayConfig | RayWorld = "local",
-        recompute: RecomputeMode | Sequence[RecomputeMode] = "none",
-        precision: Precision = "fp32",
-        sequence_parallel: bool = False,
         devices: Sequence[jax.Device] | None = None,
-        recv_timeout: float = 300.0,
-        dp: int = 1,
-        tp: int = 1,
-        zero: int = 0,
         param_specs: Any = None,
-        reduce_once: bool = False,
-        cp: int = 1,
-        fuse: Fuse = "loop",
+        costs: CostSource | None = None,
     ) -> None:
         schedule = _schedule_argument(schedule, costs)
         if not isinstance(stages, Iterable) or isinstance(stages, str):
@@ -169,9 +142,7 @@ class Pipeline:
                 f"the model has {len(stages)} stages but schedule {schedule.name!r} has "
                 f"{schedule.num_stages}; give one stage function per schedule stage"
             )
-        mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once, cp=cp)
-        options = _stage_options(schedule, recompute, precision, sequence_parallel)
-        self._setup(stages, None, loss, schedule, backend, options, devices, recv_timeout, mesh, param_specs, fuse)
+        self._setup(stages, None, loss, schedule, options, backend, devices, param_specs)
 
     @classmethod
     def from_function(
@@ -180,30 +151,18 @@ class Pipeline:
         *,
         loss: Callable[[Any, Any], Any],
         schedule: Schedule | Policy | str | os.PathLike[str],
-        costs: CostSource | None = None,
+        options: RunOptions = RunOptions(),
         backend: str | RayConfig | RayWorld = "local",
-        recompute: RecomputeMode | Sequence[RecomputeMode] = "none",
-        precision: Precision = "fp32",
-        sequence_parallel: bool = False,
         devices: Sequence[jax.Device] | None = None,
-        recv_timeout: float = 300.0,
-        dp: int = 1,
-        tp: int = 1,
-        zero: int = 0,
         param_specs: Any = None,
-        reduce_once: bool = False,
-        cp: int = 1,
-        fuse: Fuse = "loop",
+        costs: CostSource | None = None,
     ) -> Pipeline:
         """A pipeline for ``model_fn(params, x) -> y`` split at its ``stage_boundary``
         markers (see :mod:`pipedsl.executor.stages.split`); ``params`` is then the pytree
         ``model_fn`` takes (and ``param_specs`` mirrors it). Other arguments as for
         :class:`Pipeline`."""
         pipe = cls.__new__(cls)
-        schedule = _schedule_argument(schedule, costs)
-        mesh = MeshConfig(dp=dp, tp=tp, zero=zero, reduce_once=reduce_once, cp=cp)
-        options = _stage_options(schedule, recompute, precision, sequence_parallel)
-        pipe._setup(None, model_fn, loss, schedule, backend, options, devices, recv_timeout, mesh, param_specs, fuse)
+        pipe._setup(None, model_fn, loss, _schedule_argument(schedule, costs), options, backend, devices, param_specs)
         return pipe
 
     def _setup(
@@ -212,22 +171,20 @@ class Pipeline:
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
         schedule: Schedule,
+        options: RunOptions,
         backend: str | RayConfig | RayWorld,
-        options: tuple[StageOptions, ...],
         devices: Sequence[jax.Device] | None,
-        recv_timeout: float,
-        mesh: MeshConfig,
         param_specs: Any,
-        fuse: Fuse,
     ) -> None:
+        if not isinstance(options, RunOptions):
+            raise ExecutionError(
+                f"options must be a pipedsl.RunOptions, such as RunOptions(dp=2, zero=1); got {type(options).__name__}"
+            )
         check_functions(loss=loss, stages=stages, model_fn=model_fn)
-        if not isinstance(fuse, str) or fuse not in FUSE_MODES:
-            raise ExecutionError(f"fuse must be one of {', '.join(map(repr, FUSE_MODES))}, got {fuse!r}")
         enable_compilation_cache()
         self.schedule = schedule
         self.program: Program = lower(schedule)
         self._last_batch: tuple[Any, _Batch] | None = None
-        self.mesh = mesh
         self._stages = stages
         self.options = options
         self.backend: LocalBackend | RayRunner
@@ -238,9 +195,7 @@ class Pipeline:
                 stages=stages,
                 model_fn=model_fn,
                 loss=loss,
-                stage_options=options,
-                recv_timeout=recv_timeout,
-                mesh=mesh,
+                options=options,
                 param_specs=param_specs,
             )
             # A pipeline dropped without close() still ends (or leaves) its world when
@@ -253,12 +208,9 @@ class Pipeline:
                 stages=stages,
                 model_fn=model_fn,
                 loss=loss,
-                stage_options=options,
+                options=options,
                 devices=devices,
-                recv_timeout=recv_timeout,
-                mesh=mesh,
                 param_specs=param_specs,
-                fuse=fuse,
             )
         else:
             raise ExecutionError(
@@ -480,7 +432,7 @@ class Pipeline:
                 f"use a batch size that is a multiple of {count}"
             )
         per = size // count
-        dp = self.mesh.dp
+        dp = self.options.dp
         if per % dp:
             raise ExecutionError(
                 f"a microbatch of {per} examples ({size} / {count} microbatches) does not split over "
@@ -536,16 +488,3 @@ def _schedule_argument(schedule: Any, costs: CostSource | None) -> Schedule:
             " (such as 'zb_auto'): leave costs out"
         )
     return schedule
-
-
-def _stage_options(
-    schedule: Schedule,
-    recompute: RecomputeMode | Sequence[RecomputeMode],
-    precision: Precision,
-    sequence_parallel: bool,
-) -> tuple[StageOptions, ...]:
-    """Every stage's :class:`StageOptions`, checked."""
-    modes = (recompute,) * schedule.num_stages if isinstance(recompute, str) else tuple(recompute)
-    if len(modes) != schedule.num_stages:
-        raise ExecutionError(f"recompute has {len(modes)} modes; the schedule has {schedule.num_stages} stages")
-    return tuple(StageOptions(recompute=m, precision=precision, sequence_parallel=sequence_parallel) for m in modes)

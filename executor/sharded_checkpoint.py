@@ -33,8 +33,8 @@ import jax
 
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.event_loops import draining
-from pipedsl.executor.stages.mesh import MeshConfig
 from pipedsl.ir import Schedule
+from pipedsl.run_options import RunOptions
 
 if TYPE_CHECKING:
     import optax
@@ -59,20 +59,20 @@ PLAN = "plan.json"
 
 
 def plan_record(
-    schedule: Schedule, mesh: MeshConfig, *, processes: int, model: StagedModel, specs: Sequence[Any]
+    schedule: Schedule, options: RunOptions, *, processes: int, model: StagedModel, specs: Sequence[Any]
 ) -> dict[str, Any]:
-    """The plan and model that write a version: the schedule, its placement, the mesh, the
-    process count, every parameter leaf's place in the parameters' pytree with its dtype
-    and shape, the stage that owns it, and its spec (``specs``, in leaf order). A version is
-    read back by any plan of the same model (:func:`latest_readable`)."""
+    """The plan and model that write a version: the schedule, its placement, the mesh
+    (``options``' degrees and ZeRO stage), the process count, every parameter leaf's place
+    in the parameters' pytree with its dtype and shape, the stage that owns it, and its spec
+    (``specs``, in leaf order). A version is read back by any plan of the same model (:func:`latest_readable`)."""
     params = jax.tree_util.tree_unflatten(model.param_treedef, list(model.param_avals))
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     return {
         "schedule": schedule.name,
         "placement": list(schedule.placement),
-        "dp": mesh.dp,
-        "tp": mesh.tp,
-        "zero": mesh.zero,
+        "dp": options.dp,
+        "tp": options.tp,
+        "zero": options.zero,
         "processes": processes,
         "leaves": [[jax.tree_util.keystr(path), _shown(a)] for path, a in leaves],
         "owners": list(model.owner),

@@ -13,6 +13,10 @@ A ``.sched`` file with a ``policy`` block loads as a :class:`Policy` (limits and
 priorities); :func:`synthesize` gives its Schedule against costs (the simulator's
 ``CostModel``, :class:`StageCosts`, or by default uniform ones).
 
+A :class:`RunOptions` says how a pipeline runs (mesh degrees, ZeRO stage, recomputation,
+precision): the executor's ``Pipeline`` takes it, ``pipedsl run`` makes it from its flags and
+the planner's plans make their own.
+
 The simulator is :mod:`pipedsl.simulator`; the executor is :mod:`pipedsl.executor`
 (imported on demand, since it brings in JAX).
 """
@@ -29,6 +33,7 @@ from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import library_path, library_schedules, load, parse
 from pipedsl.policy import Policy
 from pipedsl.program import Program, lower
+from pipedsl.run_options import RunOptions, RunOptionsError
 from pipedsl.stage_costs import StageCosts
 from pipedsl.synthesize import synthesize
 from pipedsl.timeline import Timeline
@@ -42,6 +47,8 @@ __all__ = [
     "Policy",
     "Program",
     "Report",
+    "RunOptions",
+    "RunOptionsError",
     "Schedule",
     "StageCosts",
     "ScheduleEvalError",

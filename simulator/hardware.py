@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.errors import PipedslError
+from pipedsl.run_options import Precision
 from pipedsl.simulator.tomlfile import read_toml
 
 __all__ = [
@@ -141,6 +142,13 @@ class Model:
     @property
     def num_kv_heads(self) -> int:
         return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def precision(self) -> Precision:
+        """The executor's precision that trains this model as it is priced: ``"fp32"`` for
+        4-byte values, else ``"bf16"`` (bf16 compute and activations over fp32 master
+        weights, as :mod:`~pipedsl.simulator.memory` prices a model of 2-byte values)."""
+        return "fp32" if self.dtype_bytes == 4 else "bf16"
 
     @property
     def kv_width(self) -> int:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pipedsl import library
 from pipedsl.errors import PipedslError
+from pipedsl.run_options import RecomputeMode, RunOptions
 from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, Framework
+from pipedsl.simulator.hardware import Model
 
 __all__ = ["Recompute", "ContextExchange", "PlanError", "Plan", "schedule_name", "sharding_words"]
 
@@ -205,6 +207,28 @@ class Plan:
         return (
             f"{kind} dp{self.dp} tp{self.tp}{cp} pp{self.pp}{vpp} mb{self.microbatch_size} "
             f"{self.sharding} {self.recompute.value}"
+        )
+
+    def run_options(self, model: Model) -> RunOptions:
+        """How the executor runs this plan of ``model`` as it is priced: its degrees, ZeRO
+        stage and reduction, recomputation, sequence parallelism (with ``tp > 1``, where it
+        splits something) and the precision of ``model``'s values (:attr:`Model.precision`).
+        Refuses a plan the executor runs otherwise than priced (ZeRO 3 keeping the gathered
+        weights for the backward), naming the field."""
+        if self.zero == 3 and not self.reshard_after_forward:
+            raise PlanError(
+                "plan: reshard_after_forward = false (ZeRO 3 keeping the forward's gathered weights for the"
+                " backward) is priced but not run: the executor gathers them again in the backward"
+            )
+        return RunOptions(
+            dp=self.dp,
+            tp=self.tp,
+            cp=self.cp,
+            zero=self.zero,
+            reduce_once=self.reduce_once and self.zero >= 2,
+            recompute=cast(RecomputeMode, self.recompute.value),  # Recompute's values are the modes
+            precision=model.precision,
+            sequence_parallel=self.sequence_parallel and self.tp > 1,
         )
 
     def to_json(self) -> dict[str, Any]:

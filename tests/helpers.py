@@ -23,6 +23,7 @@ import pytest
 from hypothesis import strategies as st
 
 import pipedsl
+from pipedsl import RunOptions
 from pipedsl.executor import Pipeline
 from pipedsl.executor.models import BuiltinModel, mlp, reference_stages, transformer
 from pipedsl.executor.ray.backend import RayRunner
@@ -268,11 +269,13 @@ def setup(kind: str, form: str, num_stages: int) -> tuple[Any, tuple[Any, Any], 
     return params, batch, loss, grads
 
 
-def pipeline(kind: str, form: str, schedule: Schedule, **options: Any) -> Pipeline:
+def pipeline(kind: str, form: str, schedule: Schedule, *, options: RunOptions = RunOptions(), **where: Any) -> Pipeline:
+    """The built-in ``kind`` model, ``form`` explicit or marked, under ``schedule``; ``where``
+    is the backend and devices."""
     m = model(kind, schedule.num_stages)
     if form == "explicit":
-        return Pipeline(m.stages, loss=m.loss, schedule=schedule, **options)
-    return Pipeline.from_function(m.model_fn, loss=m.loss, schedule=schedule, **options)
+        return Pipeline(m.stages, loss=m.loss, schedule=schedule, options=options, **where)
+    return Pipeline.from_function(m.model_fn, loss=m.loss, schedule=schedule, options=options, **where)
 
 
 # Adam divides by the gradient's magnitude, so a gradient that is zero in exact
@@ -351,12 +354,15 @@ def hybrid_problem(form: str, num_stages: int, dp: int) -> tuple[BuiltinModel, A
     return m, params, batch, loss, grads
 
 
-def hybrid(form: str, schedule: Any, *, dp: int, tp: int, zero: int, **options: Any) -> Pipeline:
-    m, params, *_ = hybrid_problem(form, schedule.num_stages, dp)
+def hybrid(form: str, schedule: Any, *, backend: Any = "local", **options: Any) -> Pipeline:
+    """The transformer of :func:`hybrid_problem` under ``schedule`` with its tensor-parallel
+    specs, run as ``RunOptions(**options)`` say on ``backend``."""
+    run = RunOptions(**options)
+    m, params, *_ = hybrid_problem(form, schedule.num_stages, run.dp)
     specs = m.param_specs(params)
     make = Pipeline if form == "explicit" else Pipeline.from_function
     fn = m.stages if form == "explicit" else m.model_fn
-    return make(fn, loss=m.loss, schedule=schedule, dp=dp, tp=tp, zero=zero, param_specs=specs, **options)
+    return make(fn, loss=m.loss, schedule=schedule, options=run, backend=backend, param_specs=specs)
 
 
 def assert_relative_close(actual: Any, expected: Any, *, rtol: float = 1e-5) -> None:

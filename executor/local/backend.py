@@ -38,7 +38,7 @@ from pipedsl.executor.backend import DeviceReport
 from pipedsl.executor.errors import ExecutionError, PeerFailed, summary
 from pipedsl.executor.local.cooperative import run_together
 from pipedsl.executor.local.exchange import LocalExchange, resharder
-from pipedsl.executor.local.fused import Fuse, FusedStep, shared_devices
+from pipedsl.executor.local.fused import FusedStep, shared_devices
 from pipedsl.executor.runtime.interpreter import Steps
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, compile_device
@@ -51,12 +51,13 @@ from pipedsl.executor.sharded_checkpoint import (
     restore_device,
     save_device,
 )
-from pipedsl.executor.stages.mesh import MeshConfig, build_meshes, leaf_specs
+from pipedsl.executor.stages.mesh import build_meshes, leaf_specs
 from pipedsl.executor.stages.model import StagedModel, explicit_model
 from pipedsl.executor.stages.split import marked_model
 from pipedsl.executor.stages.stage_options import StageOptions
 from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.program import Program
+from pipedsl.run_options import Fuse, RunOptions
 
 __all__ = ["LocalBackend", "CompiledStages"]
 
@@ -82,12 +83,13 @@ class LocalBackend:
     """Hosts a lowered :class:`Program`'s pipeline devices, one worker each, in this
     process (see the module docstring); implements :class:`pipedsl.executor.backend.Backend`.
 
-    ``stages`` (explicit) or ``model_fn`` (marked) is the model; ``mesh`` the SPMD shape
-    of every pipeline device; ``param_specs`` the parameters' ``PartitionSpec`` pytree
-    (None: replicated). ``recv_timeout`` bounds every wait for another device, in seconds.
-    Where two or more pipeline devices all have the same JAX devices as their mesh, an
-    unrecorded step runs as ``fuse`` says (:data:`~pipedsl.executor.local.fused.Fuse`):
-    one program, or each action apart; :attr:`fuse` is ``"off"`` where the devices differ.
+    ``stages`` (explicit) or ``model_fn`` (marked) is the model; ``options`` how it runs (the
+    SPMD shape of every pipeline device, each stage's options, ``recv_timeout`` bounding every
+    wait for another device, in seconds); ``param_specs`` the parameters' ``PartitionSpec``
+    pytree (None: replicated). Where two or more pipeline devices all have the same JAX
+    devices as their mesh, an unrecorded step runs as ``options.fuse`` says
+    (:data:`~pipedsl.run_options.Fuse`): one program, or each action apart; :attr:`fuse` is
+    ``"off"`` where the devices differ.
     """
 
     def __init__(
@@ -97,23 +99,20 @@ class LocalBackend:
         stages: tuple[Callable[[Any, Any], Any], ...] | None,
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
-        stage_options: tuple[StageOptions, ...],
-        mesh: MeshConfig,
+        options: RunOptions,
         param_specs: Any,
         devices: Sequence[jax.Device] | None = None,
-        recv_timeout: float = 300.0,
-        fuse: Fuse = "loop",
     ) -> None:
         schedule = program.schedule
         self.program = program
-        self.config = mesh
-        self.meshes = build_meshes(schedule.num_devices, mesh, devices=devices, what=f"schedule {schedule.name!r}")
-        self.recv_timeout = recv_timeout
+        self.options = options
+        self._stage_options = StageOptions.per_stage(options, schedule.num_stages)
+        self.meshes = build_meshes(schedule.num_devices, options, devices=devices, what=f"schedule {schedule.name!r}")
+        self.recv_timeout = options.recv_timeout
         self._movers = tuple(resharder(m) for m in self.meshes)  # kept: each caches its copies
         self._stages = stages
         self._model_fn = model_fn
         self._loss = loss
-        self._options = stage_options
         self._specs = param_specs
         self.workers: tuple[Worker, ...] = ()
         self._compiled: CompiledStages | None = None  # what the workers run
@@ -123,7 +122,7 @@ class LocalBackend:
         # pipeline device (pp = 1, the SPMD plans) dispatches its actions as they come, as
         # the cost model prices it and the machine calibration times it.
         shared = len(self.meshes) > 1 and shared_devices(self.meshes)
-        self.fuse: Fuse = fuse if shared else "off"
+        self.fuse: Fuse = options.fuse if shared else "off"
         self._fused: FusedStep | None = None
 
     # -- compiling -----------------------------------------------------------------
@@ -139,14 +138,16 @@ class LocalBackend:
             self._loss,
             schedule.placement,
             schedule.num_microbatches,
-            self._options,
+            self._stage_options,
             treedef,
             tuple((np.shape(v), str(jnp.result_type(v))) for v in leaves),
             jax.tree_util.tree_structure(batch),
             tuple((s.shape, str(s.dtype)) for s in jax.tree_util.tree_leaves(batch)),
             tuple(tuple(m.devices.flat) for m in self.meshes),
             specs,
-            self.config,
+            # What the programs depend on of the rest: the meshes' shape and the ZeRO mode
+            # (not fuse or recv_timeout, so that such pipelines share their programs).
+            (self.options.dp, self.options.cp, self.options.tp, self.options.zero, self.options.reduce_once),
         )
         if self._held is not None and self._held[0] == key:
             return self._held[1]
@@ -176,10 +177,10 @@ class LocalBackend:
                 schedule.stages_on(d),
                 self.meshes[d],
                 specs=specs,
-                zero=self.config.zero,
-                reduce_once=self.config.reduce_once,
+                zero=self.options.zero,
+                reduce_once=self.options.reduce_once,
                 num_microbatches=schedule.num_microbatches,
-                stage_options=self._options,
+                stage_options=self._stage_options,
                 placement=placement,
             )
         found = CompiledStages(model, tuple(programs[s] for s in range(model.num_stages)))
@@ -282,7 +283,7 @@ class LocalBackend:
         model = self._compiled.model
         tree = jax.tree_util.tree_unflatten(model.param_treedef, list(model.param_avals))
         return plan_record(
-            self.program.schedule, self.config, processes=1, model=model, specs=leaf_specs(self._specs, tree)
+            self.program.schedule, self.options, processes=1, model=model, specs=leaf_specs(self._specs, tree)
         )
 
     def wait(self) -> None:
@@ -341,14 +342,14 @@ class LocalBackend:
             if update is None:
                 self._run_apart(inputs, targets, update=None, record=False, keep_grads=keep_grads)
                 raise ExecutionError(
-                    f"{failed}; dispatched action by action, as Pipeline(..., fuse='off') runs it, the same step ran"
+                    f"{failed}; dispatched action by action, as RunOptions(fuse='off') runs it, the same step ran"
                 ) from error
             intact = fused.intact()
             if not intact:
                 self._broken()
             lost = "" if intact else "; its donated parameters and optimizer state are gone"
             raise ExecutionError(
-                f"{failed}{lost}. Pipeline(..., fuse='off') runs the actions apart and names the one that fails"
+                f"{failed}{lost}. RunOptions(fuse='off') runs the actions apart and names the one that fails"
             ) from error
         except BaseException:
             if not fused.intact():

@@ -14,7 +14,7 @@ The program is built from the workers' own step code
 (:meth:`pipedsl.executor.runtime.worker.Worker.steps`) run on tracers: :func:`run_traced` drives
 every device's step on this thread in the order the cooperative runner would, each receive
 answered by the value its sender handed over (values that stay on one device move
-nowhere). Two programs, as ``fuse`` says (:data:`Fuse`):
+nowhere). Two programs, as ``fuse`` says (:data:`pipedsl.run_options.Fuse`):
 
 - ``"loop"``: every device's program for one microbatch (:func:`one_microbatch`: the same
   compiled stage programs, which take one microbatch) inside a ``lax.scan`` over the
@@ -50,14 +50,7 @@ from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, place_st
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.program import Buffer, lower
 
-__all__ = ["FUSE_MODES", "Fuse", "FusedStep", "one_microbatch", "run_traced", "shared_devices"]
-
-Fuse = Literal["loop", "unrolled", "off"]
-"""How a step of pipeline devices sharing their JAX devices runs: ``"loop"``, one program
-that loops over the microbatches, each through every stage; ``"unrolled"``, one program of
-every action of the schedule; ``"off"``, every action dispatched as a program of its own."""
-
-FUSE_MODES: tuple[Fuse, ...] = ("loop", "unrolled", "off")
+__all__ = ["FusedStep", "one_microbatch", "run_traced", "shared_devices"]
 
 
 def shared_devices(meshes: Sequence[Any]) -> bool:

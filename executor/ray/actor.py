@@ -57,12 +57,13 @@ from pipedsl.executor.runtime.interpreter import drive
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.worker import Update, Worker, compile_device
 from pipedsl.executor.sharded_checkpoint import restore_device, save_device
-from pipedsl.executor.stages.mesh import DATA, TENSOR, MeshConfig
+from pipedsl.executor.stages.mesh import DATA, TENSOR
 from pipedsl.executor.stages.model import StagedModel, explicit_model
 from pipedsl.executor.stages.split import marked_model
 from pipedsl.executor.stages.stage_options import StageOptions
 from pipedsl.program import Buffer, DeviceProgram
 from pipedsl.rendezvous import Exchange
+from pipedsl.run_options import RunOptions
 from pipedsl.timeline import Event
 
 __all__ = ["ModelSpec", "StepReport", "Failure", "WorldProcess", "trace_model"]
@@ -74,8 +75,8 @@ class ModelSpec:
 
     ``stages`` (explicit stage functions) or ``model_fn`` (marked) is set; ``params`` is
     the parameters' pytree of ``jax.ShapeDtypeStruct``; ``inputs``/``targets`` one
-    microbatch's share, likewise; ``mesh`` the SPMD shape of every pipeline device and
-    ``specs`` every flat parameter leaf's ``PartitionSpec``.
+    microbatch's share, likewise; ``options`` the pipeline's (the SPMD shape of every
+    pipeline device) and ``specs`` every flat parameter leaf's ``PartitionSpec``.
     """
 
     stages: tuple[Any, ...] | None
@@ -87,7 +88,7 @@ class ModelSpec:
     num_microbatches: int
     placement: tuple[int, ...]
     stage_options: tuple[StageOptions, ...]
-    mesh: MeshConfig
+    options: RunOptions
     specs: tuple[PartitionSpec, ...]
 
 
@@ -208,7 +209,7 @@ class WorldProcess:
         (:func:`pipedsl.rendezvous.exchange_groups`)."""
         try:
             by_id = {d.id: d for d in jax.devices()}
-            config = spec.mesh
+            config = spec.options
             self._meshes = tuple(
                 Mesh(np.array([by_id[i] for i in ids]).reshape(config.dp, config.tp), (DATA, TENSOR)) for ids in meshes
             )

@@ -54,11 +54,12 @@ from pipedsl.executor.sharded_checkpoint import (
     new_version,
     plan_record,
 )
-from pipedsl.executor.stages.mesh import MeshConfig, leaf_specs
+from pipedsl.executor.stages.mesh import leaf_specs
 from pipedsl.executor.stages.model import StagedModel
 from pipedsl.executor.stages.stage_options import StageOptions
 from pipedsl.program import Program
 from pipedsl.rendezvous import exchange_groups
+from pipedsl.run_options import RunOptions
 
 __all__ = ["RayRunner", "world_shape"]
 
@@ -71,33 +72,33 @@ class _Layout:
     key: Any
 
 
-def world_shape(num_devices: int, mesh: MeshConfig, devices_per_process: int) -> int:
+def world_shape(num_devices: int, options: RunOptions, devices_per_process: int) -> int:
     """Processes per stage mesh for ``devices_per_process`` JAX devices each (module
     docstring); raises :class:`ExecutionError` for a layout that would split ``tp`` over
     processes or share a process between stage meshes."""
-    if mesh.cp > 1:
+    if options.cp > 1:
         raise ExecutionError(
-            f"context parallelism (cp={mesh.cp}) runs on the local backend only; the Ray world's stage meshes "
+            f"context parallelism (cp={options.cp}) runs on the local backend only; the Ray world's stage meshes "
             "are dp x tp: use backend='local' or cp=1"
         )
     k = devices_per_process
-    if mesh.size % k or k % mesh.tp:
+    if options.mesh_size % k or k % options.tp:
         raise ExecutionError(
-            f"a stage mesh of dp={mesh.dp} x tp={mesh.tp} does not split into processes of "
+            f"a stage mesh of dp={options.dp} x tp={options.tp} does not split into processes of "
             f"devices_per_process={k}: data parallelism goes across processes and tensor parallelism stays "
-            f"inside one, so devices_per_process must be a multiple of tp ({mesh.tp}) that divides "
-            f"dp x tp ({mesh.size}); for example devices_per_process={mesh.tp}"
+            f"inside one, so devices_per_process must be a multiple of tp ({options.tp}) that divides "
+            f"dp x tp ({options.mesh_size}); for example devices_per_process={options.tp}"
         )
-    return mesh.size // k
+    return options.mesh_size // k
 
 
 class RayRunner:
     """Hosts ``program``'s pipeline devices in a Ray world, for a model given as explicit
-    ``stages`` or a marked ``model_fn`` (one of them), with ``loss``, per-stage
-    ``stage_options`` (recompute, precision, sequence parallelism), every pipeline device a
-    ``mesh.dp x mesh.tp`` mesh with the parameters placed by ``param_specs`` (see
-    :mod:`pipedsl.executor.stages.mesh`); implements :class:`pipedsl.executor.backend.Backend`.
-    ``recv_timeout`` bounds every wait inside a process, in seconds. ``backend`` is the
+    ``stages`` or a marked ``model_fn`` (one of them), with ``loss``, run as ``options`` say
+    (every stage's recompute mode, precision and sequence parallelism; every pipeline device an
+    ``options.dp x options.tp`` mesh with the parameters placed by ``param_specs``, see
+    :mod:`pipedsl.executor.stages.mesh`; ``options.recv_timeout`` bounding every wait inside a
+    process, in seconds); implements :class:`pipedsl.executor.backend.Backend`. ``backend`` is the
     :class:`RayConfig` of a world it starts for itself (and ends when it closes), or a
     started :class:`RayWorld` it runs on until it closes."""
 
@@ -109,9 +110,7 @@ class RayRunner:
         stages: tuple[Callable[[Any, Any], Any], ...] | None,
         model_fn: Callable[[Any, Any], Any] | None,
         loss: Callable[[Any, Any], Any],
-        stage_options: tuple[StageOptions, ...],
-        recv_timeout: float,
-        mesh: MeshConfig,
+        options: RunOptions,
         param_specs: Any,
     ) -> None:
         schedule = program.schedule
@@ -119,22 +118,25 @@ class RayRunner:
         self._stages = stages
         self._model_fn = model_fn
         self._loss = loss
-        self._options = stage_options
-        self._recv_timeout = recv_timeout
-        self._mesh = mesh
+        self._options = options
+        self._stage_options = StageOptions.per_stage(options, schedule.num_stages)
         self._specs = param_specs
         try:
             self._order = exchange_groups(program)
         except ValueError as err:
             raise ExecutionError(f"schedule {schedule.name!r} cannot run: {err}") from None
         self._owns_world = isinstance(backend, RayConfig)
-        k = (backend.devices_per_process or mesh.tp) if isinstance(backend, RayConfig) else backend.devices_per_process
-        self._per_mesh = world_shape(schedule.num_devices, mesh, k)
+        k = (
+            (backend.devices_per_process or options.tp)
+            if isinstance(backend, RayConfig)
+            else backend.devices_per_process
+        )
+        self._per_mesh = world_shape(schedule.num_devices, options, k)
         needs = schedule.num_devices * self._per_mesh
         if isinstance(backend, RayConfig):
             self.world = RayWorld.start(needs, devices_per_process=k, config=backend, label=repr(schedule.name))
         else:
-            what = f"this plan ({schedule.num_devices} pipeline devices, each a {mesh.dp} x {mesh.tp} mesh)"
+            what = f"this plan ({schedule.num_devices} pipeline devices, each a {options.dp} x {options.tp} mesh)"
             backend.attach(self, needs=needs, what=what)
             self.world = backend
         self._installed: _Layout | None = None
@@ -376,7 +378,7 @@ class RayRunner:
     def _plan(self, layout: _Layout) -> dict[str, Any]:
         return plan_record(
             self.program.schedule,
-            self._mesh,
+            self._options,
             processes=self.world.num_processes,
             model=layout.model,
             specs=layout.spec.specs,
@@ -445,8 +447,8 @@ class RayRunner:
             targets=example_targets,
             num_microbatches=schedule.num_microbatches,
             placement=schedule.placement,
-            stage_options=self._options,
-            mesh=self._mesh,
+            stage_options=self._stage_options,
+            options=self._options,
             specs=specs,
         )
         model = trace_model(spec)  # here too: every error about the model is raised before anything runs
@@ -456,7 +458,7 @@ class RayRunner:
         args = [
             (
                 (shipped, self.program.devices[self.device_of(r)], meshes, self._order),
-                {"recv_timeout": self._recv_timeout},
+                {"recv_timeout": self._options.recv_timeout},
             )
             for r in range(self.world.num_processes)
         ]

@@ -28,7 +28,6 @@ and whose size divides by ``dp``; a leaf with no such axis stays replicated over
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -37,63 +36,30 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.devices import xla_device_flag
 from pipedsl.executor.errors import ExecutionError
+from pipedsl.run_options import RunOptions
 
-__all__ = ["MeshConfig", "StageLayout", "build_meshes", "leaf_specs", "DATA", "CONTEXT", "TENSOR"]
+__all__ = ["StageLayout", "build_meshes", "leaf_specs", "DATA", "CONTEXT", "TENSOR"]
 
 DATA, CONTEXT, TENSOR = "data", "context", "tensor"
-ZERO_LEVELS = (0, 1, 2, 3)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MeshConfig:
-    """The SPMD shape of every pipeline device: ``dp`` x ``cp`` x ``tp`` JAX devices, ZeRO
-    stage ``zero`` (0 to 3) over ``"data"``; with ``reduce_once``, ZeRO 2 and 3 accumulate
-    each device's gradients unreduced and reduce them once per step (as ZeRO 0 and 1 do),
-    instead of reduce-scattering every backward's."""
-
-    dp: int = 1
-    tp: int = 1
-    zero: int = 0
-    reduce_once: bool = False
-    cp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "cp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ExecutionError(f"{name} must be a positive integer, got {value!r}")
-        if self.zero not in ZERO_LEVELS:
-            raise ExecutionError(f"zero must be one of {', '.join(map(str, ZERO_LEVELS))}, got {self.zero!r}")
-        if not isinstance(self.reduce_once, bool):
-            raise ExecutionError(f"reduce_once must be true or false, got {self.reduce_once!r}")
-        if self.reduce_once and self.zero < 2:
-            raise ExecutionError(
-                f"reduce_once applies to zero = 2 and 3 (ZeRO {self.zero} always reduces once per step), got zero = {self.zero}"
-            )
-
-    @property
-    def size(self) -> int:
-        """JAX devices per pipeline device."""
-        return self.dp * self.cp * self.tp
 
 
 def build_meshes(
-    num_devices: int, config: MeshConfig, *, devices: Sequence[jax.Device] | None, what: str
+    num_devices: int, options: RunOptions, *, devices: Sequence[jax.Device] | None, what: str
 ) -> tuple[Mesh, ...]:
-    """One mesh per pipeline device, over consecutive JAX devices.
+    """One mesh per pipeline device, over consecutive JAX devices, of the shape ``options`` gives.
 
     ``devices`` (when given) lists the JAX devices of every pipeline device in order,
-    ``config.size`` each (one JAX device may appear several times when ``dp = tp = 1``:
+    ``options.mesh_size`` each (one JAX device may appear several times when ``dp = tp = 1``:
     pipeline devices then share it). ``what`` names the schedule in messages.
     """
-    needed = num_devices * config.size
+    needed = num_devices * options.mesh_size
     if devices is None:
         available = jax.devices()
         if len(available) < needed:
             platform = available[0].platform
             raise ExecutionError(
-                f"{what} needs {needed} JAX devices (pp={num_devices} x dp={config.dp} x cp={config.cp} x "
-                f"tp={config.tp}) "
+                f"{what} needs {needed} JAX devices (pp={num_devices} x dp={options.dp} x cp={options.cp} x "
+                f"tp={options.tp}) "
                 f"but JAX has {len(available)} {platform} device(s); on CPU set "
                 f"XLA_FLAGS={xla_device_flag(needed)} before jax is imported (the `pipedsl run` command "
                 "does this itself), or pass devices=[...] to map several pipeline devices onto one JAX device"
@@ -101,13 +67,13 @@ def build_meshes(
         devices = available[:needed]
     elif len(devices) != needed:
         raise ExecutionError(
-            f"{what} has {num_devices} pipeline devices of dp={config.dp} x cp={config.cp} x tp={config.tp}: it needs "
+            f"{what} has {num_devices} pipeline devices of dp={options.dp} x cp={options.cp} x tp={options.tp}: it needs "
             f"{needed} JAX devices; {len(devices)} were given"
         )
-    size = config.size
+    size = options.mesh_size
     if size > 1 and len(set(devices)) != len(devices):
         raise ExecutionError("with dp, cp or tp above 1, every JAX device given must be distinct")
-    shape = (config.dp, config.cp, config.tp)
+    shape = (options.dp, options.cp, options.tp)
     return tuple(
         Mesh(np.array(devices[d * size : (d + 1) * size], dtype=object).reshape(shape), (DATA, CONTEXT, TENSOR))
         for d in range(num_devices)

@@ -1,8 +1,10 @@
 """How a stage is executed: recomputation, precision and sequence parallelism, and what a
 model sees of them while its stages are traced.
 
-A :class:`StageOptions` is fixed per stage when a :class:`~pipedsl.executor.Pipeline` is
-built and applied when the stage is traced (:func:`pipedsl.executor.stages.stage_program.compile_stage`):
+A :class:`StageOptions` is one stage's share of the pipeline's
+:class:`~pipedsl.run_options.RunOptions` (which checks them), fixed when a
+:class:`~pipedsl.executor.Pipeline` is built and applied when the stage is traced
+(:func:`pipedsl.executor.stages.stage_program.compile_stage`):
 
 - ``recompute``: which of the forward's intermediates the backward recomputes instead of
   keeping, with the planner's meaning (Korthikanti et al. 2022). ``"none"`` keeps them all;
@@ -35,47 +37,39 @@ import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.stages.mesh import DATA, TENSOR
+from pipedsl.run_options import Precision, RecomputeMode, RunOptions
 
 __all__ = [
-    "PRECISIONS",
-    "RECOMPUTE_MODES",
-    "Precision",
-    "RecomputeMode",
     "StageOptions",
     "selective",
     "sequence_sharded",
     "tracing",
 ]
 
-RecomputeMode = Literal["none", "selective", "full"]
-Precision = Literal["fp32", "bf16"]
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageOptions:
-    """How one stage runs (module docstring)."""
+    """How one stage runs (module docstring): made by :meth:`per_stage` from checked options."""
 
     recompute: RecomputeMode = "none"
     precision: Precision = "fp32"
     sequence_parallel: bool = False
 
-    def __post_init__(self) -> None:
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ExecutionError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
-        if self.precision not in PRECISIONS:
-            raise ExecutionError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ExecutionError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
+    @classmethod
+    def per_stage(cls, options: RunOptions, num_stages: int) -> tuple[StageOptions, ...]:
+        """Each of ``num_stages`` stages' options under ``options``; refuses a recompute mode
+        per stage for another number of stages (:class:`~pipedsl.run_options.RunOptionsError`)."""
+        return tuple(
+            cls(recompute=mode, precision=options.precision, sequence_parallel=options.sequence_parallel)
+            for mode in options.stage_recompute(num_stages)
+        )
 
     def checkpoint(self, fn: Any) -> Any:
         """``fn`` (the whole stage) under :func:`jax.checkpoint` for ``"full"``; ``fn``

@@ -52,6 +52,7 @@ from pipedsl.cli.timed import STEP_ROUNDS, round_times
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
+from pipedsl.run_options import RunOptions
 from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
 from pipedsl.simulator.calibration.report import Report
 from pipedsl.simulator.calibration.timelines import timeline_report
@@ -191,17 +192,14 @@ def _pipeline(schedule: Schedule, microbatch_size: int, backend: Any, plan: Plan
     from pipedsl.executor import Pipeline
 
     model = demo_transformer(schedule.num_stages, what=_label(schedule))
-    dp, tp, zero = (1, 1, 0) if plan is None else (plan.dp, plan.tp, plan.zero)
-    sequence_parallel = plan is not None and plan.sequence_parallel and tp > 1
-    reduce_once = plan is not None and plan.reduce_once
+    options = RunOptions() if plan is None else plan.run_options(DEMO_MODEL)
     key = jax.random.PRNGKey(0)
-    batch = model.batch(jax.random.fold_in(key, 1), microbatch_size * schedule.num_microbatches * dp)
+    batch = model.batch(jax.random.fold_in(key, 1), microbatch_size * schedule.num_microbatches * options.dp)
     params = model.init_stages(key)
-    specs = model.param_specs(params) if tp > 1 else None
+    specs = model.param_specs(params) if options.tp > 1 else None
     pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=schedule, backend=backend, dp=dp, tp=tp, zero=zero,
-        reduce_once=reduce_once, sequence_parallel=sequence_parallel, param_specs=specs,
-    )  # fmt: skip
+        model.stages, loss=model.loss, schedule=schedule, options=options, backend=backend, param_specs=specs
+    )
     return pipe, params, batch
 
 

@@ -6,7 +6,8 @@ holds exactly that; :func:`read_plan` takes one from a ``plans.csv`` written by
 ``search --csv`` or ``demo``, :meth:`PlannedRun.schedule` loads the schedule it runs (an
 SPMD plan is one stage over the whole mesh: ``1f1b`` with ``pp = 1``, which accumulates
 gradients over the microbatches, each microbatch's backward right after its forward),
-and :meth:`PlannedRun.command` is the ``pipedsl run`` line that runs it.
+:meth:`PlannedRun.run_options` how the executor runs it (the :class:`~pipedsl.RunOptions` the
+simulator's plan gives), and :meth:`PlannedRun.command` is the ``pipedsl run`` line that runs it.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pipedsl import library
 from pipedsl.cli.common import load_schedule
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
+from pipedsl.run_options import RecomputeMode, RunOptions
 from pipedsl.simulator.costs import CostModel
+from pipedsl.simulator.hardware import Model
 from pipedsl.simulator.plan import sharding_words
 from pipedsl.validate import validate
 
@@ -167,6 +170,24 @@ class PlannedRun:
         return (
             f"{name} dp={self.dp} tp={self.tp}{pp} mb={self.microbatch_size} x{self.microbatches} "
             f"zero={zero} recompute={self.recompute}{options}"
+        )
+
+    def run_options(self, model: Model) -> RunOptions:
+        """How ``pipedsl run --plan`` runs this plan of ``model`` (the priced model, which
+        :attr:`model` names): as :meth:`Plan.run_options <pipedsl.simulator.plan.Plan.run_options>`
+        runs the plan the row was priced from. Refuses a plan the executor does not run as
+        priced (:attr:`not_run`)."""
+        if self.not_run is not None:
+            raise PipedslError(f"plan {self.label()} {self.not_run}")
+        return RunOptions(
+            dp=self.dp,
+            tp=self.tp,
+            cp=self.cp,
+            zero=self.zero,
+            reduce_once=self.reduce_once and self.zero >= 2,
+            recompute=cast(RecomputeMode, self.recompute),  # a mode RunOptions checks
+            precision=model.precision,
+            sequence_parallel=self.sequence_parallel and self.tp > 1,
         )
 
     @property

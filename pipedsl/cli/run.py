@@ -37,6 +37,7 @@ from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
+from pipedsl.run_options import RunOptions, RunOptionsError
 from pipedsl.validate import validate
 
 __all__ = ["register"]
@@ -108,8 +109,6 @@ def _check_model_options(args: argparse.Namespace) -> None:
                 raise PipedslError(
                     f"{option} acts on attention, which the mlp model has none of: give --model transformer or llama"
                 )
-    if args.sequence_parallel and args.tp == 1:
-        raise PipedslError("--sequence-parallel splits what tensor parallelism leaves whole: give it with --tp above 1")
 
 
 def _check_fits(jax: Any, init: Any, key: Any, *, devices: int, replicas: int, what: str) -> None:
@@ -160,7 +159,9 @@ def _describe(schedule: Schedule) -> str:
     return f"{schedule.name}({params})" if params else schedule.name
 
 
-def _model(args: argparse.Namespace, schedule: Schedule, planned: PlannedRun | None) -> tuple[Any, str]:
+def _model(
+    args: argparse.Namespace, schedule: Schedule, planned: PlannedRun | None, options: RunOptions
+) -> tuple[Any, str]:
     """The built-in model to train and its shape in words; a ranked plan runs its model
     (scaled down to run here: :mod:`pipedsl.cli.scaled`), saying so."""
     from pipedsl.executor.models import MODELS
@@ -173,19 +174,18 @@ def _model(args: argparse.Namespace, schedule: Schedule, planned: PlannedRun | N
         )
         if scaled.note is not None:
             print(scaled.note)
-        args.precision = scaled.precision
         return scaled.model, scaled.shape
     layers = f"{args.layers_per_stage} layers per stage"
     if args.model == "mlp":
         model = MODELS["mlp"](num_stages=schedule.num_stages, width=args.width, layers_per_stage=args.layers_per_stage)
         return model, f"width {args.width}, {layers}"
     if args.model == "llama":
-        heads = 2 * args.tp  # two query heads per key/value head, every split tp-way
+        heads = 2 * options.tp  # two query heads per key/value head, every split tp-way
         model = MODELS["llama"](
             num_stages=schedule.num_stages, hidden=args.width, ffn_hidden=4 * args.width, heads=heads,
-            kv_heads=args.tp, vocab=64, layers_per_stage=args.layers_per_stage, fused_attention=args.fused_attention,
+            kv_heads=options.tp, vocab=64, layers_per_stage=args.layers_per_stage, fused_attention=args.fused_attention,
         )  # fmt: skip
-        return model, f"hidden {args.width}, {heads} heads / {args.tp} kv, {layers}"
+        return model, f"hidden {args.width}, {heads} heads / {options.tp} kv, {layers}"
     model = MODELS["transformer"](
         num_stages=schedule.num_stages, dim=args.width, layers_per_stage=args.layers_per_stage,
         fused_attention=args.fused_attention,
@@ -195,7 +195,7 @@ def _model(args: argparse.Namespace, schedule: Schedule, planned: PlannedRun | N
 
 def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
     """The schedule to run and, with ``--plan``, the plan it comes from (which then sets
-    the degrees, the microbatches and their size, and the model)."""
+    the microbatches and their size and the model; :func:`_run_options` takes its options)."""
     if args.plan is None:
         if args.plans is not None:
             raise PipedslError("--plans names the plans file of --plan RANK; give --plan too")
@@ -225,8 +225,8 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
             f"--plan {args.plan} sets the degrees, the batch and the model; {said} would change the plan:"
             " drop the option, or run the schedule with FILE and your own options"
         )
-    for name, value in sets.items():
-        setattr(args, name, value)
+    for name in ("microbatch_size", "model", "width", "layers_per_stage"):
+        setattr(args, name, sets[name])
     if planned.not_run is not None:
         raise PipedslError(f"--plan {args.plan} ({planned.label()}) {planned.not_run}. Run another plan of the ranking")
     changes: list[str] = []
@@ -246,11 +246,25 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
         raise PipedslError(
             f"--plan {args.plan} reduces its gradients as it was priced; --reduce-once would change the plan: drop it"
         )
-    args.reduce_once = planned.reduce_once
-    args.recompute = planned.recompute
-    args.sequence_parallel = planned.sequence_parallel and planned.tp > 1
     args.fused_attention = planned.flash_attention
     return planned.schedule_of(), planned
+
+
+def _run_options(args: argparse.Namespace, planned: PlannedRun | None) -> RunOptions:
+    """How the pipeline runs, made here and nowhere else: a ranked plan's options as it was
+    priced (its model's precision included), else the command line's, an option that cannot
+    run refused by its flag."""
+    if planned is not None:
+        from pipedsl.cli.scaled import priced_model
+
+        return planned.run_options(priced_model(planned.model))
+    try:
+        return RunOptions(
+            dp=args.dp, tp=args.tp, cp=args.cp, zero=args.zero, reduce_once=args.reduce_once,
+            recompute=args.recompute, precision=args.precision, sequence_parallel=args.sequence_parallel,
+        )  # fmt: skip
+    except RunOptionsError as err:
+        raise PipedslError(f"--{err.argument.replace('_', '-')} {err.rule}") from None
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -272,11 +286,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     schedule, planned = _planned(args)
-    _check_mesh(args)
-    devices = schedule.num_devices * args.dp * args.cp * args.tp
+    options = _run_options(args, planned)
+    _check_mesh(args, options)
+    devices = schedule.num_devices * options.mesh_size
     # Before anything imports JAX (reading a checkpoint does): the devices it is to make.
     request_devices(devices)
-    keeping = _checkpointing(args, schedule)
+    keeping = _checkpointing(args, schedule, dp=options.dp)
     if keeping is None:
         return EXIT_OK
     if planned is not None:
@@ -298,17 +313,17 @@ def _train(args: argparse.Namespace) -> int:
         if note is not None:
             print(note, file=sys.stderr)
 
-    model, shape = _model(args, schedule, planned)
+    model, shape = _model(args, schedule, planned, options)
     key = jax.random.PRNGKey(args.seed)
-    _check_fits(jax, model.init_stages, key, devices=devices, replicas=args.dp, what=f"model {model.name} ({shape})")
-    _check_tensor_layout(jax, model, key, tp=args.tp, marked=args.marked)
-    batch_size = args.microbatch_size * schedule.num_microbatches * args.dp
+    _check_fits(jax, model.init_stages, key, devices=devices, replicas=options.dp, what=f"model {model.name} ({shape})")
+    _check_tensor_layout(jax, model, key, tp=options.tp, marked=args.marked)
+    batch_size = args.microbatch_size * schedule.num_microbatches * options.dp
     batch = model.batch(jax.random.fold_in(key, 1), batch_size)
-    _check_sequence(batch, args.cp)
-    pipe, params = _build_pipeline(args, schedule, model, key)
+    _check_sequence(batch, options.cp)
+    pipe, params = _build_pipeline(args, schedule, model, key, options)
     optimizer = optax.adam(args.lr)
     platform = jax.devices()[0].platform if args.backend == "local" else "Ray process"
-    print(_run_line(args, schedule, platform, model.name, shape, batch_size, devices=devices))
+    print(_run_line(args, options, schedule, platform, model.name, shape, batch_size, devices=devices))
     if planned is not None:
         print(_configuration(pipe, schedule, model))
     params, opt_state, first = keeping.restore(pipe, params, batch, optimizer)
@@ -349,18 +364,13 @@ def _train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_mesh(args: argparse.Namespace) -> None:
-    """Refuse degrees and sharding options that make no mesh, before any device is made."""
-    if args.dp < 1 or args.tp < 1 or args.cp < 1 or args.zero not in (0, 1, 2, 3):
-        raise PipedslError("--dp, --tp and --cp must be at least 1 and --zero one of 0, 1, 2, 3")
-    if args.reduce_once and args.zero < 2:
-        raise PipedslError(
-            f"--reduce-once applies to --zero 2 and 3 (ZeRO {args.zero} reduces the gradients once per step already)"
-        )
-    if args.cp > 1 and args.model == "mlp":
+def _check_mesh(args: argparse.Namespace, options: RunOptions) -> None:
+    """Refuse context parallelism where the model or the backend has no context axis,
+    before any device is made."""
+    if options.cp > 1 and args.model == "mlp":
         raise PipedslError("--cp splits every sequence over a context axis: give --model transformer or llama")
-    if args.cp > 1 and args.backend == "ray":
-        raise PipedslError(f"--cp {args.cp} runs on the local backend only: drop --backend ray, or give --cp 1")
+    if options.cp > 1 and args.backend == "ray":
+        raise PipedslError(f"--cp {options.cp} runs on the local backend only: drop --backend ray, or give --cp 1")
 
 
 def _check_sequence(batch: Any, cp: int) -> None:
@@ -375,15 +385,16 @@ def _check_sequence(batch: Any, cp: int) -> None:
         )
 
 
-def _checkpointing(args: argparse.Namespace, schedule: Schedule) -> Checkpointing | None:
-    """The run's checkpoint options, checked against a checkpoint it resumes; None (and
-    why, printed) when that checkpoint is already at ``--steps``: nothing left to do."""
+def _checkpointing(args: argparse.Namespace, schedule: Schedule, *, dp: int) -> Checkpointing | None:
+    """The run's checkpoint options (``dp`` replicas), checked against a checkpoint it
+    resumes; None (and why, printed) when that checkpoint is already at ``--steps``: nothing
+    left to do."""
     settings = training_settings(
         seed=args.seed,
         lr=args.lr,
         microbatches=schedule.num_microbatches,
         microbatch_size=args.microbatch_size,
-        dp=args.dp,
+        dp=dp,
     )
     keeping = Checkpointing.from_args(args, settings)
     saved = keeping.saved_step()
@@ -398,6 +409,7 @@ def _checkpointing(args: argparse.Namespace, schedule: Schedule) -> Checkpointin
 
 def _run_line(
     args: argparse.Namespace,
+    options: RunOptions,
     schedule: Schedule,
     platform: str,
     model: str,
@@ -410,16 +422,16 @@ def _run_line(
     pipeline devices' meshes, model, batch."""
     form = "marked function" if args.marked else "explicit stages"
     meshes = ""
-    if args.dp * args.cp * args.tp > 1:
+    if options.mesh_size > 1:
         pipeline = plural(schedule.num_devices, "pipeline device")
         shape, axes = (
-            (f"{args.dp} x {args.tp}", "dp x tp")
-            if args.cp == 1
-            else (f"{args.dp} x {args.cp} x {args.tp}", "dp x cp x tp")
+            (f"{options.dp} x {options.tp}", "dp x tp")
+            if options.cp == 1
+            else (f"{options.dp} x {options.cp} x {options.tp}", "dp x cp x tp")
         )
-        once = ", reduced once per step" if args.reduce_once else ""
-        meshes = f" ({pipeline}, each a {shape} mesh: {axes}, zero {args.zero}{once})"
-    replicas = f" x {args.dp} replicas" if args.dp > 1 else ""
+        once = ", reduced once per step" if options.reduce_once else ""
+        meshes = f" ({pipeline}, each a {shape} mesh: {axes}, zero {options.zero}{once})"
+    replicas = f" x {options.dp} replicas" if options.dp > 1 else ""
     return (
         f"run {_describe(schedule)}: {plural(schedule.num_stages, 'stage')} on"
         f" {plural(devices, platform + ' device')}{meshes}; model {model} ({shape}, {form}); "
@@ -430,21 +442,22 @@ def _run_line(
 def _configuration(pipe: Any, schedule: Schedule, model: Any) -> str:
     """What the pipeline runs, read back from it: the plan's columns, as a search row
     names them."""
-    options = pipe.options[0]
-    mesh = pipe.mesh
+    options = pipe.options
     vpp = schedule.num_stages // schedule.num_devices
     return (
-        f"configuration: schedule={schedule.name} dp={mesh.dp} tp={mesh.tp} cp={mesh.cp} pp={schedule.num_devices} "
-        f"vpp={vpp} microbatches={schedule.num_microbatches} zero={mesh.zero} "
-        f"reduce_once={str(mesh.reduce_once).lower()} recompute={options.recompute} "
+        f"configuration: schedule={schedule.name} dp={options.dp} tp={options.tp} cp={options.cp} "
+        f"pp={schedule.num_devices} vpp={vpp} microbatches={schedule.num_microbatches} zero={options.zero} "
+        f"reduce_once={str(options.reduce_once).lower()} recompute={options.recompute} "
         f"sequence_parallel={str(options.sequence_parallel).lower()} "
         f"flash_attention={str(model.fused_attention).lower()} precision={options.precision}"
     )
 
 
-def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, key: Any) -> tuple[Any, Any]:
-    """The pipeline ``args`` ask for (backend, mesh, explicit stages or marked function)
-    and its initial parameters."""
+def _build_pipeline(
+    args: argparse.Namespace, schedule: Schedule, model: Any, key: Any, options: RunOptions
+) -> tuple[Any, Any]:
+    """The pipeline ``args`` ask for (backend, explicit stages or marked function), run as
+    ``options`` say, and its initial parameters."""
     from pipedsl.executor.pipeline import Pipeline
 
     # On Ray, the actors (and a local instance pipedsl started) stop when the process exits.
@@ -453,21 +466,16 @@ def _build_pipeline(args: argparse.Namespace, schedule: Schedule, model: Any, ke
         from pipedsl.executor.ray.cluster import RayConfig
 
         backend = RayConfig(address=args.address)
-    mesh = {"dp": args.dp, "tp": args.tp, "cp": args.cp, "zero": args.zero, "reduce_once": args.reduce_once}
     params = model.init_function(key) if args.marked else model.init_stages(key)
-    specs = model.param_specs(params) if args.tp > 1 else None
-    options = {
-        "schedule": schedule,
-        "backend": backend,
-        "recompute": args.recompute,
-        "precision": args.precision,
-        "sequence_parallel": args.sequence_parallel,
-        "param_specs": specs,
-        **mesh,
-    }
+    specs = model.param_specs(params) if options.tp > 1 else None
     if args.marked:
-        return Pipeline.from_function(model.model_fn, loss=model.loss, **options), params
-    return Pipeline(model.stages, loss=model.loss, **options), params
+        pipe = Pipeline.from_function(
+            model.model_fn, loss=model.loss, schedule=schedule, options=options, backend=backend, param_specs=specs
+        )
+        return pipe, params
+    return Pipeline(
+        model.stages, loss=model.loss, schedule=schedule, options=options, backend=backend, param_specs=specs
+    ), params
 
 
 def _write_timeline(pipe: Any, params: Any, batch: Any, path: str) -> None:

@@ -20,7 +20,7 @@ from pipedsl.cli.calibrate import DEMO_MODEL
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.hardware import Model, load_model
 
-__all__ = ["MAX_HIDDEN", "MAX_SEQ", "MAX_VOCAB", "Scaled", "scaled_model"]
+__all__ = ["MAX_HIDDEN", "MAX_SEQ", "MAX_VOCAB", "Scaled", "priced_model", "scaled_model"]
 
 MAX_HIDDEN = 64
 """Model width at most, once scaled."""
@@ -39,13 +39,11 @@ class Scaled:
       model: the built-in model (a :class:`~pipedsl.executor.models.BuiltinModel`).
       shape: its shape in words.
       note: what was scaled down, in words; None when the priced model runs at its size.
-      precision: ``"bf16"`` for a preset of 2-byte values, else ``"fp32"``.
     """
 
     model: Any
     shape: str
     note: str | None
-    precision: str
 
 
 def _words(m: Model, layers: int) -> str:
@@ -60,13 +58,18 @@ def _multiple(value: float, of: int) -> int:
     return max(of, int(round(value / of)) * of)
 
 
+def priced_model(name: str | None) -> Model:
+    """The model a plan was priced for: the preset or TOML file ``name``, or the demo's (None)."""
+    return DEMO_MODEL if name is None or name == DEMO_MODEL.name else load_model(name)
+
+
 def scaled_model(name: str | None, *, num_stages: int, tp: int, fused_attention: bool) -> Scaled:
     """The built-in model that runs a plan priced for model ``name`` (a preset or TOML
     path; None: the demo's) over ``num_stages`` stages with ``tp``-way tensor
     parallelism (see the module docstring)."""
     from pipedsl.executor.models import llama, transformer
 
-    priced = DEMO_MODEL if name is None or name == DEMO_MODEL.name else load_model(name)
+    priced = priced_model(name)
     gpt = not priced.gated_ffn
     if priced is DEMO_MODEL:
         if priced.layers % num_stages:
@@ -78,7 +81,7 @@ def scaled_model(name: str | None, *, num_stages: int, tp: int, fused_attention:
             num_stages=num_stages, vocab=priced.vocab, dim=priced.hidden, heads=priced.heads, seq=priced.seq_len,
             layers_per_stage=priced.layers // num_stages, fused_attention=fused_attention,
         )  # fmt: skip
-        return Scaled(model, _words(priced, priced.layers), None, "fp32" if priced.dtype_bytes == 4 else "bf16")
+        return Scaled(model, _words(priced, priced.layers), None)
     # Keep the shape's ratios; every split tensor parallelism makes (heads, key/value
     # heads, feed-forward units, vocabulary) divides by tp.
     groups = priced.heads // priced.num_kv_heads
@@ -117,4 +120,4 @@ def scaled_model(name: str | None, *, num_stages: int, tp: int, fused_attention:
             vocab=vocab, gated_ffn=True, dropout=False,
         )  # fmt: skip
     note = f"scaled down: {priced.name} ({_words(priced, priced.layers)}) runs as {ran.name} ({_words(ran, layers)})"
-    return Scaled(model, _words(ran, layers), note, "fp32" if priced.dtype_bytes == 4 else "bf16")
+    return Scaled(model, _words(ran, layers), note)

@@ -19,6 +19,7 @@ from typing import Any
 from pipedsl.cli.common import load_schedule
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import SPMD_SCHEDULE
+from pipedsl.run_options import RunOptions
 
 __all__ = ["STEP_ROUNDS", "Step", "TimedSteps", "median_seconds", "interleaved_medians", "round_times", "training_step"]
 
@@ -129,8 +130,9 @@ def training_step(
     params = model.init_stages(key)
     schedule = load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": microbatches})
     pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=schedule, backend="local", dp=devices // tp, tp=tp,
-        sequence_parallel=tp > 1, param_specs=model.param_specs(params) if tp > 1 else None,
+        model.stages, loss=model.loss, schedule=schedule, backend="local",
+        options=RunOptions(dp=devices // tp, tp=tp, sequence_parallel=tp > 1),
+        param_specs=model.param_specs(params) if tp > 1 else None,
     )  # fmt: skip
     batch = model.batch(jax.random.fold_in(key, 1), devices * sequences * microbatches)
     optimizer = optax.adam(1e-3)

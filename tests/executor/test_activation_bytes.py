@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from helpers import hybrid_schedule
-from pipedsl.executor import Pipeline
+from pipedsl.executor import Pipeline, RunOptions
 from pipedsl.executor.models import BuiltinModel, llama, transformer
 from pipedsl.simulator.hardware import Model, load_cluster
 from pipedsl.simulator.plan import Plan
@@ -61,7 +61,12 @@ def test_planned_layer_bytes_are_what_the_compiled_middle_stage_keeps(
     params = m.init_stages(jax.random.PRNGKey(0))
     batch = m.batch(jax.random.PRNGKey(1), MICROBATCH * MICROBATCHES)
     schedule = hybrid_schedule("1f1b", STAGES, 1)
-    pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, recompute=recompute, precision=precision)  # type: ignore[arg-type]
+    pipe = Pipeline(
+        m.stages,
+        loss=m.loss,
+        schedule=schedule,
+        options=RunOptions(recompute=recompute, precision=precision),  # type: ignore[arg-type]
+    )
     # The middle stage has neither the embedding nor the head: all it keeps is its layers'.
     kept = pipe.compile(params, batch)[1].memory().kept
     planned = _planned(kind, precision, recompute)

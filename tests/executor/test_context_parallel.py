@@ -19,7 +19,6 @@ from helpers import (
     hybrid_reference_adam,
     hybrid_schedule,
 )
-from pipedsl.executor import ExecutionError
 
 COLLECTIVE = re.compile(r"\b(all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)(-start)?\(")
 
@@ -61,8 +60,3 @@ def test_sequences_are_split_over_the_context_axis() -> None:
     for one, two in zip(plain, split, strict=True):
         for name in ("F", "B"):
             assert len(COLLECTIVE.findall(two.compiled_hlo()[name])) > len(COLLECTIVE.findall(one.compiled_hlo()[name]))
-
-
-def test_context_parallel_degree_is_checked() -> None:
-    with pytest.raises(ExecutionError, match="cp must be a positive integer"):
-        hybrid("explicit", hybrid_schedule("gpipe", 1, 1), dp=1, tp=1, zero=0, cp=0)

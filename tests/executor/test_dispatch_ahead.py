@@ -30,10 +30,10 @@ from helpers import (  # noqa: E402
     reference_training,
     setup,
 )
-from pipedsl.executor import ExecutionError, NonFiniteStep, Pipeline  # noqa: E402
+from pipedsl.executor import NonFiniteStep, Pipeline  # noqa: E402
 from pipedsl.executor.compilation_cache import CACHE_ENV, cache_folder  # noqa: E402
-from pipedsl.executor.local.fused import Fuse  # noqa: E402
 from pipedsl.executor.ray.remote_loss import RemoteLoss  # noqa: E402
+from pipedsl.run_options import Fuse, RunOptions, RunOptionsError  # noqa: E402
 
 WIDTH = 256
 
@@ -57,7 +57,7 @@ def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_fini
         loss=_mse,
         schedule=pipedsl.load("1f1b", pp=2, microbatches=4),
         devices=[device, device],
-        fuse=fuse,
+        options=RunOptions(fuse=fuse),
     )
     params = [jnp.eye(WIDTH) * 0.5, jnp.eye(WIDTH) * 0.5]
     # Host arrays: the batch goes in (host to device), nothing comes out.
@@ -115,8 +115,8 @@ def test_one_program_computes_what_the_actions_apart_compute(name: str, fuse: Fu
     schedule = library(name)
     params, batch, ref_loss, ref_grads = setup("transformer", "explicit", schedule.num_stages)
     shared = [jax.devices()[0]] * schedule.num_devices
-    fused = pipeline("transformer", "explicit", schedule, devices=shared, fuse=fuse)
-    apart = pipeline("transformer", "explicit", schedule, devices=shared, fuse="off")
+    fused = pipeline("transformer", "explicit", schedule, devices=shared, options=RunOptions(fuse=fuse))
+    apart = pipeline("transformer", "explicit", schedule, devices=shared, options=RunOptions(fuse="off"))
     assert fused.backend.fuse == fuse
     one, each = fused.step(params, batch), apart.step(params, batch)
     np.testing.assert_allclose(float(one.loss), float(ref_loss), rtol=1e-5)
@@ -154,7 +154,7 @@ def test_one_program_clips_by_the_whole_models_norm() -> None:
     shared = [jax.devices()[0]] * schedule.num_devices
 
     def trained(fuse: Fuse) -> Any:
-        pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, devices=shared, fuse=fuse)
+        pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, devices=shared, options=RunOptions(fuse=fuse))
         held, _, _ = pipe.train_step(params, None, batch, optimizer=clipped)
         return pipe.gather(held)
 
@@ -173,8 +173,9 @@ def test_separate_devices_and_one_pipeline_device_run_action_by_action() -> None
 
 @pytest.mark.parametrize("bad", [True, "on", None])
 def test_a_fuse_mode_it_does_not_know_is_refused(bad: Any) -> None:
-    with pytest.raises(ExecutionError, match=r"fuse must be one of 'loop', 'unrolled', 'off', got"):
-        pipeline("mlp", "explicit", library("1f1b"), fuse=bad)
+    with pytest.raises(RunOptionsError, match=r"fuse must be one of 'loop', 'unrolled', 'off', got") as info:
+        RunOptions(fuse=bad)
+    assert info.value.argument == "fuse"
 
 
 def test_the_compilation_cache_folder_follows_its_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

@@ -24,7 +24,7 @@ from helpers import (
     reference_training,
     setup,
 )
-from pipedsl.executor import Pipeline, stage_boundary
+from pipedsl.executor import Pipeline, RunOptions, stage_boundary
 from pipedsl.executor.stages.split import marked_model
 from pipedsl.program import BufferKind, lower
 from pipedsl.timeline import EventKind
@@ -92,7 +92,7 @@ def test_tied_parameter_is_owned_by_first_user() -> None:
 def test_full_recompute_gives_the_same_gradients() -> None:
     schedule = library("zb_h1")
     params, batch, ref_loss, ref_grads = setup("transformer", "explicit", schedule.num_stages)
-    result = pipeline("transformer", "explicit", schedule, recompute="full").step(params, batch)
+    result = pipeline("transformer", "explicit", schedule, options=RunOptions(recompute="full")).step(params, batch)
     np.testing.assert_allclose(float(result.loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(result.grads, ref_grads)
 

@@ -13,7 +13,7 @@ import pytest
 
 import pipedsl
 from pipedsl.errors import PipedslError
-from pipedsl.executor import ExecutionError, Pipeline, RayConfig, RayWorld, stage_boundary
+from pipedsl.executor import ExecutionError, Pipeline, RayConfig, RayWorld, RunOptions, stage_boundary
 from pipedsl.executor.local.cooperative import run_together
 from pipedsl.executor.local.exchange import LocalExchange, resharder
 from pipedsl.executor.local.fused import FusedStep
@@ -114,7 +114,7 @@ def test_stage_that_fails_while_running_stops_every_device_at_once() -> None:
     # failure at once (it then only echoes it). Had it gone on waiting, its own error (a
     # receive nobody answers, or a stall after the receive timeout) would come first and be
     # the step's: the error raised says which happened, and the timeout only bounds a hang.
-    pipe = Pipeline([dense, flaky], loss=mse, schedule=one_f_one_b(), recv_timeout=120.0)
+    pipe = Pipeline([dense, flaky], loss=mse, schedule=one_f_one_b(), options=RunOptions(recv_timeout=120.0))
     pipe.compile(params(), batch())
     with pytest.raises(ExecutionError, match=r"stage 1 \(device 1\) failed while running 1F0.*bad data on the host"):
         pipe.step(params(), batch())
@@ -218,7 +218,9 @@ def test_stalled_stage_is_named_within_a_bounded_wait() -> None:
         jax.debug.callback(hold, x)
         return dense(p, x)
 
-    pipe = Pipeline([dense, stuck], loss=mse, schedule=one_f_one_b(microbatches=2), recv_timeout=5.0)
+    pipe = Pipeline(
+        [dense, stuck], loss=mse, schedule=one_f_one_b(microbatches=2), options=RunOptions(recv_timeout=5.0)
+    )
     pipe.compile(params(), batch(4))
     try:
         with pytest.raises(ExecutionError) as info:

@@ -11,7 +11,6 @@ import jax
 import pytest
 
 from helpers import HYBRID_ADAM, assert_relative_close, assert_trees_close, hybrid, hybrid_problem, hybrid_schedule
-from pipedsl.executor import ExecutionError
 
 COLLECTIVE = re.compile(r"\b(all-reduce|reduce-scatter|all-gather)(-start)?\(")
 
@@ -61,9 +60,3 @@ def test_reduced_once_matches_reduced_every_backward(dp: int, tp: int, pp: int, 
     # The optimizer state stays sharded over "data", as ZeRO 2's and 3's.
     big = max(jax.tree_util.tree_leaves(once.backend.workers[0].states[0]), key=lambda leaf: leaf.size)
     assert "data" in str(big.sharding.spec)
-
-
-def test_reduce_once_is_for_zero_2_and_3() -> None:
-    schedule = hybrid_schedule("gpipe", 1, 1)
-    with pytest.raises(ExecutionError, match="reduce_once applies to zero = 2 and 3"):
-        hybrid("explicit", schedule, dp=2, tp=1, zero=1, reduce_once=True)

@@ -166,11 +166,12 @@ def test_plans_run_with_their_sharding_mode(tmp_path: Path, capsys: pytest.Captu
 @pytest.mark.parametrize(
     ("options", "said"),
     [
-        (["--zero", "1", "--dp", "2", "--reduce-once"], "--reduce-once applies to --zero 2 and 3"),
+        (["--zero", "1", "--dp", "2", "--reduce-once"], "--reduce-once applies to zero 2 and 3 (ZeRO 1 reduces"),
         (["--cp", "2"], "--cp splits every sequence over a context axis: give --model transformer or llama"),
         (["--cp", "3", "--model", "transformer"], "--cp 3 must divide the model's sequence of 8 tokens"),
         (["--cp", "2", "--model", "transformer", "--backend", "ray"], "--cp 2 runs on the local backend only"),
-        (["--cp", "0", "--model", "transformer"], "--dp, --tp and --cp must be at least 1"),
+        (["--cp", "0", "--model", "transformer"], "--cp must be a whole number >= 1, got 0"),
+        (["--zero", "4"], "--zero must be a ZeRO stage, one of 0, 1, 2, 3; got 4"),
     ],
 )
 def test_mesh_options_that_cannot_run_are_refused(

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from helpers import assert_trees_close, hybrid_schedule
-from pipedsl.executor import ExecutionError, Pipeline
+from pipedsl import RunOptionsError
+from pipedsl.executor import ExecutionError, Pipeline, RunOptions
 from pipedsl.executor.models import BuiltinModel, llama, reference_stages, transformer
-from pipedsl.executor.stages.stage_options import StageOptions, sequence_sharded
+from pipedsl.executor.stages.stage_options import sequence_sharded
 
 MICROBATCHES = 4
 DP, TP, PP = 2, 2, 2
@@ -67,12 +68,8 @@ def test_options_give_the_one_device_result(kind: str, recompute: str, sp: bool,
         m.stages,
         loss=m.loss,
         schedule=hybrid_schedule("1f1b", PP, 1),
-        dp=DP,
-        tp=TP,
+        options=RunOptions(dp=DP, tp=TP, recompute=recompute, sequence_parallel=sp, precision=precision),  # type: ignore[arg-type]
         param_specs=m.param_specs(params),
-        recompute=recompute,  # type: ignore[arg-type]
-        sequence_parallel=sp,
-        precision=precision,  # type: ignore[arg-type]
     )
     result = pipe.step(params, batch)
     # Gradients accumulate in fp32 whatever the compute precision.
@@ -104,7 +101,8 @@ def test_bf16_keeps_fewer_activation_bytes_and_no_weight_copies() -> None:
     params, batch, _, _ = _problem("llama", False, "bf16")
 
     def memory(precision: str) -> list[Any]:
-        pipe = Pipeline(m.stages, loss=m.loss, schedule=hybrid_schedule("1f1b", PP, 1), precision=precision)  # type: ignore[arg-type]
+        schedule = hybrid_schedule("1f1b", PP, 1)
+        pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, options=RunOptions(precision=precision))  # type: ignore[arg-type]
         return [program.memory() for program in pipe.compile(params, batch)]
 
     for full, half in zip(memory("fp32"), memory("bf16"), strict=True):
@@ -121,8 +119,8 @@ def test_sequence_parallel_splits_the_residual_stream_over_tensor() -> None:
 
     def first_stage(sp: bool) -> Any:
         pipe = Pipeline(
-            m.stages, loss=m.loss, schedule=hybrid_schedule("1f1b", PP, 1), tp=TP,
-            param_specs=m.param_specs(params), sequence_parallel=sp,
+            m.stages, loss=m.loss, schedule=hybrid_schedule("1f1b", PP, 1),
+            options=RunOptions(tp=TP, sequence_parallel=sp), param_specs=m.param_specs(params),
         )  # fmt: skip
         return pipe.compile(params, batch)[0]
 
@@ -139,17 +137,28 @@ def test_sequence_sharded_is_the_identity_outside_a_pipeline() -> None:
     assert sequence_sharded(x) is x
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        ({"recompute": "some"}, "recompute must be one of none, selective, full"),
-        ({"precision": "fp16"}, "precision must be one of fp32, bf16"),
-        ({"sequence_parallel": 1}, "sequence_parallel must be True or False"),
-    ],
-)
-def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
-    with pytest.raises(ExecutionError, match=message):
-        StageOptions(**options)
+def test_recompute_per_stage_gives_each_stage_its_mode() -> None:
+    m = _model("transformer", False)
+    params, batch, _, _ = _problem("transformer", False, "fp32")
+    schedule = hybrid_schedule("1f1b", PP, 1)
+
+    def kept(recompute: Any) -> list[int]:
+        pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, options=RunOptions(recompute=recompute))
+        return [program.memory().kept for program in pipe.compile(params, batch)]
+
+    full, none = kept("full"), kept("none")
+    assert kept(("full", "none")) == [full[0], none[1]]
+    assert kept(["none", "full"]) == [none[0], full[1]]
+
+
+def test_options_are_a_run_options_with_a_mode_per_stage_of_the_schedule() -> None:
+    m = _model("transformer", False)
+    schedule = hybrid_schedule("1f1b", PP, 1)
+    with pytest.raises(ExecutionError, match=r"options must be a pipedsl.RunOptions, such as RunOptions\(dp=2"):
+        Pipeline(m.stages, loss=m.loss, schedule=schedule, options={"dp": 2})  # type: ignore[arg-type]
+    with pytest.raises(RunOptionsError, match="recompute gives 3 modes but the schedule has 2 stages") as caught:
+        Pipeline(m.stages, loss=m.loss, schedule=schedule, options=RunOptions(recompute=("full",) * 3))
+    assert caught.value.argument == "recompute"
 
 
 def test_recompute_modes_keep_activation_bytes_in_the_order_the_planner_prices() -> None:
@@ -162,7 +171,8 @@ def test_recompute_modes_keep_activation_bytes_in_the_order_the_planner_prices()
     modes = ("none", "selective", "full")
     kept = {}
     for mode in modes:
-        pipe = Pipeline(m.stages, loss=m.loss, schedule=hybrid_schedule("1f1b", PP, 1), recompute=mode)  # type: ignore[arg-type]
+        schedule = hybrid_schedule("1f1b", PP, 1)
+        pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, options=RunOptions(recompute=mode))  # type: ignore[arg-type]
         kept[mode] = sum(program.memory().kept for program in pipe.compile(params, batch))
     priced_model = Model(name="t", layers=PP, hidden=8, ffn_hidden=32, heads=2, seq_len=8, vocab=16, dtype_bytes=4)
     cluster = load_cluster("h200")

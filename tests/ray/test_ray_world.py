@@ -31,7 +31,7 @@ from helpers import (
     zb_auto,
 )
 from helpers import setup as reference
-from pipedsl.executor import ExecutionError
+from pipedsl.executor import ExecutionError, RunOptions
 from pipedsl.executor.backend import Resident
 from pipedsl.executor.ray.cluster import RayWorld
 from pipedsl.executor.ray.cores import registry
@@ -183,7 +183,7 @@ def test_a_world_runs_pipelines_one_after_another(worlds: Worlds) -> None:
     assert world.call("doing", [((), {})] * 2, what="asking", stage_of=lambda r: None) == ["idle", "idle"]
     # A plan takes a world it fits exactly: dp = 2 on two pipeline devices is four processes.
     with pytest.raises(ExecutionError, match="takes 4 processes of devices_per_process=1; this Ray world has 2"):
-        pipeline("mlp", "explicit", schedule, backend=world, dp=2)
+        pipeline("mlp", "explicit", schedule, backend=world, options=RunOptions(dp=2))
     with pipeline("mlp", "explicit", library("zb_h1"), backend=world) as second:
         result = second.step(params, batch)
     assert_relative_close(result.loss, ref_loss)

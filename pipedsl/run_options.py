@@ -1,0 +1,176 @@
+"""How a pipeline runs, apart from its model and schedule: one frozen, checked options object.
+
+A :class:`RunOptions` says what the executor does with every pipeline device (its mesh's
+data-, tensor- and context-parallel degrees, ZeRO stage and when gradients are reduced),
+with every stage (recomputation, precision, sequence parallelism) and with every step (one
+program where stages share devices, how long a device waits for another). It is plain data
+with no JAX in it, so that the three places that decide how a plan runs hand over the same
+object: ``Pipeline(..., options=RunOptions(dp=2, zero=1))`` in Python, ``pipedsl run``
+from its command line, and the planner (``Plan.run_options``, ``PlannedRun.run_options``)
+from the plan it priced, so that ``pipedsl run --plan N`` runs what was priced.
+
+Every argument is checked once, here; a bad one raises :class:`RunOptionsError`, which names
+it (``argument``) and the rule it broke (``rule``).
+
+    >>> RunOptions(dp=2, zero=2, reduce_once=True).mesh_size
+    2
+    >>> RunOptions(recompute=("full", "none")).stage_recompute(2)
+    ('full', 'none')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast, get_args
+
+from pipedsl.errors import PipedslError
+
+__all__ = [
+    "FUSE_MODES",
+    "Fuse",
+    "PRECISIONS",
+    "RECOMPUTE_MODES",
+    "ZERO_STAGES",
+    "Precision",
+    "RecomputeMode",
+    "RunOptions",
+    "RunOptionsError",
+]
+
+RecomputeMode = Literal["none", "selective", "full"]
+Precision = Literal["fp32", "bf16"]
+Fuse = Literal["loop", "unrolled", "off"]
+"""How a step of pipeline devices sharing their devices runs (:attr:`RunOptions.fuse`)."""
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+FUSE_MODES: tuple[Fuse, ...] = get_args(Fuse)
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class RunOptionsError(PipedslError):
+    """A :class:`RunOptions` argument that cannot run: ``argument`` is its name, ``rule``
+    what it broke (with the value given and what to give instead); the message is both."""
+
+    def __init__(self, argument: str, rule: str) -> None:
+        self.argument = argument
+        self.rule = rule
+        super().__init__(f"{argument} {rule}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunOptions:
+    """How a pipeline runs (module docstring). Every pipeline device is a mesh of
+    ``dp x cp x tp`` devices; ``pp`` (the schedule's devices) multiplies them.
+
+    Attributes:
+      dp: data-parallel devices per pipeline device (mesh axis ``"data"``): each microbatch
+        is split over them (its examples must divide by ``dp``) and the gradients are
+        reduced over them inside the stage programs.
+      tp: tensor-parallel devices per pipeline device (mesh axis ``"tensor"``), splitting
+        the parameters as the model's ``param_specs`` say.
+      cp: context-parallel devices per pipeline device (mesh axis ``"context"``): every
+        sequence (axis 1 of the inputs and activations) is split over them.
+      zero: ZeRO stage over ``"data"``: 0 shards nothing, 1 the optimizer state, 2 also the
+        accumulated gradients, 3 also the parameters (gathered where they are used).
+      reduce_once: with ``zero`` 2 or 3, accumulate the gradients unreduced and reduce them
+        once per step (one reduce-scatter), as FSDP without per-microbatch sync and
+        Megatron-LM's distributed optimizer do; ZeRO 0 and 1 always reduce once per step.
+      recompute: what each stage's backward recomputes instead of keeping, as the planner
+        prices it: ``"none"``, ``"selective"`` (the attention core) or ``"full"``
+        (everything but the stage's inputs); one mode for every stage, or a tuple of one
+        per stage (a list is taken as the tuple).
+      precision: ``"fp32"``, or ``"bf16"``: bf16 compute and activations with fp32 master
+        weights, optimizer state and gradient accumulation (Megatron-LM's mixed precision).
+      sequence_parallel: with ``tp > 1``, split the activations around norms and dropout
+        along the sequence over ``"tensor"`` (Korthikanti et al.); refused with ``tp = 1``,
+        where there is nothing to split.
+      fuse: where two or more pipeline devices all run on the same devices (stages sharing
+        one chip; local backend), how each unrecorded step runs: ``"loop"``, one program
+        that loops over the microbatches, each through every stage (it compiles about as
+        long as one ``jax.jit`` of the step that accumulates the microbatches, and keeps
+        one microbatch's activations at a time); ``"unrolled"``, one program of every
+        action of the schedule (it compiles several times longer, and lets XLA overlap the
+        microbatches as their data dependencies allow); ``"off"``, every action dispatched
+        apart, as on devices of their own.
+      recv_timeout: seconds any device waits for a value from another before giving up.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    cp: int = 1
+    zero: int = 0
+    reduce_once: bool = False
+    recompute: RecomputeMode | tuple[RecomputeMode, ...] = "none"
+    precision: Precision = "fp32"
+    sequence_parallel: bool = False
+    fuse: Fuse = "loop"
+    recv_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "cp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RunOptionsError(name, f"must be a whole number >= 1, got {value!r}")
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
+            raise RunOptionsError("zero", f"must be a ZeRO stage, one of 0, 1, 2, 3; got {self.zero!r}")
+        if not isinstance(self.fuse, str) or self.fuse not in FUSE_MODES:
+            raise RunOptionsError("fuse", f"must be one of {', '.join(map(repr, FUSE_MODES))}, got {self.fuse!r}")
+        for name in ("reduce_once", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise RunOptionsError(name, f"must be True or False, got {getattr(self, name)!r}")
+        if self.reduce_once and self.zero < 2:
+            raise RunOptionsError(
+                "reduce_once",
+                f"applies to zero 2 and 3 (ZeRO {self.zero} reduces the gradients once per step already); drop it",
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise RunOptionsError(
+                "sequence_parallel", "splits what tensor parallelism leaves whole: give it with tp above 1"
+            )
+        object.__setattr__(self, "recompute", _recompute(self.recompute))
+        if self.precision not in PRECISIONS:
+            raise RunOptionsError("precision", f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        timeout = self.recv_timeout
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not (math.isfinite(timeout) and timeout > 0)
+        ):
+            raise RunOptionsError("recv_timeout", f"must be a finite number of seconds above 0, got {timeout!r}")
+
+    @property
+    def mesh_size(self) -> int:
+        """Devices in every pipeline device's mesh: ``dp * cp * tp``."""
+        return self.dp * self.cp * self.tp
+
+    def stage_recompute(self, num_stages: int) -> tuple[RecomputeMode, ...]:
+        """The recompute mode of each of ``num_stages`` stages; refuses a tuple of another length."""
+        if isinstance(self.recompute, str):
+            return (self.recompute,) * num_stages
+        if len(self.recompute) != num_stages:
+            raise RunOptionsError(
+                "recompute",
+                f"gives {len(self.recompute)} modes but the schedule has {num_stages} stages: give one mode for"
+                " every stage, or one per stage",
+            )
+        return self.recompute
+
+
+def _recompute(value: Any) -> RecomputeMode | tuple[RecomputeMode, ...]:
+    """``value`` as :class:`RunOptions` keeps it: a mode, or a non-empty tuple of modes."""
+    if isinstance(value, str):
+        if value not in RECOMPUTE_MODES:
+            raise RunOptionsError("recompute", f"must be one of {', '.join(RECOMPUTE_MODES)}, got {value!r}")
+        return cast(RecomputeMode, value)
+    if not isinstance(value, Sequence) or not value:
+        raise RunOptionsError(
+            "recompute", f"must be a mode ({', '.join(RECOMPUTE_MODES)}) or one per stage, got {value!r}"
+        )
+    bad = [mode for mode in value if mode not in RECOMPUTE_MODES]
+    if bad:
+        raise RunOptionsError(
+            "recompute", f"gives {bad[0]!r} for a stage; each mode must be one of {', '.join(RECOMPUTE_MODES)}"
+        )
+    return tuple(value)
