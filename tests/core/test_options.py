@@ -16,7 +16,7 @@ def test_the_defaults_run_one_device_per_pipeline_device_in_fp32() -> None:
     options = RunOptions()
     assert (options.dp, options.tp, options.cp, options.zero, options.mesh_size) == (1, 1, 1, 0, 1)
     assert (options.recompute, options.precision, options.sequence_parallel) == ("none", "fp32", False)
-    assert options.fuse and not options.reduce_once and options.recv_timeout == 300.0
+    assert options.fuse == "loop" and not options.reduce_once and options.recv_timeout == 300.0
 
 
 def test_options_are_frozen_keyword_only_and_compare_by_value() -> None:
@@ -60,7 +60,8 @@ def test_one_mode_or_one_per_stage() -> None:
         ({"precision": "fp16"}, "precision", "must be one of fp32, bf16, got 'fp16'"),
         ({"sequence_parallel": "yes", "tp": 2}, "sequence_parallel", "must be True or False, got 'yes'"),
         ({"sequence_parallel": True}, "sequence_parallel", "give it with tp above 1"),
-        ({"fuse": None}, "fuse", "must be True or False, got None"),
+        ({"fuse": None}, "fuse", "must be one of 'loop', 'unrolled', 'off', got None"),
+        ({"fuse": True}, "fuse", "must be one of 'loop', 'unrolled', 'off', got True"),
         ({"recv_timeout": 0}, "recv_timeout", "must be a finite number of seconds above 0, got 0"),
         ({"recv_timeout": math.inf}, "recv_timeout", "must be a finite number of seconds above 0, got inf"),
         ({"recv_timeout": "60"}, "recv_timeout", "must be a finite number of seconds above 0, got '60'"),
