@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -58,9 +58,12 @@ from pipedsl.simulator.calibration.timelines import timeline_report
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
+if TYPE_CHECKING:
+    from pipedsl.executor.stages.stage_options import Precision
+
 __all__ = [
-    "DEMO_MODEL", "MACHINE_MICROBATCH", "Measurement", "demo_transformer", "demo_cut", "Run", "measure", "backend_for",
-    "results_table", "register",
+    "DEMO_MODEL", "DEMO", "MACHINE_MICROBATCH", "Measurement", "Workload", "accelerator_workload", "Run", "measure",
+    "backend_for", "results_table", "register",
 ]  # fmt: skip
 
 DEMO_MODEL = Model(
@@ -76,8 +79,83 @@ DEMO_MODEL = Model(
     tied_embeddings=False,
     dropout=False,
 )
-"""The transformer calibrated and run on this machine: the executor's built-in one at this
+"""The transformer calibrated and run on CPU devices: the executor's built-in one at this
 shape (its layers split evenly over the schedule's stages; no dropout, as it has none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What the machine calibration and the demo train: a model as the simulator prices it,
+    run as the executor's built-in model of its family at its shape.
+
+    Attributes:
+      model: the simulator's description; a gated (SwiGLU) model runs as
+        :func:`~pipedsl.executor.models.llama`, any other as
+        :func:`~pipedsl.executor.models.transformer`.
+      precision: ``"fp32"``, or ``"bf16"`` (bf16 compute and activations, fp32 master
+        weights, optimizer state and gradients: the executor's mixed precision).
+    """
+
+    model: Model
+    precision: Precision = "fp32"
+
+    def build(self, num_stages: int, *, what: str = "the schedule", layers: int | None = None) -> Any:
+        """The executor's model (a :class:`~pipedsl.executor.models.BuiltinModel`) with the
+        model's layers (or ``layers``) split evenly over ``num_stages`` stages; ``what``
+        names the caller's schedule in the error where they do not split."""
+        from pipedsl.executor.models import llama, transformer
+
+        m = self.model
+        layers = m.layers if layers is None else layers
+        _check_splits(num_stages, what=what, layers=layers)
+        if m.gated_ffn:
+            return llama(
+                num_stages=num_stages, hidden=m.hidden, ffn_hidden=m.ffn_hidden, heads=m.heads,
+                kv_heads=m.num_kv_heads, seq_len=m.seq_len, vocab=m.vocab, layers_per_stage=layers // num_stages,
+            )  # fmt: skip
+        return transformer(
+            num_stages=num_stages, vocab=m.vocab, dim=m.hidden, heads=m.heads, seq=m.seq_len,
+            layers_per_stage=layers // num_stages,
+        )  # fmt: skip
+
+    def cut(self, layers: int) -> Any:
+        """The model cut to ``layers`` layers, one stage: what the machine calibration's
+        training steps train."""
+        return self.build(1, layers=layers)
+
+
+DEMO = Workload(DEMO_MODEL)
+"""The demo transformer in fp32: what the calibration and the demo train on CPU devices."""
+
+_LLAMA_WIDTHS = (256, 512, 1024)
+"""Widths of the Llama an accelerator trains, the widest whose state fits taken."""
+_STATE_BYTES = 18
+"""Bytes a parameter keeps under the executor's mixed precision with Adam: an fp32 master,
+a bf16 copy, an fp32 gradient and Adam's two fp32 moments."""
+_STATE_SHARE = 8
+"""The model's state takes at most this fraction (1/8) of a device's memory, leaving the
+rest for the activations of every plan searched, all stages on one device included."""
+
+
+def accelerator_workload(memory_bytes: int) -> Workload:
+    """The Llama that the calibration and the demo train in bf16 on a GPU or TPU of
+    ``memory_bytes`` bytes: 4 layers (so that pipelines of 2 and 4 stages split it), a
+    head width of 64, 4 query heads per key/value head, a feed-forward 11/4 as wide as the
+    model, sequences of 512 tokens, a vocabulary of 8192; as wide as
+    :data:`_LLAMA_WIDTHS` allows with every parameter's state (:data:`_STATE_BYTES`) in
+    1/:data:`_STATE_SHARE` of the memory."""
+
+    def llama(hidden: int) -> Model:
+        heads = hidden // 64
+        return Model(
+            name=f"demo-llama-{hidden}", layers=4, hidden=hidden, ffn_hidden=11 * hidden // 4, heads=heads,
+            kv_heads=heads // 4, seq_len=512, vocab=8192, dtype_bytes=2, gated_ffn=True, biases=False,
+            learned_positions=False, tied_embeddings=False, dropout=False,
+        )  # fmt: skip
+
+    fitting = [w for w in _LLAMA_WIDTHS if llama(w).num_params * _STATE_BYTES * _STATE_SHARE <= memory_bytes]
+    return Workload(llama(max(fitting, default=_LLAMA_WIDTHS[0])), precision="bf16")
+
 
 MACHINE_MICROBATCH = 4
 """Sequences per device of the machine calibration's steps at the microbatch size: each
@@ -139,35 +217,12 @@ class Measurement:
         )
 
 
-def demo_transformer(num_stages: int, *, what: str = "the schedule", layers: int = DEMO_MODEL.layers) -> Any:
-    """The executor's built-in transformer at :data:`DEMO_MODEL`'s shape (or with fewer
-    ``layers``), its layers split evenly over ``num_stages`` stages (a
-    :class:`~pipedsl.executor.models.BuiltinModel`)."""
-    from pipedsl.executor.models import transformer
-
-    _check_splits(num_stages, what=what, layers=layers)
-    return transformer(
-        num_stages=num_stages,
-        vocab=DEMO_MODEL.vocab,
-        dim=DEMO_MODEL.hidden,
-        heads=DEMO_MODEL.heads,
-        seq=DEMO_MODEL.seq_len,
-        layers_per_stage=layers // num_stages,
-    )
-
-
 def _check_splits(num_stages: int, *, what: str, layers: int = DEMO_MODEL.layers) -> None:
     if num_stages < 1 or layers % num_stages:
         raise PipedslError(
             f"{what} has {num_stages} stages; the demo transformer's {layers} layers "
             "split evenly only over a number of stages that divides them"
         )
-
-
-def demo_cut(layers: int) -> Any:
-    """The demo transformer cut to ``layers`` layers, one stage: what the machine
-    calibration's training steps train."""
-    return demo_transformer(1, layers=layers)
 
 
 def _label(schedule: Schedule) -> str:
@@ -184,13 +239,15 @@ def _platform(backend: Any) -> str:
     return str(jax.devices()[0].platform)
 
 
-def _pipeline(schedule: Schedule, microbatch_size: int, backend: Any, plan: PlannedRun | None) -> tuple[Any, Any, Any]:
-    """(pipeline, initial parameters, batch) of the demo transformer under ``schedule``."""
+def _pipeline(
+    schedule: Schedule, microbatch_size: int, backend: Any, plan: PlannedRun | None, workload: Workload
+) -> tuple[Any, Any, Any]:
+    """(pipeline, initial parameters, batch) of ``workload`` under ``schedule``."""
     import jax
 
     from pipedsl.executor import Pipeline
 
-    model = demo_transformer(schedule.num_stages, what=_label(schedule))
+    model = workload.build(schedule.num_stages, what=_label(schedule))
     dp, tp, zero = (1, 1, 0) if plan is None else (plan.dp, plan.tp, plan.zero)
     sequence_parallel = plan is not None and plan.sequence_parallel and tp > 1
     reduce_once = plan is not None and plan.reduce_once
@@ -198,9 +255,12 @@ def _pipeline(schedule: Schedule, microbatch_size: int, backend: Any, plan: Plan
     batch = model.batch(jax.random.fold_in(key, 1), microbatch_size * schedule.num_microbatches * dp)
     params = model.init_stages(key)
     specs = model.param_specs(params) if tp > 1 else None
+    # Pipeline devices that share their devices are each the same first dp x tp of them.
+    devices = jax.devices()[: dp * tp] * schedule.num_devices if plan is not None and plan.shared_devices else None
     pipe = Pipeline(
         model.stages, loss=model.loss, schedule=schedule, backend=backend, dp=dp, tp=tp, zero=zero,
-        reduce_once=reduce_once, sequence_parallel=sequence_parallel, param_specs=specs,
+        reduce_once=reduce_once, sequence_parallel=sequence_parallel, param_specs=specs, devices=devices,
+        precision=workload.precision,
     )  # fmt: skip
     return pipe, params, batch
 
@@ -227,13 +287,15 @@ def _recorded_steps(
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """What :func:`measure` runs: ``schedule`` with microbatches of ``microbatch_size``
-    sequences (per data-parallel replica); with ``plan``, every pipeline device is a
-    ``dp x tp`` mesh with the plan's ZeRO stage."""
+    """What :func:`measure` runs: ``schedule`` of ``workload`` with microbatches of
+    ``microbatch_size`` sequences (per data-parallel replica); with ``plan``, every pipeline
+    device is a ``dp x tp`` mesh with the plan's ZeRO stage (all of them the same mesh
+    where the plan's pipeline devices share their devices)."""
 
     schedule: Schedule
     microbatch_size: int
     plan: PlannedRun | None = None
+    workload: Workload = DEMO
 
 
 class _Trial:
@@ -245,7 +307,9 @@ class _Trial:
         import optax
 
         self.run, self.backend = run, backend
-        self.pipe, self.state, self.batch = _pipeline(run.schedule, run.microbatch_size, backend, run.plan)
+        self.pipe, self.state, self.batch = _pipeline(
+            run.schedule, run.microbatch_size, backend, run.plan, run.workload
+        )
         try:
             self.optimizer = optax.adam(3e-3)
             self.opt_state: Any = None
@@ -423,14 +487,21 @@ def _machine(console: Console, args: argparse.Namespace) -> None:
     """Calibrate this machine's devices (at most ``--devices``) and write the cluster file."""
     import jax
 
-    from pipedsl.cli.machine import calibrate_machine, calibration_steps, platform
+    from pipedsl.cli.machine import calibrate_machine, calibration_steps, machine_workload, platform
     from pipedsl.simulator.calibration.machine import cluster_toml
 
     devices = min(args.devices, jax.device_count())
     kind, what = platform()
-    console.print(f"Calibrating this machine: {devices} {kind} devices ({what}) ...", highlight=False)
-    with calibration_steps(devices, DEMO_MODEL, demo_cut, microbatch_size=args.microbatch_size) as steps:
-        calibration = calibrate_machine(steps, DEMO_MODEL, microbatch_size=args.microbatch_size, rounds=args.steps)
+    workload = machine_workload(devices)
+    console.print(
+        f"Calibrating this machine: {devices} {kind} devices ({what}), training {workload.model.name} in "
+        f"{workload.precision} ...",
+        highlight=False,
+    )
+    with calibration_steps(
+        devices, workload.model, workload.cut, microbatch_size=args.microbatch_size, precision=workload.precision
+    ) as steps:
+        calibration = calibrate_machine(steps, workload.model, microbatch_size=args.microbatch_size, rounds=args.steps)
     console.print(calibration.describe(), highlight=False)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(cluster_toml(calibration))

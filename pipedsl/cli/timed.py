@@ -14,11 +14,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipedsl.cli.common import load_schedule
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import SPMD_SCHEDULE
+
+if TYPE_CHECKING:
+    from pipedsl.executor.stages.stage_options import Precision
 
 __all__ = ["STEP_ROUNDS", "Step", "TimedSteps", "median_seconds", "interleaved_medians", "round_times", "training_step"]
 
@@ -101,6 +104,7 @@ class Step:
         :class:`TimedSteps`), the rest idle.
       tp: tensor-parallel degree (with sequence parallelism) inside data-parallel groups
         of ``tp`` devices, each group's microbatch ``tp × sequences`` sequences.
+      precision: the executor's ``"fp32"`` or ``"bf16"`` (mixed precision).
     """
 
     model: Any
@@ -108,15 +112,16 @@ class Step:
     microbatches: int = 1
     devices: int | None = None
     tp: int = 1
+    precision: Precision = "fp32"
 
 
 def training_step(
-    model: Any, devices: int, sequences: int, *, microbatches: int = 1, tp: int = 1
+    model: Any, devices: int, sequences: int, *, microbatches: int = 1, tp: int = 1, precision: Precision = "fp32"
 ) -> tuple[Callable[[], Any], Any]:
     """The executor's SPMD plan of ``model`` (one stage) over the first ``devices``
     devices on the local backend, ``tp``-way tensor parallel (with sequence parallelism)
     inside ``devices / tp`` data-parallel groups, ``microbatches`` of ``sequences``
-    sequences per device:
+    sequences per device, in ``precision``:
     (a call that runs one Adam training step and returns the new parameters, the pipeline
     to close). The calibration times the executor's own programs: a forward and a
     backward jitted apart run at another speed than one program of both."""
@@ -130,7 +135,7 @@ def training_step(
     schedule = load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": microbatches})
     pipe = Pipeline(
         model.stages, loss=model.loss, schedule=schedule, backend="local", dp=devices // tp, tp=tp,
-        sequence_parallel=tp > 1, param_specs=model.param_specs(params) if tp > 1 else None,
+        sequence_parallel=tp > 1, param_specs=model.param_specs(params) if tp > 1 else None, precision=precision,
     )  # fmt: skip
     batch = model.batch(jax.random.fold_in(key, 1), devices * sequences * microbatches)
     optimizer = optax.adam(1e-3)
@@ -162,8 +167,9 @@ class TimedSteps:
         try:
             for key, step in steps.items():
                 runs[key], pipe = training_step(
-                    step.model, step.devices or devices, step.sequences, microbatches=step.microbatches, tp=step.tp
-                )
+                    step.model, step.devices or devices, step.sequences, microbatches=step.microbatches, tp=step.tp,
+                    precision=step.precision,
+                )  # fmt: skip
                 self._pipes.append(pipe)
                 jax.block_until_ready(runs[key]())  # compiles it, outside the timed rounds
                 take_interrupt()
