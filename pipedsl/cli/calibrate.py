@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -49,113 +49,19 @@ from pipedsl.cli.common import (
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import STEP_ROUNDS, round_times
+from pipedsl.cli.workload import DEMO, DEMO_MODEL, Workload, check_splits
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
-from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
+from pipedsl.simulator import CostModel, Panel, fit_costs, simulate
 from pipedsl.simulator.calibration.report import Report
 from pipedsl.simulator.calibration.timelines import timeline_report
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
-if TYPE_CHECKING:
-    from pipedsl.executor.stages.stage_options import Precision
-
 __all__ = [
-    "DEMO_MODEL", "DEMO", "MACHINE_MICROBATCH", "Measurement", "Workload", "accelerator_workload", "Run", "measure",
-    "backend_for", "results_table", "register",
+    "DEMO_MODEL", "MACHINE_MICROBATCH", "Measurement", "Run", "measure", "backend_for", "results_table", "register",
 ]  # fmt: skip
-
-DEMO_MODEL = Model(
-    name="demo-cpu",
-    layers=4,
-    hidden=128,
-    ffn_hidden=512,
-    heads=4,
-    seq_len=64,
-    vocab=512,
-    dtype_bytes=4,
-    learned_positions=True,
-    tied_embeddings=False,
-    dropout=False,
-)
-"""The transformer calibrated and run on CPU devices: the executor's built-in one at this
-shape (its layers split evenly over the schedule's stages; no dropout, as it has none)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """What the machine calibration and the demo train: a model as the simulator prices it,
-    run as the executor's built-in model of its family at its shape.
-
-    Attributes:
-      model: the simulator's description; a gated (SwiGLU) model runs as
-        :func:`~pipedsl.executor.models.llama`, any other as
-        :func:`~pipedsl.executor.models.transformer`.
-      precision: ``"fp32"``, or ``"bf16"`` (bf16 compute and activations, fp32 master
-        weights, optimizer state and gradients: the executor's mixed precision).
-    """
-
-    model: Model
-    precision: Precision = "fp32"
-
-    def build(self, num_stages: int, *, what: str = "the schedule", layers: int | None = None) -> Any:
-        """The executor's model (a :class:`~pipedsl.executor.models.BuiltinModel`) with the
-        model's layers (or ``layers``) split evenly over ``num_stages`` stages; ``what``
-        names the caller's schedule in the error where they do not split."""
-        from pipedsl.executor.models import llama, transformer
-
-        m = self.model
-        layers = m.layers if layers is None else layers
-        _check_splits(num_stages, what=what, layers=layers)
-        if m.gated_ffn:
-            return llama(
-                num_stages=num_stages, hidden=m.hidden, ffn_hidden=m.ffn_hidden, heads=m.heads,
-                kv_heads=m.num_kv_heads, seq_len=m.seq_len, vocab=m.vocab, layers_per_stage=layers // num_stages,
-            )  # fmt: skip
-        return transformer(
-            num_stages=num_stages, vocab=m.vocab, dim=m.hidden, heads=m.heads, seq=m.seq_len,
-            layers_per_stage=layers // num_stages,
-        )  # fmt: skip
-
-    def cut(self, layers: int) -> Any:
-        """The model cut to ``layers`` layers, one stage: what the machine calibration's
-        training steps train."""
-        return self.build(1, layers=layers)
-
-
-DEMO = Workload(DEMO_MODEL)
-"""The demo transformer in fp32: what the calibration and the demo train on CPU devices."""
-
-_LLAMA_WIDTHS = (256, 512, 1024)
-"""Widths of the Llama an accelerator trains, the widest whose state fits taken."""
-_STATE_BYTES = 18
-"""Bytes a parameter keeps under the executor's mixed precision with Adam: an fp32 master,
-a bf16 copy, an fp32 gradient and Adam's two fp32 moments."""
-_STATE_SHARE = 8
-"""The model's state takes at most this fraction (1/8) of a device's memory, leaving the
-rest for the activations of every plan searched, all stages on one device included."""
-
-
-def accelerator_workload(memory_bytes: int) -> Workload:
-    """The Llama that the calibration and the demo train in bf16 on a GPU or TPU of
-    ``memory_bytes`` bytes: 4 layers (so that pipelines of 2 and 4 stages split it), a
-    head width of 64, 4 query heads per key/value head, a feed-forward 11/4 as wide as the
-    model, sequences of 512 tokens, a vocabulary of 8192; as wide as
-    :data:`_LLAMA_WIDTHS` allows with every parameter's state (:data:`_STATE_BYTES`) in
-    1/:data:`_STATE_SHARE` of the memory."""
-
-    def llama(hidden: int) -> Model:
-        heads = hidden // 64
-        return Model(
-            name=f"demo-llama-{hidden}", layers=4, hidden=hidden, ffn_hidden=11 * hidden // 4, heads=heads,
-            kv_heads=heads // 4, seq_len=512, vocab=8192, dtype_bytes=2, gated_ffn=True, biases=False,
-            learned_positions=False, tied_embeddings=False, dropout=False,
-        )  # fmt: skip
-
-    fitting = [w for w in _LLAMA_WIDTHS if llama(w).num_params * _STATE_BYTES * _STATE_SHARE <= memory_bytes]
-    return Workload(llama(max(fitting, default=_LLAMA_WIDTHS[0])), precision="bf16")
-
 
 MACHINE_MICROBATCH = 4
 """Sequences per device of the machine calibration's steps at the microbatch size: each
@@ -214,14 +120,6 @@ class Measurement:
         return (
             f"{self.label}: loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}; predicted "
             f"{self.predicted_s * 1e3:.1f} ms, measured {self.measured_s * 1e3:.1f} ms per step ({self.error:+.1%})"
-        )
-
-
-def _check_splits(num_stages: int, *, what: str, layers: int = DEMO_MODEL.layers) -> None:
-    if num_stages < 1 or layers % num_stages:
-        raise PipedslError(
-            f"{what} has {num_stages} stages; the demo transformer's {layers} layers "
-            "split evenly only over a number of stages that divides them"
         )
 
 
@@ -454,7 +352,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         chosen = {k: v for k, v in _DEFAULT_PARAMS.items() if k in declared} | args.params
         schedule = load_schedule(spec, chosen, max_actions=args.max_actions)
         validate(schedule)
-        _check_splits(schedule.num_stages, what=_label(schedule))
+        check_splits(schedule.num_stages, what=_label(schedule))
         schedules.append(schedule)
     request_devices(max([args.devices, *(s.num_devices for s in schedules)]))
     console = make_console()

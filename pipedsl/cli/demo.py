@@ -47,7 +47,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipedsl.cli.calibrate import DEMO, DEMO_MODEL, MACHINE_MICROBATCH, Measurement, Run, Workload, measure
+from pipedsl.cli.calibrate import DEMO_MODEL, MACHINE_MICROBATCH, Measurement, Run, measure
 from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
 from pipedsl.cli.machine import (
     MachineCalibration,
@@ -58,6 +58,7 @@ from pipedsl.cli.machine import (
 )
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import STEP_ROUNDS, TimedSteps
+from pipedsl.cli.workload import DEMO, Workload
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.library import library_path, library_schedules

@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipedsl.cli.calibrate import DEMO, Workload, accelerator_workload
 from pipedsl.cli.timed import STEP_ROUNDS, Step, TimedSteps, median_seconds
+from pipedsl.cli.workload import DEMO, Workload, accelerator_workload
 from pipedsl.simulator import Model
 from pipedsl.simulator.calibration.machine import (
     MachineCalibration,
@@ -100,7 +100,7 @@ def machine_workload(devices: int) -> Workload:
     """What this machine's calibration and the demo train on its first ``devices``
     devices: the demo transformer in fp32 on CPU devices (bf16 has no matrix units
     there); on an accelerator a small Llama in bf16 sized to a device's memory
-    (:func:`~pipedsl.cli.calibrate.accelerator_workload`)."""
+    (:func:`~pipedsl.cli.workload.accelerator_workload`)."""
     kind, _ = platform()
     return DEMO if kind == "cpu" else accelerator_workload(_memory(kind, devices)[0])
 

@@ -236,7 +236,8 @@ def test_the_demo_on_one_device_runs_pipelines_that_share_it_against_their_predi
 def test_a_plan_whose_pipeline_devices_share_one_device_runs_as_one_program() -> None:
     import jax
 
-    from pipedsl.cli.calibrate import Workload, _pipeline
+    from pipedsl.cli.calibrate import _pipeline
+    from pipedsl.cli.workload import Workload
 
     tiny = Workload(
         Model(
@@ -266,7 +267,7 @@ def test_a_plan_whose_pipeline_devices_share_one_device_runs_as_one_program() ->
 
 
 def test_an_accelerator_trains_the_widest_small_llama_whose_state_fits_an_eighth_of_its_memory() -> None:
-    from pipedsl.cli.calibrate import accelerator_workload
+    from pipedsl.cli.workload import accelerator_workload
 
     v5e, small = accelerator_workload(16 * 2**30), accelerator_workload(2**30)
     assert v5e.precision == small.precision == "bf16" and v5e.model.gated_ffn and v5e.model.dtype_bytes == 2
