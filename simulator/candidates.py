@@ -10,6 +10,9 @@ Enumeration, for ``gpus`` GPUs and a global batch B:
 - pipeline degrees: divisors of ``gpus`` from 2 up, with ``pp × vpp`` dividing the layers
   (with ``stage_split="ends"``, where it does not, the split whose first and last stage
   hold only the embedding and the head, :func:`~pipedsl.simulator.stages.ends_split`);
+  with ``shared_pipelines``, also every ``pp`` from 2 up to the layers with all its
+  pipeline devices on the same ``gpus`` GPUs (``Plan.shared_devices``: a pipeline on one
+  chip);
 - virtual stages: ``vpp_sizes`` (2, 3, 4, 6, 8) for schedules with a ``vpp``
   parameter (vpp = 1 is 1F1B's or GPipe's plan); what the schedule places otherwise;
 - microbatch sizes: divisors of B/dp up to ``max_microbatch_size``;
@@ -158,9 +161,11 @@ def candidate_plans(
     stage_split: str = "even",
     tp_overlap: float = 0.0,
     framework: str = "megatron",
+    shared_pipelines: bool = False,
     skipped: Counter[tuple[str, int]] | None = None,
 ) -> Iterator[Plan]:
-    """Every plan the search tries (see the module docstring), SPMD plans first.
+    """Every plan the search tries (see the module docstring), SPMD plans first, then the
+    pipelines, those whose pipeline devices share the GPUs (``shared_pipelines``) last.
 
     A schedule that takes no ``vpp`` is offered with ``vpp = 1``; the search asks the
     schedule itself how many stages it places per device (ZB-V places two). ``skipped``,
@@ -197,7 +202,10 @@ def candidate_plans(
     space = _Space(splits.pairs(), tuple(modes), global_batch, max_microbatch_size, skip)
     yield from _spmd_plans(space, gpus, spmd_zero, common)
     found = searched_schedules(schedules, extra_schedules)
-    yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common, ends=stage_split == "ends")
+    ends = stage_split == "ends"
+    yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common, ends=ends)
+    if shared_pipelines:
+        yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common, ends=ends, shared=True)
 
 
 def _cp_sizes(model: Model, cps: Sequence[int], skip: Counter[tuple[str, int]]) -> tuple[int, ...]:
@@ -288,15 +296,19 @@ def _pipeline_plans(
     common: dict[str, Any],
     *,
     ends: bool,
+    shared: bool = False,
 ) -> Iterator[Plan]:
-    for pp in _divisors(gpus)[1:]:
+    """The pipeline plans over ``gpus`` GPUs; with ``shared``, those whose ``pp`` pipeline
+    devices (2 up to the layers) each run on all of them."""
+    for pp in range(2, model.layers + 1) if shared else _divisors(gpus)[1:]:
         if pp > model.layers:
             space.skip[f"pp exceeds the {model.layers} layers", pp] += 1
             break
         for tp, cp in space.tps:
-            if gpus % (pp * tp * cp):
+            replica = tp * cp * (1 if shared else pp)  # the GPUs of one data-parallel replica
+            if gpus % replica:
                 continue
-            dp = gpus // (pp * tp * cp)
+            dp = gpus // replica
             for b in space.microbatch_sizes(dp):
                 for sched in found:
                     for vpp in vpp_sizes if sched.takes_vpp else (1,):
@@ -310,5 +322,6 @@ def _pipeline_plans(
                             for mode in space.modes:
                                 yield Plan(
                                     dp=dp, tp=tp, cp=cp, pp=pp, vpp=vpp, microbatch_size=b, zero=zero,
-                                    recompute=mode, schedule=sched.spec, stage_layers=layers, **common,
+                                    recompute=mode, schedule=sched.spec, stage_layers=layers,
+                                    shared_devices=shared, **common,
                                 )  # fmt: skip

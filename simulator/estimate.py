@@ -35,7 +35,10 @@ the simulator shares the cores among the pipeline devices that compute at each m
 (processor sharing: :meth:`Cluster.speedup`), or, where the pipeline devices are meshes of
 several of them, runs their programs one at a time in the order they are dispatched, as
 XLA's CPU client does (worked out for the plan in one place, :func:`_sharing`); an SPMD
-plan is one pipeline device that is always busy.
+plan is one pipeline device that is always busy. Pipeline devices that share their devices
+(``Plan.shared_devices``: a pipeline on one chip) are what the executor runs as one
+program of the whole step: their actions one after another, no transfers, no dispatch
+per action, every stage's parameters, optimizer state and activations on the devices.
 MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """
@@ -291,8 +294,12 @@ class Prepared:
         """The pipeline's cost model: per-stage F, I, W seconds, the links' transfer times
         and the residual bytes per microbatch."""
         work = self.work
-        latency, bandwidth, boundary_bytes = _transfer_costs(self.placement, self.shapes)
-        backward, input_grad, weight_grad = _backward_seconds(work, self.shapes.cluster)
+        if self.plan.shared_devices:
+            # The stages share their devices: a value stays where it is.
+            latency, bandwidth, boundary_bytes = 0.0, None, (0,) * (len(work) - 1)
+        else:
+            latency, bandwidth, boundary_bytes = _transfer_costs(self.placement, self.shapes)
+        backward, input_grad, weight_grad = _backward_seconds(work, self.shapes.action_overhead_s)
         return CostModel(
             forward=tuple(w.forward for w in work),
             backward=backward,
@@ -311,7 +318,7 @@ class Prepared:
         if self.key is not None and self.pipelines is not None:
             timing = self.pipelines.timing(self.key, self.cost_model())
             return self.assemble(timing.makespan, timing.bubble_ratio, timing.simulation)
-        work, overhead = self.work, self.shapes.cluster.action_overhead_s
+        work, overhead = self.work, self.shapes.action_overhead_s
         # One pipeline device, always busy: the engine's speed-up at one busy device.
         busy = 1.0 if self.speedup is None else self.speedup[0]
         return self.assemble(
@@ -320,9 +327,13 @@ class Prepared:
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle
-        fraction ``bubble``: adds the data-parallel tail and the optimizer step."""
+        fraction ``bubble`` (of the pipeline devices): adds the data-parallel tail and the
+        optimizer step. Pipeline devices that share their devices run every action back to
+        back in one program: the devices never wait, whichever pipeline device is idle."""
         shapes, work = self.shapes, self.work
         model, cluster, plan = shapes.model, shapes.cluster, shapes.plan
+        if plan.shared_devices:
+            bubble = 0.0
         tail, optimizer = self.tails
         # Every device waits for the slowest node at the step's synchronisation.
         nodes = -(-plan.gpus // cluster.gpus_per_node)
@@ -341,7 +352,7 @@ class Prepared:
             mfu=step_flops(model, plan, DEFAULT_FLOP_COUNT) / (plan.gpus * cluster.peak_flops * step),
             memory=self.memory,
             stage_forward_s=tuple(w.forward for w in work),
-            stage_backward_s=tuple(w.fused_backward(cluster.action_overhead_s) for w in work),
+            stage_backward_s=tuple(w.fused_backward(shapes.action_overhead_s) for w in work),
             assumptions=assumptions(model, cluster, plan),
             simulation=simulation,
         )
@@ -374,8 +385,8 @@ def prepare(
     layers = split_layers(model, plan.pp * plan.vpp, plan.stage_layers if stage_layers is None else stage_layers)
     params = stage_params(model, plan, layers)
     # The fullest device holds at least the average share: a cheap test before the
-    # schedule is evaluated.
-    average = device_memory(shapes, [sum(params) / plan.pp], (0,))
+    # schedule is evaluated. Pipeline devices that share their devices hold every stage there.
+    average = device_memory(shapes, [sum(params) / (1 if plan.shared_devices else plan.pp)], (0,))
     if fits_first and not average.fits:
         raise DoesNotFit(plan, average)
     if plan.pp > 1 and pipelines is None:
@@ -384,7 +395,10 @@ def prepare(
     device_params = _device_params(plan, placement, params)
     residual = stage_residual(shapes, layers)
     held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
-    memory = device_memory(shapes, device_params, held)
+    if plan.shared_devices:
+        memory = device_memory(shapes, [sum(device_params)], [sum(held)])
+    else:
+        memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
     work = stage_work(shapes, layers, params)
@@ -400,8 +414,7 @@ def prepare(
         residual=residual,
         device_params=device_params,
         memory=memory,
-        lower_bound_s=(0.0 if layout is not None else _lower_bound(plan, cluster, work, key, pipelines)) / fastest
-        + sum(tail),
+        lower_bound_s=(0.0 if layout is not None else _lower_bound(shapes, work, key, pipelines)) / fastest + sum(tail),
         tails=tail,
         speedup=speedup,
         serial=serial,
@@ -415,9 +428,14 @@ def _sharing(shapes: Shapes) -> tuple[tuple[float, ...] | None, bool]:
     :meth:`~pipedsl.simulator.hardware.Cluster.speedup` at n meshes' devices, at most a
     node's), and whether the pipeline devices take turns instead: meshes of several
     devices, whose programs XLA's CPU client runs one at a time (``serial`` in
-    :class:`~pipedsl.simulator.costs.CostModel`). The one place that prices shared cores;
-    (None, False) where devices have their own."""
+    :class:`~pipedsl.simulator.costs.CostModel`). Pipeline devices that share their
+    devices (``Plan.shared_devices``) take turns whatever the devices: one program runs
+    their actions one after another, at the speed of one mesh busy. The one place that
+    prices shared compute; (None, False) where devices have their own."""
     cluster, plan = shapes.cluster, shapes.plan
+    if plan.shared_devices:
+        mesh = min(plan.dp * plan.cp * plan.tp, cluster.gpus_per_node)
+        return (cluster.speedup(mesh),) * plan.pp, True
     if cluster.host_cores is None:
         return None, False
     mesh = plan.dp * plan.cp * plan.tp
@@ -473,28 +491,30 @@ def estimate(
     return prepared.finish()
 
 
-def _lower_bound(
-    plan: Plan, cluster: Cluster, work: Sequence[Work], key: ScheduleKey | None, pipelines: Pipelines | None
-) -> float:
+def _lower_bound(shapes: Shapes, work: Sequence[Work], key: ScheduleKey | None, pipelines: Pipelines | None) -> float:
     """Seconds the forward/backward part takes at least (see :meth:`Pipelines.lower_bound_s`);
-    for SPMD, exactly its microbatches × (F + B)."""
-    backward = _backward_seconds(work, cluster)
+    for SPMD, exactly its microbatches × (F + B); for pipeline devices that share their
+    devices, exactly every stage's, one action after another (a split backward's halves
+    sum to its fused one, with no dispatch per action)."""
+    plan = shapes.plan
+    backward = _backward_seconds(work, shapes.action_overhead_s)
     if key is None or pipelines is None:
         return plan.microbatches * (work[0].forward + backward[0][0])
+    if plan.shared_devices:
+        return plan.microbatches * sum(w.forward + b for w, b in zip(work, backward[0], strict=True))
     return pipelines.lower_bound_s(key, np.array([[w.forward for w in work], *backward]))
 
 
 _Seconds = tuple[float, ...]
 
 
-def _backward_seconds(work: Sequence[Work], cluster: Cluster) -> tuple[_Seconds, _Seconds, _Seconds]:
+def _backward_seconds(work: Sequence[Work], overhead: float) -> tuple[_Seconds, _Seconds, _Seconds]:
     """Seconds of each stage's fused ``B``, and of its ``I`` and its ``W`` where a schedule
     splits the backward, shape (S,) each, as the executor runs them: ``B`` is one action,
     so one overhead; ``I`` computes what the input's cotangent needs, which the first
     stage (token ids in) has none of, so there ``I`` is one action's dispatch and ``W``
     the fused backward's one program; elsewhere each half is its share of the work and
-    one action's overhead."""
-    overhead = cluster.action_overhead_s
+    one action's overhead (``overhead`` seconds: :attr:`Shapes.action_overhead_s`)."""
     fused = tuple(w.fused_backward(overhead) for w in work)
 
     def halves(s: int, w: Work) -> tuple[float, float]:

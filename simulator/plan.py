@@ -93,6 +93,10 @@ class Plan:
       stage_layers: the layers of each of the pp × vpp stages, or None for an even split
         (:func:`~pipedsl.simulator.stages.split_layers`); Llama 3 405B runs 126 layers on
         16 × 8 stages whose first and last hold none (:func:`~pipedsl.simulator.stages.ends_split`).
+      shared_devices: for pp > 1, whether every pipeline device runs on the same dp·tp·cp
+        GPUs (the stages of a pipeline on one chip): the executor then runs a step as one
+        program of every action (:mod:`~pipedsl.simulator.estimate` prices it so), and
+        the plan uses dp·tp·cp GPUs, not dp·tp·cp·pp.
     """
 
     dp: int = 1
@@ -115,6 +119,7 @@ class Plan:
     cp_exchange: ContextExchange = ContextExchange.RING
     stage_layers: tuple[int, ...] | None = None
     framework: str | Framework = DEFAULT_FRAMEWORK
+    shared_devices: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "vpp", "microbatch_size", "global_batch"):
@@ -135,7 +140,7 @@ class Plan:
             except ValueError:
                 choices = ", ".join(c.value for c in ContextExchange)
                 raise PlanError(f"plan: cp_exchange must be one of {choices}, got {self.cp_exchange!r}") from None
-        for name in ("sequence_parallel", "flash_attention", "reduce_once", "reshard_after_forward"):
+        for name in ("sequence_parallel", "flash_attention", "reduce_once", "reshard_after_forward", "shared_devices"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"plan: {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("dp_overlap", "tp_overlap"):
@@ -168,12 +173,15 @@ class Plan:
             )
         if self.pp == 1 and self.vpp != 1:
             raise PlanError(f"plan: vpp = {self.vpp} needs a pipeline (pp > 1)")
+        if self.pp == 1 and self.shared_devices:
+            raise PlanError("plan: shared_devices puts the pipeline devices of a pipeline (pp > 1) on the same GPUs")
         if self.pp > 1 and self.schedule is None:
             raise PlanError(f"plan: pp = {self.pp} needs a schedule (a library name such as 1f1b, or a .sched file)")
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.cp * self.pp
+        """GPUs the plan uses: dp·tp·cp per pipeline device, times pp unless they share them."""
+        return self.dp * self.tp * self.cp * (1 if self.shared_devices else self.pp)
 
     @property
     def shards(self) -> int:
@@ -204,8 +212,9 @@ class Plan:
         kind = "spmd" if self.schedule is None else schedule_name(self.schedule)
         vpp = f" vpp{self.vpp}" if self.vpp > 1 else ""
         cp = f" cp{self.cp}" if self.cp > 1 else ""
+        shared = " shared" if self.shared_devices else ""
         return (
-            f"{kind} dp{self.dp} tp{self.tp}{cp} pp{self.pp}{vpp} mb{self.microbatch_size} "
+            f"{kind} dp{self.dp} tp{self.tp}{cp} pp{self.pp}{vpp}{shared} mb{self.microbatch_size} "
             f"{self.sharding} {self.recompute.value}"
         )
 
@@ -254,6 +263,7 @@ class Plan:
             "reduce_bytes": self.reduce_bytes,
             "framework": self.framework if isinstance(self.framework, str) else self.framework.name,
             "stage_layers": None if self.stage_layers is None else list(self.stage_layers),
+            "shared_devices": self.shared_devices,
         }
 
 

@@ -48,6 +48,7 @@ COLUMNS = (
     "sequence_parallel",
     "flash_attention",
     "reduce_bytes",
+    "shared_devices",
 )
 """The columns of :func:`search`'s DataFrame, in order."""
 
@@ -67,7 +68,8 @@ class RankedPlan:
     the schedule (:func:`~pipedsl.simulator.plan.schedule_name`), ``source`` what it was
     loaded from (a library name or the path as given; empty for SPMD). ``reduce_once``
     and ``reshard_after_forward`` complete ``zero``'s sharding mode
-    (:attr:`~pipedsl.simulator.plan.Plan.sharding`).
+    (:attr:`~pipedsl.simulator.plan.Plan.sharding`). ``shared_devices``: every pipeline
+    device on the same GPUs (:attr:`~pipedsl.simulator.plan.Plan.shared_devices`).
     """
 
     rank: int
@@ -97,6 +99,7 @@ class RankedPlan:
     sequence_parallel: bool
     flash_attention: bool
     reduce_bytes: int
+    shared_devices: bool
     plan: Plan
 
     @classmethod
@@ -130,6 +133,7 @@ class RankedPlan:
             sequence_parallel=plan.sequence_parallel,
             flash_attention=plan.flash_attention,
             reduce_bytes=plan.reduce_bytes,
+            shared_devices=plan.shared_devices,
             plan=plan,
         )
 
@@ -184,7 +188,8 @@ def describe(row: dict[str, Any] | None) -> str:
     """A search row in words: ``(zbv dp=32 tp=4 pp=8 vpp=2 mb=2 zero=1 none: 18.402 s/step, MFU 56.1%)``."""
     assert row is not None
     vpp = f" vpp={row['vpp']}" if row["vpp"] > 1 else ""
-    pp = f" pp={row['pp']}{vpp}" if row["kind"] == "pipeline" else ""
+    shared = " shared" if row.get("shared_devices", False) else ""
+    pp = f" pp={row['pp']}{vpp}{shared}" if row["kind"] == "pipeline" else ""
     name = f"{row['schedule']} " if row["kind"] == "pipeline" else ""
     cp = f" cp={row['cp']}" if row.get("cp", 1) > 1 else ""
     return (

@@ -123,6 +123,12 @@ class Shapes:
     plan: Plan
 
     @property
+    def action_overhead_s(self) -> float:
+        """Seconds of the executor's dispatch per action: the cluster's, or none where the
+        pipeline devices share their GPUs (``Plan.shared_devices``), whose step is one program."""
+        return 0.0 if self.plan.shared_devices else self.cluster.action_overhead_s
+
+    @property
     def local_seq(self) -> int:
         """Tokens of each sequence on one context-parallel rank: s/cp."""
         return self.model.seq_len // self.plan.cp

@@ -49,36 +49,20 @@ from pipedsl.cli.common import (
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import STEP_ROUNDS, round_times
+from pipedsl.cli.workload import DEMO, DEMO_MODEL, Workload, check_splits
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
 from pipedsl.run_options import RunOptions
-from pipedsl.simulator import CostModel, Model, Panel, fit_costs, simulate
+from pipedsl.simulator import CostModel, Panel, fit_costs, simulate
 from pipedsl.simulator.calibration.report import Report
 from pipedsl.simulator.calibration.timelines import timeline_report
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
 __all__ = [
-    "DEMO_MODEL", "MACHINE_MICROBATCH", "Measurement", "demo_transformer", "demo_cut", "Run", "measure", "backend_for",
-    "results_table", "register",
+    "DEMO_MODEL", "MACHINE_MICROBATCH", "Measurement", "Run", "measure", "backend_for", "results_table", "register",
 ]  # fmt: skip
-
-DEMO_MODEL = Model(
-    name="demo-cpu",
-    layers=4,
-    hidden=128,
-    ffn_hidden=512,
-    heads=4,
-    seq_len=64,
-    vocab=512,
-    dtype_bytes=4,
-    learned_positions=True,
-    tied_embeddings=False,
-    dropout=False,
-)
-"""The transformer calibrated and run on this machine: the executor's built-in one at this
-shape (its layers split evenly over the schedule's stages; no dropout, as it has none)."""
 
 MACHINE_MICROBATCH = 4
 """Sequences per device of the machine calibration's steps at the microbatch size: each
@@ -140,37 +124,6 @@ class Measurement:
         )
 
 
-def demo_transformer(num_stages: int, *, what: str = "the schedule", layers: int = DEMO_MODEL.layers) -> Any:
-    """The executor's built-in transformer at :data:`DEMO_MODEL`'s shape (or with fewer
-    ``layers``), its layers split evenly over ``num_stages`` stages (a
-    :class:`~pipedsl.executor.models.BuiltinModel`)."""
-    from pipedsl.executor.models import transformer
-
-    _check_splits(num_stages, what=what, layers=layers)
-    return transformer(
-        num_stages=num_stages,
-        vocab=DEMO_MODEL.vocab,
-        dim=DEMO_MODEL.hidden,
-        heads=DEMO_MODEL.heads,
-        seq=DEMO_MODEL.seq_len,
-        layers_per_stage=layers // num_stages,
-    )
-
-
-def _check_splits(num_stages: int, *, what: str, layers: int = DEMO_MODEL.layers) -> None:
-    if num_stages < 1 or layers % num_stages:
-        raise PipedslError(
-            f"{what} has {num_stages} stages; the demo transformer's {layers} layers "
-            "split evenly only over a number of stages that divides them"
-        )
-
-
-def demo_cut(layers: int) -> Any:
-    """The demo transformer cut to ``layers`` layers, one stage: what the machine
-    calibration's training steps train."""
-    return demo_transformer(1, layers=layers)
-
-
 def _label(schedule: Schedule) -> str:
     params = ", ".join(f"{k}={v}" for k, v in schedule.params)
     return f"{schedule.name}({params})" if params else schedule.name
@@ -185,20 +138,31 @@ def _platform(backend: Any) -> str:
     return str(jax.devices()[0].platform)
 
 
-def _pipeline(schedule: Schedule, microbatch_size: int, backend: Any, plan: PlannedRun | None) -> tuple[Any, Any, Any]:
-    """(pipeline, initial parameters, batch) of the demo transformer under ``schedule``."""
+def _pipeline(
+    schedule: Schedule, microbatch_size: int, backend: Any, plan: PlannedRun | None, workload: Workload
+) -> tuple[Any, Any, Any]:
+    """(pipeline, initial parameters, batch) of ``workload`` under ``schedule``."""
     import jax
 
     from pipedsl.executor import Pipeline
 
-    model = demo_transformer(schedule.num_stages, what=_label(schedule))
-    options = RunOptions() if plan is None else plan.run_options(DEMO_MODEL)
+    model = workload.build(schedule.num_stages, what=_label(schedule))
+    options = RunOptions(precision=workload.precision) if plan is None else plan.run_options(workload.model)
     key = jax.random.PRNGKey(0)
     batch = model.batch(jax.random.fold_in(key, 1), microbatch_size * schedule.num_microbatches * options.dp)
     params = model.init_stages(key)
     specs = model.param_specs(params) if options.tp > 1 else None
+    # Pipeline devices that share their devices are each the same first dp x tp of them.
+    shared = plan is not None and plan.shared_devices
+    devices = jax.devices()[: options.dp * options.tp] * schedule.num_devices if shared else None
     pipe = Pipeline(
-        model.stages, loss=model.loss, schedule=schedule, options=options, backend=backend, param_specs=specs
+        model.stages,
+        loss=model.loss,
+        schedule=schedule,
+        options=options,
+        backend=backend,
+        param_specs=specs,
+        devices=devices,
     )
     return pipe, params, batch
 
@@ -225,13 +189,15 @@ def _recorded_steps(
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """What :func:`measure` runs: ``schedule`` with microbatches of ``microbatch_size``
-    sequences (per data-parallel replica); with ``plan``, every pipeline device is a
-    ``dp x tp`` mesh with the plan's ZeRO stage."""
+    """What :func:`measure` runs: ``schedule`` of ``workload`` with microbatches of
+    ``microbatch_size`` sequences (per data-parallel replica); with ``plan``, every pipeline
+    device is a ``dp x tp`` mesh with the plan's ZeRO stage (all of them the same mesh
+    where the plan's pipeline devices share their devices)."""
 
     schedule: Schedule
     microbatch_size: int
     plan: PlannedRun | None = None
+    workload: Workload = DEMO
 
 
 class _Trial:
@@ -243,7 +209,9 @@ class _Trial:
         import optax
 
         self.run, self.backend = run, backend
-        self.pipe, self.state, self.batch = _pipeline(run.schedule, run.microbatch_size, backend, run.plan)
+        self.pipe, self.state, self.batch = _pipeline(
+            run.schedule, run.microbatch_size, backend, run.plan, run.workload
+        )
         try:
             self.optimizer = optax.adam(3e-3)
             self.opt_state: Any = None
@@ -388,7 +356,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         chosen = {k: v for k, v in _DEFAULT_PARAMS.items() if k in declared} | args.params
         schedule = load_schedule(spec, chosen, max_actions=args.max_actions)
         validate(schedule)
-        _check_splits(schedule.num_stages, what=_label(schedule))
+        check_splits(schedule.num_stages, what=_label(schedule))
         schedules.append(schedule)
     request_devices(max([args.devices, *(s.num_devices for s in schedules)]))
     console = make_console()
@@ -421,14 +389,21 @@ def _machine(console: Console, args: argparse.Namespace) -> None:
     """Calibrate this machine's devices (at most ``--devices``) and write the cluster file."""
     import jax
 
-    from pipedsl.cli.machine import calibrate_machine, calibration_steps, platform
+    from pipedsl.cli.machine import calibrate_machine, calibration_steps, machine_workload, platform
     from pipedsl.simulator.calibration.machine import cluster_toml
 
     devices = min(args.devices, jax.device_count())
     kind, what = platform()
-    console.print(f"Calibrating this machine: {devices} {kind} devices ({what}) ...", highlight=False)
-    with calibration_steps(devices, DEMO_MODEL, demo_cut, microbatch_size=args.microbatch_size) as steps:
-        calibration = calibrate_machine(steps, DEMO_MODEL, microbatch_size=args.microbatch_size, rounds=args.steps)
+    workload = machine_workload(devices)
+    console.print(
+        f"Calibrating this machine: {devices} {kind} devices ({what}), training {workload.model.name} in "
+        f"{workload.precision} ...",
+        highlight=False,
+    )
+    with calibration_steps(
+        devices, workload.model, workload.cut, microbatch_size=args.microbatch_size, precision=workload.precision
+    ) as steps:
+        calibration = calibrate_machine(steps, workload.model, microbatch_size=args.microbatch_size, rounds=args.steps)
     console.print(calibration.describe(), highlight=False)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(cluster_toml(calibration))

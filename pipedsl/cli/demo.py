@@ -3,10 +3,14 @@
 1. *Library*: check every shipped schedule and print a summary table and one schedule's
    per-device order.
 2. *Plan*: calibrate this machine as a cluster of its devices (eight forced CPU devices
-   by default: the executor's training steps, memory, bandwidth, collectives, dispatch,
-   and on CPU how many cores one device keeps busy: :mod:`pipedsl.cli.machine`), search
-   the SPMD, pipeline and hybrid plans of the demo transformer on it, show the ranking and
-   write it as CSV.
+   by default, or the accelerators JAX sees: the executor's training steps, memory,
+   bandwidth, collectives, dispatch, on CPU how many cores one device keeps busy, on an
+   accelerator the matrix products per dtype: :mod:`pipedsl.cli.machine`), search the
+   SPMD, pipeline and hybrid plans of the demo transformer on it (on an accelerator a
+   small Llama in bf16 sized to its memory), show the ranking and write it as CSV. On
+   one device (one TPU chip, or ``--devices 1``) a pipeline's devices all share it: the
+   executor runs such a step as one program, and the search prices it so
+   (``Plan.shared_devices``).
 3. *Run*: take the best SPMD plan, the best hybrid plan (data or tensor parallel stages in
    a pipeline) and the best pure pipelines that the demo transformer splits into, and run
    each for real on the local backend (or Ray): every pipeline device a ``dp x tp`` mesh.
@@ -43,17 +47,25 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipedsl.cli.calibrate import DEMO_MODEL, MACHINE_MICROBATCH, Measurement, Run, demo_cut, measure
+from pipedsl.cli.calibrate import DEMO_MODEL, MACHINE_MICROBATCH, Measurement, Run, measure
 from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
-from pipedsl.cli.machine import MachineCalibration, calibrate_machine, calibration_steps, recalibrated
+from pipedsl.cli.machine import (
+    MachineCalibration,
+    calibrate_machine,
+    calibration_steps,
+    machine_workload,
+    recalibrated,
+)
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import STEP_ROUNDS, TimedSteps
+from pipedsl.cli.workload import DEMO, Workload
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.library import library_path, library_schedules
 from pipedsl.results import Figure, append_result
 from pipedsl.simulator import (
     CostModel,
+    Model,
     plot_timelines,
     save_figure,
     search,
@@ -105,29 +117,33 @@ def _library(console: Console) -> None:
 # --- 2. this machine as a cluster, and the plan search -------------------------------
 
 
-def demo_calibration_steps(devices: int) -> TimedSteps:
-    """The machine calibration's training steps of the demo transformer over ``devices``
-    devices, compiled (close them when done)."""
-    return calibration_steps(devices, DEMO_MODEL, demo_cut, microbatch_size=_MIN_RUN_MICROBATCH)
+def demo_calibration_steps(devices: int, workload: Workload = DEMO) -> TimedSteps:
+    """The machine calibration's training steps of ``workload`` (the demo transformer by
+    default) over ``devices`` devices, compiled (close them when done)."""
+    return calibration_steps(
+        devices, workload.model, workload.cut, microbatch_size=_MIN_RUN_MICROBATCH, precision=workload.precision
+    )
 
 
-def _search(cluster: Any, *, prune: float | None = DEFAULT_PRUNE) -> Any:
+def _search(cluster: Any, *, prune: float | None = DEFAULT_PRUNE, workload: Workload = DEMO) -> Any:
     # The executor's attention is plain (no fused kernel), and on CPU a collective runs
     # on the cores the computation needs, so none of it hides behind the computation.
+    # On one device a pipeline's devices can only share it, as the executor runs them.
     return search(
-        DEMO_MODEL, cluster, cluster.gpus_per_node, global_batch=GLOBAL_BATCH, reduce_bytes=4,
-        flash_attention=False, dp_overlap=0.0, prune=prune,
+        workload.model, cluster, cluster.gpus_per_node, global_batch=GLOBAL_BATCH, reduce_bytes=4,
+        flash_attention=False, dp_overlap=0.0, prune=prune, shared_pipelines=cluster.gpus_per_node == 1,
     )  # fmt: skip
 
 
-def calibrated_search(steps: TimedSteps) -> tuple[MachineCalibration, Any]:
-    """Calibrate this machine once on ``steps`` (:func:`demo_calibration_steps`), then rank
-    every plan of the demo transformer on it (a :func:`~pipedsl.simulator.search` frame)."""
-    calibration = calibrate_machine(steps, DEMO_MODEL, microbatch_size=_MIN_RUN_MICROBATCH)
-    return calibration, _search(calibration.cluster)
+def calibrated_search(steps: TimedSteps, workload: Workload = DEMO) -> tuple[MachineCalibration, Any]:
+    """Calibrate this machine once on ``steps`` (:func:`demo_calibration_steps` of
+    ``workload``), then rank every plan of its model on it (a
+    :func:`~pipedsl.simulator.search` frame)."""
+    calibration = calibrate_machine(steps, workload.model, microbatch_size=_MIN_RUN_MICROBATCH)
+    return calibration, _search(calibration.cluster, workload=workload)
 
 
-def repriced(plans: list[PlannedRun], cluster: Any) -> list[float]:
+def repriced(plans: list[PlannedRun], cluster: Any, *, workload: Workload = DEMO) -> list[float]:
     """The step time the search gives each of ``plans`` on ``cluster`` (every plan that
     fits is priced there, none pruned), in seconds."""
 
@@ -136,7 +152,7 @@ def repriced(plans: list[PlannedRun], cluster: Any) -> list[float]:
         return dataclasses.replace(plan, planned_s=None, rank=None, synthesis_costs=None)
 
     prices: dict[PlannedRun, float] = {}
-    for _, row in _search(cluster, prune=None).iterrows():
+    for _, row in _search(cluster, prune=None, workload=workload).iterrows():
         plan = PlannedRun.from_row(row.to_dict())
         if plan.planned_s is not None:
             prices[unpriced(plan)] = plan.planned_s
@@ -146,10 +162,10 @@ def repriced(plans: list[PlannedRun], cluster: Any) -> list[float]:
     return [prices[unpriced(plan)] for plan in plans]
 
 
-def _plans(console: Console, steps: TimedSteps, out: Path) -> tuple[MachineCalibration, Any]:
-    console.rule("[bold]2. Plans for the demo transformer on this machine")
+def _plans(console: Console, steps: TimedSteps, workload: Workload, out: Path) -> tuple[MachineCalibration, Any]:
+    console.rule(f"[bold]2. Plans for {workload.model.name} ({workload.precision}) on this machine")
     console.print(f"Calibrating this machine ({steps.devices} devices) ...", highlight=False)
-    calibration, frame = calibrated_search(steps)
+    calibration, frame = calibrated_search(steps, workload)
     console.print(calibration.describe(), highlight=False)
     frame.to_csv(out / "plans.csv", index=False)
     summary = summarize(frame)
@@ -197,26 +213,27 @@ def _plans(console: Console, steps: TimedSteps, out: Path) -> tuple[MachineCalib
 # --- 3. running the best plans for real ------------------------------------------------
 
 
-def _fits_demo_model(plan: PlannedRun) -> bool:
-    """Whether the demo transformer splits as ``plan`` needs (its layers evenly over the
-    stages, its heads, width and vocabulary over the tensor axis) and the executor runs its
-    options (no recomputation, ZeRO 3 resharding after the forward)."""
+def _fits_demo_model(plan: PlannedRun, model: Model) -> bool:
+    """Whether ``model`` splits as ``plan`` needs (its layers evenly over the stages, its
+    heads, key/value heads, width and vocabulary over the tensor axis) and the executor
+    runs its options (no recomputation, ZeRO 3 resharding after the forward)."""
     stages = plan.pp * plan.vpp
     return (
-        DEMO_MODEL.layers % stages == 0
-        and DEMO_MODEL.heads % plan.tp == 0
-        and DEMO_MODEL.vocab % plan.tp == 0
+        model.layers % stages == 0
+        and model.heads % plan.tp == 0
+        and model.num_kv_heads % plan.tp == 0
+        and model.vocab % plan.tp == 0
         and plan.recompute == "none"
         and plan.not_run is None
         and plan.microbatch_size * plan.dp >= _MIN_RUN_MICROBATCH
     )
 
 
-def runnable_plans(frame: Any, devices: int) -> list[PlannedRun]:
-    """The ranked plans of ``frame`` over every device that the executor can run on the
-    demo transformer, best first."""
+def runnable_plans(frame: Any, devices: int, *, model: Model = DEMO_MODEL) -> list[PlannedRun]:
+    """The ranked plans of ``frame`` over every device that the executor can run on
+    ``model`` (the demo transformer by default), best first."""
     plans = [PlannedRun.from_row(row.to_dict()) for _, row in frame.iterrows()]
-    return [p for p in plans if p.devices == devices and _fits_demo_model(p)]
+    return [p for p in plans if p.devices == devices and _fits_demo_model(p, model)]
 
 
 _APART = 0.10
@@ -226,12 +243,12 @@ plans of one shape priced alike (eager_1f1b and gpipe, dp=2 pp=4) measured 247 a
 283 ms, so plans priced closer than this are ordered by the machine rather than by them."""
 
 
-def plans_to_run(frame: Any, devices: int, top: int) -> list[PlannedRun]:
+def plans_to_run(frame: Any, devices: int, top: int, *, model: Model = DEMO_MODEL) -> list[PlannedRun]:
     """The best SPMD plan, the best hybrid plan and the best pure pipeline over every
-    device that the executor can run on the demo transformer, then the next best pipeline
+    device that the executor can run on ``model`` (the demo transformer by default), then the next best pipeline
     plans of other schedules priced at least :data:`_APART` from every plan chosen (at
     most ``top`` runs, fastest predicted first)."""
-    runnable = runnable_plans(frame, devices)
+    runnable = runnable_plans(frame, devices, model=model)
     chosen: list[PlannedRun] = []
     for kind in ("spmd", "hybrid", "pipeline"):
         chosen += [p for p in runnable if p.kind == kind][:1]
@@ -288,35 +305,36 @@ def _runs(
     frame: Any,
     calibration: MachineCalibration,
     steps: TimedSteps,
+    workload: Workload,
     *,
     top: int,
     rounds: int,
     backend: str,
     out: Path,
 ) -> list[RunResult]:
-    plans = plans_to_run(frame, steps.devices, top)
+    plans = plans_to_run(frame, steps.devices, top, model=workload.model)
     console.rule(f"[bold]3. Running {len(plans)} ranked plans for real ({backend} backend, {steps.devices} devices)")
     if not plans:
-        raise PipedslError(f"no ranked plan over {steps.devices} devices fits the demo transformer; nothing to run")
+        raise PipedslError(f"no ranked plan over {steps.devices} devices fits {workload.model.name}; nothing to run")
     for plan in plans:
         console.print(f"plan {plan.rank} ({plan.kind}): {plan.label()}", highlight=False)
 
     def prepared(i: int) -> None:
         console.print(f"  plan {plans[i].rank}: compiled and calibrated", highlight=False)
 
-    runs = [Run(plan.schedule_of(), plan.microbatch_size, plan) for plan in plans]
+    runs = [Run(plan.schedule_of(), plan.microbatch_size, plan, workload) for plan in plans]
     console.print(
         f"Compiling and calibrating each plan, then timing {rounds} steps of each, a step of each in turn and a "
         "step of each of the machine calibration's ...",
         highlight=False,
     )
     reports = measure(runs, backend=backend, steps=rounds, prepared=prepared, each_round=steps.timed_round)
-    during = recalibrated(calibration, DEMO_MODEL, steps.take())
+    during = recalibrated(calibration, workload.model, steps.take())
     console.print("The same calibration steps timed in turns with the runs, fitted again:", highlight=False)
     console.print(during.describe(), highlight=False)
     results = [
         RunResult(run=m, predicted_s=price, searched_s=_searched(m))
-        for m, price in zip(reports, repriced(plans, during.cluster), strict=True)
+        for m, price in zip(reports, repriced(plans, during.cluster, workload=workload), strict=True)
     ]
     for plan, r in zip(plans, results, strict=True):
         console.print(
@@ -502,36 +520,42 @@ def _write_runs(path: Path, results: list[RunResult]) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.devices < 2 or args.top < 1 or args.steps < 1:
-        raise PipedslError("--devices must be at least 2, --top and --steps at least 1")
+    if args.devices < 1 or args.top < 1 or args.steps < 1:
+        raise PipedslError("--devices, --top and --steps must be at least 1")
     check_output_folder(args.out, option="--out")
     request_devices(args.devices)
-    if args.backend == "ray" and "JAX_PLATFORMS" not in os.environ:
-        import jax
+    import jax
 
+    if args.backend == "ray" and "JAX_PLATFORMS" not in os.environ:
         # The driver's own work (calibration, parameters) stays on the CPU: on a GPU node
         # the actors need the GPUs' memory (a setting of this process, not their environment).
         jax.config.update("jax_platforms", "cpu")
+    # The local backend runs on the devices JAX has: CPU devices as many as asked, an
+    # accelerator's as many as there are (one TPU chip: every pipeline device shares it).
+    devices = args.devices if args.backend == "ray" else min(args.devices, jax.device_count())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = make_console()
     started = time.perf_counter()
     console.rule("[bold]1. The schedule library")
     _library(console)
-    with demo_calibration_steps(args.devices) as steps:
-        calibration, frame = _plans(console, steps, out)
+    workload = machine_workload(devices)
+    with demo_calibration_steps(devices, workload) as steps:
+        calibration, frame = _plans(console, steps, workload, out)
         results = _runs(
-            console, frame, calibration, steps, top=args.top, rounds=args.steps, backend=args.backend, out=out
-        )
+            console, frame, calibration, steps, workload, top=args.top, rounds=args.steps, backend=args.backend,
+            out=out,
+        )  # fmt: skip
     console.rule()
     seconds = time.perf_counter() - started
     console.print(f"done in {seconds:.0f} s; outputs in {out}/: plans.csv, runs.csv, timelines.png")
-    _record(results, seconds)
+    _record(results, seconds, calibration, workload)
     return 0
 
 
-def _record(results: list[RunResult], seconds: float) -> None:
-    """One line for this run in ``$PIPEDSL_RESULTS_DIR/demo.jsonl`` (``make demo`` sets it; unset, nothing)."""
+def _record(results: list[RunResult], seconds: float, calibration: MachineCalibration, workload: Workload) -> None:
+    """One line for this run in ``$PIPEDSL_RESULTS_DIR/demo.jsonl`` (``make demo`` sets it; unset, nothing),
+    with the platform and kind of the devices it ran on and the model it trained."""
     measured = [r.run.measured_s for r in results]
     spread = [r.spread_s for r in results]
     same, pairs = pairs_agreeing([r.predicted_s for r in results], measured, spread)
@@ -545,7 +569,12 @@ def _record(results: list[RunResult], seconds: float) -> None:
     if results:
         first, fastest, holds = first_is_fastest(results)
         verdict = "yes" if first is fastest else ("within the spread" if holds else "no")
+    machine = calibration.measurements
     figures: dict[str, Figure] = {
+        "platform": machine.platform,
+        "device_kind": machine.device_kind,
+        "devices": machine.devices,
+        "model": f"{workload.model.name} {workload.precision}",
         "seconds": round(seconds),
         "plans": plans,
         "within_20_percent": f"{within} of {len(results)}",
@@ -568,7 +597,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--out", default="out", help="folder for plans.csv, runs.csv and timelines.png (default out)")
     demo.add_argument(
-        "--devices", type=int, default=8, help="JAX devices to plan for and run on (default 8 CPU devices)"
+        "--devices",
+        type=int,
+        default=8,
+        help="JAX devices to plan for and run on (default 8; CPU devices are forced, accelerators at most as many as JAX sees)",
     )
     demo.add_argument("--top", type=int, default=4, help="how many ranked plans to run for real (default 4)")
     demo.add_argument(

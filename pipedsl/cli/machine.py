@@ -15,12 +15,18 @@ runs on (its default platform):
   devices get;
 - the whole model's step over every device 2- and 4-way tensor parallel: what a
   collective costs while the devices compute;
-- the memory: a GPU's allocator limit (``bytes_limit``), else the host's memory over the
-  devices;
-- the memory bandwidth (one elementwise update of 4 MB on every device at once), the
-  all-reduces over groups of 2 and of every device (a small and a large buffer), and the
-  dispatch of a tiny program, one thread per device, all dispatching at once;
-- on GPU, square matrix products of two sizes in bf16 and fp32 (the rate per dtype).
+- the memory: an accelerator's allocator limit (``bytes_limit``), else the host's memory
+  over the devices;
+- the memory bandwidth (an elementwise update of 4 MB on every device at once; where that
+  takes less than ten dispatches, as on an accelerator, the slope between it and larger
+  ones), the all-reduces over groups of 2 and of every device (a small and a large
+  buffer; none with one device), and the dispatch of a tiny program, one thread per
+  device, all dispatching at once;
+- on an accelerator (GPU, TPU), square matrix products of two sizes in bf16 and fp32 (the
+  rate per dtype), each the slope between one product and a chain of them in one program.
+
+On CPU devices the steps train the demo transformer in fp32; on an accelerator a small
+Llama in bf16 sized to its memory (:func:`machine_workload`).
 
 The measurements are taken once, before a search, so that every prediction comes from
 them and never from the run it predicts. The demo times the same steps again in turns
@@ -36,11 +42,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipedsl.cli.timed import STEP_ROUNDS, Step, TimedSteps, median_seconds
+from pipedsl.cli.workload import DEMO, Workload, accelerator_workload
 from pipedsl.simulator import Model
 from pipedsl.simulator.calibration.machine import (
     MachineCalibration,
@@ -52,14 +59,31 @@ from pipedsl.simulator.calibration.machine import (
 )
 from pipedsl.simulator.workers import available_cores
 
-__all__ = ["MachineCalibration", "calibrate_machine", "calibration_steps", "recalibrated", "platform"]
+if TYPE_CHECKING:
+    from pipedsl.executor.stages.stage_options import Precision
+
+__all__ = [
+    "MachineCalibration",
+    "calibrate_machine",
+    "calibration_steps",
+    "recalibrated",
+    "platform",
+    "machine_workload",
+]
 
 _REPEATS = 3
 """Timed calls of the short measurements (memory bandwidth, all-reduces, products)."""
 _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 _MATMUL_SIZES = (1024, 8192)
-"""Sides of the square products timed on GPU: one that falls short of the peak, one near it."""
+"""Sides of the square products timed on an accelerator: one that falls short of the peak, one near it."""
+_CHAIN = 4
+"""Products in the chain whose time, less one product's, gives a product's seconds."""
+_FIXED_SHARE = 10
+"""An elementwise update is long enough to give the bandwidth alone once it takes this
+many dispatches (or this many times the 4 MB one's time)."""
+_UPDATE_MEMORY_SHARE = 16
+"""The largest update's input takes at most this fraction (1/16) of a device's memory."""
 _DTYPES = {2: "bfloat16", 4: "float32"}
 
 
@@ -72,39 +96,76 @@ def platform() -> tuple[str, str]:
     return device.platform, str(getattr(device, "device_kind", device.platform))
 
 
+def machine_workload(devices: int) -> Workload:
+    """What this machine's calibration and the demo train on its first ``devices``
+    devices: the demo transformer in fp32 on CPU devices (bf16 has no matrix units
+    there); on an accelerator a small Llama in bf16 sized to a device's memory
+    (:func:`~pipedsl.cli.workload.accelerator_workload`)."""
+    kind, _ = platform()
+    return DEMO if kind == "cpu" else accelerator_workload(_memory(kind, devices)[0])
+
+
 def _host_cores(kind: str) -> float | None:
     """The cores CPU devices share (the ones this process may run on); None on GPU."""
     return float(available_cores()) if kind == "cpu" else None
 
 
-def calibration_steps(devices: int, model: Model, build: Callable[[int], Any], *, microbatch_size: int) -> TimedSteps:
+def calibration_steps(
+    devices: int, model: Model, build: Callable[[int], Any], *, microbatch_size: int, precision: Precision = "fp32"
+) -> TimedSteps:
     """The training steps the calibration times for ``model`` (its simulator description)
-    over ``devices`` devices, built and compiled: ``build(layers)`` gives the executor's
-    model of one stage cut to ``layers`` layers. Keyed ``("compute", layers, sequences per
+    over ``devices`` devices in ``precision``, built and compiled: ``build(layers)`` gives
+    the executor's model of one stage cut to ``layers`` layers. Keyed ``("compute", layers, sequences per
     device, microbatches)``, ``("busy", n)`` for the whole model's step on n devices
     while the others idle (:func:`~pipedsl.simulator.calibration.machine.busy_counts`),
     and ``("tensor", t)`` for it over every device t-way tensor parallel
     (:func:`~pipedsl.simulator.calibration.machine.tensor_degrees`)."""
     steps: dict[tuple[Any, ...], Step] = {
-        ("compute", n, m, k): Step(build(n), m, microbatches=k) for n, m, k in compute_shapes(model, microbatch_size)
+        ("compute", n, m, k): Step(build(n), m, microbatches=k, precision=precision)
+        for n, m, k in compute_shapes(model, microbatch_size)
     }
     for n in busy_counts(devices, _host_cores(platform()[0])):
-        steps[("busy", n)] = Step(build(model.layers), microbatch_size, devices=n)
+        steps[("busy", n)] = Step(build(model.layers), microbatch_size, devices=n, precision=precision)
     for t in tensor_degrees(model, devices):
-        steps[("tensor", t)] = Step(build(model.layers), microbatch_size, tp=t)
+        steps[("tensor", t)] = Step(build(model.layers), microbatch_size, tp=t, precision=precision)
     return TimedSteps(steps, devices)
 
 
-def _bandwidth(devices: int) -> float:
-    """Bytes per second of an elementwise update (read and write) on every device at once."""
+def _update_seconds(devices: int, num_bytes: int) -> float:
+    """Seconds of an elementwise update of ``num_bytes`` per device (fp32), every device at once."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
-    x = jax.device_put(jnp.ones((devices, 1 << 20), jnp.float32), NamedSharding(mesh, PartitionSpec("data")))
+    x = jax.device_put(jnp.ones((devices, num_bytes // 4), jnp.float32), NamedSharding(mesh, PartitionSpec("data")))
     update = jax.jit(lambda v: v * 0.5 + 1.0)
-    return 2 * x.nbytes / devices / median_seconds(lambda: update(x), repeats=_REPEATS)
+    return median_seconds(lambda: update(x), repeats=_REPEATS)
+
+
+def _bandwidth(devices: int, *, dispatch_s: float, memory_bytes: int) -> tuple[float, str]:
+    """(bytes per second of an elementwise update, read and write, per device with every
+    device at once; the measurement in words). Of 4 MB per device where that takes
+    :data:`_FIXED_SHARE` dispatches or more (CPU devices); else, where the call's fixed
+    cost (dispatch, the host's wait for the result) is most of it, as on an accelerator,
+    the slope between it and an update four times larger each time, until one takes
+    :data:`_FIXED_SHARE` times as long or reaches 1/:data:`_UPDATE_MEMORY_SHARE` of the
+    memory."""
+    base = _LARGE
+    first = _update_seconds(devices, base)
+    if first >= _FIXED_SHARE * dispatch_s:
+        return 2 * base / first, "an elementwise update of 4 MB per device, every device at once"
+    size, seconds = base, first
+    while seconds < _FIXED_SHARE * first and 4 * size <= memory_bytes // _UPDATE_MEMORY_SHARE:
+        size *= 4
+        seconds = _update_seconds(devices, size)
+    if size == base or seconds <= first:
+        return (
+            2 * base / first,
+            "an elementwise update of 4 MB per device (its fixed cost included: no larger one fits)",
+        )
+    told = f"elementwise updates of 4 MB and {size >> 20} MB per device, every device at once: the slope between them"
+    return 2 * (size - base) / (seconds - first), told
 
 
 def _all_reduce_seconds(devices: int, group: int, num_bytes: int) -> float:
@@ -146,16 +207,26 @@ def _dispatch_seconds(devices: int) -> float:
 
 
 def _matmul_seconds() -> dict[tuple[str, int], float]:
-    """Seconds of a square product on the first device by (dtype name, side)."""
+    """Seconds of a square product on the first device by (dtype name, side): a chain of
+    :data:`_CHAIN` products in one program less one product's program, over the products
+    between, so that a call's fixed cost (dispatch, the host's wait for the result, about
+    half a millisecond on a TPU) drops out."""
     import jax
     import jax.numpy as jnp
 
-    product = jax.jit(lambda a, b: a @ b)
+    def chain(k: int) -> Any:
+        # Each product feeds the next, so none is left out; b (every entry 1/n) keeps the values at 1.
+        return jax.jit(lambda a, b: jax.lax.fori_loop(0, k, lambda _, x: x @ b, a))
+
+    one, many = chain(1), chain(_CHAIN)
     found = {}
     for name in _DTYPES.values():
         for n in _MATMUL_SIZES:
-            a = jnp.ones((n, n), getattr(jnp, name))
-            found[(name, n)] = median_seconds(functools.partial(product, a, a), repeats=_REPEATS)
+            a, b = jnp.ones((n, n), getattr(jnp, name)), jnp.full((n, n), 1.0 / n, getattr(jnp, name))
+            single = median_seconds(functools.partial(one, a, b), repeats=_REPEATS)
+            chained = median_seconds(functools.partial(many, a, b), repeats=_REPEATS)
+            # A chain no slower than one product (noise at the small size): its average.
+            found[(name, n)] = (chained - single) / (_CHAIN - 1) if chained > single else chained / _CHAIN
     return found
 
 
@@ -185,6 +256,8 @@ def calibrate_machine(
     devices = steps.devices
     kind, device_kind = platform()
     memory, memory_source = _memory(kind, devices)
+    dispatch = _dispatch_seconds(devices)
+    bandwidth, bandwidth_source = _bandwidth(devices, dispatch_s=dispatch, memory_bytes=memory)
     groups = sorted({2, devices}) if devices > 1 else []
     measurements = MachineMeasurements(
         platform=kind,
@@ -193,9 +266,10 @@ def calibrate_machine(
         host_cores=_host_cores(kind),
         memory_bytes=memory,
         memory_source=memory_source,
-        bandwidth=_bandwidth(devices),
+        bandwidth=bandwidth,
+        bandwidth_source=bandwidth_source,
         all_reduce_s={(n, s): _all_reduce_seconds(devices, n, s) for n in groups for s in (_SMALL, _LARGE)},
-        dispatch_s=_dispatch_seconds(devices),
+        dispatch_s=dispatch,
         step_s=_compute(measured),
         busy_s=_keyed(measured, "busy"),
         tensor_s=_keyed(measured, "tensor"),

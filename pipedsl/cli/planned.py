@@ -67,6 +67,8 @@ class PlannedRun:
         the row says; None for rows of older searches (the demo transformer).
       sequence_parallel, flash_attention: the plan's (True, as the planner assumes, when
         the row does not say).
+      shared_devices: every pipeline device on the same ``dp x cp x tp`` devices (a
+        pipeline on one chip); False for rows without it.
     """
 
     schedule: str
@@ -89,6 +91,7 @@ class PlannedRun:
     reduce_once: bool = False
     keep_weights: bool = False
     synthesis_costs: CostModel | None = None
+    shared_devices: bool = False
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], *, where: str = "plan") -> PlannedRun:
@@ -125,13 +128,15 @@ class PlannedRun:
             reduce_once=_flag(row.get("reduce_once"), "reduce_once", where, absent=False),
             keep_weights=not _flag(row.get("reshard_after_forward"), "reshard_after_forward", where),
             synthesis_costs=None if empty else _costs_of(str(costs), where),
+            shared_devices=_flag(row.get("shared_devices"), "shared_devices", where, absent=False),
             **values,
         )
 
     @property
     def devices(self) -> int:
-        """JAX devices the plan needs: ``pp x dp x cp x tp``."""
-        return self.pp * self.dp * self.cp * self.tp
+        """JAX devices the plan needs: ``pp x dp x cp x tp``, or ``dp x cp x tp`` where the
+        pipeline devices share them."""
+        return (1 if self.shared_devices else self.pp) * self.dp * self.cp * self.tp
 
     @property
     def global_batch(self) -> int:
@@ -158,12 +163,14 @@ class PlannedRun:
 
     def label(self) -> str:
         """``zbv dp=2 tp=1 pp=2 vpp=2 mb=4 x8 zero=1 recompute=none`` or ``SPMD dp=8 tp=1
-        mb=4 x8 zero=1 recompute=full``, with ``cp=C`` when ``cp > 1``, ``once`` and ``keep``
+        mb=4 x8 zero=1 recompute=full``, with ``cp=C`` when ``cp > 1``, ``shared`` after the
+        pipeline degrees where the pipeline devices share their devices, ``once`` and ``keep``
         after the ZeRO stage for its sharding mode, ``sequence-parallel`` when ``tp > 1`` and
         ``no-flash-attention`` when the plan has none."""
         name = "SPMD" if self.kind == "spmd" else self.schedule
         pp = f" cp={self.cp}" if self.cp > 1 else ""
         pp += "" if self.kind == "spmd" else f" pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp > 1 else "")
+        pp += " shared" if self.shared_devices else ""
         options = " sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
         options += "" if self.flash_attention else " no-flash-attention"
         zero = sharding_words(self.zero, reduce_once=self.reduce_once, reshard_after_forward=not self.keep_weights)

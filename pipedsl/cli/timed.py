@@ -19,7 +19,7 @@ from typing import Any
 from pipedsl.cli.common import load_schedule
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import SPMD_SCHEDULE
-from pipedsl.run_options import RunOptions
+from pipedsl.run_options import Precision, RunOptions
 
 __all__ = ["STEP_ROUNDS", "Step", "TimedSteps", "median_seconds", "interleaved_medians", "round_times", "training_step"]
 
@@ -102,6 +102,7 @@ class Step:
         :class:`TimedSteps`), the rest idle.
       tp: tensor-parallel degree (with sequence parallelism) inside data-parallel groups
         of ``tp`` devices, each group's microbatch ``tp × sequences`` sequences.
+      precision: the executor's ``"fp32"`` or ``"bf16"`` (mixed precision).
     """
 
     model: Any
@@ -109,15 +110,16 @@ class Step:
     microbatches: int = 1
     devices: int | None = None
     tp: int = 1
+    precision: Precision = "fp32"
 
 
 def training_step(
-    model: Any, devices: int, sequences: int, *, microbatches: int = 1, tp: int = 1
+    model: Any, devices: int, sequences: int, *, microbatches: int = 1, tp: int = 1, precision: Precision = "fp32"
 ) -> tuple[Callable[[], Any], Any]:
     """The executor's SPMD plan of ``model`` (one stage) over the first ``devices``
     devices on the local backend, ``tp``-way tensor parallel (with sequence parallelism)
     inside ``devices / tp`` data-parallel groups, ``microbatches`` of ``sequences``
-    sequences per device:
+    sequences per device, in ``precision``:
     (a call that runs one Adam training step and returns the new parameters, the pipeline
     to close). The calibration times the executor's own programs: a forward and a
     backward jitted apart run at another speed than one program of both."""
@@ -131,7 +133,7 @@ def training_step(
     schedule = load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": microbatches})
     pipe = Pipeline(
         model.stages, loss=model.loss, schedule=schedule, backend="local",
-        options=RunOptions(dp=devices // tp, tp=tp, sequence_parallel=tp > 1),
+        options=RunOptions(dp=devices // tp, tp=tp, sequence_parallel=tp > 1, precision=precision),
         param_specs=model.param_specs(params) if tp > 1 else None,
     )  # fmt: skip
     batch = model.batch(jax.random.fold_in(key, 1), devices * sequences * microbatches)
@@ -164,8 +166,9 @@ class TimedSteps:
         try:
             for key, step in steps.items():
                 runs[key], pipe = training_step(
-                    step.model, step.devices or devices, step.sequences, microbatches=step.microbatches, tp=step.tp
-                )
+                    step.model, step.devices or devices, step.sequences, microbatches=step.microbatches, tp=step.tp,
+                    precision=step.precision,
+                )  # fmt: skip
                 self._pipes.append(pipe)
                 jax.block_until_ready(runs[key]())  # compiles it, outside the timed rounds
                 take_interrupt()

@@ -6,16 +6,18 @@ and reported with the measurement behind every number
 
 Every field of the cluster is measured by one step, or is a count the machine reports:
 
-- ``memory_bytes``: a GPU's own limit (its allocator's); on CPU the host's memory over
-  the devices;
-- ``hbm_bandwidth``: one elementwise update on every device at once;
+- ``memory_bytes``: an accelerator's own limit (its allocator's); on CPU the host's memory
+  over the devices;
+- ``hbm_bandwidth``: an elementwise update on every device at once (on an accelerator the
+  slope between updates of two sizes, the call's fixed cost left out);
 - ``intra_node_latency``, ``intra_node_bandwidth`` (and the same between nodes: one node
   is measured): all-reduces over groups of 2 and of every device, of a small and a large
   buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (:func:`fit_ring`);
 - ``action_overhead_s``: the executor's dispatch of one stage program, every device
   dispatching at once;
-- ``peak_flops`` and ``matmul_half_flops`` on GPU: matrix products of two sizes in the
-  model's dtype, ``1/rate = 1/peak + half / (peak·F)`` through both (every dtype's rate
+- ``peak_flops`` and ``matmul_half_flops`` on an accelerator (GPU, TPU): matrix products
+  of two sizes in the model's dtype, each timed as a chain in one program (the call's
+  fixed cost left out), ``1/rate = 1/peak + half / (peak·F)`` through both (every dtype's rate
   is reported); on CPU the rate the executor's training steps achieve, fitted with the
   two fixed costs below (a product benchmark overstates it about tenfold there: the
   backward's transposed products, attention's small ones and the elementwise work run
@@ -133,16 +135,17 @@ class MachineMeasurements:
     """What ``pipedsl calibrate`` measured on a machine, in seconds unless said.
 
     Attributes:
-      platform: ``cpu`` or ``gpu`` (JAX's platform of the devices).
-      device_kind: what the devices are (``cpu``, ``NVIDIA H200``).
+      platform: ``cpu``, ``gpu`` or ``tpu`` (JAX's platform of the devices).
+      device_kind: what the devices are (``cpu``, ``NVIDIA H200``, ``TPU v5 lite``).
       devices: devices measured, all in one node.
       host_cores: cores the devices share (CPU devices), None where each has its own.
       memory_bytes: memory per device; ``memory_source`` says where it came from.
       bandwidth: bytes per second of an elementwise update (read and write) per device,
-        every device at once.
+        every device at once; ``bandwidth_source`` says how it was measured.
       all_reduce_s: seconds by (group size, bytes per device), every group at once.
       dispatch_s: seconds per dispatched stage program, every device dispatching.
       matmul_s: seconds of a square product by (dtype name, n); empty on CPU.
+      bandwidth_source: the measurement behind ``bandwidth``, in words.
       step_s: seconds of the data-parallel training step over every device by
         (layers, sequences per device, microbatches) (:func:`compute_shapes`).
       busy_s: seconds of the whole model's step at the microbatch size on n devices
@@ -171,6 +174,7 @@ class MachineMeasurements:
     busy_s: dict[int, float] = field(default_factory=dict)
     tensor_s: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
+    bandwidth_source: str = "an elementwise update of 4 MB per device, every device at once"
 
     @property
     def largest_step(self) -> tuple[int, int, int]:
@@ -264,7 +268,7 @@ def _base(m: MachineMeasurements, model: Model) -> tuple[Cluster, list[Measured]
     lines = [
         Measured("gpus_per_node", m.devices, "devices", f"{m.platform} devices JAX sees ({m.device_kind})"),
         Measured("memory_bytes", m.memory_bytes, "B", m.memory_source),
-        Measured("hbm_bandwidth", m.bandwidth, "B/s", "an elementwise update of 4 MB per device, every device at once"),
+        Measured("hbm_bandwidth", m.bandwidth, "B/s", m.bandwidth_source),
         Measured("intra_node_latency", alpha, "s", link_source),
         Measured("intra_node_bandwidth", link, "B/s", link_source),
         Measured(
@@ -356,7 +360,12 @@ def cluster_toml(calibration: MachineCalibration) -> str:
     for p in calibration.report.parameters:
         # An entry of a list field (``busy_rates[0]``) comments the list.
         sources.setdefault(p.name.split("[")[0], []).append(p.source if "[" not in p.name else f"{p.name}: {p.source}")
-    lines = [f"# {calibration.report.title}: calibrated by pipedsl calibrate", "[cluster]"]
+    m = calibration.measurements
+    lines = [
+        f"# {calibration.report.title}: calibrated by pipedsl calibrate",
+        f"# platform: {m.platform}; device kind: {m.device_kind}",
+        "[cluster]",
+    ]
     for f in dataclasses.fields(calibration.cluster):
         value = getattr(calibration.cluster, f.name)
         if value is None:

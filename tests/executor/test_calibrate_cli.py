@@ -18,7 +18,7 @@ from helpers import fresh_process_env
 from pipedsl.cli.calibrate import DEMO_MODEL, Measurement
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import Step, TimedSteps, interleaved_medians, round_times
-from pipedsl.simulator import Cluster, CostModel, load_cluster, simulate
+from pipedsl.simulator import Cluster, CostModel, Model, load_cluster, simulate
 from pipedsl.simulator.calibration.machine import compute_shapes, tensor_degrees
 from pipedsl.simulator.workers import available_cores
 
@@ -199,3 +199,90 @@ def test_the_demo_prices_its_runs_again_as_the_search_would_on_another_machine()
     assert repriced(plans, machine) == pytest.approx([p.planned_s for p in plans], rel=1e-12)
     slower = repriced(plans, dataclasses.replace(machine, peak_flops=1e9))
     assert all(s > p.planned_s for s, p in zip(slower, plans, strict=True))  # type: ignore[operator]
+
+
+# --- one device: the calibration, and pipelines that share it --------------------------------
+
+
+@pytest.mark.slow
+def test_calibrate_on_one_device_writes_a_cluster_naming_its_platform_that_the_search_reads(tmp_path: Path) -> None:
+    out = tmp_path / "one.toml"
+    done = _pipedsl("calibrate", "--devices", "1", "--microbatch-size", "1", "--steps", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "# platform: cpu; device kind: cpu" in out.read_text()
+    cluster = load_cluster(out)
+    # One device: nothing to send, so no link is measured; its memory and dispatch are.
+    assert cluster.gpus_per_node == 1 and cluster.intra_node_latency == 0.0 and not cluster.busy_rates
+    assert cluster.hbm_bandwidth > 0 and cluster.action_overhead_s > 0 and cluster.memory_bytes > 0
+    found = _pipedsl("search", "--model", "demo-small", "--cluster", str(out), "--gpus", "1", "--top", "3")
+    assert found.returncode == 0, found.stderr
+    assert "dp=1 tp=1" in found.stdout
+
+
+@pytest.mark.slow
+def test_the_demo_on_one_device_runs_pipelines_that_share_it_against_their_prediction(tmp_path: Path) -> None:
+    done = _pipedsl("demo", "--devices", "1", "--top", "2", "--steps", "1", "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert "(local backend, 1 devices)" in done.stdout
+    import csv
+
+    with open(tmp_path / "out" / "runs.csv", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    assert rows and all(float(r["predicted_s"]) > 0 and float(r["measured_s"]) > 0 for r in rows)
+    plans = [line for line in done.stdout.splitlines() if line.startswith("plan ") and "(pipeline)" in line]
+    assert plans and all(" shared " in line for line in plans)
+
+
+def test_a_plan_whose_pipeline_devices_share_one_device_runs_as_one_program() -> None:
+    import jax
+
+    from pipedsl.cli.calibrate import _pipeline
+    from pipedsl.cli.workload import Workload
+
+    tiny = Workload(
+        Model(
+            name="tiny-llama", layers=2, hidden=32, ffn_hidden=64, heads=4, kv_heads=2, seq_len=8, vocab=64,
+            gated_ffn=True, biases=False, learned_positions=False, tied_embeddings=False, dropout=False,
+        ),
+        precision="bf16",
+    )  # fmt: skip
+    plan = PlannedRun(
+        schedule="1f1b", kind="pipeline", dp=1, tp=1, pp=2, vpp=1, microbatches=2, microbatch_size=2, zero=0,
+        shared_devices=True,
+    )  # fmt: skip
+    assert plan.devices == 1 and " shared " in plan.label()
+    pipe, params, batch = _pipeline(plan.schedule_of(), 2, "local", plan, tiny)
+    try:
+        assert pipe.backend.fuse
+        assert {d for mesh in pipe.backend.meshes for d in mesh.devices.flat} == {jax.devices()[0]}
+        import optax
+
+        optimizer, state, losses = optax.adam(1e-2), None, []
+        for _ in range(3):
+            params, state, loss = pipe.train_step(params, state, batch, optimizer=optimizer)
+            losses.append(float(loss))
+        assert losses[-1] < losses[0]
+    finally:
+        pipe.close()
+
+
+def test_an_accelerator_trains_the_widest_small_llama_whose_state_fits_an_eighth_of_its_memory() -> None:
+    from pipedsl.cli.workload import accelerator_workload
+
+    v5e, small = accelerator_workload(16 * 2**30), accelerator_workload(2**30)
+    assert v5e.precision == small.precision == "bf16" and v5e.model.gated_ffn and v5e.model.dtype_bytes == 2
+    assert v5e.model.hidden == 1024 and small.model.hidden < 1024
+    for w in (v5e, small):
+        assert w.model.num_params * 18 * 8 <= {v5e: 16 * 2**30, small: 2**30}[w]
+        assert w.model.layers % 4 == 0 and w.model.heads % w.model.num_kv_heads == 0
+
+
+def test_the_bandwidth_leaves_out_a_calls_fixed_cost_where_it_is_most_of_a_small_update() -> None:
+    from pipedsl.cli.machine import _bandwidth
+
+    # Told that a dispatch takes a second, the 4 MB update is mostly fixed cost: the slope
+    # between it and larger updates (within 1/16 of 256 MB) is taken instead.
+    bandwidth, told = _bandwidth(1, dispatch_s=1.0, memory_bytes=256 * 2**20)
+    assert bandwidth > 0 and "slope" in told and "16 MB" in told
+    direct, said = _bandwidth(1, dispatch_s=0.0, memory_bytes=256 * 2**20)
+    assert direct > 0 and said.startswith("an elementwise update of 4 MB")

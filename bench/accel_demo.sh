@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# `pipedsl calibrate` and `pipedsl demo` on this machine's one accelerator (a GPU or a TPU
+# chip), each in one process of its own (only one process may hold a TPU chip):
+#
+# 1. calibrate the chip as a cluster of one device (the training steps of a small Llama in
+#    bf16, matrix products per dtype and size, memory bandwidth, dispatch, the device's
+#    memory), write OUT/cluster.toml, read it back with `pipedsl search --cluster`, and
+#    append the fitted cluster with the platform and device kind to RESULTS/accel_calibrate.jsonl;
+# 2. run the demo on the chip (every pipeline device sharing it): calibrate, search, run the
+#    best plans, print predicted against measured; it appends its line, platform and device
+#    kind included, to RESULTS/demo.jsonl.
+#
+# Everything printed is kept in OUT/calibrate.txt, OUT/search.txt and OUT/demo.txt. Needs
+# the pipedsl package, lark, optax, rich, pandas, matplotlib and JAX with its plugin for the
+# accelerator; not Ray. See docs/accelerators.md ("The demo on one accelerator").
+#
+#     bash bench/accel_demo.sh [OUT] [RESULTS]      # defaults: out/accel_demo, bench/results
+#     PY=python3 bash bench/accel_demo.sh           # another interpreter
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${1:-out/accel_demo}
+RESULTS=${2:-bench/results}
+LIMIT=${ACCEL_DEMO_LIMIT:-1500}
+
+if ! command -v "$PY" >/dev/null 2>&1; then
+    echo "accel_demo: $PY not found; run 'make install' (or set PY)" >&2
+    exit 2
+fi
+# As in bench/accel_check.sh: an empty PYTHONPATH entry would make this checkout's
+# pipedsl/ folder shadow the installed package.
+PYTHONPATH=$(printf '%s' "${PYTHONPATH:-}" | tr -s ':' | sed 's/^://; s/:$//')
+if [[ -n "$PYTHONPATH" ]]; then export PYTHONPATH; else unset PYTHONPATH; fi
+mkdir -p "$OUT" "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+
+timeout "$LIMIT" "$PY" -m pipedsl calibrate --devices 1 --out "$OUT/cluster.toml" 2>&1 | tee "$OUT/calibrate.txt"
+status=${PIPESTATUS[0]}
+if (( status != 0 )); then
+    echo "accel_demo: pipedsl calibrate failed ($status)" >&2
+    exit "$status"
+fi
+"$PY" -m pipedsl search --model llama-8b --cluster "$OUT/cluster.toml" --gpus 1 --top 3 2>&1 | tee "$OUT/search.txt"
+"$PY" - "$OUT/cluster.toml" "$RESULTS" <<'EOF'
+"""Append the calibrated cluster, its platform and device kind (the file's second line) to accel_calibrate.jsonl."""
+import sys
+from pathlib import Path
+
+from pipedsl.results import append_result
+from pipedsl.simulator import load_cluster
+
+path, folder = Path(sys.argv[1]), sys.argv[2]
+said = path.read_text().splitlines()[1].removeprefix("# ")  # "platform: tpu; device kind: TPU v5 lite"
+platform, kind = (part.split(": ", 1)[1] for part in said.split("; "))
+cluster = load_cluster(path)
+figures = {"platform": platform, "device_kind": kind}
+for name in ("peak_flops", "matmul_half_flops", "hbm_bandwidth", "memory_bytes", "action_overhead_s",
+             "kernel_launch_s", "step_overhead_s"):
+    figures[name] = getattr(cluster, name)
+print(append_result("accel_calibrate", figures, command=f"pipedsl calibrate --devices 1 --out {path}", folder=folder))
+EOF
+
+PIPEDSL_RESULTS_DIR="$RESULTS" timeout "$LIMIT" "$PY" -m pipedsl demo --devices 1 --out "$OUT/demo" 2>&1 \
+    | tee "$OUT/demo.txt"
+status=${PIPESTATUS[0]}
+if (( status == 124 )); then
+    echo "accel_demo: the demo stopped after ${LIMIT} s (ACCEL_DEMO_LIMIT)" >&2
+fi
+exit "$status"
