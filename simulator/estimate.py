@@ -37,8 +37,10 @@ several of them, runs their programs one at a time in the order they are dispatc
 XLA's CPU client does (worked out for the plan in one place, :func:`_sharing`); an SPMD
 plan is one pipeline device that is always busy. Pipeline devices that share their devices
 (``Plan.shared_devices``: a pipeline on one chip) are what the executor runs as one
-program of the whole step: their actions one after another, no transfers, no dispatch
-per action, every stage's parameters, optimizer state and activations on the devices.
+program of the whole step, a loop over the microbatches, each through every stage: their
+actions one after another, no transfers, no dispatch per action, every stage's
+parameters and optimizer state and one microbatch's activations of every stage on the
+devices.
 MFU = 6·N·tokens / (GPUs × peak × step time). Every estimate
 lists the :class:`Assumption` s it priced.
 """
@@ -396,7 +398,9 @@ def prepare(
     residual = stage_residual(shapes, layers)
     held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
     if plan.shared_devices:
-        memory = device_memory(shapes, [sum(device_params)], [sum(held)])
+        # One program that loops over the microbatches, each through every stage (the
+        # executor's default for shared devices): one microbatch's activations of every stage.
+        memory = device_memory(shapes, [sum(device_params)], [sum(residual)])
     else:
         memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:

@@ -95,7 +95,8 @@ class Plan:
         16 × 8 stages whose first and last hold none (:func:`~pipedsl.simulator.stages.ends_split`).
       shared_devices: for pp > 1, whether every pipeline device runs on the same dp·tp·cp
         GPUs (the stages of a pipeline on one chip): the executor then runs a step as one
-        program of every action (:mod:`~pipedsl.simulator.estimate` prices it so), and
+        program, a loop over the microbatches, each through every stage
+        (:mod:`~pipedsl.simulator.estimate` prices it so), and
         the plan uses dp·tp·cp GPUs, not dp·tp·cp·pp.
     """
 
