@@ -256,6 +256,9 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
 
 
+# The search runs in a child process (fork then exec, which is safe): JAX, imported by the
+# test worker for another file, warns of any fork.
+@pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
 def test_a_search_past_the_bound_is_refused_at_once_and_small() -> None:
     # GPT-3 on 1,024 GPUs at a batch of a million sequences: schedules of 547 M (stage,
     # microbatch) pairs, which once took minutes and 16 GB.
