@@ -15,7 +15,8 @@ Six measurements, each printed as a small table:
 5. the executor's own cost per action on both backends in one run: a step of compute-free
    stages (2 stages, 1F1B, 16 microbatches of one row of a 4-wide one-layer MLP) over its
    F and B actions, fixed per-step costs included; the local backend on two CPU devices of
-   this process, the Ray backend on two processes of a local instance (127.0.0.1 only);
+   this process, the Ray backend on two processes of a local instance (127.0.0.1 only),
+   in turns of four steps each, the first of a turn not timed;
 6. a stage's forward and backward apart (as a pipeline runs them: ``jax.vjp``'s forward
    returns its residuals, a second program takes them back) against one program of both
    (as the SPMD step runs them), on the demo transformer's first stage of two (embedding
@@ -266,6 +267,10 @@ def bench_schedules(pp: int, microbatches: int, width: int, layers: int, microba
     record("bench_executor_schedules", {**figures, "one_jit_ms": base * 1e3, "pp": pp, "microbatches": microbatches})
 
 
+_BURST = 4
+"""Steps of a backend per turn in measurement 5 (the first of each not timed)."""
+
+
 def bench_per_action(repeat: int) -> None:
     import jax
 
@@ -284,9 +289,12 @@ def bench_per_action(repeat: int) -> None:
         name: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=b) for name, b in backends.items()
     }
     try:
-        # The two backends in turn, so that a change in the machine's load hits both.
+        # The two backends in turn, so that a change in the machine's load hits both; a few
+        # steps a turn, timed after the first, as a training loop runs them back to back.
         times = interleaved_medians(
-            {name: partial(pipe.value_and_grad, params, batch) for name, pipe in pipes.items()}, repeat
+            {name: partial(pipe.value_and_grad, params, batch) for name, pipe in pipes.items()},
+            max(repeat // _BURST, 1),
+            burst=_BURST,
         )
     finally:
         for pipe in pipes.values():

@@ -25,17 +25,22 @@ def record(benchmark: str, figures: Mapping[str, Figure]) -> None:
     print(f"\nrecorded in bench/results/{path.name if path else '-'} (make results redraws bench/RESULTS.md)")
 
 
-def interleaved_medians(fns: dict[Any, Callable[[], Any]], repeat: int) -> dict[Any, float]:
+def interleaved_medians(fns: dict[Any, Callable[[], Any]], repeat: int, *, burst: int = 1) -> dict[Any, float]:
     """Median wall seconds of each function (see :func:`wall_and_cpu_medians`)."""
-    return {name: wall for name, (wall, _) in wall_and_cpu_medians(fns, repeat).items()}
+    return {name: wall for name, (wall, _) in wall_and_cpu_medians(fns, repeat, burst=burst).items()}
 
 
-def wall_and_cpu_medians(fns: dict[Any, Callable[[], Any]], repeat: int) -> dict[Any, tuple[float, float]]:
+def wall_and_cpu_medians(
+    fns: dict[Any, Callable[[], Any]], repeat: int, *, burst: int = 1
+) -> dict[Any, tuple[float, float]]:
     """(median wall seconds, median process CPU seconds) of each function, timed in turn
     so that load drifts hit all alike; CPU time moves less with the machine's load.
 
     Each function is called once first (compilation, caches), and every call is waited
-    for with ``jax.block_until_ready``.
+    for with ``jax.block_until_ready``. With ``burst`` above 1, each turn calls a function
+    ``burst`` times and times all but the first, as a loop of steps runs it: what another
+    function's turn left behind (threads of its own still winding down, caches it took)
+    is then not counted against it.
     """
     import jax
 
@@ -44,9 +49,11 @@ def wall_and_cpu_medians(fns: dict[Any, Callable[[], Any]], repeat: int) -> dict
     times: dict[Any, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn())
-            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+            for call in range(burst):
+                wall, cpu = time.perf_counter(), time.process_time()
+                jax.block_until_ready(fn())
+                if call or burst == 1:
+                    times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
     return {
         name: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for name, ts in times.items()
     }
