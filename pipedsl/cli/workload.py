@@ -6,13 +6,11 @@ device's memory (:func:`accelerator_workload`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipedsl.errors import PipedslError
+from pipedsl.run_options import Precision
 from pipedsl.simulator import Model
-
-if TYPE_CHECKING:
-    from pipedsl.executor.stages.stage_options import Precision
 
 __all__ = ["DEMO_MODEL", "DEMO", "Workload", "accelerator_workload", "check_splits"]
 
@@ -41,13 +39,18 @@ class Workload:
     Attributes:
       model: the simulator's description; a gated (SwiGLU) model runs as
         :func:`~pipedsl.executor.models.llama`, any other as
-        :func:`~pipedsl.executor.models.transformer`.
-      precision: ``"fp32"``, or ``"bf16"`` (bf16 compute and activations, fp32 master
-        weights, optimizer state and gradients: the executor's mixed precision).
+        :func:`~pipedsl.executor.models.transformer`, in the precision its values' size
+        says (:attr:`precision`).
     """
 
     model: Model
-    precision: Precision = "fp32"
+
+    @property
+    def precision(self) -> Precision:
+        """``"fp32"`` for a model of 4-byte values, else ``"bf16"`` (bf16 compute and
+        activations over fp32 master weights, optimizer state and gradients: the executor's
+        mixed precision), as the model is priced."""
+        return self.model.precision
 
     def build(self, num_stages: int, *, what: str = "the schedule", layers: int | None = None) -> Any:
         """The executor's model (a :class:`~pipedsl.executor.models.BuiltinModel`) with the
@@ -104,7 +107,7 @@ def accelerator_workload(memory_bytes: int) -> Workload:
         )  # fmt: skip
 
     fitting = [w for w in _LLAMA_WIDTHS if llama(w).num_params * _STATE_BYTES * _STATE_SHARE <= memory_bytes]
-    return Workload(llama(max(fitting, default=_LLAMA_WIDTHS[0])), precision="bf16")
+    return Workload(llama(max(fitting, default=_LLAMA_WIDTHS[0])))
 
 
 def check_splits(num_stages: int, *, what: str, layers: int = DEMO_MODEL.layers, model: str = DEMO_MODEL.name) -> None:

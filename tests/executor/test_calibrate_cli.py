@@ -242,9 +242,8 @@ def test_a_plan_whose_pipeline_devices_share_one_device_runs_as_one_program() ->
     tiny = Workload(
         Model(
             name="tiny-llama", layers=2, hidden=32, ffn_hidden=64, heads=4, kv_heads=2, seq_len=8, vocab=64,
-            gated_ffn=True, biases=False, learned_positions=False, tied_embeddings=False, dropout=False,
-        ),
-        precision="bf16",
+            dtype_bytes=2, gated_ffn=True, biases=False, learned_positions=False, tied_embeddings=False, dropout=False,
+        )
     )  # fmt: skip
     plan = PlannedRun(
         schedule="1f1b", kind="pipeline", dp=1, tp=1, pp=2, vpp=1, microbatches=2, microbatch_size=2, zero=0,
@@ -253,7 +252,7 @@ def test_a_plan_whose_pipeline_devices_share_one_device_runs_as_one_program() ->
     assert plan.devices == 1 and " shared " in plan.label()
     pipe, params, batch = _pipeline(plan.schedule_of(), 2, "local", plan, tiny)
     try:
-        assert pipe.backend.fuse
+        assert pipe.backend.fuse == "loop" and tiny.precision == "bf16"
         assert {d for mesh in pipe.backend.meshes for d in mesh.devices.flat} == {jax.devices()[0]}
         import optax
 
