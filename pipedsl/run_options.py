@@ -140,6 +140,34 @@ class RunOptions:
         ):
             raise RunOptionsError("recv_timeout", f"must be a finite number of seconds above 0, got {timeout!r}")
 
+    @classmethod
+    def as_priced(
+        cls,
+        *,
+        dp: int,
+        tp: int,
+        cp: int,
+        zero: int,
+        reduce_once: bool,
+        recompute: RecomputeMode,
+        precision: Precision,
+        sequence_parallel: bool,
+    ) -> RunOptions:
+        """The options that run a plan the planner priced with these fields. The planner's
+        plans say ``reduce_once`` and ``sequence_parallel`` where they change nothing (ZeRO
+        0 and 1 reduce once per step anyway, and ``tp = 1`` has nothing to split), which
+        :class:`RunOptions` refuses as meaningless: they are dropped there."""
+        return cls(
+            dp=dp,
+            tp=tp,
+            cp=cp,
+            zero=zero,
+            reduce_once=reduce_once and zero >= 2,
+            recompute=recompute,
+            precision=precision,
+            sequence_parallel=sequence_parallel and tp > 1,
+        )
+
     @property
     def mesh_size(self) -> int:
         """Devices in every pipeline device's mesh: ``dp * cp * tp``."""

@@ -230,15 +230,15 @@ class Plan:
                 "plan: reshard_after_forward = false (ZeRO 3 keeping the forward's gathered weights for the"
                 " backward) is priced but not run: the executor gathers them again in the backward"
             )
-        return RunOptions(
+        return RunOptions.as_priced(
             dp=self.dp,
             tp=self.tp,
             cp=self.cp,
             zero=self.zero,
-            reduce_once=self.reduce_once and self.zero >= 2,
+            reduce_once=self.reduce_once,
             recompute=cast(RecomputeMode, self.recompute.value),  # Recompute's values are the modes
             precision=model.precision,
-            sequence_parallel=self.sequence_parallel and self.tp > 1,
+            sequence_parallel=self.sequence_parallel,
         )
 
     def to_json(self) -> dict[str, Any]:

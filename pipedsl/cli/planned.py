@@ -186,15 +186,15 @@ class PlannedRun:
         priced (:attr:`not_run`)."""
         if self.not_run is not None:
             raise PipedslError(f"plan {self.label()} {self.not_run}")
-        return RunOptions(
+        return RunOptions.as_priced(
             dp=self.dp,
             tp=self.tp,
             cp=self.cp,
             zero=self.zero,
-            reduce_once=self.reduce_once and self.zero >= 2,
+            reduce_once=self.reduce_once,
             recompute=cast(RecomputeMode, self.recompute),  # a mode RunOptions checks
             precision=model.precision,
-            sequence_parallel=self.sequence_parallel and self.tp > 1,
+            sequence_parallel=self.sequence_parallel,
         )
 
     @property
