@@ -266,6 +266,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
             stage_split=args.stage_layers,
             tp_overlap=args.tp_overlap,
             framework=args.framework,
+            shared_pipelines=args.shared_pipelines,
         )
     search_mfu(frame, load_model(args.model), FlopCount(args.mfu_flops))
     if args.csv is not None:
@@ -592,6 +593,12 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         f"(default {DEFAULT_PRUNE:g})",
     )
     src.add_argument("--no-prune", action="store_true", help="simulate every plan that fits")
+    src.add_argument(
+        "--shared-pipelines",
+        action="store_true",
+        help="also rank pipelines whose pipeline devices all share the same devices (every stage on one chip), "
+        "priced as the executor runs them: one program per step",
+    )
     src.add_argument(
         "--jobs",
         type=positive_int,

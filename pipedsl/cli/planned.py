@@ -215,6 +215,7 @@ class PlannedRun:
         options += f" --recompute {self.recompute}" if self.recompute != "none" else ""
         options += " --sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
         options += " --fused-attention" if self.flash_attention else ""
+        options += " --shared-devices" if self.shared_devices else ""
         return (
             f"pipedsl run {self.schedule} {params} --model transformer --dp {self.dp} --tp {self.tp}"
             f"{f' --cp {self.cp}' if self.cp > 1 else ''} "

@@ -22,6 +22,7 @@ by setting ``XLA_FLAGS`` before the import.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -75,6 +76,14 @@ def _check_args(args: argparse.Namespace) -> None:
         args.recompute = "full"
     if args.address is not None and args.backend != "ray":
         raise PipedslError("--address names a Ray cluster; use it with --backend ray")
+    if args.shared_devices and args.backend == "ray":
+        raise PipedslError(
+            "--shared-devices puts every pipeline device on this process's devices: use it with --backend local"
+        )
+    if args.fuse is not None and not args.shared_devices and args.plan is None:
+        raise PipedslError(
+            "--fuse says how pipeline devices that share their devices run a step: give --shared-devices too"
+        )
     if args.plan is None:
         for name, value in _DEFAULTS.items():
             if getattr(args, name) is None:
@@ -246,7 +255,13 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
         raise PipedslError(
             f"--plan {args.plan} reduces its gradients as it was priced; --reduce-once would change the plan: drop it"
         )
+    if args.shared_devices and not planned.shared_devices:
+        raise PipedslError(
+            f"--plan {args.plan} gives each pipeline device devices of its own; --shared-devices would change the"
+            " plan: drop it"
+        )
     args.fused_attention = planned.flash_attention
+    args.shared_devices = planned.shared_devices
     return planned.schedule_of(), planned
 
 
@@ -257,11 +272,12 @@ def _run_options(args: argparse.Namespace, planned: PlannedRun | None) -> RunOpt
     if planned is not None:
         from pipedsl.cli.scaled import priced_model
 
-        return planned.run_options(priced_model(planned.model))
+        return dataclasses.replace(planned.run_options(priced_model(planned.model)), fuse=args.fuse or "loop")
     try:
         return RunOptions(
             dp=args.dp, tp=args.tp, cp=args.cp, zero=args.zero, reduce_once=args.reduce_once,
             recompute=args.recompute, precision=args.precision, sequence_parallel=args.sequence_parallel,
+            fuse=args.fuse or "loop",
         )  # fmt: skip
     except RunOptionsError as err:
         raise PipedslError(f"--{err.argument.replace('_', '-')} {err.rule}") from None
@@ -288,7 +304,9 @@ def _train(args: argparse.Namespace) -> int:
     schedule, planned = _planned(args)
     options = _run_options(args, planned)
     _check_mesh(args, options)
-    devices = schedule.num_devices * options.mesh_size
+    if args.shared_devices and schedule.num_devices == 1:
+        raise PipedslError("--shared-devices shares devices between pipeline devices: give a schedule with pp above 1")
+    devices = options.mesh_size * (1 if args.shared_devices else schedule.num_devices)
     # Before anything imports JAX (reading a checkpoint does): the devices it is to make.
     request_devices(devices)
     keeping = _checkpointing(args, schedule, dp=options.dp)
@@ -431,6 +449,11 @@ def _run_line(
         )
         once = ", reduced once per step" if options.reduce_once else ""
         meshes = f" ({pipeline}, each a {shape} mesh: {axes}, zero {options.zero}{once})"
+    if args.shared_devices:
+        how = {"loop": "one program looping over the microbatches", "unrolled": "one program of every action"}
+        step = how.get(options.fuse, "every action apart")
+        pronoun = "it" if devices == 1 else "them"
+        meshes += f" ({plural(schedule.num_devices, 'pipeline device')} share {pronoun}; each step runs as {step})"
     replicas = f" x {options.dp} replicas" if options.dp > 1 else ""
     return (
         f"run {_describe(schedule)}: {plural(schedule.num_stages, 'stage')} on"
@@ -468,14 +491,16 @@ def _build_pipeline(
         backend = RayConfig(address=args.address)
     params = model.init_function(key) if args.marked else model.init_stages(key)
     specs = model.param_specs(params) if options.tp > 1 else None
+    devices = None
+    if args.shared_devices:
+        import jax
+
+        # Every pipeline device the same first dp x cp x tp devices.
+        devices = jax.devices()[: options.mesh_size] * schedule.num_devices
+    where = {"options": options, "backend": backend, "param_specs": specs, "devices": devices}
     if args.marked:
-        pipe = Pipeline.from_function(
-            model.model_fn, loss=model.loss, schedule=schedule, options=options, backend=backend, param_specs=specs
-        )
-        return pipe, params
-    return Pipeline(
-        model.stages, loss=model.loss, schedule=schedule, options=options, backend=backend, param_specs=specs
-    ), params
+        return Pipeline.from_function(model.model_fn, loss=model.loss, schedule=schedule, **where), params
+    return Pipeline(model.stages, loss=model.loss, schedule=schedule, **where), params
 
 
 def _write_timeline(pipe: Any, params: Any, batch: Any, path: str) -> None:
@@ -580,6 +605,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--reduce-once",
         action="store_true",
         help="with --zero 2 or 3, accumulate the gradients unreduced and reduce them once per step",
+    )
+    run.add_argument(
+        "--shared-devices",
+        action="store_true",
+        help="put every pipeline device on the same dp x cp x tp devices (all stages on one chip): a step then "
+        "runs as one program (see --fuse)",
+    )
+    run.add_argument(
+        "--fuse",
+        choices=("loop", "unrolled", "off"),
+        help="with --shared-devices, the step as one program that loops over the microbatches (loop, the "
+        "default), one program of every action (unrolled), or every action apart (off)",
     )
     run.add_argument(
         "--plan",

@@ -100,3 +100,37 @@ def test_a_ctrl_c_while_the_stages_compile_ends_the_run_with_one_line() -> None:
             run.wait()
     assert code == 130, err.text()
     assert err.text() == "pipedsl run: interrupted\n"
+
+
+def test_run_puts_every_pipeline_device_on_one_device_with_shared_devices() -> None:
+    # A fresh process: it must ask for one device, not one per pipeline device.
+    out = _pipedsl("run", "1f1b", "-p", "pp=2", "-p", "microbatches=4", "--shared-devices", "--steps", "3")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "2 stages on 1 cpu device (2 pipeline devices share it; each step runs as one program looping" in lines[0]
+    losses = [float(line.split()[1]) for line in lines[2:5]]
+    assert losses[2] < losses[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fuse", "loop"], "--fuse says how pipeline devices that share their devices run a step"),
+        (["--shared-devices", "--backend", "ray"], "--shared-devices puts every pipeline device on this process's"),
+        (["--shared-devices", "-p", "pp=1"], "--shared-devices shares devices between pipeline devices"),
+    ],
+)
+def test_sharing_options_that_cannot_mean_anything_are_refused(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "1f1b", "-p", "microbatches=2", *args, "--steps", "1"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_search_ranks_shared_pipelines_with_the_command_that_runs_them() -> None:
+    out = _pipedsl(
+        "search", "--model", "llama-8b", "--cluster", "a100-80gb", "--gpus", "1", "--global-batch", "8",
+        "--shared-pipelines", "--top", "3",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert " shared " in out.stdout and "--shared-devices" in out.stdout
