@@ -156,6 +156,8 @@ class FusedStep:
     ) -> None:
         self.workers = tuple(workers)
         self.first, self.last = first, last
+        # Per worker, its parameter leaves' flat indices in the order the program takes them.
+        self._order = tuple(tuple(sorted(w.kept())) for w in self.workers)
         self._last_stage = schedule.num_stages - 1
         # A loop: every device's program for one microbatch, which the loop runs once per
         # microbatch (the stages' compiled programs are the same: they take one microbatch).
@@ -185,12 +187,13 @@ class FusedStep:
         if found is None or found[0] is not optimizer:
             found = self._programs[key] = (optimizer, *self._program(update, keep_grads))
         _, program, traced = found
-        leaves = tuple(tuple(w.leaves[i] for i in sorted(w.leaves)) for w in workers)
+        order = self._order
+        leaves = tuple(tuple(w.leaves[i] for i in mine) for w, mine in zip(workers, order, strict=True))
         states = tuple(tuple(w.states[s] for s in w.local) for w in workers) if update is not None else ()
         new_leaves, new_states, losses, grads = program(leaves, states, tuple(inputs), tuple(targets))
         if update is not None:
-            for w, mine, theirs in zip(workers, new_leaves, new_states, strict=True):
-                w.leaves = dict(zip(sorted(w.leaves), mine, strict=True))
+            for w, at, mine, theirs in zip(workers, order, new_leaves, new_states, strict=True):
+                w.leaves = dict(zip(at, mine, strict=True))
                 w.states = dict(zip(w.local, theirs, strict=True))
                 w.applied = True
         info = traced[0]
@@ -218,7 +221,7 @@ class FusedStep:
             kept = [(w.leaves, w.states) for w in workers]
             try:
                 for d, w in enumerate(workers):
-                    w.leaves = dict(zip(sorted(w.leaves), leaves[d], strict=True))
+                    w.leaves = dict(zip(self._order[d], leaves[d], strict=True))
                     if steady is not None:
                         w.states = dict(zip(w.local, states[d], strict=True))
                 results = (
@@ -230,7 +233,9 @@ class FusedStep:
                 new_leaves: Any = ()
                 new_states: Any = ()
                 if steady is not None:
-                    new_leaves = tuple(tuple(w.leaves[i] for i in sorted(w.leaves)) for w in workers)
+                    new_leaves = tuple(
+                        tuple(w.leaves[i] for i in at) for w, at in zip(workers, self._order, strict=True)
+                    )
                     new_states = tuple(tuple(w.states[s] for s in w.local) for w in workers)
                 return new_leaves, new_states, tuple(r.loss for r in results), tuple(dict(r.grads) for r in results)
             finally:

@@ -154,7 +154,7 @@ def _pipeline(
     specs = model.param_specs(params) if options.tp > 1 else None
     # Pipeline devices that share their devices are each the same first dp x tp of them.
     shared = plan is not None and plan.shared_devices
-    devices = jax.devices()[: options.dp * options.tp] * schedule.num_devices if shared else None
+    devices = jax.devices()[: options.mesh_size] * schedule.num_devices if shared else None
     pipe = Pipeline(
         model.stages,
         loss=model.loss,

@@ -42,12 +42,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from pipedsl.cli.timed import STEP_ROUNDS, Step, TimedSteps, median_seconds
 from pipedsl.cli.workload import DEMO, Workload, accelerator_workload
+from pipedsl.run_options import Precision
 from pipedsl.simulator import Model
 from pipedsl.simulator.calibration.machine import (
     MachineCalibration,
@@ -58,9 +59,6 @@ from pipedsl.simulator.calibration.machine import (
     tensor_degrees,
 )
 from pipedsl.simulator.workers import available_cores
-
-if TYPE_CHECKING:
-    from pipedsl.executor.stages.stage_options import Precision
 
 __all__ = [
     "MachineCalibration",
