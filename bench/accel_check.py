@@ -8,7 +8,8 @@ printed and the next check runs):
   one-device step); fp32 with full-precision matrix products on both sides (no TF32 on a
   GPU, no single bf16 pass on a TPU);
 - ``step-time``: a training step (Adam) of the pipeline against one ``jax.jit`` of the same
-  step, median seconds of a few steps each, and their ratio;
+  step, median seconds of a few steps each, and their ratio; the two losses after the same
+  steps agree (bf16's tolerance on an accelerator);
 - ``recompute-<mode>``: gradients under each recompute mode against the reference, and the
   activation bytes the compiled forward keeps per microbatch (XLA's memory analysis)
   against the planner's count of what the compiled stage keeps, for the same shapes;
@@ -21,11 +22,14 @@ printed and the next check runs):
 Where the time goes is compiling: on one TPU v5e chip a stage program or a reference of
 this size takes tens of seconds, and running it a fraction of one. So every program is
 compiled once: the checks share their references and pipelines (``fp32`` and
-``recompute-none`` run the same pipeline, ``bf16`` and ``step-time`` too on an
-accelerator), and before the checks run the large programs (the references, the training
-step's ``jax.jit``, each pipeline's stage programs) compile in parallel threads
-(``--compile-threads``) into a compilation cache of this run, which the pipelines' first
-steps then read. Each check's seconds and the part spent compiling are in the table.
+``recompute-none`` run the same pipeline), and before the checks run the large programs
+(the references, the training step's ``jax.jit``, each pipeline's stage programs)
+compile in parallel threads (``--compile-threads``) into a compilation cache of this run,
+which the pipelines' first steps then read: their actions are dispatched apart, so they
+run those very programs. ``step-time`` runs its pipeline as the executor does by default
+(both stages' step as one program, compiled as the check warms up) and checks that its
+loss follows the ``jax.jit``'s. Each check's seconds and the part spent compiling are in
+the table.
 
 Prints one table and writes one JSON line of results (``--out``, default
 ``out/accel_check/results.json``), with the platform and the device kind; ``--results
@@ -66,7 +70,7 @@ import pipedsl  # noqa: E402
 from pipedsl.executor import Pipeline, RunOptions  # noqa: E402
 from pipedsl.executor.models import BuiltinModel, llama, reference_stages  # noqa: E402
 from pipedsl.results import Figure, append_result  # noqa: E402
-from pipedsl.run_options import Precision, RecomputeMode  # noqa: E402
+from pipedsl.run_options import Fuse, Precision, RecomputeMode  # noqa: E402
 
 if TYPE_CHECKING:
     from pipedsl.executor.stages.stage_program import StageMemory
@@ -122,11 +126,15 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One pipeline of the checks: the same model, schedule and device, these options."""
+    """One pipeline of the checks: the same model, schedule and device, these options.
+    The gradient checks dispatch each action apart (``fuse="off"``): their stage programs
+    are the ones compiled ahead (and analysed); ``step-time`` runs the step as the executor
+    does by default, one program for both stages (``"loop"``)."""
 
     precision: Precision
     recompute: RecomputeMode = "none"
     fused: bool = False
+    fuse: Fuse = "off"
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +255,7 @@ class Checks:
             m = _model(self.size, fused=True) if v.fused else self.m
             self._pipelines[v] = Pipeline(
                 m.stages, loss=m.loss, schedule=self.schedule, devices=[self.device, self.device],
-                options=RunOptions(precision=v.precision, recompute=v.recompute),
+                options=RunOptions(precision=v.precision, recompute=v.recompute, fuse=v.fuse),
             )  # fmt: skip
         return self._pipelines[v]
 
@@ -317,7 +325,8 @@ class Checks:
             precision: Precision = "fp32" if name == "fp32" else "bf16"
             return [Ahead("reference", precision), *pipeline(Variant(precision))]
         if name == "step-time":
-            return [Ahead("train", p), *pipeline(Variant(p))]
+            # Its pipeline's step, one program, compiles as the check warms up.
+            return [Ahead("train", p)]
         if name.startswith("recompute-"):
             mode: Any = name.removeprefix("recompute-")
             return [Ahead("reference", "fp32"), *pipeline(Variant("fp32", mode))]
@@ -376,42 +385,49 @@ class Checks:
     def step_time(self, *, rounds: int = 5) -> Row:
         """Median seconds of ``rounds`` steps each, after one that compiles what is left."""
         optimizer = self.optimizer
-        pipe = self.pipeline(Variant(self.step_precision))
+        pipe = self.pipeline(Variant(self.step_precision, fuse="loop"))
         one_jit = self.train_program()
 
-        def timed(step: Callable[[], Any]) -> float:
+        def timed(step: Callable[[], Any]) -> tuple[float, float]:
+            """(median seconds of a step, the last step's loss)."""
             step()
             times = []
             for _ in range(rounds):
                 start = time.perf_counter()
-                jax.block_until_ready(step())
+                _, loss = jax.block_until_ready(step())
                 times.append(time.perf_counter() - start)
-            return statistics.median(times)
+            return statistics.median(times), float(loss)
 
-        held: list[Any] = [self.params, None]
+        # One program for the copy and the optimizer state, not one per leaf and operation.
+        # Both steps donate what they hold, so each starts from a copy of the parameters.
+        with jax.default_device(self.device):
+            start = jax.jit(lambda p: [jax.tree_util.tree_map(jnp.copy, p), optimizer.init(p)])
+            jit_held = start(self.params)
+            held: list[Any] = [start(self.params)[0], None]
 
         def pipe_step() -> Any:
             held[0], held[1], loss = pipe.train_step(held[0], held[1], self.batch, optimizer=optimizer)
             pipe.block_until_ready()  # a step returns once it is queued; its time runs to its update's end
             return held[0], loss
 
-        # One program for the copy and the optimizer state, not one per leaf and operation.
-        with jax.default_device(self.device):
-            start = jax.jit(lambda p: [jax.tree_util.tree_map(jnp.copy, p), optimizer.init(p)])
-            jit_held = start(self.params)
-
         def jit_step() -> Any:
             jit_held[0], jit_held[1], loss = one_jit(jit_held[0], jit_held[1], *self.batch)
             return jit_held[0], loss
 
         with _scope(self.step_precision):
-            t_pipe, t_jit = timed(pipe_step), timed(jit_step)
-        self.results["step_time"] = {"pipeline_s": t_pipe, "one_jit_s": t_jit, "ratio": t_pipe / t_jit}
+            (t_pipe, pipe_loss), (t_jit, jit_loss) = timed(pipe_step), timed(jit_step)
+        # The same steps from the same parameters: the losses agree to the precision's tolerance.
+        loss_err = abs(pipe_loss - jit_loss) / abs(jit_loss)
+        tol = 2e-2 if self.step_precision == "bf16" else self.fp32_tol
+        self.results["step_time"] = {
+            "pipeline_s": t_pipe, "one_jit_s": t_jit, "ratio": t_pipe / t_jit, "loss_rel_error": loss_err,
+        }  # fmt: skip
         return Row(
             "step-time",
-            "ok",
+            "ok" if loss_err < tol else "FAIL",
             f"{t_pipe / t_jit:.2f}x",
-            f"{self.step_precision}, pipeline {t_pipe * 1e3:.1f} ms, one jax.jit {t_jit * 1e3:.1f} ms",
+            f"{self.step_precision}, pipeline {t_pipe * 1e3:.1f} ms, one jax.jit {t_jit * 1e3:.1f} ms, "
+            f"losses {loss_err:.1e} apart after {rounds + 1} steps",
         )
 
     def recompute(self, mode: RecomputeMode) -> Row:

@@ -28,20 +28,22 @@ if ! command -v "$PY" >/dev/null 2>&1; then
     exit 2
 fi
 # As in bench/accel_check.sh: an empty PYTHONPATH entry would make this checkout's
-# pipedsl/ folder shadow the installed package.
+# pipedsl/ folder (a package only as installed: its simulator and executor live beside it)
+# shadow the installed package; so would the working directory, which `python -m` and a
+# script on stdin put first on sys.path: -P leaves it out.
 PYTHONPATH=$(printf '%s' "${PYTHONPATH:-}" | tr -s ':' | sed 's/^://; s/:$//')
 if [[ -n "$PYTHONPATH" ]]; then export PYTHONPATH; else unset PYTHONPATH; fi
 mkdir -p "$OUT" "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
 
-timeout "$LIMIT" "$PY" -m pipedsl calibrate --devices 1 --out "$OUT/cluster.toml" 2>&1 | tee "$OUT/calibrate.txt"
+timeout "$LIMIT" "$PY" -P -m pipedsl calibrate --devices 1 --out "$OUT/cluster.toml" 2>&1 | tee "$OUT/calibrate.txt"
 status=${PIPESTATUS[0]}
 if (( status != 0 )); then
     echo "accel_demo: pipedsl calibrate failed ($status)" >&2
     exit "$status"
 fi
-"$PY" -m pipedsl search --model llama-8b --cluster "$OUT/cluster.toml" --gpus 1 --top 3 2>&1 | tee "$OUT/search.txt"
-"$PY" - "$OUT/cluster.toml" "$RESULTS" <<'EOF'
+"$PY" -P -m pipedsl search --model llama-8b --cluster "$OUT/cluster.toml" --gpus 1 --top 3 2>&1 | tee "$OUT/search.txt"
+"$PY" -P - "$OUT/cluster.toml" "$RESULTS" <<'EOF'
 """Append the calibrated cluster, its platform and device kind (the file's second line) to accel_calibrate.jsonl."""
 import sys
 from pathlib import Path
@@ -55,12 +57,12 @@ platform, kind = (part.split(": ", 1)[1] for part in said.split("; "))
 cluster = load_cluster(path)
 figures = {"platform": platform, "device_kind": kind}
 for name in ("peak_flops", "matmul_half_flops", "hbm_bandwidth", "memory_bytes", "action_overhead_s",
-             "kernel_launch_s", "step_overhead_s"):
+             "kernel_launch_s", "step_overhead_s", "elementwise_traffic"):
     figures[name] = getattr(cluster, name)
 print(append_result("accel_calibrate", figures, command=f"pipedsl calibrate --devices 1 --out {path}", folder=folder))
 EOF
 
-PIPEDSL_RESULTS_DIR="$RESULTS" timeout "$LIMIT" "$PY" -m pipedsl demo --devices 1 --out "$OUT/demo" 2>&1 \
+PIPEDSL_RESULTS_DIR="$RESULTS" timeout "$LIMIT" "$PY" -P -m pipedsl demo --devices 1 --out "$OUT/demo" 2>&1 \
     | tee "$OUT/demo.txt"
 status=${PIPESTATUS[0]}
 if (( status == 124 )); then

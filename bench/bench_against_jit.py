@@ -20,6 +20,8 @@ the jits and what it takes beyond them is the executor's own cost. Per plan it p
   (the default: one program that loops over the microbatches, each through every stage),
   ``unrolled`` (one program of every action) or ``off`` (every action dispatched as a
   program of its own, as on pipeline devices of their own);
+- with ``--cluster FILE`` (what ``pipedsl calibrate`` wrote on this machine), each plan's
+  step as the planner predicts it there, against the measured one;
 - with ``--cache``, the first step of the first plan in a new process, twice: with an empty
   persistent compilation cache, then with the one the first filled (both before this
   process opens the device, which one process at a time may hold on a TPU).
@@ -29,7 +31,7 @@ KV heads, 512 tokens, vocabulary 8192, 8 layers, 8 sequences a step in 8 microba
 on CPU a toy of the same shape (``--size real`` forces the large one). The results are
 appended to ``bench/results/bench_against_jit.jsonl`` with the platform and device kind.
 
-    python bench/bench_against_jit.py [--plans 1f1b-pp4,gpipe-pp4,...] [--steps 10] [--rounds 5] [--cache] [--fuse loop|unrolled|off]
+    python bench/bench_against_jit.py [--plans 1f1b-pp4,gpipe-pp4,...] [--steps 10] [--rounds 5] [--cache] [--fuse loop|unrolled|off] [--cluster FILE]
 """
 
 from __future__ import annotations
@@ -215,6 +217,27 @@ def _pipeline_step(size: Size, plan: Plan, device: Any, optimizer: Any, *, fuse:
     return pipe, step
 
 
+def _predicted(size: Size, plan: Plan, cluster_file: str) -> float:
+    """The planner's seconds of ``plan``'s step on the cluster of ``cluster_file`` (one
+    that ``pipedsl calibrate`` wrote on this machine): every pipeline device on one device,
+    bf16, plain attention, fp32 gradients, as :func:`_pipeline_step` runs it."""
+    from pipedsl.simulator import Model, load_cluster
+    from pipedsl.simulator.estimate import estimate
+    from pipedsl.simulator.plan import Plan as PlannedPlan
+
+    model = Model(
+        name="bench-llama", layers=LAYERS, hidden=size.hidden, ffn_hidden=size.ffn, heads=size.heads,
+        kv_heads=size.kv_heads, seq_len=size.seq, vocab=size.vocab, dtype_bytes=2, gated_ffn=True, biases=False,
+        learned_positions=False, tied_embeddings=False, dropout=False,
+    )  # fmt: skip
+    planned = PlannedPlan(
+        pp=plan.pp, vpp=plan.vpp, schedule=plan.schedule, microbatch_size=size.microbatch_size,
+        global_batch=size.microbatches * size.microbatch_size, shared_devices=True, flash_attention=False,
+        dp_overlap=0.0, reduce_bytes=4, framework="pipedsl",
+    )  # fmt: skip
+    return estimate(model, load_cluster(cluster_file), planned).step_time_s
+
+
 def _per_action(device: Any, steps: int, rounds: int, *, fuse: str) -> float:
     """Seconds of executor cost per F or B action: near-empty stages, 1F1B, pp=2, 16 microbatches."""
     import jax
@@ -280,6 +303,10 @@ def main() -> None:
         help="how the plans' steps run: one program looping over the microbatches (default), one program of "
         "every action, or every action apart",
     )
+    parser.add_argument(
+        "--cluster",
+        help="a cluster file that pipedsl calibrate wrote on this machine: print each plan's predicted step",
+    )
     parser.add_argument("--no-record", action="store_true", help="print only, append nothing to bench/results")
     parser.add_argument("--first-step-of", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -287,6 +314,14 @@ def main() -> None:
     unknown = [p for p in plans if p not in PLANS]
     if unknown:
         parser.error(f"unknown plans {unknown}; choose from {', '.join(PLANS)}")
+    if args.cluster:
+        from pipedsl.errors import PipedslError
+        from pipedsl.simulator import load_cluster
+
+        try:  # before minutes of compiling, not after
+            load_cluster(args.cluster)
+        except PipedslError as err:
+            parser.error(str(err))
 
     # Before this process opens the devices: one process at a time may hold a TPU chip.
     cache = None
@@ -343,7 +378,12 @@ def main() -> None:
             f"{name}_first_s": first,
             f"{name}_first_vs_jit": first / figures["accumulating_jit_first_s"],
         }
-        print(f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms {accum:8.2f}x {whole:7.2f}x")
+        said = ""
+        if args.cluster:
+            predicted = _predicted(size, PLANS[name], args.cluster)
+            figures |= {f"{name}_predicted_ms": predicted * 1e3, f"{name}_predicted_error": predicted / per - 1}
+            said = f"   predicted {predicted * 1e3:.2f}ms ({predicted / per - 1:+.1%})"
+        print(f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms {accum:8.2f}x {whole:7.2f}x{said}")
         sys.stdout.flush()
     per_action = _per_action(device, args.steps * 4, args.rounds, fuse=args.fuse)
     figures["per_action_us"] = per_action * 1e6

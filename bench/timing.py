@@ -3,6 +3,7 @@ puts this folder on ``sys.path``), and :func:`record`, which keeps each run's fi
 
 from __future__ import annotations
 
+import os
 import shlex
 import statistics
 import sys
@@ -11,7 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pipedsl.results import Figure, append_result
+from pipedsl.results import RESULTS_ENV, Figure, append_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """Where every benchmark run appends its line (``make results`` draws bench/RESULTS.md from it)."""
@@ -21,7 +22,7 @@ def record(benchmark: str, figures: Mapping[str, Figure]) -> None:
     """Append this run's ``figures`` to ``bench/results/<benchmark>.jsonl`` with the command
     that ran it, the commit, the machine and its load (:func:`pipedsl.results.append_result`)."""
     command = shlex.join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
-    path = append_result(benchmark, figures, command=command, folder=RESULTS)
+    path = append_result(benchmark, figures, command=command, folder=os.environ.get(RESULTS_ENV) or RESULTS)
     print(f"\nrecorded in bench/results/{path.name if path else '-'} (make results redraws bench/RESULTS.md)")
 
 

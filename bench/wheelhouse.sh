@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # A wheelhouse for a machine that has JAX but no package index (an accelerator machine's
-# image): pipedsl's own wheel and the pure-Python packages it needs beyond what such an image
-# has (JAX with its plugin, NumPy, SciPy), built on a connected machine into DIR (default
-# .whl, which git ignores): lark (the schedule language), optax with absl-py (the optimizers),
-# and rich with markdown-it-py, mdurl and pygments (the CLI's tables), at the versions this
-# checkout's venv runs. Carry DIR over and install it there without an index, keeping the machine's JAX:
+# image): pipedsl's own wheel and the packages it needs beyond what such an image has (JAX
+# with its plugin, NumPy, SciPy), built on a connected machine into DIR (default .whl, which
+# git ignores), at the versions this checkout's venv runs:
+# - pure Python: lark (the schedule language), optax with absl-py (the optimizers), and rich
+#   with markdown-it-py, mdurl and pygments (the CLI's tables): all that bench/accel_check.sh needs;
+# - for the search and the demo (bench/accel_demo.sh): pandas and matplotlib with their
+#   dependencies, binary wheels for this machine's Python and platform (build it where they
+#   match the target's: python3 -c 'import sys, platform; print(sys.version, platform.machine())'),
+#   never NumPy: the image's JAX keeps its own.
+# Carry DIR over and install it there without an index, keeping the machine's JAX:
 #
 #     python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
 #     export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -18,7 +23,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DIR=${1:-.whl}
-PACKAGES=(lark optax absl-py rich markdown-it-py mdurl pygments)
+PACKAGES=(lark optax absl-py rich markdown-it-py mdurl pygments
+    pandas python-dateutil tzdata matplotlib contourpy cycler fonttools kiwisolver packaging pillow pyparsing)
 
 # The versions the venv's tests ran with, not whatever the index has today.
 pins=$("$PY" -c 'import importlib.metadata as m, sys; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \

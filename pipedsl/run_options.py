@@ -86,8 +86,8 @@ class RunOptions:
       sequence_parallel: with ``tp > 1``, split the activations around norms and dropout
         along the sequence over ``"tensor"`` (Korthikanti et al.); refused with ``tp = 1``,
         where there is nothing to split.
-      fuse: where two or more pipeline devices all run on the same devices (stages sharing
-        one chip; local backend), how each unrecorded step runs: ``"loop"``, one program
+      fuse: where every pipeline device runs on the same devices (stages sharing one chip,
+        or one pipeline device: pp = 1; local backend), how each unrecorded step runs: ``"loop"``, one program
         that loops over the microbatches, each through every stage (it compiles about as
         long as one ``jax.jit`` of the step that accumulates the microbatches, and keeps
         one microbatch's activations at a time); ``"unrolled"``, one program of every

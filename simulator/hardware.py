@@ -255,6 +255,11 @@ class Cluster:
         buffers, allocator fragmentation.
       hbm_bandwidth: memory bandwidth of one GPU in bytes per second; bounds the
         elementwise work (norms, softmax, activations, the optimizer update).
+      elementwise_traffic: the share of a layer's elementwise HBM traffic, as unfused
+        kernels move it (:mod:`~pipedsl.simulator.transformer`), that its programs
+        move: 1 for the GPU presets (fitted with it on their published runs); below 1
+        where the compiler fuses elementwise work into the products around it, as XLA
+        does on a TPU. ``pipedsl calibrate`` fits it on an accelerator.
       gpus_per_node: GPUs in one node, joined by the intra-node link.
       intra_node_bandwidth: bytes per second per GPU per direction inside a node (NVLink).
       intra_node_efficiency: fraction of it that collectives and sends achieve.
@@ -294,6 +299,7 @@ class Cluster:
     memory_bytes: int
     reserved_bytes: int = 0
     hbm_bandwidth: float
+    elementwise_traffic: float = 1.0
     gpus_per_node: int
     intra_node_bandwidth: float
     intra_node_efficiency: float = 1.0
@@ -318,7 +324,13 @@ class Cluster:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise DescriptionError(f"{owner}: {name} must be a non-empty string, got {value!r}")
-        for name in ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+        for name in (
+            "peak_flops",
+            "hbm_bandwidth",
+            "elementwise_traffic",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+        ):
             _check_float(owner, name, getattr(self, name))
         for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency", "spine_efficiency"):
             _check_float(owner, name, getattr(self, name), high=1.0)

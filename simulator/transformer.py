@@ -19,7 +19,8 @@ d = h/a, kv the key/value width, V vocabulary, t = tp):
   F / (F + matmul_half_flops)`` (see :class:`~pipedsl.simulator.hardware.Cluster`).
 - Elementwise work (norms, dropout, activations, softmax, the loss) is bound by memory
   bandwidth: each byte a layer stores for its backward costs two bytes of HBM traffic in
-  the forward and four in the backward. What a layer stores follows its shape
+  the forward and four in the backward, times the cluster's ``elementwise_traffic`` (the
+  share a compiler leaves unfused). What a layer stores follows its shape
   (:meth:`Shapes.layer_activation_bytes`; Korthikanti et al. 2022's s·b·h·(34 + 5·a·s/h)/t
   for GPT with sequence parallelism in 16 bits; values take the model's ``dtype_bytes``,
   so an fp32 model keeps about twice as many bytes; under the ``pipedsl`` framework
@@ -125,8 +126,9 @@ class Shapes:
     @property
     def action_overhead_s(self) -> float:
         """Seconds of the executor's dispatch per action: the cluster's, or none where the
-        pipeline devices share their GPUs (``Plan.shared_devices``), whose step is one program."""
-        return 0.0 if self.plan.shared_devices else self.cluster.action_overhead_s
+        step is one program: the pipeline devices share their GPUs (``Plan.shared_devices``)
+        or there is one (pp = 1)."""
+        return 0.0 if self.plan.shared_devices or self.plan.pp == 1 else self.cluster.action_overhead_s
 
     @property
     def local_seq(self) -> int:
@@ -236,8 +238,11 @@ class Shapes:
             0.0 if plan.flash_attention else self.tokens * (2 * m.dtype_bytes + 1) * m.heads * m.seq_len / plan.tp
         )
         elementwise_kernels = ELEMENTWISE_KERNELS + (0 if plan.flash_attention else 2)
-        # The compute model was fitted on Megatron-LM's runs, so its traffic is Megatron's.
-        elementwise = self.traffic_seconds(2 * self.megatron_activation_bytes(Recompute.NONE))
+        # The compute model was fitted on Megatron-LM's runs, so its traffic is Megatron's,
+        # less what a compiler fuses into the products around it.
+        elementwise = self.cluster.elementwise_traffic * self.traffic_seconds(
+            2 * self.megatron_activation_bytes(Recompute.NONE)
+        )
         collectives = 2 * self.tp_all_reduce() * (1.0 - plan.tp_overlap)
         exchange_forward, exchange_backward = exposed_exchange(self, attention)
         forward = (

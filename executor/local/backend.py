@@ -86,8 +86,8 @@ class LocalBackend:
     ``stages`` (explicit) or ``model_fn`` (marked) is the model; ``options`` how it runs (the
     SPMD shape of every pipeline device, each stage's options, ``recv_timeout`` bounding every
     wait for another device, in seconds); ``param_specs`` the parameters' ``PartitionSpec``
-    pytree (None: replicated). Where two or more pipeline devices all have the same JAX
-    devices as their mesh, an unrecorded step runs as ``options.fuse`` says
+    pytree (None: replicated). Where every pipeline device has the same JAX devices as its
+    mesh (as one pipeline device has), an unrecorded step runs as ``options.fuse`` says
     (:data:`~pipedsl.run_options.Fuse`): one program, or each action apart; :attr:`fuse` is
     ``"off"`` where the devices differ.
     """
@@ -118,11 +118,9 @@ class LocalBackend:
         self._compiled: CompiledStages | None = None  # what the workers run
         self._held: tuple[Any, CompiledStages] | None = None  # (cache key, stages) of the last step
         self._kept_shapes: Any = None  # the parameters' tree and shapes the workers hold
-        # The whole step as one program where pipeline devices share their JAX devices. One
-        # pipeline device (pp = 1, the SPMD plans) dispatches its actions as they come, as
-        # the cost model prices it and the machine calibration times it.
-        shared = len(self.meshes) > 1 and shared_devices(self.meshes)
-        self.fuse: Fuse = options.fuse if shared else "off"
+        # The whole step as one program where pipeline devices share their JAX devices, one
+        # pipeline device (pp = 1, the SPMD plans) included: nothing in it waits for another.
+        self.fuse: Fuse = options.fuse if shared_devices(self.meshes) else "off"
         self._fused: FusedStep | None = None
 
     # -- compiling -----------------------------------------------------------------

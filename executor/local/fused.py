@@ -1,7 +1,8 @@
 """One program for the whole step, where the pipeline devices run on the same JAX devices.
 
-When two or more pipeline devices of a local backend share their JAX devices (one TPU chip, one
-GPU or one CPU device holding every stage), no action ever waits for another device: the
+When the pipeline devices of a local backend share their JAX devices (one TPU chip, one GPU
+or one CPU device holding every stage; or there is one pipeline device, pp = 1), no action
+ever waits for another device: the
 schedule's order only serialises work on the same hardware. The step is then traced once
 into a single jitted program that runs every device's whole step, the optimizer update
 included, with the parameters and optimizer state donated: one dispatch per step instead

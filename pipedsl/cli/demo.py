@@ -71,6 +71,7 @@ from pipedsl.simulator import (
     search,
     summarize,
 )
+from pipedsl.simulator.calibration.machine import cluster_toml
 from pipedsl.simulator.ranked import zero_words
 from pipedsl.simulator.search import DEFAULT_PRUNE
 from pipedsl.validate import validate
@@ -167,6 +168,7 @@ def _plans(console: Console, steps: TimedSteps, workload: Workload, out: Path) -
     console.print(f"Calibrating this machine ({steps.devices} devices) ...", highlight=False)
     calibration, frame = calibrated_search(steps, workload)
     console.print(calibration.describe(), highlight=False)
+    (out / "cluster.toml").write_text(cluster_toml(calibration))
     frame.to_csv(out / "plans.csv", index=False)
     summary = summarize(frame)
     best = ([summary.best_spmd] if summary.best_spmd is not None else []) + list(summary.best_by_schedule)
@@ -548,7 +550,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )  # fmt: skip
     console.rule()
     seconds = time.perf_counter() - started
-    console.print(f"done in {seconds:.0f} s; outputs in {out}/: plans.csv, runs.csv, timelines.png")
+    console.print(f"done in {seconds:.0f} s; outputs in {out}/: cluster.toml, plans.csv, runs.csv, timelines.png")
     _record(results, seconds, calibration, workload)
     return 0
 
@@ -595,7 +597,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__ or "",
         examples="  pipedsl demo --out out\n  pipedsl demo --backend ray --top 2 --steps 3",
     )
-    demo.add_argument("--out", default="out", help="folder for plans.csv, runs.csv and timelines.png (default out)")
+    demo.add_argument(
+        "--out", default="out", help="folder for cluster.toml, plans.csv, runs.csv and timelines.png (default out)"
+    )
     demo.add_argument(
         "--devices",
         type=int,

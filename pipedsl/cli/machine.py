@@ -1,4 +1,4 @@
-"""This machine's measurements for its calibrated cluster, CPU or GPU.
+"""This machine's measurements for its calibrated cluster: CPU devices, a GPU or a TPU.
 
 The simulator cannot run JAX, so this module takes the measurements
 (:class:`~pipedsl.simulator.calibration.machine.MachineMeasurements`) and
@@ -10,6 +10,9 @@ runs on (its default platform):
   shapes of :func:`~pipedsl.simulator.calibration.machine.compute_shapes`, each timed in
   rounds with the others (:class:`~pipedsl.cli.timed.TimedSteps`: a change in the
   machine's load while they run changes their ratios, which the fit rests on, less);
+  such a step is one program (its one pipeline device runs nothing another waits for);
+- the executor's cost per action: the one-layer step of several microbatches dispatched
+  action by action (as pipeline devices of their own run), against it as one program;
 - on CPU devices that share fewer cores than there are devices, the whole model's step
   on 1, 2, 4, ... devices while the others idle: how much of the node's rate fewer busy
   devices get;
@@ -51,6 +54,7 @@ from pipedsl.cli.workload import DEMO, Workload, accelerator_workload
 from pipedsl.run_options import Precision
 from pipedsl.simulator import Model
 from pipedsl.simulator.calibration.machine import (
+    APART_SHAPE,
     MachineCalibration,
     MachineMeasurements,
     busy_counts,
@@ -75,8 +79,10 @@ _DISPATCHES = 100
 _SMALL, _LARGE = 1 << 12, 1 << 22
 _MATMUL_SIZES = (1024, 8192)
 """Sides of the square products timed on an accelerator: one that falls short of the peak, one near it."""
-_CHAIN = 4
-"""Products in the chain whose time, less one product's, gives a product's seconds."""
+_CHAIN_SECONDS = 0.01
+"""Seconds a chain of products takes beyond one product's call, at least, to time a product."""
+_MAX_CHAIN = 4096
+"""Products in the longest chain (a bound on the measurement's time on a slow device)."""
 _FIXED_SHARE = 10
 """An elementwise update is long enough to give the bandwidth alone once it takes this
 many dispatches (or this many times the 4 MB one's time)."""
@@ -116,12 +122,17 @@ def calibration_steps(
     the executor's model of one stage cut to ``layers`` layers. Keyed ``("compute", layers, sequences per
     device, microbatches)``, ``("busy", n)`` for the whole model's step on n devices
     while the others idle (:func:`~pipedsl.simulator.calibration.machine.busy_counts`),
-    and ``("tensor", t)`` for it over every device t-way tensor parallel
-    (:func:`~pipedsl.simulator.calibration.machine.tensor_degrees`)."""
+    ``("tensor", t)`` for it over every device t-way tensor parallel
+    (:func:`~pipedsl.simulator.calibration.machine.tensor_degrees`), and ``("apart",
+    *APART_SHAPE)`` for the step of that shape dispatched action by action."""
     steps: dict[tuple[Any, ...], Step] = {
         ("compute", n, m, k): Step(build(n), m, microbatches=k, precision=precision)
         for n, m, k in compute_shapes(model, microbatch_size)
     }
+    layers, sequences, microbatches = APART_SHAPE
+    steps[("apart", *APART_SHAPE)] = Step(
+        build(layers), sequences, microbatches=microbatches, precision=precision, fuse="off"
+    )
     for n in busy_counts(devices, _host_cores(platform()[0])):
         steps[("busy", n)] = Step(build(model.layers), microbatch_size, devices=n, precision=precision)
     for t in tensor_degrees(model, devices):
@@ -206,25 +217,32 @@ def _dispatch_seconds(devices: int) -> float:
 
 def _matmul_seconds() -> dict[tuple[str, int], float]:
     """Seconds of a square product on the first device by (dtype name, side): a chain of
-    :data:`_CHAIN` products in one program less one product's program, over the products
+    k products in one program less one product's program, over the k - 1 products
     between, so that a call's fixed cost (dispatch, the host's wait for the result, about
-    half a millisecond on a TPU) drops out."""
+    half a millisecond on a TPU) drops out. k grows fourfold from 4 until the chain's
+    products take :data:`_CHAIN_SECONDS` and as long as the call's fixed cost (a 1024³
+    product takes about 13 us on a TPU v5e, far inside that cost), at most
+    :data:`_MAX_CHAIN`; the chain's length is an argument, so each size compiles once."""
     import jax
     import jax.numpy as jnp
 
-    def chain(k: int) -> Any:
-        # Each product feeds the next, so none is left out; b (every entry 1/n) keeps the values at 1.
-        return jax.jit(lambda a, b: jax.lax.fori_loop(0, k, lambda _, x: x @ b, a))
-
-    one, many = chain(1), chain(_CHAIN)
+    # Each product feeds the next, so none is left out; b (every entry 1/n) keeps the values at 1.
+    chain = jax.jit(lambda a, b, k: jax.lax.fori_loop(0, k, lambda _, x: x @ b, a))
     found = {}
     for name in _DTYPES.values():
         for n in _MATMUL_SIZES:
             a, b = jnp.ones((n, n), getattr(jnp, name)), jnp.full((n, n), 1.0 / n, getattr(jnp, name))
-            single = median_seconds(functools.partial(one, a, b), repeats=_REPEATS)
-            chained = median_seconds(functools.partial(many, a, b), repeats=_REPEATS)
-            # A chain no slower than one product (noise at the small size): its average.
-            found[(name, n)] = (chained - single) / (_CHAIN - 1) if chained > single else chained / _CHAIN
+
+            def timed(k: int, a: Any = a, b: Any = b) -> float:
+                return median_seconds(functools.partial(chain, a, b, jnp.int32(k)), repeats=_REPEATS)
+
+            single, k = timed(1), 4
+            chained = timed(k)
+            while chained - single < max(_CHAIN_SECONDS, single) and k < _MAX_CHAIN:
+                k *= 4
+                chained = timed(k)
+            # A chain no slower than one product (noise): its average.
+            found[(name, n)] = (chained - single) / (k - 1) if chained > single else chained / k
     return found
 
 
@@ -269,6 +287,7 @@ def calibrate_machine(
         all_reduce_s={(n, s): _all_reduce_seconds(devices, n, s) for n in groups for s in (_SMALL, _LARGE)},
         dispatch_s=dispatch,
         step_s=_compute(measured),
+        apart_s=measured.get(("apart", *APART_SHAPE)),
         busy_s=_keyed(measured, "busy"),
         tensor_s=_keyed(measured, "tensor"),
         microbatch_size=microbatch_size,
@@ -292,11 +311,12 @@ def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[A
     """``calibration`` fitted again to ``measured``, its steps' seconds timed again later
     (:meth:`~pipedsl.cli.timed.TimedSteps.take` of the same :func:`calibration_steps`):
     the demo times them in turns with its runs, so that its predictions rest on the
-    machine's speed while they ran. The short measurements (memory, bandwidth,
-    collectives, dispatch, products) are kept."""
+    machine's speed while they ran (the step dispatched action by action too). The short
+    measurements (memory, bandwidth, collectives, dispatch, products) are kept."""
     again = dataclasses.replace(
         calibration.measurements,
         step_s=_compute(measured),
+        apart_s=measured.get(("apart", *APART_SHAPE)),
         busy_s=_keyed(measured, "busy"),
         tensor_s=_keyed(measured, "tensor"),
         seconds=0.0,

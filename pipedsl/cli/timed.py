@@ -19,7 +19,7 @@ from typing import Any
 from pipedsl.cli.common import load_schedule
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import SPMD_SCHEDULE
-from pipedsl.run_options import Precision, RunOptions
+from pipedsl.run_options import Fuse, Precision, RunOptions
 
 __all__ = ["STEP_ROUNDS", "Step", "TimedSteps", "median_seconds", "interleaved_medians", "round_times", "training_step"]
 
@@ -103,6 +103,8 @@ class Step:
       tp: tensor-parallel degree (with sequence parallelism) inside data-parallel groups
         of ``tp`` devices, each group's microbatch ``tp × sequences`` sequences.
       precision: the executor's ``"fp32"`` or ``"bf16"`` (mixed precision).
+      fuse: ``"loop"`` (one program, as the executor runs one pipeline device) or
+        ``"off"`` (each action dispatched apart, as pipeline devices of their own run).
     """
 
     model: Any
@@ -111,18 +113,26 @@ class Step:
     devices: int | None = None
     tp: int = 1
     precision: Precision = "fp32"
+    fuse: Fuse = "loop"
 
 
 def training_step(
-    model: Any, devices: int, sequences: int, *, microbatches: int = 1, tp: int = 1, precision: Precision = "fp32"
+    model: Any,
+    devices: int,
+    sequences: int,
+    *,
+    microbatches: int = 1,
+    tp: int = 1,
+    precision: Precision = "fp32",
+    fuse: Fuse = "loop",
 ) -> tuple[Callable[[], Any], Any]:
     """The executor's SPMD plan of ``model`` (one stage) over the first ``devices``
     devices on the local backend, ``tp``-way tensor parallel (with sequence parallelism)
     inside ``devices / tp`` data-parallel groups, ``microbatches`` of ``sequences``
-    sequences per device, in ``precision``:
+    sequences per device, in ``precision``, as ``fuse`` says (:data:`~pipedsl.run_options.Fuse`):
     (a call that runs one Adam training step and returns the new parameters, the pipeline
     to close). The calibration times the executor's own programs: a forward and a
-    backward jitted apart run at another speed than one program of both."""
+    backward dispatched apart run at another speed than one program of both."""
     import jax
     import optax
 
@@ -133,7 +143,7 @@ def training_step(
     schedule = load_schedule(SPMD_SCHEDULE, {"pp": 1, "microbatches": microbatches})
     pipe = Pipeline(
         model.stages, loss=model.loss, schedule=schedule, backend="local",
-        options=RunOptions(dp=devices // tp, tp=tp, sequence_parallel=tp > 1, precision=precision),
+        options=RunOptions(dp=devices // tp, tp=tp, sequence_parallel=tp > 1, precision=precision, fuse=fuse),
         param_specs=model.param_specs(params) if tp > 1 else None,
     )  # fmt: skip
     batch = model.batch(jax.random.fold_in(key, 1), devices * sequences * microbatches)
@@ -167,7 +177,7 @@ class TimedSteps:
             for key, step in steps.items():
                 runs[key], pipe = training_step(
                     step.model, step.devices or devices, step.sequences, microbatches=step.microbatches, tp=step.tp,
-                    precision=step.precision,
+                    precision=step.precision, fuse=step.fuse,
                 )  # fmt: skip
                 self._pipes.append(pipe)
                 jax.block_until_ready(runs[key]())  # compiles it, outside the timed rounds

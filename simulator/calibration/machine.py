@@ -13,8 +13,10 @@ Every field of the cluster is measured by one step, or is a count the machine re
 - ``intra_node_latency``, ``intra_node_bandwidth`` (and the same between nodes: one node
   is measured): all-reduces over groups of 2 and of every device, of a small and a large
   buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (:func:`fit_ring`);
-- ``action_overhead_s``: the executor's dispatch of one stage program, every device
-  dispatching at once;
+- ``action_overhead_s``: the executor's cost per action: the one-layer step of
+  :data:`APART_SHAPE` dispatched action by action (as pipeline devices of their own run)
+  less the same step as one program (as every compute step runs), over its actions; where
+  that step is not timed, the dispatch of a tiny program, every device dispatching at once;
 - ``peak_flops`` and ``matmul_half_flops`` on an accelerator (GPU, TPU): matrix products
   of two sizes in the model's dtype, each timed as a chain in one program (the call's
   fixed cost left out), ``1/rate = 1/peak + half / (peak·F)`` through both (every dtype's rate
@@ -52,12 +54,15 @@ from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan
 
 __all__ = [
-    "MachineMeasurements", "MachineCalibration", "fit_machine", "fit_ring", "fit_matmul",
+    "APART_SHAPE", "MachineMeasurements", "MachineCalibration", "fit_machine", "fit_ring", "fit_matmul",
     "compute_shapes", "busy_counts", "tensor_degrees", "step_plan", "priced_step", "cluster_toml",
 ]  # fmt: skip
 
 MICROBATCHES = 4
 """Microbatches of the compute step that tells a step's fixed cost from a microbatch's."""
+APART_SHAPE = (1, 1, MICROBATCHES)
+"""(layers, sequences per device, microbatches) of the compute step that is also timed
+dispatched action by action: the difference over its actions is the executor's cost per action."""
 LARGE_BATCH = 2
 """Sequences per device of the largest compute step, in microbatch sizes."""
 
@@ -143,7 +148,10 @@ class MachineMeasurements:
       bandwidth: bytes per second of an elementwise update (read and write) per device,
         every device at once; ``bandwidth_source`` says how it was measured.
       all_reduce_s: seconds by (group size, bytes per device), every group at once.
-      dispatch_s: seconds per dispatched stage program, every device dispatching.
+      dispatch_s: seconds per dispatched tiny program, every device dispatching.
+      apart_s: seconds of the compute step of :data:`APART_SHAPE` dispatched action by
+        action, as pipeline devices of their own run it (the compute steps are each one
+        program); None where not taken: ``dispatch_s`` is then the cost per action.
       matmul_s: seconds of a square product by (dtype name, n); empty on CPU.
       bandwidth_source: the measurement behind ``bandwidth``, in words.
       step_s: seconds of the data-parallel training step over every device by
@@ -171,6 +179,7 @@ class MachineMeasurements:
     microbatch_size: int
     dtype: str
     matmul_s: dict[tuple[str, int], float] = field(default_factory=dict)
+    apart_s: float | None = None
     busy_s: dict[int, float] = field(default_factory=dict)
     tensor_s: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
@@ -242,6 +251,16 @@ def _base(m: MachineMeasurements, model: Model) -> tuple[Cluster, list[Measured]
     else:
         alpha, link = 0.0, m.bandwidth
         link_source = "one device: no link to measure (the memory bandwidth, zero latency; no plan of one device sends)"
+    per_action, per_action_source = m.dispatch_s, "dispatch of a tiny program, one thread per device, all at once"
+    if m.apart_s is not None and APART_SHAPE in m.step_s:
+        layers, sequences, microbatches = APART_SHAPE
+        fused = m.step_s[APART_SHAPE]
+        per_action = max(m.apart_s - fused, 0.0) / (2 * microbatches)
+        per_action_source = (
+            f"the step of {layers} layer x {sequences} seq/device x {microbatches} microbatches dispatched action by "
+            f"action ({m.apart_s * 1e3:.2f} ms) against as one program ({fused * 1e3:.2f} ms), over its "
+            f"{2 * microbatches} actions"
+        )
     peak, half, rates = 1e9, 0.0, ""
     if m.matmul_s:
         sizes = {n: s for (dtype, n), s in m.matmul_s.items() if dtype == m.dtype}
@@ -263,7 +282,7 @@ def _base(m: MachineMeasurements, model: Model) -> tuple[Cluster, list[Measured]
         intra_node_latency=alpha,
         inter_node_bandwidth=link,
         inter_node_latency=alpha,
-        action_overhead_s=m.dispatch_s,
+        action_overhead_s=per_action,
     )
     lines = [
         Measured("gpus_per_node", m.devices, "devices", f"{m.platform} devices JAX sees ({m.device_kind})"),
@@ -271,9 +290,7 @@ def _base(m: MachineMeasurements, model: Model) -> tuple[Cluster, list[Measured]
         Measured("hbm_bandwidth", m.bandwidth, "B/s", m.bandwidth_source),
         Measured("intra_node_latency", alpha, "s", link_source),
         Measured("intra_node_bandwidth", link, "B/s", link_source),
-        Measured(
-            "action_overhead_s", m.dispatch_s, "s", "dispatch of a tiny program, one thread per device, all at once"
-        ),
+        Measured("action_overhead_s", per_action, "s", per_action_source),
     ]
     if m.matmul_s:
         told = f"products of the model's dtype ({m.dtype}) fitted to 1/rate = 1/peak + half/(peak·F); {rates}"
@@ -296,7 +313,10 @@ def fit_machine(model: Model, m: MachineMeasurements) -> MachineCalibration:
     ]
     if m.tensor_s:
         fitted.append(Parameter("collective_latency_s", "s", 1e-8, 1.0, 1e-4, fixed_cost=True))
-    if not m.matmul_s:
+    if m.matmul_s:
+        # The products are measured; what the compiler leaves of the elementwise traffic is not.
+        fitted.append(Parameter("elementwise_traffic", "", 1e-3, 4.0, 1.0))
+    else:
         # Start from the rate that prices the largest step alone, nothing else slowing it.
         start = base.peak_flops * priced_step(
             dataclasses.replace(model, layers=largest[0]), base, m.devices, largest[1]

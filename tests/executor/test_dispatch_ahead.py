@@ -163,12 +163,27 @@ def test_one_program_clips_by_the_whole_models_norm() -> None:
     assert_trees_close(trained("unrolled"), apart)
 
 
-def test_separate_devices_and_one_pipeline_device_run_action_by_action() -> None:
+def test_separate_devices_run_action_by_action_and_one_pipeline_device_as_one_program() -> None:
     schedule = library("1f1b")
     assert pipeline("mlp", "explicit", schedule).backend.fuse == "off"
-    # pp = 1 (an SPMD plan): dispatched as the cost model prices it and the calibration times it.
+    # pp = 1 (an SPMD plan): nothing waits for another device, so its step is one program.
     spmd = library("1f1b", pp=1)
-    assert pipeline("mlp", "explicit", spmd, devices=[jax.devices()[0]]).backend.fuse == "off"
+    assert pipeline("mlp", "explicit", spmd, devices=[jax.devices()[0]]).backend.fuse == "loop"
+
+
+def test_one_pipeline_device_as_one_program_trains_as_dispatched_apart() -> None:
+    m = model("mlp", 1)
+    params, batch, _, _ = setup("mlp", "explicit", 1)
+    spmd = library("1f1b", pp=1, microbatches=4)
+
+    def trained(fuse: Fuse) -> Any:
+        pipe = Pipeline(m.stages, loss=m.loss, schedule=spmd, devices=jax.devices()[:1], options=RunOptions(fuse=fuse))
+        held, _, loss = pipe.train_step(params, None, batch, optimizer=optax.adam(1e-2))
+        return pipe.gather(held), float(loss)
+
+    (fused, fused_loss), (apart, apart_loss) = trained("loop"), trained("off")
+    assert_trees_close(fused, apart)
+    assert fused_loss == pytest.approx(apart_loss, rel=1e-6)
 
 
 def test_the_compilation_cache_folder_follows_its_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
