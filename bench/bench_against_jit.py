@@ -217,7 +217,7 @@ def _pipeline_step(size: Size, plan: Plan, device: Any, optimizer: Any, *, fuse:
     return pipe, step
 
 
-def _predicted(size: Size, plan: Plan, cluster_file: str) -> float:
+def predicted_step_s(size: Size, plan: Plan, cluster_file: str) -> float:
     """The planner's seconds of ``plan``'s step on the cluster of ``cluster_file`` (one
     that ``pipedsl calibrate`` wrote on this machine): every pipeline device on one device,
     bf16, plain attention, fp32 gradients, as :func:`_pipeline_step` runs it."""
@@ -380,7 +380,7 @@ def main() -> None:
         }
         said = ""
         if args.cluster:
-            predicted = _predicted(size, PLANS[name], args.cluster)
+            predicted = predicted_step_s(size, PLANS[name], args.cluster)
             figures |= {f"{name}_predicted_ms": predicted * 1e3, f"{name}_predicted_error": predicted / per - 1}
             said = f"   predicted {predicted * 1e3:.2f}ms ({predicted / per - 1:+.1%})"
         print(f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms {accum:8.2f}x {whole:7.2f}x{said}")

@@ -94,3 +94,33 @@ def test_the_search_offers_shared_pipelines_when_asked_and_ranks_them_on_one_dev
 def test_a_plan_without_a_pipeline_shares_nothing() -> None:
     with pytest.raises(PlanError, match="shared_devices"):
         Plan(pp=1, global_batch=8, shared_devices=True)
+
+
+def test_a_calibrated_tpu_predicts_the_steps_measured_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The TPU v5e chip that bench/clusters/tpu-v5-lite.toml was calibrated on ran the
+    # benchmark's plans (bench/results/bench_against_jit.jsonl, the real size, one program
+    # per step): priced there by the benchmark's own code, each within 10% of measured.
+    import importlib
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.syspath_prepend(str(root / "bench"))
+    bench = importlib.import_module("bench_against_jit")
+    cluster = str(root / "bench" / "clusters" / "tpu-v5-lite.toml")
+    runs = [
+        json.loads(line) for line in (root / "bench" / "results" / "bench_against_jit.jsonl").read_text().splitlines()
+    ]
+    measured = [
+        (name, run["figures"][f"{name}_step_ms"] / 1e3)
+        for run in runs
+        if run["figures"].get("platform") == "tpu"
+        and run["figures"].get("dispatch") == "loop"
+        and run["figures"].get("size") == "real"
+        for name in bench.PLANS
+        if f"{name}_step_ms" in run["figures"]
+    ]
+    assert {name for name, _ in measured} == set(bench.PLANS)
+    for name, seconds in measured:
+        predicted = bench.predicted_step_s(bench.REAL, bench.PLANS[name], cluster)
+        assert predicted == pytest.approx(seconds, rel=0.10), name
