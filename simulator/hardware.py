@@ -371,8 +371,10 @@ class Cluster:
 
     @property
     def devices_word(self) -> str:
-        """What its devices are called in output: ``chips`` for a torus, else ``GPUs``."""
-        return "chips" if self.torus else "GPUs"
+        """What its devices are called in output: ``chips`` for TPUs (a torus, or a cluster
+        ``pipedsl calibrate`` measured on a TPU, whose device kind JAX names ``TPU ...``),
+        else ``GPUs``."""
+        return "chips" if self.torus or self.gpu.startswith("TPU") else "GPUs"
 
     def _check_busy_rates(self, owner: str) -> None:
         if isinstance(self.busy_rates, str) or not isinstance(self.busy_rates, tuple | list):

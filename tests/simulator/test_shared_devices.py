@@ -10,7 +10,7 @@ import pytest
 
 from pipedsl.simulator.candidates import candidate_plans
 from pipedsl.simulator.estimate import estimate
-from pipedsl.simulator.hardware import Cluster, Model
+from pipedsl.simulator.hardware import Cluster, Model, load_cluster
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.search import search
 
@@ -108,6 +108,7 @@ def test_a_calibrated_tpu_predicts_the_steps_measured_on_it(monkeypatch: pytest.
     monkeypatch.syspath_prepend(str(root / "bench"))
     bench = importlib.import_module("bench_against_jit")
     cluster = str(root / "bench" / "clusters" / "tpu-v5-lite.toml")
+    assert load_cluster(cluster).devices_word == "chips"  # a TPU, though not a torus
     runs = [
         json.loads(line) for line in (root / "bench" / "results" / "bench_against_jit.jsonl").read_text().splitlines()
     ]
