@@ -87,10 +87,10 @@ class RunOptions:
         along the sequence over ``"tensor"`` (Korthikanti et al.); refused with ``tp = 1``,
         where there is nothing to split.
       fuse: where every pipeline device runs on the same devices (stages sharing one chip,
-        or one pipeline device: pp = 1; local backend), how each unrecorded step runs: ``"loop"``, one program
-        that loops over the microbatches, each through every stage (it compiles about as
-        long as one ``jax.jit`` of the step that accumulates the microbatches, and keeps
-        one microbatch's activations at a time); ``"unrolled"``, one program of every
+        or one pipeline device: pp = 1; local backend), how each unrecorded step runs:
+        ``"loop"``, one program that loops over the microbatches, each through every stage
+        (it compiles about as long as one ``jax.jit`` of the step that accumulates the
+        microbatches, and keeps one microbatch's activations at a time); ``"unrolled"``, one program of every
         action of the schedule (it compiles several times longer, and lets XLA overlap the
         microbatches as their data dependencies allow); ``"off"``, every action dispatched
         apart, as on devices of their own.

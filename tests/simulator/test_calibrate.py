@@ -18,6 +18,7 @@ from pipedsl.errors import PipedslError
 from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, load_cluster, simulate
 from pipedsl.simulator.calibration.fitter import Parameter, Step, grid_search, least_squares
 from pipedsl.simulator.calibration.machine import (
+    APART_SHAPE,
     MachineMeasurements,
     busy_counts,
     cluster_toml,
@@ -275,17 +276,21 @@ def test_a_gpu_machine_takes_its_rate_from_products_and_shares_no_cores() -> Non
     peak, half = 800e12, 2e10
     products = {(dtype, n): 2.0 * n**3 / (rate * (2.0 * n**3) / (2.0 * n**3 + half))
                 for dtype, rate in (("bfloat16", peak), ("float32", peak / 16)) for n in (1024, 8192)}  # fmt: skip
+    # A compiler that fuses most elementwise work away moves 0.3 of its unfused traffic.
     truth = dataclasses.replace(
-        _CPU, peak_flops=peak, matmul_half_flops=half, kernel_launch_s=5e-6, step_overhead_s=2e-3, hbm_bandwidth=4e12
-    )
+        _CPU, peak_flops=peak, matmul_half_flops=half, kernel_launch_s=5e-6, step_overhead_s=2e-3, hbm_bandwidth=4e12,
+        elementwise_traffic=0.3,
+    )  # fmt: skip
     model = dataclasses.replace(_TINY, layers=4, dtype_bytes=2)
     steps = {
         s: priced_step(dataclasses.replace(model, layers=s[0]), truth, 1, s[1], s[2]) for s in compute_shapes(model, 4)
     }
+    # The step of APART_SHAPE dispatched action by action: 3e-4 s more per action (F and B of 4 microbatches).
+    apart = steps[APART_SHAPE] + 8 * 3e-4
     measured = MachineMeasurements(
         platform="gpu", device_kind="NVIDIA H200", devices=1, host_cores=None, memory_bytes=140 * 2**30,
         memory_source="the device allocator's limit", bandwidth=4e12, all_reduce_s={}, dispatch_s=0.0, step_s=steps,
-        microbatch_size=4, dtype="bfloat16", matmul_s=products,
+        microbatch_size=4, dtype="bfloat16", matmul_s=products, apart_s=apart,
     )  # fmt: skip
     calibration = fit_machine(model, measured)
     fitted = calibration.cluster
@@ -293,6 +298,11 @@ def test_a_gpu_machine_takes_its_rate_from_products_and_shares_no_cores() -> Non
     assert (fitted.peak_flops, fitted.matmul_half_flops) == pytest.approx((peak, half), rel=1e-6)
     assert fitted.kernel_launch_s == pytest.approx(5e-6, rel=1e-3)
     assert fitted.step_overhead_s == pytest.approx(2e-3, rel=1e-3)
+    assert fitted.elementwise_traffic == pytest.approx(0.3, rel=1e-3)
+    assert fitted.action_overhead_s == pytest.approx(3e-4, rel=1e-9)
+    assert "dispatched action by action" in calibration.describe()
+    # Without that step the cost per action is the tiny program's dispatch.
+    assert fit_machine(model, dataclasses.replace(measured, apart_s=None)).cluster.action_overhead_s == 0.0
     text = calibration.describe()
     assert "platform: gpu" in text and "float32 8192³" in text and "host_cores" not in text
     assert "one device: no link to measure" in text
