@@ -214,6 +214,8 @@ def test_calibrate_on_one_device_writes_a_cluster_naming_its_platform_that_the_s
     # One device: nothing to send, so no link is measured; its memory and dispatch are.
     assert cluster.gpus_per_node == 1 and cluster.intra_node_latency == 0.0 and not cluster.busy_rates
     assert cluster.hbm_bandwidth > 0 and cluster.action_overhead_s > 0 and cluster.memory_bytes > 0
+    # The cost per action: the step dispatched action by action against it as one program.
+    assert "dispatched action by action" in out.read_text()
     found = _pipedsl("search", "--model", "demo-small", "--cluster", str(out), "--gpus", "1", "--top", "3")
     assert found.returncode == 0, found.stderr
     assert "dp=1 tp=1" in found.stdout
@@ -229,6 +231,8 @@ def test_the_demo_on_one_device_runs_pipelines_that_share_it_against_their_predi
     with open(tmp_path / "out" / "runs.csv", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
     assert rows and all(float(r["predicted_s"]) > 0 and float(r["measured_s"]) > 0 for r in rows)
+    # The machine it calibrated, for `pipedsl search --cluster`.
+    assert load_cluster(tmp_path / "out" / "cluster.toml").gpus_per_node == 1
     plans = [line for line in done.stdout.splitlines() if line.startswith("plan ") and "(pipeline)" in line]
     assert plans and all(" shared " in line for line in plans)
 
