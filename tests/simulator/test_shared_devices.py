@@ -5,8 +5,10 @@ with nothing sent and no dispatch per action, every stage's state on the one dev
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+from bench_scripts import BENCH, bench_script
 
 from pipedsl.simulator.candidates import candidate_plans
 from pipedsl.simulator.estimate import estimate
@@ -96,22 +98,14 @@ def test_a_plan_without_a_pipeline_shares_nothing() -> None:
         Plan(pp=1, global_batch=8, shared_devices=True)
 
 
-def test_a_calibrated_tpu_predicts_the_steps_measured_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_calibrated_tpu_predicts_the_steps_measured_on_it() -> None:
     # The TPU v5e chip that bench/clusters/tpu-v5-lite.toml was calibrated on ran the
     # benchmark's plans (bench/results/bench_against_jit.jsonl, the real size, one program
     # per step): priced there by the benchmark's own code, each within 10% of measured.
-    import importlib
-    import json
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    monkeypatch.syspath_prepend(str(root / "bench"))
-    bench = importlib.import_module("bench_against_jit")
-    cluster = str(root / "bench" / "clusters" / "tpu-v5-lite.toml")
+    bench = bench_script("bench_against_jit")
+    cluster = str(BENCH / "clusters" / "tpu-v5-lite.toml")
     assert load_cluster(cluster).devices_word == "chips"  # a TPU, though not a torus
-    runs = [
-        json.loads(line) for line in (root / "bench" / "results" / "bench_against_jit.jsonl").read_text().splitlines()
-    ]
+    runs = [json.loads(line) for line in (BENCH / "results" / "bench_against_jit.jsonl").read_text().splitlines()]
     measured = [
         (name, run["figures"][f"{name}_step_ms"] / 1e3)
         for run in runs

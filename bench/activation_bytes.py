@@ -1,0 +1,186 @@
+"""What a transformer layer keeps for its backward, per microbatch: the planner's count
+against the compiled stage programs', on this machine's first device.
+
+For the built-in Llama and GPT blocks, in fp32 and bf16, under each recompute mode
+(``none``, ``selective``, ``full``) and with written-out or fused attention, it compiles the
+forward of the middle stage of a 3-stage pipeline (no embedding, no head: only its layers)
+and reads what XLA's memory analysis says it keeps for the backward
+(:class:`pipedsl.executor.stages.stage_program.StageMemory` ``kept``), per layer, against
+the planner's bytes per layer and microbatch under the ``pipedsl`` framework
+(:meth:`pipedsl.simulator.transformer.Shapes.layer_activation_bytes`). Fused attention off
+a GPU is XLA's written-out attention, which keeps its scores: no FlashAttention to the
+planner. Under ``full`` recomputation the stage is one checkpoint: its forward keeps
+nothing of its own (its input is kept by reference), and the planner counts that input.
+
+On an accelerator the blocks are the accelerator check's (hidden 1024, FFN 2816 for Llama
+and 4096 for GPT, 16 heads and 4 KV heads, 1024 tokens, 2 sequences a microbatch, 2 layers
+a stage); on CPU a toy of the same form (``--size real`` forces the large one). Nothing is
+run, only compiled. Prints a table and appends the run to
+``bench/results/activation_bytes.jsonl`` (or ``$PIPEDSL_RESULTS_DIR``) with the platform
+and device kind; exits 1 where a case is more than 10% off.
+
+    python bench/activation_bytes.py [--size auto|real|toy] [--kinds llama,gpt] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+STAGES = 3
+"""Stages of the pipeline whose middle stage is compiled (it holds neither embedding nor head)."""
+TOLERANCE = 0.10
+"""The largest relative difference between the planner's bytes and the compiled programs'."""
+
+
+@dataclass(frozen=True, slots=True)
+class Size:
+    """The blocks' shapes: widths in elements, ``seq`` in tokens, ``microbatch`` in sequences."""
+
+    hidden: int
+    llama_ffn: int
+    heads: int
+    kv_heads: int
+    seq: int
+    vocab: int
+    layers: int
+    microbatch: int
+
+
+REAL = Size(hidden=1024, llama_ffn=2816, heads=16, kv_heads=4, seq=1024, vocab=8192, layers=2, microbatch=2)
+TOY = Size(hidden=64, llama_ffn=128, heads=4, kv_heads=2, seq=32, vocab=32, layers=2, microbatch=2)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One block, precision, recompute mode and attention."""
+
+    kind: str
+    precision: str
+    recompute: str
+    fused: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.precision}-{self.recompute}" + ("-fused" if self.fused else "")
+
+
+CASES = tuple(
+    Case(kind, precision, recompute, fused)
+    for kind in ("llama", "gpt")
+    for precision in ("fp32", "bf16")
+    for recompute, fused in (("none", False), ("none", True), ("selective", False), ("full", False))
+)
+
+
+def planned_layer_bytes(size: Size, case: Case) -> float:
+    """The planner's bytes of one layer for one microbatch (the ``pipedsl`` framework's count)."""
+    from pipedsl.simulator.hardware import Model, load_cluster
+    from pipedsl.simulator.plan import Plan
+    from pipedsl.simulator.transformer import Shapes
+
+    llama = case.kind == "llama"
+    model = Model(
+        name=case.kind, layers=STAGES * size.layers, hidden=size.hidden,
+        ffn_hidden=size.llama_ffn if llama else 4 * size.hidden, heads=size.heads,
+        kv_heads=size.kv_heads if llama else None, seq_len=size.seq, vocab=size.vocab,
+        dtype_bytes=4 if case.precision == "fp32" else 2, gated_ffn=llama, biases=not llama,
+        learned_positions=not llama, tied_embeddings=False, dropout=False,
+    )  # fmt: skip
+    plan = Plan(
+        pp=STAGES, microbatch_size=size.microbatch, global_batch=size.microbatch * STAGES, schedule="1f1b",
+        recompute=case.recompute, flash_attention=False, framework="pipedsl",
+    )  # fmt: skip
+    return Shapes(model, load_cluster("h200"), plan).layer_activation_bytes(plan.recompute)
+
+
+def compiled_layer_bytes(size: Size, case: Case, device: Any) -> float:
+    """What the compiled forward of the middle stage keeps for its backward, per layer and
+    microbatch, every pipeline device on ``device``."""
+    import jax
+
+    from pipedsl.executor import Pipeline, RunOptions
+    from pipedsl.executor.models import llama, transformer
+    from pipedsl.library import library_path, load
+
+    if case.kind == "llama":
+        m = llama(
+            num_stages=STAGES, hidden=size.hidden, ffn_hidden=size.llama_ffn, heads=size.heads,
+            kv_heads=size.kv_heads, seq_len=size.seq, vocab=size.vocab, layers_per_stage=size.layers,
+            fused_attention=case.fused,
+        )  # fmt: skip
+    else:
+        m = transformer(
+            num_stages=STAGES, vocab=size.vocab, dim=size.hidden, heads=size.heads, seq=size.seq,
+            layers_per_stage=size.layers, fused_attention=case.fused,
+        )  # fmt: skip
+    schedule = load(library_path("1f1b"), pp=STAGES, microbatches=STAGES)
+    with jax.default_device(device):
+        params = m.init_stages(jax.random.PRNGKey(0))
+        batch = m.batch(jax.random.PRNGKey(1), size.microbatch * STAGES)
+    pipe = Pipeline(
+        m.stages, loss=m.loss, schedule=schedule, devices=[device] * schedule.num_devices,
+        options=RunOptions(recompute=case.recompute, precision=case.precision),  # type: ignore[arg-type]
+    )  # fmt: skip
+    try:
+        return pipe.compile(params, batch)[1].memory().kept / size.layers
+    finally:
+        pipe.close()
+
+
+def error(compiled: float, planned: float, case: Case, size: Size) -> float:
+    """The planner's bytes over the compiled ones, less 1. Under ``full`` recomputation the
+    compiled forward keeps nothing and the planner counts the stage's input per layer:
+    compared as the input's bytes against that count."""
+    if case.recompute == "full":
+        kept_input = size.microbatch * size.seq * size.hidden * (4 if case.precision == "fp32" else 2)
+        return planned / kept_input - 1 if compiled == 0 else float("inf")
+    return planned / compiled - 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=("auto", "real", "toy"), default="auto", help="real on accelerators")
+    parser.add_argument("--kinds", default="llama,gpt", help="comma-separated blocks: llama, gpt (default both)")
+    parser.add_argument("--no-record", action="store_true", help="print only, append nothing to bench/results")
+    args = parser.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or set(kinds) - {"llama", "gpt"}:
+        parser.error(f"--kinds takes llama and gpt, got {args.kinds!r}")
+
+    import jax
+
+    device = jax.devices()[0]
+    accelerator = device.platform != "cpu"
+    size = REAL if args.size == "real" or (args.size == "auto" and accelerator) else TOY
+    kind_name = str(getattr(device, "device_kind", device.platform))
+    print(f"jax {jax.__version__}, {device.platform} ({kind_name}), {'real' if size is REAL else 'toy'} size: {size}")
+    print(f"\n{'case':<28} {'compiled MiB':>13} {'planned MiB':>12} {'error':>8}", flush=True)
+    figures: dict[str, Any] = {
+        "platform": device.platform,
+        "device_kind": kind_name,
+        "size": "real" if size is REAL else "toy",
+    }
+    off = 0
+    for case in (c for c in CASES if c.kind in kinds):
+        compiled, planned = compiled_layer_bytes(size, case, device), planned_layer_bytes(size, case)
+        err = error(compiled, planned, case, size)
+        off += abs(err) > TOLERANCE
+        figures |= {
+            f"{case.name}_compiled_bytes": compiled,
+            f"{case.name}_planned_bytes": planned,
+            f"{case.name}_error": err,
+        }
+        print(f"{case.name:<28} {compiled / 2**20:13.2f} {planned / 2**20:12.2f} {err:+8.1%}", flush=True)
+    print(f"\n{off} case(s) more than {TOLERANCE:.0%} off (full: the planner's count against the stage's input)")
+    if not args.no_record:
+        from timing import record
+
+        record("activation_bytes", figures)
+    return 1 if off else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
