@@ -8,8 +8,8 @@ and reads what XLA's memory analysis says it keeps for the backward
 (:class:`pipedsl.executor.stages.stage_program.StageMemory` ``kept``), per layer, against
 the planner's bytes per layer and microbatch under the ``pipedsl`` framework
 (:meth:`pipedsl.simulator.transformer.Shapes.layer_activation_bytes`). Fused attention off
-a GPU is XLA's written-out attention, which keeps its scores: no FlashAttention to the
-planner. Under ``full`` recomputation the stage is one checkpoint: its forward keeps
+a GPU is ``jax.nn.dot_product_attention``'s XLA implementation, which writes its scores out
+and keeps them in fp32: no FlashAttention to the planner, and ``Plan.fp32_scores``. Under ``full`` recomputation the stage is one checkpoint: its forward keeps
 nothing of its own (its input is kept by reference), and the planner counts that input.
 
 On an accelerator the blocks are the accelerator check's (hidden 1024, FFN 2816 for Llama
@@ -91,7 +91,7 @@ def planned_layer_bytes(size: Size, case: Case) -> float:
     )  # fmt: skip
     plan = Plan(
         pp=STAGES, microbatch_size=size.microbatch, global_batch=size.microbatch * STAGES, schedule="1f1b",
-        recompute=case.recompute, flash_attention=False, framework="pipedsl",
+        recompute=case.recompute, flash_attention=False, fp32_scores=case.fused, framework="pipedsl",
     )  # fmt: skip
     return Shapes(model, load_cluster("h200"), plan).layer_activation_bytes(plan.recompute)
 

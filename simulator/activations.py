@@ -24,6 +24,8 @@ the key/value width, a heads, s the sequence), in bytes:
 - without FlashAttention or selective recomputation, per query token, head and key: the
   causal mask's byte, the masked scores e, the fp32 exponentials 4 and the probabilities
   e (1 + 2·e + 4), and two fp32 values per query token and head (the softmax's sums);
+  ``jax.nn.dot_product_attention``'s XLA implementation (the built-in blocks' fused
+  attention off a GPU) keeps its masked scores in fp32 whatever e (1 + 4 + 4 + e);
   FlashAttention keeps one fp32 value per token and head instead (its log-sum-exp);
 - with dropout (which the built-in blocks do not have), one byte per value of each mask,
   as Korthikanti et al. 2022 count them: 2·h, and a·s of the attention's.
@@ -61,10 +63,12 @@ def compiled_layer_bytes(
     tp: int,
     sequence_parallel: bool,
     flash_attention: bool,
+    fp32_scores: bool = False,
 ) -> float:
     """Bytes one built-in block keeps per microbatch of ``tokens`` tokens on one device
     for its backward, as the executor compiles it (module docstring), with ``tp`` tensor
-    ranks and ``recompute``, in the model's ``dtype_bytes`` as its compute dtype."""
+    ranks and ``recompute``, in the model's ``dtype_bytes`` as its compute dtype; with
+    ``fp32_scores``, written-out attention keeps its masked scores in fp32."""
     h, f, kv, e, a = model.hidden, model.ffn_hidden, model.kv_width, model.dtype_bytes, model.heads
     shared = tp if sequence_parallel else 1
     if recompute is Recompute.FULL:
@@ -82,6 +86,7 @@ def compiled_layer_bytes(
     elif recompute is Recompute.SELECTIVE:
         scores = 0
     else:
-        per_key = 1 + 2 * e + SOFTMAX_BYTES + (1 if model.dropout else 0)
+        scores_bytes = SOFTMAX_BYTES if fp32_scores else e
+        per_key = 1 + scores_bytes + e + SOFTMAX_BYTES + (1 if model.dropout else 0)
         scores = a * model.seq_len * per_key + 2 * SOFTMAX_BYTES * a
     return tokens * (replicated / shared + (split + scores) / tp)

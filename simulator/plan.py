@@ -79,6 +79,12 @@ class Plan:
       sequence_parallel: whether tensor-parallel ranks also split norms and dropout
         along the sequence (Korthikanti et al.).
       flash_attention: whether attention runs fused without storing the a·s² scores.
+      fp32_scores: without FlashAttention, whether attention keeps its masked scores in
+        fp32 whatever the compute dtype, as ``jax.nn.dot_product_attention``'s XLA
+        implementation does (the executor's fused attention off a GPU); the executor's
+        written-out attention keeps them in the compute dtype. Only the ``pipedsl``
+        framework's count of a layer's bytes reads it
+        (:func:`~pipedsl.simulator.activations.compiled_layer_bytes`).
       dp_overlap: fraction in [0, 1] of the covering computation that can hide
         data-parallel traffic (see :mod:`pipedsl.simulator.estimate`).
       tp_overlap: fraction in [0, 1] of the tensor-parallel collectives hidden behind the
@@ -114,6 +120,7 @@ class Plan:
     schedule: str | None = None
     sequence_parallel: bool = True
     flash_attention: bool = True
+    fp32_scores: bool = False
     dp_overlap: float = 1.0
     tp_overlap: float = 0.0
     reduce_bytes: int = 4
@@ -141,7 +148,10 @@ class Plan:
             except ValueError:
                 choices = ", ".join(c.value for c in ContextExchange)
                 raise PlanError(f"plan: cp_exchange must be one of {choices}, got {self.cp_exchange!r}") from None
-        for name in ("sequence_parallel", "flash_attention", "reduce_once", "reshard_after_forward", "shared_devices"):
+        for name in (
+            "sequence_parallel", "flash_attention", "fp32_scores", "reduce_once", "reshard_after_forward",
+            "shared_devices",
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"plan: {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("dp_overlap", "tp_overlap"):

@@ -198,6 +198,7 @@ class Shapes:
             return compiled_layer_bytes(
                 self.model, tokens=self.tokens, recompute=recompute, tp=plan.tp,
                 sequence_parallel=plan.sequence_parallel, flash_attention=plan.flash_attention,
+                fp32_scores=plan.fp32_scores,
             )  # fmt: skip
         return self.megatron_activation_bytes(recompute)
 
