@@ -19,11 +19,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def record(benchmark: str, figures: Mapping[str, Figure]) -> None:
-    """Append this run's ``figures`` to ``bench/results/<benchmark>.jsonl`` with the command
-    that ran it, the commit, the machine and its load (:func:`pipedsl.results.append_result`)."""
+    """Append this run's ``figures`` to ``bench/results/<benchmark>.jsonl`` (or to the folder
+    ``$PIPEDSL_RESULTS_DIR`` names, where the checkout is read-only, as on an accelerator
+    machine) with the command that ran it, the commit, the machine and its load
+    (:func:`pipedsl.results.append_result`)."""
     command = shlex.join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     path = append_result(benchmark, figures, command=command, folder=os.environ.get(RESULTS_ENV) or RESULTS)
-    print(f"\nrecorded in bench/results/{path.name if path else '-'} (make results redraws bench/RESULTS.md)")
+    print(f"\nrecorded in {path} (make results redraws bench/RESULTS.md from bench/results)")
 
 
 def interleaved_medians(fns: dict[Any, Callable[[], Any]], repeat: int, *, burst: int = 1) -> dict[Any, float]:
