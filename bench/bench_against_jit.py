@@ -217,11 +217,12 @@ def _pipeline_step(size: Size, plan: Plan, device: Any, optimizer: Any, *, fuse:
     return pipe, step
 
 
-def predicted_step_s(size: Size, plan: Plan, cluster_file: str) -> float:
-    """The planner's seconds of ``plan``'s step on the cluster of ``cluster_file`` (one
-    that ``pipedsl calibrate`` wrote on this machine): every pipeline device on one device,
-    bf16, plain attention, fp32 gradients, as :func:`_pipeline_step` runs it."""
-    from pipedsl.simulator import Model, load_cluster
+def predicted_step_s(size: Size, plan: Plan, cluster: Any) -> float:
+    """The planner's seconds of ``plan``'s step on ``cluster`` (a
+    :class:`~pipedsl.simulator.Cluster` that ``pipedsl calibrate`` wrote on this machine):
+    every pipeline device on one device, bf16, plain attention, fp32 gradients, as
+    :func:`_pipeline_step` runs it."""
+    from pipedsl.simulator import Model
     from pipedsl.simulator.estimate import estimate
     from pipedsl.simulator.plan import Plan as PlannedPlan
 
@@ -235,7 +236,7 @@ def predicted_step_s(size: Size, plan: Plan, cluster_file: str) -> float:
         global_batch=size.microbatches * size.microbatch_size, shared_devices=True, flash_attention=False,
         dp_overlap=0.0, reduce_bytes=4, framework="pipedsl",
     )  # fmt: skip
-    return estimate(model, load_cluster(cluster_file), planned).step_time_s
+    return estimate(model, cluster, planned).step_time_s
 
 
 def _per_action(device: Any, steps: int, rounds: int, *, fuse: str) -> float:
@@ -314,12 +315,13 @@ def main() -> None:
     unknown = [p for p in plans if p not in PLANS]
     if unknown:
         parser.error(f"unknown plans {unknown}; choose from {', '.join(PLANS)}")
+    cluster = None
     if args.cluster:
         from pipedsl.errors import PipedslError
         from pipedsl.simulator import load_cluster
 
         try:  # before minutes of compiling, not after
-            load_cluster(args.cluster)
+            cluster = load_cluster(args.cluster)
         except PipedslError as err:
             parser.error(str(err))
 
@@ -379,8 +381,8 @@ def main() -> None:
             f"{name}_first_vs_jit": first / figures["accumulating_jit_first_s"],
         }
         said = ""
-        if args.cluster:
-            predicted = predicted_step_s(size, PLANS[name], args.cluster)
+        if cluster is not None:
+            predicted = predicted_step_s(size, PLANS[name], cluster)
             figures |= {f"{name}_predicted_ms": predicted * 1e3, f"{name}_predicted_error": predicted / per - 1}
             said = f"   predicted {predicted * 1e3:.2f}ms ({predicted / per - 1:+.1%})"
         print(f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms {accum:8.2f}x {whole:7.2f}x{said}")

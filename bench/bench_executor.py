@@ -126,11 +126,11 @@ def bench_apart(repeat: int) -> None:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from pipedsl.cli.calibrate import demo_transformer
+    from pipedsl.cli.workload import DEMO
 
     devices = min(4, len(jax.devices()))
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
-    model = demo_transformer(2)
+    model = DEMO.build(2)
     key = jax.random.PRNGKey(0)
     params = jax.device_put(model.init_stages(key)[0], NamedSharding(mesh, PartitionSpec()))
     tokens = jax.device_put(

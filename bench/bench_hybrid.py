@@ -53,11 +53,11 @@ def _train(plan: Any) -> Any:
     import jax
     import optax
 
-    from pipedsl.cli.calibrate import DEMO_MODEL, demo_transformer
+    from pipedsl.cli.workload import DEMO, DEMO_MODEL
     from pipedsl.executor import Pipeline
 
     schedule = plan.schedule_of()
-    model = demo_transformer(schedule.num_stages)
+    model = DEMO.build(schedule.num_stages)
     key = jax.random.PRNGKey(0)
     batch = model.batch(jax.random.fold_in(key, 1), plan.global_batch)
     params = model.init_stages(key)
@@ -78,7 +78,6 @@ def _train(plan: Any) -> Any:
 def predicted_against_measured(repeat: int) -> None:
     """Part 1 of the module docstring."""
     from pipedsl.cli.demo import (
-        DEMO_MODEL,
         calibrated_search,
         demo_calibration_steps,
         pairs_agreeing,
@@ -87,6 +86,7 @@ def predicted_against_measured(repeat: int) -> None:
         runnable_plans,
     )
     from pipedsl.cli.machine import recalibrated
+    from pipedsl.cli.workload import DEMO_MODEL
 
     with demo_calibration_steps(DEVICES) as steps:
         calibration, frame = calibrated_search(steps)
@@ -111,8 +111,9 @@ def predicted_against_measured(repeat: int) -> None:
             f"({price / measured - 1.0:+.1%}; searched {plan.planned_s * 1e3:.1f} ms, {plan.planned_s / measured - 1.0:+.1%})"
         )
     measured = [times[name] for name in plans]
-    same, pairs = pairs_agreeing(predicted, measured)
-    searched, _ = pairs_agreeing([p.planned_s or 0.0 for p in plans.values()], measured)
+    untied = [0.0] * len(measured)  # medians alone: every pair is ordered
+    same, pairs = pairs_agreeing(predicted, measured, untied)
+    searched, _ = pairs_agreeing([p.planned_s or 0.0 for p in plans.values()], measured, untied)
     print(f"   {same} of {pairs} pairs of plans ordered as measured (the search's prices: {searched})")
     errors = [
         f"{name} {price / times[name] - 1.0:+.1%} (searched {(plan.planned_s or 0.0) / times[name] - 1.0:+.1%})"

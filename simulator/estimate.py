@@ -396,12 +396,12 @@ def prepare(
     key, placement = _schedule_of(plan, pipelines, layout)
     device_params = _device_params(plan, placement, params)
     residual = stage_residual(shapes, layers)
-    held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
     if plan.shared_devices:
         # One program that loops over the microbatches, each through every stage (the
         # executor's default for shared devices): one microbatch's activations of every stage.
         memory = device_memory(shapes, [sum(device_params)], [sum(residual)])
     else:
+        held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
         memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.runtime.interpreter import DeviceRuntime, DeviceStep, Receive, Steps
-from pipedsl.executor.runtime.transport import describe_key
+from pipedsl.executor.runtime.transport import Transport, describe_key
 from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, place_states_together
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.program import Buffer, lower
@@ -79,11 +79,13 @@ class _Post:
         """Nothing waits while a step is traced: the error reaches the caller as it is."""
 
 
-def run_traced(steps: Sequence[Steps[Any]], mail: dict[tuple[Hashable, int], Any]) -> list[Any]:
-    """Every device's ``steps`` run to their end on this thread, each receive answered
-    from ``mail`` (what the devices' :class:`_Post` put there); a device whose value is not
-    sent yet waits while the others go on, as in the cooperative runner. Raises
+def run_traced(make: Callable[[Transport], Sequence[Steps[Any]]]) -> list[Any]:
+    """Every device's steps, ``make(post)`` (each sending through ``post``), run to their
+    end on this thread, each receive answered with what ``post`` was handed; a device whose
+    value is not sent yet waits while the others go on, as in the cooperative runner. Raises
     :class:`ExecutionError` when every device waits for a value none will send."""
+    mail: dict[tuple[Hashable, int], Any] = {}
+    steps = make(_Post(mail))
     results: list[Any] = [None] * len(steps)
     ready: deque[tuple[int, Any]] = deque((d, None) for d in range(len(steps)))
     parked: dict[tuple[Hashable, int], tuple[int, Receive]] = {}
@@ -249,20 +251,19 @@ class FusedStep:
     def _unrolled(self, inputs: Any, targets: Any, update: Update | None, keep_grads: bool) -> list[WorkerStep]:
         """Every device's whole step traced as it is dispatched apart: every action once."""
         first, last = self.first, self.last
-        mail: dict[tuple[Hashable, int], Any] = {}
-        post = _Post(mail)
-        steps = [
-            w.steps(
-                post,
-                inputs if d == first else (),
-                targets if d == last else (),
-                update=update,
-                recorder=None,
-                keep_grads=keep_grads,
-            )
-            for d, w in enumerate(self.workers)
-        ]
-        return run_traced(steps, mail)
+        return run_traced(
+            lambda post: [
+                w.steps(
+                    post,
+                    inputs if d == first else (),
+                    targets if d == last else (),
+                    update=update,
+                    recorder=None,
+                    keep_grads=keep_grads,
+                )
+                for d, w in enumerate(self.workers)
+            ]
+        )
 
     def _looped(
         self,
@@ -286,14 +287,11 @@ class FusedStep:
         def one(carry: Any, batch: Any) -> Any:
             grads, loss = carry
             x, t = batch
-            mail: dict[tuple[Hashable, int], Any] = {}
-            post = _Post(mail)
             results = run_traced(
-                [
+                lambda post: [
                     rt.steps(post, params[d], [x] if d == first else [], [t] if d == last else [], recorder=None)
                     for d, rt in enumerate(single)
-                ],
-                mail,
+                ]
             )
             kept[:] = results
             summed = tuple(
@@ -303,8 +301,6 @@ class FusedStep:
             return (summed, loss + results[last].loss), None
 
         (grads, loss), _ = jax.lax.scan(one, (zero, single[last].stages[self._last_stage].zero_loss()), xs)
-        mail: dict[tuple[Hashable, int], Any] = {}
-        post = _Post(mail)
         ends = [
             DeviceStep(
                 grads=grads[d],
@@ -316,5 +312,5 @@ class FusedStep:
             for d, r in enumerate(kept)
         ]
         return run_traced(
-            [w.finish(post, ends[d], update=update, keep_grads=keep_grads) for d, w in enumerate(workers)], mail
+            lambda post: [w.finish(post, ends[d], update=update, keep_grads=keep_grads) for d, w in enumerate(workers)]
         )

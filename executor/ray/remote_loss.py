@@ -64,11 +64,10 @@ class RemoteLoss:
     def settle(self) -> None:
         """Fetch the value now (its source is about to close), keeping a failure to raise
         where the loss is read."""
-        if self._value is None and self._error is None:
-            try:
-                self._value = self._source.fetch_loss(self.step)
-            except Exception as err:  # the step's own error, raised when the loss is read
-                self._error = err
+        try:
+            self.value()
+        except Exception as err:  # the step's own error, raised when the loss is read
+            self._error = err
 
     @property
     def fetched(self) -> bool:

@@ -49,7 +49,7 @@ from pipedsl.cli.common import (
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import STEP_ROUNDS, round_times
-from pipedsl.cli.workload import DEMO, DEMO_MODEL, Workload, check_splits
+from pipedsl.cli.workload import DEMO, Workload, check_splits
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
@@ -61,7 +61,7 @@ from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
 __all__ = [
-    "DEMO_MODEL", "MACHINE_MICROBATCH", "Measurement", "Run", "measure", "backend_for", "results_table", "register",
+    "MACHINE_MICROBATCH", "Measurement", "Run", "measure", "backend_for", "results_table", "register",
 ]  # fmt: skip
 
 MACHINE_MICROBATCH = 4
@@ -400,9 +400,7 @@ def _machine(console: Console, args: argparse.Namespace) -> None:
         f"{workload.precision} ...",
         highlight=False,
     )
-    with calibration_steps(
-        devices, workload.model, workload.cut, microbatch_size=args.microbatch_size, precision=workload.precision
-    ) as steps:
+    with calibration_steps(devices, workload, microbatch_size=args.microbatch_size) as steps:
         calibration = calibrate_machine(steps, workload.model, microbatch_size=args.microbatch_size, rounds=args.steps)
     console.print(calibration.describe(), highlight=False)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

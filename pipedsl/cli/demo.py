@@ -47,7 +47,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipedsl.cli.calibrate import DEMO_MODEL, MACHINE_MICROBATCH, Measurement, Run, measure
+from pipedsl.cli.calibrate import MACHINE_MICROBATCH, Measurement, Run, measure
 from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
 from pipedsl.cli.machine import (
     MachineCalibration,
@@ -58,7 +58,7 @@ from pipedsl.cli.machine import (
 )
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import STEP_ROUNDS, TimedSteps
-from pipedsl.cli.workload import DEMO, Workload
+from pipedsl.cli.workload import DEMO, DEMO_MODEL, Workload
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.library import library_path, library_schedules
@@ -77,7 +77,7 @@ from pipedsl.simulator.search import DEFAULT_PRUNE
 from pipedsl.validate import validate
 
 __all__ = [
-    "register", "DEMO_MODEL", "GLOBAL_BATCH", "demo_calibration_steps", "calibrated_search", "plans_to_run",
+    "register", "GLOBAL_BATCH", "demo_calibration_steps", "calibrated_search", "plans_to_run",
     "runnable_plans", "pairs_agreeing", "within_spread", "first_is_fastest",
 ]  # fmt: skip
 
@@ -121,9 +121,7 @@ def _library(console: Console) -> None:
 def demo_calibration_steps(devices: int, workload: Workload = DEMO) -> TimedSteps:
     """The machine calibration's training steps of ``workload`` (the demo transformer by
     default) over ``devices`` devices, compiled (close them when done)."""
-    return calibration_steps(
-        devices, workload.model, workload.cut, microbatch_size=_MIN_RUN_MICROBATCH, precision=workload.precision
-    )
+    return calibration_steps(devices, workload, microbatch_size=_MIN_RUN_MICROBATCH)
 
 
 def _search(cluster: Any, *, prune: float | None = DEFAULT_PRUNE, workload: Workload = DEMO) -> Any:

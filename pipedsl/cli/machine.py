@@ -44,14 +44,12 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from pipedsl.cli.timed import STEP_ROUNDS, Step, TimedSteps, median_seconds
 from pipedsl.cli.workload import DEMO, Workload, accelerator_workload
-from pipedsl.run_options import Precision
 from pipedsl.simulator import Model
 from pipedsl.simulator.calibration.machine import (
     APART_SHAPE,
@@ -114,17 +112,15 @@ def _host_cores(kind: str) -> float | None:
     return float(available_cores()) if kind == "cpu" else None
 
 
-def calibration_steps(
-    devices: int, model: Model, build: Callable[[int], Any], *, microbatch_size: int, precision: Precision = "fp32"
-) -> TimedSteps:
-    """The training steps the calibration times for ``model`` (its simulator description)
-    over ``devices`` devices in ``precision``, built and compiled: ``build(layers)`` gives
-    the executor's model of one stage cut to ``layers`` layers. Keyed ``("compute", layers, sequences per
-    device, microbatches)``, ``("busy", n)`` for the whole model's step on n devices
+def calibration_steps(devices: int, workload: Workload, *, microbatch_size: int) -> TimedSteps:
+    """The training steps the calibration times for ``workload`` over ``devices`` devices,
+    in its precision, built and compiled (its model cut to so many layers, one stage).
+    Keyed ``("compute", layers, sequences per device, microbatches)``, ``("busy", n)`` for the whole model's step on n devices
     while the others idle (:func:`~pipedsl.simulator.calibration.machine.busy_counts`),
     ``("tensor", t)`` for it over every device t-way tensor parallel
     (:func:`~pipedsl.simulator.calibration.machine.tensor_degrees`), and ``("apart",
     *APART_SHAPE)`` for the step of that shape dispatched action by action."""
+    model, build, precision = workload.model, workload.cut, workload.precision
     steps: dict[tuple[Any, ...], Step] = {
         ("compute", n, m, k): Step(build(n), m, microbatches=k, precision=precision)
         for n, m, k in compute_shapes(model, microbatch_size)
@@ -286,10 +282,7 @@ def calibrate_machine(
         bandwidth_source=bandwidth_source,
         all_reduce_s={(n, s): _all_reduce_seconds(devices, n, s) for n in groups for s in (_SMALL, _LARGE)},
         dispatch_s=dispatch,
-        step_s=_compute(measured),
-        apart_s=measured.get(("apart", *APART_SHAPE)),
-        busy_s=_keyed(measured, "busy"),
-        tensor_s=_keyed(measured, "tensor"),
+        **_timed_steps(measured),
         microbatch_size=microbatch_size,
         dtype=_DTYPES.get(model.dtype_bytes, "float32"),
         matmul_s=_matmul_seconds() if kind != "cpu" else {},
@@ -298,13 +291,19 @@ def calibrate_machine(
     return fit_machine(model, dataclasses.replace(measurements, seconds=seconds))
 
 
-def _compute(measured: dict[Any, float]) -> dict[tuple[int, int, int], float]:
-    return {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"}
+def _timed_steps(measured: dict[Any, float]) -> dict[str, Any]:
+    """The :class:`MachineMeasurements` fields of the :func:`calibration_steps` timed as
+    ``measured`` (:meth:`~pipedsl.cli.timed.TimedSteps.take`)."""
 
+    def keyed(kind: str) -> dict[int, float]:
+        return {key[1]: seconds for key, seconds in measured.items() if key[0] == kind}
 
-def _keyed(measured: dict[Any, float], kind: str) -> dict[int, float]:
-    """The seconds of the steps keyed ``(kind, n)``, by n."""
-    return {key[1]: seconds for key, seconds in measured.items() if key[0] == kind}
+    return {
+        "step_s": {key[1:]: seconds for key, seconds in measured.items() if key[0] == "compute"},
+        "apart_s": measured.get(("apart", *APART_SHAPE)),
+        "busy_s": keyed("busy"),
+        "tensor_s": keyed("tensor"),
+    }
 
 
 def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[Any, float]) -> MachineCalibration:
@@ -313,12 +312,5 @@ def recalibrated(calibration: MachineCalibration, model: Model, measured: dict[A
     the demo times them in turns with its runs, so that its predictions rest on the
     machine's speed while they ran (the step dispatched action by action too). The short
     measurements (memory, bandwidth, collectives, dispatch, products) are kept."""
-    again = dataclasses.replace(
-        calibration.measurements,
-        step_s=_compute(measured),
-        apart_s=measured.get(("apart", *APART_SHAPE)),
-        busy_s=_keyed(measured, "busy"),
-        tensor_s=_keyed(measured, "tensor"),
-        seconds=0.0,
-    )
+    again = dataclasses.replace(calibration.measurements, **_timed_steps(measured), seconds=0.0)
     return fit_machine(model, again)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipedsl.cli.calibrate import DEMO_MODEL
+from pipedsl.cli.workload import DEMO_MODEL
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.hardware import Model, load_model
 

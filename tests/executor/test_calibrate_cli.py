@@ -15,9 +15,10 @@ import pytest
 
 import pipedsl
 from helpers import fresh_process_env
-from pipedsl.cli.calibrate import DEMO_MODEL, Measurement
+from pipedsl.cli.calibrate import Measurement
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import Step, TimedSteps, interleaved_medians, round_times
+from pipedsl.cli.workload import DEMO_MODEL
 from pipedsl.simulator import Cluster, CostModel, Model, load_cluster, simulate
 from pipedsl.simulator.calibration.machine import compute_shapes, tensor_degrees
 from pipedsl.simulator.workers import available_cores

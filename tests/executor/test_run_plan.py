@@ -16,8 +16,8 @@ import pytest
 from helpers import fresh_process_env
 from pipedsl import PipedslError, RunOptions
 from pipedsl.cli import main
-from pipedsl.cli.calibrate import DEMO_MODEL
 from pipedsl.cli.planned import PlannedRun
+from pipedsl.cli.workload import DEMO_MODEL
 from pipedsl.simulator.hardware import Model, load_model
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.search import search

@@ -103,8 +103,8 @@ def test_a_calibrated_tpu_predicts_the_steps_measured_on_it() -> None:
     # benchmark's plans (bench/results/bench_against_jit.jsonl, the real size, one program
     # per step): priced there by the benchmark's own code, each within 10% of measured.
     bench = bench_script("bench_against_jit")
-    cluster = str(BENCH / "clusters" / "tpu-v5-lite.toml")
-    assert load_cluster(cluster).devices_word == "chips"  # a TPU, though not a torus
+    cluster = load_cluster(BENCH / "clusters" / "tpu-v5-lite.toml")
+    assert cluster.devices_word == "chips"  # a TPU, though not a torus
     runs = [json.loads(line) for line in (BENCH / "results" / "bench_against_jit.jsonl").read_text().splitlines()]
     measured = [
         (name, run["figures"][f"{name}_step_ms"] / 1e3)
