@@ -101,10 +101,13 @@ ACCELERATOR_SIZE = Size(
     kv_heads=4,
     seq=1024,
     vocab=8192,
-    layers_per_stage=2,
+    layers_per_stage=1,
     microbatches=4,
     microbatch_size=2,
 )
+"""The size on every accelerator: the widths, sequence and vocabulary of a real model, one
+layer a stage. A stage unrolls its layers, so what XLA compiles (nearly all of the check's
+time) grows with them, and one layer already holds every shape and operation of the block."""
 TOY_SIZE = Size(
     hidden=32, ffn=64, heads=4, kv_heads=2, seq=16, vocab=64, layers_per_stage=1, microbatches=2, microbatch_size=2
 )

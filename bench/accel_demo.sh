@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# `pipedsl calibrate` and `pipedsl demo` on this machine's one accelerator (a GPU or a TPU
-# chip), each in one process of its own (only one process may hold a TPU chip):
+# `pipedsl demo --devices 1` on this machine's one accelerator (a GPU or a TPU chip), every
+# pipeline device sharing it, in one process (only one process may hold a TPU chip):
 #
-# 1. calibrate the chip as a cluster of one device (the training steps of a small Llama in
-#    bf16, matrix products per dtype and size, memory bandwidth, dispatch, the device's
-#    memory), write OUT/cluster.toml, read it back with `pipedsl search --cluster`, and
-#    append the fitted cluster with the platform and device kind to RESULTS/accel_calibrate.jsonl;
-# 2. run the demo on the chip (every pipeline device sharing it): calibrate, search, run the
-#    best plans, print predicted against measured; it appends its line, platform and device
-#    kind included, to RESULTS/demo.jsonl.
+# 1. the demo calibrates the chip as a cluster of one device (the training steps of a small
+#    Llama in bf16, matrix products per dtype and size, memory bandwidth, dispatch and the
+#    executor's cost per action, the device's memory) and writes OUT/cluster.toml, searches
+#    the plans that fit the chip, runs the best ones and prints predicted against measured;
+#    it appends its line, platform and device kind included, to RESULTS/demo.jsonl;
+# 2. `pipedsl search --cluster OUT/cluster.toml` reads that calibrated cluster back, and
+#    its fitted figures with the platform and device kind go to RESULTS/accel_calibrate.jsonl.
 #
-# Everything printed is kept in OUT/calibrate.txt, OUT/search.txt and OUT/demo.txt. Needs
-# the pipedsl package, lark, optax, rich, pandas, matplotlib and JAX with its plugin for the
-# accelerator; not Ray. See docs/accelerators.md ("The demo on one accelerator").
+# Everything printed is kept in OUT/demo.txt and OUT/search.txt. Needs the pipedsl package,
+# lark, optax, rich, pandas, matplotlib and JAX with its plugin for the accelerator; not Ray.
+# Arguments after RESULTS go to the demo (--top, --steps). See docs/accelerators.md ("The
+# demo on one accelerator").
 #
-#     bash bench/accel_demo.sh [OUT] [RESULTS]      # defaults: out/accel_demo, bench/results
-#     PY=python3 bash bench/accel_demo.sh           # another interpreter
+#     bash bench/accel_demo.sh [OUT] [RESULTS] [--top 3]   # defaults: out/accel_demo, bench/results
+#     PY=python3 bash bench/accel_demo.sh                  # another interpreter
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${1:-out/accel_demo}
 RESULTS=${2:-bench/results}
+shift $(( $# > 1 ? 2 : $# ))
 LIMIT=${ACCEL_DEMO_LIMIT:-1500}
 
 if ! command -v "$PY" >/dev/null 2>&1; then
@@ -36,11 +38,15 @@ if [[ -n "$PYTHONPATH" ]]; then export PYTHONPATH; else unset PYTHONPATH; fi
 mkdir -p "$OUT" "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
 
-timeout "$LIMIT" "$PY" -P -m pipedsl calibrate --devices 1 --out "$OUT/cluster.toml" 2>&1 | tee "$OUT/calibrate.txt"
+PIPEDSL_RESULTS_DIR="$RESULTS" timeout "$LIMIT" "$PY" -P -m pipedsl demo --devices 1 --out "$OUT" "$@" 2>&1 \
+    | tee "$OUT/demo.txt"
 status=${PIPESTATUS[0]}
-if (( status != 0 )); then
-    echo "accel_demo: pipedsl calibrate failed ($status)" >&2
-    exit "$status"
+if (( status == 124 )); then
+    echo "accel_demo: the demo stopped after ${LIMIT} s (ACCEL_DEMO_LIMIT)" >&2
+fi
+if [[ ! -f "$OUT/cluster.toml" ]]; then
+    echo "accel_demo: the demo wrote no $OUT/cluster.toml" >&2
+    exit $(( status != 0 ? status : 1 ))
 fi
 "$PY" -P -m pipedsl search --model llama-8b --cluster "$OUT/cluster.toml" --gpus 1 --top 3 2>&1 | tee "$OUT/search.txt"
 "$PY" -P - "$OUT/cluster.toml" "$RESULTS" <<'EOF'
@@ -59,13 +65,6 @@ figures = {"platform": platform, "device_kind": kind}
 for name in ("peak_flops", "matmul_half_flops", "hbm_bandwidth", "memory_bytes", "action_overhead_s",
              "kernel_launch_s", "step_overhead_s", "elementwise_traffic"):
     figures[name] = getattr(cluster, name)
-print(append_result("accel_calibrate", figures, command=f"pipedsl calibrate --devices 1 --out {path}", folder=folder))
+print(append_result("accel_calibrate", figures, command=f"pipedsl demo --devices 1 --out {path.parent}", folder=folder))
 EOF
-
-PIPEDSL_RESULTS_DIR="$RESULTS" timeout "$LIMIT" "$PY" -P -m pipedsl demo --devices 1 --out "$OUT/demo" 2>&1 \
-    | tee "$OUT/demo.txt"
-status=${PIPESTATUS[0]}
-if (( status == 124 )); then
-    echo "accel_demo: the demo stopped after ${LIMIT} s (ACCEL_DEMO_LIMIT)" >&2
-fi
 exit "$status"

@@ -24,7 +24,9 @@ the jits and what it takes beyond them is the executor's own cost. Per plan it p
   step as the planner predicts it there, against the measured one;
 - with ``--cache``, the first step of the first plan in a new process, twice: with an empty
   persistent compilation cache, then with the one the first filled (both before this
-  process opens the device, which one process at a time may hold on a TPU).
+  process opens the device, which one process at a time may hold on a TPU), each with
+  the seconds it spent tracing, lowering and in XLA's compiler or the cache's reads; and
+  the same of the accumulating jit, what JAX alone takes.
 
 On an accelerator the model is the issue's Llama (hidden 1024, FFN 2816, 16 heads and 4
 KV heads, 512 tokens, vocabulary 8192, 8 layers, 8 sequences a step in 8 microbatches);
@@ -93,6 +95,8 @@ class Size:
 REAL = Size(hidden=1024, ffn=2816, heads=16, kv_heads=4, seq=512, vocab=8192, microbatches=8, microbatch_size=1)
 TOY = Size(hidden=64, ffn=128, heads=4, kv_heads=2, seq=32, vocab=256, microbatches=8, microbatch_size=1)
 LAYERS = 8
+JIT = "accumulating jit"
+"""The jit that ``--cache`` also times in a new process: what JAX alone takes there."""
 
 
 def _bf16(tree: Any) -> Any:
@@ -282,12 +286,46 @@ def _host_time(step: Callable[[], Any]) -> float:
     return took
 
 
-def _second_process(plan: str, size: str, cache: str, *, fuse: str) -> float:
-    """The first step's wall seconds of ``plan`` in a new process using the cache folder ``cache``."""
+_PHASES = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "compile_s",
+}
+"""JAX's compile events a first step's seconds are told apart by: tracing to jaxprs, lowering
+to StableHLO, and XLA's compile or the persistent cache's read (a hit's seconds count here)."""
+
+
+def _first_phases(step: Callable[[], Any]) -> dict[str, float]:
+    """The first call's wall seconds (``first_step_s``), the seconds of it spent in each of
+    :data:`_PHASES`, and how many programs the persistent cache gave (``cache_hits``) or
+    compiled (``cache_misses``); what is left of the wall time is Python's own work and
+    running the step. Listens to ``jax.monitoring`` for the rest of the process."""
+    import jax
+
+    phases = dict.fromkeys((*_PHASES.values(), "cache_hits", "cache_misses"), 0.0)
+
+    def duration(event: str, seconds: float, **_: Any) -> None:
+        if event in _PHASES:
+            phases[_PHASES[event]] += seconds
+
+    def happened(event: str, **_: Any) -> None:
+        if event.startswith("/jax/compilation_cache/cache_"):
+            name = event.rsplit("/", 1)[1]
+            if name in phases:
+                phases[name] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(duration)
+    jax.monitoring.register_event_listener(happened)
+    return {"first_step_s": _first(step)} | phases
+
+
+def _second_process(plan: str, size: str, cache: str, *, fuse: str) -> dict[str, float]:
+    """The first step of ``plan`` in a new process using the cache folder ``cache``:
+    :func:`_first_phases`'s figures."""
     env = dict(os.environ, PIPEDSL_COMPILATION_CACHE=cache)
     command = [sys.executable, __file__, "--first-step-of", plan, "--size", size, "--fuse", fuse]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=True)
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["first_step_s"])
+    return {k: float(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
 def main() -> None:
@@ -326,10 +364,11 @@ def main() -> None:
             parser.error(str(err))
 
     # Before this process opens the devices: one process at a time may hold a TPU chip.
-    cache = None
+    cache: dict[str, tuple[dict[str, float], ...]] = {}
     if args.cache:
-        with tempfile.TemporaryDirectory() as folder:
-            cache = tuple(_second_process(plans[0], args.size, folder, fuse=args.fuse) for _ in range(2))
+        for name in (plans[0], JIT):
+            with tempfile.TemporaryDirectory() as folder:
+                cache[name] = tuple(_second_process(name, args.size, folder, fuse=args.fuse) for _ in range(2))
 
     import jax
     import optax
@@ -340,8 +379,14 @@ def main() -> None:
     size_name = "real" if size is REAL else "toy"
     optimizer = optax.adam(1e-4)
     if args.first_step_of:
-        pipe, step = _pipeline_step(size, PLANS[args.first_step_of], device, optimizer, fuse=args.fuse)
-        print(json.dumps({"first_step_s": _first(step)}))
+        if args.first_step_of == JIT:
+            from pipedsl.executor.compilation_cache import enable_compilation_cache
+
+            enable_compilation_cache()  # as a pipeline turns it on
+            step, _ = _jits(size, device, optimizer)[JIT]
+        else:
+            _, step = _pipeline_step(size, PLANS[args.first_step_of], device, optimizer, fuse=args.fuse)
+        print(json.dumps(_first_phases(step)))
         return
     kind = getattr(device, "device_kind", device.platform)
     print(f"jax {jax.__version__}, {device.platform} ({kind}), {size_name} size: {size}")
@@ -390,10 +435,21 @@ def main() -> None:
     per_action = _per_action(device, args.steps * 4, args.rounds, fuse=args.fuse)
     figures["per_action_us"] = per_action * 1e6
     print(f"\nexecutor cost per action (h * w stages, 1f1b pp=2, 16 microbatches): {per_action * 1e6:.0f} us")
-    if cache is not None:
-        figures |= {"cache_cold_first_s": cache[0], "cache_warm_first_s": cache[1]}
+    if cache:
+        print(f"\nfirst step in a new process (s)  {'wall':>6} {'trace':>6} {'lower':>6} {'XLA':>6} {'read':>5}")
+        for name, runs in cache.items():
+            prefix = "cache" if name != JIT else "jit_cache"
+            for label, key, run in (("empty cache", "cold", runs[0]), ("cache filled", "warm", runs[1])):
+                figures |= {f"{prefix}_{key}_first_s": run["first_step_s"]} | {
+                    f"{prefix}_{key}_{field}": run[field] for field in ("trace_s", "lower_s", "compile_s", "cache_hits")
+                }
+                print(
+                    f"{name + ', ' + label:<32} {run['first_step_s']:6.1f} {run['trace_s']:6.1f} {run['lower_s']:6.1f} "
+                    f"{run['compile_s']:6.1f} {run['cache_hits']:3.0f}/{run['cache_hits'] + run['cache_misses']:.0f}"
+                )
         print(
-            f"{plans[0]} first step in a new process: {cache[0]:.1f} s with an empty cache, {cache[1]:.1f} s with it filled"
+            "   (trace: to jaxprs; lower: to StableHLO; XLA: compiling or reading the persistent cache; read: programs "
+            "the cache gave of those it was asked for; the rest of the wall time is Python and the step itself)"
         )
     if not args.no_record:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
