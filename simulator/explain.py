@@ -75,8 +75,9 @@ class Explanation:
             schedules_without_plan=tuple(s for s in schedules if s not in kept),
         )
 
-    def lines(self) -> list[str]:
-        """The explanation, one sentence a line (empty when nothing was removed)."""
+    def lines(self, *, devices: str = "GPUs") -> list[str]:
+        """The explanation, one sentence a line (empty when nothing was removed);
+        ``devices`` is what the cluster's devices are called (``GPUs`` or ``chips``)."""
         out = [
             f"left out {count} combinations: {rule} ({', '.join(map(str, values))})"
             for rule, values, count in self.skipped
@@ -87,9 +88,9 @@ class Explanation:
         if self.ranked == 0:
             out.append(
                 "nothing fits: choose a global batch that is a multiple of dp × microbatch size, "
-                "a GPU count whose factors divide the heads and layers, or a larger cluster"
+                f"a {devices.removesuffix('s')} count whose factors divide the heads and layers, or a larger cluster"
                 if self.considered == 0
-                else "nothing fits: see the reasons above; more GPUs, recomputation or ZeRO may help"
+                else f"nothing fits: see the reasons above; more {devices}, recomputation or ZeRO may help"
             )
         return out
 

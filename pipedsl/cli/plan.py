@@ -346,13 +346,15 @@ def _prune_factor(text: str) -> float:
 
 def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None, layers: int) -> None:
     attrs = frame.attrs
+    word = attrs["devices_word"]
     console.print(
-        f"[bold]{attrs['model']}[/] on {attrs['gpus']} {attrs['devices_word']} of {attrs['cluster']}, global batch "
+        f"[bold]{attrs['model']}[/] on {attrs['gpus']} {word.removesuffix('s') if attrs['gpus'] == 1 else word} of "
+        f"{attrs['cluster']}, global batch "
         f"{attrs['global_batch']}: {attrs['considered']} plans, {len(frame)} ranked, "
         f"{attrs['simulations']} pipeline simulations in {attrs['seconds']:.1f} s"
         + (f" ({attrs['processes']} processes)" if attrs["processes"] > 1 else "")
     )
-    for line in attrs["explanation"].lines():
+    for line in attrs["explanation"].lines(devices=word):
         console.print(f"  {line}", highlight=False)
     console.print(f"  MFU counts {attrs.get('mfu_flops', flops_words(DEFAULT_FLOP_COUNT))}", highlight=False)
     if not len(frame):

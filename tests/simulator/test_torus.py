@@ -9,6 +9,7 @@ host sharing one 25 GB/s DCN adapter at 0.9, 10 us per message; a 16 x 16 slice,
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +133,12 @@ def test_cli_slices_need_a_tpu_cluster(capsys: pytest.CaptureFixture[str]) -> No
     argv = ["search", "--model", "llama-8b", "--cluster", "h100-80gb", "--slices", "2", "--gpus", "64"]
     assert main(argv) != 0
     assert "--slices 2 needs a TPU cluster" in capsys.readouterr().err
+
+
+def test_cli_search_on_one_calibrated_tpu_chip_speaks_of_a_chip(capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = Path(__file__).resolve().parents[2] / "bench" / "clusters" / "tpu-v5-lite.toml"
+    # Llama-8B's state does not fit one chip: the search says so (status 1), in chips.
+    assert main(["search", "--model", "llama-8b", "--cluster", str(cluster), "--devices", "1", "--jobs", "1"]) == 1
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "on 1 chip of this machine" in printed
+    assert "more chips, recomputation or ZeRO may help" in printed and "GPU" not in printed
