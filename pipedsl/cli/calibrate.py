@@ -45,6 +45,7 @@ from pipedsl.cli.common import (
     check_output_folder,
     load_schedule,
     make_console,
+    plural,
 )
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.planned import PlannedRun
@@ -396,7 +397,7 @@ def _machine(console: Console, args: argparse.Namespace) -> None:
     kind, what = platform()
     workload = machine_workload(devices)
     console.print(
-        f"Calibrating this machine: {devices} {kind} devices ({what}), training {workload.model.name} in "
+        f"Calibrating this machine: {plural(devices, kind + ' device')} ({what}), training {workload.model.name} in "
         f"{workload.precision} ...",
         highlight=False,
     )

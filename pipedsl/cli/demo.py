@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipedsl.cli.calibrate import MACHINE_MICROBATCH, Measurement, Run, measure
-from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console
+from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console, plural
 from pipedsl.cli.machine import (
     MachineCalibration,
     calibrate_machine,
@@ -163,7 +163,7 @@ def repriced(plans: list[PlannedRun], cluster: Any, *, workload: Workload = DEMO
 
 def _plans(console: Console, steps: TimedSteps, workload: Workload, out: Path) -> tuple[MachineCalibration, Any]:
     console.rule(f"[bold]2. Plans for {workload.model.name} ({workload.precision}) on this machine")
-    console.print(f"Calibrating this machine ({steps.devices} devices) ...", highlight=False)
+    console.print(f"Calibrating this machine ({plural(steps.devices, 'device')}) ...", highlight=False)
     calibration, frame = calibrated_search(steps, workload)
     console.print(calibration.describe(), highlight=False)
     (out / "cluster.toml").write_text(cluster_toml(calibration))
@@ -313,9 +313,13 @@ def _runs(
     out: Path,
 ) -> list[RunResult]:
     plans = plans_to_run(frame, steps.devices, top, model=workload.model)
-    console.rule(f"[bold]3. Running {len(plans)} ranked plans for real ({backend} backend, {steps.devices} devices)")
+    console.rule(
+        f"[bold]3. Running {len(plans)} ranked plans for real ({backend} backend, {plural(steps.devices, 'device')})"
+    )
     if not plans:
-        raise PipedslError(f"no ranked plan over {steps.devices} devices fits {workload.model.name}; nothing to run")
+        raise PipedslError(
+            f"no ranked plan over {plural(steps.devices, 'device')} fits {workload.model.name}; nothing to run"
+        )
     for plan in plans:
         console.print(f"plan {plan.rank} ({plan.kind}): {plan.label()}", highlight=False)
 

@@ -216,7 +216,7 @@ def _step_name(layers: int, sequences: int, microbatches: int, devices: int, tp:
     many = "s" if layers > 1 else ""
     batches = f" x {microbatches} microbatches" if microbatches > 1 else ""
     tensor = f", tp={tp}" if tp > 1 else ""
-    return f"train step: {layers} layer{many} x {sequences} seq/device{batches}, {devices} devices{tensor}"
+    return f"train step: {layers} layer{many} x {sequences} seq/device{batches}, {devices} device{'s' * (devices > 1)}{tensor}"
 
 
 def _compute_steps(model: Model, m: MachineMeasurements) -> list[Step]:
@@ -341,7 +341,10 @@ def fit_machine(model: Model, m: MachineMeasurements) -> MachineCalibration:
         results += list(reproduced(Fitted(cluster, busy, tuple(s.priced(cluster) for s in busy), ())))
     said = "" if m.seconds <= 0 else f", measured in {m.seconds:.0f} s"
     report = Report(
-        f"{m.devices} {m.platform} devices ({m.device_kind}){said}", m.platform, tuple(lines), tuple(results)
+        f"{m.devices} {m.platform} device{'s' * (m.devices > 1)} ({m.device_kind}){said}",
+        m.platform,
+        tuple(lines),
+        tuple(results),
     )
     return MachineCalibration(cluster, m, report)
 

@@ -226,7 +226,7 @@ def test_calibrate_on_one_device_writes_a_cluster_naming_its_platform_that_the_s
 def test_the_demo_on_one_device_runs_pipelines_that_share_it_against_their_prediction(tmp_path: Path) -> None:
     done = _pipedsl("demo", "--devices", "1", "--top", "2", "--steps", "1", "--out", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
-    assert "(local backend, 1 devices)" in done.stdout
+    assert "(local backend, 1 device)" in done.stdout
     import csv
 
     with open(tmp_path / "out" / "runs.csv", encoding="utf-8") as handle:
