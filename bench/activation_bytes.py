@@ -5,7 +5,8 @@ For the built-in Llama and GPT blocks, in fp32 and bf16, under each recompute mo
 (``none``, ``selective``, ``full``) and with written-out or fused attention, it compiles the
 forward of the middle stage of a 3-stage pipeline (no embedding, no head: only its layers)
 and reads what XLA's memory analysis says it keeps for the backward
-(:class:`pipedsl.executor.stages.stage_program.StageMemory` ``kept``), per layer, against
+(:meth:`pipedsl.executor.stages.stage_program.StageProgram.kept`, which compiles only the
+forward), per layer, against
 the planner's bytes per layer and microbatch under the ``pipedsl`` framework
 (:meth:`pipedsl.simulator.transformer.Shapes.layer_activation_bytes`). Fused attention off
 a GPU is ``jax.nn.dot_product_attention``'s XLA implementation, which writes its scores out
@@ -125,7 +126,7 @@ def compiled_layer_bytes(size: Size, case: Case, device: Any) -> float:
         options=RunOptions(recompute=case.recompute, precision=case.precision),  # type: ignore[arg-type]
     )  # fmt: skip
     try:
-        return pipe.compile(params, batch)[1].memory().kept / size.layers
+        return pipe.compile(params, batch)[1].kept() / size.layers
     finally:
         pipe.close()
 

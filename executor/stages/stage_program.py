@@ -287,12 +287,10 @@ class StageProgram:
         """Bytes per JAX device of the stage's compiled ``F`` and ``B`` for one microbatch,
         from XLA's memory analysis of the compiled programs."""
         forward, backward, _ = self._compiled()
-        f, b = forward.memory_analysis(), backward.memory_analysis()
-        if f is None or b is None:
-            raise ExecutionError(f"XLA gives no memory analysis of stage {self.stage}'s programs on this platform")
+        f, b = self._analysis(forward), self._analysis(backward)
         params = sum(_bytes(a, s) for a, s in zip(self._master_avals, self.layout.params, strict=True))
         return StageMemory(
-            kept=int(f.output_size_in_bytes) - self._activation_bytes(forward),
+            kept=self._kept(forward, f),
             forward_temp=int(f.temp_size_in_bytes),
             backward_temp=int(b.temp_size_in_bytes),
             params=params,
@@ -300,6 +298,22 @@ class StageProgram:
                 b.argument_size_in_bytes + b.output_size_in_bytes + b.temp_size_in_bytes - b.alias_size_in_bytes
             ),
         )
+
+    def kept(self) -> int:
+        """:attr:`StageMemory.kept` alone: the bytes per JAX device that ``F`` keeps for the
+        backward of one microbatch, compiling ``F`` only (:meth:`memory` compiles ``B`` too)."""
+        forward = self._compiled_forward()[0]
+        return self._kept(forward, self._analysis(forward))
+
+    def _analysis(self, compiled: Any) -> Any:
+        found = compiled.memory_analysis()
+        if found is None:
+            raise ExecutionError(f"XLA gives no memory analysis of stage {self.stage}'s programs on this platform")
+        return found
+
+    def _kept(self, forward: Any, analysis: Any) -> int:
+        """What compiled ``F`` keeps: its outputs less the activation it sends on."""
+        return int(analysis.output_size_in_bytes) - self._activation_bytes(forward)
 
     def _activation_bytes(self, forward: Any) -> int:
         """Bytes per device of what ``F`` sends on (its activation): the rest of its
@@ -311,20 +325,14 @@ class StageProgram:
         pairs = list(zip(infos, shardings, strict=True))[: self._num_sent]
         return sum(_bytes(i, s) for i, s in pairs)
 
-    def _compiled(self) -> tuple[Any, Any, Any]:
-        """``F``, ``B`` and the reduction (None when gradients accumulate reduced),
-        lowered and compiled for one microbatch."""
+    def _compiled_forward(self) -> tuple[Any, Leaves]:
+        """``F`` lowered and compiled for one microbatch, and the residuals it keeps as
+        shape structs with their shardings, for lowering ``B``."""
         layout = self.layout
-        x_avals, t_avals, ct_avals = self._structs
-
-        def at(avals: Sequence[Any], shardings: Sequence[Any]) -> tuple[jax.ShapeDtypeStruct, ...]:
-            return tuple(
-                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings, strict=True)
-            )
-
-        p = at(self._param_avals, layout.params)
-        x = at(x_avals, [layout.batch(a.shape) for a in x_avals])
-        t = at(t_avals, [layout.batch(a.shape) for a in t_avals])
+        x_avals, t_avals, _ = self._structs
+        p = _at(self._param_avals, layout.params)
+        x = _at(x_avals, [layout.batch(a.shape) for a in x_avals])
+        t = _at(t_avals, [layout.batch(a.shape) for a in t_avals])
         if self.last:
             loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=layout.replicated)
             forward = self._forward.lower(p, x, t, loss).compile()
@@ -335,8 +343,14 @@ class StageProgram:
         values = jax.tree_util.tree_map(
             lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding), out_info, out_at
         )
-        residuals = self._pick_res(values, p, x, t)
-        ct = at(ct_avals, [layout.batch(a.shape) for a in ct_avals])
+        return forward, self._pick_res(values, p, x, t)
+
+    def _compiled(self) -> tuple[Any, Any, Any]:
+        """``F``, ``B`` and the reduction (None when gradients accumulate reduced),
+        lowered and compiled for one microbatch."""
+        layout = self.layout
+        forward, residuals = self._compiled_forward()
+        ct = _at(self._structs[2], [layout.batch(a.shape) for a in self._structs[2]])
         acc = self.zero_grads()
         backward = self._backward.lower(residuals, ct, acc).compile()
         reduce = None if self._reduce is None else self._reduce.lower(acc).compile()
@@ -404,6 +418,11 @@ class StageMemory:
     backward_temp: int
     params: int
     backward_peak: int
+
+
+def _at(avals: Sequence[Any], shardings: Sequence[Any]) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Shape structs of ``avals`` laid out by ``shardings``, for lowering a program ahead."""
+    return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings, strict=True))
 
 
 def _bytes(aval: Any, sharding: Any) -> int:

@@ -103,7 +103,11 @@ def test_bf16_keeps_fewer_activation_bytes_and_no_weight_copies() -> None:
     def memory(precision: str) -> list[Any]:
         schedule = hybrid_schedule("1f1b", PP, 1)
         pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, options=RunOptions(precision=precision))  # type: ignore[arg-type]
-        return [program.memory() for program in pipe.compile(params, batch)]
+        programs = pipe.compile(params, batch)
+        found = [program.memory() for program in programs]
+        # What F keeps, compiled alone, is what the analysis of F and B together says.
+        assert [program.kept() for program in programs] == [f.kept for f in found]
+        return found
 
     for full, half in zip(memory("fp32"), memory("bf16"), strict=True):
         # bf16 activations halve what is kept, but for what the model computes in fp32 (its
