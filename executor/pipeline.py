@@ -368,6 +368,13 @@ class Pipeline:
         params, opt_state = self.driver.adopt(tree, example, states=optimizer is not None)
         return params, opt_state, step
 
+    @property
+    def one_program(self) -> bool:
+        """Whether an unrecorded step runs as one program (the local backend, where every
+        pipeline device has the same devices and ``options.fuse`` is not ``"off"``); a
+        recorded step (``record=True``) always dispatches each action apart, to time it."""
+        return isinstance(self.backend, LocalBackend) and self.backend.fuse != "off"
+
     def placement(self) -> tuple[tuple[DeviceSlot, ...], ...]:
         """Per pipeline device, its stage mesh's devices (``dp x tp``, row-major) as
         (node id, process id, device id): on Ray the Ray node, the process's rank in the

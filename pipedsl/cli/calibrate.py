@@ -81,7 +81,10 @@ class Measurement:
       label: the schedule with its parameters.
       costs: the cost model fitted to its recorded steps (seconds per action per stage).
       predicted_s: the simulated step time under ``costs``, plus the time a step spends
-        outside its timeline, in seconds.
+        outside its timeline, in seconds; None where the timed steps run as one program
+        (:attr:`~pipedsl.executor.Pipeline.one_program`): the recorded steps that ``costs``
+        is fitted to dispatch each action apart, which such a step does not, so their
+        simulation is no prediction of it.
       measured_s: the median measured step time, in seconds.
       times: every timed step's seconds, in order (their spread: :attr:`quartiles`).
       losses: the loss of every step run, in order.
@@ -93,7 +96,7 @@ class Measurement:
 
     label: str
     costs: CostModel
-    predicted_s: float
+    predicted_s: float | None
     measured_s: float
     times: tuple[float, ...]
     losses: tuple[float, ...]
@@ -113,16 +116,18 @@ class Measurement:
         return None if self.plan is None else self.plan.planned_s
 
     @property
-    def error(self) -> float:
-        """Predicted over measured, minus one."""
-        return self.predicted_s / self.measured_s - 1.0
+    def error(self) -> float | None:
+        """Predicted over measured, minus one (None without a prediction)."""
+        return None if self.predicted_s is None else self.predicted_s / self.measured_s - 1.0
 
     def summary(self) -> str:
         """One line: the loss from first to last step, predicted and measured step time."""
-        return (
-            f"{self.label}: loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}; predicted "
-            f"{self.predicted_s * 1e3:.1f} ms, measured {self.measured_s * 1e3:.1f} ms per step ({self.error:+.1%})"
-        )
+        measured = f"measured {self.measured_s * 1e3:.1f} ms per step"
+        if self.predicted_s is None:
+            said = f"{measured}, run as one program (no prediction from its recorded steps, dispatched apart)"
+        else:
+            said = f"predicted {self.predicted_s * 1e3:.1f} ms, {measured} ({self.error:+.1%})"
+        return f"{self.label}: loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}; {said}"
 
 
 def _label(schedule: Schedule) -> str:
@@ -233,6 +238,7 @@ class _Trial:
             self.pipe.close()
             raise
         self.outside_s = statistics.median(outside)
+        self.one_program = self.pipe.one_program
         self.times: list[float] = []
 
     def _train(self) -> None:
@@ -253,18 +259,20 @@ class _Trial:
         """The prediction against the median of the timed steps (at least one)."""
         plan = self.run.plan
         label = _label(self.run.schedule) if plan is None else plan.label()
+        # A step run as one program is timed whole; its recorded steps dispatched each action apart.
+        apart = ", actions dispatched apart" if self.one_program else ""
         return Measurement(
             plan=plan,
             label=label,
             costs=self.costs,
-            predicted_s=self.simulated.makespan + self.outside_s,
+            predicted_s=None if self.one_program else self.simulated.makespan + self.outside_s,
             measured_s=statistics.median(self.times),
             times=tuple(self.times),
             losses=tuple(self.losses),
             report=self.report,
             panels=(
-                Panel(self.simulated.timeline, title=f"{label} simulated (calibrated)"),
-                Panel(self.recorded[-1], title=f"{label} recorded step"),
+                Panel(self.simulated.timeline, title=f"{label} simulated (calibrated{apart})"),
+                Panel(self.recorded[-1], title=f"{label} recorded step{apart}"),
             ),
         )
 
@@ -335,13 +343,18 @@ def results_table(measurements: Sequence[Measurement]) -> Table:
     for m in measurements:
         table.add_row(
             m.label,
-            f"{m.predicted_s * 1e3:.1f}",
+            _ms_or_dash(m.predicted_s),
             f"{m.measured_s * 1e3:.1f}",
-            f"{m.error:+.1%}",
+            "-" if m.error is None else f"{m.error:+.1%}",
             f"{m.losses[0]:.4f}",
             f"{m.losses[-1]:.4f}",
         )
     return table
+
+
+def _ms_or_dash(seconds: float | None) -> str:
+    """Milliseconds to a tenth, or a dash where there is no figure."""
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:

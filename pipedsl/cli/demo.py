@@ -389,7 +389,13 @@ def _results_table(results: list[RunResult]) -> Table:
             f"{r.error:+.1%}",
             _ms(r.searched_s),
             f"{r.searched_error:+.1%}",
-            _ms(m.predicted_s),
+            "-" if m.predicted_s is None else _ms(m.predicted_s),
+        )
+    if any(r.run.predicted_s is None for r in results):
+        table.caption = (
+            "fitted to its run: the simulator on the per-action costs of the run's recorded steps, which dispatch "
+            "each action apart; '-' where the step runs as one program (pp = 1, or every pipeline device on the "
+            "same devices), which they do not time"
         )
     return table
 
@@ -509,7 +515,7 @@ _RUN_COLUMNS = (
 def _write_runs(path: Path, results: list[RunResult]) -> None:
     """One row per run: the plan, its prediction (the machine calibrated in turns with
     the runs) and the search's price against its measured step time, and (for reference)
-    the prediction fitted to its own steps."""
+    the prediction fitted to its own steps (empty where the step runs as one program)."""
     with open(path, "w", encoding="utf-8", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(_RUN_COLUMNS)

@@ -186,6 +186,19 @@ def test_one_pipeline_device_as_one_program_trains_as_dispatched_apart() -> None
     assert fused_loss == pytest.approx(apart_loss, rel=1e-6)
 
 
+def test_a_pipeline_says_whether_its_step_runs_as_one_program() -> None:
+    m = model("mlp", 2)
+    schedule = library("1f1b", pp=2, microbatches=4)
+    one = jax.devices()[:1]
+
+    def pipeline(devices: Any, fuse: Fuse = "loop") -> Pipeline:
+        return Pipeline(m.stages, loss=m.loss, schedule=schedule, devices=devices, options=RunOptions(fuse=fuse))
+
+    assert pipeline(one * 2).one_program  # both pipeline devices on one device
+    assert not pipeline(one * 2, "off").one_program
+    assert not pipeline(None).one_program  # a device each: each waits for the other
+
+
 def test_the_compilation_cache_folder_follows_its_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     assert cache_folder() == tmp_path / "cache"
