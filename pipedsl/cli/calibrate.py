@@ -45,6 +45,7 @@ from pipedsl.cli.common import (
     check_output_folder,
     load_schedule,
     make_console,
+    milliseconds,
     plural,
 )
 from pipedsl.cli.interrupts import take_interrupt
@@ -343,18 +344,13 @@ def results_table(measurements: Sequence[Measurement]) -> Table:
     for m in measurements:
         table.add_row(
             m.label,
-            _ms_or_dash(m.predicted_s),
-            f"{m.measured_s * 1e3:.1f}",
+            milliseconds(m.predicted_s),
+            milliseconds(m.measured_s),
             "-" if m.error is None else f"{m.error:+.1%}",
             f"{m.losses[0]:.4f}",
             f"{m.losses[-1]:.4f}",
         )
     return table
-
-
-def _ms_or_dash(seconds: float | None) -> str:
-    """Milliseconds to a tenth, or a dash where there is no figure."""
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:

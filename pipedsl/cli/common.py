@@ -91,6 +91,11 @@ def terminate_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def milliseconds(seconds: float | None) -> str:
+    """``seconds`` in milliseconds to a tenth ("12.3"), or "-" where there is no figure (None)."""
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
 def plural(count: int, noun: str) -> str:
     """``count`` and ``noun``, plural unless ``count`` is one: "1 stage", "2 stages", "3 microbatches"."""
     if count == 1:

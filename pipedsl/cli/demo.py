@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipedsl.cli.calibrate import MACHINE_MICROBATCH, Measurement, Run, measure
-from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console, plural
+from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console, milliseconds, plural
 from pipedsl.cli.machine import (
     MachineCalibration,
     calibrate_machine,
@@ -343,7 +343,7 @@ def _runs(
     for plan, r in zip(plans, results, strict=True):
         console.print(
             f"plan {plan.rank}: loss {r.run.losses[0]:.4f} -> {r.run.losses[-1]:.4f}; predicted "
-            f"{_ms(r.predicted_s)} ms, measured {_ms(r.run.measured_s)} ms per step ({r.error:+.1%})",
+            f"{milliseconds(r.predicted_s)} ms, measured {milliseconds(r.run.measured_s)} ms per step ({r.error:+.1%})",
             highlight=False,
         )
     console.print(_results_table(results))
@@ -355,10 +355,6 @@ def _runs(
     )
     save_figure(figure, out / "timelines.png")
     return results
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
 
 
 def _searched(m: Measurement) -> float:
@@ -383,13 +379,13 @@ def _results_table(results: list[RunResult]) -> Table:
         table.add_row(
             m.label,
             m.plan.kind if m.plan is not None else "",
-            _ms(r.predicted_s),
-            _ms(m.measured_s),
-            f"{_ms(low)}-{_ms(high)}",
+            milliseconds(r.predicted_s),
+            milliseconds(m.measured_s),
+            f"{milliseconds(low)}-{milliseconds(high)}",
             f"{r.error:+.1%}",
-            _ms(r.searched_s),
+            milliseconds(r.searched_s),
             f"{r.searched_error:+.1%}",
-            "-" if m.predicted_s is None else _ms(m.predicted_s),
+            milliseconds(m.predicted_s),
         )
     if any(r.run.predicted_s is None for r in results):
         table.caption = (
@@ -448,8 +444,8 @@ def _order_verdict(results: list[RunResult]) -> str:
     for i, j in tied:
         a, b = results[i], results[j]
         said.append(
-            f"{a.run.label} and {b.run.label}: predicted {_ms(a.predicted_s)} and {_ms(b.predicted_s)} ms, a "
-            f"difference within the measured spread ({_ms(max(a.spread_s, b.spread_s))} ms): no order claimed."
+            f"{a.run.label} and {b.run.label}: predicted {milliseconds(a.predicted_s)} and {milliseconds(b.predicted_s)} ms, a "
+            f"difference within the measured spread ({milliseconds(max(a.spread_s, b.spread_s))} ms): no order claimed."
         )
     said.append(f"{within} of {len(results)} predictions within 20% of measured.")
     verdict = "is the fastest measured" if first is fastest else (
@@ -474,7 +470,7 @@ def _speed_verdict(before: MachineCalibration, during: MachineCalibration) -> st
     change = now / then - 1.0
     said = (
         f"The calibration's largest step ({layers} layer{'s' if layers > 1 else ''} x {sequences} sequence"
-        f"{'s' if sequences > 1 else ''} per device) took {_ms(then)} ms before the search and {_ms(now)} ms "
+        f"{'s' if sequences > 1 else ''} per device) took {milliseconds(then)} ms before the search and {milliseconds(now)} ms "
         f"in turns with the runs ({change:+.0%}): "
     )
     if abs(change) <= _DRIFT:
