@@ -15,6 +15,7 @@ Module and function lengths are not checked: a module is one concept, whatever i
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,7 @@ def test_an_import_inside_a_function_closes_a_circle(tmp_path: Path) -> None:
     assert _cycle(_graph({"pkg.ir": ir, "pkg.lowering": lowering})) == ["pkg.ir", "pkg.lowering", "pkg.ir"]
 
 
+@functools.cache
 def _defined(path: Path) -> set[str]:
     """The names a module defines or imports at its top level, and those its ``__all__``
     lists (a package that imports them when first asked for, through ``__getattr__``)."""

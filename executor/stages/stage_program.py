@@ -331,8 +331,7 @@ class StageProgram:
         layout = self.layout
         x_avals, t_avals, _ = self._structs
         p = _at(self._param_avals, layout.params)
-        x = _at(x_avals, [layout.batch(a.shape) for a in x_avals])
-        t = _at(t_avals, [layout.batch(a.shape) for a in t_avals])
+        x, t = self._batched(x_avals), self._batched(t_avals)
         if self.last:
             loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=layout.replicated)
             forward = self._forward.lower(p, x, t, loss).compile()
@@ -345,12 +344,15 @@ class StageProgram:
         )
         return forward, self._pick_res(values, p, x, t)
 
+    def _batched(self, avals: Sequence[Any]) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Shape structs of microbatch values ``avals``, split over ``"data"`` as the stage takes them."""
+        return _at(avals, [self.layout.batch(a.shape) for a in avals])
+
     def _compiled(self) -> tuple[Any, Any, Any]:
         """``F``, ``B`` and the reduction (None when gradients accumulate reduced),
         lowered and compiled for one microbatch."""
-        layout = self.layout
         forward, residuals = self._compiled_forward()
-        ct = _at(self._structs[2], [layout.batch(a.shape) for a in self._structs[2]])
+        ct = self._batched(self._structs[2])
         acc = self.zero_grads()
         backward = self._backward.lower(residuals, ct, acc).compile()
         reduce = None if self._reduce is None else self._reduce.lower(acc).compile()

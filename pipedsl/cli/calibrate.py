@@ -123,11 +123,11 @@ class Measurement:
 
     def summary(self) -> str:
         """One line: the loss from first to last step, predicted and measured step time."""
-        measured = f"measured {self.measured_s * 1e3:.1f} ms per step"
+        measured = f"measured {milliseconds(self.measured_s)} ms per step"
         if self.predicted_s is None:
             said = f"{measured}, run as one program (no prediction from its recorded steps, dispatched apart)"
         else:
-            said = f"predicted {self.predicted_s * 1e3:.1f} ms, {measured} ({self.error:+.1%})"
+            said = f"predicted {milliseconds(self.predicted_s)} ms, {measured} ({self.error:+.1%})"
         return f"{self.label}: loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}; {said}"
 
 
@@ -239,7 +239,6 @@ class _Trial:
             self.pipe.close()
             raise
         self.outside_s = statistics.median(outside)
-        self.one_program = self.pipe.one_program
         self.times: list[float] = []
 
     def _train(self) -> None:
@@ -261,12 +260,13 @@ class _Trial:
         plan = self.run.plan
         label = _label(self.run.schedule) if plan is None else plan.label()
         # A step run as one program is timed whole; its recorded steps dispatched each action apart.
-        apart = ", actions dispatched apart" if self.one_program else ""
+        one_program = self.pipe.one_program
+        apart = ", actions dispatched apart" if one_program else ""
         return Measurement(
             plan=plan,
             label=label,
             costs=self.costs,
-            predicted_s=None if self.one_program else self.simulated.makespan + self.outside_s,
+            predicted_s=None if one_program else self.simulated.makespan + self.outside_s,
             measured_s=statistics.median(self.times),
             times=tuple(self.times),
             losses=tuple(self.losses),

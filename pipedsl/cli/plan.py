@@ -348,8 +348,7 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
     attrs = frame.attrs
     word = attrs["devices_word"]
     console.print(
-        f"[bold]{attrs['model']}[/] on {attrs['gpus']} {word.removesuffix('s') if attrs['gpus'] == 1 else word} of "
-        f"{attrs['cluster']}, global batch "
+        f"[bold]{attrs['model']}[/] on {plural(attrs['gpus'], word.removesuffix('s'))} of {attrs['cluster']}, global batch "
         f"{attrs['global_batch']}: {attrs['considered']} plans, {len(frame)} ranked, "
         f"{attrs['simulations']} pipeline simulations in {attrs['seconds']:.1f} s"
         + (f" ({attrs['processes']} processes)" if attrs["processes"] > 1 else "")

@@ -213,10 +213,16 @@ class MachineCalibration:
 
 
 def _step_name(layers: int, sequences: int, microbatches: int, devices: int, tp: int = 1) -> str:
-    many = "s" if layers > 1 else ""
     batches = f" x {microbatches} microbatches" if microbatches > 1 else ""
     tensor = f", tp={tp}" if tp > 1 else ""
-    return f"train step: {layers} layer{many} x {sequences} seq/device{batches}, {devices} device{'s' * (devices > 1)}{tensor}"
+    return (
+        f"train step: {_count(layers, 'layer')} x {sequences} seq/device{batches}, {_count(devices, 'device')}{tensor}"
+    )
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, with an s unless ``n`` is one."""
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def _compute_steps(model: Model, m: MachineMeasurements) -> list[Step]:
@@ -341,7 +347,7 @@ def fit_machine(model: Model, m: MachineMeasurements) -> MachineCalibration:
         results += list(reproduced(Fitted(cluster, busy, tuple(s.priced(cluster) for s in busy), ())))
     said = "" if m.seconds <= 0 else f", measured in {m.seconds:.0f} s"
     report = Report(
-        f"{m.devices} {m.platform} device{'s' * (m.devices > 1)} ({m.device_kind}){said}",
+        f"{_count(m.devices, m.platform + ' device')} ({m.device_kind}){said}",
         m.platform,
         tuple(lines),
         tuple(results),
