@@ -48,8 +48,10 @@ def _raise_once_other_runs(n: int, fifo: str, *, advance: Advance) -> int:
 
 
 def _busy(n: int, *, advance: Advance) -> int:
-    """Says it runs, on standard error, then never returns."""
-    print("busy", os.getpid(), file=sys.stderr, flush=True)
+    """Says it runs, on standard error, then never returns. The line goes out in one write
+    (atomic on a pipe): the workers share their parent's standard error, and print's pieces
+    from two of them could interleave."""
+    os.write(2, f"busy {os.getpid()}\n".encode())
     threading.Event().wait()
     return n
 
