@@ -2,7 +2,7 @@
 
 ``Pipeline`` runs a model (explicit stage functions, or one function split at
 ``stage_boundary`` markers) under a lowered schedule on a backend, as its ``RunOptions``
-say (:mod:`pipedsl.run_options`), every pipeline device a ``dp x tp`` mesh of JAX devices
+say (:mod:`pipedsl.run_options`), every pipeline device a ``dp x cp x tp`` mesh of JAX devices
 (``Pipeline(..., options=RunOptions(dp=, tp=, zero=), param_specs=)``; see
 :mod:`pipedsl.executor.stages.mesh`); the ``local`` backend hosts one worker per pipeline device
 on threads of this process, the ``ray`` backend one ``jax.distributed`` world of Ray

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipedsl.errors import PipedslError
 
-__all__ = ["ExecutionError", "NonFiniteStep", "PeerFailed", "first_line", "stage_failure", "summary"]
+__all__ = ["ExecutionError", "NonFiniteStep", "first_line", "stage_failure", "summary"]
 
 
 class ExecutionError(PipedslError):
@@ -34,13 +34,6 @@ class NonFiniteStep(ExecutionError):
         self.params = params
         self.opt_state = opt_state
         super().__init__(message)
-
-
-class PeerFailed(ExecutionError):
-    """A device gave up waiting because another device had already failed.
-
-    The backend reports the other device's error, not this one.
-    """
 
 
 def first_line(err: BaseException) -> str:

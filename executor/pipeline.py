@@ -376,7 +376,7 @@ class Pipeline:
         return isinstance(self.backend, LocalBackend) and self.backend.fuse != "off"
 
     def placement(self) -> tuple[tuple[DeviceSlot, ...], ...]:
-        """Per pipeline device, its stage mesh's devices (``dp x tp``, row-major) as
+        """Per pipeline device, its stage mesh's devices (``dp x cp x tp``, row-major) as
         (node id, process id, device id): on Ray the Ray node, the process's rank in the
         world and the global JAX device id; locally node ``"local"``, process 0."""
         if isinstance(self.backend, RayRunner):

@@ -1,7 +1,7 @@
 """The local backend: every pipeline device is a mesh of JAX devices of this process.
 
-Pipeline device d runs on a ``dp x tp`` mesh (:mod:`pipedsl.executor.stages.mesh`) of the
-first ``pp x dp x tp`` devices JAX reports (CPU devices come from
+Pipeline device d runs on a ``dp x cp x tp`` mesh (:mod:`pipedsl.executor.stages.mesh`) of the
+first ``pp x dp x cp x tp`` devices JAX reports (CPU devices come from
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set before JAX is imported;
 GPUs are found as they are) or of a list given explicitly. With ``dp = tp = 1`` an
 explicit list may name one JAX device several times: the pipeline then runs correctly
@@ -13,7 +13,7 @@ Each pipeline device is a :class:`~pipedsl.executor.runtime.worker.Worker`, host
 process for :class:`~pipedsl.executor.driver.Driver`. JAX dispatches work
 asynchronously, so the workers' steps only queue work and the JAX devices execute it
 concurrently: one thread runs every device's step, switching where one waits for a value
-not sent yet (:mod:`pipedsl.executor.local.cooperative`), and returns once the step is
+not sent yet (:mod:`pipedsl.executor.runtime.scheduler`), and returns once the step is
 dispatched, its results device arrays that nothing has waited for. A recorded step
 runs the same way, each action waited for where the device yields it. A failure on one
 device stops every other device at once, and the step raises the original error.
@@ -35,11 +35,10 @@ import numpy as np
 import optax
 
 from pipedsl.executor.backend import DeviceReport
-from pipedsl.executor.errors import ExecutionError, PeerFailed, summary
-from pipedsl.executor.local.cooperative import run_together
+from pipedsl.executor.errors import ExecutionError, summary
 from pipedsl.executor.local.exchange import LocalExchange, resharder
 from pipedsl.executor.local.fused import FusedStep, shared_devices
-from pipedsl.executor.runtime.interpreter import Steps
+from pipedsl.executor.runtime.scheduler import Steps, run_watched
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, compile_device
 from pipedsl.executor.sharded_checkpoint import (
@@ -52,8 +51,8 @@ from pipedsl.executor.sharded_checkpoint import (
     save_device,
 )
 from pipedsl.executor.stages.mesh import build_meshes, leaf_specs
-from pipedsl.executor.stages.model import StagedModel, explicit_model
-from pipedsl.executor.stages.split import marked_model
+from pipedsl.executor.stages.model import StagedModel
+from pipedsl.executor.stages.split import staged_model
 from pipedsl.executor.stages.stage_options import StageOptions
 from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.program import Program
@@ -109,7 +108,10 @@ class LocalBackend:
         self._stage_options = StageOptions.per_stage(options, schedule.num_stages)
         self.meshes = build_meshes(schedule.num_devices, options, devices=devices, what=f"schedule {schedule.name!r}")
         self.recv_timeout = options.recv_timeout
-        self._movers = tuple(resharder(m) for m in self.meshes)  # kept: each caches its copies
+        # Kept: each caches its copies. Pipeline devices on the same JAX devices copy what
+        # they send each other when their steps are dispatched apart, as devices of their own do.
+        shared = shared_devices(self.meshes) and schedule.num_devices > 1
+        self._movers = tuple(resharder(m, copy=shared, by_host=options.host_transfers) for m in self.meshes)
         self._stages = stages
         self._model_fn = model_fn
         self._loss = loss
@@ -155,19 +157,9 @@ class LocalBackend:
             self._held = (key, found)
             return found
         placement = schedule.placement
-        if self._stages is not None:
-            model = explicit_model(self._stages, self._loss, tree, example_inputs, example_targets, placement=placement)
-        else:
-            assert self._model_fn is not None  # one of the two forms is always given
-            model = marked_model(
-                self._model_fn,
-                self._loss,
-                tree,
-                example_inputs,
-                example_targets,
-                num_stages=schedule.num_stages,
-                placement=placement,
-            )
+        model = staged_model(
+            self._stages, self._model_fn, self._loss, tree, example_inputs, example_targets, placement=placement
+        )
         programs: dict[int, StageProgram] = {}
         for d in range(schedule.num_devices):
             programs |= compile_device(
@@ -175,8 +167,7 @@ class LocalBackend:
                 schedule.stages_on(d),
                 self.meshes[d],
                 specs=specs,
-                zero=self.options.zero,
-                reduce_once=self.options.reduce_once,
+                options=self.options,
                 num_microbatches=schedule.num_microbatches,
                 stage_options=self._stage_options,
                 placement=placement,
@@ -383,7 +374,7 @@ class LocalBackend:
         for worker in workers:
             worker.applied = False  # a device stopped before its step starts keeps the last step's
         try:
-            results, errors = run_together(
+            results, errors = run_watched(
                 [steps(d) for d in range(len(workers))],
                 exchange,
                 timeout=self.recv_timeout,
@@ -400,8 +391,8 @@ class LocalBackend:
             if any(w.applied for w in workers):
                 # Some devices updated their state and others did not: start afresh.
                 self._broken()
-            # Devices that gave up because of another's failure only echo it.
-            raise next((err for err in failed if not isinstance(err, PeerFailed)), failed[0])
+            # The first device to fail stopped the others.
+            raise failed[0]
         return tuple(_report(r) for r in results)
 
     def _broken(self) -> None:

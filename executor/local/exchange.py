@@ -2,20 +2,25 @@
 
 Every pipeline device of the local backend is a mesh of JAX devices of this process, and a
 transfer is a copy to the receiver's mesh that keeps each array's sharding (spec)
-(:func:`resharder`); values that stay on the same devices move nowhere. The devices of a
-step share one :class:`LocalExchange` of mailboxes, each device's end of it a
-:class:`LocalTransport` (a :class:`~pipedsl.executor.runtime.transport.Transport`).
+(:func:`resharder`), dispatched as the value is sent: JAX queues the copy behind the program
+that computes the value and the receiver's programs behind the copy, so nothing waits.
+Pipeline devices that share their JAX devices but are dispatched apart (a step dispatched
+action by action, as on devices of their own: ``RunOptions(fuse="off")``, or recorded) copy
+their values too, as separate devices would. The devices of a step share one
+:class:`LocalExchange` of mailboxes, each device's end of it a :class:`LocalTransport` (a
+:class:`~pipedsl.executor.runtime.transport.Transport`); the exchange answers the devices'
+receives for the scheduler (a :class:`~pipedsl.executor.runtime.scheduler.Mail`).
 
-Between two CPU devices of one process a program buffer that is already computed when
-it is received goes through host memory instead: the receiver takes the sender's arrays
-as host arrays (views, no copy), and the stage program that reads them copies them in as
-it is dispatched. A ``jax.device_put`` from one CPU device to another costs a hundred
-microseconds or more of host time whatever the size (jaxlib 0.10, a 64-byte array: 70 to
-280 µs here), a jitted call's host arguments about ten. A value still being computed is
-waited for (:class:`Handoff`), never copied: a stage program compiles once for host
-arguments and once more for device arrays, so a buffer that came one way in one step and
-the other way in the next compiled every program that reads it twice. Accelerators never
-take this path.
+Between two CPU devices of one process (``RunOptions.host_transfers``, the default) a
+program buffer that is already computed when it is received goes through host memory
+instead: the receiver takes the sender's arrays as host arrays (views, no copy), and the
+stage program that reads them copies them in as it is dispatched. A ``jax.device_put`` from
+one CPU device to another costs a hundred microseconds or more of host time whatever the
+size (jaxlib 0.10, a 64-byte array: 70 to 280 us here), a jitted call's host arguments
+about ten. A value still being computed is waited for (:class:`Handoff`), never copied: a
+stage program compiles once for host arguments and once more for device arrays, so a
+buffer that came one way in one step and the other way in the next compiled every program
+that reads it twice. Accelerators never take this path.
 """
 
 from __future__ import annotations
@@ -29,27 +34,28 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pipedsl.executor.runtime.transport import never_sent, stopped_waiting
+from pipedsl.executor.runtime.scheduler import NOTHING, Pending, Receive
 from pipedsl.executor.runtime.waits import finished
 from pipedsl.program import Buffer
 
 __all__ = ["LocalExchange", "LocalTransport", "Handoff", "resharder"]
 
 
-def resharder(mesh: Mesh) -> Callable[..., Any]:
+def resharder(mesh: Mesh, *, copy: bool = False, by_host: bool = True) -> Callable[..., Any]:
     """A function ``move(value, *, handoff=False)`` that puts a pytree of arrays on
     ``mesh``, each leaf with the spec it has now (a ``NamedSharding``'s spec; anything
     else is replicated). When every leaf is already there (pipeline devices that share
-    their JAX devices) nothing is copied or dispatched. With ``handoff``, a value that
-    goes from another CPU device to a one-CPU-device mesh is wrapped for the receiver to
-    take through host memory, or copy, when it receives it (module docstring)."""
+    their JAX devices) nothing is copied or dispatched, unless ``copy``. With ``handoff``
+    and ``by_host``, a value that goes from another CPU device to a one-CPU-device mesh is
+    wrapped for the receiver to take through host memory, or copy, when it receives it
+    (module docstring)."""
     # The target of each source sharding, and the mover of each (tree, shardings), worked
     # out once: a step sends the same few structures over and over.
     targets: dict[Any, NamedSharding] = {}
     movers: dict[Any, Any] = {}
     devices = set(mesh.devices.flat)
     replicated = NamedSharding(mesh, PartitionSpec())
-    by_host = mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
+    by_host = by_host and mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
 
     def target(sharding: Any) -> NamedSharding:
         found = targets.get(sharding)
@@ -78,13 +84,15 @@ def resharder(mesh: Mesh) -> Callable[..., Any]:
     def mover_of(leaves: list[Any], handoff: bool) -> Any:
         sources = tuple(getattr(v, "sharding", None) for v in leaves)
         goals = tuple(target(s) for s in sources)
-        if all(g is s for g, s in zip(goals, sources, strict=True)):
+        if not copy and all(g is s for g, s in zip(goals, sources, strict=True)):
             return _UNCHANGED
         # One jax.device_put per value. A jitted identity placed by in_shardings copied
         # several times faster, but crashed the process (a segfault inside XLA) when one
         # device thread ran it while another compiled.
-        put = partial(_put, goals=goals)
-        if handoff and by_host and all(_on_one_cpu(s) for s in sources):
+        put = partial(_put, goals=goals, copy=copy)
+        # Through host memory only from other CPU devices: on its own device a value is
+        # copied as devices of their own would copy it (``copy``).
+        if handoff and by_host and all(s is not None and _on_one_cpu(s) and s.device_set != devices for s in sources):
             return _ByHost(put)
         return put
 
@@ -107,7 +115,7 @@ class _ByHost:
         self.put = put
 
 
-class Handoff:
+class Handoff(Pending):
     """A sent value on another CPU device, in the receiver's mailbox, that the receiver
     takes as host arrays."""
 
@@ -145,42 +153,39 @@ class Handoff:
         return self.treedef.unflatten(self.put(tuple(self.leaves)))
 
 
-def _put(leaves: tuple[Any, ...], *, goals: tuple[NamedSharding, ...]) -> Any:
-    return jax.device_put(list(leaves), list(goals))
+def _put(leaves: tuple[Any, ...], *, goals: tuple[NamedSharding, ...], copy: bool) -> Any:
+    return jax.device_put(list(leaves), list(goals), may_alias=False if copy else None)
 
 
 class LocalExchange:
-    """The mailboxes shared by the local devices for one step.
+    """The mailboxes shared by the local devices for one step, and the answers to their
+    receives (a :class:`~pipedsl.executor.runtime.scheduler.Mail`).
 
     ``movers[d]`` puts a value on the mesh that pipeline device ``d`` runs on (a
     :func:`resharder`, made once per backend: it caches the target shardings). A value sent
     to ``d`` goes through it asynchronously: the copy is dispatched, and a computation
-    that reads the value waits for it.
+    that reads the value waits for it. The devices of a step run on one thread
+    (:mod:`pipedsl.executor.runtime.scheduler`); the lock keeps the mailboxes whole should a
+    caller's other thread look at them.
     """
-
-    NOTHING = object()  # what :meth:`poll` returns for a value not sent yet
 
     def __init__(self, movers: Sequence[Callable[..., Any]]) -> None:
         self.movers = tuple(movers)
-        # Taking and putting mail holds the lock only; a receive on a thread of its own
-        # waits on the condition, which a put wakes only when some receive waits.
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._waiting = 0
         self._mail: dict[tuple[Hashable, int], Any] = {}
         self._arrived: list[tuple[Hashable, int]] = []  # since the last arrivals()
-        self._failed: int | None = None  # the first device that reported a failure
+        self.failed: int | None = None  # the first device that reported a failure
 
     def endpoint(self, device: int) -> LocalTransport:
         """Device ``device``'s :class:`~pipedsl.executor.runtime.transport.Transport`."""
         return LocalTransport(self, device)
 
-    def poll(self, slot: tuple[Hashable, int]) -> Any:
-        """The value sent as ``slot`` (key, receiver), taken, or :attr:`NOTHING`; a
-        :class:`Handoff` still being computed is returned as it is, for the caller to
-        take once it has nothing else to do."""
+    def take(self, request: Receive, device: int) -> Any:
+        """The value ``device`` asks for, taken; a :class:`Handoff` still being computed as
+        it is, for the scheduler to take once it has nothing else to do; ``NOTHING`` if it
+        is not sent yet."""
         with self._lock:
-            value = self._mail.pop(slot, self.NOTHING)
+            value = self._mail.pop((request.key, device), NOTHING)
         return value.computed() if type(value) is Handoff and value.ready() else value
 
     def arrivals(self) -> list[tuple[Hashable, int]]:
@@ -190,34 +195,16 @@ class LocalExchange:
         return arrived
 
     def fail(self, device: int) -> None:
-        """Report that ``device`` failed: every wait ends."""
+        """Report that ``device`` failed."""
         with self._lock:
-            if self._failed is None:
-                self._failed = device
-            self._changed.notify_all()
+            if self.failed is None:
+                self.failed = device
 
-    def _put(self, key: tuple[Hashable, int], value: Any) -> None:
+    def put(self, key: tuple[Hashable, int], value: Any) -> None:
+        """Leave ``value`` in the mailbox ``key`` (key, receiver)."""
         with self._lock:
             self._mail[key] = value
             self._arrived.append(key)
-            if self._waiting:
-                self._changed.notify_all()
-
-    def _take(self, key: tuple[Hashable, int], me: int, src: int, timeout: float) -> Any:
-        with self._lock:
-            value = self._mail.pop(key, self.NOTHING)
-            if value is not self.NOTHING:
-                return value
-            self._waiting += 1
-            try:
-                arrived = self._changed.wait_for(lambda: key in self._mail or self._failed is not None, timeout=timeout)
-            finally:
-                self._waiting -= 1
-            if key in self._mail:
-                return self._mail.pop(key)
-            if not arrived:
-                raise never_sent(me, key[0], src, timeout)
-            raise stopped_waiting(me, key[0], src, f"device {self._failed} failed")
 
 
 class LocalTransport:
@@ -237,12 +224,8 @@ class LocalTransport:
         moved = self._exchange.movers[dst](value, handoff=isinstance(key, Buffer))
         if wait and not isinstance(moved, Handoff):  # a hand-over of computed arrays copies nothing
             jax.block_until_ready(moved)
-        self._exchange._put((key, dst), moved)
-
-    def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
-        value = self._exchange._take((key, self._device), self._device, src, timeout)
-        return value.take(timeout) if isinstance(value, Handoff) else value
+        self._exchange.put((key, dst), moved)
 
     def abort(self, error: BaseException) -> None:
-        # The error itself reaches the caller through the failing device's thread.
+        # The error itself reaches the caller through the scheduler.
         self._exchange.fail(self._device)

@@ -12,9 +12,9 @@ passes a hundred buffers (parameters, residuals, accumulators), so dispatching a
 one by one cost more host time than the chip spent computing them.
 
 The program is built from the workers' own step code
-(:meth:`pipedsl.executor.runtime.worker.Worker.steps`) run on tracers: :func:`run_traced` drives
-every device's step on this thread in the order the cooperative runner would, each receive
-answered by the value its sender handed over (values that stay on one device move
+(:meth:`pipedsl.executor.runtime.worker.Worker.steps`) run on tracers, by the one scheduler
+(:mod:`pipedsl.executor.runtime.scheduler`) in the order it dispatches a step apart, each
+receive answered by the value its sender handed over (values that stay on one device move
 nowhere). Two programs, as ``fuse`` says (:data:`pipedsl.run_options.Fuse`):
 
 - ``"loop"``: every device's program for one microbatch (:func:`one_microbatch`: the same
@@ -36,7 +36,6 @@ read while tracing.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,9 +43,9 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.runtime.interpreter import DeviceRuntime, DeviceStep, Receive, Steps
-from pipedsl.executor.runtime.transport import Transport, describe_key
+from pipedsl.executor.runtime.interpreter import DeviceRuntime, DeviceStep
+from pipedsl.executor.runtime.scheduler import NOTHING, Receive, Steps, run_steps
+from pipedsl.executor.runtime.transport import Transport
 from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, place_states_together
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.program import Buffer, lower
@@ -61,58 +60,44 @@ def shared_devices(meshes: Sequence[Any]) -> bool:
 
 
 class _Post:
-    """A device's :class:`~pipedsl.executor.runtime.transport.Transport` while the step is traced:
-    a send hands the value over as it is (every device is on the same JAX devices)."""
+    """The devices' :class:`~pipedsl.executor.runtime.transport.Transport` and
+    :class:`~pipedsl.executor.runtime.scheduler.Mail` while the step is traced: a send hands
+    the value over as it is (every device is on the same JAX devices)."""
 
-    __slots__ = ("_mail",)
+    __slots__ = ("_mail", "_arrived")
 
-    def __init__(self, mail: dict[tuple[Hashable, int], Any]) -> None:
-        self._mail = mail
+    def __init__(self) -> None:
+        self._mail: dict[tuple[Hashable, int], Any] = {}
+        self._arrived: list[tuple[Hashable, int]] = []
 
     def send(self, key: Hashable, value: Any, dst: int, *, stage: int | None, wait: bool = False) -> None:
         self._mail[(key, dst)] = value
+        self._arrived.append((key, dst))
 
-    def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
-        raise ExecutionError("a traced step asks for its values by yielding them")  # never called: run_traced answers
+    def take(self, request: Receive, device: int) -> Any:
+        return self._mail.pop((request.key, device), NOTHING)
+
+    def arrivals(self) -> list[tuple[Hashable, int]]:
+        arrived, self._arrived = self._arrived, []
+        return arrived
+
+    def fail(self, device: int) -> None:
+        """Nothing waits while a step is traced: the error reaches the caller as it is."""
 
     def abort(self, error: BaseException) -> None:
-        """Nothing waits while a step is traced: the error reaches the caller as it is."""
+        """As :meth:`fail`."""
 
 
 def run_traced(make: Callable[[Transport], Sequence[Steps[Any]]]) -> list[Any]:
     """Every device's steps, ``make(post)`` (each sending through ``post``), run to their
-    end on this thread, each receive answered with what ``post`` was handed; a device whose
-    value is not sent yet waits while the others go on, as in the cooperative runner. Raises
-    :class:`ExecutionError` when every device waits for a value none will send."""
-    mail: dict[tuple[Hashable, int], Any] = {}
-    steps = make(_Post(mail))
-    results: list[Any] = [None] * len(steps)
-    ready: deque[tuple[int, Any]] = deque((d, None) for d in range(len(steps)))
-    parked: dict[tuple[Hashable, int], tuple[int, Receive]] = {}
-    while ready:
-        d, answer = ready.popleft()
-        while True:
-            try:
-                request = steps[d].send(answer)
-            except StopIteration as done:
-                results[d] = done.value
-                break
-            if not isinstance(request, Receive):
-                raise ExecutionError(f"device {d} waits for a computation inside a traced step", device=d)
-            slot = (request.key, d)
-            if slot not in mail:
-                parked[slot] = (d, request)
-                break
-            answer = mail.pop(slot)
-        for slot in [slot for slot in parked if slot in mail]:
-            ready.append((parked.pop(slot)[0], mail.pop(slot)))
-    if parked:
-        d, request = next(iter(parked.values()))
-        raise ExecutionError(
-            f"device {d} waits for {describe_key(request.key)} from device {request.src}, which never sends it: "
-            "every device of the step is waiting (the devices' programs do not agree on what they exchange)",
-            device=d,
-        )
+    end on this thread by the scheduler, each receive answered with what ``post`` was
+    handed; raises the first device's error (an :class:`ExecutionError` when every device
+    waits for a value none will send)."""
+    post = _Post()
+    results, errors = run_steps(make(post), post, timeout=0.0)
+    failed = next((err for err in errors if err is not None), None)
+    if failed is not None:
+        raise failed
     return results
 
 

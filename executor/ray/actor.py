@@ -53,13 +53,13 @@ from pipedsl.executor.ray.transport import (
     signatures,
     worker_groups,
 )
-from pipedsl.executor.runtime.interpreter import drive
+from pipedsl.executor.runtime.scheduler import run_steps
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.worker import Update, Worker, compile_device
 from pipedsl.executor.sharded_checkpoint import restore_device, save_device
-from pipedsl.executor.stages.mesh import DATA, TENSOR
-from pipedsl.executor.stages.model import StagedModel, explicit_model
-from pipedsl.executor.stages.split import marked_model
+from pipedsl.executor.stages.mesh import stage_mesh
+from pipedsl.executor.stages.model import StagedModel
+from pipedsl.executor.stages.split import staged_model
 from pipedsl.executor.stages.stage_options import StageOptions
 from pipedsl.program import Buffer, DeviceProgram
 from pipedsl.rendezvous import Exchange
@@ -204,15 +204,13 @@ class WorldProcess:
         recv_timeout: float,
     ) -> Failure | None:
         """Run pipeline device ``program.device``, whose stage mesh is (with every other
-        device's) ``meshes[d]``: global JAX device ids, ``dp x tp`` in row-major order.
+        device's) ``meshes[d]``: global JAX device ids, ``dp x cp x tp`` in row-major order.
         ``groups`` is the program's exchange order in groups of one collective each
         (:func:`pipedsl.rendezvous.exchange_groups`)."""
         try:
             by_id = {d.id: d for d in jax.devices()}
             config = spec.options
-            self._meshes = tuple(
-                Mesh(np.array([by_id[i] for i in ids]).reshape(config.dp, config.tp), (DATA, TENSOR)) for ids in meshes
-            )
+            self._meshes = tuple(stage_mesh([by_id[i] for i in ids], config) for ids in meshes)
             mesh = self._meshes[program.device]
             model = trace_model(spec)
             programs = compile_device(
@@ -220,8 +218,7 @@ class WorldProcess:
                 program.stages,
                 mesh,
                 specs=spec.specs,
-                zero=config.zero,
-                reduce_once=config.reduce_once,
+                options=config,
                 num_microbatches=spec.num_microbatches,
                 stage_options=spec.stage_options,
                 placement=spec.placement,
@@ -351,7 +348,9 @@ class WorldProcess:
                 recorder=Recorder(self.device, origin, clock=time.time) if origin is not None else None,
                 keep_grads=return_grads,
             )
-            result = drive(steps, transport, timeout=worker.runtime.recv_timeout)
+            (result,), (failed,) = run_steps([steps], transport, timeout=worker.runtime.recv_timeout)
+            if failed is not None:
+                raise failed
             transport.finish()
             grads = addressable_pieces(dict(result.grads)) if return_grads else {}
             value = None
@@ -433,14 +432,6 @@ def _host(loopback: bool) -> str:
 
 def trace_model(spec: ModelSpec) -> StagedModel:
     """The model of ``spec`` cut into stages (as the driver cuts it)."""
-    if spec.stages is not None:
-        return explicit_model(spec.stages, spec.loss, spec.params, spec.inputs, spec.targets, placement=spec.placement)
-    return marked_model(
-        spec.model_fn,
-        spec.loss,
-        spec.params,
-        spec.inputs,
-        spec.targets,
-        num_stages=len(spec.placement),
-        placement=spec.placement,
+    return staged_model(
+        spec.stages, spec.model_fn, spec.loss, spec.params, spec.inputs, spec.targets, placement=spec.placement
     )

@@ -41,7 +41,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.stages.mesh import DATA, TENSOR, StageLayout
+from pipedsl.executor.runtime.scheduler import Receive
+from pipedsl.executor.stages.mesh import DATA, StageLayout
 from pipedsl.executor.stages.model import StagedModel
 from pipedsl.program import Buffer, BufferKind
 from pipedsl.rendezvous import Exchange
@@ -104,7 +105,7 @@ def signatures(
     model: StagedModel, mesh: Mesh, specs: Sequence[PartitionSpec], *, zero: int
 ) -> Callable[[Hashable], Signature]:
     """What each transfer key carries, for meshes shaped like ``mesh`` (every pipeline
-    device's mesh has the same ``dp x tp`` shape): activations and input gradients as the
+    device's mesh has the same ``dp x cp x tp`` shape, ``cp = 1`` on Ray): activations and input gradients as the
     stage programs place them (axis 0 over ``"data"``, see
     :class:`~pipedsl.executor.stages.mesh.StageLayout.batch`), shared gradients and parameters
     as the stages keep them."""
@@ -272,7 +273,7 @@ class Hops:
         pair = self._pairs.get((a, b))
         if pair is None:
             first, second = self.meshes[a], self.meshes[b]
-            pair = self._pairs[(a, b)] = Mesh(np.stack([first.devices, second.devices]), (PAIR, DATA, TENSOR))
+            pair = self._pairs[(a, b)] = Mesh(np.stack([first.devices, second.devices]), (PAIR, *first.axis_names))
         return pair
 
     def _program(self, pair: Mesh, a: int, transfers: Sequence[Transfer]) -> Callable[..., Any]:
@@ -399,7 +400,9 @@ class WorldTransport:
         self._kept[(key, dst)] = value
         self._make_ready()
 
-    def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
+    def recv(self, key: Hashable, src: int) -> Any:
+        """``key`` from device ``src``: made, in order, this device's next groups until one
+        brings a value."""
         arrived = self._arrived
         while not arrived:
             if self._at == len(self._mine):
@@ -418,6 +421,18 @@ class WorldTransport:
         # The groups that were waiting behind this one for it to be made go now.
         self._make_ready()
         return value
+
+    def take(self, request: Receive, device: int) -> Any:
+        """The scheduler's receive (a :class:`~pipedsl.executor.runtime.scheduler.Mail`): made
+        at once, by :meth:`recv`, as the exchange order has it."""
+        return self.recv(request.key, request.src)
+
+    def arrivals(self) -> list[tuple[Hashable, int]]:
+        """Nothing arrives unasked: every value is received when it is taken."""
+        return []
+
+    def fail(self, device: int) -> None:
+        """A collective cannot be called off: the driver ends a failed step by ending the world."""
 
     def finish(self) -> None:
         """Make the groups left (all of them sends of this device)."""

@@ -2,13 +2,18 @@
 
 A :class:`DeviceRuntime` runs a :class:`pipedsl.program.DeviceProgram` for one step:
 it owns the device's buffers by name (:class:`pipedsl.program.Buffer`), dispatches each
-``Compute`` to the stage's compiled program (:class:`pipedsl.executor.stages.model.StageProgram`),
-hands each ``Send`` to a :class:`pipedsl.executor.runtime.transport.Transport` and asks for each
-``Recv`` by yielding a :class:`Receive` (so that one thread may run the programs of
-several devices, switching where one has to wait: see :func:`drive`), drops each
-buffer at its ``Free`` (its last use), and accumulates every local stage's parameter
-gradients over the microbatches. It knows nothing of how devices are connected: the
-:class:`pipedsl.executor.runtime.worker.Worker` of either backend runs it.
+task (:mod:`pipedsl.tasks`: a run of consecutive computes with nothing sent or received
+between them) as one program, a task of one compute as the stage's own compiled program
+(:class:`pipedsl.executor.stages.stage_program.StageProgram`), a longer one as one jitted
+program of its computes, compiled once for every task of the same computes on other
+microbatches; it hands each ``Send`` to a :class:`pipedsl.executor.runtime.transport.Transport`
+and asks for each ``Recv`` by yielding a :class:`~pipedsl.executor.runtime.scheduler.Receive`
+(so that one thread may run the programs of several devices, switching where one has to
+wait: :mod:`pipedsl.executor.runtime.scheduler`), drops each buffer at its ``Free`` (its
+last use), and accumulates every local stage's parameter gradients over the microbatches.
+A recorded step dispatches every compute apart, to time it. It knows nothing of how
+devices are connected: the :class:`pipedsl.executor.runtime.worker.Worker` of either
+backend runs it.
 
 The runtime also keeps the numbers tests and users check: the most (stage,
 microbatch) pairs whose residuals were held at once, and any buffer still held at the
@@ -17,66 +22,26 @@ end of the step (there should be none).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
 import jax
 
 from pipedsl.executor.errors import ExecutionError, stage_failure
+from pipedsl.executor.runtime.scheduler import Computed, Receive, Steps
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.transport import Transport
-from pipedsl.executor.runtime.waits import finished
 from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.ir import Kind
-from pipedsl.program import Buffer, BufferKind, Compute, DeviceProgram, Instruction, Recv, Send
+from pipedsl.program import Buffer, BufferKind, Compute, DeviceProgram, Free, Instruction, Recv, Send
+from pipedsl.tasks import device_tasks
 from pipedsl.timeline import Event
 
-__all__ = ["Receive", "Computed", "Steps", "drive", "DeviceStep", "DeviceRuntime"]
+__all__ = ["DeviceStep", "DeviceRuntime"]
 
 Leaves = tuple[Any, ...]
 _HELD = (BufferKind.RESIDUAL, BufferKind.WEIGHT_RESIDUAL)
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Receive:
-    """A device's request for ``key`` from device ``src``, answered with the value."""
-
-    key: Hashable
-    src: int
-
-
-@dataclass(frozen=True, slots=True)
-class Computed:
-    """A device's request to wait until every array of ``value`` is computed (or has
-    failed), answered with whether it was within the receive timeout."""
-
-    value: Any
-
-
-# A device's step as it runs: it yields what it waits for and returns its result.
-Steps = Generator[Receive | Computed, Any, T]
-
-
-def drive(steps: Steps[T], transport: Transport, *, timeout: float) -> T:
-    """Run ``steps`` to the end on this thread, answering each request by waiting for
-    it: a receive through ``transport``, a computation for at most ``timeout`` seconds.
-    A failed wait is raised inside ``steps``, which report it to their peers."""
-    try:
-        request = next(steps)
-        while True:
-            try:
-                if isinstance(request, Receive):
-                    answer = transport.recv(request.key, request.src, timeout=timeout)
-                else:
-                    answer = finished(request.value, timeout)
-            except BaseException as err:
-                request = steps.throw(err)
-                continue
-            request = steps.send(answer)
-    except StopIteration as done:
-        return done.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +81,10 @@ class DeviceRuntime:
     dispatches it makes: no instruction is decoded and no Enum compared or hashed per step.
     """
 
-    __slots__ = ("program", "stages", "recv_timeout", "at", "_ops", "_buffers", "_held", "_num_held", "_last")
+    __slots__ = (
+        "program", "stages", "recv_timeout", "at", "_plain", "_tasks", "_buffers", "_held", "_num_held", "_last",
+        "_fused",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -148,7 +116,21 @@ class DeviceRuntime:
             pairs.setdefault((b.stage, b.microbatch), len(pairs)) if b.kind in _HELD else None for b in self._buffers
         )
         self._num_held = len(pairs)
-        self._ops = tuple(self._compile(instr, slots) for instr in program.instructions)
+        # Every instruction on its own (a recorded step), and the same with each task of
+        # several computes as one op (numbered by its first instruction).
+        self._plain = tuple(self._compile(instr, slots) for instr in program.instructions)
+        self._fused: dict[Any, Callable[..., Any]] = {}  # the jitted program of each task's computes, by their form
+        tasks: list[tuple[int, _Op]] = []
+        for start, stop in device_tasks(program):
+            computes = [i for i in range(start, stop) if isinstance(program.instructions[i], Compute)]
+            first, last = computes[0], computes[-1]
+            tasks.extend((i, self._plain[i]) for i in range(start, first))
+            if first == last:
+                tasks.append((first, self._plain[first]))
+            else:
+                tasks.append((first, self._task(first, last + 1, slots)))
+            tasks.extend((i, self._plain[i]) for i in range(last + 1, stop))
+        self._tasks = tuple(tasks)
 
     def steps(
         self,
@@ -158,23 +140,32 @@ class DeviceRuntime:
         targets: Sequence[Leaves],
         *,
         recorder: Recorder | None = None,
+        begin: tuple[Mapping[int, Leaves], Any] | None = None,
     ) -> Steps[DeviceStep]:
         """Run the program once, yielding a :class:`Receive` for each ``Recv``.
 
         ``params`` holds each local stage's parameter leaves (placed on its mesh);
         ``inputs[m]`` / ``targets[m]`` are microbatch m's input and target leaves, needed
-        only where stage 0 / the last stage lives (pass ``()`` elsewhere). With a
-        ``recorder``, every action and transfer is waited for and recorded (an action's wait
-        is yielded as a :class:`Computed`).
+        only where stage 0 / the last stage lives (pass ``()`` elsewhere). ``begin`` is
+        (every local stage's zero gradient accumulator, the last stage's zero running loss
+        or None), made already; None makes them here. With a ``recorder``, every action and
+        transfer is waited for and recorded (an action's wait is yielded as a
+        :class:`Computed`).
 
         On failure the error names the device, the stage and the action; the transport
         is told first, so that no other device keeps waiting for this one.
         """
         last = self._last
         state = _StepState(self, transport, params, inputs, targets, recorder)
-        state.loss = None if last is None else last.zero_loss()
+        if begin is None:
+            state.grads = {s: prog.zero_grads() for s, prog in self.stages.items()}
+            state.loss = None if last is None else last.zero_loss()
+        else:
+            state.grads = dict(begin[0])
+            state.loss = begin[1]
+        ops = enumerate(self._plain) if recorder is not None else self._tasks
         try:
-            for at, op in enumerate(self._ops):
+            for at, op in ops:
                 self.at = at
                 if isinstance(op, tuple):
                     request, slot, counted = op
@@ -196,6 +187,11 @@ class DeviceRuntime:
             leftover=tuple(b for b, v in zip(self._buffers, state.values, strict=True) if v is not _EMPTY),
             events=tuple(recorder.events) if recorder is not None else (),
         )
+
+    @property
+    def last_stage(self) -> StageProgram | None:
+        """The last stage's program where this device holds it, else None."""
+        return self._last
 
     def doing(self) -> str | None:
         """The instruction being run (as the lowered program writes it), None outside
@@ -271,6 +267,115 @@ class DeviceRuntime:
 
         return run
 
+    def _task(self, start: int, stop: int, slots: Mapping[Buffer, int]) -> _Run:
+        """The computes of instructions ``start:stop`` (with the frees between them) as one op
+        that dispatches one program: its inputs are the buffers the computes read that none
+        of them wrote, its outputs the buffers they write that outlive the task. The program
+        is traced from the computes' own calls (:data:`_CALLS`) over buffers numbered in the
+        task, so tasks of the same computes on other microbatches share it."""
+        instructions = self.program.instructions[start:stop]
+        local: dict[int, int] = {}  # slot -> its number in the task
+        inputs: list[int] = []  # slots read before any compute of the task writes them
+        forms: list[tuple[Any, ...]] = []  # per compute: (kind, stage, its F's number, reads, writes)
+        effects: list[tuple[bool, tuple[tuple[int, int | None], ...]]] = []  # in order: (compute?, (slot, pair))
+        batch: list[int] = []  # per F of the task, its microbatch (for the batch's leaves)
+        stages: dict[int, None] = {}
+        for instr in instructions:
+            if isinstance(instr, Free):
+                slot = slots[instr.buffer]
+                effects.append((False, ((slot, self._held[slot]),)))
+                continue
+            assert isinstance(instr, Compute)  # a task's computes have only frees between them
+            reads = []
+            for b in instr.reads:
+                slot = slots[b]
+                if slot not in local:
+                    local[slot] = len(local)
+                    inputs.append(slot)
+                reads.append(local[slot])
+            writes = []
+            for b in instr.writes:
+                slot = slots[b]
+                local.setdefault(slot, len(local))
+                writes.append(local[slot])
+            action = instr.action
+            number = None
+            if action.kind is Kind.F:
+                number = len(batch)
+                batch.append(action.microbatch)
+            stages[action.stage] = None
+            forms.append((action.kind, action.stage, number, tuple(reads), tuple(writes)))
+            effects.append((True, tuple((slots[b], self._held[slots[b]]) for b in instr.writes)))
+        freed = {slot for compute, pairs in effects if not compute for slot, _ in pairs}
+        written = [slot for compute, pairs in effects if compute for slot, _ in pairs]
+        outputs = tuple(slot for slot in written if slot not in freed)
+        accumulating = tuple(s for s in stages if any(f[1] == s and f[0] is not Kind.F for f in forms))
+        losing = self._last is not None and any(f[0] is Kind.F and f[1] == self._last.stage for f in forms)
+        key = (tuple(forms), tuple(local[slot] for slot in inputs), tuple(local[slot] for slot in outputs),
+               accumulating, losing)  # fmt: skip
+        fused = self._fused.get(key)
+        if fused is None:
+            fused = self._fused[key] = self._fuse(forms, len(local), key=key)
+        param_stages = tuple(stages)
+        first_stage = 0 in stages
+        last_stage = self._last is not None and self._last.stage in stages
+        outs_at = {slot: k for k, slot in enumerate(outputs)}
+        device = self.program.device
+        names = "+".join(str(instr.action) for instr in instructions if isinstance(instr, Compute))
+        lead = next(instr.action.stage for instr in instructions if isinstance(instr, Compute))
+
+        def run(state: _StepState) -> None:
+            ins = tuple(state.read(slot) for slot in inputs)
+            xs = tuple(state.inputs[m] for m in batch) if first_stage else ()
+            ts = tuple(state.targets[m] for m in batch) if last_stage else ()
+            params = tuple(state.params[s] for s in param_stages)
+            grads = tuple(state.grads[s] for s in accumulating)
+            try:
+                outs, grads, loss = fused(params, grads, state.loss if losing else None, ins, xs, ts)
+            except ExecutionError:
+                raise
+            except Exception as err:  # anything a compiled stage raises, named by where it ran
+                raise stage_failure(lead, device, f"running {names}", err) from err
+            for s, g in zip(accumulating, grads, strict=True):
+                state.grads[s] = g
+            if losing:
+                state.loss = loss
+            # Buffers written and freed inside the task hold a mark while they live, so
+            # that the residuals held at once are counted as one compute at a time would.
+            for compute, pairs in effects:
+                for slot, pair in pairs:
+                    if compute:
+                        state.hold(slot, outs[outs_at[slot]] if slot in outs_at else _INSIDE, pair)
+                    else:
+                        state.values[slot] = _EMPTY
+                        if pair is not None:
+                            state.release(pair)
+
+        return run
+
+    def _fuse(self, forms: Sequence[tuple[Any, ...]], count: int, *, key: Any) -> Callable[..., Any]:
+        """The jitted program of a task's computes (``forms``, over ``count`` buffers numbered
+        in the task; ``key`` says which are given and which are returned): ``(params per
+        stage, accumulators per accumulating stage, running loss, inputs, batch inputs per F,
+        batch targets per F) -> (outputs, accumulators, loss)``; the accumulators and the loss
+        are donated."""
+        _, inputs, outputs, accumulating, losing = key
+        calls = [_CALLS[kind](self.stages[stage], number, reads, writes, (None,) * len(writes))
+                 for kind, stage, number, reads, writes in forms]  # fmt: skip
+        stage_order = tuple(dict.fromkeys(form[1] for form in forms))
+
+        def program(params: Any, grads: Any, loss: Any, ins: Any, xs: Any, ts: Any) -> Any:
+            state = _Traced(count, dict(zip(stage_order, params, strict=True)), xs, ts)
+            for k, value in zip(inputs, ins, strict=True):
+                state.values[k] = value
+            state.grads = dict(zip(accumulating, grads, strict=True))
+            state.loss = loss
+            for call in calls:
+                call(state)
+            return tuple(state.values[k] for k in outputs), tuple(state.grads[s] for s in accumulating), state.loss
+
+        return jax.jit(program, donate_argnums=(1, 2) if losing else (1,))
+
 
 def _buffers_of(instr: Instruction) -> tuple[Buffer, ...]:
     if isinstance(instr, Compute):
@@ -278,11 +383,27 @@ def _buffers_of(instr: Instruction) -> tuple[Buffer, ...]:
     return (instr.buffer,)
 
 
+class _State(Protocol):
+    """What the calls of :data:`_CALLS` read and write: a step's state (:class:`_StepState`),
+    or a task's while its program is traced (:class:`_Traced`)."""
+
+    values: list[Any]
+    params: Mapping[int, Leaves]
+    inputs: Sequence[Any]
+    targets: Sequence[Any]
+    grads: dict[int, Any]
+    loss: Any
+
+    def read(self, slot: int) -> Any: ...
+
+    def hold(self, slot: int, value: Any, counted: int | None) -> None: ...
+
+
 # The calls of each action kind: made once per instruction from its stage program, its
 # microbatch and its slots (reads and writes in compute_io's order, and per write the
 # residual pair it holds); each runs the stage program on the step's state, writes its
 # outputs, and returns what they are (for a recorded step to wait for).
-_Call = Callable[["_StepState"], Any]
+_Call = Callable[[_State], Any]
 _Slots = tuple[int, ...]
 _Held = tuple[int | None, ...]
 
@@ -295,7 +416,7 @@ def _forward(prog: StageProgram, m: int, reads: _Slots, writes: _Slots, held: _H
     residual, counted = writes[0], held[0]
     if prog.last:
 
-        def last(state: _StepState) -> Any:
+        def last(state: _State) -> Any:
             x = state.inputs[m] if read is None else state.read(read)
             _, residuals, state.loss = forward(state.params[s], x, state.targets[m], state.loss)
             state.hold(residual, residuals, counted)
@@ -304,7 +425,7 @@ def _forward(prog: StageProgram, m: int, reads: _Slots, writes: _Slots, held: _H
         return last
     activation = writes[1] if len(writes) > 1 else None
 
-    def run(state: _StepState) -> Any:
+    def run(state: _State) -> Any:
         x = state.inputs[m] if read is None else state.read(read)
         y, residuals, _ = forward(state.params[s], x, (), None)
         state.hold(residual, residuals, counted)
@@ -322,7 +443,7 @@ def _backward(prog: StageProgram, m: int, reads: _Slots, writes: _Slots, held: _
     residual, ct = reads[0], (reads[1] if len(reads) > 1 else None)
     out = writes[0] if writes else None
 
-    def run(state: _StepState) -> Any:
+    def run(state: _State) -> Any:
         residuals = state.read(residual)
         cts = () if ct is None else state.read(ct)
         input_cts, state.grads[s] = backward(residuals, cts, state.grads[s])
@@ -341,7 +462,7 @@ def _input(prog: StageProgram, m: int, reads: _Slots, writes: _Slots, held: _Hel
     out = writes[0] if len(writes) > 1 else None
     handed, counted = writes[-1], held[-1]
 
-    def run(state: _StepState) -> Any:
+    def run(state: _State) -> Any:
         residuals = state.read(residual)
         cts = () if ct is None else state.read(ct)
         input_cts, handoff = backward_input(residuals, cts)
@@ -357,7 +478,7 @@ def _weight(prog: StageProgram, m: int, reads: _Slots, writes: _Slots, held: _He
     backward_weight, s = prog.backward_weight, prog.stage
     handed = reads[0]
 
-    def run(state: _StepState) -> Any:
+    def run(state: _State) -> Any:
         state.grads[s] = backward_weight(state.read(handed), state.grads[s])
         return ()
 
@@ -396,6 +517,28 @@ def _free(slot: int, counted: int | None) -> _Run:
 
 
 _EMPTY = object()  # a slot that holds no value
+_INSIDE = object()  # a slot whose value lives inside a task's program only
+
+
+class _Traced:
+    """A task's buffers, parameters and accumulators while its program is traced: what the
+    computes' calls (:data:`_CALLS`) read and write, with nothing counted."""
+
+    __slots__ = ("values", "params", "inputs", "targets", "grads", "loss")
+
+    def __init__(self, count: int, params: Mapping[int, Leaves], inputs: Sequence[Any], targets: Sequence[Any]) -> None:
+        self.values: list[Any] = [None] * count
+        self.params = params
+        self.inputs = inputs
+        self.targets = targets
+        self.grads: dict[int, Any] = {}
+        self.loss: Any = None
+
+    def read(self, slot: int) -> Any:
+        return self.values[slot]
+
+    def hold(self, slot: int, value: Any, counted: int | None) -> None:
+        self.values[slot] = value
 
 
 class _StepState:
@@ -424,7 +567,7 @@ class _StepState:
         self.targets = targets
         self.recorder = recorder
         self.values: list[Any] = [_EMPTY] * len(runtime._buffers)
-        self.grads = {s: prog.zero_grads() for s, prog in runtime.stages.items()}
+        self.grads: dict[int, Leaves] = {}
         self.loss: Any = None
         self.counts = [0] * runtime._num_held
         self.live = 0

@@ -2,12 +2,14 @@
 
 A :class:`~pipedsl.executor.runtime.worker.Worker` sees one small interface per device:
 hand a value to another device under a key (a buffer of the lowered program, or the
-worker's own keys for gradient sums, finiteness flags and parameter hand-outs), wait for
-one from another device (always with a timeout), and tell every peer that this device
-failed so that none of them waits in vain. Each backend supplies the implementation (the
-local backend's mailboxes, :mod:`pipedsl.executor.local.exchange`; the Ray world's
-compiled collectives, :mod:`pipedsl.executor.ray.transport`); this module also holds the
-words and errors every backend's receives share.
+worker's own keys for gradient sums, finiteness flags and parameter hand-outs), and tell
+every peer that this device failed so that none of them waits in vain. A device asks for a
+value by yielding a :class:`~pipedsl.executor.runtime.scheduler.Receive`, which the
+scheduler answers from the backend's :class:`~pipedsl.executor.runtime.scheduler.Mail`.
+Each backend supplies both (the local backend's mailboxes,
+:mod:`pipedsl.executor.local.exchange`; the Ray world's compiled collectives,
+:mod:`pipedsl.executor.ray.transport`); this module also holds the words every backend's
+receives share.
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, Protocol
 
-from pipedsl.executor.errors import ExecutionError, PeerFailed
-
-__all__ = ["Transport", "describe_key", "never_sent", "stopped_waiting"]
+__all__ = ["Transport", "describe_key"]
 
 
 class Transport(Protocol):
@@ -29,14 +29,6 @@ class Transport(Protocol):
 
         Returns at once unless ``wait``; then only once the value has arrived (used when
         timing, so that the transfer's end can be recorded).
-        """
-        ...
-
-    def recv(self, key: Hashable, src: int, *, timeout: float) -> Any:
-        """Wait at most ``timeout`` seconds for ``key`` from device ``src``.
-
-        Raises :class:`ExecutionError` on timeout and :class:`PeerFailed` as soon as any
-        device has reported a failure.
         """
         ...
 
@@ -57,17 +49,3 @@ def describe_key(key: Hashable) -> str:
     if isinstance(key, tuple) and key and key[0] == "finite":
         return "whether its gradients and loss are finite"
     return str(key)
-
-
-def never_sent(me: int, key: Hashable, src: int, timeout: float) -> ExecutionError:
-    """The error of a receive that waited its whole timeout."""
-    return ExecutionError(
-        f"device {me} waited {timeout:g} s for {describe_key(key)} from device {src}, which never sent "
-        "it; raise recv_timeout if stages really take that long",
-        device=me,
-    )
-
-
-def stopped_waiting(me: int, key: Hashable, src: int, why: str) -> PeerFailed:
-    """The error of a receive ended by a failure elsewhere (``why``)."""
-    return PeerFailed(f"device {me} stopped waiting for {describe_key(key)} from device {src}: {why}", device=me)

@@ -14,15 +14,21 @@ of the leaves they own. :meth:`Worker.steps` runs a whole step on the device:
    order), sending those of leaves owned elsewhere;
 4. when training: a barrier with every other device, so that an optimizer step is all
    or nothing (a step that fails before it leaves the resident state as it was), then
-   the optimizer update of the owned leaves, and the hand-out of updated shared leaves
-   to the other devices that use them.
+   the optimizer update of the owned leaves, one program for every local stage, and the
+   hand-out of updated shared leaves to the other devices that use them.
+
+What a step needs before its first action (the parameters in the compute dtype, zero
+gradient accumulators, a zero running loss) comes out of the last update's program, made
+for the next step; a step with nothing made for it (the first, or one after a step
+without an update) makes it with one program for the device. So a step dispatches, per
+device, its tasks and transfers and one program more.
 
 Everything between devices goes through the backend's
 :class:`~pipedsl.executor.runtime.transport.Transport`. :meth:`Worker.steps` is the step as a
-generator that yields what it waits for (:class:`~pipedsl.executor.runtime.interpreter.Receive`,
-:class:`~pipedsl.executor.runtime.interpreter.Computed`): a Ray backend process answers each by
-waiting (:func:`~pipedsl.executor.runtime.interpreter.drive`), the local backend runs every pipeline device's steps
-on one thread, switching devices where one waits.
+generator that yields what it waits for (:class:`~pipedsl.executor.runtime.scheduler.Receive`,
+:class:`~pipedsl.executor.runtime.scheduler.Computed`), run by the one scheduler
+(:mod:`pipedsl.executor.runtime.scheduler`): a Ray backend process runs its device's steps,
+the local backend every pipeline device's on one thread, switching devices where one waits.
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import ExecutionError
-from pipedsl.executor.runtime.interpreter import DeviceRuntime, DeviceStep, Receive, Steps
+from pipedsl.executor.runtime.interpreter import DeviceRuntime, DeviceStep
 from pipedsl.executor.runtime.optimizers import couples_through_global_norm
+from pipedsl.executor.runtime.scheduler import Receive, Steps
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.transport import Transport
 from pipedsl.executor.stages.mesh import StageLayout
@@ -50,6 +57,7 @@ from pipedsl.executor.stages.shards import DataShards
 from pipedsl.executor.stages.stage_options import StageOptions
 from pipedsl.executor.stages.stage_program import StageProgram, compile_stage
 from pipedsl.program import Buffer, DeviceProgram
+from pipedsl.run_options import RunOptions
 from pipedsl.timeline import Event
 
 __all__ = ["Update", "WorkerStep", "Worker", "compile_device", "place_states_together"]
@@ -141,6 +149,9 @@ class Worker:
         self.owned = tuple(i for i in sorted(self._kept) if placement[model.owner[i]] == self.index)
         self._placed_states: set[int] = set()
         self._optimizers: dict[int, _Compiled] = {}
+        # What the last update made for the next step (see the module docstring).
+        self._prepared: _Begin | None = None
+        self._begin: Callable[..., Any] | None = None  # the program that makes it otherwise
         first, last = 0 in local, model.num_stages - 1 in local
         self._input_layout = local[0].layout if first else None
         self._target_layout = local[model.num_stages - 1].layout if last else None
@@ -162,6 +173,7 @@ class Worker:
                 # A copy even where the caller's array is placed already: the optimizer
                 # update donates the resident leaves, never the caller's.
                 self.leaves[i] = _copied(value, target)
+                self._prepared = None
         if states is not None:
             self.states = {s: states[s] for s in self.local if s in states}
             self._placed_states.clear()
@@ -193,12 +205,14 @@ class Worker:
         ``keep_grads`` (and no ``update``) the summed gradients are returned."""
         self.start(update)
         self.phase = "program"
+        begin = self.begin()
         result = yield from self.runtime.steps(
             transport,
-            self.compute_params(),
+            begin.params,
             self.microbatches(inputs, self._input_layout),
             self.microbatches(targets, self._target_layout),
             recorder=recorder,
+            begin=(begin.grads, begin.loss),
         )
         return (yield from self.finish(transport, result, update=update, keep_grads=keep_grads))
 
@@ -214,6 +228,33 @@ class Worker:
         bf16 copy of the master weights per step under bf16 (StageProgram.compute_params)."""
         stages, model = self.runtime.stages, self.model
         return {s: stages[s].compute_params(tuple(self.leaves[i] for i in model.stage_params[s])) for s in self.local}
+
+    def begin(self) -> _Begin:
+        """What this step needs before its first action: what the last update made for it
+        where it did, else made now by one program for every local stage (module docstring).
+        Inside a step traced into one program the values are traced too, and none is kept."""
+        stages, model = self.runtime.stages, self.model
+        leaves = {s: tuple(self.leaves[i] for i in model.stage_params[s]) for s in self.local}
+        traced = any(isinstance(v, jax.core.Tracer) for v in self.leaves.values())
+        # What an update made holds values, never to be taken into a traced program.
+        prepared, self._prepared = (None, self._prepared) if traced else (self._prepared, None)
+        if prepared is None:
+            if self._begin is None:
+                last = self.runtime.last_stage
+
+                def begin(leaves: Any) -> Any:
+                    return (
+                        {s: stages[s].compute_params(leaves[s]) for s in leaves if stages[s].casts},
+                        {s: stages[s].zero_grads() for s in leaves},
+                        None if last is None else last.zero_loss(),
+                    )
+
+                self._begin = jax.jit(begin)
+            prepared = _Begin(*self._begin(leaves))
+        # Stages that compute in their parameters' own dtype take the leaves themselves.
+        params = {s: prepared.params[s] if s in prepared.params else stages[s].compute_params(leaves[s])
+                  for s in self.local}  # fmt: skip
+        return _Begin(params, prepared.grads, prepared.loss)
 
     def finish(
         self, transport: Transport, result: DeviceStep, *, update: Update | None, keep_grads: bool
@@ -344,30 +385,43 @@ class Worker:
         (:func:`~pipedsl.executor.runtime.optimizers.couples_through_global_norm`). ``finite``
         (a bool scalar, or None to update unconditionally) keeps the parameters and state
         as they were where it is false, inside the same programs."""
-        model, me, placement = self.model, self.index, self.placement
+        model = self.model
         self._sources.clear()  # the resident leaves are no longer the caller's arrays
         self.place_states(update.optimizer, fresh=update.init)
         compiled = self._compiled_for(update.optimizer)
         rest = (yield from self._rest_of_norm(transport, grads)) if compiled.coupled else {}
+        # Inside a step traced into one program nothing is made for the next step.
+        traced = any(isinstance(v, jax.core.Tracer) for v in self.leaves.values())
+        program = self._device_update(compiled, prepare=not traced)
+        params = {
+            s: jax.tree_util.tree_unflatten(model.owned_treedefs[s], [self.leaves[i] for i in model.owned(s)])
+            for s in self.local
+        }
+        owned_grads = {
+            s: jax.tree_util.tree_unflatten(model.owned_treedefs[s], [grads[i] for i in model.owned(s)])
+            for s in self.local
+        }
+        new_params, self.states, made = program(finite, owned_grads, rest, dict(self.states), params)
         for s in self.local:
-            owned = model.owned(s)
-            apply = self._compiled_update(compiled, s)[0]
-            treedef = model.owned_treedefs[s]
-            params_s = jax.tree_util.tree_unflatten(treedef, [self.leaves[i] for i in owned])
-            grads_s = jax.tree_util.tree_unflatten(treedef, [grads[i] for i in owned])
-            args = (grads_s, rest[s]) if compiled.coupled else (grads_s,)
-            params_s, self.states[s] = apply(finite, *args, self.states[s], params_s)
-            for i, leaf in zip(owned, jax.tree_util.tree_leaves(params_s), strict=True):
+            for i, leaf in zip(model.owned(s), jax.tree_util.tree_leaves(new_params[s]), strict=True):
                 self.leaves[i] = leaf
+        if made is not None:
+            self._prepared = _Begin(*made)
+        me, placement = self.index, self.placement
         for s in range(model.num_stages):
             for i in model.stage_params[s]:
                 if placement[model.owner[i]] == me and placement[s] != me:
                     transport.send(("param", s, i), self.leaves[i], placement[s], stage=model.owner[i])
+        received = False
         for s in self.local:
             for i in model.stage_params[s]:
                 owner = placement[model.owner[i]]
                 if owner != me:
                     self.leaves[i] = yield Receive(("param", s, i), owner)
+                    received = True
+        if received and self._prepared is not None:
+            # A stage's compute-dtype copy was made before its shared leaves came back: made anew.
+            self._prepared = _Begin({}, self._prepared.grads, self._prepared.loss)
 
     def place_states(self, optimizer: optax.GradientTransformation, *, fresh: bool) -> None:
         """Make every local stage's optimizer state resident where its layout keeps it:
@@ -443,9 +497,45 @@ class Worker:
     def _compiled_for(self, optimizer: optax.GradientTransformation) -> _Compiled:
         entry = self._optimizers.get(id(optimizer))
         if entry is None or entry.optimizer is not optimizer:
-            entry = _Compiled(optimizer, couples_through_global_norm(optimizer), {})
+            entry = _Compiled(optimizer, couples_through_global_norm(optimizer), {}, {})
             self._optimizers[id(optimizer)] = entry
         return entry
+
+    def _device_update(self, entry: _Compiled, *, prepare: bool) -> Callable[..., Any]:
+        """One program of every local stage's update: ``(finite, grads, rest of the norm,
+        states, params)``, each a dict by stage (the grads, states and params donated), to
+        (new params, new states, what the next step needs before its first action: its
+        compute-dtype parameters, zero accumulators and zero running loss, with
+        ``prepare``, else None)."""
+        found = entry.devices.get(prepare)
+        if found is not None:
+            return found
+        stages, model, coupled, local = self.runtime.stages, self.model, entry.coupled, self.local
+        last = self.runtime.last_stage
+        updates = {s: self._compiled_update(entry, s)[0] for s in local}
+
+        def program(finite: Any, grads: Any, rest: Any, states: Any, params: Any) -> Any:
+            new_params, new_states = {}, {}
+            for s in local:
+                args = (grads[s], rest[s]) if coupled else (grads[s],)
+                new_params[s], new_states[s] = updates[s](finite, *args, states[s], params[s])
+            if not prepare:
+                return new_params, new_states, None
+            leaves = {
+                i: leaf
+                for s in local
+                for i, leaf in zip(model.owned(s), jax.tree_util.tree_leaves(new_params[s]), strict=True)
+            }
+            cast = {
+                s: stages[s].compute_params(tuple(leaves[i] for i in model.stage_params[s]))
+                for s in local
+                if stages[s].casts and all(i in leaves for i in model.stage_params[s])
+            }
+            zeros = {s: stages[s].zero_grads() for s in local}
+            return new_params, new_states, (cast, zeros, None if last is None else last.zero_loss())
+
+        found = entry.devices[prepare] = jax.jit(program, donate_argnums=(1, 3, 4))
+        return found
 
     def _compiled_update(self, entry: _Compiled, stage: int) -> tuple[Callable, Callable, Any]:
         """(update, init, state shardings) of the optimizer for ``stage``'s owned leaves:
@@ -516,12 +606,25 @@ class Worker:
 @dataclass(slots=True)
 class _Compiled:
     """An optimizer's compiled updates on one device: whether it couples leaves through
-    the global norm (:func:`~pipedsl.executor.runtime.optimizers.couples_through_global_norm`) and, per local stage, (update, init, state
-    shardings)."""
+    the global norm (:func:`~pipedsl.executor.runtime.optimizers.couples_through_global_norm`), per local stage
+    (update, init, state shardings), and the device's update program (by whether it
+    prepares the next step, :meth:`Worker._device_update`)."""
 
     optimizer: optax.GradientTransformation
     coupled: bool
     stages: dict[int, tuple[Callable, Callable, Any]]
+    devices: dict[bool, Callable[..., Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Begin:
+    """What a step needs before its first action, per local stage: its parameters in the
+    compute dtype (a stage missing here takes its master leaves' cast when it starts), its
+    zero gradient accumulator; and the last stage's zero running loss (None elsewhere)."""
+
+    params: Mapping[int, Leaves]
+    grads: Mapping[int, Leaves]
+    loss: Any
 
 
 def place_states_together(workers: Sequence[Worker], optimizer: optax.GradientTransformation, *, fresh: bool) -> None:
@@ -548,20 +651,22 @@ def compile_device(
     mesh: Mesh,
     *,
     specs: Sequence[PartitionSpec],
-    zero: int,
+    options: RunOptions,
     num_microbatches: int,
     stage_options: Sequence[StageOptions],
     placement: Sequence[int],
-    reduce_once: bool = False,
 ) -> dict[int, StageProgram]:
     """The compiled programs of ``stages`` (all on one pipeline device, whose mesh is
-    ``mesh``); ``specs`` gives every flat parameter leaf's ``PartitionSpec``; ``stage_options``
-    every stage's :class:`~pipedsl.executor.stages.stage_options.StageOptions`."""
+    ``mesh``), as both backends compile them; ``specs`` gives every flat parameter leaf's
+    ``PartitionSpec``, ``options`` the ZeRO mode, ``stage_options`` every stage's
+    :class:`~pipedsl.executor.stages.stage_options.StageOptions`."""
     programs = {}
     for s in stages:
         idx = model.stage_params[s]
         avals = [model.param_avals[i] for i in idx]
-        layout = StageLayout(mesh, [specs[i] for i in idx], avals, zero=zero, leaves=idx, reduce_once=reduce_once)
+        layout = StageLayout(
+            mesh, [specs[i] for i in idx], avals, zero=options.zero, leaves=idx, reduce_once=options.reduce_once
+        )
         programs[s] = compile_stage(
             model, s, num_microbatches=num_microbatches, options=stage_options[s], device=placement[s], layout=layout
         )

@@ -1,7 +1,8 @@
-"""Stage meshes: every pipeline device as a ``dp x tp`` mesh of JAX devices.
+"""Stage meshes: every pipeline device as a ``dp x cp x tp`` mesh of JAX devices.
 
 A pipeline device runs its stages as SPMD programs on a :class:`jax.sharding.Mesh` with
-axes ``"data"`` (size ``dp``) and ``"tensor"`` (size ``tp``). Where each value lives on
+axes ``"data"`` (size ``dp``), ``"context"`` (size ``cp``) and ``"tensor"`` (size ``tp``),
+made by :func:`stage_mesh` on either backend. Where each value lives on
 that mesh is a :class:`jax.sharding.NamedSharding`, and the stage programs are jitted with
 these shardings as their output shardings (their inputs arrive already placed), so XLA
 inserts the tensor-parallel collectives and the data-parallel gradient reduction inside
@@ -38,7 +39,7 @@ from pipedsl.executor.devices import xla_device_flag
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.run_options import RunOptions
 
-__all__ = ["StageLayout", "build_meshes", "leaf_specs", "DATA", "CONTEXT", "TENSOR"]
+__all__ = ["StageLayout", "build_meshes", "stage_mesh", "leaf_specs", "DATA", "CONTEXT", "TENSOR"]
 
 DATA, CONTEXT, TENSOR = "data", "context", "tensor"
 
@@ -73,11 +74,14 @@ def build_meshes(
     size = options.mesh_size
     if size > 1 and len(set(devices)) != len(devices):
         raise ExecutionError("with dp, cp or tp above 1, every JAX device given must be distinct")
+    return tuple(stage_mesh(devices[d * size : (d + 1) * size], options) for d in range(num_devices))
+
+
+def stage_mesh(devices: Sequence[jax.Device], options: RunOptions) -> Mesh:
+    """One pipeline device's mesh: ``devices`` (``options.mesh_size`` of them, row-major)
+    as ``dp x cp x tp`` with axes ``"data"``, ``"context"`` and ``"tensor"``."""
     shape = (options.dp, options.cp, options.tp)
-    return tuple(
-        Mesh(np.array(devices[d * size : (d + 1) * size], dtype=object).reshape(shape), (DATA, CONTEXT, TENSOR))
-        for d in range(num_devices)
-    )
+    return Mesh(np.array(list(devices), dtype=object).reshape(shape), (DATA, CONTEXT, TENSOR))
 
 
 def _is_spec(x: Any) -> bool:

@@ -39,9 +39,16 @@ from jax.interpreters import ad, batching, mlir
 
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.stages.jaxprs import evaluate, inline_calls, read
-from pipedsl.executor.stages.model import LeafFn, StagedModel, check_float_params, check_loss, describe_avals
+from pipedsl.executor.stages.model import (
+    LeafFn,
+    StagedModel,
+    check_float_params,
+    check_loss,
+    describe_avals,
+    explicit_model,
+)
 
-__all__ = ["stage_boundary", "stage_boundary_p", "marked_model"]
+__all__ = ["stage_boundary", "stage_boundary_p", "marked_model", "staged_model"]
 
 T = TypeVar("T")
 
@@ -362,3 +369,23 @@ def _stage_fn(
         return tuple(read(env, v) for v in outputs)
 
     return fn
+
+
+def staged_model(
+    stages: Sequence[Callable[[Any, Any], Any]] | None,
+    model_fn: Callable[[Any, Any], Any] | None,
+    loss: Callable[[Any, Any], Any],
+    params: Any,
+    inputs: Any,
+    targets: Any,
+    *,
+    placement: Sequence[int],
+) -> StagedModel:
+    """The model cut into stages, from either form a pipeline takes: explicit ``stages``
+    (:func:`~pipedsl.executor.stages.model.explicit_model`) or one ``model_fn`` cut at its
+    markers (:func:`marked_model`); every backend traces it this way, the Ray backend on the
+    driver and in each process alike."""
+    if stages is not None:
+        return explicit_model(stages, loss, params, inputs, targets, placement=placement)
+    assert model_fn is not None  # a pipeline is given one of the two forms
+    return marked_model(model_fn, loss, params, inputs, targets, num_stages=len(placement), placement=placement)

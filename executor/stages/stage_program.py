@@ -358,6 +358,12 @@ class StageProgram:
         reduce = None if self._reduce is None else self._reduce.lower(acc).compile()
         return forward, backward, reduce
 
+    @property
+    def casts(self) -> bool:
+        """Whether :meth:`compute_params` makes a copy (the stage computes in another dtype
+        than its master weights'), rather than returning the leaves themselves."""
+        return self._cast is not None
+
     def compute_params(self, params: Leaves) -> Leaves:
         """The stage's parameter leaves (the master weights) as its programs take them: in
         the compute dtype (one bf16 copy per step under bf16, as Megatron-LM keeps one),

@@ -36,16 +36,16 @@ def _pipedsl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[st
 
 
 def _assert_cost_per_action(out: Path, cluster: Cluster) -> None:
-    """The cluster's cost per action is what its comment says was measured: the step
-    dispatched action by action against it as one program, the difference over its actions
+    """The cluster's cost per task is what its comment says was measured: the step
+    dispatched task by task against it as one program, the difference over its tasks
     (none where a loaded machine happened to time the step apart faster)."""
     said = re.search(
-        r"dispatched action by action \(([\d.]+) ms\) against as one program \(([\d.]+) ms\), over its (\d+) actions",
+        r"dispatched task by task \(([\d.]+) ms\) against as one program \(([\d.]+) ms\), over its (\d+) tasks",
         out.read_text(),
     )
     assert said is not None
-    apart, fused, actions = float(said[1]), float(said[2]), int(said[3])
-    assert cluster.action_overhead_s * 1e3 == pytest.approx(max(apart - fused, 0.0) / actions, abs=0.01 / actions)
+    apart, fused, tasks = float(said[1]), float(said[2]), int(said[3])
+    assert cluster.action_overhead_s * 1e3 == pytest.approx(max(apart - fused, 0.0) / tasks, abs=0.01 / tasks)
 
 
 @pytest.mark.slow

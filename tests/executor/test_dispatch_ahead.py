@@ -77,6 +77,35 @@ def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_fini
     assert np.isfinite(float(loss))
 
 
+def test_separate_devices_run_ahead_on_the_accelerators_path() -> None:
+    # A JAX device per pipeline device, every value copied between them as on accelerators
+    # (no hand-over through host memory): ten steps are dispatched while the devices still
+    # compute the first ones, and nothing comes to the host.
+    schedule = pipedsl.load("1f1b", pp=4, microbatches=8)
+    params = [jnp.eye(WIDTH) * 0.5] * 4
+    x = np.ones((256, WIDTH), np.float32)
+    batch = (x, x * 0.5)
+    optimizer = optax.sgd(1e-3)
+    trained = []
+    for host_transfers in (False, True):
+        pipe = Pipeline([_heavy] * 4, loss=_mse, schedule=schedule, options=RunOptions(host_transfers=host_transfers))
+        assert len({d for m in pipe.backend.meshes for d in m.devices.flat}) == 4
+        held, state, loss = pipe.train_step(params, None, batch, optimizer=optimizer)  # compiles
+        jax.block_until_ready(loss)
+        if not host_transfers:
+            with jax.transfer_guard_device_to_host("disallow"):
+                for _ in range(10):
+                    held, state, loss = pipe.train_step(held, state, batch, optimizer=optimizer)
+                assert not loss.is_ready()
+        else:
+            for _ in range(10):
+                held, state, loss = pipe.train_step(held, state, batch, optimizer=optimizer)
+        trained.append((pipe.gather(held), float(loss)))
+    (copied, copied_loss), (by_host, by_host_loss) = trained
+    assert_trees_close(copied, by_host)
+    assert copied_loss == pytest.approx(by_host_loss, rel=1e-6)
+
+
 @pytest.mark.ray
 @pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
 def test_ray_train_steps_keep_their_losses_in_the_world_until_read() -> None:
@@ -243,3 +272,26 @@ def test_a_non_finite_step_keeps_the_parameters_on_the_devices(shared: bool) -> 
     )
     assert np.isfinite(float(loss))
     assert not np.allclose(jax.tree_util.tree_leaves(pipe.gather(held))[0], jax.tree_util.tree_leaves(before)[0])
+
+
+def test_what_an_update_makes_for_the_next_step_never_enters_a_traced_program() -> None:
+    # A recorded step is dispatched apart and its update makes what the next step starts
+    # with; the next unrecorded step on shared devices is traced into one program, which
+    # must read the parameters it is given, not take the values made before (here the bf16
+    # copy of the parameters) as constants.
+    schedule = library("1f1b")
+    m = model("mlp", schedule.num_stages)
+    params, batch, _, _ = setup("mlp", "explicit", schedule.num_stages)
+    shared = [jax.devices()[0]] * schedule.num_devices
+    optimizer = optax.sgd(0.1)
+
+    def trained(fuse: Fuse) -> Any:
+        options = RunOptions(fuse=fuse, precision="bf16")
+        pipe = Pipeline(m.stages, loss=m.loss, schedule=schedule, devices=shared, options=options)
+        result = pipe.step(params, batch, optimizer=optimizer, record=True)
+        held, state = result.params, result.opt_state
+        for _ in range(2):
+            held, state, _ = pipe.train_step(held, state, batch, optimizer=optimizer)
+        return pipe.gather(held)
+
+    assert_trees_close(trained("unrolled"), trained("off"))

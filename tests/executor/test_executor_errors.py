@@ -14,10 +14,10 @@ import pytest
 import pipedsl
 from pipedsl.errors import PipedslError
 from pipedsl.executor import ExecutionError, Pipeline, RayConfig, RayWorld, RunOptions, stage_boundary
-from pipedsl.executor.local.cooperative import run_together
 from pipedsl.executor.local.exchange import LocalExchange, resharder
 from pipedsl.executor.local.fused import FusedStep
-from pipedsl.executor.runtime.interpreter import DeviceRuntime, Steps, drive
+from pipedsl.executor.runtime.interpreter import DeviceRuntime
+from pipedsl.executor.runtime.scheduler import Steps, run_watched
 from pipedsl.ir import Schedule
 
 WIDTH = 4
@@ -166,19 +166,6 @@ def test_a_failure_inside_the_one_program_of_an_update_says_what_was_lost_and_ho
     assert "donated parameters and optimizer state are gone" in message and "fuse='off'" in message
 
 
-def test_receive_times_out_instead_of_hanging() -> None:
-    schedule = one_f_one_b()
-    pipe = Pipeline([dense] * 2, loss=mse, schedule=schedule)
-    programs = pipe.compile(params(), batch())
-    runtime = DeviceRuntime(pipe.program.devices[1], dict(enumerate(programs)), recv_timeout=0.2)
-    # Device 0 never runs, so device 1's first receive can only time out.
-    targets = [(jnp.zeros((2, WIDTH)),)] * 4
-    exchange = LocalExchange([resharder(m) for m in pipe.backend.meshes])
-    steps = runtime.steps(exchange.endpoint(1), {1: (jnp.eye(WIDTH),)}, (), targets)
-    with pytest.raises(ExecutionError, match="device 1 waited 0.2 s for act\\(0,0\\) from device 0"):
-        drive(steps, exchange.endpoint(1), timeout=0.2)
-
-
 def test_a_receive_no_device_will_answer_is_found_at_once() -> None:
     schedule = one_f_one_b()
     pipe = Pipeline([dense] * 2, loss=mse, schedule=schedule)
@@ -194,7 +181,7 @@ def test_a_receive_no_device_will_answer_is_found_at_once() -> None:
     device_1 = runtime.steps(exchange.endpoint(1), {1: (jnp.eye(WIDTH),)}, (), targets)
     # Every device waits (device 0 has ended), so the step ends with that error, not with a
     # stall after its timeout (which would raise instead): the timeout only bounds a hang.
-    results, errors = run_together(
+    results, errors = run_watched(
         [silent(), device_1], exchange, timeout=60.0, doing=lambda d: "", progress=lambda: None
     )
     assert errors[0] is None and isinstance(errors[1], ExecutionError)
