@@ -56,6 +56,8 @@ class StageCosts:
       serial: with ``speedup``, whether the computes run one at a time in the order one
         host thread dispatches them (:func:`pipedsl.program.dispatch_order`) instead of
         sharing the compute.
+      dispatch: seconds of the host's dispatch of each task (:mod:`pipedsl.tasks`), charged
+        at the start of the task's first compute.
     """
 
     forward: tuple[float, ...]
@@ -69,6 +71,7 @@ class StageCosts:
     overlap_sends: bool
     speedup: tuple[float, ...] | None = None
     serial: bool = False
+    dispatch: float = 0.0
 
     @classmethod
     def uniform(cls, layout: Layout) -> StageCosts:

@@ -129,6 +129,10 @@ class CostModel:
         only after the one dispatched before it (``bench/bench_host_sharing.py``), so
         pipeline devices that are meshes of several CPU devices take turns. False (the
         default): processor sharing.
+      dispatch: seconds the executor's host spends dispatching each program of a stage's
+        actions, charged on the device at the start of each task (:mod:`pipedsl.tasks`: one
+        action, or a device's consecutive actions with nothing sent or received between
+        them, dispatched as one program); 0 (the default) where dispatch is hidden.
     """
 
     forward: PerStage = 1.0
@@ -145,6 +149,7 @@ class CostModel:
     per_device: bool = False
     speedup: tuple[float, ...] | None = None
     serial: bool = False
+    dispatch: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward", "activation_bytes", "residual_bytes"):
@@ -158,6 +163,7 @@ class CostModel:
             if value is not None:
                 object.__setattr__(self, name, _bytes(name, value))
         object.__setattr__(self, "latency", _number("latency", self.latency))
+        object.__setattr__(self, "dispatch", _number("dispatch", self.dispatch))
         if self.bandwidth is not None:
             bandwidth = _number("bandwidth", self.bandwidth)
             if bandwidth == 0:
@@ -278,6 +284,7 @@ class CostModel:
             overlap_sends=self.overlap_sends,
             speedup=self._speedup_for(schedule.num_devices),
             serial=self.serial,
+            dispatch=self.dispatch,
         )
 
     def _speedup_for(self, devices: int) -> tuple[float, ...] | None:

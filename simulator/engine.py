@@ -41,6 +41,7 @@ from pipedsl.program import NEVER_SENT, Program, ProgramArrays, dispatch_order, 
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.sharing import settle_serial, settle_shared
 from pipedsl.stage_costs import StageCosts
+from pipedsl.tasks import task_starts
 from pipedsl.timeline import Event, EventKind, Timeline
 from pipedsl.validate import checked, kept_check
 
@@ -311,6 +312,10 @@ class _Run:
         # kind and stage), not one float object per row.
         seconds = [*costs.forward, *costs.backward, *costs.input_grad, *costs.weight_grad]
         code = kind * num_stages + stage
+        if costs.dispatch:
+            # A compute that starts a task carries the task's dispatch (pipedsl.tasks).
+            seconds += [s + costs.dispatch for s in seconds]
+            code = code + task_starts(arrays) * (4 * num_stages)
         duration = np.array(seconds, dtype=np.float64)[code]
         # F sends its activation, B and I their input gradient; W sends nothing. A row
         # that sends nothing adds 0.0, which leaves a blocked sender's clock as it was.

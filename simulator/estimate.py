@@ -301,7 +301,7 @@ class Prepared:
             latency, bandwidth, boundary_bytes = 0.0, None, (0,) * (len(work) - 1)
         else:
             latency, bandwidth, boundary_bytes = _transfer_costs(self.placement, self.shapes)
-        backward, input_grad, weight_grad = _backward_seconds(work, self.shapes.action_overhead_s)
+        backward, input_grad, weight_grad = _backward_seconds(work)
         return CostModel(
             forward=tuple(w.forward for w in work),
             backward=backward,
@@ -313,6 +313,7 @@ class Prepared:
             residual_bytes=self.residual,
             speedup=self.speedup,
             serial=self.serial,
+            dispatch=self.shapes.action_overhead_s,
         )
 
     def finish(self) -> Estimate:
@@ -320,12 +321,10 @@ class Prepared:
         if self.key is not None and self.pipelines is not None:
             timing = self.pipelines.timing(self.key, self.cost_model())
             return self.assemble(timing.makespan, timing.bubble_ratio, timing.simulation)
-        work, overhead = self.work, self.shapes.action_overhead_s
+        work = self.work
         # One pipeline device, always busy: the engine's speed-up at one busy device.
         busy = 1.0 if self.speedup is None else self.speedup[0]
-        return self.assemble(
-            self.plan.microbatches * (work[0].forward + work[0].fused_backward(overhead)) / busy, 0.0, None
-        )
+        return self.assemble(self.plan.microbatches * (work[0].forward + work[0].backward) / busy, 0.0, None)
 
     def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle
@@ -354,7 +353,7 @@ class Prepared:
             mfu=step_flops(model, plan, DEFAULT_FLOP_COUNT) / (plan.gpus * cluster.peak_flops * step),
             memory=self.memory,
             stage_forward_s=tuple(w.forward for w in work),
-            stage_backward_s=tuple(w.fused_backward(shapes.action_overhead_s) for w in work),
+            stage_backward_s=tuple(w.backward for w in work),
             assumptions=assumptions(model, cluster, plan),
             simulation=simulation,
         )
@@ -499,9 +498,9 @@ def _lower_bound(shapes: Shapes, work: Sequence[Work], key: ScheduleKey | None, 
     """Seconds the forward/backward part takes at least (see :meth:`Pipelines.lower_bound_s`);
     for SPMD, exactly its microbatches × (F + B); for pipeline devices that share their
     devices, exactly every stage's, one action after another (a split backward's halves
-    sum to its fused one, with no dispatch per action)."""
+    sum to its fused one; the executor's dispatch is left out, so the bound holds)."""
     plan = shapes.plan
-    backward = _backward_seconds(work, shapes.action_overhead_s)
+    backward = _backward_seconds(work)
     if key is None or pipelines is None:
         return plan.microbatches * (work[0].forward + backward[0][0])
     if plan.shared_devices:
@@ -512,18 +511,17 @@ def _lower_bound(shapes: Shapes, work: Sequence[Work], key: ScheduleKey | None, 
 _Seconds = tuple[float, ...]
 
 
-def _backward_seconds(work: Sequence[Work], overhead: float) -> tuple[_Seconds, _Seconds, _Seconds]:
+def _backward_seconds(work: Sequence[Work]) -> tuple[_Seconds, _Seconds, _Seconds]:
     """Seconds of each stage's fused ``B``, and of its ``I`` and its ``W`` where a schedule
-    splits the backward, shape (S,) each, as the executor runs them: ``B`` is one action,
-    so one overhead; ``I`` computes what the input's cotangent needs, which the first
-    stage (token ids in) has none of, so there ``I`` is one action's dispatch and ``W``
-    the fused backward's one program; elsewhere each half is its share of the work and
-    one action's overhead (``overhead`` seconds: :attr:`Shapes.action_overhead_s`)."""
-    fused = tuple(w.fused_backward(overhead) for w in work)
+    splits the backward, shape (S,) each, as the executor runs them: ``I`` computes what
+    the input's cotangent needs, which the first stage (token ids in) has none of, so there
+    ``I`` is no work and ``W`` the fused backward's; elsewhere each half is its share of the
+    work. Each task's dispatch is the simulation's (:attr:`Shapes.action_overhead_s`)."""
+    fused = tuple(w.backward for w in work)
 
     def halves(s: int, w: Work) -> tuple[float, float]:
         if s == 0:
-            return overhead, fused[0]
+            return 0.0, fused[0]
         return w.input_grad, w.weight_grad
 
     input_grad, weight_grad = zip(*(halves(s, w) for s, w in enumerate(work)), strict=True)

@@ -231,10 +231,11 @@ class Cluster:
         ``matmul_efficiency``; 0 prices every product at ``matmul_efficiency``.
       kernel_launch_s: fixed seconds per kernel (launch and tail), on top of its work;
         for CPU devices measured by ``pipedsl calibrate``.
-      action_overhead_s: fixed seconds per scheduled action (``F``, ``B``, ``I`` or ``W``
-        of one stage for one microbatch) on top of its kernels: the executor's dispatch of
-        one stage program. 0 for a GPU cluster whose kernels are queued ahead; measured
-        by ``pipedsl calibrate`` for CPU devices, where Python dispatches every action.
+      action_overhead_s: fixed seconds per program the executor dispatches for a stage's
+        actions on pipeline devices of their own, on top of its kernels: one per task
+        (:mod:`pipedsl.tasks`: an action, or a device's consecutive actions with nothing sent
+        or received between them). 0 for a GPU cluster whose kernels are queued ahead;
+        measured by ``pipedsl calibrate`` for CPU devices, where the host's dispatch shows.
       step_overhead_s: fixed seconds per training step on top of its actions and its
         update: the executor's own work to start a step, hand the batch out and gather
         the losses. 0 for the GPU presets (their published runs include no such cost);

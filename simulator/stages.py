@@ -68,11 +68,10 @@ def stage_params(model: Model, plan: Plan, layers: tuple[int, ...]) -> tuple[flo
 
 def stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...]) -> tuple[Work, ...]:
     """Each stage's work per microbatch: its layers, the embedding on the first stage and
-    the head on the last; the ZeRO traffic of its parameters, and the dispatch overhead
-    of each of its F, I and W actions (:attr:`Shapes.action_overhead_s`) and the plan's framework's
-    fixed costs (:mod:`~pipedsl.simulator.frameworks`), shape (S,)."""
+    the head on the last; the ZeRO traffic of its parameters and the plan's framework's
+    fixed costs (:mod:`~pipedsl.simulator.frameworks`), shape (S,). The executor's dispatch
+    is priced per task by the simulation (:attr:`Shapes.action_overhead_s`)."""
     layer = shapes.layer_work()
-    overhead = Work(*(3 * (shapes.action_overhead_s,)))
     last = len(layers) - 1
     # Stages between the ends with like layers and parameters do like work: each is
     # worked out once (a plan of 96 stages has two or three distinct ones).
@@ -86,7 +85,7 @@ def stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...
                 w = w + shapes.embedding_work()
             if s == last:
                 w = w + shapes.head_work()
-            found = w + zero_per_microbatch(shapes, p, w) + overhead + _framework_work(shapes, n)
+            found = w + zero_per_microbatch(shapes, p, w) + _framework_work(shapes, n)
             if 0 < s < last:
                 inner[(n, p)] = found
         work.append(found)

@@ -109,11 +109,6 @@ class Work:
     def backward(self) -> float:
         return self.input_grad + self.weight_grad
 
-    def fused_backward(self, action_overhead: float) -> float:
-        """Seconds of a fused ``B`` when ``I`` and ``W`` each carry one action's
-        ``action_overhead`` seconds: one action, so one overhead."""
-        return self.backward - action_overhead
-
 
 @dataclass(frozen=True, slots=True)
 class Shapes:
@@ -125,9 +120,9 @@ class Shapes:
 
     @property
     def action_overhead_s(self) -> float:
-        """Seconds of the executor's dispatch per action: the cluster's, or none where the
-        step is one program: the pipeline devices share their GPUs (``Plan.shared_devices``)
-        or there is one (pp = 1)."""
+        """Seconds of the executor's dispatch per task (:mod:`pipedsl.tasks`): the cluster's,
+        or none where the step is one program: the pipeline devices share their GPUs
+        (``Plan.shared_devices``) or there is one (pp = 1)."""
         return 0.0 if self.plan.shared_devices or self.plan.pp == 1 else self.cluster.action_overhead_s
 
     @property

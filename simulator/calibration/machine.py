@@ -13,10 +13,11 @@ Every field of the cluster is measured by one step, or is a count the machine re
 - ``intra_node_latency``, ``intra_node_bandwidth`` (and the same between nodes: one node
   is measured): all-reduces over groups of 2 and of every device, of a small and a large
   buffer, fitted to the ring formula ``2(n-1)·α + 2(n-1)/n · S/B`` (:func:`fit_ring`);
-- ``action_overhead_s``: the executor's cost per action: the one-layer step of
-  :data:`APART_SHAPE` dispatched action by action (as pipeline devices of their own run)
-  less the same step as one program (as every compute step runs), over its actions; where
-  that step is not timed, the dispatch of a tiny program, every device dispatching at once;
+- ``action_overhead_s``: the executor's cost per dispatched task: the one-layer step of
+  :data:`APART_SHAPE` dispatched task by task (as pipeline devices of their own run,
+  :mod:`pipedsl.tasks`) less the same step as one program (as every compute step runs), over
+  its tasks; where that step is not timed, the dispatch of a tiny program, every device
+  dispatching at once;
 - ``peak_flops`` and ``matmul_half_flops`` on an accelerator (GPU, TPU): matrix products
   of two sizes in the model's dtype, each timed as a chain in one program (the call's
   fixed cost left out), ``1/rate = 1/peak + half / (peak·F)`` through both (every dtype's rate
@@ -44,17 +45,22 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
+from pipedsl.ir import Schedule
+from pipedsl.library import load
+from pipedsl.program import lower
 from pipedsl.simulator.calibration.fitter import Fitted, Parameter, Step, least_squares
 from pipedsl.simulator.calibration.report import Measured, Report, reproduced
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan
+from pipedsl.tasks import task_starts
 
 __all__ = [
-    "APART_SHAPE", "MachineMeasurements", "MachineCalibration", "fit_machine", "fit_ring", "fit_matmul",
+    "APART_SHAPE", "apart_tasks", "MachineMeasurements", "MachineCalibration", "fit_machine", "fit_ring", "fit_matmul",
     "compute_shapes", "busy_counts", "tensor_degrees", "step_plan", "priced_step", "cluster_toml",
 ]  # fmt: skip
 
@@ -62,7 +68,16 @@ MICROBATCHES = 4
 """Microbatches of the compute step that tells a step's fixed cost from a microbatch's."""
 APART_SHAPE = (1, 1, MICROBATCHES)
 """(layers, sequences per device, microbatches) of the compute step that is also timed
-dispatched action by action: the difference over its actions is the executor's cost per action."""
+dispatched task by task: the difference over its tasks is the executor's cost per task."""
+
+
+def apart_tasks(microbatches: int) -> int:
+    """The tasks (:mod:`pipedsl.tasks`) the step of one pipeline device (the SPMD schedule,
+    ``1f1b`` at pp = 1) dispatches over ``microbatches`` microbatches."""
+    schedule = cast(Schedule, load("1f1b", pp=1, microbatches=microbatches))  # an order, not a policy
+    return int(task_starts(lower(schedule).arrays).sum())
+
+
 LARGE_BATCH = 2
 """Sequences per device of the largest compute step, in microbatch sizes."""
 
@@ -261,11 +276,11 @@ def _base(m: MachineMeasurements, model: Model) -> tuple[Cluster, list[Measured]
     if m.apart_s is not None and APART_SHAPE in m.step_s:
         layers, sequences, microbatches = APART_SHAPE
         fused = m.step_s[APART_SHAPE]
-        per_action = max(m.apart_s - fused, 0.0) / (2 * microbatches)
+        tasks = apart_tasks(microbatches)
+        per_action = max(m.apart_s - fused, 0.0) / tasks
         per_action_source = (
-            f"the step of {layers} layer x {sequences} seq/device x {microbatches} microbatches dispatched action by "
-            f"action ({m.apart_s * 1e3:.2f} ms) against as one program ({fused * 1e3:.2f} ms), over its "
-            f"{2 * microbatches} actions"
+            f"the step of {layers} layer x {sequences} seq/device x {microbatches} microbatches dispatched task by "
+            f"task ({m.apart_s * 1e3:.2f} ms) against as one program ({fused * 1e3:.2f} ms), over its {tasks} tasks"
         )
     peak, half, rates = 1e9, 0.0, ""
     if m.matmul_s:

@@ -15,11 +15,14 @@ import pytest
 
 import pipedsl
 from pipedsl.errors import PipedslError
+from pipedsl.library import load
+from pipedsl.program import lower
 from pipedsl.simulator import Cluster, CostModel, Model, Plan, estimate, load_cluster, simulate
 from pipedsl.simulator.calibration.fitter import Parameter, Step, grid_search, least_squares
 from pipedsl.simulator.calibration.machine import (
     APART_SHAPE,
     MachineMeasurements,
+    apart_tasks,
     busy_counts,
     cluster_toml,
     compute_shapes,
@@ -31,6 +34,7 @@ from pipedsl.simulator.calibration.machine import (
 )
 from pipedsl.simulator.calibration.report import quantity
 from pipedsl.simulator.calibration.timelines import CalibrationError, fit_costs, timeline_report
+from pipedsl.tasks import task_starts
 from pipedsl.timeline import Event, EventKind, Timeline
 
 
@@ -113,17 +117,24 @@ _ALPHA, _LINK = 2e-4, 5e8
 _REDUCES = {(n, s): 2 * (n - 1) * _ALPHA + 2 * (n - 1) / n * s / _LINK for n in (2, 8) for s in (4096, 1 << 22)}
 
 
-def test_each_action_pays_the_dispatch_overhead_and_a_fused_backward_pays_it_once() -> None:
+def test_each_task_pays_the_dispatch_overhead_once() -> None:
     overhead = 1e-3
     slow = dataclasses.replace(_CPU, action_overhead_s=overhead)
     # pp = 1 is one program (the executor fuses a single pipeline device's step): no dispatch.
     spmd = Plan(dp=2, microbatch_size=2, global_batch=12)
     assert estimate(_TINY, slow, spmd).pipeline_time_s == estimate(_TINY, _CPU, spmd).pipeline_time_s
-    # A zero-bubble pipeline runs I and W apart: three actions per microbatch per stage.
+    # A zero-bubble pipeline runs I and W apart; each task (pipedsl.tasks) is one dispatch, on
+    # its device's timeline, whatever the actions it holds.
     zb = Plan(pp=2, microbatch_size=1, global_batch=4, schedule="zb_h1")
-    split = estimate(_TINY, slow, zb)
-    assert split.stage_forward_s[0] - estimate(_TINY, _CPU, zb).stage_forward_s[0] == pytest.approx(overhead)
-    assert split.step_time_s > estimate(_TINY, _CPU, zb).step_time_s + 4 * 3 * overhead
+    split, free = estimate(_TINY, slow, zb), estimate(_TINY, _CPU, zb)
+    assert split.stage_forward_s == free.stage_forward_s and split.stage_backward_s == free.stage_backward_s
+    assert split.simulation is not None and free.simulation is not None
+    starts = task_starts(lower(load("zb_h1", pp=2, microbatches=4)).arrays)
+    tasks = np.bincount(lower(load("zb_h1", pp=2, microbatches=4)).arrays.actions.device, weights=starts)
+    busy = split.simulation.timeline.busy() - free.simulation.timeline.busy()
+    np.testing.assert_allclose(busy, tasks * overhead, rtol=1e-9)
+    assert tasks.sum() < 2 * 3 * 4  # fewer tasks than actions
+    assert split.step_time_s > free.step_time_s + tasks.max() * overhead * 0.99
     with pytest.raises(PipedslError, match="action_overhead_s must be a number >= 0"):
         dataclasses.replace(_CPU, action_overhead_s=-1.0)
 
@@ -285,8 +296,11 @@ def test_a_gpu_machine_takes_its_rate_from_products_and_shares_no_cores() -> Non
     steps = {
         s: priced_step(dataclasses.replace(model, layers=s[0]), truth, 1, s[1], s[2]) for s in compute_shapes(model, 4)
     }
-    # The step of APART_SHAPE dispatched action by action: 3e-4 s more per action (F and B of 4 microbatches).
-    apart = steps[APART_SHAPE] + 8 * 3e-4
+    # The step of APART_SHAPE dispatched task by task: 3e-4 s more per task (pipedsl.tasks:
+    # each microbatch's F and B, one task).
+    tasks = apart_tasks(APART_SHAPE[2])
+    assert tasks == APART_SHAPE[2]
+    apart = steps[APART_SHAPE] + tasks * 3e-4
     measured = MachineMeasurements(
         platform="gpu", device_kind="NVIDIA H200", devices=1, host_cores=None, memory_bytes=140 * 2**30,
         memory_source="the device allocator's limit", bandwidth=4e12, all_reduce_s={}, dispatch_s=0.0, step_s=steps,
@@ -300,8 +314,8 @@ def test_a_gpu_machine_takes_its_rate_from_products_and_shares_no_cores() -> Non
     assert fitted.step_overhead_s == pytest.approx(2e-3, rel=1e-3)
     assert fitted.elementwise_traffic == pytest.approx(0.3, rel=1e-3)
     assert fitted.action_overhead_s == pytest.approx(3e-4, rel=1e-9)
-    assert "dispatched action by action" in calibration.describe()
-    # Without that step the cost per action is the tiny program's dispatch.
+    assert "dispatched task by task" in calibration.describe()
+    # Without that step the cost per task is the tiny program's dispatch.
     assert fit_machine(model, dataclasses.replace(measured, apart_s=None)).cluster.action_overhead_s == 0.0
     text = calibration.describe()
     assert "platform: gpu" in text and "float32 8192³" in text and "host_cores" not in text

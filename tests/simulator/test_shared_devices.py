@@ -57,11 +57,12 @@ def test_a_shared_pipeline_is_every_action_back_to_back_without_dispatch_or_tran
     # One compute at a time, never idle between them; what is sent takes no time.
     assert timeline.busy().sum() == pytest.approx(timeline.makespan, rel=1e-12)
     assert (timeline.transfer_time() == 0.0).all()
-    # The same pipeline on devices of its own pays the dispatch of every action and the links.
-    apart = estimate(
-        MODEL, dataclasses.replace(ONE, gpus_per_node=8), dataclasses.replace(e.plan, shared_devices=False)
-    )
-    assert apart.plan.gpus == pp and apart.stage_forward_s[0] > e.stage_forward_s[0]
+    # The same pipeline on devices of its own pays the dispatch of every task and the links.
+    own = dataclasses.replace(e.plan, shared_devices=False)
+    apart = estimate(MODEL, dataclasses.replace(ONE, gpus_per_node=8), own)
+    undispatched = estimate(MODEL, dataclasses.replace(ONE, gpus_per_node=8, action_overhead_s=0.0), own)
+    assert apart.plan.gpus == pp and apart.stage_forward_s == e.stage_forward_s
+    assert apart.pipeline_time_s > undispatched.pipeline_time_s
 
 
 def test_a_shared_pipeline_holds_every_stage_on_its_device() -> None:
