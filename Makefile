@@ -66,6 +66,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_simulate.py
 	$(PY) bench/bench_executor.py
 	$(PY) bench/bench_against_jit.py
+	$(PY) bench/bench_dispatch_threads.py
 	$(PY) bench/activation_bytes.py
 	$(PY) bench/bench_hybrid.py
 	$(PY) bench/bench_host_sharing.py

@@ -18,8 +18,10 @@ the jits and what it takes beyond them is the executor's own cost. Per plan it p
   pp=2, 16 microbatches) over its F and B actions;
 - ``--fuse`` says how the plans' steps run (:mod:`pipedsl.executor.local.fused`): ``loop``
   (the default: one program that loops over the microbatches, each through every stage),
-  ``unrolled`` (one program of every action) or ``off`` (every action dispatched as a
-  program of its own, as on pipeline devices of their own);
+  ``unrolled`` (one program of every action) or ``off`` (the pipeline devices kept apart
+  on the one device, as on devices of their own: every task dispatched as a program of its
+  own, :mod:`pipedsl.tasks`, and every value copied between them), with the host's
+  microseconds per action (the host time of one step over the schedule's actions);
 - with ``--cluster FILE`` (what ``pipedsl calibrate`` wrote on this machine), each plan's
   step as the planner predicts it there, against the measured one;
 - with ``--cache``, the first step of the first plan in a new process, twice: with an empty
@@ -399,7 +401,9 @@ def main() -> None:
         "dispatch": args.fuse,
     }
     jit_times: dict[str, float] = {}
-    print(f"\n{'step':<22} {'first step':>11} {'per step':>10} {'host':>9} {'/ accum.':>9} {'/ whole':>8}")
+    print(
+        f"\n{'step':<22} {'first step':>11} {'per step':>10} {'host':>9} {'/ accum.':>9} {'/ whole':>8} {'host/act':>8}"
+    )
     for name, (step, release) in _jits(size, device, optimizer).items():
         first = _first(step)
         per = statistics.median(_loop(step, args.steps) for _ in range(args.rounds))
@@ -420,6 +424,7 @@ def main() -> None:
         figures |= {
             f"{name}_step_ms": per * 1e3,
             f"{name}_host_ms": host * 1e3,
+            f"{name}_host_us_per_action": host / pipe.schedule.num_actions * 1e6,
             f"{name}_vs_accumulating": accum,
             f"{name}_vs_whole": whole,
             f"{name}_first_s": first,
@@ -430,7 +435,11 @@ def main() -> None:
             predicted = predicted_step_s(size, PLANS[name], cluster)
             figures |= {f"{name}_predicted_ms": predicted * 1e3, f"{name}_predicted_error": predicted / per - 1}
             said = f"   predicted {predicted * 1e3:.2f}ms ({predicted / per - 1:+.1%})"
-        print(f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms {accum:8.2f}x {whole:7.2f}x{said}")
+        per_action = host / pipe.schedule.num_actions * 1e6
+        print(
+            f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms {accum:8.2f}x {whole:7.2f}x"
+            f" {per_action:6.0f}us{said}"
+        )
         sys.stdout.flush()
     per_action = _per_action(device, args.steps * 4, args.rounds, fuse=args.fuse)
     figures["per_action_us"] = per_action * 1e6

@@ -16,7 +16,10 @@ Six measurements, each printed as a small table:
    stages (2 stages, 1F1B, 16 microbatches of one row of a 4-wide one-layer MLP) over its
    F and B actions, fixed per-step costs included; the local backend on two CPU devices of
    this process, the Ray backend on two processes of a local instance (127.0.0.1 only),
-   in turns of four steps each, the first of a turn not timed;
+   in turns of four steps each, the first of a turn not timed; then the same for 1F1B and
+   ZB-H1 at pp=4 over 8 microbatches (a CPU device, or a Ray process, per pipeline device),
+   with the programs each device dispatches per step (its tasks, :mod:`pipedsl.tasks`, and
+   the update) against its actions, and the host microseconds per step;
 6. a stage's forward and backward apart (as a pipeline runs them: ``jax.vjp``'s forward
    returns its residuals, a second program takes them back) against one program of both
    (as the SPMD step runs them), on the demo transformer's first stage of two (embedding
@@ -309,6 +312,59 @@ def bench_per_action(repeat: int) -> None:
         figures[f"{name}_per_action_us"] = step / actions * 1e6
     print(f"   (load average {load_now:.1f})")
     record("bench_executor_per_action", figures)
+    bench_dispatch(repeat)
+
+
+def bench_dispatch(repeat: int) -> None:
+    """Measurement 5's second part: 1F1B and ZB-H1 at pp=4, 8 microbatches, each pipeline
+    device a CPU device (local) or a process (Ray), compute-free stages."""
+    import jax
+
+    from pipedsl.executor import Pipeline, RayConfig
+    from pipedsl.executor.models import mlp
+    from pipedsl.library import library_path, load
+    from pipedsl.program import Compute
+    from pipedsl.tasks import device_tasks
+
+    model = mlp(num_stages=4, width=4, layers_per_stage=1)
+    key = jax.random.PRNGKey(0)
+    params = model.init_stages(key)
+    batch = model.batch(key, 8)
+    print("\n   pp=4, 8 microbatches, compute-free stages, a CPU device (local) or a process (Ray) per pipeline device")
+    print(
+        f"   {'schedule':<8} {'backend':<6} {'actions/dev':>11} {'programs/dev':>12} {'host us/step':>12} {'us/action':>9}"
+    )
+    figures: dict[str, float] = {}
+    for name in ("1f1b", "zb_h1"):
+        schedule = load(library_path(name), pp=4, microbatches=8)
+        program = Pipeline(model.stages, loss=model.loss, schedule=schedule).program
+        # Per device: its tasks and one program for the update (or for what a step starts with).
+        programs = [len(device_tasks(d)) + 1 for d in program.devices]
+        actions = [sum(isinstance(i, Compute) for i in d.instructions) for d in program.devices]
+        backends: dict[str, Any] = {"local": "local", "ray": RayConfig(step_timeout=300, start_timeout=120)}
+        pipes = {b: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=v) for b, v in backends.items()}
+        try:
+            times = interleaved_medians(
+                {b: partial(pipe.value_and_grad, params, batch) for b, pipe in pipes.items()},
+                max(repeat // _BURST, 1),
+                burst=_BURST,
+            )
+        finally:
+            for pipe in pipes.values():
+                pipe.close()
+        for backend, step in times.items():
+            per_action = step / schedule.num_actions
+            print(
+                f"   {name:<8} {backend:<6} {max(actions):>11} {max(programs):>12} {step * 1e6:>12.0f} "
+                f"{per_action * 1e6:>9.0f}"
+            )
+            figures |= {
+                f"{name}_{backend}_host_us_per_step": step * 1e6,
+                f"{name}_{backend}_per_action_us": per_action * 1e6,
+            }
+        figures |= {f"{name}_programs_per_device": max(programs), f"{name}_actions_per_device": max(actions)}
+    print(f"   (load average {os.getloadavg()[0]:.1f})")
+    record("bench_executor_dispatch", figures)
 
 
 def main() -> None:
@@ -324,7 +380,7 @@ def main() -> None:
         "--only", choices=("split", "overhead", "schedules", "per-action", "apart"), help="run one measurement"
     )
     args = parser.parse_args()
-    _configure(max(args.pp, 4 if args.only == "apart" else 2), args.cores)
+    _configure(max(args.pp, 4 if args.only in (None, "apart", "per-action") else 2), args.cores)
     # Loopback only, for the Ray instance of measurement 5 (read when ray is imported).
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import jax
