@@ -2,7 +2,8 @@
 against the compiled stage programs', on this machine's first device.
 
 For the built-in Llama and GPT blocks, in fp32 and bf16, under each recompute mode
-(``none``, ``selective``, ``full``) and with written-out or fused attention, it compiles the
+(``none``, ``selective``, ``full`` and the named remat policies ``save_dots``,
+``save_qkv_proj``, ``save_mlp_inputs``) and with written-out or fused attention, it compiles the
 forward of the middle stage of a 3-stage pipeline (no embedding, no head: only its layers)
 and reads what XLA's memory analysis says it keeps for the backward
 (:meth:`pipedsl.executor.stages.stage_program.StageProgram.kept`, which compiles only the
@@ -11,7 +12,9 @@ the planner's bytes per layer and microbatch under the ``pipedsl`` framework
 (:meth:`pipedsl.simulator.transformer.Shapes.layer_activation_bytes`). Fused attention off
 a GPU is ``jax.nn.dot_product_attention``'s XLA implementation, which writes its scores out
 and keeps them in fp32: no FlashAttention to the planner, and ``Plan.fp32_scores``. Under ``full`` recomputation the stage is one checkpoint: its forward keeps
-nothing of its own (its input is kept by reference), and the planner counts that input.
+nothing of its own (its input is kept by reference), and the planner counts that input;
+under a named policy each block is one checkpoint, which keeps its input and what the policy
+saves, the first block's input being the stage's (kept by reference).
 
 On an accelerator the blocks are the accelerator check's (hidden 1024, FFN 2816 for Llama
 and 4096 for GPT, 16 heads and 4 KV heads, 1024 tokens, 2 sequences a microbatch, 2 layers
@@ -68,12 +71,17 @@ class Case:
         return f"{self.kind}-{self.precision}-{self.recompute}" + ("-fused" if self.fused else "")
 
 
+POLICIES = ("save_dots", "save_qkv_proj", "save_mlp_inputs")
+"""The named remat policies, each block checkpointed with what it saves."""
+
 CASES = tuple(
     Case(kind, precision, recompute, fused)
     for kind in ("llama", "gpt")
     for precision in ("fp32", "bf16")
-    for recompute, fused in (("none", False), ("none", True), ("selective", False), ("full", False))
-)
+    for recompute, fused in (
+        ("none", False), ("none", True), ("selective", False), ("full", False), *((p, False) for p in POLICIES),
+    )
+)  # fmt: skip
 
 
 def planned_layer_bytes(size: Size, case: Case) -> float:
@@ -134,10 +142,14 @@ def compiled_layer_bytes(size: Size, case: Case, device: Any) -> float:
 def error(compiled: float, planned: float, case: Case, size: Size) -> float:
     """The planner's bytes over the compiled ones, less 1. Under ``full`` recomputation the
     compiled forward keeps nothing and the planner counts the stage's input per layer:
-    compared as the input's bytes against that count."""
+    compared as the input's bytes against that count. Under a named policy each block keeps
+    its input, the first block's being the stage's, kept by reference (not in the compiled
+    forward's outputs): the compiled bytes per layer are counted with that input's share."""
+    kept_input = size.microbatch * size.seq * size.hidden * (4 if case.precision == "fp32" else 2)
     if case.recompute == "full":
-        kept_input = size.microbatch * size.seq * size.hidden * (4 if case.precision == "fp32" else 2)
         return planned / kept_input - 1 if compiled == 0 else float("inf")
+    if case.recompute in POLICIES:
+        return planned / (compiled + kept_input / size.layers) - 1
     return planned / compiled - 1
 
 

@@ -35,8 +35,10 @@ all-reduce per matrix pair. Do not name ``"data"``: data parallelism and ZeRO ad
 The Llama model (:func:`llama`: RMSNorm, SwiGLU, rotary positions, grouped-query
 attention) takes its sizes under the simulator's model presets' names; :func:`llama_specs`
 is its layout. Both transformers call :func:`attention` (written out, or fused with
-``fused_attention``), whose core ``recompute="selective"`` recomputes, and pass their
-residual stream through :func:`~pipedsl.executor.stages.stage_options.sequence_sharded` for
+``fused_attention``), whose core ``recompute="selective"`` recomputes, checkpoint each block
+under a named remat policy and tag the values the policies save
+(:func:`~pipedsl.executor.stages.stage_options.block_checkpoint`,
+:func:`~pipedsl.executor.stages.stage_options.saved`), and pass their residual stream through :func:`~pipedsl.executor.stages.stage_options.sequence_sharded` for
 sequence parallelism (:mod:`pipedsl.executor.stages.stage_options`).
 
 Shapes: the MLP maps ``f32[batch, width]`` to ``f32[batch, width]`` under a mean squared
@@ -59,7 +61,7 @@ from jax.sharding import PartitionSpec
 
 from pipedsl.executor.stages.mesh import TENSOR
 from pipedsl.executor.stages.split import stage_boundary
-from pipedsl.executor.stages.stage_options import selective, sequence_sharded
+from pipedsl.executor.stages.stage_options import block_checkpoint, saved, selective, sequence_sharded
 
 __all__ = [
     "BuiltinModel",
@@ -263,12 +265,12 @@ def _block(p: Params, h: jax.Array, *, heads: int, fused: bool) -> jax.Array:
     b, s, d = h.shape
     h = sequence_sharded(h)
     x = _layer_norm(p["ln1"], h)
-    qkv = _linear(p["qkv"], x)
+    qkv = saved(_linear(p["qkv"], x), "qkv_proj")
     q, k, v = (t[:, :, 0] for t in jnp.split(qkv.reshape(b, s, 3, heads, d // heads), 3, axis=2))
     att = attention(q, k, v, fused=fused)
-    h = sequence_sharded(h + _linear(p["out"], att.reshape(b, s, d)))
-    x = _layer_norm(p["ln2"], h)
-    return sequence_sharded(h + _linear(p["down"], jax.nn.gelu(_linear(p["up"], x))))
+    h = sequence_sharded(h + saved(_linear(p["out"], att.reshape(b, s, d)), "out_proj"))
+    x = saved(_layer_norm(p["ln2"], h), "mlp_input")
+    return sequence_sharded(h + _linear(p["down"], jax.nn.gelu(saved(_linear(p["up"], x), "ffn_in"))))
 
 
 def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -303,7 +305,7 @@ def transformer(
 
     def middle(params: Params, h: jax.Array) -> jax.Array:
         for p in params["blocks"]:
-            h = block(p, h)
+            h = block_checkpoint(block)(p, h)
         return h
 
     def head(params: Params, h: jax.Array) -> jax.Array:
@@ -349,7 +351,7 @@ def transformer(
         for i, p in enumerate(params["blocks"]):
             if i and i % layers_per_stage == 0:
                 h = stage_boundary(h)
-            h = block(p, h)
+            h = block_checkpoint(block)(p, h)
         return _matmul(_layer_norm(params["ln_f"], h), params["embed"].T)
 
     return BuiltinModel(
@@ -441,13 +443,14 @@ def _llama_block(p: Params, h: jax.Array, *, heads: int, kv_heads: int, fused: b
     head_dim = hidden // heads
     h = sequence_sharded(h)
     x = _rms_norm(p["attn_norm"], h)
-    q = _rotary(_matmul(x, p["wq"]).reshape(b, s, heads, head_dim))
-    k = _rotary(_matmul(x, p["wk"]).reshape(b, s, kv_heads, head_dim))
-    v = _matmul(x, p["wv"]).reshape(b, s, kv_heads, head_dim)
+    q = _rotary(saved(_matmul(x, p["wq"]), "qkv_proj").reshape(b, s, heads, head_dim))
+    k = _rotary(saved(_matmul(x, p["wk"]), "qkv_proj").reshape(b, s, kv_heads, head_dim))
+    v = saved(_matmul(x, p["wv"]), "qkv_proj").reshape(b, s, kv_heads, head_dim)
     att = attention(q, k, v, fused=fused).reshape(b, s, heads * head_dim)
-    h = sequence_sharded(h + _matmul(att, p["wo"]))
-    x = _rms_norm(p["mlp_norm"], h)
-    return sequence_sharded(h + _matmul(jax.nn.silu(_matmul(x, p["w_gate"])) * _matmul(x, p["w_up"]), p["w_down"]))
+    h = sequence_sharded(h + saved(_matmul(att, p["wo"]), "out_proj"))
+    x = saved(_rms_norm(p["mlp_norm"], h), "mlp_input")
+    gate, up = saved(_matmul(x, p["w_gate"]), "ffn_in"), saved(_matmul(x, p["w_up"]), "ffn_in")
+    return sequence_sharded(h + _matmul(jax.nn.silu(gate) * up, p["w_down"]))
 
 
 # As transformer()'s, one model's pieces are closures over the same sizes.
@@ -483,7 +486,7 @@ def llama(
 
     def middle(params: Params, h: jax.Array) -> jax.Array:
         for p in params["blocks"]:
-            h = block(p, h)
+            h = block_checkpoint(block)(p, h)
         return h
 
     def head(params: Params, h: jax.Array) -> jax.Array:
@@ -529,7 +532,7 @@ def llama(
         for i, p in enumerate(params["blocks"]):
             if i and i % layers_per_stage == 0:
                 h = stage_boundary(h)
-            h = block(p, h)
+            h = block_checkpoint(block)(p, h)
         return head(params, h)
 
     return BuiltinModel(

@@ -39,7 +39,7 @@ __all__ = [
     "RunOptionsError",
 ]
 
-RecomputeMode = Literal["none", "selective", "full"]
+RecomputeMode = Literal["none", "selective", "full", "save_dots", "save_qkv_proj", "save_mlp_inputs"]
 Precision = Literal["fp32", "bf16"]
 Fuse = Literal["loop", "unrolled", "off"]
 """How a step of pipeline devices sharing their devices runs (:attr:`RunOptions.fuse`)."""
@@ -68,6 +68,13 @@ class RunOptions:
       dp: data-parallel devices per pipeline device (mesh axis ``"data"``): each microbatch
         is split over them (its examples must divide by ``dp``) and the gradients are
         reduced over them inside the stage programs.
+      fsdp: the ZeRO shard group: the ``dp`` devices form ``dp / fsdp`` groups of
+        ``fsdp`` (mesh axes ``"replica"`` of size dp / fsdp and ``"data"`` of size
+        ``fsdp``); each group shards the ZeRO state among its devices and the groups are
+        replicas of one another, each device's gradient shard all-reduced over
+        ``"replica"`` (FSDP inside a TPU slice or a GPU node and data parallelism across
+        them: MaxText's ``ici_fsdp`` x ``dcn_data``, PyTorch's HSDP). None (or ``dp``):
+        one group of all ``dp``, one ``"data"`` axis. Needs ``zero`` of 1 or more.
       tp: tensor-parallel devices per pipeline device (mesh axis ``"tensor"``), splitting
         the parameters as the model's ``param_specs`` say.
       cp: context-parallel devices per pipeline device (mesh axis ``"context"``): every
@@ -78,9 +85,13 @@ class RunOptions:
         once per step (one reduce-scatter), as FSDP without per-microbatch sync and
         Megatron-LM's distributed optimizer do; ZeRO 0 and 1 always reduce once per step.
       recompute: what each stage's backward recomputes instead of keeping, as the planner
-        prices it: ``"none"``, ``"selective"`` (the attention core) or ``"full"``
-        (everything but the stage's inputs); one mode for every stage, or a tuple of one
-        per stage (a list is taken as the tuple).
+        prices it: ``"none"``, ``"selective"`` (the attention core), ``"full"``
+        (everything but the stage's inputs) or a named remat policy that reruns each
+        block from its input and what the policy saves (``"save_dots"``: the outputs of
+        the products with weights; ``"save_qkv_proj"``: Q, K, V and the attention's
+        output projection; ``"save_mlp_inputs"``: the feed-forward block's input; see
+        :mod:`pipedsl.executor.stages.stage_options`); one mode for every stage, or a
+        tuple of one per stage (a list is taken as the tuple).
       precision: ``"fp32"``, or ``"bf16"``: bf16 compute and activations with fp32 master
         weights, optimizer state and gradient accumulation (Megatron-LM's mixed precision).
       sequence_parallel: with ``tp > 1``, split the activations around norms and dropout
@@ -104,6 +115,7 @@ class RunOptions:
     """
 
     dp: int = 1
+    fsdp: int | None = None
     tp: int = 1
     cp: int = 1
     zero: int = 0
@@ -122,6 +134,7 @@ class RunOptions:
                 raise RunOptionsError(name, f"must be a whole number >= 1, got {value!r}")
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise RunOptionsError("zero", f"must be a ZeRO stage, one of 0, 1, 2, 3; got {self.zero!r}")
+        self._check_fsdp()
         if not isinstance(self.fuse, str) or self.fuse not in FUSE_MODES:
             raise RunOptionsError("fuse", f"must be one of {', '.join(map(repr, FUSE_MODES))}, got {self.fuse!r}")
         for name in ("reduce_once", "sequence_parallel", "host_transfers"):
@@ -147,11 +160,32 @@ class RunOptions:
         ):
             raise RunOptionsError("recv_timeout", f"must be a finite number of seconds above 0, got {timeout!r}")
 
+    def _check_fsdp(self) -> None:
+        fsdp = self.fsdp
+        if fsdp is None:
+            return
+        if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1 or self.dp % fsdp:
+            raise RunOptionsError(
+                "fsdp", f"must be a whole number dividing dp={self.dp} (the devices of one shard group), got {fsdp!r}"
+            )
+        if fsdp == self.dp:
+            object.__setattr__(self, "fsdp", None)
+        elif self.zero == 0:
+            raise RunOptionsError(
+                "fsdp", f"={fsdp} groups the devices that share ZeRO shards, but zero=0 shards nothing: give zero 1-3"
+            )
+
+    @property
+    def replicas(self) -> int:
+        """Shard groups that are replicas of one another: ``dp / fsdp`` (1 without ``fsdp``)."""
+        return 1 if self.fsdp is None else self.dp // self.fsdp
+
     @classmethod
     def as_priced(
         cls,
         *,
         dp: int,
+        fsdp: int | None = None,
         tp: int,
         cp: int,
         zero: int,
@@ -166,6 +200,7 @@ class RunOptions:
         :class:`RunOptions` refuses as meaningless: they are dropped there."""
         return cls(
             dp=dp,
+            fsdp=fsdp,
             tp=tp,
             cp=cp,
             zero=zero,

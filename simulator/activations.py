@@ -33,7 +33,14 @@ the key/value width, a heads, s the sequence), in bytes:
 Full recomputation keeps only what enters the checkpointed region: e·h per token. The
 executor checkpoints the whole stage, so it keeps that once per stage (by reference, the
 stage's input) rather than once per layer as Megatron-LM does; the count is per layer, as
-the planner's memory multiplies it by the layers of a stage.
+the planner's memory multiplies it by the layers of a stage. Under a named remat policy
+(``save_dots``, ``save_qkv_proj``, ``save_mlp_inputs``) the executor checkpoints each
+block with the policy: a block keeps its input and what the policy saves that its
+backward reads (:func:`_policy_bytes`), the first block's input being the stage's, kept by
+reference.
+
+The nonlinearity's values per hidden unit follow ``Model.activation``
+(:data:`_ACTIVATION_VALUES`); the built-in blocks are GELU (GPT) and SwiGLU (Llama).
 
 Split over the t tensor-parallel ranks: everything past the column-parallel products (the
 attention's inputs and core, its output, the feed-forward); the norms and the projections'
@@ -70,17 +77,18 @@ def compiled_layer_bytes(
     ranks and ``recompute``, in the model's ``dtype_bytes`` as its compute dtype; with
     ``fp32_scores``, written-out attention keeps its masked scores in fp32."""
     h, f, kv, e, a = model.hidden, model.ffn_hidden, model.kv_width, model.dtype_bytes, model.heads
+    q = model.q_width
     shared = tp if sequence_parallel else 1
-    if recompute is Recompute.FULL:
-        return e * tokens * h / shared
+    ffn_reads = 2 if model.gated_ffn else 1
+    if recompute.per_layer:
+        return tokens * _policy_bytes(model, recompute, tp=tp, shared=shared)
     llama_block = model.gated_ffn and not model.biases
     qkv_reads = 3 if llama_block else 1
-    ffn_reads = 2 if model.gated_ffn else 1
-    norms = 2 * (3 * NORM_BYTES * h + 2 * NORM_BYTES)
+    norms = model.norms * (3 * NORM_BYTES * h + 2 * NORM_BYTES)
     masks = 2 * h if model.dropout else 0
     replicated = norms + e * h * (qkv_reads + ffn_reads) + masks
-    core_inputs = h + 2 * kv if flash_attention or recompute is Recompute.SELECTIVE else 3 * h
-    split = e * (core_inputs + h + f + 5 * f)
+    core_inputs = q + 2 * kv if flash_attention or recompute is Recompute.SELECTIVE else 3 * q
+    split = e * (core_inputs + q + f + _ACTIVATION_VALUES[model.activation] * f)
     if flash_attention:
         scores = SOFTMAX_BYTES * a
     elif recompute is Recompute.SELECTIVE:
@@ -90,3 +98,32 @@ def compiled_layer_bytes(
         per_key = 1 + scores_bytes + e + SOFTMAX_BYTES + (1 if model.dropout else 0)
         scores = a * model.seq_len * per_key + 2 * SOFTMAX_BYTES * a
     return tokens * (replicated / shared + (split + scores) / tp)
+
+
+_ACTIVATION_VALUES = {"gelu": 5, "silu": 5, "relu": 1, "squared_relu": 2}
+"""Values per hidden unit the feed-forward's nonlinearity keeps for its backward (with the
+gate's and up projection's outputs where gated): GELU's tanh form its input and four
+intermediates, SwiGLU the gate's and up's outputs and SiLU's three, ReLU its input, squared
+ReLU its input and the ReLU's output."""
+
+
+def _policy_bytes(model: Model, recompute: Recompute, *, tp: int, shared: int) -> float:
+    """Bytes per token a block checkpointed on its own keeps under a remat policy that
+    reruns it (``full`` or a named one): its input, and the values the policy saves
+    (:func:`pipedsl.executor.stages.stage_options.saved` names them in the built-in
+    blocks) that the backward reads: the QKV projection's outputs (GPT's fused 3·h, Llama's
+    Q, K and V), the feed-forward's input products (gate and up where gated), the
+    attention's output projection (which rebuilds the feed-forward's input), the
+    feed-forward's input."""
+    h, e, f = model.hidden, model.dtype_bytes, model.ffn_hidden
+    llama_block = model.gated_ffn and not model.biases
+    qkv = model.q_width + 2 * model.kv_width if llama_block else 3 * model.q_width
+    ffn_in = (2 if model.gated_ffn else 1) * f
+    kept = e * h / shared
+    if recompute is Recompute.SAVE_DOTS:
+        kept += e * (qkv + ffn_in) / tp + e * h / shared
+    elif recompute is Recompute.SAVE_QKV_PROJ:
+        kept += e * qkv / tp + e * h / shared
+    elif recompute is Recompute.SAVE_MLP_INPUTS:
+        kept += e * h / shared
+    return kept

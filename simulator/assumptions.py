@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipedsl.simulator.collectives import all_reduce_choice, plan_group
-from pipedsl.simulator.data_parallel import dp_group
+from pipedsl.simulator.data_parallel import dp_group, replica_group
 from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
-from pipedsl.simulator.network import network_link, straggler_factor
+from pipedsl.simulator.network import network_link, straggler_factor, straggler_units
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.torus import TorusGroup, slice_shape
 
@@ -45,7 +45,9 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
         Assumption("recompute", plan.recompute.value, _RECOMPUTE[plan.recompute]),
         Assumption("dp_overlap", f"{plan.dp_overlap:g}",
                    "fraction of the last backward (first forward) that hides once-per-step data-parallel traffic"),
-        Assumption("tp_overlap", f"{plan.tp_overlap:g}", "fraction of tensor-parallel collectives hidden by matmuls"),
+        Assumption("tp_overlap", f"{plan.tp_overlap:g}",
+                   "fraction of the products beside each tensor-parallel collective that hides it (decomposed into"
+                   " tp steps under the product's)"),
         Assumption("reduce_dtype", "fp32" if plan.reduce_bytes == 4 else "bf16",
                    f"gradients reduced at {plan.reduce_bytes} bytes per value"),
         Assumption("sharding", plan.sharding, _sharding_meaning(plan)),
@@ -57,6 +59,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
     for name, group, num_bytes in (
         ("tp_collectives", plan_group(plan, ("tensor",), cluster), model.seq_len * plan.microbatch_size * model.hidden * 2),
         ("dp_collectives", dp_group(plan, cluster), size),
+        ("replica_collectives", replica_group(plan, cluster), size / plan.shards),
         ("cp_collectives", plan_group(plan, ("context",), cluster), model.seq_len * plan.microbatch_size * model.kv_width),
     ):  # fmt: skip
         if group.ranks > 1:
@@ -76,7 +79,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
 
 def _network_assumption(cluster: Cluster, plan: Plan) -> Assumption:
     """The network tiers and the stragglers priced (:mod:`~pipedsl.simulator.network`)."""
-    nodes = -(-plan.gpus // cluster.gpus_per_node)
+    nodes = straggler_units(plan.gpus, cluster)
     tiers = (
         f"leaf tier of {cluster.leaf_nodes} nodes, the spine {cluster.spine_latency_s * 1e6:g} us more per message "
         f"at {cluster.spine_efficiency:g} of the bandwidth"
@@ -100,9 +103,11 @@ def _torus_assumption(cluster: Cluster, plan: Plan) -> Assumption:
         f"achieved, {cluster.intra_node_latency * 1e6:g} us per hop"
     )
     if cluster.slices > 1:
+        wait = straggler_factor(cluster.slices, cluster)
         text += (
             f"; {cluster.slices} slices joined by DCN at {cluster.network_share / 1e9:g} GB/s per chip, "
-            f"{cluster.inter_node_latency * 1e6:g} us per message"
+            f"{cluster.inter_node_latency * 1e6:g} us per message; the step waits for the slowest slice "
+            f"(cv {cluster.straggler_cv:g}): {wait:.4g} times as long"
         )
     return Assumption("network", "torus", text)
 
@@ -133,6 +138,12 @@ _RECOMPUTE = {
     Recompute.NONE: "every layer stores its activations",
     Recompute.SELECTIVE: "attention's core is recomputed in the backward",
     Recompute.FULL: "each layer's forward is rerun in the backward; only its input is stored",
+    Recompute.SAVE_DOTS: "each layer is rerun from its input and the outputs of its products with weights, which"
+    " it stores (Q, K, V, the output projection, the feed-forward's input products)",
+    Recompute.SAVE_QKV_PROJ: "each layer is rerun from its input, its Q, K and V projections and its attention's"
+    " output projection, which it stores",
+    Recompute.SAVE_MLP_INPUTS: "each layer is rerun from its input and its feed-forward block's input, which it"
+    " stores",
 }
 
 
@@ -158,6 +169,8 @@ def _sharding_meaning(plan: Plan) -> str:
         else "reduce-scattered every microbatch"
     )
     text = f"{', '.join(parts)} sharded over {plan.shards} ranks; gradients {when}"
+    if plan.replicas > 1:
+        text += f"; {plan.replicas} replicas of the shard groups, their gradient shards all-reduced across them"
     if plan.zero == 3:
         text += "; weights gathered for each forward and again for each backward" if plan.reshard_after_forward else (
             "; weights gathered once per step and kept" if plan.reduce_once else

@@ -21,12 +21,18 @@ Enumeration, for ``gpus`` GPUs and a global batch B:
   more than one microbatch, and 3 also keeping the gathered weights for the backward
   (``reshard_after_forward=False``); 0 and 1 for pipelines (ZeRO 2 and 3 communicate every
   microbatch, which a pipeline of many microbatches multiplies);
+- shard groups (``Plan.fsdp``): each SPMD plan of ZeRO 1-3 also sharded only inside one
+  TPU slice (with ``Cluster.slices`` above 1) or one GPU node, the slices or nodes replicas
+  of one another (MaxText's ``ici_fsdp`` x ``dcn_data``, PyTorch's HSDP), :func:`shard_groups`;
 - recomputation: none, selective, full (selective is left out with FlashAttention,
-  where it is the same plan as none).
+  where it is the same plan as none); SPMD plans also the named remat policies
+  ``spmd_recompute`` (saving the products' outputs, or the QKV and output projections:
+  what MaxText's published runs use), which cost no simulation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -49,6 +55,7 @@ __all__ = [
     "default_cp_sizes",
     "default_global_batch",
     "searched_schedules",
+    "shard_groups",
 ]
 
 MIN_CP_TOKENS = 4096
@@ -153,7 +160,8 @@ def candidate_plans(
     vpp_sizes: Sequence[int] = (2, 3, 4, 6, 8),
     spmd_zero: Sequence[int] = (0, 1, 2, 3),
     pipeline_zero: Sequence[int] = (0, 1),
-    recompute: Sequence[Recompute | str] = tuple(Recompute),
+    recompute: Sequence[Recompute | str] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL),
+    spmd_recompute: Sequence[Recompute | str] = (Recompute.SAVE_DOTS, Recompute.SAVE_QKV_PROJ),
     flash_attention: bool = True,
     dp_overlap: float = 1.0,
     reduce_bytes: int = 4,
@@ -190,6 +198,7 @@ def candidate_plans(
         # FlashAttention never stores the scores selective recomputation would drop, so
         # selective is the same plan as none.
         modes = [r for r in modes if r is not Recompute.SELECTIVE] or [Recompute.NONE]
+    spmd_modes = tuple(dict.fromkeys([*modes, *(Recompute(r) for r in spmd_recompute)]))
     common: dict[str, Any] = {
         "global_batch": global_batch,
         "flash_attention": flash_attention,
@@ -200,7 +209,7 @@ def candidate_plans(
     }
     splits = _Splits(tuple(_tp_sizes(model, cluster, gpus)), _cp_sizes(model, cps, skip))
     space = _Space(splits.pairs(), tuple(modes), global_batch, max_microbatch_size, skip)
-    yield from _spmd_plans(space, gpus, spmd_zero, common)
+    yield from _spmd_plans(dataclasses.replace(space, modes=spmd_modes), cluster, gpus, spmd_zero, common)
     found = searched_schedules(schedules, extra_schedules)
     ends = stage_split == "ends"
     yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common, ends=ends)
@@ -251,19 +260,35 @@ class _Space:
         return [b for b in _divisors(self.global_batch // dp) if b <= self.max_microbatch_size]
 
 
-def _spmd_plans(space: _Space, gpus: int, spmd_zero: Sequence[int], common: dict[str, Any]) -> Iterator[Plan]:
+def shard_groups(cluster: Cluster, gpus: int, *, dp: int, tp: int, cp: int) -> tuple[int | None, ...]:
+    """The ZeRO shard groups (``Plan.fsdp``) a search tries for ``dp`` data-parallel ranks
+    of ``tp x cp`` devices each on ``gpus`` devices: None (all of dp), and the ranks of one
+    TPU slice where the cluster has several, or of one GPU node, where that is a proper
+    divisor of dp (a group of one rank shards nothing)."""
+    per_group = gpus // cluster.slices if cluster.torus else cluster.gpus_per_node
+    group = per_group // (tp * cp) if per_group % (tp * cp) == 0 else 0
+    if cluster.torus and cluster.slices == 1:
+        group = 0
+    return (None, group) if 1 < group < dp and dp % group == 0 else (None,)
+
+
+def _spmd_plans(
+    space: _Space, cluster: Cluster, gpus: int, spmd_zero: Sequence[int], common: dict[str, Any]
+) -> Iterator[Plan]:
     for tp, cp in space.tps:
         if gpus % (tp * cp):
             continue
         dp = gpus // (tp * cp)
+        groups = shard_groups(cluster, gpus, dp=dp, tp=tp, cp=cp)
         for b in space.microbatch_sizes(dp):
             for zero in spmd_zero:
-                for once, reshard in _sharding_modes(zero, several=space.global_batch > dp * b):
-                    for mode in space.modes:
-                        yield Plan(
-                            dp=dp, tp=tp, cp=cp, pp=1, microbatch_size=b, zero=zero, reduce_once=once,
-                            reshard_after_forward=reshard, recompute=mode, **common,
-                        )  # fmt: skip
+                for fsdp in groups if zero >= 1 else (None,):
+                    for once, reshard in _sharding_modes(zero, several=space.global_batch > dp * b):
+                        for mode in space.modes:
+                            yield Plan(
+                                dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=1, microbatch_size=b, zero=zero, reduce_once=once,
+                                reshard_after_forward=reshard, recompute=mode, **common,
+                            )  # fmt: skip
 
 
 def _sharding_modes(zero: int, *, several: bool) -> tuple[tuple[bool, bool], ...]:

@@ -48,7 +48,14 @@ from dataclasses import dataclass
 from pipedsl.simulator.hardware import Cluster
 from pipedsl.simulator.network import network_link
 from pipedsl.simulator.plan import Plan
-from pipedsl.simulator.torus import MESH_AXES, TorusGroup, torus_all_reduce_seconds, torus_gather_seconds, torus_group
+from pipedsl.simulator.torus import (
+    MESH_AXES,
+    TorusGroup,
+    mesh_sizes,
+    torus_all_reduce_seconds,
+    torus_gather_seconds,
+    torus_group,
+)
 
 __all__ = [
     "Algorithm",
@@ -99,12 +106,12 @@ def group_of(ranks: int, stride: int, cluster: Cluster) -> Group:
 
 def plan_group(plan: Plan, axes: tuple[str, ...], cluster: Cluster) -> Group | TorusGroup:
     """The group of one device's peers along the plan's mesh ``axes`` (consecutive names
-    from ``pipeline``, ``data``, ``context``, ``tensor``): on a torus as the mesh lays out
+    from ``pipeline``, ``data``, ``fsdp``, ``context``, ``tensor``): on a torus as the mesh lays out
     (:func:`~pipedsl.simulator.torus.torus_group`), else by rank (:func:`group_of`, ranks
     tensor-parallel innermost)."""
     if cluster.torus:
         return torus_group(plan, axes, cluster)
-    sizes = dict(zip(MESH_AXES, (plan.pp, plan.dp, plan.cp, plan.tp), strict=True))
+    sizes = mesh_sizes(plan)
     inner = MESH_AXES[MESH_AXES.index(axes[-1]) + 1 :]
     return group_of(math.prod(sizes[a] for a in axes), math.prod(sizes[a] for a in inner), cluster)
 

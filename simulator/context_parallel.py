@@ -54,7 +54,7 @@ def gathered_bytes(shapes: Shapes) -> float:
     plan, model = shapes.plan, shapes.model
     if plan.cp == 1:
         return 0.0
-    width = model.hidden // model.heads
+    width = model.head_width
     kv_per_rank = max(model.num_kv_heads // plan.tp, 1) * width
     return plan.microbatch_size * model.seq_len * 2 * kv_per_rank * model.dtype_bytes
 

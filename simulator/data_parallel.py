@@ -13,14 +13,21 @@ with ``reduce_once`` ZeRO 2 and 3 accumulate the gradients locally and reduce-sc
 them once per step, as ZeRO 1 does; without ``reshard_after_forward`` ZeRO 3 keeps the
 forward's gathered weights for the backward (one gather per microbatch), and with
 ``reduce_once`` besides for the whole step (one gather per step, ZeRO 1's traffic).
-Collectives run over the group as :mod:`~pipedsl.simulator.collectives` prices them. Overlap: ``dp_overlap`` is the
+Collectives run over the group as :mod:`~pipedsl.simulator.collectives` prices them. With
+``Plan.fsdp`` the ZeRO group is a shard group of fsdp·cp ranks, and after the shard group's
+reduction each rank's gradient shard is all-reduced across the dp / fsdp replicas (over
+DCN between TPU slices, over the network between GPU node groups).
+
+Overlap, as XLA's latency-hiding scheduler and FSDP's prefetch run it: layer by layer
+(:func:`~pipedsl.simulator.transformer.pipelined_exposed`), ``dp_overlap`` being the
 fraction of the covering computation that can hide this traffic. Once-per-step gradient
 reduction can hide only behind the last microbatch's backward (the gradients are final
-only then), the weight all-gather only behind the next step's first forward;
-per-microbatch ZeRO 2/3 traffic hides behind that microbatch's own forward or backward.
-The default ``dp_overlap = 1`` therefore gives partial overlap: full for one
-microbatch, a tail for many. The optimizer step reads and writes 30 bytes per local
-parameter of a 16-bit model (28 of an fp32 one, whose weights are their own master) at HBM
+only then), each layer's once its backward is done, so the last layer's is exposed
+whatever; the weight all-gather hides behind the next step's first forward, the first
+layer's gather exposed; per-microbatch ZeRO 2/3 traffic hides behind that microbatch's
+own forward or backward, layer by layer. The default ``dp_overlap = 1`` therefore gives
+partial overlap: all but a layer's for one microbatch, a tail for many. The optimizer step reads and writes 30 bytes per local
+parameter of weights stored in 16 bits (28 of fp32 ones, which are their own master) at HBM
 bandwidth; the cluster's fixed cost of a step (``Cluster.step_overhead_s``, 0 on GPUs)
 comes with it, once per step however many pipeline devices update.
 """
@@ -33,9 +40,9 @@ from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seco
 from pipedsl.simulator.hardware import Cluster
 from pipedsl.simulator.plan import Plan
 from pipedsl.simulator.torus import TorusGroup
-from pipedsl.simulator.transformer import Shapes, Work
+from pipedsl.simulator.transformer import Shapes, Work, pipelined_exposed
 
-__all__ = ["dp_group", "gathers_per_step", "tails", "zero_per_microbatch"]
+__all__ = ["dp_group", "replica_group", "gathers_per_step", "tails", "zero_per_microbatch"]
 
 _OPTIMIZER_TRAFFIC = 28
 """HBM bytes the Adam update moves per fp32 parameter: reads grad, master, m, v (16),
@@ -43,9 +50,16 @@ writes master, m, v (12); a narrower model also writes its weights' copy (dtype_
 
 
 def dp_group(plan: Plan, cluster: Cluster) -> Group | TorusGroup:
-    """The dp·cp ranks that hold one tensor and pipeline rank's weights (stride tp: ranks
-    are tensor-parallel innermost, then context-, then data-parallel)."""
-    return plan_group(plan, ("data", "context"), cluster)
+    """The ranks that share ZeRO shards of one tensor and pipeline rank's weights: the
+    fsdp·cp ranks of a shard group (dp·cp without ``Plan.fsdp``; stride tp: ranks are
+    tensor-parallel innermost, then context-, then the shard group's, then the replicas')."""
+    return plan_group(plan, ("fsdp", "context"), cluster)
+
+
+def replica_group(plan: Plan, cluster: Cluster) -> Group | TorusGroup:
+    """The dp / fsdp replicas of one shard: the ranks holding the same shard of the same
+    weights in each shard group, which all-reduce it (one rank without ``Plan.fsdp``)."""
+    return plan_group(plan, ("data",), cluster)
 
 
 def gathers_per_step(plan: Plan) -> bool:
@@ -61,23 +75,28 @@ def tails(
     placement: tuple[int, ...],
     device_params: Sequence[float],
     *,
+    layers: Sequence[int] | None = None,
     serial: bool = False,
 ) -> tuple[float, float]:
     """(exposed data-parallel seconds, optimizer seconds) of the device where they sum
     to the most; with ``serial`` (pipeline devices that take turns on a host's cores, see
     :func:`~pipedsl.simulator.estimate.prepare`), of all the devices together: their
-    reductions and updates run one after another. The optimizer seconds include the
-    executor's fixed cost of a step (``Cluster.step_overhead_s``), once per step."""
-    # Per device, its stages' backward and forward seconds, summed in stage order.
-    last_backward, first_forward = [0.0] * shapes.plan.pp, [0.0] * shapes.plan.pp
-    for w, d in zip(work, placement, strict=True):
+    reductions and updates run one after another. ``layers`` are each stage's layers
+    (shape (S,); one each when not given): a device's traffic is overlapped with its
+    work layer by layer. The optimizer seconds include the executor's fixed cost of a
+    step (``Cluster.step_overhead_s``), once per step."""
+    # Per device, its stages' backward and forward seconds and layers, summed in stage order.
+    pp = shapes.plan.pp
+    last_backward, first_forward, device_layers = [0.0] * pp, [0.0] * pp, [0] * pp
+    for s, (w, d) in enumerate(zip(work, placement, strict=True)):
         last_backward[d] += w.backward
         first_forward[d] += w.forward
+        device_layers[d] += 1 if layers is None else layers[s]
     # Devices of like stages hold like parameters: each distinct device is priced once.
-    priced: dict[tuple[float, float, float], tuple[float, float]] = {}
+    priced: dict[tuple[float, float, float, int], tuple[float, float]] = {}
     best = total = (0.0, 0.0)
-    for d in range(shapes.plan.pp):
-        device = (device_params[d], last_backward[d], first_forward[d])
+    for d in range(pp):
+        device = (device_params[d], last_backward[d], first_forward[d], device_layers[d])
         found = priced.get(device)
         if found is None:
             found = priced[device] = (_dp_tail(shapes, *device), _optimizer_seconds(shapes, device[0]))
@@ -92,47 +111,55 @@ def _gather(shapes: Shapes, num_bytes: float) -> float:
     return gather_seconds(num_bytes, dp_group(shapes.plan, shapes.cluster), shapes.cluster)
 
 
-def zero_per_microbatch(shapes: Shapes, stage_params: float, work: Work) -> Work:
-    """Exposed per-microbatch ZeRO traffic of one stage: stage 2 reduce-scatters each
-    microbatch's gradients (hidden behind ``W``) unless it reduces once per step, stage 3
-    also gathers the weights for the forward and, when it reshards after the forward,
-    again for the backward (none of it per microbatch when it keeps them for the step)."""
+def zero_per_microbatch(shapes: Shapes, stage_params: float, work: Work, layers: int = 1) -> Work:
+    """Exposed per-microbatch ZeRO traffic of one stage of ``layers`` layers: stage 2
+    reduce-scatters each microbatch's gradients (hidden behind ``W``) unless it reduces
+    once per step, stage 3 also gathers the weights for the forward and, when it reshards
+    after the forward, again for the backward (none of it per microbatch when it keeps
+    them for the step). Each is overlapped layer by layer with the work beside it
+    (:func:`~pipedsl.simulator.transformer.pipelined_exposed`): the first layer's gather
+    waits for its weights, the last layer's reduction follows its gradients."""
     plan = shapes.plan
     if plan.zero < 2 or plan.shards == 1:
         return Work()
-    hide = plan.dp_overlap
+    hide, steps = plan.dp_overlap, max(layers, 1)
     weight_grad = 0.0
     if not plan.reduce_once:
         scatter = _gather(shapes, stage_params * plan.reduce_bytes)
-        weight_grad = max(0.0, scatter - hide * work.weight_grad)
+        weight_grad = pipelined_exposed(scatter, hide * work.weight_grad, steps, tail=True)
     if plan.zero == 2 or gathers_per_step(plan):
         return Work(0.0, 0.0, weight_grad)
     gather = _gather(shapes, stage_params * shapes.model.dtype_bytes)
-    forward = max(0.0, gather - hide * work.forward)
-    input_grad = max(0.0, gather - hide * work.input_grad) if plan.reshard_after_forward else 0.0
+    forward = pipelined_exposed(gather, hide * work.forward, steps, tail=True)
+    input_grad = pipelined_exposed(gather, hide * work.input_grad, steps, tail=True) if plan.reshard_after_forward else 0.0
     return Work(forward, input_grad, weight_grad)
 
 
-def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_forward: float) -> float:
+def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_forward: float, layers: int) -> float:
     """Exposed once-per-step data-parallel seconds of one device (see the module docstring)."""
     plan = shapes.plan
-    if plan.shards == 1:
-        return 0.0
-    hide = plan.dp_overlap
+    hide, steps = plan.dp_overlap, max(layers, 1)
     weights = device_params * shapes.model.dtype_bytes
     grads = device_params * plan.reduce_bytes
-    if plan.zero == 0:
-        reduce = all_reduce_seconds(grads, dp_group(plan, shapes.cluster), shapes.cluster)
-        return max(0.0, reduce - hide * last_backward)
-    tail = max(0.0, _gather(shapes, weights) - hide * first_forward) if gathers_per_step(plan) else 0.0
-    if plan.reduces_once:
-        tail += max(0.0, _gather(shapes, grads) - hide * last_backward)
-    return tail
+    # Once-per-step reductions follow the last backward: within the shard group, then of
+    # each shard across the replicas.
+    reduce = 0.0
+    if plan.replicas > 1:
+        reduce += all_reduce_seconds(grads / plan.shards, replica_group(plan, shapes.cluster), shapes.cluster)
+    tail = 0.0
+    if plan.shards > 1:
+        if plan.zero == 0:
+            reduce += all_reduce_seconds(grads, dp_group(plan, shapes.cluster), shapes.cluster)
+        elif plan.reduces_once:
+            reduce += _gather(shapes, grads)
+        if gathers_per_step(plan):
+            tail += pipelined_exposed(_gather(shapes, weights), hide * first_forward, steps, tail=True)
+    return tail + pipelined_exposed(reduce, hide * last_backward, steps, tail=True)
 
 
 def _optimizer_seconds(shapes: Shapes, device_params: float) -> float:
     """The update of a device's parameters."""
     local = device_params / (shapes.plan.shards if shapes.plan.zero >= 1 else 1)
-    dtype_bytes = shapes.model.dtype_bytes
-    traffic = _OPTIMIZER_TRAFFIC + (dtype_bytes if dtype_bytes < 4 else 0)
+    stored = shapes.model.stored_bytes
+    traffic = _OPTIMIZER_TRAFFIC + (stored if stored < 4 else 0)
     return shapes.traffic_seconds(local * traffic)

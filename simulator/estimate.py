@@ -61,7 +61,7 @@ from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, step_flops
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import GRAD_BYTES, DoesNotFit, Memory, device_memory, optimizer_bytes
-from pipedsl.simulator.network import straggler_factor
+from pipedsl.simulator.network import straggler_factor, straggler_units
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.stages import split_layers, stage_params, stage_residual, stage_work
@@ -337,8 +337,8 @@ class Prepared:
             bubble = 0.0
         tail, optimizer = self.tails
         # Every device waits for the slowest node at the step's synchronisation.
-        nodes = -(-plan.gpus // cluster.gpus_per_node)
-        step = (pipeline_time + tail + optimizer) * straggler_factor(nodes, cluster)
+        units = straggler_units(plan.gpus, cluster)
+        step = (pipeline_time + tail + optimizer) * straggler_factor(units, cluster)
         tokens = plan.global_batch * model.seq_len
         return Estimate(
             model=model,
@@ -406,7 +406,7 @@ def prepare(
         raise DoesNotFit(plan, memory)
     work = stage_work(shapes, layers, params)
     speedup, serial = _sharing(shapes)
-    tail = tails(shapes, work, placement, device_params, serial=serial)
+    tail = tails(shapes, work, placement, device_params, layers=layers, serial=serial)
     fastest = 1.0 if speedup is None else max(speedup)
     return Prepared(
         shapes=shapes,

@@ -40,12 +40,16 @@ __all__ = [
     "GRID",
     "load_runs",
     "evaluate",
+    "run_cluster",
     "fit",
     "fit_report",
     "fit_network",
     "fit_framework",
     "HELD_OUT",
+    "HELD_OUT_GPU",
+    "TPU_RUNS",
     "NETWORK_GRID",
+    "TORUS_NETWORK_GRID",
     "gpu_type",
     "regimes",
     "accuracy_markdown",
@@ -56,7 +60,7 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 """The folder of published runs (``data/`` at the repository root)."""
 
 GRID = {
-    "matmul_efficiency": tuple(round(0.50 + 0.02 * i, 2) for i in range(21)),
+    "matmul_efficiency": tuple(round(0.50 + 0.02 * i, 2) for i in range(25)),
     "matmul_half_flops": (0.0, 1e9, 3e9, 1e10, 2e10, 4e10),
     "kernel_launch_s": (0.0, 5e-6, 1e-5, 2e-5),
 }
@@ -69,6 +73,11 @@ NETWORK_GRID = {
 }
 """The values :func:`fit_network` tries for the network tiers and the stragglers
 (:mod:`~pipedsl.simulator.network`), after the compute model is fitted."""
+
+TORUS_NETWORK_GRID = {"straggler_cv": (0.0, 0.01, 0.02, 0.04, 0.06, 0.08)}
+"""What :func:`fit_network` tries on a TPU cluster, whose slices have no leaf and spine
+tiers: the spread of the slices' step times, which a multi-slice step waits for the slowest
+of (:func:`~pipedsl.simulator.network.straggler_units`)."""
 
 _COUNTS = (
     "layers",
@@ -100,6 +109,7 @@ class Run:
     plan: Plan
     stage_layers: tuple[int, ...] | None
     measured_s: float
+    slices: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +132,18 @@ def _measured_seconds(row: dict[str, str], model: Model, plan: Plan) -> float:
     forward: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per iteration;
     ``palm_tflops_per_gpu`` PaLM's count, (6·N + 12·l·h·s) per token
     (:mod:`~pipedsl.simulator.flops`); ``samples_per_gpu_per_s`` is global batch /
-    (GPUs × rate).
+    (GPUs × rate); ``maxtext_mfu_percent`` MaxText's MFU of the chip's peak, of its count
+    of FLOPs per chip and step (its ``calculate_training_tflops``: 6·N per token plus
+    causal attention's 6·L·heads·head_dim·s per token, N every parameter).
     """
     reported = float(row["reported"])
     metric = row["metric"]
     if metric == "iteration_time_s":
         return reported
+    if metric == "maxtext_mfu_percent":
+        tokens = plan.global_batch * model.seq_len / plan.gpus
+        flops = tokens * (6 * model.num_params + 6 * model.layers * model.q_width * model.seq_len)
+        return flops / (reported / 100 * load_cluster(row["cluster"]).peak_flops)
     if metric == "palm_tflops_per_gpu":
         return step_flops(model, plan, FlopCount.PALM) / (plan.gpus * reported * 1e12)
     if metric == "tflops_per_gpu":
@@ -165,9 +181,15 @@ def _run(row: dict[str, str]) -> Run:
         tied_embeddings=_flag(row, "tied_embeddings"),
         gated_ffn=_flag(row, "gated_ffn", "false"),
         dropout=_flag(row, "dropout"),
+        head_dim=int(row.get("head_dim") or 0) or None,
+        parallel_block=_flag(row, "parallel_block", "false"),
+        activation=row.get("activation") or "gelu",
+        fp32_logits=_flag(row, "fp32_logits"),
+        param_bytes=int(row.get("param_bytes") or 0) or None,
     )
     plan = Plan(
         dp=n["dp"],
+        fsdp=int(row.get("fsdp") or 0) or None,
         tp=n["tp"],
         pp=n["pp"],
         vpp=n["vpp"],
@@ -193,7 +215,8 @@ def _run(row: dict[str, str]) -> Run:
         raise ValueError(f"{row['run']}: role must be calibrate or validate, got {row['role']!r}")
     layers = tuple(int(x) for x in row["stage_layers"].split()) or None
     return Run(
-        row["run"], row["source"], row["role"], row["cluster"], model, plan, layers, _measured_seconds(row, model, plan)
+        row["run"], row["source"], row["role"], row["cluster"], model, plan, layers, _measured_seconds(row, model, plan),
+        slices=int(row.get("slices") or 1),
     )
 
 
@@ -201,6 +224,15 @@ HELD_OUT = "llama3_*.csv"
 """Published runs kept out of the tables and the fit altogether: Llama 3 405B's, a check of
 the estimator on a run nothing was fitted on, whose memory the estimator does not find
 fitting (``ACCURACY.md`` reports them apart; data/README.md says why)."""
+
+TPU_RUNS = "tpu_runs*.csv"
+"""Published TPU runs (MaxText on v5e and v5p slices): their ``calibrate`` rows fit each
+chip's compute model and the spread of its slices' step times, their ``validate`` rows are
+held out; ``ACCURACY.md`` reports them in a section of their own."""
+
+HELD_OUT_GPU = "heldout_runs*.csv"
+"""Published GPU runs held out of every fit (every row ``validate``), added after the GPU
+fits and reported apart in ``ACCURACY.md``."""
 
 
 def load_runs(folder: Path = DATA, pattern: str = "published_runs*.csv") -> list[Run]:
@@ -218,10 +250,17 @@ def evaluate(runs: Iterable[Run], clusters: dict[str, Cluster], pipelines: Pipel
     results = []
     for run in runs:
         predicted = estimate(
-            run.model, clusters[run.cluster], run.plan, pipelines=pipelines, stage_layers=run.stage_layers
+            run.model, run_cluster(run, clusters), run.plan, pipelines=pipelines, stage_layers=run.stage_layers
         )
         results.append(Result(run, predicted.step_time_s, predicted.fits))
     return results
+
+
+def run_cluster(run: Run, clusters: dict[str, Cluster]) -> Cluster:
+    """The cluster ``run`` ran on: its preset from ``clusters``, in its slices (a TPU run
+    of several slices joined by DCN)."""
+    cluster = clusters[run.cluster]
+    return cluster if run.slices == 1 else dataclasses.replace(cluster, slices=run.slices)
 
 
 def _mape(results: Sequence[Result]) -> float:
@@ -250,6 +289,11 @@ def fit(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cl
         raise ValueError(f"no calibration runs for {', '.join(sorted(clusters))}")
     pipelines = Pipelines(keep_simulations=False)
     steps = [_step(run, pipelines) for run in calibration]
+    if all(c.torus for c in clusters.values()):
+        # On a TPU cluster the slices' spread moves the multi-slice rows as the compute
+        # model moves all of them: the two are searched together.
+        grid = {**GRID, **TORUS_NETWORK_GRID}
+        return grid_search(clusters, grid, ((*_BLOCKS[0], *TORUS_NETWORK_GRID), *_BLOCKS[1:]), steps)
     return grid_search(clusters, GRID, _BLOCKS, steps)
 
 
@@ -267,7 +311,8 @@ def fit_network(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict
     ]
     pipelines = Pipelines(keep_simulations=False)
     steps = [_step(run, pipelines) for run in calibration]
-    return grid_search(clusters, NETWORK_GRID, (tuple(NETWORK_GRID),), steps)
+    grid = TORUS_NETWORK_GRID if all(c.torus for c in clusters.values()) else NETWORK_GRID
+    return grid_search(clusters, grid, (tuple(grid),), steps)
 
 
 def fit_framework(runs: Sequence[Run], clusters: dict[str, Cluster], name: str) -> tuple[Framework, float]:
@@ -294,7 +339,8 @@ def _step(run: Run, pipelines: Pipelines) -> Step:
     against the estimate on a candidate cluster, grouped by its source."""
 
     def priced(cluster: Cluster) -> float:
-        return estimate(run.model, cluster, run.plan, pipelines=pipelines, stage_layers=run.stage_layers).step_time_s
+        sliced = run_cluster(run, {run.cluster: cluster})
+        return estimate(run.model, sliced, run.plan, pipelines=pipelines, stage_layers=run.stage_layers).step_time_s
 
     return Step(run.name, run.measured_s, priced, group=run.source, cluster=run.cluster)
 
@@ -330,10 +376,15 @@ def _table(groups: dict[str, list[Result]]) -> list[str]:
 
 
 def accuracy_markdown(
-    results: Sequence[Result], clusters: dict[str, Cluster], held_out: Sequence[tuple[Result, Memory]] = ()
+    results: Sequence[Result],
+    clusters: dict[str, Cluster],
+    held_out: Sequence[tuple[Result, Memory]] = (),
+    sections: Sequence[tuple[str, Sequence[Result]]] = (),
 ) -> str:
-    """``data/ACCURACY.md``: error per source, per role, per regime, and per run; then the
-    ``held_out`` runs (:data:`HELD_OUT`) with the memory the estimator gives them."""
+    """``data/ACCURACY.md``: error per source, per role, per regime, and per run; then each
+    of ``sections`` (a title and its runs: the TPU runs, the GPU runs held out of every fit)
+    by role and per run; then the ``held_out`` runs (:data:`HELD_OUT`) with the memory the
+    estimator gives them."""
     by_source: dict[str, list[Result]] = {}
     by_role: dict[str, list[Result]] = {}
     by_regime: dict[str, list[Result]] = {}
@@ -389,6 +440,8 @@ def accuracy_markdown(
             f"| {r.run.name} | {r.run.source} | {r.run.role} | {p.gpus} | {p.dp}·{p.tp}·{p.pp} | "
             f"{r.run.measured_s:.3f} | {r.predicted_s:.3f} | {100 * r.error:+.1f}% |"
         )
+    for title, section in sections:
+        lines += _section(title, section)
     if held_out:
         lines += [
             "",
@@ -406,6 +459,30 @@ def accuracy_markdown(
     return "\n".join(lines) + "\n"
 
 
+def _section(title: str, results: Sequence[Result]) -> list[str]:
+    """A section of ``ACCURACY.md``: ``results`` by role and by source, then every run."""
+    by_role: dict[str, list[Result]] = {}
+    by_source: dict[str, list[Result]] = {}
+    for r in results:
+        by_role.setdefault(r.run.role, []).append(r)
+        by_source.setdefault(f"{r.run.source} {r.run.role}", []).append(r)
+    lines = ["", f"## {title}", ""] + _table({**by_role, "all": list(results)})
+    lines += [""] + _table(by_source)
+    lines += [
+        "",
+        "| run | source | role | devices | slices | dp·fsdp·tp·pp | measured s | predicted s | error | fits |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for r in results:
+        p = r.run.plan
+        lines.append(
+            f"| {r.run.name} | {r.run.source} | {r.run.role} | {p.gpus} | {r.run.slices} | "
+            f"{p.dp}·{p.shard_group}·{p.tp}·{p.pp} | {r.run.measured_s:.3f} | {r.predicted_s:.3f} | "
+            f"{100 * r.error:+.1f}% | {'yes' if r.fits else 'no'} |"
+        )
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Fit (or with ``--check`` only evaluate) the presets used by the published runs."""
     parser = argparse.ArgumentParser(prog="python -m pipedsl.simulator.fit_published", description=__doc__)
@@ -413,11 +490,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DATA / "ACCURACY.md", help="where to write the accuracy table")
     args = parser.parse_args(argv)
     runs = load_runs()
-    clusters = {name: load_cluster(name) for name in sorted({r.cluster for r in runs})}
+    tpu = load_runs(DATA, TPU_RUNS)
+    held_gpu = load_runs(DATA, HELD_OUT_GPU)
+    every = [*runs, *tpu, *held_gpu]
+    clusters = {name: load_cluster(name) for name in sorted({r.cluster for r in every})}
     if not args.check:
         for kind in sorted({gpu_type(c) for c in clusters.values()}):
-            fitted, error = fit(runs, {n: c for n, c in clusters.items() if gpu_type(c) == kind})
-            fitted, _ = fit_network(runs, fitted)
+            fitted = {n: c for n, c in clusters.items() if gpu_type(c) == kind}
+            # The compute model and the network terms each fitted given the other, twice over.
+            for _ in range(2):
+                fitted, error = fit([*runs, *tpu], fitted)
+                fitted, _ = fit_network([*runs, *tpu], fitted)
             clusters.update(fitted)
             c = next(iter(fitted.values()))
             print(
@@ -438,9 +521,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r, result in zip(held, evaluate(held, held_clusters), strict=True)
     ]
     results = evaluate(runs, clusters)
+    tpu_results = evaluate(tpu, clusters)
     for kind in sorted({gpu_type(c) for c in clusters.values()}):
-        print(fit_report(results, clusters, kind, fitted=not args.check).text())
-    text = accuracy_markdown(results, clusters, held_out)
+        print(fit_report([*results, *tpu_results], clusters, kind, fitted=not args.check).text())
+    sections = (
+        ("TPU slices and pods: MaxText's published runs (calibrate rows fit each chip, validate rows held out)",
+         tpu_results),
+        ("Held out: GPU runs added after the fits (validation only, in no table above)", evaluate(held_gpu, clusters)),
+    )  # fmt: skip
+    text = accuracy_markdown(results, clusters, held_out, sections)
     args.out.write_text(text)
     print(text)
     return 0

@@ -35,6 +35,7 @@ from pipedsl.run_options import Precision
 from pipedsl.simulator.tomlfile import read_toml
 
 __all__ = [
+    "ACTIVATIONS",
     "DescriptionError",
     "Model",
     "Cluster",
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 _PRESETS = "pipedsl.simulator.presets"
+
+ACTIVATIONS = ("gelu", "relu", "squared_relu", "silu")
+"""The feed-forward nonlinearities a :class:`Model` names (``Model.activation``)."""
 
 
 class DescriptionError(PipedslError):
@@ -101,6 +105,22 @@ class Model:
         rotary or other parameter-free positions.
       tied_embeddings: True when the logit layer reuses the input embedding matrix.
       dropout: whether attention and the feed-forward block end in dropout (GPT; not Llama).
+      head_dim: width of one attention head; None means ``hidden / heads`` (which must then
+        divide). Many models set it apart: MaxText's 2023 default decoder has heads of 256
+        whatever its width, Gemma 256 at hidden 3072 with 16 heads.
+      parallel_block: True where attention and the feed-forward block both read one norm's
+        output and add their sums to the residual together (GPT-J, PaLM, MaxText's 2023
+        decoder); False for the sequential pre-norm block (a norm before each).
+      activation: the feed-forward block's nonlinearity (:data:`ACTIVATIONS`): ``gelu``
+        (GPT), ``silu`` (SwiGLU with ``gated_ffn``: Llama), ``relu`` (MaxText's 2023
+        decoder), ``squared_relu`` (Nemotron-4).
+      fp32_logits: whether the logits and their softmax are kept in fp32 for the loss's
+        backward (Megatron-LM, MaxText); False keeps them in ``dtype_bytes``.
+      param_bytes: bytes per stored parameter; None means ``dtype_bytes``. A 16-bit model
+        (``dtype_bytes = 2``) with ``param_bytes = 2`` keeps 16-bit weights beside an fp32
+        master copy in the optimizer state (Megatron-LM's mixed precision); with
+        ``param_bytes = 4`` it keeps fp32 parameters only and computes in bf16, casting
+        each weight where it is used (MaxText, Flax's default), with no separate master.
     """
 
     name: str
@@ -117,6 +137,11 @@ class Model:
     learned_positions: bool = True
     tied_embeddings: bool = True
     dropout: bool = True
+    head_dim: int | None = None
+    parallel_block: bool = False
+    activation: str = "gelu"
+    fp32_logits: bool = True
+    param_bytes: int | None = None
 
     def __post_init__(self) -> None:
         owner = f"model {self.name!r}"
@@ -124,14 +149,25 @@ class Model:
             raise DescriptionError(f"model name must be a non-empty string, got {self.name!r}")
         for name in ("layers", "hidden", "ffn_hidden", "heads", "seq_len", "vocab", "dtype_bytes"):
             _check_int(owner, name, getattr(self, name))
-        if self.kv_heads is not None:
-            _check_int(owner, "kv_heads", self.kv_heads)
-        for name in ("gated_ffn", "biases", "learned_positions", "tied_embeddings", "dropout"):
+        for name in ("kv_heads", "head_dim", "param_bytes"):
+            if getattr(self, name) is not None:
+                _check_int(owner, name, getattr(self, name))
+        for name in ("gated_ffn", "biases", "learned_positions", "tied_embeddings", "dropout", "parallel_block",
+                     "fp32_logits"):  # fmt: skip
             _check_bool(owner, name, getattr(self, name))
-        if self.hidden % self.heads:
+        if self.activation not in ACTIVATIONS:
+            raise DescriptionError(
+                f"{owner}: activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}"
+            )
+        if self.param_bytes is not None and (self.param_bytes not in (2, 4) or self.param_bytes < self.dtype_bytes):
+            raise DescriptionError(
+                f"{owner}: param_bytes must be 2 or 4 and at least dtype_bytes {self.dtype_bytes} (parameters are"
+                f" stored at least as wide as they are computed with), got {self.param_bytes!r}"
+            )
+        if self.head_dim is None and self.hidden % self.heads:
             raise DescriptionError(
                 f"{owner}: hidden {self.hidden} is not a multiple of heads {self.heads}; "
-                "each head needs the same width hidden/heads"
+                "each head needs the same width hidden/heads, or give head_dim"
             )
         if self.heads % self.num_kv_heads:
             raise DescriptionError(
@@ -151,26 +187,47 @@ class Model:
         return "fp32" if self.dtype_bytes == 4 else "bf16"
 
     @property
+    def head_width(self) -> int:
+        """Width of one attention head: ``head_dim``, or hidden/heads."""
+        return self.hidden // self.heads if self.head_dim is None else self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        """Width of the query projection (and of the attention's output): heads × head width."""
+        return self.heads * self.head_width
+
+    @property
     def kv_width(self) -> int:
-        """Width of the key (and of the value) projection: kv_heads × hidden/heads."""
-        return self.num_kv_heads * (self.hidden // self.heads)
+        """Width of the key (and of the value) projection: kv_heads × head width."""
+        return self.num_kv_heads * self.head_width
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes per stored parameter: ``param_bytes``, or ``dtype_bytes``."""
+        return self.dtype_bytes if self.param_bytes is None else self.param_bytes
+
+    @property
+    def norms(self) -> int:
+        """Norms per layer: one before attention and the feed-forward block together in a
+        parallel block, one before each otherwise."""
+        return 1 if self.parallel_block else 2
 
     @property
     def layer_matmul_params(self) -> int:
         """Weights of one layer's matrix multiplications: Q, K, V, output and feed-forward."""
         h, f = self.hidden, self.ffn_hidden
-        attention = 2 * h * h + 2 * h * self.kv_width
+        attention = 2 * h * self.q_width + 2 * h * self.kv_width
         ffn = (3 if self.gated_ffn else 2) * h * f
         return attention + ffn
 
     @property
     def layer_params(self) -> int:
-        """All parameters of one layer: matmul weights, their biases and two norms."""
+        """All parameters of one layer: matmul weights, their biases and its norms."""
         h, f = self.hidden, self.ffn_hidden
         if self.biases:
-            bias = h + 2 * self.kv_width + h + (2 if self.gated_ffn else 1) * f + h
-            return self.layer_matmul_params + bias + 2 * 2 * h
-        return self.layer_matmul_params + 2 * h
+            bias = self.q_width + 2 * self.kv_width + h + (2 if self.gated_ffn else 1) * f + h
+            return self.layer_matmul_params + bias + self.norms * 2 * h
+        return self.layer_matmul_params + self.norms * h
 
     @property
     def embedding_params(self) -> int:
@@ -194,9 +251,10 @@ class Model:
         """Forward FLOPs of one layer per token: 2 per matmul weight plus attention's 4·s·h.
 
         The attention term counts QKᵀ and the attention-weighted values over the full
-        sequence (2·s·h each), as Megatron-LM's accounting does.
+        sequence (2·s·heads·head width each: 2·s·h where heads × head width is h), as
+        Megatron-LM's accounting does.
         """
-        return 2 * self.layer_matmul_params + 4 * self.seq_len * self.hidden
+        return 2 * self.layer_matmul_params + 4 * self.seq_len * self.q_width
 
     @property
     def logit_forward_flops_per_token(self) -> int:
@@ -433,7 +491,8 @@ class Cluster:
 
 # --- reading descriptions -------------------------------------------------------------
 
-_INT_FIELDS = {"layers", "hidden", "ffn_hidden", "heads", "kv_heads", "seq_len", "vocab", "dtype_bytes",
+_INT_FIELDS = {"layers", "hidden", "ffn_hidden", "heads", "kv_heads", "seq_len", "vocab", "dtype_bytes", "head_dim",
+               "param_bytes",
                "memory_bytes", "reserved_bytes", "gpus_per_node", "nics_per_node", "leaf_nodes",
                "torus_wrap", "slices"}  # fmt: skip
 

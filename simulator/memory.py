@@ -1,13 +1,16 @@
 """Memory per GPU of a plan: weights, gradients and optimizer state sharded by ZeRO stage,
 activations, and the working memory that is not per microbatch.
 
-As the executor keeps them, per parameter: weights of the model's ``dtype_bytes``, fp32
-gradients (:data:`GRAD_BYTES`) and Adam's fp32 moments (:data:`ADAM_BYTES`); a 16-bit
-(bf16) model's weights are the step's 16-bit copy, and the optimizer state also holds
-their fp32 master copy (:data:`MASTER_BYTES`; :func:`optimizer_bytes`: 12 bytes, as
-Megatron-LM's mixed precision), while an fp32 model's weights are their own master
-(8 bytes of optimizer state). ZeRO 1 shards the optimizer
-state over the dp·cp ranks that hold the same weights, ZeRO 2 also the gradients, ZeRO 3
+As the executor keeps them, per parameter: weights of the model's ``stored_bytes``
+(``dtype_bytes`` unless ``param_bytes`` says otherwise), gradients in the precision they are
+reduced in (:func:`gradient_bytes`: fp32, :data:`GRAD_BYTES`, under this project's executor)
+and Adam's fp32 moments (:data:`ADAM_BYTES`); a 16-bit (bf16) model's weights are the
+step's 16-bit copy, and the optimizer state also holds their fp32 master copy
+(:data:`MASTER_BYTES`; :func:`optimizer_bytes`: 12 bytes, as Megatron-LM's mixed
+precision), while fp32 weights (an fp32 model's, or a bf16 model's stored in fp32 and cast
+where used, as MaxText keeps them) are their own master (8 bytes of optimizer state). ZeRO 1 shards the optimizer
+state over the dp·cp ranks that hold the same weights (over the fsdp·cp ranks of a shard
+group where the plan sets ``fsdp``), ZeRO 2 also the gradients, ZeRO 3
 also the weights. Gradients reduced once per step (``reduce_once``) are accumulated
 whole until then, so they are not sharded; weights ZeRO 3 keeps gathered after the
 forward (no ``reshard_after_forward``) are held whole. Activations are the simulator's
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipedsl.simulator.context_parallel import gathered_bytes
+from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.transformer import Shapes
 
@@ -29,6 +33,7 @@ __all__ = [
     "ADAM_BYTES",
     "GRAD_BYTES",
     "MASTER_BYTES",
+    "gradient_bytes",
     "DoesNotFit",
     "Memory",
     "device_memory",
@@ -37,7 +42,8 @@ __all__ = [
 ]
 
 GRAD_BYTES = 4
-"""Bytes per gradient value held: fp32, as accumulated over microbatches."""
+"""Bytes per gradient value held: fp32, as accumulated over microbatches (by this project's
+executor always, and by any plan that reduces its gradients in fp32: :func:`gradient_bytes`)."""
 ADAM_BYTES = 8
 """Bytes of Adam's state per parameter: fp32 first and second moments."""
 MASTER_BYTES = 4
@@ -95,29 +101,41 @@ class DoesNotFit(PlanError):
         super().__init__(f"{plan.label} needs {memory.text()}")
 
 
-def optimizer_bytes(dtype_bytes: int) -> int:
-    """Bytes of optimizer state per parameter of a model whose weights take ``dtype_bytes``:
-    Adam's moments, and the fp32 master weights when the weights are narrower than fp32."""
-    return ADAM_BYTES + (MASTER_BYTES if dtype_bytes < MASTER_BYTES else 0)
+def optimizer_bytes(stored_bytes: int) -> int:
+    """Bytes of optimizer state per parameter of a model whose weights are stored in
+    ``stored_bytes`` (``Model.stored_bytes``): Adam's moments, and the fp32 master weights
+    when the stored weights are narrower than fp32 (fp32 parameters are their own master)."""
+    return ADAM_BYTES + (MASTER_BYTES if stored_bytes < MASTER_BYTES else 0)
 
 
-def static_memory(plan: Plan, device_params: float, dtype_bytes: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per GPU, sharded by the plan's mode."""
+def gradient_bytes(plan: Plan) -> int:
+    """Bytes per gradient value a plan holds: those it reduces them in (``reduce_bytes``), as
+    the frameworks that reduce in 16 bits accumulate them (Apex's DistributedFusedAdam with
+    ``grad_sync_dtype: bf16`` in NeMo, Megatron-LM's fp16 gradients without
+    ``--accumulate-allreduce-grads-in-fp32``, the bf16 gradients of bf16 products); fp32
+    (:data:`GRAD_BYTES`) under this project's executor, which accumulates them in fp32."""
+    return GRAD_BYTES if framework(plan.framework).name == "pipedsl" else plan.reduce_bytes
+
+
+def static_memory(plan: Plan, device_params: float, stored_bytes: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per GPU, sharded by the plan's mode, of
+    weights stored in ``stored_bytes`` (``Model.stored_bytes``)."""
     shards = plan.shards
-    weights = device_params * dtype_bytes / (shards if _shards_weights(plan) else 1)
-    grads = device_params * GRAD_BYTES / (shards if plan.zero >= 2 and not plan.reduce_once else 1)
-    optimizer = device_params * optimizer_bytes(dtype_bytes) / (shards if plan.zero >= 1 else 1)
+    weights = device_params * stored_bytes / (shards if _shards_weights(plan) else 1)
+    grads = device_params * gradient_bytes(plan) / (shards if plan.zero >= 2 and not plan.reduce_once else 1)
+    optimizer = device_params * optimizer_bytes(stored_bytes) / (shards if plan.zero >= 1 else 1)
     return weights, grads, optimizer
 
 
 def transient_bytes(shapes: Shapes) -> float:
     """Working memory that is not per microbatch: one layer's full activations while
-    full recomputation rebuilds it; ZeRO 3's gathered weights of two layers (the one
-    running and the one prefetched) when it reshards after the forward; the layer's
-    gathered keys and values under context parallelism."""
+    a remat policy that reruns each layer (full recomputation or a named policy) rebuilds
+    it; ZeRO 3's gathered weights of two layers (the one running and the one prefetched)
+    when it reshards after the forward, in the compute dtype; the layer's gathered keys and
+    values under context parallelism."""
     plan, model = shapes.plan, shapes.model
     extra = 0.0
-    if plan.recompute is Recompute.FULL:
+    if plan.recompute.per_layer:
         extra += shapes.layer_activation_bytes(Recompute.NONE)
     if _shards_weights(plan):
         extra += 2 * model.layer_params * model.dtype_bytes / plan.tp
@@ -136,7 +154,7 @@ def device_memory(shapes: Shapes, device_params: Sequence[float], activations: S
     plan, model = shapes.plan, shapes.model
     transient = transient_bytes(shapes)
     # Devices of like stages hold like parameters: each distinct count is worked out once.
-    shares = {p: static_memory(plan, p, model.dtype_bytes) for p in dict.fromkeys(device_params)}
+    shares = {p: static_memory(plan, p, model.stored_bytes) for p in dict.fromkeys(device_params)}
     static = [shares[p] for p in device_params]
     totals = [sum(parts) + held + transient for parts, held in zip(static, activations, strict=True)]
     fullest = max(range(len(totals)), key=lambda d: totals[d])

@@ -14,7 +14,9 @@ A cluster without ``leaf_nodes`` is one flat network (every group at the leaf ti
 figures). Stragglers: a synchronous step ends when its slowest node does; with node step
 times of coefficient of variation ``straggler_cv`` the expected slowest of N is about
 ``1 + straggler_cv·sqrt(2·ln N)`` times the mean (the expected maximum of N normal
-draws), a loss that grows with the number of nodes (:func:`straggler_factor`).
+draws), a loss that grows with the number of nodes (:func:`straggler_factor`). On a TPU
+cluster the units are its slices (:func:`straggler_units`): a slice's chips move in lock
+step over ICI, and the slices meet over DCN once per step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 from pipedsl.simulator.hardware import Cluster
 
-__all__ = ["Tier", "Link", "network_link", "straggler_factor"]
+__all__ = ["Tier", "Link", "network_link", "straggler_factor", "straggler_units"]
 
 
 class Tier(enum.Enum):
@@ -54,9 +56,20 @@ def network_link(nodes: int, cluster: Cluster) -> Link:
     return Link(Tier.LEAF, share, latency)
 
 
+def straggler_units(gpus: int, cluster: Cluster) -> int:
+    """The units whose step times vary apart and whose slowest a step waits for: the nodes
+    of a GPU cluster; the slices of a TPU cluster (``Cluster.torus``), whose chips the ICI
+    collectives of every layer keep in step with each other, while slices meet only where
+    their data-parallel reduction crosses DCN."""
+    if cluster.torus:
+        return cluster.slices
+    return -(-gpus // cluster.gpus_per_node)
+
+
 def straggler_factor(nodes: int, cluster: Cluster) -> float:
-    """How many times its priced seconds a step over ``nodes`` nodes takes, waiting for the
-    slowest: ``1 + straggler_cv·sqrt(2·ln nodes)`` (1 for one node)."""
+    """How many times its priced seconds a step over ``nodes`` nodes (or slices:
+    :func:`straggler_units`) takes, waiting for the slowest: ``1 + straggler_cv·sqrt(2·ln
+    nodes)`` (1 for one)."""
     if nodes <= 1 or cluster.straggler_cv <= 0:
         return 1.0
     return 1.0 + cluster.straggler_cv * math.sqrt(2.0 * math.log(nodes))

@@ -27,11 +27,33 @@ __all__ = ["Recompute", "ContextExchange", "PlanError", "Plan", "schedule_name",
 
 
 class Recompute(enum.Enum):
-    """Which activations the backward recomputes instead of storing."""
+    """Which activations the backward recomputes instead of storing: a remat policy.
+
+    ``none`` keeps everything; ``selective`` recomputes attention's core (Megatron-LM's
+    ``--recompute-granularity selective``); ``full`` keeps only each layer's input and
+    reruns its forward (Megatron-LM's full recomputation, MaxText's ``full``: save
+    nothing). The named policies rerun each layer from its input and what they save:
+    ``save_dots`` the output of every product with a weight (Q, K, V, the attention's
+    output projection, the feed-forward's input products: MaxText's ``minimal``, JAX's
+    ``checkpoint_dots_with_no_batch_dims``), ``save_qkv_proj`` the Q, K and V
+    projections and the attention's output projection (MaxText's ``save_qkv_proj`` with
+    ``save_out_proj``), ``save_mlp_inputs`` the feed-forward block's input (Megatron-LM's
+    ``--recompute-modules mlp``: the block's products rerun from it). A saved value is
+    kept only where the backward (with its recomputation) reads it.
+    """
 
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    SAVE_DOTS = "save_dots"
+    SAVE_QKV_PROJ = "save_qkv_proj"
+    SAVE_MLP_INPUTS = "save_mlp_inputs"
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether each layer reruns its forward from its input and what the policy saves
+        (``full`` and the named policies)."""
+        return self not in (Recompute.NONE, Recompute.SELECTIVE)
 
 
 class ContextExchange(enum.Enum):
@@ -55,6 +77,12 @@ class Plan:
 
     Attributes:
       dp, tp, pp: data-, tensor- and pipeline-parallel degrees; GPUs = dp·tp·cp·pp.
+      fsdp: the ZeRO shard group: of the ``dp`` data-parallel ranks, groups of ``fsdp``
+        shard the ZeRO state among themselves and the ``dp / fsdp`` groups are replicas of
+        one another, whose gradient shards are all-reduced across them once per step
+        (FSDP inside a TPU slice or a group of GPU nodes and data parallelism across them:
+        MaxText's ``ici_fsdp`` x ``dcn_data``, PyTorch's HSDP). None: one group of all
+        ``dp``.
       cp: context-parallel degree: each sequence's tokens split over ``cp`` ranks, which
         exchange keys and values for attention (``cp_exchange``) and hold the same weights
         (their gradients are reduced over dp·cp ranks, as Megatron-LM does).
@@ -87,10 +115,13 @@ class Plan:
         (:func:`~pipedsl.simulator.activations.compiled_layer_bytes`).
       dp_overlap: fraction in [0, 1] of the covering computation that can hide
         data-parallel traffic (see :mod:`pipedsl.simulator.estimate`).
-      tp_overlap: fraction in [0, 1] of the tensor-parallel collectives hidden behind the
-        matrix multiplications they feed (Transformer Engine's userbuffer overlap,
-        NeMo's ``ub_tp_comm_overlap``); 0 runs them between the products, as
-        Megatron-LM does without that option.
+      tp_overlap: fraction in [0, 1] of the time of the matrix multiplications next to
+        each tensor-parallel collective that can hide it, the collective decomposed into
+        ``tp`` steps that run under the product's steps (XLA's collective matmul on TPUs,
+        Transformer Engine's userbuffer overlap, NeMo's ``ub_tp_comm_overlap``): what
+        is hidden follows from the product's time against the collective's
+        (:func:`~pipedsl.simulator.transformer.pipelined_exposed`); 0 runs them between
+        the products, as Megatron-LM does without that option.
       reduce_bytes: bytes per gradient value in data-parallel reductions: 4 (fp32, as
         Megatron-LM reduces) or 2 (bf16, as mixed-precision FSDP often does).
       framework: the framework that runs the plan, whose fixed costs are priced on top
@@ -110,6 +141,7 @@ class Plan:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    fsdp: int | None = None
     vpp: int = 1
     microbatch_size: int = 1
     global_batch: int
@@ -122,7 +154,7 @@ class Plan:
     flash_attention: bool = True
     fp32_scores: bool = False
     dp_overlap: float = 1.0
-    tp_overlap: float = 0.0
+    tp_overlap: float = 1.0
     reduce_bytes: int = 4
     cp_exchange: ContextExchange = ContextExchange.RING
     stage_layers: tuple[int, ...] | None = None
@@ -136,6 +168,7 @@ class Plan:
                 raise PlanError(f"plan: {name} must be a whole number >= 1, got {value!r}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise PlanError(f"plan: zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        self._check_fsdp()
         if not isinstance(self.recompute, Recompute):
             try:
                 object.__setattr__(self, "recompute", Recompute(self.recompute))
@@ -189,6 +222,33 @@ class Plan:
         if self.pp > 1 and self.schedule is None:
             raise PlanError(f"plan: pp = {self.pp} needs a schedule (a library name such as 1f1b, or a .sched file)")
 
+    def _check_fsdp(self) -> None:
+        fsdp = self.fsdp
+        if fsdp is None:
+            return
+        if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1 or self.dp % fsdp:
+            raise PlanError(
+                f"plan: fsdp must be a whole number dividing dp = {self.dp} (the data-parallel ranks that shard"
+                f" among themselves; dp / fsdp replicas of them), got {fsdp!r}"
+            )
+        if fsdp == self.dp:
+            object.__setattr__(self, "fsdp", None)
+        elif self.zero == 0:
+            raise PlanError(
+                f"plan: fsdp = {fsdp} groups the ranks that share ZeRO shards, but zero = 0 shards nothing;"
+                " give zero 1, 2 or 3 (FSDP inside the groups is zero 3)"
+            )
+
+    @property
+    def shard_group(self) -> int:
+        """Data-parallel ranks that shard the ZeRO state among themselves: ``fsdp``, or ``dp``."""
+        return self.dp if self.fsdp is None else self.fsdp
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel groups that are replicas of one another: dp / fsdp (1 without ``fsdp``)."""
+        return self.dp // self.shard_group
+
     @property
     def gpus(self) -> int:
         """GPUs the plan uses: dp·tp·cp per pipeline device, times pp unless they share them."""
@@ -196,8 +256,8 @@ class Plan:
 
     @property
     def shards(self) -> int:
-        """Ranks that hold the same weights and share their ZeRO shards: dp·cp."""
-        return self.dp * self.cp
+        """Ranks that share ZeRO shards of the same weights: dp·cp, or fsdp·cp in groups."""
+        return self.shard_group * self.cp
 
     @property
     def reduces_once(self) -> bool:
@@ -224,8 +284,9 @@ class Plan:
         vpp = f" vpp{self.vpp}" if self.vpp > 1 else ""
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         shared = " shared" if self.shared_devices else ""
+        fsdp = f" fsdp{self.fsdp}" if self.fsdp is not None else ""
         return (
-            f"{kind} dp{self.dp} tp{self.tp}{cp} pp{self.pp}{vpp}{shared} mb{self.microbatch_size} "
+            f"{kind} dp{self.dp}{fsdp} tp{self.tp}{cp} pp{self.pp}{vpp}{shared} mb{self.microbatch_size} "
             f"{self.sharding} {self.recompute.value}"
         )
 
@@ -242,6 +303,7 @@ class Plan:
             )
         return RunOptions.as_priced(
             dp=self.dp,
+            fsdp=self.shard_group,
             tp=self.tp,
             cp=self.cp,
             zero=self.zero,
@@ -254,6 +316,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {
             "dp": self.dp,
+            "fsdp": self.fsdp,
             "tp": self.tp,
             "pp": self.pp,
             "cp": self.cp,

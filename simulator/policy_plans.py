@@ -126,7 +126,7 @@ def fitting_limit(base: Prepared) -> int:
     usable = shapes.cluster.usable_bytes
     limit = None
     for params, stages in zip(base.device_params, _stages_by_device(base), strict=True):
-        left = usable - sum(static_memory(plan, params, shapes.model.dtype_bytes)) - transient
+        left = usable - sum(static_memory(plan, params, shapes.model.stored_bytes)) - transient
         pair = max(base.residual[s] for s in stages)
         pairs = len(stages) * plan.microbatches
         here = pairs if pair <= 0 else min(pairs, int(max(left, 0) // pair))

@@ -26,6 +26,7 @@ COLUMNS = (
     "schedule",
     "source",
     "dp",
+    "fsdp",
     "tp",
     "cp",
     "pp",
@@ -68,7 +69,9 @@ class RankedPlan:
     the schedule (:func:`~pipedsl.simulator.plan.schedule_name`), ``source`` what it was
     loaded from (a library name or the path as given; empty for SPMD). ``reduce_once``
     and ``reshard_after_forward`` complete ``zero``'s sharding mode
-    (:attr:`~pipedsl.simulator.plan.Plan.sharding`). ``shared_devices``: every pipeline
+    (:attr:`~pipedsl.simulator.plan.Plan.sharding`); ``fsdp`` is its shard group (``dp`` where
+    the ZeRO state is sharded over all of dp, fewer where shard groups of one slice or node
+    are replicas of one another: :attr:`~pipedsl.simulator.plan.Plan.fsdp`). ``shared_devices``: every pipeline
     device on the same GPUs (:attr:`~pipedsl.simulator.plan.Plan.shared_devices`).
     """
 
@@ -77,6 +80,7 @@ class RankedPlan:
     schedule: str
     source: str
     dp: int
+    fsdp: int
     tp: int
     cp: int
     pp: int
@@ -111,6 +115,7 @@ class RankedPlan:
             schedule="spmd" if plan.schedule is None else schedule_name(plan.schedule),
             source=plan.schedule or "",
             dp=plan.dp,
+            fsdp=plan.shard_group,
             tp=plan.tp,
             cp=plan.cp,
             pp=plan.pp,
@@ -192,8 +197,9 @@ def describe(row: dict[str, Any] | None) -> str:
     pp = f" pp={row['pp']}{vpp}{shared}" if row["kind"] == "pipeline" else ""
     name = f"{row['schedule']} " if row["kind"] == "pipeline" else ""
     cp = f" cp={row['cp']}" if row.get("cp", 1) > 1 else ""
+    fsdp = f" fsdp={row['fsdp']}" if row.get("fsdp", row["dp"]) != row["dp"] else ""
     return (
-        f"({name}dp={row['dp']} tp={row['tp']}{cp}{pp} mb={row['microbatch_size']} zero={zero_words(row)} "
+        f"({name}dp={row['dp']}{fsdp} tp={row['tp']}{cp}{pp} mb={row['microbatch_size']} zero={zero_words(row)} "
         f"{row['recompute']}: {row['step_time_s']:.3f} s/step, MFU {100 * row['mfu']:.1f}%)"
     )
 

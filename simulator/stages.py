@@ -85,7 +85,7 @@ def stage_work(shapes: Shapes, layers: tuple[int, ...], params: tuple[float, ...
                 w = w + shapes.embedding_work()
             if s == last:
                 w = w + shapes.head_work()
-            found = w + zero_per_microbatch(shapes, p, w) + _framework_work(shapes, n)
+            found = w + zero_per_microbatch(shapes, p, w, n) + _framework_work(shapes, n)
             if 0 < s < last:
                 inner[(n, p)] = found
         work.append(found)

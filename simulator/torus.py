@@ -15,7 +15,8 @@ physical axes from the busiest down, each the subset of whole axes with the most
 lengths multiply to its size; where none does, axes are split by the same preferences as
 ``create_device_mesh(..., allow_split_physical_axes=True)`` (:func:`mesh_layout`). Between
 slices, ranks are numbered pipeline-outermost: the pipeline crosses the slices where its
-degree allows, data parallelism the rest (:func:`dcn_split`).
+degree allows, then the data-parallel replicas (``Plan.fsdp``: FSDP inside each slice, data
+parallelism across them), then the shard groups (:func:`dcn_split`).
 
 Pricing, for ``S`` bytes (the whole, unsharded size) over a group, as XLA runs it: one ring
 phase per physical axis the group spans, in axis order (a reduce-scatter along x, then
@@ -48,6 +49,7 @@ from pipedsl.simulator.plan import Plan, PlanError
 
 __all__ = [
     "MESH_AXES",
+    "mesh_sizes",
     "Ring",
     "TorusGroup",
     "slice_shape",
@@ -59,8 +61,15 @@ __all__ = [
     "crosses_slices",
 ]
 
-MESH_AXES = ("pipeline", "data", "context", "tensor")
-"""The plan's mesh axes in order of increasing traffic, as ``create_device_mesh`` wants them."""
+MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor")
+"""The plan's mesh axes in order of increasing traffic, as ``create_device_mesh`` wants them:
+the data-parallel ranks are ``data`` (replicas, ``Plan.replicas``) by ``fsdp`` (the ZeRO
+shard group, ``Plan.shard_group``; all of them without ``Plan.fsdp``), as MaxText names them."""
+
+
+def mesh_sizes(plan: Plan) -> dict[str, int]:
+    """The size of each of :data:`MESH_AXES` for ``plan``."""
+    return dict(zip(MESH_AXES, (plan.pp, plan.replicas, plan.shard_group, plan.cp, plan.tp), strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +135,17 @@ def _slice_shape(chips: int, bounds: tuple[int, ...], wrap: int) -> tuple[int, .
     ]
     if not shapes:
         largest = "x".join(map(str, bounds))
-        raise PlanError(f"no slice of the {largest} torus holds {chips} chips; give a chip count it can shape")
+        most = math.prod(bounds)
+        if chips > most and chips % most == 0:
+            hint = (
+                f"a slice holds at most {most} chips: ask for {chips // most} slices of {most} joined by the"
+                f" data-center network (--slices {chips // most})"
+            )
+        elif chips > most:
+            hint = f"a slice holds at most {most} chips: give a multiple of a slice's chips and --slices"
+        else:
+            hint = "give a chip count it can shape"
+        raise PlanError(f"no slice of the {largest} torus holds {chips} chips; {hint}")
     return min(shapes, key=lambda s: (max(s), -min(s)))
 
 
@@ -209,25 +228,28 @@ def _prime_factors(n: int) -> list[int]:
     return factors + ([n] if n > 1 else [])
 
 
-def dcn_split(plan: Plan, cluster: Cluster) -> tuple[int, int]:
-    """(pipeline, data) degrees across the slices: the pipeline takes as many as its degree
-    divides, data parallelism the rest; a :class:`PlanError` where they cannot."""
+def dcn_split(plan: Plan, cluster: Cluster) -> tuple[int, int, int]:
+    """(pipeline, data, fsdp) degrees across the slices: the pipeline takes as many as its
+    degree divides, the data-parallel replicas as many of the rest as theirs divides, the
+    shard groups the others; a :class:`PlanError` where they cannot."""
     slices = cluster.slices
     across_pipeline = math.gcd(plan.pp, slices)
-    across_data = slices // across_pipeline
-    if plan.dp % across_data:
+    rest = slices // across_pipeline
+    across_data = math.gcd(plan.replicas, rest)
+    across_fsdp = rest // across_data
+    if plan.shard_group % across_fsdp:
         raise PlanError(
             f"pp = {plan.pp} and dp = {plan.dp} cannot span {slices} slices: the pipeline spans {across_pipeline} of "
-            f"them and dp must be a multiple of the other {across_data}; tensor and context parallelism stay "
+            f"them and dp must be a multiple of the other {rest}; tensor and context parallelism stay "
             "inside a slice"
         )
-    return across_pipeline, across_data
+    return across_pipeline, across_data, across_fsdp
 
 
-def _slice_mesh(plan: Plan, cluster: Cluster) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]:
-    """(slice shape, the plan's mesh inside one slice, (pipeline, data) across slices)."""
+def _slice_mesh(plan: Plan, cluster: Cluster) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int, int]]:
+    """(slice shape, the plan's mesh inside one slice, (pipeline, data, fsdp) across slices)."""
     across = dcn_split(plan, cluster)
-    inside = (plan.pp // across[0], plan.dp // across[1], plan.cp, plan.tp)
+    inside = (plan.pp // across[0], plan.replicas // across[1], plan.shard_group // across[2], plan.cp, plan.tp)
     return slice_shape(plan.gpus // cluster.slices, cluster), inside, across
 
 
@@ -246,7 +268,7 @@ def torus_group(plan: Plan, axes: tuple[str, ...], cluster: Cluster) -> TorusGro
         stride = math.prod(s for m, s in enumerate(sizes) if m > innermost)
         whole = chips * stride == shape[p]
         rings.append(Ring(chips, whole and shape[p] % cluster.torus_wrap == 0, stride))
-    slices = (across[0] if "pipeline" in axes else 1) * (across[1] if "data" in axes else 1)
+    slices = math.prod(n for axis, n in zip(MESH_AXES, across, strict=False) if axis in axes)
     return TorusGroup(tuple(rings), slices)
 
 
@@ -277,6 +299,6 @@ def torus_all_reduce_seconds(num_bytes: float, group: TorusGroup, cluster: Clust
 def crosses_slices(a: int, b: int, plan: Plan, cluster: Cluster) -> bool:
     """Whether pipeline devices ``a`` and ``b`` sit in different slices (the pipeline is
     numbered outermost, so each slice holds ``pp / across`` consecutive pipeline devices)."""
-    across, _ = dcn_split(plan, cluster)
+    across = dcn_split(plan, cluster)[0]
     per_slice = plan.pp // across
     return a // per_slice != b // per_slice

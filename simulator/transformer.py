@@ -2,16 +2,18 @@
 kernels, priced by a size-dependent compute model.
 
 Per microbatch of ``b`` sequences of ``s`` tokens (T = b·s/c tokens on each of the
-c = cp context-parallel ranks; h hidden, f the feed-forward width, a heads of width
-d = h/a, kv the key/value width, V vocabulary, t = tp):
+c = cp context-parallel ranks; h hidden, f the feed-forward width, a heads of width d
+(``Model.head_width``: h/a unless the model sets ``head_dim``), q = a·d the query width,
+kv the key/value width, V vocabulary, t = tp):
 
-- Matrix multiplications, forward, per layer: QKV ``T × h × (h + 2·kv)/t``, the output
-  projection ``T × h/t × h``, the feed-forward ``T × h × g·f/t`` (g = 2 when gated) and
+- Matrix multiplications, forward, per layer: QKV ``T × h × (q + 2·kv)/t``, the output
+  projection ``T × q/t × h``, the feed-forward ``T × h × g·f/t`` (g = 2 when gated) and
   ``T × f/t × h``; attention's core ``b·a/t`` products ``s/c × d × s`` and ``s/c × s × d``
   (each context-parallel rank's queries against every key; the exchange of keys and
   values is :mod:`~pipedsl.simulator.context_parallel`'s).
-  With FlashAttention the core is one fused kernel that keeps the s×s scores on chip,
-  so its roofline counts only the bytes of Q, K, V and the output (4·s·d per head). The backward runs each linear product twice
+  With FlashAttention the core is one fused kernel that keeps the s×s scores on chip and
+  computes only the causal half of the products (:data:`CAUSAL_SHARE`), so its roofline
+  counts only the bytes of Q, K, V and the output (4·s·d per head). The backward runs each linear product twice
   (input gradient into ``I``, weight gradient into ``W``, same shape, same cost) and
   attention's core in ``I``: twice its forward when the scores are stored,
   :data:`FLASH_BACKWARD` times with FlashAttention, whose backward recomputes them. The logits ``T × h × V/t`` sit on the last stage.
@@ -30,12 +32,16 @@ d = h/a, kv the key/value width, V vocabulary, t = tp):
   softmax and attention dropout); the backward twice the products, as many elementwise.
 - Recomputation: ``full`` reruns each layer's forward (compute and tensor-parallel
   collectives) inside ``I`` and stores only the layer input (2·s·b·h/t in 16 bits);
-  ``selective`` reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t.
+  ``selective`` reruns attention's core (its FLOPs and score traffic) and stores 34·s·b·h/t;
+  the named policies (``save_dots``, ``save_qkv_proj``, ``save_mlp_inputs``:
+  :class:`~pipedsl.simulator.plan.Recompute`) rerun what the values they save do not
+  give back (:meth:`Shapes._rerun`) and keep those values.
 - Tensor parallelism: 2 all-reduces of b·s·h values in the forward and 2 in the backward
   per layer (:mod:`~pipedsl.simulator.collectives`);
-  sequence parallelism turns each into a reduce-scatter plus an all-gather. The plan's
-  ``tp_overlap`` fraction of them is hidden behind the products (userbuffer overlap) and
-  not priced.
+  sequence parallelism turns each into a reduce-scatter plus an all-gather. Each runs
+  decomposed under the product beside it (XLA's collective matmul, Transformer Engine's
+  userbuffer overlap), hidden as far as the product's time (times the plan's
+  ``tp_overlap``) covers it (:meth:`Shapes.tp_exposed`, :func:`pipelined_exposed`).
 """
 
 from __future__ import annotations
@@ -50,7 +56,17 @@ from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, Recompute
 from pipedsl.simulator.torus import TorusGroup
 
-__all__ = ["Work", "Shapes", "gemm_seconds", "ELEMENTWISE_KERNELS", "FLASH_BACKWARD", "LOSS_BYTES"]
+__all__ = [
+    "Work",
+    "Products",
+    "Shapes",
+    "gemm_seconds",
+    "pipelined_exposed",
+    "ELEMENTWISE_KERNELS",
+    "FLASH_BACKWARD",
+    "CAUSAL_SHARE",
+    "LOSS_BYTES",
+]
 
 ELEMENTWISE_KERNELS = 6
 """Elementwise kernels of one layer's forward with FlashAttention: two norms, two fused
@@ -58,6 +74,9 @@ bias-dropout-residual adds, the activation and the split of the fused QKV output
 FLASH_BACKWARD = 2.5
 """FlashAttention's backward over its forward: five products of the forward's size (the
 recomputed scores QKᵀ, then dV, dP, dQ and dK) against the forward's two (Dao 2023)."""
+CAUSAL_SHARE = 0.5
+"""The share of the query × key products a causal fused attention kernel computes: the
+lower triangle, the masked blocks above the diagonal skipped."""
 LOSS_BYTES = 4
 """Bytes per logit of the fp32 softmax the loss keeps for its backward."""
 
@@ -72,11 +91,14 @@ def gemm_seconds(m: float, k: float, n: float, cluster: Cluster, *, dtype_bytes:
 
 
 def _fused_attention_seconds(q: int, k: int, d: int, heads: int, cluster: Cluster, *, dtype_bytes: int) -> float:
-    """Seconds of FlashAttention's forward over ``heads`` heads of ``q`` queries against
-    ``k`` keys of width ``d``: 4·q·k·d FLOPs per head, priced as one product whose HBM
-    traffic is Q, K, V and the output ((2q + 2k)·d values per head), the scores never
-    leaving the chip."""
-    return _kernel_seconds(4.0 * q * k * d, dtype_bytes * (2 * q + 2 * k) * d, heads, cluster)
+    """Seconds of FlashAttention's causal forward over ``heads`` heads of ``q`` queries
+    against ``k`` keys of width ``d``: of the 4·q·k·d FLOPs per head of the whole q × k
+    block, the kernel computes the blocks on and below the diagonal, :data:`CAUSAL_SHARE`
+    of them (it skips the masked blocks, as FlashAttention-2, cuDNN's fused attention and
+    the TPU's Pallas kernel do; a context-parallel rank's two chunks, one from each end,
+    keep its share at a half too), priced as one product whose HBM traffic is Q, K, V and
+    the output ((2q + 2k)·d values per head), the scores never leaving the chip."""
+    return _kernel_seconds(CAUSAL_SHARE * 4.0 * q * k * d, dtype_bytes * (2 * q + 2 * k) * d, heads, cluster)
 
 
 def _kernel_seconds(flops: float, num_bytes: float, count: int, cluster: Cluster) -> float:
@@ -86,6 +108,37 @@ def _kernel_seconds(flops: float, num_bytes: float, count: int, cluster: Cluster
     total = count * flops
     roof = min(cluster.peak_flops, flops / num_bytes * cluster.hbm_bandwidth)
     return total / (roof * cluster.matmul_efficiency * total / (total + cluster.matmul_half_flops))
+
+
+def pipelined_exposed(comm: float, compute: float, steps: int, *, tail: bool = False) -> float:
+    """Seconds of a collective of ``comm`` seconds that ``compute`` seconds of work beside
+    it do not hide, both cut into ``steps`` steps that run one under the other (a
+    collective matmul's ring steps; a gradient reduction layer by layer):
+    ``max(0, comm - compute·(steps - 1)/steps)``, one step of the work running without
+    communication. With ``tail``, each step's communication can only follow its step of
+    work (a layer's gradients are reduced once its backward is done), so the last step's
+    is exposed whatever the work: at least ``comm / steps``."""
+    if comm <= 0.0:
+        return 0.0
+    steps = max(steps, 1)
+    exposed = max(0.0, comm - compute * (steps - 1) / steps)
+    return max(exposed, comm / steps) if tail else exposed
+
+
+@dataclass(frozen=True, slots=True)
+class Products:
+    """Seconds of one layer's four linear products, forward, on one GPU: the QKV
+    projection and the feed-forward's input products (column-split over tp), the
+    attention's output projection and the feed-forward's last product (row-split)."""
+
+    qkv: float
+    out: float
+    ffn_in: float
+    ffn_out: float
+
+    @property
+    def total(self) -> float:
+        return self.qkv + self.out + self.ffn_in + self.ffn_out
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,23 +204,26 @@ class Shapes:
     def _gemm(self, m: float, k: float, n: float, batch: int = 1) -> float:
         return gemm_seconds(m, k, n, self.cluster, dtype_bytes=self.model.dtype_bytes, batch=batch)
 
-    def linear_seconds(self) -> tuple[float, int]:
-        """(seconds, kernels) of one layer's four linear products, forward."""
+    def products(self) -> Products:
+        """Seconds of each of one layer's four linear products, forward, on one GPU."""
         m, t, tokens = self.model, self.plan.tp, self.tokens
         gated = 2 if m.gated_ffn else 1
-        seconds = (
-            self._gemm(tokens, m.hidden, (m.hidden + 2 * m.kv_width) // t)
-            + self._gemm(tokens, m.hidden // t, m.hidden)
-            + self._gemm(tokens, m.hidden, gated * m.ffn_hidden // t)
-            + self._gemm(tokens, m.ffn_hidden // t, m.hidden)
+        return Products(
+            qkv=self._gemm(tokens, m.hidden, (m.q_width + 2 * m.kv_width) // t),
+            out=self._gemm(tokens, m.q_width // t, m.hidden),
+            ffn_in=self._gemm(tokens, m.hidden, gated * m.ffn_hidden // t),
+            ffn_out=self._gemm(tokens, m.ffn_hidden // t, m.hidden),
         )
-        return seconds, 4
+
+    def linear_seconds(self) -> tuple[float, int]:
+        """(seconds, kernels) of one layer's four linear products, forward."""
+        return self.products().total, 4
 
     def attention_seconds(self) -> tuple[float, int]:
-        """(seconds, kernels) of attention's core, forward: 4·b·(s/cp)·s·h/t FLOPs."""
+        """(seconds, kernels) of attention's core, forward: 4·b·(s/cp)·s·heads·d/t FLOPs."""
         m, plan = self.model, self.plan
         heads = plan.microbatch_size * m.heads // plan.tp
-        width, q, k = m.hidden // m.heads, self.local_seq, m.seq_len
+        width, q, k = m.head_width, self.local_seq, m.seq_len
         if plan.flash_attention:
             return _fused_attention_seconds(q, k, width, heads, self.cluster, dtype_bytes=m.dtype_bytes), 1
         seconds = self._gemm(q, width, k, heads) + self._gemm(q, k, width, heads)
@@ -182,6 +238,26 @@ class Shapes:
         if self.plan.sequence_parallel:
             return 2 * gather_seconds(size, self.tp_group, self.cluster)
         return all_reduce_seconds(size, self.tp_group, self.cluster)
+
+    def tp_exposed(self, products: Products) -> float:
+        """Seconds of one layer's forward tensor-parallel collectives that the products next
+        to them do not hide (the backward's mirror them: the same collectives beside
+        products of the same shapes). With sequence parallelism each block gathers its
+        input before its column-split product and reduce-scatters after its row-split
+        one; without, it all-reduces after its row-split product. Each collective runs
+        decomposed into tp steps under the product's (:func:`pipelined_exposed`), the
+        plan's ``tp_overlap`` of the product's time hiding it."""
+        plan = self.plan
+        if plan.tp == 1:
+            return 0.0
+        hide = plan.tp_overlap
+        both = self.tp_all_reduce()
+        if plan.sequence_parallel:
+            half = both / 2
+            pairs = ((half, products.qkv), (half, products.out), (half, products.ffn_in), (half, products.ffn_out))
+        else:
+            pairs = ((both, products.out), (both, products.ffn_out))
+        return sum(pipelined_exposed(comm, hide * compute, plan.tp) for comm, compute in pairs)
 
     def layer_activation_bytes(self, recompute: Recompute) -> float:
         """Bytes one layer keeps per microbatch for its backward: under this project's
@@ -198,37 +274,58 @@ class Shapes:
         return self.megatron_activation_bytes(recompute)
 
     def megatron_activation_bytes(self, recompute: Recompute) -> float:
-        """Bytes one layer keeps per microbatch for its backward in Megatron-LM, by its shape (values of
-        the model's ``dtype_bytes`` e, as the executor keeps them: 2 in bf16, 4 in fp32;
-        1-byte dropout masks; Korthikanti et al. 2022's accounting, which for GPT in 16 bits
-        is s·b·h·(10 + 24/t + 5·a·s/(h·t))), per token of the microbatch on this GPU:
+        """Bytes one layer keeps per microbatch for its backward in Megatron-LM (and XLA's
+        compiled programs under the same remat policy), by its shape (values of the
+        model's ``dtype_bytes`` e, as the executor keeps them: 2 in bf16, 4 in fp32;
+        1-byte dropout masks; Korthikanti et al. 2022's accounting, which for GPT in 16
+        bits is s·b·h·(10 + 24/t + 5·a·s/(h·t))), per token of the microbatch on this GPU:
 
         - outside the tensor-parallel split (split too with sequence parallelism): the
-          two norms' inputs 2·e·h, the inputs of the QKV and first feed-forward products
-          e·h + e·h, and with dropout its two masks 2·h·1;
-        - split over t: Q e·h, K and V e·kv each, the output projection's input e·h, the
-          feed-forward's g·f outputs (g = 2 gated: gate and up) e·g·f and the activation's
-          output e·f (for GPT's 4h GELU block in 16 bits: 8h + 8h);
+          norms' inputs e·h each (one norm in a parallel block, two otherwise), the inputs
+          of the QKV and first feed-forward products e·h each (one shared input in a
+          parallel block), and with dropout its two masks 2·h·1;
+        - split over t: Q e·q (q = heads × head width), K and V e·kv each, the output
+          projection's input e·q, the feed-forward's g·f outputs (g = 2 gated: gate and
+          up) e·g·f and the activation's output e·f (for GPT's 4h GELU block in 16 bits:
+          8h + 8h);
         - without FlashAttention or selective recomputation, the scores and softmax 2·e·a·s
           and the dropout mask a·s, per query token (against all s keys).
+
+        A remat policy that reruns each layer (``Recompute.per_layer``) keeps the layer's
+        input e·h and what it saves that the backward reads (:meth:`Recompute`): Q, K and V
+        e·(q + 2·kv)/t, the feed-forward's input products e·g·f/t, the attention's output
+        projection e·h (which rebuilds the feed-forward's input in a sequential block; a
+        parallel block's backward reads none of its products' sums), the feed-forward's
+        input e·h.
         """
         m, t = self.model, self.plan.tp
-        h, kv, f, e = m.hidden, m.kv_width, m.ffn_hidden, m.dtype_bytes
+        h, q, kv, f, e = m.hidden, m.q_width, m.kv_width, m.ffn_hidden, m.dtype_bytes
         tokens = self.tokens
-        if recompute is Recompute.FULL:
-            return e * tokens * h / (t if self.plan.sequence_parallel else 1)
-        replicated = 4 * e * h + (2 * h if m.dropout else 0)
-        split = e * (2 * h + 2 * kv + (2 if m.gated_ffn else 1) * f + f)
+        shared = t if self.plan.sequence_parallel else 1
+        gated = 2 if m.gated_ffn else 1
+        if recompute.per_layer:
+            kept = e * h / shared
+            residual = 0.0 if m.parallel_block else e * h / shared
+            if recompute is Recompute.SAVE_DOTS:
+                kept += e * (q + 2 * kv + gated * f) / t + residual
+            elif recompute is Recompute.SAVE_QKV_PROJ:
+                kept += e * (q + 2 * kv) / t + residual
+            elif recompute is Recompute.SAVE_MLP_INPUTS:
+                kept += e * h / shared
+            return tokens * kept
+        inputs = (m.norms + (1 if m.parallel_block else 2)) * e * h
+        replicated = inputs + (2 * h if m.dropout else 0)
+        split = e * (2 * q + 2 * kv + gated * f + f)
         scores = (
             0.0 if self.plan.flash_attention or recompute is Recompute.SELECTIVE else (2 * e + 1) * m.heads * m.seq_len
         )
-        shared = t if self.plan.sequence_parallel else 1
         return tokens * (replicated / shared + (split + scores) / t)
 
     def layer_work(self) -> Work:
         """One transformer layer for one microbatch on one GPU."""
         m, plan, launch = self.model, self.plan, self.cluster.kernel_launch_s
-        linear, linear_kernels = self.linear_seconds()
+        products = self.products()
+        linear, linear_kernels = products.total, 4
         attention, attention_kernels = self.attention_seconds()
         score_bytes = (
             0.0 if plan.flash_attention else self.tokens * (2 * m.dtype_bytes + 1) * m.heads * m.seq_len / plan.tp
@@ -239,7 +336,7 @@ class Shapes:
         elementwise = self.cluster.elementwise_traffic * self.traffic_seconds(
             2 * self.megatron_activation_bytes(Recompute.NONE)
         )
-        collectives = 2 * self.tp_all_reduce() * (1.0 - plan.tp_overlap)
+        collectives = self.tp_exposed(products)
         exchange_forward, exchange_backward = exposed_exchange(self, attention)
         forward = (
             linear + attention + elementwise + collectives + exchange_forward
@@ -256,7 +353,26 @@ class Shapes:
             input_grad += forward
         elif plan.recompute is Recompute.SELECTIVE and not plan.flash_attention:
             input_grad += attention + self.traffic_seconds(2 * score_bytes) + launch * (attention_kernels + 2)
+        elif plan.recompute.per_layer:
+            input_grad += self._rerun(products, attention, elementwise, collectives, exchange_forward)
         return Work(forward, input_grad, linear + launch * linear_kernels)
+
+    def _rerun(
+        self, products: Products, attention: float, elementwise: float, collectives: float, exchange: float
+    ) -> float:
+        """Seconds the backward reruns of a layer's forward under a named remat policy:
+        what rebuilds the values the backward reads from the layer's input and what the
+        policy saved (:class:`~pipedsl.simulator.plan.Recompute`). Every policy reruns the
+        norms and activations (the elementwise work) and attention's core; saving the
+        projections spares their products, saving the feed-forward's input spares only
+        the feed-forward's last product (and its collective)."""
+        launch, recompute = self.cluster.kernel_launch_s, self.plan.recompute
+        rerun = attention + elementwise + launch * (1 + ELEMENTWISE_KERNELS)
+        if recompute is Recompute.SAVE_QKV_PROJ:
+            rerun += products.ffn_in + collectives / 4 + launch
+        elif recompute is Recompute.SAVE_MLP_INPUTS:
+            rerun += products.qkv + products.out + products.ffn_in + 3 * collectives / 4 + exchange + 3 * launch
+        return rerun
 
     def embedding_work(self) -> Work:
         """Token (and position) lookup, its dropout, and the scatter-add of its gradient."""
@@ -272,9 +388,11 @@ class Shapes:
         return Work(logits + loss, logits + 2 * loss, logits)
 
     def head_activation_bytes(self) -> float:
-        """The loss's fp32 softmax plus the final norm's input, per microbatch."""
+        """The loss's softmax (fp32, or in ``dtype_bytes`` without ``Model.fp32_logits``)
+        plus the final norm's input, per microbatch."""
         m, t = self.model, self.plan.tp
-        return self.tokens * (m.vocab * LOSS_BYTES + m.hidden * m.dtype_bytes) / t
+        logit_bytes = LOSS_BYTES if m.fp32_logits else m.dtype_bytes
+        return self.tokens * (m.vocab * logit_bytes + m.hidden * m.dtype_bytes) / t
 
     def embedding_activation_bytes(self) -> float:
         """The embedding dropout's mask, one byte per value (nothing without dropout)."""

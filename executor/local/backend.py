@@ -147,7 +147,10 @@ class LocalBackend:
             specs,
             # What the programs depend on of the rest: the meshes' shape and the ZeRO mode
             # (not fuse or recv_timeout, so that such pipelines share their programs).
-            (self.options.dp, self.options.cp, self.options.tp, self.options.zero, self.options.reduce_once),
+            (
+                self.options.dp, self.options.fsdp, self.options.cp, self.options.tp, self.options.zero,
+                self.options.reduce_once,
+            ),  # fmt: skip
         )
         if self._held is not None and self._held[0] == key:
             return self._held[1]

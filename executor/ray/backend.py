@@ -81,6 +81,11 @@ def world_shape(num_devices: int, options: RunOptions, devices_per_process: int)
             f"context parallelism (cp={options.cp}) runs on the local backend only; the Ray world's stage meshes "
             "are dp x tp: use backend='local' or cp=1"
         )
+    if options.fsdp is not None:
+        raise ExecutionError(
+            f"shard groups (fsdp={options.fsdp} of dp={options.dp}) run on the local backend only; the Ray world's"
+            " stage meshes are dp x tp: use backend='local', or fsdp=None (ZeRO over all of dp)"
+        )
     k = devices_per_process
     if options.mesh_size % k or k % options.tp:
         raise ExecutionError(

@@ -2,7 +2,11 @@
 
 A pipeline device runs its stages as SPMD programs on a :class:`jax.sharding.Mesh` with
 axes ``"data"`` (size ``dp``), ``"context"`` (size ``cp``) and ``"tensor"`` (size ``tp``),
-made by :func:`stage_mesh` on either backend. Where each value lives on
+made by :func:`stage_mesh` on either backend; where ``RunOptions.fsdp`` groups the
+data-parallel devices into shard groups, the ``dp`` devices are two axes, ``"replica"``
+(``dp / fsdp`` groups) and ``"data"`` (``fsdp`` devices of a group): ZeRO shards over
+``"data"`` only, the batch splits over both, and each shard's gradient is all-reduced over
+``"replica"`` (:func:`data_axes`). Where each value lives on
 that mesh is a :class:`jax.sharding.NamedSharding`, and the stage programs are jitted with
 these shardings as their output shardings (their inputs arrive already placed), so XLA
 inserts the tensor-parallel collectives and the data-parallel gradient reduction inside
@@ -39,9 +43,39 @@ from pipedsl.executor.devices import xla_device_flag
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.run_options import RunOptions
 
-__all__ = ["StageLayout", "build_meshes", "stage_mesh", "leaf_specs", "DATA", "CONTEXT", "TENSOR"]
+__all__ = [
+    "StageLayout",
+    "build_meshes",
+    "stage_mesh",
+    "leaf_specs",
+    "data_axes",
+    "data_size",
+    "DATA",
+    "CONTEXT",
+    "REPLICA",
+    "TENSOR",
+]
 
 DATA, CONTEXT, TENSOR = "data", "context", "tensor"
+REPLICA = "replica"
+"""The mesh axis of the replicas of a shard group (``RunOptions.fsdp``), outside ``"data"``."""
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the batch splits over: ``("replica", "data")`` on a mesh of shard groups,
+    else ``("data",)``."""
+    return (REPLICA, DATA) if REPLICA in mesh.axis_names else (DATA,)
+
+
+def data_size(mesh: Mesh) -> int:
+    """The data-parallel devices of ``mesh``: the product of its :func:`data_axes`."""
+    return int(np.prod([mesh.shape[a] for a in data_axes(mesh)]))
+
+
+def _batch_entry(mesh: Mesh) -> str | tuple[str, ...]:
+    """A ``PartitionSpec`` entry that splits an axis over every data-parallel device."""
+    axes = data_axes(mesh)
+    return axes if len(axes) > 1 else axes[0]
 
 
 def build_meshes(
@@ -79,9 +113,14 @@ def build_meshes(
 
 def stage_mesh(devices: Sequence[jax.Device], options: RunOptions) -> Mesh:
     """One pipeline device's mesh: ``devices`` (``options.mesh_size`` of them, row-major)
-    as ``dp x cp x tp`` with axes ``"data"``, ``"context"`` and ``"tensor"``."""
-    shape = (options.dp, options.cp, options.tp)
-    return Mesh(np.array(list(devices), dtype=object).reshape(shape), (DATA, CONTEXT, TENSOR))
+    as ``dp x cp x tp`` with axes ``"data"``, ``"context"`` and ``"tensor"``; with shard
+    groups (``options.fsdp``) as ``dp/fsdp x fsdp x cp x tp``, the groups (consecutive
+    devices: a node's, a slice's) along ``"replica"`` outside ``"data"``."""
+    shape: tuple[int, ...] = (options.dp, options.cp, options.tp)
+    names: tuple[str, ...] = (DATA, CONTEXT, TENSOR)
+    if options.fsdp is not None:
+        shape, names = (options.replicas, options.fsdp, options.cp, options.tp), (REPLICA, *names)
+    return Mesh(np.array(list(devices), dtype=object).reshape(shape), names)
 
 
 def _is_spec(x: Any) -> bool:
@@ -148,8 +187,8 @@ class StageLayout:
       mesh: the pipeline device's mesh.
       params: per parameter leaf of the stage (in the stage's order), where it is kept.
       states: per parameter leaf, where its optimizer state is kept.
-      unreduced: whether gradients accumulate unreduced, one partial sum per device of
-        ``"data"`` (``dp > 1`` and ZeRO 0 or 1, or 2 and 3 with ``reduce_once``), and are
+      unreduced: whether gradients accumulate unreduced, one partial sum per data-parallel
+        device (``dp > 1`` and ZeRO 0 or 1, or 2 and 3 with ``reduce_once``), and are
         reduced once per step.
       gathers_params: whether the optimizer updates shards of parameters that are kept
         whole, which are then gathered (ZeRO 1 and 2 with some leaf split over ``"data"``).
@@ -184,10 +223,11 @@ class StageLayout:
         self.mesh = mesh
         self.params = place(3)
         self.states = place(1)
-        self.unreduced = dp > 1 and (zero <= 1 or reduce_once)
+        self.unreduced = data_size(mesh) > 1 and (zero <= 1 or reduce_once)
         self.gathers_params = self.params != self.states
+        entry = _batch_entry(mesh)
         self.accumulators = (
-            tuple(NamedSharding(mesh, PartitionSpec(DATA, *b)) for b in base) if self.unreduced else place(2)
+            tuple(NamedSharding(mesh, PartitionSpec(entry, *b)) for b in base) if self.unreduced else place(2)
         )
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self._batch: dict[tuple[bool, bool], NamedSharding] = {}
@@ -203,14 +243,15 @@ class StageLayout:
         context parallelism, over ``"context"`` along axis 1 (the sequence); values
         without such axes (scalars, axes that do not divide) are replicated along them."""
         cp = self.mesh.shape.get(CONTEXT, 1)
-        split = bool(shape) and shape[0] % self.mesh.shape[DATA] == 0
+        split = bool(shape) and shape[0] % data_size(self.mesh) == 0
         context = cp > 1 and len(shape) > 1 and shape[1] % cp == 0
         sharding = self._batch.get((split, context))
         if sharding is None:
+            entry = _batch_entry(self.mesh)
             spec = (
-                PartitionSpec(DATA if split else None, CONTEXT)
+                PartitionSpec(entry if split else None, CONTEXT)
                 if context
-                else PartitionSpec(DATA)
+                else PartitionSpec(entry)
                 if split
                 else PartitionSpec()
             )
@@ -219,8 +260,8 @@ class StageLayout:
         return sharding
 
     def stacked(self) -> NamedSharding:
-        """A ``[microbatches, examples, ...]`` stack: axis 1 over ``"data"``."""
-        return NamedSharding(self.mesh, PartitionSpec(None, DATA))
+        """A ``[microbatches, examples, ...]`` stack: axis 1 over the data-parallel devices."""
+        return NamedSharding(self.mesh, PartitionSpec(None, _batch_entry(self.mesh)))
 
 
 def _drop_tensor(name: Any) -> Any:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from pipedsl.executor.stages.mesh import DATA, TENSOR, StageLayout
+from pipedsl.executor.stages.mesh import DATA, REPLICA, TENSOR, StageLayout, data_axes, data_size
 
 __all__ = ["Form", "BATCH", "STACKED", "WHOLE", "DataShards", "StageForms", "stage_forms"]
 
@@ -60,13 +60,21 @@ def _is_form(x: Any) -> bool:
 
 
 class DataShards:
-    """One stage's programs over its mesh's ``"data"`` axis (module docstring)."""
+    """One stage's programs over its mesh's ``"data"`` axis (module docstring). On a mesh
+    of shard groups (``"replica"`` x ``"data"``, :func:`~pipedsl.executor.stages.mesh.data_axes`)
+    the programs are manual over both, the batch split over both, and every reduction over
+    ``"data"`` is followed by an all-reduce of its result over ``"replica"``."""
 
-    __slots__ = ("layout", "dp", "_acc_axes", "_grad_axes", "_bucketed")
+    __slots__ = ("layout", "dp", "group", "axes", "batch_form", "stacked_form", "_acc_axes", "_grad_axes", "_bucketed")
 
     def __init__(self, layout: StageLayout) -> None:
         self.layout = layout
-        self.dp = layout.mesh.shape[DATA]
+        self.dp = data_size(layout.mesh)
+        self.group = layout.mesh.shape[DATA]
+        self.axes = data_axes(layout.mesh)
+        entry = self.axes if len(self.axes) > 1 else DATA
+        self.batch_form = Form(PartitionSpec(entry))
+        self.stacked_form = Form(PartitionSpec(entry), stacked=True)
         # Per parameter leaf, the axis its accumulator (ZeRO 2, 3) and its reduced
         # gradient are split along over "data" (None: whole on every device).
         self._acc_axes = tuple(_data_axis(a.spec) for a in layout.accumulators)
@@ -85,7 +93,7 @@ class DataShards:
         """Per parameter leaf, its accumulator's form: unreduced (ZeRO 0 and 1: each
         device's partial sum under a leading axis) or split as ZeRO 2 and 3 keep it."""
         if self.layout.unreduced:
-            return tuple(Form(PartitionSpec(DATA)) for _ in self._acc_axes)
+            return tuple(self.batch_form for _ in self._acc_axes)
         return _split_along(self._acc_axes)
 
     def accumulate(self, acc: Sequence[Any], grads: Sequence[Any]) -> tuple[Any, ...]:
@@ -98,8 +106,13 @@ class DataShards:
             return tuple(a + g for a, g in zip(acc, grads, strict=True))
         if self.layout.unreduced:
             return tuple(a + g[None] for a, g in zip(acc, grads, strict=True))
-        reduced = _reduce_all(tuple(grads), self._acc_axes, self._bucketed, self.dp)
+        reduced = _reduce_all(tuple(grads), self._acc_axes, self._bucketed, self.group, replicated=self._replicated)
         return tuple(a + g for a, g in zip(acc, reduced, strict=True))
+
+    @property
+    def _replicated(self) -> bool:
+        """Whether the mesh has shard groups, whose reductions end over ``"replica"``."""
+        return len(self.axes) > 1
 
     def reduce(self) -> Callable[..., tuple[Any, ...]]:
         """A program that takes an unreduced accumulator and returns the step's gradients:
@@ -107,10 +120,10 @@ class DataShards:
         reduce-scatter, which is all the optimizer's shard needs), every leaf in one
         collective per dtype (:func:`_reduce_all`). Jit it with ``layout.grads`` as its
         outputs' shardings."""
-        axes, dp = self._grad_axes, self.dp
+        axes, group, replicated = self._grad_axes, self.group, self._replicated
 
         def reduce(acc: Sequence[Any]) -> tuple[Any, ...]:
-            return _reduce_all(tuple(a[0] for a in acc), axes, (True,) * len(axes), dp)
+            return _reduce_all(tuple(a[0] for a in acc), axes, (True,) * len(axes), group, replicated=replicated)
 
         layout = self.layout
         return self._manual(reduce, (tuple(a.spec for a in layout.accumulators),), tuple(g.spec for g in layout.grads))
@@ -143,8 +156,8 @@ class DataShards:
         return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     def total(self, value: Any) -> Any:
-        """The sum over the devices of ``"data"`` of a per-device ``value`` (the loss)."""
-        return jax.lax.psum(value, DATA) if self.split else value
+        """The sum over the data-parallel devices of a per-device ``value`` (the loss)."""
+        return jax.lax.psum(value, self.axes) if self.split else value
 
     def program(self, fn: Callable[..., Any], in_forms: Any, out_forms: Any) -> Callable[..., Any]:
         """``fn``, written for one device's share, as a program over the whole mesh:
@@ -160,8 +173,8 @@ class DataShards:
         # check_vma=False: with it, JAX would psum the cotangent of every parameter used
         # on a device's share (each device's gradient is kept as its own here).
         return jax.shard_map(
-            body, mesh=self.layout.mesh, in_specs=_specs(in_forms), out_specs=_specs(out_forms), axis_names={DATA},
-            check_vma=False,
+            body, mesh=self.layout.mesh, in_specs=_specs(in_forms), out_specs=_specs(out_forms),
+            axis_names=set(self.axes), check_vma=False,
         )  # fmt: skip
 
 
@@ -212,19 +225,20 @@ def stage_forms(
     positions of the forward's computed outputs (activations below ``activations``,
     residuals above); ``stored_from`` says per stored residual which of the forward's
     inputs (parameters, then inputs, then targets) it is, None for a computed one."""
-    inputs = (WHOLE,) * num_params + (BATCH,) * (num_x + num_t)
-    stored = tuple(STACKED if where is None else inputs[where] for where in stored_from)
+    batch, stacked = shards.batch_form, shards.stacked_form
+    inputs = (WHOLE,) * num_params + (batch,) * (num_x + num_t)
+    stored = tuple(stacked if where is None else inputs[where] for where in stored_from)
     return StageForms(
         params=(WHOLE,) * num_params,
-        x=(BATCH,) * num_x,
-        t=(BATCH,) * num_t,
-        values=tuple(BATCH if i < activations else STACKED for i in computed),
+        x=(batch,) * num_x,
+        t=(batch,) * num_t,
+        values=tuple(batch if i < activations else stacked for i in computed),
         stored=stored,
-        cts=(BATCH,) * num_cts,
-        input_cts=(BATCH,) * num_input_cts,
+        cts=(batch,) * num_cts,
+        input_cts=(batch,) * num_input_cts,
         acc=shards.accumulator_forms(),
-        handoff=(STACKED,) * num_handoff,
-        refs=tuple(stored[k] if from_stored else BATCH for from_stored, k in handoff_refs),
+        handoff=(stacked,) * num_handoff,
+        refs=tuple(stored[k] if from_stored else batch for from_stored, k in handoff_refs),
     )
 
 
@@ -243,15 +257,22 @@ def _split_along(axes: Sequence[int | None]) -> tuple[Form, ...]:
     return tuple(WHOLE if a is None else Form(PartitionSpec(*([None] * a), DATA)) for a in axes)
 
 
-def _reduced(value: Any, axis: int | None) -> Any:
-    """``value`` summed over ``"data"``: whole on every device, or split along ``axis``."""
+def _reduced(value: Any, axis: int | None, *, replicated: bool = False) -> Any:
+    """``value`` summed over ``"data"`` (and over ``"replica"`` where ``replicated``):
+    whole on every device, or split along ``axis`` over ``"data"``."""
     if axis is None:
-        return jax.lax.psum(value, DATA)
-    return jax.lax.psum_scatter(value, DATA, scatter_dimension=axis, tiled=True)
+        return jax.lax.psum(value, (REPLICA, DATA) if replicated else DATA)
+    scattered = jax.lax.psum_scatter(value, DATA, scatter_dimension=axis, tiled=True)
+    return jax.lax.psum(scattered, REPLICA) if replicated else scattered
 
 
 def _reduce_all(
-    values: tuple[Any, ...], axes: Sequence[int | None], bucketed: Sequence[bool], dp: int
+    values: tuple[Any, ...],
+    axes: Sequence[int | None],
+    bucketed: Sequence[bool],
+    dp: int,
+    *,
+    replicated: bool = False,
 ) -> tuple[Any, ...]:
     """Every leaf of ``values`` (one device's, in the local view) summed over ``"data"``
     as :func:`_reduced` sums it, with the ``bucketed`` leaves of one dtype that stay whole
@@ -260,14 +281,17 @@ def _reduce_all(
     each, even combined into one operation of many operands by XLA, took 16.2 ms for the
     demo transformer's 54 leaves over 8 devices, one all-reduce of the same values in one
     buffer 9.7 ms and one reduce-scatter of them 4.7 ms (as DDP's and FSDP's buckets do on
-    GPUs, where a collective's launch costs as much)."""
+    GPUs, where a collective's launch costs as much). ``dp`` is the devices of ``"data"``;
+    with ``replicated``, every sum (a shard, where split) is then all-reduced over
+    ``"replica"``, as HSDP reduces across its shard groups."""
+    everyone = (REPLICA, DATA) if replicated else DATA
     out: list[Any] = list(values)
     for i, (v, axis, bucket) in enumerate(zip(values, axes, bucketed, strict=True)):
         if not bucket:
-            out[i] = _reduced(v, axis)
+            out[i] = _reduced(v, axis, replicated=replicated)
     whole, split = _buckets(values, axes, bucketed)
     for members in whole:
-        summed = jax.lax.psum(jnp.concatenate([values[i].ravel() for i in members]), DATA)
+        summed = jax.lax.psum(jnp.concatenate([values[i].ravel() for i in members]), everyone)
         for i, part in zip(members, _pieces(summed, [values[i].size for i in members]), strict=True):
             out[i] = part.reshape(values[i].shape)
     for pairs in split:
@@ -276,6 +300,8 @@ def _reduce_all(
         moved = [jnp.moveaxis(values[i], axis, 0) for i, axis in pairs]
         rows = jnp.concatenate([m.reshape(dp, -1) for m in moved], axis=1)
         mine = jax.lax.psum_scatter(rows, DATA, scatter_dimension=0, tiled=True)[0]
+        if replicated:
+            mine = jax.lax.psum(mine, REPLICA)
         for (i, axis), m, part in zip(pairs, moved, _pieces(mine, [m.size // dp for m in moved]), strict=True):
             out[i] = jnp.moveaxis(part.reshape((m.shape[0] // dp, *m.shape[1:])), 0, axis)
     return tuple(out)

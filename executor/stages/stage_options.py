@@ -13,6 +13,10 @@ A :class:`StageOptions` is one stage's share of the pipeline's
   whose ``a·s²`` values dominate a layer's activations): the function a model passes
   through :func:`selective` runs under :func:`jax.checkpoint`, so its backward recomputes it
   from the queries, keys and values it keeps (Megatron-LM's ``checkpoint_core_attention``).
+  The named remat policies (``"save_dots"``, ``"save_qkv_proj"``, ``"save_mlp_inputs"``)
+  checkpoint each block a model passes through :func:`block_checkpoint`, saving the values
+  the block tags with :func:`saved` under the policy's names (:data:`POLICY_NAMES`; JAX's
+  ``save_only_these_names``): the backward reruns the block from its input and those.
 - ``precision``: ``"fp32"``, or ``"bf16"`` as Megatron-LM and torchtitan train: the
   parameters are fp32 master weights (and the optimizer state fp32); each step the worker
   casts them once to a bf16 copy that every ``F`` and ``B`` of the step reads (kept by
@@ -26,9 +30,11 @@ A :class:`StageOptions` is one stage's share of the pipeline's
   the sequence over ``"tensor"`` (Korthikanti et al.), so XLA turns the tensor-parallel
   all-reduces into a reduce-scatter and an all-gather and each device keeps ``1/tp`` of them.
 
-A model cooperates through two helpers: :func:`selective` around its attention core and
-:func:`sequence_sharded` on its sequence-major activations. Outside a pipeline (a one-device
-reference) both leave the computation as it is, so the same model function is the reference.
+A model cooperates through four helpers: :func:`selective` around its attention core,
+:func:`block_checkpoint` around each block and :func:`saved` on the values a remat policy may
+keep, and :func:`sequence_sharded` on its sequence-major activations. Outside a pipeline (a
+one-device reference) they leave the computation as it is, so the same model function is the
+reference.
 """
 
 from __future__ import annotations
@@ -41,17 +47,32 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pipedsl.executor.stages.mesh import DATA, TENSOR
+from pipedsl.executor.stages.mesh import TENSOR, data_axes, data_size
 from pipedsl.run_options import Precision, RecomputeMode, RunOptions
 
 __all__ = [
+    "POLICY_NAMES",
     "StageOptions",
+    "block_checkpoint",
+    "saved",
     "selective",
     "sequence_sharded",
     "tracing",
 ]
+
+POLICY_NAMES: dict[str, tuple[str, ...]] = {
+    "save_dots": ("qkv_proj", "out_proj", "ffn_in"),
+    "save_qkv_proj": ("qkv_proj", "out_proj"),
+    "save_mlp_inputs": ("mlp_input",),
+}
+"""The names of the values each named remat policy saves (the rest of a block is rerun):
+the outputs of the products with weights (Q, K and V or the fused QKV, the attention's output
+projection, the feed-forward's input products), of the QKV and output projections, or the
+feed-forward block's input. The planner counts the same values
+(:func:`pipedsl.simulator.activations.compiled_layer_bytes`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,9 +150,13 @@ def sequence_sharded(x: jax.Array, *, axis: int = 1) -> jax.Array:
     if tp == 1 or x.ndim <= axis or x.shape[axis] % tp:
         return x
     spec = PartitionSpec(*([None] * axis), TENSOR)
-    # With dp > 1 the stage runs under shard_map over "data" (pipedsl.executor.stages.shards):
-    # the constraint then names the mesh as that program sees it, "data" manual.
-    where = mesh.abstract_mesh.update_axis_types({DATA: AxisType.Manual}) if mesh.shape.get(DATA, 1) > 1 else mesh
+    # With dp > 1 the stage runs under shard_map over its data axes (pipedsl.executor.stages.shards):
+    # the constraint then names the mesh as that program sees it, those axes manual.
+    where = (
+        mesh.abstract_mesh.update_axis_types(dict.fromkeys(data_axes(mesh), AxisType.Manual))
+        if data_size(mesh) > 1
+        else mesh
+    )
     return jax.lax.with_sharding_constraint(x, NamedSharding(where, spec))
 
 
@@ -143,3 +168,22 @@ def selective(fn: Callable[..., Any]) -> Callable[..., Any]:
     if current is None or current.options.recompute != "selective":
         return fn
     return jax.checkpoint(fn)
+
+
+def saved(x: jax.Array, name: str) -> jax.Array:
+    """``x`` named ``name`` (one of :data:`POLICY_NAMES`' values) for the remat policies:
+    the value itself, which a block under :func:`block_checkpoint` saves where its policy
+    names it."""
+    return checkpoint_name(x, name)
+
+
+def block_checkpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (one block of a model) under :func:`jax.checkpoint` with the stage's named
+    remat policy when traced in a pipeline stage with one (:data:`POLICY_NAMES`): its
+    backward reruns it from its inputs and the values the policy saves; ``fn`` itself
+    otherwise."""
+    current = _CURRENT.get()
+    if current is None or current.options.recompute not in POLICY_NAMES:
+        return fn
+    policy = jax.checkpoint_policies.save_only_these_names(*POLICY_NAMES[current.options.recompute])
+    return jax.checkpoint(fn, policy=policy)

@@ -24,7 +24,7 @@ from jax.tree_util import PyTreeDef
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.stages.backward import BackwardSplit, split_backward
 from pipedsl.executor.stages.jaxprs import aval_struct
-from pipedsl.executor.stages.mesh import DATA, StageLayout
+from pipedsl.executor.stages.mesh import StageLayout, data_size
 from pipedsl.executor.stages.model import StagedModel, describe_avals
 from pipedsl.executor.stages.shards import DataShards, stage_forms
 from pipedsl.executor.stages.stage_options import StageOptions, tracing
@@ -461,7 +461,7 @@ def compile_stage(
     (:mod:`pipedsl.executor.stages.stage_options`). ``device`` (the pipeline device) is only for messages.
     """
     first, last = stage == 0, stage == model.num_stages - 1
-    dp = layout.mesh.shape[DATA]
+    dp = data_size(layout.mesh)
     master_avals = tuple(model.param_avals[i] for i in model.stage_params[stage])
     p_avals = options.in_compute_dtype(master_avals)
     # The model's avals are one device's share of a microbatch (all of it when dp = 1).

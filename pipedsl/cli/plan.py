@@ -125,9 +125,9 @@ def _check_model_size(model: Model) -> None:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     _check_model_size(model)
-    cluster = load_cluster(args.cluster)
     plan = Plan(
         dp=args.dp,
+        fsdp=args.fsdp,
         tp=args.tp,
         pp=args.pp,
         cp=args.cp,
@@ -153,6 +153,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             f"estimate: {plan.gpus:,} GPUs and a global batch of {plan.global_batch:,} sequences; the estimator"
             f" plans for at most {MAX_GPUS:,} GPUs and {MAX_GLOBAL_BATCH:,} sequences: check the numbers"
         )
+    cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=plan.gpus, command="estimate")
     result = estimate(model, cluster, plan)
     count = FlopCount(args.mfu_flops)
     advice = [] if result.fits else fit_advice(model, cluster, plan)
@@ -222,7 +223,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if args.csv is not None:
         check_output_file(args.csv, option="--csv")
     _check_model_size(load_model(args.model))
-    cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=args.gpus)
+    cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=args.gpus, command="search")
     schedules = None if args.schedules is None else [s.strip() for s in args.schedules.split(",") if s.strip()]
     err = make_console(stderr=True)
     with (
@@ -278,17 +279,17 @@ def _cmd_search(args: argparse.Namespace) -> int:
     return EXIT_OK if len(frame) else EXIT_NOTHING_FITS
 
 
-def _sliced(cluster: Cluster, *, slices: int, devices: int) -> Cluster:
+def _sliced(cluster: Cluster, *, slices: int, devices: int, command: str) -> Cluster:
     """``cluster`` as ``slices`` slices joined by DCN (``--slices``): a TPU cluster's only."""
     if slices == 1:
         return cluster
     if not cluster.torus:
         raise PipedslError(
-            f"search: --slices {slices} needs a TPU cluster (one with a torus, such as tpu-v5e); "
-            f"{cluster.name} has GPUs in nodes"
+            f"{command}: --slices {slices} needs a TPU cluster (one with a torus, such as tpu-v5e); "
+            f"{cluster.name} has GPUs in nodes (--fsdp groups them: FSDP inside, data parallelism across)"
         )
     if devices % slices:
-        raise PipedslError(f"search: {devices} chips do not split evenly over --slices {slices}")
+        raise PipedslError(f"{command}: {devices} chips do not split evenly over --slices {slices}")
     return dataclasses.replace(cluster, slices=slices)
 
 
@@ -476,9 +477,10 @@ def _add_reduce_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     parser.add_argument(
         "--tp-overlap",
         type=_fraction,
-        default=0.0,
+        default=1.0,
         metavar="F",
-        help="fraction of tensor-parallel collectives hidden behind the matmuls (userbuffer overlap; default 0)",
+        help="fraction of the products beside each tensor-parallel collective that can hide it, the collective"
+        " decomposed under them (XLA's collective matmul, userbuffer overlap; default 1; 0: exposed)",
     )
 
 
@@ -504,7 +506,9 @@ def _register_estimate(subparsers: argparse._SubParsersAction) -> None:
             "      --microbatch-size 1 --global-batch 1536 --recompute selective --zero 1 \\\n"
             "      --schedule interleaved_1f1b\n"
             "  pipedsl estimate --model llama-8b --cluster h100-80gb --dp 64 --global-batch 512 \\\n"
-            "      --zero 3 --recompute full --json"
+            "      --zero 3 --recompute full --json\n"
+            "  pipedsl estimate --model llama-8b --cluster tpu-v5e --slices 4 --dp 1024 --fsdp 256 \\\n"
+            "      --global-batch 1024 --zero 3 --recompute full"
         ),
     )
     _add_hardware_options(est)
@@ -515,6 +519,20 @@ def _register_estimate(subparsers: argparse._SubParsersAction) -> None:
 def _add_plan_options(plan: argparse._ArgumentGroup) -> None:
     """The plan ``estimate`` costs: degrees, batch, ZeRO, recomputation, schedule, overlap."""
     plan.add_argument("--dp", type=positive_int, default=1, metavar="N", help="data-parallel degree (default 1)")
+    plan.add_argument(
+        "--fsdp",
+        type=positive_int,
+        metavar="N",
+        help="ZeRO shard groups of N of the dp ranks (FSDP inside a TPU slice or GPU nodes), dp/N replicas of them"
+        " whose gradient shards are all-reduced across (HSDP; default: one group of all dp)",
+    )
+    plan.add_argument(
+        "--slices",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="on a TPU cluster, N slices of GPUs/N chips each, joined by the data-center network (default 1)",
+    )
     plan.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor-parallel degree (default 1)")
     plan.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline-parallel degree (default 1)")
     plan.add_argument("--vpp", type=positive_int, default=1, metavar="N", help="stages per pipeline device (default 1)")

@@ -37,7 +37,7 @@ from pipedsl.simulator.hardware import (
 )
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
-from pipedsl.simulator.transformer import Shapes
+from pipedsl.simulator.transformer import CAUSAL_SHARE, FLASH_BACKWARD, Shapes
 
 GPT = Model(name="gpt-tiny", layers=4, hidden=256, ffn_hidden=1024, heads=4, seq_len=128, vocab=1000)
 
@@ -142,12 +142,15 @@ def test_ring_collectives() -> None:
 
 def _flops_per_sequence(model: Model, *, layer_passes: int, flash: bool = True) -> float:
     """Matmul FLOPs per sequence: each layer's forward ``layer_passes`` times, logits 3 times;
-    with FlashAttention its backward's recomputed scores add half a forward of attention's
-    core (4·s·h per token) more."""
+    with FlashAttention attention's core (4·s·h per token) computes its causal half, in its
+    forward, its backward (FLASH_BACKWARD forwards: it recomputes the scores) and any rerun."""
     s = model.seq_len
-    layers = layer_passes * model.layers * model.layer_forward_flops_per_token
-    rescored = 0.5 * model.layers * 4 * s * model.hidden if flash else 0.0
-    return s * (layers + rescored + 3 * model.logit_forward_flops_per_token)
+    core = 4 * s * model.hidden
+    if not flash:
+        return s * (layer_passes * model.layers * model.layer_forward_flops_per_token + 3 * model.logit_forward_flops_per_token)
+    core_passes = 1 + FLASH_BACKWARD + (layer_passes - 3)
+    layers = model.layers * (layer_passes * (model.layer_forward_flops_per_token - core) + CAUSAL_SHARE * core_passes * core)
+    return s * (layers + 3 * model.logit_forward_flops_per_token)
 
 
 @pytest.mark.parametrize(("recompute", "passes"), [("none", 3), ("selective", 3), ("full", 4)])
@@ -164,7 +167,7 @@ def test_single_gpu_step_is_flops_over_achieved_rate(recompute: str, passes: int
 
 def test_tensor_parallel_adds_four_all_reduces_per_layer() -> None:
     single = estimate(GPT, IDEAL, Plan(global_batch=2, microbatch_size=2))
-    split = estimate(GPT, IDEAL, Plan(tp=4, global_batch=2, microbatch_size=2))
+    split = estimate(GPT, IDEAL, Plan(tp=4, global_batch=2, microbatch_size=2, tp_overlap=0.0))
     all_reduce = ring_all_reduce_seconds(2 * GPT.seq_len * GPT.hidden * 2, 4, bandwidth=100e9, latency=0.0)
     assert split.step_time_s == pytest.approx(single.step_time_s / 4 + 4 * GPT.layers * all_reduce, rel=1e-9)
 
@@ -213,7 +216,7 @@ def test_an_fp32_model_keeps_4_byte_activations(recompute: Recompute) -> None:
     half = Shapes(GPT, IDEAL, plan)
     full = Shapes(dataclasses.replace(GPT, dtype_bytes=4), IDEAL, plan)
     masks = 0.0
-    if recompute is not Recompute.FULL:
+    if not recompute.per_layer:
         scores = 0 if recompute is Recompute.SELECTIVE else GPT.heads * GPT.seq_len / plan.tp
         masks = half.tokens * (2 * GPT.hidden + scores)
     values = half.layer_activation_bytes(recompute) - masks

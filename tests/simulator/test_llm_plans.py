@@ -24,7 +24,7 @@ from pipedsl.simulator.hardware import Cluster, load_cluster, load_model
 from pipedsl.simulator.network import Tier, network_link, straggler_factor
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.stages import ends_split
-from pipedsl.simulator.transformer import FLASH_BACKWARD, Shapes
+from pipedsl.simulator.transformer import CAUSAL_SHARE, FLASH_BACKWARD, Shapes
 
 LLAMA_8B = load_model("llama-8b")
 
@@ -65,9 +65,11 @@ def test_llama3_8b_flops_by_hand() -> None:
     assert step_flops(LLAMA_8B, plan, FlopCount.SIX_N) == 6 * LLAMA_8B.num_params * tokens
     assert step_flops(LLAMA_8B, plan, FlopCount.PALM) == (6 * LLAMA_8B.num_params + 12 * 32 * h * s) * tokens
     one_gpu = estimate(LLAMA_8B, IDEAL, plan)
-    # On a cluster where only the products cost: 3 passes of every layer (FlashAttention's
-    # backward recomputes the scores: half a forward of attention's core more) and the logits.
-    layers = 32 * (3 * LLAMA_8B.layer_forward_flops_per_token + (FLASH_BACKWARD - 2) * 4 * s * h)
+    # On a cluster where only the products cost: 3 passes of every layer's products and the
+    # logits; attention's core (4·s·h per token) the causal half of its products, in its
+    # forward and its backward (FLASH_BACKWARD forwards: it recomputes the scores).
+    core = 4 * s * h
+    layers = 32 * (3 * (LLAMA_8B.layer_forward_flops_per_token - core) + CAUSAL_SHARE * (1 + FLASH_BACKWARD) * core)
     expected = tokens * (layers + 3 * 2 * h * 128256) / 100e12
     assert one_gpu.step_time_s == pytest.approx(expected, rel=1e-9)
 
@@ -126,7 +128,7 @@ def test_context_parallel_exchange_of_keys_and_values() -> None:
     # (The weights' gradients are reduced over the cp ranks too: compare the forward/backward part.)
     assert gathered.pipeline_time_s == pytest.approx(free.pipeline_time_s + 32 * 3 * exchange, rel=1e-9)
     assert free.pipeline_time_s <= ring.pipeline_time_s < gathered.pipeline_time_s
-    assert gathered.dp_tail_s > free.dp_tail_s == 0.0
+    assert gathered.dp_tail_s > 1e-6 > free.dp_tail_s
 
 
 def test_context_parallel_checks_the_sequence() -> None:
@@ -212,22 +214,22 @@ def test_llama3_405b_8k_runs_within_five_percent() -> None:
         assert abs(result.error) < 0.05, result.run.name
 
 
-def test_llama3_405b_131k_attention_is_priced_below_flashattention_2s_published_h100_rate() -> None:
-    # The 131K run comes out fast, and attention's core dominates it. Priced as the full s×s
-    # products, its rate on the causal half that FlashAttention computes stays below
-    # FlashAttention-2's published H100 rates for causal attention of head dimension 128 at 16K
-    # tokens (FlashAttention-3 paper, arXiv:2407.08608: 335 TFLOP/s forward, 322 backward), so a
-    # kernel-rate account would make the run faster still (data/README.md, dubey2024-table4).
+def test_causal_attention_is_priced_at_the_rates_of_published_fused_kernels() -> None:
+    # The fused kernel computes the causal half of the s×s products, at the products'
+    # efficiency: on an H100 at 131K tokens, head dimension 128, that rate lies between
+    # cuDNN's and FlashAttention-3's published rates for causal attention at 16K tokens
+    # (FlashAttention-3 paper, arXiv:2407.08608: forward 539 and 616 TFLOP/s, backward 516 and
+    # 561), above FlashAttention-2's (335 forward, 322 backward).
     model = dataclasses.replace(load_model("llama-405b"), seq_len=131072)
     plan = Plan(dp=8, tp=8, pp=16, vpp=8, cp=16, global_batch=128, zero=2, reduce_once=True,
                 cp_exchange="all_gather", schedule="interleaved_1f1b")  # fmt: skip
     shapes = Shapes(model, load_cluster("h100-80gb"), plan)
     forward, kernels = shapes.attention_seconds()
-    causal_flops = 4 * shapes.local_seq * model.seq_len * (model.hidden // model.heads) * (model.heads // plan.tp) / 2
+    causal_flops = CAUSAL_SHARE * 4 * shapes.local_seq * model.seq_len * model.head_width * (model.heads // plan.tp)
     assert kernels == 1
-    assert 0.85 * 335e12 < causal_flops / forward < 335e12
+    assert 539e12 < causal_flops / forward < 616e12
     # The papers count the backward's FLOPs as 2.5 forwards; the estimator prices FLASH_BACKWARD of them.
-    assert 0.85 * 322e12 < 2.5 * causal_flops / (FLASH_BACKWARD * forward) < 322e12
+    assert 335e12 < 2.5 * causal_flops / (FLASH_BACKWARD * forward) < 616e12
 
 
 # --- framework profiles ----------------------------------------------------------------------

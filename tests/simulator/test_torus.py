@@ -44,8 +44,11 @@ def test_slice_shapes_are_googles() -> None:
     assert slice_shape(128, V5E) == (8, 16)
     assert slice_shape(1024, V5P) == (8, 8, 16)
     assert slice_shape(6144, V5P) == (16, 16, 24)
-    with pytest.raises(PlanError, match="no slice"):
+    with pytest.raises(PlanError, match="no slice") as refused:
         slice_shape(512, V5E)
+    assert "ask for 2 slices of 256" in str(refused.value) and "--slices 2" in str(refused.value)
+    with pytest.raises(PlanError, match="give a chip count it can shape"):
+        slice_shape(96, V5E)
 
 
 def test_mesh_layout_follows_create_device_mesh() -> None:
@@ -77,7 +80,7 @@ def test_partial_axis_is_a_line() -> None:
 def test_group_spanning_two_axes_runs_per_axis_phases() -> None:
     plan = Plan(dp=64, tp=16, global_batch=64)
     # 1024 chips on 8 x 8 x 16: tensor takes the 16-axis, data the two 8-axes.
-    group = plan_group(plan, ("data", "context"), V5P)
+    group = plan_group(plan, ("data", "fsdp", "context"), V5P)
     assert group == TorusGroup((Ring(8, True), Ring(8, True)))
     # Reduce-scatter along x over S, then along y over the S/8 left, each ring at 2 x 90 GB/s.
     hand = (7 * HOP + 7 / 8 * S / (2 * 90 * GB)) + (7 * HOP + 7 / 8 * (S / 8) / (2 * 90 * GB))
@@ -87,7 +90,7 @@ def test_group_spanning_two_axes_runs_per_axis_phases() -> None:
 def test_group_across_slices_crosses_dcn() -> None:
     four = dataclasses.replace(V5E, slices=4)
     plan = Plan(dp=64, tp=16, global_batch=64)
-    group = plan_group(plan, ("data", "context"), four)
+    group = plan_group(plan, ("data", "fsdp", "context"), four)
     assert group == TorusGroup((Ring(16, True),), slices=4)
     # In each slice a 16-chip ring over S; then each chip's S/16 over DCN among 4 slices, at its
     # share of the host's adapter: 25 GB/s x 0.9 / 8 chips.
@@ -98,10 +101,9 @@ def test_group_across_slices_crosses_dcn() -> None:
 
 def test_pipeline_spans_slices_before_data() -> None:
     four = dataclasses.replace(V5E, slices=4)
-    assert plan_group(Plan(dp=64, tp=4, pp=4, global_batch=64, schedule="1f1b"), ("data", "context"), four).slices == 1
-    assert (
-        plan_group(Plan(dp=128, tp=4, pp=2, global_batch=128, schedule="1f1b"), ("data", "context"), four).slices == 2
-    )
+    data = ("data", "fsdp", "context")
+    assert plan_group(Plan(dp=64, tp=4, pp=4, global_batch=64, schedule="1f1b"), data, four).slices == 1
+    assert plan_group(Plan(dp=128, tp=4, pp=2, global_batch=128, schedule="1f1b"), data, four).slices == 2
     with pytest.raises(PlanError, match="cannot span 4 slices"):
         check_divides(load_model("llama-70b"), four, Plan(dp=1, tp=16, cp=32, pp=2, global_batch=8, schedule="1f1b"))
 

@@ -9,7 +9,7 @@ import pytest
 
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, PlanError
-from pipedsl.simulator.transformer import ELEMENTWISE_KERNELS, Shapes, gemm_seconds
+from pipedsl.simulator.transformer import CAUSAL_SHARE, ELEMENTWISE_KERNELS, Shapes, gemm_seconds, pipelined_exposed
 
 # 100 TFLOP/s peak, 1 TB/s HBM; the largest products approach 0.8 of peak, a product of
 # 1 GFLOP reaches half of that.
@@ -84,7 +84,8 @@ def test_fused_attention_is_priced_without_the_scores() -> None:
     # writing Q, K, V and the output (4·512·64 values of 2 bytes): intensity 256 FLOP/B,
     # above the ridge of 100, so the kernel runs at 0.8 of peak times the curve. The
     # unfused products write the 512×512 scores: intensity ~ 51, bound by memory.
-    flops = 16 * 4 * 512**2 * 64
+    # The fused kernel computes the causal half of the products (CAUSAL_SHARE).
+    flops = CAUSAL_SHARE * 16 * 4 * 512**2 * 64
     fused, kernels = Shapes(GPT, GPU, Plan(global_batch=1, flash_attention=True)).attention_seconds()
     assert kernels == 1
     assert fused == pytest.approx(flops / (100e12 * 0.8 * flops / (flops + 1e9)))
@@ -92,19 +93,37 @@ def test_fused_attention_is_priced_without_the_scores() -> None:
     assert unfused > 1.5 * fused
 
 
-def test_tp_overlap_hides_that_fraction_of_the_collectives() -> None:
-    plan = Plan(tp=4, global_batch=1, flash_attention=True)
+def test_tp_overlap_hides_collectives_behind_the_products_beside_them() -> None:
+    plan = Plan(tp=4, global_batch=1, flash_attention=True, tp_overlap=0.0)
     shapes = Shapes(GPT, GPU, plan)
     exposed = shapes.layer_work()
-    half = Shapes(GPT, GPU, dataclasses.replace(plan, tp_overlap=0.5)).layer_work()
-    hidden = Shapes(GPT, GPU, dataclasses.replace(plan, tp_overlap=1.0)).layer_work()
+    products = shapes.products()
     # Two collectives (each a reduce-scatter plus an all-gather) in the forward, two in I.
     collectives = 2 * shapes.tp_all_reduce()
     assert collectives > 0
-    assert exposed.forward - hidden.forward == pytest.approx(collectives)
-    assert exposed.input_grad - hidden.input_grad == pytest.approx(collectives)
-    assert exposed.forward - half.forward == pytest.approx(collectives / 2)
-    assert exposed.weight_grad == hidden.weight_grad
+    assert shapes.tp_exposed(products) == pytest.approx(collectives)
+    for overlap in (0.5, 1.0):
+        overlapped = Shapes(GPT, GPU, dataclasses.replace(plan, tp_overlap=overlap))
+        # Each half collective runs in tp steps under the product beside it, all but one step of
+        # which hides it (the column products' gathers, the row products' reduce-scatters).
+        half = shapes.tp_all_reduce() / 2
+        pairs = (products.qkv, products.out, products.ffn_in, products.ffn_out)
+        hidden_by = [max(0.0, half - overlap * p * 3 / 4) for p in pairs]
+        assert overlapped.tp_exposed(products) == pytest.approx(sum(hidden_by))
+        work = overlapped.layer_work()
+        assert exposed.forward - work.forward == pytest.approx(collectives - sum(hidden_by))
+        assert exposed.input_grad - work.input_grad == pytest.approx(collectives - sum(hidden_by))
+        assert exposed.weight_grad == work.weight_grad
+
+
+def test_pipelined_exposure_leaves_a_step_or_the_excess() -> None:
+    # Four steps of 1 s of communication each under 4 s of work: all but one step hides it.
+    assert pipelined_exposed(4.0, 4.0, 4) == pytest.approx(1.0)
+    assert pipelined_exposed(4.0, 8.0, 4) == 0.0
+    # Each step following its step of work (a layer's gradients): the last is exposed.
+    assert pipelined_exposed(4.0, 8.0, 4, tail=True) == pytest.approx(1.0)
+    assert pipelined_exposed(10.0, 4.0, 4, tail=True) == pytest.approx(7.0)
+    assert pipelined_exposed(0.0, 4.0, 4, tail=True) == 0.0
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, True])
