@@ -142,8 +142,7 @@ _RECOMPUTE = {
     " it stores (Q, K, V, the output projection, the feed-forward's input products)",
     Recompute.SAVE_QKV_PROJ: "each layer is rerun from its input, its Q, K and V projections and its attention's"
     " output projection, which it stores",
-    Recompute.SAVE_MLP_INPUTS: "each layer is rerun from its input and its feed-forward block's input, which it"
-    " stores",
+    Recompute.SAVE_MLP_INPUTS: "each layer is rerun from its input and its feed-forward block's input, which it stores",
 }
 
 

@@ -167,7 +167,7 @@ def candidate_plans(
     reduce_bytes: int = 4,
     cp_sizes: Sequence[int] | None = None,
     stage_split: str = "even",
-    tp_overlap: float = 0.0,
+    tp_overlap: float = 1.0,
     framework: str = "megatron",
     shared_pipelines: bool = False,
     skipped: Counter[tuple[str, int]] | None = None,

@@ -131,7 +131,9 @@ def zero_per_microbatch(shapes: Shapes, stage_params: float, work: Work, layers:
         return Work(0.0, 0.0, weight_grad)
     gather = _gather(shapes, stage_params * shapes.model.dtype_bytes)
     forward = pipelined_exposed(gather, hide * work.forward, steps, tail=True)
-    input_grad = pipelined_exposed(gather, hide * work.input_grad, steps, tail=True) if plan.reshard_after_forward else 0.0
+    input_grad = (
+        pipelined_exposed(gather, hide * work.input_grad, steps, tail=True) if plan.reshard_after_forward else 0.0
+    )
     return Work(forward, input_grad, weight_grad)
 
 

@@ -62,6 +62,7 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 GRID = {
     "matmul_efficiency": tuple(round(0.50 + 0.02 * i, 2) for i in range(25)),
     "matmul_half_flops": (0.0, 1e9, 3e9, 1e10, 2e10, 4e10),
+    "elementwise_traffic": (1.0, 0.75, 0.5, 0.25),
     "kernel_launch_s": (0.0, 5e-6, 1e-5, 2e-5),
 }
 """The values :func:`fit` tries for each compute parameter."""
@@ -215,7 +216,14 @@ def _run(row: dict[str, str]) -> Run:
         raise ValueError(f"{row['run']}: role must be calibrate or validate, got {row['role']!r}")
     layers = tuple(int(x) for x in row["stage_layers"].split()) or None
     return Run(
-        row["run"], row["source"], row["role"], row["cluster"], model, plan, layers, _measured_seconds(row, model, plan),
+        row["run"],
+        row["source"],
+        row["role"],
+        row["cluster"],
+        model,
+        plan,
+        layers,
+        _measured_seconds(row, model, plan),
         slices=int(row.get("slices") or 1),
     )
 
@@ -297,9 +305,11 @@ def fit(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cl
     return grid_search(clusters, GRID, _BLOCKS, steps)
 
 
-_BLOCKS = (("matmul_efficiency", "matmul_half_flops"), ("kernel_launch_s",))
-"""The grid's fields in the order :func:`fit` searches them: the efficiency curve first,
-at the smallest launch cost, then the launch cost."""
+_BLOCKS = (("matmul_efficiency", "matmul_half_flops", "elementwise_traffic"), ("kernel_launch_s",))
+"""The grid's fields in the order :func:`fit` searches them: the efficiency curve and the
+share of unfused elementwise traffic first (a framework that fuses its elementwise kernels
+into the products moves less, and its products look faster for it), at the smallest launch
+cost, then the launch cost."""
 
 
 def fit_network(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cluster], float]:
@@ -408,7 +418,8 @@ def accuracy_markdown(
     for name, cluster in sorted(clusters.items()):
         lines.append(
             f"- `{name}`: matmul_efficiency = {cluster.matmul_efficiency:g}, "
-            f"matmul_half_flops = {cluster.matmul_half_flops:g}, kernel_launch_s = {cluster.kernel_launch_s:g}; "
+            f"matmul_half_flops = {cluster.matmul_half_flops:g}, elementwise_traffic = "
+            f"{cluster.elementwise_traffic:g}, kernel_launch_s = {cluster.kernel_launch_s:g}; "
             f"network: leaf_nodes = {cluster.leaf_nodes}, spine_latency_s = {cluster.spine_latency_s:g}, "
             f"spine_efficiency = {cluster.spine_efficiency:g}, straggler_cv = {cluster.straggler_cv:g}"
         )
@@ -505,7 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             c = next(iter(fitted.values()))
             print(
                 f"{kind} ({', '.join(fitted)}): matmul_efficiency = {c.matmul_efficiency:g}, "
-                f"matmul_half_flops = {c.matmul_half_flops:g}, kernel_launch_s = {c.kernel_launch_s:g} "
+                f"matmul_half_flops = {c.matmul_half_flops:g}, elementwise_traffic = {c.elementwise_traffic:g}, "
+                f"kernel_launch_s = {c.kernel_launch_s:g} "
                 f"(calibration error {100 * error:.1f}%); spine_latency_s = {c.spine_latency_s:g}, "
                 f"spine_efficiency = {c.spine_efficiency:g}, straggler_cv = {c.straggler_cv:g}"
             )
@@ -550,6 +562,7 @@ def fit_report(results: Sequence[Result], clusters: dict[str, Cluster], kind: st
     parameters = (
         Measured("matmul_efficiency", c.matmul_efficiency, "", told),
         Measured("matmul_half_flops", c.matmul_half_flops, "FLOP", told),
+        Measured("elementwise_traffic", c.elementwise_traffic, "", told),
         Measured("kernel_launch_s", c.kernel_launch_s, "s", told),
     )
     steps = tuple(Reproduced(f"{r.run.name} ({r.run.source})", r.run.measured_s, r.predicted_s) for r in rows)

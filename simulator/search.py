@@ -140,8 +140,8 @@ def search(
       jobs: processes ranking schedules at once, the same ranking for any number; by
         default one per core from :data:`PARALLEL_FROM` pipeline plans, else 1 (this one).
       **space: options of :func:`candidate_plans` (``max_microbatch_size``,
-        ``vpp_sizes``, ``spmd_zero``, ``pipeline_zero``, ``recompute``,
-        ``flash_attention``, ``dp_overlap``, ``reduce_bytes``).
+        ``vpp_sizes``, ``spmd_zero``, ``pipeline_zero``, ``recompute``, ``spmd_recompute``,
+        ``flash_attention``, ``dp_overlap``, ``tp_overlap``, ``reduce_bytes``).
 
     Returns a DataFrame with :data:`COLUMNS`, best first. ``attrs`` holds ``considered``
     (plans tried), ``dropped`` (a dict from reason to count), ``simulations`` (distinct

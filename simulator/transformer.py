@@ -97,8 +97,11 @@ def _fused_attention_seconds(q: int, k: int, d: int, heads: int, cluster: Cluste
     of them (it skips the masked blocks, as FlashAttention-2, cuDNN's fused attention and
     the TPU's Pallas kernel do; a context-parallel rank's two chunks, one from each end,
     keep its share at a half too), priced as one product whose HBM traffic is Q, K, V and
-    the output ((2q + 2k)·d values per head), the scores never leaving the chip."""
-    return _kernel_seconds(CAUSAL_SHARE * 4.0 * q * k * d, dtype_bytes * (2 * q + 2 * k) * d, heads, cluster)
+    the output ((2q + 2k)·d values per head), the scores never leaving the chip: the whole
+    block's kernel scaled to its causal share, its arithmetic and the key and value blocks it
+    streams in alike (the intensity of the whole block)."""
+    share = CAUSAL_SHARE
+    return _kernel_seconds(share * 4.0 * q * k * d, share * dtype_bytes * (2 * q + 2 * k) * d, heads, cluster)
 
 
 def _kernel_seconds(flops: float, num_bytes: float, count: int, cluster: Cluster) -> float:
@@ -252,6 +255,7 @@ class Shapes:
             return 0.0
         hide = plan.tp_overlap
         both = self.tp_all_reduce()
+        pairs: tuple[tuple[float, float], ...]
         if plan.sequence_parallel:
             half = both / 2
             pairs = ((half, products.qkv), (half, products.out), (half, products.ffn_in), (half, products.ffn_out))

@@ -148,7 +148,11 @@ class LocalBackend:
             # What the programs depend on of the rest: the meshes' shape and the ZeRO mode
             # (not fuse or recv_timeout, so that such pipelines share their programs).
             (
-                self.options.dp, self.options.fsdp, self.options.cp, self.options.tp, self.options.zero,
+                self.options.dp,
+                self.options.fsdp,
+                self.options.cp,
+                self.options.tp,
+                self.options.zero,
                 self.options.reduce_once,
             ),  # fmt: skip
         )

@@ -11,6 +11,12 @@ backward (all-reduce for ZeRO 0, reduce-scatter for ZeRO 1); with ZeRO 2 and 3 e
 backward reduce-scatters its contribution into a sharded accumulator, which is what frees
 that memory. That is the traffic the plan estimator prices.
 
+On a mesh of shard groups (``RunOptions.fsdp``: axes ``"replica"`` x ``"data"``) the programs
+are manual over both axes and the batch splits over both; ZeRO shards over ``"data"`` only, so
+every reduction over ``"data"`` (an all-reduce, or a reduce-scatter that leaves each device its
+shard) is followed by an all-reduce of its result over ``"replica"``, as HSDP reduces each
+shard across its replicas.
+
 The loss is the mean of the devices' losses (a ``psum`` of each device's share divided
 by ``dp``), so the gradients are the whole microbatch's when the loss is a mean over its
 examples, as it is for data parallelism anywhere.

@@ -130,7 +130,7 @@ def _search(cluster: Any, *, prune: float | None = DEFAULT_PRUNE, workload: Work
     # On one device a pipeline's devices can only share it, as the executor runs them.
     return search(
         workload.model, cluster, cluster.gpus_per_node, global_batch=GLOBAL_BATCH, reduce_bytes=4,
-        flash_attention=False, dp_overlap=0.0, prune=prune, shared_pipelines=cluster.gpus_per_node == 1,
+        flash_attention=False, dp_overlap=0.0, tp_overlap=0.0, prune=prune, shared_pipelines=cluster.gpus_per_node == 1,
     )  # fmt: skip
 
 

@@ -48,6 +48,8 @@ class PlannedRun:
       schedule: the library name or ``.sched`` path the pipeline runs (``1f1b`` for SPMD).
       kind: ``"spmd"`` (``pp = 1``), ``"pipeline"`` (``dp = tp = 1``) or ``"hybrid"``.
       dp, tp, pp, vpp: data, tensor and pipeline degrees; stages per pipeline device.
+      fsdp: the ZeRO shard group, of the dp ranks (None: all of them; fewer: groups of one
+        slice or node, replicas of one another; a row's ``fsdp`` column).
       cp: the context-parallel degree (1 for rows of searches before it was searched).
       microbatches, microbatch_size: per data-parallel replica and step; sequences each.
       zero: the ZeRO stage (0 to 3) over the data-parallel axis.
@@ -92,6 +94,7 @@ class PlannedRun:
     keep_weights: bool = False
     synthesis_costs: CostModel | None = None
     shared_devices: bool = False
+    fsdp: int | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], *, where: str = "plan") -> PlannedRun:
@@ -105,6 +108,9 @@ class PlannedRun:
         if not 0 <= values["zero"] <= 3:
             raise PipedslError(f"{where}: zero must be 0 to 3, not {values['zero']}")
         cp = 1 if row.get("cp") in (None, "") else _positive(row["cp"], "cp", where)
+        fsdp = None if row.get("fsdp") in (None, "") else _positive(row["fsdp"], "fsdp", where)
+        if fsdp is not None and values["dp"] % fsdp:
+            raise PipedslError(f"{where}: fsdp {fsdp} does not divide dp {values['dp']}")
         spmd = str(row["kind"]) == "spmd"
         kind = "spmd" if spmd else "pipeline" if values["dp"] == values["tp"] == cp == 1 else "hybrid"
         planned = row.get("step_time_s")
@@ -129,6 +135,7 @@ class PlannedRun:
             keep_weights=not _flag(row.get("reshard_after_forward"), "reshard_after_forward", where),
             synthesis_costs=None if empty else _costs_of(str(costs), where),
             shared_devices=_flag(row.get("shared_devices"), "shared_devices", where, absent=False),
+            fsdp=None if fsdp == values["dp"] else fsdp,
             **values,
         )
 
@@ -163,12 +170,13 @@ class PlannedRun:
 
     def label(self) -> str:
         """``zbv dp=2 tp=1 pp=2 vpp=2 mb=4 x8 zero=1 recompute=none`` or ``SPMD dp=8 tp=1
-        mb=4 x8 zero=1 recompute=full``, with ``cp=C`` when ``cp > 1``, ``shared`` after the
+        mb=4 x8 zero=1 recompute=full``, with ``fsdp=N`` for shard groups, ``cp=C`` when ``cp > 1``, ``shared`` after the
         pipeline degrees where the pipeline devices share their devices, ``once`` and ``keep``
         after the ZeRO stage for its sharding mode, ``sequence-parallel`` when ``tp > 1`` and
         ``no-flash-attention`` when the plan has none."""
         name = "SPMD" if self.kind == "spmd" else self.schedule
-        pp = f" cp={self.cp}" if self.cp > 1 else ""
+        pp = f" fsdp={self.fsdp}" if self.fsdp is not None else ""
+        pp += f" cp={self.cp}" if self.cp > 1 else ""
         pp += "" if self.kind == "spmd" else f" pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp > 1 else "")
         pp += " shared" if self.shared_devices else ""
         options = " sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
@@ -188,6 +196,7 @@ class PlannedRun:
             raise PipedslError(f"plan {self.label()} {self.not_run}")
         return RunOptions.as_priced(
             dp=self.dp,
+            fsdp=self.fsdp,
             tp=self.tp,
             cp=self.cp,
             zero=self.zero,
@@ -211,7 +220,8 @@ class PlannedRun:
     def command(self) -> str:
         """The ``pipedsl run`` command line that runs this plan's layout on the built-in transformer."""
         params = " ".join(f"-p {k}={v}" for k, v in self.params().items())
-        options = " --reduce-once" if self.reduce_once else ""
+        options = f" --fsdp {self.fsdp}" if self.fsdp is not None else ""
+        options += " --reduce-once" if self.reduce_once else ""
         options += f" --recompute {self.recompute}" if self.recompute != "none" else ""
         options += " --sequence-parallel" if self.sequence_parallel and self.tp > 1 else ""
         options += " --fused-attention" if self.flash_attention else ""

@@ -38,7 +38,7 @@ from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
-from pipedsl.run_options import RunOptions, RunOptionsError
+from pipedsl.run_options import RECOMPUTE_MODES, RunOptions, RunOptionsError
 from pipedsl.validate import validate
 
 __all__ = ["register"]
@@ -50,6 +50,7 @@ _COPIES_FOR_ADAM = 4
 
 _PLAN_SETS = {
     "dp": "--dp",
+    "fsdp": "--fsdp",
     "tp": "--tp",
     "cp": "--cp",
     "zero": "--zero",
@@ -61,8 +62,8 @@ _PLAN_SETS = {
 """What ``--plan`` sets (the plan's degrees and batch, and the model it runs, scaled down),
 as the option that would set it otherwise."""
 
-_DEFAULTS: dict[str, int | str] = {
-    "dp": 1, "tp": 1, "cp": 1, "zero": 0, "microbatch_size": 8, "model": "mlp", "width": 64, "layers_per_stage": 2,
+_DEFAULTS: dict[str, int | str | None] = {
+    "dp": 1, "fsdp": None, "tp": 1, "cp": 1, "zero": 0, "microbatch_size": 8, "model": "mlp", "width": 64, "layers_per_stage": 2,
 }  # fmt: skip
 """The values of :data:`_PLAN_SETS`'s options when neither they nor ``--plan`` are given."""
 
@@ -219,7 +220,7 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
         raise PipedslError("--plan RANK needs --plans FILE.csv, the ranking that pipedsl search --csv wrote")
     planned = read_plan(args.plans, args.plan)
     sets: dict[str, int | str | None] = {
-        "dp": planned.dp, "tp": planned.tp, "cp": planned.cp, "zero": planned.zero,
+        "dp": planned.dp, "fsdp": planned.fsdp or planned.dp, "tp": planned.tp, "cp": planned.cp, "zero": planned.zero,
         "microbatch_size": planned.microbatch_size,
         "model": None, "width": None, "layers_per_stage": None,
     }  # fmt: skip
@@ -275,7 +276,7 @@ def _run_options(args: argparse.Namespace, planned: PlannedRun | None) -> RunOpt
         return dataclasses.replace(planned.run_options(priced_model(planned.model)), fuse=args.fuse or "loop")
     try:
         return RunOptions(
-            dp=args.dp, tp=args.tp, cp=args.cp, zero=args.zero, reduce_once=args.reduce_once,
+            dp=args.dp, fsdp=args.fsdp, tp=args.tp, cp=args.cp, zero=args.zero, reduce_once=args.reduce_once,
             recompute=args.recompute, precision=args.precision, sequence_parallel=args.sequence_parallel,
             fuse=args.fuse or "loop",
         )  # fmt: skip
@@ -448,7 +449,12 @@ def _run_line(
             else (f"{options.dp} x {options.cp} x {options.tp}", "dp x cp x tp")
         )
         once = ", reduced once per step" if options.reduce_once else ""
-        meshes = f" ({pipeline}, each a {shape} mesh: {axes}, zero {options.zero}{once})"
+        groups = (
+            f", sharded in {options.replicas} groups of {options.fsdp} (replicas across)"
+            if options.fsdp is not None
+            else ""
+        )
+        meshes = f" ({pipeline}, each a {shape} mesh: {axes}, zero {options.zero}{groups}{once})"
     if args.shared_devices:
         how = {"loop": "one program looping over the microbatches", "unrolled": "one program of every action"}
         step = how.get(options.fuse, "every action apart")
@@ -468,7 +474,8 @@ def _configuration(pipe: Any, schedule: Schedule, model: Any) -> str:
     options = pipe.options
     vpp = schedule.num_stages // schedule.num_devices
     return (
-        f"configuration: schedule={schedule.name} dp={options.dp} tp={options.tp} cp={options.cp} "
+        f"configuration: schedule={schedule.name} dp={options.dp} fsdp={options.fsdp or options.dp} tp={options.tp} "
+        f"cp={options.cp} "
         f"pp={schedule.num_devices} vpp={vpp} microbatches={schedule.num_microbatches} zero={options.zero} "
         f"reduce_once={str(options.reduce_once).lower()} recompute={options.recompute} "
         f"sequence_parallel={str(options.sequence_parallel).lower()} "
@@ -562,8 +569,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--recompute",
-        choices=("none", "selective", "full"),
-        help="what the backward recomputes: none, selective (the attention core) or full (default none)",
+        choices=RECOMPUTE_MODES,
+        help="what the backward recomputes: none, selective (the attention core), full, or a named remat policy"
+        " rerunning each block from what it saves: save_dots (the products' outputs), save_qkv_proj (Q, K, V and"
+        " the output projection), save_mlp_inputs (the feed-forward's input) (default none)",
     )
     run.add_argument(
         "--precision",
@@ -601,6 +610,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="context-parallel degree inside each pipeline device: the transformers' sequences split over C (default 1)",
     )
     run.add_argument("--zero", type=int, metavar="Z", help="ZeRO stage over the data axis, 0-3 (default 0)")
+    run.add_argument(
+        "--fsdp",
+        type=int,
+        metavar="N",
+        help="shard the ZeRO state in groups of N of the dp devices, the dp/N groups replicas of one another whose"
+        " gradient shards are all-reduced across them (FSDP in a slice or node, data parallelism across; default: one"
+        " group of all dp)",
+    )
     run.add_argument(
         "--reduce-once",
         action="store_true",

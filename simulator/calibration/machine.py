@@ -114,7 +114,8 @@ def step_plan(devices: int, microbatch_size: int, microbatches: int = 1, *, tp: 
     the executor runs it (plain attention, fp32 gradients, nothing overlapped)."""
     return Plan(
         dp=devices // tp, tp=tp, microbatch_size=tp * microbatch_size,
-        global_batch=devices * microbatch_size * microbatches, flash_attention=False, dp_overlap=0.0, reduce_bytes=4,
+        global_batch=devices * microbatch_size * microbatches, flash_attention=False, dp_overlap=0.0, tp_overlap=0.0,
+        reduce_bytes=4,
     )  # fmt: skip
 
 

@@ -147,9 +147,13 @@ def _flops_per_sequence(model: Model, *, layer_passes: int, flash: bool = True) 
     s = model.seq_len
     core = 4 * s * model.hidden
     if not flash:
-        return s * (layer_passes * model.layers * model.layer_forward_flops_per_token + 3 * model.logit_forward_flops_per_token)
+        return s * (
+            layer_passes * model.layers * model.layer_forward_flops_per_token + 3 * model.logit_forward_flops_per_token
+        )
     core_passes = 1 + FLASH_BACKWARD + (layer_passes - 3)
-    layers = model.layers * (layer_passes * (model.layer_forward_flops_per_token - core) + CAUSAL_SHARE * core_passes * core)
+    layers = model.layers * (
+        layer_passes * (model.layer_forward_flops_per_token - core) + CAUSAL_SHARE * core_passes * core
+    )
     return s * (layers + 3 * model.logit_forward_flops_per_token)
 
 

@@ -14,7 +14,17 @@ import dataclasses
 
 import pytest
 
-from pipedsl.simulator.fit_published import DATA, GRID, Result, evaluate, fit, gpu_type, load_runs
+from pipedsl.simulator.fit_published import (
+    DATA,
+    GRID,
+    HELD_OUT_GPU,
+    TPU_RUNS,
+    Result,
+    evaluate,
+    fit,
+    gpu_type,
+    load_runs,
+)
 from pipedsl.simulator.hardware import load_cluster
 
 SOURCE_LIMIT = 0.05
@@ -137,3 +147,75 @@ def test_h100_preset_is_the_best_of_its_grid_neighbours() -> None:
     for de, dh in ((-1, 0), (1, 0), (0, -1), (0, 1)):
         if 0 <= e + de < len(efficiencies) and 0 <= h + dh < len(halves):
             assert best <= error(efficiencies[e + de], halves[h + dh])
+
+
+# --- TPU runs and GPU runs held out of every fit ------------------------------------------
+
+HELD_OUT_MEAN_LIMIT = 0.07
+"""Mean absolute error allowed over each held-out set (the GPU runs of data/heldout_runs*.csv,
+the validate rows of data/tpu_runs*.csv)."""
+HELD_OUT_GPU_ROW_LIMIT = 0.10
+HELD_OUT_TPU_ROW_LIMIT = 0.25
+
+
+@pytest.fixture(scope="module")
+def held_out() -> dict[str, list[Result]]:
+    gpu = load_runs(DATA, HELD_OUT_GPU)
+    tpu = load_runs(DATA, TPU_RUNS)
+    clusters = {name: load_cluster(name) for name in {r.cluster for r in [*gpu, *tpu]}}
+    return {"gpu": evaluate(gpu, clusters), "tpu": evaluate(tpu, clusters)}
+
+
+def test_tpu_and_held_out_runs_are_cited_and_split() -> None:
+    readme = (DATA / "README.md").read_text()
+    tpu, gpu = load_runs(DATA, TPU_RUNS), load_runs(DATA, HELD_OUT_GPU)
+    for run in [*tpu, *gpu]:
+        assert run.source in readme, f"{run.name}: source {run.source} is not described in data/README.md"
+    assert {r.role for r in gpu} == {"validate"} and len(gpu) >= 20
+    assert sum(r.role == "validate" for r in tpu) >= 20 and {r.role for r in tpu} == {"calibrate", "validate"}
+    assert {r.slices for r in tpu} == {1, 2, 4, 8, 16, 32}
+
+
+def test_every_held_out_and_tpu_run_fits(held_out: dict[str, list[Result]]) -> None:
+    for r in [*held_out["gpu"], *held_out["tpu"]]:
+        assert r.fits, f"{r.run.name} ran, so it must fit"
+
+
+def test_held_out_errors(held_out: dict[str, list[Result]]) -> None:
+    validate = [r for r in held_out["tpu"] if r.run.role == "validate"]
+    for results, row_limit in ((held_out["gpu"], HELD_OUT_GPU_ROW_LIMIT), (validate, HELD_OUT_TPU_ROW_LIMIT)):
+        assert _mape(results) < HELD_OUT_MEAN_LIMIT
+        worst = max(results, key=lambda r: abs(r.error))
+        assert abs(worst.error) < row_limit, f"{worst.run.name}: {100 * worst.error:+.1f}%"
+
+
+def test_more_slices_are_predicted_slower_as_they_ran(held_out: dict[str, list[Result]]) -> None:
+    # The same work per chip on 1 to 32 slices of v5e: each model's runs slow down with the
+    # slices, and so do the predictions.
+    by_model: dict[str, list[Result]] = {}
+    for r in held_out["tpu"]:
+        if r.run.cluster == "tpu-v5e":
+            by_model.setdefault(r.run.name.split("-v5e")[0], []).append(r)
+    assert len(by_model) == 4
+    for results in by_model.values():
+        ordered = sorted(results, key=lambda r: r.run.slices)
+        predicted = [r.predicted_s for r in ordered]
+        assert predicted == sorted(predicted) and predicted[-1] > 1.05 * predicted[0]
+        assert ordered[-1].run.measured_s > ordered[0].run.measured_s
+
+
+def test_tpu_presets_are_the_best_of_their_grid_neighbours() -> None:
+    runs = [r for r in load_runs(DATA, TPU_RUNS) if r.role == "calibrate"]
+    for name in ("tpu-v5e", "tpu-v5p"):
+        preset = load_cluster(name)
+        mine = [r for r in runs if r.cluster == name]
+
+        def error(**changes: float) -> float:
+            return _mape(evaluate(mine, {name: dataclasses.replace(preset, **changes)}))
+
+        best = error()
+        efficiencies = GRID["matmul_efficiency"]
+        e = efficiencies.index(preset.matmul_efficiency)
+        for step in (-1, 1):
+            if 0 <= e + step < len(efficiencies):
+                assert best <= error(matmul_efficiency=efficiencies[e + step]) + 1e-12

@@ -66,12 +66,15 @@ def test_rows_agree_with_single_estimates(frame: pd.DataFrame) -> None:
     for row in frame.head(3).itertuples():
         plan = Plan(
             dp=row.dp,
+            fsdp=row.fsdp,
             tp=row.tp,
             pp=row.pp,
             vpp=row.vpp,
             microbatch_size=row.microbatch_size,
             global_batch=64,
             zero=row.zero,
+            reduce_once=row.reduce_once,
+            reshard_after_forward=row.reshard_after_forward,
             recompute=row.recompute,
             schedule=None if row.kind == "spmd" else row.schedule,
         )
@@ -133,8 +136,12 @@ def test_enumeration_respects_the_model() -> None:
     assert all(MODEL.layers % (p.pp * p.vpp) == 0 for p in plans)
     assert all(MODEL.heads % p.tp == 0 and p.tp <= 8 for p in plans)
     assert {p.zero for p in plans if p.pp == 1} == {0, 1, 2, 3}
-    # FlashAttention makes selective recomputation the same plan as none.
-    assert {p.recompute.value for p in plans} == {"none", "full"}
+    # FlashAttention makes selective recomputation the same plan as none; SPMD plans, which
+    # cost no simulation, also try the named remat policies.
+    assert {p.recompute.value for p in plans if p.pp > 1} == {"none", "full"}
+    assert {p.recompute.value for p in plans if p.pp == 1} == {"none", "full", "save_dots", "save_qkv_proj"}
+    # ZeRO sharded in the GPU nodes' groups, the nodes replicas of one another (HSDP).
+    assert {p.fsdp for p in plans if p.pp == 1 and p.tp == 1 and p.zero >= 1} == {None, 8}
 
 
 def test_extra_schedule_files(tmp_path: Path) -> None:
@@ -408,7 +415,7 @@ def test_search_tables_name_a_users_schedule_by_its_schedule_line(
     mine = tmp_path / "my1f1b.sched"
     mine.write_text(text.replace("  stages pp", '  require microbatches >= 2 * pp, "wants 2pp"\n  stages pp'))
     argv = ["search", "--model", "demo-small", "--cluster", "a100-80gb", "--gpus", "8", "--global-batch", "64",
-            "--schedules", "gpipe", "--top", "60", "--jobs", "1", str(mine)]  # fmt: skip
+            "--schedules", "gpipe", "--top", "200", "--jobs", "1", str(mine)]  # fmt: skip
     assert _run(argv) == 0
     printed = capsys.readouterr().out
     rows = [line.split() for line in printed.splitlines()]
@@ -424,8 +431,8 @@ def test_search_tables_name_a_users_schedule_by_its_schedule_line(
     assert PlannedRun.from_row(row).schedule_of().name == "my_1f1b"
 
 
-# The best 20 plans of this search: (schedule, dp, tp, pp, vpp, microbatch size, zero,
-# reduce once, reshard after forward, recompute, step time in seconds). First recorded from the object-per-action
+# The best 20 plans of this search: (schedule, dp, shard group, tp, pp, vpp, microbatch size,
+# zero, reduce once, reshard after forward, recompute, step time in seconds). First recorded from the object-per-action
 # implementation before the search moved to int-coded arrays; recorded again from the
 # array search when the cost model changed (collectives by adapter, size-dependent
 # matrix efficiency; FlashAttention priced as one kernel whose scores stay on chip),
@@ -434,7 +441,9 @@ def test_search_tables_name_a_users_schedule_by_its_schedule_line(
 # model's activations, weights and optimizer state were priced in fp32, as the executor keeps them,
 # and when the demo model lost the dropout the executor's transformer does not have; and
 # when the search tried ZeRO 3 keeping its gathered weights (its rows join the ranking; the
-# others keep their order and prices).
+# others keep their order and prices); and when the search tried SPMD plans sharded in shard
+# groups of a node and the named remat policies, the fused attention computed its causal half,
+# and data-parallel traffic was overlapped layer by layer, its last layer's exposed.
 RECORDED_TOP = Path(__file__).parent / "data" / "search_demo_small_top20.json"
 
 
@@ -444,8 +453,8 @@ def test_ranking_matches_the_recorded_one() -> None:
     ranked = search_plans("demo-small", "a100-80gb", 16, global_batch=64, top=20, schedules=orders)
     found = [
         [
-            p.schedule, p.dp, p.tp, p.pp, p.vpp, p.microbatch_size, p.zero, p.reduce_once, p.reshard_after_forward,
-            p.recompute, p.step_time_s,
+            p.schedule, p.dp, p.fsdp, p.tp, p.pp, p.vpp, p.microbatch_size, p.zero, p.reduce_once,
+            p.reshard_after_forward, p.recompute, p.step_time_s,
         ]
         for p in ranked
     ]  # fmt: skip

@@ -84,7 +84,8 @@ def test_fused_attention_is_priced_without_the_scores() -> None:
     # writing Q, K, V and the output (4·512·64 values of 2 bytes): intensity 256 FLOP/B,
     # above the ridge of 100, so the kernel runs at 0.8 of peak times the curve. The
     # unfused products write the 512×512 scores: intensity ~ 51, bound by memory.
-    # The fused kernel computes the causal half of the products (CAUSAL_SHARE).
+    # The fused kernel computes the causal half of the products (CAUSAL_SHARE), streaming half
+    # the key and value blocks: the whole block's intensity, above the ridge.
     flops = CAUSAL_SHARE * 16 * 4 * 512**2 * 64
     fused, kernels = Shapes(GPT, GPU, Plan(global_batch=1, flash_attention=True)).attention_seconds()
     assert kernels == 1
