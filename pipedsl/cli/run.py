@@ -474,9 +474,9 @@ def _configuration(pipe: Any, schedule: Schedule, model: Any) -> str:
     options = pipe.options
     vpp = schedule.num_stages // schedule.num_devices
     return (
-        f"configuration: schedule={schedule.name} dp={options.dp} fsdp={options.fsdp or options.dp} tp={options.tp} "
-        f"cp={options.cp} "
+        f"configuration: schedule={schedule.name} dp={options.dp} tp={options.tp} cp={options.cp} "
         f"pp={schedule.num_devices} vpp={vpp} microbatches={schedule.num_microbatches} zero={options.zero} "
+        f"{f'fsdp={options.fsdp} ' if options.fsdp is not None else ''}"
         f"reduce_once={str(options.reduce_once).lower()} recompute={options.recompute} "
         f"sequence_parallel={str(options.sequence_parallel).lower()} "
         f"flash_attention={str(model.fused_attention).lower()} precision={options.precision}"
