@@ -276,8 +276,9 @@ class Cluster:
     intensity is the product's FLOPs over the bytes of its three matrices) times
     ``matmul_efficiency × F / (F + matmul_half_flops)`` for a product of F FLOPs: large
     products approach ``matmul_efficiency``, small ones fall off. Every kernel costs
-    ``kernel_launch_s`` more. The three are fitted once per GPU type from published runs
-    (``python -m pipedsl.simulator.fit_published``, see data/README.md).
+    ``kernel_launch_s`` more. These and ``elementwise_traffic`` are fitted once per GPU
+    type or TPU chip from published runs (``python -m pipedsl.simulator.fit_published``, see
+    data/README.md).
 
     Attributes:
       name: what to call it in tables.
@@ -316,9 +317,10 @@ class Cluster:
         elementwise work (norms, softmax, activations, the optimizer update).
       elementwise_traffic: the share of a layer's elementwise HBM traffic, as unfused
         kernels move it (:mod:`~pipedsl.simulator.transformer`), that its programs
-        move: 1 for the GPU presets (fitted with it on their published runs); below 1
-        where the compiler fuses elementwise work into the products around it, as XLA
-        does on a TPU. ``pipedsl calibrate`` fits it on an accelerator.
+        move: below 1 where a compiler or fused kernels take elementwise work into the
+        products around it, as XLA on a TPU and Transformer Engine on an H100 do; fitted
+        with the compute model on each preset's published runs, ``pipedsl calibrate``
+        fits it on an accelerator.
       gpus_per_node: GPUs in one node, joined by the intra-node link.
       intra_node_bandwidth: bytes per second per GPU per direction inside a node (NVLink).
       intra_node_efficiency: fraction of it that collectives and sends achieve.
