@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any
 
-import bench_against_jit as against
-from timing import record
+# The sibling benchmarks import from this folder, also under `python -P` (as the
+# accelerator scripts run, so that the checkout's pipedsl/ never shadows the installed one).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_against_jit as against  # noqa: E402
+from timing import record  # noqa: E402
 
 
 def _threaded(pipe: Any, step: Callable[[], Any]) -> Callable[[], Any]:
