@@ -167,6 +167,8 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     base = prepare(model, cluster, plan, pipelines=pipelines, layout=default)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
     if fixed is not None:
+        # A limit no order can keep is the policy's own error (rule unsatisfiable-policy).
+        default.check()
         limits: tuple[int, ...] = (fixed,)
     else:
         limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
