@@ -13,6 +13,12 @@
    the step's start (the other scheduler's own figure leaves out the wait before a stage's
    first forward). Its memory model: F adds one microbatch, its B (pipedsl's I) nothing, W
    frees it; the limit is the in-flight count.
+3. Never slower than a written order (always run): each library policy against every explicit
+   library order with its placement that keeps its limits (``zbv_auto`` against ``zbv``;
+   ``zb_auto`` and ``zb_h2`` against ``1f1b``, ``eager_1f1b``, ``gpipe``, ``zb_h1``), both
+   simulated, over pp 4 and 8, 8 to 32 microbatches, W from F/2 to 2F, link latency from 0 to
+   F/5, with and without a dispatch per task: the largest ratio of the policy's makespan to
+   the written order's (at most 1.0), and how often the policy is strictly faster.
 
     python bench/bench_synthesis.py [--repeat N] [--zb PATH] [--markdown OUT.md]
 """
@@ -31,11 +37,13 @@ from typing import Any
 
 from timing import record
 
+from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.library import library_path, load
 from pipedsl.policy import Policy
 from pipedsl.simulator import CostModel, simulate
 from pipedsl.synthesize import synthesize, variants
+from pipedsl.validate import validate
 
 _SCHEDULER = "megatron/core/pipeline_parallel/zerobubble/scheduler"
 
@@ -51,7 +59,7 @@ def _best(fn: Any, repeat: int) -> float:
     return min(times)
 
 
-def timing(repeat: int) -> None:
+def timing(repeat: int) -> dict[str, Any]:
     costs = CostModel(forward=1, input_grad=1, weight_grad=1, latency=0.1)
     policy = load(library_path("zb_auto"), pp=8, microbatches=32)
     assert isinstance(policy, Policy)
@@ -61,11 +69,56 @@ def timing(repeat: int) -> None:
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"synthesize zb_auto pp=8 m=32 ({len(variants(policy))} variants): {whole * 1e3:.2f} ms of CPU")
     for variant in variants(policy):
-        one = _best(lambda v=variant: synthesize(policy, costs, tries=(v,)), repeat)
+        one = _best(lambda v=variant: synthesize(policy, costs, tries=(v,), library=False), repeat)
         print(f"  {variant}: {one * 1e3:.2f} ms")
     print(f"for scale: simulate 1f1b pp=8 m=32 once: {sim * 1e3:.2f} ms (synthesis / simulation = {whole / sim:.2f})")
-    record("bench_synthesis", {"synthesis_cpu_ms": whole * 1e3, "simulation_cpu_ms": sim * 1e3,
-                               "synthesis_over_simulation": whole / sim})  # fmt: skip
+    return {"synthesis_cpu_ms": round(whole * 1e3, 3), "simulation_cpu_ms": round(sim * 1e3, 3),
+            "synthesis_over_simulation": round(whole / sim, 3)}  # fmt: skip
+
+
+GUARANTEE_POLICIES = {"zbv_auto": ("zbv",), "zb_auto": ("1f1b", "eager_1f1b", "gpipe", "zb_h1"),
+                      "zb_h2": ("1f1b", "eager_1f1b", "gpipe", "zb_h1")}  # fmt: skip
+
+
+def guarantee() -> dict[str, Any]:
+    """Policy / written-order makespans over the grid of the module docstring's part 3."""
+    worst: dict[str, float] = {}
+    faster = cases = 0
+    start = time.perf_counter()
+    for pp in (4, 8):
+        for m in (8, 12, 16, 24, 32):
+            for w in (0.5, 1.0, 1.5, 2.0):
+                for latency in (0.0, 0.05, 0.1, 0.2):
+                    for dispatch in (0.0, 0.1):
+                        costs = CostModel(forward=1, input_grad=1, weight_grad=w, latency=latency, dispatch=dispatch)
+                        for name, written in GUARANTEE_POLICIES.items():
+                            try:
+                                policy = load(library_path(name), pp=pp, microbatches=m)
+                            except PipedslError:  # a require line refuses this size
+                                continue
+                            assert isinstance(policy, Policy)
+                            ours = simulate(synthesize(policy, costs), costs).makespan
+                            for other in written:
+                                try:
+                                    order = load(library_path(other), pp=pp, microbatches=m)
+                                except PipedslError:
+                                    continue
+                                assert isinstance(order, Schedule)
+                                limit = policy.max_inflight or ()
+                                if any(p > n for p, n in zip(validate(order).peak_inflight, limit)):
+                                    continue
+                                theirs = simulate(order, costs).makespan
+                                key = f"{name}/{other}"
+                                worst[key] = max(worst.get(key, 0.0), ours / theirs)
+                                cases += 1
+                                faster += ours < theirs * (1 - 1e-9)
+    seconds = time.perf_counter() - start
+    print(f"never slower than a written order: {cases} cases, the policy strictly faster in {faster},"
+          f" {seconds:.1f} s")  # fmt: skip
+    for key, ratio in sorted(worst.items()):
+        print(f"  largest {key} makespan ratio: {ratio:.4f}")
+    return {"guarantee_cases": cases, "guarantee_strictly_faster": faster,
+            **{f"worst_{k.replace('/', '_over_')}": round(v, 6) for k, v in sorted(worst.items())}}  # fmt: skip
 
 
 def _their_scheduler(repo: Path) -> types.ModuleType:
@@ -182,7 +235,7 @@ def main() -> None:
     parser.add_argument("--zb", type=Path, help="a checkout of sail-sg/zero-bubble-pipeline-parallelism")
     parser.add_argument("--markdown", type=Path, help="write the comparison's tables here")
     args = parser.parse_args()
-    timing(args.repeat)
+    record("bench_synthesis", {**timing(args.repeat), **guarantee()})
     if args.zb is None or not (args.zb / _SCHEDULER / "zb.py").is_file():
         print("comparison skipped: give --zb PATH, a checkout of sail-sg/zero-bubble-pipeline-parallelism")
         return

@@ -38,6 +38,17 @@ the best so far stops early, and once an order takes no longer than every order 
 device starts when microbatch 0 first reaches it, then runs its actions one at a time),
 the variants left are not tried: they could at most tie it.
 
+The library's own orders are a floor: every explicit schedule of the library
+(:func:`pipedsl.library.library_schedules`) evaluated at the policy's devices, microbatches
+and stages per device, with its stages, microbatches and placement, that keeps its limits
+(in-flight pairs, activation bytes, a stated warm-up) is timed the same way, and kept where
+it is strictly faster than every variant: the order returned is never slower than a
+library order written for this layout (``zbv`` for the V placement; ``1f1b``,
+``eager_1f1b``, ``gpipe``, ``zb_h1`` for the flat one). A ``B`` of a written order becomes
+its ``I`` then its ``W`` for a split policy. Times include the host's dispatch per task
+(:mod:`pipedsl.tasks`) as the simulator charges it; shared compute (``speedup``) is not
+modelled here.
+
 Limits: a forward is admitted only if the device's in-flight count and activation bytes
 stay within the policy's limits, counting for a microbatch entering a device every stage of
 that device it will still pass through (so a V placement cannot fill a device with first
@@ -48,6 +59,7 @@ in order. Deterministic: no randomness, no clocks.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import deque
 from dataclasses import dataclass
@@ -56,8 +68,10 @@ from pipedsl.arguments import costs_argument, policy_argument
 from pipedsl.arrays import make_actions
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
+from pipedsl.library import library_schedules, load, parameters
 from pipedsl.policy import Policy
 from pipedsl.stage_costs import CostSource, StageCosts
+from pipedsl.tasks import MAX_COMPUTES
 
 __all__ = [
     "AHEAD",
@@ -149,7 +163,11 @@ class SynthesisError(PipedslError):
 
 
 def synthesize(
-    policy: Policy, costs: CostSource | None = None, *, tries: tuple[Variant, ...] | None = None
+    policy: Policy,
+    costs: CostSource | None = None,
+    *,
+    tries: tuple[Variant, ...] | None = None,
+    library: bool = True,
 ) -> Schedule:
     """The fastest order found for ``policy`` under ``costs``.
 
@@ -160,6 +178,10 @@ def synthesize(
         :class:`~pipedsl.stage_costs.StageCosts` for the policy's stages); None, the
         uniform costs of :meth:`StageCosts.uniform` (:data:`~pipedsl.stage_costs.UNIFORM`).
       tries: the variants to try (default: :func:`variants`); the first fastest wins.
+      library: also time the library's explicit orders for the policy's layout that keep
+        its limits (the same stages, devices, microbatches and placement), and keep one
+        where it is strictly faster than every variant's: the order returned is never
+        slower than any of them (see the module docstring).
 
     Returns an unvalidated Schedule named and parameterised like the policy.
 
@@ -173,7 +195,7 @@ def synthesize(
     costs = costs_argument(costs, function="synthesize")
     kinds = (Kind.F, Kind.I if policy.split_backward else Kind.B, Kind.W)
     orders = []
-    for order in synthesized_order(policy, costs, tries):
+    for order in synthesized_order(policy, costs, tries, library=library):
         codes, stages, microbatches = zip(*order) if order else ((), (), ())
         made = make_actions(list(map(kinds.__getitem__, codes)), stages, microbatches, [None] * len(order))
         orders.append(tuple(made))
@@ -181,19 +203,19 @@ def synthesize(
 
 
 def synthesized_order(
-    policy: Policy, costs: CostSource | None = None, tries: tuple[Variant, ...] | None = None
+    policy: Policy, costs: CostSource | None = None, tries: tuple[Variant, ...] | None = None, *, library: bool = True
 ) -> Order:
     """The order :func:`synthesize` finds, as per-device (kind code, stage, microbatch)
     triples (codes 0 F, 1 the backward, 2 W): the fastest variant's, the first of equally
     fast ones. Raises as :func:`synthesize`."""
     order: Order = [[] for _ in range(policy.num_devices)]
-    for d, kind, stage, microbatch in synthesized_steps(policy, costs, tries):
+    for d, kind, stage, microbatch in synthesized_steps(policy, costs, tries, library=library):
         order[d].append((kind, stage, microbatch))
     return order
 
 
 def synthesized_steps(
-    policy: Policy, costs: CostSource | None = None, tries: tuple[Variant, ...] | None = None
+    policy: Policy, costs: CostSource | None = None, tries: tuple[Variant, ...] | None = None, *, library: bool = True
 ) -> Steps:
     """:func:`synthesized_order`'s actions as (device, kind code, stage, microbatch), in the
     order its pass took them: each after every action it needs, so the order a timing
@@ -217,6 +239,16 @@ def synthesized_steps(
             # No order finishes before the plan's bound: the variants left can at most tie.
             if best[0] <= plan.bound * (1.0 + _ROUNDING):
                 break
+    if library and (best is None or best[0] > plan.bound * (1.0 + _ROUNDING)):
+        # The library's own orders for this layout, where they keep the limits: the
+        # synthesised order is never slower than one of them written by hand.
+        for order in _library_orders(policy.num_stages, policy.num_devices, policy.num_microbatches,
+                                     policy.placement, policy.split_backward):  # fmt: skip
+            if not _keeps_limits(plan, order):
+                continue
+            found = _replay(plan, order, beat=_INF if best is None else best[0])
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
     if best is None:
         assert failure is not None
         raise failure
@@ -286,6 +318,11 @@ class _Plan:
         blocking = not costs.overlap_sends
         self.after_f = [self.x_f[s] if blocking else 0.0 for s in range(S)]
         self.after_b = [self.x_b[s] if blocking else 0.0 for s in range(S)]
+        # Whether a stage's forward and its backward receive from, or send to, another
+        # device: what decides where a task starts (pipedsl.tasks), and so where a
+        # dispatch is charged, as the simulator charges it.
+        self.cross_f, self.cross_b = cross_f, cross_b
+        self.dispatch = costs.dispatch
         # Deeper stages first: their outputs are what other devices wait for soonest.
         self.stages = [tuple(sorted(policy.stages_on(d), reverse=True)) for d in range(D)]
         self.first = [min(st) for st in self.stages]
@@ -457,6 +494,13 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
         rules.forced_ok,
     )
     guard_w, guard_b, guard_f = rules.guard_w, rules.guard_b, rules.guard_f
+    # A compute that starts a task (pipedsl.tasks) takes the task's dispatch too, added as
+    # the simulator adds it (one sum per kind and stage), so that the times match exactly.
+    dispatch = plan.dispatch
+    cross_f, cross_b = plan.cross_f, plan.cross_b
+    with_f, with_b, with_w = ([c + dispatch for c in costs] for costs in plan.cost)
+    task_sent = [True] * D  # whether a device's last compute sent (or it has none yet)
+    task_run = [0] * D  # computes in a device's current task
     state = _State(S, D, M)
     clock, nf, nb, arr_f, arr_b, wq = state.clock, state.nf, state.nb, state.arr_f, state.arr_b, state.wq
     live, reserved, held, reserved_bytes = state.live, state.reserved, state.held, state.reserved_bytes
@@ -552,7 +596,13 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             r = arr_f[s * M + m]
             if r > start:
                 start = r
-            end = start + cost_f[s]
+            if dispatch and (task_sent[d] or cross_b[s] or task_run[d] >= MAX_COMPUTES):
+                end = start + with_f[s]
+                task_run[d] = 1
+            else:
+                end = start + cost_f[s]
+                task_run[d] += 1
+            task_sent[d] = cross_f[s]
             work[d] -= cost_f[s]
             if entry[s]:
                 reserved[d] += later[s]
@@ -577,7 +627,13 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             r = arr_b[s * M + m]
             if r > start:
                 start = r
-            end = start + cost_b[s]
+            if dispatch and (task_sent[d] or cross_f[s] or task_run[d] >= MAX_COMPUTES):
+                end = start + with_b[s]
+                task_run[d] = 1
+            else:
+                end = start + cost_b[s]
+                task_run[d] += 1
+            task_sent[d] = cross_b[s]
             work[d] -= cost_b[s]
             ahead_now[d] -= 1
             if split:
@@ -593,7 +649,13 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             free = end + after_b[s]
         else:
             s, m = wq[d].popleft()
-            end = start + cost_w[s]
+            if dispatch and (task_sent[d] or task_run[d] >= MAX_COMPUTES):
+                end = start + with_w[s]
+                task_run[d] = 1
+            else:
+                end = start + cost_w[s]
+                task_run[d] += 1
+            task_sent[d] = False
             live[d] -= 1
             held[d] -= wres[s]
             free = end
@@ -617,6 +679,173 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
     if len(state.steps) < total:
         raise _deadlock(plan, state.steps, live, held)
     return makespan, state.steps
+
+
+@functools.lru_cache(maxsize=32)
+def _library_orders(
+    num_stages: int, num_devices: int, num_microbatches: int, placement: tuple[int, ...], split: bool
+) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]:
+    """The explicit orders of the schedule library (:func:`pipedsl.library.library_schedules`)
+    evaluated at this layout, as per-device (kind code, stage, microbatch) triples: each
+    library schedule evaluated with ``pp`` the devices, ``microbatches`` and ``vpp`` the
+    stages per device (those of them it declares), kept when it has these stages,
+    microbatches and placement. With ``split``, a ``B`` becomes its ``I`` then its ``W``;
+    without it, an order with ``I`` and ``W`` does not fit and is left out. A schedule
+    whose ``require`` lines refuse the layout is left out too."""
+    found = []
+    for path in library_schedules().values():
+        declared = parameters(path)
+        params = {"pp": num_devices, "microbatches": num_microbatches, "vpp": num_stages // num_devices}
+        try:
+            loaded = load(path, **{k: v for k, v in params.items() if k in declared})
+        except PipedslError:
+            continue
+        if (
+            not isinstance(loaded, Schedule)
+            or (loaded.num_stages, loaded.num_devices, loaded.num_microbatches) != (num_stages, num_devices,
+                                                                                      num_microbatches)
+            or loaded.placement != placement
+        ):  # fmt: skip
+            continue
+        order = _order_codes(loaded, split)
+        if order is not None:
+            found.append(order)
+    return tuple(found)
+
+
+def _order_codes(schedule: Schedule, split: bool) -> tuple[tuple[tuple[int, int, int], ...], ...] | None:
+    """``schedule``'s orders as kind-code triples for a split (or fused) backward; None
+    when it splits a backward that ``split`` says is fused."""
+    orders = []
+    for actions in schedule.orders:
+        codes: list[tuple[int, int, int]] = []
+        for a in actions:
+            if a.kind is Kind.F:
+                codes.append((_F, a.stage, a.microbatch))
+            elif a.kind is Kind.B:
+                codes.append((_BWD, a.stage, a.microbatch))
+                if split:
+                    codes.append((_W, a.stage, a.microbatch))
+            elif not split:
+                return None
+            else:
+                codes.append((_BWD if a.kind is Kind.I else _W, a.stage, a.microbatch))
+        orders.append(tuple(codes))
+    return tuple(orders)
+
+
+def _keeps_limits(plan: _Plan, order: tuple[tuple[tuple[int, int, int], ...], ...]) -> bool:
+    """Whether a fixed order keeps the policy's limits on every device: the (stage,
+    microbatch) pairs and the activation bytes held between a forward and its ``W`` (or
+    ``B``), and a stated warm-up (a microbatch enters a device only while fewer forwards
+    than the count are ahead of its backwards)."""
+    policy, split = plan.policy, plan.split
+    warmup = policy.warmup
+    for d, actions in enumerate(order):
+        held = live = ahead = 0
+        for kind, s, _ in actions:
+            if kind == _F:
+                if warmup is not None and plan.entry[s] and ahead >= warmup[d]:
+                    return False
+                live += 1
+                ahead += 1
+                held += plan.res[s]
+            elif kind == _BWD:
+                ahead -= 1
+                if split:
+                    held += plan.wres[s] - plan.res[s]
+                else:
+                    live -= 1
+                    held -= plan.res[s]
+            else:
+                live -= 1
+                held -= plan.wres[s]
+            if live > plan.max_n[d] or (plan.max_bytes is not None and held > plan.max_bytes[d]):
+                return False
+    return True
+
+
+def _replay(
+    plan: _Plan, order: tuple[tuple[tuple[int, int, int], ...], ...], *, beat: float = _INF
+) -> tuple[float, Steps] | None:
+    """A fixed order timed as the simulator times it (start = max(device free, input
+    arrived); transfers, blocking sends and each task's dispatch as in :func:`_run`): the
+    makespan and the actions in an order their dependencies allow; None when the order
+    cannot finish (it waits for an action that never runs) or provably not in under
+    ``beat`` seconds (see :func:`_run`)."""
+    S, D, M = plan.S, plan.D, plan.M
+    owner = plan.owner
+    cost_f, cost_b, cost_w = plan.cost
+    dispatch = plan.dispatch
+    with_f, with_b, with_w = ([c + dispatch for c in costs] for costs in plan.cost)
+    arr_f = [0.0 if s == 0 else _INF for s in range(S) for _ in range(M)]
+    arr_b = [_INF] * (S * M)
+    backward_done = [False] * (S * M)
+    clock = [0.0] * D
+    at = [0] * D
+    task_sent = [True] * D
+    task_run = [0] * D
+    work = list(plan.work)
+    stop = beat * (1.0 + _ROUNDING)
+    steps: Steps = []
+    makespan = 0.0
+    queued = [True] * D
+    waiting = list(range(D - 1, -1, -1))
+    while waiting:
+        d = waiting.pop()
+        queued[d] = False
+        actions = order[d]
+        while at[d] < len(actions):
+            kind, s, m = actions[at[d]]
+            key = s * M + m
+            r = arr_f[key] if kind == _F else arr_b[key] if kind == _BWD else (0.0 if backward_done[key] else _INF)
+            if r == _INF:
+                break
+            start = clock[d] if clock[d] > r else r
+            if kind == _F:
+                fresh = task_sent[d] or plan.cross_b[s]
+                sends, seconds, dispatched = plan.cross_f[s], cost_f[s], with_f[s]
+            elif kind == _BWD:
+                fresh = task_sent[d] or plan.cross_f[s]
+                sends, seconds, dispatched = plan.cross_b[s], cost_b[s], with_b[s]
+            else:
+                fresh = task_sent[d]
+                sends, seconds, dispatched = False, cost_w[s], with_w[s]
+            if dispatch and (fresh or task_run[d] >= MAX_COMPUTES):
+                end = start + dispatched
+                task_run[d] = 1
+            else:
+                end = start + seconds
+                task_run[d] += 1
+            task_sent[d] = sends
+            work[d] -= seconds
+            free = end
+            notify = -1
+            if kind == _F:
+                if s + 1 < S:
+                    arr_f[key + M] = end + plan.x_f[s]
+                    notify = owner[s + 1]
+                else:
+                    arr_b[key] = end
+                free = end + plan.after_f[s]
+            elif kind == _BWD:
+                backward_done[key] = True
+                if s > 0:
+                    arr_b[key - M] = end + plan.x_b[s]
+                    notify = owner[s - 1]
+                free = end + plan.after_b[s]
+            if free + work[d] > stop:
+                return None
+            clock[d] = free
+            makespan = max(makespan, end)
+            steps.append((d, kind, s, m))
+            at[d] += 1
+            if notify >= 0 and notify != d and not queued[notify]:
+                queued[notify] = True
+                waiting.append(notify)
+    if any(at[d] < len(order[d]) for d in range(D)):
+        return None
+    return makespan, steps
 
 
 def _deadlock(plan: _Plan, steps: Steps, live: list[int], held: list[int]) -> SynthesisError:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,6 +170,7 @@ def candidate_plans(
     tp_overlap: float = 1.0,
     framework: str = "megatron",
     shared_pipelines: bool = False,
+    schedule_params: Mapping[str, int] | None = None,
     skipped: Counter[tuple[str, int]] | None = None,
 ) -> Iterator[Plan]:
     """Every plan the search tries (see the module docstring), SPMD plans first, then the
@@ -178,6 +179,8 @@ def candidate_plans(
     A schedule that takes no ``vpp`` is offered with ``vpp = 1``; the search asks the
     schedule itself how many stages it places per device (ZB-V places two). ``skipped``,
     when given, counts the combinations left out by (rule, the value that broke it).
+    ``schedule_params`` (such as ``{"max_inflight": 16}``) go to every pipeline plan, and so
+    to each schedule that declares them (``Plan.schedule_params``).
     """
     skip: Counter[tuple[str, int]] = Counter() if skipped is None else skipped
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
@@ -212,6 +215,11 @@ def candidate_plans(
     yield from _spmd_plans(dataclasses.replace(space, modes=spmd_modes), cluster, gpus, spmd_zero, common)
     found = searched_schedules(schedules, extra_schedules)
     ends = stage_split == "ends"
+    for name in schedule_params or {}:
+        if not any(name in library.parameters(s.spec) for s in found):
+            tried = ", ".join(s.spec for s in found) or "none"
+            raise PlanError(f"search: no schedule tried takes a parameter {name!r} (schedules tried: {tried})")
+    common = {**common, "schedule_params": tuple((schedule_params or {}).items())}
     yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common, ends=ends)
     if shared_pipelines:
         yield from _pipeline_plans(space, model, gpus, found, vpp_sizes, pipeline_zero, common, ends=ends, shared=True)

@@ -43,19 +43,25 @@ from pipedsl.validate import Checked, checked
 __all__ = ["Pipelines", "ScheduleKey", "Timing", "load_pipeline", "synthesized_arrays", "synthesized_program"]
 
 
-def load_pipeline(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule:
-    """Evaluate schedule ``spec`` with ``pp``, ``microbatches`` and, if it takes one, ``vpp``;
-    a policy schedule is synthesised against the default cost model (B = 2F, I = W = B/2).
+def load_pipeline(
+    spec: str, *, pp: int, vpp: int, microbatches: int, params: tuple[tuple[str, int], ...] = ()
+) -> Schedule:
+    """Evaluate schedule ``spec`` with ``pp``, ``microbatches``, if it takes one, ``vpp``, and
+    its own ``params`` (``(name, value)`` pairs such as ``max_inflight``); a policy schedule
+    is synthesised against the default cost model (B = 2F, I = W = B/2).
 
     Each file is parsed once per version (:mod:`pipedsl.library`); evaluation runs every call.
     """
-    loaded = _load_source(spec, pp=pp, vpp=vpp, microbatches=microbatches)
+    loaded = _load_source(spec, pp=pp, vpp=vpp, microbatches=microbatches, params=params)
     return loaded if isinstance(loaded, Schedule) else synthesize(loaded, CostModel())
 
 
-def _params(spec: str, *, pp: int, vpp: int, microbatches: int) -> dict[str, int]:
-    """The parameters a pipeline plan gives ``spec``: ``pp``, ``microbatches`` and, if it
-    takes one, ``vpp``. Raises PlanError for a schedule without the first two."""
+def _params(
+    spec: str, *, pp: int, vpp: int, microbatches: int, params: tuple[tuple[str, int], ...] = ()
+) -> dict[str, int]:
+    """The parameters a pipeline plan gives ``spec``: ``pp``, ``microbatches``, if it
+    takes one, ``vpp``, and the schedule's own ``params``. Raises PlanError for a schedule
+    without the first two."""
     path = library.resolve(spec)
     names = library.parameters(path)
     for needed in ("pp", "microbatches"):
@@ -63,21 +69,23 @@ def _params(spec: str, *, pp: int, vpp: int, microbatches: int) -> dict[str, int
             raise PlanError(
                 f"{path}: a pipeline plan sets parameters pp and microbatches, but the schedule has no {needed!r}"
             )
-    params = {"pp": pp, "microbatches": microbatches}
+    given = {"pp": pp, "microbatches": microbatches, **dict(params)}
     if "vpp" in names:
-        params["vpp"] = vpp
-    return params
+        given["vpp"] = vpp
+    return given
 
 
-def _load_source(spec: str, *, pp: int, vpp: int, microbatches: int) -> Schedule | Policy:
+def _load_source(
+    spec: str, *, pp: int, vpp: int, microbatches: int, params: tuple[tuple[str, int], ...] = ()
+) -> Schedule | Policy:
     """``spec`` evaluated as :func:`load_pipeline` does, a policy left unsynthesised."""
-    return library.load(spec, **_params(spec, pp=pp, vpp=vpp, microbatches=microbatches))
+    return library.load(spec, **_params(spec, pp=pp, vpp=vpp, microbatches=microbatches, params=params))
 
 
 def _load_arrays(key: ScheduleKey) -> ScheduleArrays:
     """The order ``key``'s file states (not a policy), evaluated as :func:`_load_source`
     does but straight into int columns."""
-    params = _params(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
+    params = _params(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches, params=key.params)
     loaded = library.load_arrays(key.spec, **params)
     assert isinstance(loaded, ScheduleArrays)  # the caller asked is_policy first
     return loaded
@@ -124,12 +132,15 @@ class Timing:
 
 class ScheduleKey(NamedTuple):
     """Which evaluated schedule a plan runs: ``vpp`` is 0 for a schedule without a
-    ``vpp`` parameter, so that plans differing only there share one evaluation."""
+    ``vpp`` parameter, so that plans differing only there share one evaluation; ``params``
+    the schedule's own parameters the plan sets (``Plan.schedule_params``, those the
+    schedule declares)."""
 
     spec: str
     pp: int
     vpp: int
     microbatches: int
+    params: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +196,9 @@ class Pipelines:
         spec = plan.schedule
         if spec is None:
             raise PlanError(f"{plan.label} is an SPMD plan and runs no schedule")
-        return ScheduleKey(spec, plan.pp, plan.vpp if "vpp" in self.parameters(spec) else 0, plan.microbatches)
+        declared = self.parameters(spec)
+        own = tuple((name, value) for name, value in plan.schedule_params if name in declared)
+        return ScheduleKey(spec, plan.pp, plan.vpp if "vpp" in declared else 0, plan.microbatches, own)
 
     def parameters(self, spec: str) -> tuple[str, ...]:
         """The parameters schedule ``spec`` takes (:func:`pipedsl.library.parameters`),
@@ -214,7 +227,9 @@ class Pipelines:
                 # The policy evaluated once (layout() may have read it already).
                 schedule = synthesize(self.policy(key), CostModel())
             else:
-                schedule = load_pipeline(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
+                schedule = load_pipeline(
+                    key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches, params=key.params
+                )
         except PipedslError as err:
             self._errors[key] = err
             raise
@@ -233,7 +248,9 @@ class Pipelines:
         if error is not None:
             raise error
         try:
-            loaded = _load_source(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches)
+            loaded = _load_source(
+                key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches, params=key.params
+            )
         except PipedslError as err:
             self._errors[key] = err
             raise

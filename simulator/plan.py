@@ -135,6 +135,9 @@ class Plan:
         program, a loop over the microbatches, each through every stage
         (:mod:`~pipedsl.simulator.estimate` prices it so), and
         the plan uses dp·tp·cp GPUs, not dp·tp·cp·pp.
+      schedule_params: ``(name, value)`` pairs of the schedule's own parameters (not pp,
+        vpp or microbatches, which the plan sets), such as ``(("max_inflight", 16),)``;
+        a search passes each to the schedules that declare it.
     """
 
     dp: int = 1
@@ -160,6 +163,7 @@ class Plan:
     stage_layers: tuple[int, ...] | None = None
     framework: str | Framework = DEFAULT_FRAMEWORK
     shared_devices: bool = False
+    schedule_params: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "vpp", "microbatch_size", "global_batch"):
@@ -221,6 +225,33 @@ class Plan:
             raise PlanError("plan: shared_devices puts the pipeline devices of a pipeline (pp > 1) on the same GPUs")
         if self.pp > 1 and self.schedule is None:
             raise PlanError(f"plan: pp = {self.pp} needs a schedule (a library name such as 1f1b, or a .sched file)")
+        self._check_schedule_params()
+
+    def _check_schedule_params(self) -> None:
+        given = self.schedule_params
+        pairs = tuple(given.items()) if isinstance(given, dict) else tuple(given)
+        for pair in pairs:
+            if (
+                not isinstance(pair, tuple)
+                or len(pair) != 2
+                or not isinstance(pair[0], str)
+                or not pair[0].isidentifier()
+            ):
+                raise PlanError(f"plan: schedule_params are (name, value) pairs, got {pair!r}")
+            name, value = pair
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PlanError(f"plan: schedule parameter {name} needs a whole number, got {value!r}")
+            if name in ("pp", "vpp", "microbatches"):
+                raise PlanError(
+                    f"plan: {name} is the plan's own (pp, vpp, and microbatches from the global batch);"
+                    " set it there, not as a schedule parameter"
+                )
+        names = [name for name, _ in pairs]
+        if len(set(names)) != len(names):
+            raise PlanError(f"plan: schedule parameters name {sorted(n for n in names if names.count(n) > 1)[0]} twice")
+        if pairs and self.schedule is None:
+            raise PlanError(f"plan: schedule parameters {', '.join(names)} need a pipeline schedule (pp > 1)")
+        object.__setattr__(self, "schedule_params", pairs)
 
     def _check_fsdp(self) -> None:
         fsdp = self.fsdp
@@ -281,6 +312,7 @@ class Plan:
     def label(self) -> str:
         """A short description such as ``1f1b dp8 tp8 pp16 mb1 zero1 selective``."""
         kind = "spmd" if self.schedule is None else schedule_name(self.schedule)
+        kind += "".join(f" {name}={value}" for name, value in self.schedule_params)
         vpp = f" vpp{self.vpp}" if self.vpp > 1 else ""
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         shared = " shared" if self.shared_devices else ""
@@ -338,6 +370,7 @@ class Plan:
             "framework": self.framework if isinstance(self.framework, str) else self.framework.name,
             "stage_layers": None if self.stage_layers is None else list(self.stage_layers),
             "shared_devices": self.shared_devices,
+            "schedule_params": dict(self.schedule_params),
         }
 
 

@@ -147,8 +147,8 @@ def candidate_limits(default: int, pp: int, least: int, most: int) -> tuple[int,
 
 def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipelines) -> list[Prepared]:
     """``plan`` prepared for the search: one :class:`LimitedPlan` per fitting limit
-    (:func:`candidate_limits`) for a policy schedule with a ``max_inflight`` parameter;
-    otherwise ``[prepare(..., fits_first=True)]``.
+    (:func:`candidate_limits`) for a policy schedule with a ``max_inflight`` parameter, or
+    only the limit the plan sets (``Plan.schedule_params``); otherwise ``[prepare(..., fits_first=True)]``.
 
     Raises what :func:`~pipedsl.simulator.estimate.prepare` raises; DoesNotFit when no
     limit's order fits.
@@ -158,12 +158,20 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
     if spec is None or LIMIT not in pipelines.parameters(spec) or not pipelines.is_policy(spec):
         return [prepare(model, cluster, plan, pipelines=pipelines, fits_first=True)]
     key = pipelines.key(plan)
-    params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if key.vpp else ()))
+    # A limit the plan sets (-p max_inflight=N) is the only one tried; its other parameters pass on.
+    fixed = dict(key.params).get(LIMIT)
+    own = tuple(pair for pair in key.params if pair[0] != LIMIT)
+    params = (("pp", plan.pp), ("microbatches", plan.microbatches), *((("vpp", plan.vpp),) if key.vpp else ()), *own)
     default = pipelines.policy(key)
     # Each limit's order is synthesised when its plan is finished: none at the default cost model.
     base = prepare(model, cluster, plan, pipelines=pipelines, layout=default)
     least = max(len(default.stages_on(d)) for d in range(default.num_devices))
-    limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
+    if fixed is not None:
+        # A limit no order can keep is the policy's own error (rule unsatisfiable-policy).
+        default.check()
+        limits: tuple[int, ...] = (fixed,)
+    else:
+        limits = candidate_limits(max(default.max_inflight or (least,)), plan.pp, least, fitting_limit(base))
     found: list[Prepared] = []
     for limit in limits:
         held = _held_at_most(base, limit)

@@ -46,6 +46,7 @@ __all__ = [
     "terminate_raises",
     "add_param_option",
     "parse_params",
+    "add_schedule_params",
     "load_schedule",
     "synthesize_policy",
     "default_costs_note",
@@ -147,7 +148,9 @@ class _ParamAction(argparse.Action):
         except ValueError as err:
             raise argparse.ArgumentError(self, str(err)) from None
         if name in params:
-            raise argparse.ArgumentError(self, f"parameter {name} is given twice")
+            raise argparse.ArgumentError(
+                self, f"parameter {name} is given twice: {name}={params[name]} and {name}={value}; keep one"
+            )
         params[name] = value
         setattr(namespace, self.dest, params)
 
@@ -174,14 +177,14 @@ def add_param_option(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"stop evaluating a .sched file past N actions (default {library.MAX_ACTIONS:,})",
     )
+    add_schedule_params(parser, help="set an integer parameter of a .sched file (repeatable), e.g. -p pp=8")
+
+
+def add_schedule_params(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, help: str) -> None:
+    """Add ``-p/--param NAME=VALUE`` (repeatable, integer values, a name at most once) as
+    ``args.params``, a dict."""
     parser.add_argument(
-        "-p",
-        "--param",
-        dest="params",
-        action=_ParamAction,
-        default={},
-        metavar="NAME=VALUE",
-        help="set an integer parameter of a .sched file (repeatable), e.g. -p pp=8",
+        "-p", "--param", dest="params", action=_ParamAction, default={}, metavar="NAME=VALUE", help=help
     )
 
 

@@ -26,10 +26,12 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from pipedsl import library
 from pipedsl.cli.common import (
     EXIT_NOTHING_FITS,
     EXIT_OK,
     add_command,
+    add_schedule_params,
     check_output_file,
     make_console,
     plural,
@@ -58,6 +60,7 @@ from pipedsl.simulator.hardware import (
     load_model,
     model_presets,
 )
+from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.ranked import zero_words
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
@@ -125,6 +128,10 @@ def _check_model_size(model: Model) -> None:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     _check_model_size(model)
+    own = _schedule_params(args.schedule, args.params)
+    pipelines = Pipelines()
+    microbatches = args.global_batch // (args.dp * args.microbatch_size)
+    vpp = args.vpp if args.vpp is not None else _placed_vpp(args.schedule, args.pp, microbatches, own, pipelines)
     plan = Plan(
         dp=args.dp,
         fsdp=args.fsdp,
@@ -132,7 +139,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         pp=args.pp,
         cp=args.cp,
         cp_exchange=ContextExchange(args.cp_exchange),
-        vpp=args.vpp,
+        vpp=vpp,
         microbatch_size=args.microbatch_size,
         global_batch=args.global_batch,
         zero=args.zero,
@@ -145,8 +152,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         reduce_bytes=args.reduce_bytes,
         reduce_once=args.reduce_once,
         reshard_after_forward=not args.keep_weights,
-        stage_layers=stage_layers(args.stage_layers, model, args.pp * args.vpp),
+        stage_layers=stage_layers(args.stage_layers, model, args.pp * vpp),
         framework=args.framework,
+        schedule_params=own,
     )
     if plan.gpus > MAX_GPUS or plan.global_batch > MAX_GLOBAL_BATCH:
         raise PipedslError(
@@ -154,7 +162,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             f" plans for at most {MAX_GPUS:,} GPUs and {MAX_GLOBAL_BATCH:,} sequences: check the numbers"
         )
     cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=plan.gpus, command="estimate")
-    result = estimate(model, cluster, plan)
+    result = estimate(model, cluster, plan, pipelines=pipelines)
     count = FlopCount(args.mfu_flops)
     advice = [] if result.fits else fit_advice(model, cluster, plan)
     if args.json:
@@ -174,6 +182,36 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             for line in misfit_text(result.memory, advice):
                 console.print(line, highlight=False)
     return EXIT_OK if result.fits else EXIT_NOTHING_FITS
+
+
+def _schedule_params(schedule: str | None, params: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """``-p NAME=VALUE`` for ``estimate``'s schedule: each a parameter it declares."""
+    if params and schedule is None:
+        raise PipedslError(f"estimate: -p {next(iter(params))}=... sets a schedule parameter; give --schedule")
+    if schedule is not None:
+        declared = library.parameters(schedule)
+        for name in params:
+            if name not in declared:
+                raise PipedslError(
+                    f"estimate: schedule {schedule} has no parameter {name!r}; it takes {', '.join(declared) or 'none'}"
+                )
+    return tuple(params.items())
+
+
+def _placed_vpp(
+    schedule: str | None, pp: int, microbatches: int, params: tuple[tuple[str, int], ...], pipelines: Pipelines
+) -> int:
+    """The stages per device when ``--vpp`` is not given: the number the schedule places
+    when it fixes one (``zbv`` places two) and has no ``vpp`` parameter; else 1. A schedule
+    that cannot be evaluated gives 1, and the estimate reports why."""
+    if schedule is None or pp == 1 or "vpp" in library.parameters(schedule):
+        return 1
+    own = tuple(pair for pair in params if pair[0] not in ("pp", "vpp", "microbatches"))
+    try:
+        layout = pipelines.layout(ScheduleKey(schedule, pp, 0, microbatches, own))
+    except PipedslError:
+        return 1
+    return max(layout.num_stages // max(layout.num_devices, 1), 1)
 
 
 def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> None:
@@ -268,6 +306,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
             tp_overlap=args.tp_overlap,
             framework=args.framework,
             shared_pipelines=args.shared_pipelines,
+            schedule_params=args.params,
         )
     search_mfu(frame, load_model(args.model), FlopCount(args.mfu_flops))
     if args.csv is not None:
@@ -535,7 +574,12 @@ def _add_plan_options(plan: argparse._ArgumentGroup) -> None:
     )
     plan.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor-parallel degree (default 1)")
     plan.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline-parallel degree (default 1)")
-    plan.add_argument("--vpp", type=positive_int, default=1, metavar="N", help="stages per pipeline device (default 1)")
+    plan.add_argument(
+        "--vpp",
+        type=positive_int,
+        metavar="N",
+        help="stages per pipeline device (default: what the schedule places, 2 for zbv; else 1)",
+    )
     plan.add_argument("--microbatch-size", type=positive_int, default=1, metavar="B", help="sequences per microbatch")
     plan.add_argument("--global-batch", type=positive_int, required=True, metavar="B", help="sequences per step")
     plan.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
@@ -543,6 +587,7 @@ def _add_plan_options(plan: argparse._ArgumentGroup) -> None:
         "--recompute", choices=[r.value for r in Recompute], default="none", help="activation recomputation"
     )
     plan.add_argument("--schedule", metavar="FILE", help="for pp > 1: a library name (1f1b) or a .sched file")
+    add_schedule_params(plan, help="set an integer parameter of the schedule (repeatable), e.g. -p max_inflight=16")
     plan.add_argument(
         "--no-sequence-parallel", action="store_true", help="tensor parallelism without sequence splitting"
     )
@@ -603,6 +648,11 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         "--csv", metavar="OUT", help="write every ranked plan to this CSV file (every plan within --prune is ranked)"
     )
     src.add_argument("--schedules", metavar="A,B", help="try only these library schedules (comma-separated)")
+    add_schedule_params(
+        src,
+        help="set an integer parameter of every schedule tried that declares it (repeatable), e.g. -p max_inflight=16:"
+        " a policy is then ranked at that limit only",
+    )
     src.add_argument(
         "--prune",
         type=_prune_factor,

@@ -87,7 +87,7 @@ def test_the_synthesised_order_is_deterministic_and_carries_the_policys_name() -
 
 def test_each_variant_is_an_order_and_the_fastest_is_kept() -> None:
     policy, costs = chain(6, 12, 6), CostModel(forward=1, input_grad=1, weight_grad=2, latency=0.5)
-    spans = [simulate(synthesize(policy, costs, tries=(v,)), costs).makespan for v in variants(policy)]
+    spans = [simulate(synthesize(policy, costs, tries=(v,), library=False), costs).makespan for v in variants(policy)]
     assert simulate(synthesize(policy, costs), costs).makespan == min(spans)
     assert len(set(spans)) > 1  # the variants really differ here
 
@@ -215,11 +215,11 @@ def spans_and_kept(policy: Policy, costs: CostModel) -> tuple[list[float], int]:
     alone: list[Schedule | None] = []
     for variant in variants(policy):
         try:
-            alone.append(synthesize(policy, costs, tries=(variant,)))
+            alone.append(synthesize(policy, costs, tries=(variant,), library=False))
         except SynthesisError:  # this variant deadlocks under the limits
             alone.append(None)
     spans = [float("inf") if s is None else simulate(s, costs).makespan for s in alone]
-    return spans, alone.index(synthesize(policy, costs))
+    return spans, alone.index(synthesize(policy, costs, library=False))
 
 
 @given(problems())
@@ -294,11 +294,14 @@ def test_a_timed_warm_up_is_eager_for_free_transfers_and_longer_for_dear_backwar
     timed, eager = (Variant("timed"),), (Variant("eager"),)
 
     def warm_up(costs: CostModel, tries: tuple[Variant, ...]) -> int:
-        order = synthesize(policy, costs, tries=tries).orders[0]
+        order = synthesize(policy, costs, tries=tries, library=False).orders[0]
         return next(k for k, action in enumerate(order) if action.kind is not Kind.F)
 
     free = CostModel(forward=1, input_grad=1, weight_grad=1)
-    assert synthesize(policy, free, tries=timed).orders == synthesize(policy, free, tries=eager).orders
+    assert (
+        synthesize(policy, free, tries=timed, library=False).orders
+        == synthesize(policy, free, tries=eager, library=False).orders
+    )
     assert warm_up(free, eager) == 2 * 4 - 1
     # I = 2F and a quarter of F per hop: the first backward returns to device 0 after
     # 4 F + 3 I + 6 hops = 4 + 6 + 1.5 = 11.5 F, room for 11 forwards.

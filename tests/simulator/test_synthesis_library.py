@@ -90,3 +90,52 @@ def test_synthesised_orders_round_trip_through_csv_json_and_sched(name: str) -> 
     for back in (from_csv(to_csv(schedule)), from_json(to_json(schedule)), parse(to_sched_text(schedule))):
         assert isinstance(back, type(schedule))
         assert (back.orders, back.placement, back.num_microbatches) == (schedule.orders, schedule.placement, 6)
+
+
+# (pp, microbatches): pp 4 and 8, 8 to 32 microbatches (zbv needs at least 2pp - 1).
+NEVER_SLOWER_SHAPES = [(4, 8), (4, 32), (8, 16), (8, 24)]
+
+
+@pytest.mark.parametrize(("pp", "m"), NEVER_SLOWER_SHAPES)
+def test_zbv_auto_is_never_slower_than_zbv(pp: int, m: int) -> None:
+    # W from half of F to twice it, link latency from none to a fifth of F, with and
+    # without a dispatch per task: the synthesised V order never loses to the written one.
+    for w in (0.5, 2.0):
+        for latency in (0.0, 0.05, 0.2):
+            for dispatch in (0.0, 0.1):
+                costs = CostModel(forward=1, input_grad=1, weight_grad=w, latency=latency, dispatch=dispatch)
+                ours = simulate(synthesize(policy("zbv_auto", pp=pp, microbatches=m), costs), costs).makespan
+                written = simulate(load("zbv", pp=pp, microbatches=m), costs).makespan
+                assert ours <= written * (1 + 1e-12), (w, latency, dispatch, ours, written)
+
+
+@pytest.mark.parametrize("limit", ["pp", "2pp-1"])
+def test_zb_auto_is_never_slower_than_a_flat_library_order_within_its_limit(limit: str) -> None:
+    # Every explicit library order with zb_auto's placement that keeps its in-flight limit
+    # (1F1B, eager 1F1B, ZB-H1 at pp; GPipe too when microbatches fit) is a floor.
+    pp, m = 4, 8
+    max_inflight = pp if limit == "pp" else 2 * pp - 1
+    loaded = policy("zb_auto", pp=pp, microbatches=m, max_inflight=max_inflight)
+    for w in (0.5, 2.0):
+        for latency in (0.0, 0.2):
+            costs = CostModel(forward=1, input_grad=1, weight_grad=w, latency=latency, dispatch=0.05)
+            ours = simulate(synthesize(loaded, costs), costs).makespan
+            compared = 0
+            for name in ("1f1b", "eager_1f1b", "gpipe", "zb_h1"):
+                written = load(name, pp=pp, microbatches=m)
+                assert not isinstance(written, Policy)
+                if max(validate(written).peak_inflight) > max_inflight:
+                    continue
+                compared += 1
+                assert ours <= simulate(written, costs).makespan * (1 + 1e-12), (name, w, latency)
+            assert compared >= 2
+
+
+def test_a_library_order_is_kept_only_where_it_is_strictly_faster() -> None:
+    # The case: zbv_auto's own variants lose to the written zbv here, so the order
+    # kept is zbv's; without the library, a slower order of the variants.
+    costs = CostModel(forward=1, input_grad=1, weight_grad=0.5)
+    loaded = policy("zbv_auto", pp=8, microbatches=24)
+    written = load("zbv", pp=8, microbatches=24)
+    assert synthesize(loaded, costs).orders == written.orders
+    assert simulate(synthesize(loaded, costs, library=False), costs).makespan > simulate(written, costs).makespan
