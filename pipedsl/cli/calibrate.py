@@ -41,14 +41,13 @@ from pipedsl import library
 from pipedsl.cli.common import (
     add_command,
     add_param_option,
-    check_output_file,
-    check_output_folder,
     load_schedule,
     make_console,
     milliseconds,
     plural,
 )
 from pipedsl.cli.interrupts import take_interrupt
+from pipedsl.cli.outputs import CLUSTER_TOML, COSTS_TOML, FORCE_HELP, check_output_file, check_output_folder
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import STEP_ROUNDS, round_times
 from pipedsl.cli.workload import DEMO, Workload, check_splits
@@ -356,9 +355,9 @@ def results_table(measurements: Sequence[Measurement]) -> Table:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.microbatch_size < 1 or args.devices < 1:
         raise PipedslError("--steps, --microbatch-size and --devices must be at least 1")
-    if args.save_costs is not None:
-        check_output_folder(args.save_costs, option="--save-costs")
-    check_output_file(args.out, option="--out", makes_folder=True)
+    check_output_file(
+        args.out, option="--out", writes=CLUSTER_TOML, reads=args.files, force=args.force, makes_folder=True
+    )
     schedules = []
     for spec in args.files:
         # Two devices and eight microbatches unless told otherwise: this machine's size.
@@ -368,6 +367,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         validate(schedule)
         check_splits(schedule.num_stages, what=_label(schedule))
         schedules.append(schedule)
+    if args.save_costs is not None:
+        check_output_folder(
+            args.save_costs,
+            option="--save-costs",
+            files=[(f"{schedule.name}.toml", COSTS_TOML) for schedule in schedules],
+            force=args.force,
+        )
     request_devices(max([args.devices, *(s.num_devices for s in schedules)]))
     console = make_console()
     _machine(console, args)
@@ -475,3 +481,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     cal.add_argument("--backend", choices=("local", "ray"), default="local", help="executor backend (default local)")
     cal.add_argument("--save-costs", metavar="DIR", help="write each fitted cost model to DIR/NAME.toml")
+    cal.add_argument("--force", action="store_true", help=FORCE_HELP)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipedsl.cli.common import check_output_folder
+from pipedsl.cli.outputs import check_output_folder
 from pipedsl.errors import PipedslError
 
 __all__ = ["Checkpointing", "add_checkpoint_options", "training_settings"]

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,8 +49,6 @@ __all__ = [
     "synthesize_policy",
     "default_costs_note",
     "report_error",
-    "check_output_file",
-    "check_output_folder",
     "add_command",
     "make_console",
     "plural",
@@ -225,52 +221,6 @@ def default_costs_note(policy: Policy) -> str:
     from pipedsl.simulator.costs import CostModel
 
     return f"{policy.name} is a policy, synthesised against the default cost model ({CostModel().describe()})"
-
-
-def _nearest_existing(path: Path) -> Path:
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return candidate
-    return Path(".")
-
-
-def _writable(folder: Path) -> bool:
-    """Whether a file can be made in ``folder``, tried with a nameless temporary file
-    (removed at once): permission bits say nothing of a read-only mount or of ``/proc``,
-    and nothing at all to root."""
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            return True
-    except OSError:
-        return False
-
-
-def check_output_file(path: str | Path, *, option: str, makes_folder: bool = False) -> None:
-    """Refuse, before any work, an output file that cannot be written: a folder, or a
-    place whose folder is missing (unless ``makes_folder``: the command makes it, so it
-    must be creatable) or read-only. Nothing is left behind."""
-    target = Path(path)
-    if target.is_dir():
-        raise PipedslError(f"{option} {target}: is a folder; give a file name")
-    folder = target.parent
-    existing = _nearest_existing(folder) if makes_folder else folder
-    if not existing.is_dir():
-        what = f"the folder {folder} does not exist" if existing == folder else f"{existing} is a file"
-        raise PipedslError(f"{option} {target}: {what}")
-    if not _writable(existing) or (target.exists() and not os.access(target, os.W_OK)):
-        raise PipedslError(f"{option} {target}: cannot write in {existing}")
-
-
-def check_output_folder(path: str | Path, *, option: str) -> None:
-    """Refuse, before any work, an output folder that cannot be made or written: a file
-    of that name, a file in its way, or a read-only place. Nothing is left behind."""
-    target = Path(path)
-    existing = _nearest_existing(target)
-    if not existing.is_dir():
-        what = "is a file" if existing == target else f"cannot be made: {existing} is a file"
-        raise PipedslError(f"{option} {target}: {what}; give a folder")
-    if not _writable(existing):
-        raise PipedslError(f"{option} {target}: cannot write in {existing}")
 
 
 def report_error(err: PipedslError, *, path: str | Path | None = None) -> int:

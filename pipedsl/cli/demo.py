@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipedsl.cli.calibrate import MACHINE_MICROBATCH, Measurement, Run, measure
-from pipedsl.cli.common import add_command, check_output_folder, load_schedule, make_console, milliseconds, plural
+from pipedsl.cli.common import add_command, load_schedule, make_console, milliseconds, plural
 from pipedsl.cli.machine import (
     MachineCalibration,
     calibrate_machine,
@@ -56,6 +56,7 @@ from pipedsl.cli.machine import (
     machine_workload,
     recalibrated,
 )
+from pipedsl.cli.outputs import CLUSTER_TOML, FORCE_HELP, PICTURE, PLANS_CSV, RUNS_CSV, check_output_folder
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.cli.timed import STEP_ROUNDS, TimedSteps
 from pipedsl.cli.workload import DEMO, DEMO_MODEL, Workload
@@ -484,6 +485,14 @@ def _speed_verdict(before: MachineCalibration, during: MachineCalibration) -> st
     )
 
 
+_OUTPUTS = (
+    ("cluster.toml", CLUSTER_TOML),
+    ("plans.csv", PLANS_CSV),
+    ("runs.csv", RUNS_CSV),
+    ("timelines.png", PICTURE),
+)
+"""The files the demo writes in ``--out``, and their kinds (refused where another file has the name)."""
+
 _RUN_COLUMNS = (
     "schedule",
     "kind",
@@ -528,7 +537,7 @@ def _write_runs(path: Path, results: list[RunResult]) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.devices < 1 or args.top < 1 or args.steps < 1:
         raise PipedslError("--devices, --top and --steps must be at least 1")
-    check_output_folder(args.out, option="--out")
+    check_output_folder(args.out, option="--out", files=_OUTPUTS, force=args.force)
     request_devices(args.devices)
     import jax
 
@@ -610,6 +619,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=8,
         help="JAX devices to plan for and run on (default 8; CPU devices are forced, accelerators at most as many as JAX sees)",
     )
+    demo.add_argument("--force", action="store_true", help=FORCE_HELP)
     demo.add_argument("--top", type=int, default=4, help="how many ranked plans to run for real (default 4)")
     demo.add_argument(
         "--steps", type=int, default=STEP_ROUNDS, help=f"measured training steps per plan (default {STEP_ROUNDS})"

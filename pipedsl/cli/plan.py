@@ -32,7 +32,6 @@ from pipedsl.cli.common import (
     EXIT_OK,
     add_command,
     add_schedule_params,
-    check_output_file,
     make_console,
     plural,
     positive_int,
@@ -46,6 +45,7 @@ from pipedsl.cli.llm_flags import (
     search_mfu,
     stage_layers,
 )
+from pipedsl.cli.outputs import FORCE_HELP, PLANS_CSV, check_output_file
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
 from pipedsl.simulator.candidates import MAX_GLOBAL_BATCH, MAX_GPUS
@@ -259,7 +259,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
     )
 
     if args.csv is not None:
-        check_output_file(args.csv, option="--csv")
+        check_output_file(
+            args.csv, option="--csv", writes=PLANS_CSV, reads=(args.model, args.cluster, *args.extra), force=args.force
+        )
     _check_model_size(load_model(args.model))
     cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=args.gpus, command="search")
     schedules = None if args.schedules is None else [s.strip() for s in args.schedules.split(",") if s.strip()]
@@ -675,6 +677,7 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         help="rank schedules in N processes at once (default: one per core for a search of at least "
         f"{PARALLEL_FROM} pipeline plans, else 1); the ranking is the same for any N",
     )
+    src.add_argument("--force", action="store_true", help=FORCE_HELP)
     _add_reduce_option(src)
     add_search_options(src)
     add_common_options(src)

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.cli.checkpoints import Checkpointing, add_checkpoint_options, training_settings
-from pipedsl.cli.common import EXIT_OK, add_param_option, check_output_file, load_schedule, plural
+from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, plural
 from pipedsl.cli.interrupts import take_interrupt
+from pipedsl.cli.outputs import FORCE_HELP, TIMELINE, check_output_file
 from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
@@ -105,7 +106,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise PipedslError(f"--lr must be a finite number above 0, got {args.lr}")
     if args.timeline is not None:
-        check_output_file(args.timeline, option="--timeline")
+        check_output_file(
+            args.timeline, option="--timeline", writes=TIMELINE, reads=(args.file, args.plans), force=args.force
+        )
 
 
 def _check_model_options(args: argparse.Namespace) -> None:
@@ -645,6 +648,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--timeline", type=Path, metavar="OUT.json", help="save the measured timeline of one recorded step"
     )
+    run.add_argument("--force", action="store_true", help=FORCE_HELP)
     add_checkpoint_options(run)
     run.add_argument(
         "--allow-nonfinite",

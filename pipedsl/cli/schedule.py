@@ -14,13 +14,13 @@ from pipedsl.cli.common import (
     EXIT_OK,
     add_command,
     add_param_option,
-    check_output_file,
     default_costs_note,
     load_schedule,
     plural,
     report_error,
     synthesize_policy,
 )
+from pipedsl.cli.outputs import CONVERTED, FORCE_HELP, check_output_file
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.policy import Policy
@@ -104,21 +104,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _same_file(a: str | Path, b: str | Path) -> bool:
-    try:
-        return Path(a).samefile(b)
-    except OSError:
-        return False
-
-
 def _cmd_convert(args: argparse.Namespace) -> int:
     if args.output is not None:
-        check_output_file(args.output, option="-o")
-    if args.output is not None and not args.force and _same_file(args.file, args.output):
-        raise PipedslError(
-            f"-o {args.output}: is the input file; converting writes the evaluated table over its source"
-            " (parameters, loops and comments lost): choose another output, or pass --force"
-        )
+        check_output_file(args.output, option="-o", writes=CONVERTED[args.to], reads=(args.file,), force=args.force)
     schedule = load_schedule(args.file, args.params, max_actions=args.max_actions)
     validate(schedule)
     text = interop.export(schedule, args.to, lowered=args.lowered)
@@ -215,7 +203,7 @@ def _register_convert(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("file", metavar="FILE", help="a .sched, .csv or .json schedule")
     convert.add_argument("--to", required=True, choices=interop.FORMATS, help="the output format")
     convert.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
-    convert.add_argument("--force", action="store_true", help="write OUT even when it is the input file")
+    convert.add_argument("--force", action="store_true", help=FORCE_HELP)
     convert.add_argument(
         "--lowered",
         action="store_true",

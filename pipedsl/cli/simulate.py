@@ -23,13 +23,13 @@ from pipedsl.cli.common import (
     EXIT_OK,
     add_command,
     add_param_option,
-    check_output_file,
     load_schedule,
     make_console,
     plural,
     report_error,
     synthesize_policy,
 )
+from pipedsl.cli.outputs import FORCE_HELP, PICTURE, TRACE, check_output_file
 from pipedsl.errors import ConversionError, PipedslError, ScheduleInvalid
 from pipedsl.policy import Policy
 from pipedsl.simulator.costs import CostModel
@@ -369,7 +369,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    check_output_file(args.output, option="-o")
+    check_output_file(args.output, option="-o", writes=PICTURE, reads=(*args.files, args.costs), force=args.force)
     from pipedsl.simulator.plot import Panel, plot_timelines, save_figure
 
     costs = cost_model_from_args(args)
@@ -394,7 +394,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    check_output_file(args.output, option="-o")
+    check_output_file(args.output, option="-o", writes=TRACE, reads=(args.file, args.costs), force=args.force)
     from pipedsl.simulator.trace import write_trace
 
     timeline = _timeline_file(args.file)
@@ -458,6 +458,7 @@ def _register_plot(subparsers: argparse._SubParsersAction) -> None:
     )
     plot.add_argument("files", nargs="+", metavar="FILE", help="a schedule, or a saved timeline .json")
     plot.add_argument("-o", "--output", required=True, metavar="OUT", help="the picture to write (.png, .svg, .pdf)")
+    plot.add_argument("--force", action="store_true", help=FORCE_HELP)
     add_param_option(plot)
     _add_cost_options(plot)
     plot.add_argument("--critical", action="store_true", help="outline the critical path of simulated panels")
@@ -483,5 +484,6 @@ def _register_trace(subparsers: argparse._SubParsersAction) -> None:
     )
     trace.add_argument("file", metavar="FILE", help="a schedule, or a saved timeline .json")
     trace.add_argument("-o", "--output", required=True, metavar="OUT", help="the trace file to write (.json)")
+    trace.add_argument("--force", action="store_true", help=FORCE_HELP)
     add_param_option(trace)
     _add_cost_options(trace)

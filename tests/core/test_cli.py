@@ -331,3 +331,69 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(
     code, out, err = run(capsys, *command, target)
     assert code == 2 and out == "", err
     assert f"{option} {target}: " in err and len(err.strip().splitlines()) == 1, err
+
+
+# What each writing command writes to, after the command (which reads the schedule FILE).
+_WRITERS = [
+    (("convert", "{input}", "--to", "csv", "-o"), "-o"),
+    (("plot", "{input}", "-p", "pp=2", "-o"), "-o"),
+    (("trace", "{input}", "-p", "pp=2", "-o"), "-o"),
+    (("run", "{input}", "-p", "pp=2", "--timeline"), "--timeline"),
+    (("search", "--model", "gpt3-175b", "--cluster", "a100-80gb", "--gpus", "64", "{input}", "--csv"), "--csv"),
+    (("calibrate", "{input}", "--out"), "--out"),
+]
+
+
+@pytest.mark.parametrize(("command", "option"), _WRITERS)
+@pytest.mark.parametrize("target", ["input", "other"])
+def test_no_command_writes_over_its_input_or_a_file_it_did_not_write(
+    capsys: Capture, sched: Path, tmp_path: Path, command: tuple[str, ...], option: str, target: str
+) -> None:
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes\n")
+    output = sched if target == "input" else mine
+    before = output.read_text()
+    argv = [sched if part == "{input}" else part for part in command]
+    code, out, err = run(capsys, *argv, output)
+    assert code == 2 and out == "", err
+    assert output.read_text() == before
+    (line,) = err.strip().splitlines()
+    assert f"{option} {output}: " in line and "--force" in line, line
+    assert (f"is {sched}, which this command reads" if target == "input" else "exists and is not") in line, line
+
+
+def test_a_command_writes_over_its_own_output_and_with_force_over_any(
+    capsys: Capture, sched: Path, tmp_path: Path
+) -> None:
+    trace = tmp_path / "t.json"
+    for _ in range(2):
+        assert run(capsys, "trace", sched, "-p", "pp=2", "-o", trace)[0] == 0
+    assert trace.read_text().startswith('{"traceEvents"')
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes\n")
+    assert run(capsys, "trace", sched, "-p", "pp=2", "-o", mine, "--force")[0] == 0
+    assert mine.read_text().startswith('{"traceEvents"')
+    table = tmp_path / "table.sched"
+    for _ in range(2):
+        assert run(capsys, "convert", sched, "--to", "sched", "-o", table)[0] == 0
+    picture = tmp_path / "p.svg"
+    for _ in range(2):
+        assert run(capsys, "plot", sched, "-p", "pp=2", "-o", picture)[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("command", "name"),
+    [(("demo", "--out"), "plans.csv"), (("calibrate", "{input}", "--save-costs"), "one_f_one_b.toml")],
+)
+def test_a_folder_output_is_refused_where_a_file_it_writes_is_someone_elses(
+    capsys: Capture, sched: Path, tmp_path: Path, command: tuple[str, ...], name: str
+) -> None:
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / name).write_text("my data\n")
+    argv = [sched if part == "{input}" else part for part in command]
+    code, out, err = run(capsys, *argv, folder)
+    assert code == 2 and out == "", err
+    (line,) = err.strip().splitlines()
+    assert f"{command[-1]} {folder}: {folder / name} exists and is not" in line and "--force" in line, line
+    assert (folder / name).read_text() == "my data\n"

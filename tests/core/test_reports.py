@@ -94,7 +94,7 @@ def test_convert_does_not_write_over_its_input(tmp_path: Path, capsys: pytest.Ca
     text = pipedsl.library_path("1f1b").read_text()
     source.write_text(text)
     assert main(["convert", str(source), "--to", "sched", "-o", str(tmp_path / "." / "mine.sched")]) == 2
-    assert "is the input file" in capsys.readouterr().err
+    assert "which this command reads" in capsys.readouterr().err
     assert source.read_text() == text
     assert main(["convert", str(source), "--to", "sched", "-o", str(source), "--force"]) == 0
     assert source.read_text() != text and "device 0:" in source.read_text()
