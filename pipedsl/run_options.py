@@ -37,6 +37,7 @@ __all__ = [
     "RecomputeMode",
     "RunOptions",
     "RunOptionsError",
+    "check_sharding",
 ]
 
 RecomputeMode = Literal["none", "selective", "full", "save_dots", "save_qkv_proj", "save_mlp_inputs"]
@@ -134,17 +135,14 @@ class RunOptions:
                 raise RunOptionsError(name, f"must be a whole number >= 1, got {value!r}")
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise RunOptionsError("zero", f"must be a ZeRO stage, one of 0, 1, 2, 3; got {self.zero!r}")
-        self._check_fsdp()
+        object.__setattr__(
+            self, "fsdp", check_sharding(dp=self.dp, fsdp=self.fsdp, zero=self.zero, reduce_once=self.reduce_once)
+        )
         if not isinstance(self.fuse, str) or self.fuse not in FUSE_MODES:
             raise RunOptionsError("fuse", f"must be one of {', '.join(map(repr, FUSE_MODES))}, got {self.fuse!r}")
         for name in ("reduce_once", "sequence_parallel", "host_transfers"):
             if not isinstance(getattr(self, name), bool):
                 raise RunOptionsError(name, f"must be True or False, got {getattr(self, name)!r}")
-        if self.reduce_once and self.zero < 2:
-            raise RunOptionsError(
-                "reduce_once",
-                f"applies to zero 2 and 3 (ZeRO {self.zero} reduces the gradients once per step already); drop it",
-            )
         if self.sequence_parallel and self.tp == 1:
             raise RunOptionsError(
                 "sequence_parallel", "splits what tensor parallelism leaves whole: give it with tp above 1"
@@ -159,21 +157,6 @@ class RunOptions:
             or not (math.isfinite(timeout) and timeout > 0)
         ):
             raise RunOptionsError("recv_timeout", f"must be a finite number of seconds above 0, got {timeout!r}")
-
-    def _check_fsdp(self) -> None:
-        fsdp = self.fsdp
-        if fsdp is None:
-            return
-        if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1 or self.dp % fsdp:
-            raise RunOptionsError(
-                "fsdp", f"must be a whole number dividing dp={self.dp} (the devices of one shard group), got {fsdp!r}"
-            )
-        if fsdp == self.dp:
-            object.__setattr__(self, "fsdp", None)
-        elif self.zero == 0:
-            raise RunOptionsError(
-                "fsdp", f"={fsdp} groups the devices that share ZeRO shards, but zero=0 shards nothing: give zero 1-3"
-            )
 
     @property
     def replicas(self) -> int:
@@ -226,6 +209,44 @@ class RunOptions:
                 " every stage, or one per stage",
             )
         return self.recompute
+
+
+def check_sharding(
+    *, dp: int, fsdp: int | None, zero: int, reduce_once: bool, keep_weights: bool = False
+) -> int | None:
+    """The one rule of which sharding options go together, whoever gives them:
+    :class:`RunOptions`, the planner's ``Plan`` (``estimate``, ``search``) and the command
+    line (``run``, ``estimate``, through the options' names). Returns ``fsdp`` as kept:
+    None where it is ``dp`` (one group of all). ``dp`` and ``zero`` are checked already.
+
+    Raises:
+      RunOptionsError: ``fsdp`` that does not divide ``dp``, or with ``zero`` 0 (nothing
+        to shard); ``reduce_once`` with ``zero`` 0 or 1 (they reduce once per step
+        already); ``keep_weights`` (keeping the forward's gathered weights for the
+        backward, the planner's ``reshard_after_forward = false``) with a ``zero``
+        other than 3 (only ZeRO 3 gathers weights).
+    """
+    if fsdp is not None:
+        if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1 or dp % fsdp:
+            raise RunOptionsError(
+                "fsdp", f"must be a whole number dividing dp={dp} (the devices of one shard group), got {fsdp!r}"
+            )
+        if fsdp == dp:
+            fsdp = None
+        elif zero == 0:
+            raise RunOptionsError(
+                "fsdp", f"{fsdp} groups the devices that share ZeRO shards, but zero=0 shards nothing: give zero 1-3"
+            )
+    if reduce_once and zero < 2:
+        raise RunOptionsError(
+            "reduce_once", f"applies to zero 2 and 3 (zero {zero} reduces the gradients once per step already); drop it"
+        )
+    if keep_weights and zero != 3:
+        raise RunOptionsError(
+            "keep_weights",
+            f"keeps the weights ZeRO 3 gathers for the forward, and zero {zero} gathers none: drop it, or give zero 3",
+        )
+    return fsdp
 
 
 def _recompute(value: Any) -> RecomputeMode | tuple[RecomputeMode, ...]:

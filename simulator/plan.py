@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from pipedsl import library
 from pipedsl.errors import PipedslError
-from pipedsl.run_options import RecomputeMode, RunOptions
+from pipedsl.run_options import RecomputeMode, RunOptions, RunOptionsError, check_sharding
 from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, Framework
 from pipedsl.simulator.hardware import Model
 
@@ -172,7 +172,6 @@ class Plan:
                 raise PlanError(f"plan: {name} must be a whole number >= 1, got {value!r}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise PlanError(f"plan: zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
-        self._check_fsdp()
         if not isinstance(self.recompute, Recompute):
             try:
                 object.__setattr__(self, "recompute", Recompute(self.recompute))
@@ -191,6 +190,18 @@ class Plan:
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"plan: {name} must be true or false, got {getattr(self, name)!r}")
+        try:
+            fsdp = check_sharding(
+                dp=self.dp,
+                fsdp=self.fsdp,
+                zero=self.zero,
+                reduce_once=self.reduce_once,
+                keep_weights=not self.reshard_after_forward,
+            )
+        except RunOptionsError as err:
+            name = "reshard_after_forward = false" if err.argument == "keep_weights" else err.argument
+            raise PlanError(f"plan: {name} {err.rule}") from None
+        object.__setattr__(self, "fsdp", fsdp)
         for name in ("dp_overlap", "tp_overlap"):
             overlap = getattr(self, name)
             if isinstance(overlap, bool) or not isinstance(overlap, int | float) or not 0.0 <= overlap <= 1.0:
@@ -252,23 +263,6 @@ class Plan:
         if pairs and self.schedule is None:
             raise PlanError(f"plan: schedule parameters {', '.join(names)} need a pipeline schedule (pp > 1)")
         object.__setattr__(self, "schedule_params", pairs)
-
-    def _check_fsdp(self) -> None:
-        fsdp = self.fsdp
-        if fsdp is None:
-            return
-        if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1 or self.dp % fsdp:
-            raise PlanError(
-                f"plan: fsdp must be a whole number dividing dp = {self.dp} (the data-parallel ranks that shard"
-                f" among themselves; dp / fsdp replicas of them), got {fsdp!r}"
-            )
-        if fsdp == self.dp:
-            object.__setattr__(self, "fsdp", None)
-        elif self.zero == 0:
-            raise PlanError(
-                f"plan: fsdp = {fsdp} groups the ranks that share ZeRO shards, but zero = 0 shards nothing;"
-                " give zero 1, 2 or 3 (FSDP inside the groups is zero 3)"
-            )
 
     @property
     def shard_group(self) -> int:

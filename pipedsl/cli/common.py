@@ -20,13 +20,14 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipedsl import library
 from pipedsl.errors import PipedslError, ScheduleInvalid
 from pipedsl.ir import Schedule
 from pipedsl.lang.numbers import parse_integer
 from pipedsl.policy import Policy
+from pipedsl.run_options import RunOptionsError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -43,12 +44,14 @@ __all__ = [
     "Terminated",
     "terminate_raises",
     "add_param_option",
+    "Parser",
     "parse_params",
     "add_schedule_params",
     "load_schedule",
     "synthesize_policy",
     "default_costs_note",
     "report_error",
+    "option_error",
     "add_command",
     "make_console",
     "plural",
@@ -151,6 +154,87 @@ class _ParamAction(argparse.Action):
         setattr(namespace, self.dest, params)
 
 
+_GIVEN = "_pipedsl_given"
+"""The namespace attribute where :class:`Parser` keeps, while it parses, the options given
+so far (by destination: the words that gave each)."""
+
+
+def _given_once(parser: argparse.ArgumentParser, namespace: argparse.Namespace, dest: str, said: str) -> None:
+    """Refuse an option given twice, or two options that set the same thing (``--gpus``
+    and ``--devices``), naming both as given."""
+    given: dict[str, str] = namespace.__dict__.setdefault(_GIVEN, {})
+    if dest in given:
+        first = given[dest]
+        parser.error(
+            f"{said} is given twice: give it once"
+            if first == said
+            else f"{first} and {said} set the same thing: give one"
+        )
+    given[dest] = said
+
+
+class _StoreOnce(argparse.Action):
+    """``store``, refusing a second value for the same destination."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        if option_string is not None:
+            shown = " ".join(map(str, values)) if isinstance(values, list) else str(values)
+            _given_once(parser, namespace, self.dest, f"{option_string} {shown}")
+        setattr(namespace, self.dest, values)
+
+
+class _FlagOnce(argparse.Action):
+    """``store_true``, refusing the flag given twice."""
+
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str,
+        default: bool = False,
+        required: bool = False,
+        help: str | None = None,
+    ) -> None:
+        super().__init__(option_strings, dest, nargs=0, const=True, default=default, required=required, help=help)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        _given_once(parser, namespace, self.dest, str(option_string))
+        setattr(namespace, self.dest, True)
+
+
+class Parser(argparse.ArgumentParser):
+    """``pipedsl``'s parser and its subcommands': an option given twice, or two options
+    for one setting, is refused with one line naming both, never the last one kept
+    silently; a usage error is one line (the command, the error, where help is)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+        self.register("action", "store_true", _FlagOnce)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        parsed.__dict__.pop(_GIVEN, None)
+        return parsed, extras
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def positive_int(text: str) -> int:
     """argparse type: a whole number of at least 1."""
     try:
@@ -221,6 +305,12 @@ def default_costs_note(policy: Policy) -> str:
     from pipedsl.simulator.costs import CostModel
 
     return f"{policy.name} is a policy, synthesised against the default cost model ({CostModel().describe()})"
+
+
+def option_error(err: RunOptionsError) -> PipedslError:
+    """A rule of :mod:`pipedsl.run_options` broken on the command line, said with the
+    option's name (``--reduce-once applies to zero 2 and 3 ...``)."""
+    return PipedslError(f"--{err.argument.replace('_', '-')} {err.rule}")
 
 
 def report_error(err: PipedslError, *, path: str | Path | None = None) -> int:

@@ -14,7 +14,15 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pipedsl.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, Terminated, report_error
+from pipedsl.cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    Parser,
+    Terminated,
+    report_error,
+)
 from pipedsl.cli.interrupts import Interrupted, end_process, held_interrupts, take_interrupt
 from pipedsl.errors import PipedslError
 
@@ -68,7 +76,7 @@ def _modules_for(argv: Sequence[str]) -> tuple[str, ...]:
 def build_parser(modules: Sequence[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
     """The parser with the commands of ``modules`` (default all: the schedule commands,
     then simulation, planning, running, calibration, the demo)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pipedsl",
         description=_DESCRIPTION,
         epilog=_EPILOG,

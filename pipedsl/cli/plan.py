@@ -33,6 +33,7 @@ from pipedsl.cli.common import (
     add_command,
     add_schedule_params,
     make_console,
+    option_error,
     plural,
     positive_int,
     terminate_raises,
@@ -48,6 +49,7 @@ from pipedsl.cli.llm_flags import (
 from pipedsl.cli.outputs import FORCE_HELP, PLANS_CSV, check_output_file
 from pipedsl.cli.planned import PlannedRun
 from pipedsl.errors import PipedslError
+from pipedsl.run_options import RunOptionsError, check_sharding
 from pipedsl.simulator.candidates import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
@@ -126,6 +128,14 @@ def _check_model_size(model: Model) -> None:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
+    try:
+        # The rule run and RunOptions follow, with the options' names.
+        check_sharding(
+            dp=args.dp, fsdp=args.fsdp, zero=args.zero, reduce_once=args.reduce_once,
+            keep_weights=args.keep_weights,
+        )  # fmt: skip
+    except RunOptionsError as err:
+        raise option_error(err) from None
     model = load_model(args.model)
     _check_model_size(model)
     own = _schedule_params(args.schedule, args.params)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.cli.checkpoints import Checkpointing, add_checkpoint_options, training_settings
-from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, plural
+from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, option_error, plural
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.outputs import FORCE_HELP, TIMELINE, check_output_file
 from pipedsl.cli.planned import PlannedRun, read_plan
@@ -284,7 +284,7 @@ def _run_options(args: argparse.Namespace, planned: PlannedRun | None) -> RunOpt
             fuse=args.fuse or "loop",
         )  # fmt: skip
     except RunOptionsError as err:
-        raise PipedslError(f"--{err.argument.replace('_', '-')} {err.rule}") from None
+        raise option_error(err) from None
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -154,7 +154,7 @@ def test_check_reports_every_file_and_the_worst_code(capsys: Capture, sched: Pat
         (["-p", "pp=\u0664"], "parameter pp needs an integer value, got '\u0664'"),
         (["-p", "pp=1_0"], "parameter pp needs an integer value, got '1_0'"),
         (["-p", "pp"], "parameter 'pp' should be NAME=VALUE"),
-        (["-p", "pp=2", "-p", "pp=3"], "parameter pp is given twice"),
+        (["-p", "pp=2", "-p", "pp=3"], "parameter pp is given twice: pp=2 and pp=3; keep one"),
         (["-p", "pp=9"], "requirement failed: 1F1B needs at least as many microbatches as stages"),
         (["--max-inflight", "x"], "invalid int value"),
     ],

@@ -166,7 +166,7 @@ def test_plans_run_with_their_sharding_mode(tmp_path: Path, capsys: pytest.Captu
 @pytest.mark.parametrize(
     ("options", "said"),
     [
-        (["--zero", "1", "--dp", "2", "--reduce-once"], "--reduce-once applies to zero 2 and 3 (ZeRO 1 reduces"),
+        (["--zero", "1", "--dp", "2", "--reduce-once"], "--reduce-once applies to zero 2 and 3 (zero 1 reduces"),
         (["--cp", "2"], "--cp splits every sequence over a context axis: give --model transformer or llama"),
         (["--cp", "3", "--model", "transformer"], "--cp 3 must divide the model's sequence of 8 tokens"),
         (["--cp", "2", "--model", "transformer", "--backend", "ray"], "--cp 2 runs on the local backend only"),

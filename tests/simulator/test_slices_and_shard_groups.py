@@ -54,9 +54,9 @@ def test_shard_groups_shard_the_state_over_the_group_only() -> None:
 
 
 def test_shard_groups_are_checked() -> None:
-    with pytest.raises(PlanError, match="fsdp must be a whole number dividing dp = 8"):
+    with pytest.raises(PlanError, match="fsdp must be a whole number dividing dp=8"):
         Plan(dp=8, fsdp=3, global_batch=8, zero=3)
-    with pytest.raises(PlanError, match="zero = 0 shards nothing"):
+    with pytest.raises(PlanError, match="zero=0 shards nothing"):
         Plan(dp=8, fsdp=4, global_batch=8)
     assert Plan(dp=8, fsdp=8, global_batch=8, zero=3).fsdp is None
     assert Plan(dp=8, fsdp=2, global_batch=8, zero=1).replicas == 4
