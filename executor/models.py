@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from pipedsl.executor.model_sizes import llama_block, mlp_layer, transformer_block
 from pipedsl.executor.stages.mesh import TENSOR
 from pipedsl.executor.stages.split import stage_boundary
 from pipedsl.executor.stages.stage_options import block_checkpoint, saved, selective, sequence_sharded
@@ -94,6 +95,9 @@ class BuiltinModel:
       batch: ``(key, batch_size) -> (inputs, targets)``, synthetic.
       param_specs: ``params -> PartitionSpec pytree`` for either form's parameters (the
         ``param_specs`` of a tensor-parallel :class:`~pipedsl.executor.Pipeline`).
+      parameters: how many values the explicit form's parameters (``init_stages``) hold,
+        counted from the sizes, so that a model too big for the machine is refused without
+        building it.
       fused_attention: whether its attention is :func:`jax.nn.dot_product_attention`.
     """
 
@@ -106,6 +110,7 @@ class BuiltinModel:
     init_function: Callable[[jax.Array], Params]
     batch: Callable[[jax.Array, int], Batch]
     param_specs: Callable[[Params], Any]
+    parameters: int
     fused_attention: bool = False
 
 
@@ -179,6 +184,7 @@ def mlp(*, num_stages: int, width: int = 32, layers_per_stage: int = 2) -> Built
         init_function=init_function,
         batch=batch,
         param_specs=_replicated,
+        parameters=num_stages * layers_per_stage * mlp_layer(width),
     )
 
 
@@ -363,6 +369,8 @@ def transformer(
         model_fn=model_fn,
         init_function=init_function,
         batch=partial(_token_batch, seq_len=seq, vocab=vocab),
+        # The ends: the token and position tables, the final norm and the head.
+        parameters=num_stages * layers_per_stage * transformer_block(dim) + (2 * vocab + seq + 2) * dim + vocab,
         param_specs=transformer_specs,
         fused_attention=fused_attention,
     )
@@ -544,6 +552,9 @@ def llama(
         model_fn=model_fn,
         init_function=init_function,
         batch=partial(_token_batch, seq_len=seq_len, vocab=vocab),
+        # The ends: the embedding, the final norm and the head.
+        parameters=layers * llama_block(hidden=hidden, ffn_hidden=ffn_hidden, heads=heads, kv_heads=kv_heads)
+        + (2 * vocab + 1) * hidden,
         param_specs=llama_specs,
         fused_attention=fused_attention,
     )

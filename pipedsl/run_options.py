@@ -178,16 +178,16 @@ class RunOptions:
         sequence_parallel: bool,
     ) -> RunOptions:
         """The options that run a plan the planner priced with these fields. The planner's
-        plans say ``reduce_once`` and ``sequence_parallel`` where they change nothing (ZeRO
-        0 and 1 reduce once per step anyway, and ``tp = 1`` has nothing to split), which
-        :class:`RunOptions` refuses as meaningless: they are dropped there."""
+        plans say ``sequence_parallel`` where it changes nothing (``tp = 1`` has nothing to
+        split), which :class:`RunOptions` refuses as meaningless: it is dropped there. Their
+        sharding follows the same rule as these options (:func:`check_sharding`)."""
         return cls(
             dp=dp,
             fsdp=fsdp,
             tp=tp,
             cp=cp,
             zero=zero,
-            reduce_once=reduce_once and zero >= 2,
+            reduce_once=reduce_once,
             recompute=recompute,
             precision=precision,
             sequence_parallel=sequence_parallel and tp > 1,

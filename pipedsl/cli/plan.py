@@ -268,6 +268,12 @@ def _cmd_search(args: argparse.Namespace) -> int:
         TimeElapsedColumn,
     )
 
+    cores = os.cpu_count() or 1
+    if args.jobs is not None and args.jobs > cores:
+        raise PipedslError(
+            f"--jobs {args.jobs}: this machine has {plural(cores, 'core')}, and processes past one a core only wait"
+            f" for one another: give --jobs {cores} or fewer"
+        )
     if args.csv is not None:
         check_output_file(
             args.csv, option="--csv", writes=PLANS_CSV, reads=(args.model, args.cluster, *args.extra), force=args.force
@@ -685,7 +691,7 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         metavar="N",
         help="rank schedules in N processes at once (default: one per core for a search of at least "
-        f"{PARALLEL_FROM} pipeline plans, else 1); the ranking is the same for any N",
+        f"{PARALLEL_FROM} pipeline plans, else 1; at most one per core); the ranking is the same for any N",
     )
     src.add_argument("--force", action="store_true", help=FORCE_HELP)
     _add_reduce_option(src)

@@ -38,6 +38,7 @@ from pipedsl.cli.outputs import FORCE_HELP, TIMELINE, check_output_file
 from pipedsl.cli.planned import PlannedRun, read_plan
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
+from pipedsl.executor.model_sizes import block_parameters
 from pipedsl.ir import Schedule
 from pipedsl.run_options import RECOMPUTE_MODES, RunOptions, RunOptionsError
 from pipedsl.validate import validate
@@ -47,6 +48,11 @@ __all__ = ["register"]
 _INT64 = 2**63
 # Adam keeps, for every parameter, its gradient and two moments: four copies in all.
 _COPIES_FOR_ADAM = 4
+_FP32_BYTES = 4
+# Local devices a run makes at most without --force: this many a core, and never fewer
+# than _MIN_DEVICES (the examples' and tests' meshes of up to 8 on a 2-core machine).
+_DEVICES_PER_CORE = 4
+_MIN_DEVICES = 8
 
 
 _PLAN_SETS = {
@@ -124,27 +130,43 @@ def _check_model_options(args: argparse.Namespace) -> None:
                 )
 
 
-def _check_fits(jax: Any, init: Any, key: Any, *, devices: int, replicas: int, what: str) -> None:
+def _memory_bytes() -> int:
+    """This machine's memory, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_device_count(args: argparse.Namespace, devices: int) -> None:
+    """Refuse, before JAX makes them, more local devices than this machine holds: on a CPU
+    every device is a host device with its own threads and buffers, and past
+    :data:`_DEVICES_PER_CORE` a core the run measures nothing but their contention (and
+    thousands of them take minutes and gigabytes to start). ``--force`` runs them anyway."""
+    cores = os.cpu_count() or 1
+    most = max(_MIN_DEVICES, _DEVICES_PER_CORE * cores)
+    if args.backend != "local" or args.force or devices <= most:
+        return
+    raise PipedslError(
+        f"{devices:,} devices (pp x dp x cp x tp) are more than this machine holds: {plural(cores, 'core')} and"
+        f" {_memory_bytes() / 1e9:.1f} GB of memory run at most {most} ({_DEVICES_PER_CORE} a core); give smaller"
+        " degrees, run on a cluster (--backend ray, docs/cluster.md), or pass --force"
+    )
+
+
+def _check_fits(jax: Any, model: Any, *, devices: int, replicas: int, what: str) -> None:
     """Refuse a model whose parameters and Adam state, once per data-parallel replica,
     cannot fit in the memory of this machine (or of ``devices`` accelerators).
 
-    The shapes come from ``jax.eval_shape``, which allocates nothing.
+    The parameters are counted from the model's sizes (:attr:`BuiltinModel.parameters`),
+    all fp32 (bf16 keeps fp32 master weights): nothing is built, so the answer is as quick
+    for a million layers as for two.
     """
-    shapes = jax.eval_shape(init, key)
-    param_bytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(shapes))
+    param_bytes = model.parameters * _FP32_BYTES
     device = jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         available, where = stats["bytes_limit"] * devices, f"{devices} {device.platform} devices"
     else:
-        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
-    needed = _COPIES_FOR_ADAM * param_bytes * replicas
-    if needed > available:
-        raise PipedslError(
-            f"{what} has {param_bytes / 1e9:.1f} GB of parameters; training it with Adam needs at least"
-            f" {needed / 1e9:.1f} GB (parameters, gradients and two moments), more than the"
-            f" {available / 1e9:.1f} GB of {where}; use a smaller --width or --layers-per-stage"
-        )
+        available, where = _memory_bytes(), "this machine's memory"
+    _refuse_unless_fits(param_bytes, replicas=replicas, available=available, where=where, what=what)
 
 
 def _check_tensor_layout(jax: Any, model: Any, key: Any, *, tp: int, marked: bool) -> None:
@@ -189,21 +211,53 @@ def _model(
             print(scaled.note)
         return scaled.model, scaled.shape
     layers = f"{args.layers_per_stage} layers per stage"
+    sizes = _block_sizes(args, options.tp)
+    where = {"num_stages": schedule.num_stages, "layers_per_stage": args.layers_per_stage, **sizes}
     if args.model == "mlp":
-        model = MODELS["mlp"](num_stages=schedule.num_stages, width=args.width, layers_per_stage=args.layers_per_stage)
-        return model, f"width {args.width}, {layers}"
+        return MODELS["mlp"](**where), f"width {args.width}, {layers}"
+    fused = args.fused_attention
     if args.model == "llama":
-        heads = 2 * options.tp  # two query heads per key/value head, every split tp-way
-        model = MODELS["llama"](
-            num_stages=schedule.num_stages, hidden=args.width, ffn_hidden=4 * args.width, heads=heads,
-            kv_heads=options.tp, vocab=64, layers_per_stage=args.layers_per_stage, fused_attention=args.fused_attention,
-        )  # fmt: skip
-        return model, f"hidden {args.width}, {heads} heads / {options.tp} kv, {layers}"
-    model = MODELS["transformer"](
-        num_stages=schedule.num_stages, dim=args.width, layers_per_stage=args.layers_per_stage,
-        fused_attention=args.fused_attention,
-    )  # fmt: skip
-    return model, f"dim {args.width}, {layers}"
+        model = MODELS["llama"](**where, vocab=64, fused_attention=fused)
+        return model, f"hidden {args.width}, {sizes['heads']} heads / {sizes['kv_heads']} kv, {layers}"
+    return MODELS["transformer"](**where, fused_attention=fused), f"dim {args.width}, {layers}"
+
+
+def _block_sizes(args: argparse.Namespace, tp: int) -> dict[str, int]:
+    """The sizes of a block of ``args.model``, as its factory takes them: the llama has two
+    query heads per key/value head, every split ``tp``-way, and a feed-forward 4 x wide."""
+    if args.model == "mlp":
+        return {"width": args.width}
+    if args.model == "llama":
+        return {"hidden": args.width, "ffn_hidden": 4 * args.width, "heads": 2 * tp, "kv_heads": tp}
+    return {"dim": args.width}
+
+
+def _check_host_memory(args: argparse.Namespace, schedule: Schedule, options: RunOptions) -> None:
+    """Refuse, before JAX starts, a model whose blocks alone need more memory than this
+    machine has (where a CPU run keeps them; ``--force`` leaves the check to the
+    accelerators' memory, :func:`_check_fits`). Plain arithmetic, however many layers."""
+    if args.force:
+        return
+    blocks = schedule.num_stages * args.layers_per_stage
+    parameters = blocks * block_parameters(args.model, _block_sizes(args, options.tp))
+    shape = f"width {args.width}, {args.layers_per_stage} layers per stage"
+    _refuse_unless_fits(
+        parameters * _FP32_BYTES,
+        replicas=options.dp,
+        available=_memory_bytes(),
+        where="this machine's memory",
+        what=f"model {args.model} ({shape})",
+    )
+
+
+def _refuse_unless_fits(param_bytes: int, *, replicas: int, available: int, where: str, what: str) -> None:
+    needed = _COPIES_FOR_ADAM * param_bytes * replicas
+    if needed > available:
+        raise PipedslError(
+            f"{what} has {param_bytes / 1e9:,.1f} GB of parameters; training it with Adam needs at least"
+            f" {needed / 1e9:,.1f} GB (parameters, gradients and two moments), more than the"
+            f" {available / 1e9:,.1f} GB of {where}; use a smaller --width or --layers-per-stage"
+        )
 
 
 def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
@@ -311,6 +365,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.shared_devices and schedule.num_devices == 1:
         raise PipedslError("--shared-devices shares devices between pipeline devices: give a schedule with pp above 1")
     devices = options.mesh_size * (1 if args.shared_devices else schedule.num_devices)
+    _check_device_count(args, devices)
+    if planned is None:
+        _check_host_memory(args, schedule, options)
     # Before anything imports JAX (reading a checkpoint does): the devices it is to make.
     request_devices(devices)
     keeping = _checkpointing(args, schedule, dp=options.dp)
@@ -337,7 +394,7 @@ def _train(args: argparse.Namespace) -> int:
 
     model, shape = _model(args, schedule, planned, options)
     key = jax.random.PRNGKey(args.seed)
-    _check_fits(jax, model.init_stages, key, devices=devices, replicas=options.dp, what=f"model {model.name} ({shape})")
+    _check_fits(jax, model, devices=devices, replicas=options.dp, what=f"model {model.name} ({shape})")
     _check_tensor_layout(jax, model, key, tp=options.tp, marked=args.marked)
     batch_size = args.microbatch_size * schedule.num_microbatches * options.dp
     batch = model.batch(jax.random.fold_in(key, 1), batch_size)
@@ -648,7 +705,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--timeline", type=Path, metavar="OUT.json", help="save the measured timeline of one recorded step"
     )
-    run.add_argument("--force", action="store_true", help=FORCE_HELP)
+    run.add_argument(
+        "--force",
+        action="store_true",
+        help=f"{FORCE_HELP}; and make more local devices than this machine holds ({_DEVICES_PER_CORE} a core)",
+    )
     add_checkpoint_options(run)
     run.add_argument(
         "--allow-nonfinite",

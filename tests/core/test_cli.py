@@ -397,3 +397,26 @@ def test_a_folder_output_is_refused_where_a_file_it_writes_is_someone_elses(
     (line,) = err.strip().splitlines()
     assert f"{command[-1]} {folder}: {folder / name} exists and is not" in line and "--force" in line, line
     assert (folder / name).read_text() == "my data\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["run", "1f1b", "-p", "pp=2", "--layers-per-stage", "1000000"], "of parameters; training it with Adam needs"),
+        (["run", "1f1b", "-p", "pp=2", "--model", "llama", "--width", "1000000000"], "GB of this machine's memory"),
+        (["run", "1f1b", "-p", "pp=2", "--dp", "100000"], "200,000 devices (pp x dp x cp x tp) are more than this"),
+    ],
+)
+def test_run_refuses_what_the_machine_cannot_hold_by_arithmetic_before_jax(argv: list[str], said: str) -> None:
+    # In a process of its own: that JAX is never imported shows nothing was built.
+    code = f"import sys\nfrom pipedsl.cli.main import main\ncode = main({argv!r})\nprint(code, 'jax' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60)
+    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert said in line and ("core" in line if "devices" in said else "--width" in line), line
+
+
+def test_search_takes_at_most_a_process_a_core(capsys: Capture) -> None:
+    argv = ["search", "--model", "gpt3-175b", "--cluster", "a100-80gb", "--gpus", "64", "--jobs", "100000"]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and err.startswith("--jobs 100000: this machine has ") and "or fewer" in err

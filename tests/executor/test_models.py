@@ -1,11 +1,15 @@
-"""The built-in models: one stage of the whole transformer is its stages composed."""
+"""The built-in models: one stage of the whole transformer is its stages composed, and each
+counts its parameters from its sizes as its initializer makes them."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
+import pytest
 
-from pipedsl.executor.models import reference_stages, transformer
+from pipedsl.executor.models import BuiltinModel, llama, mlp, reference_stages, transformer
 
 
 def test_one_stage_transformer_is_its_stages_composed() -> None:
@@ -28,3 +32,17 @@ def test_one_stage_transformer_is_its_stages_composed() -> None:
     tokens, _ = staged.batch(jax.random.PRNGKey(2), 5)
     composed = reference_stages(staged)(stages, tokens)
     np.testing.assert_allclose(whole.stages[0](merged, tokens), composed, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        mlp(num_stages=3, width=5, layers_per_stage=2),
+        transformer(num_stages=2, dim=8, layers_per_stage=3),
+        llama(num_stages=2, hidden=16, ffn_hidden=24, heads=4, kv_heads=2, layers_per_stage=2),
+    ],
+    ids=lambda model: model.name,
+)
+def test_a_model_counts_its_parameters_from_its_sizes(model: BuiltinModel) -> None:
+    shapes = jax.eval_shape(model.init_stages, jax.random.PRNGKey(0))
+    assert model.parameters == sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(shapes))

@@ -37,9 +37,9 @@ PLANS = [
         RunOptions(dp=2, cp=2, zero=2, reduce_once=True),
     ),
     (
-        # sequence parallelism without tensor parallelism, and reduce_once under ZeRO 1,
-        # change nothing the planner prices: the options leave them out.
-        Plan(dp=4, global_batch=8, zero=1, reduce_once=True, recompute="full"),
+        # sequence parallelism without tensor parallelism changes nothing the planner
+        # prices: the options leave it out.
+        Plan(dp=4, global_batch=8, zero=1, recompute="full"),
         LLAMA,
         RunOptions(dp=4, zero=1, recompute="full", precision="bf16"),
     ),
