@@ -6,7 +6,8 @@ every ``N`` steps and after its last step, as a sharded checkpoint
 each pipeline device's state is written where it is, on Ray by the processes that hold
 its shards, and nothing passes through the driver. A save is complete once its
 ``plan.json`` is written; the run then removes the saves before it, so ``DIR`` holds the
-latest complete one (and a kill at any moment leaves it whole). ``--resume`` reads it
+latest complete one (and a kill at any moment leaves it whole; a TERM or a Ctrl-C ends the run
+after the save in progress, with no partial one left). ``--resume`` reads it
 back (:meth:`~pipedsl.executor.Pipeline.restore`) and continues with the step after the
 saved one, up to ``--steps``; the same command run again after a crash therefore picks
 up where the crash left off, and the batch (a function of ``--seed``) is the same, so

@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from pipedsl.cli.common import (
     EXIT_INTERRUPTED,
@@ -23,7 +24,7 @@ from pipedsl.cli.common import (
     Terminated,
     report_error,
 )
-from pipedsl.cli.interrupts import Interrupted, end_process, held_interrupts, take_interrupt
+from pipedsl.cli.interrupts import Interrupted, TerminatedAtSafePoint, end_process, held_interrupts, take_interrupt
 from pipedsl.errors import PipedslError
 
 __all__ = ["build_parser", "main"]
@@ -43,7 +44,8 @@ examples:
 
 exit codes: 0 success, 1 invalid schedule or no plan fits (estimate, search),
   2 usage, syntax or input error,
-  130 interrupted (Ctrl-C), 143 terminated (TERM)"""
+  130 interrupted (Ctrl-C), 143 terminated (TERM); either ends a run at a step
+  boundary, its last checkpoint whole"""
 
 
 #: The command modules in the order of ``pipedsl --help``, each with the commands its
@@ -105,11 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv else ""
     # Held from the start: the command's modules take a while to import.
-    held = (
-        held_interrupts(line=f"pipedsl {command}: interrupted", code=EXIT_INTERRUPTED)
-        if command in HELD_INTERRUPTS
-        else contextlib.nullcontext()
-    )
+    held = held_interrupts(name=f"pipedsl {command}") if command in HELD_INTERRUPTS else contextlib.nullcontext()
     with held:
         try:
             parser = build_parser(_modules_for(argv))
@@ -127,6 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, own=own)
 
 
+def _end(code: int) -> NoReturn:
+    """End a command that runs JAX, stopped at a safe point, with ``code``."""
+    if "ray" in sys.modules:
+        # Its exit handler would do it, and the process ends without them.
+        from pipedsl.executor.ray.connection import shutdown_started
+
+        shutdown_started()
+    end_process(code)
+
+
 def _run(args: argparse.Namespace, *, own: bool) -> int:
     """The command's handler on ``args``, its errors mapped to exit codes."""
     try:
@@ -142,16 +150,14 @@ def _run(args: argparse.Namespace, *, own: bool) -> int:
         # joined cluster stops the actors of a driver that is gone.
         print(f"pipedsl {args.command}: interrupted", file=sys.stderr)
         if own and isinstance(err, Interrupted):
-            if "ray" in sys.modules:
-                # Its exit handler would do it, and the process ends without them.
-                from pipedsl.executor.ray.connection import shutdown_started
-
-                shutdown_started()
-            end_process(EXIT_INTERRUPTED)
+            _end(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
-    except Terminated:
-        # The same way out as a Ctrl-C, for a command that takes TERM (search).
+    except Terminated as err:
+        # The same way out as a Ctrl-C: the search's workers stop on the way out, a
+        # command that runs JAX ends at its safe point as on Ctrl-C.
         print(f"pipedsl {args.command}: terminated", file=sys.stderr)
+        if own and isinstance(err, TerminatedAtSafePoint):
+            _end(EXIT_TERMINATED)
         return EXIT_TERMINATED
     except BrokenPipeError:
         # The reader went away (``pipedsl show ... | head``); that is not our error. Point

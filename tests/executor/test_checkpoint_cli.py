@@ -3,13 +3,15 @@
 A resumed run prints the losses an uninterrupted one prints; a checkpoint of another
 model or optimizer, a missing or existing checkpoint, and bad options are refused with
 one line and exit code 2; a run whose loss turns non-finite stops there, naming the step
-and the stage. Two tests run ``pipedsl`` as a fresh process; the others call the same
+and the stage; a TERM (or a Ctrl-C) ends a run with one line and its last checkpoint
+whole. Three tests run ``pipedsl`` as a fresh process; the others call the same
 ``main`` in this process, which is quicker (JAX and the compiled stages stay loaded).
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from processes import Lines
 
 from helpers import fresh_process_env, library
 from pipedsl.cli import main
@@ -36,6 +39,34 @@ def _pipedsl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pipedsl", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
     )
+
+
+@pytest.mark.usefixtures("ctrl_c")
+@pytest.mark.parametrize(
+    ("signum", "code", "said"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_stopped_run_says_so_and_leaves_its_last_checkpoint_whole(
+    tmp_path: Path, signum: int, code: int, said: str
+) -> None:
+    from pipedsl.executor.sharded_checkpoint import complete_versions
+
+    ckpt = tmp_path / "ckpt"
+    env = fresh_process_env() | {"PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "pipedsl", *RUN, "--steps", "100000", "--checkpoint", str(ckpt)]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        assert run.stdout is not None and run.stderr is not None
+        out, err = Lines(run.stdout), Lines(run.stderr)
+        # Step 2's line: step 1 is saved, and step 2's save is about to begin.
+        assert out.starting("    2 ", 1, timeout_s=240), err.text()
+        run.send_signal(signum)
+        assert run.wait(timeout=240) == code, err.text()
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert err.text() == f"pipedsl run: {said}\n"
+    assert complete_versions(ckpt) and not [p.name for p in ckpt.rglob("*tmp*")]
 
 
 def _table(out: str) -> dict[int, str]:
@@ -66,8 +97,15 @@ def test_a_resumed_run_prints_the_losses_of_an_uninterrupted_one(tmp_path: Path)
     assert "checkpoint of step 4" in rest.stdout and "checkpoint of step 4" in whole.stdout
 
 
+def _with(*args: str) -> list[str]:
+    """RUN and ``args``, an option of RUN's given again in ``args`` taking RUN's place (an
+    option given twice is refused)."""
+    pairs = zip(RUN[2::2], RUN[3::2], strict=True)
+    return RUN[:2] + [word for option, value in pairs if option not in args for word in (option, value)] + list(args)
+
+
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = main([*RUN, *args])
+    code = main(_with(*args))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -125,7 +163,7 @@ def test_a_damaged_checkpoint_is_one_line(tmp_path: Path, capsys: pytest.Capture
     for data in damaged:
         data.write_bytes(b"\x00not an array chunk\xff" * 3)
     # A fresh process: tensorstore prints from its own threads, past the reach of capsys.
-    resumed = _pipedsl(*RUN, "--steps", "2", "--width", "64", "--checkpoint", str(tmp_path / "ckpt"), "--resume")
+    resumed = _pipedsl(*_with("--steps", "2", "--width", "64"), "--checkpoint", str(tmp_path / "ckpt"), "--resume")
     assert resumed.returncode == 2
     assert len(resumed.stderr.splitlines()) == 1, resumed.stderr
     assert "device 0 could not read" in resumed.stderr

@@ -70,7 +70,7 @@ def test_run_in_process(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.usefixtures("ctrl_c")
 def test_a_ctrl_c_is_held_until_a_safe_point() -> None:
-    with held_interrupts(line="interrupted", code=130):
+    with held_interrupts(name="pipedsl run"):
         # The handler runs before raise_signal returns: a KeyboardInterrupt would come here.
         signal.raise_signal(signal.SIGINT)
         with pytest.raises(Interrupted):
