@@ -23,8 +23,9 @@ The first save also records, in ``DIR/settings.json``, the settings that change 
 training but not the saved arrays' shapes: the seed (the parameters' start and the
 batch), the learning rate, the microbatches, their size and the data-parallel degree
 (the batch). ``--resume`` with other values than those is refused, naming both: the
-losses would not be an uninterrupted run's. A checkpoint whose step is already at
-``--steps`` or past it leaves nothing to do, which the run says.
+losses would not be an uninterrupted run's. Once its model and optimizer are checked too,
+a checkpoint whose step is already at ``--steps`` or past it leaves nothing to do, which
+the run says.
 
 Nothing here imports JAX at import time (the parser is built without it).
 """
@@ -99,18 +100,10 @@ class Checkpointing:
             _check_settings(directory, settings)
         return cls(directory, every, args.resume, settings)
 
-    def saved_step(self) -> int | None:
-        """With ``--resume``, the step the checkpoint holds (read from it); else None."""
-        if not self.resume:
-            return None
-        assert self.directory is not None  # from_args requires it with resume
-        return _latest_step(self.directory)
-
     def restore(self, pipe: Any, params: Any, batch: Any, optimizer: Any) -> tuple[Any, Any, int]:
         """(parameters, optimizer state, first step to run): the fresh ``params``, None and 1
         without ``--resume``; else handles to the checkpoint's, read onto ``pipe``'s devices
-        and checked against its plan, model and ``optimizer`` (the caller has seen that
-        steps are left, :meth:`saved_step`)."""
+        and checked against its plan, model and ``optimizer``."""
         if not self.resume:
             return params, None, 1
         assert self.directory is not None  # from_args requires it with resume

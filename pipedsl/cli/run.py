@@ -371,8 +371,6 @@ def _train(args: argparse.Namespace) -> int:
     # Before anything imports JAX (reading a checkpoint does): the devices it is to make.
     request_devices(devices)
     keeping = _checkpointing(args, schedule, dp=options.dp)
-    if keeping is None:
-        return EXIT_OK
     if planned is not None:
         print(f"plan {planned.rank} of {args.plans}: {planned.label()}")
 
@@ -405,7 +403,15 @@ def _train(args: argparse.Namespace) -> int:
     print(_run_line(args, options, schedule, platform, model.name, shape, batch_size, devices=devices))
     if planned is not None:
         print(_configuration(pipe, schedule, model))
+    # Read and checked against this run's model and optimizer before anything else is
+    # said of it: a checkpoint of another model is refused even when no step is left.
     params, opt_state, first = keeping.restore(pipe, params, batch, optimizer)
+    if first > args.steps:
+        print(
+            f"nothing left to do: {args.checkpoint} holds step {first - 1} and --steps is {args.steps};"
+            f" give --steps above {first - 1} to train on"
+        )
+        return EXIT_OK
     if args.resume:
         print(f"resumed from {args.checkpoint} after step {first - 1}")
     print(f"{'step':>5}  {'loss':>12}  {'time':>10}")
@@ -464,10 +470,9 @@ def _check_sequence(batch: Any, cp: int) -> None:
         )
 
 
-def _checkpointing(args: argparse.Namespace, schedule: Schedule, *, dp: int) -> Checkpointing | None:
-    """The run's checkpoint options (``dp`` replicas), checked against a checkpoint it
-    resumes; None (and why, printed) when that checkpoint is already at ``--steps``: nothing
-    left to do."""
+def _checkpointing(args: argparse.Namespace, schedule: Schedule, *, dp: int) -> Checkpointing:
+    """The run's checkpoint options (``dp`` replicas), checked against the settings of a
+    checkpoint it resumes (its model and optimizer are checked when it is read)."""
     settings = training_settings(
         seed=args.seed,
         lr=args.lr,
@@ -475,15 +480,7 @@ def _checkpointing(args: argparse.Namespace, schedule: Schedule, *, dp: int) -> 
         microbatch_size=args.microbatch_size,
         dp=dp,
     )
-    keeping = Checkpointing.from_args(args, settings)
-    saved = keeping.saved_step()
-    if saved is not None and saved >= args.steps:
-        print(
-            f"nothing left to do: {args.checkpoint} holds step {saved} and --steps is {args.steps};"
-            f" give --steps above {saved} to train on"
-        )
-        return None
-    return keeping
+    return Checkpointing.from_args(args, settings)
 
 
 def _run_line(

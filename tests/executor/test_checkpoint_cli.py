@@ -121,6 +121,9 @@ def test_resume_refuses_another_model_and_checks_its_options(
     code, out, err = _run(capsys, "--steps", "3", "--checkpoint", ckpt, "--resume")
     assert code == 0 and _table(out) == {}, err  # nothing left to do
     refused = [
+        # Another model is named even where no step would be left to run.
+        (["--steps", "3", "--checkpoint", ckpt, "--resume", "--model", "transformer"], "another model"),
+        (["--steps", "2", "--checkpoint", ckpt, "--resume", "--lr", "0.1"], "was trained with --lr 0.001"),
         (
             ["--steps", "4", "--checkpoint", ckpt, "--resume", "--width", "16"],
             r"params[0][0]['b'] is float32[8] there and float32[16] here",
