@@ -137,7 +137,7 @@ def check_output_file(
     for read in reads:
         if read is not None and _same_file(read, target):
             raise PipedslError(
-                f"{option} {target}: is {read}, which this command reads; writing would replace it:"
+                f"{option} {target}: would write over {read}, which this command reads:"
                 " choose another output, or pass --force"
             )
     if not writes.holds(target):

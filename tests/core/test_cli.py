@@ -359,7 +359,9 @@ def test_no_command_writes_over_its_input_or_a_file_it_did_not_write(
     assert output.read_text() == before
     (line,) = err.strip().splitlines()
     assert f"{option} {output}: " in line and "--force" in line, line
-    assert (f"is {sched}, which this command reads" if target == "input" else "exists and is not") in line, line
+    assert (
+        f"would write over {sched}, which this command reads" if target == "input" else "exists and is not"
+    ) in line, line
 
 
 def test_a_command_writes_over_its_own_output_and_with_force_over_any(
