@@ -133,6 +133,15 @@ class CostModel:
         actions, charged on the device at the start of each task (:mod:`pipedsl.tasks`: one
         action, or a device's consecutive actions with nothing sent or received between
         them, dispatched as one program); 0 (the default) where dispatch is hidden.
+      update: seconds of the optimizer update of a stage's parameters (what a device does
+        between its last compute of a step and its first of the next: its stages' updates
+        one after another, as one program); priced only over consecutive steps
+        (:func:`~pipedsl.simulator.engine.steps_timing`). Default 0.
+      update_barrier: whether the update reads the whole model's gradients (a global-norm
+        gradient clip, a finiteness check over the model), so that every device waits for
+        every other one's gradients before it updates and consecutive steps do not
+        overlap; False (the default): each device updates once its own gradients are
+        done, and its next step follows its update.
     """
 
     forward: PerStage = 1.0
@@ -150,9 +159,11 @@ class CostModel:
     speedup: tuple[float, ...] | None = None
     serial: bool = False
     dispatch: float = 0.0
+    update: PerStage = 0.0
+    update_barrier: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("forward", "activation_bytes", "residual_bytes"):
+        for name in ("forward", "activation_bytes", "residual_bytes", "update"):
             object.__setattr__(self, name, _per_stage(name, getattr(self, name)))
         for name in ("backward", "input_grad", "weight_grad", "gradient_bytes", "weight_residual_bytes"):
             value = getattr(self, name)
@@ -169,7 +180,7 @@ class CostModel:
             if bandwidth == 0:
                 raise CostError("bandwidth must be > 0 bytes per second; leave it out to make bytes cost no time")
             object.__setattr__(self, "bandwidth", bandwidth)
-        for name in ("overlap_sends", "per_device", "serial"):
+        for name in ("overlap_sends", "per_device", "serial", "update_barrier"):
             if not isinstance(getattr(self, name), bool):
                 raise CostError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speedup is not None:
@@ -287,6 +298,16 @@ class CostModel:
             dispatch=self.dispatch,
         )
 
+    def device_updates(self, schedule: Layout) -> tuple[float, ...]:
+        """Seconds of each device's optimizer update, shape (D,): the updates of the
+        stages it holds, summed (with ``per_device``, ``update`` is already a device's)."""
+        stages = _expand("update", self.update, schedule.num_stages, "stages")
+        totals = [0.0] * schedule.num_devices
+        held = [schedule.placement.count(device) for device in range(schedule.num_devices)]
+        for seconds, device in zip(stages, schedule.placement, strict=True):
+            totals[device] += seconds / held[device] if self.per_device else seconds
+        return tuple(totals)
+
     def _speedup_for(self, devices: int) -> tuple[float, ...] | None:
         if self.speedup is None:
             return None
@@ -340,4 +361,8 @@ class CostModel:
             parts.append("per-device")
         if self.speedup is not None:
             parts.append("shared-compute")
+        if self.update != 0.0:
+            parts.append(f"update={fmt(self.update, '')}")
+        if self.update_barrier:
+            parts.append("update-barrier")
         return " ".join(parts)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipedsl.analysis import peak_held
-from pipedsl.arrays import F, ScheduleArrays, paused_collector
+from pipedsl.arrays import ActionArrays, F, ScheduleArrays, paused_collector
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
 from pipedsl.program import NEVER_SENT, Program, ProgramArrays, dispatch_order, lower, program_arrays
@@ -48,7 +49,12 @@ from pipedsl.validate import checked, kept_check
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["DeviceStats", "Simulation", "simulate", "step_timing"]
+__all__ = ["DeviceStats", "Simulation", "simulate", "step_timing", "steps_timing", "UPDATE"]
+
+UPDATE = 4
+"""Kind code of a device's optimizer update in a run of consecutive steps
+(:func:`steps_timing`): a compute row that receives and sends nothing, whose stage column
+holds its device."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +118,9 @@ class Simulation:
         makespan, in time order; each starts when the previous one ends (on the same
         device, or because it waited for that transfer), so their durations sum to the
         makespan.
+      steps_s: with several consecutive steps simulated (``simulate(..., steps=N)``),
+        seconds from the first step's start to the end of each step's last update, shape
+        (N,) (:func:`steps_timing`); empty for one step.
     """
 
     # The schedule, timeline and path can be huge; the repr shows the summary only.
@@ -122,6 +131,15 @@ class Simulation:
     bubble_ratio: float
     devices: tuple[DeviceStats, ...]
     critical_path: tuple[int, ...] = field(repr=False)
+    steps_s: tuple[float, ...] = ()
+
+    @property
+    def steady_step(self) -> float | None:
+        """Seconds of a step in a long run, updates included: the last of the simulated
+        consecutive steps (None for one step)."""
+        if len(self.steps_s) < 2:
+            return None
+        return self.steps_s[-1] - self.steps_s[-2]
 
     @property
     def name(self) -> str:
@@ -170,6 +188,7 @@ class Simulation:
             "peak_activation_bytes": max((d.peak_activation_bytes for d in self.devices), default=0),
             "devices": [d.to_json() for d in self.devices],
             "critical_path": self._critical_json(),
+            **({"steps_s": list(self.steps_s), "steady_step": self.steady_step} if self.steps_s else {}),
         }
 
     def _critical_json(self) -> list[dict[str, Any]]:
@@ -186,13 +205,19 @@ class Simulation:
         return [dict(zip(names, values)) for values in columns]
 
 
-def simulate(program: Program | Schedule | ScheduleArrays | Any, costs: CostModel | None = None) -> Simulation:
+def simulate(
+    program: Program | Schedule | ScheduleArrays | Any, costs: CostModel | None = None, *, steps: int = 1
+) -> Simulation:
     """Simulate ``program`` (a schedule is validated and lowered first) under ``costs``
     (default: ``CostModel()``, F = 1 s, B = 2 s, free communication). A library name, a
     path or a policy is made a schedule first (:func:`~pipedsl.simulator.schedule_spec.schedule_of`).
     A :class:`~pipedsl.arrays.ScheduleArrays` is validated and lowered on its columns,
     without an object per action or per instruction. Costs of another type are refused
-    (PipedslError)."""
+    (PipedslError). With ``steps`` above 1, ``steps`` consecutive training steps are timed
+    too, with the cost model's optimizer updates between them (:attr:`Simulation.steps_s`);
+    the timeline is the first step's."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise PipedslError(f"simulate: steps must be a whole number >= 1, got {steps!r}")
     if costs is not None and not isinstance(costs, CostModel):
         given = type(costs).__name__
         raise PipedslError(f"simulate: costs must be a CostModel, or left out for the default one, got {given}")
@@ -202,22 +227,32 @@ def simulate(program: Program | Schedule | ScheduleArrays | Any, costs: CostMode
         order = found.order
         # Lowered, the validation's links are spent: a million actions' are 16 MB.
         del found
-        return _simulated(program, lowered, costs, order=order)
+        return _simulated(program, lowered, costs, order=order, steps=steps)
     if not isinstance(program, Program):
         from pipedsl.simulator.schedule_spec import schedule_of
 
         program = schedule_of(program, costs)
     if isinstance(program, Schedule):
         program = lower(program)
-    return _simulated(program.schedule, program.arrays, costs, order=_kept_order(program))
+    return _simulated(program.schedule, program.arrays, costs, order=_kept_order(program), steps=steps)
 
 
 def _simulated(
-    schedule: Schedule | ScheduleArrays, arrays: ProgramArrays, costs: CostModel | None, *, order: np.ndarray | None
+    schedule: Schedule | ScheduleArrays,
+    arrays: ProgramArrays,
+    costs: CostModel | None,
+    *,
+    order: np.ndarray | None,
+    steps: int = 1,
 ) -> Simulation:
-    """The simulation of ``schedule``'s lowered ``arrays`` (``order``: as for :func:`step_timing`)."""
+    """The simulation of ``schedule``'s lowered ``arrays`` (``order``: as for :func:`step_timing`;
+    ``steps``: as for :func:`simulate`)."""
     costs = costs if costs is not None else CostModel()
     stage_costs = costs.resolve(schedule)
+    ends: tuple[float, ...] = ()
+    if steps > 1:
+        updates = costs.device_updates(schedule)
+        ends = steps_timing(arrays, stage_costs, updates, steps=steps, barrier=costs.update_barrier)
     num_devices = arrays.actions.num_devices
     with paused_collector():
         run = _Run.of(arrays, stage_costs, num_stages=schedule.num_stages, order=order)
@@ -254,6 +289,7 @@ def _simulated(
         bubble_ratio=float(1.0 - busy.sum() / (num_devices * makespan)) if makespan > 0 else 0.0,
         devices=devices,
         critical_path=critical,
+        steps_s=ends,
     )
 
 
@@ -286,6 +322,72 @@ def step_timing(arrays: ProgramArrays, costs: StageCosts, *, order: np.ndarray |
     return makespan, float(1.0 - busy.sum() / (devices * makespan))
 
 
+def steps_timing(
+    arrays: ProgramArrays, costs: StageCosts, updates: Sequence[float], *, steps: int, barrier: bool
+) -> tuple[float, ...]:
+    """Seconds from the first of ``steps`` consecutive training steps' synchronised start
+    to the end of each step (its last device's update), shape (steps,), for a program's
+    ``arrays`` under ``costs`` (resolved for its schedule), device d's optimizer update
+    taking ``updates[d]`` seconds (plus the dispatch of one program).
+
+    Without ``barrier``, a device's update starts once its own last compute of the step is
+    done, and its next step's first compute follows the update (and waits for its input,
+    as in any step): one step's drain overlaps the next one's warm-up wherever the
+    schedule leaves a device free early. The steps are simulated as one program, each
+    device's program repeated with an update after each step, so devices that share
+    compute share it across the steps too. With ``barrier`` (an update that reads the
+    whole model's gradients: a global-norm clip, a finiteness check over the model)
+    every device waits for every other one's gradients, then updates, and the next step
+    starts from a synchronised start once every device has updated: each step takes one
+    step's makespan plus the slowest update.
+    """
+    if steps < 1:
+        raise PipedslError(f"steps must be at least 1, got {steps}")
+    devices = arrays.actions.num_devices
+    if len(updates) != devices:
+        raise PipedslError(f"updates gives {len(updates)} devices' seconds, but the program has {devices} devices")
+    if barrier:
+        makespan, _ = step_timing(arrays, costs)
+        step = makespan + max((u + costs.dispatch for u in updates), default=0.0)
+        return tuple(step * (k + 1) for k in range(steps))
+    joined, update_rows = _consecutive(arrays, steps)
+    with paused_collector():
+        run = _Run.of(joined, costs, num_stages=len(costs.forward), updates=updates)
+    return tuple(float(end) for end in run.end[update_rows].max(axis=1))
+
+
+def _consecutive(arrays: ProgramArrays, steps: int) -> tuple[ProgramArrays, np.ndarray]:
+    """``arrays`` of one step as a program of ``steps`` steps: each device's computes of
+    step 0, its update (an :data:`UPDATE` row), its computes of step 1, and so on, each
+    receiving from its own step's sender. Returns the program and the rows of the updates,
+    shape (steps, D)."""
+    actions = arrays.actions
+    lengths = np.diff(actions.bounds)
+    block = lengths + 1  # a device's computes of a step, then its update
+    per_device = block * steps
+    bounds = np.concatenate([[0], np.cumsum(per_device)]).astype(np.int64)
+    total = int(bounds[-1])
+    step = np.arange(steps, dtype=np.int64)[:, None]
+    device = actions.device
+    # Row of each compute in each step, shape (steps, N).
+    rows = (bounds[:-1][device] + actions.position)[None, :] + step * block[device][None, :]
+    update_rows = bounds[:-1][None, :] + step * block[None, :] + lengths[None, :]
+    owner = np.repeat(np.arange(len(lengths), dtype=np.int64), per_device)
+    kind = np.full(total, UPDATE, dtype=np.int8)
+    stage, microbatch = owner.copy(), np.zeros(total, dtype=np.int64)
+    recv_from, send_to = np.full(total, -1, dtype=np.int64), np.full(total, -1, dtype=np.int64)
+    flat = rows.ravel()
+    kind[flat] = np.tile(actions.kind, steps)
+    stage[flat] = np.tile(actions.stage, steps)
+    microbatch[flat] = np.tile(actions.microbatch, steps)
+    source = arrays.recv_from
+    recv_from[flat] = np.where(source >= 0, rows[:, np.maximum(source, 0)], source[None, :]).ravel()
+    send_to[flat] = np.tile(arrays.send_to, steps)
+    position = np.arange(total, dtype=np.int64) - np.repeat(bounds[:-1], per_device)
+    joined = ActionArrays(kind, stage, microbatch, owner, position, bounds)
+    return ProgramArrays(joined, recv_from, send_to), update_rows
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class _Run:
     """What the topological pass settled, per compute row of the program's arrays.
@@ -304,18 +406,34 @@ class _Run:
     overlap: bool
 
     @classmethod
-    def of(cls, arrays: ProgramArrays, costs: StageCosts, *, num_stages: int, order: np.ndarray | None = None) -> _Run:
-        """Settle every compute; ``order``, when given, is one its dependencies allow."""
+    def of(
+        cls,
+        arrays: ProgramArrays,
+        costs: StageCosts,
+        *,
+        num_stages: int,
+        order: np.ndarray | None = None,
+        updates: Sequence[float] = (),
+    ) -> _Run:
+        """Settle every compute; ``order``, when given, is one its dependencies allow.
+        ``updates``: device d's :data:`UPDATE` rows' seconds, where there are such rows."""
         actions = arrays.actions
         kind, stage = actions.kind.astype(np.int64), actions.stage
         # The pass reads each row's seconds from lists of a few shared floats (one per
-        # kind and stage), not one float object per row.
-        seconds = [*costs.forward, *costs.backward, *costs.input_grad, *costs.weight_grad]
+        # kind and stage, and an update's per device: kind UPDATE, stage its device),
+        # not one float object per row.
+        seconds = [*costs.forward, *costs.backward, *costs.input_grad, *costs.weight_grad, *updates]
         code = kind * num_stages + stage
         if costs.dispatch:
-            # A compute that starts a task carries the task's dispatch (pipedsl.tasks).
+            # A compute that starts a task carries the task's dispatch (pipedsl.tasks); an
+            # update is a program of its own, and so is the first task after it.
+            starts = task_starts(arrays)
+            if len(updates):
+                updating = kind == UPDATE
+                starts |= updating
+                starts[1:] |= updating[:-1]
+            code = code + starts * len(seconds)
             seconds += [s + costs.dispatch for s in seconds]
-            code = code + task_starts(arrays) * (4 * num_stages)
         duration = np.array(seconds, dtype=np.float64)[code]
         # F sends its activation, B and I their input gradient; W sends nothing. A row
         # that sends nothing adds 0.0, which leaves a blocked sender's clock as it was.

@@ -58,6 +58,16 @@ def _seconds(text: str) -> float | tuple[float, ...]:
     return values[0] if len(values) == 1 else values
 
 
+def _positive_steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps >= 1, got {text!r}")
+    return value
+
+
 def _add_cost_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "cost model",
@@ -79,6 +89,18 @@ def _add_cost_options(parser: argparse.ArgumentParser) -> None:
         "--blocking-sends",
         action="store_true",
         help="a device cannot compute while its send is in flight (default: sends overlap compute)",
+    )
+    group.add_argument(
+        "--update",
+        type=_seconds,
+        metavar="S",
+        help="seconds of a stage's optimizer update, priced between consecutive steps (simulate --steps)",
+    )
+    group.add_argument(
+        "--update-barrier",
+        action="store_true",
+        help="the update reads the whole model's gradients (a global-norm clip, a finiteness check): "
+        "every device waits for all gradients, so consecutive steps do not overlap",
     )
     group.add_argument(
         "--per-device",
@@ -148,6 +170,10 @@ def _options_over_file(args: argparse.Namespace) -> CostModel:
         changes["overlap_sends"] = False
     if args.per_device:
         changes["per_device"] = True
+    if args.update is not None:
+        changes["update"] = args.update
+    if args.update_barrier:
+        changes["update_barrier"] = True
     return costs.with_changes(**changes) if changes else costs
 
 
@@ -218,6 +244,14 @@ def _print_summary(sim: Simulation) -> None:
         f"critical path {_critical_summary(sim)}"
     )
     console.print(_device_table(sim))
+    if sim.steps_s:
+        count = len(sim.steps_s)
+        single = sim.steps_s[0]
+        console.print(
+            f"{count} consecutive steps [bold]{_seconds_text(sim.steps_s[-1])} s[/bold] ({count} x the first step "
+            f"with its update: {_seconds_text(count * single)} s); a step in a long run "
+            f"[bold]{_seconds_text(sim.steady_step or single)} s[/bold]"
+        )
 
 
 def _inflight_text(sim: Simulation) -> str:
@@ -292,10 +326,11 @@ def _simulate_file(path: str, args: argparse.Namespace, costs: CostModel) -> Sim
     int columns (a million actions as objects cost about twice the time and memory); when
     it breaks a rule, its objects are checked again, for the error's place in the file."""
     loaded = library.load_arrays(path, max_actions=args.max_actions, **args.params)
+    steps = getattr(args, "steps", 1)
     if isinstance(loaded, Policy):
-        return simulate(synthesize_policy(loaded, costs, path=path), costs)
+        return simulate(synthesize_policy(loaded, costs, path=path), costs, steps=steps)
     try:
-        return simulate(loaded, costs)
+        return simulate(loaded, costs, steps=steps)
     except ScheduleInvalid as err:
         checked(load_schedule(path, args.params, max_actions=args.max_actions))
         raise err from None
@@ -429,12 +464,21 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
             "  pipedsl simulate schedules/1f1b.sched -p pp=8 -p microbatches=32\n"
             "  pipedsl simulate schedules/*.sched -p pp=4 -p microbatches=8 --comm 0.1\n"
             "  pipedsl simulate schedules/zb_h1.sched --f 1 --i 1 --w 1 --json\n"
+            "  pipedsl simulate zb_h1 -p pp=4 -p microbatches=8 --steps 2 --update 0.5,0.5,0.5,3\n"
             "  pipedsl simulate schedules/interleaved_1f1b.sched --costs costs.toml"
         ),
     )
     sim.add_argument("files", nargs="+", metavar="FILE", help="a .sched, .csv or .json schedule")
     add_param_option(sim)
     _add_cost_options(sim)
+    sim.add_argument(
+        "--steps",
+        type=_positive_steps,
+        default=1,
+        metavar="N",
+        help="also time N consecutive training steps, a device's optimizer update (--update) after its last "
+        "compute of each, and report a step in a long run (default 1)",
+    )
     sim.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
 
 
