@@ -30,14 +30,16 @@ def _configure(devices: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
 
 
-def _measure(name: str, pp: int, microbatches: int, width: int, layers: int, rows: int, repeat: int) -> dict[str, float]:
+def _measure(
+    name: str, pp: int, microbatches: int, width: int, layers: int, rows: int, repeat: int
+) -> dict[str, float]:
     import jax
     import optax
 
     from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp
     from pipedsl.library import library_path, load
-    from pipedsl.simulator import CostModel, simulate
+    from pipedsl.simulator import simulate
     from pipedsl.simulator.calibration.timelines import fit_costs
 
     schedule = load(library_path(name), pp=pp, microbatches=microbatches)
@@ -100,7 +102,9 @@ def main() -> None:
         f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, "
         f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} cores"
     )
-    print(f"pp={args.pp}, {args.microbatches} microbatches of {args.microbatch} rows, {args.layers} x {args.width} per stage")
+    print(
+        f"pp={args.pp}, {args.microbatches} microbatches of {args.microbatch} rows, {args.layers} x {args.width} per stage"
+    )
     figures: dict[str, Any] = {"pp": args.pp, "microbatches": args.microbatches}
     for name in ("zb_h1", "zbv"):
         found = _measure(name, args.pp, args.microbatches, args.width, args.layers, args.microbatch, args.repeat)

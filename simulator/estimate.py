@@ -319,18 +319,29 @@ class Prepared:
     def finish(self) -> Estimate:
         """Simulate the pipeline (if any) and assemble the :class:`Estimate`."""
         if self.key is not None and self.pipelines is not None:
-            timing = self.pipelines.timing(self.key, self.cost_model())
-            return self.assemble(timing.makespan, timing.bubble_ratio, timing.simulation)
+            costs = self.cost_model()
+            timing = self.pipelines.timing(self.key, costs)
+            steady = None
+            if not self.plan.update_barrier and not self.plan.shared_devices:
+                # Every device's tail and update priced as the slowest device's, after its own last backward.
+                per_stage = sum(self.tails) / self.plan.vpp
+                steady = self.pipelines.steady_s(self.key, costs.with_changes(update=per_stage))
+            return self.assemble(timing.makespan, timing.bubble_ratio, timing.simulation, steady_s=steady)
         work = self.work
         # One pipeline device, always busy: the engine's speed-up at one busy device.
         busy = 1.0 if self.speedup is None else self.speedup[0]
         return self.assemble(self.plan.microbatches * (work[0].forward + work[0].backward) / busy, 0.0, None)
 
-    def assemble(self, pipeline_time: float, bubble: float, simulation: Simulation | None) -> Estimate:
+    def assemble(
+        self, pipeline_time: float, bubble: float, simulation: Simulation | None, *, steady_s: float | None = None
+    ) -> Estimate:
         """The :class:`Estimate` of a pipeline part of ``pipeline_time`` seconds with idle
         fraction ``bubble`` (of the pipeline devices): adds the data-parallel tail and the
         optimizer step. Pipeline devices that share their devices run every action back to
-        back in one program: the devices never wait, whichever pipeline device is idle."""
+        back in one program: the devices never wait, whichever pipeline device is idle.
+        ``steady_s``: where the plan's update has no barrier, seconds of a step in a long run,
+        its tail and update included (the step's own drain overlapping the next warm-up),
+        which is then the step's time instead of the three end to end."""
         shapes, work = self.shapes, self.work
         model, cluster, plan = shapes.model, shapes.cluster, shapes.plan
         if plan.shared_devices:
@@ -338,7 +349,7 @@ class Prepared:
         tail, optimizer = self.tails
         # Every device waits for the slowest node at the step's synchronisation.
         units = straggler_units(plan.gpus, cluster)
-        step = (pipeline_time + tail + optimizer) * straggler_factor(units, cluster)
+        step = (pipeline_time + tail + optimizer if steady_s is None else steady_s) * straggler_factor(units, cluster)
         tokens = plan.global_batch * model.seq_len
         return Estimate(
             model=model,

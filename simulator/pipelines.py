@@ -35,7 +35,7 @@ from pipedsl.lang.ast import PolicyBlock
 from pipedsl.policy import Policy
 from pipedsl.program import Program, ProgramArrays, program_arrays
 from pipedsl.simulator.costs import CostModel
-from pipedsl.simulator.engine import Simulation, simulate, step_timing
+from pipedsl.simulator.engine import Simulation, simulate, step_timing, steps_timing
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.synthesize import synthesize, synthesized_steps
 from pipedsl.validate import Checked, checked
@@ -185,6 +185,7 @@ class Pipelines:
         self._shapes: dict[ScheduleKey, _Shape] = {}
         self._errors: dict[ScheduleKey, PipedslError] = {}
         self._timings: dict[tuple[ScheduleKey, CostModel], Timing] = {}
+        self._steady: dict[tuple[ScheduleKey, CostModel], float] = {}
         self._parameters: dict[str, tuple[str, ...]] = {}
         self._policies: dict[ScheduleKey, Policy] = {}
         self._peaks: dict[tuple[ScheduleKey, tuple[int, ...]], tuple[int, ...]] = {}
@@ -345,6 +346,19 @@ class Pipelines:
                 makespan, bubble = step_timing(shape.arrays, costs.resolve(shape.layout), order=shape.order)
                 found = Timing(makespan, bubble, None)
             self._timings[(key, costs)] = found
+        return found
+
+    def steady_s(self, key: ScheduleKey, costs: CostModel) -> float:
+        """Seconds of a step of ``key``'s schedule in a long run under ``costs`` (its
+        ``update`` per stage between steps, without a barrier): the third of three
+        consecutive steps (:func:`~pipedsl.simulator.engine.steps_timing`), once per
+        distinct costs."""
+        found = self._steady.get((key, costs))
+        if found is None:
+            shape = self._shape(key)
+            updates = costs.device_updates(shape.layout)
+            ends = steps_timing(shape.arrays, costs.resolve(shape.layout), updates, steps=3, barrier=False)
+            found = self._steady[(key, costs)] = ends[-1] - ends[-2]
         return found
 
 

@@ -135,6 +135,12 @@ class Plan:
         program, a loop over the microbatches, each through every stage
         (:mod:`~pipedsl.simulator.estimate` prices it so), and
         the plan uses dp·tp·cp GPUs, not dp·tp·cp·pp.
+      update_barrier: whether the optimizer step reads the whole model's gradients (a
+        global-norm gradient clip, a finiteness check over the model, as Megatron-LM's
+        default ``clip_grad`` does): a step is then its pipeline, tail and update end to
+        end. False: each pipeline device reduces and updates its own gradients once its last
+        backward is done and starts the next step after that, so a step is priced as one
+        in a long run (:func:`~pipedsl.simulator.engine.steps_timing`).
       schedule_params: ``(name, value)`` pairs of the schedule's own parameters (not pp,
         vpp or microbatches, which the plan sets), such as ``(("max_inflight", 16),)``;
         a search passes each to the schedules that declare it.
@@ -164,6 +170,7 @@ class Plan:
     framework: str | Framework = DEFAULT_FRAMEWORK
     shared_devices: bool = False
     schedule_params: tuple[tuple[str, int], ...] = ()
+    update_barrier: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "vpp", "microbatch_size", "global_batch"):
@@ -186,7 +193,7 @@ class Plan:
                 raise PlanError(f"plan: cp_exchange must be one of {choices}, got {self.cp_exchange!r}") from None
         for name in (
             "sequence_parallel", "flash_attention", "fp32_scores", "reduce_once", "reshard_after_forward",
-            "shared_devices",
+            "shared_devices", "update_barrier",
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"plan: {name} must be true or false, got {getattr(self, name)!r}")

@@ -60,6 +60,12 @@ def add_estimate_options(plan: argparse._ArgumentGroup) -> None:
         "per-microbatch sync, Megatron's distributed optimizer), not every microbatch",
     )
     plan.add_argument(
+        "--no-update-barrier",
+        action="store_true",
+        help="the optimizer step reads only each device's own gradients (no global-norm clip, no finiteness "
+        "check over the model): price a step in a long run, each device's drain overlapping the next warm-up",
+    )
+    plan.add_argument(
         "--keep-weights",
         action="store_true",
         help="ZeRO 3: keep the forward's gathered weights for the backward (FSDP reshard_after_forward=False)",

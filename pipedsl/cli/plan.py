@@ -165,6 +165,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         stage_layers=stage_layers(args.stage_layers, model, args.pp * vpp),
         framework=args.framework,
         schedule_params=own,
+        update_barrier=not args.no_update_barrier,
     )
     if plan.gpus > MAX_GPUS or plan.global_batch > MAX_GLOBAL_BATCH:
         raise PipedslError(

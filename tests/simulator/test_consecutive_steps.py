@@ -96,3 +96,19 @@ def test_simulate_steps_on_the_command_line(capsys: pytest.CaptureFixture[str]) 
     assert found["steps_s"] == pytest.approx([30.0, 57.5]) and found["steady_step"] == pytest.approx(27.5)
     assert main([*args, "--steps", "2", "--update", "0.5,0.5,0.5,3", "--update-barrier"]) == 0
     assert "2 consecutive steps 60 s" in capsys.readouterr().out
+
+
+def test_the_planner_prices_a_step_in_a_long_run_without_an_update_barrier() -> None:
+    from pipedsl.simulator import estimate, load_cluster, load_model
+    from pipedsl.simulator.plan import Plan
+
+    model, cluster = load_model("llama-70b"), load_cluster("h100-80gb")
+    base = {"tp": 8, "pp": 4, "dp": 2, "global_batch": 64}
+    barrier = estimate(model, cluster, Plan(**base, schedule="zbv", vpp=2))
+    free = estimate(model, cluster, Plan(**base, schedule="zbv", vpp=2, update_barrier=False))
+    assert barrier.step_time_s == pytest.approx(
+        barrier.pipeline_time_s + barrier.dp_tail_s + barrier.optimizer_s, rel=0.05
+    )
+    # ZB-V's device 0 finishes early: the next step starts while the others drain.
+    assert free.step_time_s < barrier.step_time_s
+    assert free.pipeline_time_s == barrier.pipeline_time_s
