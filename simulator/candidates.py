@@ -171,6 +171,7 @@ def candidate_plans(
     framework: str = "megatron",
     shared_pipelines: bool = False,
     schedule_params: Mapping[str, int] | None = None,
+    update_barrier: bool = True,
     skipped: Counter[tuple[str, int]] | None = None,
 ) -> Iterator[Plan]:
     """Every plan the search tries (see the module docstring), SPMD plans first, then the
@@ -180,7 +181,9 @@ def candidate_plans(
     schedule itself how many stages it places per device (ZB-V places two). ``skipped``,
     when given, counts the combinations left out by (rule, the value that broke it).
     ``schedule_params`` (such as ``{"max_inflight": 16}``) go to every pipeline plan, and so
-    to each schedule that declares them (``Plan.schedule_params``).
+    to each schedule that declares them (``Plan.schedule_params``). ``update_barrier``
+    (``Plan.update_barrier``): whether the optimizer step reads the whole model's gradients
+    (a global-norm clip), or each pipeline plan is priced as a step in a long run.
     """
     skip: Counter[tuple[str, int]] = Counter() if skipped is None else skipped
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
@@ -209,6 +212,7 @@ def candidate_plans(
         "reduce_bytes": reduce_bytes,
         "tp_overlap": tp_overlap,
         "framework": framework,
+        "update_barrier": update_barrier,
     }
     splits = _Splits(tuple(_tp_sizes(model, cluster, gpus)), _cp_sizes(model, cps, skip))
     space = _Space(splits.pairs(), tuple(modes), global_batch, max_microbatch_size, skip)

@@ -28,7 +28,7 @@ __all__ = [
 
 
 def add_common_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--framework`` and ``--mfu-flops``, which both commands take."""
+    """``--framework``, ``--mfu-flops`` and ``--no-update-barrier``, which both commands take."""
     parser.add_argument(
         "--framework",
         choices=tuple(FRAMEWORKS),
@@ -41,6 +41,12 @@ def add_common_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         default=DEFAULT_FLOP_COUNT.value,
         help="how MFU counts model FLOPs: 6n (6N per token, the default), palm (6N + 12·L·h·s), "
         "megatron (Narayanan et al.'s eq. 3)",
+    )
+    parser.add_argument(
+        "--no-update-barrier",
+        action="store_true",
+        help="the optimizer step reads only each device's own gradients (no global-norm clip, no finiteness "
+        "check over the model): price a step in a long run, each device's drain overlapping the next warm-up",
     )
 
 
@@ -58,12 +64,6 @@ def add_estimate_options(plan: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="ZeRO 2/3: accumulate gradients whole and reduce-scatter them once per step (FSDP without "
         "per-microbatch sync, Megatron's distributed optimizer), not every microbatch",
-    )
-    plan.add_argument(
-        "--no-update-barrier",
-        action="store_true",
-        help="the optimizer step reads only each device's own gradients (no global-norm clip, no finiteness "
-        "check over the model): price a step in a long run, each device's drain overlapping the next warm-up",
     )
     plan.add_argument(
         "--keep-weights",

@@ -326,6 +326,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
             framework=args.framework,
             shared_pipelines=args.shared_pipelines,
             schedule_params=args.params,
+            update_barrier=not args.no_update_barrier,
         )
     search_mfu(frame, load_model(args.model), FlopCount(args.mfu_flops))
     if args.csv is not None:
