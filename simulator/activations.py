@@ -54,7 +54,7 @@ from __future__ import annotations
 from pipedsl.simulator.hardware import Model
 from pipedsl.simulator.plan import Recompute
 
-__all__ = ["NORM_BYTES", "SOFTMAX_BYTES", "compiled_layer_bytes"]
+__all__ = ["NORM_BYTES", "SOFTMAX_BYTES", "compiled_layer_bytes", "compiled_weight_layer_bytes"]
 
 NORM_BYTES = 4
 """Bytes per value the norms keep: they compute in fp32 whatever the compute dtype."""
@@ -98,6 +98,41 @@ def compiled_layer_bytes(
         per_key = 1 + scores_bytes + e + SOFTMAX_BYTES + (1 if model.dropout else 0)
         scores = a * model.seq_len * per_key + 2 * SOFTMAX_BYTES * a
     return tokens * (replicated / shared + (split + scores) / tp)
+
+
+def compiled_weight_layer_bytes(model: Model, *, tokens: int, tp: int, sequence_parallel: bool) -> float:
+    """Bytes one built-in block keeps per microbatch of ``tokens`` tokens on one device
+    from its ``I`` to its ``W`` as the executor splits its backward: what ``W`` still
+    needs, whatever the recompute mode (``I`` reruns what was not kept), in the model's
+    ``dtype_bytes`` e as its compute dtype, per token:
+
+    - each weight product's input, once per matrix that reads it (as ``F`` kept it): the
+      normalised input e·h per query, key and value matrix (one fused QKV matrix in GPT)
+      and per feed-forward input matrix, the attention's output e·q and the feed-forward's
+      activation e·f;
+    - the cotangent of each product's output, which ``I`` computes: e·(q + 2·kv) of the
+      QKV products, e·h of the output projection and of the down projection, e·f per
+      feed-forward input matrix; twice where the products have biases (the bias's
+      gradient reads the cotangent in the activation's shape, the weight's in rows of
+      tokens: two buffers);
+    - per norm, its normalised value and its output's cotangent, in fp32 (``W`` computes
+      the norm's scale).
+
+    Nothing of the attention's core (it has no weights): under written-out attention
+    ``W`` keeps far less than ``F``. Split over t tensor ranks as
+    :func:`compiled_layer_bytes` splits: the column-parallel products' outputs and the
+    row-parallel products' inputs; the rest whole on every rank, or split t ways under
+    sequence parallelism."""
+    h, f, kv, e, q = model.hidden, model.ffn_hidden, model.kv_width, model.dtype_bytes, model.q_width
+    shared = tp if sequence_parallel else 1
+    llama_block = model.gated_ffn and not model.biases
+    qkv_reads = 3 if llama_block else 1
+    ffn_reads = 2 if model.gated_ffn else 1
+    copies = 2 if model.biases else 1
+    norms = model.norms * 2 * NORM_BYTES * h
+    replicated = norms + e * h * (qkv_reads + ffn_reads) + copies * e * 2 * h
+    split = e * (q + f) + copies * e * (q + 2 * kv + ffn_reads * f)
+    return tokens * (replicated / shared + split / tp)
 
 
 _ACTIVATION_VALUES = {"gelu": 5, "silu": 5, "relu": 1, "squared_relu": 2}

@@ -64,7 +64,7 @@ from pipedsl.simulator.memory import GRAD_BYTES, DoesNotFit, Memory, device_memo
 from pipedsl.simulator.network import straggler_factor, straggler_units
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
-from pipedsl.simulator.stages import split_layers, stage_params, stage_residual, stage_work
+from pipedsl.simulator.stages import split_layers, stage_params, stage_residual, stage_weight_residual, stage_work
 from pipedsl.simulator.torus import crosses_slices, dcn_split, slice_shape
 from pipedsl.simulator.transformer import Shapes, Work
 from pipedsl.stage_costs import Layout
@@ -277,6 +277,7 @@ class Prepared:
     pipelines: Pipelines | None
     work: tuple[Work, ...]
     residual: tuple[int, ...]
+    weight_residual: tuple[int, ...]
     device_params: tuple[float, ...]
     memory: Memory
     lower_bound_s: float
@@ -311,6 +312,7 @@ class Prepared:
             bandwidth=bandwidth,
             activation_bytes=boundary_bytes,
             residual_bytes=self.residual,
+            weight_residual_bytes=self.weight_residual,
             speedup=self.speedup,
             serial=self.serial,
             dispatch=self.shapes.action_overhead_s,
@@ -406,12 +408,13 @@ def prepare(
     key, placement = _schedule_of(plan, pipelines, layout)
     device_params = _device_params(plan, placement, params)
     residual = stage_residual(shapes, layers)
+    weight_residual = stage_weight_residual(shapes, layers, residual)
     if plan.shared_devices:
         # One program that loops over the microbatches, each through every stage (the
         # executor's default for shared devices): one microbatch's activations of every stage.
         memory = device_memory(shapes, [sum(device_params)], [sum(residual)])
     else:
-        held = _peak_residual(key, pipelines, residual) if layout is None else (0,) * plan.pp
+        held = _peak_residual(key, pipelines, residual, weight_residual) if layout is None else (0,) * plan.pp
         memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
@@ -426,6 +429,7 @@ def prepare(
         pipelines=pipelines,
         work=work,
         residual=residual,
+        weight_residual=weight_residual,
         device_params=device_params,
         memory=memory,
         lower_bound_s=(0.0 if layout is not None else _lower_bound(shapes, work, key, pipelines)) / fastest + sum(tail),
@@ -477,11 +481,14 @@ def _device_params(plan: Plan, placement: tuple[int, ...], params: tuple[float, 
     return tuple(device_params)
 
 
-def _peak_residual(key: ScheduleKey | None, pipelines: Pipelines | None, residual: tuple[int, ...]) -> tuple[int, ...]:
-    """Each device's peak of kept activation bytes under the schedule; one microbatch's for SPMD."""
+def _peak_residual(
+    key: ScheduleKey | None, pipelines: Pipelines | None, residual: tuple[int, ...], weight_residual: tuple[int, ...]
+) -> tuple[int, ...]:
+    """Each device's peak of kept activation bytes under the schedule (``residual`` from
+    ``F`` to ``B`` or ``I``, ``weight_residual`` from ``I`` to ``W``); one microbatch's for SPMD."""
     if key is None or pipelines is None:
         return (residual[0],)
-    return pipelines.peak_residual_bytes(key, residual)
+    return pipelines.peak_residual_bytes(key, residual, weight_residual)
 
 
 def estimate(

@@ -188,7 +188,7 @@ class Pipelines:
         self._steady: dict[tuple[ScheduleKey, CostModel], float] = {}
         self._parameters: dict[str, tuple[str, ...]] = {}
         self._policies: dict[ScheduleKey, Policy] = {}
-        self._peaks: dict[tuple[ScheduleKey, tuple[int, ...]], tuple[int, ...]] = {}
+        self._peaks: dict[tuple[ScheduleKey, tuple[int, ...], tuple[int, ...]], tuple[int, ...]] = {}
         self._bounds: dict[tuple[object, ...], float] = {}
         self._policy: dict[str, bool] = {}
 
@@ -308,15 +308,18 @@ class Pipelines:
         layout = _Layout(schedule.num_stages, schedule.num_devices, schedule.placement)
         return _Shape(layout, program_arrays(found.actions, found.upstream, schedule.placement), found.order)
 
-    def peak_residual_bytes(self, key: ScheduleKey, residual: tuple[int, ...]) -> tuple[int, ...]:
+    def peak_residual_bytes(
+        self, key: ScheduleKey, residual: tuple[int, ...], weight_residual: tuple[int, ...]
+    ) -> tuple[int, ...]:
         """Per device, the most activation bytes held at once, shape (D,), when one
-        microbatch's ``F`` on stage s keeps ``residual[s]`` bytes until its ``B`` (or,
-        split, until its ``W``: ``I`` hands the same bytes on); once per distinct
-        ``residual`` (plans that differ in ZeRO 0 or 1 keep the same bytes)."""
-        found = self._peaks.get((key, residual))
+        microbatch's ``F`` on stage s keeps ``residual[s]`` bytes until its ``B`` or ``I``,
+        and a split backward's ``I`` leaves ``weight_residual[s]`` until its ``W``; once
+        per distinct pair (plans that differ in ZeRO 0 or 1 keep the same bytes)."""
+        memo = (key, residual, weight_residual)
+        found = self._peaks.get(memo)
         if found is None:
             actions = self._shape(key).arrays.actions
-            found = self._peaks[(key, residual)] = tuple(int(p) for p in peak_held(actions, residual, residual))
+            found = self._peaks[memo] = tuple(int(p) for p in peak_held(actions, residual, weight_residual))
         return found
 
     def lower_bound_s(self, key: ScheduleKey, seconds: np.ndarray) -> float:

@@ -109,7 +109,9 @@ class LimitedPlan(Prepared):
     def finish(self) -> Estimate:
         assert self.plan.schedule is not None and self.key is not None and self.pipelines is not None
         costs = self.costs
-        arrays, order, activations = _synthesis(self.plan.schedule, self.params, self.limit, costs, self.residual)
+        arrays, order, activations = _synthesis(
+            self.plan.schedule, self.params, self.limit, costs, self.residual, self.weight_residual
+        )
         makespan, bubble = step_timing(arrays, costs.resolve(self.pipelines.policy(self.key)), order=order)
         memory = device_memory(self.shapes, self.device_params, activations)
         estimate = self.assemble(makespan, bubble, None)
@@ -127,7 +129,7 @@ def fitting_limit(base: Prepared) -> int:
     limit = None
     for params, stages in zip(base.device_params, _stages_by_device(base), strict=True):
         left = usable - sum(static_memory(plan, params, shapes.model.stored_bytes)) - transient
-        pair = max(base.residual[s] for s in stages)
+        pair = max(max(base.residual[s], base.weight_residual[s]) for s in stages)
         pairs = len(stages) * plan.microbatches
         here = pairs if pair <= 0 else min(pairs, int(max(left, 0) // pair))
         limit = here if limit is None else min(limit, here)
@@ -194,7 +196,10 @@ def prepare_plan(model: Model, cluster: Cluster, plan: Plan, *, pipelines: Pipel
 def _held_at_most(base: Prepared, limit: int) -> list[int]:
     """Per device, the most activation bytes an order within ``limit`` can hold: that
     many of its most expensive (stage, microbatch) pairs."""
-    return [limit * max(base.residual[s] for s in stages) for stages in _stages_by_device(base)]
+    return [
+        limit * max(max(base.residual[s], base.weight_residual[s]) for s in stages)
+        for stages in _stages_by_device(base)
+    ]
 
 
 def _stages_by_device(base: Prepared) -> list[list[int]]:
@@ -236,13 +241,19 @@ def _any_order_bound(base: Prepared, split: bool, limit: int) -> float:
 
 
 _PREPARED_FIELDS = (
-    "shapes", "key", "placement", "pipelines", "work", "residual", "device_params", "tails", "speedup", "serial",
+    "shapes", "key", "placement", "pipelines", "work", "residual", "weight_residual", "device_params", "tails",
+    "speedup", "serial",
 )  # fmt: skip
 """What a :class:`LimitedPlan` keeps of the plan prepared at the default limit."""
 
 
 def _synthesis(
-    spec: str, params: tuple[tuple[str, int], ...], limit: int, costs: CostModel, residual: tuple[int, ...]
+    spec: str,
+    params: tuple[tuple[str, int], ...],
+    limit: int,
+    costs: CostModel,
+    residual: tuple[int, ...],
+    weight_residual: tuple[int, ...],
 ) -> _Synthesis:
     """The lowered order of ``spec`` at in-flight ``limit`` synthesised against ``costs``,
     the order its computes can be timed in (:func:`~pipedsl.simulator.pipelines.synthesized_arrays`) and its peak residual
@@ -254,7 +265,7 @@ def _synthesis(
         return found
     policy = _loaded(spec, (*params, (LIMIT, limit)))
     arrays, order = synthesized_arrays(policy, costs)
-    held = tuple(int(p) for p in peak_held(arrays.actions, residual, residual))
+    held = tuple(int(p) for p in peak_held(arrays.actions, residual, weight_residual))
     _cache[key] = found = (arrays, order, held)
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)

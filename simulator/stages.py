@@ -16,7 +16,7 @@ from pipedsl.simulator.hardware import Model
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.transformer import Shapes, Work
 
-__all__ = ["split_layers", "ends_split", "stage_params", "stage_residual", "stage_work"]
+__all__ = ["split_layers", "ends_split", "stage_params", "stage_residual", "stage_weight_residual", "stage_work"]
 
 
 def split_layers(model: Model, stages: int, given: Sequence[int] | None) -> tuple[int, ...]:
@@ -107,3 +107,21 @@ def stage_residual(shapes: Shapes, layers: tuple[int, ...]) -> tuple[int, ...]:
     residual[0] += round(shapes.embedding_activation_bytes())
     residual[-1] += round(shapes.head_activation_bytes())
     return tuple(residual)
+
+
+def stage_weight_residual(shapes: Shapes, layers: tuple[int, ...], residual: tuple[int, ...]) -> tuple[int, ...]:
+    """Bytes each stage keeps per microbatch from its ``I`` to its ``W`` where a schedule
+    splits the backward, shape (S,): its layers' (:meth:`Shapes.layer_weight_residual_bytes`),
+    the head's on the last stage and the embedding's on the first. Under this project's
+    executor the first stage has no input gradient to compute, so its ``I`` runs nothing
+    and hands ``W`` all that ``F`` kept (``residual[0]``) and the output's cotangent."""
+    per_layer = shapes.layer_weight_residual_bytes()
+    held = [round(n * per_layer) for n in layers]
+    held[-1] += round(shapes.head_weight_residual_bytes())
+    if framework(shapes.plan.framework).name == "pipedsl":
+        model, plan = shapes.model, shapes.plan
+        cotangent = shapes.tokens * model.dtype_bytes * model.hidden / plan.tp if len(layers) > 1 else 0
+        held[0] = residual[0] + round(cotangent)
+    else:
+        held[0] += round(shapes.embedding_weight_residual_bytes())
+    return tuple(held)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipedsl.simulator.activations import compiled_layer_bytes
+from pipedsl.simulator.activations import NORM_BYTES, compiled_layer_bytes, compiled_weight_layer_bytes
 from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, plan_group
 from pipedsl.simulator.context_parallel import exposed_exchange
 from pipedsl.simulator.frameworks import framework
@@ -324,6 +324,47 @@ class Shapes:
             0.0 if self.plan.flash_attention or recompute is Recompute.SELECTIVE else (2 * e + 1) * m.heads * m.seq_len
         )
         return tokens * (replicated / shared + (split + scores) / t)
+
+    def layer_weight_residual_bytes(self) -> float:
+        """Bytes one layer keeps per microbatch from its input-gradient pass (``I``) to its
+        weight-gradient pass (``W``) where a schedule splits the backward: what ``W`` still
+        needs, the inputs of the weight products and the cotangents of their outputs,
+        whatever the recompute mode. Under this project's executor what its split programs
+        hand over (:func:`~pipedsl.simulator.activations.compiled_weight_layer_bytes`);
+        under Megatron-LM and DeepSpeed what the zero-bubble implementation's store of
+        deferred weight gradients holds per linear layer (its input and its output's
+        cotangent; the norms' weights take their gradients in ``I``), per token, in the
+        compute dtype e: the inputs e·h of the QKV and first feed-forward products (whole,
+        or split t ways under sequence parallelism), e·q of the output projection and e·f
+        of the down projection (split over t); the cotangents e·(q + 2·kv) of QKV and
+        e·g·f of the feed-forward's input products (split over t), e·h of the output and
+        down projections (whole, or split under sequence parallelism)."""
+        m, plan = self.model, self.plan
+        if framework(plan.framework).name == "pipedsl":
+            return compiled_weight_layer_bytes(
+                m, tokens=self.tokens, tp=plan.tp, sequence_parallel=plan.sequence_parallel
+            )
+        t = plan.tp
+        h, q, kv, f, e = m.hidden, m.q_width, m.kv_width, m.ffn_hidden, m.dtype_bytes
+        shared = t if plan.sequence_parallel else 1
+        gated = 2 if m.gated_ffn else 1
+        replicated = e * h * (2 + 2)
+        split = e * (q + f) + e * (q + 2 * kv + gated * f)
+        return self.tokens * (replicated / shared + split / t)
+
+    def head_weight_residual_bytes(self) -> float:
+        """What the logits' weight gradient needs per microbatch from ``I`` to ``W``: its
+        input e·h and the logits' cotangent e·V (split over t), and under this project's
+        executor the final norm's normalised value and cotangent in fp32."""
+        m, plan = self.model, self.plan
+        e = m.dtype_bytes
+        norm = 2 * NORM_BYTES * m.hidden if framework(plan.framework).name == "pipedsl" else 0
+        return self.tokens * (norm + e * m.hidden + e * m.vocab) / plan.tp
+
+    def embedding_weight_residual_bytes(self) -> float:
+        """What the embedding's weight gradient needs per microbatch from ``I`` to ``W``:
+        its output's cotangent e·h (split over t)."""
+        return self.tokens * self.model.dtype_bytes * self.model.hidden / self.plan.tp
 
     def layer_work(self) -> Work:
         """One transformer layer for one microbatch on one GPU."""

@@ -391,6 +391,7 @@ class StageProgram:
         params = sum(_bytes(a, s) for a, s in zip(self._master_avals, self.layout.params, strict=True))
         return StageMemory(
             kept=self._kept(forward, f),
+            weight_kept=self.weight_kept(),
             forward_temp=int(f.temp_size_in_bytes),
             backward_temp=int(b.temp_size_in_bytes),
             params=params,
@@ -404,6 +405,29 @@ class StageProgram:
         backward of one microbatch, compiling ``F`` only (:meth:`memory` compiles ``B`` too)."""
         forward = self._compiled_forward()[0]
         return self._kept(forward, self._analysis(forward))
+
+    def weight_kept(self) -> int:
+        """:attr:`StageMemory.weight_kept` alone: the bytes per JAX device that ``I`` leaves
+        for ``W`` of one microbatch, compiling ``F`` and ``I``: what ``I`` computes and
+        hands over (the cotangents of the weight products' outputs, and of the norms'),
+        and the residuals and output cotangents ``W`` reads as they are (the products'
+        inputs), which stay held by reference once ``I``'s other inputs are freed.
+        Parameters and the stage's inputs it reads are kept by reference and not counted."""
+        residuals = self._compiled_forward()[1]
+        cts = self._batched(self._structs[2])
+        handed = 0
+        if hasattr(self._input, "lower"):  # a program with equations (else I only passes values on)
+            compiled = self._input.lower(residuals, cts).compile()
+            infos = jax.tree_util.tree_leaves(compiled.out_info[1])
+            shardings = jax.tree_util.tree_leaves(compiled.output_shardings[1])
+            handed = sum(_bytes(i, at) for i, at in zip(infos, shardings, strict=True))
+        referenced = 0
+        for stored, k in self._handoff_refs:
+            if stored and self._res_slots[k][0] != _COMPUTED:
+                continue  # a parameter or an input, kept by reference whatever W reads
+            value = residuals[k] if stored else cts[k]
+            referenced += _bytes(value, value.sharding)
+        return handed + referenced
 
     def _analysis(self, compiled: Any) -> Any:
         found = compiled.memory_analysis()
@@ -516,12 +540,15 @@ class StageMemory:
         on): the activation memory of one in-flight microbatch, the quantity recompute
         modes trade. Parameters and inputs the backward reads are kept by reference and
         not counted.
+      weight_kept: what ``I`` leaves for ``W`` (:meth:`StageProgram.weight_kept`): the
+        activation memory of one microbatch between its ``I`` and its ``W``.
       forward_temp, backward_temp: XLA's scratch while ``F`` / ``B`` run.
       params: the stage's parameters on one device.
       backward_peak: ``B``'s arguments, outputs and scratch, less what it updates in place.
     """
 
     kept: int
+    weight_kept: int
     forward_temp: int
     backward_temp: int
     params: int

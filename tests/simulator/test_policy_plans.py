@@ -180,11 +180,11 @@ def test_a_shape_is_read_once_and_answers_each_question_as_computed_afresh() -> 
     assert pipelines.layout(key).placement == policy.placement
     assert policy == library.load("zb_auto", pp=4, microbatches=16)
     arrays = lower(pipelines.schedule(key)).arrays.actions
-    residual = (5, 7, 7, 11)
+    residual, weight_residual = (5, 7, 7, 11), (6, 3, 3, 4)
     seconds = np.array([[1.0, 1.5, 1.5, 2.0], [2.0, 3.0, 3.0, 4.0], [1.0, 1.5, 1.5, 2.0], [1.0, 1.5, 1.5, 2.0]])
     for _ in range(2):
-        assert pipelines.peak_residual_bytes(key, residual) == tuple(
-            int(p) for p in peak_held(arrays, residual, residual)
+        assert pipelines.peak_residual_bytes(key, residual, weight_residual) == tuple(
+            int(p) for p in peak_held(arrays, residual, weight_residual)
         )
         assert pipelines.lower_bound_s(key, seconds) == chain_lower_bound(arrays, seconds)
     assert pipelines.lower_bound_s(key, 2 * seconds) == chain_lower_bound(arrays, 2 * seconds)
