@@ -19,10 +19,12 @@ degree allows, then the data-parallel replicas (``Plan.fsdp``: FSDP inside each 
 parallelism across them), then the shard groups (:func:`dcn_split`).
 
 Pricing, for ``S`` bytes (the whole, unsharded size) over a group, as XLA runs it: one ring
-phase per physical axis the group spans, in axis order (a reduce-scatter along x, then
-along y on the x-shard, ...), each of ``z`` chips costing ``(z - 1)·α + (z - 1)/z · S_i / B``
-with ``S_i`` what is left after the earlier phases, ``α`` one hop (``intra_node_latency``)
-and ``B``:
+phase per physical axis the group spans (a reduce-scatter along x, then along y on the
+x-shard, ...), each of ``z`` chips costing ``(z - 1)·α`` and ``(z - 1)/z · S_i / B`` of its
+axis's links with ``S_i`` what is left after the earlier phases, ``α`` one hop
+(``intra_node_latency``); the bytes split into one part per axis, each part starting on
+another axis, so that every axis's links work at once and the busiest axis sets the time
+(:func:`_ici_seconds`); ``B``:
 
 - a ring over a whole axis with wraparound: both directions of each link, ``2·b``
   (``b`` = link bandwidth × ``intra_node_efficiency``);
@@ -277,15 +279,35 @@ def torus_gather_seconds(num_bytes: float, group: TorusGroup, cluster: Cluster) 
     ``group`` (see the module docstring), with the cluster's fixed cost of a collective."""
     if group.ranks <= 1 or num_bytes <= 0:
         return 0.0
-    seconds, left = cluster.collective_latency_s, num_bytes
-    for ring in group.rings:
-        seconds += (ring.chips - 1) * cluster.intra_node_latency
-        seconds += (ring.chips - 1) / ring.chips * left / ring.bandwidth(cluster)
-        left /= ring.chips
+    rings = group.rings
+    seconds = cluster.collective_latency_s + sum((r.chips - 1) * cluster.intra_node_latency for r in rings)
+    seconds += _ici_seconds(num_bytes, rings, cluster)
     if group.slices > 1:
-        m = group.slices
+        m, left = group.slices, num_bytes / group.per_slice
         seconds += (m - 1) * cluster.inter_node_latency + (m - 1) / m * left / cluster.network_share
     return seconds
+
+
+def _ici_seconds(num_bytes: float, rings: tuple[Ring, ...], cluster: Cluster) -> float:
+    """Seconds the ICI links take to move a gather of ``num_bytes`` over ``rings``, every
+    axis's links busy at once: the bytes split into one part per axis, each part's phases
+    starting on a different axis and going round the others in turn (so each axis carries a
+    first phase's full share of one part and later phases' smaller shares of the others);
+    the slowest axis sets the time. On n equal axes that is the one-axis time over n, as
+    "How to Scale Your Model" (jax-ml/scaling-book, "Sharded Matrices": an AllGather over
+    several axes has their bandwidth times the number of axes) prices it."""
+    n = len(rings)
+    if n == 0:
+        return 0.0
+    busy = [0.0] * n
+    for first in range(n):
+        left = num_bytes / n
+        for step in range(n):
+            axis = (first + step) % n
+            ring = rings[axis]
+            busy[axis] += (ring.chips - 1) / ring.chips * left / ring.bandwidth(cluster)
+            left /= ring.chips
+    return max(busy)
 
 
 def torus_all_reduce_seconds(num_bytes: float, group: TorusGroup, cluster: Cluster) -> float:

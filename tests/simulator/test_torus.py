@@ -77,14 +77,27 @@ def test_partial_axis_is_a_line() -> None:
     assert gather_seconds(S, group, V5E) == pytest.approx(hand)
 
 
-def test_group_spanning_two_axes_runs_per_axis_phases() -> None:
+def test_group_spanning_two_axes_runs_per_axis_phases_on_both_axes_at_once() -> None:
     plan = Plan(dp=64, tp=16, global_batch=64)
     # 1024 chips on 8 x 8 x 16: tensor takes the 16-axis, data the two 8-axes.
     group = plan_group(plan, ("data", "fsdp", "context"), V5P)
     assert group == TorusGroup((Ring(8, True), Ring(8, True)))
-    # Reduce-scatter along x over S, then along y over the S/8 left, each ring at 2 x 90 GB/s.
-    hand = (7 * HOP + 7 / 8 * S / (2 * 90 * GB)) + (7 * HOP + 7 / 8 * (S / 8) / (2 * 90 * GB))
+    # Half the bytes reduce-scatter along x then y, half along y then x, each ring at 2 x 90 GB/s:
+    # each axis carries one half's first phase and the other's second, both axes at once.
+    one_order = 7 / 8 * S / (2 * 90 * GB) + 7 / 8 * (S / 8) / (2 * 90 * GB)
+    hand = 14 * HOP + one_order / 2
     assert gather_seconds(S, group, V5P) == pytest.approx(hand)
+
+
+def test_unequal_axes_are_priced_by_the_busier() -> None:
+    # 512 chips on 8 x 8 x 8 with tp 16: an 8-chip ring with wraparound, then a 2-chip line.
+    plan = Plan(dp=32, tp=16, global_batch=32)
+    group = plan_group(plan, ("tensor",), V5P)
+    assert group == TorusGroup((Ring(8, True), Ring(2, False)))
+    ring, line = 2 * 90 * GB, 90 * GB
+    on_ring = 7 / 8 * (S / 2) / ring + 7 / 8 * (S / 2 / 2) / ring
+    on_line = 1 / 2 * (S / 2) / line + 1 / 2 * (S / 2 / 8) / line
+    assert gather_seconds(S, group, V5P) == pytest.approx(8 * HOP + max(on_ring, on_line))
 
 
 def test_group_across_slices_crosses_dcn() -> None:
