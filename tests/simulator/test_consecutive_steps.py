@@ -116,7 +116,6 @@ def test_the_planner_prices_a_step_in_a_long_run_without_an_update_barrier() -> 
     assert free.pipeline_time_s == barrier.pipeline_time_s
 
 
-
 def test_search_prices_its_pipelines_without_the_barrier_when_asked(tmp_path: Path) -> None:
     argv = ["search", "--model", "llama-70b", "--cluster", "h100-80gb", "--gpus", "64", "--global-batch", "64"]
     argv += ["--schedules", "zbv", "--top", "1", "--csv"]
