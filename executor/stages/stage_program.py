@@ -84,92 +84,6 @@ def _getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], Leaves]:
     return itemgetter(*positions)
 
 
-class _Stored:
-    """How a stage keeps its residuals between ``F`` and the backward that reads them.
-
-    ``F`` returns its activation, then the residuals it computes; the backward takes the
-    stored residuals (:attr:`slots`: where each comes from among ``F``'s outputs and inputs),
-    the parameters and inputs it reads passed by reference. Packed (a stage on a mesh of
-    one device), the computed residuals leave ``F`` as one flat buffer per dtype and the
-    backward slices them back out inside its program: every argument and result buffer of
-    a program costs the host time at each dispatch (a few microseconds each on a TPU), and
-    a stage keeps dozens of residuals. Not packed (a stage over several devices, whose
-    residuals XLA lays out each its own way), each residual is a buffer of its own.
-
-    ``W`` reads some stored residuals (``handoff_refs``: ``(True, k)`` stored residual
-    ``k``, ``(False, j)`` output cotangent ``j``); packed ones come out of ``I``, sliced, so
-    that the packs are dropped after ``I`` as the residuals ``W`` does not read would be.
-    """
-
-    __slots__ = ("num_sent", "packed", "num_packs", "num_outputs", "slots", "ref_positions", "_res_slots", "_avals", "_groups",
-                 "_weight_reads")  # fmt: skip
-
-    def __init__(
-        self,
-        res_slots: tuple[_Slot, ...],
-        avals: tuple[Any, ...],
-        *,
-        num_sent: int,
-        packed: bool,
-        handoff_refs: tuple[tuple[bool, int], ...],
-    ) -> None:
-        self.num_sent = num_sent  # F's computed outputs that are its activation (they come first)
-        self._res_slots = res_slots  # the stored residuals, in the backward's order
-        self._avals = avals  # the computed residuals', in F's output order
-        groups: dict[Any, list[int]] = {}
-        if packed and not any(jnp.issubdtype(a.dtype, jax.dtypes.extended) for a in avals):
-            for k, a in enumerate(avals):
-                groups.setdefault(jnp.dtype(a.dtype), []).append(k)
-        self._groups = tuple(tuple(group) for group in groups.values())
-        self.num_packs = len(self._groups)
-        self.packed = self.num_packs > 0
-        # F's outputs besides the running loss: the activation, then the packs or the residuals.
-        self.num_outputs = num_sent + (self.num_packs if self.packed else len(avals))
-        by_ref = [k for k, (kind, _) in enumerate(res_slots) if not (self.packed and kind == _COMPUTED)]
-        # What the backward takes: the packs (F's outputs after its activation), then the rest.
-        self.slots: tuple[_Slot, ...] = tuple((_COMPUTED, num_sent + g) for g in range(self.num_packs)) + tuple(
-            res_slots[k] for k in by_ref
-        )
-        in_packs = [self.packed and kind == _COMPUTED for kind, _ in res_slots]
-        weight_reads = [k for stored, k in handoff_refs if stored and in_packs[k]]
-        self._weight_reads = _getter(weight_reads)
-        # W's reads as positions in (what I returns for it, the stored residuals, the cotangents).
-        at = {k: len(weight_reads) + self.num_packs + n for n, k in enumerate(by_ref)}
-        self.ref_positions = tuple(
-            (weight_reads.index(k) if in_packs[k] else at[k]) if stored else len(weight_reads) + len(self.slots) + k
-            for stored, k in handoff_refs
-        )
-
-    def pack(self, values: Sequence[Any]) -> Leaves:
-        """``F``'s computed outputs (activation, then residuals) as ``F`` returns them."""
-        if not self.packed:
-            return tuple(values)
-        residuals = values[self.num_sent :]
-        packs = (jnp.concatenate([jnp.ravel(residuals[k]) for k in group]) for group in self._groups)
-        return (*values[: self.num_sent], *packs)
-
-    def unpack(self, kept: Leaves) -> Leaves:
-        """The stored residuals in the backward's order, from what it takes (:attr:`slots`)."""
-        if not self.packed:
-            return tuple(kept)
-        values: list[Any] = [None] * len(self._avals)
-        for group, flat in zip(self._groups, kept[: self.num_packs], strict=True):
-            offset = 0
-            for k in group:
-                shape = tuple(self._avals[k].shape)
-                size = math.prod(shape)
-                values[k] = jax.lax.slice(flat, (offset,), (offset + size,)).reshape(shape)
-                offset += size
-        by_ref = iter(kept[self.num_packs :])
-        return tuple(
-            values[where - self.num_sent] if kind == _COMPUTED else next(by_ref) for kind, where in self._res_slots
-        )
-
-    def weight_reads(self, residuals: Leaves) -> Leaves:
-        """Of the stored residuals (in the backward's order), the packed ones ``W`` reads."""
-        return self._weight_reads(residuals)
-
-
 class StageProgram:
     """One stage's compiled programs, as the interpreter calls them.
 
@@ -200,7 +114,6 @@ class StageProgram:
         "_num_res",
         "_handoff_refs",
         "_pick_refs",
-        "_stored",
         "_param_avals",
         "_master_avals",
         "_cast",
@@ -259,22 +172,11 @@ class StageProgram:
             for i in split.handoff_inputs
             if i not in self._const_res
         )
-        # The forward's computed outputs: its activation's first, then the residuals.
-        num_sent = sum(1 for kind, _ in y_slots if kind == _COMPUTED)
-        self._stored = _Stored(
-            self._res_slots,
-            tuple(out_avals[i] for i in computed[num_sent:]),
-            num_sent=num_sent,
-            packed=layout.mesh.size == 1,
-            handoff_refs=self._handoff_refs,
-        )
-        self._pick_refs = _getter(self._stored.ref_positions)
-        sizes = {
-            "num_computed": self._stored.num_outputs,
-            "num_inputs": len(param_avals) + sum(map(len, example[:2])),
-        }
+        num_stored = len(self._res_slots)
+        self._pick_refs = _getter([k if stored else num_stored + k for stored, k in self._handoff_refs])
+        sizes = {"num_computed": len(computed), "num_inputs": len(param_avals) + sum(map(len, example[:2]))}
         self._pick_y = _picker(y_slots, **sizes)
-        self._pick_res = _picker(self._stored.slots, **sizes)
+        self._pick_res = _picker(self._res_slots, **sizes)
         self._jit(forward, computed=computed, out_avals=out_avals, ct_avals=ct_avals, num_y=len(y_slots))
 
     def _jit(
@@ -283,13 +185,13 @@ class StageProgram:
         """Compile ``F``, ``B``, ``I``, ``W`` and the accumulators' programs for the mesh."""
         layout, split, last = self.layout, self.split, self.last
         shards = DataShards(layout)
-        stored = self._stored
         forward_fn, backward_fn, input_fn, weight_fn = _step_functions(
             forward, split, computed=computed, const_res=self._const_res, num_res=self._num_res, last=last,
-            shards=shards, stored=stored,
+            shards=shards,
         )  # fmt: skip
         activations = 0 if last else num_y
-        self._num_sent = stored.num_sent
+        # The computed outputs of F that are its activation (they come first).
+        self._num_sent = sum(1 for i in computed if i < activations)
         forms = stage_forms(
             shards,
             num_params=len(self._param_avals),
@@ -304,8 +206,9 @@ class StageProgram:
             handoff_refs=self._handoff_refs,
         )
         # Activations leave split over "data"; residuals stay where XLA computed them.
-        sent = tuple(layout.batch(_whole(out_avals[i], shards.dp).shape) for i in computed[: stored.num_sent])
-        values_at = sent + (None,) * (stored.num_outputs - stored.num_sent)
+        values_at = tuple(
+            layout.batch(_whole(out_avals[i], shards.dp).shape) if i < activations else None for i in computed
+        )
         cts_at = tuple(layout.batch(a.shape) for a in ct_avals)
         acc_at = layout.accumulators
         self._forward = jax.jit(
@@ -318,12 +221,9 @@ class StageProgram:
         )  # fmt: skip
         # Without equations, I only passes values on: nothing to compile unless each
         # device's share must be taken.
-        # A program over several devices keeps its residuals apart: W reads none through I.
-        input_program = shards.program(input_fn, (forms.stored, forms.cts), (forms.input_cts, (forms.handoff, ())))
+        input_program = shards.program(input_fn, (forms.stored, forms.cts), (forms.input_cts, forms.handoff))
         self._input = (
-            jax.jit(input_program, out_shardings=(cts_at, None))
-            if split.input_eqns or shards.split or stored.packed
-            else input_fn
+            jax.jit(input_program, out_shardings=(cts_at, None)) if split.input_eqns or shards.split else input_fn
         )
         self._weight = jax.jit(
             shards.program(weight_fn, (forms.handoff, forms.refs, forms.acc), forms.acc),
@@ -363,8 +263,8 @@ class StageProgram:
 
     def backward_input(self, residuals: Leaves, ct: Leaves) -> tuple[Leaves, Leaves]:
         """``I``: (input cotangents, the hand-over to ``W``)."""
-        input_cts, (computed, kept) = self._input(residuals, ct)
-        return input_cts, (computed, self._pick_refs((*kept, *residuals, *ct)))
+        input_cts, computed = self._input(residuals, ct)
+        return input_cts, (computed, self._pick_refs((*residuals, *ct)))
 
     def backward_weight(self, handoff: Leaves, acc: Leaves) -> Leaves:
         """``W``: the accumulator with this microbatch's parameter gradients added."""
@@ -747,38 +647,35 @@ def _step_functions(
     num_res: int,
     last: bool,
     shards: DataShards,
-    stored: _Stored,
 ) -> tuple[Any, Any, Any, Any]:
     """The four functions a stage's programs jit, each on one device's share of the
     microbatch: ``F`` (forward; on the last stage ``(p, x, t, loss)``, adding the
     devices' loss, else ``(p, x, t)``), ``B`` (both halves of the backward, accumulating
-    parameter gradients), ``I`` (input gradients and the hand-off to ``W``, with the
-    stored residuals ``W`` reads that ``I`` took packed) and ``W`` (parameter gradients
-    from the hand-off). ``const_res`` are residuals baked in as trace constants;
-    ``stored`` is how the residuals are kept between ``F`` and its backward."""
+    parameter gradients), ``I`` (input gradients and the hand-off to ``W``) and ``W``
+    (parameter gradients from the hand-off). ``const_res`` are residuals baked in as trace
+    constants."""
     run_forward = jaxpr_as_fun(forward)
 
     def forward_values(p: Leaves, x: Leaves, t: Leaves) -> Leaves:
         outs = run_forward(*p, *x, *t)
-        return stored.pack([outs[i] for i in computed])
+        return tuple(outs[i] for i in computed)
 
     def forward_loss(p: Leaves, x: Leaves, t: Leaves, loss: Any) -> tuple[Leaves, Any]:
         outs = run_forward(*p, *x, *t)
-        return stored.pack([outs[i] for i in computed]), loss + shards.total(outs[0])
+        return tuple(outs[i] for i in computed), loss + shards.total(outs[0])
 
-    def inputs_of(kept: Leaves, ct: Leaves) -> list[Any]:
-        it = iter(kept)
+    def inputs_of(stored: Leaves, ct: Leaves) -> list[Any]:
+        it = iter(stored)
         res = [const_res[i] if i in const_res else next(it) for i in range(num_res)]
         return res + list(ct)
 
-    def backward_fn(kept: Leaves, ct: Leaves, acc: Leaves) -> tuple[Leaves, Leaves]:
-        param_cts, input_cts = split.full(inputs_of(stored.unpack(kept), ct))
+    def backward_fn(stored: Leaves, ct: Leaves, acc: Leaves) -> tuple[Leaves, Leaves]:
+        param_cts, input_cts = split.full(inputs_of(stored, ct))
         return tuple(input_cts), shards.accumulate(acc, param_cts)
 
-    def input_fn(kept: Leaves, ct: Leaves) -> tuple[Leaves, tuple[Leaves, Leaves]]:
-        residuals = stored.unpack(kept)
-        input_cts, handoff = split.input_half(inputs_of(residuals, ct))
-        return tuple(input_cts), (tuple(handoff), stored.weight_reads(residuals))
+    def input_fn(stored: Leaves, ct: Leaves) -> tuple[Leaves, Leaves]:
+        input_cts, handoff = split.input_half(inputs_of(stored, ct))
+        return tuple(input_cts), tuple(handoff)
 
     def weight_fn(handoff: Leaves, refs: Leaves, acc: Leaves) -> Leaves:
         it = iter(refs)
