@@ -323,10 +323,8 @@ class StageProgram:
             handed = sum(_bytes(i, at) for i, at in zip(infos, shardings, strict=True))
         referenced = 0
         for stored, k in self._handoff_refs:
-            if stored and (self._res_slots[k][0] != _COMPUTED or self._stored.packed):
-                # A parameter or an input, kept by reference whatever W reads; or a packed
-                # residual, which I hands over sliced out of its pack (counted above).
-                continue
+            if stored and self._res_slots[k][0] != _COMPUTED:
+                continue  # a parameter or an input, kept by reference whatever W reads
             value = residuals[k] if stored else cts[k]
             referenced += _bytes(value, value.sharding)
         return handed + referenced
