@@ -22,7 +22,7 @@ from pipedsl.policy import Policy
 from pipedsl.validate import validate
 
 SEED = 20240611
-MUTANTS_PER_FILE = 600  # per library file: over 5,000 mutants in all
+MUTANTS_PER_FILE = 400  # per library file: over 5,000 mutants in all
 MAX_ACTIONS = 20_000  # keeps any one evaluation (and its validation) fast
 
 _TOKEN = re.compile(r'"[^"\n]*"|#[^\n]*|[0-9]+[A-Za-z0-9_]*|[A-Za-z_][A-Za-z0-9_]*|\.\.|->|[=!<>]=|\S')
