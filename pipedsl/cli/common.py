@@ -54,7 +54,6 @@ __all__ = [
     "option_error",
     "add_command",
     "make_console",
-    "plural",
     "positive_int",
 ]
 
@@ -94,13 +93,6 @@ def terminate_raises() -> Iterator[None]:
 def milliseconds(seconds: float | None) -> str:
     """``seconds`` in milliseconds to a tenth ("12.3"), or "-" where there is no figure (None)."""
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
-
-
-def plural(count: int, noun: str) -> str:
-    """``count`` and ``noun``, plural unless ``count`` is one: "1 stage", "2 stages", "3 microbatches"."""
-    if count == 1:
-        return f"{count} {noun}"
-    return f"{count} {noun}es" if noun.endswith(("ch", "sh", "s", "x")) else f"{count} {noun}s"
 
 
 def parse_params(items: Sequence[str]) -> dict[str, int]:

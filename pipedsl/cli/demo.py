@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipedsl.cli.calibrate import MACHINE_MICROBATCH, Measurement, Run, measure
-from pipedsl.cli.common import add_command, load_schedule, make_console, milliseconds, plural
+from pipedsl.cli.common import add_command, load_schedule, make_console, milliseconds
 from pipedsl.cli.machine import (
     MachineCalibration,
     calibrate_machine,
@@ -76,6 +76,7 @@ from pipedsl.simulator.calibration.machine import cluster_toml
 from pipedsl.simulator.ranked import zero_words
 from pipedsl.simulator.search import DEFAULT_PRUNE
 from pipedsl.validate import validate
+from pipedsl.words import plural
 
 __all__ = [
     "register", "GLOBAL_BATCH", "demo_calibration_steps", "calibrated_search", "plans_to_run",

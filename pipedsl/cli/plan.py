@@ -34,7 +34,6 @@ from pipedsl.cli.common import (
     add_schedule_params,
     make_console,
     option_error,
-    plural,
     positive_int,
     terminate_raises,
 )
@@ -54,6 +53,7 @@ from pipedsl.simulator.candidates import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount
+from pipedsl.simulator.frameworks import default_framework
 from pipedsl.simulator.hardware import (
     Cluster,
     Model,
@@ -66,7 +66,9 @@ from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.ranked import zero_words
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
+from pipedsl.simulator.search_work import MAX_PAIRS_PER_SCHEDULE, SearchWork
 from pipedsl.simulator.speed import relative_speed
+from pipedsl.words import plural
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -142,6 +144,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     pipelines = Pipelines()
     microbatches = args.global_batch // (args.dp * args.microbatch_size)
     vpp = args.vpp if args.vpp is not None else _placed_vpp(args.schedule, args.pp, microbatches, own, pipelines)
+    base = load_cluster(args.cluster)
     plan = Plan(
         dp=args.dp,
         fsdp=args.fsdp,
@@ -163,7 +166,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         reduce_once=args.reduce_once,
         reshard_after_forward=not args.keep_weights,
         stage_layers=stage_layers(args.stage_layers, model, args.pp * vpp),
-        framework=args.framework,
+        framework=args.framework or default_framework(base),
         schedule_params=own,
         update_barrier=not args.no_update_barrier,
     )
@@ -172,7 +175,14 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             f"estimate: {plan.gpus:,} GPUs and a global batch of {plan.global_batch:,} sequences; the estimator"
             f" plans for at most {MAX_GPUS:,} GPUs and {MAX_GLOBAL_BATCH:,} sequences: check the numbers"
         )
-    cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=plan.gpus, command="estimate")
+    pairs = SearchWork.of([plan]).total
+    if pairs > MAX_PAIRS_PER_SCHEDULE:
+        raise PipedslError(
+            f"estimate: {plan.label} runs {plan.microbatches:,} microbatches through {plan.pp * plan.vpp:,} stages,"
+            f" {pairs:,} (stage, microbatch) pairs, past the {MAX_PAIRS_PER_SCHEDULE:,} the estimator evaluates: a"
+            " smaller --global-batch, or a larger --microbatch-size or --dp, needs fewer"
+        )
+    cluster = _sliced(base, slices=args.slices, devices=plan.gpus, command="estimate")
     result = estimate(model, cluster, plan, pipelines=pipelines)
     count = FlopCount(args.mfu_flops)
     advice = [] if result.fits else fit_advice(model, cluster, plan)
@@ -229,6 +239,7 @@ def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> Non
     from rich.table import Table
 
     plan, memory = result.plan, result.memory
+    device = result.cluster.devices_word.removesuffix("s")
     console.print(
         f"[bold]{result.model.name}[/] on {plan.gpus} x {result.cluster.gpu} ({result.cluster.name}): {plan.label}, "
         f"{plan.microbatches} microbatches of {plan.microbatch_size}"
@@ -243,8 +254,8 @@ def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> Non
     table.add_row("pipeline bubble", f"{100 * result.bubble:.1f} %")
     table.add_row("tokens per second", f"{result.tokens_per_s:,.0f}")
     table.add_row(f"MFU ({flops_words(count)})", f"{100 * result.mfu_by(count):.1f} %")
-    table.add_row("  model TFLOP/s per GPU", f"{result.tflops_per_gpu(count):.0f}")
-    table.add_row("memory per GPU", f"{memory.total / _GIB:.1f} GiB of {memory.usable / _GIB:.1f} GiB usable")
+    table.add_row(f"  model TFLOP/s per {device}", f"{result.tflops_per_gpu(count):.0f}")
+    table.add_row(f"memory per {device}", f"{memory.total / _GIB:.1f} GiB of {memory.usable / _GIB:.1f} GiB usable")
     table.add_row("  weights", f"{memory.weights / _GIB:.1f} GiB")
     table.add_row("  gradients", f"{memory.gradients / _GIB:.1f} GiB")
     table.add_row("  optimizer state", f"{memory.optimizer / _GIB:.1f} GiB")

@@ -218,8 +218,12 @@ class PlannedRun:
         return None
 
     def command(self) -> str:
-        """The ``pipedsl run`` command line that runs this plan's layout on the built-in transformer."""
-        params = " ".join(f"-p {k}={v}" for k, v in self.params().items())
+        """The ``pipedsl run`` command line that runs this plan's layout on the built-in
+        transformer: ``pipedsl run --spmd -p microbatches=M ...`` for an SPMD plan."""
+        if self.kind == "spmd":
+            params = f"--spmd -p microbatches={self.microbatches}"
+        else:
+            params = f"{self.schedule} " + " ".join(f"-p {k}={v}" for k, v in self.params().items())
         options = f" --fsdp {self.fsdp}" if self.fsdp is not None else ""
         options += " --reduce-once" if self.reduce_once else ""
         options += f" --recompute {self.recompute}" if self.recompute != "none" else ""
@@ -227,7 +231,7 @@ class PlannedRun:
         options += " --fused-attention" if self.flash_attention else ""
         options += " --shared-devices" if self.shared_devices else ""
         return (
-            f"pipedsl run {self.schedule} {params} --model transformer --dp {self.dp} --tp {self.tp}"
+            f"pipedsl run {params} --model transformer --dp {self.dp} --tp {self.tp}"
             f"{f' --cp {self.cp}' if self.cp > 1 else ''} "
             f"--zero {self.zero} --microbatch-size {self.microbatch_size}{options}"
         )

@@ -16,7 +16,6 @@ from pipedsl.cli.common import (
     add_param_option,
     default_costs_note,
     load_schedule,
-    plural,
     report_error,
     synthesize_policy,
 )
@@ -27,6 +26,7 @@ from pipedsl.policy import Policy
 from pipedsl.program import lower
 from pipedsl.rendezvous import exchange_groups, exchange_order
 from pipedsl.validate import validate
+from pipedsl.words import plural
 
 __all__ = ["register"]
 

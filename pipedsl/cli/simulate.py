@@ -25,7 +25,6 @@ from pipedsl.cli.common import (
     add_param_option,
     load_schedule,
     make_console,
-    plural,
     report_error,
     synthesize_policy,
 )
@@ -37,6 +36,7 @@ from pipedsl.simulator.engine import Simulation, simulate
 from pipedsl.simulator.speed import relative_speed
 from pipedsl.timeline import Timeline
 from pipedsl.validate import checked
+from pipedsl.words import plural
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -238,7 +238,7 @@ def _print_summary(sim: Simulation) -> None:
         f"[bold]{sim.label}[/bold]: {plural(schedule.num_stages, 'stage')} on {plural(schedule.num_devices, 'device')}, "
         f"{plural(schedule.num_microbatches, 'microbatch')}, {plural(schedule.num_actions, 'action')}"
     )
-    console.print(f"costs: {sim.costs.describe()}")
+    console.print(f"costs: {sim.costs.describe(split=sim.schedule.splits_backward)}")
     console.print(
         f"makespan [bold]{_seconds_text(sim.makespan)} s[/bold]   bubble [bold]{sim.bubble_ratio:.2%}[/bold]   "
         f"critical path {_critical_summary(sim)}"
@@ -288,7 +288,8 @@ def _print_comparison(sims: Sequence[tuple[str, Simulation]]) -> None:
             row.append(_bytes_text(max((d.peak_activation_bytes for d in sim.devices), default=0)))
         table.add_row(*row)
     console = make_console(width=160)
-    console.print(f"[bold]ranked by makespan[/bold]  (costs: {ranked[0][1].costs.describe()})")
+    split = any(s.schedule.splits_backward for _, s in ranked)
+    console.print(f"[bold]ranked by makespan[/bold]  (costs: {ranked[0][1].costs.describe(split=split)})")
     console.print(table)
     console.print(
         "peak in-flight: the most stage activation sets a device holds at once; in parentheses, "
