@@ -45,7 +45,7 @@ from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, PlanError, schedule_name
 from pipedsl.simulator.policy_plans import prepare_plan, takes_limit
-from pipedsl.simulator.ranked import COLUMNS, RankedPlan, Summary, describe, summarize
+from pipedsl.simulator.ranked import COLUMNS, RankedPlan, Summary, describe, plan_columns, summarize
 from pipedsl.simulator.search_work import SearchWork, stages_per_device
 from pipedsl.simulator.workers import Advance, available_cores, run_in_workers
 from pipedsl.validate import validate
@@ -65,7 +65,16 @@ __all__ = [
     "COLUMNS",
     "DEFAULT_PRUNE",
     "PARALLEL_FROM",
+    "BOUNDED_COLUMNS",
+    "Bounded",
 ]
+
+BOUNDED_COLUMNS = (
+    *COLUMNS[1:16], "sequence_parallel", "flash_attention", "reduce_bytes", "shared_devices", "memory_bytes_per_gpu",
+    "step_time_bound_s",
+)  # fmt: skip
+"""The columns of ``attrs["bounded"]``: a plan's own (:func:`~pipedsl.simulator.ranked.plan_columns`),
+the memory of its fullest device and its lower bound on the step time."""
 
 Progress = Callable[[str, int, int], None]
 """Called with (phase, plans done, plans in all) as the search goes: phase ``"costing"``
@@ -168,7 +177,13 @@ def search(
         frame["rank"] = frame["rank"].astype("int64")
     if top is not None:
         frame = frame.head(top)
+    bounded = attrs.pop("bounded")
     frame.attrs.update(attrs)
+    frame.attrs["bounded"] = pd.DataFrame(
+        [{**plan_columns(b.plan), "memory_bytes_per_gpu": b.memory_bytes, "step_time_bound_s": b.step_time_bound_s}
+         for b in bounded],
+        columns=[*BOUNDED_COLUMNS],
+    )  # fmt: skip
     return frame
 
 
@@ -254,8 +269,9 @@ def _search(
     # A stable sort: plans of equal step time keep the order they were finished in.
     finished = sorted(chain.from_iterable(part.finished for part in parts), key=lambda e: e.step_time_s)
     dropped: Counter[str] = sum((part.dropped for part in parts), Counter())
+    bounded = [b for part in parts for b in part.bounded]
     if keep is not None:
-        finished = _shortlisted(finished, keep, dropped)
+        finished = _shortlisted(finished, keep, dropped, bounded)
     ranked = tuple(RankedPlan.of(rank, e) for rank, e in enumerate(finished, start=1))
     attrs = dict(
         considered=len(plans),
@@ -269,6 +285,7 @@ def _search(
         devices_word=cluster.devices_word,
         assumptions=[(a.name, a.value, a.meaning) for a in finished[0].assumptions] if finished else [],
         global_batch=batch,
+        bounded=sorted(bounded, key=lambda b: b.step_time_bound_s),
         explanation=Explanation.of(
             considered=len(plans),
             ranked=len(ranked),
@@ -304,6 +321,17 @@ class _Tally:
 
 
 @dataclass(frozen=True, slots=True)
+class Bounded:
+    """A plan that fits but was not simulated: its lower bound on the step time, seconds
+    (the step time itself for a plan simulated and left off a shortlist), and the bytes
+    its fullest device holds."""
+
+    plan: Plan
+    step_time_bound_s: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Part:
     """One part of the search ranked: its plans finished, in the order they were
     finished; the plans dropped, by reason; the distinct simulations run."""
@@ -311,6 +339,7 @@ class _Part:
     finished: tuple[Estimate, ...]
     dropped: Counter[str]
     simulations: int
+    bounded: tuple[Bounded, ...]
 
 
 def _parts(plans: list[Plan]) -> list[list[Plan]]:
@@ -425,9 +454,10 @@ def _rank_part(
     dropped: Counter[str] = Counter()
     with paused_collector():
         prepared = _cost(model, cluster, plans, pipelines, dropped, advance)
-        finished = _simulate(prepared, keep, prune, beyond, dropped)
+        bounded: list[Bounded] = []
+        finished = _simulate(prepared, keep, prune, beyond, dropped, bounded)
     advance("simulating", len(plans))
-    return _Part(tuple(finished), dropped, pipelines.num_simulations)
+    return _Part(tuple(finished), dropped, pipelines.num_simulations, tuple(bounded))
 
 
 def _cost(
@@ -500,7 +530,12 @@ def _reason(err: PipedslError, plan: Plan) -> str:
 
 
 def _simulate(
-    prepared: list[Prepared], keep: int | None, prune: float | None, beyond: float, dropped: Counter[str]
+    prepared: list[Prepared],
+    keep: int | None,
+    prune: float | None,
+    beyond: float,
+    dropped: Counter[str],
+    bounded: list[Bounded],
 ) -> list[Estimate]:
     """Finish the prepared plans. SPMD plans cost nothing more and are all finished.
     Pipeline plans go schedule by schedule: best-first by lower bound until that
@@ -509,7 +544,7 @@ def _simulate(
     once; with a shortlist of ``keep``, the rest only best-first while their bound is
     below both the schedule's ``keep``-th best step time and ``beyond`` (seconds, the
     ``keep``-th best elsewhere). So every schedule's best plan is exact, however far
-    behind the others."""
+    behind the others. The plans left unsimulated go to ``bounded``."""
     results = [p.finish() for p in prepared if p.key is None]
     by_schedule: dict[str, list[Prepared]] = {}
     for p in prepared:
@@ -527,6 +562,7 @@ def _simulate(
         rest = order[settled:]
         if prune is not None:
             kept = [p for p in rest if p.lower_bound_s <= prune * best]
+            bounded.extend(_bounded(p) for p in rest if p.lower_bound_s > prune * best)
             if len(kept) < len(rest):
                 dropped[f"over {prune:g}x its schedule's best step time (lower bound)"] += len(rest) - len(kept)
             rest = kept
@@ -535,12 +571,17 @@ def _simulate(
             done = [(p, p.finish()) for p in rest]
         else:
             done = _settle_best(rest, [e.step_time_s for e in finished], keep, beyond, dropped)
+            bounded.extend(_bounded(p) for p in rest[len(done) :])
             # In the order the whole ranking finishes them: equal step times keep it in
             # the final (stable) sort.
             done.sort(key=lambda pair: _group(pair[0].plan))
         results.extend(finished)
         results.extend(estimate for _, estimate in done)
     return results
+
+
+def _bounded(prepared: Prepared) -> Bounded:
+    return Bounded(prepared.plan, prepared.lower_bound_s, prepared.memory.total)
 
 
 def _not_listed(keep: int) -> str:
@@ -573,15 +614,18 @@ def _settle_best(
     return done
 
 
-def _shortlisted(ranked: list[Estimate], keep: int, dropped: Counter[str]) -> list[Estimate]:
+def _shortlisted(ranked: list[Estimate], keep: int, dropped: Counter[str], bounded: list[Bounded]) -> list[Estimate]:
     """The best ``keep`` of ``ranked`` (best first) and the best of each schedule (and
-    of the SPMD plans), in the order given; the rest counted in ``dropped``."""
+    of the SPMD plans), in the order given; the rest counted in ``dropped`` and added to
+    ``bounded`` (their step time, their bound)."""
     seen: set[str | None] = set()
     listed = []
     for rank, estimate in enumerate(ranked):
         schedule = estimate.plan.schedule
         if rank < keep or schedule not in seen:
             listed.append(estimate)
+        else:
+            bounded.append(Bounded(estimate.plan, estimate.step_time_s, estimate.memory.total))
         seen.add(schedule)
     if len(listed) < len(ranked):
         dropped[_not_listed(keep)] += len(ranked) - len(listed)

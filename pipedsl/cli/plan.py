@@ -324,9 +324,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
             global_batch=args.global_batch,
             schedules=schedules,
             extra_schedules=args.extra,
-            # What is printed needs only the best --top and each schedule's best; a CSV has
-            # every plan.
-            shortlist=args.top if args.csv is None else None,
+            # What is printed needs only the best --top and each schedule's best; so does a
+            # CSV, whose other plans come with their lower bounds (all of them ranked with
+            # --no-prune).
+            shortlist=None if args.no_prune and args.csv is not None else args.top,
             prune=None if args.no_prune else args.prune,
             progress=progress,
             jobs=args.jobs,
@@ -342,11 +343,27 @@ def _cmd_search(args: argparse.Namespace) -> int:
     search_mfu(frame, load_model(args.model), FlopCount(args.mfu_flops))
     if args.csv is not None:
         try:
-            frame.to_csv(args.csv, index=False)
+            _plans_table(frame).to_csv(args.csv, index=False)
         except OSError as error:
             raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
     _print_search(frame, make_console(), top=args.top, csv=args.csv, layers=load_model(args.model).layers)
     return EXIT_OK if len(frame) else EXIT_NOTHING_FITS
+
+
+def _plans_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """What ``--csv`` writes: the ranked plans, then every other plan that fits, by its
+    lower bound on the step time (``step_time_bound_s``; a ranked plan's is its step time),
+    without a rank or a step time: they were not simulated."""
+    import pandas as pd
+
+    ranked = frame.assign(step_time_bound_s=frame["step_time_s"])
+    bounded = frame.attrs["bounded"].assign(model=frame.attrs["model"])
+    ranked.attrs = {}  # the search's record stays with the search; a table is written
+    if bounded.empty:
+        return ranked
+    # Whole-number columns that the bounded rows leave empty stay whole numbers.
+    whole = {c: "Int64" for c in ("rank", "inflight_limit")}
+    return pd.concat([ranked.astype(whole), bounded], ignore_index=True)[ranked.columns]
 
 
 def _sliced(cluster: Cluster, *, slices: int, devices: int, command: str) -> Cluster:
@@ -445,7 +462,12 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
     for name, value, meaning in attrs["assumptions"]:
         console.print(f"  {name} = {value}: {meaning}", highlight=False)
     if csv is not None:
-        console.print(f"all {len(frame)} ranked plans written to {csv}")
+        bounded = len(frame.attrs["bounded"])
+        console.print(
+            f"{plural(len(frame), 'ranked plan')} written to {csv}"
+            + (f", and {bounded:,} more that fit, each with a lower bound on its step time" if bounded else ""),
+            highlight=False,
+        )
     _print_run_command(frame.iloc[0].to_dict(), console, csv=csv)
 
 
@@ -676,7 +698,10 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         help="show the best K plans (default 15); without --csv only they and each schedule's best are ranked",
     )
     src.add_argument(
-        "--csv", metavar="OUT", help="write every ranked plan to this CSV file (every plan within --prune is ranked)"
+        "--csv",
+        metavar="OUT",
+        help="write the ranked plans to this CSV file, then every other plan that fits with a lower bound on its step"
+        " time (step_time_bound_s; with --no-prune every plan is ranked)",
     )
     src.add_argument("--schedules", metavar="A,B", help="try only these library schedules (comma-separated)")
     add_schedule_params(

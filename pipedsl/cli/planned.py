@@ -245,11 +245,13 @@ def read_plan(path: str | Path, rank: int) -> PlannedRun:
             rows = list(csv.DictReader(handle))
     except (OSError, UnicodeDecodeError) as err:
         raise PipedslError(f"{where}: cannot read the plans: {getattr(err, 'strerror', None) or err}") from None
-    for index, row in enumerate(rows):
-        row_rank = row.get("rank") or str(index + 1)
-        if row_rank.strip() == str(rank):
+    # A row without a rank was not simulated (search --csv lists it with a lower bound).
+    ranks = [str(index + 1) if row.get("rank") is None else row["rank"].strip() for index, row in enumerate(rows)]
+    for row_rank, row in zip(ranks, rows, strict=True):
+        if row_rank == str(rank):
             return PlannedRun.from_row(row, where=f"{where}, rank {rank}")
-    raise PipedslError(f"{where}: no plan of rank {rank}; it ranks {len(rows)} plans (1 .. {len(rows)})")
+    ranked = sum(1 for r in ranks if r)
+    raise PipedslError(f"{where}: no plan of rank {rank}; it ranks {ranked} plans (1 .. {ranked})")
 
 
 def _flag(value: Any, name: str, where: str, *, absent: bool = True) -> bool:

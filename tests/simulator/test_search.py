@@ -31,7 +31,7 @@ from pipedsl.simulator.hardware import Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.ranked import describe
-from pipedsl.simulator.search import COLUMNS, candidate_plans, search, search_plans, summarize
+from pipedsl.simulator.search import BOUNDED_COLUMNS, COLUMNS, candidate_plans, search, search_plans, summarize
 from pipedsl.simulator.search_work import MAX_PAIRS, MAX_PAIRS_PER_SCHEDULE, SearchWork, stages_per_device
 from pipedsl.synthesize import synthesize
 
@@ -365,8 +365,19 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
     printed = " ".join(capsys.readouterr().out.split())  # rich wraps long sentences
     assert "best 5 plans" in printed and "SPMD plan" in printed and "(2 processes)" in printed
     written = pd.read_csv(out)
-    assert tuple(written.columns) == COLUMNS
-    assert len(written) > 5
+    assert tuple(written.columns) == (*COLUMNS, "step_time_bound_s")
+    ranked = written[written["rank"].notna()]
+    bounded = written[written["rank"].isna()]
+    assert len(ranked) > 5 and len(bounded) > 0
+    assert bounded["step_time_s"].isna().all() and (bounded["step_time_bound_s"] > 0).all()
+    # Each bounded row's bound is at most its step time, as the whole ranking (--no-prune) prices it.
+    assert _run([*argv, "--no-prune", "--csv", str(tmp_path / "all.csv")]) == 0
+    full = pd.read_csv(tmp_path / "all.csv")
+    assert full["rank"].notna().all()
+    key = [c for c in BOUNDED_COLUMNS if c not in ("memory_bytes_per_gpu", "step_time_bound_s")]
+    both = bounded.fillna({"source": ""}).merge(full.fillna({"source": ""}), on=key, suffixes=("", "_full"))
+    assert len(both) == len(bounded)
+    assert (both["step_time_bound_s"] <= both["step_time_s_full"] * (1 + 1e-9)).all()
 
 
 def test_cli_search_names_and_runs_a_context_parallel_best_plan(capsys: pytest.CaptureFixture[str]) -> None:
