@@ -107,12 +107,13 @@ def test_a_shortlist_is_the_full_rankings_best_and_each_schedules_best(keep: int
     wanted = full[key][full.index.isin(best.index.union(each.index))]
     assert listed[key].values.tolist() == wanted.values.tolist()
     assert listed.attrs["simulations"] < full.attrs["simulations"]
-    # Every plan the full ranking ranks is on the shortlist or counted off it, whichever
-    # schedules came in first.
+    # Every plan is ranked or counted off, whichever schedules came in first: plans whose
+    # bound from the work alone is past the list are not even costed.
     dropped = dict(listed.attrs["dropped"])
-    off = dropped.pop(f"not among the best {keep} nor its schedule's best")
-    assert dropped == full.attrs["dropped"]
-    assert off + len(listed) == len(full)
+    assert dropped.pop(f"not among the best {keep} nor its schedule's best") > 0
+    assert len(listed) + sum(listed.attrs["dropped"].values()) == len(full) + sum(full.attrs["dropped"].values())
+    for reason, count in dropped.items():
+        assert reason.startswith("not costed") or count <= full.attrs["dropped"][reason]
 
 
 def test_top_ranks_no_more_than_the_top_needs() -> None:
@@ -376,8 +377,9 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert full["rank"].notna().all()
     key = [c for c in BOUNDED_COLUMNS if c not in ("memory_bytes_per_gpu", "step_time_bound_s")]
     both = bounded.fillna({"source": ""}).merge(full.fillna({"source": ""}), on=key, suffixes=("", "_full"))
-    assert len(both) == len(bounded)
     assert (both["step_time_bound_s"] <= both["step_time_s_full"] * (1 + 1e-9)).all()
+    # A costed row (its memory known) fits, so the whole ranking has it; an uncosted one may not fit.
+    assert len(both) >= bounded["memory_bytes_per_gpu"].notna().sum() > 0
 
 
 def test_cli_search_names_and_runs_a_context_parallel_best_plan(capsys: pytest.CaptureFixture[str]) -> None:
