@@ -83,7 +83,7 @@ class Explanation:
             f"left out {plural(count, 'combination')}: {rule} ({', '.join(map(str, values))})"
             for rule, values, count in self.skipped
         ]
-        out += [f"dropped {count}: {reason}" for reason, count in self.dropped]
+        out += [f"dropped {count:,}: {reason}" for reason, count in self.dropped]
         if self.schedules_without_plan:
             out.append(f"no feasible plan for schedule(s): {', '.join(self.schedules_without_plan)}")
         if self.ranked == 0:

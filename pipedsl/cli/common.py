@@ -321,13 +321,18 @@ def report_error(err: PipedslError, *, path: str | Path | None = None) -> int:
     return EXIT_INVALID if isinstance(err, ScheduleInvalid) else EXIT_USAGE
 
 
-def make_console(*, stderr: bool = False, width: int = 120) -> Console:
-    """A rich console for a command's output; when writing to a file or a pipe, ``width``
-    columns wide rather than rich's 80, so that tables are not squeezed."""
+def make_console(*, stderr: bool = False) -> Console:
+    """A rich console for a command's output, :func:`~pipedsl.cli.layout.output_width`
+    columns wide when ``$COLUMNS`` says or when writing to a file or a pipe (rich's own
+    default there is 80)."""
     from rich.console import Console
 
+    from pipedsl.cli.layout import output_width
+
     console = Console(stderr=stderr, highlight=False)
-    return console if console.is_terminal else Console(stderr=stderr, highlight=False, width=width)
+    if console.is_terminal and "COLUMNS" not in os.environ:
+        return console
+    return Console(stderr=stderr, highlight=False, width=output_width())
 
 
 def add_command(

@@ -37,6 +37,7 @@ from pipedsl.cli.common import (
     positive_int,
     terminate_raises,
 )
+from pipedsl.cli.layout import command_lines, fitted_table, paragraph
 from pipedsl.cli.llm_flags import (
     add_common_options,
     add_estimate_options,
@@ -201,7 +202,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         _print_estimate(result, console, count)
         if not result.fits:
             for line in misfit_text(result.memory, advice):
-                console.print(line, highlight=False)
+                console.print(paragraph(line, width=console.width), highlight=False, soft_wrap=True)
     return EXIT_OK if result.fits else EXIT_NOTHING_FITS
 
 
@@ -264,7 +265,8 @@ def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> Non
     console.print(table)
     console.print("[bold]assumes[/]")
     for assumption in result.assumptions:
-        console.print(f"  {assumption.name} = {assumption.value}: {assumption.meaning}", highlight=False)
+        line = f"{assumption.name} = {assumption.value}: {assumption.meaning}"
+        console.print(paragraph(line, indent="  ", width=console.width), highlight=False, soft_wrap=True)
 
 
 # --- search -----------------------------------------------------------------------------
@@ -435,56 +437,63 @@ def _prune_factor(text: str) -> float:
 def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None, layers: int) -> None:
     attrs = frame.attrs
     word = attrs["devices_word"]
-    console.print(
-        f"[bold]{attrs['model']}[/] on {plural(attrs['gpus'], word.removesuffix('s'))} of {attrs['cluster']}, global batch "
-        f"{attrs['global_batch']}: {attrs['considered']} plans, {len(frame)} ranked, "
-        f"{attrs['simulations']} pipeline simulations in {attrs['seconds']:.1f} s"
+
+    def say(text: str, indent: str = "") -> None:
+        console.print(paragraph(text, indent=indent, width=console.width), highlight=False, soft_wrap=True)
+
+    say(
+        f"{attrs['model']} on {plural(attrs['gpus'], word.removesuffix('s'))} of {attrs['cluster']}, global batch "
+        f"{attrs['global_batch']:,}: {attrs['considered']:,} plans, {len(frame):,} ranked, "
+        f"{plural(attrs['simulations'], 'pipeline simulation')} in {attrs['seconds']:.1f} s"
         + (f" ({attrs['processes']} processes)" if attrs["processes"] > 1 else "")
     )
     for line in attrs["explanation"].lines(devices=word):
-        console.print(f"  {line}", highlight=False)
-    console.print(f"  MFU counts {attrs.get('mfu_flops', flops_words(DEFAULT_FLOP_COUNT))}", highlight=False)
+        say(line, "  ")
+    say(f"MFU counts {attrs.get('mfu_flops', flops_words(DEFAULT_FLOP_COUNT))}", "  ")
     if not len(frame):
         return
-    console.print(_best_plans_table(frame, top))
+    console.print(_best_plans_table(frame, top, width=console.width))
     uneven = sorted({int(s) for s in frame["pp"] * frame["vpp"] if layers % int(s)})
     if uneven:
-        console.print(
-            f"  where pp × vpp ({', '.join(map(str, uneven))}) does not divide the {layers} layers, the first and"
+        say(
+            f"where pp × vpp ({', '.join(map(str, uneven))}) does not divide the {layers} layers, the first and"
             " the last stage hold only the embedding and the head (--stage-layers even leaves such plans out)",
-            highlight=False,
+            "  ",
         )
     summary = summarize(frame)
     if summary.best_by_schedule:
-        console.print(_per_schedule_table(summary))
-    console.print(summary.text())
+        console.print(_per_schedule_table(summary, width=console.width))
+    say(summary.text())
     console.print("[bold]the best plan assumes[/]")
     for name, value, meaning in attrs["assumptions"]:
-        console.print(f"  {name} = {value}: {meaning}", highlight=False)
+        say(f"{name} = {value}: {meaning}", "  ")
     if csv is not None:
         bounded = len(frame.attrs["bounded"])
-        console.print(
+        say(
             f"{plural(len(frame), 'ranked plan')} written to {csv}"
-            + (f", and {bounded:,} more that fit, each with a lower bound on its step time" if bounded else ""),
-            highlight=False,
+            + (f", and {bounded:,} more not ranked, each with a lower bound on its step time" if bounded else "")
         )
     _print_run_command(frame.iloc[0].to_dict(), console, csv=csv)
 
 
-def _best_plans_table(frame: pd.DataFrame, top: int) -> Table:
-    """The best ``top`` rows, one column per :data:`_HEADERS` entry."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title=f"best {min(top, len(frame))} plans", box=box.SIMPLE_HEAD)
+def _best_plans_table(frame: pd.DataFrame, top: int, *, width: int) -> Table:
+    """The best ``top`` rows, one column per :data:`_HEADERS` entry, fitted to ``width``
+    (:data:`_DROPPED_FIRST` leaves out the columns)."""
     columns = [c for c in COLUMNS if c in _HEADERS]
-    for column in columns:
-        header = _HEADERS[column].replace("GPU", frame.attrs["devices_word"].removesuffix("s"))
-        table.add_column(header, justify="left" if column in ("schedule", "recompute") else "right")
-    for row in frame.head(top).itertuples(index=False):
-        values = row._asdict()
-        table.add_row(*(zero_words(values) if c == "zero" else _cell(c, values[c]) for c in columns))
-    return table
+    headers = [_HEADERS[c].replace("GPU", frame.attrs["devices_word"].removesuffix("s")) for c in columns]
+    rows = [
+        [zero_words(values) if c == "zero" else _cell(c, values[c]) for c in columns]
+        for values in (row._asdict() for row in frame.head(top).itertuples(index=False))
+    ]
+    return fitted_table(
+        headers, rows, width=width, title=f"best {min(top, len(frame))} plans", left=("schedule", "recompute"),
+        droppable=[headers[columns.index(c)] for c in _DROPPED_FIRST],
+    )  # fmt: skip
+
+
+_DROPPED_FIRST = ("inflight_limit", "cp", "microbatches", "bubble", "vpp", "memory_bytes_per_gpu", "mfu", "rank")
+"""The best-plans table's columns that may be left out, least wanted first: each where
+every row has the same value, then as many as a narrow terminal needs."""
 
 
 def _cell(column: str, value: Any) -> str:
@@ -496,33 +505,33 @@ def _cell(column: str, value: Any) -> str:
     if column == "memory_bytes_per_gpu":
         return f"{value / _GIB:.1f}"
     if column == "inflight_limit":
-        return str(value) if value else "-"
+        return str(value) if value else "none"
     return str(value)
 
 
-def _per_schedule_table(summary: Summary) -> Table:
-    """Each schedule's best plan and how it compares with the best SPMD plan."""
-    from rich import box
-    from rich.table import Table
-
-    per = Table(title="best plan of each schedule", box=box.SIMPLE_HEAD)
-    for header in ("schedule", "plan", "step s", "MFU %", "bubble %", "vs best SPMD"):
-        per.add_column(header, justify="left" if header in ("schedule", "plan") else "right")
+def _per_schedule_table(summary: Summary, *, width: int) -> Table:
+    """Each schedule's best plan and how it compares with the best SPMD plan, fitted to ``width``."""
+    rows = []
     for row in summary.best_by_schedule:
         vpp = f" vpp{row['vpp']}" if row["vpp"] > 1 else ""
         cp = f" cp{row['cp']}" if row.get("cp", 1) > 1 else ""
         limit = f" inflight{row['inflight_limit']}" if row.get("inflight_limit") else ""
+        recompute = "" if row["recompute"] == "none" else f" {row['recompute']}"
         spmd = summary.best_spmd
-        per.add_row(
+        rows.append([
             row["schedule"],
             f"dp{row['dp']} tp{row['tp']}{cp} pp{row['pp']}{vpp} mb{row['microbatch_size']} "
-            f"zero{zero_words(row)} {row['recompute']}{limit}",
+            f"zero{zero_words(row)}{recompute}{limit}",
             f"{row['step_time_s']:.3f}",
             f"{100 * row['mfu']:.1f}",
             f"{100 * row['bubble']:.1f}",
             "-" if spmd is None else relative_speed(row["step_time_s"], spmd["step_time_s"]),
-        )
-    return per
+        ])  # fmt: skip
+    return fitted_table(
+        ("schedule", "plan", "step s", "MFU %", "bubble %", "vs best SPMD"), rows, width=width,
+        title="best plan of each schedule (recomputation none unless named)", left=("schedule", "plan"),
+        droppable=("bubble %", "MFU %", "step s"),
+    )  # fmt: skip
 
 
 def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None:
@@ -548,11 +557,10 @@ def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None
         if planned.devices > cores
         else f"runs here on {plural(planned.devices, 'device')} with the built-in transformer"
     )
-    console.print(
-        f"{what} {where}:\n  {planned.command()}" + (f"\n  or: {by_rank}" if by_rank else ""),
-        highlight=False,
-        soft_wrap=True,
-    )
+    lines = [paragraph(f"{what} {where}:", width=console.width), command_lines(planned.command(), width=console.width)]
+    if by_rank:
+        lines += ["or:", command_lines(by_rank, width=console.width)]
+    console.print("\n".join(lines), highlight=False, soft_wrap=True)
 
 
 # --- registration -----------------------------------------------------------------------

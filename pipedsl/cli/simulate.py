@@ -28,6 +28,7 @@ from pipedsl.cli.common import (
     report_error,
     synthesize_policy,
 )
+from pipedsl.cli.layout import fitted_table, paragraph
 from pipedsl.cli.outputs import FORCE_HELP, PICTURE, TRACE, check_output_file
 from pipedsl.errors import ConversionError, PipedslError, ScheduleInvalid
 from pipedsl.policy import Policy
@@ -232,7 +233,7 @@ def _device_table(sim: Simulation) -> Table:
 
 
 def _print_summary(sim: Simulation) -> None:
-    console = make_console(width=160)
+    console = make_console()
     schedule = sim.schedule
     console.print(
         f"[bold]{sim.label}[/bold]: {plural(schedule.num_stages, 'stage')} on {plural(schedule.num_devices, 'device')}, "
@@ -264,16 +265,13 @@ def _inflight_text(sim: Simulation) -> str:
 
 
 def _print_comparison(sims: Sequence[tuple[str, Simulation]]) -> None:
-    from rich.table import Table
-
     ranked = sorted(sims, key=lambda item: (item[1].makespan, item[0]))
     best = ranked[0][1].makespan
     show_bytes = any(d.peak_activation_bytes for _, s in ranked for d in s.devices)
-    table = Table(header_style="bold")
-    for header in ("rank", "schedule", "parameters", "makespan (s)", "vs best", "bubble", "peak in-flight"):
-        table.add_column(header, justify="left" if header in ("schedule", "parameters") else "right")
+    headers = ["rank", "schedule", "parameters", "makespan (s)", "vs best", "bubble", "peak in-flight"]
     if show_bytes:
-        table.add_column("peak activations", justify="right")
+        headers.append("peak activations")
+    rows = []
     for rank, (_, sim) in enumerate(ranked, start=1):
         row = [
             str(rank),
@@ -286,14 +284,23 @@ def _print_comparison(sims: Sequence[tuple[str, Simulation]]) -> None:
         ]
         if show_bytes:
             row.append(_bytes_text(max((d.peak_activation_bytes for d in sim.devices), default=0)))
-        table.add_row(*row)
-    console = make_console(width=160)
+        rows.append(row)
+    console = make_console()
+    table = fitted_table(
+        headers, rows, width=console.width, left=("schedule", "parameters"),
+        droppable=("parameters", "rank", "bubble", "peak activations"),
+    )  # fmt: skip
     split = any(s.schedule.splits_backward for _, s in ranked)
     console.print(f"[bold]ranked by makespan[/bold]  (costs: {ranked[0][1].costs.describe(split=split)})")
     console.print(table)
     console.print(
-        "peak in-flight: the most stage activation sets a device holds at once; in parentheses, "
-        "microbatches of the device's whole share of the model when it holds several stages."
+        paragraph(
+            "peak in-flight: the most stage activation sets a device holds at once; in parentheses, "
+            "microbatches of the device's whole share of the model when it holds several stages.",
+            hanging="",
+            width=console.width,
+        ),
+        soft_wrap=True,
     )
     shares = {len(d.stages) for _, s in ranked for d in s.devices}
     if len(shares) > 1 and not ranked[0][1].costs.per_device:

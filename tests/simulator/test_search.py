@@ -548,11 +548,12 @@ def test_the_best_plans_command_says_what_it_is_and_whether_it_runs_here(
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     search = ["search", "--cluster", "h100-80gb", "--top", "1", "--jobs", "1"]
     assert main([*search, "--model", "llama-8b", "--gpus", "1024", "--global-batch", "1024"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # wrapped at the output's width
     assert (
         "the best plan, SPMD (pp = 1: data and tensor parallel, no pipeline), needs 1,024 devices, more than this"
         " machine's 4 CPU cores: run it on a cluster of that size" in out
     )
+    assert "pipedsl run --spmd -p microbatches=" in out
     assert main([*search, "--model", "demo-small", "--gpus", "2", "--global-batch", "8"]) == 0
     out = capsys.readouterr().out
     assert "runs here on 2 devices with the built-in transformer:\n  pipedsl run " in out
