@@ -122,7 +122,9 @@ def fitted_table(
     def build(columns: list[int], caption: list[str], *, wrap: bool = False) -> Table:
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left")
         for i in columns:
-            table.add_column(headers[i], justify="left" if headers[i] in left else "right", no_wrap=not wrap)
+            table.add_column(
+                headers[i], justify="left" if headers[i] in left else "right", no_wrap=not wrap, overflow="fold"
+            )
         for row in rows:
             table.add_row(*(row[i] for i in columns))
         if caption:
@@ -144,5 +146,6 @@ def fitted_table(
     caption = ([f"every row: {', '.join(said)}"] if said else []) + (
         [f"left out at {limit} columns: {', '.join(left_out)}"] if left_out else []
     )
-    # Past every column it may leave out, a cell wraps at its words rather than being cut.
+    # Past every column it may leave out, a cell wraps at its words (a word longer than its
+    # column folds onto the next line) rather than being cut.
     return build(kept, caption, wrap=natural(build(kept, [])) > limit)
