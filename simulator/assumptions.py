@@ -83,10 +83,13 @@ def _network_assumption(cluster: Cluster, plan: Plan) -> Assumption:
     nodes = straggler_units(plan.gpus, cluster)
     tiers = _tiers(cluster) if cluster.leaf_nodes else "one flat network between nodes"
     wait = straggler_factor(nodes, cluster)
-    return Assumption(
-        "network", "tiers" if cluster.leaf_nodes else "flat",
-        f"{tiers}; stragglers (cv {cluster.straggler_cv:g}) make the step over {nodes} nodes {wait:.4g} times as long",
-    )  # fmt: skip
+    stragglers = (
+        f"stragglers (cv {number(cluster.straggler_cv)}) make the step over {plural(nodes, 'node')}"
+        f" {number(wait, digits=4)} times as long"
+        if nodes > 1
+        else "one node: no node waits for another"
+    )
+    return Assumption("network", "tiers" if cluster.leaf_nodes else "flat", f"{tiers}; {stragglers}")
 
 
 def _tiers(cluster: Cluster) -> str:
