@@ -168,7 +168,7 @@ def repriced(plans: list[PlannedRun], cluster: Any, *, workload: Workload = DEMO
 
 def _plans(console: Console, steps: TimedSteps, workload: Workload, out: Path) -> tuple[MachineCalibration, Any]:
     console.rule(f"[bold]2. Plans for {workload.model.name} ({workload.precision}) on this machine")
-    console.print(f"Calibrating this machine ({plural(steps.devices, 'device')}) ...", highlight=False)
+    console.print(f"Calibrating this machine ({plural(steps.devices, 'device')}).", highlight=False)
     calibration, frame = calibrated_search(steps, workload)
     (out / "calibration.txt").write_text(calibration.describe() + "\n")
     _say(console, f"{calibration.report.summary()} (each figure's source and each step: {out / 'calibration.txt'})")
@@ -320,14 +320,15 @@ def _runs(
         _say(console, f"plan {plan.rank} ({plan.kind}): {plan.label()}")
 
     def prepared(i: int) -> None:
-        console.print(f"  plan {plans[i].rank}: compiled and calibrated", highlight=False)
+        console.print(f" plan {plans[i].rank}", end="\n" if i == len(plans) - 1 else ",", highlight=False)
 
     runs = [Run(plan.schedule_of(), plan.microbatch_size, plan, workload) for plan in plans]
     _say(
         console,
         f"Compiling and calibrating each plan, then timing {rounds} steps of each, a step of each in turn and a "
-        "step of each of the machine calibration's ...",
+        "step of each of the machine calibration's.",
     )
+    console.print("compiled and calibrated:", end="", highlight=False)
     reports = measure(runs, backend=backend, steps=rounds, prepared=prepared, each_round=steps.timed_round)
     during = recalibrated(calibration, workload.model, steps.take())
     (out / "calibration-during-runs.txt").write_text(during.describe() + "\n")
@@ -365,21 +366,13 @@ def _results_table(results: list[RunResult], *, width: int) -> Table:
         rows.append([
             _name(r), m.plan.kind if m.plan is not None else "", f"{m.losses[0]:.2f} -> {m.losses[-1]:.2f}",
             milliseconds(r.predicted_s), milliseconds(m.measured_s), f"{milliseconds(low)}-{milliseconds(high)}",
-            f"{r.error:+.1%}", milliseconds(r.searched_s), f"{r.searched_error:+.1%}", milliseconds(m.predicted_s),
+            f"{r.error:+.1%}", milliseconds(r.searched_s), f"{r.searched_error:+.1%}",
         ])  # fmt: skip
-    table = fitted_table(
-        ("plan", "kind", "loss", "predicted ms", "measured ms", "spread ms", "error", "searched ms", "its error",
-         "fitted ms"), rows, width=width, left=("plan", "kind", "loss"),
+    return fitted_table(
+        ("plan", "kind", "loss", "predicted ms", "measured ms", "spread ms", "error", "searched ms", "its error"), rows,
+        width=width, left=("plan", "kind", "loss"), droppable=("kind", "spread ms", "its error", "loss"),
         title="Predicted (this machine calibrated in turns with the runs) against measured step time",
-        droppable=("fitted ms", "kind", "spread ms", "its error", "loss"),
     )  # fmt: skip
-    if any(r.run.predicted_s is None for r in results):
-        fitted = (
-            "fitted: the simulator on the per-action costs of the run's recorded steps; '-' where the step runs as one"
-            " program, which they do not time"
-        )
-        table.caption = fitted if table.caption is None else f"{table.caption}; {fitted}"
-    return table
 
 
 def _name(result: RunResult) -> str:

@@ -120,7 +120,7 @@ def fitted_table(
     measure = Console(width=10**4, color_system=None)
 
     def build(columns: list[int], caption: list[str], *, wrap: bool = False) -> Table:
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left")
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left", show_edge=False)
         for i in columns:
             table.add_column(
                 headers[i], justify="left" if headers[i] in left else "right", no_wrap=not wrap, overflow="fold"
