@@ -173,8 +173,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     )
     if plan.gpus > MAX_GPUS or plan.global_batch > MAX_GLOBAL_BATCH:
         raise PipedslError(
-            f"estimate: {plan.gpus:,} GPUs and a global batch of {plan.global_batch:,} sequences; the estimator"
-            f" plans for at most {MAX_GPUS:,} GPUs and {MAX_GLOBAL_BATCH:,} sequences: check the numbers"
+            f"estimate: {plan.gpus:,} {base.devices_word} and a global batch of {plan.global_batch:,} sequences; the"
+            f" estimator plans for at most {MAX_GPUS:,} {base.devices_word} and {MAX_GLOBAL_BATCH:,} sequences: check"
+            " the numbers"
         )
     pairs = SearchWork.of([plan]).total
     if pairs > MAX_PAIRS_PER_SCHEDULE:
