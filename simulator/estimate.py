@@ -387,7 +387,8 @@ def prepare(
 
     ``pipelines`` caches evaluated schedules and simulations across calls. ``stage_layers`` gives
     each of the pp × vpp stages its layers (default: the plan's, else an even split). With ``layout``, an order made
-    later (a policy synthesised per plan): ``lower_bound_s`` only the tails, and no activations.
+    later (a policy synthesised per plan): ``lower_bound_s`` from the work alone (the average
+    device's) and the tails, and no activations.
 
     Raises:
       PlanError: the plan does not divide the model or does not match its schedule.
@@ -433,7 +434,10 @@ def prepare(
         weight_residual=weight_residual,
         device_params=device_params,
         memory=memory,
-        lower_bound_s=(0.0 if layout is not None else _lower_bound(shapes, work, key, pipelines)) / fastest + sum(tail),
+        # An order made later (a policy's, synthesised per plan) is bounded by its work alone.
+        lower_bound_s=(_average_busy(plan, work) if layout is not None else _lower_bound(shapes, work, key, pipelines))
+        / fastest
+        + sum(tail),
         tails=tail,
         speedup=speedup,
         serial=serial,
@@ -463,9 +467,18 @@ def work_bound(model: Model, cluster: Cluster, plan: Plan) -> float:
         raise DoesNotFit(plan, average)
     work = stage_work(shapes, layers, params)
     speedup, _ = _sharing(shapes)
+    return _average_busy(plan, work) / (1.0 if speedup is None else max(speedup)) + least_optimizer_seconds(
+        shapes, params
+    )
+
+
+def _average_busy(plan: Plan, work: Sequence[Work]) -> float:
+    """Seconds the average pipeline device computes in a step: every stage's forward and
+    backward of every microbatch over the ``pp`` devices (over one where they share their
+    devices and take turns). The busiest device, and so any order's forward/backward part,
+    takes at least this."""
     busy = plan.microbatches * sum(w.forward + w.backward for w in work)
-    pipeline = busy / (1 if plan.shared_devices else plan.pp) / (1.0 if speedup is None else max(speedup))
-    return pipeline + least_optimizer_seconds(shapes, params)
+    return busy / (1 if plan.shared_devices else plan.pp)
 
 
 def _sharing(shapes: Shapes) -> tuple[tuple[float, ...] | None, bool]:
