@@ -417,19 +417,22 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     costs = cost_model_from_args(args)
 
-    def panel(path: str) -> tuple[Panel, bool]:
-        """The panel for ``path`` and whether it was simulated here."""
+    def panel(path: str) -> tuple[Panel, bool | None]:
+        """The panel for ``path`` and, where it was simulated here, whether its schedule
+        splits the backward (None for a recorded timeline)."""
         timeline = _timeline_file(path)
         if timeline is not None:
-            return Panel(timeline=timeline, title=f"{timeline.name} ({Path(path).name})"), False
+            return Panel(timeline=timeline, title=f"{timeline.name} ({Path(path).name})"), None
         sim = _simulate_file(path, args, costs)
-        return Panel(timeline=sim.timeline, title=sim.label, critical=sim.critical_path if args.critical else ()), True
+        panel = Panel(timeline=sim.timeline, title=sim.label, critical=sim.critical_path if args.critical else ())
+        return panel, sim.schedule.splits_backward
 
     made, worst = _each_file(args.files, panel)
     if worst != EXIT_OK:
         return worst
     panels = [p for _, (p, _) in made]
-    caption = f"simulated with costs {costs.describe()}" if any(sim for _, (_, sim) in made) else ""
+    simulated = [split for _, (_, split) in made if split is not None]
+    caption = f"simulated with costs {costs.describe(split=any(simulated))}" if simulated else ""
     figure = plot_timelines(panels, share_time=False if args.own_time else None, caption=caption)
     save_figure(figure, args.output)
     print(f"wrote {args.output} ({len(panels)} panel{'s' if len(panels) != 1 else ''})")

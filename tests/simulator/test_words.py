@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import pytest
@@ -66,3 +67,10 @@ def test_a_huge_batch_is_refused_without_advising_an_option_estimate_lacks(
 def test_a_gpipe_header_names_no_i_or_w(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "gpipe", "-p", "pp=4"]) == 0
     assert "costs: F=1 B=2F comm=0s\n" in capsys.readouterr().out
+
+
+def test_run_says_sizes_as_people_write_them(capsys: pytest.CaptureFixture[str]) -> None:
+    # Refused by arithmetic, before any model is built.
+    assert main(["run", "1f1b", "-p", "pp=2", "--model", "llama", "--width", "1000000000"]) == 2
+    err = capsys.readouterr().err
+    assert " EB of parameters" in err and not re.search(r"\d{5,}\.\d GB|e\+\d", err)
