@@ -9,6 +9,12 @@ ranks only its best K plans and each schedule's best (what ``pipedsl search`` do
 unless it writes a CSV), in the same run: its time, the ratio, and that its best K rows
 are the full ranking's.
 
+With ``--cli``, instead, the command line as a user types it is timed in fresh processes
+(imports included), ``pipedsl search ... --top 3 --csv OUT``, against the same with
+``--no-prune`` (every plan that fits simulated and written, what ``--csv`` did before it
+ranked a shortlist and bounded the rest) in the same run, taking turns; the median of
+``--repeat`` runs of each (default 5).
+
 The best 40 plans are checked against ``search_gpt3_175b_top40.json`` beside this file,
 the ranking recorded (``--record``) for the default arguments when the cost model last
 changed; a change of speed alone must leave it as it is. With
@@ -18,7 +24,7 @@ in a fresh process and the ratio printed.
 
     python bench/bench_search.py [--model gpt3-175b] [--cluster a100-80gb] [--gpus 1024]
                                  [--global-batch 1536] [--no-prune] [--top K] [--jobs N] [--baseline PYTHON]
-                                 [--record] [--stage-layers even|ends]
+                                 [--record] [--stage-layers even|ends] [--cli [--repeat N]]
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -87,7 +95,12 @@ def main() -> None:
         default="even",
         help="ends: also split the layers with embedding-only first and head-only last stages (Llama 3 405B)",
     )
+    parser.add_argument("--cli", action="store_true", help="time `pipedsl search --top 3 --csv` as a command")
+    parser.add_argument("--repeat", type=int, default=5, help="with --cli, runs of each command (default 5)")
     args = parser.parse_args()
+    if args.cli:
+        record("bench_search", _cli(args))
+        return
     prune = None if args.no_prune else DEFAULT_PRUNE
 
     frame, seconds, cpu = _timed_search(args, prune, shortlist=None)
@@ -126,6 +139,35 @@ def main() -> None:
     if args.top is not None:
         figures |= _top_only(args, prune, frame, seconds)
     record("bench_search", figures)
+
+
+def _cli(args: argparse.Namespace) -> dict[str, float]:
+    """Median wall seconds of ``pipedsl search ... --top 3 --csv OUT`` and of the same with
+    ``--no-prune``, each in a fresh process, in turns; both CSVs' first rows the same."""
+    with tempfile.TemporaryDirectory() as folder:
+        base = [sys.executable, "-m", "pipedsl", "search", "--model", args.model, "--cluster", args.cluster,
+                "--gpus", str(args.gpus), "--global-batch", str(args.global_batch), "--top", "3"]  # fmt: skip
+        commands = {
+            "shortlist": [*base, "--csv", str(Path(folder) / "plans.csv")],
+            "every plan": [*base, "--no-prune", "--csv", str(Path(folder) / "all.csv")],
+        }
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        for _ in range(args.repeat):
+            for name, argv in commands.items():
+                started = time.perf_counter()
+                subprocess.run(argv, check=True, capture_output=True, cwd=folder)
+                times[name].append(time.perf_counter() - started)
+        first = pd.read_csv(Path(folder) / "plans.csv").head(1)[TOP_COLUMNS]
+        same = first.equals(pd.read_csv(Path(folder) / "all.csv").head(1)[TOP_COLUMNS])
+    shortlist, every = statistics.median(times["shortlist"]), statistics.median(times["every plan"])
+    print(
+        f"pipedsl search --model {args.model} --cluster {args.cluster} --gpus {args.gpus} "
+        f"--global-batch {args.global_batch} --top 3 --csv OUT, median of {args.repeat}:"
+    )
+    print(f"  shortlist, the rest bounded   {shortlist:6.2f} s")
+    print(f"  --no-prune, every plan        {every:6.2f} s  ({every / shortlist:.2f}x as long)")
+    print(f"  best plan                     {'the same' if same else 'DIFFERENT'}")
+    return {"cli_csv_s": shortlist, "cli_every_plan_s": every, "cli_ratio": every / shortlist}
 
 
 def _timed_search(

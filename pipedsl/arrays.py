@@ -144,6 +144,12 @@ class ScheduleArrays:
         """The stages device ``device`` owns, in increasing order."""
         return tuple(s for s, d in enumerate(self.placement) if d == device)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether any action is an ``I`` or ``W`` (the zero-bubble split), as
+        :attr:`Schedule.splits_backward <pipedsl.ir.Schedule.splits_backward>` says."""
+        return bool((self.actions.kind >= 2).any())
+
     @classmethod
     def of(cls, schedule: Schedule) -> ScheduleArrays:
         """``schedule``'s columns (for one read from a CSV or JSON file)."""

@@ -510,6 +510,26 @@ def checked(schedule: Schedule | ScheduleArrays) -> Checked:
     return found
 
 
+def _over_limit(over: dict[int, int], limit: int, *, devices: int) -> ScheduleInvalid:
+    """One error for every device whose peak in-flight count (``over``, device to peak) is
+    past ``limit``: the devices named once, as ranges, with the highest peak."""
+    ranges: list[list[int]] = []
+    for device in sorted(over):
+        if ranges and ranges[-1][1] == device - 1:
+            ranges[-1][1] = device
+        else:
+            ranges.append([device, device])
+    names = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+    peaks = set(over.values())
+    most = max(peaks)
+    if len(over) == 1:
+        said = f"device {names} holds {most} microbatches in flight at its peak"
+    else:
+        which = f"all {devices} devices" if len(over) == devices else f"devices {names}"
+        said = f"{which} hold {'' if len(peaks) == 1 else 'up to '}{most} microbatches in flight at their peaks"
+    return _fail("max-inflight", f"{said}, above the limit of {limit}")
+
+
 def kept_check(schedule: Schedule) -> Checked | None:
     """What :func:`checked` kept on ``schedule``, or None when it has not run (this checks nothing)."""
     return schedule._checked if isinstance(schedule._checked, Checked) else None
@@ -528,14 +548,7 @@ def validate(schedule: Schedule, *, max_inflight: int | None = None) -> Report:
         raise PipedslError(f"validate: max_inflight must be a whole number >= 0, or left out, got {max_inflight!r}")
     found = checked(schedule)
     if max_inflight is not None:
-        over = [
-            _fail(
-                "max-inflight",
-                f"device {device} holds {peak} microbatches in flight at its peak, above the limit of {max_inflight}",
-            )
-            for device, peak in enumerate(found.peak_inflight)
-            if peak > max_inflight
-        ]
+        over = {device: peak for device, peak in enumerate(found.peak_inflight) if peak > max_inflight}
         if over:
-            raise several(over)
+            raise _over_limit(over, max_inflight, devices=len(found.peak_inflight))
     return Report(num_actions=len(found.actions), peak_inflight=found.peak_inflight)

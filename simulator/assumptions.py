@@ -16,6 +16,7 @@ from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.network import network_link, straggler_factor, straggler_units
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.torus import TorusGroup, slice_shape
+from pipedsl.words import number, plural
 
 __all__ = ["Assumption", "assumptions"]
 
@@ -80,17 +81,32 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
 def _network_assumption(cluster: Cluster, plan: Plan) -> Assumption:
     """The network tiers and the stragglers priced (:mod:`~pipedsl.simulator.network`)."""
     nodes = straggler_units(plan.gpus, cluster)
-    tiers = (
-        f"leaf tier of {cluster.leaf_nodes} nodes, the spine {cluster.spine_latency_s * 1e6:g} us more per message "
-        f"at {cluster.spine_efficiency:g} of the bandwidth"
-        if cluster.leaf_nodes
-        else "one flat network between nodes"
-    )
+    tiers = _tiers(cluster) if cluster.leaf_nodes else "one flat network between nodes"
     wait = straggler_factor(nodes, cluster)
-    return Assumption(
-        "network", "tiers" if cluster.leaf_nodes else "flat",
-        f"{tiers}; stragglers (cv {cluster.straggler_cv:g}) make the step over {nodes} nodes {wait:.4g} times as long",
-    )  # fmt: skip
+    stragglers = (
+        f"stragglers (cv {number(cluster.straggler_cv)}) make the step over {plural(nodes, 'node')}"
+        f" {number(wait, digits=4)} times as long"
+        if nodes > 1
+        else "one node: no node waits for another"
+    )
+    return Assumption("network", "tiers" if cluster.leaf_nodes else "flat", f"{tiers}; {stragglers}")
+
+
+def _tiers(cluster: Cluster) -> str:
+    """The leaf and spine tiers in words: how far a group stays under one leaf switch and
+    what crossing the spine costs it."""
+    latency = (
+        f"{number(cluster.spine_latency_s * 1e6)} us more per message" if cluster.spine_latency_s else "no more latency"
+    )
+    share = (
+        f"{number(100 * cluster.spine_efficiency)}% of the bandwidth"
+        if cluster.spine_efficiency < 1
+        else "the full bandwidth"
+    )
+    return (
+        f"a group of up to {plural(cluster.leaf_nodes, 'node')} stays under one leaf switch; a larger one crosses"
+        f" the spine at {latency} and {share}"
+    )
 
 
 def _torus_assumption(cluster: Cluster, plan: Plan) -> Assumption:
@@ -180,8 +196,14 @@ def _sharding_meaning(plan: Plan) -> str:
 def _framework_assumption(plan: Plan) -> Assumption:
     """The framework profile priced, with its fixed costs."""
     profile = framework(plan.framework)
-    costs = (
-        f"{profile.microbatch_s * 1e3:g} ms per stage and microbatch, {profile.layer_s * 1e3:g} ms per layer and "
-        f"microbatch, {profile.action_s * 1e3:g} ms per action beyond the work"
+    costs = ", ".join(
+        f"{number(seconds * 1e3)} ms per {what}"
+        for seconds, what in (
+            (profile.microbatch_s, "stage and microbatch"),
+            (profile.layer_s, "layer and microbatch"),
+            (profile.action_s, "action"),
+        )
+        if seconds
     )
+    costs = f"{costs} beyond the work" if costs else "no fixed cost beyond the work"
     return Assumption("framework", profile.name, f"{costs} ({profile.source})" if profile.source else costs)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl import library
+from pipedsl.simulator.frameworks import default_framework
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.stages import ends_split
@@ -168,7 +169,7 @@ def candidate_plans(
     cp_sizes: Sequence[int] | None = None,
     stage_split: str = "even",
     tp_overlap: float = 1.0,
-    framework: str = "megatron",
+    framework: str | None = None,
     shared_pipelines: bool = False,
     schedule_params: Mapping[str, int] | None = None,
     update_barrier: bool = True,
@@ -211,7 +212,7 @@ def candidate_plans(
         "dp_overlap": dp_overlap,
         "reduce_bytes": reduce_bytes,
         "tp_overlap": tp_overlap,
-        "framework": framework,
+        "framework": default_framework(cluster) if framework is None else framework,
         "update_barrier": update_barrier,
     }
     splits = _Splits(tuple(_tp_sizes(model, cluster, gpus)), _cp_sizes(model, cps, skip))

@@ -334,8 +334,10 @@ class CostModel:
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
-    def describe(self) -> str:
-        """A one-line summary for tables and titles, e.g. ``F=1 B=2F I=B/2 W=B/2 comm=0.1s``."""
+    def describe(self, *, split: bool = True) -> str:
+        """A one-line summary for tables and titles, e.g. ``F=1 B=2F I=B/2 W=B/2 comm=0.1s``;
+        ``split`` False, for schedules with no ``I`` or ``W``, leaves those two out
+        (``F=1 B=2F comm=0.1s``)."""
 
         def fmt(value: PerStage | None, default: str) -> str:
             if value is None:
@@ -348,9 +350,9 @@ class CostModel:
         parts = [
             f"F={fmt(self.forward, '')}",
             f"B={fmt(self.backward, 'I+W' if both_halves else '2F')}",
-            f"I={fmt(self.input_grad, 'B/2')}",
-            f"W={fmt(self.weight_grad, 'B/2')}",
         ]
+        if split:
+            parts += [f"I={fmt(self.input_grad, 'B/2')}", f"W={fmt(self.weight_grad, 'B/2')}"]
         comm = f"comm={self.latency:g}s"
         if self.bandwidth is not None:
             comm += f"+bytes/({self.bandwidth:g}B/s)"

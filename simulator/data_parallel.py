@@ -159,6 +159,14 @@ def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_f
     return tail + pipelined_exposed(reduce, hide * last_backward, steps, tail=True)
 
 
+def least_optimizer_seconds(shapes: Shapes, stage_params: Sequence[float]) -> float:
+    """Seconds of the optimizer step at least, before the stages are placed: the update of
+    the average pipeline device's share of ``stage_params`` (shape (S,)) and the step's
+    fixed cost. No more than :func:`tails`' optimizer seconds: the update grows with the
+    parameters, and the fullest device holds at least the average."""
+    return _optimizer_seconds(shapes, sum(stage_params) / shapes.plan.pp) + shapes.cluster.step_overhead_s
+
+
 def _optimizer_seconds(shapes: Shapes, device_params: float) -> float:
     """The update of a device's parameters."""
     local = device_params / (shapes.plan.shards if shapes.plan.zero >= 1 else 1)

@@ -56,7 +56,7 @@ import numpy as np
 from pipedsl.simulator.assumptions import Assumption, assumptions
 from pipedsl.simulator.collectives import ring_all_reduce_seconds, ring_gather_seconds
 from pipedsl.simulator.costs import CostModel
-from pipedsl.simulator.data_parallel import tails
+from pipedsl.simulator.data_parallel import least_optimizer_seconds, tails
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, step_flops
 from pipedsl.simulator.hardware import Cluster, Model
@@ -76,6 +76,7 @@ __all__ = [
     "Estimate",
     "Prepared",
     "prepare",
+    "work_bound",
     "estimate",
     "assumptions",
     "check_divides",
@@ -386,7 +387,8 @@ def prepare(
 
     ``pipelines`` caches evaluated schedules and simulations across calls. ``stage_layers`` gives
     each of the pp × vpp stages its layers (default: the plan's, else an even split). With ``layout``, an order made
-    later (a policy synthesised per plan): ``lower_bound_s`` only the tails, and no activations.
+    later (a policy synthesised per plan): ``lower_bound_s`` from the work alone (the average
+    device's) and the tails, and no activations.
 
     Raises:
       PlanError: the plan does not divide the model or does not match its schedule.
@@ -432,11 +434,51 @@ def prepare(
         weight_residual=weight_residual,
         device_params=device_params,
         memory=memory,
-        lower_bound_s=(0.0 if layout is not None else _lower_bound(shapes, work, key, pipelines)) / fastest + sum(tail),
+        # An order made later (a policy's, synthesised per plan) is bounded by its work alone.
+        lower_bound_s=(_average_busy(plan, work) if layout is not None else _lower_bound(shapes, work, key, pipelines))
+        / fastest
+        + sum(tail),
         tails=tail,
         speedup=speedup,
         serial=serial,
     )
+
+
+def work_bound(model: Model, cluster: Cluster, plan: Plan) -> float:
+    """Seconds a step of ``plan`` takes at least, from its work alone, before its schedule
+    is evaluated: the pipeline devices' average busy time (every stage's forward and
+    backward of every microbatch over the ``pp`` devices; one after another where they
+    share their devices), at the fastest the shared cores allow, and the optimizer step of
+    the average device (:func:`~pipedsl.simulator.data_parallel.least_optimizer_seconds`). No more than
+    :func:`prepare`'s ``lower_bound_s`` for a schedule that states its order (the busiest
+    device is busy at least the average; the tails add to it), so a search can leave a
+    plan whose bound is past what it needs unevaluated.
+
+    Raises PlanError as :func:`prepare` does when the plan does not divide the model, and
+    DoesNotFit as it does with ``fits_first`` when not even the average device's weights,
+    gradients and optimizer state fit.
+    """
+    check_divides(model, cluster, plan)
+    shapes = Shapes(model, cluster, plan)
+    layers = split_layers(model, plan.pp * plan.vpp, plan.stage_layers)
+    params = stage_params(model, plan, layers)
+    average = device_memory(shapes, [sum(params) / (1 if plan.shared_devices else plan.pp)], (0,))
+    if not average.fits:
+        raise DoesNotFit(plan, average)
+    work = stage_work(shapes, layers, params)
+    speedup, _ = _sharing(shapes)
+    return _average_busy(plan, work) / (1.0 if speedup is None else max(speedup)) + least_optimizer_seconds(
+        shapes, params
+    )
+
+
+def _average_busy(plan: Plan, work: Sequence[Work]) -> float:
+    """Seconds the average pipeline device computes in a step: every stage's forward and
+    backward of every microbatch over the ``pp`` devices (over one where they share their
+    devices and take turns). The busiest device, and so any order's forward/backward part,
+    takes at least this."""
+    busy = plan.microbatches * sum(w.forward + w.backward for w in work)
+    return busy / (1 if plan.shared_devices else plan.pp)
 
 
 def _sharing(shapes: Shapes) -> tuple[tuple[float, ...] | None, bool]:

@@ -21,6 +21,7 @@ from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import Memory
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, Recompute
+from pipedsl.words import plural
 
 __all__ = ["Explanation", "Advice", "fit_advice", "misfit_text"]
 
@@ -79,10 +80,10 @@ class Explanation:
         """The explanation, one sentence a line (empty when nothing was removed);
         ``devices`` is what the cluster's devices are called (``GPUs`` or ``chips``)."""
         out = [
-            f"left out {count} combinations: {rule} ({', '.join(map(str, values))})"
+            f"left out {plural(count, 'combination')}: {rule} ({', '.join(map(str, values))})"
             for rule, values, count in self.skipped
         ]
-        out += [f"dropped {count}: {reason}" for reason, count in self.dropped]
+        out += [f"dropped {count:,}: {reason}" for reason, count in self.dropped]
         if self.schedules_without_plan:
             out.append(f"no feasible plan for schedule(s): {', '.join(self.schedules_without_plan)}")
         if self.ranked == 0:

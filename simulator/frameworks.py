@@ -18,7 +18,8 @@ model was fitted on Megatron-LM runs, so their fixed costs are in it); ``deepspe
 (``python -m pipedsl.simulator.fit_published``, :data:`LAYER_GRID`), never on its
 ``validate`` rows: a cost per stage and microbatch alone could not match both of its
 configurations (7 and 13 layers per stage), one per layer can;
-``pipedsl`` is this project's executor on GPUs, whose dispatch is queued ahead of the
+``maxtext`` costs nothing more on TPUs (the TPU presets' compute model was fitted on MaxText
+runs); ``pipedsl`` is this project's executor on GPUs, whose dispatch is queued ahead of the
 kernels (0 until measured on a GPU; on forced CPU devices the cluster's own
 ``action_overhead_s`` prices it).
 """
@@ -27,10 +28,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipedsl.errors import PipedslError
 
-__all__ = ["Framework", "FRAMEWORKS", "LAYER_GRID", "DEFAULT_FRAMEWORK", "framework"]
+if TYPE_CHECKING:
+    from pipedsl.simulator.hardware import Cluster
+
+__all__ = ["Framework", "FRAMEWORKS", "LAYER_GRID", "DEFAULT_FRAMEWORK", "default_framework", "framework"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +62,7 @@ FRAMEWORKS = {
         layer_s=0.016,
         source="Megatron-DeepSpeed's pipeline engine: fitted on the calibrate rows of data/published_runs_deepspeed.csv",
     ),
+    "maxtext": Framework(name="maxtext", source="MaxText on TPUs: the compute model was fitted on its runs"),
     "pipedsl": Framework(name="pipedsl", source="pipedsl's executor: kernels queued ahead of the dispatch on GPUs"),
 }
 """The known profiles by name."""
@@ -65,7 +71,14 @@ LAYER_GRID = tuple(round(0.002 * i, 3) for i in range(16))
 """The values of ``layer_s`` (seconds) the fit tries: 0 to 30 ms."""
 
 DEFAULT_FRAMEWORK = "megatron"
-"""The profile a plan is priced with unless it names another."""
+"""The profile a :class:`~pipedsl.simulator.plan.Plan` is priced with unless it names
+another; ``estimate`` and ``search`` take :func:`default_framework` of their cluster."""
+
+
+def default_framework(cluster: Cluster) -> str:
+    """The framework a plan on ``cluster`` is taken to run under: ``maxtext`` on TPU
+    chips (a cluster with a torus), :data:`DEFAULT_FRAMEWORK` on GPUs."""
+    return "maxtext" if cluster.torus else DEFAULT_FRAMEWORK
 
 
 def framework(name: str | Framework) -> Framework:

@@ -18,7 +18,7 @@ from pipedsl.simulator.speed import relative_speed
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["COLUMNS", "RankedPlan", "Summary", "describe", "summarize", "zero_words"]
+__all__ = ["COLUMNS", "RankedPlan", "plan_columns", "Summary", "describe", "summarize", "zero_words"]
 
 COLUMNS = (
     "rank",
@@ -111,21 +111,7 @@ class RankedPlan:
         plan = e.plan
         return cls(
             rank=rank,
-            kind="spmd" if plan.pp == 1 else "pipeline",
-            schedule="spmd" if plan.schedule is None else schedule_name(plan.schedule),
-            source=plan.schedule or "",
-            dp=plan.dp,
-            fsdp=plan.shard_group,
-            tp=plan.tp,
-            cp=plan.cp,
-            pp=plan.pp,
-            vpp=plan.vpp,
-            microbatch_size=plan.microbatch_size,
-            microbatches=plan.microbatches,
-            zero=plan.zero,
-            reduce_once=plan.reduce_once,
-            reshard_after_forward=plan.reshard_after_forward,
-            recompute=plan.recompute.value,
+            **plan_columns(plan),
             step_time_s=e.step_time_s,
             tokens_per_s=e.tokens_per_s,
             mfu=e.mfu,
@@ -135,16 +121,38 @@ class RankedPlan:
             inflight_limit=e.inflight_limit or 0,
             synthesis_costs="" if e.synthesis_costs is None else json.dumps(e.synthesis_costs.to_json()),
             model=e.model.name,
-            sequence_parallel=plan.sequence_parallel,
-            flash_attention=plan.flash_attention,
-            reduce_bytes=plan.reduce_bytes,
-            shared_devices=plan.shared_devices,
             plan=plan,
         )
 
     def row(self) -> dict[str, Any]:
         """The :data:`COLUMNS` as a dict (a row of :func:`search`'s table)."""
         return {column: getattr(self, column) for column in COLUMNS}
+
+
+def plan_columns(plan: Plan) -> dict[str, Any]:
+    """The :data:`COLUMNS` a plan fills by itself, before it is priced: its kind, schedule
+    and degrees, batch, sharding mode and modelling switches."""
+    return dict(
+        kind="spmd" if plan.pp == 1 else "pipeline",
+        schedule="spmd" if plan.schedule is None else schedule_name(plan.schedule),
+        source=plan.schedule or "",
+        dp=plan.dp,
+        fsdp=plan.shard_group,
+        tp=plan.tp,
+        cp=plan.cp,
+        pp=plan.pp,
+        vpp=plan.vpp,
+        microbatch_size=plan.microbatch_size,
+        microbatches=plan.microbatches,
+        zero=plan.zero,
+        reduce_once=plan.reduce_once,
+        reshard_after_forward=plan.reshard_after_forward,
+        recompute=plan.recompute.value,
+        sequence_parallel=plan.sequence_parallel,
+        flash_attention=plan.flash_attention,
+        reduce_bytes=plan.reduce_bytes,
+        shared_devices=plan.shared_devices,
+    )
 
 
 @dataclass(frozen=True, slots=True)

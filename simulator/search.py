@@ -39,13 +39,13 @@ from pipedsl.arrays import paused_collector
 from pipedsl.errors import PipedslError, RequirementFailed, ScheduleEvalError, ScheduleInvalid
 from pipedsl.ir import Schedule
 from pipedsl.simulator.candidates import candidate_plans, default_global_batch, searched_schedules
-from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared
+from pipedsl.simulator.estimate import DoesNotFit, Estimate, Prepared, work_bound
 from pipedsl.simulator.explain import Explanation
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines
 from pipedsl.simulator.plan import Plan, PlanError, schedule_name
 from pipedsl.simulator.policy_plans import prepare_plan, takes_limit
-from pipedsl.simulator.ranked import COLUMNS, RankedPlan, Summary, describe, summarize
+from pipedsl.simulator.ranked import COLUMNS, RankedPlan, Summary, describe, plan_columns, summarize
 from pipedsl.simulator.search_work import SearchWork, stages_per_device
 from pipedsl.simulator.workers import Advance, available_cores, run_in_workers
 from pipedsl.validate import validate
@@ -65,7 +65,16 @@ __all__ = [
     "COLUMNS",
     "DEFAULT_PRUNE",
     "PARALLEL_FROM",
+    "BOUNDED_COLUMNS",
+    "Bounded",
 ]
+
+BOUNDED_COLUMNS = (
+    *COLUMNS[1:16], "sequence_parallel", "flash_attention", "reduce_bytes", "shared_devices", "memory_bytes_per_gpu",
+    "step_time_bound_s",
+)  # fmt: skip
+"""The columns of ``attrs["bounded"]``: a plan's own (:func:`~pipedsl.simulator.ranked.plan_columns`),
+the memory of its fullest device and its lower bound on the step time."""
 
 Progress = Callable[[str, int, int], None]
 """Called with (phase, plans done, plans in all) as the search goes: phase ``"costing"``
@@ -168,7 +177,13 @@ def search(
         frame["rank"] = frame["rank"].astype("int64")
     if top is not None:
         frame = frame.head(top)
+    bounded = attrs.pop("bounded")
     frame.attrs.update(attrs)
+    frame.attrs["bounded"] = pd.DataFrame(
+        [{**plan_columns(b.plan), "memory_bytes_per_gpu": b.memory_bytes, "step_time_bound_s": b.step_time_bound_s}
+         for b in bounded],
+        columns=[*BOUNDED_COLUMNS],
+    )  # fmt: skip
     return frame
 
 
@@ -254,8 +269,9 @@ def _search(
     # A stable sort: plans of equal step time keep the order they were finished in.
     finished = sorted(chain.from_iterable(part.finished for part in parts), key=lambda e: e.step_time_s)
     dropped: Counter[str] = sum((part.dropped for part in parts), Counter())
+    bounded = [b for part in parts for b in part.bounded]
     if keep is not None:
-        finished = _shortlisted(finished, keep, dropped)
+        finished = _shortlisted(finished, keep, dropped, bounded)
     ranked = tuple(RankedPlan.of(rank, e) for rank, e in enumerate(finished, start=1))
     attrs = dict(
         considered=len(plans),
@@ -269,6 +285,7 @@ def _search(
         devices_word=cluster.devices_word,
         assumptions=[(a.name, a.value, a.meaning) for a in finished[0].assumptions] if finished else [],
         global_batch=batch,
+        bounded=sorted(bounded, key=lambda b: b.step_time_bound_s),
         explanation=Explanation.of(
             considered=len(plans),
             ranked=len(ranked),
@@ -304,6 +321,17 @@ class _Tally:
 
 
 @dataclass(frozen=True, slots=True)
+class Bounded:
+    """A plan not ranked: its lower bound on the step time, seconds (the step time itself
+    for a plan simulated and left off a shortlist), and the bytes its fullest device holds
+    (it fits), or None for a plan left uncosted (its bound from the work alone)."""
+
+    plan: Plan
+    step_time_bound_s: float
+    memory_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Part:
     """One part of the search ranked: its plans finished, in the order they were
     finished; the plans dropped, by reason; the distinct simulations run."""
@@ -311,6 +339,7 @@ class _Part:
     finished: tuple[Estimate, ...]
     dropped: Counter[str]
     simulations: int
+    bounded: tuple[Bounded, ...]
 
 
 def _parts(plans: list[Plan]) -> list[list[Plan]]:
@@ -419,15 +448,22 @@ def _rank_part(
     advance: Advance,
 ) -> _Part:
     """One part's plans (all SPMD, or all one schedule's) costed, then finished as far as
-    ``keep``, ``prune`` and ``beyond`` ask (:func:`_simulate`)."""
+    ``keep``, ``prune`` and ``beyond`` ask (:func:`_simulate`); a schedule's that states its
+    order, on a shortlist, costed only as far as their bounds from the work alone let a
+    plan on it (:func:`_rank_lazily`)."""
     # Every shape's lowered arrays are kept for the simulations; schedule objects, few at once.
     pipelines = Pipelines(keep_simulations=False, max_schedules=32)
     dropped: Counter[str] = Counter()
+    bounded: list[Bounded] = []
+    spec = plans[0].schedule
     with paused_collector():
-        prepared = _cost(model, cluster, plans, pipelines, dropped, advance)
-        finished = _simulate(prepared, keep, prune, beyond, dropped)
+        if keep is not None and spec is not None and not takes_limit(spec):
+            finished = _rank_lazily(model, cluster, plans, pipelines, keep, prune, beyond, dropped, bounded, advance)
+        else:
+            prepared = _cost(model, cluster, plans, pipelines, dropped, advance)
+            finished = _simulate(prepared, keep, prune, beyond, dropped, bounded)
     advance("simulating", len(plans))
-    return _Part(tuple(finished), dropped, pipelines.num_simulations)
+    return _Part(tuple(finished), dropped, pipelines.num_simulations, tuple(bounded))
 
 
 def _cost(
@@ -435,18 +471,117 @@ def _cost(
 ) -> list[Prepared]:
     """Cost every plan without simulating, in the order given; count the dropped ones by reason."""
     prepared: list[Prepared] = []
-    shipped = library.library_schedules()
     for plan in plans:
-        try:
-            plan = _with_schedule_vpp(plan, pipelines)
-            # Policy schedules come back once per in-flight limit that fits (policy_plans).
-            prepared.extend(prepare_plan(model, cluster, plan, pipelines=pipelines))
-        except PipedslError as err:
-            if plan.schedule is not None and plan.schedule not in shipped and not _plan_refused(err):
-                raise _users_fault(plan, err) from None
-            dropped[_reason(err, plan)] += 1
+        prepared.extend(_cost_one(model, cluster, plan, pipelines, dropped))
         advance("costing", 1)
     return prepared
+
+
+def _cost_one(
+    model: Model, cluster: Cluster, plan: Plan, pipelines: Pipelines, dropped: Counter[str]
+) -> list[Prepared]:
+    """``plan`` costed without simulating (policy schedules come back once per in-flight
+    limit that fits: :mod:`~pipedsl.simulator.policy_plans`); none, counted in ``dropped``
+    by reason, where it is dropped."""
+    try:
+        plan = _with_schedule_vpp(plan, pipelines)
+        return prepare_plan(model, cluster, plan, pipelines=pipelines)
+    except PipedslError as err:
+        if plan.schedule is not None and plan.schedule not in library.library_schedules() and not _plan_refused(err):
+            raise _users_fault(plan, err) from None
+        dropped[_reason(err, plan)] += 1
+        return []
+
+
+_UNCOSTED = "not costed: its bound from the work alone is past the best it could join"
+"""The reason counted for a plan :func:`_rank_lazily` never costs."""
+
+
+def _rank_lazily(
+    model: Model,
+    cluster: Cluster,
+    plans: list[Plan],
+    pipelines: Pipelines,
+    keep: int,
+    prune: float | None,
+    beyond: float,
+    dropped: Counter[str],
+    bounded: list[Bounded],
+    advance: Advance,
+) -> list[Estimate]:
+    """:func:`_simulate`'s shortlist of one schedule's plans (a schedule that states its
+    order), with each plan costed (its schedule evaluated) only when needed: plans are
+    taken by their bound from the work alone (:func:`~pipedsl.simulator.estimate.work_bound`,
+    never above the lower bound costing gives), and a plan is costed only while that
+    bound is within what could still put it on the list: the schedule's best until it is
+    settled, then the ``keep``-th best here and elsewhere (``beyond``) and ``prune`` times
+    the best. Costed plans are finished in the order of their lower bound, as
+    :func:`_simulate` finishes them, so the rows are its rows, in its order."""
+    # A schedule without a vpp parameter places the stages per device it says at its
+    # defaults (read once, not per shape: evaluating each shape is what this spares).
+    spec = plans[0].schedule
+    assert spec is not None
+    placed = None if "vpp" in pipelines.parameters(spec) else stages_per_device(spec)
+    cheap: list[tuple[float, int, Plan]] = []
+    for index, plan in enumerate(plans):
+        try:
+            bound = work_bound(model, cluster, plan if placed is None else replace(plan, vpp=placed))
+        except DoesNotFit as err:
+            dropped[_reason(err, plan)] += 1
+            continue
+        except PipedslError:
+            bound = 0.0  # costed first: costing says why it is dropped
+        cheap.append((bound, index, plan))
+    cheap.sort(key=lambda item: item[:2])
+    costed: list[tuple[float, int, int, Prepared]] = []  # a heap by lower bound, then as _cost orders them
+    finished: list[Estimate] = []
+    listed: list[tuple[Prepared, Estimate]] = []
+    best, settled, taken = float("inf"), False, 0
+    kth: list[float] = []  # the keep best step times, negated: a max-heap whose top is the keep-th best
+    while True:
+        if settled:
+            limit = min(beyond, -kth[0] if len(kth) == keep else float("inf"))
+            limit = min(limit, prune * best) if prune is not None else limit
+        else:
+            limit = best
+        next_cheap = cheap[taken][0] if taken < len(cheap) else float("inf")
+        next_costed = costed[0][0] if costed else float("inf")
+        if min(next_cheap, next_costed) > limit or next_cheap == next_costed == float("inf"):
+            if settled:
+                break
+            # The schedule's best is settled: what follows may join the shortlist.
+            settled = True
+            kth = [-t for t in heapq.nsmallest(keep, (e.step_time_s for e in finished))]
+            heapq.heapify(kth)
+            continue
+        if next_cheap <= next_costed:
+            _, index, plan = cheap[taken]
+            taken += 1
+            for order, item in enumerate(_cost_one(model, cluster, plan, pipelines, dropped)):
+                heapq.heappush(costed, (item.lower_bound_s, index, order, item))
+            continue
+        item = heapq.heappop(costed)[3]
+        estimate = item.finish()
+        if not settled:
+            finished.append(estimate)
+            best = min(best, estimate.step_time_s)
+            continue
+        listed.append((item, estimate))
+        if len(kth) < keep:
+            heapq.heappush(kth, -estimate.step_time_s)
+        elif estimate.step_time_s < -kth[0]:
+            heapq.heapreplace(kth, -estimate.step_time_s)
+    advance("costing", len(plans))
+    left = [item for *_, item in costed]
+    if left:
+        dropped[_not_listed(keep)] += len(left)
+        bounded.extend(_bounded(item) for item in left)
+    if taken < len(cheap):
+        dropped[_UNCOSTED] += len(cheap) - taken
+        bounded.extend(Bounded(plan, bound, None) for bound, _, plan in cheap[taken:])
+    # In the order the whole ranking finishes them: equal step times keep it in the final (stable) sort.
+    listed.sort(key=lambda pair: _group(pair[0].plan))
+    return finished + [estimate for _, estimate in listed]
 
 
 def _plan_refused(err: PipedslError) -> bool:
@@ -500,7 +635,12 @@ def _reason(err: PipedslError, plan: Plan) -> str:
 
 
 def _simulate(
-    prepared: list[Prepared], keep: int | None, prune: float | None, beyond: float, dropped: Counter[str]
+    prepared: list[Prepared],
+    keep: int | None,
+    prune: float | None,
+    beyond: float,
+    dropped: Counter[str],
+    bounded: list[Bounded],
 ) -> list[Estimate]:
     """Finish the prepared plans. SPMD plans cost nothing more and are all finished.
     Pipeline plans go schedule by schedule: best-first by lower bound until that
@@ -509,7 +649,7 @@ def _simulate(
     once; with a shortlist of ``keep``, the rest only best-first while their bound is
     below both the schedule's ``keep``-th best step time and ``beyond`` (seconds, the
     ``keep``-th best elsewhere). So every schedule's best plan is exact, however far
-    behind the others."""
+    behind the others. The plans left unsimulated go to ``bounded``."""
     results = [p.finish() for p in prepared if p.key is None]
     by_schedule: dict[str, list[Prepared]] = {}
     for p in prepared:
@@ -527,6 +667,7 @@ def _simulate(
         rest = order[settled:]
         if prune is not None:
             kept = [p for p in rest if p.lower_bound_s <= prune * best]
+            bounded.extend(_bounded(p) for p in rest if p.lower_bound_s > prune * best)
             if len(kept) < len(rest):
                 dropped[f"over {prune:g}x its schedule's best step time (lower bound)"] += len(rest) - len(kept)
             rest = kept
@@ -535,12 +676,17 @@ def _simulate(
             done = [(p, p.finish()) for p in rest]
         else:
             done = _settle_best(rest, [e.step_time_s for e in finished], keep, beyond, dropped)
+            bounded.extend(_bounded(p) for p in rest[len(done) :])
             # In the order the whole ranking finishes them: equal step times keep it in
             # the final (stable) sort.
             done.sort(key=lambda pair: _group(pair[0].plan))
         results.extend(finished)
         results.extend(estimate for _, estimate in done)
     return results
+
+
+def _bounded(prepared: Prepared) -> Bounded:
+    return Bounded(prepared.plan, prepared.lower_bound_s, prepared.memory.total)
 
 
 def _not_listed(keep: int) -> str:
@@ -573,15 +719,18 @@ def _settle_best(
     return done
 
 
-def _shortlisted(ranked: list[Estimate], keep: int, dropped: Counter[str]) -> list[Estimate]:
+def _shortlisted(ranked: list[Estimate], keep: int, dropped: Counter[str], bounded: list[Bounded]) -> list[Estimate]:
     """The best ``keep`` of ``ranked`` (best first) and the best of each schedule (and
-    of the SPMD plans), in the order given; the rest counted in ``dropped``."""
+    of the SPMD plans), in the order given; the rest counted in ``dropped`` and added to
+    ``bounded`` (their step time, their bound)."""
     seen: set[str | None] = set()
     listed = []
     for rank, estimate in enumerate(ranked):
         schedule = estimate.plan.schedule
         if rank < keep or schedule not in seen:
             listed.append(estimate)
+        else:
+            bounded.append(Bounded(estimate.plan, estimate.step_time_s, estimate.memory.total))
         seen.add(schedule)
     if len(listed) < len(ranked):
         dropped[_not_listed(keep)] += len(ranked) - len(listed)

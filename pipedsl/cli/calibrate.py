@@ -44,7 +44,6 @@ from pipedsl.cli.common import (
     load_schedule,
     make_console,
     milliseconds,
-    plural,
 )
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.outputs import CLUSTER_TOML, COSTS_TOML, FORCE_HELP, check_output_file, check_output_folder
@@ -60,6 +59,7 @@ from pipedsl.simulator.calibration.report import Report
 from pipedsl.simulator.calibration.timelines import timeline_report
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
+from pipedsl.words import plural
 
 __all__ = [
     "MACHINE_MICROBATCH", "Measurement", "Run", "measure", "backend_for", "results_table", "register",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +55,6 @@ __all__ = [
     "option_error",
     "add_command",
     "make_console",
-    "plural",
     "positive_int",
 ]
 
@@ -94,13 +94,6 @@ def terminate_raises() -> Iterator[None]:
 def milliseconds(seconds: float | None) -> str:
     """``seconds`` in milliseconds to a tenth ("12.3"), or "-" where there is no figure (None)."""
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
-
-
-def plural(count: int, noun: str) -> str:
-    """``count`` and ``noun``, plural unless ``count`` is one: "1 stage", "2 stages", "3 microbatches"."""
-    if count == 1:
-        return f"{count} {noun}"
-    return f"{count} {noun}es" if noun.endswith(("ch", "sh", "s", "x")) else f"{count} {noun}s"
 
 
 def parse_params(items: Sequence[str]) -> dict[str, int]:
@@ -329,13 +322,18 @@ def report_error(err: PipedslError, *, path: str | Path | None = None) -> int:
     return EXIT_INVALID if isinstance(err, ScheduleInvalid) else EXIT_USAGE
 
 
-def make_console(*, stderr: bool = False, width: int = 120) -> Console:
-    """A rich console for a command's output; when writing to a file or a pipe, ``width``
-    columns wide rather than rich's 80, so that tables are not squeezed."""
+def make_console(*, stderr: bool = False) -> Console:
+    """A rich console for a command's output, :func:`~pipedsl.cli.layout.output_width`
+    columns wide when ``$COLUMNS`` says or when writing to a file or a pipe (rich's own
+    default there is 80)."""
     from rich.console import Console
 
+    from pipedsl.cli.layout import output_width
+
     console = Console(stderr=stderr, highlight=False)
-    return console if console.is_terminal else Console(stderr=stderr, highlight=False, width=width)
+    if console.is_terminal and "COLUMNS" not in os.environ:
+        return console
+    return Console(stderr=stderr, highlight=False, width=output_width())
 
 
 def add_command(

@@ -28,7 +28,9 @@
    their measurements, the demo says so instead of claiming an order, and it checks the
    plan ranked first against the fastest measured within that spread.
 
-Everything lands in ``--out``: ``plans.csv``, ``runs.csv``, ``timelines.png``.
+Everything lands in ``--out``: ``cluster.toml``, ``calibration.txt`` and
+``calibration-during-runs.txt`` (each figure's source and each calibration step; the
+output shows a summary), ``plans.csv``, ``runs.csv``, ``timelines.png``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pipedsl.cli.calibrate import MACHINE_MICROBATCH, Measurement, Run, measure
-from pipedsl.cli.common import add_command, load_schedule, make_console, milliseconds, plural
+from pipedsl.cli.common import add_command, load_schedule, make_console, milliseconds
+from pipedsl.cli.layout import fitted_table, paragraph
 from pipedsl.cli.machine import (
     MachineCalibration,
     calibrate_machine,
@@ -76,9 +79,10 @@ from pipedsl.simulator.calibration.machine import cluster_toml
 from pipedsl.simulator.ranked import zero_words
 from pipedsl.simulator.search import DEFAULT_PRUNE
 from pipedsl.validate import validate
+from pipedsl.words import plural
 
 __all__ = [
-    "register", "GLOBAL_BATCH", "demo_calibration_steps", "calibrated_search", "plans_to_run",
+    "register", "GLOBAL_BATCH", "best_plans_table", "demo_calibration_steps", "calibrated_search", "plans_to_run",
     "runnable_plans", "pairs_agreeing", "within_spread", "first_is_fastest",
 ]  # fmt: skip
 
@@ -93,25 +97,25 @@ _MIN_RUN_MICROBATCH = MACHINE_MICROBATCH
 
 
 def _library(console: Console) -> None:
-    table = Table(title="The schedule library (default parameters)", title_justify="left")
-    for column in ("schedule", "stages", "devices", "microbatches", "actions", "peak in-flight per device"):
-        table.add_column(column, justify="left" if column.startswith(("schedule", "peak")) else "right")
+    rows = []
     for name, path in library_schedules().items():
         schedule = load_schedule(path, {}, costs=CostModel())
         report = validate(schedule)
         peaks = " ".join(map(str, report.peak_inflight))
-        table.add_row(
-            name,
-            str(schedule.num_stages),
-            str(schedule.num_devices),
-            str(schedule.num_microbatches),
-            str(report.num_actions),
-            peaks,
+        rows.append(
+            [name, str(schedule.num_stages), str(schedule.num_devices), str(schedule.num_microbatches),
+             str(report.num_actions), peaks]
+        )  # fmt: skip
+    console.print(
+        fitted_table(
+            ("schedule", "stages", "devices", "microbatches", "actions", "peak in-flight per device"), rows,
+            width=console.width, title="The schedule library (default parameters)",
+            left=("schedule", "peak in-flight per device"), droppable=("devices", "microbatches", "stages"),
         )
-    console.print(table)
+    )  # fmt: skip
     one = load_schedule(library_path("zb_h1"), {})
     console.print(
-        f"\n[bold]zb_h1[/bold] per-device order ({one.num_devices} devices, {one.num_microbatches} microbatches):"
+        f"[bold]zb_h1[/bold] per-device order ({one.num_devices} devices, {one.num_microbatches} microbatches):"
     )
     console.print(one.format_grid(), highlight=False)
 
@@ -164,51 +168,42 @@ def repriced(plans: list[PlannedRun], cluster: Any, *, workload: Workload = DEMO
 
 def _plans(console: Console, steps: TimedSteps, workload: Workload, out: Path) -> tuple[MachineCalibration, Any]:
     console.rule(f"[bold]2. Plans for {workload.model.name} ({workload.precision}) on this machine")
-    console.print(f"Calibrating this machine ({plural(steps.devices, 'device')}) ...", highlight=False)
+    console.print(f"Calibrating this machine ({plural(steps.devices, 'device')}).", highlight=False)
     calibration, frame = calibrated_search(steps, workload)
-    console.print(calibration.describe(), highlight=False)
+    (out / "calibration.txt").write_text(calibration.describe() + "\n")
+    _say(console, f"{calibration.report.summary()} (each figure's source and each step: {out / 'calibration.txt'})")
     (out / "cluster.toml").write_text(cluster_toml(calibration))
     frame.to_csv(out / "plans.csv", index=False)
     summary = summarize(frame)
+    table = best_plans_table(frame, title_of=f"all in {out / 'plans.csv'}", width=console.width)
+    console.print(table)
+    _say(console, summary.text())
+    return calibration, frame
+
+
+def best_plans_table(frame: Any, *, title_of: str, width: int) -> Table:
+    """The demo's table of the best SPMD plan and each schedule's best plan of a search
+    ``frame``, fitted to ``width``; ``title_of`` ends its title (where the plans are)."""
+    summary = summarize(frame)
     best = ([summary.best_spmd] if summary.best_spmd is not None else []) + list(summary.best_by_schedule)
     best.sort(key=lambda row: row["step_time_s"])
-    table = Table(
-        title=f"The best SPMD plan and each schedule's best plan, of {len(frame)} that fit (all in {out / 'plans.csv'})",
-        title_justify="left",
-    )
-    for column in (
-        "rank",
-        "plan",
-        "dp",
-        "tp",
-        "pp",
-        "vpp",
-        "mb",
-        "zero",
-        "recompute",
-        "step (ms)",
-        "bubble",
-        "memory (MB)",
-    ):
-        table.add_column(column, justify="left" if column in ("plan", "recompute") else "right")
-    for row in best:
-        table.add_row(
-            str(row["rank"]),
-            row["schedule"] if row["kind"] == "pipeline" else "SPMD",
-            str(row["dp"]),
-            str(row["tp"]),
-            str(row["pp"]),
-            str(row["vpp"]),
-            str(row["microbatch_size"]),
-            zero_words(row),
-            row["recompute"],
-            f"{row['step_time_s'] * 1e3:.1f}",
-            f"{row['bubble']:.1%}",
-            f"{row['memory_bytes_per_gpu'] / 1e6:.0f}",
-        )
-    console.print(table)
-    console.print(summary.text())
-    return calibration, frame
+    rows = [
+        [str(row["rank"]), row["schedule"] if row["kind"] == "pipeline" else "SPMD", str(row["dp"]), str(row["tp"]),
+         str(row["pp"]), str(row["vpp"]), str(row["microbatch_size"]), zero_words(row), row["recompute"],
+         f"{row['step_time_s'] * 1e3:.1f}", f"{row['bubble']:.1%}", f"{row['memory_bytes_per_gpu'] / 1e6:.0f}"]
+        for row in best
+    ]  # fmt: skip
+    return fitted_table(
+        ("rank", "plan", "dp", "tp", "pp", "vpp", "mb", "zero", "recompute", "step (ms)", "bubble", "memory (MB)"), rows,
+        width=width, left=("plan", "recompute"),
+        title=f"The best SPMD plan and each schedule's best, of {len(frame):,} that fit ({title_of})",
+        droppable=("recompute", "zero", "vpp", "memory (MB)", "bubble", "mb"),
+    )  # fmt: skip
+
+
+def _say(console: Console, text: str) -> None:
+    """A paragraph, wrapped at the console's width at word boundaries."""
+    console.print(paragraph(text, width=console.width), highlight=False, soft_wrap=True)
 
 
 # --- 3. running the best plans for real ------------------------------------------------
@@ -322,34 +317,32 @@ def _runs(
             f"no ranked plan over {plural(steps.devices, 'device')} fits {workload.model.name}; nothing to run"
         )
     for plan in plans:
-        console.print(f"plan {plan.rank} ({plan.kind}): {plan.label()}", highlight=False)
+        _say(console, f"plan {plan.rank} ({plan.kind}): {plan.label()}")
 
     def prepared(i: int) -> None:
-        console.print(f"  plan {plans[i].rank}: compiled and calibrated", highlight=False)
+        console.print(f" plan {plans[i].rank}", end="\n" if i == len(plans) - 1 else ",", highlight=False)
 
     runs = [Run(plan.schedule_of(), plan.microbatch_size, plan, workload) for plan in plans]
-    console.print(
+    _say(
+        console,
         f"Compiling and calibrating each plan, then timing {rounds} steps of each, a step of each in turn and a "
-        "step of each of the machine calibration's ...",
-        highlight=False,
+        "step of each of the machine calibration's.",
     )
+    console.print("compiled and calibrated:", end="", highlight=False)
     reports = measure(runs, backend=backend, steps=rounds, prepared=prepared, each_round=steps.timed_round)
     during = recalibrated(calibration, workload.model, steps.take())
-    console.print("The same calibration steps timed in turns with the runs, fitted again:", highlight=False)
-    console.print(during.describe(), highlight=False)
+    (out / "calibration-during-runs.txt").write_text(during.describe() + "\n")
     results = [
         RunResult(run=m, predicted_s=price, searched_s=_searched(m))
         for m, price in zip(reports, repriced(plans, during.cluster, workload=workload), strict=True)
     ]
-    for plan, r in zip(plans, results, strict=True):
-        console.print(
-            f"plan {plan.rank}: loss {r.run.losses[0]:.4f} -> {r.run.losses[-1]:.4f}; predicted "
-            f"{milliseconds(r.predicted_s)} ms, measured {milliseconds(r.run.measured_s)} ms per step ({r.error:+.1%})",
-            highlight=False,
-        )
-    console.print(_results_table(results))
-    console.print(_order_verdict(results), highlight=False)
-    console.print(_speed_verdict(calibration, during), highlight=False)
+    console.print(_results_table(results, width=console.width))
+    _say(console, _order_verdict(results))
+    _say(
+        console,
+        f"{_speed_verdict(calibration, during)} (the calibration steps timed in turns with the runs and fitted again:"
+        f" {out / 'calibration-during-runs.txt'})",
+    )
     _write_runs(out / "runs.csv", results)
     figure = plot_timelines(
         [p for m in reports for p in m.panels], share_time=False, caption="simulated against measured"
@@ -363,38 +356,29 @@ def _searched(m: Measurement) -> float:
     return m.planned_s
 
 
-def _results_table(results: list[RunResult]) -> Table:
-    table = Table(
-        title="Predicted (on this machine calibrated in turns with the runs) against measured step time",
-        title_justify="left",
-    )
-    columns = (
-        "plan", "kind", "predicted (ms)", "measured (ms)", "spread (ms)", "error", "searched (ms)", "its error",
-        "fitted to its run (ms)",
-    )  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("plan", "kind") else "right")
+def _results_table(results: list[RunResult], *, width: int) -> Table:
+    """Each run's loss, its prediction (the machine calibrated in turns with the runs), its
+    measured step and spread, and the search's price, fitted to ``width``."""
+    rows = []
     for r in results:
         m = r.run
         low, high = m.quartiles
-        table.add_row(
-            m.label,
-            m.plan.kind if m.plan is not None else "",
-            milliseconds(r.predicted_s),
-            milliseconds(m.measured_s),
-            f"{milliseconds(low)}-{milliseconds(high)}",
-            f"{r.error:+.1%}",
-            milliseconds(r.searched_s),
-            f"{r.searched_error:+.1%}",
-            milliseconds(m.predicted_s),
-        )
-    if any(r.run.predicted_s is None for r in results):
-        table.caption = (
-            "fitted to its run: the simulator on the per-action costs of the run's recorded steps, which dispatch "
-            "each action apart; '-' where the step runs as one program (pp = 1, or every pipeline device on the "
-            "same devices), which they do not time"
-        )
-    return table
+        rows.append([
+            _name(r), m.plan.kind if m.plan is not None else "", f"{m.losses[0]:.2f} -> {m.losses[-1]:.2f}",
+            milliseconds(r.predicted_s), milliseconds(m.measured_s), f"{milliseconds(low)}-{milliseconds(high)}",
+            f"{r.error:+.1%}", milliseconds(r.searched_s), f"{r.searched_error:+.1%}",
+        ])  # fmt: skip
+    return fitted_table(
+        ("plan", "kind", "loss", "predicted ms", "measured ms", "spread ms", "error", "searched ms", "its error"), rows,
+        width=width, left=("plan", "kind", "loss"), droppable=("kind", "spread ms", "its error", "loss"),
+        title="Predicted (this machine calibrated in turns with the runs) against measured step time",
+    )  # fmt: skip
+
+
+def _name(result: RunResult) -> str:
+    """How the demo's tables and verdicts name a run: by its plan's rank in the search."""
+    plan = result.run.plan
+    return result.run.label if plan is None or plan.rank is None else f"plan {plan.rank}"
 
 
 def pairs_agreeing(predicted: list[float], measured: list[float], spread: list[float]) -> tuple[int, int]:
@@ -445,15 +429,15 @@ def _order_verdict(results: list[RunResult]) -> str:
     for i, j in tied:
         a, b = results[i], results[j]
         said.append(
-            f"{a.run.label} and {b.run.label}: predicted {milliseconds(a.predicted_s)} and {milliseconds(b.predicted_s)} ms, a "
+            f"{_name(a)} and {_name(b)}: predicted {milliseconds(a.predicted_s)} and {milliseconds(b.predicted_s)} ms, a "
             f"difference within the measured spread ({milliseconds(max(a.spread_s, b.spread_s))} ms): no order claimed."
         )
     said.append(f"{within} of {len(results)} predictions within 20% of measured.")
     verdict = "is the fastest measured" if first is fastest else (
-        f"is within the measured spread of the fastest, {fastest.run.label}" if holds
-        else f"is not the fastest measured: {fastest.run.label} is"
+        f"is within the measured spread of the fastest, {_name(fastest)}" if holds
+        else f"is not the fastest measured: {_name(fastest)} is"
     )  # fmt: skip
-    said.append(f"The plan ranked first, {first.run.label}, {verdict}.")
+    said.append(f"The plan ranked first, {_name(first)}, {verdict}.")
     return " ".join(said)
 
 
@@ -563,7 +547,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )  # fmt: skip
     console.rule()
     seconds = time.perf_counter() - started
-    console.print(f"done in {seconds:.0f} s; outputs in {out}/: cluster.toml, plans.csv, runs.csv, timelines.png")
+    _say(
+        console,
+        f"done in {seconds:.0f} s; outputs in {out}/: cluster.toml, calibration.txt, calibration-during-runs.txt,"
+        " plans.csv, runs.csv, timelines.png",
+    )
     _record(results, seconds, calibration, workload)
     return 0
 
@@ -611,7 +599,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         examples="  pipedsl demo --out out\n  pipedsl demo --backend ray --top 2 --steps 3",
     )
     demo.add_argument(
-        "--out", default="out", help="folder for cluster.toml, plans.csv, runs.csv and timelines.png (default out)"
+        "--out",
+        default="out",
+        help="folder for cluster.toml, the calibrations, plans.csv, runs.csv and timelines.png (default out)",
     )
     demo.add_argument(
         "--devices",

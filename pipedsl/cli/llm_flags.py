@@ -32,8 +32,8 @@ def add_common_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     parser.add_argument(
         "--framework",
         choices=tuple(FRAMEWORKS),
-        default=DEFAULT_FRAMEWORK,
-        help=f"the framework that runs the plan, whose fixed costs are priced (default {DEFAULT_FRAMEWORK})",
+        help=f"the framework that runs the plan, whose fixed costs are priced (default {DEFAULT_FRAMEWORK} on GPUs,"
+        " maxtext on TPU chips)",
     )
     parser.add_argument(
         "--mfu-flops",

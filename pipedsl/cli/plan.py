@@ -34,10 +34,10 @@ from pipedsl.cli.common import (
     add_schedule_params,
     make_console,
     option_error,
-    plural,
     positive_int,
     terminate_raises,
 )
+from pipedsl.cli.layout import command_lines, fitted_table, paragraph
 from pipedsl.cli.llm_flags import (
     add_common_options,
     add_estimate_options,
@@ -54,6 +54,7 @@ from pipedsl.simulator.candidates import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount
+from pipedsl.simulator.frameworks import default_framework
 from pipedsl.simulator.hardware import (
     Cluster,
     Model,
@@ -66,7 +67,9 @@ from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.ranked import zero_words
 from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
+from pipedsl.simulator.search_work import MAX_PAIRS_PER_SCHEDULE, SearchWork
 from pipedsl.simulator.speed import relative_speed
+from pipedsl.words import plural
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -142,6 +145,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     pipelines = Pipelines()
     microbatches = args.global_batch // (args.dp * args.microbatch_size)
     vpp = args.vpp if args.vpp is not None else _placed_vpp(args.schedule, args.pp, microbatches, own, pipelines)
+    base = load_cluster(args.cluster)
     plan = Plan(
         dp=args.dp,
         fsdp=args.fsdp,
@@ -163,16 +167,24 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         reduce_once=args.reduce_once,
         reshard_after_forward=not args.keep_weights,
         stage_layers=stage_layers(args.stage_layers, model, args.pp * vpp),
-        framework=args.framework,
+        framework=args.framework or default_framework(base),
         schedule_params=own,
         update_barrier=not args.no_update_barrier,
     )
     if plan.gpus > MAX_GPUS or plan.global_batch > MAX_GLOBAL_BATCH:
         raise PipedslError(
-            f"estimate: {plan.gpus:,} GPUs and a global batch of {plan.global_batch:,} sequences; the estimator"
-            f" plans for at most {MAX_GPUS:,} GPUs and {MAX_GLOBAL_BATCH:,} sequences: check the numbers"
+            f"estimate: {plan.gpus:,} {base.devices_word} and a global batch of {plan.global_batch:,} sequences; the"
+            f" estimator plans for at most {MAX_GPUS:,} {base.devices_word} and {MAX_GLOBAL_BATCH:,} sequences: check"
+            " the numbers"
         )
-    cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=plan.gpus, command="estimate")
+    pairs = SearchWork.of([plan]).total
+    if pairs > MAX_PAIRS_PER_SCHEDULE:
+        raise PipedslError(
+            f"estimate: {plan.label} runs {plan.microbatches:,} microbatches through {plan.pp * plan.vpp:,} stages,"
+            f" {pairs:,} (stage, microbatch) pairs, past the {MAX_PAIRS_PER_SCHEDULE:,} the estimator evaluates: a"
+            " smaller --global-batch, or a larger --microbatch-size or --dp, needs fewer"
+        )
+    cluster = _sliced(base, slices=args.slices, devices=plan.gpus, command="estimate")
     result = estimate(model, cluster, plan, pipelines=pipelines)
     count = FlopCount(args.mfu_flops)
     advice = [] if result.fits else fit_advice(model, cluster, plan)
@@ -191,7 +203,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         _print_estimate(result, console, count)
         if not result.fits:
             for line in misfit_text(result.memory, advice):
-                console.print(line, highlight=False)
+                console.print(paragraph(line, width=console.width), highlight=False, soft_wrap=True)
     return EXIT_OK if result.fits else EXIT_NOTHING_FITS
 
 
@@ -229,6 +241,7 @@ def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> Non
     from rich.table import Table
 
     plan, memory = result.plan, result.memory
+    device = result.cluster.devices_word.removesuffix("s")
     console.print(
         f"[bold]{result.model.name}[/] on {plan.gpus} x {result.cluster.gpu} ({result.cluster.name}): {plan.label}, "
         f"{plan.microbatches} microbatches of {plan.microbatch_size}"
@@ -243,8 +256,8 @@ def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> Non
     table.add_row("pipeline bubble", f"{100 * result.bubble:.1f} %")
     table.add_row("tokens per second", f"{result.tokens_per_s:,.0f}")
     table.add_row(f"MFU ({flops_words(count)})", f"{100 * result.mfu_by(count):.1f} %")
-    table.add_row("  model TFLOP/s per GPU", f"{result.tflops_per_gpu(count):.0f}")
-    table.add_row("memory per GPU", f"{memory.total / _GIB:.1f} GiB of {memory.usable / _GIB:.1f} GiB usable")
+    table.add_row(f"  model TFLOP/s per {device}", f"{result.tflops_per_gpu(count):.0f}")
+    table.add_row(f"memory per {device}", f"{memory.total / _GIB:.1f} GiB of {memory.usable / _GIB:.1f} GiB usable")
     table.add_row("  weights", f"{memory.weights / _GIB:.1f} GiB")
     table.add_row("  gradients", f"{memory.gradients / _GIB:.1f} GiB")
     table.add_row("  optimizer state", f"{memory.optimizer / _GIB:.1f} GiB")
@@ -253,7 +266,8 @@ def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> Non
     console.print(table)
     console.print("[bold]assumes[/]")
     for assumption in result.assumptions:
-        console.print(f"  {assumption.name} = {assumption.value}: {assumption.meaning}", highlight=False)
+        line = f"{assumption.name} = {assumption.value}: {assumption.meaning}"
+        console.print(paragraph(line, indent="  ", width=console.width), highlight=False, soft_wrap=True)
 
 
 # --- search -----------------------------------------------------------------------------
@@ -313,9 +327,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
             global_batch=args.global_batch,
             schedules=schedules,
             extra_schedules=args.extra,
-            # What is printed needs only the best --top and each schedule's best; a CSV has
-            # every plan.
-            shortlist=args.top if args.csv is None else None,
+            # What is printed needs only the best --top and each schedule's best; so does a
+            # CSV, whose other plans come with their lower bounds (all of them ranked with
+            # --no-prune).
+            shortlist=None if args.no_prune and args.csv is not None else args.top,
             prune=None if args.no_prune else args.prune,
             progress=progress,
             jobs=args.jobs,
@@ -331,11 +346,27 @@ def _cmd_search(args: argparse.Namespace) -> int:
     search_mfu(frame, load_model(args.model), FlopCount(args.mfu_flops))
     if args.csv is not None:
         try:
-            frame.to_csv(args.csv, index=False)
+            _plans_table(frame).to_csv(args.csv, index=False)
         except OSError as error:
             raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
     _print_search(frame, make_console(), top=args.top, csv=args.csv, layers=load_model(args.model).layers)
     return EXIT_OK if len(frame) else EXIT_NOTHING_FITS
+
+
+def _plans_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """What ``--csv`` writes: the ranked plans, then every other plan that fits, by its
+    lower bound on the step time (``step_time_bound_s``; a ranked plan's is its step time),
+    without a rank or a step time: they were not simulated."""
+    import pandas as pd
+
+    ranked = frame.assign(step_time_bound_s=frame["step_time_s"])
+    bounded = frame.attrs["bounded"].assign(model=frame.attrs["model"])
+    ranked.attrs = {}  # the search's record stays with the search; a table is written
+    if bounded.empty:
+        return ranked
+    # Whole-number columns that the bounded rows leave empty stay whole numbers.
+    whole = {c: "Int64" for c in ("rank", "inflight_limit")}
+    return pd.concat([ranked.astype(whole), bounded], ignore_index=True)[ranked.columns]
 
 
 def _sliced(cluster: Cluster, *, slices: int, devices: int, command: str) -> Cluster:
@@ -407,51 +438,63 @@ def _prune_factor(text: str) -> float:
 def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None, layers: int) -> None:
     attrs = frame.attrs
     word = attrs["devices_word"]
-    console.print(
-        f"[bold]{attrs['model']}[/] on {plural(attrs['gpus'], word.removesuffix('s'))} of {attrs['cluster']}, global batch "
-        f"{attrs['global_batch']}: {attrs['considered']} plans, {len(frame)} ranked, "
-        f"{attrs['simulations']} pipeline simulations in {attrs['seconds']:.1f} s"
+
+    def say(text: str, indent: str = "") -> None:
+        console.print(paragraph(text, indent=indent, width=console.width), highlight=False, soft_wrap=True)
+
+    say(
+        f"{attrs['model']} on {plural(attrs['gpus'], word.removesuffix('s'))} of {attrs['cluster']}, global batch "
+        f"{attrs['global_batch']:,}: {attrs['considered']:,} plans, {len(frame):,} ranked, "
+        f"{plural(attrs['simulations'], 'pipeline simulation')} in {attrs['seconds']:.1f} s"
         + (f" ({attrs['processes']} processes)" if attrs["processes"] > 1 else "")
     )
     for line in attrs["explanation"].lines(devices=word):
-        console.print(f"  {line}", highlight=False)
-    console.print(f"  MFU counts {attrs.get('mfu_flops', flops_words(DEFAULT_FLOP_COUNT))}", highlight=False)
+        say(line, "  ")
+    say(f"MFU counts {attrs.get('mfu_flops', flops_words(DEFAULT_FLOP_COUNT))}", "  ")
     if not len(frame):
         return
-    console.print(_best_plans_table(frame, top))
+    console.print(_best_plans_table(frame, top, width=console.width))
     uneven = sorted({int(s) for s in frame["pp"] * frame["vpp"] if layers % int(s)})
     if uneven:
-        console.print(
-            f"  where pp × vpp ({', '.join(map(str, uneven))}) does not divide the {layers} layers, the first and"
+        say(
+            f"where pp × vpp ({', '.join(map(str, uneven))}) does not divide the {layers} layers, the first and"
             " the last stage hold only the embedding and the head (--stage-layers even leaves such plans out)",
-            highlight=False,
+            "  ",
         )
     summary = summarize(frame)
     if summary.best_by_schedule:
-        console.print(_per_schedule_table(summary))
-    console.print(summary.text())
+        console.print(_per_schedule_table(summary, width=console.width))
+    say(summary.text())
     console.print("[bold]the best plan assumes[/]")
     for name, value, meaning in attrs["assumptions"]:
-        console.print(f"  {name} = {value}: {meaning}", highlight=False)
+        say(f"{name} = {value}: {meaning}", "  ")
     if csv is not None:
-        console.print(f"all {len(frame)} ranked plans written to {csv}")
+        bounded = len(frame.attrs["bounded"])
+        say(
+            f"{plural(len(frame), 'ranked plan')} written to {csv}"
+            + (f", and {bounded:,} more not ranked, each with a lower bound on its step time" if bounded else "")
+        )
     _print_run_command(frame.iloc[0].to_dict(), console, csv=csv)
 
 
-def _best_plans_table(frame: pd.DataFrame, top: int) -> Table:
-    """The best ``top`` rows, one column per :data:`_HEADERS` entry."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title=f"best {min(top, len(frame))} plans", box=box.SIMPLE_HEAD)
+def _best_plans_table(frame: pd.DataFrame, top: int, *, width: int) -> Table:
+    """The best ``top`` rows, one column per :data:`_HEADERS` entry, fitted to ``width``
+    (:data:`_DROPPED_FIRST` leaves out the columns)."""
     columns = [c for c in COLUMNS if c in _HEADERS]
-    for column in columns:
-        header = _HEADERS[column].replace("GPU", frame.attrs["devices_word"].removesuffix("s"))
-        table.add_column(header, justify="left" if column in ("schedule", "recompute") else "right")
-    for row in frame.head(top).itertuples(index=False):
-        values = row._asdict()
-        table.add_row(*(zero_words(values) if c == "zero" else _cell(c, values[c]) for c in columns))
-    return table
+    headers = [_HEADERS[c].replace("GPU", frame.attrs["devices_word"].removesuffix("s")) for c in columns]
+    rows = [
+        [zero_words(values) if c == "zero" else _cell(c, values[c]) for c in columns]
+        for values in (row._asdict() for row in frame.head(top).itertuples(index=False))
+    ]
+    return fitted_table(
+        headers, rows, width=width, title=f"best {min(top, len(frame))} plans", left=("schedule", "recompute"),
+        droppable=[headers[columns.index(c)] for c in _DROPPED_FIRST],
+    )  # fmt: skip
+
+
+_DROPPED_FIRST = ("inflight_limit", "cp", "microbatches", "bubble", "vpp", "memory_bytes_per_gpu", "mfu", "rank")
+"""The best-plans table's columns that may be left out, least wanted first: each where
+every row has the same value, then as many as a narrow terminal needs."""
 
 
 def _cell(column: str, value: Any) -> str:
@@ -463,33 +506,33 @@ def _cell(column: str, value: Any) -> str:
     if column == "memory_bytes_per_gpu":
         return f"{value / _GIB:.1f}"
     if column == "inflight_limit":
-        return str(value) if value else "-"
+        return str(value) if value else "none"
     return str(value)
 
 
-def _per_schedule_table(summary: Summary) -> Table:
-    """Each schedule's best plan and how it compares with the best SPMD plan."""
-    from rich import box
-    from rich.table import Table
-
-    per = Table(title="best plan of each schedule", box=box.SIMPLE_HEAD)
-    for header in ("schedule", "plan", "step s", "MFU %", "bubble %", "vs best SPMD"):
-        per.add_column(header, justify="left" if header in ("schedule", "plan") else "right")
+def _per_schedule_table(summary: Summary, *, width: int) -> Table:
+    """Each schedule's best plan and how it compares with the best SPMD plan, fitted to ``width``."""
+    rows = []
     for row in summary.best_by_schedule:
         vpp = f" vpp{row['vpp']}" if row["vpp"] > 1 else ""
         cp = f" cp{row['cp']}" if row.get("cp", 1) > 1 else ""
         limit = f" inflight{row['inflight_limit']}" if row.get("inflight_limit") else ""
+        recompute = "" if row["recompute"] == "none" else f" {row['recompute']}"
         spmd = summary.best_spmd
-        per.add_row(
+        rows.append([
             row["schedule"],
             f"dp{row['dp']} tp{row['tp']}{cp} pp{row['pp']}{vpp} mb{row['microbatch_size']} "
-            f"zero{zero_words(row)} {row['recompute']}{limit}",
+            f"zero{zero_words(row)}{recompute}{limit}",
             f"{row['step_time_s']:.3f}",
             f"{100 * row['mfu']:.1f}",
             f"{100 * row['bubble']:.1f}",
             "-" if spmd is None else relative_speed(row["step_time_s"], spmd["step_time_s"]),
-        )
-    return per
+        ])  # fmt: skip
+    return fitted_table(
+        ("schedule", "plan", "step s", "MFU %", "bubble %", "vs best SPMD"), rows, width=width,
+        title="best plan of each schedule (recomputation none unless named)", left=("schedule", "plan"),
+        droppable=("bubble %", "MFU %", "step s"),
+    )  # fmt: skip
 
 
 def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None:
@@ -515,11 +558,10 @@ def _print_run_command(best: dict, console: Console, *, csv: str | None) -> None
         if planned.devices > cores
         else f"runs here on {plural(planned.devices, 'device')} with the built-in transformer"
     )
-    console.print(
-        f"{what} {where}:\n  {planned.command()}" + (f"\n  or: {by_rank}" if by_rank else ""),
-        highlight=False,
-        soft_wrap=True,
-    )
+    lines = [paragraph(f"{what} {where}:", width=console.width), command_lines(planned.command(), width=console.width)]
+    if by_rank:
+        lines += ["or:", command_lines(by_rank, width=console.width)]
+    console.print("\n".join(lines), highlight=False, soft_wrap=True)
 
 
 # --- registration -----------------------------------------------------------------------
@@ -665,7 +707,10 @@ def _register_search(subparsers: argparse._SubParsersAction) -> None:
         help="show the best K plans (default 15); without --csv only they and each schedule's best are ranked",
     )
     src.add_argument(
-        "--csv", metavar="OUT", help="write every ranked plan to this CSV file (every plan within --prune is ranked)"
+        "--csv",
+        metavar="OUT",
+        help="write the ranked plans to this CSV file, then every other plan that fits with a lower bound on its step"
+        " time (step_time_bound_s; with --no-prune every plan is ranked)",
     )
     src.add_argument("--schedules", metavar="A,B", help="try only these library schedules (comma-separated)")
     add_schedule_params(

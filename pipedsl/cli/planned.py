@@ -218,8 +218,12 @@ class PlannedRun:
         return None
 
     def command(self) -> str:
-        """The ``pipedsl run`` command line that runs this plan's layout on the built-in transformer."""
-        params = " ".join(f"-p {k}={v}" for k, v in self.params().items())
+        """The ``pipedsl run`` command line that runs this plan's layout on the built-in
+        transformer: ``pipedsl run --spmd -p microbatches=M ...`` for an SPMD plan."""
+        if self.kind == "spmd":
+            params = f"--spmd -p microbatches={self.microbatches}"
+        else:
+            params = f"{self.schedule} " + " ".join(f"-p {k}={v}" for k, v in self.params().items())
         options = f" --fsdp {self.fsdp}" if self.fsdp is not None else ""
         options += " --reduce-once" if self.reduce_once else ""
         options += f" --recompute {self.recompute}" if self.recompute != "none" else ""
@@ -227,7 +231,7 @@ class PlannedRun:
         options += " --fused-attention" if self.flash_attention else ""
         options += " --shared-devices" if self.shared_devices else ""
         return (
-            f"pipedsl run {self.schedule} {params} --model transformer --dp {self.dp} --tp {self.tp}"
+            f"pipedsl run {params} --model transformer --dp {self.dp} --tp {self.tp}"
             f"{f' --cp {self.cp}' if self.cp > 1 else ''} "
             f"--zero {self.zero} --microbatch-size {self.microbatch_size}{options}"
         )
@@ -241,11 +245,13 @@ def read_plan(path: str | Path, rank: int) -> PlannedRun:
             rows = list(csv.DictReader(handle))
     except (OSError, UnicodeDecodeError) as err:
         raise PipedslError(f"{where}: cannot read the plans: {getattr(err, 'strerror', None) or err}") from None
-    for index, row in enumerate(rows):
-        row_rank = row.get("rank") or str(index + 1)
-        if row_rank.strip() == str(rank):
+    # A row without a rank was not simulated (search --csv lists it with a lower bound).
+    ranks = [str(index + 1) if row.get("rank") is None else row["rank"].strip() for index, row in enumerate(rows)]
+    for row_rank, row in zip(ranks, rows, strict=True):
+        if row_rank == str(rank):
             return PlannedRun.from_row(row, where=f"{where}, rank {rank}")
-    raise PipedslError(f"{where}: no plan of rank {rank}; it ranks {len(rows)} plans (1 .. {len(rows)})")
+    ranked = sum(1 for r in ranks if r)
+    raise PipedslError(f"{where}: no plan of rank {rank}; it ranks {ranked} plans (1 .. {ranked})")
 
 
 def _flag(value: Any, name: str, where: str, *, absent: bool = True) -> bool:

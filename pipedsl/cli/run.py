@@ -32,16 +32,17 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.cli.checkpoints import Checkpointing, add_checkpoint_options, training_settings
-from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, option_error, plural
+from pipedsl.cli.common import EXIT_OK, add_param_option, load_schedule, option_error
 from pipedsl.cli.interrupts import take_interrupt
 from pipedsl.cli.outputs import FORCE_HELP, TIMELINE, check_output_file
-from pipedsl.cli.planned import PlannedRun, read_plan
+from pipedsl.cli.planned import SPMD_SCHEDULE, PlannedRun, read_plan
 from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.executor.model_sizes import block_parameters
 from pipedsl.ir import Schedule
 from pipedsl.run_options import RECOMPUTE_MODES, RunOptions, RunOptionsError
 from pipedsl.validate import validate
+from pipedsl.words import byte_size, plural
 
 __all__ = ["register"]
 
@@ -254,20 +255,36 @@ def _refuse_unless_fits(param_bytes: int, *, replicas: int, available: int, wher
     needed = _COPIES_FOR_ADAM * param_bytes * replicas
     if needed > available:
         raise PipedslError(
-            f"{what} has {param_bytes / 1e9:,.1f} GB of parameters; training it with Adam needs at least"
-            f" {needed / 1e9:,.1f} GB (parameters, gradients and two moments), more than the"
-            f" {available / 1e9:,.1f} GB of {where}; use a smaller --width or --layers-per-stage"
+            f"{what} has {byte_size(param_bytes)} of parameters; training it with Adam needs at least"
+            f" {byte_size(needed)} (parameters, gradients and two moments), more than the"
+            f" {byte_size(available)} of {where}; use a smaller --width or --layers-per-stage"
         )
+
+
+def _spmd_schedule(args: argparse.Namespace) -> Schedule:
+    """``--spmd``'s schedule: one stage over every device, each microbatch's forward and at
+    once its backward (:data:`~pipedsl.cli.planned.SPMD_SCHEDULE` at ``pp = 1``), as the
+    planner prices an SPMD plan; ``-p microbatches=M`` is the one parameter it takes."""
+    if args.file is not None or args.plan is not None:
+        raise PipedslError("--spmd runs no pipeline schedule: give it without a FILE or --plan")
+    others = sorted(set(args.params) - {"microbatches"})
+    if others:
+        raise PipedslError(f"--spmd takes only -p microbatches=M (one stage, no pipeline); drop -p {others[0]}")
+    schedule = load_schedule(SPMD_SCHEDULE, {"pp": 1, **args.params}, max_actions=args.max_actions)
+    validate(schedule)
+    return schedule
 
 
 def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
     """The schedule to run and, with ``--plan``, the plan it comes from (which then sets
     the microbatches and their size and the model; :func:`_run_options` takes its options)."""
+    if args.spmd:
+        return _spmd_schedule(args), None
     if args.plan is None:
         if args.plans is not None:
             raise PipedslError("--plans names the plans file of --plan RANK; give --plan too")
         if args.file is None:
-            raise PipedslError("give a schedule FILE, or --plan RANK --plans plans.csv")
+            raise PipedslError("give a schedule FILE, --spmd, or --plan RANK --plans plans.csv")
         schedule = load_schedule(args.file, args.params, max_actions=args.max_actions)
         validate(schedule)
         return schedule, None
@@ -602,14 +619,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "  pipedsl run schedules/1f1b.sched -p pp=2 --backend ray [--address HOST:PORT]\n"
             "  pipedsl run 1f1b -p pp=2 --model transformer --dp 2 --tp 2 --zero 1\n"
             "  pipedsl run 1f1b -p pp=2 --model llama --cp 2 --tp 2                       # context parallel\n"
-            "  pipedsl run 1f1b -p pp=1 -p microbatches=4 --model transformer --dp 8      # SPMD data parallel\n"
+            "  pipedsl run --spmd -p microbatches=4 --model transformer --dp 8             # SPMD data parallel\n"
             "  pipedsl run --plan 1 --plans out/plans.csv                                   # a plan search ranked\n"
             "  pipedsl run 1f1b -p pp=2 --steps 100 --checkpoint ckpt --checkpoint-every 10 [--resume]"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.set_defaults(handler=_cmd_run)
-    run.add_argument("file", metavar="FILE", nargs="?", help="a .sched, .csv or .json schedule (or give --plan)")
+    run.add_argument(
+        "file", metavar="FILE", nargs="?", help="a .sched, .csv or .json schedule (or give --spmd or --plan)"
+    )
+    run.add_argument(
+        "--spmd",
+        action="store_true",
+        help="no pipeline: one stage over every device (data, tensor and context parallel), as the planner's SPMD"
+        " plans run; -p microbatches=M accumulates M microbatches per step (default 8)",
+    )
     add_param_option(run)
     run.add_argument("--model", choices=("mlp", "transformer", "llama"), help="the built-in model (default mlp)")
     run.add_argument("--marked", action="store_true", help="split one marked function instead of explicit stages")

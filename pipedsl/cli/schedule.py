@@ -16,10 +16,10 @@ from pipedsl.cli.common import (
     add_param_option,
     default_costs_note,
     load_schedule,
-    plural,
     report_error,
     synthesize_policy,
 )
+from pipedsl.cli.layout import for_reader
 from pipedsl.cli.outputs import CONVERTED, FORCE_HELP, check_output_file
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Schedule
@@ -27,6 +27,7 @@ from pipedsl.policy import Policy
 from pipedsl.program import lower
 from pipedsl.rendezvous import exchange_groups, exchange_order
 from pipedsl.validate import validate
+from pipedsl.words import plural
 
 __all__ = ["register"]
 
@@ -53,10 +54,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
             continue
         peaks = " ".join(map(str, report.peak_inflight))
         print(
-            f"{path}: ok  {_describe(schedule)}: {plural(schedule.num_stages, 'stage')}, "
-            f"{plural(schedule.num_devices, 'device')}, {plural(schedule.num_microbatches, 'microbatch')}, "
-            f"{plural(report.num_actions, 'action')}, "
-            f"peak in-flight per device {peaks}" + ("" if policy is None else f" ({default_costs_note(policy)})")
+            for_reader(
+                f"{path}: ok  {_describe(schedule)}: {plural(schedule.num_stages, 'stage')}, "
+                f"{plural(schedule.num_devices, 'device')}, {plural(schedule.num_microbatches, 'microbatch')}, "
+                f"{plural(report.num_actions, 'action')}, "
+                f"peak in-flight per device {peaks}" + ("" if policy is None else f" ({default_costs_note(policy)})")
+            )
         )
         if args.verbose:
             print(f"{path}: {_rendezvous_note(schedule)}")

@@ -25,10 +25,10 @@ from pipedsl.cli.common import (
     add_param_option,
     load_schedule,
     make_console,
-    plural,
     report_error,
     synthesize_policy,
 )
+from pipedsl.cli.layout import fitted_table, paragraph
 from pipedsl.cli.outputs import FORCE_HELP, PICTURE, TRACE, check_output_file
 from pipedsl.errors import ConversionError, PipedslError, ScheduleInvalid
 from pipedsl.policy import Policy
@@ -37,6 +37,7 @@ from pipedsl.simulator.engine import Simulation, simulate
 from pipedsl.simulator.speed import relative_speed
 from pipedsl.timeline import Timeline
 from pipedsl.validate import checked
+from pipedsl.words import plural
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -232,13 +233,13 @@ def _device_table(sim: Simulation) -> Table:
 
 
 def _print_summary(sim: Simulation) -> None:
-    console = make_console(width=160)
+    console = make_console()
     schedule = sim.schedule
     console.print(
         f"[bold]{sim.label}[/bold]: {plural(schedule.num_stages, 'stage')} on {plural(schedule.num_devices, 'device')}, "
         f"{plural(schedule.num_microbatches, 'microbatch')}, {plural(schedule.num_actions, 'action')}"
     )
-    console.print(f"costs: {sim.costs.describe()}")
+    console.print(f"costs: {sim.costs.describe(split=sim.schedule.splits_backward)}")
     console.print(
         f"makespan [bold]{_seconds_text(sim.makespan)} s[/bold]   bubble [bold]{sim.bubble_ratio:.2%}[/bold]   "
         f"critical path {_critical_summary(sim)}"
@@ -264,16 +265,13 @@ def _inflight_text(sim: Simulation) -> str:
 
 
 def _print_comparison(sims: Sequence[tuple[str, Simulation]]) -> None:
-    from rich.table import Table
-
     ranked = sorted(sims, key=lambda item: (item[1].makespan, item[0]))
     best = ranked[0][1].makespan
     show_bytes = any(d.peak_activation_bytes for _, s in ranked for d in s.devices)
-    table = Table(header_style="bold")
-    for header in ("rank", "schedule", "parameters", "makespan (s)", "vs best", "bubble", "peak in-flight"):
-        table.add_column(header, justify="left" if header in ("schedule", "parameters") else "right")
+    headers = ["rank", "schedule", "parameters", "makespan (s)", "vs best", "bubble", "peak in-flight"]
     if show_bytes:
-        table.add_column("peak activations", justify="right")
+        headers.append("peak activations")
+    rows = []
     for rank, (_, sim) in enumerate(ranked, start=1):
         row = [
             str(rank),
@@ -286,13 +284,23 @@ def _print_comparison(sims: Sequence[tuple[str, Simulation]]) -> None:
         ]
         if show_bytes:
             row.append(_bytes_text(max((d.peak_activation_bytes for d in sim.devices), default=0)))
-        table.add_row(*row)
-    console = make_console(width=160)
-    console.print(f"[bold]ranked by makespan[/bold]  (costs: {ranked[0][1].costs.describe()})")
+        rows.append(row)
+    console = make_console()
+    table = fitted_table(
+        headers, rows, width=console.width, left=("schedule", "parameters"),
+        droppable=("parameters", "rank", "bubble", "peak activations"),
+    )  # fmt: skip
+    split = any(s.schedule.splits_backward for _, s in ranked)
+    console.print(f"[bold]ranked by makespan[/bold]  (costs: {ranked[0][1].costs.describe(split=split)})")
     console.print(table)
     console.print(
-        "peak in-flight: the most stage activation sets a device holds at once; in parentheses, "
-        "microbatches of the device's whole share of the model when it holds several stages."
+        paragraph(
+            "peak in-flight: the most stage activation sets a device holds at once; in parentheses, "
+            "microbatches of the device's whole share of the model when it holds several stages.",
+            hanging="",
+            width=console.width,
+        ),
+        soft_wrap=True,
     )
     shares = {len(d.stages) for _, s in ranked for d in s.devices}
     if len(shares) > 1 and not ranked[0][1].costs.per_device:
@@ -409,19 +417,22 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     costs = cost_model_from_args(args)
 
-    def panel(path: str) -> tuple[Panel, bool]:
-        """The panel for ``path`` and whether it was simulated here."""
+    def panel(path: str) -> tuple[Panel, bool | None]:
+        """The panel for ``path`` and, where it was simulated here, whether its schedule
+        splits the backward (None for a recorded timeline)."""
         timeline = _timeline_file(path)
         if timeline is not None:
-            return Panel(timeline=timeline, title=f"{timeline.name} ({Path(path).name})"), False
+            return Panel(timeline=timeline, title=f"{timeline.name} ({Path(path).name})"), None
         sim = _simulate_file(path, args, costs)
-        return Panel(timeline=sim.timeline, title=sim.label, critical=sim.critical_path if args.critical else ()), True
+        panel = Panel(timeline=sim.timeline, title=sim.label, critical=sim.critical_path if args.critical else ())
+        return panel, sim.schedule.splits_backward
 
     made, worst = _each_file(args.files, panel)
     if worst != EXIT_OK:
         return worst
     panels = [p for _, (p, _) in made]
-    caption = f"simulated with costs {costs.describe()}" if any(sim for _, (_, sim) in made) else ""
+    simulated = [split for _, (_, split) in made if split is not None]
+    caption = f"simulated with costs {costs.describe(split=any(simulated))}" if simulated else ""
     figure = plot_timelines(panels, share_time=False if args.own_time else None, caption=caption)
     save_figure(figure, args.output)
     print(f"wrote {args.output} ({len(panels)} panel{'s' if len(panels) != 1 else ''})")

@@ -97,6 +97,13 @@ class Report:
     def text(self) -> str:
         return "\n".join(self.lines())
 
+    def summary(self) -> str:
+        """The report in one paragraph: the title, each parameter's value, and how close
+        the fitted model reproduces the steps (:meth:`text` has the sources and each step)."""
+        values = ", ".join(f"{p.name} {quantity(p.value, p.unit)}" for p in self.parameters)
+        fit = f"; {len(self.steps)} calibration steps reproduced within {self.worst:.0%}" if self.steps else ""
+        return f"{self.title}: {values}{fit}"
+
     def to_json(self) -> dict[str, Any]:
         return {
             "title": self.title,

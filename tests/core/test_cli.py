@@ -422,3 +422,28 @@ def test_search_takes_at_most_a_process_a_core(capsys: Capture) -> None:
     argv = ["search", "--model", "gpt3-175b", "--cluster", "a100-80gb", "--gpus", "64", "--jobs", "100000"]
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and err.startswith("--jobs 100000: this machine has ") and "or fewer" in err
+
+
+def test_check_max_inflight_names_every_device_in_one_message(capsys: Capture) -> None:
+    # Eight devices over the limit make one message, not eight of the same.
+    code, _, err = run(capsys, "check", "gpipe", "-p", "pp=8", "-p", "microbatches=32", "--max-inflight", "8")
+    assert code == 1
+    assert err == (
+        "gpipe: [max-inflight] all 8 devices hold 32 microbatches in flight at their peaks, above the limit of 8\n"
+    )
+    code, _, err = run(capsys, "check", "1f1b", "-p", "pp=8", "-p", "microbatches=32", "--max-inflight", "5")
+    assert err == (
+        "1f1b: [max-inflight] devices 0-2 hold up to 8 microbatches in flight at their peaks, above the limit of 5\n"
+    )
+
+
+def test_an_spmd_plan_is_offered_as_an_spmd_command(capsys: Capture) -> None:
+    from pipedsl.cli.planned import PlannedRun
+
+    row = {"kind": "spmd", "schedule": "SPMD", "dp": 8, "tp": 1, "pp": 1, "vpp": 1, "microbatch_size": 4}
+    command = PlannedRun.from_row({**row, "microbatches": 4, "zero": 1}).command()
+    assert command.startswith("pipedsl run --spmd -p microbatches=4 --model transformer --dp 8 --tp 1 --zero 1")
+    assert "pp=" not in command
+    # `run --spmd` takes the microbatches alone, and no schedule besides.
+    assert run(capsys, "run", "--spmd", "-p", "pp=2")[2].endswith("drop -p pp\n")
+    assert "--spmd runs no pipeline schedule" in run(capsys, "run", "--spmd", "1f1b")[2]

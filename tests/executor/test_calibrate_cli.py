@@ -247,7 +247,7 @@ def test_the_demo_on_one_device_runs_pipelines_that_share_it_against_their_predi
     assert rows and all(float(r["predicted_s"]) > 0 and float(r["measured_s"]) > 0 for r in rows)
     # Every plan on one device runs its step as one program: its recorded steps, dispatched
     # apart, predict no step it takes, so no figure is fitted to its run.
-    assert all(r["fitted_s"] == "" for r in rows) and "which they do not time" in " ".join(done.stdout.split())
+    assert all(r["fitted_s"] == "" for r in rows)
     # The machine it calibrated, for `pipedsl search --cluster`.
     assert load_cluster(tmp_path / "out" / "cluster.toml").gpus_per_node == 1
     plans = [line for line in done.stdout.splitlines() if line.startswith("plan ") and "(pipeline)" in line]

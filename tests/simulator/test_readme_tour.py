@@ -66,3 +66,14 @@ def test_the_tour_schedule_ties_with_1f1b_and_holds_more() -> None:
     theirs = simulate(pipedsl.lower(pipedsl.load("1f1b", pp=4, microbatches=8)), CostModel())
     assert ours.makespan == theirs.makespan
     assert max(pipedsl.validate(mine).peak_inflight) == 8 > max(pipedsl.validate(pipedsl.load("1f1b")).peak_inflight)
+
+
+def test_the_python_snippet_prints_numbers_as_people_write_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.sched").write_text(SCHEDULE, encoding="utf-8")
+    snippet = next(b for b in BLOCKS if b.startswith("import pipedsl"))
+    exec(compile(snippet, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert out == "makespan 33.30 s, bubble 27.9%\npeak in-flight per device (8, 8, 8, 8)\n"

@@ -31,7 +31,7 @@ from pipedsl.simulator.hardware import Model, load_cluster, load_model
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.ranked import describe
-from pipedsl.simulator.search import COLUMNS, candidate_plans, search, search_plans, summarize
+from pipedsl.simulator.search import BOUNDED_COLUMNS, COLUMNS, candidate_plans, search, search_plans, summarize
 from pipedsl.simulator.search_work import MAX_PAIRS, MAX_PAIRS_PER_SCHEDULE, SearchWork, stages_per_device
 from pipedsl.synthesize import synthesize
 
@@ -107,12 +107,13 @@ def test_a_shortlist_is_the_full_rankings_best_and_each_schedules_best(keep: int
     wanted = full[key][full.index.isin(best.index.union(each.index))]
     assert listed[key].values.tolist() == wanted.values.tolist()
     assert listed.attrs["simulations"] < full.attrs["simulations"]
-    # Every plan the full ranking ranks is on the shortlist or counted off it, whichever
-    # schedules came in first.
+    # Every plan is ranked or counted off, whichever schedules came in first: plans whose
+    # bound from the work alone is past the list are not even costed.
     dropped = dict(listed.attrs["dropped"])
-    off = dropped.pop(f"not among the best {keep} nor its schedule's best")
-    assert dropped == full.attrs["dropped"]
-    assert off + len(listed) == len(full)
+    assert dropped.pop(f"not among the best {keep} nor its schedule's best") > 0
+    assert len(listed) + sum(listed.attrs["dropped"].values()) == len(full) + sum(full.attrs["dropped"].values())
+    for reason, count in dropped.items():
+        assert reason.startswith("not costed") or count <= full.attrs["dropped"][reason]
 
 
 def test_top_ranks_no_more_than_the_top_needs() -> None:
@@ -365,8 +366,20 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
     printed = " ".join(capsys.readouterr().out.split())  # rich wraps long sentences
     assert "best 5 plans" in printed and "SPMD plan" in printed and "(2 processes)" in printed
     written = pd.read_csv(out)
-    assert tuple(written.columns) == COLUMNS
-    assert len(written) > 5
+    assert tuple(written.columns) == (*COLUMNS, "step_time_bound_s")
+    ranked = written[written["rank"].notna()]
+    bounded = written[written["rank"].isna()]
+    assert len(ranked) > 5 and len(bounded) > 0
+    assert bounded["step_time_s"].isna().all() and (bounded["step_time_bound_s"] > 0).all()
+    # Each bounded row's bound is at most its step time, as the whole ranking (--no-prune) prices it.
+    assert _run([*argv, "--no-prune", "--csv", str(tmp_path / "all.csv")]) == 0
+    full = pd.read_csv(tmp_path / "all.csv")
+    assert full["rank"].notna().all()
+    key = [c for c in BOUNDED_COLUMNS if c not in ("memory_bytes_per_gpu", "step_time_bound_s")]
+    both = bounded.fillna({"source": ""}).merge(full.fillna({"source": ""}), on=key, suffixes=("", "_full"))
+    assert (both["step_time_bound_s"] <= both["step_time_s_full"] * (1 + 1e-9)).all()
+    # A costed row (its memory known) fits, so the whole ranking has it; an uncosted one may not fit.
+    assert len(both) >= bounded["memory_bytes_per_gpu"].notna().sum() > 0
 
 
 def test_cli_search_names_and_runs_a_context_parallel_best_plan(capsys: pytest.CaptureFixture[str]) -> None:
@@ -535,11 +548,12 @@ def test_the_best_plans_command_says_what_it_is_and_whether_it_runs_here(
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     search = ["search", "--cluster", "h100-80gb", "--top", "1", "--jobs", "1"]
     assert main([*search, "--model", "llama-8b", "--gpus", "1024", "--global-batch", "1024"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # wrapped at the output's width
     assert (
         "the best plan, SPMD (pp = 1: data and tensor parallel, no pipeline), needs 1,024 devices, more than this"
         " machine's 4 CPU cores: run it on a cluster of that size" in out
     )
+    assert "pipedsl run --spmd -p microbatches=" in out
     assert main([*search, "--model", "demo-small", "--gpus", "2", "--global-batch", "8"]) == 0
     out = capsys.readouterr().out
     assert "runs here on 2 devices with the built-in transformer:\n  pipedsl run " in out
