@@ -235,7 +235,7 @@ def dcn_split(plan: Plan, cluster: Cluster) -> tuple[int, int, int]:
     degree divides, the data-parallel replicas as many of the rest as theirs divides, the
     shard groups the others; a :class:`PlanError` where they cannot."""
     slices = cluster.slices
-    across_pipeline = math.gcd(plan.pp, slices)
+    across_pipeline = math.gcd(_pipeline_chips(plan), slices)
     rest = slices // across_pipeline
     across_data = math.gcd(plan.replicas, rest)
     across_fsdp = rest // across_data
@@ -248,10 +248,21 @@ def dcn_split(plan: Plan, cluster: Cluster) -> tuple[int, int, int]:
     return across_pipeline, across_data, across_fsdp
 
 
+def _pipeline_chips(plan: Plan) -> int:
+    """The chips the pipeline axis spans: pp, or one where the pipeline devices share them."""
+    return 1 if plan.shared_devices else plan.pp
+
+
 def _slice_mesh(plan: Plan, cluster: Cluster) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int, int]]:
     """(slice shape, the plan's mesh inside one slice, (pipeline, data, fsdp) across slices)."""
     across = dcn_split(plan, cluster)
-    inside = (plan.pp // across[0], plan.replicas // across[1], plan.shard_group // across[2], plan.cp, plan.tp)
+    inside = (
+        _pipeline_chips(plan) // across[0],
+        plan.replicas // across[1],
+        plan.shard_group // across[2],
+        plan.cp,
+        plan.tp,
+    )
     return slice_shape(plan.gpus // cluster.slices, cluster), inside, across
 
 

@@ -18,6 +18,7 @@ from pipedsl.simulator.collectives import Algorithm, all_reduce_choice, gather_s
 from pipedsl.simulator.estimate import check_divides, estimate
 from pipedsl.simulator.hardware import DescriptionError, load_cluster, load_model
 from pipedsl.simulator.plan import Plan, PlanError
+from pipedsl.simulator.search import search
 from pipedsl.simulator.torus import Ring, TorusGroup, mesh_layout, slice_shape, torus_group
 
 V5E = load_cluster("tpu-v5e")
@@ -157,3 +158,10 @@ def test_cli_search_on_one_calibrated_tpu_chip_speaks_of_a_chip(capsys: pytest.C
     printed = " ".join(capsys.readouterr().out.split())
     assert "on 1 chip of this machine" in printed
     assert "more chips, recomputation or ZeRO may help" in printed and "GPU" not in printed
+
+
+def test_pipeline_devices_that_share_a_chip_lay_out_on_it() -> None:
+    # Four pipeline devices on one chip: the pipeline axis spans no chips of the torus.
+    found = search("demo-small", "tpu-v5e", 1, global_batch=32, shared_pipelines=True)
+    shared = found[found.kind != "spmd"]
+    assert len(shared) and (shared.pp > 1).any() and (shared.step_time_s > 0).all()
