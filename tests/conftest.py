@@ -61,6 +61,12 @@ DEVICES = 8
 # The same as `pipedsl run` asks for its CPU devices (the caller's count wins).
 request_devices(DEVICES)
 
+# Output is checked as a file or a pipe gets it, whatever terminal started the run:
+# pytest-xdist's workers are started with the controller's COLUMNS (80 when it has no
+# terminal), which the commands honour. A test that wants a width sets it; so do the
+# processes the tests start, which inherit this environment.
+os.environ.pop("COLUMNS", None)
+
 
 def _xla_takes(flag: str) -> bool:
     """Whether this JAX's XLA starts with ``flag`` in ``XLA_FLAGS`` (it aborts on one it

@@ -147,7 +147,7 @@ def _check_device_count(args: argparse.Namespace, devices: int) -> None:
         return
     raise PipedslError(
         f"{devices:,} devices (pp x dp x cp x tp) are more than this machine holds: {plural(cores, 'core')} and"
-        f" {_memory_bytes() / 1e9:.1f} GB of memory run at most {most} ({_DEVICES_PER_CORE} a core); give smaller"
+        f" {byte_size(_memory_bytes())} of memory run at most {most} ({_DEVICES_PER_CORE} a core); give smaller"
         " degrees, run on a cluster (--backend ray, docs/cluster.md), or pass --force"
     )
 
