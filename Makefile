@@ -72,7 +72,10 @@ bench: $(STAMP)
 	$(PY) bench/bench_host_sharing.py
 	$(PY) bench/bench_world.py
 	$(PY) bench/bench_search.py
+	$(PY) bench/bench_search.py --cli
 	$(PY) bench/bench_synthesis.py
+	$(PY) bench/bench_steady_steps.py
+	$(PY) bench/published_heldout.py
 	$(MAKE) --no-print-directory results
 
 # bench/RESULTS.md, drawn from the runs in bench/results/ (tests/core/test_results.py checks it).
