@@ -115,15 +115,15 @@ def _torus_assumption(cluster: Cluster, plan: Plan) -> Assumption:
     wraps = ", ".join(f"{n} {'wraps' if n % cluster.torus_wrap == 0 else 'no wraparound'}" for n in shape)
     link = cluster.intra_node_bandwidth * cluster.intra_node_efficiency
     text = (
-        f"{'x'.join(map(str, shape))} torus per slice ({wraps}); ICI {link / 1e9:g} GB/s per link per direction "
-        f"achieved, {cluster.intra_node_latency * 1e6:g} us per hop"
+        f"{'x'.join(map(str, shape))} torus per slice ({wraps}); ICI {number(link / 1e9)} GB/s per link per direction "
+        f"achieved, {number(cluster.intra_node_latency * 1e6)} us per hop"
     )
     if cluster.slices > 1:
         wait = straggler_factor(cluster.slices, cluster)
         text += (
-            f"; {cluster.slices} slices joined by DCN at {cluster.network_share / 1e9:g} GB/s per chip, "
-            f"{cluster.inter_node_latency * 1e6:g} us per message; the step waits for the slowest slice "
-            f"(cv {cluster.straggler_cv:g}): {wait:.4g} times as long"
+            f"; {cluster.slices} slices joined by DCN at {number(cluster.network_share / 1e9)} GB/s per chip, "
+            f"{number(cluster.inter_node_latency * 1e6)} us per message; the step waits for the slowest slice "
+            f"(cv {number(cluster.straggler_cv)}): {number(wait)} times as long"
         )
     return Assumption("network", "torus", text)
 
