@@ -274,10 +274,28 @@ _BURST = 4
 """Steps of a backend per turn in measurement 5 (the first of each not timed)."""
 
 
+def _backends_step(model: Any, schedule: Any, params: Any, batch: Any, repeat: int) -> dict[str, float]:
+    """Seconds of one ``value_and_grad`` step of ``schedule`` on the local backend and on Ray
+    (medians). The two backends take turns, so that a change in the machine's load hits
+    both; a few steps a turn, timed after the first, as a training loop runs them back to back."""
+    from pipedsl.executor import Pipeline, RayConfig
+
+    backends: dict[str, Any] = {"local": "local", "ray": RayConfig(step_timeout=300, start_timeout=120)}
+    pipes = {b: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=v) for b, v in backends.items()}
+    try:
+        return interleaved_medians(
+            {b: partial(pipe.value_and_grad, params, batch) for b, pipe in pipes.items()},
+            max(repeat // _BURST, 1),
+            burst=_BURST,
+        )
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
+
+
 def bench_per_action(repeat: int) -> None:
     import jax
 
-    from pipedsl.executor import Pipeline, RayConfig
     from pipedsl.executor.models import mlp
     from pipedsl.library import library_path, load
 
@@ -287,21 +305,7 @@ def bench_per_action(repeat: int) -> None:
     schedule = load(library_path("1f1b"), pp=2, microbatches=16)
     batch = model.batch(key, 16)
     actions = schedule.num_actions
-    backends: dict[str, Any] = {"local": "local", "ray": RayConfig(step_timeout=300, start_timeout=120)}
-    pipes = {
-        name: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=b) for name, b in backends.items()
-    }
-    try:
-        # The two backends in turn, so that a change in the machine's load hits both; a few
-        # steps a turn, timed after the first, as a training loop runs them back to back.
-        times = interleaved_medians(
-            {name: partial(pipe.value_and_grad, params, batch) for name, pipe in pipes.items()},
-            max(repeat // _BURST, 1),
-            burst=_BURST,
-        )
-    finally:
-        for pipe in pipes.values():
-            pipe.close()
+    times = _backends_step(model, schedule, params, batch, repeat)
     load_now = os.getloadavg()[0]
     print("\n5. the executor's own cost per action: 2 stages, 1F1B, 16 microbatches, compute-free stages")
     figures: dict[str, float] = {}
@@ -320,7 +324,7 @@ def bench_dispatch(repeat: int) -> None:
     device a CPU device (local) or a process (Ray), compute-free stages."""
     import jax
 
-    from pipedsl.executor import Pipeline, RayConfig
+    from pipedsl.executor import Pipeline
     from pipedsl.executor.models import mlp
     from pipedsl.library import library_path, load
     from pipedsl.program import Compute
@@ -341,17 +345,7 @@ def bench_dispatch(repeat: int) -> None:
         # Per device: its tasks and one program for the update (or for what a step starts with).
         programs = [len(device_tasks(d)) + 1 for d in program.devices]
         actions = [sum(isinstance(i, Compute) for i in d.instructions) for d in program.devices]
-        backends: dict[str, Any] = {"local": "local", "ray": RayConfig(step_timeout=300, start_timeout=120)}
-        pipes = {b: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=v) for b, v in backends.items()}
-        try:
-            times = interleaved_medians(
-                {b: partial(pipe.value_and_grad, params, batch) for b, pipe in pipes.items()},
-                max(repeat // _BURST, 1),
-                burst=_BURST,
-            )
-        finally:
-            for pipe in pipes.values():
-                pipe.close()
+        times = _backends_step(model, schedule, params, batch, repeat)
         for backend, step in times.items():
             per_action = step / schedule.num_actions
             print(

@@ -501,6 +501,15 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
     with_f, with_b, with_w = ([c + dispatch for c in costs] for costs in plan.cost)
     task_sent = [True] * D  # whether a device's last compute sent (or it has none yet)
     task_run = [0] * D  # computes in a device's current task
+
+    def took(d: int, received: bool, cost: float, with_dispatch: float) -> float:
+        """Seconds device ``d``'s next compute takes: with the dispatch where it starts a task."""
+        if dispatch and (task_sent[d] or received or task_run[d] >= MAX_COMPUTES):
+            task_run[d] = 1
+            return with_dispatch
+        task_run[d] += 1
+        return cost
+
     state = _State(S, D, M)
     clock, nf, nb, arr_f, arr_b, wq = state.clock, state.nf, state.nb, state.arr_f, state.arr_b, state.wq
     live, reserved, held, reserved_bytes = state.live, state.reserved, state.held, state.reserved_bytes
@@ -596,12 +605,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             r = arr_f[s * M + m]
             if r > start:
                 start = r
-            if dispatch and (task_sent[d] or cross_b[s] or task_run[d] >= MAX_COMPUTES):
-                end = start + with_f[s]
-                task_run[d] = 1
-            else:
-                end = start + cost_f[s]
-                task_run[d] += 1
+            end = start + took(d, cross_b[s], cost_f[s], with_f[s])
             task_sent[d] = cross_f[s]
             work[d] -= cost_f[s]
             if entry[s]:
@@ -627,12 +631,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             r = arr_b[s * M + m]
             if r > start:
                 start = r
-            if dispatch and (task_sent[d] or cross_f[s] or task_run[d] >= MAX_COMPUTES):
-                end = start + with_b[s]
-                task_run[d] = 1
-            else:
-                end = start + cost_b[s]
-                task_run[d] += 1
+            end = start + took(d, cross_f[s], cost_b[s], with_b[s])
             task_sent[d] = cross_b[s]
             work[d] -= cost_b[s]
             ahead_now[d] -= 1
@@ -649,12 +648,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             free = end + after_b[s]
         else:
             s, m = wq[d].popleft()
-            if dispatch and (task_sent[d] or task_run[d] >= MAX_COMPUTES):
-                end = start + with_w[s]
-                task_run[d] = 1
-            else:
-                end = start + cost_w[s]
-                task_run[d] += 1
+            end = start + took(d, False, cost_w[s], with_w[s])
             task_sent[d] = False
             live[d] -= 1
             held[d] -= wres[s]
