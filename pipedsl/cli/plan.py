@@ -293,7 +293,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
         check_output_file(
             args.csv, option="--csv", writes=PLANS_CSV, reads=(args.model, args.cluster, *args.extra), force=args.force
         )
-    _check_model_size(load_model(args.model))
+    model = load_model(args.model)
+    _check_model_size(model)
     cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=args.gpus, command="search")
     schedules = None if args.schedules is None else [s.strip() for s in args.schedules.split(",") if s.strip()]
     err = make_console(stderr=True)
@@ -321,7 +322,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
             bar.update(tasks[phase], completed=done, total=total)
 
         frame = search(
-            args.model,
+            model,
             cluster,
             args.gpus,
             global_batch=args.global_batch,
@@ -343,13 +344,13 @@ def _cmd_search(args: argparse.Namespace) -> int:
             schedule_params=args.params,
             update_barrier=not args.no_update_barrier,
         )
-    search_mfu(frame, load_model(args.model), FlopCount(args.mfu_flops))
+    search_mfu(frame, model, FlopCount(args.mfu_flops))
     if args.csv is not None:
         try:
             _plans_table(frame).to_csv(args.csv, index=False)
         except OSError as error:
             raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
-    _print_search(frame, make_console(), top=args.top, csv=args.csv, layers=load_model(args.model).layers)
+    _print_search(frame, make_console(), top=args.top, csv=args.csv, layers=model.layers)
     return EXIT_OK if len(frame) else EXIT_NOTHING_FITS
 
 
