@@ -203,16 +203,21 @@ def load_arrays(
     /,
     *,
     max_actions: int = MAX_ACTIONS,
+    refusal_ends: bool = False,
     **params: int | str,
 ) -> ScheduleArrays | Policy:
     """:func:`load`, a ``.sched`` file's actions made straight into int columns
     (:func:`~pipedsl.lang.evaluate.evaluate_arrays`: no object per action, so no source
     position per action); a CSV or JSON file is read as :func:`load` reads it. What a
     caller that validates and times many schedules (the plan search) asks for. Raises as
-    :func:`load`."""
+    :func:`load`; with ``refusal_ends``, a ``.sched`` file's first error, a failed
+    ``require``, ends its evaluation (see :func:`~pipedsl.lang.evaluate.evaluate_arrays`)."""
     path = resolve(spec)
     if path.suffix.lower() == _SUFFIX:
-        return evaluate_arrays(parsed(path), params=params, name=_name(path), source=str(path), max_actions=max_actions)
+        return evaluate_arrays(
+            parsed(path), params=params, name=_name(path), source=str(path), max_actions=max_actions,
+            refusal_ends=refusal_ends,
+        )  # fmt: skip
     loaded = load(path, max_actions=max_actions, **params)
     return loaded if isinstance(loaded, Policy) else ScheduleArrays.of(loaded)
 

@@ -82,11 +82,11 @@ def _load_source(
     return library.load(spec, **_params(spec, pp=pp, vpp=vpp, microbatches=microbatches, params=params))
 
 
-def _load_arrays(key: ScheduleKey) -> ScheduleArrays:
+def _load_arrays(key: ScheduleKey, *, refusal_ends: bool) -> ScheduleArrays:
     """The order ``key``'s file states (not a policy), evaluated as :func:`_load_source`
-    does but straight into int columns."""
+    does but straight into int columns; ``refusal_ends`` as :func:`pipedsl.library.load_arrays` takes it."""
     params = _params(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches, params=key.params)
-    loaded = library.load_arrays(key.spec, **params)
+    loaded = library.load_arrays(key.spec, refusal_ends=refusal_ends, **params)
     assert isinstance(loaded, ScheduleArrays)  # the caller asked is_policy first
     return loaded
 
@@ -176,11 +176,17 @@ class Pipelines:
         object per action), dropping the least recently used; None keeps all. The
         lowered arrays of every shape are kept whatever this says, so a dropped schedule
         is evaluated again only if someone asks for the schedule itself.
+      refusals_end: a shape whose first error is a failed ``require`` raises that alone,
+        its evaluation ended there (``refusal_ends`` of :func:`pipedsl.library.load_arrays`):
+        a search asks only whether the schedule takes the shape, not what else is wrong.
     """
 
-    def __init__(self, *, keep_simulations: bool = True, max_schedules: int | None = None) -> None:
+    def __init__(
+        self, *, keep_simulations: bool = True, max_schedules: int | None = None, refusals_end: bool = False
+    ) -> None:
         self._keep = keep_simulations
         self._max = max_schedules
+        self._refusals_end = refusals_end
         self._schedules: OrderedDict[ScheduleKey, Schedule] = OrderedDict()
         self._shapes: dict[ScheduleKey, _Shape] = {}
         self._errors: dict[ScheduleKey, PipedslError] = {}
@@ -300,7 +306,7 @@ class Pipelines:
                 policy = self.policy(key)
                 arrays, order = synthesized_arrays(policy, CostModel())
                 return _Shape(_Layout(policy.num_stages, policy.num_devices, policy.placement), arrays, order)
-            schedule = _load_arrays(key)
+            schedule = _load_arrays(key, refusal_ends=self._refusals_end)
             found = _checked_with_position(schedule, lambda: self.schedule(key))
         except PipedslError as err:
             self._errors[key] = err

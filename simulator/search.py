@@ -18,9 +18,9 @@ What the shapes cost is counted from the plans before any is evaluated, and a se
 
 The plans tried are :func:`~pipedsl.simulator.candidates.candidate_plans`. The SPMD
 plans and each schedule's plans are ranked apart (a pipeline plan is pruned only against
-its own schedule's best; on a shortlist, also against the best found before it), in
+its own schedule's best; on a shortlist, also against the SPMD plans', ranked first), in
 worker processes for a large search (:mod:`~pipedsl.simulator.workers`), with the same
-ranking either way.
+ranking, and the same plans bounded, either way.
 """
 
 from __future__ import annotations
@@ -131,8 +131,7 @@ def search(
     best SPMD plan) are ranked: the same rows, in the same order, as the whole ranking
     has there, at a fraction of the simulations. Past its best, a schedule's plans are
     then finished only while their lower bound is below both its own K-th best step time
-    and the K-th best of the schedules ranked before it (the policy schedules with an
-    in-flight limit, whose plans cost a synthesis each, come last). ``top`` implies it.
+    and the K-th best SPMD plan's (ranked first). ``top`` implies it.
 
     Args:
       model, cluster: descriptions, preset names or TOML paths.
@@ -154,8 +153,7 @@ def search(
 
     Returns a DataFrame with :data:`COLUMNS`, best first. ``attrs`` holds ``considered``
     (plans tried), ``dropped`` (a dict from reason to count), ``simulations`` (distinct
-    pipeline simulations run; with a shortlist, also how soon the schedules ranked
-    before one came in), ``seconds`` (wall time), ``processes`` (that ranked the
+    pipeline simulations run), ``seconds`` (wall time), ``processes`` (that ranked the
     plans, this one included when 1), ``model``, ``cluster``,
     ``gpus``, ``devices_word`` (``GPUs`` or ``chips``), ``assumptions`` (the best plan's, as
     (name, value, meaning) triples), ``global_batch`` and ``explanation`` (an
@@ -374,42 +372,34 @@ def _rank_parts(
     advance: Advance,
 ) -> list[_Part]:
     """Every part ranked (:func:`_rank_part`), in this process (``processes`` 1) or in
-    that many worker processes; the same parts whichever, in the order given. With a
-    shortlist of ``keep``, each part is given the ``keep``-th best step time of the parts
-    ranked before it was started (:func:`_beyond`)."""
-    limited = [takes_limit(part[0].schedule) for part in parts]
+    that many processes (worker processes and a thread of this one); the same parts
+    whichever, in the order given. The SPMD plans are ranked first, here (they need no
+    schedule: a few milliseconds); with a shortlist of ``keep``, each schedule's part is
+    then given their ``keep``-th best step time (:func:`_beyond`), the same however many
+    processes rank them and whichever finishes first, so that what is ranked and what is
+    bounded (``attrs["bounded"]``) are the same too."""
+    spmd = [i for i in range(len(parts)) if parts[i][0].schedule is None]
+    ranked = {i: _rank_part(model, cluster, parts[i], keep, prune, float("inf"), advance=advance) for i in spmd}
+    beyond = _beyond(list(ranked.values()), keep)
+    pipelines = [i for i in range(len(parts)) if i not in ranked]
+    limited = {i: takes_limit(parts[i][0].schedule) for i in pipelines}
     # The longest first, so that no worker is left with one at the end; a policy schedule
     # with an in-flight limit is synthesised for each plan it finishes.
-    others = sorted((i for i in range(len(parts)) if not limited[i]), key=lambda i: -len(parts[i]))
-    limits = sorted((i for i in range(len(parts)) if limited[i]), key=lambda i: -_synthesis_size(parts[i]))
-    if keep is None:
-        order = limits + others
-    else:
-        # The policy schedules with an in-flight limit after the others: what those have
-        # found by then spares them most of their syntheses. Two of the smallest others
-        # are left per other worker, to run alongside them.
-        cut = max(len(others) - 2 * (processes - 1), 0)
-        order = others[:cut] + limits + others[cut:]
-    calls = [(model, cluster, parts[i], keep, prune) for i in order]
-
-    def beyond(done: Sequence[_Part | None]) -> tuple[float]:
-        return (_beyond([part for part in done if part is not None], keep),)
-
+    others = sorted((i for i in pipelines if not limited[i]), key=lambda i: -len(parts[i]))
+    limits = sorted((i for i in pipelines if limited[i]), key=lambda i: -_synthesis_size(parts[i]))
+    # The policy schedules (the longest parts, plan for plan) among the first; two of the
+    # smallest others are left per other process, to run alongside them.
+    cut = max(len(others) - 2 * (processes - 1), 0)
+    order = limits + others if keep is None else others[:cut] + limits + others[cut:]
+    calls = [(model, cluster, parts[i], keep, prune, beyond) for i in order]
     if processes == 1:
-        ranked: list[_Part] = []
-        for call in calls:
-            ranked.append(_rank_part(*call, *beyond(ranked), advance=advance))
+        done = [_rank_part(*call, advance=advance) for call in calls]
     else:
-        ranked = run_in_workers(
-            _rank_part,
-            calls,
-            jobs=processes,
-            advance=advance,
-            names=[_part_label(parts[i]) for i in order],
-            then=beyond,
+        done = run_in_workers(
+            _rank_part, calls, jobs=processes, advance=advance, names=[_part_label(parts[i]) for i in order], here=True
         )
-    by_part = dict(zip(order, ranked, strict=True))
-    return [by_part[i] for i in range(len(parts))]
+    ranked.update(zip(order, done, strict=True))
+    return [ranked[i] for i in range(len(parts))]
 
 
 def _synthesis_size(plans: list[Plan]) -> int:
@@ -424,8 +414,8 @@ def _synthesis_size(plans: list[Plan]) -> int:
 
 def _beyond(done: Sequence[_Part], keep: int | None) -> float:
     """The ``keep``-th best step time of the plans the ``done`` parts finished (seconds;
-    infinite with fewer, or without a shortlist): a plan with a greater lower bound is
-    not on the shortlist unless it is its schedule's best."""
+    infinite with fewer, or without a shortlist): a plan of another part with a greater
+    lower bound is not on the shortlist unless it is its schedule's best."""
     if keep is None:
         return float("inf")
     best = heapq.nsmallest(keep, (e.step_time_s for part in done for e in part.finished))
@@ -452,7 +442,7 @@ def _rank_part(
     order, on a shortlist, costed only as far as their bounds from the work alone let a
     plan on it (:func:`_rank_lazily`)."""
     # Every shape's lowered arrays are kept for the simulations; schedule objects, few at once.
-    pipelines = Pipelines(keep_simulations=False, max_schedules=32)
+    pipelines = Pipelines(keep_simulations=False, max_schedules=32, refusals_end=True)
     dropped: Counter[str] = Counter()
     bounded: list[Bounded] = []
     spec = plans[0].schedule

@@ -97,34 +97,36 @@ def run_in_workers(
     jobs: int,
     advance: Advance,
     names: Sequence[str],
-    then: Callable[[Sequence[R | None]], tuple[Any, ...]] | None = None,
+    here: bool = False,
 ) -> list[R]:
-    """``fn(*call, *then(results), advance=...)`` for every call, in ``jobs`` worker
-    processes; the results in the order of ``calls``.
+    """``fn(*call, advance=...)`` for every call, in ``jobs`` worker processes; the
+    results in the order of ``calls``.
 
     ``fn`` is a module-level function (it is pickled by name) that reports progress
     through its ``advance`` keyword; those reports reach ``advance`` here, on the
     calling thread. Calls are handed out in the order given, each to the next free
-    worker, so put the longest first. ``then``, when given, adds arguments to a call as
-    it is handed out, from the results in by then (None for calls not answered yet).
-    ``names[i]`` says what call i is in an error.
+    worker, so put the longest first. ``names[i]`` says what call i is in an error.
+
+    With ``here``, one of the ``jobs`` is a thread of this process, which takes the first
+    call at once: one interpreter fewer to start, and no call's arguments or result
+    pickled for it. Its calls must then be ones that end (a thread cannot be killed: after
+    an error elsewhere, or a Ctrl-C, it gives up at its next progress report), and they
+    print where this process prints.
 
     Raises the exception a call raised (the first to arrive), or PipedslError when a
     worker exits before it answers.
     """
     results: list[Any] = [None] * len(calls)
     messages: queue.Queue[tuple[int, tuple[Any, ...]]] = queue.Queue()
-    workers: list[_Worker] = []
+    workers: list[_Worker | _Thread] = []
     try:
         # Started inside the try: a Ctrl-C between two starts still stops the first.
         for w in range(min(jobs, len(calls))):
-            workers.append(_Worker.start(w, messages))
+            workers.append(_Thread.start(w, messages) if here and w == 0 else _Worker.start(w, messages))
         pending = iter(range(len(calls)))
 
         def given(call: int | None) -> tuple[int, tuple[Any, ...]] | None:
-            if call is None:
-                return None
-            return call, calls[call] + (() if then is None else then(results))
+            return None if call is None else (call, calls[call])
 
         for worker in workers:
             worker.give(given(next(pending, None)), fn)
@@ -147,6 +149,7 @@ def run_in_workers(
             elif kind == "error":
                 raise message[1]
             elif worker.call is not None:  # it exited with a call unanswered
+                assert isinstance(worker, _Worker)  # the thread ends only when its input closes
                 raise PipedslError(
                     f"search worker process {worker.process.pid} exited with code {message[1]}"
                     f" while ranking {names[worker.call]}"
@@ -251,6 +254,61 @@ class _Worker:
             self.lifeline = -1
 
 
+class _Cancelled(Exception):
+    """Raised inside the thread's call at its next progress report once the run is over."""
+
+
+class _Thread:
+    """The worker that is a thread of this process (``here``): the same messages on the
+    same queue as a worker process's, its calls handed over on a queue of its own."""
+
+    def __init__(self, index: int, messages: queue.Queue[tuple[int, tuple[Any, ...]]]) -> None:
+        self.index = index
+        self.messages = messages
+        self.inbox: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = queue.Queue()
+        self.cancelled = threading.Event()
+        self.call: int | None = None
+
+    @classmethod
+    def start(cls, index: int, messages: queue.Queue[tuple[int, tuple[Any, ...]]]) -> _Thread:
+        worker = cls(index, messages)
+        # A daemon: a call still running when the process ends (after a Ctrl-C) holds nothing up.
+        threading.Thread(target=worker._serve, daemon=True).start()
+        return worker
+
+    def give(self, call: tuple[int, tuple[Any, ...]] | None, fn: Callable[..., Any]) -> None:
+        """As :meth:`_Worker.give`: a call, or None for no more."""
+        self.call = None if call is None else call[0]
+        self.inbox.put(None if call is None else (fn, call[1]))
+
+    def _serve(self) -> None:
+        def send(message: tuple[Any, ...]) -> None:
+            if self.cancelled.is_set():
+                raise _Cancelled
+            self.messages.put((self.index, message))
+
+        while (task := self.inbox.get()) is not None:
+            fn, call = task
+            reporter = _Reporter(send)
+            try:
+                result = fn(*call, advance=reporter.advance)
+                reporter.flush()
+            except _Cancelled:
+                return
+            except Exception as err:  # noqa: BLE001 - every failure goes back to the caller
+                self.messages.put((self.index, ("error", err)))
+                return
+            self.messages.put((self.index, ("done", result)))
+
+    def stop(self) -> None:
+        """Its calls are answered: nothing is left to wait for (its input is closed)."""
+
+    def kill(self) -> None:
+        """End its call at its next progress report, and take no more."""
+        self.cancelled.set()
+        self.inbox.put(None)
+
+
 _HELD = (signal.SIGINT, signal.SIGTERM)
 """The signals a caller may take as an exception (Ctrl-C; TERM in ``pipedsl search``),
 held while a worker starts."""
@@ -300,7 +358,7 @@ def serve(answers: int, *, lifeline: int) -> None:
     os.dup2(2, 1)
     try:
         for fn, call in frames.messages(sys.stdin.buffer):
-            reporter = _Reporter(out)
+            reporter = _Reporter(lambda message: _write(out, message))
             try:
                 result = fn(*call, advance=reporter.advance)
             except Exception as err:  # noqa: BLE001 - every failure goes back to the caller
@@ -334,10 +392,10 @@ def _exit_at_end(lifeline: int) -> None:
 
 
 class _Reporter:
-    """A call's progress, sent on at most every :data:`_REPORT_S` seconds."""
+    """A call's progress, sent on (``send`` a message) at most every :data:`_REPORT_S` seconds."""
 
-    def __init__(self, out: IO[bytes]) -> None:
-        self.out = out
+    def __init__(self, send: Callable[[tuple[Any, ...]], None]) -> None:
+        self.send = send
         self.pending: Counter[str] = Counter()
         self.sent = time.monotonic()
 
@@ -348,7 +406,7 @@ class _Reporter:
 
     def flush(self) -> None:
         if self.pending:
-            _write(self.out, ("progress", dict(self.pending)))
+            self.send(("progress", dict(self.pending)))
             self.pending.clear()
         self.sent = time.monotonic()
 

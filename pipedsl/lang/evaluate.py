@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from pipedsl.arrays import ActionArrays, ScheduleArrays, paused_collector
-from pipedsl.errors import PipedslError, ScheduleEvalError, SourcePos, several
+from pipedsl.errors import PipedslError, RequirementFailed, ScheduleEvalError, SourcePos, several
 from pipedsl.ir import Action, Schedule
 from pipedsl.lang import ast
 from pipedsl.lang.arith import INT_MAX, INT_MIN, Frame, IntCode, fail, lift, overflow
@@ -435,16 +435,23 @@ def evaluate_arrays(
     name: str | None = None,
     source: str | None = None,
     max_actions: int = MAX_ACTIONS,
+    refusal_ends: bool = False,
 ) -> ScheduleArrays | Policy:
     """:func:`evaluate`, the actions made straight into int columns (no :class:`Action`,
-    so no source position each), for a caller that only validates and times; the same errors."""
-    found = _run(_Evaluator(module, max_actions=max_actions, name=name, objects=False), module, params, name, source)
+    so no source position each), for a caller that only validates and times; the same errors.
+
+    With ``refusal_ends``, a failed ``require`` that is the first error ends the evaluation
+    at once, raised without the errors the items after it would add: the schedule refuses
+    the parameters, which is all that a caller trying many of them (the plan search) asks.
+    """
+    evaluator = _Evaluator(module, max_actions=max_actions, name=name, objects=False)
+    found = _run(evaluator, module, params, name, source, refusal_ends=refusal_ends)
     assert not isinstance(found, Schedule)  # an evaluator that makes columns
     return found
 
 
 def _run(evaluator: _Evaluator, module: ast.Module, params: Mapping[str, object] | None, name: str | None,
-         source: str | None) -> Schedule | ScheduleArrays | Policy:  # fmt: skip
+         source: str | None, *, refusal_ends: bool = False) -> Schedule | ScheduleArrays | Policy:  # fmt: skip
     try:
         for function in module.functions:
             evaluator.attempt(evaluator.define, function)
@@ -452,6 +459,8 @@ def _run(evaluator: _Evaluator, module: ast.Module, params: Mapping[str, object]
         with paused_collector():  # device bodies make many small objects
             for item in module.schedule.items:
                 evaluator.attempt(evaluator.item, item)
+                if refusal_ends and evaluator.errors and isinstance(evaluator.errors[0], RequirementFailed):
+                    break
     except RecursionError:
         nested = "the schedule nests too deeply to evaluate; split long expressions with local bindings"
         evaluator.errors.append(fail(nested, module.schedule.pos))

@@ -98,21 +98,23 @@ def test_results_come_back_in_the_order_of_the_calls() -> None:
     assert done == {"squared": sum(range(7))}
 
 
-def _add(n: int, more: int, *, advance: Advance) -> int:
-    return n + more
-
-
-def test_then_adds_arguments_from_the_results_in_when_a_call_is_handed_out() -> None:
-    # One worker: each call is handed out once the one before it has answered.
+def test_here_runs_the_first_call_in_this_process_the_rest_in_workers() -> None:
+    done: Counter[str] = Counter()
     found = run_in_workers(
-        _add,
-        [(1,), (2,), (3,)],
-        jobs=1,
-        advance=lambda *_: None,
-        names=_names(3),
-        then=lambda done: (sum(r for r in done if r is not None),),
+        _square,
+        [(n,) for n in range(5)],
+        jobs=2,
+        advance=lambda phase, n: done.update({phase: n}),
+        names=_names(5),
+        here=True,
     )
-    assert found == [1, 2 + 1, 3 + 1 + 3]
+    assert [square for square, _ in found] == [n * n for n in range(5)]
+    pids = [pid for _, pid in found]
+    assert pids[0] == os.getpid() and len(set(pids)) <= 2
+    assert done == {"squared": sum(range(5))}
+    # Its error comes back as it is, as a worker's does.
+    with pytest.raises(PlanError, match="plan 2 does not divide the model"):
+        run_in_workers(_reject, [(2,), (1,)], jobs=2, advance=lambda *_: None, names=_names(2), here=True)
 
 
 def test_more_jobs_than_calls_start_only_what_is_needed() -> None:
