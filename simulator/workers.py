@@ -13,7 +13,9 @@ path; it imports only what a call needs (never the caller's ``__main__``, unlike
 ``if __name__ == "__main__"`` guard works). Calls travel as frames (:mod:`pipedsl.frames`)
 on the worker's standard input and answers on a pipe of their own. A worker reports
 progress while it works, at most every :data:`_REPORT_S` seconds, and exits when its input
-closes. A worker that dies, or a call that raises, ends the whole run with an
+closes. With ``here``, one of the workers is instead a thread of the calling process,
+which starts at once and needs nothing pickled (the plan search ranks schedules there
+too). A worker that dies, or a call that raises, ends the whole run with an
 error (the call's own exception where it can be pickled), and the other workers are
 killed at once; so are they on Ctrl-C.
 
