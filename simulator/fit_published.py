@@ -27,7 +27,7 @@ from pipedsl.simulator.calibration.report import Measured, Report, Reproduced
 from pipedsl.simulator.collectives import group_of
 from pipedsl.simulator.estimate import estimate
 from pipedsl.simulator.flops import FlopCount, step_flops
-from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, LAYER_GRID, Framework, framework
+from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, LAYER_GRID, Framework, default_framework, framework
 from pipedsl.simulator.hardware import Cluster, Model, load_cluster
 from pipedsl.simulator.memory import Memory
 from pipedsl.simulator.pipelines import Pipelines
@@ -208,7 +208,7 @@ def _run(row: dict[str, str]) -> Run:
         cp_exchange=ContextExchange(row.get("cp_exchange") or "ring"),
         reduce_once=_flag(row, "reduce_once", "false"),
         reshard_after_forward=_flag(row, "reshard_after_forward"),
-        framework=row.get("framework") or "megatron",
+        framework=row.get("framework") or default_framework(load_cluster(row["cluster"])),
     )
     if plan.gpus != n["gpus"]:
         raise ValueError(f"{row['run']}: dp × tp × cp × pp = {plan.gpus}, but the row says {n['gpus']} GPUs")
@@ -291,7 +291,11 @@ def fit(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cl
         raise ValueError(f"fit one GPU type at a time, got {', '.join(sorted(types))}")
     # Runs of another framework calibrate that framework's profile (fit_framework), not the GPU.
     calibration = [
-        r for r in runs if r.role == "calibrate" and r.cluster in clusters and r.plan.framework == DEFAULT_FRAMEWORK
+        r
+        for r in runs
+        if r.role == "calibrate"
+        and r.cluster in clusters
+        and r.plan.framework == default_framework(clusters[r.cluster])
     ]
     if not calibration:
         raise ValueError(f"no calibration runs for {', '.join(sorted(clusters))}")
@@ -317,7 +321,11 @@ def fit_network(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict
     runs of ``clusters`` (one GPU type, compute model fitted), every preset with it, and
     that error; the first such point of the grid (the smallest terms) when several tie."""
     calibration = [
-        r for r in runs if r.role == "calibrate" and r.cluster in clusters and r.plan.framework == DEFAULT_FRAMEWORK
+        r
+        for r in runs
+        if r.role == "calibrate"
+        and r.cluster in clusters
+        and r.plan.framework == default_framework(clusters[r.cluster])
     ]
     pipelines = Pipelines(keep_simulations=False)
     steps = [_step(run, pipelines) for run in calibration]

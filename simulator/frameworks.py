@@ -12,6 +12,14 @@ with two numbers, on top of the estimate's work:
 - ``action_s``: seconds per scheduled action (each ``F`` and each ``B``; a split backward
   charges it to ``I``).
 
+A profile also says how the framework recomputes a layer under full recomputation
+(``traced_remat``): Megatron-LM and DeepSpeed rerun the layer's forward function as it is
+(PyTorch's checkpointing), every product of it; a JAX program (MaxText, this project's
+executor) reruns what ``jax.checkpoint`` traced and XLA kept after dead-code elimination:
+only the values the backward reads, so the products whose outputs only join the residual
+sum (the feed-forward's last product; in a parallel block the attention's output
+projection too) are not rerun (:meth:`~pipedsl.simulator.transformer.Shapes.layer_work`).
+
 Profiles (:data:`FRAMEWORKS`): ``megatron`` costs nothing more (the GPU presets' compute
 model was fitted on Megatron-LM runs, so their fixed costs are in it); ``deepspeed``'s
 ``layer_s`` is fitted on the ``calibrate`` rows of DeepSpeed-pipeline runs in ``data/``
@@ -46,6 +54,7 @@ class Framework:
     microbatch_s: float = 0.0
     layer_s: float = 0.0
     action_s: float = 0.0
+    traced_remat: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -62,8 +71,12 @@ FRAMEWORKS = {
         layer_s=0.016,
         source="Megatron-DeepSpeed's pipeline engine: fitted on the calibrate rows of data/published_runs_deepspeed.csv",
     ),
-    "maxtext": Framework(name="maxtext", source="MaxText on TPUs: the compute model was fitted on its runs"),
-    "pipedsl": Framework(name="pipedsl", source="pipedsl's executor: kernels queued ahead of the dispatch on GPUs"),
+    "maxtext": Framework(
+        name="maxtext", traced_remat=True, source="MaxText on TPUs: the compute model was fitted on its runs"
+    ),
+    "pipedsl": Framework(
+        name="pipedsl", traced_remat=True, source="pipedsl's executor: kernels queued ahead of the dispatch on GPUs"
+    ),
 }
 """The known profiles by name."""
 

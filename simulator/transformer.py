@@ -245,23 +245,33 @@ class Shapes:
     def tp_exposed(self, products: Products) -> float:
         """Seconds of one layer's forward tensor-parallel collectives that the products next
         to them do not hide (the backward's mirror them: the same collectives beside
-        products of the same shapes). With sequence parallelism each block gathers its
-        input before its column-split product and reduce-scatters after its row-split
+        products of the same shapes): the sum of :meth:`tp_exposed_by_product`."""
+        return self.tp_exposed_by_product(products).total
+
+    def tp_exposed_by_product(self, products: Products) -> Products:
+        """Seconds of each forward tensor-parallel collective that its product does not
+        hide, by the product it runs beside. With sequence parallelism each block gathers
+        its input before its column-split product and reduce-scatters after its row-split
         one; without, it all-reduces after its row-split product. Each collective runs
         decomposed into tp steps under the product's (:func:`pipelined_exposed`), the
         plan's ``tp_overlap`` of the product's time hiding it."""
         plan = self.plan
         if plan.tp == 1:
-            return 0.0
+            return Products(0.0, 0.0, 0.0, 0.0)
         hide = plan.tp_overlap
         both = self.tp_all_reduce()
-        pairs: tuple[tuple[float, float], ...]
-        if plan.sequence_parallel:
-            half = both / 2
-            pairs = ((half, products.qkv), (half, products.out), (half, products.ffn_in), (half, products.ffn_out))
-        else:
-            pairs = ((both, products.out), (both, products.ffn_out))
-        return sum(pipelined_exposed(comm, hide * compute, plan.tp) for comm, compute in pairs)
+        half = both / 2 if plan.sequence_parallel else 0.0
+        row = half if plan.sequence_parallel else both
+
+        def exposed(comm: float, compute: float) -> float:
+            return pipelined_exposed(comm, hide * compute, plan.tp)
+
+        return Products(
+            qkv=exposed(half, products.qkv),
+            out=exposed(row, products.out),
+            ffn_in=exposed(half, products.ffn_in),
+            ffn_out=exposed(row, products.ffn_out),
+        )
 
     def layer_activation_bytes(self, recompute: Recompute) -> float:
         """Bytes one layer keeps per microbatch for its backward: under this project's
@@ -381,7 +391,8 @@ class Shapes:
         elementwise = self.cluster.elementwise_traffic * self.traffic_seconds(
             2 * self.megatron_activation_bytes(Recompute.NONE)
         )
-        collectives = self.tp_exposed(products)
+        exposed = self.tp_exposed_by_product(products)
+        collectives = exposed.total
         exchange_forward, exchange_backward = exposed_exchange(self, attention)
         forward = (
             linear + attention + elementwise + collectives + exchange_forward
@@ -395,12 +406,28 @@ class Shapes:
             + launch * (linear_kernels + 2 * attention_kernels + elementwise_kernels)
         )  # fmt: skip
         if plan.recompute is Recompute.FULL:
-            input_grad += forward
+            input_grad += forward - self._not_rerun(products, exposed)
         elif plan.recompute is Recompute.SELECTIVE and not plan.flash_attention:
             input_grad += attention + self.traffic_seconds(2 * score_bytes) + launch * (attention_kernels + 2)
         elif plan.recompute.per_layer:
             input_grad += self._rerun(products, attention, elementwise, collectives, exchange_forward)
         return Work(forward, input_grad, linear + launch * linear_kernels)
+
+    def _not_rerun(self, products: Products, exposed: Products) -> float:
+        """Seconds of a layer's forward that full recomputation does not rerun: none where
+        the framework reruns the forward function as it is; under a traced remat
+        (``Framework.traced_remat``: ``jax.checkpoint``, whose rerun XLA prunes to what
+        the backward reads) the products whose outputs only join the residual sum, with
+        their collectives and launches: the feed-forward's last product, and in a parallel
+        block the attention's output projection too (a sequential block's backward reads
+        it: it rebuilds the feed-forward's norm input)."""
+        if not framework(self.plan.framework).traced_remat:
+            return 0.0
+        launch = self.cluster.kernel_launch_s
+        skipped = products.ffn_out + exposed.ffn_out + launch
+        if self.model.parallel_block:
+            skipped += products.out + exposed.out + launch
+        return skipped
 
     def _rerun(
         self, products: Products, attention: float, elementwise: float, collectives: float, exchange: float

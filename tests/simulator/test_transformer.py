@@ -131,3 +131,20 @@ def test_pipelined_exposure_leaves_a_step_or_the_excess() -> None:
 def test_tp_overlap_must_be_a_fraction(value: object) -> None:
     with pytest.raises(PlanError, match="tp_overlap must be a fraction"):
         Plan(global_batch=1, tp_overlap=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("parallel_block", [False, True])
+def test_traced_full_remat_reruns_only_what_the_backward_reads(parallel_block: bool) -> None:
+    # Megatron reruns the whole forward; a JAX program (maxtext) skips the products whose
+    # outputs only join the residual sum: the last MLP product, and in a parallel block the
+    # attention's output projection too.
+    model = dataclasses.replace(GPT, parallel_block=parallel_block)
+    plan = Plan(dp=1, tp=1, pp=1, microbatch_size=2, global_batch=2, recompute="full")
+    megatron = Shapes(model, GPU, dataclasses.replace(plan, framework="megatron"))
+    maxtext = Shapes(model, GPU, dataclasses.replace(plan, framework="maxtext"))
+    products = megatron.products()
+    skipped = products.ffn_out + GPU.kernel_launch_s
+    if parallel_block:
+        skipped += products.out + GPU.kernel_launch_s
+    assert megatron.layer_work().input_grad - maxtext.layer_work().input_grad == pytest.approx(skipped)
+    assert maxtext.layer_work().forward == pytest.approx(megatron.layer_work().forward)
