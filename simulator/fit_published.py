@@ -38,6 +38,7 @@ __all__ = [
     "Run",
     "Result",
     "GRID",
+    "K_FILL_GRID",
     "load_runs",
     "evaluate",
     "run_cluster",
@@ -66,6 +67,11 @@ GRID = {
     "kernel_launch_s": (0.0, 5e-6, 1e-5, 2e-5),
 }
 """The values :func:`fit` tries for each compute parameter."""
+
+K_FILL_GRID = {"matmul_k_fill": (0.0, 128.0, 256.0, 512.0, 1024.0)}
+"""What :func:`fit` tries, with the compute parameters, for a GPU whose ``matmul_units`` are
+given: an output tile's fixed work in units of the contraction's length
+(:func:`~pipedsl.simulator.transformer.tile_efficiency`)."""
 
 NETWORK_GRID = {
     "spine_latency_s": (0.0, 1e-5, 3e-5),
@@ -306,6 +312,10 @@ def fit(runs: Sequence[Run], clusters: dict[str, Cluster]) -> tuple[dict[str, Cl
         # model moves all of them: the two are searched together.
         grid = {**GRID, **TORUS_NETWORK_GRID}
         return grid_search(clusters, grid, ((*_BLOCKS[0], *TORUS_NETWORK_GRID), *_BLOCKS[1:]), steps)
+    if all(c.matmul_units for c in clusters.values()):
+        # A tile's fixed work trades against the efficiency curve: searched with it.
+        grid = {**GRID, **K_FILL_GRID}
+        return grid_search(clusters, grid, ((*_BLOCKS[0], *K_FILL_GRID), *_BLOCKS[1:]), steps)
     return grid_search(clusters, GRID, _BLOCKS, steps)
 
 
@@ -426,7 +436,13 @@ def accuracy_markdown(
     for name, cluster in sorted(clusters.items()):
         lines.append(
             f"- `{name}`: matmul_efficiency = {cluster.matmul_efficiency:g}, "
-            f"matmul_half_flops = {cluster.matmul_half_flops:g}, elementwise_traffic = "
+            f"matmul_half_flops = {cluster.matmul_half_flops:g}, "
+            + (
+                f"matmul_units = {cluster.matmul_units}, matmul_k_fill = {cluster.matmul_k_fill:g}, "
+                if cluster.matmul_units
+                else ""
+            )
+            + "elementwise_traffic = "
             f"{cluster.elementwise_traffic:g}, kernel_launch_s = {cluster.kernel_launch_s:g}; "
             f"network: leaf_nodes = {cluster.leaf_nodes}, spine_latency_s = {cluster.spine_latency_s:g}, "
             f"spine_efficiency = {cluster.spine_efficiency:g}, straggler_cv = {cluster.straggler_cv:g}"
@@ -524,8 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             c = next(iter(fitted.values()))
             print(
                 f"{kind} ({', '.join(fitted)}): matmul_efficiency = {c.matmul_efficiency:g}, "
-                f"matmul_half_flops = {c.matmul_half_flops:g}, elementwise_traffic = {c.elementwise_traffic:g}, "
-                f"kernel_launch_s = {c.kernel_launch_s:g} "
+                f"matmul_half_flops = {c.matmul_half_flops:g}, matmul_k_fill = {c.matmul_k_fill:g}, "
+                f"elementwise_traffic = {c.elementwise_traffic:g}, kernel_launch_s = {c.kernel_launch_s:g} "
                 f"(calibration error {100 * error:.1f}%); spine_latency_s = {c.spine_latency_s:g}, "
                 f"spine_efficiency = {c.spine_efficiency:g}, straggler_cv = {c.straggler_cv:g}"
             )
@@ -570,6 +586,7 @@ def fit_report(results: Sequence[Result], clusters: dict[str, Cluster], kind: st
     parameters = (
         Measured("matmul_efficiency", c.matmul_efficiency, "", told),
         Measured("matmul_half_flops", c.matmul_half_flops, "FLOP", told),
+        *((Measured("matmul_k_fill", c.matmul_k_fill, "", told),) if c.matmul_units else ()),
         Measured("elementwise_traffic", c.elementwise_traffic, "", told),
         Measured("kernel_launch_s", c.kernel_launch_s, "s", told),
     )

@@ -275,7 +275,10 @@ class Cluster:
     Matrix multiplications run at ``min(peak, intensity × HBM bandwidth)`` (a roofline;
     intensity is the product's FLOPs over the bytes of its three matrices) times
     ``matmul_efficiency × F / (F + matmul_half_flops)`` for a product of F FLOPs: large
-    products approach ``matmul_efficiency``, small ones fall off. Every kernel costs
+    products approach ``matmul_efficiency``, small ones fall off. On a GPU whose
+    ``matmul_units`` (streaming multiprocessors) are given, a product's output is computed in
+    tiles spread over them in waves, so its shape costs it too: the last wave's idle units and
+    each tile's ``matmul_k_fill`` (:func:`~pipedsl.simulator.transformer.gemm_seconds`). Every kernel costs
     ``kernel_launch_s`` more. These and ``elementwise_traffic`` are fitted once per GPU
     type or TPU chip from published runs (``python -m pipedsl.simulator.fit_published``, see
     data/README.md).
@@ -288,6 +291,12 @@ class Cluster:
         multiplications approach in training.
       matmul_half_flops: FLOPs of a matrix multiplication that reaches half of
         ``matmul_efficiency``; 0 prices every product at ``matmul_efficiency``.
+      matmul_units: streaming multiprocessors of one GPU (132 on an H100 SXM, 108 on an
+        A100), over which a product's output tiles run in waves; 0 (TPU chips, CPU devices)
+        prices no wave quantization.
+      matmul_k_fill: where ``matmul_units`` is set, the fixed work of one output tile (its
+        pipeline's fill and drain, its epilogue) in units of the contraction's length: a
+        product of contraction k runs at ``k / (k + matmul_k_fill)`` of its tiles' rate.
       kernel_launch_s: fixed seconds per kernel (launch and tail), on top of its work;
         for CPU devices measured by ``pipedsl calibrate``.
       action_overhead_s: fixed seconds per program the executor dispatches for a stage's
@@ -352,6 +361,8 @@ class Cluster:
     peak_flops: float
     matmul_efficiency: float
     matmul_half_flops: float = 0.0
+    matmul_units: int = 0
+    matmul_k_fill: float = 0.0
     kernel_launch_s: float = 0.0
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
@@ -381,6 +392,7 @@ class Cluster:
     def __post_init__(self) -> None:
         owner = f"cluster {self.name!r}"
         _check_int(owner, "leaf_nodes", self.leaf_nodes, minimum=0)
+        _check_int(owner, "matmul_units", self.matmul_units, minimum=0)
         for name in ("name", "gpu"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -396,7 +408,8 @@ class Cluster:
         for name in ("matmul_efficiency", "intra_node_efficiency", "inter_node_efficiency", "spine_efficiency"):
             _check_float(owner, name, getattr(self, name), high=1.0)
         for name in (
-            "intra_node_latency", "inter_node_latency", "matmul_half_flops", "kernel_launch_s", "action_overhead_s",
+            "intra_node_latency", "inter_node_latency", "matmul_half_flops", "matmul_k_fill", "kernel_launch_s",
+            "action_overhead_s",
             "step_overhead_s", "collective_latency_s", "spine_latency_s", "straggler_cv",
         ):  # fmt: skip
             _check_within(owner, name, getattr(self, name), ">= 0", lambda v: v >= 0)
@@ -495,7 +508,7 @@ class Cluster:
 
 _INT_FIELDS = {"layers", "hidden", "ffn_hidden", "heads", "kv_heads", "seq_len", "vocab", "dtype_bytes", "head_dim",
                "param_bytes",
-               "memory_bytes", "reserved_bytes", "gpus_per_node", "nics_per_node", "leaf_nodes",
+               "memory_bytes", "reserved_bytes", "gpus_per_node", "nics_per_node", "leaf_nodes", "matmul_units",
                "torus_wrap", "slices"}  # fmt: skip
 
 

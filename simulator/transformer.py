@@ -18,7 +18,11 @@ kv the key/value width, V vocabulary, t = tp):
   attention's core in ``I``: twice its forward when the scores are stored,
   :data:`FLASH_BACKWARD` times with FlashAttention, whose backward recomputes them. The logits ``T × h × V/t`` sit on the last stage.
 - Each product of F FLOPs runs at ``min(peak, intensity × HBM) × matmul_efficiency ×
-  F / (F + matmul_half_flops)`` (see :class:`~pipedsl.simulator.hardware.Cluster`).
+  F / (F + matmul_half_flops)`` (see :class:`~pipedsl.simulator.hardware.Cluster`), on a
+  GPU with its ``matmul_units`` given times its shape's tile efficiency
+  (:func:`tile_efficiency`: wave quantization and the contraction's fill). The backward's
+  two products of a linear layer run by their own shapes: the input gradient
+  ``T × n × k`` of a forward ``T × k × n``, the weight gradient ``k × T × n``.
 - Elementwise work (norms, dropout, activations, softmax, the loss) is bound by memory
   bandwidth: each byte a layer stores for its backward costs two bytes of HBM traffic in
   the forward and four in the backward, times the cluster's ``elementwise_traffic`` (the
@@ -46,7 +50,9 @@ kv the key/value width, V vocabulary, t = tp):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 from pipedsl.simulator.activations import NORM_BYTES, compiled_layer_bytes, compiled_weight_layer_bytes
 from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, plan_group
@@ -61,12 +67,19 @@ __all__ = [
     "Products",
     "Shapes",
     "gemm_seconds",
+    "tile_efficiency",
+    "GEMM_TILE",
     "pipelined_exposed",
     "ELEMENTWISE_KERNELS",
     "FLASH_BACKWARD",
     "CAUSAL_SHARE",
     "LOSS_BYTES",
 ]
+
+Grad = Literal["none", "input", "weight"]
+"""Which of a linear layer's three products: the forward (``none``), the backward's input
+gradient or its weight gradient."""
+_GRADS: tuple[Grad, ...] = ("none", "input", "weight")
 
 ELEMENTWISE_KERNELS = 6
 """Elementwise kernels of one layer's forward with FlashAttention: two norms, two fused
@@ -81,13 +94,36 @@ LOSS_BYTES = 4
 """Bytes per logit of the fp32 softmax the loss keeps for its backward."""
 
 
+GEMM_TILE = (128, 256)
+"""Rows × columns of the output tile one streaming multiprocessor computes at a time in the
+largest 16-bit GEMM kernels of an A100 or H100 (cuBLAS's and CUTLASS's 128 × 256 tiles)."""
+
+
+def tile_efficiency(m: float, k: float, n: float, cluster: Cluster, *, batch: int = 1) -> float:
+    """The share of a GPU's matrix units that ``batch`` products ``(m × k) · (k × n)`` keep
+    busy, by shape: their output tiles (:data:`GEMM_TILE`) run in waves of
+    ``cluster.matmul_units`` tiles, the last wave's idle units and the tiles' padding past
+    m and n wasted, and each tile's fixed work (``cluster.matmul_k_fill``, in units of k)
+    added to its k-long contraction. 1 where the cluster gives no ``matmul_units`` (TPU
+    chips, CPU devices)."""
+    units = cluster.matmul_units
+    if units <= 0:
+        return 1.0
+    rows, cols = math.ceil(m / GEMM_TILE[0]), math.ceil(n / GEMM_TILE[1])
+    waves = math.ceil(batch * rows * cols / units)
+    busy = batch * m * n / (waves * units * GEMM_TILE[0] * GEMM_TILE[1])
+    return busy * k / (k + cluster.matmul_k_fill)
+
+
 def gemm_seconds(m: float, k: float, n: float, cluster: Cluster, *, dtype_bytes: int, batch: int = 1) -> float:
     """Seconds of ``batch`` products ``(m × k) · (k × n)`` run as one kernel, launch excluded.
 
     The roofline bound uses one product's intensity 2mkn / (bytes of its three
-    matrices); the efficiency curve the FLOPs of the whole kernel.
+    matrices); the efficiency curve the FLOPs of the whole kernel; the tile efficiency
+    (:func:`tile_efficiency`) its shape.
     """
-    return _kernel_seconds(2.0 * m * k * n, dtype_bytes * (m * k + k * n + m * n), batch, cluster)
+    seconds = _kernel_seconds(2.0 * m * k * n, dtype_bytes * (m * k + k * n + m * n), batch, cluster)
+    return seconds / tile_efficiency(m, k, n, cluster, batch=batch)
 
 
 def _fused_attention_seconds(q: int, k: int, d: int, heads: int, cluster: Cluster, *, dtype_bytes: int) -> float:
@@ -207,16 +243,35 @@ class Shapes:
     def _gemm(self, m: float, k: float, n: float, batch: int = 1) -> float:
         return gemm_seconds(m, k, n, self.cluster, dtype_bytes=self.model.dtype_bytes, batch=batch)
 
-    def products(self) -> Products:
-        """Seconds of each of one layer's four linear products, forward, on one GPU."""
+    def products(self, *, grad: Grad = "none") -> Products:
+        """Seconds of each of one layer's four linear products on one GPU: forward, or with
+        ``grad`` their backward's input-gradient or weight-gradient products (:func:`_grad_gemm`)."""
         m, t, tokens = self.model, self.plan.tp, self.tokens
         gated = 2 if m.gated_ffn else 1
         return Products(
-            qkv=self._gemm(tokens, m.hidden, (m.q_width + 2 * m.kv_width) // t),
-            out=self._gemm(tokens, m.q_width // t, m.hidden),
-            ffn_in=self._gemm(tokens, m.hidden, gated * m.ffn_hidden // t),
-            ffn_out=self._gemm(tokens, m.ffn_hidden // t, m.hidden),
+            qkv=self._grad_gemm(tokens, m.hidden, (m.q_width + 2 * m.kv_width) // t, grad),
+            out=self._grad_gemm(tokens, m.q_width // t, m.hidden, grad),
+            ffn_in=self._grad_gemm(tokens, m.hidden, gated * m.ffn_hidden // t, grad),
+            ffn_out=self._grad_gemm(tokens, m.ffn_hidden // t, m.hidden, grad),
         )
+
+    def _grad_gemm(self, m: float, k: float, n: float, grad: Grad) -> float:
+        """Seconds of the forward product ``(m × k) · (k × n)`` (m tokens), or of its
+        input gradient ``(m × n) · (n × k)`` or weight gradient ``(k × m) · (m × n)``: the
+        same FLOPs and bytes, a different output tiling."""
+        if grad == "input":
+            return self._gemm(m, n, k)
+        if grad == "weight":
+            return self._gemm(k, m, n)
+        return self._gemm(m, k, n)
+
+    def _backward_products(self, forward: Products) -> tuple[Products, Products]:
+        """The input-gradient and weight-gradient products of a layer whose forward
+        products are ``forward``: priced by their shapes where the cluster tiles its
+        products over units, else the forward's own (the same FLOPs and bytes)."""
+        if self.cluster.matmul_units <= 0:
+            return forward, forward
+        return self.products(grad="input"), self.products(grad="weight")
 
     def linear_seconds(self) -> tuple[float, int]:
         """(seconds, kernels) of one layer's four linear products, forward."""
@@ -381,6 +436,7 @@ class Shapes:
         m, plan, launch = self.model, self.plan, self.cluster.kernel_launch_s
         products = self.products()
         linear, linear_kernels = products.total, 4
+        input_products, weight_products = self._backward_products(products)
         attention, attention_kernels = self.attention_seconds()
         score_bytes = (
             0.0 if plan.flash_attention else self.tokens * (2 * m.dtype_bytes + 1) * m.heads * m.seq_len / plan.tp
@@ -401,7 +457,7 @@ class Shapes:
         # I carries everything on the activation-gradient path: the input-gradient matmuls,
         # attention's core, the elementwise backward and the backward collectives.
         input_grad = (
-            linear + (FLASH_BACKWARD if plan.flash_attention else 2) * attention + 2 * elementwise
+            input_products.total + (FLASH_BACKWARD if plan.flash_attention else 2) * attention + 2 * elementwise
             + collectives + exchange_backward
             + launch * (linear_kernels + 2 * attention_kernels + elementwise_kernels)
         )  # fmt: skip
@@ -411,7 +467,7 @@ class Shapes:
             input_grad += attention + self.traffic_seconds(2 * score_bytes) + launch * (attention_kernels + 2)
         elif plan.recompute.per_layer:
             input_grad += self._rerun(products, attention, elementwise, collectives, exchange_forward)
-        return Work(forward, input_grad, linear + launch * linear_kernels)
+        return Work(forward, input_grad, weight_products.total + launch * linear_kernels)
 
     def _not_rerun(self, products: Products, exposed: Products) -> float:
         """Seconds of a layer's forward that full recomputation does not rerun: none where
@@ -455,9 +511,9 @@ class Shapes:
     def head_work(self) -> Work:
         """Final norm, logits (2·b·s·h·V/t FLOPs) and the vocabulary-parallel loss."""
         m, t, launch = self.model, self.plan.tp, self.cluster.kernel_launch_s
-        logits = self._gemm(self.tokens, m.hidden, m.vocab / t) + launch
+        logits = [self._grad_gemm(self.tokens, m.hidden, m.vocab / t, g) + launch for g in _GRADS]
         loss = self.traffic_seconds(2 * self.head_activation_bytes()) + 2 * launch
-        return Work(logits + loss, logits + 2 * loss, logits)
+        return Work(logits[0] + loss, logits[1] + 2 * loss, logits[2])
 
     def head_activation_bytes(self) -> float:
         """The loss's softmax (fp32, or in ``dtype_bytes`` without ``Model.fp32_logits``)

@@ -9,7 +9,15 @@ import pytest
 
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, PlanError
-from pipedsl.simulator.transformer import CAUSAL_SHARE, ELEMENTWISE_KERNELS, Shapes, gemm_seconds, pipelined_exposed
+from pipedsl.simulator.transformer import (
+    CAUSAL_SHARE,
+    ELEMENTWISE_KERNELS,
+    GEMM_TILE,
+    Shapes,
+    gemm_seconds,
+    pipelined_exposed,
+    tile_efficiency,
+)
 
 # 100 TFLOP/s peak, 1 TB/s HBM; the largest products approach 0.8 of peak, a product of
 # 1 GFLOP reaches half of that.
@@ -42,6 +50,43 @@ def test_thin_product_is_bound_by_memory() -> None:
     intensity = flops / (2 * (4096 + 4096**2 + 4096))
     rate = intensity * 1e12 * 0.8 * flops / (flops + 1e9)
     assert gemm_seconds(1, 4096, 4096, GPU, dtype_bytes=2) == pytest.approx(flops / rate)
+
+
+def test_tiles_run_in_waves_over_the_units() -> None:
+    # 4 units of 128 × 256 tiles, a tile's fill worth 256 of the contraction.
+    tiled = dataclasses.replace(GPU, matmul_units=4, matmul_k_fill=256.0)
+    rows, cols = GEMM_TILE
+    fill = 1024 / (1024 + 256)
+    # Four whole tiles: one full wave.
+    assert tile_efficiency(2 * rows, 1024, 2 * cols, tiled) == pytest.approx(fill)
+    # A fifth tile runs alone in a second wave: 5 of 8 tile slots busy.
+    assert tile_efficiency(5 * rows, 1024, cols, tiled) == pytest.approx(5 / 8 * fill)
+    # Half a tile's rows: the tile is padded, and 3 of 4 units idle.
+    assert tile_efficiency(rows // 2, 1024, cols, tiled) == pytest.approx(1 / 8 * fill)
+    # A batch of products shares the waves.
+    assert tile_efficiency(rows, 1024, cols, tiled, batch=4) == pytest.approx(fill)
+    assert gemm_seconds(5 * rows, 1024, cols, tiled, dtype_bytes=2) == pytest.approx(
+        gemm_seconds(5 * rows, 1024, cols, GPU, dtype_bytes=2) / (5 / 8 * fill)
+    )
+    # Without units (TPU chips, CPU devices) shape costs nothing.
+    assert tile_efficiency(5 * rows, 1024, cols, GPU) == 1.0
+
+
+def test_backward_products_run_by_their_own_shapes() -> None:
+    plan = Plan(dp=1, tp=1, pp=1, microbatch_size=1, global_batch=1)
+    flat = Shapes(GPT, GPU, plan)
+    # Without units the three products of a layer cost the same: same FLOPs, same bytes.
+    work = flat.layer_work()
+    assert flat.products(grad="weight").total == pytest.approx(flat.products().total)
+    assert work.weight_grad == pytest.approx(flat.products().total + 4 * GPU.kernel_launch_s)
+    # With units the weight gradient (output h × n, contraction over the 512 tokens) tiles
+    # differently from the forward (output 512 × n): its own tile efficiency.
+    tiled = Shapes(GPT, dataclasses.replace(GPU, matmul_units=132, matmul_k_fill=256.0), plan)
+    weight = tiled.products(grad="weight")
+    expected = gemm_seconds(1024, 512, 4096, tiled.cluster, dtype_bytes=2)
+    assert weight.ffn_in == pytest.approx(expected)
+    assert tiled.layer_work().weight_grad == pytest.approx(weight.total)
+    assert weight.total != pytest.approx(tiled.products().total)
 
 
 def test_efficiency_rises_with_size() -> None:
