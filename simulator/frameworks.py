@@ -12,6 +12,19 @@ with two numbers, on top of the estimate's work:
 - ``action_s``: seconds per scheduled action (each ``F`` and each ``B``; a split backward
   charges it to ``I``).
 
+A profile also says how many of a GPU's streaming multiprocessors its overlapped
+tensor-parallel collectives keep from the products (``overlap_reserved_units``): Transformer
+Engine's userbuffer overlap (Megatron-LM and NeMo with ``tp_comm_overlap``) runs the
+reduce-scatter after the attention's output projection by its "pipeline" method, whose
+communication kernels take ``num_sm`` SMs while the GEMM is launched on the rest
+(``set_sm_margin``); NeMo's H100 overlap configurations (``userbuffers.py`` of its
+``tp_overlap_configs``: GPT-3 175B at tp 4, Llama 3.1 70B at tp 4, 405B at tp 8) all set 24
+for that GEMM (``proj_fprop``). The other overlapped GEMMs reserve nothing (the ring
+exchanges move data with the copy engines) or differ from configuration to configuration,
+and are priced on every SM. XLA's collective matmul and this project's executor reserve
+none; a GPU without ``matmul_units`` prices none
+(:attr:`~pipedsl.simulator.transformer.Shapes.overlap_reserved_units`).
+
 A profile also says how the framework recomputes a layer under full recomputation
 (``traced_remat``): Megatron-LM and DeepSpeed rerun the layer's forward function as it is
 (PyTorch's checkpointing), every product of it; a JAX program (MaxText, this project's
@@ -55,9 +68,13 @@ class Framework:
     layer_s: float = 0.0
     action_s: float = 0.0
     traced_remat: bool = False
+    overlap_reserved_units: int = 0
     source: str = ""
 
     def __post_init__(self) -> None:
+        units = self.overlap_reserved_units
+        if isinstance(units, bool) or not isinstance(units, int) or units < 0:
+            raise PipedslError(f"framework {self.name}: overlap_reserved_units must be an integer >= 0, got {units!r}")
         for name in ("microbatch_s", "layer_s", "action_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
@@ -65,7 +82,12 @@ class Framework:
 
 
 FRAMEWORKS = {
-    "megatron": Framework(name="megatron", source="Megatron-LM and NeMo: the compute model was fitted on their runs"),
+    "megatron": Framework(
+        name="megatron",
+        overlap_reserved_units=24,
+        source="Megatron-LM and NeMo: the compute model was fitted on their runs; Transformer Engine's userbuffer "
+        "overlap keeps 24 SMs from the output projection's forward GEMM (NeMo's H100 overlap configurations)",
+    ),
     "deepspeed": Framework(
         name="deepspeed",
         layer_s=0.016,

@@ -51,7 +51,7 @@ kv the key/value width, V vocabulary, t = tp):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pipedsl.simulator.activations import NORM_BYTES, compiled_layer_bytes, compiled_weight_layer_bytes
@@ -99,31 +99,37 @@ GEMM_TILE = (128, 256)
 largest 16-bit GEMM kernels of an A100 or H100 (cuBLAS's and CUTLASS's 128 × 256 tiles)."""
 
 
-def tile_efficiency(m: float, k: float, n: float, cluster: Cluster, *, batch: int = 1) -> float:
+def tile_efficiency(m: float, k: float, n: float, cluster: Cluster, *, batch: int = 1, reserved: int = 0) -> float:
     """The share of a GPU's matrix units that ``batch`` products ``(m × k) · (k × n)`` keep
     busy, by shape: their output tiles (:data:`GEMM_TILE`) run in waves of
     ``cluster.matmul_units`` tiles, the last wave's idle units and the tiles' padding past
     m and n wasted, and each tile's fixed work (``cluster.matmul_k_fill``, in units of k)
-    added to its k-long contraction. 1 where the cluster gives no ``matmul_units`` (TPU
-    chips, CPU devices)."""
+    added to its k-long contraction. ``reserved`` units run something else (communication
+    kernels): the tiles run in waves over the others, and the reserved ones count as idle.
+    1 where the cluster gives no ``matmul_units`` (TPU chips, CPU devices)."""
     units = cluster.matmul_units
     if units <= 0:
         return 1.0
+    if reserved:
+        free = units - reserved
+        return free / units * tile_efficiency(m, k, n, replace(cluster, matmul_units=free), batch=batch)
     rows, cols = math.ceil(m / GEMM_TILE[0]), math.ceil(n / GEMM_TILE[1])
     waves = math.ceil(batch * rows * cols / units)
     busy = batch * m * n / (waves * units * GEMM_TILE[0] * GEMM_TILE[1])
     return busy * k / (k + cluster.matmul_k_fill)
 
 
-def gemm_seconds(m: float, k: float, n: float, cluster: Cluster, *, dtype_bytes: int, batch: int = 1) -> float:
+def gemm_seconds(
+    m: float, k: float, n: float, cluster: Cluster, *, dtype_bytes: int, batch: int = 1, reserved: int = 0
+) -> float:
     """Seconds of ``batch`` products ``(m × k) · (k × n)`` run as one kernel, launch excluded.
 
     The roofline bound uses one product's intensity 2mkn / (bytes of its three
     matrices); the efficiency curve the FLOPs of the whole kernel; the tile efficiency
-    (:func:`tile_efficiency`) its shape.
+    (:func:`tile_efficiency`) its shape, on the units ``reserved`` leaves it.
     """
     seconds = _kernel_seconds(2.0 * m * k * n, dtype_bytes * (m * k + k * n + m * n), batch, cluster)
-    return seconds / tile_efficiency(m, k, n, cluster, batch=batch)
+    return seconds / tile_efficiency(m, k, n, cluster, batch=batch, reserved=reserved)
 
 
 def _fused_attention_seconds(q: int, k: int, d: int, heads: int, cluster: Cluster, *, dtype_bytes: int) -> float:
@@ -240,30 +246,44 @@ class Shapes:
     def traffic_seconds(self, num_bytes: float) -> float:
         return num_bytes / self.cluster.hbm_bandwidth
 
-    def _gemm(self, m: float, k: float, n: float, batch: int = 1) -> float:
-        return gemm_seconds(m, k, n, self.cluster, dtype_bytes=self.model.dtype_bytes, batch=batch)
+    def _gemm(self, m: float, k: float, n: float, batch: int = 1, reserved: int = 0) -> float:
+        return gemm_seconds(m, k, n, self.cluster, dtype_bytes=self.model.dtype_bytes, batch=batch, reserved=reserved)
+
+    @property
+    def overlap_reserved_units(self) -> int:
+        """Units of the GPU that the forward output projection's overlapped reduce-scatter
+        keeps for its communication kernels (``Framework.overlap_reserved_units``), where
+        the plan overlaps its tensor-parallel collectives (tp > 1, ``tp_overlap`` > 0) on a
+        GPU whose ``matmul_units`` are given; none otherwise."""
+        plan, units = self.plan, self.cluster.matmul_units
+        if units <= 0 or plan.tp == 1 or plan.tp_overlap <= 0:
+            return 0
+        return min(framework(plan.framework).overlap_reserved_units, units - 1)
 
     def products(self, *, grad: Grad = "none") -> Products:
         """Seconds of each of one layer's four linear products on one GPU: forward, or with
-        ``grad`` their backward's input-gradient or weight-gradient products (:func:`_grad_gemm`)."""
+        ``grad`` their backward's input-gradient or weight-gradient products (:func:`_grad_gemm`).
+        The forward output projection runs on the units its overlapped reduce-scatter leaves
+        it (:attr:`overlap_reserved_units`)."""
         m, t, tokens = self.model, self.plan.tp, self.tokens
         gated = 2 if m.gated_ffn else 1
+        reserved = self.overlap_reserved_units if grad == "none" else 0
         return Products(
             qkv=self._grad_gemm(tokens, m.hidden, (m.q_width + 2 * m.kv_width) // t, grad),
-            out=self._grad_gemm(tokens, m.q_width // t, m.hidden, grad),
+            out=self._grad_gemm(tokens, m.q_width // t, m.hidden, grad, reserved),
             ffn_in=self._grad_gemm(tokens, m.hidden, gated * m.ffn_hidden // t, grad),
             ffn_out=self._grad_gemm(tokens, m.ffn_hidden // t, m.hidden, grad),
         )
 
-    def _grad_gemm(self, m: float, k: float, n: float, grad: Grad) -> float:
+    def _grad_gemm(self, m: float, k: float, n: float, grad: Grad, reserved: int = 0) -> float:
         """Seconds of the forward product ``(m × k) · (k × n)`` (m tokens), or of its
         input gradient ``(m × n) · (n × k)`` or weight gradient ``(k × m) · (m × n)``: the
-        same FLOPs and bytes, a different output tiling."""
+        same FLOPs and bytes, a different output tiling; ``reserved`` units kept from it."""
         if grad == "input":
-            return self._gemm(m, n, k)
+            return self._gemm(m, n, k, reserved=reserved)
         if grad == "weight":
-            return self._gemm(k, m, n)
-        return self._gemm(m, k, n)
+            return self._gemm(k, m, n, reserved=reserved)
+        return self._gemm(m, k, n, reserved=reserved)
 
     def _backward_products(self, forward: Products) -> tuple[Products, Products]:
         """The input-gradient and weight-gradient products of a layer whose forward

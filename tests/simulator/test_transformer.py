@@ -72,6 +72,37 @@ def test_tiles_run_in_waves_over_the_units() -> None:
     assert tile_efficiency(5 * rows, 1024, cols, GPU) == 1.0
 
 
+def test_reserved_units_leave_the_tiles_the_others() -> None:
+    # 4 units, 1 kept for communication: four tiles run in two waves over the other 3,
+    # 4 of 6 slots busy, on 3 of the 4 units.
+    tiled = dataclasses.replace(GPU, matmul_units=4, matmul_k_fill=256.0)
+    rows, cols = GEMM_TILE
+    fill = 1024 / (1024 + 256)
+    assert tile_efficiency(2 * rows, 1024, 2 * cols, tiled, reserved=1) == pytest.approx(3 / 4 * 4 / 6 * fill)
+
+
+def test_overlapped_output_projection_runs_on_the_units_left() -> None:
+    # Megatron's userbuffer overlap keeps 24 of 132 SMs from the forward output projection
+    # only: the other products, its backward, a plan without the overlap and XLA's plans
+    # (maxtext) are priced on every SM. 8192 tokens: 64 × 4 output tiles, two waves over
+    # 132 SMs, three over 108.
+    h100 = dataclasses.replace(GPU, matmul_units=132, matmul_k_fill=512.0)
+    plan = Plan(dp=1, tp=4, pp=1, microbatch_size=16, global_batch=16, sequence_parallel=True, tp_overlap=1.0)
+    overlapped = Shapes(GPT, h100, plan)
+    plain = Shapes(GPT, h100, dataclasses.replace(plan, tp_overlap=0.0))
+    xla = Shapes(GPT, h100, dataclasses.replace(plan, framework="maxtext"))
+    assert overlapped.overlap_reserved_units == 24
+    assert plain.overlap_reserved_units == xla.overlap_reserved_units == 0
+    assert Shapes(GPT, GPU, plan).overlap_reserved_units == 0
+    tokens, out = overlapped.tokens, GPT.hidden // 4
+    assert overlapped.products().out == pytest.approx(
+        gemm_seconds(tokens, out, GPT.hidden, h100, dtype_bytes=GPT.dtype_bytes, reserved=24)
+    )
+    assert overlapped.products().out > plain.products().out == xla.products().out
+    assert overlapped.products().qkv == plain.products().qkv
+    assert overlapped.products(grad="input") == plain.products(grad="input")
+
+
 def test_backward_products_run_by_their_own_shapes() -> None:
     plan = Plan(dp=1, tp=1, pp=1, microbatch_size=1, global_batch=1)
     flat = Shapes(GPT, GPU, plan)
