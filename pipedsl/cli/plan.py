@@ -307,9 +307,13 @@ def _cmd_search(args: argparse.Namespace) -> int:
             TimeElapsedColumn(),
             console=err,
             transient=True,
+            # Redrawn as progress comes, by the thread the search reports on: a search with
+            # no thread of its own starts its worker processes forked (simulator.workers).
+            auto_refresh=False,
         ) as bar,
     ):
         tasks: dict[str, TaskID] = {}
+        drawn = [0.0]  # when the bar was last drawn (time.monotonic)
         # A bar is drawn only on a terminal; elsewhere (a log, a pipe) a line now and then.
         lines = _ProgressLines()
 
@@ -320,6 +324,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
             if phase not in tasks:
                 tasks[phase] = bar.add_task(phase, total=total)
             bar.update(tasks[phase], completed=done, total=total)
+            # At most ten times a second: a search in one process reports every plan.
+            if time.monotonic() - drawn[0] >= _REDRAW_S or done == total:
+                bar.refresh()
+                drawn[0] = time.monotonic()
 
         frame = search(
             model,
@@ -383,6 +391,9 @@ def _sliced(cluster: Cluster, *, slices: int, devices: int, command: str) -> Clu
         raise PipedslError(f"{command}: {devices} chips do not split evenly over --slices {slices}")
     return dataclasses.replace(cluster, slices=slices)
 
+
+_REDRAW_S = 0.1
+"""Seconds between two drawings of a search's progress bar on a terminal, at least."""
 
 _LINE_EVERY_S = 10.0
 """Seconds between two progress lines of a search whose standard error is not a terminal."""

@@ -215,15 +215,19 @@ def test_worker_processes_rank_the_same(frame: pd.DataFrame, tmp_path: Path) -> 
 # interpreter has even imported pipedsl, and its pid printed: the search is then waiting
 # on its worker in the middle of the ranking (its own thread ranks the rest), however fast
 # the machine.
+# Each worker paused as it starts, however it starts (forked, or an interpreter).
 _PAUSED_WORKERS = (
     "import os, signal, subprocess, sys\n"
-    "start = subprocess.Popen\n"
-    "def paused(*args, **kwargs):\n"
-    "    process = start(*args, **kwargs)\n"
-    "    os.kill(process.pid, signal.SIGSTOP)\n"
-    "    print('worker', process.pid, file=sys.stderr, flush=True)\n"
-    "    return process\n"
-    "subprocess.Popen = paused\n"
+    "from pipedsl.simulator import workers\n"
+    "def pausing(start):\n"
+    "    def paused(*args, **kwargs):\n"
+    "        process = start(*args, **kwargs)\n"
+    "        os.kill(process.pid, signal.SIGSTOP)\n"
+    "        print('worker', process.pid, file=sys.stderr, flush=True)\n"
+    "        return process\n"
+    "    return paused\n"
+    "subprocess.Popen = pausing(subprocess.Popen)\n"
+    "workers._Forked.start = staticmethod(pausing(workers._Forked.start))\n"
     "from pipedsl.cli.main import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )

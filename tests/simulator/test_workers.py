@@ -86,6 +86,25 @@ def _names(count: int) -> list[str]:
     return [f"call {i}" for i in range(count)]
 
 
+_WAYS = ["forked", "interpreter"] if workers._forks() else ["interpreter"]
+
+
+@pytest.fixture(params=_WAYS)
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Workers started each way this system has: this process forked (Linux, no other
+    thread), and a fresh interpreter."""
+    forked = request.param == "forked"
+    monkeypatch.setattr(workers, "_forks", lambda: forked)
+    return str(request.param)
+
+
+@pytest.fixture
+def interpreters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers that are fresh interpreters (started by subprocess.Popen)."""
+    monkeypatch.setattr(workers, "_forks", lambda: False)
+
+
+@pytest.mark.usefixtures("way")
 def test_results_come_back_in_the_order_of_the_calls() -> None:
     done: Counter[str] = Counter()
     found = run_in_workers(
@@ -98,6 +117,7 @@ def test_results_come_back_in_the_order_of_the_calls() -> None:
     assert done == {"squared": sum(range(7))}
 
 
+@pytest.mark.usefixtures("way")
 def test_here_runs_the_first_call_in_this_process_the_rest_in_workers() -> None:
     done: Counter[str] = Counter()
     found = run_in_workers(
@@ -122,6 +142,7 @@ def test_more_jobs_than_calls_start_only_what_is_needed() -> None:
     assert found[0][0] == 16
 
 
+@pytest.mark.usefixtures("way")
 def test_a_call_that_raises_raises_its_own_error_here() -> None:
     with pytest.raises(PlanError, match="plan 2 does not divide the model") as caught:
         run_in_workers(_reject, [(n,) for n in range(4)], jobs=2, advance=lambda *_: None, names=_names(4))
@@ -129,6 +150,7 @@ def test_a_call_that_raises_raises_its_own_error_here() -> None:
     assert not getattr(caught.value, "__notes__", None)
 
 
+@pytest.mark.usefixtures("way")
 def test_an_error_stops_the_other_workers_at_once(tmp_path: Path) -> None:
     fifo = tmp_path / "running"
     os.mkfifo(fifo)
@@ -166,6 +188,7 @@ def test_workers_die_with_a_parent_killed_in_the_middle_of_their_calls() -> None
     assert "Traceback" not in lines.text()
 
 
+@pytest.mark.usefixtures("way")
 def test_any_other_error_carries_the_workers_traceback() -> None:
     with pytest.raises(ZeroDivisionError) as caught:
         run_in_workers(_fail, [(1,)], jobs=1, advance=lambda *_: None, names=_names(1))
@@ -173,16 +196,19 @@ def test_any_other_error_carries_the_workers_traceback() -> None:
     assert "In the search worker process" in notes and "_fail" in notes
 
 
+@pytest.mark.usefixtures("way")
 def test_an_error_that_cannot_travel_comes_back_as_its_text() -> None:
     with pytest.raises(RuntimeError, match=r"_Unpicklable: number 5"):
         run_in_workers(_raise_unpicklable, [(5,)], jobs=1, advance=lambda *_: None, names=_names(1))
 
 
+@pytest.mark.usefixtures("way")
 def test_a_worker_that_dies_is_an_error_not_a_hang() -> None:
     with pytest.raises(PipedslError, match=r"exited with code 3 while ranking call 1"):
         run_in_workers(_exit, [(n,) for n in range(3)], jobs=2, advance=lambda *_: None, names=_names(3))
 
 
+@pytest.mark.usefixtures("interpreters")
 def test_a_ctrl_c_while_the_workers_start_stops_those_started(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[subprocess.Popen[bytes]] = []
     start = subprocess.Popen
@@ -200,7 +226,7 @@ def test_a_ctrl_c_while_the_workers_start_stops_those_started(monkeypatch: pytes
     assert len(started) == 1 and started[0].poll() is not None
 
 
-@pytest.mark.usefixtures("ctrl_c")
+@pytest.mark.usefixtures("ctrl_c", "interpreters")
 def test_a_ctrl_c_inside_a_workers_start_stops_that_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[subprocess.Popen[bytes]] = []
     start = subprocess.Popen
@@ -220,6 +246,47 @@ def test_a_ctrl_c_inside_a_workers_start_stops_that_worker(monkeypatch: pytest.M
         for process in started:
             process.kill()
             process.wait()
+
+
+@pytest.mark.usefixtures("way")
+@pytest.mark.skipif("forked" not in _WAYS, reason="workers are forked only on Linux")
+def test_a_ctrl_c_while_forked_workers_start_stops_those_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(workers, "_forks", lambda: True)
+    started: list[workers._Forked] = []
+    start = workers._Forked.start
+
+    def fork(answers: int, lifeline: int) -> workers._Forked:
+        # The Ctrl-C lands as the second worker is started, the first one running.
+        if started:
+            raise KeyboardInterrupt
+        started.append(start(answers, lifeline))
+        return started[-1]
+
+    monkeypatch.setattr(workers._Forked, "start", fork)
+    with pytest.raises(KeyboardInterrupt):
+        run_in_workers(_square, [(n,) for n in range(4)], jobs=3, advance=lambda *_: None, names=_names(4))
+    assert len(started) == 1 and started[0].returncode is not None
+
+
+@pytest.mark.skipif("forked" not in _WAYS, reason="workers are forked only on Linux")
+@pytest.mark.usefixtures("ctrl_c")
+def test_a_ctrl_c_inside_a_fork_stops_that_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(workers, "_forks", lambda: True)
+    children: list[int] = []
+    fork = os.fork
+
+    def forked() -> int:
+        # The Ctrl-C lands in this process after the fork, before its worker is kept.
+        pid = fork()
+        if pid:
+            children.append(pid)
+            signal.raise_signal(signal.SIGINT)
+        return pid
+
+    monkeypatch.setattr(workers.os, "fork", forked)
+    with pytest.raises(KeyboardInterrupt):
+        run_in_workers(_square, [(n,) for n in range(4)], jobs=2, advance=lambda *_: None, names=_names(4))
+    assert len(children) == 1 and wait_gone(children, timeout_s=5) == []
 
 
 def test_what_a_call_prints_does_not_reach_the_answers(capfd: pytest.CaptureFixture[str]) -> None:
