@@ -47,8 +47,9 @@ lists the :class:`Assumption` s it priced.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -396,21 +397,22 @@ def prepare(
         weights, gradients and optimizer state fit, before the schedule is evaluated.
       PipedslError: a schedule's own errors, such as a failed ``require``.
     """
-    check_divides(model, cluster, plan)
     shapes = Shapes(model, cluster, plan)
-    layers = split_layers(model, plan.pp * plan.vpp, plan.stage_layers if stage_layers is None else stage_layers)
-    params = stage_params(model, plan, layers)
+    figures = _figures(shapes, stage_layers)
+    layers, params, residual, weight_residual = (
+        figures.layers,
+        figures.params,
+        figures.residual,
+        figures.weight_residual,
+    )
     # The fullest device holds at least the average share: a cheap test before the
-    # schedule is evaluated. Pipeline devices that share their devices hold every stage there.
-    average = device_memory(shapes, [sum(params) / (1 if plan.shared_devices else plan.pp)], (0,))
-    if fits_first and not average.fits:
-        raise DoesNotFit(plan, average)
+    # schedule is evaluated.
+    if fits_first and not figures.average.fits:
+        raise DoesNotFit(plan, figures.average)
     if plan.pp > 1 and pipelines is None:
         pipelines = Pipelines()
     key, placement = _schedule_of(plan, pipelines, layout)
     device_params = _device_params(plan, placement, params)
-    residual = stage_residual(shapes, layers)
-    weight_residual = stage_weight_residual(shapes, layers, residual)
     if plan.shared_devices:
         # One program that loops over the microbatches, each through every stage (the
         # executor's default for shared devices): one microbatch's activations of every stage.
@@ -420,8 +422,7 @@ def prepare(
         memory = device_memory(shapes, device_params, held)
     if fits_first and not memory.fits:
         raise DoesNotFit(plan, memory)
-    work = stage_work(shapes, layers, params)
-    speedup, serial = _sharing(shapes)
+    work, speedup, serial = figures.work, figures.speedup, figures.serial
     tail = tails(shapes, work, placement, device_params, layers=layers, serial=serial)
     fastest = 1.0 if speedup is None else max(speedup)
     return Prepared(
@@ -458,18 +459,74 @@ def work_bound(model: Model, cluster: Cluster, plan: Plan) -> float:
     DoesNotFit as it does with ``fits_first`` when not even the average device's weights,
     gradients and optimizer state fit.
     """
+    figures = _figures(Shapes(model, cluster, plan), None)
+    if not figures.average.fits:
+        raise DoesNotFit(plan, figures.average)
+    speedup = figures.speedup
+    return _average_busy(plan, figures.work) / (1.0 if speedup is None else max(speedup)) + figures.least_optimizer_s
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Figures:
+    """What a plan's stages hold and cost whatever its schedule, shape (S,) each: their
+    layers, the parameters each GPU holds, the activation bytes kept per microbatch (F to
+    B or I; I to W), their work per microbatch; the memory of a device holding the average
+    share of the parameters (none of the activations), where the devices share cores (see
+    :func:`_sharing`), and the least optimizer step (seconds)."""
+
+    layers: tuple[int, ...]
+    params: tuple[float, ...]
+    residual: tuple[int, ...]
+    weight_residual: tuple[int, ...]
+    work: tuple[Work, ...]
+    average: Memory
+    speedup: tuple[float, ...] | None
+    serial: bool
+    least_optimizer_s: float
+
+
+_FIGURES = 8192
+"""Plans whose :class:`_Figures` are kept: a search asks for each plan's once per schedule
+(and twice where it is costed), and plans that differ only in their schedule share them."""
+
+_figures_kept: OrderedDict[tuple[object, ...], _Figures] = OrderedDict()
+_BY_SCHEDULE = frozenset({"schedule", "schedule_params"})
+_FIGURE_FIELDS = tuple(f.name for f in fields(Plan) if f.name not in _BY_SCHEDULE)
+"""The fields of a Plan the figures follow from: all but the schedule's (no formula reads them)."""
+
+
+def _figures(shapes: Shapes, stage_layers: Sequence[int] | None) -> _Figures:
+    """``shapes``' plan's :class:`_Figures` (the stages split as :func:`prepare`'s
+    ``stage_layers`` says), worked out once per plan and kept for the plans that differ
+    only in their schedule. Raises PlanError as :func:`prepare` does."""
+    model, cluster, plan = shapes.model, shapes.cluster, shapes.plan
+    given = None if stage_layers is None else tuple(stage_layers)
+    key = (model, cluster, given, *[getattr(plan, name) for name in _FIGURE_FIELDS])
+    found = _figures_kept.get(key)
+    if found is not None:
+        _figures_kept.move_to_end(key)
+        return found
     check_divides(model, cluster, plan)
-    shapes = Shapes(model, cluster, plan)
-    layers = split_layers(model, plan.pp * plan.vpp, plan.stage_layers)
+    layers = split_layers(model, plan.pp * plan.vpp, plan.stage_layers if given is None else given)
     params = stage_params(model, plan, layers)
-    average = device_memory(shapes, [sum(params) / (1 if plan.shared_devices else plan.pp)], (0,))
-    if not average.fits:
-        raise DoesNotFit(plan, average)
-    work = stage_work(shapes, layers, params)
-    speedup, _ = _sharing(shapes)
-    return _average_busy(plan, work) / (1.0 if speedup is None else max(speedup)) + least_optimizer_seconds(
-        shapes, params
+    residual = stage_residual(shapes, layers)
+    speedup, serial = _sharing(shapes)
+    found = _Figures(
+        layers=layers,
+        params=params,
+        residual=residual,
+        weight_residual=stage_weight_residual(shapes, layers, residual),
+        work=stage_work(shapes, layers, params),
+        # Pipeline devices that share their devices hold every stage there.
+        average=device_memory(shapes, [sum(params) / (1 if plan.shared_devices else plan.pp)], (0,)),
+        speedup=speedup,
+        serial=serial,
+        least_optimizer_s=least_optimizer_seconds(shapes, params),
     )
+    _figures_kept[key] = found
+    if len(_figures_kept) > _FIGURES:
+        _figures_kept.popitem(last=False)
+    return found
 
 
 def _average_busy(plan: Plan, work: Sequence[Work]) -> float:
