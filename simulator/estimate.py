@@ -60,6 +60,7 @@ from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.data_parallel import least_optimizer_seconds, tails
 from pipedsl.simulator.engine import Simulation
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, step_flops
+from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.memory import GRAD_BYTES, DoesNotFit, Memory, device_memory, optimizer_bytes
 from pipedsl.simulator.network import straggler_factor, straggler_units
@@ -501,7 +502,8 @@ def _figures(shapes: Shapes, stage_layers: Sequence[int] | None) -> _Figures:
     only in their schedule. Raises PlanError as :func:`prepare` does."""
     model, cluster, plan = shapes.model, shapes.cluster, shapes.plan
     given = None if stage_layers is None else tuple(stage_layers)
-    key = (model, cluster, given, *[getattr(plan, name) for name in _FIGURE_FIELDS])
+    # The framework's profile, not its name: the figures follow the profile the name has now.
+    key = (model, cluster, given, framework(plan.framework), *[getattr(plan, name) for name in _FIGURE_FIELDS])
     found = _figures_kept.get(key)
     if found is not None:
         _figures_kept.move_to_end(key)

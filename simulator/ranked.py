@@ -7,7 +7,7 @@ turns them into its DataFrame (a table is an output, not what modules hand each 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -167,6 +167,19 @@ class Summary:
     best_spmd: dict[str, Any] | None
     best_by_schedule: tuple[dict[str, Any], ...]
 
+    @classmethod
+    def of(cls, rows: Sequence[Mapping[str, Any]]) -> Summary:
+        """The best SPMD row and each schedule's best row of ``rows`` (a search's, best
+        first; schedules best first)."""
+        by_schedule: dict[str, dict[str, Any]] = {}
+        spmd = None
+        for row in rows:
+            if row["kind"] == "spmd":
+                spmd = dict(row) if spmd is None else spmd
+            elif row["kind"] == "pipeline" and row["schedule"] not in by_schedule:
+                by_schedule[row["schedule"]] = dict(row)
+        return cls(best_spmd=spmd, best_by_schedule=tuple(by_schedule.values()))
+
     @property
     def best_pipeline(self) -> dict[str, Any] | None:
         return self.best_by_schedule[0] if self.best_by_schedule else None
@@ -225,9 +238,4 @@ def zero_words(row: Mapping[str, Any]) -> str:
 def summarize(frame: pd.DataFrame) -> Summary:
     """The best SPMD plan and each schedule's best plan in a :func:`search` result
     (schedules best first)."""
-    spmd = frame[frame["kind"] == "spmd"]
-    pipelines = frame[frame["kind"] == "pipeline"].drop_duplicates("schedule")
-    return Summary(
-        best_spmd=None if spmd.empty else spmd.iloc[0].to_dict(),
-        best_by_schedule=tuple(row.to_dict() for _, row in pipelines.iterrows()),
-    )
+    return Summary.of([row.to_dict() for _, row in frame.iterrows()])

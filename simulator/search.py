@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 __all__ = [
     "search",
     "search_plans",
+    "search_ranking",
+    "Ranking",
     "RankedPlan",
     "candidate_plans",
     "Summary",
@@ -166,23 +168,52 @@ def search(
     """
     import pandas as pd
 
+    ranking = search_ranking(
+        model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
+        top=top, shortlist=shortlist, prune=prune, progress=progress, jobs=jobs, **space,
+    )  # fmt: skip
+    frame = pd.DataFrame([p.row() for p in ranking.plans], columns=list(COLUMNS))
+    if not ranking.plans:
+        frame["rank"] = frame["rank"].astype("int64")
+    frame.attrs.update(ranking.attrs)
+    frame.attrs["bounded"] = pd.DataFrame([b.row() for b in ranking.bounded], columns=[*BOUNDED_COLUMNS])
+    return frame
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """What :func:`search` finds, without a table (for a caller that does not import
+    pandas): the ranked plans, best first; the plans not ranked, by increasing bound
+    (``attrs["bounded"]``'s rows); and what :func:`search` puts in ``attrs`` besides."""
+
+    plans: tuple[RankedPlan, ...]
+    bounded: tuple[Bounded, ...]
+    attrs: dict[str, Any]
+
+
+def search_ranking(
+    model: Model | str | Path,
+    cluster: Cluster | str | Path,
+    gpus: int,
+    *,
+    global_batch: int | None = None,
+    schedules: Sequence[str] | None = None,
+    extra_schedules: Sequence[str | Path] = (),
+    top: int | None = None,
+    shortlist: int | None = None,
+    prune: float | None = DEFAULT_PRUNE,
+    progress: Progress | None = None,
+    jobs: int | None = None,
+    **space: Any,
+) -> Ranking:
+    """:func:`search`'s rows, its ``attrs`` and its not-ranked plans as a :class:`Ranking`
+    (the same arguments; ``top`` keeps the best ``top`` rows)."""
     ranked, attrs = _search(
         model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
         keep=_keep(top, shortlist), prune=prune, progress=progress, jobs=jobs, **space,
     )  # fmt: skip
-    frame = pd.DataFrame([p.row() for p in ranked], columns=list(COLUMNS))
-    if not ranked:
-        frame["rank"] = frame["rank"].astype("int64")
-    if top is not None:
-        frame = frame.head(top)
-    bounded = attrs.pop("bounded")
-    frame.attrs.update(attrs)
-    frame.attrs["bounded"] = pd.DataFrame(
-        [{**plan_columns(b.plan), "memory_bytes_per_gpu": b.memory_bytes, "step_time_bound_s": b.step_time_bound_s}
-         for b in bounded],
-        columns=[*BOUNDED_COLUMNS],
-    )  # fmt: skip
-    return frame
+    bounded = tuple(attrs.pop("bounded"))
+    return Ranking(ranked if top is None else ranked[:top], bounded, attrs)
 
 
 def search_plans(
@@ -202,11 +233,10 @@ def search_plans(
 ) -> tuple[RankedPlan, ...]:
     """:func:`search`'s ranking, best first, as frozen :class:`RankedPlan` records
     (the same arguments; ``top`` keeps the best ``top``)."""
-    ranked, _ = _search(
+    return search_ranking(
         model, cluster, gpus, global_batch=global_batch, schedules=schedules, extra_schedules=extra_schedules,
-        keep=_keep(top, shortlist), prune=prune, progress=progress, jobs=jobs, **space,
-    )  # fmt: skip
-    return ranked if top is None else ranked[:top]
+        top=top, shortlist=shortlist, prune=prune, progress=progress, jobs=jobs, **space,
+    ).plans  # fmt: skip
 
 
 def _keep(top: int | None, shortlist: int | None) -> int | None:
@@ -327,6 +357,13 @@ class Bounded:
     plan: Plan
     step_time_bound_s: float
     memory_bytes: int | None
+
+    def row(self) -> dict[str, Any]:
+        """The :data:`BOUNDED_COLUMNS` as a dict (a row of ``attrs["bounded"]``)."""
+        return {
+            **plan_columns(self.plan), "memory_bytes_per_gpu": self.memory_bytes,
+            "step_time_bound_s": self.step_time_bound_s,
+        }  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

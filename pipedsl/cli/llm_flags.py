@@ -5,7 +5,7 @@ convention MFU is counted by (see docs/plans.md)."""
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pipedsl.cli.common import positive_int
 from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount, flops_per_token
@@ -13,9 +13,6 @@ from pipedsl.simulator.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS
 from pipedsl.simulator.hardware import Model
 from pipedsl.simulator.plan import ContextExchange, PlanError, Recompute
 from pipedsl.simulator.stages import ends_split
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 __all__ = [
     "add_common_options",
@@ -126,11 +123,12 @@ def flops_words(count: FlopCount) -> str:
     return f"{words[count]} FLOPs{default}"
 
 
-def search_mfu(frame: pd.DataFrame, model: Model, count: FlopCount) -> None:
-    """Turn a search table's ``mfu`` column (6N) into ``count``'s, in place, and say which in its attrs."""
-    if count is not DEFAULT_FLOP_COUNT and len(frame):
-        six = flops_per_token(model, DEFAULT_FLOP_COUNT)
-        frame["mfu"] = frame["mfu"] * frame["recompute"].map(
-            lambda r: flops_per_token(model, count, recompute=Recompute(r)) / six
-        )
-    frame.attrs["mfu_flops"] = flops_words(count)
+def search_mfu(rows: list[dict[str, Any]], model: Model, count: FlopCount) -> list[dict[str, Any]]:
+    """A search's rows with their ``mfu`` (6N) turned into ``count``'s."""
+    if count is DEFAULT_FLOP_COUNT:
+        return rows
+    six = flops_per_token(model, DEFAULT_FLOP_COUNT)
+    return [
+        {**row, "mfu": row["mfu"] * (flops_per_token(model, count, recompute=Recompute(row["recompute"])) / six)}
+        for row in rows
+    ]

@@ -18,13 +18,14 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import math
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from pipedsl import library
 from pipedsl.cli.common import (
@@ -53,7 +54,7 @@ from pipedsl.run_options import RunOptionsError, check_sharding
 from pipedsl.simulator.candidates import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedsl.simulator.estimate import Estimate, estimate
 from pipedsl.simulator.explain import fit_advice, misfit_text
-from pipedsl.simulator.flops import DEFAULT_FLOP_COUNT, FlopCount
+from pipedsl.simulator.flops import FlopCount
 from pipedsl.simulator.frameworks import default_framework
 from pipedsl.simulator.hardware import (
     Cluster,
@@ -66,13 +67,12 @@ from pipedsl.simulator.hardware import (
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.ranked import zero_words
-from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search, summarize
+from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search_ranking
 from pipedsl.simulator.search_work import MAX_PAIRS_PER_SCHEDULE, SearchWork
 from pipedsl.simulator.speed import relative_speed
 from pipedsl.words import plural
 
 if TYPE_CHECKING:
-    import pandas as pd
     from rich.console import Console
     from rich.table import Table
 
@@ -329,7 +329,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
                 bar.refresh()
                 drawn[0] = time.monotonic()
 
-        frame = search(
+        ranking = search_ranking(
             model,
             cluster,
             args.gpus,
@@ -352,30 +352,44 @@ def _cmd_search(args: argparse.Namespace) -> int:
             schedule_params=args.params,
             update_barrier=not args.no_update_barrier,
         )
-    search_mfu(frame, model, FlopCount(args.mfu_flops))
+    count = FlopCount(args.mfu_flops)
+    rows = search_mfu([plan.row() for plan in ranking.plans], model, count)
     if args.csv is not None:
         try:
-            _plans_table(frame).to_csv(args.csv, index=False)
+            with open(args.csv, "w", newline="", encoding="utf-8") as out:
+                _write_plans(out, rows, [b.row() for b in ranking.bounded], model=model.name)
         except OSError as error:
             raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
-    _print_search(frame, make_console(), top=args.top, csv=args.csv, layers=model.layers)
-    return EXIT_OK if len(frame) else EXIT_NOTHING_FITS
+    _print_search(
+        rows, ranking.attrs, make_console(), top=args.top, csv=args.csv, layers=model.layers, bounded=len(ranking.bounded),
+        flops=flops_words(count),
+    )  # fmt: skip
+    return EXIT_OK if rows else EXIT_NOTHING_FITS
 
 
-def _plans_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """What ``--csv`` writes: the ranked plans, then every other plan that fits, by its
-    lower bound on the step time (``step_time_bound_s``; a ranked plan's is its step time),
-    without a rank or a step time: they were not simulated."""
-    import pandas as pd
-
-    ranked = frame.assign(step_time_bound_s=frame["step_time_s"])
-    bounded = frame.attrs["bounded"].assign(model=frame.attrs["model"])
-    ranked.attrs = {}  # the search's record stays with the search; a table is written
-    if bounded.empty:
-        return ranked
-    # Whole-number columns that the bounded rows leave empty stay whole numbers.
-    whole = {c: "Int64" for c in ("rank", "inflight_limit")}
-    return pd.concat([ranked.astype(whole), bounded], ignore_index=True)[ranked.columns]
+def _write_plans(out: TextIO, ranked: list[dict[str, Any]], bounded: list[dict[str, Any]], *, model: str) -> None:
+    """What ``--csv`` writes: the ranked plans (:data:`COLUMNS`), then every other plan
+    that fits (``Bounded.row``), by its lower bound on the step time
+    (``step_time_bound_s``; a ranked plan's is its step time), without a rank or a step
+    time: they were not simulated. Written as a table of typed columns writes them: an
+    empty cell for a value a row lacks, and each memory figure as a fraction where some
+    bounded plans have one and others none (plans left uncosted)."""
+    columns = [*COLUMNS, "step_time_bound_s"]
+    memory = [b["memory_bytes_per_gpu"] for b in bounded]
+    fractions = None in memory and any(m is not None for m in memory)
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(columns)
+    for row in [
+        *({**r, "step_time_bound_s": r["step_time_s"]} for r in ranked),
+        *({**b, "model": model} for b in bounded),
+    ]:
+        cells = []
+        for column in columns:
+            value = row.get(column)
+            if fractions and column == "memory_bytes_per_gpu" and value is not None:
+                value = float(value)
+            cells.append("" if value is None else repr(value) if isinstance(value, float) else str(value))
+        writer.writerow(cells)
 
 
 def _sliced(cluster: Cluster, *, slices: int, devices: int, command: str) -> Cluster:
@@ -447,8 +461,20 @@ def _prune_factor(text: str) -> float:
     return value
 
 
-def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str | None, layers: int) -> None:
-    attrs = frame.attrs
+def _print_search(
+    rows: list[dict[str, Any]],
+    attrs: dict[str, Any],
+    console: Console,
+    *,
+    top: int,
+    csv: str | None,
+    layers: int,
+    bounded: int,
+    flops: str,
+) -> None:
+    """A search's report: what was tried and dropped, the best ``top`` of ``rows``, each
+    schedule's best, the best plan's assumptions and how to run it; with ``csv``, what
+    it holds (the ranked rows and ``bounded`` more)."""
     word = attrs["devices_word"]
 
     def say(text: str, indent: str = "") -> None:
@@ -456,24 +482,24 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
 
     say(
         f"{attrs['model']} on {plural(attrs['gpus'], word.removesuffix('s'))} of {attrs['cluster']}, global batch "
-        f"{attrs['global_batch']:,}: {attrs['considered']:,} plans, {len(frame):,} ranked, "
+        f"{attrs['global_batch']:,}: {attrs['considered']:,} plans, {len(rows):,} ranked, "
         f"{plural(attrs['simulations'], 'pipeline simulation')} in {attrs['seconds']:.1f} s"
         + (f" ({attrs['processes']} processes)" if attrs["processes"] > 1 else "")
     )
     for line in attrs["explanation"].lines(devices=word):
         say(line, "  ")
-    say(f"MFU counts {attrs.get('mfu_flops', flops_words(DEFAULT_FLOP_COUNT))}", "  ")
-    if not len(frame):
+    say(f"MFU counts {flops}", "  ")
+    if not rows:
         return
-    console.print(_best_plans_table(frame, top, width=console.width))
-    uneven = sorted({int(s) for s in frame["pp"] * frame["vpp"] if layers % int(s)})
+    console.print(_best_plans_table(rows, top, devices_word=word, width=console.width))
+    uneven = sorted({row["pp"] * row["vpp"] for row in rows if layers % (row["pp"] * row["vpp"])})
     if uneven:
         say(
             f"where pp × vpp ({', '.join(map(str, uneven))}) does not divide the {layers} layers, the first and"
             " the last stage hold only the embedding and the head (--stage-layers even leaves such plans out)",
             "  ",
         )
-    summary = summarize(frame)
+    summary = Summary.of(rows)
     if summary.best_by_schedule:
         console.print(_per_schedule_table(summary, width=console.width))
     say(summary.text())
@@ -481,25 +507,21 @@ def _print_search(frame: pd.DataFrame, console: Console, *, top: int, csv: str |
     for name, value, meaning in attrs["assumptions"]:
         say(f"{name} = {value}: {meaning}", "  ")
     if csv is not None:
-        bounded = len(frame.attrs["bounded"])
         say(
-            f"{plural(len(frame), 'ranked plan')} written to {csv}"
+            f"{plural(len(rows), 'ranked plan')} written to {csv}"
             + (f", and {bounded:,} more not ranked, each with a lower bound on its step time" if bounded else "")
         )
-    _print_run_command(frame.iloc[0].to_dict(), console, csv=csv)
+    _print_run_command(rows[0], console, csv=csv)
 
 
-def _best_plans_table(frame: pd.DataFrame, top: int, *, width: int) -> Table:
+def _best_plans_table(rows: list[dict[str, Any]], top: int, *, devices_word: str, width: int) -> Table:
     """The best ``top`` rows, one column per :data:`_HEADERS` entry, fitted to ``width``
     (:data:`_DROPPED_FIRST` leaves out the columns)."""
     columns = [c for c in COLUMNS if c in _HEADERS]
-    headers = [_HEADERS[c].replace("GPU", frame.attrs["devices_word"].removesuffix("s")) for c in columns]
-    rows = [
-        [zero_words(values) if c == "zero" else _cell(c, values[c]) for c in columns]
-        for values in (row._asdict() for row in frame.head(top).itertuples(index=False))
-    ]
+    headers = [_HEADERS[c].replace("GPU", devices_word.removesuffix("s")) for c in columns]
+    cells = [[zero_words(values) if c == "zero" else _cell(c, values[c]) for c in columns] for values in rows[:top]]
     return fitted_table(
-        headers, rows, width=width, title=f"best {min(top, len(frame))} plans", left=("schedule", "recompute"),
+        headers, cells, width=width, title=f"best {min(top, len(rows))} plans", left=("schedule", "recompute"),
         droppable=[headers[columns.index(c)] for c in _DROPPED_FIRST],
     )  # fmt: skip
 

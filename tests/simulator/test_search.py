@@ -400,6 +400,24 @@ def test_cli_search_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert len(both) >= bounded["memory_bytes_per_gpu"].notna().sum() > 0
 
 
+@pytest.mark.parametrize(("schedules", "uncosted"), [("1f1b,zbv", True), ("zbv_auto", False)])
+def test_cli_search_csv_is_the_search_table_as_pandas_writes_it(tmp_path: Path, schedules: str, uncosted: bool) -> None:
+    # The command writes its CSV without pandas; a table of the same rows writes the same
+    # text, the memory of a plan left uncosted (none) making that column's figures fractions.
+    out = tmp_path / "plans.csv"
+    argv = ["search", "--model", "demo-small", "--cluster", "a100-80gb", "--gpus", "8", "--global-batch", "64",
+            "--schedules", schedules, "--top", "3", "--csv", str(out), "--jobs", "1"]  # fmt: skip
+    assert _run(argv) == 0
+    frame = search("demo-small", "a100-80gb", 8, global_batch=64, schedules=schedules.split(","), shortlist=3, jobs=1)
+    bounded = frame.attrs["bounded"].assign(model=frame.attrs["model"])
+    assert bounded["memory_bytes_per_gpu"].isna().any() == uncosted and bounded["memory_bytes_per_gpu"].notna().any()
+    ranked = frame.assign(step_time_bound_s=frame["step_time_s"])
+    ranked.attrs = {}  # a table is written, not the search's record
+    ranked = ranked.astype({"rank": "Int64", "inflight_limit": "Int64"})
+    table = pd.concat([ranked, bounded], ignore_index=True)[ranked.columns]
+    assert out.read_text() == table.to_csv(index=False)
+
+
 def test_cli_search_names_and_runs_a_context_parallel_best_plan(capsys: pytest.CaptureFixture[str]) -> None:
     # Only context-parallel plans: the best plan's degree is in each table and in the
     # command that runs it (`pipedsl run --cp`).
