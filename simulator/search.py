@@ -552,7 +552,9 @@ def _rank_lazily(
     cheap: list[tuple[float, int, Plan]] = []
     for index, plan in enumerate(plans):
         try:
-            bound = work_bound(model, cluster, plan if placed is None else replace(plan, vpp=placed))
+            bound = work_bound(
+                model, cluster, plan if placed is None or placed == plan.vpp else replace(plan, vpp=placed)
+            )
         except DoesNotFit as err:
             dropped[_reason(err, plan)] += 1
             continue

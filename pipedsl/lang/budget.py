@@ -13,7 +13,7 @@ import difflib
 from collections.abc import Callable, Mapping, Sequence
 
 from pipedsl.errors import RequirementFailed, ScheduleEvalError, SourcePos
-from pipedsl.ir import Action, Kind
+from pipedsl.ir import Kind
 from pipedsl.lang import ast
 from pipedsl.lang.arith import fail
 
@@ -60,9 +60,9 @@ class Run:
     )
 
     def __init__(self, max_actions: int) -> None:
-        # Where a device body's actions go: one at a time, or a loop's as columns
-        # (kinds, stages, microbatches, source positions; see :data:`Columns`).
-        self.append: Callable[[Action], None] = no_output
+        # Where a device body's actions go: one at a time (kind, stage, microbatch, source
+        # position), or a loop's as columns (see :data:`Columns`).
+        self.append: Callable[[Kind, int, int, SourcePos | None], None] = no_output
         self.extend: Callable[[Columns], None] = no_output
         self.actions_left = max_actions
         self.work_left = WORK_PER_ACTION * max_actions
@@ -99,7 +99,7 @@ class Run:
         )
 
 
-def no_output(actions: Action | Columns) -> None:
+def no_output(*actions: object) -> None:
     # Actions are statements, and statements exist only in device bodies, which set the
     # real sink before they run; this stands in between bodies so a misrouted action is
     # loud rather than lost.

@@ -29,7 +29,7 @@ import operator
 from collections.abc import Callable
 
 from pipedsl.errors import ScheduleEvalError, SourcePos
-from pipedsl.ir import Action, Kind
+from pipedsl.ir import Kind
 from pipedsl.lang import ast
 from pipedsl.lang.arith import (
     INT_MAX,
@@ -277,7 +277,7 @@ class Compiler:
             stage = lift(self.expr(node.args[1], env))
 
             def emit(fr: Frame) -> None:
-                run.append(Action(kind, stage(fr), mb(fr), pos))
+                run.append(kind, stage(fr), mb(fr), pos)
                 run.actions_left -= 1
                 if run.actions_left < 0:
                     raise run.too_many(pos)
@@ -288,7 +288,7 @@ class Compiler:
             sole = run.sole_stage
             if sole is None:
                 raise run.stage_needed(kind, mb(fr), pos)
-            run.append(Action(kind, sole, mb(fr), pos))
+            run.append(kind, sole, mb(fr), pos)
             run.actions_left -= 1
             if run.actions_left < 0:
                 raise run.too_many(pos)

@@ -392,7 +392,7 @@ class _Evaluator:
         for d in range(devices):
             out = ActionList() if self.objects else ActionCodes()
             for action in self.rows[d]:
-                out.append(action)
+                out.append(action.kind, action.stage, action.microbatch, action.pos)
             outputs.append(out)
         return outputs
 

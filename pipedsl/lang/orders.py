@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipedsl.arrays import KIND_CODE, ActionArrays, make_actions
-from pipedsl.ir import Action
+from pipedsl.errors import SourcePos
+from pipedsl.ir import Action, Kind
 from pipedsl.lang.budget import Columns
 
 __all__ = ["ActionCodes", "ActionList", "DeviceOutput", "Orders", "collected", "most_microbatch"]
@@ -25,7 +26,9 @@ class ActionList:
 
     def __init__(self) -> None:
         self.actions: list[Action] = []
-        self.append = self.actions.append
+
+    def append(self, kind: Kind, stage: int, microbatch: int, pos: SourcePos | None) -> None:
+        self.actions.append(Action(kind, stage, microbatch, pos))
 
     def extend(self, columns: Columns) -> None:
         self.actions.extend(make_actions(*columns))
@@ -39,10 +42,11 @@ class ActionCodes:
         self.stages: list[int] = []
         self.microbatches: list[int] = []
 
-    def append(self, action: Action) -> None:
-        self.kinds.append(KIND_CODE[action.kind])
-        self.stages.append(action.stage)
-        self.microbatches.append(action.microbatch)
+    def append(self, kind: Kind, stage: int, microbatch: int, pos: SourcePos | None) -> None:
+        """One action (no object is made for it; its position is not kept)."""
+        self.kinds.append(KIND_CODE[kind])
+        self.stages.append(stage)
+        self.microbatches.append(microbatch)
 
     def extend(self, columns: Columns) -> None:
         kinds, stages, microbatches, _ = columns
