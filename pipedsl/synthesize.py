@@ -65,10 +65,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from pipedsl.arguments import costs_argument, policy_argument
-from pipedsl.arrays import make_actions
+from pipedsl.arrays import ActionArrays, B, F, I, ScheduleArrays, W, make_actions
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
-from pipedsl.library import library_schedules, load, parameters
+from pipedsl.library import library_schedules, load_arrays, parameters
 from pipedsl.policy import Policy
 from pipedsl.stage_costs import CostSource, StageCosts
 from pipedsl.tasks import MAX_COMPUTES
@@ -691,41 +691,36 @@ def _library_orders(
         declared = parameters(path)
         params = {"pp": num_devices, "microbatches": num_microbatches, "vpp": num_stages // num_devices}
         try:
-            loaded = load(path, **{k: v for k, v in params.items() if k in declared})
+            # Evaluated straight into int columns: only its order's codes are wanted.
+            loaded = load_arrays(path, refusal_ends=False, **{k: v for k, v in params.items() if k in declared})
         except PipedslError:
             continue
         if (
-            not isinstance(loaded, Schedule)
+            not isinstance(loaded, ScheduleArrays)
             or (loaded.num_stages, loaded.num_devices, loaded.num_microbatches) != (num_stages, num_devices,
                                                                                       num_microbatches)
             or loaded.placement != placement
         ):  # fmt: skip
             continue
-        order = _order_codes(loaded, split)
+        order = _order_codes(loaded.actions, split)
         if order is not None:
             found.append(order)
     return tuple(found)
 
 
-def _order_codes(schedule: Schedule, split: bool) -> tuple[tuple[tuple[int, int, int], ...], ...] | None:
-    """``schedule``'s orders as kind-code triples for a split (or fused) backward; None
-    when it splits a backward that ``split`` says is fused."""
-    orders = []
-    for actions in schedule.orders:
-        codes: list[tuple[int, int, int]] = []
-        for a in actions:
-            if a.kind is Kind.F:
-                codes.append((_F, a.stage, a.microbatch))
-            elif a.kind is Kind.B:
-                codes.append((_BWD, a.stage, a.microbatch))
-                if split:
-                    codes.append((_W, a.stage, a.microbatch))
-            elif not split:
-                return None
-            else:
-                codes.append((_BWD if a.kind is Kind.I else _W, a.stage, a.microbatch))
-        orders.append(tuple(codes))
-    return tuple(orders)
+def _order_codes(actions: ActionArrays, split: bool) -> tuple[tuple[tuple[int, int, int], ...], ...] | None:
+    """A schedule's orders (its ``actions``, device by device) as kind-code triples for a
+    split (or fused) backward; None when it splits a backward that ``split`` says is fused."""
+    kinds = actions.kind.tolist()
+    if not split and any(k in (I, W) for k in kinds):
+        return None
+    # F stays F; B is the backward, followed by its W where split; I is the backward.
+    codes = {F: (_F,), B: (_BWD, _W) if split else (_BWD,), I: (_BWD,), W: (_W,)}
+    stages, microbatches, bounds = actions.stage.tolist(), actions.microbatch.tolist(), actions.bounds.tolist()
+    return tuple(
+        tuple((code, stages[r], microbatches[r]) for r in range(start, stop) for code in codes[kinds[r]])
+        for start, stop in zip(bounds, bounds[1:], strict=False)
+    )
 
 
 def _keeps_limits(plan: _Plan, order: tuple[tuple[tuple[int, int, int], ...], ...]) -> bool:
