@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from pipedsl.simulator.plan import Plan, Recompute
     from pipedsl.simulator.plot import Panel, plot_timelines, save_figure
     from pipedsl.simulator.ranked import RankedPlan
-    from pipedsl.simulator.search import search, search_plans, summarize
+    from pipedsl.simulator.search import Ranking, search, search_plans, search_ranking, summarize
     from pipedsl.simulator.trace import chrome_trace, write_trace
 
 # Each name's module, imported on first use: ``pipedsl simulate`` needs the engine and
@@ -42,7 +42,7 @@ _HOMES = {
     "plan": ("Plan", "Recompute"),
     "plot": ("Panel", "plot_timelines", "save_figure"),
     "ranked": ("RankedPlan",),
-    "search": ("search", "search_plans", "summarize"),
+    "search": ("Ranking", "search", "search_plans", "search_ranking", "summarize"),
     "trace": ("chrome_trace", "write_trace"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
@@ -95,6 +95,8 @@ __all__ = [
     "Recompute",
     "search",
     "search_plans",
+    "search_ranking",
+    "Ranking",
     "RankedPlan",
     "summarize",
 ]
