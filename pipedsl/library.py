@@ -23,6 +23,7 @@ import difflib
 import functools
 import importlib.resources
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipedsl.arrays import ScheduleArrays
@@ -41,6 +42,8 @@ __all__ = [
     "parse",
     "parsed",
     "resolve",
+    "schedule_file",
+    "ScheduleFile",
 ]
 
 _SUFFIX = ".sched"
@@ -127,6 +130,11 @@ def parsed(spec: str | os.PathLike[str]) -> Module:
     path = resolve(spec)
     if path.suffix.lower() != _SUFFIX:
         raise PipedslError(f"{path}: only .sched files have a syntax tree; this is a {path.suffix} file")
+    return _parsed_path(path)
+
+
+def _parsed_path(path: Path) -> Module:
+    """:func:`parsed` of a resolved ``.sched`` path."""
     try:
         modified = path.stat().st_mtime_ns
     except OSError as err:
@@ -144,7 +152,7 @@ def parameters(spec: str | os.PathLike[str]) -> tuple[str, ...]:
     path = resolve(spec)
     if path.suffix.lower() != _SUFFIX:
         return ()
-    return tuple(p.name for p in parsed(path).schedule.params)
+    return tuple(p.name for p in _parsed_path(path).schedule.params)
 
 
 def load(
@@ -174,28 +182,7 @@ def load(
         parameters the format does not take.
       ScheduleSyntaxError, ScheduleEvalError: the ``.sched`` text does not parse or evaluate.
     """
-    path = resolve(spec)
-    suffix = path.suffix.lower()
-    if suffix == _SUFFIX:
-        return evaluate(parsed(path), params=params, name=_name(path), source=str(path), max_actions=max_actions)
-    # The CSV and JSON readers load only for such files: a .sched file never needs them.
-    from pipedsl import interop
-
-    text = _read(path)
-    if suffix == ".csv":
-        extra = sorted(set(params) - {"microbatches"})
-        if extra:
-            raise ConversionError(
-                f"{path}: a CSV schedule has no parameter {extra[0]!r}; the only one it takes is "
-                "microbatches (-p microbatches=N), the count PyTorch keeps outside the file"
-            )
-        count = params.get("microbatches")
-        return interop.from_csv(text, file=str(path), num_microbatches=None if count is None else int(count))
-    if params:
-        raise ConversionError(
-            f"{path}: a JSON schedule records every value and takes no parameters; got {sorted(params)[0]!r}"
-        )
-    return interop.from_json(text, file=str(path))
+    return schedule_file(spec).load(max_actions=max_actions, **params)
 
 
 def load_arrays(
@@ -212,14 +199,67 @@ def load_arrays(
     caller that validates and times many schedules (the plan search) asks for. Raises as
     :func:`load`; with ``refusal_ends``, a ``.sched`` file's first error, a failed
     ``require``, ends its evaluation (see :func:`~pipedsl.lang.evaluate.evaluate_arrays`)."""
+    return schedule_file(spec).load_arrays(max_actions=max_actions, refusal_ends=refusal_ends, **params)
+
+
+def schedule_file(spec: str | os.PathLike[str]) -> ScheduleFile:
+    """The file ``spec`` names (:func:`resolve`), a ``.sched`` file parsed (:func:`parsed`):
+    what :func:`load` and :func:`load_arrays` evaluate. Raises as they do before evaluating."""
     path = resolve(spec)
     if path.suffix.lower() == _SUFFIX:
-        return evaluate_arrays(
-            parsed(path), params=params, name=_name(path), source=str(path), max_actions=max_actions,
-            refusal_ends=refusal_ends,
-        )  # fmt: skip
-    loaded = load(path, max_actions=max_actions, **params)
-    return loaded if isinstance(loaded, Policy) else ScheduleArrays.of(loaded)
+        module = _parsed_path(path)
+        return ScheduleFile(path, module, _name(path), tuple(p.name for p in module.schedule.params))
+    return ScheduleFile(path, None, None, ())
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ScheduleFile:
+    """A schedule file found and, for a ``.sched`` file, parsed (its syntax tree ``module``,
+    the name it loads by and its parameters, in source order; None, None and none for a
+    CSV or JSON file). A caller that evaluates one file many times, the plan search once
+    per shape, takes it once (:func:`schedule_file`): the file is then neither looked for
+    nor checked for a new version again."""
+
+    path: Path
+    module: Module | None
+    name: str | None
+    parameters: tuple[str, ...]
+
+    def load(self, *, max_actions: int = MAX_ACTIONS, **params: int | str) -> Schedule | Policy:
+        """:func:`load` of this file."""
+        path = self.path
+        if self.module is not None:
+            return evaluate(self.module, params=params, name=self.name, source=str(path), max_actions=max_actions)
+        # The CSV and JSON readers load only for such files: a .sched file never needs them.
+        from pipedsl import interop
+
+        text = _read(path)
+        if path.suffix.lower() == ".csv":
+            extra = sorted(set(params) - {"microbatches"})
+            if extra:
+                raise ConversionError(
+                    f"{path}: a CSV schedule has no parameter {extra[0]!r}; the only one it takes is "
+                    "microbatches (-p microbatches=N), the count PyTorch keeps outside the file"
+                )
+            count = params.get("microbatches")
+            return interop.from_csv(text, file=str(path), num_microbatches=None if count is None else int(count))
+        if params:
+            raise ConversionError(
+                f"{path}: a JSON schedule records every value and takes no parameters; got {sorted(params)[0]!r}"
+            )
+        return interop.from_json(text, file=str(path))
+
+    def load_arrays(
+        self, *, max_actions: int = MAX_ACTIONS, refusal_ends: bool = False, **params: int | str
+    ) -> ScheduleArrays | Policy:
+        """:func:`load_arrays` of this file."""
+        if self.module is not None:
+            return evaluate_arrays(
+                self.module, params=params, name=self.name, source=str(self.path), max_actions=max_actions,
+                refusal_ends=refusal_ends,
+            )  # fmt: skip
+        loaded = self.load(max_actions=max_actions, **params)
+        return loaded if isinstance(loaded, Policy) else ScheduleArrays.of(loaded)
 
 
 def parse(

@@ -52,22 +52,22 @@ def load_pipeline(
 
     Each file is parsed once per version (:mod:`pipedsl.library`); evaluation runs every call.
     """
-    loaded = _load_source(spec, pp=pp, vpp=vpp, microbatches=microbatches, params=params)
+    file = library.schedule_file(spec)
+    loaded = _load_source(file, pp=pp, vpp=vpp, microbatches=microbatches, params=params)
     return loaded if isinstance(loaded, Schedule) else synthesize(loaded, CostModel())
 
 
 def _params(
-    spec: str, *, pp: int, vpp: int, microbatches: int, params: tuple[tuple[str, int], ...] = ()
+    file: library.ScheduleFile, *, pp: int, vpp: int, microbatches: int, params: tuple[tuple[str, int], ...] = ()
 ) -> dict[str, int]:
-    """The parameters a pipeline plan gives ``spec``: ``pp``, ``microbatches``, if it
+    """The parameters a pipeline plan gives ``file``: ``pp``, ``microbatches``, if it
     takes one, ``vpp``, and the schedule's own ``params``. Raises PlanError for a schedule
     without the first two."""
-    path = library.resolve(spec)
-    names = library.parameters(path)
+    names = file.parameters
     for needed in ("pp", "microbatches"):
         if needed not in names:
             raise PlanError(
-                f"{path}: a pipeline plan sets parameters pp and microbatches, but the schedule has no {needed!r}"
+                f"{file.path}: a pipeline plan sets parameters pp and microbatches, but the schedule has no {needed!r}"
             )
     given = {"pp": pp, "microbatches": microbatches, **dict(params)}
     if "vpp" in names:
@@ -76,17 +76,17 @@ def _params(
 
 
 def _load_source(
-    spec: str, *, pp: int, vpp: int, microbatches: int, params: tuple[tuple[str, int], ...] = ()
+    file: library.ScheduleFile, *, pp: int, vpp: int, microbatches: int, params: tuple[tuple[str, int], ...] = ()
 ) -> Schedule | Policy:
-    """``spec`` evaluated as :func:`load_pipeline` does, a policy left unsynthesised."""
-    return library.load(spec, **_params(spec, pp=pp, vpp=vpp, microbatches=microbatches, params=params))
+    """``file`` evaluated as :func:`load_pipeline` does, a policy left unsynthesised."""
+    return file.load(**_params(file, pp=pp, vpp=vpp, microbatches=microbatches, params=params))
 
 
-def _load_arrays(key: ScheduleKey, *, refusal_ends: bool) -> ScheduleArrays:
+def _load_arrays(file: library.ScheduleFile, key: ScheduleKey, *, refusal_ends: bool) -> ScheduleArrays:
     """The order ``key``'s file states (not a policy), evaluated as :func:`_load_source`
     does but straight into int columns; ``refusal_ends`` as :func:`pipedsl.library.load_arrays` takes it."""
-    params = _params(key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches, params=key.params)
-    loaded = library.load_arrays(key.spec, refusal_ends=refusal_ends, **params)
+    params = _params(file, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches, params=key.params)
+    loaded = file.load_arrays(refusal_ends=refusal_ends, **params)
     assert isinstance(loaded, ScheduleArrays)  # the caller asked is_policy first
     return loaded
 
@@ -197,6 +197,7 @@ class Pipelines:
         self._peaks: dict[tuple[ScheduleKey, tuple[int, ...], tuple[int, ...]], tuple[int, ...]] = {}
         self._bounds: dict[tuple[object, ...], float] = {}
         self._policy: dict[str, bool] = {}
+        self._files: dict[str, library.ScheduleFile] = {}
 
     def key(self, plan: Plan) -> ScheduleKey:
         """The schedule ``plan`` runs (a pipeline plan: ``plan.schedule`` is set)."""
@@ -213,6 +214,14 @@ class Pipelines:
         found = self._parameters.get(spec)
         if found is None:
             found = self._parameters[spec] = tuple(library.parameters(spec))
+        return found
+
+    def file(self, spec: str) -> library.ScheduleFile:
+        """Schedule ``spec``'s file, found and parsed once per instance: each shape of it
+        is evaluated from what was read then. Raises what reading it raises."""
+        found = self._files.get(spec)
+        if found is None:
+            found = self._files[spec] = library.schedule_file(spec)
         return found
 
     def is_policy(self, spec: str) -> bool:
@@ -256,7 +265,7 @@ class Pipelines:
             raise error
         try:
             loaded = _load_source(
-                key.spec, pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches, params=key.params
+                self.file(key.spec), pp=key.pp, vpp=max(key.vpp, 1), microbatches=key.microbatches, params=key.params
             )
         except PipedslError as err:
             self._errors[key] = err
@@ -306,7 +315,7 @@ class Pipelines:
                 policy = self.policy(key)
                 arrays, order = synthesized_arrays(policy, CostModel())
                 return _Shape(_Layout(policy.num_stages, policy.num_devices, policy.placement), arrays, order)
-            schedule = _load_arrays(key, refusal_ends=self._refusals_end)
+            schedule = _load_arrays(self.file(key.spec), key, refusal_ends=self._refusals_end)
             found = _checked_with_position(schedule, lambda: self.schedule(key))
         except PipedslError as err:
             self._errors[key] = err

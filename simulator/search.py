@@ -514,7 +514,7 @@ def _cost_one(
         plan = _with_schedule_vpp(plan, pipelines)
         return prepare_plan(model, cluster, plan, pipelines=pipelines)
     except PipedslError as err:
-        if plan.schedule is not None and plan.schedule not in library.library_schedules() and not _plan_refused(err):
+        if not _plan_refused(err) and plan.schedule is not None and plan.schedule not in library.library_schedules():
             raise _users_fault(plan, err) from None
         dropped[_reason(err, plan)] += 1
         return []
@@ -648,9 +648,9 @@ def _users_fault(plan: Plan, err: PipedslError) -> PipedslError:
 def _reason(err: PipedslError, plan: Plan) -> str:
     """Why a plan was dropped, as counted in ``attrs["dropped"]``: for a schedule's own
     refusal, which schedule and which of its rules."""
-    label = "" if plan.schedule is None else schedule_name(plan.schedule)
     if isinstance(err, DoesNotFit):
         return "does not fit in memory"
+    label = "" if plan.schedule is None else schedule_name(plan.schedule)
     if isinstance(err, RequirementFailed):
         line = "" if err.pos is None else f" (line {err.pos.line})"
         return f"rejected by {label}'s require{line}: {err.requirement}"
