@@ -72,16 +72,19 @@ class ActionArrays:
         return cls._device_by_device(kind, stage, microbatch, list(map(len, orders)))
 
     @classmethod
-    def of_columns(
-        cls, kinds: Sequence[Sequence[int]], stages: Sequence[Sequence[int]], microbatches: Sequence[Sequence[int]]
+    def of_arrays(
+        cls, kinds: Sequence[np.ndarray], stages: Sequence[np.ndarray], microbatches: Sequence[np.ndarray]
     ) -> ActionArrays:
-        """The columns of per-device lists of kind codes, stages and microbatches (device
-        d's actions in order are ``kinds[d]``, ``stages[d]``, ``microbatches[d]``)."""
-        count = sum(map(len, stages))
-        kind = np.fromiter(chain.from_iterable(kinds), dtype=np.int8, count=count)
-        stage = np.fromiter(chain.from_iterable(stages), dtype=np.int64, count=count)
-        microbatch = np.fromiter(chain.from_iterable(microbatches), dtype=np.int64, count=count)
-        return cls._device_by_device(kind, stage, microbatch, list(map(len, stages)))
+        """The columns of per-device arrays of kind codes (int8), stages and microbatches
+        (int64): device d's actions in order are ``kinds[d]``, ``stages[d]``, ``microbatches[d]``."""
+        lengths = [len(s) for s in stages]
+        if not lengths:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls._device_by_device(np.zeros(0, dtype=np.int8), empty, empty, lengths)
+        kind = np.concatenate(kinds).astype(np.int8, copy=False)
+        stage = np.concatenate(stages).astype(np.int64, copy=False)
+        microbatch = np.concatenate(microbatches).astype(np.int64, copy=False)
+        return cls._device_by_device(kind, stage, microbatch, lengths)
 
     @classmethod
     def _device_by_device(

@@ -10,7 +10,10 @@ one evaluation, read by the compiled closures.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
 
 from pipedsl.errors import RequirementFailed, ScheduleEvalError, SourcePos
 from pipedsl.ir import Kind
@@ -29,9 +32,22 @@ __all__ = [
     "suggest",
 ]
 
-Columns = tuple[Sequence[Kind], Sequence[int], Sequence[int], Sequence[SourcePos | None]]
-"""A run of actions as four columns of one length: kinds, stages, microbatches and
-source positions."""
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Columns:
+    """A vectorised loop's actions: its iterations' actions, iteration by iteration, each
+    iteration's in the order of the loop's ``k`` action statements (``kinds[c]`` written at
+    ``poses[c]``). ``stages`` and ``microbatches`` are int64 of shape (n·k,), row i·k + c
+    statement c's action in iteration i; ``keep`` (bool, the same shape) leaves out the
+    rows whose condition is false, None keeps them all. A sink takes what it keeps:
+    objects with their positions, or int columns without a list in between."""
+
+    kinds: tuple[Kind, ...]
+    poses: tuple[SourcePos, ...]
+    stages: np.ndarray
+    microbatches: np.ndarray
+    keep: np.ndarray | None
+
 
 #: Loop work allowed per allowed action: room for bodies that loop without emitting.
 WORK_PER_ACTION = 25

@@ -21,7 +21,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import compress
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from pipedsl.errors import SourcePos
 from pipedsl.ir import Kind
 from pipedsl.lang import ast
 from pipedsl.lang.arith import Frame
-from pipedsl.lang.budget import Run
+from pipedsl.lang.budget import Columns, Run
 from pipedsl.lang.scope import Env
 
 __all__ = ["MIN_ITERATIONS", "VectorLoop", "compile_loop"]
@@ -239,8 +238,8 @@ class VectorLoop:
     def __init__(self, columns: list[_Column], run: Run) -> None:
         self._columns = columns
         self._run = run
-        self._kinds = [c.kind for c in columns]
-        self._poses = [c.pos for c in columns]
+        self._kinds = tuple(c.kind for c in columns)
+        self._poses = tuple(c.pos for c in columns)
         self._masked = any(c.when is not None for c in columns)
 
     def __call__(self, fr: Frame, start: int, stop: int) -> bool:
@@ -269,18 +268,11 @@ class VectorLoop:
                     keep[:, c] = _lift(column.when)(fr, iv)
         except _Fallback:
             return False
-        kinds, poses = self._kinds * n, self._poses * n
-        if keep is None:
-            stage_list, mb_list = stages.ravel().tolist(), mbs.ravel().tolist()
-        else:
-            chosen = keep.ravel()
-            stage_list, mb_list = stages.ravel()[chosen].tolist(), mbs.ravel()[chosen].tolist()
-            flags = chosen.tolist()
-            kinds, poses = list(compress(kinds, flags)), list(compress(poses, flags))
-        count = len(stage_list)
+        chosen = None if keep is None else keep.ravel()
+        count = n * k if chosen is None else int(np.count_nonzero(chosen))
         if count > run.actions_left:
             return False
-        run.extend((kinds, stage_list, mb_list, poses))
+        run.extend(Columns(self._kinds, self._poses, stages.ravel(), mbs.ravel(), chosen))
         run.actions_left -= count
         return True
 
