@@ -328,8 +328,9 @@ def _search(
 
 PARALLEL_FROM = 4000
 """Pipeline plans from which a search ranks its schedules in worker processes by default.
-Below it, starting the workers (about a third of a second each on a 2-core machine)
-costs about what they save: there, ``demo-small`` on 16 GPUs (2,144 plans) took 1.0 s
+Below it, starting the workers as fresh interpreters (about a third of a second each on a
+2-core machine; a forked worker, :mod:`~pipedsl.simulator.workers`, starts at once) costs
+about what they save: there, ``demo-small`` on 16 GPUs (2,144 plans) took 1.0 s
 in two processes against 0.7 s in one, ``llama-8b`` on 64 H100s (4,612) 2.9 s against
 3.8 s, GPT-3 175B on 1024 A100s (8,680) 4.8 s against 8.1 s."""
 
