@@ -267,13 +267,19 @@ def _forks() -> bool:
     """Whether a worker is this process forked: on Linux, where no other Python thread
     runs (one could hold a lock the fork copies held, which the worker could then wait on
     for ever) and JAX is not loaded (its runtime's threads are not Python's, and it warns
-    of any fork). A BLAS pool's threads are not counted: the library takes care of a fork."""
+    of any fork), and where the worker can list the descriptors it must close. A BLAS
+    pool's threads are not counted: the library takes care of a fork."""
     return (
         sys.platform.startswith("linux")
         and hasattr(os, "fork")
         and threading.active_count() == 1
         and "jax" not in sys.modules
+        and os.path.isdir(_DESCRIPTORS)
     )
+
+
+_DESCRIPTORS = "/proc/self/fd"
+"""Where Linux lists a process's open file descriptors."""
 
 
 def _interpreter(answers: int, lifeline: int) -> subprocess.Popen[bytes]:
@@ -302,10 +308,8 @@ class _Forked:
     @classmethod
     def start(cls, answers: int, lifeline: int) -> _Forked:
         calls, given = os.pipe()
-        # What this process has printed but not written yet would be written twice.
-        for stream in (sys.stdout, sys.stderr):
-            if stream is not None:
-                stream.flush()
+        # What this process has printed but not yet written stays in its buffers: the
+        # worker writes through streams of its own and never flushes these (os._exit).
         try:
             pid = os.fork()
         except BaseException:
@@ -365,7 +369,7 @@ def _forked_worker(calls: int, answers: int, lifeline: int) -> NoReturn:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         kept = {0, 1, 2, calls, answers, lifeline}
-        for fd in map(int, os.listdir("/proc/self/fd")):
+        for fd in map(int, os.listdir(_DESCRIPTORS)):
             if fd not in kept:
                 with contextlib.suppress(OSError):  # the listing's own, closed already
                     os.close(fd)
