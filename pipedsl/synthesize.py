@@ -503,7 +503,8 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
     task_run = [0] * D  # computes in a device's current task
 
     def took(d: int, received: bool, cost: float, with_dispatch: float) -> float:
-        """Seconds device ``d``'s next compute takes: with the dispatch where it starts a task."""
+        """Seconds device ``d``'s next compute takes: with the dispatch where it starts a task
+        (asked only where there is a dispatch: without one, a compute takes its cost)."""
         if dispatch and (task_sent[d] or received or task_run[d] >= MAX_COMPUTES):
             task_run[d] = 1
             return with_dispatch
@@ -605,7 +606,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             r = arr_f[s * M + m]
             if r > start:
                 start = r
-            end = start + took(d, cross_b[s], cost_f[s], with_f[s])
+            end = start + (took(d, cross_b[s], cost_f[s], with_f[s]) if dispatch else cost_f[s])
             task_sent[d] = cross_f[s]
             work[d] -= cost_f[s]
             if entry[s]:
@@ -631,7 +632,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             r = arr_b[s * M + m]
             if r > start:
                 start = r
-            end = start + took(d, cross_f[s], cost_b[s], with_b[s])
+            end = start + (took(d, cross_f[s], cost_b[s], with_b[s]) if dispatch else cost_b[s])
             task_sent[d] = cross_b[s]
             work[d] -= cost_b[s]
             ahead_now[d] -= 1
@@ -648,7 +649,7 @@ def _run(plan: _Plan, variant: Variant, *, beat: float = _INF) -> tuple[float, S
             free = end + after_b[s]
         else:
             s, m = wq[d].popleft()
-            end = start + took(d, False, cost_w[s], with_w[s])
+            end = start + (took(d, False, cost_w[s], with_w[s]) if dispatch else cost_w[s])
             task_sent[d] = False
             live[d] -= 1
             held[d] -= wres[s]
