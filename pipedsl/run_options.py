@@ -112,6 +112,12 @@ class RunOptions:
         time whatever the size); a receive then waits for the value to be computed. False
         copies every value between the devices, as on accelerators (where values are always
         copied), so that the host never waits inside a step and steps run ahead of the devices.
+      ticks: where every pipeline device is one JAX device of its own (local backend;
+        ``dp = cp = tp = 1``, no parameter leaf used by two stages), how each unrecorded step
+        runs: True, one SPMD program over the pipeline devices that runs the schedule's tick
+        table (:mod:`pipedsl.ticks`; one dispatch per step, values moved between devices by
+        collective permutes); False, every task dispatched apart (:mod:`pipedsl.tasks`), as
+        every other plan on devices of their own runs.
       recv_timeout: seconds any device waits for a value from another before giving up.
     """
 
@@ -126,6 +132,7 @@ class RunOptions:
     sequence_parallel: bool = False
     fuse: Fuse = "loop"
     host_transfers: bool = True
+    ticks: bool = True
     recv_timeout: float = 300.0
 
     def __post_init__(self) -> None:
@@ -140,7 +147,7 @@ class RunOptions:
         )
         if not isinstance(self.fuse, str) or self.fuse not in FUSE_MODES:
             raise RunOptionsError("fuse", f"must be one of {', '.join(map(repr, FUSE_MODES))}, got {self.fuse!r}")
-        for name in ("reduce_once", "sequence_parallel", "host_transfers"):
+        for name in ("reduce_once", "sequence_parallel", "host_transfers", "ticks"):
             if not isinstance(getattr(self, name), bool):
                 raise RunOptionsError(name, f"must be True or False, got {getattr(self, name)!r}")
         if self.sequence_parallel and self.tp == 1:

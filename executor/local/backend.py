@@ -38,6 +38,7 @@ from pipedsl.executor.backend import DeviceReport
 from pipedsl.executor.errors import ExecutionError, summary
 from pipedsl.executor.local.exchange import LocalExchange, resharder
 from pipedsl.executor.local.fused import FusedStep, shared_devices
+from pipedsl.executor.local.ticked import TickedStep, ticks_apply
 from pipedsl.executor.runtime.scheduler import Steps, run_watched
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, compile_device
@@ -124,6 +125,9 @@ class LocalBackend:
         # pipeline device (pp = 1, the SPMD plans) included: nothing in it waits for another.
         self.fuse: Fuse = options.fuse if shared_devices(self.meshes) else "off"
         self._fused: FusedStep | None = None
+        # The whole step as one SPMD program over the pipeline devices where each is a JAX
+        # device of its own (options.ticks, and the plan allows it: ticked.ticks_apply).
+        self._ticked: TickedStep | None = None
 
     # -- compiling -----------------------------------------------------------------
 
@@ -194,6 +198,7 @@ class LocalBackend:
         compiled = self.compiled(params, example_inputs, example_targets)
         if compiled is self._compiled:
             return compiled.model, False
+        self._settle()
         schedule = self.program.schedule
         programs = dict(enumerate(compiled.programs))
         before = self.workers
@@ -216,6 +221,11 @@ class LocalBackend:
             if self.fuse == "off"
             else FusedStep(self.workers, schedule=self.program.schedule, first=first, last=last, mode=self.fuse)
         )
+        self._ticked = (
+            TickedStep(self.workers, self.meshes, schedule=schedule)
+            if self.options.ticks and self.fuse == "off" and ticks_apply(self.workers, self.meshes)
+            else None
+        )
         kept = bool(before) and all(w.leaves for w in before) and self._kept_shapes == _leaf_shapes(params)
         if kept:
             for old, new in zip(before, self.workers, strict=True):
@@ -223,7 +233,20 @@ class LocalBackend:
         self._kept_shapes = _leaf_shapes(params)
         return compiled.model, not kept
 
+    @property
+    def ticked(self) -> bool:
+        """Whether an unrecorded step runs as one SPMD program over the pipeline devices
+        (:mod:`pipedsl.executor.local.ticked`); known once the stages are installed."""
+        return self._ticked is not None
+
+    def _settle(self) -> None:
+        """The parameters and optimizer state held by the one program of separate devices
+        handed back to the workers, before anything else reads or replaces them."""
+        if self._ticked is not None:
+            self._ticked.settle()
+
     def load(self, leaves: Sequence[Any] | None, states: Sequence[Any] | None) -> None:
+        self._settle()
         for worker in self.workers:
             worker.load(
                 None if leaves is None else dict(enumerate(leaves)),
@@ -235,6 +258,7 @@ class LocalBackend:
         self.load(leaves, None)
 
     def fetch(self, *, params: bool) -> tuple[dict[int, np.ndarray], dict[int, Any]]:
+        self._settle()
         leaves: dict[int, Any] = {}
         states: dict[int, Any] = {}
         for worker in self.workers:
@@ -249,6 +273,7 @@ class LocalBackend:
         """Save the devices' parameters and optimizer state as ``path/step-<step>``, one orbax
         checkpoint per pipeline device (:mod:`pipedsl.executor.sharded_checkpoint`). Returns
         the version's directory."""
+        self._settle()
         if not self.workers or not all(w.leaves for w in self.workers):
             raise ExecutionError("nothing to save yet: the devices hold parameters after a step or Pipeline.init")
         version = new_version(path, step)
@@ -269,6 +294,7 @@ class LocalBackend:
         optimizer state only with ``optimizer``) and return its step. Any plan of the same
         model reads it; another model's is refused, saying what differs."""
         self.install(like_params, *example)
+        self._settle()
         step, version, placement = latest_readable(path, self._plan())
         for worker in self.workers:
             restore_device(worker, version, optimizer, processes=[jax.process_index()], placement=placement)
@@ -285,6 +311,9 @@ class LocalBackend:
     def wait(self) -> None:
         """Return once every parameter and optimizer state the workers hold is computed
         (the steps dispatched so far are done), raising a failed computation's error."""
+        if self._ticked is not None and self._ticked.holds():
+            self._ticked.wait()
+            return
         jax.block_until_ready([(w.leaves, w.states) for w in self.workers])
 
     def close(self) -> None:
@@ -292,6 +321,7 @@ class LocalBackend:
         self.workers = ()
         self._compiled = None
         self._fused = None
+        self._ticked = None
         self._held = None
 
     # -- the step ------------------------------------------------------------------
@@ -310,6 +340,9 @@ class LocalBackend:
         update = None if optimizer is None else Update(optimizer, init=fresh_state, skip_nonfinite=skip_nonfinite)
         if self._fused is not None and not record:
             return self._run_fused(self._fused, inputs, targets, update=update, keep_grads=keep_grads)
+        if self._ticked is not None and not record:
+            return self._run_ticked(self._ticked, inputs, targets, update=update, keep_grads=keep_grads)
+        self._settle()
         return self._run_apart(inputs, targets, update=update, record=record, keep_grads=keep_grads)
 
     def _run_fused(
@@ -349,6 +382,36 @@ class LocalBackend:
             ) from error
         except BaseException:
             if not fused.intact():
+                self._broken()
+            raise
+
+    def _run_ticked(
+        self,
+        ticked: TickedStep,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        *,
+        update: Update | None,
+        keep_grads: bool,
+    ) -> tuple[DeviceReport, ...]:
+        """The step as one SPMD program over the pipeline devices. A failure inside it is
+        the program's: RunOptions(ticks=False) dispatches the tasks apart, whose error
+        names the failing stage and action."""
+        try:
+            return tuple(_report(r) for r in ticked.run(inputs, targets, update=update, keep_grads=keep_grads))
+        except ExecutionError:
+            raise  # raised while a stage was traced: it names its stage already
+        except Exception as error:
+            intact = ticked.intact()
+            if not intact:
+                self._broken()
+            lost = "" if intact else "; its donated parameters and optimizer state are gone"
+            raise ExecutionError(
+                "the step's one program over the pipeline devices failed: "
+                f"{summary(error)}{lost}. RunOptions(ticks=False) runs the tasks apart and names the one that fails"
+            ) from error
+        except BaseException:
+            if not ticked.intact():
                 self._broken()
             raise
 
@@ -405,6 +468,7 @@ class LocalBackend:
     def _broken(self) -> None:
         self._compiled = None
         self._fused = None
+        self._ticked = None
         self.workers = ()
 
 

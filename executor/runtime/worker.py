@@ -60,7 +60,15 @@ from pipedsl.program import Buffer, DeviceProgram
 from pipedsl.run_options import RunOptions
 from pipedsl.timeline import Event
 
-__all__ = ["Update", "WorkerStep", "Worker", "compile_device", "place_states_together"]
+__all__ = [
+    "Update",
+    "WorkerStep",
+    "Worker",
+    "compile_device",
+    "optimizer_init",
+    "optimizer_step",
+    "place_states_together",
+]
 
 Leaves = tuple[Any, ...]
 
@@ -568,13 +576,10 @@ class Worker:
         )
 
         def apply(finite: Any, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-            updates, new_state = optimizer.update(grads, state, params)
-            return _kept(finite, optax.apply_updates(params, updates), params), _kept(finite, new_state, state)
+            return optimizer_step(optimizer, finite, grads, None, state, params)
 
         def apply_coupled(finite: Any, grads: Any, rest: Any, state: Any, params: Any) -> tuple[Any, Any]:
-            aug = (grads, jnp.sqrt(rest)), state, (params, jnp.zeros((), jnp.float32))
-            updates, new_state = optimizer.update(*aug)
-            return _kept(finite, optax.apply_updates(params, updates[0]), params), _kept(finite, new_state, state)
+            return optimizer_step(optimizer, finite, grads, rest, state, params)
 
         # Arguments: (finite, grads[, rest], state, params).
         step, first_state = (apply_coupled, 3) if coupled else (apply, 2)
@@ -597,7 +602,7 @@ class Worker:
             update = gathered
         else:
             update = jax.jit(step, donate_argnums=(first_state, first_state + 1), out_shardings=(params_at, state_at))
-        init_params = (lambda p: optimizer.init((p, jnp.zeros((), jnp.float32)))) if coupled else optimizer.init
+        init_params = functools.partial(optimizer_init, optimizer, coupled=coupled)
         compiled = (update, jax.jit(init_params, out_shardings=state_at), state_at)
         entry.stages[stage] = compiled
         return compiled
@@ -697,6 +702,29 @@ def _unstack(count: int, sharding: NamedSharding) -> Callable[[Any], tuple[Any, 
     """A jitted cut of a ``[count, ...]`` stack into its ``count`` entries, each placed
     with ``sharding``: one dispatch per leaf instead of one per microbatch."""
     return jax.jit(lambda x: tuple(x[m] for m in range(count)), out_shardings=(sharding,) * count)
+
+
+def optimizer_step(
+    optimizer: optax.GradientTransformation, finite: Any, grads: Any, rest: Any, state: Any, params: Any
+) -> tuple[Any, Any]:
+    """(new parameters, new state) of one stage's owned leaves (pytrees in the stage's
+    owned structure) after ``optimizer``'s update, traced inside a program. ``rest`` is,
+    for an optimizer that couples leaves through the global norm, the sum of squares of
+    every other gradient of the model (an fp32 scalar: the stage's leaves and the rest of
+    the norm make the optimizer's tree), else None; where ``finite`` (a bool scalar, or
+    None) is false the old values are kept."""
+    if rest is None:
+        updates, new_state = optimizer.update(grads, state, params)
+        return _kept(finite, optax.apply_updates(params, updates), params), _kept(finite, new_state, state)
+    aug = (grads, jnp.sqrt(rest)), state, (params, jnp.zeros((), jnp.float32))
+    coupled_updates, new_state = optimizer.update(*aug)
+    return _kept(finite, optax.apply_updates(params, coupled_updates[0]), params), _kept(finite, new_state, state)
+
+
+def optimizer_init(optimizer: optax.GradientTransformation, params: Any, *, coupled: bool) -> Any:
+    """``optimizer``'s fresh state for one stage's owned leaves (with the rest of the norm's
+    leaf where it ``coupled``, :func:`optimizer_step`)."""
+    return optimizer.init((params, jnp.zeros((), jnp.float32))) if coupled else optimizer.init(params)
 
 
 def _kept(finite: Any, new: Any, old: Any) -> Any:

@@ -129,6 +129,7 @@ class StageProgram:
         "layout",
         "_structs",
         "_num_sent",
+        "_plain",
     )
 
     def __init__(
@@ -211,6 +212,7 @@ class StageProgram:
         )
         cts_at = tuple(layout.batch(a.shape) for a in ct_avals)
         acc_at = layout.accumulators
+        self._plain = (forward_fn, backward_fn, input_fn, weight_fn)
         self._forward = jax.jit(
             shards.program(forward_fn, forms.forward_in(last), forms.forward_out(last)),
             donate_argnums=3 if last else (), out_shardings=(values_at, layout.replicated) if last else values_at,
@@ -244,6 +246,41 @@ class StageProgram:
         )
         self._zero_loss = jax.jit(lambda: jnp.zeros((), jnp.float32), out_shardings=layout.replicated)
         self._reduce = jax.jit(shards.reduce(), out_shardings=layout.grads) if layout.unreduced else None
+
+    def inlined(self) -> StageProgram:
+        """This stage's programs as the plain functions they jit, to be traced into a
+        program of the caller's (one SPMD program over the pipeline devices,
+        :mod:`pipedsl.executor.local.ticked`): the same computations, with the same
+        arguments and results, unplaced. Only for a stage of one JAX device (``dp = 1``,
+        whose functions take the whole microbatch)."""
+        if DataShards(self.layout).split:
+            raise ExecutionError(f"stage {self.stage} runs over dp > 1 devices: its programs cannot be inlined")
+        inlined = object.__new__(StageProgram)
+        for name in StageProgram.__slots__:
+            if hasattr(self, name):
+                setattr(inlined, name, getattr(self, name))
+        inlined._forward, inlined._backward, inlined._input, inlined._weight = self._plain
+        compute = tuple(a.dtype for a in self._param_avals)
+        shapes = tuple(a.shape for a in self._master_avals)
+        dtypes = tuple(a.dtype for a in self._master_avals)
+
+        def cast(*p: Any) -> Leaves:
+            return tuple(v.astype(d) for v, d in zip(p, compute, strict=True))
+
+        def zeros() -> Leaves:
+            return tuple(jnp.zeros(shape, d) for shape, d in zip(shapes, dtypes, strict=True))
+
+        def zero_loss() -> Any:
+            return jnp.zeros((), jnp.float32)
+
+        plain: Any = (None if self._cast is None else cast, zeros, zero_loss)
+        inlined._cast, inlined._zeros, inlined._zero_loss = plain
+        return inlined
+
+    def one_microbatch(self) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+        """Shape structs of one microbatch's (inputs, targets, output cotangents) of the
+        stage, whole (not split over ``"data"``)."""
+        return self._structs
 
     def forward(self, params: Leaves, x: Leaves, targets: Leaves, loss: Any) -> tuple[Leaves, Leaves, Any]:
         """``F``: (activation, residuals, running loss) for one microbatch.
