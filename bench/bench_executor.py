@@ -19,7 +19,11 @@ Six measurements, each printed as a small table:
    in turns of four steps each, the first of a turn not timed; then the same for 1F1B and
    ZB-H1 at pp=4 over 8 microbatches (a CPU device, or a Ray process, per pipeline device),
    with the programs each device dispatches per step (its tasks, :mod:`pipedsl.tasks`, and
-   the update) against its actions, and the host microseconds per step;
+   the update) against its actions, and the host microseconds per step; then training
+   steps of both at pp=4 on the local backend, as one SPMD program over the pipeline
+   devices (:mod:`pipedsl.executor.local.ticked`) and as tasks apart: programs per device,
+   host microseconds until ``train_step`` returns (per step and per action), and the step
+   time of steps dispatched back to back;
 6. a stage's forward and backward apart (as a pipeline runs them: ``jax.vjp``'s forward
    returns its residuals, a second program takes them back) against one program of both
    (as the SPMD step runs them), on the demo transformer's first stage of two (embedding
@@ -324,11 +328,12 @@ def bench_dispatch(repeat: int) -> None:
     device a CPU device (local) or a process (Ray), compute-free stages."""
     import jax
 
-    from pipedsl.executor import Pipeline
+    from pipedsl.executor import Pipeline, RunOptions
     from pipedsl.executor.models import mlp
     from pipedsl.library import library_path, load
     from pipedsl.program import Compute
     from pipedsl.tasks import device_tasks
+    from pipedsl.ticks import tick_table
 
     model = mlp(num_stages=4, width=4, layers_per_stage=1)
     key = jax.random.PRNGKey(0)
@@ -358,7 +363,73 @@ def bench_dispatch(repeat: int) -> None:
             }
         figures |= {f"{name}_programs_per_device": max(programs), f"{name}_actions_per_device": max(actions)}
     print(f"   (load average {os.getloadavg()[0]:.1f})")
+    print(
+        "\n   training steps on the local backend: one SPMD program over the pipeline devices (ticks) against the"
+        " tasks apart (RunOptions(ticks=False)); host us/step is the time train_step takes to return, step us the"
+        f" time per step of {_TRAIN_STEPS} steps back to back, waited for"
+    )
+    print(
+        f"   {'schedule':<8} {'path':<6} {'ticks':>5} {'programs/dev':>12} {'host us/step':>12} {'us/action':>9}"
+        f" {'step us':>8}"
+    )
+    for name in ("1f1b", "zb_h1"):
+        schedule = load(library_path(name), pp=4, microbatches=8)
+        program = Pipeline(model.stages, loss=model.loss, schedule=schedule).program
+        ticks = tick_table(schedule).num_ticks
+        paths = {"ticks": RunOptions(), "tasks": RunOptions(ticks=False)}
+        programs = {"ticks": 1, "tasks": max(len(device_tasks(d)) + 1 for d in program.devices)}
+        pipes = {p: Pipeline(model.stages, loss=model.loss, schedule=schedule, options=o) for p, o in paths.items()}
+        timed = _train_steps(pipes, params, batch, repeat)
+        for path, (host, step) in timed.items():
+            assert pipes[path].backend.ticked == (path == "ticks")
+            print(
+                f"   {name:<8} {path:<6} {ticks if path == 'ticks' else '':>5} {programs[path]:>12}"
+                f" {host * 1e6:>12.0f} {host / schedule.num_actions * 1e6:>9.1f} {step * 1e6:>8.0f}"
+            )
+            figures |= {
+                f"{name}_train_{path}_programs_per_device": programs[path],
+                f"{name}_train_{path}_host_us_per_step": host * 1e6,
+                f"{name}_train_{path}_host_us_per_action": host / schedule.num_actions * 1e6,
+                f"{name}_train_{path}_step_us": step * 1e6,
+            }
+        figures[f"{name}_ticks"] = ticks
+    print(f"   (load average {os.getloadavg()[0]:.1f})")
     record("bench_executor_dispatch", figures)
+
+
+_TRAIN_STEPS = 10
+"""Training steps dispatched back to back per timed run of measurement 5's last table."""
+
+
+def _train_steps(pipes: dict[str, Any], params: Any, batch: Any, repeat: int) -> dict[str, tuple[float, float]]:
+    """Per pipeline, (seconds train_step takes to return, seconds per step of
+    :data:`_TRAIN_STEPS` steps waited for), medians over turns that alternate the pipelines."""
+    import time
+
+    import numpy as np
+    import optax
+
+    optimizer = optax.sgd(1e-3)
+    held = {}
+    for path, pipe in pipes.items():
+        held[path] = pipe.train_step(params, None, batch, optimizer=optimizer)[:2]  # compiles
+        pipe.block_until_ready()
+    host: dict[str, list[float]] = {p: [] for p in pipes}
+    step: dict[str, list[float]] = {p: [] for p in pipes}
+    for _ in range(max(repeat // _TRAIN_STEPS, 3)):
+        for path, pipe in pipes.items():
+            p, state = held[path]
+            start = time.perf_counter()
+            for _ in range(_TRAIN_STEPS):
+                before = time.perf_counter()
+                p, state, _ = pipe.train_step(p, state, batch, optimizer=optimizer)
+                host[path].append(time.perf_counter() - before)
+            pipe.block_until_ready()
+            step[path].append((time.perf_counter() - start) / _TRAIN_STEPS)
+            held[path] = (p, state)
+    for pipe in pipes.values():
+        pipe.close()
+    return {p: (float(np.median(host[p])), float(np.median(step[p]))) for p in pipes}
 
 
 def main() -> None:

@@ -47,7 +47,6 @@ from pipedsl.executor.runtime.worker import (
     WorkerStep,
     optimizer_init,
     optimizer_step,
-    place_states_together,
 )
 from pipedsl.executor.stages.mesh import data_size
 from pipedsl.executor.stages.stage_program import StageProgram
@@ -65,9 +64,11 @@ Rows = dict[str, Any]
 
 def ticks_apply(workers: Sequence[Worker], meshes: Sequence[Mesh]) -> bool:
     """Whether a step of ``workers`` can run as one program over the stage axis: two or
-    more pipeline devices, each one JAX device of its own, and every parameter leaf used
-    by one stage only (a shared leaf's gradients are summed across devices, which the
-    per-task path does)."""
+    more pipeline devices, each one JAX device of its own; every parameter leaf used by one
+    stage only (a shared leaf's gradients are summed across devices, which the per-task
+    path does); and no stage calling back into Python on the host (a callback that raises
+    inside a program over several devices aborts the process, where the tasks apart raise
+    an error that names the stage and action)."""
     if len(meshes) < 2 or any(m.devices.size != 1 for m in meshes):
         return False
     if len({m.devices.flat[0] for m in meshes}) != len(meshes):
@@ -76,7 +77,8 @@ def ticks_apply(workers: Sequence[Worker], meshes: Sequence[Mesh]) -> bool:
     used = [i for s in range(model.num_stages) for i in model.stage_params[s]]
     if len(used) != len(set(used)):
         return False
-    return all(data_size(p.layout.mesh) == 1 for w in workers for p in w.runtime.stages.values())
+    programs = [p for w in workers for p in w.runtime.stages.values()]
+    return all(data_size(p.layout.mesh) == 1 and not p.calls_host for p in programs)
 
 
 class _Rows:
@@ -237,6 +239,7 @@ class TickedStep:
         self.messages = _Rows(messages, union=True)
         self.message_size = self.messages.sizes
         devices = []
+        flight: list[int] = []
         tick = {a.key: t for t, row in enumerate(table.actions) for a in row if a is not None}
         for d in range(schedule.num_devices):
             mine = schedule.stages_on(d)
@@ -247,6 +250,7 @@ class TickedStep:
             held: list[tuple[Any, int, int]] = []
             handed: list[tuple[Any, int, int]] = []
             inbound: list[tuple[Any, int, int]] = []
+            handed_until: dict[tuple[int, int], int] = {}
             for a in schedule.orders[d]:
                 s, m = a.stage, a.microbatch
                 if a.kind is Kind.F:
@@ -254,6 +258,7 @@ class TickedStep:
                     held.append(((s, m), tick[a.key], freed))
                 elif a.kind is Kind.I:
                     handed.append(((s, m), tick[a.key], tick[(Kind.W, s, m)]))
+                    handed_until[(s, m)] = tick[(Kind.W, s, m)]
             for t, moves in enumerate(table.transfers):
                 for move in moves:
                     if move.dst == d:
@@ -262,17 +267,19 @@ class TickedStep:
             for a in schedule.orders[d]:
                 for producer in self._local_consumers(a):
                     inbound.append((a.key, tick[a.key], tick[producer]))
+            # In flight, as the schedule counts it: from F to the end of the backward (W where split).
+            flight.append(_slots([(k, t, handed_until.get(k, f)) for k, t, f in held])[1])
             residual_slot, _ = _slots(held)
             handoff_slot, _ = _slots(handed)
             message_slot, _ = _slots(inbound)
             devices.append(_Device(params, grads, residuals, handoffs, residual_slot, handoff_slot, message_slot))
         self.devices = tuple(devices)
-        self.peak_held = tuple(1 + max(d.residual_slot.values(), default=-1) for d in devices)
+        self.peak_held = tuple(flight)
         self.param_size = _padded([d.params.sizes for d in devices])
         self.grad_size = _padded([d.grads.sizes for d in devices])
         self.residual_size = _padded([d.residuals.sizes for d in devices])
         self.handoff_size = _padded([d.handoffs.sizes for d in devices])
-        self.residual_count = max(self.peak_held)
+        self.residual_count = max(1 + max(d.residual_slot.values(), default=-1) for d in devices)
         self.handoff_count = max((1 + max(d.handoff_slot.values(), default=-1) for d in devices), default=0)
         # One slot more: where a device that receives nothing in a permutation writes it.
         self.message_count = 1 + max((1 + max(d.message_slot.values(), default=-1) for d in devices), default=0)
@@ -323,7 +330,8 @@ class TickedStep:
         """Take the workers' parameters (and optimizer state, for ``update``) into rows."""
         workers = self.workers
         if update is not None:
-            place_states_together(workers, update.optimizer, fresh=update.init)
+            for w in workers:
+                w.place_states(update.optimizer, fresh=update.init)
             self._lay_out_states(update)
         param_rows = []
         state_rows = []

@@ -25,6 +25,7 @@ __all__ = [
     "needed",
     "defined_by",
     "aval_struct",
+    "calls_host",
 ]
 
 # Calls whose body can be evaluated in place without changing what is computed.
@@ -82,6 +83,23 @@ def evaluate(eqns: Iterable[JaxprEqn], env: Env, *, inline: frozenset[str] = fro
         with eqn.ctx.manager:
             out = eqn.primitive.bind(*subfuns, *invals, **params)
         _write(env, eqn.outvars, out if eqn.primitive.multiple_results else [out])
+
+
+def calls_host(closed: ClosedJaxpr) -> bool:
+    """Whether ``closed`` (or any jaxpr inside it: calls, loops, branches) calls back into
+    Python on the host (``jax.debug.callback``, ``jax.pure_callback``, ``io_callback``)."""
+    stack: list[Jaxpr] = [closed.jaxpr]
+    while stack:
+        for eqn in stack.pop().eqns:
+            if "callback" in eqn.primitive.name:
+                return True
+            for value in eqn.params.values():
+                for item in value if isinstance(value, tuple | list) else (value,):
+                    if isinstance(item, ClosedJaxpr):
+                        stack.append(item.jaxpr)
+                    elif isinstance(item, Jaxpr):
+                        stack.append(item)
+    return False
 
 
 def aval_struct(aval: Any) -> jax.ShapeDtypeStruct:

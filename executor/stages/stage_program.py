@@ -23,7 +23,7 @@ from jax.tree_util import PyTreeDef
 
 from pipedsl.executor.errors import ExecutionError, stage_failure
 from pipedsl.executor.stages.backward import BackwardSplit, split_backward
-from pipedsl.executor.stages.jaxprs import aval_struct
+from pipedsl.executor.stages.jaxprs import aval_struct, calls_host
 from pipedsl.executor.stages.mesh import StageLayout, data_size
 from pipedsl.executor.stages.model import StagedModel, describe_avals
 from pipedsl.executor.stages.shards import DataShards, stage_forms
@@ -130,6 +130,7 @@ class StageProgram:
         "_structs",
         "_num_sent",
         "_plain",
+        "calls_host",
     )
 
     def __init__(
@@ -152,6 +153,9 @@ class StageProgram:
     ) -> None:
         self.stage = stage
         self.layout = layout
+        # Whether the stage calls back into Python on the host: inside one program over
+        # several devices, a callback that raises aborts the whole process (XLA, jax 0.10).
+        self.calls_host = calls_host(forward)
         # (inputs, targets, output cotangents) of one microbatch, for compiled_hlo.
         self._structs = example
         self.first = first

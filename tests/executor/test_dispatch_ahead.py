@@ -77,22 +77,29 @@ def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_fini
     assert np.isfinite(float(loss))
 
 
-def test_separate_devices_run_ahead_on_the_accelerators_path() -> None:
-    # A JAX device per pipeline device, every value copied between them as on accelerators
-    # (no hand-over through host memory): ten steps are dispatched while the devices still
-    # compute the first ones, and nothing comes to the host.
+@pytest.mark.parametrize(
+    "options",
+    [RunOptions(), RunOptions(ticks=False, host_transfers=False)],
+    ids=["one-program-over-the-stage-axis", "tasks-apart-copied"],
+)
+def test_separate_devices_run_ahead_on_the_accelerators_path(options: RunOptions) -> None:
+    # A JAX device per pipeline device: as one SPMD program over the pipeline devices (the
+    # default), or task by task with every value copied between them as on accelerators (no
+    # hand-over through host memory), ten steps are dispatched while the devices still compute
+    # the first ones, nothing comes to the host, and they train as the tasks apart by host do.
     schedule = pipedsl.load("1f1b", pp=4, microbatches=8)
     params = [jnp.eye(WIDTH) * 0.5] * 4
     x = np.ones((256, WIDTH), np.float32)
     batch = (x, x * 0.5)
     optimizer = optax.sgd(1e-3)
     trained = []
-    for host_transfers in (False, True):
-        pipe = Pipeline([_heavy] * 4, loss=_mse, schedule=schedule, options=RunOptions(host_transfers=host_transfers))
+    for run_ahead in (options, RunOptions(ticks=False)):
+        pipe = Pipeline([_heavy] * 4, loss=_mse, schedule=schedule, options=run_ahead)
         assert len({d for m in pipe.backend.meshes for d in m.devices.flat}) == 4
         held, state, loss = pipe.train_step(params, None, batch, optimizer=optimizer)  # compiles
+        assert pipe.backend.ticked == run_ahead.ticks
         jax.block_until_ready(loss)
-        if not host_transfers:
+        if run_ahead is options:
             with jax.transfer_guard_device_to_host("disallow"):
                 for _ in range(10):
                     held, state, loss = pipe.train_step(held, state, batch, optimizer=optimizer)
@@ -101,9 +108,9 @@ def test_separate_devices_run_ahead_on_the_accelerators_path() -> None:
             for _ in range(10):
                 held, state, loss = pipe.train_step(held, state, batch, optimizer=optimizer)
         trained.append((pipe.gather(held), float(loss)))
-    (copied, copied_loss), (by_host, by_host_loss) = trained
-    assert_trees_close(copied, by_host)
-    assert copied_loss == pytest.approx(by_host_loss, rel=1e-6)
+    (ahead, ahead_loss), (by_host, by_host_loss) = trained
+    assert_trees_close(ahead, by_host)
+    assert ahead_loss == pytest.approx(by_host_loss, rel=1e-6)
 
 
 @pytest.mark.ray
