@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pipedsl.simulator.plot import Panel, plot_timelines, save_figure
     from pipedsl.simulator.ranked import RankedPlan
     from pipedsl.simulator.search import Ranking, search, search_plans, search_ranking, summarize
+    from pipedsl.simulator.ticked import TickTiming, tick_timing
     from pipedsl.simulator.trace import chrome_trace, write_trace
 
 # Each name's module, imported on first use: ``pipedsl simulate`` needs the engine and
@@ -43,6 +44,7 @@ _HOMES = {
     "plot": ("Panel", "plot_timelines", "save_figure"),
     "ranked": ("RankedPlan",),
     "search": ("Ranking", "search", "search_plans", "search_ranking", "summarize"),
+    "ticked": ("TickTiming", "tick_timing"),
     "trace": ("chrome_trace", "write_trace"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
@@ -99,4 +101,6 @@ __all__ = [
     "Ranking",
     "RankedPlan",
     "summarize",
+    "TickTiming",
+    "tick_timing",
 ]

@@ -224,6 +224,21 @@ class Shapes:
         return 0.0 if self.plan.shared_devices or self.plan.pp == 1 else self.cluster.action_overhead_s
 
     @property
+    def ticked(self) -> bool:
+        """Whether pipedsl's executor runs a step of this plan as one program over the
+        pipeline devices, tick by tick (:mod:`pipedsl.ticks`; the local backend): pp > 1 on
+        pipeline devices of their own, each one device (dp = tp = cp = 1), no parameter
+        shared between stages (embeddings not tied), under the ``pipedsl`` framework."""
+        plan = self.plan
+        return (
+            framework(plan.framework).name == "pipedsl"
+            and plan.pp > 1
+            and not plan.shared_devices
+            and plan.dp == plan.tp == plan.cp == 1
+            and not self.model.tied_embeddings
+        )
+
+    @property
     def local_seq(self) -> int:
         """Tokens of each sequence on one context-parallel rank: s/cp."""
         return self.model.seq_len // self.plan.cp
