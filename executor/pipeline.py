@@ -375,6 +375,14 @@ class Pipeline:
         recorded step (``record=True``) always dispatches each action apart, to time it."""
         return isinstance(self.backend, LocalBackend) and self.backend.fuse != "off"
 
+    @property
+    def ticked(self) -> bool:
+        """Whether an unrecorded step runs as one SPMD program over the pipeline devices,
+        tick by tick (the local backend, each pipeline device a JAX device of its own and
+        ``options.ticks``: :mod:`pipedsl.executor.local.ticked`); known once a step or
+        :meth:`compile` installed the stages. A recorded step dispatches each action apart."""
+        return isinstance(self.backend, LocalBackend) and self.backend.ticked
+
     def placement(self) -> tuple[tuple[DeviceSlot, ...], ...]:
         """Per pipeline device, its stage mesh's devices (``dp x cp x tp``, row-major) as
         (node id, process id, device id): on Ray the Ray node, the process's rank in the
