@@ -413,10 +413,9 @@ class TickedStep:
             found = self._programs[key] = (optimizer, self._program(update, keep_grads))
         program = found[1]
         assert self._params is not None
+        # With an update the rows are donated: a program that fails after its dispatch may
+        # have consumed them, which intact() then sees.
         params, states = self._params, self._states if update is not None else {}
-        if update is not None:
-            # Donated: the rows held until now are consumed.
-            self._params = self._states = None
         new_params, new_states, loss, grads = program(params, states, tuple(inputs), tuple(targets))
         if update is not None:
             self._params, self._states = new_params, new_states
