@@ -199,9 +199,12 @@ def test_one_program_clips_by_the_whole_models_norm() -> None:
     assert_trees_close(trained("unrolled"), apart)
 
 
-def test_separate_devices_run_action_by_action_and_one_pipeline_device_as_one_program() -> None:
+def test_separate_devices_run_over_the_stage_axis_and_one_pipeline_device_as_one_program() -> None:
     schedule = library("1f1b")
-    assert pipeline("mlp", "explicit", schedule).backend.fuse == "off"
+    params, batch, _, _ = setup("mlp", "explicit", schedule.num_stages)
+    separate = pipeline("mlp", "explicit", schedule)
+    separate.step(params, batch)
+    assert separate.backend.fuse == "off" and separate.ticked
     # pp = 1 (an SPMD plan): nothing waits for another device, so its step is one program.
     spmd = library("1f1b", pp=1)
     assert pipeline("mlp", "explicit", spmd, devices=[jax.devices()[0]]).backend.fuse == "loop"
@@ -232,7 +235,7 @@ def test_a_pipeline_says_whether_its_step_runs_as_one_program() -> None:
 
     assert pipeline(one * 2).one_program  # both pipeline devices on one device
     assert not pipeline(one * 2, "off").one_program
-    assert not pipeline(None).one_program  # a device each: each waits for the other
+    assert not pipeline(None).one_program  # a device each: each waits for the other (Pipeline.ticked)
 
 
 def test_the_compilation_cache_folder_follows_its_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
