@@ -15,7 +15,8 @@ Six measurements, each printed as a small table:
 5. the executor's own cost per action on both backends in one run: a step of compute-free
    stages (2 stages, 1F1B, 16 microbatches of one row of a 4-wide one-layer MLP) over its
    F and B actions, fixed per-step costs included; the local backend on two CPU devices of
-   this process, the Ray backend on two processes of a local instance (127.0.0.1 only),
+   this process (its tasks apart, as Ray runs them, and as one program over the pipeline
+   devices, ``ticks``), the Ray backend on two processes of a local instance (127.0.0.1 only),
    in turns of four steps each, the first of a turn not timed; then the same for 1F1B and
    ZB-H1 at pp=4 over 8 microbatches (a CPU device, or a Ray process, per pipeline device),
    with the programs each device dispatches per step (its tasks, :mod:`pipedsl.tasks`, and
@@ -279,13 +280,22 @@ _BURST = 4
 
 
 def _backends_step(model: Any, schedule: Any, params: Any, batch: Any, repeat: int) -> dict[str, float]:
-    """Seconds of one ``value_and_grad`` step of ``schedule`` on the local backend and on Ray
-    (medians). The two backends take turns, so that a change in the machine's load hits
+    """Seconds of one ``value_and_grad`` step of ``schedule`` on the local backend (tasks
+    apart, and one program over the pipeline devices) and on Ray (medians). The two backends take turns, so that a change in the machine's load hits
     both; a few steps a turn, timed after the first, as a training loop runs them back to back."""
-    from pipedsl.executor import Pipeline, RayConfig
+    from pipedsl.executor import Pipeline, RayConfig, RunOptions
 
-    backends: dict[str, Any] = {"local": "local", "ray": RayConfig(step_timeout=300, start_timeout=120)}
-    pipes = {b: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=v) for b, v in backends.items()}
+    # "local": the tasks apart, as Ray runs them; "ticks": the local backend's one program
+    # over the pipeline devices.
+    backends: dict[str, Any] = {
+        "local": ("local", RunOptions(ticks=False)),
+        "ticks": ("local", RunOptions()),
+        "ray": (RayConfig(step_timeout=300, start_timeout=120), RunOptions()),
+    }
+    pipes = {
+        b: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=v, options=o)
+        for b, (v, o) in backends.items()
+    }
     try:
         return interleaved_medians(
             {b: partial(pipe.value_and_grad, params, batch) for b, pipe in pipes.items()},
@@ -353,8 +363,9 @@ def bench_dispatch(repeat: int) -> None:
         times = _backends_step(model, schedule, params, batch, repeat)
         for backend, step in times.items():
             per_action = step / schedule.num_actions
+            programs_here = [1] if backend == "ticks" else programs
             print(
-                f"   {name:<8} {backend:<6} {max(actions):>11} {max(programs):>12} {step * 1e6:>12.0f} "
+                f"   {name:<8} {backend:<6} {max(actions):>11} {max(programs_here):>12} {step * 1e6:>12.0f} "
                 f"{per_action * 1e6:>9.0f}"
             )
             figures |= {
@@ -365,13 +376,12 @@ def bench_dispatch(repeat: int) -> None:
     print(f"   (load average {os.getloadavg()[0]:.1f})")
     print(
         "\n   training steps on the local backend: one SPMD program over the pipeline devices (ticks) against the"
-        " tasks apart (RunOptions(ticks=False)); host us/step is the calling thread's CPU time in train_step,"
-        f" return us the time it takes to return, step us the time per step of {_TRAIN_STEPS} steps back to back,"
-        " waited for"
+        " tasks apart (RunOptions(ticks=False)); host us/step is the time train_step takes to return with no step"
+        f" in flight, step us the time per step of {_TRAIN_STEPS} steps back to back, waited for"
     )
     print(
         f"   {'schedule':<8} {'path':<6} {'ticks':>5} {'programs/dev':>12} {'host us/step':>12} {'us/action':>9}"
-        f" {'return us':>9} {'step us':>8}"
+        f" {'step us':>8}"
     )
     for name in ("1f1b", "zb_h1"):
         schedule = load(library_path(name), pp=4, microbatches=8)
@@ -381,19 +391,17 @@ def bench_dispatch(repeat: int) -> None:
         programs = {"ticks": 1, "tasks": max(len(device_tasks(d)) + 1 for d in program.devices)}
         pipes = {p: Pipeline(model.stages, loss=model.loss, schedule=schedule, options=o) for p, o in paths.items()}
         timed = _train_steps(pipes, params, batch, repeat)
-        for path, (ran_ticked, host, returned, step) in timed.items():
+        for path, (ran_ticked, host, step) in timed.items():
             if ran_ticked != (path == "ticks"):
                 raise SystemExit(f"{name}: the {path} pipeline ran the other path")
             print(
                 f"   {name:<8} {path:<6} {ticks if path == 'ticks' else '':>5} {programs[path]:>12}"
-                f" {host * 1e6:>12.0f} {host / schedule.num_actions * 1e6:>9.1f} {returned * 1e6:>9.0f}"
-                f" {step * 1e6:>8.0f}"
+                f" {host * 1e6:>12.0f} {host / schedule.num_actions * 1e6:>9.1f} {step * 1e6:>8.0f}"
             )
             figures |= {
                 f"{name}_train_{path}_programs_per_device": programs[path],
                 f"{name}_train_{path}_host_us_per_step": host * 1e6,
                 f"{name}_train_{path}_host_us_per_action": host / schedule.num_actions * 1e6,
-                f"{name}_train_{path}_return_us": returned * 1e6,
                 f"{name}_train_{path}_step_us": step * 1e6,
             }
         figures[f"{name}_ticks"] = ticks
@@ -406,11 +414,12 @@ _TRAIN_STEPS = 10
 
 
 def _train_steps(pipes: dict[str, Any], params: Any, batch: Any, repeat: int) -> dict[str, tuple[Any, ...]]:
-    """Per pipeline, (whether its steps ran as one program over the pipeline devices, seconds of the calling thread's CPU time in a train_step, seconds
-    train_step takes to return, seconds per step of :data:`_TRAIN_STEPS` steps waited for),
-    medians over turns that alternate the pipelines. The CPU time is the host's own cost:
-    a train_step that waits for the devices (the one program over CPU devices keeps at most
-    two steps in flight) returns later without costing the host more."""
+    """Per pipeline, (whether its steps ran as one program over the pipeline devices, seconds
+    a train_step takes to return with no step in flight, seconds per step of
+    :data:`_TRAIN_STEPS` steps back to back, waited for), medians over turns that alternate
+    the pipelines. With nothing in flight a step that only dispatches returns after its
+    host's work; one that waits for the devices inside (the tasks apart, whose receives
+    between CPU devices take host arrays) returns when they are done."""
     import time
 
     import numpy as np
@@ -424,23 +433,25 @@ def _train_steps(pipes: dict[str, Any], params: Any, batch: Any, repeat: int) ->
         pipe.block_until_ready()
         ticked[path] = pipe.ticked
     host: dict[str, list[float]] = {p: [] for p in pipes}
-    returned: dict[str, list[float]] = {p: [] for p in pipes}
     step: dict[str, list[float]] = {p: [] for p in pipes}
     for _ in range(max(repeat // _TRAIN_STEPS, 3)):
         for path, pipe in pipes.items():
             p, state = held[path]
+            for _ in range(_TRAIN_STEPS):
+                pipe.block_until_ready()
+                before = time.perf_counter()
+                p, state, _ = pipe.train_step(p, state, batch, optimizer=optimizer)
+                host[path].append(time.perf_counter() - before)
+            pipe.block_until_ready()
             start = time.perf_counter()
             for _ in range(_TRAIN_STEPS):
-                before, cpu = time.perf_counter(), time.thread_time()
                 p, state, _ = pipe.train_step(p, state, batch, optimizer=optimizer)
-                host[path].append(time.thread_time() - cpu)
-                returned[path].append(time.perf_counter() - before)
             pipe.block_until_ready()
             step[path].append((time.perf_counter() - start) / _TRAIN_STEPS)
             held[path] = (p, state)
     for pipe in pipes.values():
         pipe.close()
-    return {p: (ticked[p], *(float(np.median(v[p])) for v in (host, returned, step))) for p in pipes}
+    return {p: (ticked[p], float(np.median(host[p])), float(np.median(step[p]))) for p in pipes}
 
 
 def main() -> None:
