@@ -227,10 +227,13 @@ class TickedStep:
             params = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._compute_avals(s))
             loss = jax.ShapeDtypeStruct((), jnp.float32) if prog.last else None
             y, res, _ = jax.eval_shape(prog.forward, params, x, t, loss)
-            in_ct, handoff = jax.eval_shape(prog.backward_input, res, ct)
-            out |= {("x", s): x, ("t", s): t, ("ct", s): ct, ("y", s): tuple(y), ("res", s): tuple(res)}
-            out |= {("in_ct", s): tuple(in_ct), ("handoff", s): tuple(jax.tree_util.tree_leaves(handoff))}
-            self._computed_handoff[s] = len(jax.tree_util.tree_leaves(handoff[0]))
+            in_ct, (computed, refs) = jax.eval_shape(prog.backward_input, res, ct)
+            res_params, ref_params = prog.parameter_residuals()
+            kept = _unheld(tuple(res), res_params)
+            handoff = (*computed, *_unheld(tuple(refs), ref_params))
+            out |= {("x", s): x, ("t", s): t, ("ct", s): ct, ("y", s): tuple(y), ("res", s): kept}
+            out |= {("in_ct", s): tuple(in_ct), ("handoff", s): handoff}
+            self._computed_handoff[s] = len(computed)
         return out
 
     def _compute_avals(self, s: int) -> tuple[Any, ...]:
@@ -598,6 +601,8 @@ class TickedStep:
         hand_slot = device.handoff_slot.get((s, m))
         hand_base = {k: hand_slot * n for k, n in self.handoff_size.items()} if hand_slot is not None else {}
 
+        res_params, ref_params = prog.parameter_residuals()
+
         def stage_params(params: Rows) -> Leaves:
             return prog.compute_params(tuple(device.params.get(params, i)[0] for i in model.stage_params[s]))
 
@@ -621,7 +626,7 @@ class TickedStep:
                 x = tuple(b[m] for b in batch[0]) if s == 0 else received(inbox, ("y", s - 1), (Kind.F, s - 1, m))
                 t = tuple(b[m] for b in batch[1]) if last else ()
                 y, kept, new_loss = prog.forward(stage_params(params), x, t, loss if last else None)
-                res = device.residuals.put(res, s, kept, base=res_base)
+                res = device.residuals.put(res, s, _unheld(tuple(kept), res_params), base=res_base)
                 if last:
                     loss = new_loss
                 consumer = None if last else (Kind.F, s + 1, m)
@@ -630,10 +635,11 @@ class TickedStep:
             if kind is Kind.W:
                 handoff = device.handoffs.get(hand, s, base=hand_base)
                 computed_n = self._computed_handoff[s]
+                refs = _rejoined(handoff[computed_n:], ref_params, stage_params(params))
                 acc = device.grads.get(grads, s)
-                new_acc = prog.backward_weight((handoff[:computed_n], handoff[computed_n:]), acc)
+                new_acc = prog.backward_weight((handoff[:computed_n], refs), acc)
                 return device.grads.put(grads, s, new_acc), loss, res, hand, inbox, self._outbox()
-            kept = device.residuals.get(res, s, base=res_base)
+            kept = _rejoined(device.residuals.get(res, s, base=res_base), res_params, stage_params(params))
             ct = () if last else received(inbox, ("in_ct", s + 1), self._backward_of(s + 1, m))
             consumer = None if s == 0 else self._backward_of(s - 1, m)
             if kind is Kind.B:
@@ -641,8 +647,9 @@ class TickedStep:
                 in_ct, new_acc = prog.backward(kept, ct, acc)
                 grads = device.grads.put(grads, s, new_acc)
             else:
-                in_ct, handoff = prog.backward_input(kept, ct)
-                hand = device.handoffs.put(hand, s, tuple(jax.tree_util.tree_leaves(handoff)), base=hand_base)
+                in_ct, (computed, refs) = prog.backward_input(kept, ct)
+                handed = (*computed, *_unheld(tuple(refs), ref_params))
+                hand = device.handoffs.put(hand, s, handed, base=hand_base)
             inbox, out = send(inbox, ("in_ct", s), tuple(in_ct), consumer)
             return grads, loss, res, hand, inbox, out
 
@@ -680,6 +687,18 @@ class TickedStep:
             return params, states
 
         return run
+
+
+def _unheld(values: Leaves, params: Sequence[int | None]) -> Leaves:
+    """``values`` less those that are the stage's parameters (``params[k]`` not None):
+    the parameters are in the program already, so slots keep only the rest."""
+    return tuple(v for v, p in zip(values, params, strict=True) if p is None)
+
+
+def _rejoined(kept: Leaves, params: Sequence[int | None], stage_params: Leaves) -> Leaves:
+    """The values :func:`_unheld` thinned, the parameters back in their places."""
+    rest = iter(kept)
+    return tuple(next(rest) if p is None else stage_params[p] for p in params)
 
 
 def _row_of(value: jax.Array, d: int) -> jax.Array:

@@ -281,6 +281,17 @@ class StageProgram:
         inlined._cast, inlined._zeros, inlined._zero_loss = plain
         return inlined
 
+    def parameter_residuals(self) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
+        """Which values the stage keeps between its actions are its parameters passed
+        through (in the compute dtype), not computed: per residual ``forward`` returns, and
+        per value ``backward_input`` hands to ``W`` besides those it computes (the hand-over's
+        second part), the parameter's position among the stage's, or None. A caller that
+        holds the parameters anyway need not keep these per microbatch."""
+        num_params = len(self._param_avals)
+        res = tuple(where if kind == _INPUT and where < num_params else None for kind, where in self._res_slots)
+        refs = tuple(res[k] if stored else None for stored, k in self._handoff_refs)
+        return res, refs
+
     def one_microbatch(self) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
         """Shape structs of one microbatch's (inputs, targets, output cotangents) of the
         stage, whole (not split over ``"data"``)."""
