@@ -178,6 +178,23 @@ class _Device:
     message_slot: dict[tuple[Kind, int, int], int]
 
 
+@dataclass(frozen=True, slots=True)
+class _Tick:
+    """One tick of the program: per device its branch (``index``, into ``branches``, idle
+    first), the slots its windows are at (``places``: ``"res"`` and ``"hand"``, the residual
+    and hand-over slot it reads or writes; ``"read"``, the inbound message it reads;
+    ``"local"``, the inbound slot its value for a stage on the same device goes to; each
+    the pool's spare slot where there is none), where its stage's accumulators and
+    parameters start per dtype (``grads_at``, ``params_at``), and the permutations after the tick."""
+
+    index: np.ndarray
+    branches: list[Callable[..., Any]]
+    places: dict[str, np.ndarray]
+    grads_at: dict[str, np.ndarray]
+    params_at: dict[str, np.ndarray]
+    groups: list[tuple[list[tuple[int, int]], np.ndarray]]
+
+
 class TickedStep:
     """The whole step of ``workers`` (each pipeline device a JAX device of its own, see
     :func:`ticks_apply`) as one program per kind of step (an optimizer's, skipping a
@@ -210,6 +227,8 @@ class TickedStep:
         self._state_layouts: tuple[_Rows, ...] = ()
         self._state_treedefs: tuple[dict[int, Any], ...] = ()
         self._state_size: dict[str, int] = {}
+        self._states_laid_out: Any = None  # the optimizer the state's layouts are for
+        self._converters: dict[tuple[str, int], Callable[..., Any]] = {}
         self._programs: dict[Any, tuple[Any, Callable[..., Any]]] = {}
         # The losses of the steps in flight, on CPU devices (MAX_IN_FLIGHT says why).
         self._in_flight: deque[Any] | None = deque() if self.mesh.devices.flat[0].platform == "cpu" else None
@@ -295,6 +314,14 @@ class TickedStep:
         self.residual_size = _padded([d.residuals.sizes for d in devices])
         self.handoff_size = _padded([d.handoffs.sizes for d in devices])
         self.residual_count = max(1 + max(d.residual_slot.values(), default=-1) for d in devices)
+        # The window of one stage's accumulators (and parameters): per dtype, the most any stage has.
+        self.grad_window = _padded(
+            [
+                _Rows({s: tuple(model.param_avals[i] for i in model.stage_params[s])}).sizes
+                for s in range(schedule.num_stages)
+            ]
+        )
+        self.param_window = {k: self.grad_window.get(k, 0) for k in self.param_size}
         self.handoff_count = max((1 + max(d.handoff_slot.values(), default=-1) for d in devices), default=0)
         # One slot more: where a device that receives nothing in a permutation writes it.
         self.message_count = 1 + max((1 + max(d.message_slot.values(), default=-1) for d in devices), default=0)
@@ -327,18 +354,10 @@ class TickedStep:
         self._params = self._states = None
         for w in self.workers:
             d = w.index
-            row = {k: _row_of(v, d) for k, v in params.items()}
-            layout = self.devices[d].params
-            leaves = jax.jit(lambda r, layout=layout: {i: layout.get(r, i)[0] for i in layout.places})(row)
+            leaves = self._converter("unpack params", d)({k: _row_of(v, d) for k, v in params.items()})
             theirs = None
             if states is not None:
-                srow = {k: _row_of(v, d) for k, v in states.items()}
-                slayout, treedefs = self._state_layouts[d], self._state_treedefs[d]
-                theirs = jax.jit(
-                    lambda r, slayout=slayout, treedefs=treedefs: {
-                        s: jax.tree_util.tree_unflatten(treedefs[s], slayout.get(r, s)) for s in treedefs
-                    }
-                )(srow)
+                theirs = self._converter("unpack states", d)({k: _row_of(v, d) for k, v in states.items()})
             w.load(leaves, theirs)
 
     def _pack(self, update: Update | None) -> None:
@@ -347,34 +366,57 @@ class TickedStep:
         if update is not None:
             for w in workers:
                 w.place_states(update.optimizer, fresh=update.init)
-            self._lay_out_states(update)
+            if self._states_laid_out is not update.optimizer:
+                self._lay_out_states(update)
         param_rows = []
         state_rows = []
         for w in workers:
             d = w.index
-            layout = self.devices[d].params
-            sizes = self.param_size
-
-            def pack(leaves: Any, layout: _Rows = layout, sizes: dict[str, int] = sizes) -> Rows:
-                rows = {k: jnp.zeros((n,), k) for k, n in sorted(sizes.items())}
-                for i in layout.places:
-                    rows = layout.put(rows, i, (leaves[i],))
-                return {k: v[None] for k, v in rows.items()}
-
-            param_rows.append(jax.jit(pack)({i: w.leaves[i] for i in self.devices[d].params.places}))
+            param_rows.append(
+                self._converter("pack params", d)({i: w.leaves[i] for i in self.devices[d].params.places})
+            )
             if update is not None:
-                slayout, size = self._state_layouts[d], self._state_size
-
-                def pack_states(states: Any, slayout: _Rows = slayout, size: dict[str, int] = size) -> Rows:
-                    rows = {k: jnp.zeros((n,), k) for k, n in sorted(size.items())}
-                    for s in slayout.places:
-                        rows = slayout.put(rows, s, jax.tree_util.tree_leaves(states[s]))
-                    return {k: v[None] for k, v in rows.items()}
-
-                state_rows.append(jax.jit(pack_states)({s: w.states[s] for s in w.local}))
+                state_rows.append(self._converter("pack states", d)({s: w.states[s] for s in w.local}))
         self._params = self._sharded(param_rows)
         self._states = self._sharded(state_rows) if update is not None else None
         self._states_for = None if update is None else update.optimizer
+
+    def _converter(self, what: str, d: int) -> Callable[..., Any]:
+        """Device ``d``'s jitted conversion between its values and its rows, made once
+        (the optimizer state's, once per layout of it): ``"pack params"`` (leaves by flat
+        index to ``[1, n]`` rows), ``"pack states"`` (states by stage), ``"unpack params"``
+        and ``"unpack states"`` (``[n]`` rows back)."""
+        found = self._converters.get((what, d))
+        if found is not None:
+            return found
+        params, size = self.devices[d].params, self.param_size
+        states, state_size = (self._state_layouts[d], self._state_size) if "states" in what else (params, size)
+        treedefs = self._state_treedefs[d] if "states" in what else {}
+
+        def pack_params(leaves: Any) -> Rows:
+            rows = {k: jnp.zeros((n,), k) for k, n in sorted(size.items())}
+            for i in params.places:
+                rows = params.put(rows, i, (leaves[i],))
+            return {k: v[None] for k, v in rows.items()}
+
+        def pack_states(values: Any) -> Rows:
+            rows = {k: jnp.zeros((n,), k) for k, n in sorted(state_size.items())}
+            for s in states.places:
+                rows = states.put(rows, s, jax.tree_util.tree_leaves(values[s]))
+            return {k: v[None] for k, v in rows.items()}
+
+        def unpack_params(row: Rows) -> Any:
+            return {i: params.get(row, i)[0] for i in params.places}
+
+        def unpack_states(row: Rows) -> Any:
+            return {s: jax.tree_util.tree_unflatten(treedefs[s], states.get(row, s)) for s in treedefs}
+
+        made = {
+            "pack params": pack_params, "pack states": pack_states,
+            "unpack params": unpack_params, "unpack states": unpack_states,
+        }[what]  # fmt: skip
+        found = self._converters[(what, d)] = jax.jit(made)
+        return found
 
     def _sharded(self, rows: Sequence[Rows]) -> Rows:
         """Per dtype, the devices' ``[1, n]`` rows (each on its device) as one ``[D, n]``
@@ -408,6 +450,9 @@ class TickedStep:
         self._state_layouts = tuple(layouts)
         self._state_treedefs = tuple(treedefs)
         self._state_size = _padded([r.sizes for r in layouts])
+        self._states_laid_out = optimizer
+        for key in [k for k in self._converters if "states" in k[0]]:
+            del self._converters[key]
 
     # -- the step ---------------------------------------------------------------------
 
@@ -478,27 +523,49 @@ class TickedStep:
                 tuple(x.reshape((count, x.shape[0] // count, *x.shape[1:])) for x in xs),
                 tuple(t.reshape((count, t.shape[0] // count, *t.shape[1:])) for t in ts),
             )
-            held = (
-                {k: jnp.zeros((n,), k) for k, n in sorted(self.grad_size.items())},
-                jnp.zeros((), jnp.float32),
-                {k: jnp.zeros((n * self.residual_count,), k) for k, n in sorted(self.residual_size.items())},
-                {k: jnp.zeros((n * self.handoff_count,), k) for k, n in sorted(self.handoff_size.items())},
-                {k: jnp.zeros((n * self.message_count,), k) for k, n in sorted(self.message_size.items())},
-            )
-            for index, branches, groups in ticks:
-                if len(branches) > 1:
-                    grads, loss, res, hand, inbox, out = lax.switch(
-                        jnp.asarray(index)[me], branches, held, params, batch
-                    )
-                    held = (grads, loss, res, hand, inbox)
-                    for pairs, slots in groups:
-                        at = jnp.asarray(slots)[me]
-                        for k, value in out.items():
-                            got = lax.ppermute(value, STAGE, perm=pairs)
-                            n = self.message_size[k]
-                            inbox = {**inbox, k: lax.dynamic_update_slice(inbox[k], got, (at * n,))}
-                        held = (grads, loss, res, hand, inbox)
-            grads, loss = held[0], held[1]
+            # Each pool with a spare slot (and the accumulators with a window's room at the
+            # end), so that a window at a device's spare place is always whole.
+            grads = {k: jnp.zeros((n + self.grad_window[k],), k) for k, n in sorted(self.grad_size.items())}
+            weights = {k: jnp.concatenate([v, jnp.zeros((self.param_window[k],), v.dtype)]) for k, v in params.items()}
+            loss = jnp.zeros((), jnp.float32)
+            res = {k: jnp.zeros((n * (self.residual_count + 1),), k) for k, n in sorted(self.residual_size.items())}
+            hand = {k: jnp.zeros((n * (self.handoff_count + 1),), k) for k, n in sorted(self.handoff_size.items())}
+            inbox = {k: jnp.zeros((n * self.message_count,), k) for k, n in sorted(self.message_size.items())}
+            sizes = (self.grad_window, self.residual_size, self.handoff_size, self.message_size)
+            for tick in ticks:
+                if len(tick.branches) == 1:
+                    continue
+                # Only windows go through the switch (the pools stay where they are: XLA
+                # copies what a conditional takes): this tick's parameters and accumulators
+                # of the device's stage, its residual and hand-over slots, the message it
+                # reads. A window written nothing goes back as it came.
+                at = {name: jnp.asarray(where)[me] for name, where in tick.places.items()}
+                g_at = {k: jnp.asarray(where)[me] for k, where in tick.grads_at.items()}
+                p_at = {k: jnp.asarray(where)[me] for k, where in tick.params_at.items()}
+                stage_weights = {
+                    k: lax.dynamic_slice(weights[k], (p_at[k],), (n,)) for k, n in self.param_window.items()
+                }
+                windows = (
+                    {k: lax.dynamic_slice(grads[k], (g_at[k],), (n,)) for k, n in sizes[0].items()},
+                    {k: lax.dynamic_slice(res[k], (at["res"] * n,), (n,)) for k, n in sizes[1].items()},
+                    {k: lax.dynamic_slice(hand[k], (at["hand"] * n,), (n,)) for k, n in sizes[2].items()},
+                    {k: lax.dynamic_slice(inbox[k], (at["read"] * n,), (n,)) for k, n in sizes[3].items()},
+                )
+                g_w, loss, r_w, h_w, out = lax.switch(
+                    jnp.asarray(tick.index)[me], tick.branches, stage_weights, loss, *windows, batch
+                )
+                grads = {k: lax.dynamic_update_slice(v, g_w[k], (g_at[k],)) for k, v in grads.items()}
+                res = {k: lax.dynamic_update_slice(v, r_w[k], (at["res"] * sizes[1][k],)) for k, v in res.items()}
+                hand = {k: lax.dynamic_update_slice(v, h_w[k], (at["hand"] * sizes[2][k],)) for k, v in hand.items()}
+                # A value for a stage on the same device goes to its inbound slot (else to
+                # the spare one); one for another device moves there, a permutation at a time.
+                inbox = {k: lax.dynamic_update_slice(v, out[k], (at["local"] * sizes[3][k],)) for k, v in inbox.items()}
+                for pairs, slots in tick.groups:
+                    slot = jnp.asarray(slots)[me]
+                    for k, value in out.items():
+                        got = lax.ppermute(value, STAGE, perm=pairs)
+                        inbox = {**inbox, k: lax.dynamic_update_slice(inbox[k], got, (slot * sizes[3][k],))}
+            grads = {k: v[: self.grad_size[k]] for k, v in grads.items()}
             new_params, new_states = params, states
             if update is not None:
                 finite = None
@@ -555,103 +622,121 @@ class TickedStep:
             in_shardings=(self.rows_at, self.rows_at, replicated, replicated),
         )
 
-    def _tick(
-        self, t: int
-    ) -> tuple[np.ndarray, list[Callable[..., Any]], list[tuple[list[tuple[int, int]], np.ndarray]]]:
-        """Tick ``t``'s per-device branch index, branches (idle first) and permutations
-        (each: its (src, dst) pairs and per device the inbound slot it writes, the spare
-        slot where it receives nothing)."""
+    def _tick(self, t: int) -> _Tick:
+        """Tick ``t``: its branches (idle first), each device's branch and the places of its
+        windows, and the tick's permutations (each: its (src, dst) pairs and per device the
+        inbound slot it writes, the spare slot where it receives nothing)."""
         table = self.table
-        index = np.zeros(table.num_devices, np.int32)
+        devices = table.num_devices
+        spare = {"res": self.residual_count, "hand": self.handoff_count, "read": self.message_count - 1}
+        spare["local"] = spare["read"]
+        index = np.zeros(devices, np.int32)
+        places = {name: np.full(devices, where, np.int32) for name, where in spare.items()}
+        grads_at = {k: np.zeros(devices, np.int32) for k in self.grad_size}
+        params_at = {k: np.zeros(devices, np.int32) for k in self.param_size}
         branches: list[Callable[..., Any]] = [self._idle]
         for d, action in enumerate(table.actions[t]):
-            if action is not None:
-                index[d] = len(branches)
-                branches.append(self._branch(d, action))
+            if action is None:
+                continue
+            device, s, m = self.devices[d], action.stage, action.microbatch
+            index[d] = len(branches)
+            branches.append(self._branch(d, action))
+            for k, start in self._start(self.devices[d].grads, (s,)).items():
+                grads_at[k][d] = start
+            for k, start in self._start(self.devices[d].params, self.model.stage_params[s]).items():
+                params_at[k][d] = start
+            if action.kind is not Kind.W:
+                places["res"][d] = device.residual_slot[(s, m)]
+            if action.kind in (Kind.I, Kind.W):
+                places["hand"][d] = device.handoff_slot[(s, m)]
+            read = self._reads(action)
+            if read is not None:
+                places["read"][d] = device.message_slot[read]
+            if self._local_consumers(action):
+                places["local"][d] = device.message_slot[action.key]
         groups: list[tuple[list[tuple[int, int]], np.ndarray]] = []
-        spare = self.message_count - 1
         for move in table.transfers[t]:
             group = next((g for g in groups if all(dst != move.dst for _, dst in g[0])), None)
             if group is None:
-                group = ([], np.full(table.num_devices, spare, np.int32))
+                group = ([], np.full(devices, spare["read"], np.int32))
                 groups.append(group)
             group[0].append((move.src, move.dst))
             group[1][move.dst] = self.devices[move.dst].message_slot[move.producer.key]
-        return index, branches, groups
+        return _Tick(index, branches, places, grads_at, params_at, groups)
+
+    def _reads(self, action: Action) -> tuple[Kind, int, int] | None:
+        """The key of the action whose value ``action`` reads from another stage, if any."""
+        s, m = action.stage, action.microbatch
+        if action.kind is Kind.F:
+            return (Kind.F, s - 1, m) if s > 0 else None
+        if action.kind in (Kind.B, Kind.I) and s + 1 < self.schedule.num_stages:
+            return self._backward_of(s + 1, m)
+        return None
+
+    @staticmethod
+    def _start(rows: _Rows, names: Sequence[Any]) -> dict[str, int]:
+        """Per dtype, where the groups ``names`` (consecutive in ``rows``) start."""
+        starts: dict[str, int] = {}
+        for name in names:
+            for dtype, at, _ in rows.places[name]:
+                starts[dtype] = min(starts.get(dtype, at), at)
+        return starts
 
     def _outbox(self) -> Rows:
         return {k: jnp.zeros((n,), k) for k, n in sorted(self.message_size.items())}
 
-    def _idle(self, held: Any, params: Rows, batch: Any) -> Any:
-        return (*held, self._outbox())
-
-    def _message_base(self, slot: int) -> dict[str, int]:
-        return {k: slot * n for k, n in self.message_size.items()}
+    def _idle(self, params: Rows, loss: Any, grads: Rows, res: Rows, hand: Rows, read: Rows, batch: Any) -> Any:
+        return grads, loss, res, hand, self._outbox()
 
     def _branch(self, d: int, action: Action) -> Callable[..., Any]:
-        """Device ``d``'s branch for ``action``: ``(held, params, batch) -> (*held, outbox)``."""
-        schedule, model, device = self.schedule, self.model, self.devices[d]
+        """Device ``d``'s branch for ``action``: ``(params, loss, windows of the accumulators,
+        the residual slot, the hand-over slot and the message read, batch) -> (the
+        accumulators', residual and hand-over windows, loss, outbox)``."""
+        model, device = self.model, self.devices[d]
         s, m, kind = action.stage, action.microbatch, action.kind
         prog = self.stages[s]
         messages = self.messages
-        last = s == schedule.num_stages - 1
-        res_base = (
-            {k: device.residual_slot[(s, m)] * n for k, n in self.residual_size.items()} if kind is not Kind.W else {}
-        )
-        hand_slot = device.handoff_slot.get((s, m))
-        hand_base = {k: hand_slot * n for k, n in self.handoff_size.items()} if hand_slot is not None else {}
-
+        last = s == self.schedule.num_stages - 1
         res_params, ref_params = prog.parameter_residuals()
+        # The stage's parameters and accumulators, read from windows that start where they do.
+        in_window = {k: -start for k, start in self._start(device.grads, (s,)).items()}
+        weights_at = {k: -start for k, start in self._start(device.params, model.stage_params[s]).items()}
 
-        def stage_params(params: Rows) -> Leaves:
-            return prog.compute_params(tuple(device.params.get(params, i)[0] for i in model.stage_params[s]))
+        def stage_params(weights: Rows) -> Leaves:
+            leaves = tuple(device.params.get(weights, i, base=weights_at)[0] for i in model.stage_params[s])
+            return prog.compute_params(leaves)
 
-        def send(inbox: Rows, name: tuple[str, int], values: Leaves, consumer: tuple[Kind, int, int] | None) -> Any:
-            """Where the value goes: this device's inbox (a consumer here) or the outbox."""
+        def run(params: Rows, loss: Any, grads: Rows, res: Rows, hand: Rows, read: Rows, batch: Any) -> Any:
             out = self._outbox()
-            if consumer is None:
-                return inbox, out
-            here = self._local_consumers(action)
-            if here:
-                slot = device.message_slot[action.key]
-                return messages.put(inbox, name, values, base=self._message_base(slot)), out
-            return inbox, messages.put(out, name, values)
-
-        def received(inbox: Rows, name: tuple[str, int], producer: tuple[Kind, int, int]) -> Leaves:
-            return messages.get(inbox, name, base=self._message_base(device.message_slot[producer]))
-
-        def run(held: Any, params: Rows, batch: Any) -> Any:
-            grads, loss, res, hand, inbox = held
             if kind is Kind.F:
-                x = tuple(b[m] for b in batch[0]) if s == 0 else received(inbox, ("y", s - 1), (Kind.F, s - 1, m))
+                x = tuple(b[m] for b in batch[0]) if s == 0 else messages.get(read, ("y", s - 1))
                 t = tuple(b[m] for b in batch[1]) if last else ()
                 y, kept, new_loss = prog.forward(stage_params(params), x, t, loss if last else None)
-                res = device.residuals.put(res, s, _unheld(tuple(kept), res_params), base=res_base)
+                res = device.residuals.put(res, s, _unheld(tuple(kept), res_params))
                 if last:
                     loss = new_loss
-                consumer = None if last else (Kind.F, s + 1, m)
-                inbox, out = send(inbox, ("y", s), tuple(y), consumer)
-                return grads, loss, res, hand, inbox, out
+                else:
+                    out = messages.put(out, ("y", s), tuple(y))
+                return grads, loss, res, hand, out
             if kind is Kind.W:
-                handoff = device.handoffs.get(hand, s, base=hand_base)
+                handoff = device.handoffs.get(hand, s)
                 computed_n = self._computed_handoff[s]
                 refs = _rejoined(handoff[computed_n:], ref_params, stage_params(params))
-                acc = device.grads.get(grads, s)
+                acc = device.grads.get(grads, s, base=in_window)
                 new_acc = prog.backward_weight((handoff[:computed_n], refs), acc)
-                return device.grads.put(grads, s, new_acc), loss, res, hand, inbox, self._outbox()
-            kept = _rejoined(device.residuals.get(res, s, base=res_base), res_params, stage_params(params))
-            ct = () if last else received(inbox, ("in_ct", s + 1), self._backward_of(s + 1, m))
-            consumer = None if s == 0 else self._backward_of(s - 1, m)
+                return device.grads.put(grads, s, new_acc, base=in_window), loss, res, hand, out
+            kept = _rejoined(device.residuals.get(res, s), res_params, stage_params(params))
+            ct = () if last else messages.get(read, ("in_ct", s + 1))
             if kind is Kind.B:
-                acc = device.grads.get(grads, s)
+                acc = device.grads.get(grads, s, base=in_window)
                 in_ct, new_acc = prog.backward(kept, ct, acc)
-                grads = device.grads.put(grads, s, new_acc)
+                grads = device.grads.put(grads, s, new_acc, base=in_window)
             else:
                 in_ct, (computed, refs) = prog.backward_input(kept, ct)
-                handed = (*computed, *_unheld(tuple(refs), ref_params))
-                hand = device.handoffs.put(hand, s, handed, base=hand_base)
-            inbox, out = send(inbox, ("in_ct", s), tuple(in_ct), consumer)
-            return grads, loss, res, hand, inbox, out
+                hand = device.handoffs.put(hand, s, (*computed, *_unheld(tuple(refs), ref_params)))
+            if s > 0:
+                out = messages.put(out, ("in_ct", s), tuple(in_ct))
+            return grads, loss, res, hand, out
 
         return run
 
