@@ -117,7 +117,10 @@ class RunOptions:
         runs: True, one SPMD program over the pipeline devices that runs the schedule's tick
         table (:mod:`pipedsl.ticks`; one dispatch per step, values moved between devices by
         collective permutes); False, every task dispatched apart (:mod:`pipedsl.tasks`), as
-        every other plan on devices of their own runs.
+        every other plan on devices of their own runs; None (the default), the one program
+        on accelerators, whose host it spares a dispatch per task, and the tasks apart on
+        CPU devices, where XLA runs them faster than the one program's switches and permutes
+        (the demo transformer at pp=4: 141 ms against 370 ms a step).
       recv_timeout: seconds any device waits for a value from another before giving up.
     """
 
@@ -132,7 +135,7 @@ class RunOptions:
     sequence_parallel: bool = False
     fuse: Fuse = "loop"
     host_transfers: bool = True
-    ticks: bool = True
+    ticks: bool | None = None
     recv_timeout: float = 300.0
 
     def __post_init__(self) -> None:
@@ -147,9 +150,11 @@ class RunOptions:
         )
         if not isinstance(self.fuse, str) or self.fuse not in FUSE_MODES:
             raise RunOptionsError("fuse", f"must be one of {', '.join(map(repr, FUSE_MODES))}, got {self.fuse!r}")
-        for name in ("reduce_once", "sequence_parallel", "host_transfers", "ticks"):
+        for name in ("reduce_once", "sequence_parallel", "host_transfers"):
             if not isinstance(getattr(self, name), bool):
                 raise RunOptionsError(name, f"must be True or False, got {getattr(self, name)!r}")
+        if self.ticks is not None and not isinstance(self.ticks, bool):
+            raise RunOptionsError("ticks", f"must be True, False or None (by platform), got {self.ticks!r}")
         if self.sequence_parallel and self.tp == 1:
             raise RunOptionsError(
                 "sequence_parallel", "splits what tensor parallelism leaves whole: give it with tp above 1"

@@ -228,13 +228,14 @@ class Shapes:
         """Whether pipedsl's executor runs a step of this plan as one program over the
         pipeline devices, tick by tick (:mod:`pipedsl.ticks`; the local backend): pp > 1 on
         pipeline devices of their own, each one device (dp = tp = cp = 1), no parameter
-        shared between stages (embeddings not tied), where the plan is priced as pipedsl's
-        executor runs it: under the ``pipedsl`` framework, or on a cluster whose executor
-        dispatch is priced (``action_overhead_s`` > 0, calibrated on the executor's own devices)."""
+        shared between stages (embeddings not tied), under the ``pipedsl`` framework on
+        accelerators: a cluster whose executor dispatch is priced per task
+        (``action_overhead_s`` > 0, as ``pipedsl calibrate`` measures CPU devices) runs its
+        tasks apart, as the executor does on CPU by default (``RunOptions.ticks``)."""
         plan = self.plan
-        executor = framework(plan.framework).name == "pipedsl" or self.cluster.action_overhead_s > 0
         return (
-            executor
+            framework(plan.framework).name == "pipedsl"
+            and self.cluster.action_overhead_s == 0
             and plan.pp > 1
             and not plan.shared_devices
             and plan.dp == plan.tp == plan.cp == 1

@@ -223,7 +223,7 @@ class LocalBackend:
         )
         self._ticked = (
             TickedStep(self.workers, self.meshes, schedule=schedule)
-            if self.options.ticks and self.fuse == "off" and ticks_apply(self.workers, self.meshes)
+            if self._wants_ticks() and self.fuse == "off" and ticks_apply(self.workers, self.meshes)
             else None
         )
         kept = bool(before) and all(w.leaves for w in before) and self._kept_shapes == _leaf_shapes(params)
@@ -232,6 +232,13 @@ class LocalBackend:
                 new.load(old.leaves, old.states if old.states else None)
         self._kept_shapes = _leaf_shapes(params)
         return compiled.model, not kept
+
+    def _wants_ticks(self) -> bool:
+        """``options.ticks``, or where it is None whether the devices are accelerators
+        (:attr:`~pipedsl.run_options.RunOptions.ticks`)."""
+        if self.options.ticks is not None:
+            return self.options.ticks
+        return self.meshes[0].devices.flat[0].platform != "cpu"
 
     @property
     def ticked(self) -> bool:

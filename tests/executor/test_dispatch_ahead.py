@@ -79,12 +79,12 @@ def test_train_steps_copy_nothing_to_the_host_and_return_before_the_devices_fini
 
 @pytest.mark.parametrize(
     "options",
-    [RunOptions(), RunOptions(ticks=False, host_transfers=False)],
+    [RunOptions(ticks=True), RunOptions(ticks=False, host_transfers=False)],
     ids=["one-program-over-the-stage-axis", "tasks-apart-copied"],
 )
 def test_separate_devices_run_ahead_on_the_accelerators_path(options: RunOptions) -> None:
     # A JAX device per pipeline device: as one SPMD program over the pipeline devices (the
-    # default), or task by task with every value copied between them as on accelerators (no
+    # default on accelerators), or task by task with every value copied between them as on accelerators (no
     # hand-over through host memory), ten steps are dispatched while the devices still compute
     # the first ones, nothing comes to the host, and they train as the tasks apart by host do.
     schedule = pipedsl.load("1f1b", pp=4, microbatches=8)
@@ -93,11 +93,11 @@ def test_separate_devices_run_ahead_on_the_accelerators_path(options: RunOptions
     batch = (x, x * 0.5)
     optimizer = optax.sgd(1e-3)
     trained = []
-    for run_ahead in (options, RunOptions(ticks=False)):
+    for run_ahead in (options, RunOptions()):
         pipe = Pipeline([_heavy] * 4, loss=_mse, schedule=schedule, options=run_ahead)
         assert len({d for m in pipe.backend.meshes for d in m.devices.flat}) == 4
         held, state, loss = pipe.train_step(params, None, batch, optimizer=optimizer)  # compiles
-        assert pipe.backend.ticked == run_ahead.ticks
+        assert pipe.backend.ticked == bool(run_ahead.ticks)
         jax.block_until_ready(loss)
         if run_ahead is options:
             with jax.transfer_guard_device_to_host("disallow"):
@@ -202,9 +202,11 @@ def test_one_program_clips_by_the_whole_models_norm() -> None:
 def test_separate_devices_run_over_the_stage_axis_and_one_pipeline_device_as_one_program() -> None:
     schedule = library("1f1b")
     params, batch, _, _ = setup("mlp", "explicit", schedule.num_stages)
-    separate = pipeline("mlp", "explicit", schedule)
-    separate.step(params, batch)
-    assert separate.backend.fuse == "off" and separate.ticked
+    # On CPU devices the tasks run apart unless asked (RunOptions.ticks), on accelerators not.
+    for ticks in (None, True):
+        separate = pipeline("mlp", "explicit", schedule, options=RunOptions(ticks=ticks))
+        separate.step(params, batch)
+        assert separate.backend.fuse == "off" and separate.ticked == bool(ticks)
     # pp = 1 (an SPMD plan): nothing waits for another device, so its step is one program.
     spmd = library("1f1b", pp=1)
     assert pipeline("mlp", "explicit", spmd, devices=[jax.devices()[0]]).backend.fuse == "loop"

@@ -26,7 +26,7 @@ SCHEDULES = [
 def test_one_program_over_the_stage_axis_gives_the_one_device_gradients(name: str, params: dict[str, int]) -> None:
     schedule = pipedsl.load(name, pp=4, microbatches=8, **params)
     weights, batch, ref_loss, ref_grads = setup("mlp", "explicit", schedule.num_stages)
-    pipe = pipeline("mlp", "explicit", schedule)
+    pipe = pipeline("mlp", "explicit", schedule, options=RunOptions(ticks=True))
     result = pipe.step(weights, batch)
     assert pipe.backend.ticked
     np.testing.assert_allclose(float(result.loss), float(ref_loss), rtol=1e-5)
@@ -40,7 +40,7 @@ def test_one_program_over_the_stage_axis_trains_as_the_tasks_apart() -> None:
     weights, batch, _, _ = setup("mlp", "explicit", 4)
     optimizer = optax.chain(optax.clip_by_global_norm(0.05), ADAM)
     runs = []
-    for options in (RunOptions(), RunOptions(ticks=False)):
+    for options in (RunOptions(ticks=True), RunOptions()):
         pipe = pipeline("mlp", "explicit", schedule, options=options)
         held, state = weights, None
         losses = []
@@ -49,7 +49,7 @@ def test_one_program_over_the_stage_axis_trains_as_the_tasks_apart() -> None:
             for _ in range(3):
                 held, state, loss = pipe.train_step(held, state, batch, optimizer=optimizer)
                 losses.append(float(loss))
-        assert pipe.backend.ticked == options.ticks
+        assert pipe.backend.ticked == bool(options.ticks)
         # The parameters and state held on the devices are donated, never the caller's.
         assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(weights))
         runs.append((pipe.gather(held), pipe.gather(state), losses))
@@ -62,10 +62,10 @@ def test_one_program_over_the_stage_axis_trains_as_the_tasks_apart() -> None:
 def test_a_recorded_step_and_a_plan_with_dp_run_their_tasks_apart() -> None:
     schedule = pipedsl.load("1f1b", pp=2, microbatches=4)
     weights, batch, ref_loss, _ = setup("mlp", "explicit", 2)
-    pipe = pipeline("mlp", "explicit", schedule)
+    pipe = pipeline("mlp", "explicit", schedule, options=RunOptions(ticks=True))
     recorded = pipe.step(weights, batch, record=True)
     assert pipe.backend.ticked and recorded.timeline is not None
     np.testing.assert_allclose(float(recorded.loss), float(ref_loss), rtol=1e-5)
-    hybrid = pipeline("mlp", "explicit", schedule, options=RunOptions(dp=2))
+    hybrid = pipeline("mlp", "explicit", schedule, options=RunOptions(dp=2, ticks=True))
     hybrid.step(weights, batch)
     assert not hybrid.backend.ticked
