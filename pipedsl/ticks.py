@@ -25,7 +25,19 @@ from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.validate import checked, dependencies
 
-__all__ = ["Transfer", "TickTable", "tick_table"]
+__all__ = ["Transfer", "TickTable", "tick_table", "ticks_fit"]
+
+
+def ticks_fit(*, pipeline_devices: int, devices_each: int, shared_devices: bool, shared_parameters: bool) -> bool:
+    """Whether a step's pipeline devices can run it as one program over them, tick by tick:
+    two or more pipeline devices, each one device of its own (``devices_each`` devices per
+    pipeline device: a stage's own collectives would need a second manual mesh axis), none
+    sharing its device with another; and no parameter used by two stages (its gradients
+    are summed between devices, which only the update per task does). The executor adds
+    what only a traced stage shows (:func:`pipedsl.executor.local.ticked.ticks_apply`), the
+    planner what only a plan shows (:attr:`pipedsl.simulator.transformer.Shapes.ticked`);
+    this is what both ask."""
+    return pipeline_devices >= 2 and devices_each == 1 and not shared_devices and not shared_parameters
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,7 @@ from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, Recompute
 from pipedsl.simulator.torus import TorusGroup
+from pipedsl.ticks import ticks_fit
 
 __all__ = [
     "Work",
@@ -226,9 +227,9 @@ class Shapes:
     @property
     def ticked(self) -> bool:
         """Whether pipedsl's executor runs a step of this plan as one program over the
-        pipeline devices, tick by tick (:mod:`pipedsl.ticks`; the local backend): pp > 1 on
-        pipeline devices of their own, each one device (dp = tp = cp = 1), no parameter
-        shared between stages (embeddings not tied), under the ``pipedsl`` framework on
+        pipeline devices, tick by tick (:mod:`pipedsl.ticks`; the local backend): a plan
+        that fits it (:func:`~pipedsl.ticks.ticks_fit`: pp > 1 on pipeline devices of their
+        own, each one device, dp = tp = cp = 1, embeddings not tied), under the ``pipedsl`` framework on
         accelerators: a cluster whose executor dispatch is priced per task
         (``action_overhead_s`` > 0, as ``pipedsl calibrate`` measures CPU devices) runs its
         tasks apart, as the executor does on CPU by default (``RunOptions.ticks``)."""
@@ -236,10 +237,12 @@ class Shapes:
         return (
             framework(plan.framework).name == "pipedsl"
             and self.cluster.action_overhead_s == 0
-            and plan.pp > 1
-            and not plan.shared_devices
-            and plan.dp == plan.tp == plan.cp == 1
-            and not self.model.tied_embeddings
+            and ticks_fit(
+                pipeline_devices=plan.pp,
+                devices_each=plan.dp * plan.tp * plan.cp,
+                shared_devices=plan.shared_devices,
+                shared_parameters=self.model.tied_embeddings,
+            )
         )
 
     @property

@@ -53,7 +53,7 @@ from pipedsl.executor.runtime.worker import (
 from pipedsl.executor.stages.mesh import data_size
 from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.ir import Action, Kind, Schedule
-from pipedsl.ticks import TickTable, tick_table
+from pipedsl.ticks import TickTable, tick_table, ticks_fit
 
 __all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "ticks_apply"]
 
@@ -74,19 +74,20 @@ Rows = dict[str, Any]
 
 
 def ticks_apply(workers: Sequence[Worker], meshes: Sequence[Mesh]) -> bool:
-    """Whether a step of ``workers`` can run as one program over the stage axis: two or
-    more pipeline devices, each one JAX device of its own; every parameter leaf used by one
-    stage only (a shared leaf's gradients are summed across devices, which the per-task
-    path does); and no stage calling back into Python on the host (a callback that raises
+    """Whether a step of ``workers`` can run as one program over the stage axis: what
+    :func:`~pipedsl.ticks.ticks_fit` asks (two or more pipeline devices, each one JAX device
+    of its own; every parameter leaf used by one stage only), and no stage calling back
+    into Python on the host (a callback that raises
     inside a program over several devices aborts the process, where the tasks apart raise
     an error that names the stage and action)."""
-    if len(meshes) < 2 or any(m.devices.size != 1 for m in meshes):
-        return False
-    if len({m.devices.flat[0] for m in meshes}) != len(meshes):
-        return False
     model = workers[0].model
     used = [i for s in range(model.num_stages) for i in model.stage_params[s]]
-    if len(used) != len(set(used)):
+    if not ticks_fit(
+        pipeline_devices=len(meshes),
+        devices_each=max((m.devices.size for m in meshes), default=0),
+        shared_devices=len({m.devices.flat[0] for m in meshes}) != len(meshes),
+        shared_parameters=len(used) != len(set(used)),
+    ):
         return False
     programs = [p for w in workers for p in w.runtime.stages.values()]
     return all(data_size(p.layout.mesh) == 1 and not p.calls_host for p in programs)
