@@ -13,7 +13,7 @@ from pipedsl.simulator.collectives import all_reduce_choice, plan_group
 from pipedsl.simulator.data_parallel import dp_group, replica_group
 from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
-from pipedsl.simulator.network import network_link, straggler_factor, straggler_units
+from pipedsl.simulator.network import network_link, slice_wait_s, straggler_factor, straggler_units
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.torus import TorusGroup, slice_shape
 from pipedsl.words import number, plural
@@ -74,7 +74,7 @@ def assumptions(model: Model, cluster: Cluster, plan: Plan) -> tuple[Assumption,
                 else "in one node"
             )
             found.append(Assumption(name, algorithm.value, f"{group.ranks} ranks, {where}"))
-    found.append(_torus_assumption(cluster, plan) if cluster.torus else _network_assumption(cluster, plan))
+    found.append(_torus_assumption(model, cluster, plan) if cluster.torus else _network_assumption(cluster, plan))
     return (*found, *_shared_machine(cluster, plan))
 
 
@@ -109,7 +109,7 @@ def _tiers(cluster: Cluster) -> str:
     )
 
 
-def _torus_assumption(cluster: Cluster, plan: Plan) -> Assumption:
+def _torus_assumption(model: Model, cluster: Cluster, plan: Plan) -> Assumption:
     """The torus and DCN figures priced (:mod:`~pipedsl.simulator.torus`)."""
     shape = slice_shape(plan.gpus // cluster.slices, cluster)
     wraps = ", ".join(f"{n} {'wraps' if n % cluster.torus_wrap == 0 else 'no wraparound'}" for n in shape)
@@ -119,11 +119,12 @@ def _torus_assumption(cluster: Cluster, plan: Plan) -> Assumption:
         f"achieved, {number(cluster.intra_node_latency * 1e6)} us per hop"
     )
     if cluster.slices > 1:
-        wait = straggler_factor(cluster.slices, cluster)
+        layers = -(-model.layers // plan.pp)
         text += (
             f"; {cluster.slices} slices joined by DCN at {number(cluster.network_share / 1e9)} GB/s per chip, "
-            f"{number(cluster.inter_node_latency * 1e6)} us per message; the step waits for the slowest slice "
-            f"(cv {number(cluster.straggler_cv)}): {number(wait)} times as long"
+            f"{number(cluster.inter_node_latency * 1e6)} us per message; the step waits for the slowest slice at each "
+            f"layer's crossing (spread {number(cluster.slice_jitter_s * 1e3)} ms): "
+            f"{number(slice_wait_s(layers, cluster))} s over {plural(layers, 'layer')}"
         )
     return Assumption("network", "torus", text)
 

@@ -26,7 +26,10 @@ only then), each layer's once its backward is done, so the last layer's is expos
 whatever; the weight all-gather hides behind the next step's first forward, the first
 layer's gather exposed; per-microbatch ZeRO 2/3 traffic hides behind that microbatch's
 own forward or backward, layer by layer. The default ``dp_overlap = 1`` therefore gives
-partial overlap: all but a layer's for one microbatch, a tail for many. The optimizer step reads and writes 30 bytes per local
+partial overlap: all but a layer's for one microbatch, a tail for many. Over several TPU slices
+the step also waits for the slowest slice at each of the device's layers, where the layer's
+traffic meets the slices over DCN (:func:`~pipedsl.simulator.network.slice_wait_s`): part of
+the exposed tail. The optimizer step reads and writes 30 bytes per local
 parameter of weights stored in 16 bits (28 of fp32 ones, which are their own master) at HBM
 bandwidth; the cluster's fixed cost of a step (``Cluster.step_overhead_s``, 0 on GPUs)
 comes with it, once per step however many pipeline devices update.
@@ -38,6 +41,7 @@ from collections.abc import Sequence
 
 from pipedsl.simulator.collectives import Group, all_reduce_seconds, gather_seconds, plan_group
 from pipedsl.simulator.hardware import Cluster
+from pipedsl.simulator.network import slice_wait_s
 from pipedsl.simulator.plan import Plan
 from pipedsl.simulator.torus import TorusGroup
 from pipedsl.simulator.transformer import Shapes, Work, pipelined_exposed
@@ -138,7 +142,8 @@ def zero_per_microbatch(shapes: Shapes, stage_params: float, work: Work, layers:
 
 
 def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_forward: float, layers: int) -> float:
-    """Exposed once-per-step data-parallel seconds of one device (see the module docstring)."""
+    """Exposed once-per-step data-parallel seconds of one device, the wait for the slowest
+    slice at each of its ``layers`` included (see the module docstring)."""
     plan = shapes.plan
     hide, steps = plan.dp_overlap, max(layers, 1)
     weights = device_params * shapes.model.dtype_bytes
@@ -156,7 +161,8 @@ def _dp_tail(shapes: Shapes, device_params: float, last_backward: float, first_f
             reduce += _gather(shapes, grads)
         if gathers_per_step(plan):
             tail += pipelined_exposed(_gather(shapes, weights), hide * first_forward, steps, tail=True)
-    return tail + pipelined_exposed(reduce, hide * last_backward, steps, tail=True)
+    wait = slice_wait_s(layers, shapes.cluster)
+    return wait + tail + pipelined_exposed(reduce, hide * last_backward, steps, tail=True)
 
 
 def least_optimizer_seconds(shapes: Shapes, stage_params: Sequence[float]) -> float:

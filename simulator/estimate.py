@@ -29,7 +29,9 @@ Assembly:
 
 Step time = pipeline makespan (simulated) + the slowest device's exposed data-parallel
 tail and optimizer step (times the wait for the slowest node where the cluster prices
-stragglers, :func:`~pipedsl.simulator.network.straggler_factor`). Devices that share a host's cores (``Cluster.host_cores``,
+stragglers, :func:`~pipedsl.simulator.network.straggler_factor`; over several TPU slices the
+tail holds the wait for the slowest slice at every layer,
+:func:`~pipedsl.simulator.network.slice_wait_s`). Devices that share a host's cores (``Cluster.host_cores``,
 forced CPU devices) are priced at their rates with every device of the node busy, and
 the simulator shares the cores among the pipeline devices that compute at each moment
 (processor sharing: :meth:`Cluster.speedup`), or, where the pipeline devices are meshes of

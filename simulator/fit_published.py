@@ -81,10 +81,10 @@ NETWORK_GRID = {
 """The values :func:`fit_network` tries for the network tiers and the stragglers
 (:mod:`~pipedsl.simulator.network`), after the compute model is fitted."""
 
-TORUS_NETWORK_GRID = {"straggler_cv": (0.0, 0.01, 0.02, 0.04, 0.06, 0.08)}
+TORUS_NETWORK_GRID = {"slice_jitter_s": (0.0, 2e-3, 5e-3, 10e-3, 15e-3, 20e-3, 25e-3, 30e-3, 40e-3)}
 """What :func:`fit_network` tries on a TPU cluster, whose slices have no leaf and spine
-tiers: the spread of the slices' step times, which a multi-slice step waits for the slowest
-of (:func:`~pipedsl.simulator.network.straggler_units`)."""
+tiers: the spread of a slice's time between two meetings of the slices, at which a
+multi-slice step waits for the slowest (:func:`~pipedsl.simulator.network.slice_wait_s`)."""
 
 _COUNTS = (
     "layers",
@@ -445,7 +445,12 @@ def accuracy_markdown(
             + "elementwise_traffic = "
             f"{cluster.elementwise_traffic:g}, kernel_launch_s = {cluster.kernel_launch_s:g}; "
             f"network: leaf_nodes = {cluster.leaf_nodes}, spine_latency_s = {cluster.spine_latency_s:g}, "
-            f"spine_efficiency = {cluster.spine_efficiency:g}, straggler_cv = {cluster.straggler_cv:g}"
+            f"spine_efficiency = {cluster.spine_efficiency:g}, "
+            + (
+                f"slice_jitter_s = {cluster.slice_jitter_s:g}"
+                if cluster.torus
+                else f"straggler_cv = {cluster.straggler_cv:g}"
+            )
         )
     lines += [
         "",
@@ -543,7 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"matmul_half_flops = {c.matmul_half_flops:g}, matmul_k_fill = {c.matmul_k_fill:g}, "
                 f"elementwise_traffic = {c.elementwise_traffic:g}, kernel_launch_s = {c.kernel_launch_s:g} "
                 f"(calibration error {100 * error:.1f}%); spine_latency_s = {c.spine_latency_s:g}, "
-                f"spine_efficiency = {c.spine_efficiency:g}, straggler_cv = {c.straggler_cv:g}"
+                f"spine_efficiency = {c.spine_efficiency:g}, straggler_cv = {c.straggler_cv:g}, "
+                f"slice_jitter_s = {c.slice_jitter_s:g}"
             )
         for name in sorted({str(r.plan.framework) for r in runs} - {DEFAULT_FRAMEWORK}):
             profile, error = fit_framework(runs, clusters, name)

@@ -344,7 +344,12 @@ class Cluster:
       inter_node_bandwidth: bytes per second per direction of one network adapter.
       inter_node_efficiency: fraction of it achieved.
       inter_node_latency: seconds per message between nodes.
-      leaf_nodes, spine_latency_s, spine_efficiency, straggler_cv: :mod:`~pipedsl.simulator.network`.
+      leaf_nodes, spine_latency_s, spine_efficiency, straggler_cv: :mod:`~pipedsl.simulator.network`
+        (``straggler_cv`` the spread of the nodes' step times, a fraction; 0 on a torus, whose
+        slices wait for each other per layer: ``slice_jitter_s``).
+      slice_jitter_s: on a torus, the spread (standard deviation, seconds) of a slice's time
+        between two meetings of the slices, each layer's traffic across them over DCN
+        (:func:`~pipedsl.simulator.network.slice_wait_s`); 0 for GPUs.
       torus: for a TPU cluster, the longest slice it offers, chips per torus axis (v5e
         ``[16, 16]``, v5p ``[16, 16, 24]``); empty for GPUs. Its chips are then joined by ICI
         links along each axis: ``intra_node_*`` describe one link (bytes per second per
@@ -385,6 +390,7 @@ class Cluster:
     spine_latency_s: float = 0.0
     spine_efficiency: float = 1.0
     straggler_cv: float = 0.0
+    slice_jitter_s: float = 0.0
     torus: tuple[int, ...] = ()
     torus_wrap: int = 1
     slices: int = 1
@@ -410,7 +416,7 @@ class Cluster:
         for name in (
             "intra_node_latency", "inter_node_latency", "matmul_half_flops", "matmul_k_fill", "kernel_launch_s",
             "action_overhead_s",
-            "step_overhead_s", "collective_latency_s", "spine_latency_s", "straggler_cv",
+            "step_overhead_s", "collective_latency_s", "spine_latency_s", "straggler_cv", "slice_jitter_s",
         ):  # fmt: skip
             _check_within(owner, name, getattr(self, name), ">= 0", lambda v: v >= 0)
         if self.host_cores is not None:
@@ -438,6 +444,16 @@ class Cluster:
             _check_int(owner, "each torus axis", n)
         _check_int(owner, "torus_wrap", self.torus_wrap)
         _check_int(owner, "slices", self.slices)
+        if self.torus and self.straggler_cv > 0:
+            raise DescriptionError(
+                f"{owner}: straggler_cv = {self.straggler_cv} is the spread of GPU nodes' step times; a torus's"
+                " slices wait for each other at every layer's crossing: give slice_jitter_s (seconds) instead"
+            )
+        if self.slice_jitter_s > 0 and not self.torus:
+            raise DescriptionError(
+                f"{owner}: slice_jitter_s = {self.slice_jitter_s} needs a torus (TPU slices joined by DCN); the"
+                " nodes of a GPU cluster spread by straggler_cv"
+            )
         if self.slices > 1 and not self.torus:
             raise DescriptionError(
                 f"{owner}: slices = {self.slices} needs a torus; slices joined by DCN are a TPU cluster's"

@@ -8,7 +8,6 @@ Hand counts use the Llama 3 8B preset (Dubey et al. 2024, Table 3): 32 layers, h
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 
@@ -21,7 +20,7 @@ from pipedsl.simulator.fit_published import DATA, HELD_OUT, evaluate, fit_framew
 from pipedsl.simulator.flops import FlopCount, step_flops
 from pipedsl.simulator.frameworks import FRAMEWORKS, Framework
 from pipedsl.simulator.hardware import Cluster, load_cluster, load_model
-from pipedsl.simulator.network import Tier, network_link, straggler_factor
+from pipedsl.simulator.network import Tier, expected_maximum, network_link, straggler_factor
 from pipedsl.simulator.plan import Plan, PlanError, Recompute
 from pipedsl.simulator.stages import ends_split
 from pipedsl.simulator.transformer import CAUSAL_SHARE, FLASH_BACKWARD, Shapes
@@ -286,7 +285,15 @@ def test_groups_beyond_a_leaf_cross_the_spine() -> None:
 def test_stragglers_slow_a_step_more_the_more_nodes_it_spans() -> None:
     cluster = dataclasses.replace(load_cluster("h100-80gb"), straggler_cv=0.01)
     assert straggler_factor(1, cluster) == 1.0
-    assert straggler_factor(1024, cluster) == pytest.approx(1 + 0.01 * math.sqrt(2 * math.log(1024)))
+    assert straggler_factor(1024, cluster) == pytest.approx(1 + 0.01 * expected_maximum(1024))
     plan = Plan(dp=64, global_batch=64)
     slow, plain = estimate(LLAMA_8B, cluster, plan), estimate(LLAMA_8B, load_cluster("h100-80gb"), plan)
     assert slow.step_time_s == pytest.approx(plain.step_time_s * straggler_factor(8, cluster))
+
+
+def test_the_expected_slowest_of_n_is_the_expected_maximum_of_n_normal_draws() -> None:
+    # Exact values of E[max of n standard normals]: 1/sqrt(pi) for two, 2.0697 for 32, 3.4418 for 2,048.
+    assert expected_maximum(1) == 0.0
+    assert expected_maximum(2) == pytest.approx(0.5642, rel=0.05)
+    assert expected_maximum(32) == pytest.approx(2.0697, rel=0.005)
+    assert expected_maximum(2048) == pytest.approx(3.4418, rel=0.005)

@@ -492,7 +492,8 @@ def test_search_tables_name_a_users_schedule_by_its_schedule_line(
 # when the search tried ZeRO 3 keeping its gathered weights (its rows join the ranking; the
 # others keep their order and prices); and when the search tried SPMD plans sharded in shard
 # groups of a node and the named remat policies, the fused attention computed its causal half,
-# and data-parallel traffic was overlapped layer by layer, its last layer's exposed.
+# and data-parallel traffic was overlapped layer by layer, its last layer's exposed; and when the
+# slowest of the nodes was priced by the expected maximum of normal draws (the same order).
 RECORDED_TOP = Path(__file__).parent / "data" / "search_demo_small_top20.json"
 
 

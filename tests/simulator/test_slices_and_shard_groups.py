@@ -12,8 +12,8 @@ from pipedsl.cli import main
 from pipedsl.simulator.candidates import candidate_plans, shard_groups
 from pipedsl.simulator.data_parallel import dp_group, replica_group
 from pipedsl.simulator.estimate import estimate
-from pipedsl.simulator.hardware import load_cluster, load_model
-from pipedsl.simulator.network import straggler_factor
+from pipedsl.simulator.hardware import DescriptionError, load_cluster, load_model
+from pipedsl.simulator.network import expected_maximum, slice_wait_s
 from pipedsl.simulator.plan import Plan, PlanError
 from pipedsl.simulator.search import search_plans
 from pipedsl.simulator.torus import TorusGroup
@@ -32,18 +32,38 @@ def test_a_multi_slice_step_is_the_one_slice_step_and_the_dcn_reduction_left_exp
     # The same work per chip: the forward and backward are the one slice's.
     assert four.pipeline_time_s == pytest.approx(one.pipeline_time_s, rel=1e-9)
     # Each chip's gradient shard is all-reduced across the four slices over DCN after the
-    # backward, layer by layer; what the backward does not hide is the tail, and the step
-    # waits for the slowest slice.
-    assert four.dp_tail_s > one.dp_tail_s
-    expected = (four.pipeline_time_s + four.dp_tail_s + four.optimizer_s) * straggler_factor(4, V5E)
-    assert four.step_time_s == pytest.approx(expected, rel=1e-12)
+    # backward, layer by layer; what the backward does not hide is the tail, and at each
+    # layer's reduction the step waits for the slowest slice.
+    sliced = dataclasses.replace(V5E, slices=4)
+    wait = slice_wait_s(LLAMA_8B.layers, sliced)
+    assert wait == pytest.approx(LLAMA_8B.layers * V5E.slice_jitter_s * expected_maximum(4)) and wait > 0
+    assert four.dp_tail_s > one.dp_tail_s + wait
+    assert four.step_time_s == pytest.approx(four.pipeline_time_s + four.dp_tail_s + four.optimizer_s, rel=1e-12)
     assert four.step_time_s > one.step_time_s
     # The ZeRO group stays inside one slice; the replicas cross them over DCN.
     plan = _fsdp(1024, 256)
-    sliced = dataclasses.replace(V5E, slices=4)
     group, replicas = dp_group(plan, sliced), replica_group(plan, sliced)
     assert isinstance(group, TorusGroup) and group.slices == 1 and group.ranks == 256
     assert isinstance(replicas, TorusGroup) and replicas.slices == 4 and replicas.ranks == 4
+
+
+def test_the_slices_wait_grows_with_the_layers_not_the_step() -> None:
+    # Twice the layers at half the microbatch: the same work per chip, twice the meetings of
+    # the slices, so twice the wait for the slowest of them.
+    sliced = dataclasses.replace(V5E, slices=4)
+    deep = dataclasses.replace(LLAMA_8B, layers=2 * LLAMA_8B.layers)
+    two = Plan(dp=1024, fsdp=256, global_batch=2048, microbatch_size=2, zero=3, recompute="full")
+    shallow_step = estimate(LLAMA_8B, sliced, two).dp_tail_s
+    deep_step = estimate(deep, sliced, _fsdp(1024, 256)).dp_tail_s
+    assert slice_wait_s(deep.layers, sliced) == pytest.approx(2 * slice_wait_s(LLAMA_8B.layers, sliced))
+    assert deep_step - shallow_step == pytest.approx(slice_wait_s(LLAMA_8B.layers, sliced), rel=0.1)
+
+
+def test_a_torus_prices_its_slices_wait_per_layer_and_gpu_nodes_per_step() -> None:
+    with pytest.raises(DescriptionError, match="give slice_jitter_s"):
+        dataclasses.replace(V5E, straggler_cv=0.01)
+    with pytest.raises(DescriptionError, match="slice_jitter_s = 0.01 needs a torus"):
+        dataclasses.replace(load_cluster("h100-80gb"), slice_jitter_s=0.01)
 
 
 def test_shard_groups_shard_the_state_over_the_group_only() -> None:
