@@ -18,10 +18,13 @@ the jits and what it takes beyond them is the executor's own cost. Per plan it p
   pp=2, 16 microbatches) over its F and B actions;
 - ``--fuse`` says how the plans' steps run (:mod:`pipedsl.executor.local.fused`): ``loop``
   (the default: one program that loops over the microbatches, each through every stage),
-  ``unrolled`` (one program of every action) or ``off`` (the pipeline devices kept apart
-  on the one device, as on devices of their own: every task dispatched as a program of its
-  own, :mod:`pipedsl.tasks`, and every value copied between them), with the host's
-  microseconds per action (the host time of one step over the schedule's actions);
+  ``unrolled`` (one program of every action), or the pipeline devices kept apart on the
+  one device, as on devices of their own: ``ticks`` (the one program over the stage axis
+  that devices of their own run, :mod:`pipedsl.executor.local.ticked`, with each device's
+  part of every tick run in turn: its switches, windows and padded rows, its permutes as
+  copies) or ``off`` (every task dispatched as a program of its own, :mod:`pipedsl.tasks`,
+  and every value copied between them); with the host's microseconds per action (the
+  host time of one step over the schedule's actions);
 - with ``--cluster FILE`` (what ``pipedsl calibrate`` wrote on this machine), each plan's
   step as the planner predicts it there, against the measured one;
 - with ``--cache``, the first step of the first plan in a new process, twice: with an empty
@@ -218,6 +221,8 @@ def _pipeline_step(size: Size, plan: Plan, device: Any, optimizer: Any, *, fuse:
 
     def step() -> Any:
         held[0], held[1], loss = pipe.train_step(held[0], held[1], batch, optimizer=optimizer)
+        if fuse == "ticks" and not pipe.ticked:
+            raise SystemExit(f"{plan.name}: the one program over the stage axis does not take this plan")
         return loss
 
     return pipe, step
@@ -339,10 +344,11 @@ def main() -> None:
     parser.add_argument("--cache", action="store_true", help="time a second process's first step on the cache")
     parser.add_argument(
         "--fuse",
-        choices=("loop", "unrolled", "off"),
+        choices=("loop", "unrolled", "ticks", "off"),
         default="loop",
         help="how the plans' steps run: one program looping over the microbatches (default), one program of "
-        "every action, or every action apart",
+        "every action, the one program of devices of their own with each device's part of a tick in turn, or "
+        "every action apart",
     )
     parser.add_argument(
         "--cluster",

@@ -379,7 +379,8 @@ class Pipeline:
     def ticked(self) -> bool:
         """Whether an unrecorded step runs as one SPMD program over the pipeline devices,
         tick by tick (the local backend, each pipeline device a JAX device of its own and
-        ``options.ticks``: :mod:`pipedsl.executor.local.ticked`); known once a step (or
+        ``options.ticks``, or all on one with ``options.fuse == "ticks"``:
+        :mod:`pipedsl.executor.local.ticked`); known once a step (or
         :meth:`init`) installed the stages. A recorded step dispatches each action apart."""
         return isinstance(self.backend, LocalBackend) and self.backend.ticked
 

@@ -42,7 +42,7 @@ __all__ = [
 
 RecomputeMode = Literal["none", "selective", "full", "save_dots", "save_qkv_proj", "save_mlp_inputs"]
 Precision = Literal["fp32", "bf16"]
-Fuse = Literal["loop", "unrolled", "off"]
+Fuse = Literal["loop", "unrolled", "ticks", "off"]
 """How a step of pipeline devices sharing their devices runs (:attr:`RunOptions.fuse`)."""
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
@@ -104,8 +104,11 @@ class RunOptions:
         (it compiles about as long as one ``jax.jit`` of the step that accumulates the
         microbatches, and keeps one microbatch's activations at a time); ``"unrolled"``, one program of every
         action of the schedule (it compiles several times longer, and lets XLA overlap the
-        microbatches as their data dependencies allow); ``"off"``, every action dispatched
-        apart, as on devices of their own.
+        microbatches as their data dependencies allow); ``"ticks"``, the one program that
+        ``ticks`` runs over devices of their own, with each pipeline device's part of every
+        tick run in turn (where that program takes the plan, else as ``"off"``): what that
+        program costs beyond the work, measured on one chip; ``"off"``, every action
+        dispatched apart, as on devices of their own.
       host_transfers: between pipeline devices that are one CPU device each (local backend),
         a value sent once it is computed goes through host memory, as a view the
         receiving program reads (JAX's copy between CPU devices costs about 100 us of host

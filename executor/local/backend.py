@@ -217,13 +217,15 @@ class LocalBackend:
         self._compiled = compiled
         first, last = schedule.placement[0], schedule.placement[-1]
         self._fused = (
-            None
-            if self.fuse == "off"
-            else FusedStep(self.workers, schedule=self.program.schedule, first=first, last=last, mode=self.fuse)
+            FusedStep(self.workers, schedule=self.program.schedule, first=first, last=last, mode=self.fuse)
+            if self.fuse in ("loop", "unrolled")
+            else None
         )
+        serial = self.fuse == "ticks"
         self._ticked = (
-            TickedStep(self.workers, self.meshes, schedule=schedule)
-            if self._wants_ticks() and self.fuse == "off" and ticks_apply(self.workers, self.meshes)
+            TickedStep(self.workers, self.meshes, schedule=schedule, serial=serial)
+            if (serial or (self._wants_ticks() and self.fuse == "off"))
+            and ticks_apply(self.workers, self.meshes, serial=serial)
             else None
         )
         kept = bool(before) and all(w.leaves for w in before) and self._kept_shapes == _leaf_shapes(params)

@@ -73,19 +73,23 @@ Leaves = tuple[Any, ...]
 Rows = dict[str, Any]
 
 
-def ticks_apply(workers: Sequence[Worker], meshes: Sequence[Mesh]) -> bool:
+def ticks_apply(workers: Sequence[Worker], meshes: Sequence[Mesh], *, serial: bool = False) -> bool:
     """Whether a step of ``workers`` can run as one program over the stage axis: what
     :func:`~pipedsl.ticks.ticks_fit` asks (two or more pipeline devices, each one JAX device
     of its own; every parameter leaf used by one stage only), and no stage calling back
     into Python on the host (a callback that raises
     inside a program over several devices aborts the process, where the tasks apart raise
-    an error that names the stage and action)."""
+    an error that names the stage and action). ``serial``: the pipeline devices all on one
+    JAX device instead, each device's part of a tick run in turn (``RunOptions(fuse="ticks")``)."""
     model = workers[0].model
     used = [i for s in range(model.num_stages) for i in model.stage_params[s]]
+    firsts = {m.devices.flat[0] for m in meshes}
+    if serial and len(firsts) != 1:
+        return False
     if not ticks_fit(
         pipeline_devices=len(meshes),
         devices_each=max((m.devices.size for m in meshes), default=0),
-        shared_devices=len({m.devices.flat[0] for m in meshes}) != len(meshes),
+        shared_devices=not serial and len(firsts) != len(meshes),
         shared_parameters=len(used) != len(set(used)),
     ):
         return False
@@ -202,12 +206,21 @@ class TickedStep:
     :func:`ticks_apply`) as one program per kind of step (an optimizer's, skipping a
     non-finite update or not, or gradients only), traced on its first use."""
 
-    def __init__(self, workers: Sequence[Worker], meshes: Sequence[Mesh], *, schedule: Schedule) -> None:
+    def __init__(
+        self, workers: Sequence[Worker], meshes: Sequence[Mesh], *, schedule: Schedule, serial: bool = False
+    ) -> None:
         self.workers = tuple(workers)
         self.schedule = schedule
         self.table: TickTable = tick_table(schedule)
-        self.mesh = Mesh(np.array([m.devices.flat[0] for m in meshes], dtype=object), (STAGE,))
-        self.rows_at = NamedSharding(self.mesh, PartitionSpec(STAGE))
+        self.serial = serial
+        if serial:
+            # Every pipeline device on the one JAX device of the first: the rows are whole
+            # arrays there, and each device's part of a tick runs in turn.
+            self.mesh = Mesh(np.array([meshes[0].devices.flat[0]], dtype=object), (STAGE,))
+            self.rows_at = NamedSharding(self.mesh, PartitionSpec())
+        else:
+            self.mesh = Mesh(np.array([m.devices.flat[0] for m in meshes], dtype=object), (STAGE,))
+            self.rows_at = NamedSharding(self.mesh, PartitionSpec(STAGE))
         model = self.workers[0].model
         self.model = model
         self.last = schedule.placement[-1]
@@ -233,7 +246,8 @@ class TickedStep:
         self._converters: dict[tuple[str, int], Callable[..., Any]] = {}
         self._programs: dict[Any, tuple[Any, Callable[..., Any]]] = {}
         # The losses of the steps in flight, on CPU devices (MAX_IN_FLIGHT says why).
-        self._in_flight: deque[Any] | None = deque() if self.mesh.devices.flat[0].platform == "cpu" else None
+        cpu = self.mesh.devices.flat[0].platform == "cpu"
+        self._in_flight: deque[Any] | None = deque() if cpu and not serial else None
 
     # -- layouts ----------------------------------------------------------------------
 
@@ -354,12 +368,13 @@ class TickedStep:
             return
         params, states = self._params, self._states
         self._params = self._states = None
+        row_of = (lambda value, d: value[d]) if self.serial else _row_of
         for w in self.workers:
             d = w.index
-            leaves = self._converter("unpack params", d)({k: _row_of(v, d) for k, v in params.items()})
+            leaves = self._converter("unpack params", d)({k: row_of(v, d) for k, v in params.items()})
             theirs = None
             if states is not None:
-                theirs = self._converter("unpack states", d)({k: _row_of(v, d) for k, v in states.items()})
+                theirs = self._converter("unpack states", d)({k: row_of(v, d) for k, v in states.items()})
             w.load(leaves, theirs)
 
     def _pack(self, update: Update | None) -> None:
@@ -422,10 +437,13 @@ class TickedStep:
 
     def _sharded(self, rows: Sequence[Rows]) -> Rows:
         """Per dtype, the devices' ``[1, n]`` rows (each on its device) as one ``[D, n]``
-        array sharded over the stage axis (no copy)."""
+        array sharded over the stage axis (no copy); run serially, one array on the device."""
         out = {}
         for k in rows[0]:
             parts = [r[k] for r in rows]
+            if self.serial:
+                out[k] = jnp.concatenate(parts)
+                continue
             out[k] = jax.make_array_from_single_device_arrays(
                 (len(parts), parts[0].shape[1]), self.rows_at, [p.addressable_data(0) for p in parts]
             )
@@ -510,102 +528,161 @@ class TickedStep:
 
     def _program(self, update: Update | None, keep_grads: bool) -> Callable[..., Any]:
         table, schedule = self.table, self.schedule
-        mesh, stage_spec = self.mesh, PartitionSpec(STAGE)
         coupled = update is not None and couples_through_global_norm(update.optimizer)
         skip = update is not None and update.skip_nonfinite
-        count = schedule.num_microbatches
-        ticks = [self._tick(t) for t in range(table.num_ticks)]
-        updates = [self._device_update(d, update, coupled) for d in range(schedule.num_devices)] if update else []
+        count, num_devices = schedule.num_microbatches, schedule.num_devices
+        ticks = [tick for tick in map(self._tick, range(table.num_ticks)) if len(tick.branches) > 1]
+        updates = [self._device_update(d, update, coupled) for d in range(num_devices)] if update else []
+        sizes = (self.grad_window, self.residual_size, self.handoff_size, self.message_size)
+
+        # One device's part of the step, whether the devices run it side by side (one
+        # program over the stage axis) or in turn on one device (serial): its pools, a
+        # tick's action on them, a permuted message taken in, and its update.
+        # Where every device holds one stage, its stage's window of parameters and
+        # accumulators is its whole row: the rows go through the switch as they are, for a
+        # window cut from them is a copy of the stage's parameters and accumulators a tick.
+        whole = (
+            schedule.num_stages == num_devices
+            and self.param_window == self.param_size
+            and self.grad_window == self.grad_size
+        )
+
+        def begin(params: Rows) -> dict[str, Any]:
+            # Each pool with a spare slot (and the accumulators and parameters with a window's
+            # room at the end), so that a window at a device's spare place is always whole.
+            room = {k: 0 if whole else n for k, n in self.grad_window.items()}
+            return {
+                "grads": {k: jnp.zeros((n + room[k],), k) for k, n in sorted(self.grad_size.items())},
+                "weights": {
+                    k: v if whole else jnp.concatenate([v, jnp.zeros((self.param_window[k],), v.dtype)])
+                    for k, v in params.items()
+                },
+                "loss": jnp.zeros((), jnp.float32),
+                "res": {k: jnp.zeros((n * (self.residual_count + 1),), k) for k, n in sorted(sizes[1].items())},
+                "hand": {k: jnp.zeros((n * (self.handoff_count + 1),), k) for k, n in sorted(sizes[2].items())},
+                "inbox": {k: jnp.zeros((n * self.message_count,), k) for k, n in sorted(sizes[3].items())},
+            }
+
+        def compute(
+            tick: _Tick, pools: dict[str, Any], me: Any, batch: Any, d: int | None = None
+        ) -> tuple[dict[str, Any], Rows]:
+            # Only windows go through the switch (the pools stay where they are: XLA
+            # copies what a conditional takes): this tick's parameters and accumulators
+            # of the device's stage, its residual and hand-over slots, the message it
+            # reads. A window written nothing goes back as it came.
+            grads, weights, res, hand, inbox = (pools[k] for k in ("grads", "weights", "res", "hand", "inbox"))
+            at = {name: jnp.asarray(where)[me] for name, where in tick.places.items()}
+            g_at = {k: jnp.asarray(where)[me] for k, where in tick.grads_at.items()}
+            p_at = {k: jnp.asarray(where)[me] for k, where in tick.params_at.items()}
+            stage_weights = (
+                weights
+                if whole
+                else {k: lax.dynamic_slice(weights[k], (p_at[k],), (n,)) for k, n in self.param_window.items()}
+            )
+            windows = (
+                grads if whole else {k: lax.dynamic_slice(grads[k], (g_at[k],), (n,)) for k, n in sizes[0].items()},
+                {k: lax.dynamic_slice(res[k], (at["res"] * n,), (n,)) for k, n in sizes[1].items()},
+                {k: lax.dynamic_slice(hand[k], (at["hand"] * n,), (n,)) for k, n in sizes[2].items()},
+                {k: lax.dynamic_slice(inbox[k], (at["read"] * n,), (n,)) for k, n in sizes[3].items()},
+            )
+            branches, index = tick.branches, jnp.asarray(tick.index)[me]
+            if d is not None:
+                # Run serially, device d's switch holds its own action (and idle), as many
+                # switches of every action would compile the step as many times over.
+                branches, index = [branches[0], branches[tick.index[d]]], (index > 0).astype(jnp.int32)
+            g_w, loss, r_w, h_w, out = lax.switch(index, branches, stage_weights, pools["loss"], *windows, batch)
+            # A value for a stage on the same device goes to its inbound slot (else to the
+            # spare one); one for another device moves there after the tick (deliver).
+            return {
+                "grads": g_w
+                if whole
+                else {k: lax.dynamic_update_slice(v, g_w[k], (g_at[k],)) for k, v in grads.items()},
+                "weights": weights,
+                "loss": loss,
+                "res": {k: lax.dynamic_update_slice(v, r_w[k], (at["res"] * sizes[1][k],)) for k, v in res.items()},
+                "hand": {k: lax.dynamic_update_slice(v, h_w[k], (at["hand"] * sizes[2][k],)) for k, v in hand.items()},
+                "inbox": {
+                    k: lax.dynamic_update_slice(v, out[k], (at["local"] * sizes[3][k],)) for k, v in inbox.items()
+                },
+            }, out
+
+        def deliver(pools: dict[str, Any], got: Rows, slot: Any) -> dict[str, Any]:
+            inbox = {k: lax.dynamic_update_slice(v, got[k], (slot * sizes[3][k],)) for k, v in pools["inbox"].items()}
+            return {**pools, "inbox": inbox}
+
+        def checks(pools: dict[str, Any]) -> tuple[Any, Any]:
+            """This device's count of non-finite values and sum of squared gradients, for
+            the update's skip and global norm (each summed over the devices), as needed."""
+            grads = {k: v[: self.grad_size[k]] for k, v in pools["grads"].items()}
+            bad = own = None
+            if skip:
+                bad = sum((jnp.sum(~jnp.isfinite(v)) for v in grads.values() if _inexact(v)), jnp.int32(0))
+                bad = bad + (~jnp.isfinite(pools["loss"])).astype(jnp.int32)
+            if coupled:
+                own = sum((jnp.sum(jnp.square(v.astype(jnp.float32))) for v in grads.values()), jnp.float32(0))
+            return bad, own
+
+        def end(params: Rows, states: Rows, pools: dict[str, Any], me: Any, bad: Any, own: Any) -> Any:
+            grads = {k: v[: self.grad_size[k]] for k, v in pools["grads"].items()}
+            if update is not None:
+                finite = None if bad is None else bad == 0
+                params, states = lax.switch(me, updates, params, states, grads, finite, own)
+            return params, states, pools["loss"], grads if keep_grads else {}
+
+        def microbatches(xs: Leaves, ts: Leaves) -> Any:
+            return (
+                tuple(x.reshape((count, x.shape[0] // count, *x.shape[1:])) for x in xs),
+                tuple(t.reshape((count, t.shape[0] // count, *t.shape[1:])) for t in ts),
+            )
 
         def body(params: Rows, states: Rows, xs: Leaves, ts: Leaves) -> Any:
             params = {k: v[0] for k, v in params.items()}
             states = {k: v[0] for k, v in states.items()}
             me = lax.axis_index(STAGE)
-            batch = (
-                tuple(x.reshape((count, x.shape[0] // count, *x.shape[1:])) for x in xs),
-                tuple(t.reshape((count, t.shape[0] // count, *t.shape[1:])) for t in ts),
-            )
-            # Each pool with a spare slot (and the accumulators with a window's room at the
-            # end), so that a window at a device's spare place is always whole.
-            grads = {k: jnp.zeros((n + self.grad_window[k],), k) for k, n in sorted(self.grad_size.items())}
-            weights = {k: jnp.concatenate([v, jnp.zeros((self.param_window[k],), v.dtype)]) for k, v in params.items()}
-            loss = jnp.zeros((), jnp.float32)
-            res = {k: jnp.zeros((n * (self.residual_count + 1),), k) for k, n in sorted(self.residual_size.items())}
-            hand = {k: jnp.zeros((n * (self.handoff_count + 1),), k) for k, n in sorted(self.handoff_size.items())}
-            inbox = {k: jnp.zeros((n * self.message_count,), k) for k, n in sorted(self.message_size.items())}
-            sizes = (self.grad_window, self.residual_size, self.handoff_size, self.message_size)
+            batch = microbatches(xs, ts)
+            pools = begin(params)
             for tick in ticks:
-                if len(tick.branches) == 1:
-                    continue
-                # Only windows go through the switch (the pools stay where they are: XLA
-                # copies what a conditional takes): this tick's parameters and accumulators
-                # of the device's stage, its residual and hand-over slots, the message it
-                # reads. A window written nothing goes back as it came.
-                at = {name: jnp.asarray(where)[me] for name, where in tick.places.items()}
-                g_at = {k: jnp.asarray(where)[me] for k, where in tick.grads_at.items()}
-                p_at = {k: jnp.asarray(where)[me] for k, where in tick.params_at.items()}
-                stage_weights = {
-                    k: lax.dynamic_slice(weights[k], (p_at[k],), (n,)) for k, n in self.param_window.items()
-                }
-                windows = (
-                    {k: lax.dynamic_slice(grads[k], (g_at[k],), (n,)) for k, n in sizes[0].items()},
-                    {k: lax.dynamic_slice(res[k], (at["res"] * n,), (n,)) for k, n in sizes[1].items()},
-                    {k: lax.dynamic_slice(hand[k], (at["hand"] * n,), (n,)) for k, n in sizes[2].items()},
-                    {k: lax.dynamic_slice(inbox[k], (at["read"] * n,), (n,)) for k, n in sizes[3].items()},
-                )
-                g_w, loss, r_w, h_w, out = lax.switch(
-                    jnp.asarray(tick.index)[me], tick.branches, stage_weights, loss, *windows, batch
-                )
-                grads = {k: lax.dynamic_update_slice(v, g_w[k], (g_at[k],)) for k, v in grads.items()}
-                res = {k: lax.dynamic_update_slice(v, r_w[k], (at["res"] * sizes[1][k],)) for k, v in res.items()}
-                hand = {k: lax.dynamic_update_slice(v, h_w[k], (at["hand"] * sizes[2][k],)) for k, v in hand.items()}
-                # A value for a stage on the same device goes to its inbound slot (else to
-                # the spare one); one for another device moves there, a permutation at a time.
-                inbox = {k: lax.dynamic_update_slice(v, out[k], (at["local"] * sizes[3][k],)) for k, v in inbox.items()}
+                pools, out = compute(tick, pools, me, batch)
                 for pairs, slots in tick.groups:
-                    slot = jnp.asarray(slots)[me]
-                    for k, value in out.items():
-                        got = lax.ppermute(value, STAGE, perm=pairs)
-                        inbox = {**inbox, k: lax.dynamic_update_slice(inbox[k], got, (slot * sizes[3][k],))}
-            grads = {k: v[: self.grad_size[k]] for k, v in grads.items()}
-            new_params, new_states = params, states
-            if update is not None:
-                finite = None
-                if skip:
-                    bad = sum((jnp.sum(~jnp.isfinite(v)) for v in grads.values() if _inexact(v)), jnp.int32(0))
-                    bad = bad + (~jnp.isfinite(loss)).astype(jnp.int32)
-                    finite = lax.psum(bad, STAGE) == 0
-                total = None
-                if coupled:
-                    own = sum((jnp.sum(jnp.square(v.astype(jnp.float32))) for v in grads.values()), jnp.float32(0))
-                    total = lax.psum(own, STAGE)
-                new_params, new_states = lax.switch(me, updates, params, states, grads, finite, total)
-            expanded = (
-                {k: v[None] for k, v in new_params.items()},
-                {k: v[None] for k, v in new_states.items()},
-                loss[None],
-                {k: v[None] for k, v in grads.items()} if keep_grads else {},
-            )
-            return expanded
+                    got = {k: lax.ppermute(value, STAGE, perm=pairs) for k, value in out.items()}
+                    pools = deliver(pools, got, jnp.asarray(slots)[me])
+            bad, own = checks(pools)
+            bad, own = (None if v is None else lax.psum(v, STAGE) for v in (bad, own))
+            return jax.tree_util.tree_map(lambda v: v[None], end(params, states, pools, me, bad, own))
 
-        spec_rows = {k: stage_spec for k in self.param_size}
-        spec_states = {k: stage_spec for k in self._state_size} if update is not None else {}
-        sharded = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(spec_rows, spec_states, PartitionSpec(), PartitionSpec()),
-            out_specs=(
-                spec_rows,
-                spec_states,
-                stage_spec,
-                {k: stage_spec for k in self.grad_size} if keep_grads else {},
-            ),
-            check_vma=False,
-        )
+        def serial(params: Rows, states: Rows, xs: Leaves, ts: Leaves, mes: Any) -> Any:
+            # The devices' parts in turn, each with its index ``mes[d]`` a value of the
+            # program (not a constant XLA would fold), so that each runs what it runs on a
+            # device of its own: a switch over the same windows. A device idle at a tick is
+            # skipped: on a device of its own it waits out the busy ones.
+            rows = [
+                ({k: v[d] for k, v in params.items()}, {k: v[d] for k, v in states.items()}) for d in range(num_devices)
+            ]
+            batch = microbatches(xs, ts)
+            pools = [begin(p) for p, _ in rows]
+            for tick in ticks:
+                outs = []
+                for d in range(num_devices):
+                    out = self._outbox()
+                    if tick.index[d]:
+                        pools[d], out = compute(tick, pools[d], mes[d], batch, d)
+                    outs.append(out)
+                for pairs, slots in tick.groups:
+                    # As a collective permute: a device no pair sends to receives zeros.
+                    source = {dst: src for src, dst in pairs}
+                    for d in range(num_devices):
+                        got = outs[source[d]] if d in source else jax.tree_util.tree_map(jnp.zeros_like, outs[d])
+                        pools[d] = deliver(pools[d], got, jnp.asarray(slots)[mes[d]])
+            parts = [checks(p) for p in pools]
+            bad, own = (None if parts[0][i] is None else sum(p[i] for p in parts) for i in (0, 1))
+            ends = [end(*rows[d], pools[d], mes[d], bad, own) for d in range(num_devices)]
+            return jax.tree_util.tree_map(lambda *v: jnp.stack(v), *ends)
+
         last, model, devices = self.last, self.model, self.devices
+        ran: Callable[..., Any]
 
-        def step(params: Rows, states: Rows, xs: Leaves, ts: Leaves) -> Any:
-            new_params, new_states, losses, grads = sharded(params, states, xs, ts)
+        def step(params: Rows, states: Rows, xs: Leaves, ts: Leaves, *mes: Any) -> Any:
+            new_params, new_states, losses, grads = ran(params, states, xs, ts, *mes)
             per_device: dict[int, dict[int, Any]] = {}
             if keep_grads:
                 for d, device in enumerate(devices):
@@ -617,12 +694,33 @@ class TickedStep:
                     per_device[d] = mine
             return new_params, new_states, losses[last], per_device
 
-        replicated = NamedSharding(mesh, PartitionSpec())
-        return jax.jit(
-            step,
-            donate_argnums=(0, 1) if update is not None else (),
-            in_shardings=(self.rows_at, self.rows_at, replicated, replicated),
+        donated = (0, 1) if update is not None else ()
+        if self.serial:
+            ran = serial
+            jitted = jax.jit(step, donate_argnums=donated)
+            mes = jax.device_put(np.arange(num_devices, dtype=np.int32), self.rows_at)
+            return lambda params, states, xs, ts: jitted(params, states, xs, ts, mes)
+        stage_spec = PartitionSpec(STAGE)
+        states_size = self._state_size if update is not None else {}
+        ran = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(
+                {k: stage_spec for k in self.param_size},
+                {k: stage_spec for k in states_size},
+                PartitionSpec(),
+                PartitionSpec(),
+            ),
+            out_specs=(
+                {k: stage_spec for k in self.param_size},
+                {k: stage_spec for k in states_size},
+                stage_spec,
+                {k: stage_spec for k in self.grad_size} if keep_grads else {},
+            ),
+            check_vma=False,
         )
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.jit(step, donate_argnums=donated, in_shardings=(self.rows_at, self.rows_at, replicated, replicated))
 
     def _tick(self, t: int) -> _Tick:
         """Tick ``t``: its branches (idle first), each device's branch and the places of its

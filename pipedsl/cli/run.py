@@ -40,7 +40,7 @@ from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.executor.model_sizes import block_parameters
 from pipedsl.ir import Schedule
-from pipedsl.run_options import RECOMPUTE_MODES, RunOptions, RunOptionsError
+from pipedsl.run_options import FUSE_MODES, RECOMPUTE_MODES, RunOptions, RunOptionsError
 from pipedsl.validate import validate
 from pipedsl.words import byte_size, plural
 
@@ -530,7 +530,11 @@ def _run_line(
         )
         meshes = f" ({pipeline}, each a {shape} mesh: {axes}, zero {options.zero}{groups}{once})"
     if args.shared_devices:
-        how = {"loop": "one program looping over the microbatches", "unrolled": "one program of every action"}
+        how = {
+            "loop": "one program looping over the microbatches",
+            "unrolled": "one program of every action",
+            "ticks": "one program of the tick table, each pipeline device's part in turn",
+        }
         step = how.get(options.fuse, "every action apart")
         pronoun = "it" if devices == 1 else "them"
         meshes += f" ({plural(schedule.num_devices, 'pipeline device')} share {pronoun}; each step runs as {step})"
@@ -713,9 +717,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--fuse",
-        choices=("loop", "unrolled", "off"),
+        choices=FUSE_MODES,
         help="with --shared-devices, the step as one program that loops over the microbatches (loop, the "
-        "default), one program of every action (unrolled), or every action apart (off)",
+        "default), one program of every action (unrolled), the one program of devices of their own with each "
+        "device's part of a tick in turn (ticks), or every action apart (off)",
     )
     run.add_argument(
         "--plan",

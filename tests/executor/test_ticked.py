@@ -33,15 +33,33 @@ def test_one_program_over_the_stage_axis_gives_the_one_device_gradients(name: st
     assert_trees_close(result.grads, ref_grads)
 
 
+@pytest.mark.parametrize(("name", "params"), SCHEDULES[2:], ids=[n for n, _ in SCHEDULES[2:]])
+def test_the_one_program_run_in_turn_on_one_device_gives_the_one_device_gradients(
+    name: str, params: dict[str, int]
+) -> None:
+    # fuse="ticks": every device's part of each tick in turn on one device, as one chip
+    # measures what the program costs devices of their own.
+    schedule = pipedsl.load(name, pp=4, microbatches=8, **params)
+    weights, batch, ref_loss, ref_grads = setup("mlp", "explicit", schedule.num_stages)
+    one = [jax.devices()[0]] * schedule.num_devices
+    pipe = pipeline("mlp", "explicit", schedule, options=RunOptions(fuse="ticks"), devices=one)
+    result = pipe.step(weights, batch)
+    assert pipe.backend.ticked
+    np.testing.assert_allclose(float(result.loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(result.grads, ref_grads)
+
+
 def test_one_program_over_the_stage_axis_trains_as_the_tasks_apart() -> None:
     # Adam under a global-norm clip (the update reads every device's gradients), then the
-    # parameters and state read back, handed to the tasks apart, and trained on.
+    # parameters and state read back, handed to the tasks apart, and trained on; the same
+    # program with the devices' parts in turn on one device trains alike.
     schedule = pipedsl.load("zb_h1", pp=4, microbatches=4)
     weights, batch, _, _ = setup("mlp", "explicit", 4)
     optimizer = optax.chain(optax.clip_by_global_norm(0.05), ADAM)
     runs = []
-    for options in (RunOptions(ticks=True), RunOptions()):
-        pipe = pipeline("mlp", "explicit", schedule, options=options)
+    one = {"devices": [jax.devices()[0]] * 4}
+    for options, where in ((RunOptions(ticks=True), {}), (RunOptions(fuse="ticks"), one), (RunOptions(), {})):
+        pipe = pipeline("mlp", "explicit", schedule, options=options, **where)
         held, state = weights, None
         losses = []
         with warnings.catch_warnings():
@@ -49,14 +67,15 @@ def test_one_program_over_the_stage_axis_trains_as_the_tasks_apart() -> None:
             for _ in range(3):
                 held, state, loss = pipe.train_step(held, state, batch, optimizer=optimizer)
                 losses.append(float(loss))
-        assert pipe.backend.ticked == bool(options.ticks)
+        assert pipe.backend.ticked == (options != RunOptions())
         # The parameters and state held on the devices are donated, never the caller's.
         assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(weights))
         runs.append((pipe.gather(held), pipe.gather(state), losses))
-    (params, states, losses), (want_params, want_states, want_losses) = runs
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    assert_trees_close(params, want_params, atol=1e-6)
-    assert_trees_close(states, want_states, atol=1e-6)
+    *ticked, (want_params, want_states, want_losses) = runs
+    for params, states, losses in ticked:
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+        assert_trees_close(params, want_params, atol=1e-6)
+        assert_trees_close(states, want_states, atol=1e-6)
 
 
 def test_a_recorded_step_and_a_plan_with_dp_run_their_tasks_apart() -> None:
