@@ -285,23 +285,29 @@ def _backends_step(model: Any, schedule: Any, params: Any, batch: Any, repeat: i
     both; a few steps a turn, timed after the first, as a training loop runs them back to back."""
     from pipedsl.executor import Pipeline, RayConfig, RunOptions
 
-    # "local": the tasks apart, as Ray runs them; "ticks": the local backend's one program
-    # over the pipeline devices.
+    # "local" and "ray": the tasks apart; "ticks" and "rayticks": one program over the
+    # pipeline devices (on Ray every process dispatching it on its shards).
+    ray = RayConfig(step_timeout=300, start_timeout=120)
     backends: dict[str, Any] = {
         "local": ("local", RunOptions(ticks=False)),
         "ticks": ("local", RunOptions(ticks=True)),
-        "ray": (RayConfig(step_timeout=300, start_timeout=120), RunOptions()),
+        "ray": (ray, RunOptions(ticks=False)),
+        "rayticks": (ray, RunOptions(ticks=True)),
     }
     pipes = {
         b: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=v, options=o)
         for b, (v, o) in backends.items()
     }
     try:
-        return interleaved_medians(
+        times = interleaved_medians(
             {b: partial(pipe.value_and_grad, params, batch) for b, pipe in pipes.items()},
             max(repeat // _BURST, 1),
             burst=_BURST,
         )
+        for b, pipe in pipes.items():
+            if pipe.ticked != b.endswith("ticks"):
+                raise SystemExit(f"{schedule.name}: the {b} pipeline ran the other path")
+        return times
     finally:
         for pipe in pipes.values():
             pipe.close()
@@ -325,7 +331,7 @@ def bench_per_action(repeat: int) -> None:
     figures: dict[str, float] = {}
     for name, step in times.items():
         print(
-            f"   {name:<6} step {step * 1e3:6.2f} ms over {actions} F and B actions: {step / actions * 1e6:5.0f} us per action"
+            f"   {name:<8} step {step * 1e3:6.2f} ms over {actions} F and B actions: {step / actions * 1e6:5.0f} us per action"
         )
         figures[f"{name}_per_action_us"] = step / actions * 1e6
     print(f"   (load average {load_now:.1f})")
@@ -351,7 +357,7 @@ def bench_dispatch(repeat: int) -> None:
     batch = model.batch(key, 8)
     print("\n   pp=4, 8 microbatches, compute-free stages, a CPU device (local) or a process (Ray) per pipeline device")
     print(
-        f"   {'schedule':<8} {'backend':<6} {'actions/dev':>11} {'programs/dev':>12} {'host us/step':>12} {'us/action':>9}"
+        f"   {'schedule':<8} {'backend':<8} {'actions/dev':>11} {'programs/dev':>12} {'host us/step':>12} {'us/action':>9}"
     )
     figures: dict[str, float] = {}
     for name in ("1f1b", "zb_h1"):
@@ -363,12 +369,13 @@ def bench_dispatch(repeat: int) -> None:
         times = _backends_step(model, schedule, params, batch, repeat)
         for backend, step in times.items():
             per_action = step / schedule.num_actions
-            programs_here = [1] if backend == "ticks" else programs
+            programs_here = [1] if backend.endswith("ticks") else programs
             print(
-                f"   {name:<8} {backend:<6} {max(actions):>11} {max(programs_here):>12} {step * 1e6:>12.0f} "
+                f"   {name:<8} {backend:<8} {max(actions):>11} {max(programs_here):>12} {step * 1e6:>12.0f} "
                 f"{per_action * 1e6:>9.0f}"
             )
             figures |= {
+                f"{name}_{backend}_programs_per_device": max(programs_here),
                 f"{name}_{backend}_host_us_per_step": step * 1e6,
                 f"{name}_{backend}_per_action_us": per_action * 1e6,
             }

@@ -145,6 +145,7 @@ class RayRunner:
             backend.attach(self, needs=needs, what=what)
             self.world = backend
         self._installed: _Layout | None = None
+        self._ticked = False
         self._optimizer: optax.GradientTransformation | None = None
         # Per process, the transfers it took part in during the last step, and the
         # collectives that made them (several transfers may go as one).
@@ -180,6 +181,13 @@ class RayRunner:
             tuple(DeviceSlot(world.nodes[r].node_id, r, i) for r in self.ranks(d) for i in world.devices[r])
             for d in range(self.program.schedule.num_devices)
         )
+
+    @property
+    def ticked(self) -> bool:
+        """Whether an unrecorded step runs as one SPMD program over the pipeline devices,
+        every process dispatching the same program on its shards
+        (:mod:`pipedsl.executor.local.ticked`); known once the stages are installed."""
+        return self._ticked
 
     def _stage_of(self, rank: int) -> int | None:
         stages = self.program.schedule.stages_on(self.device_of(rank))
@@ -455,6 +463,7 @@ class RayRunner:
             stage_options=self._stage_options,
             options=self._options,
             specs=specs,
+            schedule=schedule,
         )
         model = trace_model(spec)  # here too: every error about the model is raised before anything runs
         layout = _Layout(model, params, spec, key)
@@ -475,6 +484,13 @@ class RayRunner:
                 "every node (install it there, or pass RayConfig(runtime_env={'py_modules': [...]}))"
             ) from err
         self._raise_failures(results)
+        if len(set(results)) != 1:
+            self.world.close()
+            raise ExecutionError(
+                "the world's processes disagree on whether a step runs as one program over the pipeline devices "
+                f"({results}); the pipeline's Ray world has been torn down"
+            )
+        self._ticked = bool(results[0])
         self._installed = layout
         return layout
 
