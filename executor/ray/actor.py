@@ -8,7 +8,10 @@ world. Its devices belong to one pipeline device, whose stage mesh may span seve
 processes (``dp`` across them, ``tp`` inside each): the process runs that device's program
 (:class:`~pipedsl.executor.runtime.worker.Worker`), SPMD with the other processes of the mesh, each
 computing its own shards; transfers between pipeline devices are compiled collectives
-(:mod:`pipedsl.executor.ray.transport`).
+(:mod:`pipedsl.executor.ray.transport`). Where the plan allows it (every pipeline device one
+device of its own process), a step is instead the one program over the stage axis
+(:class:`~pipedsl.executor.local.ticked.TickedStep`), which every process dispatches alike,
+each bringing its own device's rows.
 
 The driver is not in the world. It ships the model once (:meth:`WorldProcess.install`: the
 process traces it and compiles its device's stages), then per step the batch's leaves to the

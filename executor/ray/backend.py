@@ -16,6 +16,10 @@ never pass through the driver or Ray's object store. Gradients, when asked, come
 answers (so such a step waits for them, and its loss comes with them); a training step's loss
 stays on the last stage's process until it is read (:mod:`pipedsl.executor.ray.remote_loss`),
 so the step returns without waiting for its computations and copies nothing to the host.
+Where every pipeline device is one device of its own process and ``RunOptions.ticks`` asks
+for it (:func:`~pipedsl.executor.local.ticked.wants_ticks`), each process's share of a step
+is the one program over the stage axis (:mod:`pipedsl.executor.local.ticked`), the same on
+every process: one dispatch per process per step, its transfers the program's permutes.
 
 Parameters and optimizer state stay in the world, made there (``Pipeline.init``: each
 process computes its own shards), read from a checkpoint each process writes, or shipped
