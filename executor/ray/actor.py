@@ -372,7 +372,7 @@ class WorldProcess:
         ``number``'s for :meth:`loss` to read (nothing is waited for or copied to the host),
         or dropped; ``forget`` are kept losses the driver no longer wants.
         """
-        worker = self._installed()
+        self._installed()
         assert self._hops is not None and self._signature is not None  # set by install
         start = time.perf_counter()
         for old in forget:
