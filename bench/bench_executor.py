@@ -15,13 +15,14 @@ Six measurements, each printed as a small table:
 5. the executor's own cost per action on both backends in one run: a step of compute-free
    stages (2 stages, 1F1B, 16 microbatches of one row of a 4-wide one-layer MLP) over its
    F and B actions, fixed per-step costs included; the local backend on two CPU devices of
-   this process (its tasks apart, as Ray runs them, and as one program over the pipeline
-   devices, ``ticks``), the Ray backend on two processes of a local instance (127.0.0.1 only),
-   in turns of four steps each, the first of a turn not timed; then the same for 1F1B and
+   this process and the Ray backend on two processes of a local instance (127.0.0.1 only),
+   each with its tasks apart and as one program over the pipeline devices (``ticks``,
+   ``rayticks``), in turns of four steps each, the first of a turn not timed (these steps
+   return gradients, so they wait for the devices); then the same for 1F1B and
    ZB-H1 at pp=4 over 8 microbatches (a CPU device, or a Ray process, per pipeline device),
    with the programs each device dispatches per step (its tasks, :mod:`pipedsl.tasks`, and
    the update) against its actions, and the host microseconds per step; then training
-   steps of both at pp=4 on the local backend, as one SPMD program over the pipeline
+   steps of both at pp=4 on both backends, as one SPMD program over the pipeline
    devices (:mod:`pipedsl.executor.local.ticked`) and as tasks apart: programs per device,
    host microseconds until ``train_step`` returns (per step and per action), and the step
    time of steps dispatched back to back;
@@ -285,23 +286,29 @@ def _backends_step(model: Any, schedule: Any, params: Any, batch: Any, repeat: i
     both; a few steps a turn, timed after the first, as a training loop runs them back to back."""
     from pipedsl.executor import Pipeline, RayConfig, RunOptions
 
-    # "local": the tasks apart, as Ray runs them; "ticks": the local backend's one program
-    # over the pipeline devices.
+    # "local" and "ray": the tasks apart; "ticks" and "rayticks": one program over the
+    # pipeline devices (on Ray every process dispatching it on its shards).
+    ray = RayConfig(step_timeout=300, start_timeout=120)
     backends: dict[str, Any] = {
         "local": ("local", RunOptions(ticks=False)),
         "ticks": ("local", RunOptions(ticks=True)),
-        "ray": (RayConfig(step_timeout=300, start_timeout=120), RunOptions()),
+        "ray": (ray, RunOptions(ticks=False)),
+        "rayticks": (ray, RunOptions(ticks=True)),
     }
     pipes = {
         b: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=v, options=o)
         for b, (v, o) in backends.items()
     }
     try:
-        return interleaved_medians(
+        times = interleaved_medians(
             {b: partial(pipe.value_and_grad, params, batch) for b, pipe in pipes.items()},
             max(repeat // _BURST, 1),
             burst=_BURST,
         )
+        for b, pipe in pipes.items():
+            if pipe.ticked != b.endswith("ticks"):
+                raise SystemExit(f"{schedule.name}: the {b} pipeline ran the other path")
+        return times
     finally:
         for pipe in pipes.values():
             pipe.close()
@@ -325,7 +332,7 @@ def bench_per_action(repeat: int) -> None:
     figures: dict[str, float] = {}
     for name, step in times.items():
         print(
-            f"   {name:<6} step {step * 1e3:6.2f} ms over {actions} F and B actions: {step / actions * 1e6:5.0f} us per action"
+            f"   {name:<8} step {step * 1e3:6.2f} ms over {actions} F and B actions: {step / actions * 1e6:5.0f} us per action"
         )
         figures[f"{name}_per_action_us"] = step / actions * 1e6
     print(f"   (load average {load_now:.1f})")
@@ -338,7 +345,7 @@ def bench_dispatch(repeat: int) -> None:
     device a CPU device (local) or a process (Ray), compute-free stages."""
     import jax
 
-    from pipedsl.executor import Pipeline, RunOptions
+    from pipedsl.executor import Pipeline, RayConfig, RunOptions
     from pipedsl.executor.models import mlp
     from pipedsl.library import library_path, load
     from pipedsl.program import Compute
@@ -351,7 +358,7 @@ def bench_dispatch(repeat: int) -> None:
     batch = model.batch(key, 8)
     print("\n   pp=4, 8 microbatches, compute-free stages, a CPU device (local) or a process (Ray) per pipeline device")
     print(
-        f"   {'schedule':<8} {'backend':<6} {'actions/dev':>11} {'programs/dev':>12} {'host us/step':>12} {'us/action':>9}"
+        f"   {'schedule':<8} {'backend':<8} {'actions/dev':>11} {'programs/dev':>12} {'host us/step':>12} {'us/action':>9}"
     )
     figures: dict[str, float] = {}
     for name in ("1f1b", "zb_h1"):
@@ -363,39 +370,51 @@ def bench_dispatch(repeat: int) -> None:
         times = _backends_step(model, schedule, params, batch, repeat)
         for backend, step in times.items():
             per_action = step / schedule.num_actions
-            programs_here = [1] if backend == "ticks" else programs
+            programs_here = [1] if backend.endswith("ticks") else programs
             print(
-                f"   {name:<8} {backend:<6} {max(actions):>11} {max(programs_here):>12} {step * 1e6:>12.0f} "
+                f"   {name:<8} {backend:<8} {max(actions):>11} {max(programs_here):>12} {step * 1e6:>12.0f} "
                 f"{per_action * 1e6:>9.0f}"
             )
             figures |= {
+                f"{name}_{backend}_programs_per_device": max(programs_here),
                 f"{name}_{backend}_host_us_per_step": step * 1e6,
                 f"{name}_{backend}_per_action_us": per_action * 1e6,
             }
         figures |= {f"{name}_programs_per_device": max(programs), f"{name}_actions_per_device": max(actions)}
     print(f"   (load average {os.getloadavg()[0]:.1f})")
     print(
-        "\n   training steps on the local backend: one SPMD program over the pipeline devices (ticks) against the"
-        " tasks apart (RunOptions(ticks=False), the default on CPU); host us/step is the time train_step takes to return with no step"
+        "\n   training steps: one SPMD program over the pipeline devices (ticks; on Ray, rayticks: every process"
+        " dispatching it) against the tasks apart (tasks; on Ray, ray: RunOptions(ticks=False), the default on CPU);"
+        " host us/step is the time train_step takes to return with no step"
         f" in flight, step us the time per step of {_TRAIN_STEPS} steps back to back, waited for"
     )
     print(
-        f"   {'schedule':<8} {'path':<6} {'ticks':>5} {'programs/dev':>12} {'host us/step':>12} {'us/action':>9}"
+        f"   {'schedule':<8} {'path':<8} {'ticks':>5} {'programs/dev':>12} {'host us/step':>12} {'us/action':>9}"
         f" {'step us':>8}"
     )
     for name in ("1f1b", "zb_h1"):
         schedule = load(library_path(name), pp=4, microbatches=8)
         program = Pipeline(model.stages, loss=model.loss, schedule=schedule).program
         ticks = tick_table(schedule).num_ticks
-        paths = {"ticks": RunOptions(ticks=True), "tasks": RunOptions(ticks=False)}
-        programs = {"ticks": 1, "tasks": max(len(device_tasks(d)) + 1 for d in program.devices)}
-        pipes = {p: Pipeline(model.stages, loss=model.loss, schedule=schedule, options=o) for p, o in paths.items()}
+        ray = RayConfig(step_timeout=300, start_timeout=120)
+        paths = {
+            "ticks": ("local", RunOptions(ticks=True)),
+            "tasks": ("local", RunOptions(ticks=False)),
+            "rayticks": (ray, RunOptions(ticks=True)),
+            "ray": (ray, RunOptions(ticks=False)),
+        }
+        apart = max(len(device_tasks(d)) + 1 for d in program.devices)
+        programs = {p: 1 if p.endswith("ticks") else apart for p in paths}
+        pipes = {
+            p: Pipeline(model.stages, loss=model.loss, schedule=schedule, backend=b, options=o)
+            for p, (b, o) in paths.items()
+        }
         timed = _train_steps(pipes, params, batch, repeat)
         for path, (ran_ticked, host, step) in timed.items():
-            if ran_ticked != (path == "ticks"):
+            if ran_ticked != path.endswith("ticks"):
                 raise SystemExit(f"{name}: the {path} pipeline ran the other path")
             print(
-                f"   {name:<8} {path:<6} {ticks if path == 'ticks' else '':>5} {programs[path]:>12}"
+                f"   {name:<8} {path:<8} {ticks if path.endswith('ticks') else '':>5} {programs[path]:>12}"
                 f" {host * 1e6:>12.0f} {host / schedule.num_actions * 1e6:>9.1f} {step * 1e6:>8.0f}"
             )
             figures |= {

@@ -99,6 +99,12 @@ class DeviceReport:
 class Backend(Protocol):
     """The pipeline devices of one schedule, as the driver runs them."""
 
+    @property
+    def ticked(self) -> bool:
+        """Whether an unrecorded step runs as one SPMD program over the pipeline devices
+        (:mod:`pipedsl.executor.local.ticked`); known once the stages are installed."""
+        ...
+
     def install(self, params: Any, example_inputs: Any, example_targets: Any) -> tuple[StagedModel, bool]:
         """The model traced and its stages compiled on the devices for parameters of the
         shapes ``params`` (a pytree of ``jax.ShapeDtypeStruct``) and one microbatch's

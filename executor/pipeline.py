@@ -378,11 +378,11 @@ class Pipeline:
     @property
     def ticked(self) -> bool:
         """Whether an unrecorded step runs as one SPMD program over the pipeline devices,
-        tick by tick (the local backend, each pipeline device a JAX device of its own and
-        ``options.ticks``, or all on one with ``options.fuse == "ticks"``:
-        :mod:`pipedsl.executor.local.ticked`); known once a step (or
-        :meth:`init`) installed the stages. A recorded step dispatches each action apart."""
-        return isinstance(self.backend, LocalBackend) and self.backend.ticked
+        tick by tick (each pipeline device a JAX device of its own and ``options.ticks``, on
+        Ray every process dispatching the same program on its shards; or, locally, all on one
+        with ``options.fuse == "ticks"``: :mod:`pipedsl.executor.local.ticked`); known once a
+        step (or :meth:`init`) installed the stages. A recorded step dispatches each action apart."""
+        return self.backend.ticked
 
     def placement(self) -> tuple[tuple[DeviceSlot, ...], ...]:
         """Per pipeline device, its stage mesh's devices (``dp x cp x tp``, row-major) as

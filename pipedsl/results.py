@@ -52,6 +52,10 @@ _TITLES = {
     "bench_executor_split": "The I/W split: (I + W) / B on a stage of 4 GELU layers 512 wide",
     "bench_executor_overhead": "The local backend's cost per step and per action (a model of negligible compute)",
     "bench_executor_per_action": "The executor's own cost per action on both backends (2 stages, 1F1B, 16 microbatches)",
+    "bench_executor_dispatch": (
+        "1F1B and ZB-H1 at pp=4, 8 microbatches: programs per device and host time per step and per action, "
+        "each backend's tasks apart against its one program over the stage axis"
+    ),
     "bench_executor_schedules": "Step times on the local backend: GPipe, 1F1B, ZB-H1, and one jax.jit of the same loop",
     "bench_hybrid_plans": "The demo transformer on 8 CPU devices: the search's plans, predicted against measured",
     "bench_hybrid_overhead": "The demo transformer on 8 CPU devices: the executor's steps against one jax.jit",

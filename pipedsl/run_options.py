@@ -115,7 +115,7 @@ class RunOptions:
         time whatever the size); a receive then waits for the value to be computed. False
         copies every value between the devices, as on accelerators (where values are always
         copied), so that the host never waits inside a step and steps run ahead of the devices.
-      ticks: where every pipeline device is one JAX device of its own (local backend;
+      ticks: where every pipeline device is one JAX device of its own (either backend;
         ``dp = cp = tp = 1``, no parameter leaf used by two stages), how each unrecorded step
         runs: True, one SPMD program over the pipeline devices that runs the schedule's tick
         table (:mod:`pipedsl.ticks`; one dispatch per step, values moved between devices by

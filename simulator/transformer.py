@@ -227,7 +227,7 @@ class Shapes:
     @property
     def ticked(self) -> bool:
         """Whether pipedsl's executor runs a step of this plan as one program over the
-        pipeline devices, tick by tick (:mod:`pipedsl.ticks`; the local backend): a plan
+        pipeline devices, tick by tick (:mod:`pipedsl.ticks`; either backend): a plan
         that fits it (:func:`~pipedsl.ticks.ticks_fit`: pp > 1 on pipeline devices of their
         own, each one device, dp = tp = cp = 1, embeddings not tied), under the ``pipedsl`` framework on
         accelerators: a cluster whose executor dispatch is priced per task

@@ -284,11 +284,13 @@ def pipeline(kind: str, form: str, schedule: Schedule, *, options: RunOptions = 
 ADAM = optax.adam(1e-2, eps=1e-4)
 
 
-def reference_training(form: str, num_stages: int, *, steps: int) -> list[tuple[Any, jax.Array]]:
-    """(params after, loss of) each of ``steps`` ADAM steps of the unsplit transformer on
+def reference_training(
+    form: str, num_stages: int, *, steps: int, kind: str = "transformer"
+) -> list[tuple[Any, jax.Array]]:
+    """(params after, loss of) each of ``steps`` ADAM steps of the unsplit ``kind`` model on
     one device, from :func:`setup`'s parameters and batch."""
-    params, batch, _, _ = setup("transformer", form, num_stages)
-    return _train_unsplit(model("transformer", num_stages), form, params, batch, ADAM, steps=steps)
+    params, batch, _, _ = setup(kind, form, num_stages)
+    return _train_unsplit(model(kind, num_stages), form, params, batch, ADAM, steps=steps)
 
 
 def _train_unsplit(

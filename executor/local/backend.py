@@ -38,7 +38,7 @@ from pipedsl.executor.backend import DeviceReport
 from pipedsl.executor.errors import ExecutionError, summary
 from pipedsl.executor.local.exchange import LocalExchange, resharder
 from pipedsl.executor.local.fused import FusedStep, shared_devices
-from pipedsl.executor.local.ticked import TickedStep, ticks_apply
+from pipedsl.executor.local.ticked import TickedStep, ticks_apply, wants_ticks
 from pipedsl.executor.runtime.scheduler import Steps, run_watched
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, compile_device
@@ -223,9 +223,9 @@ class LocalBackend:
         )
         serial = self.fuse == "ticks"
         self._ticked = (
-            TickedStep(self.workers, self.meshes, schedule=schedule, serial=serial)
-            if (serial or (self._wants_ticks() and self.fuse == "off"))
-            and ticks_apply(self.workers, self.meshes, serial=serial)
+            TickedStep(self.workers, self.meshes, schedule=schedule, stages=programs, serial=serial)
+            if (serial or (wants_ticks(self.options, self.meshes) and self.fuse == "off"))
+            and ticks_apply(compiled.model, programs, self.meshes, serial=serial)
             else None
         )
         kept = bool(before) and all(w.leaves for w in before) and self._kept_shapes == _leaf_shapes(params)
@@ -234,13 +234,6 @@ class LocalBackend:
                 new.load(old.leaves, old.states if old.states else None)
         self._kept_shapes = _leaf_shapes(params)
         return compiled.model, not kept
-
-    def _wants_ticks(self) -> bool:
-        """``options.ticks``, or where it is None whether the devices are accelerators
-        (:attr:`~pipedsl.run_options.RunOptions.ticks`)."""
-        if self.options.ticks is not None:
-            return self.options.ticks
-        return self.meshes[0].devices.flat[0].platform != "cpu"
 
     @property
     def ticked(self) -> bool:

@@ -24,6 +24,10 @@ per step, which runs the schedule's tick table (:func:`pipedsl.ticks.tick_table`
   with the global norm's sum of squares summed over the stage axis where the optimizer
   couples leaves through it; parameters and optimizer state are donated.
 
+On the Ray backend every process of the world runs this same program over a stage mesh of
+the world's devices, each holding one pipeline device and bringing its rows (JAX's
+multi-controller mode); only the program's permutes pass between processes.
+
 The parameters and optimizer state stay in those rows between steps (sharded over the
 stage axis); the workers get them back as their leaves and states (:meth:`TickedStep.settle`)
 when anything else reads them. A step returns without waiting: its loss is a device value.
@@ -31,7 +35,7 @@ when anything else reads them. A step returns without waiting: its loss is a dev
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,11 +55,13 @@ from pipedsl.executor.runtime.worker import (
     optimizer_step,
 )
 from pipedsl.executor.stages.mesh import data_size
+from pipedsl.executor.stages.model import StagedModel
 from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.ir import Action, Kind, Schedule
+from pipedsl.run_options import RunOptions
 from pipedsl.ticks import TickTable, tick_table, ticks_fit
 
-__all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "ticks_apply"]
+__all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "ticks_apply", "wants_ticks"]
 
 STAGE = "stage"
 """The mesh axis of the pipeline devices."""
@@ -73,15 +79,18 @@ Leaves = tuple[Any, ...]
 Rows = dict[str, Any]
 
 
-def ticks_apply(workers: Sequence[Worker], meshes: Sequence[Mesh], *, serial: bool = False) -> bool:
-    """Whether a step of ``workers`` can run as one program over the stage axis: what
-    :func:`~pipedsl.ticks.ticks_fit` asks (two or more pipeline devices, each one JAX device
-    of its own; every parameter leaf used by one stage only), and no stage calling back
-    into Python on the host (a callback that raises
-    inside a program over several devices aborts the process, where the tasks apart raise
-    an error that names the stage and action). ``serial``: the pipeline devices all on one
-    JAX device instead, each device's part of a tick run in turn (``RunOptions(fuse="ticks")``)."""
-    model = workers[0].model
+def ticks_apply(
+    model: StagedModel, stages: Mapping[int, StageProgram], meshes: Sequence[Mesh], *, serial: bool = False
+) -> bool:
+    """Whether a step of ``model``, whose stages compiled are ``stages`` (every stage's, each
+    on its pipeline device's mesh, one of ``meshes``), can run as one program over the stage
+    axis: what :func:`~pipedsl.ticks.ticks_fit` asks (two or more pipeline devices, each one
+    JAX device of its own; every parameter leaf used by one stage only), and no stage calling
+    back into Python on the host (a callback that raises inside a program over several
+    devices aborts the process, where the tasks apart raise an error that names the stage
+    and action). Every process of a Ray world answers the same from the same stages.
+    ``serial``: the pipeline devices all on one JAX device instead, each device's part of a
+    tick run in turn (``RunOptions(fuse="ticks")``)."""
     used = [i for s in range(model.num_stages) for i in model.stage_params[s]]
     firsts = {m.devices.flat[0] for m in meshes}
     if serial and len(firsts) != 1:
@@ -93,8 +102,15 @@ def ticks_apply(workers: Sequence[Worker], meshes: Sequence[Mesh], *, serial: bo
         shared_parameters=len(used) != len(set(used)),
     ):
         return False
-    programs = [p for w in workers for p in w.runtime.stages.values()]
-    return all(data_size(p.layout.mesh) == 1 and not p.calls_host for p in programs)
+    return all(data_size(p.layout.mesh) == 1 and not p.calls_host for p in stages.values())
+
+
+def wants_ticks(options: RunOptions, meshes: Sequence[Mesh]) -> bool:
+    """``options.ticks``, or where it is None whether the devices are accelerators
+    (:attr:`~pipedsl.run_options.RunOptions.ticks`), on either backend."""
+    if options.ticks is not None:
+        return options.ticks
+    return meshes[0].devices.flat[0].platform != "cpu"
 
 
 class _Rows:
@@ -208,14 +224,27 @@ class _Tick:
 
 
 class TickedStep:
-    """The whole step of ``workers`` (each pipeline device a JAX device of its own, see
+    """The whole step of ``schedule`` (each pipeline device a JAX device of its own, see
     :func:`ticks_apply`) as one program per kind of step (an optimizer's, skipping a
-    non-finite update or not, or gradients only), traced on its first use."""
+    non-finite update or not, or gradients only), traced on its first use.
+
+    ``meshes`` are every pipeline device's, ``stages`` every stage's compiled programs;
+    ``workers`` are the pipeline devices this process holds: all of them on the local
+    backend, its own in a Ray world, whose every process calls the same program on the
+    shards it holds (JAX's multi-controller mode: each process's rows are its devices'
+    shards of the global arrays). Nothing here talks to another process but the program."""
 
     def __init__(
-        self, workers: Sequence[Worker], meshes: Sequence[Mesh], *, schedule: Schedule, serial: bool = False
+        self,
+        workers: Sequence[Worker],
+        meshes: Sequence[Mesh],
+        *,
+        schedule: Schedule,
+        stages: Mapping[int, StageProgram],
+        serial: bool = False,
     ) -> None:
         self.workers = tuple(workers)
+        self.meshes = tuple(meshes)
         self.schedule = schedule
         self.table: TickTable = tick_table(schedule)
         self.serial = serial
@@ -230,16 +259,22 @@ class TickedStep:
         model = self.workers[0].model
         self.model = model
         self.last = schedule.placement[-1]
-        stages: dict[int, StageProgram] = {}
-        for w in self.workers:
-            for s, program in w.runtime.stages.items():
-                if schedule.placement[s] == w.index:
-                    stages[s] = program.inlined()
-        self.stages = stages
+        self.stages = {s: program.inlined() for s, program in stages.items()}
         # Per stage, how many leaves of its I-to-W hand-over I computes (the rest it passes on).
         self._computed_handoff: dict[int, int] = {}
         self._shapes = self._value_shapes()
         self._lay_out()
+        # The whole batch's leaves: the first stage's inputs and the last's targets of one
+        # microbatch, times the microbatches; and the zeros that stand for them elsewhere.
+        count = schedule.num_microbatches
+        self._input_shapes = _times(self._shapes[("x", 0)], count)
+        self._target_shapes = _times(self._shapes[("t", model.num_stages - 1)], count)
+        self._zeros: dict[tuple[int, tuple[int, ...], str], Any] = {}
+        # The program's permutations, every device taking part in each: after each tick, as
+        # many as a device receives values, one per stack of the messages.
+        self.permutations = len(self.message_size) * sum(
+            max(Counter(move.dst for move in moves).values(), default=0) for moves in self.table.transfers
+        )
         # The parameters (and, once an optimizer step ran, its state) as rows sharded over
         # the stage axis, while this step holds them rather than the workers.
         self._params: Rows | None = None
@@ -361,6 +396,10 @@ class TickedStep:
             return ((Kind.I if split else Kind.B, s - 1, m),)
         return ()
 
+    def transfers_of(self, d: int) -> int:
+        """The values device ``d`` sends or receives in a step."""
+        return sum(d in (move.src, move.dst) for moves in self.table.transfers for move in moves)
+
     # -- resident state ---------------------------------------------------------------
 
     def holds(self) -> bool:
@@ -374,14 +413,18 @@ class TickedStep:
             return
         params, states = self._params, self._states
         self._params = self._states = None
-        row_of = (lambda value, d: value[d]) if self.serial else _row_of
         for w in self.workers:
             d = w.index
-            leaves = self._converter("unpack params", d)({k: row_of(v, d) for k, v in params.items()})
+            leaves = self._converter("unpack params", d)({k: self._row(v, d) for k, v in params.items()})
             theirs = None
             if states is not None:
-                theirs = self._converter("unpack states", d)({k: row_of(v, d) for k, v in states.items()})
+                theirs = self._converter("unpack states", d)({k: self._row(v, d) for k, v in states.items()})
             w.load(leaves, theirs)
+
+    def _row(self, value: jax.Array, d: int) -> jax.Array:
+        """Device ``d``'s ``[n, ...]`` stack of those held here: of a ``[D, n, ...]`` array sharded over
+        the stage axis, on its device; run serially, of the one array."""
+        return value[d] if self.serial else _row_of(value, d)
 
     def _pack(self, update: Update | None) -> None:
         """Take the workers' parameters (and optimizer state, for ``update``) into rows."""
@@ -407,8 +450,9 @@ class TickedStep:
     def _converter(self, what: str, d: int) -> Callable[..., Any]:
         """Device ``d``'s jitted conversion between its values and its rows, made once
         (the optimizer state's, once per layout of it): ``"pack params"`` (leaves by flat
-        index to ``[1, n, ...]`` stacks), ``"pack states"`` (states by stage), ``"unpack params"``
-        and ``"unpack states"`` (``[n, ...]`` stacks back)."""
+        index to ``[1, n, ...]`` stacks), ``"pack states"`` (states by stage), ``"unpack params"``,
+        ``"unpack states"`` and ``"unpack grads"`` (``[n, ...]`` stacks back; the gradients by
+        flat leaf)."""
         found = self._converters.get((what, d))
         if found is not None:
             return found
@@ -434,16 +478,23 @@ class TickedStep:
         def unpack_states(row: Rows) -> Any:
             return {s: jax.tree_util.tree_unflatten(treedefs[s], states.get(row, s)) for s in treedefs}
 
+        def unpack_grads(row: Rows) -> Any:
+            grads, model = self.devices[d].grads, self.model
+            return {i: g for s in grads.places for i, g in zip(model.stage_params[s], grads.get(row, s), strict=True)}
+
         made = {
             "pack params": pack_params, "pack states": pack_states,
-            "unpack params": unpack_params, "unpack states": unpack_states,
+            "unpack params": unpack_params, "unpack states": unpack_states, "unpack grads": unpack_grads,
         }[what]  # fmt: skip
-        found = self._converters[(what, d)] = jax.jit(made)
+        # Unpacked values are placed on the device's own mesh, as its worker keeps them.
+        placed = None if what.startswith("pack") else NamedSharding(self.meshes[d], PartitionSpec())
+        found = self._converters[(what, d)] = jax.jit(made, out_shardings=placed)
         return found
 
     def _sharded(self, rows: Sequence[Rows]) -> Rows:
-        """Per stack, the devices' ``[1, n, ...]`` stacks (each on its device) as one ``[D, n, ...]``
-        array sharded over the stage axis (no copy); run serially, one array on the device."""
+        """Per stack, the ``[1, n, ...]`` stacks of the devices held here (each on its device)
+        as this process's shards of one ``[D, n, ...]`` array sharded over the stage axis (no
+        copy); run serially, one array on the device."""
         out = {}
         for k in rows[0]:
             parts = [r[k] for r in rows]
@@ -451,7 +502,7 @@ class TickedStep:
                 out[k] = jnp.concatenate(parts)
                 continue
             out[k] = jax.make_array_from_single_device_arrays(
-                (len(parts), *parts[0].shape[1:]), self.rows_at, [p.addressable_data(0) for p in parts]
+                (self.table.num_devices, *parts[0].shape[1:]), self.rows_at, [p.addressable_data(0) for p in parts]
             )
         return out
 
@@ -461,10 +512,10 @@ class TickedStep:
         coupled = couples_through_global_norm(optimizer)
         model = self.model
         layouts, treedefs = [], []
-        for w in self.workers:
+        for d in range(self.table.num_devices):
             shapes = {}
             defs = {}
-            for s in w.local:
+            for s in self.schedule.stages_on(d):
                 owned = jax.tree_util.tree_unflatten(
                     model.owned_treedefs[s], [model.param_avals[i] for i in model.owned(s)]
                 )
@@ -485,7 +536,9 @@ class TickedStep:
     def run(
         self, inputs: Sequence[Any], targets: Sequence[Any], *, update: Update | None, keep_grads: bool
     ) -> tuple[WorkerStep, ...]:
-        """One step over the batch's leaves; nothing is waited for."""
+        """One step over the batch's leaves (the inputs where the first stage is held here,
+        the targets where the last is; on a process that holds neither, none); nothing is
+        waited for. Returns the step of each worker held here."""
         for w in self.workers:
             w.start(update)
         if update is not None and (update.init or self._states_for is not update.optimizer):
@@ -504,7 +557,12 @@ class TickedStep:
         params, states = self._params, self._states if update is not None else {}
         if self._in_flight is not None and len(self._in_flight) >= MAX_IN_FLIGHT:
             jax.block_until_ready(self._in_flight.popleft())
-        new_params, new_states, loss, grads = program(params, states, tuple(inputs), tuple(targets))
+        if self.serial:
+            xs, ts = tuple(inputs), tuple(targets)
+        else:
+            xs = self._batch(inputs, self.schedule.placement[0], self._input_shapes)
+            ts = self._batch(targets, self.last, self._target_shapes)
+        new_params, new_states, loss, grads = program(params, states, xs, ts)
         if self._in_flight is not None:
             self._in_flight.append(loss)
         if update is not None:
@@ -513,14 +571,39 @@ class TickedStep:
                 w.applied = True
         return tuple(
             WorkerStep(
-                loss=loss if d == self.last else None,
-                grads=grads.get(d, {}) if keep_grads else {},
-                peak_held=self.peak_held[d],
+                loss=loss if w.index == self.last else None,
+                grads=self._converter("unpack grads", w.index)({k: self._row(v, w.index) for k, v in grads.items()})
+                if keep_grads
+                else {},
+                peak_held=self.peak_held[w.index],
                 leftover=(),
                 events=(),
             )
-            for d in range(len(self.workers))
+            for w in self.workers
         )
+
+    def _batch(self, leaves: Sequence[Any], owner: int, shapes: Leaves) -> Leaves:
+        """The batch's ``leaves`` (shaped ``shapes``) as ``[D * n, ...]`` arrays sharded over
+        the stage axis: device ``owner``'s block the leaf, every other device's zeros (made
+        once) that it never reads. This process brings the blocks of the devices it holds:
+        ``leaves`` where it holds ``owner``, else none."""
+        held = [w.index for w in self.workers]
+        out = []
+        for k, shape in enumerate(shapes):
+            blocks = []
+            for d in held:
+                device = self.mesh.devices.flat[d]
+                if d == owner:
+                    blocks.append(jax.device_put(leaves[k], device))
+                else:
+                    key = (d, tuple(shape.shape), np.dtype(shape.dtype).name)
+                    zeros = self._zeros.get(key)
+                    if zeros is None:
+                        zeros = self._zeros[key] = jax.device_put(np.zeros(shape.shape, shape.dtype), device)
+                    blocks.append(zeros)
+            whole = (self.table.num_devices * shape.shape[0], *shape.shape[1:])
+            out.append(jax.make_array_from_single_device_arrays(whole, self.rows_at, blocks))
+        return tuple(out)
 
     def intact(self) -> bool:
         """Whether the rows held here are still live (a program that failed after it was
@@ -690,21 +773,12 @@ class TickedStep:
             ends = [end(*rows[d], pools[d], mes[d], bad, own) for d in range(num_devices)]
             return jax.tree_util.tree_map(lambda *v: jnp.stack(v), *ends)
 
-        last, model, devices = self.last, self.model, self.devices
+        last = self.last
         ran: Callable[..., Any]
 
         def step(params: Rows, states: Rows, xs: Leaves, ts: Leaves, *mes: Any) -> Any:
             new_params, new_states, losses, grads = ran(params, states, xs, ts, *mes)
-            per_device: dict[int, dict[int, Any]] = {}
-            if keep_grads:
-                for d, device in enumerate(devices):
-                    row = {k: v[d] for k, v in grads.items()}
-                    mine = {}
-                    for s in schedule.stages_on(d):
-                        for i, g in zip(model.stage_params[s], device.grads.get(row, s), strict=True):
-                            mine[i] = g
-                    per_device[d] = mine
-            return new_params, new_states, losses[last], per_device
+            return new_params, new_states, losses[last], grads
 
         donated = (0, 1) if update is not None else ()
         if self.serial:
@@ -720,8 +794,8 @@ class TickedStep:
             in_specs=(
                 {k: stage_spec for k in self.param_size},
                 {k: stage_spec for k in states_size},
-                PartitionSpec(),
-                PartitionSpec(),
+                stage_spec,
+                stage_spec,
             ),
             out_specs=(
                 {k: stage_spec for k in self.param_size},
@@ -731,8 +805,7 @@ class TickedStep:
             ),
             check_vma=False,
         )
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        return jax.jit(step, donate_argnums=donated, in_shardings=(self.rows_at, self.rows_at, replicated, replicated))
+        return jax.jit(step, donate_argnums=donated, in_shardings=(self.rows_at,) * 4)
 
     def _tick(self, t: int) -> _Tick:
         """Tick ``t``: its branches (idle first), each device's branch and the places of its
@@ -896,6 +969,11 @@ def _rejoined(kept: Leaves, params: Sequence[int | None], stage_params: Leaves) 
     """The values :func:`_unheld` thinned, the parameters back in their places."""
     rest = iter(kept)
     return tuple(next(rest) if p is None else stage_params[p] for p in params)
+
+
+def _times(shapes: Leaves, count: int) -> Leaves:
+    """Shape structs of ``count`` microbatches' leaves stacked along axis 0, one microbatch's ``shapes``."""
+    return tuple(jax.ShapeDtypeStruct((count * v.shape[0], *v.shape[1:]), v.dtype) for v in shapes)
 
 
 def _row_of(value: jax.Array, d: int) -> jax.Array:

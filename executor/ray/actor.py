@@ -8,7 +8,10 @@ world. Its devices belong to one pipeline device, whose stage mesh may span seve
 processes (``dp`` across them, ``tp`` inside each): the process runs that device's program
 (:class:`~pipedsl.executor.runtime.worker.Worker`), SPMD with the other processes of the mesh, each
 computing its own shards; transfers between pipeline devices are compiled collectives
-(:mod:`pipedsl.executor.ray.transport`).
+(:mod:`pipedsl.executor.ray.transport`). Where the plan allows it (every pipeline device one
+device of its own process), a step is instead the one program over the stage axis
+(:class:`~pipedsl.executor.local.ticked.TickedStep`), which every process dispatches alike,
+each bringing its own device's rows.
 
 The driver is not in the world. It ships the model once (:meth:`WorldProcess.install`: the
 process traces it and compiles its device's stages), then per step the batch's leaves to the
@@ -43,7 +46,8 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from pipedsl.executor.compilation_cache import enable_compilation_cache
-from pipedsl.executor.errors import ExecutionError, stage_failure
+from pipedsl.executor.errors import ExecutionError, stage_failure, summary
+from pipedsl.executor.local.ticked import TickedStep, ticks_apply, wants_ticks
 from pipedsl.executor.ray.cores import claim_cores
 from pipedsl.executor.ray.step_channel import StepServer
 from pipedsl.executor.ray.transport import (
@@ -61,6 +65,8 @@ from pipedsl.executor.stages.mesh import stage_mesh
 from pipedsl.executor.stages.model import StagedModel
 from pipedsl.executor.stages.split import staged_model
 from pipedsl.executor.stages.stage_options import StageOptions
+from pipedsl.executor.stages.stage_program import StageProgram
+from pipedsl.ir import Schedule
 from pipedsl.program import Buffer, DeviceProgram
 from pipedsl.rendezvous import Exchange
 from pipedsl.run_options import RunOptions
@@ -76,7 +82,9 @@ class ModelSpec:
     ``stages`` (explicit stage functions) or ``model_fn`` (marked) is set; ``params`` is
     the parameters' pytree of ``jax.ShapeDtypeStruct``; ``inputs``/``targets`` one
     microbatch's share, likewise; ``options`` the pipeline's (the SPMD shape of every
-    pipeline device) and ``specs`` every flat parameter leaf's ``PartitionSpec``.
+    pipeline device) and ``specs`` every flat parameter leaf's ``PartitionSpec``; ``schedule``
+    the whole schedule (for the step as one program over the stage axis, which every
+    process runs whole).
     """
 
     stages: tuple[Any, ...] | None
@@ -90,6 +98,7 @@ class ModelSpec:
     stage_options: tuple[StageOptions, ...]
     options: RunOptions
     specs: tuple[PartitionSpec, ...]
+    schedule: Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +110,8 @@ class StepReport:
     ``grads`` maps every flat leaf this device owns to this process's shards of its
     summed gradient (:func:`~pipedsl.executor.ray.transport.addressable_pieces`), only
     when the driver asked; ``moved`` counts the transfers this process took part in,
-    ``collectives`` the collectives that made them.
+    ``collectives`` the collectives that made them (in a step run as one program over the
+    stage axis, its permutations: every process takes part in each).
     """
 
     loss: np.ndarray | None
@@ -143,6 +153,8 @@ class WorldProcess:
         self._optimizer: optax.GradientTransformation | None = None
         self._spec: ModelSpec | None = None
         self._meshes: tuple[Mesh, ...] = ()
+        # The step as one program over the stage axis, where the plan allows it.
+        self._ticked: TickedStep | None = None
         # The losses of steps the driver has not read yet, by step number (device arrays).
         self._losses: dict[int, Any] = {}
 
@@ -202,11 +214,15 @@ class WorldProcess:
         groups: Sequence[Sequence[Exchange]],
         *,
         recv_timeout: float,
-    ) -> Failure | None:
+    ) -> Failure | bool:
         """Run pipeline device ``program.device``, whose stage mesh is (with every other
         device's) ``meshes[d]``: global JAX device ids, ``dp x cp x tp`` in row-major order.
         ``groups`` is the program's exchange order in groups of one collective each
-        (:func:`pipedsl.rendezvous.exchange_groups`)."""
+        (:func:`pipedsl.rendezvous.exchange_groups`). Returns whether an unrecorded step
+        runs as one program over the stage axis (:mod:`pipedsl.executor.local.ticked`):
+        where ``spec.options.ticks`` asks for it and the plan allows it, every process
+        traces every stage and runs the same program, each on the shards it holds; every
+        process answers the same."""
         try:
             by_id = {d.id: d for d in jax.devices()}
             config = spec.options
@@ -233,6 +249,7 @@ class WorldProcess:
                 recv_timeout=recv_timeout,
                 barrier=False,
             )
+            self._ticked = self._one_program(spec, model, programs, self.worker)
         except ExecutionError as err:
             return Failure(str(err), err.stage, program.device)
         self.device = program.device
@@ -241,19 +258,45 @@ class WorldProcess:
         self._signature = signatures(model, mesh, spec.specs, zero=config.zero)
         program_groups = tuple(tuple(g) for g in groups)
         self._groups = {u: program_groups + worker_groups(model, spec.placement, update=u) for u in (False, True)}
-        return None
+        return self._ticked is not None
+
+    def _one_program(
+        self, spec: ModelSpec, model: StagedModel, mine: dict[int, StageProgram], worker: Worker
+    ) -> TickedStep | None:
+        """The step as one program over the stage axis, where the options ask for it and the
+        plan allows it: every stage traced, this device's compiled already and the others'
+        on their devices' meshes (traced only: this process never dispatches them)."""
+        meshes = self._meshes
+        if not wants_ticks(spec.options, meshes) or max(m.devices.size for m in meshes) != 1:
+            return None
+        programs = dict(mine)
+        for d, mesh in enumerate(meshes):
+            if d != worker.index:
+                programs |= compile_device(
+                    model,
+                    spec.schedule.stages_on(d),
+                    mesh,
+                    specs=spec.specs,
+                    options=spec.options,
+                    num_microbatches=spec.num_microbatches,
+                    stage_options=spec.stage_options,
+                    placement=spec.placement,
+                )
+        if not ticks_apply(model, programs, meshes):
+            return None
+        return TickedStep((worker,), meshes, schedule=spec.schedule, stages=programs)
 
     def load(self, leaves: Mapping[int, Any] | None, states: Mapping[int, Any] | None) -> None:
         """Replace the parameter leaves (host arrays, by flat index) and the optimizer
         states (by local stage), each when given; each process places its own shards."""
-        worker = self._installed()
+        worker = self._settled()
         worker.load(leaves, states)
 
     def init_params(self, init: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Make the parameter leaves this device's stages use as ``init(*args)`` (a pytree
         with the parameters' structure), jitted over this device's mesh with each leaf's
         sharding as its output's: each process computes only its own shards."""
-        worker = self._installed()
+        worker = self._settled()
         kept = worker.kept()
         indices = sorted(kept)
 
@@ -267,7 +310,7 @@ class WorldProcess:
     def gather(self, *, params: bool, states: bool) -> tuple[dict[int, Any], dict[int, Any]]:
         """This process's shards of the owned parameter leaves and of the local stages'
         optimizer states (each only when asked for)."""
-        worker = self._installed()
+        worker = self._settled()
         mine = {i: worker.leaves[i] for i in worker.owned} if params else {}
         return addressable_pieces(mine), (addressable_pieces(dict(worker.states)) if states else {})
 
@@ -275,7 +318,7 @@ class WorldProcess:
         """Write this device's parameter leaves and optimizer states as the orbax checkpoint
         ``path``, with the other processes of its mesh, each the shards it holds
         (:func:`~pipedsl.executor.sharded_checkpoint.save_device`)."""
-        worker = self._installed()
+        worker = self._settled()
         try:
             save_device(worker, path, processes=self._mesh_processes())
         except ExecutionError as err:
@@ -288,7 +331,7 @@ class WorldProcess:
         """Read this device's state back from the saved ``version`` (saved with ``placement``,
         :func:`~pipedsl.executor.sharded_checkpoint.restore_device`); the optimizer state only
         with ``optimizer``."""
-        worker = self._installed()
+        worker = self._settled()
         try:
             restore_device(worker, Path(version), optimizer, processes=self._mesh_processes(), placement=placement)
         except ExecutionError as err:
@@ -329,17 +372,20 @@ class WorldProcess:
         ``number``'s for :meth:`loss` to read (nothing is waited for or copied to the host),
         or dropped; ``forget`` are kept losses the driver no longer wants.
         """
-        worker = self._installed()
+        self._installed()
         assert self._hops is not None and self._signature is not None  # set by install
         start = time.perf_counter()
         for old in forget:
             self._losses.pop(old, None)
+        step = None
+        if update is not None:
+            assert self._optimizer is not None  # sent before the first training step
+            step = Update(self._optimizer, init=update)
+        if self._ticked is not None and origin is None:
+            return self._run_ticked(self._ticked, inputs, targets, step, return_grads, loss, number, start)
+        worker = self._settled()
         transport = WorldTransport(self.device, self._groups[update is not None], self._hops, self._signature)
         try:
-            step = None
-            if update is not None:
-                assert self._optimizer is not None  # sent before the first training step
-                step = Update(self._optimizer, init=update)
             steps = worker.steps(
                 transport,
                 inputs,
@@ -373,6 +419,48 @@ class WorldProcess:
             seconds=time.perf_counter() - start,
         )
 
+    def _run_ticked(
+        self,
+        ticked: TickedStep,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        update: Update | None,
+        return_grads: bool,
+        loss: Literal["report", "keep", "drop"],
+        number: int,
+        start: float,
+    ) -> StepReport | Failure:
+        """This process's dispatch of the step as one program over the stage axis (every
+        process dispatches the same program); as :meth:`run_step` reports it."""
+        try:
+            (result,) = ticked.run(inputs, targets, update=update, keep_grads=return_grads)
+            grads = addressable_pieces(dict(result.grads)) if return_grads else {}
+            value = None
+            if result.loss is not None and loss == "report":
+                value = np.asarray(result.loss.addressable_data(0))
+            elif result.loss is not None and loss == "keep":
+                self._losses[number] = result.loss
+        except ExecutionError as err:
+            return Failure(str(err), err.stage, self.device)
+        except Exception as err:  # the program's: it names no stage
+            lost = "" if ticked.intact() else "; its donated parameters and optimizer state are gone"
+            return Failure(
+                f"device {self.device}: the step's one program over the pipeline devices failed: {summary(err)}{lost}. "
+                "RunOptions(ticks=False) runs the tasks apart and names the one that fails",
+                None,
+                self.device,
+            )
+        return StepReport(
+            loss=value,
+            grads=grads,
+            peak_held=result.peak_held,
+            leftover=result.leftover,
+            events=result.events,
+            moved=ticked.transfers_of(self.device),
+            collectives=ticked.permutations,
+            seconds=time.perf_counter() - start,
+        )
+
     def loss(self, step: int) -> np.ndarray | Failure:
         """Step ``step``'s kept loss as a numpy scalar, waited for and then forgotten; a
         computation that failed is reported as the last stage's failure."""
@@ -396,6 +484,8 @@ class WorldProcess:
         optimizer state and kept losses; a failed computation is reported as its device's."""
         worker = self._installed()
         try:
+            if self._ticked is not None and self._ticked.holds():
+                self._ticked.wait()
             jax.block_until_ready((worker.leaves, worker.states, self._losses))
         except Exception as err:  # a failed computation is reported where its result is read
             return Failure(f"device {self.device} failed: {type(err).__name__}: {err}", None, self.device)
@@ -411,6 +501,14 @@ class WorldProcess:
         """(pipeline device, global ids of its mesh's devices that this process holds)."""
         mesh = self._meshes[self.device]
         return self.device, tuple(d.id for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+    def _settled(self) -> Worker:
+        """The worker, holding its parameters and optimizer state (handed back by the one
+        program over the stage axis where it held them)."""
+        worker = self._installed()
+        if self._ticked is not None:
+            self._ticked.settle()
+        return worker
 
     def _installed(self) -> Worker:
         if self.worker is None:

@@ -16,6 +16,10 @@ never pass through the driver or Ray's object store. Gradients, when asked, come
 answers (so such a step waits for them, and its loss comes with them); a training step's loss
 stays on the last stage's process until it is read (:mod:`pipedsl.executor.ray.remote_loss`),
 so the step returns without waiting for its computations and copies nothing to the host.
+Where every pipeline device is one device of its own process and ``RunOptions.ticks`` asks
+for it (:func:`~pipedsl.executor.local.ticked.wants_ticks`), each process's share of a step
+is the one program over the stage axis (:mod:`pipedsl.executor.local.ticked`), the same on
+every process: one dispatch per process per step, its transfers the program's permutes.
 
 Parameters and optimizer state stay in the world, made there (``Pipeline.init``: each
 process computes its own shards), read from a checkpoint each process writes, or shipped
@@ -145,6 +149,7 @@ class RayRunner:
             backend.attach(self, needs=needs, what=what)
             self.world = backend
         self._installed: _Layout | None = None
+        self._ticked = False
         self._optimizer: optax.GradientTransformation | None = None
         # Per process, the transfers it took part in during the last step, and the
         # collectives that made them (several transfers may go as one).
@@ -180,6 +185,13 @@ class RayRunner:
             tuple(DeviceSlot(world.nodes[r].node_id, r, i) for r in self.ranks(d) for i in world.devices[r])
             for d in range(self.program.schedule.num_devices)
         )
+
+    @property
+    def ticked(self) -> bool:
+        """Whether an unrecorded step runs as one SPMD program over the pipeline devices,
+        every process dispatching the same program on its shards
+        (:mod:`pipedsl.executor.local.ticked`); known once the stages are installed."""
+        return self._ticked
 
     def _stage_of(self, rank: int) -> int | None:
         stages = self.program.schedule.stages_on(self.device_of(rank))
@@ -455,6 +467,7 @@ class RayRunner:
             stage_options=self._stage_options,
             options=self._options,
             specs=specs,
+            schedule=schedule,
         )
         model = trace_model(spec)  # here too: every error about the model is raised before anything runs
         layout = _Layout(model, params, spec, key)
@@ -475,6 +488,13 @@ class RayRunner:
                 "every node (install it there, or pass RayConfig(runtime_env={'py_modules': [...]}))"
             ) from err
         self._raise_failures(results)
+        if len(set(results)) != 1:
+            self.world.close()
+            raise ExecutionError(
+                "the world's processes disagree on whether a step runs as one program over the pipeline devices "
+                f"({results}); the pipeline's Ray world has been torn down"
+            )
+        self._ticked = bool(results[0])
         self._installed = layout
         return layout
 
