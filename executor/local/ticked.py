@@ -66,6 +66,9 @@ __all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "ticks_apply", "wants_ticks"]
 STAGE = "stage"
 """The mesh axis of the pipeline devices."""
 
+_WRITES = {Kind.F: ("res",), Kind.B: ("grads",), Kind.I: ("hand",), Kind.W: ("grads",)}
+"""The pools an action writes: F its residuals, I its hand-over, B and W the accumulators."""
+
 MAX_IN_FLIGHT = 2
 """Steps of one program over CPU devices dispatched and not yet done, at most: the next
 step is queued while one runs. XLA's CPU runtime runs each device's share of a program on
@@ -213,10 +216,12 @@ class _Tick:
     and hand-over slot it reads or writes; ``"read"``, the inbound message it reads;
     ``"local"``, the inbound slot its value for a stage on the same device goes to; each
     the pool's spare slot where there is none), where its stage's accumulators and
-    parameters start per stack (``grads_at``, ``params_at``), and the permutations after the tick."""
+    parameters start per stack (``grads_at``, ``params_at``), and the permutations after the
+    tick; ``kinds``, per branch the kind of its action (None: idle)."""
 
     index: np.ndarray
     branches: list[Callable[..., Any]]
+    kinds: list[Kind | None]
     places: dict[str, np.ndarray]
     grads_at: dict[str, np.ndarray]
     params_at: dict[str, np.ndarray]
@@ -673,31 +678,42 @@ class TickedStep:
                 {k: lax.dynamic_slice_in_dim(hand[k], at["hand"] * n, n) for k, n in sizes[2].items()},
                 {k: lax.dynamic_slice_in_dim(inbox[k], at["read"] * n, n) for k, n in sizes[3].items()},
             )
-            branches, index = tick.branches, jnp.asarray(tick.index)[me]
+            branches, index, kinds = tick.branches, jnp.asarray(tick.index)[me], tick.kinds
             if d is not None:
                 # Run serially, device d's switch holds its own action (and idle), as many
                 # switches of every action would compile the step as many times over.
                 branches, index = [branches[0], branches[tick.index[d]]], (index > 0).astype(jnp.int32)
+                kinds = [None, kinds[tick.index[d]]]
             g_w, loss, r_w, h_w, out = lax.switch(index, branches, stage_weights, pools["loss"], *windows, batch)
+            # A pool goes back only where an action of the tick writes it: a window that
+            # went through the switch as it came, written back to where it was read, reads
+            # and writes the pool at once, and XLA copies the whole pool to do that.
+            writes = {pool for kind in kinds if kind is not None for pool in _WRITES[kind]}
+            if "grads" in writes:
+                grads = (
+                    {k: v + g_w[k] for k, v in grads.items()}
+                    if whole
+                    else {
+                        k: lax.dynamic_update_slice_in_dim(
+                            v, lax.dynamic_slice_in_dim(v, g_at[k], sizes[0][k]) + g_w[k], g_at[k], 0
+                        )
+                        for k, v in grads.items()
+                    }
+                )
+            if "res" in writes:
+                res = {
+                    k: lax.dynamic_update_slice_in_dim(v, r_w[k], at["res"] * sizes[1][k], 0) for k, v in res.items()
+                }
+            if "hand" in writes:
+                hand = {
+                    k: lax.dynamic_update_slice_in_dim(v, h_w[k], at["hand"] * sizes[2][k], 0) for k, v in hand.items()
+                }
             # A value for a stage on the same device goes to its inbound slot (else to the
             # spare one); one for another device moves there after the tick (deliver).
-            return {
-                "grads": g_w
-                if whole
-                else {k: lax.dynamic_update_slice_in_dim(v, g_w[k], g_at[k], 0) for k, v in grads.items()},
-                "weights": weights,
-                "loss": loss,
-                "res": {
-                    k: lax.dynamic_update_slice_in_dim(v, r_w[k], at["res"] * sizes[1][k], 0) for k, v in res.items()
-                },
-                "hand": {
-                    k: lax.dynamic_update_slice_in_dim(v, h_w[k], at["hand"] * sizes[2][k], 0) for k, v in hand.items()
-                },
-                "inbox": {
-                    k: lax.dynamic_update_slice_in_dim(v, out[k], at["local"] * sizes[3][k], 0)
-                    for k, v in inbox.items()
-                },
-            }, out
+            inbox = {
+                k: lax.dynamic_update_slice_in_dim(v, out[k], at["local"] * sizes[3][k], 0) for k, v in inbox.items()
+            }
+            return {**pools, "grads": grads, "loss": loss, "res": res, "hand": hand, "inbox": inbox}, out
 
         def deliver(pools: dict[str, Any], got: Rows, slot: Any) -> dict[str, Any]:
             inbox = {
@@ -763,11 +779,8 @@ class TickedStep:
                         pools[d], out = compute(tick, pools[d], mes[d], batch, d)
                     outs.append(out)
                 for pairs, slots in tick.groups:
-                    # As a collective permute: a device no pair sends to receives zeros.
-                    source = {dst: src for src, dst in pairs}
-                    for d in range(num_devices):
-                        got = outs[source[d]] if d in source else jax.tree_util.tree_map(jnp.zeros_like, outs[d])
-                        pools[d] = deliver(pools[d], got, jnp.asarray(slots)[mes[d]])
+                    for src, dst in pairs:
+                        pools[dst] = deliver(pools[dst], outs[src], jnp.asarray(slots)[mes[dst]])
             parts = [checks(p) for p in pools]
             bad, own = (None if parts[0][i] is None else sum(p[i] for p in parts) for i in (0, 1))
             ends = [end(*rows[d], pools[d], mes[d], bad, own) for d in range(num_devices)]
@@ -820,12 +833,14 @@ class TickedStep:
         grads_at = {k: np.zeros(devices, np.int32) for k in self.grad_size}
         params_at = {k: np.zeros(devices, np.int32) for k in self.param_size}
         branches: list[Callable[..., Any]] = [self._idle]
+        kinds: list[Kind | None] = [None]
         for d, action in enumerate(table.actions[t]):
             if action is None:
                 continue
             device, s, m = self.devices[d], action.stage, action.microbatch
             index[d] = len(branches)
             branches.append(self._branch(d, action))
+            kinds.append(action.kind)
             for k, start in self._start(self.devices[d].grads, (s,)).items():
                 grads_at[k][d] = start
             for k, start in self._start(self.devices[d].params, self.model.stage_params[s]).items():
@@ -847,7 +862,7 @@ class TickedStep:
                 groups.append(group)
             group[0].append((move.src, move.dst))
             group[1][move.dst] = self.devices[move.dst].message_slot[move.producer.key]
-        return _Tick(index, branches, places, grads_at, params_at, groups)
+        return _Tick(index, branches, kinds, places, grads_at, params_at, groups)
 
     def _reads(self, action: Action) -> tuple[Kind, int, int] | None:
         """The key of the action whose value ``action`` reads from another stage, if any."""
@@ -871,7 +886,7 @@ class TickedStep:
         return {k: _blank(k, n) for k, n in sorted(self.message_size.items())}
 
     def _idle(self, params: Rows, loss: Any, grads: Rows, res: Rows, hand: Rows, read: Rows, batch: Any) -> Any:
-        return grads, loss, res, hand, self._outbox()
+        return _nothing(grads), loss, res, hand, self._outbox()
 
     def _branch(self, d: int, action: Action) -> Callable[..., Any]:
         """Device ``d``'s branch for ``action``: ``(params, loss, windows of the accumulators,
@@ -886,6 +901,12 @@ class TickedStep:
         # The stage's parameters and accumulators, read from windows that start where they do.
         in_window = {k: -start for k, start in self._start(device.grads, (s,)).items()}
         weights_at = {k: -start for k, start in self._start(device.params, model.stage_params[s]).items()}
+
+        def nothing(grads: Rows) -> Leaves:
+            # Zero accumulators of the stage: a branch gives what it adds to them, and the
+            # tick adds that outside the switch, for accumulators that went through it
+            # would be copied on the way in and on the way out.
+            return tuple(jnp.zeros_like(g) for g in device.grads.get(grads, s, base=in_window))
 
         def stage_params(weights: Rows) -> Leaves:
             leaves = tuple(device.params.get(weights, i, base=weights_at)[0] for i in model.stage_params[s])
@@ -902,21 +923,20 @@ class TickedStep:
                     loss = new_loss
                 else:
                     out = messages.put(out, ("y", s), tuple(y))
-                return grads, loss, res, hand, out
+                return _nothing(grads), loss, res, hand, out
             if kind is Kind.W:
                 handoff = device.handoffs.get(hand, s)
                 computed_n = self._computed_handoff[s]
                 refs = _rejoined(handoff[computed_n:], ref_params, stage_params(params))
-                acc = device.grads.get(grads, s, base=in_window)
-                new_acc = prog.backward_weight((handoff[:computed_n], refs), acc)
-                return device.grads.put(grads, s, new_acc, base=in_window), loss, res, hand, out
+                added = prog.backward_weight((handoff[:computed_n], refs), nothing(grads))
+                return device.grads.put(_nothing(grads), s, added, base=in_window), loss, res, hand, out
             kept = _rejoined(device.residuals.get(res, s), res_params, stage_params(params))
             ct = () if last else messages.get(read, ("in_ct", s + 1))
             if kind is Kind.B:
-                acc = device.grads.get(grads, s, base=in_window)
-                in_ct, new_acc = prog.backward(kept, ct, acc)
-                grads = device.grads.put(grads, s, new_acc, base=in_window)
+                in_ct, added = prog.backward(kept, ct, nothing(grads))
+                grads = device.grads.put(_nothing(grads), s, added, base=in_window)
             else:
+                grads = _nothing(grads)
                 in_ct, (computed, refs) = prog.backward_input(kept, ct)
                 hand = device.handoffs.put(hand, s, (*computed, *_unheld(tuple(refs), ref_params)))
             if s > 0:
@@ -957,6 +977,11 @@ class TickedStep:
             return params, states
 
         return run
+
+
+def _nothing(window: Rows) -> Rows:
+    """A window of zeros: what a branch that adds nothing to the accumulators gives."""
+    return {k: jnp.zeros_like(v) for k, v in window.items()}
 
 
 def _unheld(values: Leaves, params: Sequence[int | None]) -> Leaves:
