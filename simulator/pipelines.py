@@ -4,8 +4,8 @@ A plan with ``pp > 1`` runs a schedule (a library name such as ``1f1b`` or a ``.
 file) evaluated with the plan's ``pp``, ``microbatches`` and (when it takes one) ``vpp``:
 a *shape* (:class:`ScheduleKey`). :class:`Pipelines` evaluates each shape once, straight
 into int columns (:func:`pipedsl.library.load_arrays`: no object per action, unless a
-broken rule needs its place in the file), validates and lowers those once, and answers
-every question a plan asks of it from
+broken rule needs its place in the file), validates those once (and lowers them once, the
+first time the shape is timed), and answers every question a plan asks of it from
 those arrays: peak memory and a lower bound on the time (:mod:`pipedsl.analysis`), once
 per distinct residual bytes and stage seconds, and the time itself under each cost model
 (:func:`pipedsl.simulator.engine.step_timing`), once per distinct cost model. A policy
@@ -322,7 +322,7 @@ class Pipelines:
         return shape
 
     def _validated(self, key: ScheduleKey) -> _Shape:
-        """``key``'s schedule validated and lowered to arrays, with no object per action.
+        """``key``'s schedule validated (lowered when first timed), with no object per action.
         An order a file states is evaluated straight into int columns (and again as
         objects only when it breaks a rule, for the error's place in the file); a policy
         is synthesised against the default cost model, as :func:`load_pipeline` does,
