@@ -9,7 +9,9 @@ changes how much is simulated, not what is ranked.)
 
 On Linux, from a process that runs no other Python thread (``pipedsl search``), a worker
 is this process forked: it starts at once with everything imported and read (about a third
-of a second sooner than an interpreter on a 2-core machine), and ends with ``os._exit``,
+of a second sooner than an interpreter on a 2-core machine), holds the calls as the caller
+does (what of them goes either way is named by its place among them, not pickled:
+:class:`_Shared`), and ends with ``os._exit``,
 never returning into the caller's code. Elsewhere (another system, or a caller with threads
 of its own, which a fork could leave holding a lock) it is a fresh interpreter
 (``sys.executable``) started with this process's import path; it imports only what a call
