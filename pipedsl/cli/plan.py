@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from pipedsl import library
+from pipedsl.arrays import paused_collector
 from pipedsl.cli.common import (
     EXIT_NOTHING_FITS,
     EXIT_OK,
@@ -290,7 +291,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
     _check_model_size(model)
     cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=args.gpus, command="search")
     schedules = None if args.schedules is None else [s.strip() for s in args.schedules.split(",") if s.strip()]
-    with terminate_raises(), _search_progress(make_console(stderr=True)) as progress:
+    # The search and its output make hundreds of thousands of objects, none in a cycle: the
+    # cyclic collector's passes over the search's large heap would find nothing to free.
+    with terminate_raises(), _search_progress(make_console(stderr=True)) as progress, paused_collector():
         ranking = search_ranking(
             model,
             cluster,
@@ -315,17 +318,18 @@ def _cmd_search(args: argparse.Namespace) -> int:
             update_barrier=not args.no_update_barrier,
         )
     count = FlopCount(args.mfu_flops)
-    rows = search_mfu([plan.row() for plan in ranking.plans], model, count)
-    if args.csv is not None:
-        try:
-            with open(args.csv, "w", newline="", encoding="utf-8") as out:
-                _write_plans(out, rows, [b.row() for b in ranking.bounded], model=model.name)
-        except OSError as error:
-            raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
-    _print_search(
-        rows, ranking.attrs, make_console(), top=args.top, csv=args.csv, layers=model.layers, bounded=len(ranking.bounded),
-        flops=flops_words(count),
-    )  # fmt: skip
+    with paused_collector():
+        rows = search_mfu([plan.row() for plan in ranking.plans], model, count)
+        if args.csv is not None:
+            try:
+                with open(args.csv, "w", newline="", encoding="utf-8") as out:
+                    _write_plans(out, rows, [b.row() for b in ranking.bounded], model=model.name)
+            except OSError as error:
+                raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
+        _print_search(
+            rows, ranking.attrs, make_console(), top=args.top, csv=args.csv, layers=model.layers,
+            bounded=len(ranking.bounded), flops=flops_words(count),
+        )  # fmt: skip
     return EXIT_OK if rows else EXIT_NOTHING_FITS
 
 
