@@ -29,7 +29,7 @@ from pathlib import Path
 from pipedsl.arrays import ScheduleArrays
 from pipedsl.errors import ConversionError, PipedslError
 from pipedsl.ir import Schedule
-from pipedsl.lang import MAX_ACTIONS, Module, evaluate, evaluate_arrays, parse_source
+from pipedsl.lang import MAX_ACTIONS, Module, evaluate, evaluate_arrays, evaluate_layout, parse_source
 from pipedsl.policy import Policy
 
 __all__ = [
@@ -248,6 +248,12 @@ class ScheduleFile:
                 f"{path}: a JSON schedule records every value and takes no parameters; got {sorted(params)[0]!r}"
             )
         return interop.from_json(text, file=str(path))
+
+    def layout(self, **params: int | str) -> tuple[int, int, tuple[int, ...]] | None:
+        """A ``.sched`` file's stages, devices and placement under ``params``, its orders
+        not made (:func:`~pipedsl.lang.evaluate.evaluate_layout`); None for a CSV or JSON
+        file. Raises as :meth:`load` does for what comes before the orders."""
+        return None if self.module is None else evaluate_layout(self.module, params=params)
 
     def load_arrays(
         self, *, max_actions: int = MAX_ACTIONS, refusal_ends: bool = False, **params: int | str

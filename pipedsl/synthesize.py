@@ -68,7 +68,7 @@ from pipedsl.arguments import costs_argument, policy_argument
 from pipedsl.arrays import ActionArrays, B, F, I, ScheduleArrays, W, make_actions
 from pipedsl.errors import PipedslError
 from pipedsl.ir import Action, Kind, Schedule
-from pipedsl.library import library_schedules, load_arrays, parameters
+from pipedsl.library import library_schedules, schedule_file
 from pipedsl.policy import Policy
 from pipedsl.stage_costs import CostSource, StageCosts
 from pipedsl.tasks import MAX_COMPUTES
@@ -689,11 +689,16 @@ def _library_orders(
     whose ``require`` lines refuse the layout is left out too."""
     found = []
     for path in library_schedules().values():
-        declared = parameters(path)
+        file = schedule_file(path)
         params = {"pp": num_devices, "microbatches": num_microbatches, "vpp": num_stages // num_devices}
+        given = {k: v for k, v in params.items() if k in file.parameters}
         try:
+            # Its layout first (its orders are not made for that): most schedules place
+            # their stages otherwise, and need not be evaluated.
+            if file.layout(**given) not in (None, (num_stages, num_devices, placement)):
+                continue
             # Evaluated straight into int columns: only its order's codes are wanted.
-            loaded = load_arrays(path, refusal_ends=False, **{k: v for k, v in params.items() if k in declared})
+            loaded = file.load_arrays(refusal_ends=False, **given)
         except PipedslError:
             continue
         if (

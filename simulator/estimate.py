@@ -52,6 +52,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from itertools import count
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -498,8 +500,26 @@ _FIGURES = 8192
 
 _figures_kept: OrderedDict[tuple[object, ...], _Figures] = OrderedDict()
 _BY_SCHEDULE = frozenset({"schedule", "schedule_params"})
-_FIGURE_FIELDS = tuple(f.name for f in fields(Plan) if f.name not in _BY_SCHEDULE)
+_figure_fields = attrgetter(*(f.name for f in fields(Plan) if f.name not in _BY_SCHEDULE))
 """The fields of a Plan the figures follow from: all but the schedule's (no formula reads them)."""
+
+_pairs: dict[tuple[Model, Cluster], int] = {}
+_numbers = count()
+_last_pair: list[Any] = [None, None, -1]
+"""The number :func:`_pair_number` gave last, and to which model and cluster."""
+
+
+def _pair_number(model: Model, cluster: Cluster) -> int:
+    """A number for the pair (model, cluster), the same for equal pairs while it is kept:
+    a search asks with the same two objects for every plan, and comparing them by identity
+    spares hashing their every field each time. Numbers are never given twice."""
+    if _last_pair[0] is model and _last_pair[1] is cluster:
+        return int(_last_pair[2])
+    if len(_pairs) >= _FIGURES:
+        _pairs.clear()
+    number = _pairs.setdefault((model, cluster), next(_numbers))
+    _last_pair[:] = [model, cluster, number]
+    return number
 
 
 def _figures(shapes: Shapes, stage_layers: Sequence[int] | None) -> _Figures:
@@ -509,7 +529,7 @@ def _figures(shapes: Shapes, stage_layers: Sequence[int] | None) -> _Figures:
     model, cluster, plan = shapes.model, shapes.cluster, shapes.plan
     given = None if stage_layers is None else tuple(stage_layers)
     # The framework's profile, not its name: the figures follow the profile the name has now.
-    key = (model, cluster, given, framework(plan.framework), *[getattr(plan, name) for name in _FIGURE_FIELDS])
+    key = (_pair_number(model, cluster), given, framework(plan.framework), _figure_fields(plan))
     found = _figures_kept.get(key)
     if found is not None:
         _figures_kept.move_to_end(key)

@@ -4,8 +4,8 @@ A plan with ``pp > 1`` runs a schedule (a library name such as ``1f1b`` or a ``.
 file) evaluated with the plan's ``pp``, ``microbatches`` and (when it takes one) ``vpp``:
 a *shape* (:class:`ScheduleKey`). :class:`Pipelines` evaluates each shape once, straight
 into int columns (:func:`pipedsl.library.load_arrays`: no object per action, unless a
-broken rule needs its place in the file), validates and lowers those once, and answers
-every question a plan asks of it from
+broken rule needs its place in the file), validates those once (and lowers them once, the
+first time the shape is timed), and answers every question a plan asks of it from
 those arrays: peak memory and a lower bound on the time (:mod:`pipedsl.analysis`), once
 per distinct residual bytes and stage seconds, and the time itself under each cost model
 (:func:`pipedsl.simulator.engine.step_timing`), once per distinct cost model. A policy
@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 from typing import NamedTuple
 
@@ -154,14 +155,29 @@ class _Layout:
     placement: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
 class _Shape:
-    """One validated, lowered shape: its layout, its program's arrays and the order
-    validation ran their computes in (which every timing of the shape walks)."""
+    """One validated shape: its layout, its actions, the order validation ran their
+    computes in (which every timing of the shape walks) and its program's arrays, lowered
+    when first asked for (most shapes of a search are only asked their memory and bound)."""
 
-    layout: _Layout
-    arrays: ProgramArrays
-    order: np.ndarray
+    __slots__ = ("layout", "actions", "order", "_lowered", "_lower")
+
+    def __init__(
+        self, layout: _Layout, actions: ActionArrays, order: np.ndarray, lower: Callable[[], ProgramArrays]
+    ) -> None:
+        self.layout = layout
+        self.actions = actions
+        self.order = order
+        self._lower: Callable[[], ProgramArrays] | None = lower
+        self._lowered: ProgramArrays | None = None
+
+    @property
+    def arrays(self) -> ProgramArrays:
+        """The lowered program's arrays (:func:`~pipedsl.program.program_arrays`)."""
+        if self._lowered is None:
+            assert self._lower is not None
+            self._lowered, self._lower = self._lower(), None
+        return self._lowered
 
 
 class Pipelines:
@@ -306,7 +322,7 @@ class Pipelines:
         return shape
 
     def _validated(self, key: ScheduleKey) -> _Shape:
-        """``key``'s schedule validated and lowered to arrays, with no object per action.
+        """``key``'s schedule validated (lowered when first timed), with no object per action.
         An order a file states is evaluated straight into int columns (and again as
         objects only when it breaks a rule, for the error's place in the file); a policy
         is synthesised against the default cost model, as :func:`load_pipeline` does,
@@ -318,14 +334,17 @@ class Pipelines:
             if self.is_policy(key.spec):
                 policy = self.policy(key)
                 arrays, order = synthesized_arrays(policy, CostModel())
-                return _Shape(_Layout(policy.num_stages, policy.num_devices, policy.placement), arrays, order)
+                layout = _Layout(policy.num_stages, policy.num_devices, policy.placement)
+                return _Shape(layout, arrays.actions, order, lambda: arrays)
             schedule = _load_arrays(self.file(key.spec), key, refusal_ends=self._refusals_end)
             found = _checked_with_position(schedule, lambda: self.schedule(key))
         except PipedslError as err:
             self._errors[key] = err
             raise
         layout = _Layout(schedule.num_stages, schedule.num_devices, schedule.placement)
-        return _Shape(layout, program_arrays(found.actions, found.upstream, schedule.placement), found.order)
+        # Only what lowering reads is kept for it.
+        lower = partial(program_arrays, found.actions, found.upstream, layout.placement)
+        return _Shape(layout, found.actions, found.order, lower)
 
     def peak_residual_bytes(
         self, key: ScheduleKey, residual: tuple[int, ...], weight_residual: tuple[int, ...]
@@ -337,7 +356,7 @@ class Pipelines:
         memo = (key, residual, weight_residual)
         found = self._peaks.get(memo)
         if found is None:
-            actions = self._shape(key).arrays.actions
+            actions = self._shape(key).actions
             found = self._peaks[memo] = tuple(int(p) for p in peak_held(actions, residual, weight_residual))
         return found
 
@@ -348,7 +367,7 @@ class Pipelines:
         memo = (key, seconds.shape, seconds.dtype.str, seconds.tobytes())
         found = self._bounds.get(memo)
         if found is None:
-            found = self._bounds[memo] = chain_lower_bound(self._shape(key).arrays.actions, seconds)
+            found = self._bounds[memo] = chain_lower_bound(self._shape(key).actions, seconds)
         return found
 
     @property

@@ -275,12 +275,13 @@ def _search(
         raise PlanError(f"search: global_batch must be a whole number >= 1, got {batch!r}")
     started = time.perf_counter()
     skipped: Counter[tuple[str, int]] = Counter()
-    plans = list(
-        candidate_plans(
-            model, cluster, gpus, global_batch=batch, schedules=schedules, extra_schedules=extra_schedules,
-            skipped=skipped, **space,
-        )
-    )  # fmt: skip
+    with paused_collector():  # thousands of plans, none in a cycle
+        plans = list(
+            candidate_plans(
+                model, cluster, gpus, global_batch=batch, schedules=schedules, extra_schedules=extra_schedules,
+                skipped=skipped, **space,
+            )
+        )  # fmt: skip
     work = SearchWork.of(plans)
     work.check(what=f"the plans of {model.name} on {gpus:,} GPUs at a global batch of {batch:,}")
     done = _Tally(len(plans), progress)

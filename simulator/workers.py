@@ -9,7 +9,9 @@ changes how much is simulated, not what is ranked.)
 
 On Linux, from a process that runs no other Python thread (``pipedsl search``), a worker
 is this process forked: it starts at once with everything imported and read (about a third
-of a second sooner than an interpreter on a 2-core machine), and ends with ``os._exit``,
+of a second sooner than an interpreter on a 2-core machine), holds the calls as the caller
+does (what of them goes either way is named by its place among them, not pickled:
+:class:`_Shared`), and ends with ``os._exit``,
 never returning into the caller's code. Elsewhere (another system, or a caller with threads
 of its own, which a fork could leave holding a lock) it is a fresh interpreter
 (``sys.executable``) started with this process's import path; it imports only what a call
@@ -129,10 +131,11 @@ def run_in_workers(
     count = min(jobs, len(calls))
     # Decided before any thread of this run starts (the processes first, then the thread).
     fork = _forks()
+    shared = _Shared(calls) if fork else None
     try:
         # Started inside the try: a Ctrl-C between two starts still stops the first.
         for w in range(1 if here else 0, count):
-            workers.append(_Worker.start(w, messages, fork=fork))
+            workers.append(_Worker.start(w, messages, shared=shared))
         if here and count:
             workers.insert(0, _Thread.start(0, messages))
         pending = iter(range(len(calls)))
@@ -181,18 +184,26 @@ class _Worker:
     messages onto the caller's queue (tagged with the worker's index)."""
 
     def __init__(
-        self, index: int, process: subprocess.Popen[bytes] | _Forked, answers: IO[bytes], lifeline: int
+        self,
+        index: int,
+        process: subprocess.Popen[bytes] | _Forked,
+        answers: IO[bytes],
+        lifeline: int,
+        shared: _Shared | None,
     ) -> None:
         self.index = index
         self.process = process
         self.answers = answers
         self.lifeline = lifeline
+        self.shared = shared
         self.call: int | None = None
 
     @classmethod
-    def start(cls, index: int, messages: queue.Queue[tuple[int, tuple[Any, ...]]], *, fork: bool) -> _Worker:
-        """A worker started (this process forked where ``fork``, else an interpreter), and
-        the thread that reads its messages."""
+    def start(
+        cls, index: int, messages: queue.Queue[tuple[int, tuple[Any, ...]]], *, shared: _Shared | None
+    ) -> _Worker:
+        """A worker started (this process forked where the calls are ``shared``, else an
+        interpreter), and the thread that reads its messages."""
         # Answers come on a pipe of their own: nothing the interpreter or a library
         # prints on standard output as it starts can be taken for one.
         read, write = os.pipe()
@@ -203,7 +214,7 @@ class _Worker:
         try:
             with _signals_held():
                 try:
-                    process = _Forked.start(write, alive) if fork else _interpreter(write, alive)
+                    process = _interpreter(write, alive) if shared is None else _Forked.start(write, alive, shared)
                 except BaseException:
                     os.close(read)
                     os.close(lifeline)
@@ -211,7 +222,7 @@ class _Worker:
                 finally:
                     os.close(write)
                     os.close(alive)
-                worker = cls(index, process, os.fdopen(read, "rb"), lifeline)
+                worker = cls(index, process, os.fdopen(read, "rb"), lifeline, shared)
                 threading.Thread(target=worker._read, args=(messages,), daemon=True).start()
         except BaseException:
             # A signal held while it started: the caller never holds it, so it is stopped here.
@@ -229,13 +240,13 @@ class _Worker:
             if call is None:
                 self.process.stdin.close()
             else:
-                _write(self.process.stdin, (fn, call[1]))
+                _write(self.process.stdin, (fn, call[1]), self.shared)
         except BrokenPipeError:
             pass  # it has exited: its reader reports how, naming this call
 
     def _read(self, messages: queue.Queue[tuple[int, tuple[Any, ...]]]) -> None:
         with self.answers:
-            for message in frames.messages(self.answers):
+            for message in frames.messages(self.answers, referred=None if self.shared is None else self.shared.take):
                 messages.put((self.index, message))
         messages.put((self.index, ("exit", self.process.wait())))
 
@@ -306,7 +317,7 @@ class _Forked:
         self._reaping = threading.Lock()
 
     @classmethod
-    def start(cls, answers: int, lifeline: int) -> _Forked:
+    def start(cls, answers: int, lifeline: int, shared: _Shared) -> _Forked:
         calls, given = os.pipe()
         # What this process has printed but not yet written stays in its buffers: the
         # worker writes through streams of its own and never flushes these (os._exit).
@@ -317,7 +328,7 @@ class _Forked:
             os.close(given)
             raise
         if pid == 0:
-            _forked_worker(calls, answers, lifeline)
+            _forked_worker(calls, answers, lifeline, shared)
         os.close(calls)
         return cls(pid, os.fdopen(given, "wb"))
 
@@ -357,7 +368,7 @@ class _Forked:
                 os.kill(self.pid, signal.SIGKILL)
 
 
-def _forked_worker(calls: int, answers: int, lifeline: int) -> NoReturn:
+def _forked_worker(calls: int, answers: int, lifeline: int, shared: _Shared) -> NoReturn:
     """The forked worker's life: its own process group and the signals' defaults, no
     descriptor but standard input, output and error and its three pipes (the lifeline's
     writing end among those closed: held here, it would never reach its end), then
@@ -376,7 +387,7 @@ def _forked_worker(calls: int, answers: int, lifeline: int) -> NoReturn:
         # The caller's streams may write elsewhere (a capture's file, closed above).
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - never closed: the worker ends with os._exit
         sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
-        serve(answers, lifeline=lifeline, calls=os.fdopen(calls, "rb"))
+        serve(answers, lifeline=lifeline, calls=os.fdopen(calls, "rb"), shared=shared)
     except KeyboardInterrupt:
         pass
     except BaseException:  # noqa: BLE001 - said on standard error, as an interpreter would
@@ -476,31 +487,73 @@ def _signals_held() -> Iterator[None]:
                 signal.raise_signal(got)
 
 
-def _write(stream: IO[bytes], message: object) -> None:
-    stream.write(frames.encode(message))
+_PLAIN = (int, float, complex, str, bytes, type(None))
+"""What :class:`_Shared` never names by its place."""
+
+
+class _Shared:
+    """The calls of a run, which a forked worker holds as the caller does: an object of
+    them (a call's arguments, an argument, an item of a list or tuple argument) travels
+    either way as its place among them, not pickled (a search's thousands of plans, and
+    its model and cluster, in every call and every answer)."""
+
+    def __init__(self, calls: Sequence[tuple[Any, ...]]) -> None:
+        self.calls = calls
+        # By id: each is alive as long as the calls are, so no other object has its id.
+        # Numbers and text are pickled as they are: a place is itself written as numbers.
+        self.places: dict[int, tuple[int, ...]] = {}
+
+        def add(obj: object, place: tuple[int, ...]) -> None:
+            if not isinstance(obj, _PLAIN):
+                self.places.setdefault(id(obj), place)
+
+        for i, call in enumerate(calls):
+            add(call, (i,))
+            for j, argument in enumerate(call):
+                add(argument, (i, j))
+                if isinstance(argument, list | tuple):
+                    for k, item in enumerate(argument):
+                        add(item, (i, j, k))
+
+    def place(self, obj: object) -> tuple[int, ...] | None:
+        """``obj``'s place among the calls, or None for one not among them."""
+        return self.places.get(id(obj))
+
+    def take(self, place: tuple[int, ...]) -> object:
+        """The object at ``place`` (:meth:`place`)."""
+        found: Any = self.calls[place[0]]
+        for index in place[1:]:
+            found = found[index]
+        return found
+
+
+def _write(stream: IO[bytes], message: object, shared: _Shared | None = None) -> None:
+    stream.write(frames.encode(message, reference=None if shared is None else shared.place))
     stream.flush()
 
 
-def serve(answers: int, *, lifeline: int, calls: IO[bytes] | None = None) -> None:
+def serve(answers: int, *, lifeline: int, calls: IO[bytes] | None = None, shared: _Shared | None = None) -> None:
     """The worker's loop: run each call that arrives on ``calls`` (default standard input)
     and answer on file descriptor ``answers``, until the input closes; exit at once,
     whatever it is doing, when the pipe ``lifeline`` (a file descriptor) reaches its end.
     What a call prints goes to standard error, as the caller's standard output is for its
-    own results."""
+    own results. A forked worker holds the caller's calls (``shared``), which go either
+    way by their place."""
     _die_with_parent(lifeline)
     out = os.fdopen(answers, "wb")
     os.dup2(2, 1)
     try:
-        for fn, call in frames.messages(sys.stdin.buffer if calls is None else calls):
-            reporter = _Reporter(lambda message: _write(out, message))
+        referred = None if shared is None else shared.take
+        for fn, call in frames.messages(sys.stdin.buffer if calls is None else calls, referred=referred):
+            reporter = _Reporter(lambda message: _write(out, message, shared))
             try:
                 result = fn(*call, advance=reporter.advance)
             except Exception as err:  # noqa: BLE001 - every failure goes back to the caller
                 reporter.flush()
-                _write(out, ("error", _portable(err)))
+                _write(out, ("error", _portable(err)), shared)
             else:
                 reporter.flush()
-                _write(out, ("done", result))
+                _write(out, ("done", result), shared)
     except BrokenPipeError:
         # The parent went between the lifeline's end and this write: as there.
         os._exit(_ORPHANED)

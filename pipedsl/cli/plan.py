@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
@@ -25,9 +26,11 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from pipedsl import library
+from pipedsl.arrays import paused_collector
 from pipedsl.cli.common import (
     EXIT_NOTHING_FITS,
     EXIT_OK,
@@ -67,7 +70,7 @@ from pipedsl.simulator.hardware import (
 from pipedsl.simulator.pipelines import Pipelines, ScheduleKey
 from pipedsl.simulator.plan import ContextExchange, Plan, Recompute
 from pipedsl.simulator.ranked import zero_words
-from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Summary, search_ranking
+from pipedsl.simulator.search import COLUMNS, DEFAULT_PRUNE, PARALLEL_FROM, Progress, Summary, search_ranking
 from pipedsl.simulator.search_work import MAX_PAIRS_PER_SCHEDULE, SearchWork
 from pipedsl.simulator.speed import relative_speed
 from pipedsl.words import plural
@@ -274,15 +277,6 @@ def _print_estimate(result: Estimate, console: Console, count: FlopCount) -> Non
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TaskID,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     cores = os.cpu_count() or 1
     if args.jobs is not None and args.jobs > cores:
         raise PipedslError(
@@ -297,38 +291,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
     _check_model_size(model)
     cluster = _sliced(load_cluster(args.cluster), slices=args.slices, devices=args.gpus, command="search")
     schedules = None if args.schedules is None else [s.strip() for s in args.schedules.split(",") if s.strip()]
-    err = make_console(stderr=True)
-    with (
-        terminate_raises(),
-        Progress(
-            TextColumn("{task.description:<11}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err,
-            transient=True,
-            # Redrawn as progress comes, by the thread the search reports on: a search with
-            # no thread of its own starts its worker processes forked (simulator.workers).
-            auto_refresh=False,
-        ) as bar,
-    ):
-        tasks: dict[str, TaskID] = {}
-        drawn = [0.0]  # when the bar was last drawn (time.monotonic)
-        # A bar is drawn only on a terminal; elsewhere (a log, a pipe) a line now and then.
-        lines = _ProgressLines()
-
-        def progress(phase: str, done: int, total: int) -> None:
-            if not err.is_terminal:
-                lines.report(phase, done, total)
-                return
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(phase, total=total)
-            bar.update(tasks[phase], completed=done, total=total)
-            # At most ten times a second: a search in one process reports every plan.
-            if time.monotonic() - drawn[0] >= _REDRAW_S or done == total:
-                bar.refresh()
-                drawn[0] = time.monotonic()
-
+    # The search and its output make hundreds of thousands of objects, none in a cycle: the
+    # cyclic collector's passes over the search's large heap would find nothing to free.
+    with terminate_raises(), _search_progress(make_console(stderr=True)) as progress, paused_collector():
         ranking = search_ranking(
             model,
             cluster,
@@ -353,17 +318,18 @@ def _cmd_search(args: argparse.Namespace) -> int:
             update_barrier=not args.no_update_barrier,
         )
     count = FlopCount(args.mfu_flops)
-    rows = search_mfu([plan.row() for plan in ranking.plans], model, count)
-    if args.csv is not None:
-        try:
-            with open(args.csv, "w", newline="", encoding="utf-8") as out:
-                _write_plans(out, rows, [b.row() for b in ranking.bounded], model=model.name)
-        except OSError as error:
-            raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
-    _print_search(
-        rows, ranking.attrs, make_console(), top=args.top, csv=args.csv, layers=model.layers, bounded=len(ranking.bounded),
-        flops=flops_words(count),
-    )  # fmt: skip
+    with paused_collector():
+        rows = search_mfu([plan.row() for plan in ranking.plans], model, count)
+        if args.csv is not None:
+            try:
+                with open(args.csv, "w", newline="", encoding="utf-8") as out:
+                    _write_plans(out, rows, [b.row() for b in ranking.bounded], model=model.name)
+            except OSError as error:
+                raise PipedslError(f"{args.csv}: cannot write: {error.strerror or error}") from None
+        _print_search(
+            rows, ranking.attrs, make_console(), top=args.top, csv=args.csv, layers=model.layers,
+            bounded=len(ranking.bounded), flops=flops_words(count),
+        )  # fmt: skip
     return EXIT_OK if rows else EXIT_NOTHING_FITS
 
 
@@ -377,18 +343,18 @@ def _write_plans(out: TextIO, ranked: list[dict[str, Any]], bounded: list[dict[s
     columns = [*COLUMNS, "step_time_bound_s"]
     memory = [b["memory_bytes_per_gpu"] for b in bounded]
     fractions = None in memory and any(m is not None for m in memory)
+    at_memory = columns.index("memory_bytes_per_gpu")
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(columns)
     for row in [
         *({**r, "step_time_bound_s": r["step_time_s"]} for r in ranked),
         *({**b, "model": model} for b in bounded),
     ]:
-        cells = []
-        for column in columns:
-            value = row.get(column)
-            if fractions and column == "memory_bytes_per_gpu" and value is not None:
-                value = float(value)
-            cells.append("" if value is None else repr(value) if isinstance(value, float) else str(value))
+        # Thousands of rows of some thirty cells: one pass over the columns each.
+        cells = ["" if v is None else repr(v) if isinstance(v, float) else str(v) for v in map(row.get, columns)]
+        value = row.get("memory_bytes_per_gpu")
+        if fractions and value is not None:
+            cells[at_memory] = repr(float(value))
         writer.writerow(cells)
 
 
@@ -404,6 +370,35 @@ def _sliced(cluster: Cluster, *, slices: int, devices: int, command: str) -> Clu
     if devices % slices:
         raise PipedslError(f"{command}: {devices} chips do not split evenly over --slices {slices}")
     return dataclasses.replace(cluster, slices=slices)
+
+
+@contextlib.contextmanager
+def _search_progress(err: Console) -> Iterator[Progress]:
+    """What a search reports its progress to (:data:`~pipedsl.simulator.search.Progress`):
+    a bar on ``err`` where it is a terminal, redrawn by the thread the search reports on
+    (a search with no thread of its own starts its worker processes forked,
+    :mod:`~pipedsl.simulator.workers`); elsewhere (a log, a pipe) a line now and then."""
+    if not err.is_terminal:
+        yield _ProgressLines().report
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bar
+
+    columns = (TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Bar(*columns, console=err, transient=True, auto_refresh=False) as bar:
+        tasks: dict[str, TaskID] = {}
+        drawn = [0.0]  # when the bar was last drawn (time.monotonic)
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done, total=total)
+            # At most ten times a second: a search in one process reports every plan.
+            if time.monotonic() - drawn[0] >= _REDRAW_S or done == total:
+                bar.refresh()
+                drawn[0] = time.monotonic()
+
+        yield progress
 
 
 _REDRAW_S = 0.1

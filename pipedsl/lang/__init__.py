@@ -16,7 +16,7 @@ Most callers want :func:`pipedsl.load` or :func:`pipedsl.parse` (:mod:`pipedsl.l
 """
 
 from pipedsl.lang.ast import Module
-from pipedsl.lang.evaluate import MAX_ACTIONS, evaluate, evaluate_arrays
+from pipedsl.lang.evaluate import MAX_ACTIONS, evaluate, evaluate_arrays, evaluate_layout
 from pipedsl.lang.parser import RESERVED_WORDS, parse_source
 
-__all__ = ["MAX_ACTIONS", "Module", "RESERVED_WORDS", "evaluate", "evaluate_arrays", "parse_source"]
+__all__ = ["MAX_ACTIONS", "Module", "RESERVED_WORDS", "evaluate", "evaluate_arrays", "evaluate_layout", "parse_source"]

@@ -44,7 +44,7 @@ from pipedsl.lang.policy import PolicySpec, compile_policy
 from pipedsl.lang.scope import Bindings, Env, Function, Local, names_used
 from pipedsl.policy import Policy
 
-__all__ = ["evaluate", "evaluate_arrays", "MAX_ACTIONS", "WORK_PER_ACTION", "COMPILE_BUDGET"]
+__all__ = ["evaluate", "evaluate_arrays", "evaluate_layout", "MAX_ACTIONS", "WORK_PER_ACTION", "COMPILE_BUDGET"]
 
 T = TypeVar("T")
 
@@ -450,14 +450,49 @@ def evaluate_arrays(
     return found
 
 
+def evaluate_layout(
+    module: ast.Module, *, params: Mapping[str, object] | None = None, max_actions: int = MAX_ACTIONS
+) -> tuple[int, int, tuple[int, ...]]:
+    """The stages, devices and placement a parsed schedule declares under ``params``: its
+    items evaluated up to its orders (``place`` comes before them), which are not made.
+    Raises as :func:`evaluate` does for those items, and ScheduleEvalError for a schedule
+    that declares no stages, devices or placement before its orders."""
+    evaluator = _Evaluator(module, max_actions=max_actions, objects=False)
+    _items(evaluator, module, params, refusal_ends=True, until_orders=True)
+    if evaluator.placement is None or "stages" not in evaluator.declared or "devices" not in evaluator.declared:
+        raise fail(f"schedule {evaluator.label} declares no placement before its orders", module.schedule.pos)
+    return evaluator.declared["stages"][0], evaluator.declared["devices"][0], evaluator.placement
+
+
+_ORDERS = (ast.OnDevice, ast.TableRow, ast.PolicyBlock)
+"""The items that state a schedule's orders, which come after its placement."""
+
+
 def _run(evaluator: _Evaluator, module: ast.Module, params: Mapping[str, object] | None, name: str | None,
          source: str | None, *, refusal_ends: bool = False) -> Schedule | ScheduleArrays | Policy:  # fmt: skip
+    values = _items(evaluator, module, params, refusal_ends=refusal_ends, until_orders=False)
+    return evaluator.finish(values, name, source)
+
+
+def _items(
+    evaluator: _Evaluator,
+    module: ast.Module,
+    params: Mapping[str, object] | None,
+    *,
+    refusal_ends: bool,
+    until_orders: bool,
+) -> tuple[tuple[str, int], ...]:
+    """Run the schedule's functions, parameters and items (with ``until_orders``, those
+    before its first order), raising every error found; the parameters' values."""
+    values: tuple[tuple[str, int], ...] = ()
     try:
         for function in module.functions:
             evaluator.attempt(evaluator.define, function)
         values = evaluator.parameters(params or {})
         with paused_collector():  # device bodies make many small objects
             for item in module.schedule.items:
+                if until_orders and isinstance(item, _ORDERS):
+                    break
                 evaluator.attempt(evaluator.item, item)
                 if refusal_ends and evaluator.errors and isinstance(evaluator.errors[0], RequirementFailed):
                     break
@@ -466,7 +501,7 @@ def _run(evaluator: _Evaluator, module: ast.Module, params: Mapping[str, object]
         evaluator.errors.append(fail(nested, module.schedule.pos))
     if evaluator.errors:
         raise several(evaluator.errors)
-    return evaluator.finish(values, name, source)
+    return values
 
 
 # The declarations items rely on, as the names ``attempt`` records when they fail.

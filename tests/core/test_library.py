@@ -462,3 +462,17 @@ def test_the_library_listing_follows_its_folder(tmp_path: Path, monkeypatch: pyt
     os.utime(tmp_path, ns=(stamp, stamp + 10**9))
     assert library_schedules() == {"a": tmp_path / "a.sched", "b": tmp_path / "b.sched"}
     assert library_path("b") == tmp_path / "b.sched"
+
+
+@pytest.mark.parametrize("name", sorted(library_schedules()))
+def test_a_files_layout_is_its_schedules_without_making_the_orders(name: str) -> None:
+    file = library.schedule_file(name)
+    given = {k: v for k, v in {"pp": 4, "vpp": 2, "microbatches": 8}.items() if k in file.parameters}
+    loaded = file.load(**given)
+    assert file.layout(**given) == (loaded.num_stages, loaded.num_devices, loaded.placement)
+
+
+def test_a_layout_is_refused_as_the_schedule_is() -> None:
+    file = library.schedule_file("1f1b")
+    with pytest.raises(PipedslError, match="at least as many microbatches as stages"):
+        file.layout(pp=4, microbatches=2)

@@ -26,6 +26,10 @@ def _square(n: int, *, advance: Advance) -> tuple[int, int]:
     return n * n, os.getpid()
 
 
+def _pick(items: list[object], n: int, *, advance: Advance) -> tuple[object, int, list[int]]:
+    return items[n], n, [n]
+
+
 def _reject(n: int, *, advance: Advance) -> int:
     if n == 2:
         raise PlanError(f"plan {n} does not divide the model")
@@ -141,6 +145,15 @@ def test_here_runs_the_first_call_in_this_process_the_rest_in_workers() -> None:
     # Its error comes back as it is, as a worker's does.
     with pytest.raises(PlanError, match="plan 2 does not divide the model"):
         run_in_workers(_reject, [(2,), (1,)], jobs=2, advance=lambda *_: None, names=_names(2), here=True)
+
+
+def test_what_the_calls_hold_comes_back_as_the_same_objects_from_a_fork(way: str) -> None:
+    items: list[object] = [("item", n) for n in range(3)]
+    calls = [(items, n) for n in range(3)]
+    found = run_in_workers(_pick, calls, jobs=3, advance=lambda *_: None, names=_names(3))
+    assert found == [(("item", n), n, [n]) for n in range(3)]
+    # A forked worker holds the calls: what of them it answers with is named, not copied.
+    assert all((got[0] is items[n]) == (way == "forked") for n, got in enumerate(found))
 
 
 def test_more_jobs_than_calls_start_only_what_is_needed() -> None:
@@ -261,11 +274,11 @@ def test_a_ctrl_c_while_forked_workers_start_stops_those_started(monkeypatch: py
     started: list[workers._Forked] = []
     start = workers._Forked.start
 
-    def fork(answers: int, lifeline: int) -> workers._Forked:
+    def fork(answers: int, lifeline: int, shared: workers._Shared) -> workers._Forked:
         # The Ctrl-C lands as the second worker is started, the first one running.
         if started:
             raise KeyboardInterrupt
-        started.append(start(answers, lifeline))
+        started.append(start(answers, lifeline, shared))
         return started[-1]
 
     monkeypatch.setattr(workers._Forked, "start", fork)
