@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -405,72 +406,80 @@ def main() -> None:
         "device_kind": str(kind),
         "size": size_name,
         "dispatch": args.fuse,
+        "complete": False,  # until every figure asked for is in
     }
-    jit_times: dict[str, float] = {}
-    print(
-        f"\n{'step':<22} {'first step':>11} {'per step':>10} {'host':>9} {'/ accum.':>9} {'/ whole':>8} {'host/act':>8}"
-    )
-    for name, (step, release) in _jits(size, device, optimizer).items():
-        first = _first(step)
-        per = statistics.median(_loop(step, args.steps) for _ in range(args.rounds))
-        host = statistics.median(_host_time(step) for _ in range(3))
-        release()
-        jit_times[name] = per
-        key = name.split()[0]
-        figures |= {f"{key}_jit_step_ms": per * 1e3, f"{key}_jit_first_s": first}
-        print(f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms")
-        sys.stdout.flush()
-    for name in plans:
-        pipe, step = _pipeline_step(size, PLANS[name], device, optimizer, fuse=args.fuse)
-        first = _first(step)
-        per = statistics.median(_loop(step, args.steps, done=pipe.block_until_ready) for _ in range(args.rounds))
-        host = statistics.median(_host_time(step) for _ in range(3))
-        pipe.close()
-        accum, whole = per / jit_times["accumulating jit"], per / jit_times["whole jit"]
-        figures |= {
-            f"{name}_step_ms": per * 1e3,
-            f"{name}_host_ms": host * 1e3,
-            f"{name}_host_us_per_action": host / pipe.schedule.num_actions * 1e6,
-            f"{name}_vs_accumulating": accum,
-            f"{name}_vs_whole": whole,
-            f"{name}_first_s": first,
-            f"{name}_first_vs_jit": first / figures["accumulating_jit_first_s"],
-        }
-        said = ""
-        if cluster is not None:
-            predicted = predicted_step_s(size, PLANS[name], cluster)
-            figures |= {f"{name}_predicted_ms": predicted * 1e3, f"{name}_predicted_error": predicted / per - 1}
-            said = f"   predicted {predicted * 1e3:.2f}ms ({predicted / per - 1:+.1%})"
-        per_action = host / pipe.schedule.num_actions * 1e6
+    # A run that `timeout` cuts short (compiling a plan can take minutes) records the
+    # plans it measured.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        jit_times: dict[str, float] = {}
         print(
-            f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms {accum:8.2f}x {whole:7.2f}x"
-            f" {per_action:6.0f}us{said}"
+            f"\n{'step':<22} {'first step':>11} {'per step':>10} {'host':>9} {'/ accum.':>9} {'/ whole':>8} {'host/act':>8}"
         )
-        sys.stdout.flush()
-    per_action = _per_action(device, args.steps * 4, args.rounds, fuse=args.fuse)
-    figures["per_action_us"] = per_action * 1e6
-    print(f"\nexecutor cost per action (h * w stages, 1f1b pp=2, 16 microbatches): {per_action * 1e6:.0f} us")
-    if cache:
-        print(f"\nfirst step in a new process (s)  {'wall':>6} {'trace':>6} {'lower':>6} {'XLA':>6} {'read':>5}")
-        for name, runs in cache.items():
-            prefix = "cache" if name != JIT else "jit_cache"
-            for label, key, run in (("empty cache", "cold", runs[0]), ("cache filled", "warm", runs[1])):
-                figures |= {f"{prefix}_{key}_first_s": run["first_step_s"]} | {
-                    f"{prefix}_{key}_{field}": run[field] for field in ("trace_s", "lower_s", "compile_s", "cache_hits")
-                }
-                print(
-                    f"{name + ', ' + label:<32} {run['first_step_s']:6.1f} {run['trace_s']:6.1f} {run['lower_s']:6.1f} "
-                    f"{run['compile_s']:6.1f} {run['cache_hits']:3.0f}/{run['cache_hits'] + run['cache_misses']:.0f}"
-                )
-        print(
-            "   (trace: to jaxprs; lower: to StableHLO; XLA: compiling or reading the persistent cache; read: programs "
-            "the cache gave of those it was asked for; the rest of the wall time is Python and the step itself)"
-        )
-    if not args.no_record:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from timing import record
+        for name, (step, release) in _jits(size, device, optimizer).items():
+            first = _first(step)
+            per = statistics.median(_loop(step, args.steps) for _ in range(args.rounds))
+            host = statistics.median(_host_time(step) for _ in range(3))
+            release()
+            jit_times[name] = per
+            key = name.split()[0]
+            figures |= {f"{key}_jit_step_ms": per * 1e3, f"{key}_jit_first_s": first}
+            print(f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms")
+            sys.stdout.flush()
+        for name in plans:
+            pipe, step = _pipeline_step(size, PLANS[name], device, optimizer, fuse=args.fuse)
+            first = _first(step)
+            per = statistics.median(_loop(step, args.steps, done=pipe.block_until_ready) for _ in range(args.rounds))
+            host = statistics.median(_host_time(step) for _ in range(3))
+            pipe.close()
+            accum, whole = per / jit_times["accumulating jit"], per / jit_times["whole jit"]
+            figures |= {
+                f"{name}_step_ms": per * 1e3,
+                f"{name}_host_ms": host * 1e3,
+                f"{name}_host_us_per_action": host / pipe.schedule.num_actions * 1e6,
+                f"{name}_vs_accumulating": accum,
+                f"{name}_vs_whole": whole,
+                f"{name}_first_s": first,
+                f"{name}_first_vs_jit": first / figures["accumulating_jit_first_s"],
+            }
+            said = ""
+            if cluster is not None:
+                predicted = predicted_step_s(size, PLANS[name], cluster)
+                figures |= {f"{name}_predicted_ms": predicted * 1e3, f"{name}_predicted_error": predicted / per - 1}
+                said = f"   predicted {predicted * 1e3:.2f}ms ({predicted / per - 1:+.1%})"
+            per_action = host / pipe.schedule.num_actions * 1e6
+            print(
+                f"{name:<22} {first:10.1f}s {per * 1e3:8.2f}ms {host * 1e3:7.2f}ms {accum:8.2f}x {whole:7.2f}x"
+                f" {per_action:6.0f}us{said}"
+            )
+            sys.stdout.flush()
+        per_action = _per_action(device, args.steps * 4, args.rounds, fuse=args.fuse)
+        figures["per_action_us"] = per_action * 1e6
+        print(f"\nexecutor cost per action (h * w stages, 1f1b pp=2, 16 microbatches): {per_action * 1e6:.0f} us")
+        if cache:
+            print(f"\nfirst step in a new process (s)  {'wall':>6} {'trace':>6} {'lower':>6} {'XLA':>6} {'read':>5}")
+            for name, runs in cache.items():
+                prefix = "cache" if name != JIT else "jit_cache"
+                for label, key, run in (("empty cache", "cold", runs[0]), ("cache filled", "warm", runs[1])):
+                    figures |= {f"{prefix}_{key}_first_s": run["first_step_s"]} | {
+                        f"{prefix}_{key}_{field}": run[field]
+                        for field in ("trace_s", "lower_s", "compile_s", "cache_hits")
+                    }
+                    print(
+                        f"{name + ', ' + label:<32} {run['first_step_s']:6.1f} {run['trace_s']:6.1f} {run['lower_s']:6.1f} "
+                        f"{run['compile_s']:6.1f} {run['cache_hits']:3.0f}/{run['cache_hits'] + run['cache_misses']:.0f}"
+                    )
+            print(
+                "   (trace: to jaxprs; lower: to StableHLO; XLA: compiling or reading the persistent cache; read: programs "
+                "the cache gave of those it was asked for; the rest of the wall time is Python and the step itself)"
+            )
+        figures["complete"] = True
+    finally:
+        if not args.no_record:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from timing import record
 
-        record("bench_against_jit", figures)
+            record("bench_against_jit", figures)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,12 @@ per step, which runs the schedule's tick table (:func:`pipedsl.ticks.tick_table`
   that tick's (src, dst) pairs (grouped into permutations where a device receives two);
 - every device's state is uniform, as ``shard_map`` needs: its parameters, optimizer
   state, gradient accumulators, residual slots (as many as its peak of microbatches in
-  flight), ``I``-to-``W`` hand-over slots and inbound-message slots are padded flat rows,
-  one stack per leaf shape and dtype (:class:`_Rows`); only windows of them go through a tick's switch (XLA
-  copies whatever a conditional takes), cut at per-device offsets read from small tables,
-  and each branch reads its windows by static slices;
+  flight), ``I``-to-``W`` hand-over slots and inbound-message slots are padded stacks,
+  one per leaf shape and dtype (:class:`_Rows`); only windows of them go through a tick's
+  switch (XLA copies what passes through a conditional), cut at per-device offsets read
+  from small tables, and each branch reads its windows by static indices; a tick writes
+  back only the pools its actions write, and the accumulators take what a branch adds to
+  them outside the switch;
 - the branches run the stage programs' own functions (:meth:`StageProgram.inlined`),
   and the optimizer update after the ticks runs the workers' (:func:`optimizer_step`),
   with the global norm's sum of squares summed over the stage axis where the optimizer
