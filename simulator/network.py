@@ -25,10 +25,13 @@ and ``xla_tpu_data_parallel_opt_different_sized_ops`` pipeline these DCN all-red
 the iterations of the scanned layers), so a step of L layers meets them L times, not once.
 At each meeting the slices wait for the slowest of them: with a slice's time between two
 meetings spread by ``slice_jitter_s`` seconds (a standard deviation in seconds, the same
-whatever the layer's size, where ``straggler_cv`` is a fraction of the step), the step takes ``L·slice_jitter_s·E[max of m]`` longer over m slices (:func:`slice_wait_s`). The
-published multi-slice runs show it so: on v5e the slowdown from one slice to m, per layer and
-per E[max of m], is 10-23 ms for models of 32 and of 64 layers alike from 2 to 32 slices
-(data/README.md), where as a fraction of the step it is twice as large for the 64-layer ones.
+whatever the layer's size, where ``straggler_cv`` is a fraction of the step), the step
+takes ``L·slice_jitter_s·E[max of m]`` longer over m slices (:func:`slice_wait_s`). Its
+size is fitted to the published runs; what makes the slices' times spread so is not
+identified. The published multi-slice runs show its form: on v5e the slowdown from one
+slice to m, per layer and per E[max of m], is 10-23 ms for models of 32 and of 64 layers
+alike from 2 to 32 slices (data/README.md), where as a fraction of the step it is twice as
+large for the 64-layer ones.
 """
 
 from __future__ import annotations
