@@ -38,7 +38,7 @@ from pipedsl.executor.backend import DeviceReport
 from pipedsl.executor.errors import ExecutionError, summary
 from pipedsl.executor.local.exchange import LocalExchange, resharder
 from pipedsl.executor.local.fused import FusedStep, shared_devices
-from pipedsl.executor.local.ticked import TickedStep, ticks_apply, wants_ticks
+from pipedsl.executor.local.ticked import TickedStep, program_failure, ticks_apply, wants_ticks
 from pipedsl.executor.runtime.scheduler import Steps, run_watched
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, compile_device
@@ -404,14 +404,10 @@ class LocalBackend:
         except ExecutionError:
             raise  # raised while a stage was traced: it names its stage already
         except Exception as error:
-            intact = ticked.intact()
-            if not intact:
+            message = program_failure(ticked, error)
+            if not ticked.intact():
                 self._broken()
-            lost = "" if intact else "; its donated parameters and optimizer state are gone"
-            raise ExecutionError(
-                "the step's one program over the pipeline devices failed: "
-                f"{summary(error)}{lost}. RunOptions(ticks=False) runs the tasks apart and names the one that fails"
-            ) from error
+            raise ExecutionError(message) from error
         except BaseException:
             if not ticked.intact():
                 self._broken()

@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pipedsl.executor.errors import summary
 from pipedsl.executor.runtime.optimizers import couples_through_global_norm
 from pipedsl.executor.runtime.worker import (
     Update,
@@ -63,7 +64,7 @@ from pipedsl.ir import Action, Kind, Schedule
 from pipedsl.run_options import RunOptions
 from pipedsl.ticks import TickTable, tick_table, ticks_fit
 
-__all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "ticks_apply", "wants_ticks"]
+__all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "program_failure", "ticks_apply", "wants_ticks"]
 
 STAGE = "stage"
 """The mesh axis of the pipeline devices."""
@@ -116,6 +117,17 @@ def wants_ticks(options: RunOptions, meshes: Sequence[Mesh]) -> bool:
     if options.ticks is not None:
         return options.ticks
     return meshes[0].devices.flat[0].platform != "cpu"
+
+
+def program_failure(ticked: TickedStep, error: BaseException) -> str:
+    """What to say of a step whose one program failed (XLA's error names no stage): the
+    error, whether the donated parameters and optimizer state are gone, and how to find the
+    failing action."""
+    lost = "" if ticked.intact() else "; its donated parameters and optimizer state are gone"
+    return (
+        f"the step's one program over the pipeline devices failed: {summary(error)}{lost}. "
+        "RunOptions(ticks=False) runs the tasks apart and names the one that fails"
+    )
 
 
 class _Rows:

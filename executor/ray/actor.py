@@ -46,8 +46,8 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from pipedsl.executor.compilation_cache import enable_compilation_cache
-from pipedsl.executor.errors import ExecutionError, stage_failure, summary
-from pipedsl.executor.local.ticked import TickedStep, ticks_apply, wants_ticks
+from pipedsl.executor.errors import ExecutionError, stage_failure
+from pipedsl.executor.local.ticked import TickedStep, program_failure, ticks_apply, wants_ticks
 from pipedsl.executor.ray.cores import claim_cores
 from pipedsl.executor.ray.step_channel import StepServer
 from pipedsl.executor.ray.transport import (
@@ -59,7 +59,7 @@ from pipedsl.executor.ray.transport import (
 )
 from pipedsl.executor.runtime.scheduler import run_steps
 from pipedsl.executor.runtime.timing import Recorder
-from pipedsl.executor.runtime.worker import Update, Worker, compile_device
+from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, compile_device
 from pipedsl.executor.sharded_checkpoint import restore_device, save_device
 from pipedsl.executor.stages.mesh import stage_mesh
 from pipedsl.executor.stages.model import StagedModel
@@ -398,26 +398,11 @@ class WorldProcess:
             if failed is not None:
                 raise failed
             transport.finish()
-            grads = addressable_pieces(dict(result.grads)) if return_grads else {}
-            value = None
-            if result.loss is not None and loss == "report":
-                value = np.asarray(result.loss.addressable_data(0))
-            elif result.loss is not None and loss == "keep":
-                self._losses[number] = result.loss
+            return self._report(result, return_grads, loss, number, transport.moved, transport.collectives, start)
         except ExecutionError as err:
             return Failure(str(err), err.stage, self.device)
         except Exception as err:  # not ours: still reported as this device's failure
             return Failure(f"device {self.device} failed: {type(err).__name__}: {err}", None, self.device)
-        return StepReport(
-            loss=value,
-            grads=grads,
-            peak_held=result.peak_held,
-            leftover=result.leftover,
-            events=result.events,
-            moved=transport.moved,
-            collectives=transport.collectives,
-            seconds=time.perf_counter() - start,
-        )
 
     def _run_ticked(
         self,
@@ -434,30 +419,41 @@ class WorldProcess:
         process dispatches the same program); as :meth:`run_step` reports it."""
         try:
             (result,) = ticked.run(inputs, targets, update=update, keep_grads=return_grads)
-            grads = addressable_pieces(dict(result.grads)) if return_grads else {}
-            value = None
-            if result.loss is not None and loss == "report":
-                value = np.asarray(result.loss.addressable_data(0))
-            elif result.loss is not None and loss == "keep":
-                self._losses[number] = result.loss
+            moved = ticked.transfers_of(self.device)
+            return self._report(result, return_grads, loss, number, moved, ticked.permutations, start)
         except ExecutionError as err:
             return Failure(str(err), err.stage, self.device)
         except Exception as err:  # the program's: it names no stage
-            lost = "" if ticked.intact() else "; its donated parameters and optimizer state are gone"
-            return Failure(
-                f"device {self.device}: the step's one program over the pipeline devices failed: {summary(err)}{lost}. "
-                "RunOptions(ticks=False) runs the tasks apart and names the one that fails",
-                None,
-                self.device,
-            )
+            return Failure(f"device {self.device}: {program_failure(ticked, err)}", None, self.device)
+
+    def _report(
+        self,
+        result: WorkerStep,
+        return_grads: bool,
+        loss: Literal["report", "keep", "drop"],
+        number: int,
+        moved: int,
+        collectives: int,
+        start: float,
+    ) -> StepReport:
+        """A step's ``result`` as :meth:`run_step` reports it: this process's shards of the
+        gradients where asked, the loss read (``"report"``) or kept for :meth:`loss`
+        (``"keep"``), the transfers and collectives it took part in, the seconds since
+        ``start``."""
+        grads = addressable_pieces(dict(result.grads)) if return_grads else {}
+        value = None
+        if result.loss is not None and loss == "report":
+            value = np.asarray(result.loss.addressable_data(0))
+        elif result.loss is not None and loss == "keep":
+            self._losses[number] = result.loss
         return StepReport(
             loss=value,
             grads=grads,
             peak_held=result.peak_held,
             leftover=result.leftover,
             events=result.events,
-            moved=ticked.transfers_of(self.device),
-            collectives=ticked.permutations,
+            moved=moved,
+            collectives=collectives,
             seconds=time.perf_counter() - start,
         )
 
