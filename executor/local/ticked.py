@@ -786,12 +786,10 @@ class TickedStep:
             batch = microbatches(xs, ts)
             pools = [begin(p) for p, _ in rows]
             for tick in ticks:
-                outs = []
+                outs: dict[int, Rows] = {}
                 for d in range(num_devices):
-                    out = self._outbox()
                     if tick.index[d]:
-                        pools[d], out = compute(tick, pools[d], mes[d], batch, d)
-                    outs.append(out)
+                        pools[d], outs[d] = compute(tick, pools[d], mes[d], batch, d)
                 for pairs, slots in tick.groups:
                     for src, dst in pairs:
                         pools[dst] = deliver(pools[dst], outs[src], jnp.asarray(slots)[mes[dst]])
