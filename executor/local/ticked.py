@@ -13,14 +13,16 @@ per step, which runs the schedule's tick table (:func:`pipedsl.ticks.tick_table`
   (:mod:`pipedsl.executor.local.fused`);
 - after a tick, the values it produced for other devices move by ``lax.ppermute`` over
   that tick's (src, dst) pairs (grouped into permutations where a device receives two);
-- every device's state is uniform, as ``shard_map`` needs: its parameters, optimizer
-  state, gradient accumulators, residual slots (as many as its peak of microbatches in
-  flight), ``I``-to-``W`` hand-over slots and inbound-message slots are padded stacks,
-  one per leaf shape and dtype (:class:`_Rows`); only windows of them go through a tick's
-  switch (XLA copies what passes through a conditional), cut at per-device offsets read
-  from small tables, and each branch reads its windows by static indices; a tick writes
-  back only the pools its actions write, and the accumulators take what a branch adds to
-  them outside the switch;
+- every device's state is uniform, as ``shard_map`` needs: its parameters (and their copy
+  in the compute dtype, cast once a step), optimizer state, gradient accumulators,
+  residual slots (as many as its peak of microbatches in flight), ``I``-to-``W`` hand-over
+  slots and inbound-message slots are padded stacks, one per leaf shape and dtype
+  (:class:`_Rows`); they go into a tick's switch whole and are only read there, each branch
+  at its device's static places (XLA copies what a conditional passes through or writes,
+  not what it only reads); a branch gives only what its action makes (the stage's
+  accumulators, a residual or hand-over slot, a message), and the tick writes that into
+  the pools outside the switch, at per-device places read from small tables, and only
+  into the pools some action of the tick writes;
 - the branches run the stage programs' own functions (:meth:`StageProgram.inlined`),
   and the optimizer update after the ticks runs the workers' (:func:`optimizer_step`),
   with the global norm's sum of squares summed over the stage axis where the optimizer
@@ -37,6 +39,7 @@ when anything else reads them. A step returns without waiting: its loss is a dev
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +74,9 @@ STAGE = "stage"
 
 _WRITES = {Kind.F: ("res",), Kind.B: ("grads",), Kind.I: ("hand",), Kind.W: ("grads",)}
 """The pools an action writes: F its residuals, I its hand-over, B and W the accumulators."""
+
+_POOLS = ("grads", "res", "hand")
+"""The pools actions write (:data:`_WRITES`), in the order a branch gives them."""
 
 MAX_IN_FLIGHT = 2
 """Steps of one program over CPU devices dispatched and not yet done, at most: the next
@@ -226,19 +232,18 @@ class _Device:
 @dataclass(frozen=True, slots=True)
 class _Tick:
     """One tick of the program: per device its branch (``index``, into ``branches``, idle
-    first), the slots its windows are at (``places``: ``"res"`` and ``"hand"``, the residual
-    and hand-over slot it reads or writes; ``"read"``, the inbound message it reads;
-    ``"local"``, the inbound slot its value for a stage on the same device goes to; each
-    the pool's spare slot where there is none), where its stage's accumulators and
-    parameters start per stack (``grads_at``, ``params_at``), and the permutations after the
-    tick; ``kinds``, per branch the kind of its action (None: idle)."""
+    first), the slots it writes (``places``: ``"res"`` and ``"hand"``, the residual and
+    hand-over slot; ``"local"``, the inbound slot its value for a stage on the same device
+    goes to; each the pool's spare slot where there is none), where the window of the
+    accumulators it writes starts per stack (``grads_at``; the spare room where it writes
+    none), and the permutations after the tick; ``kinds``, per branch the kind of its
+    action (None: idle)."""
 
     index: np.ndarray
     branches: list[Callable[..., Any]]
     kinds: list[Kind | None]
     places: dict[str, np.ndarray]
     grads_at: dict[str, np.ndarray]
-    params_at: dict[str, np.ndarray]
     groups: list[tuple[list[tuple[int, int]], np.ndarray]]
 
 
@@ -397,7 +402,14 @@ class TickedStep:
                 for s in range(schedule.num_stages)
             ]
         )
-        self.param_window = {k: self.grad_window.get(k, 0) for k in self.param_size}
+        # Where every device holds one stage, a stage's accumulators are its device's whole pool.
+        self._whole = schedule.num_stages == schedule.num_devices and self.grad_window == self.grad_size
+        # Per stack of the parameters, the dtype its stages compute in, where they agree.
+        compute: dict[str, set[Any]] = {}
+        for s in range(schedule.num_stages):
+            for i, aval in zip(model.stage_params[s], self._compute_avals(s), strict=True):
+                compute.setdefault(_key(model.param_avals[i]), set()).add(np.dtype(aval.dtype))
+        self._compute_dtype = {k: next(iter(v)) for k, v in compute.items() if len(v) == 1}
         self.handoff_count = max((1 + max(d.handoff_slot.values(), default=-1) for d in devices), default=0)
         # One slot more: where a device that receives nothing in a permutation writes it.
         self.message_count = 1 + max((1 + max(d.message_slot.values(), default=-1) for d in devices), default=0)
@@ -646,24 +658,17 @@ class TickedStep:
         # One device's part of the step, whether the devices run it side by side (one
         # program over the stage axis) or in turn on one device (serial): its pools, a
         # tick's action on them, a permuted message taken in, and its update.
-        # Where every device holds one stage, its stage's window of parameters and
-        # accumulators is its whole row: the rows go through the switch as they are, for a
-        # window cut from them is a copy of the stage's parameters and accumulators a tick.
-        whole = (
-            schedule.num_stages == num_devices
-            and self.param_window == self.param_size
-            and self.grad_window == self.grad_size
-        )
+        whole = self._whole
 
         def begin(params: Rows) -> dict[str, Any]:
-            # Each pool with a spare slot (and the accumulators and parameters with a window's
-            # room at the end), so that a window at a device's spare place is always whole.
+            # Each pool with a spare slot (and, where a device holds several stages, the
+            # accumulators with a window's room at the end), where an action that writes no
+            # value of a pool writes the zeros it gives; the parameters once in the compute
+            # dtype, for every action of the step.
             room = {k: 0 if whole else n for k, n in self.grad_window.items()}
             return {
                 "grads": {k: _blank(k, n + room[k]) for k, n in sorted(self.grad_size.items())},
-                "weights": {
-                    k: v if whole else jnp.concatenate([v, _blank(k, self.param_window[k])]) for k, v in params.items()
-                },
+                "weights": {k: v.astype(self._compute_dtype.get(k, v.dtype)) for k, v in params.items()},
                 "loss": jnp.zeros((), jnp.float32),
                 "res": {k: _blank(k, n * (self.residual_count + 1)) for k, n in sorted(sizes[1].items())},
                 "hand": {k: _blank(k, n * (self.handoff_count + 1)) for k, n in sorted(sizes[2].items())},
@@ -673,54 +678,44 @@ class TickedStep:
         def compute(
             tick: _Tick, pools: dict[str, Any], me: Any, batch: Any, d: int | None = None
         ) -> tuple[dict[str, Any], Rows]:
-            # Only windows go through the switch (the pools stay where they are: XLA
-            # copies what a conditional takes): this tick's parameters and accumulators
-            # of the device's stage, its residual and hand-over slots, the message it
-            # reads. A window written nothing goes back as it came.
-            grads, weights, res, hand, inbox = (pools[k] for k in ("grads", "weights", "res", "hand", "inbox"))
+            # The pools go into the switch whole and are only read there, each branch at its
+            # own static places: XLA copies what a conditional passes through or writes in
+            # place, not what it reads. A branch gives only the values its action makes (the
+            # stage's accumulators, a residual or hand-over slot, a message), and the tick
+            # writes them into the pools outside the switch, at per-device places read from
+            # small tables; where no action of the tick writes a pool, no branch gives it.
+            grads, res, hand, inbox = (pools[k] for k in ("grads", "res", "hand", "inbox"))
             at = {name: jnp.asarray(where)[me] for name, where in tick.places.items()}
             g_at = {k: jnp.asarray(where)[me] for k, where in tick.grads_at.items()}
-            p_at = {k: jnp.asarray(where)[me] for k, where in tick.params_at.items()}
-            stage_weights = (
-                weights
-                if whole
-                else {k: lax.dynamic_slice_in_dim(weights[k], p_at[k], n) for k, n in self.param_window.items()}
-            )
-            windows = (
-                grads if whole else {k: lax.dynamic_slice_in_dim(grads[k], g_at[k], n) for k, n in sizes[0].items()},
-                {k: lax.dynamic_slice_in_dim(res[k], at["res"] * n, n) for k, n in sizes[1].items()},
-                {k: lax.dynamic_slice_in_dim(hand[k], at["hand"] * n, n) for k, n in sizes[2].items()},
-                {k: lax.dynamic_slice_in_dim(inbox[k], at["read"] * n, n) for k, n in sizes[3].items()},
-            )
             branches, index, kinds = tick.branches, jnp.asarray(tick.index)[me], tick.kinds
             if d is not None:
                 # Run serially, device d's switch holds its own action (and idle), as many
                 # switches of every action would compile the step as many times over.
                 branches, index = [branches[0], branches[tick.index[d]]], (index > 0).astype(jnp.int32)
                 kinds = [None, kinds[tick.index[d]]]
-            g_w, loss, r_w, h_w, out = lax.switch(index, branches, stage_weights, pools["loss"], *windows, batch)
-            # A pool goes back only where an action of the tick writes it: a window that
-            # went through the switch as it came, written back to where it was read, reads
-            # and writes the pool at once, and XLA copies the whole pool to do that.
-            writes = {pool for kind in kinds if kind is not None for pool in _WRITES[kind]}
-            if "grads" in writes:
+            writes = tuple(pool for pool in _POOLS if any(k is not None and pool in _WRITES[k] for k in kinds))
+            given = lax.switch(
+                index,
+                [functools.partial(branch, writes=writes) for branch in branches],
+                pools["weights"], grads, res, hand, inbox, pools["loss"], batch,
+            )  # fmt: skip
+            made = dict(zip(writes, given[:-2], strict=True))
+            loss, out = given[-2:]
+            if "grads" in made:
                 grads = (
-                    {k: v + g_w[k] for k, v in grads.items()}
+                    made["grads"]
                     if whole
-                    else {
-                        k: lax.dynamic_update_slice_in_dim(
-                            v, lax.dynamic_slice_in_dim(v, g_at[k], sizes[0][k]) + g_w[k], g_at[k], 0
-                        )
-                        for k, v in grads.items()
-                    }
+                    else {k: lax.dynamic_update_slice_in_dim(v, made["grads"][k], g_at[k], 0) for k, v in grads.items()}
                 )
-            if "res" in writes:
+            if "res" in made:
                 res = {
-                    k: lax.dynamic_update_slice_in_dim(v, r_w[k], at["res"] * sizes[1][k], 0) for k, v in res.items()
+                    k: lax.dynamic_update_slice_in_dim(v, made["res"][k], at["res"] * sizes[1][k], 0)
+                    for k, v in res.items()
                 }
-            if "hand" in writes:
+            if "hand" in made:
                 hand = {
-                    k: lax.dynamic_update_slice_in_dim(v, h_w[k], at["hand"] * sizes[2][k], 0) for k, v in hand.items()
+                    k: lax.dynamic_update_slice_in_dim(v, made["hand"][k], at["hand"] * sizes[2][k], 0)
+                    for k, v in hand.items()
                 }
             # A value for a stage on the same device goes to its inbound slot (else to the
             # spare one); one for another device moves there after the tick (deliver).
@@ -838,12 +833,10 @@ class TickedStep:
         inbound slot it writes, the spare slot where it receives nothing)."""
         table = self.table
         devices = table.num_devices
-        spare = {"res": self.residual_count, "hand": self.handoff_count, "read": self.message_count - 1}
-        spare["local"] = spare["read"]
+        spare = {"res": self.residual_count, "hand": self.handoff_count, "local": self.message_count - 1}
         index = np.zeros(devices, np.int32)
         places = {name: np.full(devices, where, np.int32) for name, where in spare.items()}
-        grads_at = {k: np.zeros(devices, np.int32) for k in self.grad_size}
-        params_at = {k: np.zeros(devices, np.int32) for k in self.param_size}
+        grads_at = {k: np.full(devices, n, np.int32) for k, n in self.grad_size.items()}
         branches: list[Callable[..., Any]] = [self._idle]
         kinds: list[Kind | None] = [None]
         for d, action in enumerate(table.actions[t]):
@@ -853,28 +846,24 @@ class TickedStep:
             index[d] = len(branches)
             branches.append(self._branch(d, action))
             kinds.append(action.kind)
-            for k, start in self._start(self.devices[d].grads, (s,)).items():
-                grads_at[k][d] = start
-            for k, start in self._start(self.devices[d].params, self.model.stage_params[s]).items():
-                params_at[k][d] = start
-            if action.kind is not Kind.W:
+            if "grads" in _WRITES[action.kind]:
+                for k, start in self._start(device.grads, (s,)).items():
+                    grads_at[k][d] = start
+            if action.kind is Kind.F:
                 places["res"][d] = device.residual_slot[(s, m)]
-            if action.kind in (Kind.I, Kind.W):
+            if action.kind is Kind.I:
                 places["hand"][d] = device.handoff_slot[(s, m)]
-            read = self._reads(action)
-            if read is not None:
-                places["read"][d] = device.message_slot[read]
             if self._local_consumers(action):
                 places["local"][d] = device.message_slot[action.key]
         groups: list[tuple[list[tuple[int, int]], np.ndarray]] = []
         for move in table.transfers[t]:
             group = next((g for g in groups if all(dst != move.dst for _, dst in g[0])), None)
             if group is None:
-                group = ([], np.full(devices, spare["read"], np.int32))
+                group = ([], np.full(devices, spare["local"], np.int32))
                 groups.append(group)
             group[0].append((move.src, move.dst))
             group[1][move.dst] = self.devices[move.dst].message_slot[move.producer.key]
-        return _Tick(index, branches, kinds, places, grads_at, params_at, groups)
+        return _Tick(index, branches, kinds, places, grads_at, groups)
 
     def _reads(self, action: Action) -> tuple[Kind, int, int] | None:
         """The key of the action whose value ``action`` reads from another stage, if any."""
@@ -897,63 +886,110 @@ class TickedStep:
     def _outbox(self) -> Rows:
         return {k: _blank(k, n) for k, n in sorted(self.message_size.items())}
 
-    def _idle(self, params: Rows, loss: Any, grads: Rows, res: Rows, hand: Rows, read: Rows, batch: Any) -> Any:
-        return _nothing(grads), loss, res, hand, self._outbox()
+    def _zeros_of(self, pool: str) -> Rows:
+        """A window of zeros of ``pool`` (of :data:`_POOLS`): one residual or hand-over slot,
+        or one stage's accumulators."""
+        sizes = {"res": self.residual_size, "hand": self.handoff_size, "grads": self.grad_window}[pool]
+        return {k: _blank(k, n) for k, n in sorted(sizes.items())}
+
+    def _given(self, writes: Sequence[str], made: Mapping[str, Rows], loss: Any, out: Rows) -> Leaves:
+        """What a branch gives: per pool in ``writes`` (of :data:`_POOLS`) the values it
+        made there, zeros where it made none (they go to the pool's spare place), then the
+        running loss and its outbox."""
+        return (*(made[pool] if pool in made else self._zeros_of(pool) for pool in writes), loss, out)
+
+    def _idle(
+        self,
+        weights: Rows,
+        grads: Rows,
+        res: Rows,
+        hand: Rows,
+        inbox: Rows,
+        loss: Any,
+        batch: Any,
+        *,
+        writes: Sequence[str],
+    ) -> Leaves:
+        # Where a device's accumulators are its whole pool, the pool is what it gives back.
+        return self._given(writes, {"grads": grads} if self._whole else {}, loss, self._outbox())
 
     def _branch(self, d: int, action: Action) -> Callable[..., Any]:
-        """Device ``d``'s branch for ``action``: ``(params, loss, windows of the accumulators,
-        the residual slot, the hand-over slot and the message read, batch) -> (the
-        accumulators', residual and hand-over windows, loss, outbox)``."""
+        """Device ``d``'s branch for ``action``: ``(parameters, accumulators, residual,
+        hand-over and inbound pools, running loss, batch; writes) -> what it gives``
+        (:meth:`_given`). It reads the pools at its own static places."""
         model, device = self.model, self.devices[d]
         s, m, kind = action.stage, action.microbatch, action.kind
         prog = self.stages[s]
         messages = self.messages
         last = s == self.schedule.num_stages - 1
         res_params, ref_params = prog.parameter_residuals()
-        # The stage's parameters and accumulators, read from windows that start where they do.
-        in_window = {k: -start for k, start in self._start(device.grads, (s,)).items()}
-        weights_at = {k: -start for k, start in self._start(device.params, model.stage_params[s]).items()}
-
-        def nothing(grads: Rows) -> Leaves:
-            # Zero accumulators of the stage: a branch gives what it adds to them, and the
-            # tick adds that outside the switch, for accumulators that went through it
-            # would be copied on the way in and on the way out.
-            return tuple(jnp.zeros_like(g) for g in device.grads.get(grads, s, base=in_window))
+        read = self._reads(action)
+        read_at = {} if read is None else {k: device.message_slot[read] * n for k, n in self.message_size.items()}
+        res_at = (
+            {k: device.residual_slot[(s, m)] * n for k, n in self.residual_size.items()} if kind is not Kind.W else {}
+        )
+        hand_at = (
+            {k: device.handoff_slot[(s, m)] * n for k, n in self.handoff_size.items()}
+            if kind in (Kind.I, Kind.W)
+            else {}
+        )
+        start = self._start(device.grads, (s,))
 
         def stage_params(weights: Rows) -> Leaves:
-            leaves = tuple(device.params.get(weights, i, base=weights_at)[0] for i in model.stage_params[s])
-            return prog.compute_params(leaves)
+            return prog.compute_params(tuple(device.params.get(weights, i)[0] for i in model.stage_params[s]))
 
-        def run(params: Rows, loss: Any, grads: Rows, res: Rows, hand: Rows, read: Rows, batch: Any) -> Any:
-            out = self._outbox()
+        def accumulated(grads: Rows, added: Leaves) -> Rows:
+            # The window of the accumulators at the stage's start (the whole pool where the
+            # device holds one stage): the stage's sums in place of its own, the rest as read.
+            window = {k: [grads[k][start.get(k, 0) + j] for j in range(n)] for k, n in self.grad_window.items()}
+            for (k, at, _), value in zip(device.grads.places[s], added, strict=True):
+                window[k][at - start[k]] = value
+            return {k: jnp.stack(entries) for k, entries in window.items()}
+
+        def run(
+            weights: Rows,
+            grads: Rows,
+            res: Rows,
+            hand: Rows,
+            inbox: Rows,
+            loss: Any,
+            batch: Any,
+            *,
+            writes: Sequence[str],
+        ) -> Leaves:
+            out, made = self._outbox(), {}
+            params = stage_params(weights)
             if kind is Kind.F:
-                x = tuple(b[m] for b in batch[0]) if s == 0 else messages.get(read, ("y", s - 1))
+                x = tuple(b[m] for b in batch[0]) if s == 0 else messages.get(inbox, ("y", s - 1), base=read_at)
                 t = tuple(b[m] for b in batch[1]) if last else ()
-                y, kept, new_loss = prog.forward(stage_params(params), x, t, loss if last else None)
-                res = device.residuals.put(res, s, _unheld(tuple(kept), res_params))
+                y, kept, new_loss = prog.forward(params, x, t, loss if last else None)
+                made["res"] = device.residuals.put(self._zeros_of("res"), s, _unheld(tuple(kept), res_params))
                 if last:
                     loss = new_loss
                 else:
                     out = messages.put(out, ("y", s), tuple(y))
-                return _nothing(grads), loss, res, hand, out
-            if kind is Kind.W:
-                handoff = device.handoffs.get(hand, s)
+            elif kind is Kind.W:
+                handoff = device.handoffs.get(hand, s, base=hand_at)
                 computed_n = self._computed_handoff[s]
-                refs = _rejoined(handoff[computed_n:], ref_params, stage_params(params))
-                added = prog.backward_weight((handoff[:computed_n], refs), nothing(grads))
-                return device.grads.put(_nothing(grads), s, added, base=in_window), loss, res, hand, out
-            kept = _rejoined(device.residuals.get(res, s), res_params, stage_params(params))
-            ct = () if last else messages.get(read, ("in_ct", s + 1))
-            if kind is Kind.B:
-                in_ct, added = prog.backward(kept, ct, nothing(grads))
-                grads = device.grads.put(_nothing(grads), s, added, base=in_window)
+                refs = _rejoined(handoff[computed_n:], ref_params, params)
+                made["grads"] = accumulated(
+                    grads, prog.backward_weight((handoff[:computed_n], refs), device.grads.get(grads, s))
+                )
             else:
-                grads = _nothing(grads)
-                in_ct, (computed, refs) = prog.backward_input(kept, ct)
-                hand = device.handoffs.put(hand, s, (*computed, *_unheld(tuple(refs), ref_params)))
-            if s > 0:
-                out = messages.put(out, ("in_ct", s), tuple(in_ct))
-            return grads, loss, res, hand, out
+                kept = _rejoined(device.residuals.get(res, s, base=res_at), res_params, params)
+                ct = () if last else messages.get(inbox, ("in_ct", s + 1), base=read_at)
+                if kind is Kind.B:
+                    in_ct, added = prog.backward(kept, ct, device.grads.get(grads, s))
+                    made["grads"] = accumulated(grads, added)
+                else:
+                    in_ct, (computed, refs) = prog.backward_input(kept, ct)
+                    handoff = (*computed, *_unheld(tuple(refs), ref_params))
+                    made["hand"] = device.handoffs.put(self._zeros_of("hand"), s, handoff)
+                if s > 0:
+                    out = messages.put(out, ("in_ct", s), tuple(in_ct))
+            if self._whole and "grads" not in made:
+                made["grads"] = grads
+            return self._given(writes, made, loss, out)
 
         return run
 
@@ -989,11 +1025,6 @@ class TickedStep:
             return params, states
 
         return run
-
-
-def _nothing(window: Rows) -> Rows:
-    """A window of zeros: what a branch that adds nothing to the accumulators gives."""
-    return {k: jnp.zeros_like(v) for k, v in window.items()}
 
 
 def _unheld(values: Leaves, params: Sequence[int | None]) -> Leaves:
