@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.event_loops import draining
@@ -243,14 +243,11 @@ def _writable(value: Any) -> Any:
     each shard (replica 0; replica-parallel writing is off, :func:`_checkpointer`), and that
     is this process's. The other processes take no part and no value moves; the checkpoint
     is the one a mesh across processes writes (its sharding file names the other devices)."""
-    if jax.process_count() == 1 or not isinstance(value, jax.Array) or not value.is_fully_addressable:
+    # A worker keeps every array on its mesh (a NamedSharding); anything else goes to orbax as it is.
+    sharding = getattr(value, "sharding", None)
+    if jax.process_count() == 1 or not isinstance(sharding, NamedSharding) or not value.is_fully_addressable:
         return value
-    sharding = value.sharding
-    if isinstance(sharding, NamedSharding):
-        devices, names, spec = sharding.mesh.devices, sharding.mesh.axis_names, sharding.spec
-    else:  # a value on one device (jit's output without a sharding asked)
-        (device,) = sharding.device_set
-        devices, names, spec = np.array([device]), ("value",), PartitionSpec()
+    devices, names, spec = sharding.mesh.devices, sharding.mesh.axis_names, sharding.spec
     others = [d for d in jax.devices() if d.process_index != jax.process_index()][: devices.size]
     mesh = Mesh(np.stack([devices, np.array(others).reshape(devices.shape)]), ("copy", *names))
     shards = [shard.data for shard in value.addressable_shards]
