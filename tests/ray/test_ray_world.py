@@ -1,7 +1,8 @@
 """The Ray backend's jax.distributed world on a four-node Ray cluster on this machine
 (``tests/ray/conftest.py``): each plan is checked against one-device ``jax.value_and_grad``
-(relative error below 1e-5, float32), and every library schedule runs on processes. The
-tests of one world shape share one world (``tests/ray/conftest.py``), each pipeline in turn.
+(relative error below 1e-5, float32), every library schedule runs on processes, and training
+steps on processes of their own run ahead of them. The tests of one world shape share one
+world (``tests/ray/conftest.py``), each pipeline in turn.
 """
 
 from __future__ import annotations
