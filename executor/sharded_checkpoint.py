@@ -5,8 +5,9 @@ wrote them (``Pipeline.save`` and ``Pipeline.restore``, on either backend).
 
 - ``device-<d>/``: pipeline device ``d``'s parameter leaves (``params/<flat index>``) and its
   stages' optimizer states (``opt_state/<stage>``), an orbax checkpoint (:func:`save_device`).
-  On Ray the processes of ``d``'s mesh write it together, each the shards it holds, while the
-  other devices' processes write theirs; locally the one process writes every device's. Orbax
+  On Ray the processes of ``d``'s mesh write it together, each the shards it holds (a mesh in
+  one process, that process alone), while the other devices' processes write theirs; locally
+  the one process writes every device's. Orbax
   writes it aside and renames it when complete. Any orbax reader opens it
   (``orbax.checkpoint.PyTreeCheckpointer``);
 - ``plan.json``: the plan that saved it (:func:`plan_record`), written by the driver once
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from pipedsl.executor.errors import ExecutionError
 from pipedsl.executor.event_loops import draining
@@ -161,13 +164,17 @@ def device_part(version: Path, device: int) -> str:
 def save_device(worker: Worker, directory: str, *, processes: Sequence[int]) -> None:
     """Write ``worker``'s parameter leaves and optimizer states as the orbax checkpoint
     ``directory``. Every one of ``processes``, the processes of the worker's mesh, calls
-    this at once and writes the shards it holds; no other process takes part."""
-    tree = {
-        "params": {str(i): leaf for i, leaf in worker.leaves.items()},
-        "opt_state": {str(s): state for s, state in worker.states.items()},
-    }
+    this at once and writes the shards it holds (a mesh in one process: that process
+    alone, see :func:`_writable`); no other process takes part."""
     checkpointer, _, ocp = _checkpointer(processes, worker.index)
     try:
+        tree = jax.tree_util.tree_map(
+            _writable,
+            {
+                "params": {str(i): leaf for i, leaf in worker.leaves.items()},
+                "opt_state": {str(s): state for s, state in worker.states.items()},
+            },
+        )
         with draining():
             checkpointer.save(directory, args=ocp.args.PyTreeSave(tree), force=True)
     except Exception as err:  # orbax's and the file system's errors alike, named as ours
@@ -225,6 +232,26 @@ def restore_device(
     finally:
         checkpointer.close()
     worker.load(leaves, states if optimizer is not None else None)
+
+
+def _writable(value: Any) -> Any:
+    """``value`` as orbax writes it. In a world of several processes orbax refuses an array
+    that one process holds whole ("Cannot serialize host local jax.Array": it takes it for a
+    ``pmap`` result), which every array of a pipeline device whose mesh lies in one process
+    is. Such an array is handed to it as the global array it is plus a copy on as many
+    devices of other processes, a copy that is never read: orbax writes the first copy of
+    each shard (replica 0; replica-parallel writing is off, :func:`_checkpointer`), and that
+    is this process's. The other processes take no part and no value moves; the checkpoint
+    is the one a mesh across processes writes (its sharding file names the other devices)."""
+    # A worker keeps every array on its mesh (a NamedSharding); anything else goes to orbax as it is.
+    sharding = getattr(value, "sharding", None)
+    if jax.process_count() == 1 or not isinstance(sharding, NamedSharding) or not value.is_fully_addressable:
+        return value
+    devices, names, spec = sharding.mesh.devices, sharding.mesh.axis_names, sharding.spec
+    others = [d for d in jax.devices() if d.process_index != jax.process_index()][: devices.size]
+    mesh = Mesh(np.stack([devices, np.array(others).reshape(devices.shape)]), ("copy", *names))
+    shards = [shard.data for shard in value.addressable_shards]
+    return jax.make_array_from_single_device_arrays(value.shape, NamedSharding(mesh, spec), shards)
 
 
 def _tree_metadata(handler: Any, directory: str) -> Any:
@@ -287,7 +314,9 @@ def _checkpointer(processes: Sequence[int], device: int) -> tuple[Any, Any, Any]
     )
     # The array handler writes each array's metadata from its own primary process, by
     # default process 0: a group without process 0 would write shards and no metadata.
-    arrays = ocp.type_handlers.ArrayHandler(primary_host=first)
+    # Each shard is written by the process of its first copy: replica-parallel writing
+    # would share a replicated shard among its copies, and the copy _writable adds is never written.
+    arrays = ocp.type_handlers.ArrayHandler(primary_host=first, use_replica_parallel=False)
     registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
     handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=options, type_handler_registry=registry)
     return ocp.Checkpointer(handler, multiprocessing_options=options), handler, ocp

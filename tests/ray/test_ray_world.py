@@ -1,7 +1,8 @@
 """The Ray backend's jax.distributed world on a four-node Ray cluster on this machine
 (``tests/ray/conftest.py``): each plan is checked against one-device ``jax.value_and_grad``
-(relative error below 1e-5, float32), and every library schedule runs on processes. The
-tests of one world shape share one world (``tests/ray/conftest.py``), each pipeline in turn.
+(relative error below 1e-5, float32), every library schedule runs on processes, and training
+steps on processes of their own run ahead of them. The tests of one world shape share one
+world (``tests/ray/conftest.py``), each pipeline in turn.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import signal
 import sys
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 import ray.cloudpickle
 
@@ -33,10 +38,11 @@ from helpers import (
     zb_auto,
 )
 from helpers import setup as reference
-from pipedsl.executor import ExecutionError, RunOptions
+from pipedsl.executor import ExecutionError, Pipeline, RunOptions
 from pipedsl.executor.backend import Resident
 from pipedsl.executor.ray.cluster import RayWorld
 from pipedsl.executor.ray.cores import registry
+from pipedsl.executor.ray.remote_loss import RemoteLoss
 from pipedsl.executor.ray.transport import worker_exchanges, worker_groups
 from pipedsl.rendezvous import exchange_groups, exchange_order
 from pipedsl.ticks import tick_table
@@ -172,6 +178,45 @@ def test_one_program_over_the_stage_axis_across_processes(worlds: Worlds) -> Non
         for got in (recorded.loss, float(loss)):
             assert_relative_close(got, expected[2][1])
         assert_relative_close(pipe.gather(held), expected[2][0])
+
+
+def _heavy(p: jax.Array, x: jax.Array) -> jax.Array:
+    # Enough matrix work per action that a step takes far longer than its dispatch.
+    for _ in range(4):
+        x = jnp.tanh(x @ p)
+    return x
+
+
+def _mse(y: jax.Array, t: jax.Array) -> jax.Array:
+    return jnp.mean((y - t) ** 2)
+
+
+def test_training_steps_on_processes_of_their_own_run_ahead(worlds: Worlds) -> None:
+    # A process per pipeline device, the step one program over the stage axis (the path of
+    # accelerators): ten training steps return while the processes still compute the last
+    # ones (a process keeps at most MAX_IN_FLIGHT steps in flight, so the last two at least),
+    # and no loss comes to the driver until it is read.
+    schedule = library("1f1b", pp=4, microbatches=4)
+    width = 512
+    params = [jnp.eye(width) * 0.5] * 4
+    x = np.ones((512, width), np.float32)
+    batch = (x, x * 0.5)
+    optimizer = optax.sgd(1e-3)
+    options = RunOptions(ticks=True)
+    with Pipeline([_heavy] * 4, loss=_mse, schedule=schedule, backend=worlds(4, 1), options=options) as pipe:
+        held, state, loss = pipe.train_step(params, None, batch, optimizer=optimizer)  # compiles
+        assert pipe.ticked
+        float(loss)
+        losses = []
+        with jax.transfer_guard_device_to_host("disallow"):
+            for _ in range(10):
+                held, state, loss = pipe.train_step(held, state, batch, optimizer=optimizer)
+                losses.append(loss)
+            assert not losses[-1].is_ready()
+        assert all(isinstance(x, RemoteLoss) and not x.fetched for x in losses)
+        pipe.block_until_ready()
+        assert all(x.is_ready() for x in losses)
+        assert np.isfinite(float(losses[-1]))
 
 
 def test_zb_h1_dp2_tp2_pp2_tp_inside_a_process(worlds: Worlds) -> None:

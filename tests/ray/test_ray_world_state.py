@@ -24,6 +24,7 @@ import ray.cloudpickle
 from ray.cluster_utils import Cluster
 
 from helpers import (
+    ADAM,
     HYBRID_ADAM,
     RAY_CONFIG,
     RAY_MARKS,
@@ -40,6 +41,7 @@ from helpers import setup as reference
 from pipedsl.executor import ExecutionError
 from pipedsl.executor.backend import Resident
 from pipedsl.executor.ray.cluster import DeviceLost, RayWorld
+from pipedsl.run_options import RunOptions
 
 pytestmark = RAY_MARKS
 
@@ -249,12 +251,44 @@ def test_parameters_made_in_the_world(worlds: Callable[[int, int], RayWorld]) ->
     assert_relative_close(result.grads, ref_grads)
 
 
+def test_checkpoint_of_devices_each_in_a_process_after_the_one_program(
+    worlds: Callable[[int, int], RayWorld], tmp_path: Path
+) -> None:
+    # A process per pipeline device, the steps one program over the stage axis: each
+    # process writes its device's checkpoint alone, from the values the program last made.
+    schedule = library("zb_h1", pp=4)
+    params, batch, _, _ = reference("mlp", "explicit", schedule.num_stages)
+    options = RunOptions(ticks=True)
+    world = worlds(4, 1)
+    with pipeline("mlp", "explicit", schedule, backend=world, options=options) as pipe:
+        held, state, _ = pipe.train_step(params, None, batch, optimizer=ADAM)
+        held, state, _ = pipe.train_step(held, state, batch, optimizer=ADAM)
+        assert pipe.ticked
+        version = pipe.save(str(tmp_path), step=2)
+        saved = pipe.gather(held)
+        held, state, loss = pipe.train_step(held, state, batch, optimizer=ADAM)
+        expected_loss, expected = float(loss), pipe.gather(held)
+    assert_saved_params(version, saved)
+    with pipeline("mlp", "explicit", schedule, backend=world, options=options) as again:
+        held, state, step = again.restore(str(tmp_path), like_params=params, batch=batch, optimizer=ADAM)
+        held, state, loss = again.train_step(held, state, batch, optimizer=ADAM)
+        assert step == 2
+        assert float(loss) == expected_loss
+        jax.tree_util.tree_map(np.testing.assert_array_equal, again.gather(held), expected)
+    # And one process (the local backend, tasks apart) resumes it as well.
+    with pipeline("mlp", "explicit", schedule) as local:
+        held, state, _ = local.restore(str(tmp_path), like_params=params, batch=batch, optimizer=ADAM)
+        held, state, loss = local.train_step(held, state, batch, optimizer=ADAM)
+        assert_relative_close(float(loss), expected_loss)
+        assert_relative_close(local.gather(held), expected)
+
+
 def test_checkpoint_per_shard_resumes_on_the_same_plan_and_on_another(
     worlds: Callable[[int, int], RayWorld], tmp_path: Path
 ) -> None:
     schedule = hybrid_schedule("1f1b", 2, 1)
     _, params, batch, _, _ = hybrid_problem("explicit", 2, 2)
-    # The plan's two pipelines run on the world the test before used, each after the last one
+    # The plan's two pipelines run on the world the tests before used, each after the last one
     # closed and its processes forgot its state.
     world = worlds(4, 1)
     with hybrid("explicit", schedule, dp=2, tp=1, zero=1, backend=world) as pipe:
