@@ -6,24 +6,23 @@ so the host, not the devices, sets the pace. Here the step is one ``jax.jit`` of
 ``jax.shard_map`` over a 1-D mesh of the pipeline devices (axis ``"stage"``), one dispatch
 per step, which runs the schedule's tick table (:func:`pipedsl.ticks.tick_table`):
 
-- the ticks are unrolled; at each, every device runs its action of the tick through a
-  ``lax.switch`` over the distinct actions of that tick (and idle), its index read from a
-  per-device table with ``lax.axis_index``, so the program holds one copy of each
-  action's computation, as the ``"unrolled"`` one program of shared devices does
-  (:mod:`pipedsl.executor.local.fused`);
+- the ticks are unrolled; at each, every device runs its action of the tick: each distinct
+  action of the tick is a ``lax.while_loop`` of at most one trip (:func:`_once`), taken on
+  the device whose action it is (its index read from a per-device table with
+  ``lax.axis_index``), so the program holds one copy of each action's computation, as the
+  ``"unrolled"`` one program of shared devices does (:mod:`pipedsl.executor.local.fused`).
+  A loop, not a ``lax.switch``: XLA updates a loop's carry in place, where a conditional
+  copies whatever it passes through or writes (every pool, at every tick);
 - after a tick, the values it produced for other devices move by ``lax.ppermute`` over
   that tick's (src, dst) pairs (grouped into permutations where a device receives two);
 - every device's state is uniform, as ``shard_map`` needs: its parameters (and their copy
   in the compute dtype, cast once a step), optimizer state, gradient accumulators,
   residual slots (as many as its peak of microbatches in flight), ``I``-to-``W`` hand-over
   slots and inbound-message slots are padded stacks, one per leaf shape and dtype
-  (:class:`_Rows`); they go into a tick's switch whole and are only read there, each branch
-  at its device's static places (XLA copies what a conditional passes through or writes,
-  not what it only reads); a branch gives only what its action makes (the stage's
-  accumulators, a residual or hand-over slot, a message), and the tick writes that into
-  the pools outside the switch, at per-device places read from small tables, and only
-  into the pools some action of the tick writes;
-- the branches run the stage programs' own functions (:meth:`StageProgram.inlined`),
+  (:class:`_Rows`); an action reads and writes them at its device's static places, a
+  stack's entries written at once (:meth:`_Rows.put_all`, :meth:`_Rows.add`) so that XLA
+  writes them in place;
+- the actions run the stage programs' own functions (:meth:`StageProgram.inlined`),
   and the optimizer update after the ticks runs the workers' (:func:`optimizer_step`),
   with the global norm's sum of squares summed over the stage axis where the optimizer
   couples leaves through it; parameters and optimizer state are donated.
@@ -72,11 +71,8 @@ __all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "program_failure", "ticks_app
 STAGE = "stage"
 """The mesh axis of the pipeline devices."""
 
-_WRITES = {Kind.F: ("res",), Kind.B: ("grads",), Kind.I: ("hand",), Kind.W: ("grads",)}
-"""The pools an action writes: F its residuals, I its hand-over, B and W the accumulators."""
-
-_POOLS = ("grads", "res", "hand")
-"""The pools actions write (:data:`_WRITES`), in the order a branch gives them."""
+_READ = ("weights", "batch")
+"""What the actions of a step only read: the parameters (in the compute dtype) and the batch."""
 
 MAX_IN_FLIGHT = 2
 """Steps of one program over CPU devices dispatched and not yet done, at most: the next
@@ -170,11 +166,50 @@ class _Rows:
 
     def put(self, rows: Rows, name: Hashable, values: Sequence[Any], *, base: Mapping[str, int] | None = None) -> Rows:
         """``rows`` with group ``name`` set to ``values``."""
+        return self.put_all(rows, {name: values}, base=base)
+
+    def put_all(
+        self, rows: Rows, groups: Mapping[Hashable, Sequence[Any]], *, base: Mapping[str, int] | None = None
+    ) -> Rows:
+        """``rows`` with each group of ``groups`` set to its values: per stack, one write of
+        each run of consecutive entries, which XLA makes in place even where the values
+        were computed from the stack's old ones (written entry by entry, a write could come
+        before a read of another entry, and XLA would copy the stack to keep that read right)."""
+        entries: dict[str, dict[int, Any]] = {}
+        for name, values in groups.items():
+            for (key, at, _), value in zip(self.places[name], values, strict=True):
+                entries.setdefault(key, {})[at] = jnp.asarray(value).astype(rows[key].dtype)
         rows = dict(rows)
-        for (key, at, _), value in zip(self.places[name], values, strict=True):
-            start = at + (base or {}).get(key, 0)
-            rows[key] = rows[key].at[start].set(jnp.asarray(value).astype(rows[key].dtype))
+        for key, placed in entries.items():
+            runs: list[list[int]] = []
+            for at in sorted(placed):
+                if runs and at == runs[-1][-1] + 1:
+                    runs[-1].append(at)
+                else:
+                    runs.append([at])
+            for run in runs:
+                update = jnp.stack([placed[k] for k in run])
+                rows[key] = lax.dynamic_update_slice_in_dim(rows[key], update, run[0] + (base or {}).get(key, 0), 0)
         return rows
+
+    def add(self, rows: Rows, name: Hashable, values: Sequence[Any]) -> Rows:
+        """``rows`` with ``values`` added to group ``name``'s: per stack, the group's entries
+        read, summed and written back at once, which XLA makes in place (entry by entry,
+        it reads an entry from the stack as it was, and copies the stack to keep that read
+        right past the writes before it)."""
+        entries: dict[str, list[Any]] = {}
+        for (key, _, _), value in zip(self.places[name], values, strict=True):
+            entries.setdefault(key, []).append(jnp.asarray(value).astype(rows[key].dtype))
+        rows = dict(rows)
+        for key, stack in entries.items():
+            start, old = self._start(name, key), rows[key]
+            summed = lax.dynamic_slice_in_dim(old, start, len(stack)) + jnp.stack(stack)
+            rows[key] = lax.dynamic_update_slice_in_dim(old, summed, start, 0)
+        return rows
+
+    def _start(self, name: Hashable, key: str) -> int:
+        """Where group ``name``'s entries in stack ``key`` start (they follow one another)."""
+        return min(at for k, at, _ in self.places[name] if k == key)
 
 
 def _key(leaf: Any) -> str:
@@ -231,19 +266,12 @@ class _Device:
 
 @dataclass(frozen=True, slots=True)
 class _Tick:
-    """One tick of the program: per device its branch (``index``, into ``branches``, idle
-    first), the slots it writes (``places``: ``"res"`` and ``"hand"``, the residual and
-    hand-over slot; ``"local"``, the inbound slot its value for a stage on the same device
-    goes to; each the pool's spare slot where there is none), where the window of the
-    accumulators it writes starts per stack (``grads_at``; the spare room where it writes
-    none), and the permutations after the tick; ``kinds``, per branch the kind of its
-    action (None: idle)."""
+    """One tick of the program: per device its action's body (``index``, 1-based into
+    ``bodies``; 0: idle) and the permutations after the tick (each: its (src, dst) pairs and
+    per device the inbound slot it writes, the spare slot where it receives nothing)."""
 
     index: np.ndarray
-    branches: list[Callable[..., Any]]
-    kinds: list[Kind | None]
-    places: dict[str, np.ndarray]
-    grads_at: dict[str, np.ndarray]
+    bodies: list[Callable[..., dict[str, Any]]]
     groups: list[tuple[list[tuple[int, int]], np.ndarray]]
 
 
@@ -395,15 +423,6 @@ class TickedStep:
         self.residual_size = _padded([d.residuals.sizes for d in devices])
         self.handoff_size = _padded([d.handoffs.sizes for d in devices])
         self.residual_count = max(1 + max(d.residual_slot.values(), default=-1) for d in devices)
-        # The window of one stage's accumulators (and parameters): per stack, the most any stage has.
-        self.grad_window = _padded(
-            [
-                _Rows({s: tuple(model.param_avals[i] for i in model.stage_params[s])}).sizes
-                for s in range(schedule.num_stages)
-            ]
-        )
-        # Where every device holds one stage, a stage's accumulators are its device's whole pool.
-        self._whole = schedule.num_stages == schedule.num_devices and self.grad_window == self.grad_size
         # Per stack of the parameters, the dtype its stages compute in, where they agree.
         compute: dict[str, set[Any]] = {}
         for s in range(schedule.num_stages):
@@ -651,82 +670,39 @@ class TickedStep:
         coupled = update is not None and couples_through_global_norm(update.optimizer)
         skip = update is not None and update.skip_nonfinite
         count, num_devices = schedule.num_microbatches, schedule.num_devices
-        ticks = [tick for tick in map(self._tick, range(table.num_ticks)) if len(tick.branches) > 1]
+        ticks = [tick for tick in map(self._tick, range(table.num_ticks)) if tick.bodies]
         updates = [self._device_update(d, update, coupled) for d in range(num_devices)] if update else []
-        sizes = (self.grad_window, self.residual_size, self.handoff_size, self.message_size)
+        sizes = self.message_size
 
         # One device's part of the step, whether the devices run it side by side (one
         # program over the stage axis) or in turn on one device (serial): its pools, a
         # tick's action on them, a permuted message taken in, and its update.
-        whole = self._whole
-
-        def begin(params: Rows) -> dict[str, Any]:
-            # Each pool with a spare slot (and, where a device holds several stages, the
-            # accumulators with a window's room at the end), where an action that writes no
-            # value of a pool writes the zeros it gives; the parameters once in the compute
-            # dtype, for every action of the step.
-            room = {k: 0 if whole else n for k, n in self.grad_window.items()}
+        def begin(params: Rows, batch: Any) -> dict[str, Any]:
+            # The parameters once in the compute dtype, for every action of the step.
             return {
-                "grads": {k: _blank(k, n + room[k]) for k, n in sorted(self.grad_size.items())},
+                "batch": batch,
+                "grads": {k: _blank(k, n) for k, n in sorted(self.grad_size.items())},
                 "weights": {k: v.astype(self._compute_dtype.get(k, v.dtype)) for k, v in params.items()},
                 "loss": jnp.zeros((), jnp.float32),
-                "res": {k: _blank(k, n * (self.residual_count + 1)) for k, n in sorted(sizes[1].items())},
-                "hand": {k: _blank(k, n * (self.handoff_count + 1)) for k, n in sorted(sizes[2].items())},
-                "inbox": {k: _blank(k, n * self.message_count) for k, n in sorted(sizes[3].items())},
+                "res": {k: _blank(k, n * self.residual_count) for k, n in sorted(self.residual_size.items())},
+                "hand": {k: _blank(k, n * self.handoff_count) for k, n in sorted(self.handoff_size.items())},
+                "inbox": {k: _blank(k, n * self.message_count) for k, n in sorted(sizes.items())},
             }
 
-        def compute(
-            tick: _Tick, pools: dict[str, Any], me: Any, batch: Any, d: int | None = None
-        ) -> tuple[dict[str, Any], Rows]:
-            # The pools go into the switch whole and are only read there, each branch at its
-            # own static places: XLA copies what a conditional passes through or writes in
-            # place, not what it reads. A branch gives only the values its action makes (the
-            # stage's accumulators, a residual or hand-over slot, a message), and the tick
-            # writes them into the pools outside the switch, at per-device places read from
-            # small tables; where no action of the tick writes a pool, no branch gives it.
-            grads, res, hand, inbox = (pools[k] for k in ("grads", "res", "hand", "inbox"))
-            at = {name: jnp.asarray(where)[me] for name, where in tick.places.items()}
-            g_at = {k: jnp.asarray(where)[me] for k, where in tick.grads_at.items()}
-            branches, index, kinds = tick.branches, jnp.asarray(tick.index)[me], tick.kinds
-            if d is not None:
-                # Run serially, device d's switch holds its own action (and idle), as many
-                # switches of every action would compile the step as many times over.
-                branches, index = [branches[0], branches[tick.index[d]]], (index > 0).astype(jnp.int32)
-                kinds = [None, kinds[tick.index[d]]]
-            writes = tuple(pool for pool in _POOLS if any(k is not None and pool in _WRITES[k] for k in kinds))
-            given = lax.switch(
-                index,
-                [functools.partial(branch, writes=writes) for branch in branches],
-                pools["weights"], grads, res, hand, inbox, pools["loss"], batch,
-            )  # fmt: skip
-            made = dict(zip(writes, given[:-2], strict=True))
-            loss, out = given[-2:]
-            if "grads" in made:
-                grads = (
-                    made["grads"]
-                    if whole
-                    else {k: lax.dynamic_update_slice_in_dim(v, made["grads"][k], g_at[k], 0) for k, v in grads.items()}
-                )
-            if "res" in made:
-                res = {
-                    k: lax.dynamic_update_slice_in_dim(v, made["res"][k], at["res"] * sizes[1][k], 0)
-                    for k, v in res.items()
-                }
-            if "hand" in made:
-                hand = {
-                    k: lax.dynamic_update_slice_in_dim(v, made["hand"][k], at["hand"] * sizes[2][k], 0)
-                    for k, v in hand.items()
-                }
-            # A value for a stage on the same device goes to its inbound slot (else to the
-            # spare one); one for another device moves there after the tick (deliver).
-            inbox = {
-                k: lax.dynamic_update_slice_in_dim(v, out[k], at["local"] * sizes[3][k], 0) for k, v in inbox.items()
-            }
-            return {**pools, "grads": grads, "loss": loss, "res": res, "hand": hand, "inbox": inbox}, out
+        def compute(tick: _Tick, pools: dict[str, Any], me: Any, d: int | None = None) -> dict[str, Any]:
+            # Each action of the tick runs in a loop of at most one trip, taken on the device
+            # whose action it is (_once); the parameters and the batch are only read.
+            index = jnp.asarray(tick.index)[me]
+            reads = {k: pools[k] for k in _READ}
+            carry = {k: v for k, v in pools.items() if k not in _READ} | {"out": self._outbox()}
+            mine = enumerate(tick.bodies, 1) if d is None else [(tick.index[d], tick.bodies[tick.index[d] - 1])]
+            for j, body in mine:
+                carry = _once(index == j, functools.partial(body, reads=reads), carry)
+            return carry | reads
 
         def deliver(pools: dict[str, Any], got: Rows, slot: Any) -> dict[str, Any]:
             inbox = {
-                k: lax.dynamic_update_slice_in_dim(v, got[k], slot * sizes[3][k], 0) for k, v in pools["inbox"].items()
+                k: lax.dynamic_update_slice_in_dim(v, got[k], slot * sizes[k], 0) for k, v in pools["inbox"].items()
             }
             return {**pools, "inbox": inbox}
 
@@ -746,7 +722,12 @@ class TickedStep:
             grads = {k: v[: self.grad_size[k]] for k, v in pools["grads"].items()}
             if update is not None:
                 finite = None if bad is None else bad == 0
-                params, states = lax.switch(me, updates, params, states, grads, finite, own)
+                for d, device_update in enumerate(updates):
+                    params, states = _once(
+                        me == d,
+                        functools.partial(_updated, device_update, grads=grads, finite=finite, own=own),
+                        (params, states),
+                    )
             return params, states, pools["loss"], grads if keep_grads else {}
 
         def microbatches(xs: Leaves, ts: Leaves) -> Any:
@@ -759,12 +740,11 @@ class TickedStep:
             params = {k: v[0] for k, v in params.items()}
             states = {k: v[0] for k, v in states.items()}
             me = lax.axis_index(STAGE)
-            batch = microbatches(xs, ts)
-            pools = begin(params)
+            pools = begin(params, microbatches(xs, ts))
             for tick in ticks:
-                pools, out = compute(tick, pools, me, batch)
+                pools = compute(tick, pools, me)
                 for pairs, slots in tick.groups:
-                    got = {k: lax.ppermute(value, STAGE, perm=pairs) for k, value in out.items()}
+                    got = {k: lax.ppermute(value, STAGE, perm=pairs) for k, value in pools["out"].items()}
                     pools = deliver(pools, got, jnp.asarray(slots)[me])
             bad, own = checks(pools)
             bad, own = (None if v is None else lax.psum(v, STAGE) for v in (bad, own))
@@ -779,15 +759,14 @@ class TickedStep:
                 ({k: v[d] for k, v in params.items()}, {k: v[d] for k, v in states.items()}) for d in range(num_devices)
             ]
             batch = microbatches(xs, ts)
-            pools = [begin(p) for p, _ in rows]
+            pools = [begin(p, batch) for p, _ in rows]
             for tick in ticks:
-                outs: dict[int, Rows] = {}
                 for d in range(num_devices):
                     if tick.index[d]:
-                        pools[d], outs[d] = compute(tick, pools[d], mes[d], batch, d)
+                        pools[d] = compute(tick, pools[d], mes[d], d)
                 for pairs, slots in tick.groups:
                     for src, dst in pairs:
-                        pools[dst] = deliver(pools[dst], outs[src], jnp.asarray(slots)[mes[dst]])
+                        pools[dst] = deliver(pools[dst], pools[src]["out"], jnp.asarray(slots)[mes[dst]])
             parts = [checks(p) for p in pools]
             bad, own = (None if parts[0][i] is None else sum(p[i] for p in parts) for i in (0, 1))
             ends = [end(*rows[d], pools[d], mes[d], bad, own) for d in range(num_devices)]
@@ -828,42 +807,24 @@ class TickedStep:
         return jax.jit(step, donate_argnums=donated, in_shardings=(self.rows_at,) * 4)
 
     def _tick(self, t: int) -> _Tick:
-        """Tick ``t``: its branches (idle first), each device's branch and the places of its
-        windows, and the tick's permutations (each: its (src, dst) pairs and per device the
-        inbound slot it writes, the spare slot where it receives nothing)."""
+        """Tick ``t``: each device's action's body, and the tick's permutations."""
         table = self.table
         devices = table.num_devices
-        spare = {"res": self.residual_count, "hand": self.handoff_count, "local": self.message_count - 1}
         index = np.zeros(devices, np.int32)
-        places = {name: np.full(devices, where, np.int32) for name, where in spare.items()}
-        grads_at = {k: np.full(devices, n, np.int32) for k, n in self.grad_size.items()}
-        branches: list[Callable[..., Any]] = [self._idle]
-        kinds: list[Kind | None] = [None]
+        bodies: list[Callable[..., dict[str, Any]]] = []
         for d, action in enumerate(table.actions[t]):
-            if action is None:
-                continue
-            device, s, m = self.devices[d], action.stage, action.microbatch
-            index[d] = len(branches)
-            branches.append(self._branch(d, action))
-            kinds.append(action.kind)
-            if "grads" in _WRITES[action.kind]:
-                for k, start in self._start(device.grads, (s,)).items():
-                    grads_at[k][d] = start
-            if action.kind is Kind.F:
-                places["res"][d] = device.residual_slot[(s, m)]
-            if action.kind is Kind.I:
-                places["hand"][d] = device.handoff_slot[(s, m)]
-            if self._local_consumers(action):
-                places["local"][d] = device.message_slot[action.key]
+            if action is not None:
+                bodies.append(self._body(d, action))
+                index[d] = len(bodies)
         groups: list[tuple[list[tuple[int, int]], np.ndarray]] = []
         for move in table.transfers[t]:
             group = next((g for g in groups if all(dst != move.dst for _, dst in g[0])), None)
             if group is None:
-                group = ([], np.full(devices, spare["local"], np.int32))
+                group = ([], np.full(devices, self.message_count - 1, np.int32))
                 groups.append(group)
             group[0].append((move.src, move.dst))
             group[1][move.dst] = self.devices[move.dst].message_slot[move.producer.key]
-        return _Tick(index, branches, kinds, places, grads_at, groups)
+        return _Tick(index, bodies, groups)
 
     def _reads(self, action: Action) -> tuple[Kind, int, int] | None:
         """The key of the action whose value ``action`` reads from another stage, if any."""
@@ -886,84 +847,41 @@ class TickedStep:
     def _outbox(self) -> Rows:
         return {k: _blank(k, n) for k, n in sorted(self.message_size.items())}
 
-    def _zeros_of(self, pool: str) -> Rows:
-        """A window of zeros of ``pool`` (of :data:`_POOLS`): one residual or hand-over slot,
-        or one stage's accumulators."""
-        sizes = {"res": self.residual_size, "hand": self.handoff_size, "grads": self.grad_window}[pool]
-        return {k: _blank(k, n) for k, n in sorted(sizes.items())}
-
-    def _given(self, writes: Sequence[str], made: Mapping[str, Rows], loss: Any, out: Rows) -> Leaves:
-        """What a branch gives: per pool in ``writes`` (of :data:`_POOLS`) the values it
-        made there, zeros where it made none (they go to the pool's spare place), then the
-        running loss and its outbox."""
-        return (*(made[pool] if pool in made else self._zeros_of(pool) for pool in writes), loss, out)
-
-    def _idle(
-        self,
-        weights: Rows,
-        grads: Rows,
-        res: Rows,
-        hand: Rows,
-        inbox: Rows,
-        loss: Any,
-        batch: Any,
-        *,
-        writes: Sequence[str],
-    ) -> Leaves:
-        # Where a device's accumulators are its whole pool, the pool is what it gives back.
-        return self._given(writes, {"grads": grads} if self._whole else {}, loss, self._outbox())
-
-    def _branch(self, d: int, action: Action) -> Callable[..., Any]:
-        """Device ``d``'s branch for ``action``: ``(parameters, accumulators, residual,
-        hand-over and inbound pools, running loss, batch; writes) -> what it gives``
-        (:meth:`_given`). It reads the pools at its own static places."""
+    def _body(self, d: int, action: Action) -> Callable[..., dict[str, Any]]:
+        """Device ``d``'s ``action`` on its pools (``pools -> pools``): it reads and writes
+        them at its own static places (its residual and hand-over slots, the message it
+        reads, the inbound slot of its value for a stage on the same device) and sets the
+        tick's outbox."""
         model, device = self.model, self.devices[d]
         s, m, kind = action.stage, action.microbatch, action.kind
         prog = self.stages[s]
         messages = self.messages
         last = s == self.schedule.num_stages - 1
         res_params, ref_params = prog.parameter_residuals()
+
+        def base(slot: int | None, sizes: Mapping[str, int]) -> dict[str, int]:
+            return {} if slot is None else {k: slot * n for k, n in sizes.items()}
+
         read = self._reads(action)
-        read_at = {} if read is None else {k: device.message_slot[read] * n for k, n in self.message_size.items()}
-        res_at = (
-            {k: device.residual_slot[(s, m)] * n for k, n in self.residual_size.items()} if kind is not Kind.W else {}
-        )
-        hand_at = (
-            {k: device.handoff_slot[(s, m)] * n for k, n in self.handoff_size.items()}
-            if kind in (Kind.I, Kind.W)
-            else {}
-        )
-        start = self._start(device.grads, (s,))
+        read_at = base(None if read is None else device.message_slot[read], self.message_size)
+        res_at = base(device.residual_slot.get((s, m)), self.residual_size)
+        hand_at = base(device.handoff_slot.get((s, m)), self.handoff_size)
+        local_at = base(device.message_slot[action.key] if self._local_consumers(action) else None, self.message_size)
 
-        def stage_params(weights: Rows) -> Leaves:
-            return prog.compute_params(tuple(device.params.get(weights, i)[0] for i in model.stage_params[s]))
-
-        def accumulated(grads: Rows, added: Leaves) -> Rows:
-            # The window of the accumulators at the stage's start (the whole pool where the
-            # device holds one stage): the stage's sums in place of its own, the rest as read.
-            window = {k: [grads[k][start.get(k, 0) + j] for j in range(n)] for k, n in self.grad_window.items()}
-            for (k, at, _), value in zip(device.grads.places[s], added, strict=True):
-                window[k][at - start[k]] = value
-            return {k: jnp.stack(entries) for k, entries in window.items()}
-
-        def run(
-            weights: Rows,
-            grads: Rows,
-            res: Rows,
-            hand: Rows,
-            inbox: Rows,
-            loss: Any,
-            batch: Any,
-            *,
-            writes: Sequence[str],
-        ) -> Leaves:
-            out, made = self._outbox(), {}
-            params = stage_params(weights)
+        def run(pools: dict[str, Any], *, reads: dict[str, Any]) -> dict[str, Any]:
+            grads, res, hand, inbox, out = (pools[k] for k in ("grads", "res", "hand", "inbox", "out"))
+            loss, batch = pools["loss"], reads["batch"]
+            params = prog.compute_params(
+                tuple(device.params.get(reads["weights"], i)[0] for i in model.stage_params[s])
+            )
+            # The stage's programs add their gradients to the accumulators they are given:
+            # given zeros, they give the gradients, which the body adds in place.
+            nothing = tuple(jnp.zeros(shape, key.split("[")[0]) for key, _, shape in device.grads.places[s])
             if kind is Kind.F:
                 x = tuple(b[m] for b in batch[0]) if s == 0 else messages.get(inbox, ("y", s - 1), base=read_at)
                 t = tuple(b[m] for b in batch[1]) if last else ()
                 y, kept, new_loss = prog.forward(params, x, t, loss if last else None)
-                made["res"] = device.residuals.put(self._zeros_of("res"), s, _unheld(tuple(kept), res_params))
+                res = device.residuals.put(res, s, _unheld(tuple(kept), res_params), base=res_at)
                 if last:
                     loss = new_loss
                 else:
@@ -972,24 +890,24 @@ class TickedStep:
                 handoff = device.handoffs.get(hand, s, base=hand_at)
                 computed_n = self._computed_handoff[s]
                 refs = _rejoined(handoff[computed_n:], ref_params, params)
-                made["grads"] = accumulated(
-                    grads, prog.backward_weight((handoff[:computed_n], refs), device.grads.get(grads, s))
-                )
+                grads = device.grads.add(grads, s, prog.backward_weight((handoff[:computed_n], refs), nothing))
             else:
                 kept = _rejoined(device.residuals.get(res, s, base=res_at), res_params, params)
                 ct = () if last else messages.get(inbox, ("in_ct", s + 1), base=read_at)
                 if kind is Kind.B:
-                    in_ct, added = prog.backward(kept, ct, device.grads.get(grads, s))
-                    made["grads"] = accumulated(grads, added)
+                    in_ct, added = prog.backward(kept, ct, nothing)
+                    grads = device.grads.add(grads, s, added)
                 else:
                     in_ct, (computed, refs) = prog.backward_input(kept, ct)
                     handoff = (*computed, *_unheld(tuple(refs), ref_params))
-                    made["hand"] = device.handoffs.put(self._zeros_of("hand"), s, handoff)
+                    hand = device.handoffs.put(hand, s, handoff, base=hand_at)
                 if s > 0:
                     out = messages.put(out, ("in_ct", s), tuple(in_ct))
-            if self._whole and "grads" not in made:
-                made["grads"] = grads
-            return self._given(writes, made, loss, out)
+            if local_at:
+                # A value for a stage on the same device goes to its inbound slot; one for
+                # another device moves there after the tick.
+                inbox = {k: lax.dynamic_update_slice_in_dim(v, out[k], local_at[k], 0) for k, v in inbox.items()}
+            return {**pools, "grads": grads, "loss": loss, "res": res, "hand": hand, "inbox": inbox, "out": out}
 
         return run
 
@@ -1019,8 +937,8 @@ class TickedStep:
                     own = sum((jnp.sum(jnp.square(v.astype(jnp.float32))) for v in acc.values()), jnp.float32(0))
                     rest = total - own
                 new_p, new_state = optimizer_step(optimizer, finite, g, rest, state, p)
-                for i, leaf in zip(owned, jax.tree_util.tree_leaves(new_p), strict=True):
-                    params = device.params.put(params, i, (leaf,))
+                new_leaves = zip(owned, jax.tree_util.tree_leaves(new_p), strict=True)
+                params = device.params.put_all(params, {i: (leaf,) for i, leaf in new_leaves})
                 states = slayout.put(states, s, jax.tree_util.tree_leaves(new_state))
             return params, states
 
@@ -1054,3 +972,27 @@ def _row_of(value: jax.Array, d: int) -> jax.Array:
 
 def _inexact(value: Any) -> bool:
     return bool(jnp.issubdtype(value.dtype, jnp.inexact))
+
+
+def _updated(update: Callable[..., Any], rows: tuple[Rows, Rows], *, grads: Rows, finite: Any, own: Any) -> Any:
+    """A device's update (:meth:`TickedStep._device_update`) of its ``(params, states)``."""
+    return update(*rows, grads, finite, own)
+
+
+def _once(run: Any, body: Callable[[Any], Any], carry: Any) -> Any:
+    """``body(carry)`` where ``run`` (a boolean array), else ``carry``, as a while loop of at
+    most one trip. XLA updates a loop's carry in place, so the arrays ``body`` writes a
+    part of are neither copied in nor out, where a conditional copies whatever it passes
+    through or writes (whole pools at every tick). What ``body`` only reads it should close
+    over, not carry."""
+
+    def more(state: tuple[Any, Any]) -> Any:
+        return state[0] < run.astype(jnp.int32)
+
+    def step(state: tuple[Any, Any]) -> tuple[Any, Any]:
+        # Through the barrier, no array of the carry is the loop's own input: an array a
+        # loop only read, XLA would pass around it, so that a later loop writing it in
+        # place would need a copy of it for this one.
+        return state[0] + 1, lax.optimization_barrier(body(state[1]))
+
+    return lax.while_loop(more, step, (jnp.int32(0), carry))[1]
