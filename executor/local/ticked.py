@@ -725,7 +725,7 @@ class TickedStep:
                 for d, device_update in enumerate(updates):
                     params, states = _once(
                         me == d,
-                        functools.partial(_updated, device_update, grads=grads, finite=finite, own=own),
+                        functools.partial(device_update, grads=grads, finite=finite, total=own),
                         (params, states),
                     )
             return params, states, pools["loss"], grads if keep_grads else {}
@@ -918,13 +918,15 @@ class TickedStep:
         return (Kind.I if split else Kind.B, s, m)
 
     def _device_update(self, d: int, update: Update | None, coupled: bool) -> Callable[..., Any]:
-        """Device ``d``'s update branch: ``(params, states, grads, finite, total) -> (params, states)``."""
+        """Device ``d``'s update: ``(params, states) -> (params, states)``, given its
+        accumulated ``grads``, whether the step's were all finite and the global sum of squares."""
         assert update is not None
         optimizer, model, device = update.optimizer, self.model, self.devices[d]
         slayout, treedefs = self._state_layouts[d], self._state_treedefs[d]
         mine = self.schedule.stages_on(d)
 
-        def run(params: Rows, states: Rows, grads: Rows, finite: Any, total: Any) -> Any:
+        def run(rows: tuple[Rows, Rows], *, grads: Rows, finite: Any, total: Any) -> tuple[Rows, Rows]:
+            params, states = rows
             for s in mine:
                 owned = model.owned(s)
                 treedef = model.owned_treedefs[s]
@@ -972,11 +974,6 @@ def _row_of(value: jax.Array, d: int) -> jax.Array:
 
 def _inexact(value: Any) -> bool:
     return bool(jnp.issubdtype(value.dtype, jnp.inexact))
-
-
-def _updated(update: Callable[..., Any], rows: tuple[Rows, Rows], *, grads: Rows, finite: Any, own: Any) -> Any:
-    """A device's update (:meth:`TickedStep._device_update`) of its ``(params, states)``."""
-    return update(*rows, grads, finite, own)
 
 
 def _once(run: Any, body: Callable[[Any], Any], carry: Any) -> Any:
