@@ -753,7 +753,7 @@ class TickedStep:
         def serial(params: Rows, states: Rows, xs: Leaves, ts: Leaves, mes: Any) -> Any:
             # The devices' parts in turn, each with its index ``mes[d]`` a value of the
             # program (not a constant XLA would fold), so that each runs what it runs on a
-            # device of its own: a switch over the same windows. A device idle at a tick is
+            # device of its own: a loop over the same pools. A device idle at a tick is
             # skipped: on a device of its own it waits out the busy ones.
             rows = [
                 ({k: v[d] for k, v in params.items()}, {k: v[d] for k, v in states.items()}) for d in range(num_devices)
