@@ -709,7 +709,7 @@ class TickedStep:
         def checks(pools: dict[str, Any]) -> tuple[Any, Any]:
             """This device's count of non-finite values and sum of squared gradients, for
             the update's skip and global norm (each summed over the devices), as needed."""
-            grads = {k: v[: self.grad_size[k]] for k, v in pools["grads"].items()}
+            grads = pools["grads"]
             bad = own = None
             if skip:
                 bad = sum((jnp.sum(~jnp.isfinite(v)) for v in grads.values() if _inexact(v)), jnp.int32(0))
@@ -719,7 +719,7 @@ class TickedStep:
             return bad, own
 
         def end(params: Rows, states: Rows, pools: dict[str, Any], me: Any, bad: Any, own: Any) -> Any:
-            grads = {k: v[: self.grad_size[k]] for k, v in pools["grads"].items()}
+            grads = pools["grads"]
             if update is not None:
                 finite = None if bad is None else bad == 0
                 for d, device_update in enumerate(updates):
