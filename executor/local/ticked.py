@@ -172,9 +172,10 @@ class _Rows:
         self, rows: Rows, groups: Mapping[Hashable, Sequence[Any]], *, base: Mapping[str, int] | None = None
     ) -> Rows:
         """``rows`` with each group of ``groups`` set to its values: per stack, one write of
-        each run of consecutive entries, which XLA makes in place even where the values
-        were computed from the stack's old ones (written entry by entry, a write could come
-        before a read of another entry, and XLA would copy the stack to keep that read right)."""
+        each run of consecutive entries (entry by entry, a write could come before a read of
+        another entry that a later value needs, and XLA would copy the stack to keep that
+        read right). A run that is the whole stack, computed from its own entries (an
+        optimizer's update), is still a new array that XLA copies into the old one's place."""
         entries: dict[str, dict[int, Any]] = {}
         for name, values in groups.items():
             for (key, at, _), value in zip(self.places[name], values, strict=True):
