@@ -513,14 +513,12 @@ class TickedStep:
 
         def pack_params(leaves: Any) -> Rows:
             rows = {k: _blank(k, n) for k, n in sorted(size.items())}
-            for i in params.places:
-                rows = params.put(rows, i, (leaves[i],))
+            rows = params.put_all(rows, {i: (leaves[i],) for i in params.places})
             return {k: v[None] for k, v in rows.items()}
 
         def pack_states(values: Any) -> Rows:
             rows = {k: _blank(k, n) for k, n in sorted(state_size.items())}
-            for s in states.places:
-                rows = states.put(rows, s, jax.tree_util.tree_leaves(values[s]))
+            rows = states.put_all(rows, {s: jax.tree_util.tree_leaves(values[s]) for s in states.places})
             return {k: v[None] for k, v in rows.items()}
 
         def unpack_params(row: Rows) -> Any:
