@@ -21,8 +21,8 @@ the jits and what it takes beyond them is the executor's own cost. Per plan it p
   ``unrolled`` (one program of every action), or the pipeline devices kept apart on the
   one device, as on devices of their own: ``ticks`` (the one program over the stage axis
   that devices of their own run, :mod:`pipedsl.executor.local.ticked`, with each device's
-  part of every tick run in turn: its switches, windows and padded rows, its permutes as
-  copies) or ``off`` (every task dispatched as a program of its own, :mod:`pipedsl.tasks`,
+  part of every tick run in turn: its loops of at most one trip and padded stacks, its
+  permutes as copies) or ``off`` (every task dispatched as a program of its own, :mod:`pipedsl.tasks`,
   and every value copied between them); with the host's microseconds per action (the
   host time of one step over the schedule's actions);
 - with ``--cluster FILE`` (what ``pipedsl calibrate`` wrote on this machine), each plan's

@@ -6,22 +6,25 @@ so the host, not the devices, sets the pace. Here the step is one ``jax.jit`` of
 ``jax.shard_map`` over a 1-D mesh of the pipeline devices (axis ``"stage"``), one dispatch
 per step, which runs the schedule's tick table (:func:`pipedsl.ticks.tick_table`):
 
-- the ticks are unrolled; at each, every device runs its action of the tick: each distinct
-  action of the tick is a ``lax.while_loop`` of at most one trip (:func:`_once`), taken on
-  the device whose action it is (its index read from a per-device table with
-  ``lax.axis_index``), so the program holds one copy of each action's computation, as the
-  ``"unrolled"`` one program of shared devices does (:mod:`pipedsl.executor.local.fused`).
+- the ticks are one ``lax.fori_loop``; at each, every device runs its action of the tick.
+  The actions of one kind of one stage are one *part* (:class:`_Tables`), each a
+  ``lax.while_loop`` of at most one trip (:func:`_once`), taken on the device whose action
+  of the tick is one of that part's, so that the program holds one copy of each part's
+  computation whatever the number of microbatches (unrolled, it held one per action, and
+  took minutes to compile). What differs between a part's actions (its microbatch, the
+  slots it reads and writes) is the device's row of a per-tick table, read once a tick.
   A loop, not a ``lax.switch``: XLA updates a loop's carry in place, where a conditional
   copies whatever it passes through or writes (every pool, at every tick);
-- after a tick, the values it produced for other devices move by ``lax.ppermute`` over
-  that tick's (src, dst) pairs (grouped into permutations where a device receives two);
+- after a tick, its values move by ``lax.ppermute`` over fixed permutations of the (src,
+  dst) pairs, each in a ``lax.cond`` that every device takes alike, run after the ticks
+  where it moves a value;
 - every device's state is uniform, as ``shard_map`` needs: its parameters (and their copy
   in the compute dtype, cast once a step), optimizer state, gradient accumulators,
   residual slots (as many as its peak of microbatches in flight), ``I``-to-``W`` hand-over
   slots and inbound-message slots are padded stacks, one per leaf shape and dtype
-  (:class:`_Rows`); an action reads and writes them at its device's static places, a
-  stack's entries written at once (:meth:`_Rows.put_all`, :meth:`_Rows.add`) so that XLA
-  writes them in place;
+  (:class:`_Rows`; the slots ``[slots, n, *shape]``); an action reads and writes them at
+  the places its row gives, a stack's entries written at once (:meth:`_Rows.put_all`,
+  :meth:`_Rows.add`) so that XLA writes them in place;
 - the actions run the stage programs' own functions (:meth:`StageProgram.inlined`),
   and the optimizer update after the ticks runs the workers' (:func:`optimizer_step`),
   with the global norm's sum of squares summed over the stage axis where the optimizer
@@ -39,7 +42,7 @@ when anything else reads them. A step returns without waiting: its loss is a dev
 from __future__ import annotations
 
 import functools
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,9 +73,6 @@ __all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "program_failure", "ticks_app
 
 STAGE = "stage"
 """The mesh axis of the pipeline devices."""
-
-_READ = ("weights", "batch")
-"""What the actions of a step only read: the parameters (in the compute dtype) and the batch."""
 
 MAX_IN_FLIGHT = 2
 """Steps of one program over CPU devices dispatched and not yet done, at most: the next
@@ -160,17 +160,21 @@ class _Rows:
             self.places[name] = tuple(places)
         self.sizes = sizes
 
-    def get(self, rows: Rows, name: Hashable, *, base: Mapping[str, int] | None = None) -> Leaves:
-        """Group ``name``'s values read from ``rows`` (each stack starting at ``base[key]``)."""
-        return tuple(rows[key][at + (base or {}).get(key, 0)] for key, at, _ in self.places[name])
+    def get(self, rows: Rows, name: Hashable, *, slot: Any = None) -> Leaves:
+        """Group ``name``'s values read from ``rows``, or with ``slot`` (a value of the
+        program) from slot ``slot`` of slotted stacks (``[slots, n, *shape]``)."""
+        if slot is None:
+            return tuple(rows[key][at] for key, at, _ in self.places[name])
+        return tuple(
+            lax.dynamic_slice(rows[key], (slot, at, *(0 for _ in shape)), (1, 1, *shape)).reshape(shape)
+            for key, at, shape in self.places[name]
+        )
 
-    def put(self, rows: Rows, name: Hashable, values: Sequence[Any], *, base: Mapping[str, int] | None = None) -> Rows:
-        """``rows`` with group ``name`` set to ``values``."""
-        return self.put_all(rows, {name: values}, base=base)
+    def put(self, rows: Rows, name: Hashable, values: Sequence[Any], *, slot: Any = None) -> Rows:
+        """``rows`` with group ``name`` set to ``values`` (at ``slot``, as :meth:`get` reads)."""
+        return self.put_all(rows, {name: values}, slot=slot)
 
-    def put_all(
-        self, rows: Rows, groups: Mapping[Hashable, Sequence[Any]], *, base: Mapping[str, int] | None = None
-    ) -> Rows:
+    def put_all(self, rows: Rows, groups: Mapping[Hashable, Sequence[Any]], *, slot: Any = None) -> Rows:
         """``rows`` with each group of ``groups`` set to its values: per stack, one write of
         each run of consecutive entries (entry by entry, a write could come before a read of
         another entry that a later value needs, and XLA would copy the stack to keep that
@@ -190,7 +194,11 @@ class _Rows:
                     runs.append([at])
             for run in runs:
                 update = jnp.stack([placed[k] for k in run])
-                rows[key] = lax.dynamic_update_slice_in_dim(rows[key], update, run[0] + (base or {}).get(key, 0), 0)
+                if slot is None:
+                    rows[key] = lax.dynamic_update_slice_in_dim(rows[key], update, run[0], 0)
+                else:
+                    start = (slot, run[0], *(0 for _ in update.shape[1:]))
+                    rows[key] = lax.dynamic_update_slice(rows[key], update[None], start)
         return rows
 
     def add(self, rows: Rows, name: Hashable, values: Sequence[Any]) -> Rows:
@@ -218,10 +226,11 @@ def _key(leaf: Any) -> str:
     return f"{np.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]"
 
 
-def _blank(key: str, n: int) -> jax.Array:
-    """A stack of ``n`` zero leaves of :func:`_key` ``key``."""
+def _blank(key: str, n: int, slots: int | None = None) -> jax.Array:
+    """A stack of ``n`` zero leaves of :func:`_key` ``key``; with ``slots``, that many such
+    stacks, ``[slots, n, *shape]``."""
     dtype, shape = key[:-1].split("[")
-    return jnp.zeros((n, *(int(d) for d in shape.split(",") if d)), dtype)
+    return jnp.zeros((*(() if slots is None else (slots,)), n, *(int(d) for d in shape.split(",") if d)), dtype)
 
 
 def _padded(sizes: Sequence[Mapping[str, int]]) -> dict[str, int]:
@@ -253,8 +262,8 @@ def _slots(intervals: Sequence[tuple[Any, int, int]]) -> tuple[dict[Any, int], i
 class _Device:
     """One pipeline device's static layout: its parameters (by flat leaf), optimizer
     state (by stage), gradient accumulators (by stage), residuals and hand-overs (by
-    stage, at a slot's base) and inbound messages (by (kind, stage) of the value, at a
-    slot's base); the slot of each held value."""
+    stage, in a slot) and inbound messages (by (kind, stage) of the value, in a slot); the
+    slot of each held value."""
 
     params: _Rows
     grads: _Rows
@@ -266,14 +275,37 @@ class _Device:
 
 
 @dataclass(frozen=True, slots=True)
-class _Tick:
-    """One tick of the program: per device its action's body (``index``, 1-based into
-    ``bodies``; 0: idle) and the permutations after the tick (each: its (src, dst) pairs and
-    per device the inbound slot it writes, the spare slot where it receives nothing)."""
+class _Tables:
+    """The step's ticks as one table the program indexes with the tick and the device, so
+    that its loop over the ticks holds each part's computation once.
 
-    index: np.ndarray
-    bodies: list[Callable[..., dict[str, Any]]]
-    groups: list[tuple[list[tuple[int, int]], np.ndarray]]
+    Attributes:
+      parts: (kind, stage) of each part, the actions of one kind of one stage.
+      permutations: the (src, dst) pairs of each permutation, together every pair that
+        moves a value, each device at most once a source and once a destination in each.
+      columns: the names of ``places``'s columns: ``"part"`` (the 1-based index into
+        ``parts`` of the device's action; 0: idle), ``"microbatch"``, its ``"residual"``
+        and ``"handoff"`` slots, the inbound slot of the message it ``"reads"`` and of the
+        value it passes to a stage on the same device (``"local"``), 0 where it has none;
+        per permutation p, ``f"moves {p}"`` (1 where it moves a value after the tick, on
+        every device alike) and ``f"inbound {p}"`` (the inbound slot the device writes
+        what it receives to, the spare slot where it receives nothing).
+      places: per tick, per device, its ``columns``; shape (T, D, C), int32.
+    """
+
+    parts: tuple[tuple[Kind, int], ...]
+    permutations: tuple[tuple[tuple[int, int], ...], ...]
+    columns: tuple[str, ...]
+    places: np.ndarray
+
+    def row(self, t: Any, d: Any) -> jax.Array:
+        """Device ``d``'s row at tick ``t`` (both values of the program), shape (C,): one
+        read of the table, so that a tick costs a device one index, not one per place."""
+        return lax.dynamic_slice(jnp.asarray(self.places), (t, d, 0), (1, 1, len(self.columns))).reshape(-1)
+
+    def named(self, row: jax.Array) -> dict[str, Any]:
+        """``row``'s entries by column."""
+        return {name: row[c] for c, name in enumerate(self.columns)}
 
 
 class TickedStep:
@@ -323,11 +355,11 @@ class TickedStep:
         self._input_shapes = _times(self._shapes[("x", 0)], count)
         self._target_shapes = _times(self._shapes[("t", model.num_stages - 1)], count)
         self._zeros: dict[tuple[int, tuple[int, ...], str], Any] = {}
-        # The program's permutations, every device taking part in each: after each tick, as
-        # many as a device receives values, one per stack of the messages.
-        self.permutations = len(self.message_size) * sum(
-            max(Counter(move.dst for move in moves).values(), default=0) for moves in self.table.transfers
-        )
+        self.tables = self._tables()
+        # The program's permutations in a step, every device taking part in each: after
+        # each tick, those that move a value, one per stack of the messages.
+        moves = [c for c, name in enumerate(self.tables.columns) if name.startswith("moves")]
+        self.permutations = len(self.message_size) * int(self.tables.places[:, 0, moves].sum())
         # The parameters (and, once an optimizer step ran, its state) as rows sharded over
         # the stage axis, while this step holds them rather than the workers.
         self._params: Rows | None = None
@@ -665,45 +697,49 @@ class TickedStep:
         jax.block_until_ready((self._params, self._states))
 
     def _program(self, update: Update | None, keep_grads: bool) -> Callable[..., Any]:
-        table, schedule = self.table, self.schedule
+        schedule, tables = self.schedule, self.tables
         coupled = update is not None and couples_through_global_norm(update.optimizer)
         skip = update is not None and update.skip_nonfinite
         count, num_devices = schedule.num_microbatches, schedule.num_devices
-        ticks = [tick for tick in map(self._tick, range(table.num_ticks)) if tick.bodies]
+        bodies = [self._body(kind, s) for kind, s in tables.parts]
+        mine = [
+            [j for j, (_, s) in enumerate(tables.parts, 1) if schedule.placement[s] == d] for d in range(num_devices)
+        ]
         updates = [self._device_update(d, update, coupled) for d in range(num_devices)] if update else []
         sizes = self.message_size
 
         # One device's part of the step, whether the devices run it side by side (one
         # program over the stage axis) or in turn on one device (serial): its pools, a
         # tick's action on them, a permuted message taken in, and its update.
-        def begin(params: Rows, batch: Any) -> dict[str, Any]:
-            # The parameters once in the compute dtype, for every action of the step.
-            return {
-                "batch": batch,
+        def begin(params: Rows) -> tuple[dict[str, Any], dict[str, Any]]:
+            # What the actions write, and the parameters once in the compute dtype, for
+            # every action of the step only to read.
+            pools = {
                 "grads": {k: _blank(k, n) for k, n in sorted(self.grad_size.items())},
-                "weights": {k: v.astype(self._compute_dtype.get(k, v.dtype)) for k, v in params.items()},
                 "loss": jnp.zeros((), jnp.float32),
-                "res": {k: _blank(k, n * self.residual_count) for k, n in sorted(self.residual_size.items())},
-                "hand": {k: _blank(k, n * self.handoff_count) for k, n in sorted(self.handoff_size.items())},
-                "inbox": {k: _blank(k, n * self.message_count) for k, n in sorted(sizes.items())},
+                "res": {k: _blank(k, n, self.residual_count) for k, n in sorted(self.residual_size.items())},
+                "hand": {k: _blank(k, n, self.handoff_count) for k, n in sorted(self.handoff_size.items())},
+                "inbox": {k: _blank(k, n, self.message_count) for k, n in sorted(sizes.items())},
+                "out": self._outbox(),
             }
+            return pools, {k: v.astype(self._compute_dtype.get(k, v.dtype)) for k, v in params.items()}
 
-        def compute(tick: _Tick, pools: dict[str, Any], me: Any, d: int | None = None) -> dict[str, Any]:
-            # Each action of the tick runs in a loop of at most one trip, taken on the device
-            # whose action it is (_once); the parameters and the batch are only read.
-            index = jnp.asarray(tick.index)[me]
-            reads = {k: pools[k] for k in _READ}
-            carry = {k: v for k, v in pools.items() if k not in _READ} | {"out": self._outbox()}
-            mine = enumerate(tick.bodies, 1) if d is None else [(tick.index[d], tick.bodies[tick.index[d] - 1])]
-            for j, body in mine:
-                carry = _once(index == j, functools.partial(body, reads=reads), carry)
-            return carry | reads
+        def compute(row: jax.Array, pools: dict[str, Any], reads: dict[str, Any], parts: Sequence[int]) -> Any:
+            # Each part is a loop of at most one trip, taken on the device whose action of
+            # the tick is one of that part's (_once), at the places its ``row`` gives. The
+            # row goes through each loop with the pools: what a body computes from it
+            # alone, XLA would otherwise hoist out of the loop, into every tick for every
+            # part, taken or not.
+            def placed(j: int, carry: tuple[jax.Array, dict[str, Any]]) -> tuple[jax.Array, dict[str, Any]]:
+                row, pools = carry
+                return row, bodies[j - 1](pools, reads=reads, at=tables.named(row))
+
+            for j in parts:
+                row, pools = _once(row[0] == j, functools.partial(placed, j), (row, pools))
+            return pools
 
         def deliver(pools: dict[str, Any], got: Rows, slot: Any) -> dict[str, Any]:
-            inbox = {
-                k: lax.dynamic_update_slice_in_dim(v, got[k], slot * sizes[k], 0) for k, v in pools["inbox"].items()
-            }
-            return {**pools, "inbox": inbox}
+            return {**pools, "inbox": _into(pools["inbox"], got, slot)}
 
         def checks(pools: dict[str, Any]) -> tuple[Any, Any]:
             """This device's count of non-finite values and sum of squared gradients, for
@@ -739,12 +775,27 @@ class TickedStep:
             params = {k: v[0] for k, v in params.items()}
             states = {k: v[0] for k, v in states.items()}
             me = lax.axis_index(STAGE)
-            pools = begin(params, microbatches(xs, ts))
-            for tick in ticks:
-                pools = compute(tick, pools, me)
-                for pairs, slots in tick.groups:
-                    got = {k: lax.ppermute(value, STAGE, perm=pairs) for k, value in pools["out"].items()}
-                    pools = deliver(pools, got, jnp.asarray(slots)[me])
+            pools, weights = begin(params)
+            reads = {"weights": weights, "batch": microbatches(xs, ts)}
+
+            def tick(t: Any, pools: dict[str, Any]) -> dict[str, Any]:
+                row = tables.row(t, me)
+                at = tables.named(row)
+                pools = compute(row, pools, reads, range(1, len(bodies) + 1))
+                for p, pairs in enumerate(tables.permutations):
+                    # A permutation runs after the ticks where it moves a value (the same
+                    # on every device); the message each device receives goes to its
+                    # inbound slot, or the spare one.
+                    got = lax.cond(
+                        at[f"moves {p}"] > 0,
+                        lambda out, pairs=pairs: {k: lax.ppermute(v, STAGE, perm=pairs) for k, v in out.items()},
+                        lambda out: out,
+                        pools["out"],
+                    )
+                    pools = deliver(pools, got, at[f"inbound {p}"])
+                return pools
+
+            pools = lax.fori_loop(0, len(tables.places), tick, pools)
             bad, own = checks(pools)
             bad, own = (None if v is None else lax.psum(v, STAGE) for v in (bad, own))
             return jax.tree_util.tree_map(lambda v: v[None], end(params, states, pools, me, bad, own))
@@ -752,20 +803,33 @@ class TickedStep:
         def serial(params: Rows, states: Rows, xs: Leaves, ts: Leaves, mes: Any) -> Any:
             # The devices' parts in turn, each with its index ``mes[d]`` a value of the
             # program (not a constant XLA would fold), so that each runs what it runs on a
-            # device of its own: a loop over the same pools. A device idle at a tick is
-            # skipped: on a device of its own it waits out the busy ones.
+            # device of its own: a loop over the same pools. A permutation, after the
+            # ticks where it moves a value, copies each source's message into its
+            # destination's inbound slot (the spare one where that pair moves nothing):
+            # a loop of at most one trip over the inboxes it writes.
             rows = [
                 ({k: v[d] for k, v in params.items()}, {k: v[d] for k, v in states.items()}) for d in range(num_devices)
             ]
             batch = microbatches(xs, ts)
-            pools = [begin(p, batch) for p, _ in rows]
-            for tick in ticks:
-                for d in range(num_devices):
-                    if tick.index[d]:
-                        pools[d] = compute(tick, pools[d], mes[d], d)
-                for pairs, slots in tick.groups:
-                    for src, dst in pairs:
-                        pools[dst] = deliver(pools[dst], pools[src]["out"], jnp.asarray(slots)[mes[dst]])
+            begun = [begin(p) for p, _ in rows]
+            reads = [{"weights": weights, "batch": batch} for _, weights in begun]
+
+            def tick(t: Any, pools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                places = [tables.row(t, mes[d]) for d in range(num_devices)]
+                pools = [compute(places[d], pools[d], reads[d], mine[d]) for d in range(num_devices)]
+                for p, pairs in enumerate(tables.permutations):
+                    sent = [pools[src]["out"] for src, _ in pairs]
+                    slots = [tables.named(places[dst])[f"inbound {p}"] for _, dst in pairs]
+                    inboxes = _once(
+                        tables.named(places[0])[f"moves {p}"] > 0,
+                        functools.partial(_into_each, sent=sent, slots=slots),
+                        [pools[dst]["inbox"] for _, dst in pairs],
+                    )
+                    for (_, dst), inbox in zip(pairs, inboxes, strict=True):
+                        pools[dst] = {**pools[dst], "inbox": inbox}
+                return pools
+
+            pools = lax.fori_loop(0, len(tables.places), tick, [pools for pools, _ in begun])
             parts = [checks(p) for p in pools]
             bad, own = (None if parts[0][i] is None else sum(p[i] for p in parts) for i in (0, 1))
             ends = [end(*rows[d], pools[d], mes[d], bad, own) for d in range(num_devices)]
@@ -805,25 +869,53 @@ class TickedStep:
         )
         return jax.jit(step, donate_argnums=donated, in_shardings=(self.rows_at,) * 4)
 
-    def _tick(self, t: int) -> _Tick:
-        """Tick ``t``: each device's action's body, and the tick's permutations."""
+    def _tables(self) -> _Tables:
+        """The tick table as :class:`_Tables`: its ticks where some device runs an action,
+        each action's places from its device's layout, and its moves grouped into
+        permutations."""
         table = self.table
-        devices = table.num_devices
-        index = np.zeros(devices, np.int32)
-        bodies: list[Callable[..., dict[str, Any]]] = []
-        for d, action in enumerate(table.actions[t]):
-            if action is not None:
-                bodies.append(self._body(d, action))
-                index[d] = len(bodies)
-        groups: list[tuple[list[tuple[int, int]], np.ndarray]] = []
-        for move in table.transfers[t]:
-            group = next((g for g in groups if all(dst != move.dst for _, dst in g[0])), None)
-            if group is None:
-                group = ([], np.full(devices, self.message_count - 1, np.int32))
-                groups.append(group)
-            group[0].append((move.src, move.dst))
-            group[1][move.dst] = self.devices[move.dst].message_slot[move.producer.key]
-        return _Tick(index, bodies, groups)
+        ticks = [t for t, row in enumerate(table.actions) if any(a is not None for a in row)]
+        parts = sorted(
+            {(a.kind, a.stage) for t in ticks for a in table.actions[t] if a is not None},
+            key=lambda p: (p[1], p[0].value),
+        )
+        pairs = sorted({(m.src, m.dst) for t in ticks for m in table.transfers[t]})
+        permutations: list[list[tuple[int, int]]] = []
+        for src, dst in pairs:
+            perm = next((p for p in permutations if all(src != a and dst != b for a, b in p)), None)
+            if perm is None:
+                perm = []
+                permutations.append(perm)
+            perm.append((src, dst))
+        columns = ["part", "microbatch", "residual", "handoff", "reads", "local"]
+        columns += [f"{what} {p}" for p in range(len(permutations)) for what in ("moves", "inbound")]
+        column = {name: c for c, name in enumerate(columns)}
+        places = np.zeros((len(ticks), table.num_devices, len(columns)), np.int32)
+        for p in range(len(permutations)):
+            places[:, :, column[f"inbound {p}"]] = self.message_count - 1
+        for i, t in enumerate(ticks):
+            for d, action in enumerate(table.actions[t]):
+                if action is None:
+                    continue
+                device, key = self.devices[d], (action.stage, action.microbatch)
+                read = self._reads(action)
+                places[i, d, column["part"]] = 1 + parts.index((action.kind, action.stage))
+                places[i, d, column["microbatch"]] = action.microbatch
+                places[i, d, column["residual"]] = device.residual_slot.get(key, 0)
+                places[i, d, column["handoff"]] = device.handoff_slot.get(key, 0)
+                places[i, d, column["reads"]] = 0 if read is None else device.message_slot[read]
+                if self._local_consumers(action):
+                    places[i, d, column["local"]] = device.message_slot[action.key]
+            for move in table.transfers[t]:
+                p = next(p for p, perm in enumerate(permutations) if (move.src, move.dst) in perm)
+                places[i, :, column[f"moves {p}"]] = 1
+                places[i, move.dst, column[f"inbound {p}"]] = self.devices[move.dst].message_slot[move.producer.key]
+        return _Tables(
+            parts=tuple(parts),
+            permutations=tuple(tuple(p) for p in permutations),
+            columns=tuple(columns),
+            places=places,
+        )
 
     def _reads(self, action: Action) -> tuple[Kind, int, int] | None:
         """The key of the action whose value ``action`` reads from another stage, if any."""
@@ -834,42 +926,29 @@ class TickedStep:
             return self._backward_of(s + 1, m)
         return None
 
-    @staticmethod
-    def _start(rows: _Rows, names: Sequence[Any]) -> dict[str, int]:
-        """Per stack, where the groups ``names`` (consecutive in ``rows``) start."""
-        starts: dict[str, int] = {}
-        for name in names:
-            for key, at, _ in rows.places[name]:
-                starts[key] = min(starts.get(key, at), at)
-        return starts
-
     def _outbox(self) -> Rows:
         return {k: _blank(k, n) for k, n in sorted(self.message_size.items())}
 
-    def _body(self, d: int, action: Action) -> Callable[..., dict[str, Any]]:
-        """Device ``d``'s ``action`` on its pools (``pools -> pools``): it reads and writes
-        them at its own static places (its residual and hand-over slots, the message it
-        reads, the inbound slot of its value for a stage on the same device) and sets the
-        tick's outbox."""
-        model, device = self.model, self.devices[d]
-        s, m, kind = action.stage, action.microbatch, action.kind
+    def _body(self, kind: Kind, s: int) -> Callable[..., dict[str, Any]]:
+        """The ``kind`` actions of stage ``s`` on its device's pools (``pools -> pools``),
+        any microbatch's: it reads and writes them at the places ``at`` gives (the
+        microbatch, its residual and hand-over slots, the inbound slot of the message it
+        reads and of its value for a stage on the same device), each a value of the tick,
+        and sets the tick's outbox."""
+        model, device = self.model, self.devices[self.schedule.placement[s]]
         prog = self.stages[s]
         messages = self.messages
         last = s == self.schedule.num_stages - 1
         res_params, ref_params = prog.parameter_residuals()
+        # Whether it reads a value of another stage, and passes one to a stage on its own
+        # device: the same for every microbatch, as the stages' placement decides.
+        reads_message = (kind is Kind.F and s > 0) or (kind in (Kind.B, Kind.I) and not last)
+        local = bool(self._local_consumers(Action(kind, s, 0)))
 
-        def base(slot: int | None, sizes: Mapping[str, int]) -> dict[str, int]:
-            return {} if slot is None else {k: slot * n for k, n in sizes.items()}
-
-        read = self._reads(action)
-        read_at = base(None if read is None else device.message_slot[read], self.message_size)
-        res_at = base(device.residual_slot.get((s, m)), self.residual_size)
-        hand_at = base(device.handoff_slot.get((s, m)), self.handoff_size)
-        local_at = base(device.message_slot[action.key] if self._local_consumers(action) else None, self.message_size)
-
-        def run(pools: dict[str, Any], *, reads: dict[str, Any]) -> dict[str, Any]:
+        def run(pools: dict[str, Any], *, reads: dict[str, Any], at: dict[str, Any]) -> dict[str, Any]:
             grads, res, hand, inbox, out = (pools[k] for k in ("grads", "res", "hand", "inbox", "out"))
-            loss, batch = pools["loss"], reads["batch"]
+            loss, batch, m = pools["loss"], reads["batch"], at["microbatch"]
+            read_at, res_at, hand_at = at["reads"], at["residual"], at["handoff"]
             params = prog.compute_params(
                 tuple(device.params.get(reads["weights"], i)[0] for i in model.stage_params[s])
             )
@@ -877,35 +956,35 @@ class TickedStep:
             # given zeros, they give the gradients, which the body adds in place.
             nothing = tuple(jnp.zeros(shape, key.split("[")[0]) for key, _, shape in device.grads.places[s])
             if kind is Kind.F:
-                x = tuple(b[m] for b in batch[0]) if s == 0 else messages.get(inbox, ("y", s - 1), base=read_at)
-                t = tuple(b[m] for b in batch[1]) if last else ()
+                x = tuple(_at(b, m) for b in batch[0]) if s == 0 else messages.get(inbox, ("y", s - 1), slot=read_at)
+                t = tuple(_at(b, m) for b in batch[1]) if last else ()
                 y, kept, new_loss = prog.forward(params, x, t, loss if last else None)
-                res = device.residuals.put(res, s, _unheld(tuple(kept), res_params), base=res_at)
+                res = device.residuals.put(res, s, _unheld(tuple(kept), res_params), slot=res_at)
                 if last:
                     loss = new_loss
                 else:
                     out = messages.put(out, ("y", s), tuple(y))
             elif kind is Kind.W:
-                handoff = device.handoffs.get(hand, s, base=hand_at)
+                handoff = device.handoffs.get(hand, s, slot=hand_at)
                 computed_n = self._computed_handoff[s]
                 refs = _rejoined(handoff[computed_n:], ref_params, params)
                 grads = device.grads.add(grads, s, prog.backward_weight((handoff[:computed_n], refs), nothing))
             else:
-                kept = _rejoined(device.residuals.get(res, s, base=res_at), res_params, params)
-                ct = () if last else messages.get(inbox, ("in_ct", s + 1), base=read_at)
+                kept = _rejoined(device.residuals.get(res, s, slot=res_at), res_params, params)
+                ct = messages.get(inbox, ("in_ct", s + 1), slot=read_at) if reads_message else ()
                 if kind is Kind.B:
                     in_ct, added = prog.backward(kept, ct, nothing)
                     grads = device.grads.add(grads, s, added)
                 else:
                     in_ct, (computed, refs) = prog.backward_input(kept, ct)
                     handoff = (*computed, *_unheld(tuple(refs), ref_params))
-                    hand = device.handoffs.put(hand, s, handoff, base=hand_at)
+                    hand = device.handoffs.put(hand, s, handoff, slot=hand_at)
                 if s > 0:
                     out = messages.put(out, ("in_ct", s), tuple(in_ct))
-            if local_at:
+            if local:
                 # A value for a stage on the same device goes to its inbound slot; one for
                 # another device moves there after the tick.
-                inbox = {k: lax.dynamic_update_slice_in_dim(v, out[k], local_at[k], 0) for k, v in inbox.items()}
+                inbox = _into(inbox, out, at["local"])
             return {**pools, "grads": grads, "loss": loss, "res": res, "hand": hand, "inbox": inbox, "out": out}
 
         return run
@@ -969,6 +1048,21 @@ def _row_of(value: jax.Array, d: int) -> jax.Array:
         if shard.index[0].start == d:
             return shard.data[0]
     raise AssertionError(f"no shard of row {d}")
+
+
+def _into(slots: Rows, value: Rows, slot: Any) -> Rows:
+    """``slots`` (``[slots, n, ...]`` stacks) with ``value``'s ``[n, ...]`` stacks in slot ``slot``."""
+    return {k: lax.dynamic_update_slice(v, value[k][None], (slot, *(0 for _ in v.shape[1:]))) for k, v in slots.items()}
+
+
+def _into_each(inboxes: Sequence[Rows], *, sent: Sequence[Rows], slots: Sequence[Any]) -> list[Rows]:
+    """Each of ``inboxes`` with its message of ``sent`` in its slot of ``slots`` (:func:`_into`)."""
+    return [_into(*args) for args in zip(inboxes, sent, slots, strict=True)]
+
+
+def _at(value: jax.Array, i: Any) -> jax.Array:
+    """Entry ``i`` (a value of the program) of ``value`` along its first axis."""
+    return lax.dynamic_index_in_dim(value, i, keepdims=False)
 
 
 def _inexact(value: Any) -> bool:

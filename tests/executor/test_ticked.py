@@ -19,6 +19,9 @@ SCHEDULES = [
     ("gpipe", {}),
     ("zb_h1", {}),
     ("interleaved_1f1b", {"vpp": 2}),
+    # Two stages a device, the last of one beside the first of the next: values pass
+    # between them through the device's own inbound slots.
+    ("zbv", {}),
 ]
 
 
