@@ -735,7 +735,7 @@ class TickedStep:
                 return row, bodies[j - 1](pools, reads=reads, at=tables.named(row))
 
             for j in parts:
-                row, pools = _once(row[0] == j, functools.partial(placed, j), (row, pools))
+                row, pools = _once(tables.named(row)["part"] == j, functools.partial(placed, j), (row, pools))
             return pools
 
         def deliver(pools: dict[str, Any], got: Rows, slot: Any) -> dict[str, Any]:

@@ -89,6 +89,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PipedslError(
             "--shared-devices puts every pipeline device on this process's devices: use it with --backend local"
         )
+    if args.ticks is not None and args.shared_devices:
+        raise PipedslError(
+            "--ticks says how pipeline devices of their own run a step; with --shared-devices, --fuse ticks runs"
+            " the same program with each pipeline device's part of a tick in turn"
+        )
     if args.fuse is not None and not args.shared_devices and args.plan is None:
         raise PipedslError(
             "--fuse says how pipeline devices that share their devices run a step: give --shared-devices too"
@@ -340,6 +345,10 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
     return planned.schedule_of(), planned
 
 
+_TICKS = {"on": True, "off": False, None: None}
+"""``--ticks`` as :attr:`RunOptions.ticks <pipedsl.run_options.RunOptions.ticks>`."""
+
+
 def _run_options(args: argparse.Namespace, planned: PlannedRun | None) -> RunOptions:
     """How the pipeline runs, made here and nowhere else: a ranked plan's options as it was
     priced (its model's precision included), else the command line's, an option that cannot
@@ -347,12 +356,14 @@ def _run_options(args: argparse.Namespace, planned: PlannedRun | None) -> RunOpt
     if planned is not None:
         from pipedsl.cli.scaled import priced_model
 
-        return dataclasses.replace(planned.run_options(priced_model(planned.model)), fuse=args.fuse or "loop")
+        return dataclasses.replace(
+            planned.run_options(priced_model(planned.model)), fuse=args.fuse or "loop", ticks=_TICKS[args.ticks]
+        )
     try:
         return RunOptions(
             dp=args.dp, fsdp=args.fsdp, tp=args.tp, cp=args.cp, zero=args.zero, reduce_once=args.reduce_once,
             recompute=args.recompute, precision=args.precision, sequence_parallel=args.sequence_parallel,
-            fuse=args.fuse or "loop",
+            fuse=args.fuse or "loop", ticks=_TICKS[args.ticks],
         )  # fmt: skip
     except RunOptionsError as err:
         raise option_error(err) from None
@@ -452,6 +463,8 @@ def _train(args: argparse.Namespace) -> int:
         times.append(elapsed)
         note = "  (includes tracing and compilation)" if step == 1 else ""
         print(f"{step:>5}  {value:>12.6f}  {elapsed * 1e3:>7.1f} ms{note}")
+        if step == first and args.ticks is not None:
+            print(_ticks_line(pipe))
         if not args.allow_nonfinite and not math.isfinite(value):
             entered = pipe.gather(params) if skips else before
             raise nonfinite_origin(pipe, model, entered, batch, step=step, marked=args.marked)
@@ -544,6 +557,18 @@ def _run_line(
         f" {plural(devices, platform + ' device')}{meshes}; model {model} ({shape}, {form}); "
         f"batch {batch_size} = {plural(schedule.num_microbatches, 'microbatch')} of {args.microbatch_size}{replicas}"
     )
+
+
+def _ticks_line(pipe: Any) -> str:
+    """How the steps ran, for a run that gave ``--ticks``: as one program, or why not."""
+    if pipe.ticked:
+        return "      (each step runs as one program over the pipeline devices, tick by tick)"
+    if pipe.options.ticks:
+        return (
+            "      (each step runs its tasks apart: one program over the pipeline devices needs each to be one"
+            " device of its own, no parameter used by two stages and no stage that calls back into Python)"
+        )
+    return "      (each step runs its tasks apart)"
 
 
 def _configuration(pipe: Any, schedule: Schedule, model: Any) -> str:
@@ -721,6 +746,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --shared-devices, the step as one program that loops over the microbatches (loop, the "
         "default), one program of every action (unrolled), the one program of devices of their own with each "
         "device's part of a tick in turn (ticks), or every action apart (off)",
+    )
+    run.add_argument(
+        "--ticks",
+        choices=("on", "off"),
+        help="where every pipeline device is one device of its own, each step as one program over them, tick by"
+        " tick (on; the default on accelerators), or every task dispatched apart (off; the default on CPU devices)",
     )
     run.add_argument(
         "--plan",

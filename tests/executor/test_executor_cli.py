@@ -112,10 +112,23 @@ def test_run_puts_every_pipeline_device_on_one_device_with_shared_devices() -> N
     assert losses[2] < losses[0]
 
 
+def test_run_with_ticks_on_runs_each_step_as_one_program_and_trains_as_apart() -> None:
+    runs = {}
+    for ticks in ("on", "off"):
+        out = _pipedsl("run", "1f1b", "-p", "pp=2", "-p", "microbatches=4", "--steps", "3", "--ticks", ticks)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        runs[ticks] = [float(line.split()[1]) for line in (lines[2], *lines[4:6])]
+        assert ("one program over the pipeline devices, tick by tick" in lines[3]) == (ticks == "on"), lines[3]
+    assert runs["on"] == pytest.approx(runs["off"], rel=1e-5)
+    assert runs["on"][2] < runs["on"][0]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--fuse", "loop"], "--fuse says how pipeline devices that share their devices run a step"),
+        (["--ticks", "on", "--shared-devices"], "--ticks says how pipeline devices of their own run a step"),
         (["--shared-devices", "--backend", "ray"], "--shared-devices puts every pipeline device on this process's"),
         (["--shared-devices", "-p", "pp=1"], "--shared-devices shares devices between pipeline devices"),
     ],
