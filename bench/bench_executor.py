@@ -1,6 +1,6 @@
 """Measure the executor on this machine's CPU devices.
 
-Six measurements, each printed as a small table:
+Seven measurements, each printed as a small table:
 
 1. I/W split: (I + W) / B on a middle stage of 4 GELU layers 512 wide (docs/design.md's
    example), against the two separately jitted halves of one vjp that re-derive the
@@ -32,7 +32,11 @@ Six measurements, each printed as a small table:
    and two layers, 8 sequences of 64 tokens per device) over a data-parallel mesh of 4
    devices (``--only apart``; 2 when run with the others), as the demo's ``dp=4 pp=2``
    plans run it: the cost model prices both alike, so what apart costs more is what
-   pipelines come out fast by on CPU.
+   pipelines come out fast by on CPU;
+7. the demo transformer at pp=4 (a layer a stage), 1F1B over 8 microbatches of 4
+   sequences, a CPU device per pipeline device, trained with Adam as the tasks apart (the
+   default on CPU devices) and as one program over the pipeline devices, in fp32 and in
+   bf16: the first step and the step of steps back to back (``--only one-program``).
 
 The benchmark model is an MLP of ``--width`` wide GELU layers, ``--layers`` per stage, with
 ``--microbatch``-row microbatches: each stage action takes milliseconds on CPU.
@@ -40,7 +44,7 @@ The benchmark model is an MLP of ``--width`` wide GELU layers, ``--layers`` per 
 of the halves with that of B; with more, XLA also runs B's weight matmuls beside its
 input-gradient chain on other cores, an overlap two separate programs cannot have.
 
-    python bench/bench_executor.py [--pp 2] [--microbatches 8] [--cores N] [--only split|per-action|apart]
+    python bench/bench_executor.py [--pp 2] [--microbatches 8] [--cores N] [--only split|per-action|apart|one-program]
 """
 
 from __future__ import annotations
@@ -410,7 +414,7 @@ def bench_dispatch(repeat: int) -> None:
             for p, (b, o) in paths.items()
         }
         timed = _train_steps(pipes, params, batch, repeat)
-        for path, (ran_ticked, host, step) in timed.items():
+        for path, (ran_ticked, _, host, step) in timed.items():
             if ran_ticked != path.endswith("ticks"):
                 raise SystemExit(f"{name}: the {path} pipeline ran the other path")
             print(
@@ -432,11 +436,14 @@ _TRAIN_STEPS = 10
 """Training steps dispatched back to back per timed run of measurement 5's last table."""
 
 
-def _train_steps(pipes: dict[str, Any], params: Any, batch: Any, repeat: int) -> dict[str, tuple[Any, ...]]:
+def _train_steps(
+    pipes: dict[str, Any], params: Any, batch: Any, repeat: int, *, optimizer: Any = None
+) -> dict[str, tuple[Any, ...]]:
     """Per pipeline, (whether its steps ran as one program over the pipeline devices, seconds
-    a train_step takes to return with no step in flight, seconds per step of
-    :data:`_TRAIN_STEPS` steps back to back, waited for), medians over turns that alternate
-    the pipelines. With nothing in flight a step that only dispatches returns after its
+    of its first step (tracing and compiling included), seconds a train_step takes to return
+    with no step in flight, seconds per step of :data:`_TRAIN_STEPS` steps back to back,
+    waited for), medians over turns that alternate the pipelines; ``optimizer`` SGD unless
+    given. With nothing in flight a step that only dispatches returns after its
     host's work; one that waits for the devices inside (the tasks apart, whose receives
     between CPU devices take host arrays) returns when they are done."""
     import time
@@ -444,12 +451,15 @@ def _train_steps(pipes: dict[str, Any], params: Any, batch: Any, repeat: int) ->
     import numpy as np
     import optax
 
-    optimizer = optax.sgd(1e-3)
+    optimizer = optax.sgd(1e-3) if optimizer is None else optimizer
     held = {}
     ticked = {}
+    first = {}
     for path, pipe in pipes.items():
+        before = time.perf_counter()
         held[path] = pipe.train_step(params, None, batch, optimizer=optimizer)[:2]  # compiles
         pipe.block_until_ready()
+        first[path] = time.perf_counter() - before
         ticked[path] = pipe.ticked
     host: dict[str, list[float]] = {p: [] for p in pipes}
     step: dict[str, list[float]] = {p: [] for p in pipes}
@@ -470,7 +480,53 @@ def _train_steps(pipes: dict[str, Any], params: Any, batch: Any, repeat: int) ->
             held[path] = (p, state)
     for pipe in pipes.values():
         pipe.close()
-    return {p: (ticked[p], float(np.median(host[p])), float(np.median(step[p]))) for p in pipes}
+    return {p: (ticked[p], first[p], float(np.median(host[p])), float(np.median(step[p]))) for p in pipes}
+
+
+def bench_one_program(repeat: int) -> None:
+    """Measurement 7: the demo transformer at pp=4 (a layer a stage), 1F1B over 8
+    microbatches of 4 sequences, each pipeline device a CPU device, trained with Adam as the
+    tasks apart (the default on CPU devices) and as one program over the pipeline devices
+    (ticks), in fp32 and in bf16 mixed precision: the first step (tracing and compiling
+    included) and the step of steps back to back."""
+    import jax
+    import optax
+
+    from pipedsl.cli.workload import DEMO
+    from pipedsl.executor import Pipeline, RunOptions
+    from pipedsl.library import library_path, load
+
+    schedule = load(library_path("1f1b"), pp=4, microbatches=8)
+    model = DEMO.build(4)
+    key = jax.random.PRNGKey(0)
+    params = model.init_stages(key)
+    batch = model.batch(jax.random.fold_in(key, 1), 4 * schedule.num_microbatches)
+    print(
+        "\n7. the demo transformer at pp=4, 1F1B over 8 microbatches of 4 sequences, a CPU device per pipeline device:"
+    )
+    print("   training steps as the tasks apart and as one program over the pipeline devices")
+    print(f"   {'precision':<9} {'path':<6} {'first step s':>12} {'step ms':>8} {'/ tasks':>8}")
+    figures: dict[str, float] = {}
+    for precision in ("fp32", "bf16"):
+        pipes = {
+            path: Pipeline(
+                model.stages,
+                loss=model.loss,
+                schedule=schedule,
+                options=RunOptions(ticks=path == "ticks", precision=precision),
+            )
+            for path in ("tasks", "ticks")
+        }
+        timed = _train_steps(pipes, params, batch, repeat, optimizer=optax.adam(1e-3))
+        for path, (ran_ticked, first, _, step) in timed.items():
+            if ran_ticked != (path == "ticks"):
+                raise SystemExit(f"{precision}: the {path} pipeline ran the other path")
+            ratio = step / timed["tasks"][3]
+            print(f"   {precision:<9} {path:<6} {first:>12.1f} {step * 1e3:>8.1f} {ratio:>8.2f}")
+            figures |= {f"{precision}_{path}_first_s": first, f"{precision}_{path}_step_ms": step * 1e3}
+        figures[f"{precision}_ticks_over_tasks"] = timed["ticks"][3] / timed["tasks"][3]
+    print(f"   (load average {os.getloadavg()[0]:.1f})")
+    record("bench_executor_one_program", figures)
 
 
 def main() -> None:
@@ -483,10 +539,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20, help="timed repetitions per measurement (default 20)")
     parser.add_argument("--cores", type=int, help="pin the process to this many cores (Linux)")
     parser.add_argument(
-        "--only", choices=("split", "overhead", "schedules", "per-action", "apart"), help="run one measurement"
+        "--only",
+        choices=("split", "overhead", "schedules", "per-action", "apart", "one-program"),
+        help="run one measurement",
     )
     args = parser.parse_args()
-    _configure(max(args.pp, 4 if args.only in (None, "apart", "per-action") else 2), args.cores)
+    _configure(max(args.pp, 4 if args.only in (None, "apart", "per-action", "one-program") else 2), args.cores)
     # Loopback only, for the Ray instance of measurement 5 (read when ray is imported).
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import jax
@@ -506,6 +564,8 @@ def main() -> None:
         bench_per_action(args.repeat * 5)
     if args.only in (None, "apart"):
         bench_apart(args.repeat)
+    if args.only in (None, "one-program"):
+        bench_one_program(args.repeat)
 
 
 if __name__ == "__main__":
