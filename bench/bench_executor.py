@@ -488,12 +488,14 @@ def bench_one_program(repeat: int) -> None:
     microbatches of 4 sequences, each pipeline device a CPU device, trained with Adam as the
     tasks apart (the default on CPU devices) and as one program over the pipeline devices
     (ticks), in fp32 and in bf16 mixed precision: the first step (tracing and compiling
-    included) and the step of steps back to back."""
+    included, or reading the persistent compilation cache where it holds the programs:
+    ``PIPEDSL_COMPILATION_CACHE=off`` times the compile) and the step of steps back to back."""
     import jax
     import optax
 
     from pipedsl.cli.workload import DEMO
     from pipedsl.executor import Pipeline, RunOptions
+    from pipedsl.executor.compilation_cache import cache_folder
     from pipedsl.library import library_path, load
 
     schedule = load(library_path("1f1b"), pp=4, microbatches=8)
@@ -504,9 +506,12 @@ def bench_one_program(repeat: int) -> None:
     print(
         "\n7. the demo transformer at pp=4, 1F1B over 8 microbatches of 4 sequences, a CPU device per pipeline device:"
     )
-    print("   training steps as the tasks apart and as one program over the pipeline devices")
+    cache = "on" if cache_folder() is not None else "off"
+    print(
+        f"   training steps as the tasks apart and as one program over the pipeline devices (persistent cache {cache})"
+    )
     print(f"   {'precision':<9} {'path':<6} {'first step s':>12} {'step ms':>8} {'/ tasks':>8}")
-    figures: dict[str, float] = {}
+    figures: dict[str, Any] = {"persistent_cache": cache}
     for precision in ("fp32", "bf16"):
         pipes = {
             path: Pipeline(
