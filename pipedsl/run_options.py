@@ -123,8 +123,8 @@ class RunOptions:
         every other plan on devices of their own runs; None (the default), the one program
         on accelerators, whose host it spares a dispatch per task, and the tasks apart on
         CPU devices, where XLA runs them faster than the one program, whose ticks keep the
-        devices in step (the demo transformer at pp=4, 1F1B over 8 microbatches: 139 ms a
-        step apart against 152 ms as one program in fp32, 174 against 210 ms in bf16;
+        devices in step (the demo transformer at pp=4, 1F1B over 8 microbatches: the one
+        program's step 1.2-1.4x the tasks apart's in fp32, 1.1-1.2x in bf16;
         ``bench/bench_executor.py --only one-program``).
       recv_timeout: seconds any device waits for a value from another before giving up.
     """
