@@ -356,9 +356,9 @@ def _run_options(args: argparse.Namespace, planned: PlannedRun | None) -> RunOpt
     if planned is not None:
         from pipedsl.cli.scaled import priced_model
 
-        return dataclasses.replace(
-            planned.run_options(priced_model(planned.model)), fuse=args.fuse or "loop", ticks=_TICKS[args.ticks]
-        )
+        options = planned.run_options(priced_model(planned.model))
+        ticks = options.ticks if args.ticks is None else _TICKS[args.ticks]
+        return dataclasses.replace(options, fuse=args.fuse or "loop", ticks=ticks)
     try:
         return RunOptions(
             dp=args.dp, fsdp=args.fsdp, tp=args.tp, cp=args.cp, zero=args.zero, reduce_once=args.reduce_once,
