@@ -74,6 +74,9 @@ __all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "program_failure", "ticks_app
 STAGE = "stage"
 """The mesh axis of the pipeline devices."""
 
+_SLOTS = ("res", "hand", "inbox")
+"""The pools of slots a step's actions write before they read them, kept between steps."""
+
 MAX_IN_FLIGHT = 2
 """Steps of one program over CPU devices dispatched and not yet done, at most: the next
 step is queued while one runs. XLA's CPU runtime runs each device's share of a program on
@@ -370,6 +373,11 @@ class TickedStep:
         self._state_size: dict[str, int] = {}
         self._states_laid_out: Any = None  # the optimizer the state's layouts are for
         self._converters: dict[tuple[str, int], Callable[..., Any]] = {}
+        # The residual, hand-over and inbound slots, kept from step to step (donated to each
+        # and given back by it) so that no step fills them with zeros first: a step writes
+        # every slot before it reads it. Per device on one device when run serially.
+        self._slots: Any = None
+        self._make_slots: Callable[[], Any] | None = None
         self._programs: dict[Any, tuple[Any, Callable[..., Any]]] = {}
         # The losses of the steps in flight, on CPU devices (MAX_IN_FLIGHT says why).
         cpu = self.mesh.devices.flat[0].platform == "cpu"
@@ -496,6 +504,7 @@ class TickedStep:
             return
         params, states = self._params, self._states
         self._params = self._states = None
+        self._slots = None  # the workers' programs may want the memory
         for w in self.workers:
             d = w.index
             leaves = self._converter("unpack params", d)({k: self._row(v, d) for k, v in params.items()})
@@ -643,7 +652,9 @@ class TickedStep:
         else:
             xs = self._batch(inputs, self.schedule.placement[0], self._input_shapes)
             ts = self._batch(targets, self.last, self._target_shapes)
-        new_params, new_states, loss, grads = program(params, states, xs, ts)
+        if self._slots is None or any(v.is_deleted() for v in jax.tree_util.tree_leaves(self._slots)):
+            self._slots = self._fresh_slots()
+        new_params, new_states, self._slots, loss, grads = program(params, states, self._slots, xs, ts)
         if self._in_flight is not None:
             self._in_flight.append(loss)
         if update is not None:
@@ -696,6 +707,36 @@ class TickedStep:
         """Return once the rows held here are computed."""
         jax.block_until_ready((self._params, self._states))
 
+    def _slot_sizes(self) -> dict[str, tuple[int, dict[str, int]]]:
+        """Per pool of slots, the number of slots and each stack's entries in a slot (no
+        stacks where there are no slots: a schedule without ``I`` and ``W`` hands nothing over)."""
+        pools = {
+            "res": (self.residual_count, self.residual_size),
+            "hand": (self.handoff_count, self.handoff_size),
+            "inbox": (self.message_count, self.message_size),
+        }
+        return {name: (count, sizes if count else {}) for name, (count, sizes) in pools.items()}
+
+    def _fresh_slots(self) -> Any:
+        """Zeroed slots for the step's first use (or after a failed step consumed them):
+        ``[D, slots, n, *shape]`` stacks sharded over the stage axis, or run serially, each
+        device's ``[slots, n, *shape]`` stacks on the one device."""
+        if self._make_slots is None:
+            sizes, devices = self._slot_sizes(), self.table.num_devices
+
+            def one() -> dict[str, Rows]:
+                return {
+                    name: {k: _blank(k, n, count) for k, n in sorted(ns.items())} for name, (count, ns) in sizes.items()
+                }
+
+            def make() -> Any:
+                if self.serial:
+                    return [one() for _ in range(devices)]
+                return jax.tree_util.tree_map(lambda v: jnp.broadcast_to(v, (devices, *v.shape)), one())
+
+            self._make_slots = jax.jit(make, out_shardings=self.rows_at)
+        return self._make_slots()
+
     def _program(self, update: Update | None, keep_grads: bool) -> Callable[..., Any]:
         schedule, tables = self.schedule, self.tables
         coupled = update is not None and couples_through_global_norm(update.optimizer)
@@ -706,20 +747,17 @@ class TickedStep:
             [j for j, (_, s) in enumerate(tables.parts, 1) if schedule.placement[s] == d] for d in range(num_devices)
         ]
         updates = [self._device_update(d, update, coupled) for d in range(num_devices)] if update else []
-        sizes = self.message_size
 
         # One device's part of the step, whether the devices run it side by side (one
         # program over the stage axis) or in turn on one device (serial): its pools, a
         # tick's action on them, a permuted message taken in, and its update.
-        def begin(params: Rows) -> tuple[dict[str, Any], dict[str, Any]]:
-            # What the actions write, and the parameters once in the compute dtype, for
-            # every action of the step only to read.
+        def begin(params: Rows, slots: dict[str, Rows]) -> tuple[dict[str, Any], dict[str, Any]]:
+            # What the actions write (the slots as the last step left them), and the
+            # parameters once in the compute dtype, for every action of the step only to read.
             pools = {
                 "grads": {k: _blank(k, n) for k, n in sorted(self.grad_size.items())},
                 "loss": jnp.zeros((), jnp.float32),
-                "res": {k: _blank(k, n, self.residual_count) for k, n in sorted(self.residual_size.items())},
-                "hand": {k: _blank(k, n, self.handoff_count) for k, n in sorted(self.handoff_size.items())},
-                "inbox": {k: _blank(k, n, self.message_count) for k, n in sorted(sizes.items())},
+                **slots,
                 "out": self._outbox(),
             }
             return pools, {k: v.astype(self._compute_dtype.get(k, v.dtype)) for k, v in params.items()}
@@ -763,7 +801,8 @@ class TickedStep:
                         functools.partial(device_update, grads=grads, finite=finite, total=own),
                         (params, states),
                     )
-            return params, states, pools["loss"], grads if keep_grads else {}
+            slots = {name: pools[name] for name in _SLOTS}
+            return params, states, slots, pools["loss"], grads if keep_grads else {}
 
         def microbatches(xs: Leaves, ts: Leaves) -> Any:
             return (
@@ -771,11 +810,10 @@ class TickedStep:
                 tuple(t.reshape((count, t.shape[0] // count, *t.shape[1:])) for t in ts),
             )
 
-        def body(params: Rows, states: Rows, xs: Leaves, ts: Leaves) -> Any:
-            params = {k: v[0] for k, v in params.items()}
-            states = {k: v[0] for k, v in states.items()}
+        def body(params: Rows, states: Rows, slots: dict[str, Rows], xs: Leaves, ts: Leaves) -> Any:
+            params, states, slots = jax.tree_util.tree_map(lambda v: v[0], (params, states, slots))
             me = lax.axis_index(STAGE)
-            pools, weights = begin(params)
+            pools, weights = begin(params, slots)
             reads = {"weights": weights, "batch": microbatches(xs, ts)}
 
             def tick(t: Any, pools: dict[str, Any]) -> dict[str, Any]:
@@ -800,7 +838,7 @@ class TickedStep:
             bad, own = (None if v is None else lax.psum(v, STAGE) for v in (bad, own))
             return jax.tree_util.tree_map(lambda v: v[None], end(params, states, pools, me, bad, own))
 
-        def serial(params: Rows, states: Rows, xs: Leaves, ts: Leaves, mes: Any) -> Any:
+        def serial(params: Rows, states: Rows, slots: list[dict[str, Rows]], xs: Leaves, ts: Leaves, mes: Any) -> Any:
             # The devices' parts in turn, each with its index ``mes[d]`` a value of the
             # program (not a constant XLA would fold), so that each runs what it runs on a
             # device of its own: a loop over the same pools. A permutation, after the
@@ -811,7 +849,7 @@ class TickedStep:
                 ({k: v[d] for k, v in params.items()}, {k: v[d] for k, v in states.items()}) for d in range(num_devices)
             ]
             batch = microbatches(xs, ts)
-            begun = [begin(p) for p, _ in rows]
+            begun = [begin(p, slots[d]) for d, (p, _) in enumerate(rows)]
             reads = [{"weights": weights, "batch": batch} for _, weights in begun]
 
             def tick(t: Any, pools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -833,41 +871,46 @@ class TickedStep:
             parts = [checks(p) for p in pools]
             bad, own = (None if parts[0][i] is None else sum(p[i] for p in parts) for i in (0, 1))
             ends = [end(*rows[d], pools[d], mes[d], bad, own) for d in range(num_devices)]
-            return jax.tree_util.tree_map(lambda *v: jnp.stack(v), *ends)
+            # Each device's slots stay its own arrays, not stacked: a stack would copy them.
+            new_params, new_states, _, losses, grads = jax.tree_util.tree_map(lambda *v: jnp.stack(v), *ends)
+            return new_params, new_states, [e[2] for e in ends], losses, grads
 
         last = self.last
         ran: Callable[..., Any]
 
-        def step(params: Rows, states: Rows, xs: Leaves, ts: Leaves, *mes: Any) -> Any:
-            new_params, new_states, losses, grads = ran(params, states, xs, ts, *mes)
-            return new_params, new_states, losses[last], grads
+        def step(params: Rows, states: Rows, slots: Any, xs: Leaves, ts: Leaves, *mes: Any) -> Any:
+            new_params, new_states, new_slots, losses, grads = ran(params, states, slots, xs, ts, *mes)
+            return new_params, new_states, new_slots, losses[last], grads
 
-        donated = (0, 1) if update is not None else ()
+        donated = (0, 1, 2) if update is not None else (2,)
         if self.serial:
             ran = serial
             jitted = jax.jit(step, donate_argnums=donated)
             mes = jax.device_put(np.arange(num_devices, dtype=np.int32), self.rows_at)
-            return lambda params, states, xs, ts: jitted(params, states, xs, ts, mes)
+            return lambda params, states, slots, xs, ts: jitted(params, states, slots, xs, ts, mes)
         stage_spec = PartitionSpec(STAGE)
         states_size = self._state_size if update is not None else {}
+        slot_specs = {name: {k: stage_spec for k in ns} for name, (_, ns) in self._slot_sizes().items()}
         ran = jax.shard_map(
             body,
             mesh=self.mesh,
             in_specs=(
                 {k: stage_spec for k in self.param_size},
                 {k: stage_spec for k in states_size},
+                slot_specs,
                 stage_spec,
                 stage_spec,
             ),
             out_specs=(
                 {k: stage_spec for k in self.param_size},
                 {k: stage_spec for k in states_size},
+                slot_specs,
                 stage_spec,
                 {k: stage_spec for k in self.grad_size} if keep_grads else {},
             ),
             check_vma=False,
         )
-        return jax.jit(step, donate_argnums=donated, in_shardings=(self.rows_at,) * 4)
+        return jax.jit(step, donate_argnums=donated, in_shardings=(self.rows_at,) * 5)
 
     def _tables(self) -> _Tables:
         """The tick table as :class:`_Tables`: its ticks where some device runs an action,
