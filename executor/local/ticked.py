@@ -24,7 +24,8 @@ per step, which runs the schedule's tick table (:func:`pipedsl.ticks.tick_table`
   slots and inbound-message slots are padded stacks, one per leaf shape and dtype
   (:class:`_Rows`; the slots ``[slots, n, *shape]``); an action reads and writes them at
   the places its row gives, a stack's entries written at once (:meth:`_Rows.put_all`,
-  :meth:`_Rows.add`) so that XLA writes them in place;
+  :meth:`_Rows.add`) so that XLA writes them in place; the slots are kept from step to
+  step (donated to each), so that no step fills them with zeros first;
 - the actions run the stage programs' own functions (:meth:`StageProgram.inlined`),
   and the optimizer update after the ticks runs the workers' (:func:`optimizer_step`),
   with the global norm's sum of squares summed over the stage axis where the optimizer
