@@ -75,9 +75,6 @@ __all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "program_failure", "ticks_app
 STAGE = "stage"
 """The mesh axis of the pipeline devices."""
 
-_SLOTS = ("res", "hand", "inbox")
-"""The pools of slots a step's actions write before they read them, kept between steps."""
-
 MAX_IN_FLIGHT = 2
 """Steps of one program over CPU devices dispatched and not yet done, at most: the next
 step is queued while one runs. XLA's CPU runtime runs each device's share of a program on
@@ -748,6 +745,7 @@ class TickedStep:
             [j for j, (_, s) in enumerate(tables.parts, 1) if schedule.placement[s] == d] for d in range(num_devices)
         ]
         updates = [self._device_update(d, update, coupled) for d in range(num_devices)] if update else []
+        slot_sizes = self._slot_sizes()
 
         # One device's part of the step, whether the devices run it side by side (one
         # program over the stage axis) or in turn on one device (serial): its pools, a
@@ -777,9 +775,6 @@ class TickedStep:
                 row, pools = _once(tables.named(row)["part"] == j, functools.partial(placed, j), (row, pools))
             return pools
 
-        def deliver(pools: dict[str, Any], got: Rows, slot: Any) -> dict[str, Any]:
-            return {**pools, "inbox": _into(pools["inbox"], got, slot)}
-
         def checks(pools: dict[str, Any]) -> tuple[Any, Any]:
             """This device's count of non-finite values and sum of squared gradients, for
             the update's skip and global norm (each summed over the devices), as needed."""
@@ -802,7 +797,7 @@ class TickedStep:
                         functools.partial(device_update, grads=grads, finite=finite, total=own),
                         (params, states),
                     )
-            slots = {name: pools[name] for name in _SLOTS}
+            slots = {name: pools[name] for name in slot_sizes}
             return params, states, slots, pools["loss"], grads if keep_grads else {}
 
         def microbatches(xs: Leaves, ts: Leaves) -> Any:
@@ -831,7 +826,7 @@ class TickedStep:
                         lambda out: out,
                         pools["out"],
                     )
-                    pools = deliver(pools, got, at[f"inbound {p}"])
+                    pools = {**pools, "inbox": _into(pools["inbox"], got, at[f"inbound {p}"])}
                 return pools
 
             pools = lax.fori_loop(0, len(tables.places), tick, pools)
@@ -858,10 +853,10 @@ class TickedStep:
                 pools = [compute(places[d], pools[d], reads[d], mine[d]) for d in range(num_devices)]
                 for p, pairs in enumerate(tables.permutations):
                     sent = [pools[src]["out"] for src, _ in pairs]
-                    slots = [tables.named(places[dst])[f"inbound {p}"] for _, dst in pairs]
+                    inbound = [tables.named(places[dst])[f"inbound {p}"] for _, dst in pairs]
                     inboxes = _once(
                         tables.named(places[0])[f"moves {p}"] > 0,
-                        functools.partial(_into_each, sent=sent, slots=slots),
+                        functools.partial(_into_each, sent=sent, slots=inbound),
                         [pools[dst]["inbox"] for _, dst in pairs],
                     )
                     for (_, dst), inbox in zip(pairs, inboxes, strict=True):
@@ -873,7 +868,9 @@ class TickedStep:
             bad, own = (None if parts[0][i] is None else sum(p[i] for p in parts) for i in (0, 1))
             ends = [end(*rows[d], pools[d], mes[d], bad, own) for d in range(num_devices)]
             # Each device's slots stay its own arrays, not stacked: a stack would copy them.
-            new_params, new_states, _, losses, grads = jax.tree_util.tree_map(lambda *v: jnp.stack(v), *ends)
+            new_params, new_states, losses, grads = jax.tree_util.tree_map(
+                lambda *v: jnp.stack(v), *[(p, st, loss, g) for p, st, _, loss, g in ends]
+            )
             return new_params, new_states, [e[2] for e in ends], losses, grads
 
         last = self.last
@@ -891,7 +888,7 @@ class TickedStep:
             return lambda params, states, slots, xs, ts: jitted(params, states, slots, xs, ts, mes)
         stage_spec = PartitionSpec(STAGE)
         states_size = self._state_size if update is not None else {}
-        slot_specs = {name: {k: stage_spec for k in ns} for name, (_, ns) in self._slot_sizes().items()}
+        slot_specs = {name: {k: stage_spec for k in ns} for name, (_, ns) in slot_sizes.items()}
         ran = jax.shard_map(
             body,
             mesh=self.mesh,
@@ -986,8 +983,9 @@ class TickedStep:
         res_params, ref_params = prog.parameter_residuals()
         # Whether it reads a value of another stage, and passes one to a stage on its own
         # device: the same for every microbatch, as the stages' placement decides.
-        reads_message = (kind is Kind.F and s > 0) or (kind in (Kind.B, Kind.I) and not last)
-        local = bool(self._local_consumers(Action(kind, s, 0)))
+        any_one = Action(kind, s, 0)
+        reads_message = self._reads(any_one) is not None
+        local = bool(self._local_consumers(any_one))
 
         def run(pools: dict[str, Any], *, reads: dict[str, Any], at: dict[str, Any]) -> dict[str, Any]:
             grads, res, hand, inbox, out = (pools[k] for k in ("grads", "res", "hand", "inbox", "out"))
