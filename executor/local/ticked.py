@@ -29,7 +29,11 @@ per step, which runs the schedule's tick table (:func:`pipedsl.ticks.tick_table`
 - the actions run the stage programs' own functions (:meth:`StageProgram.inlined`),
   and the optimizer update after the ticks runs the workers' (:func:`optimizer_step`),
   with the global norm's sum of squares summed over the stage axis where the optimizer
-  couples leaves through it; parameters and optimizer state are donated.
+  couples leaves through it: a ``lax.switch`` over the devices, whose branch builds every
+  stack of the device's parameters and state anew (:meth:`_Rows.whole`), written once
+  (in a loop, or writing into the stacks, XLA copied each whole stack in and out again:
+  1.2 GB a step at the check model's real size on four devices); parameters and
+  optimizer state are donated.
 
 On the Ray backend every process of the world runs this same program over a stage mesh of
 the world's devices, each holding one pipeline device and bringing its rows (JAX's
@@ -180,7 +184,8 @@ class _Rows:
         each run of consecutive entries (entry by entry, a write could come before a read of
         another entry that a later value needs, and XLA would copy the stack to keep that
         read right). A run that is the whole stack, computed from its own entries (an
-        optimizer's update), is still a new array that XLA copies into the old one's place."""
+        optimizer's update), is still a new array that XLA copies into the old one's place:
+        :meth:`whole` is for that."""
         entries: dict[str, dict[int, Any]] = {}
         for name, values in groups.items():
             for (key, at, _), value in zip(self.places[name], values, strict=True):
@@ -201,6 +206,23 @@ class _Rows:
                     start = (slot, run[0], *(0 for _ in update.shape[1:]))
                     rows[key] = lax.dynamic_update_slice(rows[key], update[None], start)
         return rows
+
+    def whole(self, rows: Rows, groups: Mapping[Hashable, Sequence[Any]]) -> Rows:
+        """``rows`` with each group of ``groups`` set to its values, every stack built anew
+        whole: the entries of other groups as they were, the padding (no group's entries)
+        zero. For an update that sets every value its device holds, in a conditional: a
+        stack it wrote a part of, or passed through, the conditional would copy first, where
+        a stack built whole is written once."""
+        placed: dict[str, dict[int, Any]] = {key: {} for key in rows}
+        for name, places in self.places.items():
+            values = groups.get(name)
+            for k, (key, at, _) in enumerate(places):
+                placed[key][at] = rows[key][at] if values is None else jnp.asarray(values[k]).astype(rows[key].dtype)
+        built = {}
+        for key, old in rows.items():
+            zero = jnp.zeros(old.shape[1:], old.dtype)
+            built[key] = jnp.stack([placed[key].get(at, zero) for at in range(old.shape[0])])
+        return built
 
     def add(self, rows: Rows, name: Hashable, values: Sequence[Any]) -> Rows:
         """``rows`` with ``values`` added to group ``name``'s: per stack, the group's entries
@@ -791,12 +813,11 @@ class TickedStep:
             grads = pools["grads"]
             if update is not None:
                 finite = None if bad is None else bad == 0
-                for d, device_update in enumerate(updates):
-                    params, states = _once(
-                        me == d,
-                        functools.partial(device_update, grads=grads, finite=finite, total=own),
-                        (params, states),
-                    )
+                params, states = lax.switch(
+                    me,
+                    [functools.partial(u, grads=grads, finite=finite, total=own) for u in updates],
+                    (params, states),
+                )
             slots = {name: pools[name] for name in slot_sizes}
             return params, states, slots, pools["loss"], grads if keep_grads else {}
 
@@ -1047,6 +1068,8 @@ class TickedStep:
 
         def run(rows: tuple[Rows, Rows], *, grads: Rows, finite: Any, total: Any) -> tuple[Rows, Rows]:
             params, states = rows
+            new_params: dict[Hashable, Leaves] = {}
+            new_states: dict[Hashable, Leaves] = {}
             for s in mine:
                 owned = model.owned(s)
                 treedef = model.owned_treedefs[s]
@@ -1059,10 +1082,9 @@ class TickedStep:
                     own = sum((jnp.sum(jnp.square(v.astype(jnp.float32))) for v in acc.values()), jnp.float32(0))
                     rest = total - own
                 new_p, new_state = optimizer_step(optimizer, finite, g, rest, state, p)
-                new_leaves = zip(owned, jax.tree_util.tree_leaves(new_p), strict=True)
-                params = device.params.put_all(params, {i: (leaf,) for i, leaf in new_leaves})
-                states = slayout.put(states, s, jax.tree_util.tree_leaves(new_state))
-            return params, states
+                new_params.update((i, (leaf,)) for i, leaf in zip(owned, jax.tree_util.tree_leaves(new_p), strict=True))
+                new_states[s] = tuple(jax.tree_util.tree_leaves(new_state))
+            return device.params.whole(params, new_params), slayout.whole(states, new_states)
 
         return run
 
