@@ -404,14 +404,7 @@ class LocalBackend:
         except ExecutionError:
             raise  # raised while a stage was traced: it names its stage already
         except Exception as error:
-            message = program_failure(ticked, error)
-            if not ticked.intact():
-                self._broken()
-            raise ExecutionError(message) from error
-        except BaseException:
-            if not ticked.intact():
-                self._broken()
-            raise
+            raise ExecutionError(program_failure(error)) from error
 
     def _run_apart(
         self,

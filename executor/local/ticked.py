@@ -30,10 +30,11 @@ per step, which runs the schedule's tick table (:func:`pipedsl.ticks.tick_table`
   and the optimizer update after the ticks runs the workers' (:func:`optimizer_step`),
   with the global norm's sum of squares summed over the stage axis where the optimizer
   couples leaves through it: a ``lax.switch`` over the devices, whose branch builds every
-  stack of the device's parameters and state anew (:meth:`_Rows.whole`), written once
-  (in a loop, or writing into the stacks, XLA copied each whole stack in and out again:
-  1.2 GB a step at the check model's real size on four devices); parameters and
-  optimizer state are donated.
+  stack of the device's parameters and state anew (:meth:`_Rows.whole`), written once.
+  In a loop, or writing into the stacks, XLA copied each whole stack in and out again
+  (1.2 GB a step at the check model's real size on four devices), and into donated
+  buffers once more: so only the slots are donated, and a step that fails leaves the
+  parameters and state as they were.
 
 On the Ray backend every process of the world runs this same program over a stage mesh of
 the world's devices, each holding one pipeline device and bringing its rows (JAX's
@@ -126,13 +127,11 @@ def wants_ticks(options: RunOptions, meshes: Sequence[Mesh]) -> bool:
     return meshes[0].devices.flat[0].platform != "cpu"
 
 
-def program_failure(ticked: TickedStep, error: BaseException) -> str:
+def program_failure(error: BaseException) -> str:
     """What to say of a step whose one program failed (XLA's error names no stage): the
-    error, whether the donated parameters and optimizer state are gone, and how to find the
-    failing action."""
-    lost = "" if ticked.intact() else "; its donated parameters and optimizer state are gone"
+    error, and how to find the failing action."""
     return (
-        f"the step's one program over the pipeline devices failed: {summary(error)}{lost}. "
+        f"the step's one program over the pipeline devices failed: {summary(error)}. "
         "RunOptions(ticks=False) runs the tasks apart and names the one that fails"
     )
 
@@ -535,7 +534,7 @@ class TickedStep:
 
     def _row(self, value: jax.Array, d: int) -> jax.Array:
         """Device ``d``'s ``[n, ...]`` stack of those held here: of a ``[D, n, ...]`` array sharded over
-        the stage axis, on its device; run serially, of the one array."""
+        the stage axis, on its device; run serially, of the tuple of the devices' stacks."""
         return value[d] if self.serial else _row_of(value, d)
 
     def _pack(self, update: Update | None) -> None:
@@ -604,12 +603,12 @@ class TickedStep:
     def _sharded(self, rows: Sequence[Rows]) -> Rows:
         """Per stack, the ``[1, n, ...]`` stacks of the devices held here (each on its device)
         as this process's shards of one ``[D, n, ...]`` array sharded over the stage axis (no
-        copy); run serially, one array on the device."""
-        out = {}
+        copy); run serially, the tuple of the devices' ``[n, ...]`` stacks."""
+        out: Rows = {}
         for k in rows[0]:
             parts = [r[k] for r in rows]
             if self.serial:
-                out[k] = jnp.concatenate(parts)
+                out[k] = tuple(p[0] for p in parts)
                 continue
             out[k] = jax.make_array_from_single_device_arrays(
                 (self.table.num_devices, *parts[0].shape[1:]), self.rows_at, [p.addressable_data(0) for p in parts]
@@ -662,8 +661,6 @@ class TickedStep:
             found = self._programs[key] = (optimizer, self._program(update, keep_grads))
         program = found[1]
         assert self._params is not None
-        # With an update the rows are donated: a program that fails after its dispatch may
-        # have consumed them, which intact() then sees.
         params, states = self._params, self._states if update is not None else {}
         if self._in_flight is not None and len(self._in_flight) >= MAX_IN_FLIGHT:
             jax.block_until_ready(self._in_flight.popleft())
@@ -716,12 +713,6 @@ class TickedStep:
             whole = (self.table.num_devices * shape.shape[0], *shape.shape[1:])
             out.append(jax.make_array_from_single_device_arrays(whole, self.rows_at, blocks))
         return tuple(out)
-
-    def intact(self) -> bool:
-        """Whether the rows held here are still live (a program that failed after it was
-        dispatched may have consumed its donated buffers)."""
-        held = [*(self._params or {}).values(), *(self._states or {}).values()]
-        return not any(v.is_deleted() for v in held)
 
     def wait(self) -> None:
         """Return once the rows held here are computed."""
@@ -888,11 +879,13 @@ class TickedStep:
             parts = [checks(p) for p in pools]
             bad, own = (None if parts[0][i] is None else sum(p[i] for p in parts) for i in (0, 1))
             ends = [end(*rows[d], pools[d], mes[d], bad, own) for d in range(num_devices)]
-            # Each device's slots stay its own arrays, not stacked: a stack would copy them.
-            new_params, new_states, losses, grads = jax.tree_util.tree_map(
-                lambda *v: jnp.stack(v), *[(p, st, loss, g) for p, st, _, loss, g in ends]
-            )
-            return new_params, new_states, [e[2] for e in ends], losses, grads
+            # Each device's values stay its own arrays, not stacked: a stack would copy them.
+            new_params, new_states, new_slots, losses, grads = zip(*ends, strict=True)
+
+            def apart(rows: Sequence[Rows]) -> Rows:
+                return {key: tuple(r[key] for r in rows) for key in rows[0]}
+
+            return apart(new_params), apart(new_states), list(new_slots), jnp.stack(losses), apart(grads)
 
         last = self.last
         ran: Callable[..., Any]
@@ -901,7 +894,9 @@ class TickedStep:
             new_params, new_states, new_slots, losses, grads = ran(params, states, slots, xs, ts, *mes)
             return new_params, new_states, new_slots, losses[last], grads
 
-        donated = (0, 1, 2) if update is not None else (2,)
+        # Only the slots are donated: the update's switch writes the parameters and state
+        # anew, and XLA would copy them into the donated buffers.
+        donated = (2,)
         if self.serial:
             ran = serial
             jitted = jax.jit(step, donate_argnums=donated)
