@@ -404,7 +404,14 @@ class LocalBackend:
         except ExecutionError:
             raise  # raised while a stage was traced: it names its stage already
         except Exception as error:
-            raise ExecutionError(program_failure(error)) from error
+            message = program_failure(ticked, error)
+            if not ticked.intact():
+                self._broken()
+            raise ExecutionError(message) from error
+        except BaseException:
+            if not ticked.intact():
+                self._broken()
+            raise
 
     def _run_apart(
         self,

@@ -22,19 +22,15 @@ per step, which runs the schedule's tick table (:func:`pipedsl.ticks.tick_table`
   in the compute dtype, cast once a step), optimizer state, gradient accumulators,
   residual slots (as many as its peak of microbatches in flight), ``I``-to-``W`` hand-over
   slots and inbound-message slots are padded stacks, one per leaf shape and dtype
-  (:class:`_Rows`; the slots ``[slots, n, *shape]``); an action reads and writes them at
+  (:class:`_Rows`; the slots ``[slots, n, *shape]``; the parameters and optimizer state
+  one per leaf, which the update rewrites whole); an action reads and writes them at
   the places its row gives, a stack's entries written at once (:meth:`_Rows.put_all`,
   :meth:`_Rows.add`) so that XLA writes them in place; the slots are kept from step to
   step (donated to each), so that no step fills them with zeros first;
 - the actions run the stage programs' own functions (:meth:`StageProgram.inlined`),
   and the optimizer update after the ticks runs the workers' (:func:`optimizer_step`),
   with the global norm's sum of squares summed over the stage axis where the optimizer
-  couples leaves through it: a ``lax.switch`` over the devices, whose branch builds every
-  stack of the device's parameters and state anew (:meth:`_Rows.whole`), written once.
-  In a loop, or writing into the stacks, XLA copied each whole stack in and out again
-  (1.2 GB a step at the check model's real size on four devices), and into donated
-  buffers once more: so only the slots are donated, and a step that fails leaves the
-  parameters and state as they were.
+  couples leaves through it; parameters and optimizer state are donated.
 
 On the Ray backend every process of the world runs this same program over a stage mesh of
 the world's devices, each holding one pipeline device and bringing its rows (JAX's
@@ -127,11 +123,13 @@ def wants_ticks(options: RunOptions, meshes: Sequence[Mesh]) -> bool:
     return meshes[0].devices.flat[0].platform != "cpu"
 
 
-def program_failure(error: BaseException) -> str:
+def program_failure(ticked: TickedStep, error: BaseException) -> str:
     """What to say of a step whose one program failed (XLA's error names no stage): the
-    error, and how to find the failing action."""
+    error, whether the donated parameters and optimizer state are gone, and how to find the
+    failing action."""
+    lost = "" if ticked.intact() else "; its donated parameters and optimizer state are gone"
     return (
-        f"the step's one program over the pipeline devices failed: {summary(error)}. "
+        f"the step's one program over the pipeline devices failed: {summary(error)}{lost}. "
         "RunOptions(ticks=False) runs the tasks apart and names the one that fails"
     )
 
@@ -143,11 +141,17 @@ class _Rows:
     read a reshape, which on a TPU re-lays the values out in its tiles: a step 2.7 times
     as long on the v5e). Per name, per leaf (key, entry, shape); ``sizes`` are the stacks'
     lengths. The groups follow one another, or with ``union`` each starts at 0 (a slot
-    that holds any one of them)."""
+    that holds any one of them). With ``alone`` each leaf is a stack of its own, ``[1,
+    *shape]`` (the k-th leaf of a shape, on every device, keyed alike), for the parameters
+    and the optimizer state, which the update rewrites leaf by leaf from their old values:
+    a stack of several, built anew from its entries, is a new array that XLA copies in
+    and out of the loop the update runs in (1.2 GB a step of parameters and Adam's state
+    at the check model's real size over four devices), where a stack of one can be
+    written in place, as a leaf apart is."""
 
     __slots__ = ("places", "sizes")
 
-    def __init__(self, groups: Mapping[Any, Sequence[Any]], *, union: bool = False) -> None:
+    def __init__(self, groups: Mapping[Any, Sequence[Any]], *, union: bool = False, alone: bool = False) -> None:
         sizes: dict[str, int] = {}
         used: dict[str, int] = {}
         self.places: dict[Any, tuple[tuple[str, int, tuple[int, ...]], ...]] = {}
@@ -158,9 +162,11 @@ class _Rows:
             for leaf in leaves:
                 key = _key(leaf)
                 at = used.get(key, 0)
-                places.append((key, at, tuple(leaf.shape)))
                 used[key] = at + 1
-                sizes[key] = max(sizes.get(key, 0), used[key])
+                if alone:
+                    key, at = f"{key}#{at}", 0
+                places.append((key, at, tuple(leaf.shape)))
+                sizes[key] = max(sizes.get(key, 0), at + 1)
             self.places[name] = tuple(places)
         self.sizes = sizes
 
@@ -183,8 +189,8 @@ class _Rows:
         each run of consecutive entries (entry by entry, a write could come before a read of
         another entry that a later value needs, and XLA would copy the stack to keep that
         read right). A run that is the whole stack, computed from its own entries (an
-        optimizer's update), is still a new array that XLA copies into the old one's place:
-        :meth:`whole` is for that."""
+        optimizer's update), is still a new array that XLA copies into the old one's place,
+        unless it is a stack of one (``alone``)."""
         entries: dict[str, dict[int, Any]] = {}
         for name, values in groups.items():
             for (key, at, _), value in zip(self.places[name], values, strict=True):
@@ -205,23 +211,6 @@ class _Rows:
                     start = (slot, run[0], *(0 for _ in update.shape[1:]))
                     rows[key] = lax.dynamic_update_slice(rows[key], update[None], start)
         return rows
-
-    def whole(self, rows: Rows, groups: Mapping[Hashable, Sequence[Any]]) -> Rows:
-        """``rows`` with each group of ``groups`` set to its values, every stack built anew
-        whole: the entries of other groups as they were, the padding (no group's entries)
-        zero. For an update that sets every value its device holds, in a conditional: a
-        stack it wrote a part of, or passed through, the conditional would copy first, where
-        a stack built whole is written once."""
-        placed: dict[str, dict[int, Any]] = {key: {} for key in rows}
-        for name, places in self.places.items():
-            values = groups.get(name)
-            for k, (key, at, _) in enumerate(places):
-                placed[key][at] = rows[key][at] if values is None else jnp.asarray(values[k]).astype(rows[key].dtype)
-        built = {}
-        for key, old in rows.items():
-            zero = jnp.zeros(old.shape[1:], old.dtype)
-            built[key] = jnp.stack([placed[key].get(at, zero) for at in range(old.shape[0])])
-        return built
 
     def add(self, rows: Rows, name: Hashable, values: Sequence[Any]) -> Rows:
         """``rows`` with ``values`` added to group ``name``'s: per stack, the group's entries
@@ -249,9 +238,9 @@ def _key(leaf: Any) -> str:
 
 
 def _blank(key: str, n: int, slots: int | None = None) -> jax.Array:
-    """A stack of ``n`` zero leaves of :func:`_key` ``key``; with ``slots``, that many such
-    stacks, ``[slots, n, *shape]``."""
-    dtype, shape = key[:-1].split("[")
+    """A stack of ``n`` zero leaves of :func:`_key` ``key`` (or a key of :class:`_Rows`
+    ``alone``); with ``slots``, that many such stacks, ``[slots, n, *shape]``."""
+    dtype, shape = key[: key.index("]")].split("[")
     return jnp.zeros((*(() if slots is None else (slots,)), n, *(int(d) for d in shape.split(",") if d)), dtype)
 
 
@@ -446,7 +435,7 @@ class TickedStep:
         tick = {a.key: t for t, row in enumerate(table.actions) for a in row if a is not None}
         for d in range(schedule.num_devices):
             mine = schedule.stages_on(d)
-            params = _Rows({i: (model.param_avals[i],) for s in mine for i in model.stage_params[s]})
+            params = _Rows({i: (model.param_avals[i],) for s in mine for i in model.stage_params[s]}, alone=True)
             grads = _Rows({s: tuple(model.param_avals[i] for i in model.stage_params[s]) for s in mine})
             residuals = _Rows({s: shapes[("res", s)] for s in mine}, union=True)
             handoffs = _Rows({s: shapes[("handoff", s)] for s in mine}, union=True)
@@ -631,7 +620,7 @@ class TickedStep:
                 state = jax.eval_shape(lambda p: optimizer_init(optimizer, p, coupled=coupled), owned)
                 leaves, defs[s] = jax.tree_util.tree_flatten(state)
                 shapes[s] = tuple(leaves)
-            layouts.append(_Rows(shapes))
+            layouts.append(_Rows(shapes, alone=True))
             treedefs.append(defs)
         self._state_layouts = tuple(layouts)
         self._state_treedefs = tuple(treedefs)
@@ -661,6 +650,8 @@ class TickedStep:
             found = self._programs[key] = (optimizer, self._program(update, keep_grads))
         program = found[1]
         assert self._params is not None
+        # With an update the rows are donated: a program that fails after its dispatch may
+        # have consumed them, which intact() then sees.
         params, states = self._params, self._states if update is not None else {}
         if self._in_flight is not None and len(self._in_flight) >= MAX_IN_FLIGHT:
             jax.block_until_ready(self._in_flight.popleft())
@@ -713,6 +704,12 @@ class TickedStep:
             whole = (self.table.num_devices * shape.shape[0], *shape.shape[1:])
             out.append(jax.make_array_from_single_device_arrays(whole, self.rows_at, blocks))
         return tuple(out)
+
+    def intact(self) -> bool:
+        """Whether the rows held here are still live (a program that failed after it was
+        dispatched may have consumed its donated buffers)."""
+        held = [*(self._params or {}).values(), *(self._states or {}).values()]
+        return not any(v.is_deleted() for v in held)
 
     def wait(self) -> None:
         """Return once the rows held here are computed."""
@@ -804,11 +801,12 @@ class TickedStep:
             grads = pools["grads"]
             if update is not None:
                 finite = None if bad is None else bad == 0
-                params, states = lax.switch(
-                    me,
-                    [functools.partial(u, grads=grads, finite=finite, total=own) for u in updates],
-                    (params, states),
-                )
+                for d, device_update in enumerate(updates):
+                    params, states = _once(
+                        me == d,
+                        functools.partial(device_update, grads=grads, finite=finite, total=own),
+                        (params, states),
+                    )
             slots = {name: pools[name] for name in slot_sizes}
             return params, states, slots, pools["loss"], grads if keep_grads else {}
 
@@ -894,9 +892,7 @@ class TickedStep:
             new_params, new_states, new_slots, losses, grads = ran(params, states, slots, xs, ts, *mes)
             return new_params, new_states, new_slots, losses[last], grads
 
-        # Only the slots are donated: the update's switch writes the parameters and state
-        # anew, and XLA would copy them into the donated buffers.
-        donated = (2,)
+        donated = (0, 1, 2) if update is not None else (2,)
         if self.serial:
             ran = serial
             jitted = jax.jit(step, donate_argnums=donated)
@@ -1063,8 +1059,6 @@ class TickedStep:
 
         def run(rows: tuple[Rows, Rows], *, grads: Rows, finite: Any, total: Any) -> tuple[Rows, Rows]:
             params, states = rows
-            new_params: dict[Hashable, Leaves] = {}
-            new_states: dict[Hashable, Leaves] = {}
             for s in mine:
                 owned = model.owned(s)
                 treedef = model.owned_treedefs[s]
@@ -1077,9 +1071,10 @@ class TickedStep:
                     own = sum((jnp.sum(jnp.square(v.astype(jnp.float32))) for v in acc.values()), jnp.float32(0))
                     rest = total - own
                 new_p, new_state = optimizer_step(optimizer, finite, g, rest, state, p)
-                new_params.update((i, (leaf,)) for i, leaf in zip(owned, jax.tree_util.tree_leaves(new_p), strict=True))
-                new_states[s] = tuple(jax.tree_util.tree_leaves(new_state))
-            return device.params.whole(params, new_params), slayout.whole(states, new_states)
+                new_leaves = zip(owned, jax.tree_util.tree_leaves(new_p), strict=True)
+                params = device.params.put_all(params, {i: (leaf,) for i, leaf in new_leaves})
+                states = slayout.put(states, s, jax.tree_util.tree_leaves(new_state))
+            return params, states
 
         return run
 

@@ -424,7 +424,7 @@ class WorldProcess:
         except ExecutionError as err:
             return Failure(str(err), err.stage, self.device)
         except Exception as err:  # the program's: it names no stage
-            return Failure(f"device {self.device}: {program_failure(err)}", None, self.device)
+            return Failure(f"device {self.device}: {program_failure(ticked, err)}", None, self.device)
 
     def _report(
         self,

@@ -68,7 +68,7 @@ def test_one_program_over_the_stage_axis_trains_as_the_tasks_apart() -> None:
                 held, state, loss = pipe.train_step(held, state, batch, optimizer=optimizer)
                 losses.append(float(loss))
         assert pipe.backend.ticked == (options != RunOptions())
-        # Only the slots are donated, never the caller's parameters.
+        # The parameters and state held on the devices are donated, never the caller's.
         assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(weights))
         runs.append((pipe.gather(held), pipe.gather(state), losses))
     *ticked, (want_params, want_states, want_losses) = runs
