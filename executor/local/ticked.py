@@ -660,9 +660,10 @@ class TickedStep:
         else:
             xs = self._batch(inputs, self.schedule.placement[0], self._input_shapes)
             ts = self._batch(targets, self.last, self._target_shapes)
-        if self._slots is None or any(v.is_deleted() for v in jax.tree_util.tree_leaves(self._slots)):
-            self._slots = self._fresh_slots()
-        new_params, new_states, self._slots, loss, grads = program(params, states, self._slots, xs, ts)
+        # The step consumes the slots it is given (donated): a step that fails leaves none,
+        # and the next makes them anew.
+        slots, self._slots = self._slots if self._slots is not None else self._fresh_slots(), None
+        new_params, new_states, self._slots, loss, grads = program(params, states, slots, xs, ts)
         if self._in_flight is not None:
             self._in_flight.append(loss)
         if update is not None:
