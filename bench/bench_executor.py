@@ -388,7 +388,7 @@ def bench_dispatch(repeat: int) -> None:
     print(f"   (load average {os.getloadavg()[0]:.1f})")
     print(
         "\n   training steps: one SPMD program over the pipeline devices (ticks; on Ray, rayticks: every process"
-        " dispatching it) against the tasks apart (tasks; on Ray, ray: RunOptions(ticks=False), the default on CPU);"
+        " dispatching it) against the tasks apart (tasks; on Ray, ray: RunOptions(ticks=False), the default);"
         " host us/step is the time train_step takes to return with no step"
         f" in flight, step us the time per step of {_TRAIN_STEPS} steps back to back, waited for"
     )

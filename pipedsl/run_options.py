@@ -119,13 +119,16 @@ class RunOptions:
         ``dp = cp = tp = 1``, no parameter leaf used by two stages), how each unrecorded step
         runs: True, one SPMD program over the pipeline devices that runs the schedule's tick
         table (:mod:`pipedsl.ticks`; one dispatch per step, values moved between devices by
-        collective permutes); False, every task dispatched apart (:mod:`pipedsl.tasks`), as
-        every other plan on devices of their own runs; None (the default), the one program
-        on accelerators, whose host it spares a dispatch per task, and the tasks apart on
-        CPU devices, where XLA runs them faster than the one program, whose ticks keep the
-        devices in step (the demo transformer at pp=4, 1F1B over 8 microbatches: the one
-        program's step 1.2-1.4x the tasks apart's in fp32, 1.1-1.2x in bf16;
-        ``bench/bench_executor.py --only one-program``).
+        collective permutes); False (the default), every task dispatched apart
+        (:mod:`pipedsl.tasks`), as every other plan on devices of their own runs. The one
+        program is slower on both platforms measured. On CPU devices XLA runs the tasks
+        apart faster than the one program, whose ticks keep the devices in step (the demo
+        transformer at pp=4, 1F1B over 8 microbatches: the one program's step 1.2-1.4x the
+        tasks apart's in fp32, 1.1-1.2x in bf16; ``bench/bench_executor.py --only
+        one-program``). On a TPU v5e, with the pipeline devices kept apart on its one chip,
+        XLA copies and re-lays out the residual slots at every tick: the check model's
+        step 58-112x the accumulating jit, against 1.9-2.8x with the tasks apart
+        (``bench/bench_against_jit.py --fuse ticks`` and ``--fuse off``).
       recv_timeout: seconds any device waits for a value from another before giving up.
     """
 
@@ -140,7 +143,7 @@ class RunOptions:
     sequence_parallel: bool = False
     fuse: Fuse = "loop"
     host_transfers: bool = True
-    ticks: bool | None = None
+    ticks: bool = False
     recv_timeout: float = 300.0
 
     def __post_init__(self) -> None:
@@ -158,8 +161,8 @@ class RunOptions:
         for name in ("reduce_once", "sequence_parallel", "host_transfers"):
             if not isinstance(getattr(self, name), bool):
                 raise RunOptionsError(name, f"must be True or False, got {getattr(self, name)!r}")
-        if self.ticks is not None and not isinstance(self.ticks, bool):
-            raise RunOptionsError("ticks", f"must be True, False or None (by platform), got {self.ticks!r}")
+        if not isinstance(self.ticks, bool):
+            raise RunOptionsError("ticks", f"must be True or False, got {self.ticks!r}")
         if self.sequence_parallel and self.tp == 1:
             raise RunOptionsError(
                 "sequence_parallel", "splits what tensor parallelism leaves whole: give it with tp above 1"

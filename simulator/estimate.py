@@ -329,10 +329,6 @@ class Prepared:
         """Simulate the pipeline (if any) and assemble the :class:`Estimate`."""
         if self.key is not None and self.pipelines is not None:
             costs = self.cost_model()
-            if self.shapes.ticked:
-                # One program over the pipeline devices: its ticks, one dispatch, the update after.
-                ticked = self.pipelines.tick_timing(self.key, costs)
-                return self.assemble(ticked.makespan, ticked.bubble_ratio, None)
             timing = self.pipelines.timing(self.key, costs)
             steady = None
             if not self.plan.update_barrier and not self.plan.shared_devices:

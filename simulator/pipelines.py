@@ -38,9 +38,7 @@ from pipedsl.program import Program, ProgramArrays, program_arrays
 from pipedsl.simulator.costs import CostModel
 from pipedsl.simulator.engine import Simulation, simulate, step_timing, steps_timing
 from pipedsl.simulator.plan import Plan, PlanError
-from pipedsl.simulator.ticked import tick_timing
 from pipedsl.synthesize import synthesize, synthesized_steps
-from pipedsl.ticks import TickTable, tick_table
 from pipedsl.validate import Checked, checked
 
 __all__ = ["Pipelines", "ScheduleKey", "Timing", "load_pipeline", "synthesized_arrays", "synthesized_program"]
@@ -210,8 +208,6 @@ class Pipelines:
         self._errors: dict[ScheduleKey, PipedslError] = {}
         self._timings: dict[tuple[ScheduleKey, CostModel], Timing] = {}
         self._steady: dict[tuple[ScheduleKey, CostModel], float] = {}
-        self._ticked: dict[tuple[ScheduleKey, CostModel], Timing] = {}
-        self._tables: dict[ScheduleKey, TickTable] = {}
         self._parameters: dict[str, tuple[str, ...]] = {}
         self._policies: dict[ScheduleKey, Policy] = {}
         self._peaks: dict[tuple[ScheduleKey, tuple[int, ...], tuple[int, ...]], tuple[int, ...]] = {}
@@ -387,19 +383,6 @@ class Pipelines:
                 makespan, bubble = step_timing(shape.arrays, costs.resolve(shape.layout), order=shape.order)
                 found = Timing(makespan, bubble, None)
             self._timings[(key, costs)] = found
-        return found
-
-    def tick_timing(self, key: ScheduleKey, costs: CostModel) -> Timing:
-        """Time the schedule of ``key`` under ``costs`` as one program over the pipeline
-        devices runs it, tick by tick (:func:`~pipedsl.simulator.ticked.tick_timing`), once
-        per distinct costs; the tick table is built once per shape."""
-        found = self._ticked.get((key, costs))
-        if found is None:
-            table = self._tables.get(key)
-            if table is None:
-                table = self._tables[key] = tick_table(self.schedule(key))
-            timed = tick_timing(table, costs.resolve(self._shape(key).layout))
-            found = self._ticked[(key, costs)] = Timing(timed.makespan, timed.bubble_ratio, None)
         return found
 
     def steady_s(self, key: ScheduleKey, costs: CostModel) -> float:

@@ -61,7 +61,6 @@ from pipedsl.simulator.frameworks import framework
 from pipedsl.simulator.hardware import Cluster, Model
 from pipedsl.simulator.plan import Plan, Recompute
 from pipedsl.simulator.torus import TorusGroup
-from pipedsl.ticks import ticks_fit
 
 __all__ = [
     "Work",
@@ -223,27 +222,6 @@ class Shapes:
         or none where the step is one program: the pipeline devices share their GPUs
         (``Plan.shared_devices``) or there is one (pp = 1)."""
         return 0.0 if self.plan.shared_devices or self.plan.pp == 1 else self.cluster.action_overhead_s
-
-    @property
-    def ticked(self) -> bool:
-        """Whether pipedsl's executor runs a step of this plan as one program over the
-        pipeline devices, tick by tick (:mod:`pipedsl.ticks`; either backend): a plan
-        that fits it (:func:`~pipedsl.ticks.ticks_fit`: pp > 1 on pipeline devices of their
-        own, each one device, dp = tp = cp = 1, embeddings not tied), under the ``pipedsl`` framework on
-        accelerators: a cluster whose executor dispatch is priced per task
-        (``action_overhead_s`` > 0, as ``pipedsl calibrate`` measures CPU devices) runs its
-        tasks apart, as the executor does on CPU by default (``RunOptions.ticks``)."""
-        plan = self.plan
-        return (
-            framework(plan.framework).name == "pipedsl"
-            and self.cluster.action_overhead_s == 0
-            and ticks_fit(
-                pipeline_devices=plan.pp,
-                devices_each=plan.dp * plan.tp * plan.cp,
-                shared_devices=plan.shared_devices,
-                shared_parameters=self.model.tied_embeddings,
-            )
-        )
 
     @property
     def local_seq(self) -> int:

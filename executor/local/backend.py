@@ -38,7 +38,7 @@ from pipedsl.executor.backend import DeviceReport
 from pipedsl.executor.errors import ExecutionError, summary
 from pipedsl.executor.local.exchange import LocalExchange, resharder
 from pipedsl.executor.local.fused import FusedStep, shared_devices
-from pipedsl.executor.local.ticked import TickedStep, program_failure, ticks_apply, wants_ticks
+from pipedsl.executor.local.ticked import TickedStep, program_failure, ticks_apply
 from pipedsl.executor.runtime.scheduler import Steps, run_watched
 from pipedsl.executor.runtime.timing import Recorder
 from pipedsl.executor.runtime.worker import Update, Worker, WorkerStep, compile_device
@@ -224,7 +224,7 @@ class LocalBackend:
         serial = self.fuse == "ticks"
         self._ticked = (
             TickedStep(self.workers, self.meshes, schedule=schedule, stages=programs, serial=serial)
-            if (serial or (wants_ticks(self.options, self.meshes) and self.fuse == "off"))
+            if (serial or (self.options.ticks and self.fuse == "off"))
             and ticks_apply(compiled.model, programs, self.meshes, serial=serial)
             else None
         )

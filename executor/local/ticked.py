@@ -68,10 +68,9 @@ from pipedsl.executor.stages.mesh import data_size
 from pipedsl.executor.stages.model import StagedModel
 from pipedsl.executor.stages.stage_program import StageProgram
 from pipedsl.ir import Action, Kind, Schedule
-from pipedsl.run_options import RunOptions
 from pipedsl.ticks import TickTable, tick_table, ticks_fit
 
-__all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "program_failure", "ticks_apply", "wants_ticks"]
+__all__ = ["MAX_IN_FLIGHT", "STAGE", "TickedStep", "program_failure", "ticks_apply"]
 
 STAGE = "stage"
 """The mesh axis of the pipeline devices."""
@@ -113,14 +112,6 @@ def ticks_apply(
     ):
         return False
     return all(data_size(p.layout.mesh) == 1 and not p.calls_host for p in stages.values())
-
-
-def wants_ticks(options: RunOptions, meshes: Sequence[Mesh]) -> bool:
-    """``options.ticks``, or where it is None whether the devices are accelerators
-    (:attr:`~pipedsl.run_options.RunOptions.ticks`), on either backend."""
-    if options.ticks is not None:
-        return options.ticks
-    return meshes[0].devices.flat[0].platform != "cpu"
 
 
 def program_failure(ticked: TickedStep, error: BaseException) -> str:
@@ -709,8 +700,7 @@ class TickedStep:
     def intact(self) -> bool:
         """Whether the rows held here are still live (a program that failed after it was
         dispatched may have consumed its donated buffers)."""
-        held = [*(self._params or {}).values(), *(self._states or {}).values()]
-        return not any(v.is_deleted() for v in held)
+        return not any(v.is_deleted() for v in jax.tree_util.tree_leaves((self._params, self._states)))
 
     def wait(self) -> None:
         """Return once the rows held here are computed."""

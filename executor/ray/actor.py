@@ -47,7 +47,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from pipedsl.executor.compilation_cache import enable_compilation_cache
 from pipedsl.executor.errors import ExecutionError, stage_failure
-from pipedsl.executor.local.ticked import TickedStep, program_failure, ticks_apply, wants_ticks
+from pipedsl.executor.local.ticked import TickedStep, program_failure, ticks_apply
 from pipedsl.executor.ray.cores import claim_cores
 from pipedsl.executor.ray.step_channel import StepServer
 from pipedsl.executor.ray.transport import (
@@ -267,7 +267,7 @@ class WorldProcess:
         plan allows it: every stage traced, this device's compiled already and the others'
         on their devices' meshes (traced only: this process never dispatches them)."""
         meshes = self._meshes
-        if not wants_ticks(spec.options, meshes) or max(m.devices.size for m in meshes) != 1:
+        if not spec.options.ticks or max(m.devices.size for m in meshes) != 1:
             return None
         programs = dict(mine)
         for d, mesh in enumerate(meshes):

@@ -17,7 +17,7 @@ answers (so such a step waits for them, and its loss comes with them); a trainin
 stays on the last stage's process until it is read (:mod:`pipedsl.executor.ray.remote_loss`),
 so the step returns without waiting for its computations and copies nothing to the host.
 Where every pipeline device is one device of its own process and ``RunOptions.ticks`` asks
-for it (:func:`~pipedsl.executor.local.ticked.wants_ticks`), each process's share of a step
+for it, each process's share of a step
 is the one program over the stage axis (:mod:`pipedsl.executor.local.ticked`), the same on
 every process: one dispatch per process per step, its transfers the program's permutes.
 

@@ -345,10 +345,6 @@ def _planned(args: argparse.Namespace) -> tuple[Schedule, PlannedRun | None]:
     return planned.schedule_of(), planned
 
 
-_TICKS = {"on": True, "off": False, None: None}
-"""``--ticks`` as :attr:`RunOptions.ticks <pipedsl.run_options.RunOptions.ticks>`."""
-
-
 def _run_options(args: argparse.Namespace, planned: PlannedRun | None) -> RunOptions:
     """How the pipeline runs, made here and nowhere else: a ranked plan's options as it was
     priced (its model's precision included), else the command line's, an option that cannot
@@ -357,13 +353,12 @@ def _run_options(args: argparse.Namespace, planned: PlannedRun | None) -> RunOpt
         from pipedsl.cli.scaled import priced_model
 
         options = planned.run_options(priced_model(planned.model))
-        ticks = options.ticks if args.ticks is None else _TICKS[args.ticks]
-        return dataclasses.replace(options, fuse=args.fuse or "loop", ticks=ticks)
+        return dataclasses.replace(options, fuse=args.fuse or "loop", ticks=args.ticks == "on")
     try:
         return RunOptions(
             dp=args.dp, fsdp=args.fsdp, tp=args.tp, cp=args.cp, zero=args.zero, reduce_once=args.reduce_once,
             recompute=args.recompute, precision=args.precision, sequence_parallel=args.sequence_parallel,
-            fuse=args.fuse or "loop", ticks=_TICKS[args.ticks],
+            fuse=args.fuse or "loop", ticks=args.ticks == "on",
         )  # fmt: skip
     except RunOptionsError as err:
         raise option_error(err) from None
@@ -751,7 +746,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--ticks",
         choices=("on", "off"),
         help="where every pipeline device is one device of its own, each step as one program over them, tick by"
-        " tick (on; the default on accelerators), or every task dispatched apart (off; the default on CPU devices)",
+        " tick (on), or every task dispatched apart (off, the default: faster on every platform measured)",
     )
     run.add_argument(
         "--plan",

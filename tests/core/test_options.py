@@ -17,7 +17,7 @@ def test_the_defaults_run_one_device_per_pipeline_device_in_fp32() -> None:
     options = RunOptions()
     assert (options.dp, options.tp, options.cp, options.zero, options.mesh_size) == (1, 1, 1, 0, 1)
     assert (options.recompute, options.precision, options.sequence_parallel) == ("none", "fp32", False)
-    assert options.fuse == "loop" and not options.reduce_once and options.recv_timeout == 300.0
+    assert options.fuse == "loop" and not options.ticks and not options.reduce_once and options.recv_timeout == 300.0
 
 
 def test_options_are_frozen_keyword_only_and_compare_by_value() -> None:
@@ -75,6 +75,7 @@ def test_one_mode_or_one_per_stage() -> None:
         ({"sequence_parallel": True}, "sequence_parallel", "give it with tp above 1"),
         ({"fuse": None}, "fuse", "must be one of 'loop', 'unrolled', 'ticks', 'off', got None"),
         ({"fuse": True}, "fuse", "must be one of 'loop', 'unrolled', 'ticks', 'off', got True"),
+        ({"ticks": None}, "ticks", "must be True or False, got None"),
         ({"recv_timeout": 0}, "recv_timeout", "must be a finite number of seconds above 0, got 0"),
         ({"recv_timeout": math.inf}, "recv_timeout", "must be a finite number of seconds above 0, got inf"),
         ({"recv_timeout": "60"}, "recv_timeout", "must be a finite number of seconds above 0, got '60'"),

@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 import pipedsl
 from pipedsl.simulator import tick_timing
-from pipedsl.simulator.estimate import prepare
-from pipedsl.simulator.hardware import load_cluster, load_model
-from pipedsl.simulator.pipelines import Pipelines
-from pipedsl.simulator.plan import Plan
 from pipedsl.stage_costs import StageCosts
 from pipedsl.ticks import tick_table
 
@@ -43,26 +37,3 @@ def test_uniform_1f1b_ticks_give_the_textbook_bubble_at_equal_forward_and_backwa
     timed = tick_timing(tick_table(schedule), costs)
     assert timed.makespan == 2 * (8 + 4 - 1)
     assert timed.bubble_ratio == pytest.approx(3 / 11)
-
-
-def test_a_plan_the_executor_runs_as_one_program_is_priced_by_its_ticks() -> None:
-    model = dataclasses.replace(load_model("llama-8b"), tied_embeddings=False)
-    cluster = load_cluster("h100-80gb")
-    plan = Plan(pp=4, global_batch=8, microbatch_size=1, schedule="1f1b", framework="pipedsl")
-    pipelines = Pipelines()
-    prepared = prepare(model, cluster, plan, pipelines=pipelines)
-    assert prepared.shapes.ticked
-    assert prepared.key is not None
-    ticked = pipelines.tick_timing(prepared.key, prepared.cost_model())
-    result = prepared.finish()
-    assert result.pipeline_time_s == pytest.approx(ticked.makespan)
-    # Ticks keep the devices in step: never faster than the event simulation of the same actions.
-    assert ticked.makespan >= pipelines.timing(prepared.key, prepared.cost_model()).makespan - 1e-12
-    # A leaf two stages share (tied embeddings), data parallelism or another framework: tasks apart.
-    tied = dataclasses.replace(model, tied_embeddings=True)
-    assert not prepare(tied, cluster, plan, pipelines=pipelines).shapes.ticked
-    assert not prepare(model, cluster, dataclasses.replace(plan, dp=2, global_batch=16)).shapes.ticked
-    assert not prepare(model, cluster, dataclasses.replace(plan, framework="megatron")).shapes.ticked
-    # A cluster calibrated on CPU devices prices a dispatch per task: the executor runs its tasks apart there.
-    calibrated = dataclasses.replace(cluster, action_overhead_s=50e-6)
-    assert not prepare(model, calibrated, plan).shapes.ticked
