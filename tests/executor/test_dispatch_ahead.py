@@ -202,11 +202,11 @@ def test_one_program_clips_by_the_whole_models_norm() -> None:
 def test_separate_devices_run_over_the_stage_axis_and_one_pipeline_device_as_one_program() -> None:
     schedule = library("1f1b")
     params, batch, _, _ = setup("mlp", "explicit", schedule.num_stages)
-    # On CPU devices the tasks run apart unless asked (RunOptions.ticks), on accelerators not.
-    for ticks in (None, True):
-        separate = pipeline("mlp", "explicit", schedule, options=RunOptions(ticks=ticks))
+    # The tasks run apart unless the one program is asked for (RunOptions.ticks).
+    for options in (RunOptions(), RunOptions(ticks=True)):
+        separate = pipeline("mlp", "explicit", schedule, options=options)
         separate.step(params, batch)
-        assert separate.backend.fuse == "off" and separate.ticked == bool(ticks)
+        assert separate.backend.fuse == "off" and separate.ticked == options.ticks
     # pp = 1 (an SPMD plan): nothing waits for another device, so its step is one program.
     spmd = library("1f1b", pp=1)
     assert pipeline("mlp", "explicit", spmd, devices=[jax.devices()[0]]).backend.fuse == "loop"
