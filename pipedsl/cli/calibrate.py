@@ -54,10 +54,9 @@ from pipedsl.errors import PipedslError
 from pipedsl.executor.devices import request_devices
 from pipedsl.ir import Schedule
 from pipedsl.run_options import RunOptions
-from pipedsl.simulator import CostModel, Panel, fit_costs, simulate, tick_timing
+from pipedsl.simulator import CostModel, Panel, fit_costs, simulate
 from pipedsl.simulator.calibration.report import Report
 from pipedsl.simulator.calibration.timelines import timeline_report
-from pipedsl.ticks import tick_table
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 from pipedsl.words import plural
@@ -81,10 +80,8 @@ class Measurement:
     Attributes:
       label: the schedule with its parameters.
       costs: the cost model fitted to its recorded steps (seconds per action per stage).
-      predicted_s: the simulated step time under ``costs`` (the tick table's price,
-        :func:`~pipedsl.simulator.tick_timing`, where the timed steps run as one program
-        over devices of their own: :attr:`~pipedsl.executor.Pipeline.ticked`), plus the
-        time a step spends outside its timeline, in seconds; None where the timed steps of
+      predicted_s: the simulated step time under ``costs``, plus the time a step spends
+        outside its timeline, in seconds; None where the timed steps of
         pipeline devices sharing their devices run as one program
         (:attr:`~pipedsl.executor.Pipeline.one_program`): the recorded steps that ``costs``
         is fitted to dispatch each action apart, which such a step does not, so their
@@ -264,18 +261,12 @@ class _Trial:
         label = _label(self.run.schedule) if plan is None else plan.label()
         # A step run as one program is timed whole; its recorded steps dispatched each action apart.
         one_program = self.pipe.one_program
-        apart = ", actions dispatched apart" if one_program or self.pipe.ticked else ""
-        # A step run as one program over devices of their own is priced by its tick table.
-        predicted = (
-            tick_timing(tick_table(self.run.schedule), self.costs.resolve(self.run.schedule)).makespan
-            if self.pipe.ticked
-            else self.simulated.makespan
-        )
+        apart = ", actions dispatched apart" if one_program else ""
         return Measurement(
             plan=plan,
             label=label,
             costs=self.costs,
-            predicted_s=None if one_program else predicted + self.outside_s,
+            predicted_s=None if one_program else self.simulated.makespan + self.outside_s,
             measured_s=statistics.median(self.times),
             times=tuple(self.times),
             losses=tuple(self.losses),
