@@ -35,7 +35,7 @@ Seven measurements, each printed as a small table:
    pipelines come out fast by on CPU;
 7. the demo transformer at pp=4 (a layer a stage), 1F1B over 8 microbatches of 4
    sequences, a CPU device per pipeline device, trained with Adam as the tasks apart (the
-   default on CPU devices) and as one program over the pipeline devices, in fp32 and in
+   default) and as one program over the pipeline devices, in fp32 and in
    bf16: the first step and the step of steps back to back (``--only one-program``).
 
 The benchmark model is an MLP of ``--width`` wide GELU layers, ``--layers`` per stage, with
@@ -486,7 +486,7 @@ def _train_steps(
 def bench_one_program(repeat: int) -> None:
     """Measurement 7: the demo transformer at pp=4 (a layer a stage), 1F1B over 8
     microbatches of 4 sequences, each pipeline device a CPU device, trained with Adam as the
-    tasks apart (the default on CPU devices) and as one program over the pipeline devices
+    tasks apart (the default) and as one program over the pipeline devices
     (ticks), in fp32 and in bf16 mixed precision: the first step (tracing and compiling
     included, or reading the persistent compilation cache where it holds the programs:
     ``PIPEDSL_COMPILATION_CACHE=off`` times the compile) and the step of steps back to back."""

@@ -34,9 +34,7 @@ def ticks_fit(*, pipeline_devices: int, devices_each: int, shared_devices: bool,
     pipeline device: a stage's own collectives would need a second manual mesh axis), none
     sharing its device with another; and no parameter used by two stages (its gradients
     are summed between devices, which only the update per task does). The executor adds
-    what only a traced stage shows (:func:`pipedsl.executor.local.ticked.ticks_apply`), the
-    planner what only a plan shows (:attr:`pipedsl.simulator.transformer.Shapes.ticked`);
-    this is what both ask."""
+    what only a traced stage shows (:func:`pipedsl.executor.local.ticked.ticks_apply`)."""
     return pipeline_devices >= 2 and devices_each == 1 and not shared_devices and not shared_parameters
 
 

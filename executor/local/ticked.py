@@ -541,9 +541,9 @@ class TickedStep:
     def _converter(self, what: str, d: int) -> Callable[..., Any]:
         """Device ``d``'s jitted conversion between its values and its rows, made once
         (the optimizer state's, once per layout of it): ``"pack params"`` (leaves by flat
-        index to ``[1, n, ...]`` stacks), ``"pack states"`` (states by stage), ``"unpack params"``,
-        ``"unpack states"`` and ``"unpack grads"`` (``[n, ...]`` stacks back; the gradients by
-        flat leaf)."""
+        index to ``[1, n, ...]`` stacks, ``[n, ...]`` run serially), ``"pack states"``
+        (states by stage), ``"unpack params"``, ``"unpack states"`` and ``"unpack grads"``
+        (``[n, ...]`` stacks back; the gradients by flat leaf)."""
         found = self._converters.get((what, d))
         if found is not None:
             return found
@@ -551,15 +551,17 @@ class TickedStep:
         states, state_size = (self._state_layouts[d], self._state_size) if "states" in what else (params, size)
         treedefs = self._state_treedefs[d] if "states" in what else {}
 
+        def shard(rows: Rows) -> Rows:
+            # A device's shard of the [D, n, ...] rows; run serially, its [n, ...] rows themselves.
+            return rows if self.serial else {k: v[None] for k, v in rows.items()}
+
         def pack_params(leaves: Any) -> Rows:
             rows = {k: _blank(k, n) for k, n in sorted(size.items())}
-            rows = params.put_all(rows, {i: (leaves[i],) for i in params.places})
-            return {k: v[None] for k, v in rows.items()}
+            return shard(params.put_all(rows, {i: (leaves[i],) for i in params.places}))
 
         def pack_states(values: Any) -> Rows:
             rows = {k: _blank(k, n) for k, n in sorted(state_size.items())}
-            rows = states.put_all(rows, {s: jax.tree_util.tree_leaves(values[s]) for s in states.places})
-            return {k: v[None] for k, v in rows.items()}
+            return shard(states.put_all(rows, {s: jax.tree_util.tree_leaves(values[s]) for s in states.places}))
 
         def unpack_params(row: Rows) -> Any:
             return {i: params.get(row, i)[0] for i in params.places}
@@ -588,7 +590,7 @@ class TickedStep:
         for k in rows[0]:
             parts = [r[k] for r in rows]
             if self.serial:
-                out[k] = tuple(p[0] for p in parts)
+                out[k] = tuple(parts)
                 continue
             out[k] = jax.make_array_from_single_device_arrays(
                 (self.table.num_devices, *parts[0].shape[1:]), self.rows_at, [p.addressable_data(0) for p in parts]
