@@ -121,14 +121,15 @@ class RunOptions:
         table (:mod:`pipedsl.ticks`; one dispatch per step, values moved between devices by
         collective permutes); False (the default), every task dispatched apart
         (:mod:`pipedsl.tasks`), as every other plan on devices of their own runs. The one
-        program is slower on both platforms measured. On CPU devices XLA runs the tasks
-        apart faster than the one program, whose ticks keep the devices in step (the demo
-        transformer at pp=4, 1F1B over 8 microbatches: the one program's step 1.2-1.4x the
-        tasks apart's in fp32, 1.1-1.2x in bf16; ``bench/bench_executor.py --only
+        program is not the faster on either platform measured. On CPU devices XLA runs the
+        tasks apart faster than the one program, whose ticks keep the devices in step (the
+        demo transformer at pp=4, 1F1B over 8 microbatches: the one program's step 1.2-1.4x
+        the tasks apart's in fp32, 1.1-1.2x in bf16; ``bench/bench_executor.py --only
         one-program``). On a TPU v5e, with the pipeline devices kept apart on its one chip,
-        XLA copies and re-lays out the residual slots at every tick: the check model's
-        step 58-112x the accumulating jit, against 1.9-2.8x with the tasks apart
-        (``bench/bench_against_jit.py --fuse ticks`` and ``--fuse off``).
+        the check model's step at pp=4 was 2.2-3.7x the accumulating jit with the one
+        program and 1.9-2.6x with the tasks apart, which were faster for gpipe, zb_h1 and
+        interleaved 1F1B and slower for 1f1b (``bench/bench_against_jit.py --fuse ticks``
+        and ``--fuse off``, one run).
       recv_timeout: seconds any device waits for a value from another before giving up.
     """
 

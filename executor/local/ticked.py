@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipedsl.executor.errors import summary
@@ -167,7 +168,7 @@ class _Rows:
         if slot is None:
             return tuple(rows[key][at] for key, at, _ in self.places[name])
         return tuple(
-            lax.dynamic_slice(rows[key], (slot, at, *(0 for _ in shape)), (1, 1, *shape)).reshape(shape)
+            _row_major(lax.dynamic_slice(rows[key], (slot, at, *(0 for _ in shape)), (1, 1, *shape))).reshape(shape)
             for key, at, shape in self.places[name]
         )
 
@@ -200,7 +201,7 @@ class _Rows:
                     rows[key] = lax.dynamic_update_slice_in_dim(rows[key], update, run[0], 0)
                 else:
                     start = (slot, run[0], *(0 for _ in update.shape[1:]))
-                    rows[key] = lax.dynamic_update_slice(rows[key], update[None], start)
+                    rows[key] = lax.dynamic_update_slice(rows[key], _row_major(update[None]), start)
         return rows
 
     def add(self, rows: Rows, name: Hashable, values: Sequence[Any]) -> Rows:
@@ -886,9 +887,13 @@ class TickedStep:
             return new_params, new_states, new_slots, losses[last], grads
 
         donated = (0, 1, 2) if update is not None else (2,)
+        # Every argument on the rows' sharding, whatever sharding alike it comes with (the
+        # slots made fresh, or as the last step left them): else the second step would be
+        # compiled again, as long as the first.
+        placed = (self.rows_at,) * 5
         if self.serial:
             ran = serial
-            jitted = jax.jit(step, donate_argnums=donated)
+            jitted = jax.jit(step, donate_argnums=donated, in_shardings=(*placed, self.rows_at))
             mes = jax.device_put(np.arange(num_devices, dtype=np.int32), self.rows_at)
             return lambda params, states, slots, xs, ts: jitted(params, states, slots, xs, ts, mes)
         stage_spec = PartitionSpec(STAGE)
@@ -913,7 +918,7 @@ class TickedStep:
             ),
             check_vma=False,
         )
-        return jax.jit(step, donate_argnums=donated, in_shardings=(self.rows_at,) * 5)
+        return jax.jit(step, donate_argnums=donated, in_shardings=placed)
 
     def _tables(self) -> _Tables:
         """The tick table as :class:`_Tables`: its ticks where some device runs an action,
@@ -1099,7 +1104,10 @@ def _row_of(value: jax.Array, d: int) -> jax.Array:
 
 def _into(slots: Rows, value: Rows, slot: Any) -> Rows:
     """``slots`` (``[slots, n, ...]`` stacks) with ``value``'s ``[n, ...]`` stacks in slot ``slot``."""
-    return {k: lax.dynamic_update_slice(v, value[k][None], (slot, *(0 for _ in v.shape[1:]))) for k, v in slots.items()}
+    return {
+        k: lax.dynamic_update_slice(v, _row_major(value[k][None]), (slot, *(0 for _ in v.shape[1:])))
+        for k, v in slots.items()
+    }
 
 
 def _into_each(inboxes: Sequence[Rows], *, sent: Sequence[Rows], slots: Sequence[Any]) -> list[Rows]:
@@ -1110,6 +1118,16 @@ def _into_each(inboxes: Sequence[Rows], *, sent: Sequence[Rows], slots: Sequence
 def _at(value: jax.Array, i: Any) -> jax.Array:
     """Entry ``i`` (a value of the program) of ``value`` along its first axis."""
     return lax.dynamic_index_in_dim(value, i, keepdims=False)
+
+
+def _row_major(value: jax.Array) -> jax.Array:
+    """``value`` in XLA's default (row-major) layout, as every slot of a pool is read and
+    written. Left free, XLA lays a pool out as its reader likes best (a backward's product
+    reads the attention probabilities transposed) while the loop of the action that writes
+    it keeps another layout, and copies the whole pool between the two at every tick: on
+    a TPU v5e, 1 GB a tick at the check model's real size. Pinned at each slot, what is
+    re-laid out is the slot, in the loop of the action that reads or writes it."""
+    return with_layout_constraint(value, Layout(tuple(range(value.ndim))))
 
 
 def _inexact(value: Any) -> bool:
