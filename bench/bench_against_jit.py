@@ -137,8 +137,8 @@ def _loop(step: Callable[[], Any], steps: int, *, done: Callable[[], None] | Non
     return (time.perf_counter() - start) / steps
 
 
-def _first(step: Callable[[], Any]) -> float:
-    """Wall seconds of the first call, waited for (tracing and compiling included)."""
+def _waited(step: Callable[[], Any]) -> float:
+    """Wall seconds of one call, waited for (the first call's include tracing and compiling)."""
     import jax
 
     start = time.perf_counter()
@@ -278,7 +278,7 @@ def _per_action(device: Any, steps: int, rounds: int, *, fuse: str) -> float:
         held[0], held[1], loss = pipe.train_step(held[0], held[1], batch, optimizer=optimizer)
         return loss
 
-    _first(step)
+    _waited(step)
     per_step = statistics.median(_loop(step, steps, done=pipe.block_until_ready) for _ in range(rounds))
     pipe.close()
     return per_step / schedule.num_actions
@@ -325,7 +325,7 @@ def _first_phases(step: Callable[[], Any]) -> dict[str, float]:
 
     jax.monitoring.register_event_duration_secs_listener(duration)
     jax.monitoring.register_event_listener(happened)
-    return {"first_step_s": _first(step)} | phases
+    return {"first_step_s": _waited(step)} | phases
 
 
 def _second_process(plan: str, size: str, cache: str, *, fuse: str) -> dict[str, float]:
@@ -418,7 +418,7 @@ def main() -> None:
             f"\n{'step':<22} {'first step':>11} {'per step':>10} {'host':>9} {'/ accum.':>9} {'/ whole':>8} {'host/act':>8}"
         )
         for name, (step, release) in _jits(size, device, optimizer).items():
-            first = _first(step)
+            first = _waited(step)
             per = statistics.median(_loop(step, args.steps) for _ in range(args.rounds))
             host = statistics.median(_host_time(step) for _ in range(3))
             release()
@@ -429,10 +429,10 @@ def main() -> None:
             sys.stdout.flush()
         for name in plans:
             pipe, step = _pipeline_step(size, PLANS[name], device, optimizer, fuse=args.fuse)
-            first = _first(step)
+            first = _waited(step)
             # The second step, apart from the rounds: a program compiled again for it (the
             # optimizer state as the first step left it) would otherwise be timed as steps.
-            second = _first(step)
+            second = _waited(step)
             per = statistics.median(_loop(step, args.steps, done=pipe.block_until_ready) for _ in range(args.rounds))
             host = statistics.median(_host_time(step) for _ in range(3))
             pipe.close()

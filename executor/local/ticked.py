@@ -200,8 +200,7 @@ class _Rows:
                 if slot is None:
                     rows[key] = lax.dynamic_update_slice_in_dim(rows[key], update, run[0], 0)
                 else:
-                    start = (slot, run[0], *(0 for _ in update.shape[1:]))
-                    rows[key] = lax.dynamic_update_slice(rows[key], _row_major(update[None]), start)
+                    rows[key] = _in_slot(rows[key], update, slot, at=run[0])
         return rows
 
     def add(self, rows: Rows, name: Hashable, values: Sequence[Any]) -> Rows:
@@ -890,10 +889,9 @@ class TickedStep:
         # Every argument on the rows' sharding, whatever sharding alike it comes with (the
         # slots made fresh, or as the last step left them): else the second step would be
         # compiled again, as long as the first.
-        placed = (self.rows_at,) * 5
         if self.serial:
             ran = serial
-            jitted = jax.jit(step, donate_argnums=donated, in_shardings=(*placed, self.rows_at))
+            jitted = jax.jit(step, donate_argnums=donated, in_shardings=self.rows_at)
             mes = jax.device_put(np.arange(num_devices, dtype=np.int32), self.rows_at)
             return lambda params, states, slots, xs, ts: jitted(params, states, slots, xs, ts, mes)
         stage_spec = PartitionSpec(STAGE)
@@ -918,7 +916,7 @@ class TickedStep:
             ),
             check_vma=False,
         )
-        return jax.jit(step, donate_argnums=donated, in_shardings=placed)
+        return jax.jit(step, donate_argnums=donated, in_shardings=self.rows_at)
 
     def _tables(self) -> _Tables:
         """The tick table as :class:`_Tables`: its ticks where some device runs an action,
@@ -1104,10 +1102,7 @@ def _row_of(value: jax.Array, d: int) -> jax.Array:
 
 def _into(slots: Rows, value: Rows, slot: Any) -> Rows:
     """``slots`` (``[slots, n, ...]`` stacks) with ``value``'s ``[n, ...]`` stacks in slot ``slot``."""
-    return {
-        k: lax.dynamic_update_slice(v, _row_major(value[k][None]), (slot, *(0 for _ in v.shape[1:])))
-        for k, v in slots.items()
-    }
+    return {k: _in_slot(v, value[k], slot) for k, v in slots.items()}
 
 
 def _into_each(inboxes: Sequence[Rows], *, sent: Sequence[Rows], slots: Sequence[Any]) -> list[Rows]:
@@ -1118,6 +1113,14 @@ def _into_each(inboxes: Sequence[Rows], *, sent: Sequence[Rows], slots: Sequence
 def _at(value: jax.Array, i: Any) -> jax.Array:
     """Entry ``i`` (a value of the program) of ``value`` along its first axis."""
     return lax.dynamic_index_in_dim(value, i, keepdims=False)
+
+
+def _in_slot(stack: jax.Array, value: jax.Array, slot: Any, *, at: int = 0) -> jax.Array:
+    """``stack`` (``[slots, n, *shape]``) with ``value`` (``[k, *shape]``) as entries
+    ``at``..``at + k`` of slot ``slot`` (a value of the program), written in XLA's default
+    layout (:func:`_row_major`)."""
+    start = (slot, at, *(0 for _ in value.shape[1:]))
+    return lax.dynamic_update_slice(stack, _row_major(value[None]), start)
 
 
 def _row_major(value: jax.Array) -> jax.Array:
