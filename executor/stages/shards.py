@@ -220,16 +220,15 @@ def stage_forms(
     num_t: int,
     num_cts: int,
     num_input_cts: int,
-    activations: int,
-    computed: tuple[int, ...],
+    num_sent: int,
+    num_kept: int,
     stored_from: tuple[int | None, ...],
     num_handoff: int,
     handoff_refs: tuple[tuple[bool, int], ...],
 ) -> StageForms:
     """The forms of a stage's values: ``num_*`` count its parameters, inputs, targets,
-    output and input cotangents and computed hand-over values; ``computed`` are the
-    positions of the forward's computed outputs (activations below ``activations``,
-    residuals above); ``stored_from`` says per stored residual which of the forward's
+    output and input cotangents and computed hand-over values; the forward computes
+    ``num_sent`` activation values, then ``num_kept`` it keeps; ``stored_from`` says per stored residual which of the forward's
     inputs (parameters, then inputs, then targets) it is, None for a computed one."""
     batch, stacked = shards.batch_form, shards.stacked_form
     inputs = (WHOLE,) * num_params + (batch,) * (num_x + num_t)
@@ -238,7 +237,7 @@ def stage_forms(
         params=(WHOLE,) * num_params,
         x=(batch,) * num_x,
         t=(batch,) * num_t,
-        values=tuple(batch if i < activations else stacked for i in computed),
+        values=(batch,) * num_sent + (stacked,) * num_kept,
         stored=stored,
         cts=(batch,) * num_cts,
         input_cts=(batch,) * num_input_cts,

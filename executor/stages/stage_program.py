@@ -26,6 +26,7 @@ from pipedsl.executor.stages.backward import BackwardSplit, split_backward
 from pipedsl.executor.stages.jaxprs import aval_struct, calls_host
 from pipedsl.executor.stages.mesh import StageLayout, data_size
 from pipedsl.executor.stages.model import StagedModel, describe_avals
+from pipedsl.executor.stages.packing import Packing
 from pipedsl.executor.stages.shards import DataShards, stage_forms
 from pipedsl.executor.stages.stage_options import StageOptions, tracing
 
@@ -84,6 +85,203 @@ def _getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], Leaves]:
     return itemgetter(*positions)
 
 
+def _refs_getter(refs: Sequence[tuple[bool, int]], *, num_stored: int) -> Callable[[Sequence[Any]], Leaves]:
+    """What ``W`` reads from ``I``'s arguments ``(*stored, *output cotangents)``: per
+    reference, (True, k) stored value k or (False, j) output cotangent j."""
+    return _getter([k if stored else num_stored + k for stored, k in refs])
+
+
+@dataclass(frozen=True, slots=True)
+class _Boundary:
+    """How the values a stage keeps between its actions cross its programs' boundaries.
+
+    Attributes:
+      pick_y: the activation, from ``F``'s results and arguments.
+      pick_res: the stored residuals, from ``F``'s results and arguments.
+      pick_refs: what ``W`` reads from ``I``'s arguments (``refs``).
+      refs: per value ``W`` reads from ``I``'s arguments, (True, k) stored value k or
+        (False, j) output cotangent j.
+      computed: per stored value, whether ``F`` computed it (else it is one of ``F``'s
+        arguments, held by reference).
+    """
+
+    pick_y: _Picker
+    pick_res: _Picker
+    pick_refs: Callable[[Sequence[Any]], Leaves]
+    refs: tuple[tuple[bool, int], ...]
+    computed: tuple[bool, ...]
+
+    @staticmethod
+    def plain(
+        y_slots: tuple[_Slot, ...],
+        res_slots: tuple[_Slot, ...],
+        refs: tuple[tuple[bool, int], ...],
+        *,
+        num_computed: int,
+        num_inputs: int,
+    ) -> _Boundary:
+        """Every value a buffer of its own: the residuals are ``res_slots``."""
+        sizes = {"num_computed": num_computed, "num_inputs": num_inputs}
+        return _Boundary(
+            pick_y=_picker(y_slots, **sizes),
+            pick_res=_picker(res_slots, **sizes),
+            pick_refs=_refs_getter(refs, num_stored=len(res_slots)),
+            refs=refs,
+            computed=tuple(kind == _COMPUTED for kind, _ in res_slots),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _ResidualPacking:
+    """How a stage's programs pass its residuals and ``I``'s hand-over to ``W`` packed
+    (:class:`~pipedsl.executor.stages.packing.Packing`), around the plain programs that
+    take them one by one.
+
+    The stored residuals are ``(*kept buffers, *read_by_w buffers, *passed)``: the computed
+    residuals ``W`` does not read, those it reads (packed apart, so that between ``I`` and
+    ``W`` a microbatch holds no more than ``W`` reads), then those that are ``F``'s
+    arguments, each as it is (held by reference, never copied). ``W`` reads
+    ``(*read_by_w buffers, *its other references)``.
+
+    Attributes:
+      kept, read_by_w: the packings of the computed residuals ``W`` does not read, and reads.
+      kept_from, read_from: their positions among ``F``'s computed outputs.
+      passed: the residuals that are ``F``'s arguments, as slots.
+      order: per residual in the plain order, where it is: ``(0, i)`` the i-th of ``kept``,
+        ``(1, i)`` of ``read_by_w``, ``(2, i)`` of ``passed``.
+      plain_refs: what ``W`` reads, as the plain programs take it (:attr:`_Boundary.refs`).
+      ref_order: per plain reference, ``(0, i)`` the i-th of ``read_by_w`` or ``(1, j)``
+        the j-th other reference.
+      handed: the packing of what ``I`` computes for ``W``.
+    """
+
+    kept: Packing
+    kept_from: tuple[int, ...]
+    read_by_w: Packing
+    read_from: tuple[int, ...]
+    passed: tuple[_Slot, ...]
+    order: tuple[tuple[int, int], ...]
+    plain_refs: tuple[tuple[bool, int], ...]
+    ref_order: tuple[tuple[int, int], ...]
+    handed: Packing
+
+    @staticmethod
+    def of(
+        res_slots: tuple[_Slot, ...],
+        refs: tuple[tuple[bool, int], ...],
+        *,
+        computed_avals: Sequence[Any],
+        handed_avals: Sequence[Any],
+    ) -> _ResidualPacking:
+        """The packing of residuals ``res_slots`` (computed ones index ``computed_avals``,
+        the avals of ``F``'s computed outputs), of which ``W`` reads ``refs``, and of a
+        hand-over shaped ``handed_avals``."""
+        read = {k for stored, k in refs if stored and res_slots[k][0] == _COMPUTED}
+        kept_from: list[int] = []
+        read_from: list[int] = []
+        passed: list[_Slot] = []
+        order: list[tuple[int, int]] = []
+        for r, slot in enumerate(res_slots):
+            if slot[0] != _COMPUTED:
+                order.append((2, len(passed)))
+                passed.append(slot)
+            elif r in read:
+                order.append((1, len(read_from)))
+                read_from.append(slot[1])
+            else:
+                order.append((0, len(kept_from)))
+                kept_from.append(slot[1])
+        ref_order: list[tuple[int, int]] = []
+        others = 0
+        for stored, k in refs:
+            if stored and order[k][0] == 1:
+                ref_order.append((0, order[k][1]))
+            else:
+                ref_order.append((1, others))
+                others += 1
+        return _ResidualPacking(
+            kept=Packing.of([computed_avals[i] for i in kept_from]),
+            kept_from=tuple(kept_from),
+            read_by_w=Packing.of([computed_avals[i] for i in read_from]),
+            read_from=tuple(read_from),
+            passed=tuple(passed),
+            order=tuple(order),
+            plain_refs=refs,
+            ref_order=tuple(ref_order),
+            handed=Packing.of(handed_avals),
+        )
+
+    @property
+    def num_buffers(self) -> int:
+        """How many buffers the computed residuals travel as."""
+        return len(self.kept) + len(self.read_by_w)
+
+    @property
+    def stored_from(self) -> tuple[int | None, ...]:
+        """Per stored value, which of ``F``'s arguments it is, None for a buffer ``F`` computes."""
+        return (None,) * self.num_buffers + tuple(where for _, where in self.passed)
+
+    def boundary(self, y_slots: tuple[_Slot, ...], *, num_sent: int, num_inputs: int) -> _Boundary:
+        """The boundary of programs that ``F`` returns ``(*activation, *residual buffers)``
+        (``num_sent`` computed activation values)."""
+        packs = self.num_buffers
+        sizes = {"num_computed": num_sent + packs, "num_inputs": num_inputs}
+        stored = tuple((_COMPUTED, num_sent + i) for i in range(packs)) + self.passed
+        others = (
+            (True, packs + self.order[k][1]) if from_stored else (False, k)
+            for (from_stored, k), (where, _) in zip(self.plain_refs, self.ref_order, strict=True)
+            if where == 1
+        )
+        refs = tuple((True, len(self.kept) + i) for i in range(len(self.read_by_w))) + tuple(others)
+        return _Boundary(
+            pick_y=_picker(y_slots, **sizes),
+            pick_res=_picker(stored, **sizes),
+            pick_refs=_refs_getter(refs, num_stored=len(stored)),
+            refs=refs,
+            computed=(True,) * packs + (False,) * len(self.passed),
+        )
+
+    def functions(self, plain: tuple[Any, Any, Any, Any], *, num_sent: int, last: bool) -> tuple[Any, Any, Any, Any]:
+        """``F``, ``B``, ``I`` and ``W`` taking and returning packed values, around the
+        ``plain`` ones of :func:`_step_functions`."""
+        forward_fn, backward_fn, input_fn, weight_fn = plain
+        kept, read_by_w, handed = self.kept, self.read_by_w, self.handed
+
+        def packed(values: Leaves) -> Leaves:
+            return (
+                *values[:num_sent],
+                *kept.pack([values[i] for i in self.kept_from]),
+                *read_by_w.pack([values[i] for i in self.read_from]),
+            )
+
+        def stored(values: Leaves) -> Leaves:
+            k, w = len(kept), len(read_by_w)
+            parts = (kept.unpack(values[:k]), read_by_w.unpack(values[k : k + w]), values[k + w :])
+            return tuple(parts[where][i] for where, i in self.order)
+
+        def forward_values(p: Leaves, x: Leaves, t: Leaves) -> Leaves:
+            return packed(forward_fn(p, x, t))
+
+        def forward_loss(p: Leaves, x: Leaves, t: Leaves, loss: Any) -> tuple[Leaves, Any]:
+            values, loss = forward_fn(p, x, t, loss)
+            return packed(values), loss
+
+        def backward(res: Leaves, ct: Leaves, acc: Leaves) -> tuple[Leaves, Leaves]:
+            return backward_fn(stored(res), ct, acc)
+
+        def input_half(res: Leaves, ct: Leaves) -> tuple[Leaves, Leaves]:
+            input_cts, handoff = input_fn(stored(res), ct)
+            return input_cts, handed.pack(handoff)
+
+        def weight_half(handoff: Leaves, refs: Leaves, acc: Leaves) -> Leaves:
+            w = len(read_by_w)
+            parts = (read_by_w.unpack(refs[:w]), refs[w:])
+            plain_refs = tuple(parts[where][i] for where, i in self.ref_order)
+            return weight_fn(handed.unpack(handoff), plain_refs, acc)
+
+        return forward_loss if last else forward_values, backward, input_half, weight_half
+
+
 class StageProgram:
     """One stage's compiled programs, as the interpreter calls them.
 
@@ -91,7 +289,10 @@ class StageProgram:
     ``RESIDUAL`` buffer; parameters and inputs the backward needs are kept by reference,
     not copied) and, on the last stage, the running loss. ``backward`` and
     ``backward_weight`` add this microbatch's parameter gradients to an accumulator they
-    consume (donated: updated in place).
+    consume (donated: updated in place). On a mesh with no tensor or context axis, the
+    residuals it computes and ``I``'s hand-over to ``W`` travel packed, a few buffers
+    rather than one each (:mod:`pipedsl.executor.stages.packing`): the host handles every
+    buffer at every dispatch.
 
     Every program is jitted for the stage's mesh (``layout``): its arguments arrive
     placed, activations and input gradients leave split over ``"data"``, accumulators
@@ -107,13 +308,12 @@ class StageProgram:
         "first",
         "last",
         "split",
-        "_pick_y",
-        "_pick_res",
         "_res_slots",
         "_const_res",
         "_num_res",
         "_handoff_refs",
-        "_pick_refs",
+        "_boundary",
+        "_plain_boundary",
         "_param_avals",
         "_master_avals",
         "_cast",
@@ -177,26 +377,55 @@ class StageProgram:
             for i in split.handoff_inputs
             if i not in self._const_res
         )
-        num_stored = len(self._res_slots)
-        self._pick_refs = _getter([k if stored else num_stored + k for stored, k in self._handoff_refs])
-        sizes = {"num_computed": len(computed), "num_inputs": len(param_avals) + sum(map(len, example[:2]))}
-        self._pick_y = _picker(y_slots, **sizes)
-        self._pick_res = _picker(self._res_slots, **sizes)
-        self._jit(forward, computed=computed, out_avals=out_avals, ct_avals=ct_avals, num_y=len(y_slots))
+        num_inputs = len(param_avals) + sum(map(len, example[:2]))
+        self._plain_boundary = _Boundary.plain(
+            y_slots, self._res_slots, self._handoff_refs, num_computed=len(computed), num_inputs=num_inputs
+        )
+        self._jit(
+            forward, y_slots=y_slots, computed=computed, out_avals=out_avals, ct_avals=ct_avals, num_inputs=num_inputs
+        )
 
     def _jit(
-        self, forward: ClosedJaxpr, *, computed: tuple[int, ...], out_avals: Any, ct_avals: Any, num_y: int
+        self,
+        forward: ClosedJaxpr,
+        *,
+        y_slots: tuple[_Slot, ...],
+        computed: tuple[int, ...],
+        out_avals: Any,
+        ct_avals: Any,
+        num_inputs: int,
     ) -> None:
         """Compile ``F``, ``B``, ``I``, ``W`` and the accumulators' programs for the mesh."""
         layout, split, last = self.layout, self.split, self.last
         shards = DataShards(layout)
-        forward_fn, backward_fn, input_fn, weight_fn = _step_functions(
+        plain = _step_functions(
             forward, split, computed=computed, const_res=self._const_res, num_res=self._num_res, last=last,
             shards=shards,
         )  # fmt: skip
-        activations = 0 if last else num_y
+        self._plain = plain
+        activations = 0 if last else len(y_slots)
         # The computed outputs of F that are its activation (they come first).
         self._num_sent = sum(1 for i in computed if i < activations)
+        # Inside a program over "tensor" or "context" a residual is laid out by XLA over
+        # them, and packing would gather it: there every value keeps a buffer of its own.
+        packed = layout.mesh.size == data_size(layout.mesh)
+        if packed:
+            packing = _ResidualPacking.of(
+                self._res_slots, self._handoff_refs,
+                computed_avals=[out_avals[i] for i in computed], handed_avals=[v.aval for v in split.handoff_computed],
+            )  # fmt: skip
+            functions = packing.functions(plain, num_sent=self._num_sent, last=last)
+            self._boundary = packing.boundary(y_slots, num_sent=self._num_sent, num_inputs=num_inputs)
+            stored_from = packing.stored_from
+            num_handoff = len(packing.handed)
+            num_kept = packing.num_buffers
+        else:
+            functions = plain
+            self._boundary = self._plain_boundary
+            stored_from = tuple(None if kind == _COMPUTED else where for kind, where in self._res_slots)
+            num_handoff = len(split.handoff_computed)
+            num_kept = len(computed) - self._num_sent
+        forward_fn, backward_fn, input_fn, weight_fn = functions
         forms = stage_forms(
             shards,
             num_params=len(self._param_avals),
@@ -204,19 +433,19 @@ class StageProgram:
             num_t=len(self._structs[1]),
             num_cts=len(self._structs[2]),
             num_input_cts=len(ct_avals),
-            activations=activations,
-            computed=computed,
-            stored_from=tuple(None if kind == _COMPUTED else where for kind, where in self._res_slots),
-            num_handoff=len(split.handoff_computed),
-            handoff_refs=self._handoff_refs,
+            num_sent=self._num_sent,
+            num_kept=num_kept,
+            stored_from=stored_from,
+            num_handoff=num_handoff,
+            handoff_refs=self._boundary.refs,
         )
         # Activations leave split over "data"; residuals stay where XLA computed them.
-        values_at = tuple(
-            layout.batch(_whole(out_avals[i], shards.dp).shape) if i < activations else None for i in computed
+        values_at = (
+            tuple(layout.batch(_whole(out_avals[i], shards.dp).shape) for i in computed[: self._num_sent])
+            + (None,) * num_kept
         )
         cts_at = tuple(layout.batch(a.shape) for a in ct_avals)
         acc_at = layout.accumulators
-        self._plain = (forward_fn, backward_fn, input_fn, weight_fn)
         self._forward = jax.jit(
             shards.program(forward_fn, forms.forward_in(last), forms.forward_out(last)),
             donate_argnums=3 if last else (), out_shardings=(values_at, layout.replicated) if last else values_at,
@@ -226,10 +455,12 @@ class StageProgram:
             donate_argnums=2, out_shardings=(cts_at, acc_at),
         )  # fmt: skip
         # Without equations, I only passes values on: nothing to compile unless each
-        # device's share must be taken.
+        # device's share must be taken or the values come packed.
         input_program = shards.program(input_fn, (forms.stored, forms.cts), (forms.input_cts, forms.handoff))
         self._input = (
-            jax.jit(input_program, out_shardings=(cts_at, None)) if split.input_eqns or shards.split else input_fn
+            jax.jit(input_program, out_shardings=(cts_at, None))
+            if split.input_eqns or shards.split or packed
+            else input_fn
         )
         self._weight = jax.jit(
             shards.program(weight_fn, (forms.handoff, forms.refs, forms.acc), forms.acc),
@@ -264,6 +495,7 @@ class StageProgram:
             if hasattr(self, name):
                 setattr(inlined, name, getattr(self, name))
         inlined._forward, inlined._backward, inlined._input, inlined._weight = self._plain
+        inlined._boundary = self._plain_boundary
         compute = tuple(a.dtype for a in self._param_avals)
         shapes = tuple(a.shape for a in self._master_avals)
         dtypes = tuple(a.dtype for a in self._master_avals)
@@ -307,7 +539,8 @@ class StageProgram:
             computed, loss = self._forward(params, x, targets, loss)
         else:
             computed = self._forward(params, x, targets)
-        return self._pick_y(computed, params, x, targets), self._pick_res(computed, params, x, targets), loss
+        at = self._boundary
+        return at.pick_y(computed, params, x, targets), at.pick_res(computed, params, x, targets), loss
 
     def backward(self, residuals: Leaves, ct: Leaves, acc: Leaves) -> tuple[Leaves, Leaves]:
         """``B``: (input cotangents, updated accumulator); ``ct`` is ``()`` on the last stage."""
@@ -316,7 +549,7 @@ class StageProgram:
     def backward_input(self, residuals: Leaves, ct: Leaves) -> tuple[Leaves, Leaves]:
         """``I``: (input cotangents, the hand-over to ``W``)."""
         input_cts, computed = self._input(residuals, ct)
-        return input_cts, (computed, self._pick_refs((*residuals, *ct)))
+        return input_cts, (computed, self._boundary.pick_refs((*residuals, *ct)))
 
     def backward_weight(self, handoff: Leaves, acc: Leaves) -> Leaves:
         """``W``: the accumulator with this microbatch's parameter gradients added."""
@@ -374,8 +607,8 @@ class StageProgram:
             shardings = jax.tree_util.tree_leaves(compiled.output_shardings[1])
             handed = sum(_bytes(i, at) for i, at in zip(infos, shardings, strict=True))
         referenced = 0
-        for stored, k in self._handoff_refs:
-            if stored and self._res_slots[k][0] != _COMPUTED:
+        for stored, k in self._boundary.refs:
+            if stored and not self._boundary.computed[k]:
                 continue  # a parameter or an input, kept by reference whatever W reads
             value = residuals[k] if stored else cts[k]
             referenced += _bytes(value, value.sharding)
@@ -418,7 +651,7 @@ class StageProgram:
         values = jax.tree_util.tree_map(
             lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding), out_info, out_at
         )
-        return forward, self._pick_res(values, p, x, t)
+        return forward, self._boundary.pick_res(values, p, x, t)
 
     def _batched(self, avals: Sequence[Any]) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Shape structs of microbatch values ``avals``, split over ``"data"`` as the stage takes them."""
