@@ -14,18 +14,19 @@ import pytest
 from helpers import library
 from pipedsl.executor import Pipeline, RunOptions
 from pipedsl.executor.models import llama
-from pipedsl.executor.stages.packing import Packing
+from pipedsl.executor.stages.packing import PACKED_BYTES, Packing
 
 
 def _values() -> list[jax.Array]:
     key = jax.random.PRNGKey(0)
+    big_rows = PACKED_BYTES // (4 * 64) + 1
     return [
         jax.random.normal(key, (2, 3, 64)),  # f32, last axis 64
         jnp.arange(5, dtype=jnp.int32),  # int32, last axis 5
         jax.random.normal(key, (7, 64)),  # f32, last axis 64: joins the first
         jnp.float32(2.5),  # a scalar: one row of one
         jnp.ones((4, 64), jnp.bfloat16),  # bf16, last axis 64: a group of its own dtype
-        jax.random.normal(key, (3, 64)),  # f32, last axis 64: joins the first
+        jax.random.normal(key, (big_rows, 64)),  # over PACKED_BYTES: alone
         jnp.zeros((0, 64)),  # empty: joins the f32 rows of 64
         jnp.array([True, False, True]),  # bool, last axis 3: alone in its group
         jax.random.key(3),  # a typed key: alone
@@ -33,11 +34,11 @@ def _values() -> list[jax.Array]:
     ]
 
 
-def test_values_group_by_dtype_and_last_axis() -> None:
+def test_values_group_by_dtype_and_last_axis_and_large_ones_travel_alone() -> None:
     values = _values()
     packing = Packing.of(values)
-    assert packing.groups == ((0, 2, 5, 6), (1,), (3, 9), (4,), (7,), (8,))
-    assert packing.size == len(values) and len(packing) == 6
+    assert packing.groups == ((0, 2, 6), (1,), (3, 9), (4,), (5,), (7,), (8,))
+    assert packing.size == len(values) and len(packing) == 7
 
 
 def test_what_is_packed_comes_back_as_it_went_inside_a_program() -> None:
@@ -46,8 +47,8 @@ def test_what_is_packed_comes_back_as_it_went_inside_a_program() -> None:
     buffers = jax.jit(packing.pack)(values)
     assert len(buffers) == len(packing)
     # Values alone pass through unreshaped; a group is its values' rows, one after another.
-    assert buffers[0].shape == (2 * 3 + 7 + 3 + 0, 64) and buffers[2].shape == (2, 1)
-    assert buffers[3].shape == values[4].shape
+    assert buffers[0].shape == (2 * 3 + 7 + 0, 64) and buffers[2].shape == (2, 1)
+    assert buffers[4].shape == values[5].shape
     back = jax.jit(packing.unpack)(buffers)
     for value, returned in zip(values, back, strict=True):
         assert returned.shape == value.shape and returned.dtype == value.dtype
@@ -61,7 +62,7 @@ def test_a_wrong_number_of_values_or_buffers_is_refused() -> None:
     packing = Packing.of(_values())
     with pytest.raises(ValueError, match="3 values given to a packing of 10"):
         packing.pack(_values()[:3])
-    with pytest.raises(ValueError, match="0 buffers given to a packing into 6"):
+    with pytest.raises(ValueError, match="0 buffers given to a packing into 7"):
         packing.unpack(())
 
 
