@@ -130,6 +130,14 @@ class RunOptions:
         program and 1.9-2.6x with the tasks apart, which were faster for gpipe, zb_h1 and
         interleaved 1F1B and slower for 1f1b (``bench/bench_against_jit.py --fuse ticks``
         and ``--fuse off``, one run).
+      pack_residuals: where a stage's mesh has no tensor or context axis, whether the
+        residuals its forward keeps and the hand-over from ``I`` to ``W`` travel packed, one
+        buffer per dtype and last axis instead of one per value
+        (:mod:`pipedsl.executor.stages.packing`): fewer buffers for the host to handle at
+        every dispatch, for one copy of the packed bytes on the device. None (the
+        default): on accelerators, whose hosts pay several microseconds per buffer of a
+        dispatch; not on CPU devices, where the copy runs on the cores that compute and the
+        demo's data-parallel pipelines ran slower packed (``bench/results/demo.jsonl``).
       recv_timeout: seconds any device waits for a value from another before giving up.
     """
 
@@ -145,6 +153,7 @@ class RunOptions:
     fuse: Fuse = "loop"
     host_transfers: bool = True
     ticks: bool = False
+    pack_residuals: bool | None = None
     recv_timeout: float = 300.0
 
     def __post_init__(self) -> None:
@@ -164,6 +173,8 @@ class RunOptions:
                 raise RunOptionsError(name, f"must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.ticks, bool):
             raise RunOptionsError("ticks", f"must be True or False, got {self.ticks!r}")
+        if self.pack_residuals is not None and not isinstance(self.pack_residuals, bool):
+            raise RunOptionsError("pack_residuals", f"must be True, False or None, got {self.pack_residuals!r}")
         if self.sequence_parallel and self.tp == 1:
             raise RunOptionsError(
                 "sequence_parallel", "splits what tensor parallelism leaves whole: give it with tp above 1"

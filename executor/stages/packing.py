@@ -13,13 +13,12 @@ writes each value, reshaped to ``[rows, last]``, into consecutive rows of its gr
 buffer (a concatenation), and the consuming program reads it back as a slice of rows.
 Grouping by the last axis keeps the reshapes free on accelerators, whose layouts tile the
 two minor axes: merging the leading axes into rows moves no data, where flattening
-everything to one axis would re-lay out every value twice.
-
-The concatenation is a copy, which costs the device what the buffer saved the host only
-for small values: at the ~1 TB/s of an accelerator's memory, writing and reading back 1 MiB
-takes about 2 us, a buffer's host cost. So only values of at most :data:`PACKED_BYTES` are
-packed; a larger one (a transformer's attention probabilities, its MLP's activations) is
-already worth its buffer and travels alone, uncopied.
+everything to one axis would re-lay out every value twice. The cost is one copy of the
+packed bytes in the producer, against the host time of every buffer saved. Large values
+(attention probabilities, an MLP's activations) are packed too: on the TPU v5e, leaving
+values over 1 MiB or 4 MiB their own buffers made the check model's steps slower, not
+faster, for three of the four schedules measured (``bench/results/bench_against_jit.jsonl``,
+dispatch ``"off"``).
 
 Values whose dtype is not an array of numbers (PRNG keys) and values alone in their group
 pass through as they are.
@@ -35,10 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PACKED_BYTES", "Packing"]
-
-PACKED_BYTES = 1 << 20
-"""The largest value, in bytes, that is packed; larger ones travel alone (module docstring)."""
+__all__ = ["Packing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +53,13 @@ class Packing:
     @staticmethod
     def of(avals: Sequence[Any]) -> Packing:
         """The packing of values shaped as ``avals`` (anything with ``shape`` and ``dtype``):
-        one buffer per dtype and last axis for values of at most :data:`PACKED_BYTES`, in
-        the order each group is first met; larger values alone."""
+        one buffer per dtype and last axis, in the order each group is first met."""
         groups: dict[Any, list[int]] = {}
         for i, aval in enumerate(avals):
             dtype, shape = aval.dtype, tuple(aval.shape)
             key: Any = ("alone", i)
             if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-                dtype = jnp.dtype(dtype)
-                if math.prod(shape) * dtype.itemsize <= PACKED_BYTES:
-                    key = (dtype, shape[-1] if shape else 1)
+                key = (jnp.dtype(dtype), shape[-1] if shape else 1)
             groups.setdefault(key, []).append(i)
         return Packing(
             shapes=tuple(tuple(a.shape) for a in avals),

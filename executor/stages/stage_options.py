@@ -82,13 +82,19 @@ class StageOptions:
     recompute: RecomputeMode = "none"
     precision: Precision = "fp32"
     sequence_parallel: bool = False
+    pack_residuals: bool | None = None
 
     @classmethod
     def per_stage(cls, options: RunOptions, num_stages: int) -> tuple[StageOptions, ...]:
         """Each of ``num_stages`` stages' options under ``options``; refuses a recompute mode
         per stage for another number of stages (:class:`~pipedsl.run_options.RunOptionsError`)."""
         return tuple(
-            cls(recompute=mode, precision=options.precision, sequence_parallel=options.sequence_parallel)
+            cls(
+                recompute=mode,
+                precision=options.precision,
+                sequence_parallel=options.sequence_parallel,
+                pack_residuals=options.pack_residuals,
+            )
             for mode in options.stage_recompute(num_stages)
         )
 

@@ -289,10 +289,10 @@ class StageProgram:
     ``RESIDUAL`` buffer; parameters and inputs the backward needs are kept by reference,
     not copied) and, on the last stage, the running loss. ``backward`` and
     ``backward_weight`` add this microbatch's parameter gradients to an accumulator they
-    consume (donated: updated in place). On a mesh with no tensor or context axis, the
-    residuals it computes and ``I``'s hand-over to ``W`` travel packed, a few buffers
-    rather than one each (:mod:`pipedsl.executor.stages.packing`): the host handles every
-    buffer at every dispatch.
+    consume (donated: updated in place). With ``packed`` the residuals it computes and
+    ``I``'s hand-over to ``W`` travel packed, a few buffers rather than one each
+    (:mod:`pipedsl.executor.stages.packing`): the host handles every buffer at every
+    dispatch.
 
     Every program is jitted for the stage's mesh (``layout``): its arguments arrive
     placed, activations and input gradients leave split over ``"data"``, accumulators
@@ -350,6 +350,7 @@ class StageProgram:
         ct_avals: tuple[Any, ...],
         layout: StageLayout,
         example: tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]],
+        packed: bool,
     ) -> None:
         self.stage = stage
         self.layout = layout
@@ -382,8 +383,9 @@ class StageProgram:
             y_slots, self._res_slots, self._handoff_refs, num_computed=len(computed), num_inputs=num_inputs
         )
         self._jit(
-            forward, y_slots=y_slots, computed=computed, out_avals=out_avals, ct_avals=ct_avals, num_inputs=num_inputs
-        )
+            forward, y_slots=y_slots, computed=computed, out_avals=out_avals, ct_avals=ct_avals,
+            num_inputs=num_inputs, packed=packed,
+        )  # fmt: skip
 
     def _jit(
         self,
@@ -394,6 +396,7 @@ class StageProgram:
         out_avals: Any,
         ct_avals: Any,
         num_inputs: int,
+        packed: bool,
     ) -> None:
         """Compile ``F``, ``B``, ``I``, ``W`` and the accumulators' programs for the mesh."""
         layout, split, last = self.layout, self.split, self.last
@@ -406,9 +409,6 @@ class StageProgram:
         activations = 0 if last else len(y_slots)
         # The computed outputs of F that are its activation (they come first).
         self._num_sent = sum(1 for i in computed if i < activations)
-        # Inside a program over "tensor" or "context" a residual is laid out by XLA over
-        # them, and packing would gather it: there every value keeps a buffer of its own.
-        packed = layout.mesh.size == data_size(layout.mesh)
         if packed:
             packing = _ResidualPacking.of(
                 self._res_slots, self._handoff_refs,
@@ -769,8 +769,8 @@ def compile_stage(
 
     The last stage's loss is divided by ``num_microbatches`` (and by ``dp``, as each
     device computes it on its share) so that the sum over microbatches is the mean.
-    ``options`` say what the backward recomputes, the precision and sequence parallelism
-    (:mod:`pipedsl.executor.stages.stage_options`). ``device`` (the pipeline device) is only for messages.
+    ``options`` say what the backward recomputes, the precision, sequence parallelism and
+    whether residuals travel packed (:mod:`pipedsl.executor.stages.stage_options`). ``device`` (the pipeline device) is only for messages.
     """
     first, last = stage == 0, stage == model.num_stages - 1
     dp = data_size(layout.mesh)
@@ -816,7 +816,19 @@ def compile_stage(
             tuple(_whole(a, dp) for a in t_avals),
             tuple(_whole(c, dp) for c in ct_structs),
         ),
+        packed=_packs(options, layout),
     )
+
+
+def _packs(options: StageOptions, layout: StageLayout) -> bool:
+    """Whether the stage's residuals travel packed (``RunOptions.pack_residuals``). Never
+    over a ``"tensor"`` or ``"context"`` axis: there XLA lays a residual out over the axis,
+    and packing would gather it."""
+    if layout.mesh.size != data_size(layout.mesh):
+        return False
+    if options.pack_residuals is not None:
+        return options.pack_residuals
+    return bool(layout.mesh.devices.flat[0].platform != "cpu")
 
 
 # Traced stages, by what their trace depends on: (the stage's function, which inputs are

@@ -76,6 +76,7 @@ def test_one_mode_or_one_per_stage() -> None:
         ({"fuse": None}, "fuse", "must be one of 'loop', 'unrolled', 'ticks', 'off', got None"),
         ({"fuse": True}, "fuse", "must be one of 'loop', 'unrolled', 'ticks', 'off', got True"),
         ({"ticks": None}, "ticks", "must be True or False, got None"),
+        ({"pack_residuals": 1}, "pack_residuals", "must be True, False or None, got 1"),
         ({"recv_timeout": 0}, "recv_timeout", "must be a finite number of seconds above 0, got 0"),
         ({"recv_timeout": math.inf}, "recv_timeout", "must be a finite number of seconds above 0, got inf"),
         ({"recv_timeout": "60"}, "recv_timeout", "must be a finite number of seconds above 0, got '60'"),

@@ -8,25 +8,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from helpers import library
+from helpers import assert_trees_close, library
 from pipedsl.executor import Pipeline, RunOptions
 from pipedsl.executor.models import llama
-from pipedsl.executor.stages.packing import PACKED_BYTES, Packing
+from pipedsl.executor.stages.packing import Packing
 
 
 def _values() -> list[jax.Array]:
     key = jax.random.PRNGKey(0)
-    big_rows = PACKED_BYTES // (4 * 64) + 1
     return [
         jax.random.normal(key, (2, 3, 64)),  # f32, last axis 64
         jnp.arange(5, dtype=jnp.int32),  # int32, last axis 5
         jax.random.normal(key, (7, 64)),  # f32, last axis 64: joins the first
         jnp.float32(2.5),  # a scalar: one row of one
         jnp.ones((4, 64), jnp.bfloat16),  # bf16, last axis 64: a group of its own dtype
-        jax.random.normal(key, (big_rows, 64)),  # over PACKED_BYTES: alone
+        jax.random.normal(key, (3, 64)),  # f32, last axis 64: joins the first
         jnp.zeros((0, 64)),  # empty: joins the f32 rows of 64
         jnp.array([True, False, True]),  # bool, last axis 3: alone in its group
         jax.random.key(3),  # a typed key: alone
@@ -34,11 +32,11 @@ def _values() -> list[jax.Array]:
     ]
 
 
-def test_values_group_by_dtype_and_last_axis_and_large_ones_travel_alone() -> None:
+def test_values_group_by_dtype_and_last_axis() -> None:
     values = _values()
     packing = Packing.of(values)
-    assert packing.groups == ((0, 2, 6), (1,), (3, 9), (4,), (5,), (7,), (8,))
-    assert packing.size == len(values) and len(packing) == 7
+    assert packing.groups == ((0, 2, 5, 6), (1,), (3, 9), (4,), (7,), (8,))
+    assert packing.size == len(values) and len(packing) == 6
 
 
 def test_what_is_packed_comes_back_as_it_went_inside_a_program() -> None:
@@ -47,8 +45,8 @@ def test_what_is_packed_comes_back_as_it_went_inside_a_program() -> None:
     buffers = jax.jit(packing.pack)(values)
     assert len(buffers) == len(packing)
     # Values alone pass through unreshaped; a group is its values' rows, one after another.
-    assert buffers[0].shape == (2 * 3 + 7 + 0, 64) and buffers[2].shape == (2, 1)
-    assert buffers[4].shape == values[5].shape
+    assert buffers[0].shape == (2 * 3 + 7 + 3 + 0, 64) and buffers[2].shape == (2, 1)
+    assert buffers[3].shape == values[4].shape
     back = jax.jit(packing.unpack)(buffers)
     for value, returned in zip(values, back, strict=True):
         assert returned.shape == value.shape and returned.dtype == value.dtype
@@ -62,7 +60,7 @@ def test_a_wrong_number_of_values_or_buffers_is_refused() -> None:
     packing = Packing.of(_values())
     with pytest.raises(ValueError, match="3 values given to a packing of 10"):
         packing.pack(_values()[:3])
-    with pytest.raises(ValueError, match="0 buffers given to a packing into 7"):
+    with pytest.raises(ValueError, match="0 buffers given to a packing into 6"):
         packing.unpack(())
 
 
@@ -70,18 +68,32 @@ def _stage_programs(pipe: Pipeline) -> list[Any]:
     return [prog for worker in pipe.backend.workers for prog in worker.runtime.stages.values()]
 
 
-def test_a_stage_on_one_device_keeps_its_residuals_in_fewer_buffers_than_values() -> None:
+@pytest.mark.parametrize(("schedule", "dp"), [("zb_h1", 1), ("1f1b", 2)])
+def test_packed_residuals_give_the_gradients_of_residuals_apart(schedule: str, dp: int) -> None:
     # Two Llama layers a stage keep dozens of small residuals (norm statistics, projections
-    # of 8 positions): on one device they leave F as a few buffers, and the steps train as
-    # on one device (tests/executor/test_executor.py compares the gradients on every schedule).
+    # of 8 positions); packed, they leave F as a few buffers. zb_h1 hands W its values
+    # packed too; with dp = 2 every device packs its own share.
     m = llama(num_stages=2, hidden=16, ffn_hidden=32, heads=4, kv_heads=2, seq_len=8, vocab=16, layers_per_stage=2)
-    pipe = Pipeline(m.stages, loss=m.loss, schedule=library("zb_h1", pp=2), options=RunOptions(ticks=False))
     params = m.init_stages(jax.random.PRNGKey(0))
     batch = m.batch(jax.random.PRNGKey(1), 8)
-    params, state, loss = pipe.train_step(params, None, batch, optimizer=optax.sgd(0.1))
-    _, _, again = pipe.train_step(params, state, batch, optimizer=optax.sgd(0.1))
-    assert float(again) < float(loss)
+    results = {}
+    for packed in (True, False):
+        options = RunOptions(dp=dp, pack_residuals=packed)
+        pipe = Pipeline(m.stages, loss=m.loss, schedule=library(schedule, pp=2), options=options)
+        results[packed] = pipe.value_and_grad(params, batch)
+        for prog in _stage_programs(pipe):
+            _, stored = prog._compiled_forward()
+            plain = len(prog._res_slots)
+            assert (len(stored) < plain / 2) == packed, (prog.stage, len(stored), plain)
+        pipe.close()
+    assert np.allclose(results[True][0], results[False][0], rtol=1e-6)
+    assert_trees_close(results[True][1], results[False][1], atol=1e-6)
+
+
+def test_residuals_travel_apart_on_cpu_devices_unless_asked() -> None:
+    m = llama(num_stages=2, hidden=16, ffn_hidden=32, heads=4, kv_heads=2, seq_len=8, vocab=16)
+    pipe = Pipeline(m.stages, loss=m.loss, schedule=library("1f1b", pp=2))
+    pipe.value_and_grad(m.init_stages(jax.random.PRNGKey(0)), m.batch(jax.random.PRNGKey(1), 8))
     for prog in _stage_programs(pipe):
-        _, stored = prog._compiled_forward()
-        plain = len(prog._res_slots)
-        assert len(stored) < plain / 2, (prog.stage, len(stored), plain)
+        assert len(prog._compiled_forward()[1]) == len(prog._res_slots)
+    pipe.close()
