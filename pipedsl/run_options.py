@@ -127,9 +127,9 @@ class RunOptions:
         the tasks apart's in fp32, 1.1-1.2x in bf16; ``bench/bench_executor.py --only
         one-program``). On a TPU v5e, with the pipeline devices kept apart on its one chip,
         the check model's step at pp=4 was 2.2-3.7x the accumulating jit with the one
-        program and 1.9-2.6x with the tasks apart, which were faster for gpipe, zb_h1 and
-        interleaved 1F1B and slower for 1f1b (``bench/bench_against_jit.py --fuse ticks``
-        and ``--fuse off``, one run).
+        program (``bench/bench_against_jit.py --fuse ticks``) and 1.5-1.9x with the tasks
+        apart, their residuals packed (``--fuse off``), faster for every schedule measured
+        (1f1b, gpipe, zb_h1, interleaved 1F1B).
       pack_residuals: where a stage's mesh has no tensor or context axis, whether the
         residuals its forward keeps and the hand-over from ``I`` to ``W`` travel packed, one
         buffer per dtype and last axis instead of one per value
