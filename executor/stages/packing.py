@@ -4,9 +4,8 @@ A stage's forward keeps tens of residuals for its backward (a transformer layer 
 about forty: each projection's input, the attention probabilities, the norms' statistics),
 and the ``I`` half of a split backward hands about as many to ``W``. Every one is a buffer
 the host handles twice, as a result of one program and an argument of the next: a TPU v5e
-host pays about 120 us per dispatch plus 5-7 us per buffer, and this machine's CPU about
-1.6 us per result buffer, so a stage action passing a hundred buffers spends most of its
-host time on them rather than on the dispatch.
+host pays about 120 us per dispatch plus 5-7 us per buffer, so a stage action passing a
+hundred buffers spends most of its host time on them rather than on the dispatch.
 
 Packed, the values travel as one buffer per dtype and last axis: the producing program
 writes each value, reshaped to ``[rows, last]``, into consecutive rows of its group's
@@ -16,9 +15,11 @@ two minor axes: merging the leading axes into rows moves no data, where flatteni
 everything to one axis would re-lay out every value twice. The cost is one copy of the
 packed bytes in the producer, against the host time of every buffer saved. Large values
 (attention probabilities, an MLP's activations) are packed too: on the TPU v5e, leaving
-values over 1 MiB or 4 MiB their own buffers made the check model's steps slower, not
-faster, for three of the four schedules measured (``bench/results/bench_against_jit.jsonl``,
-dispatch ``"off"``).
+values over 1 MiB their own buffers made the check model's zb_h1 and interleaved 1F1B
+steps 15-33% slower and its 1f1b and gpipe steps 2-4% faster
+(``bench/results/bench_against_jit.jsonl``, dispatch ``"off"``). On CPU devices the copy
+runs on the cores that compute, and values travel apart unless asked
+(``RunOptions.pack_residuals``).
 
 Values whose dtype is not an array of numbers (PRNG keys) and values alone in their group
 pass through as they are.
@@ -69,11 +70,6 @@ class Packing:
     def __len__(self) -> int:
         """How many buffers the values travel as."""
         return len(self.groups)
-
-    @property
-    def size(self) -> int:
-        """How many values are packed."""
-        return len(self.shapes)
 
     def pack(self, values: Sequence[Any]) -> tuple[Any, ...]:
         """The buffers holding ``values`` (inside a traced program; one per group)."""

@@ -228,8 +228,9 @@ def stage_forms(
 ) -> StageForms:
     """The forms of a stage's values: ``num_*`` count its parameters, inputs, targets,
     output and input cotangents and computed hand-over values; the forward computes
-    ``num_sent`` activation values, then ``num_kept`` it keeps; ``stored_from`` says per stored residual which of the forward's
-    inputs (parameters, then inputs, then targets) it is, None for a computed one."""
+    ``num_sent`` activation values, then ``num_kept`` it keeps; ``stored_from`` says per
+    stored residual which of the forward's inputs (parameters, then inputs, then targets)
+    it is, None for a computed one."""
     batch, stacked = shards.batch_form, shards.stacked_form
     inputs = (WHOLE,) * num_params + (batch,) * (num_x + num_t)
     stored = tuple(stacked if where is None else inputs[where] for where in stored_from)

@@ -36,7 +36,7 @@ def test_values_group_by_dtype_and_last_axis() -> None:
     values = _values()
     packing = Packing.of(values)
     assert packing.groups == ((0, 2, 5, 6), (1,), (3, 9), (4,), (7,), (8,))
-    assert packing.size == len(values) and len(packing) == 6
+    assert len(packing.shapes) == len(values) and len(packing) == 6
 
 
 def test_what_is_packed_comes_back_as_it_went_inside_a_program() -> None:
