@@ -221,16 +221,15 @@ def stage_forms(
     num_cts: int,
     num_input_cts: int,
     num_sent: int,
-    num_kept: int,
     stored_from: tuple[int | None, ...],
     num_handoff: int,
     handoff_refs: tuple[tuple[bool, int], ...],
 ) -> StageForms:
     """The forms of a stage's values: ``num_*`` count its parameters, inputs, targets,
-    output and input cotangents and computed hand-over values; the forward computes
-    ``num_sent`` activation values, then ``num_kept`` it keeps; ``stored_from`` says per
+    output and input cotangents and computed hand-over values; ``stored_from`` says per
     stored residual which of the forward's inputs (parameters, then inputs, then targets)
-    it is, None for a computed one."""
+    it is, None for a computed one. The forward computes ``num_sent`` activation values,
+    then the stored values that are its own."""
     batch, stacked = shards.batch_form, shards.stacked_form
     inputs = (WHOLE,) * num_params + (batch,) * (num_x + num_t)
     stored = tuple(stacked if where is None else inputs[where] for where in stored_from)
@@ -238,7 +237,7 @@ def stage_forms(
         params=(WHOLE,) * num_params,
         x=(batch,) * num_x,
         t=(batch,) * num_t,
-        values=(batch,) * num_sent + (stacked,) * num_kept,
+        values=(batch,) * num_sent + (stacked,) * stored_from.count(None),
         stored=stored,
         cts=(batch,) * num_cts,
         input_cts=(batch,) * num_input_cts,

@@ -85,50 +85,55 @@ def _getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], Leaves]:
     return itemgetter(*positions)
 
 
-def _refs_getter(refs: Sequence[tuple[bool, int]], *, num_stored: int) -> Callable[[Sequence[Any]], Leaves]:
-    """What ``W`` reads from ``I``'s arguments ``(*stored, *output cotangents)``: per
-    reference, (True, k) stored value k or (False, j) output cotangent j."""
-    return _getter([k if stored else num_stored + k for stored, k in refs])
-
-
 @dataclass(frozen=True, slots=True)
 class _Boundary:
     """How the values a stage keeps between its actions cross its programs' boundaries.
 
     Attributes:
-      pick_y: the activation, from ``F``'s results and arguments.
-      pick_res: the stored residuals, from ``F``'s results and arguments.
-      pick_refs: what ``W`` reads from ``I``'s arguments (``refs``).
+      stored: per stored value, where ``F`` gives it: a computed result or one of its
+        arguments (held by reference), as a slot.
       refs: per value ``W`` reads from ``I``'s arguments, (True, k) stored value k or
         (False, j) output cotangent j.
-      computed: per stored value, whether ``F`` computed it (else it is one of ``F``'s
-        arguments, held by reference).
+      pick_y: the activation, from ``F``'s results and arguments.
+      pick_res: the stored values, from ``F``'s results and arguments.
+      pick_refs: what ``W`` reads from ``I``'s arguments (``refs``).
     """
 
+    stored: tuple[_Slot, ...]
+    refs: tuple[tuple[bool, int], ...]
     pick_y: _Picker
     pick_res: _Picker
     pick_refs: Callable[[Sequence[Any]], Leaves]
-    refs: tuple[tuple[bool, int], ...]
-    computed: tuple[bool, ...]
 
     @staticmethod
-    def plain(
+    def of(
         y_slots: tuple[_Slot, ...],
-        res_slots: tuple[_Slot, ...],
+        stored: tuple[_Slot, ...],
         refs: tuple[tuple[bool, int], ...],
         *,
         num_computed: int,
         num_inputs: int,
     ) -> _Boundary:
-        """Every value a buffer of its own: the residuals are ``res_slots``."""
+        """The boundary of an ``F`` with ``num_computed`` results and ``num_inputs``
+        arguments, whose activation is ``y_slots`` and whose stored values are ``stored``."""
         sizes = {"num_computed": num_computed, "num_inputs": num_inputs}
         return _Boundary(
-            pick_y=_picker(y_slots, **sizes),
-            pick_res=_picker(res_slots, **sizes),
-            pick_refs=_refs_getter(refs, num_stored=len(res_slots)),
+            stored=stored,
             refs=refs,
-            computed=tuple(kind == _COMPUTED for kind, _ in res_slots),
+            pick_y=_picker(y_slots, **sizes),
+            pick_res=_picker(stored, **sizes),
+            pick_refs=_getter([k if from_stored else len(stored) + k for from_stored, k in refs]),
         )
+
+    @property
+    def computed(self) -> tuple[bool, ...]:
+        """Per stored value, whether ``F`` computed it (else it is one of its arguments)."""
+        return tuple(kind == _COMPUTED for kind, _ in self.stored)
+
+    @property
+    def stored_from(self) -> tuple[int | None, ...]:
+        """Per stored value, which of ``F``'s arguments it is, None for one it computes."""
+        return tuple(None if kind == _COMPUTED else where for kind, where in self.stored)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,21 +216,10 @@ class _ResidualPacking:
             handed=Packing.of(handed_avals),
         )
 
-    @property
-    def num_buffers(self) -> int:
-        """How many buffers the computed residuals travel as."""
-        return len(self.kept) + len(self.read_by_w)
-
-    @property
-    def stored_from(self) -> tuple[int | None, ...]:
-        """Per stored value, which of ``F``'s arguments it is, None for a buffer ``F`` computes."""
-        return (None,) * self.num_buffers + tuple(where for _, where in self.passed)
-
     def boundary(self, y_slots: tuple[_Slot, ...], *, num_sent: int, num_inputs: int) -> _Boundary:
         """The boundary of programs that ``F`` returns ``(*activation, *residual buffers)``
         (``num_sent`` computed activation values)."""
-        packs = self.num_buffers
-        sizes = {"num_computed": num_sent + packs, "num_inputs": num_inputs}
+        packs = len(self.kept) + len(self.read_by_w)
         stored = tuple((_COMPUTED, num_sent + i) for i in range(packs)) + self.passed
         others = (
             (True, packs + self.order[k][1]) if from_stored else (False, k)
@@ -233,13 +227,7 @@ class _ResidualPacking:
             if where == 1
         )
         refs = tuple((True, len(self.kept) + i) for i in range(len(self.read_by_w))) + tuple(others)
-        return _Boundary(
-            pick_y=_picker(y_slots, **sizes),
-            pick_res=_picker(stored, **sizes),
-            pick_refs=_refs_getter(refs, num_stored=len(stored)),
-            refs=refs,
-            computed=(True,) * packs + (False,) * len(self.passed),
-        )
+        return _Boundary.of(y_slots, stored, refs, num_computed=num_sent + packs, num_inputs=num_inputs)
 
     def functions(self, plain: tuple[Any, Any, Any, Any], *, num_sent: int, last: bool) -> tuple[Any, Any, Any, Any]:
         """``F``, ``B``, ``I`` and ``W`` taking and returning packed values, around the
@@ -379,7 +367,7 @@ class StageProgram:
             if i not in self._const_res
         )
         num_inputs = len(param_avals) + sum(map(len, example[:2]))
-        self._plain_boundary = _Boundary.plain(
+        self._plain_boundary = _Boundary.of(
             y_slots, self._res_slots, self._handoff_refs, num_computed=len(computed), num_inputs=num_inputs
         )
         self._jit(
@@ -416,15 +404,13 @@ class StageProgram:
             )  # fmt: skip
             functions = packing.functions(plain, num_sent=self._num_sent, last=last)
             self._boundary = packing.boundary(y_slots, num_sent=self._num_sent, num_inputs=num_inputs)
-            stored_from = packing.stored_from
             num_handoff = len(packing.handed)
-            num_kept = packing.num_buffers
         else:
             functions = plain
             self._boundary = self._plain_boundary
-            stored_from = tuple(None if kind == _COMPUTED else where for kind, where in self._res_slots)
             num_handoff = len(split.handoff_computed)
-            num_kept = len(computed) - self._num_sent
+        # F returns its activation's computed values, then the stored values it computes.
+        num_kept = sum(self._boundary.computed)
         forward_fn, backward_fn, input_fn, weight_fn = functions
         forms = stage_forms(
             shards,
@@ -434,8 +420,7 @@ class StageProgram:
             num_cts=len(self._structs[2]),
             num_input_cts=len(ct_avals),
             num_sent=self._num_sent,
-            num_kept=num_kept,
-            stored_from=stored_from,
+            stored_from=self._boundary.stored_from,
             num_handoff=num_handoff,
             handoff_refs=self._boundary.refs,
         )
@@ -607,8 +592,9 @@ class StageProgram:
             shardings = jax.tree_util.tree_leaves(compiled.output_shardings[1])
             handed = sum(_bytes(i, at) for i, at in zip(infos, shardings, strict=True))
         referenced = 0
+        computed = self._boundary.computed
         for stored, k in self._boundary.refs:
-            if stored and not self._boundary.computed[k]:
+            if stored and not computed[k]:
                 continue  # a parameter or an input, kept by reference whatever W reads
             value = residuals[k] if stored else cts[k]
             referenced += _bytes(value, value.sharding)
